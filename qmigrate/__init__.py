@@ -1,0 +1,3 @@
+"""qmigrate: request migration across a fleet of GPU workers."""
+
+__version__ = "0.1.0"
