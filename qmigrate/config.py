@@ -1,0 +1,398 @@
+"""YAML topology -> validated dataclasses. The only module that reads YAML."""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+import re
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+import yaml
+
+DEFAULT_KV_PORT = 5560
+# sun_path is 108 bytes on Linux, including the terminating NUL.
+MAX_IPC_PATH = 107
+
+
+class ConfigError(ValueError):
+    """An invalid topology: `field` is the dotted path ("workers[1].device") or None."""
+
+    def __init__(self, field: str | None, reason: str, source: str | None = None):
+        self.field, self.reason, self.source = field, reason, source
+        super().__init__(": ".join(p for p in (source, field, reason) if p))
+
+    def within(self, prefix: str) -> ConfigError:
+        return ConfigError(f"{prefix}.{self.field}" if self.field else prefix, self.reason, self.source)
+
+
+class _Invalid(Exception):
+    """Raised by a field check with what was expected."""
+
+
+def _rule(expected: str, ok: Callable[[Any], bool], convert: Callable[[Any], Any] = lambda v: v):
+    def check(value: Any) -> Any:
+        if ok(value):
+            return convert(value)
+        raise _Invalid(expected)
+    return check
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _number(expected: str, ok: Callable[[float], bool]) -> Callable[[Any], float]:
+    return _rule(expected, lambda v: (_is_int(v) or isinstance(v, float)) and math.isfinite(v) and ok(v), float)
+
+
+def _one_of(*options: str) -> Callable[[Any], str]:
+    quoted = [repr(o) for o in options]
+    expected = " or ".join(quoted) if len(quoted) == 2 else "one of " + ", ".join(quoted)
+    return _rule(expected, lambda v: isinstance(v, str) and v in options)
+
+
+def _text(pattern: str, expected: str) -> Callable[[Any], str]:
+    return _rule(expected, lambda v: isinstance(v, str) and re.fullmatch(pattern, v) is not None)
+
+
+_port = _rule("an integer 1..65535", lambda v: _is_int(v) and 1 <= v <= 65535)
+_optional_port = _rule("an integer 1..65535 or null", lambda v: v is None or _is_int(v) and 1 <= v <= 65535)
+_count = _rule("an integer >= 1", lambda v: _is_int(v) and v >= 1)
+_non_negative = _rule("an integer >= 0", lambda v: _is_int(v) and v >= 0)
+_positive = _number("a number > 0", lambda x: x > 0)
+_boolean = _rule("true or false", lambda v: isinstance(v, bool))
+_optional_text = _rule("a non-empty string or null", lambda v: v is None or (isinstance(v, str) and v != ""))
+# Names end up in ipc socket paths, log file names and shell commands.
+_name = _text(r"([A-Za-z0-9][A-Za-z0-9_.-]*)?", "a name of letters, digits, '.', '_' or '-'")
+_host = _text(r"[^\s/]+", "a host name or IP address")
+_device = _text(r"cpu|cuda(:\d+)?", "'cpu', 'cuda' or 'cuda:N'")
+
+
+def _f(default: Any, check: Callable[[Any], Any]) -> Any:
+    return field(default=default, metadata={"check": check})
+
+
+class _Section:
+    __slots__ = ()
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            check = f.metadata.get("check")
+            if check is not None:
+                value = getattr(self, f.name)
+                try:
+                    setattr(self, f.name, check(value))
+                except _Invalid as e:
+                    raise ConfigError(f.name, f"expected {e}, got {value!r}") from None
+        self.validate()
+
+    def validate(self) -> None:
+        pass
+
+
+@dataclass(slots=True)
+class ModelConfig(_Section):
+    path: str | None = _f(None, _optional_text)
+    dtype: str = _f("auto", _one_of("auto", "float32", "bfloat16", "float16"))
+
+    def dtype_for(self, device: str) -> str:
+        if self.dtype != "auto":
+            return self.dtype
+        return "float32" if device == "cpu" else "bfloat16"
+
+
+@dataclass(slots=True)
+class SamplingDefaults(_Section):
+    max_new_tokens: int = _f(64, _count)
+    temperature: float = _f(0.0, _number("a number >= 0", lambda x: x >= 0))
+    top_p: float = _f(1.0, _number("a number in (0, 1]", lambda x: 0 < x <= 1))
+    top_k: int = _f(0, _non_negative)
+
+
+@dataclass(slots=True)
+class NodeConfig(_Section):
+    name: str = _f("", _name)
+    address: str = _f("127.0.0.1", _host)
+    bind: str = _f("*", _host)
+    monitor: bool = _f(False, _boolean)
+
+
+@dataclass(slots=True)
+class RouterConfig(_Section):
+    node: str = _f("", _name)
+    port: int = _f(5550, _port)
+    telemetry_port: int = _f(5551, _port)
+    max_queued: int = _f(4096, _count)
+    lease_timeout_s: float = _f(10.0, _positive)
+    heartbeat_interval_s: float = _f(0.5, _positive)
+    heartbeat_timeout_s: float = _f(5.0, _positive)
+    policy: str = _f("affinity", _one_of("affinity", "any"))
+    migrate_on_load: bool = _f(True, _boolean)
+    migrate_on_memory: bool = _f(True, _boolean)
+    min_free_vram_fraction: float = _f(0.05, _number("a number in [0, 1)", lambda x: 0 <= x < 1))
+    migration: str = _f("auto", _one_of("auto", "recompute", "transfer"))
+    link_gbps: float = _f(10.0, _positive)
+    prefill_tflops: float = _f(100.0, _positive)
+    rebalance_threshold: int = _f(8, _count)
+
+    def validate(self) -> None:
+        if self.heartbeat_timeout_s <= self.heartbeat_interval_s:
+            raise ConfigError("heartbeat_timeout_s", f"must be greater than heartbeat_interval_s "
+                              f"({self.heartbeat_interval_s:g}), got {self.heartbeat_timeout_s:g}")
+
+
+@dataclass(slots=True)
+class IngestConfig(_Section):
+    node: str = _f("", _name)
+    port: int = _f(5552, _port)
+    input: str = _f("text", _one_of("text", "jsonl"))
+    max_pending: int = _f(256, _count)
+
+
+@dataclass(slots=True)
+class DetokenizerConfig(_Section):
+    node: str = _f("", _name)
+    port: int = _f(5553, _port)
+    output: str = _f("text", _one_of("text", "jsonl"))
+
+
+@dataclass(slots=True)
+class MonitorConfig(_Section):
+    interval_s: float = _f(1.0, _positive)
+
+
+@dataclass(slots=True)
+class WorkerConfig(_Section):
+    name: str = _f("", _name)
+    node: str = _f("", _name)
+    device: str = _f("cpu", _device)
+    kv_port: int | None = _f(None, _optional_port)  # None: Topology picks a free port from 5560 up
+    max_seqs: int = _f(64, _count)
+    max_tokens: int = _f(8192, _count)
+    max_kv_tokens: int = _f(0, _non_negative)
+    steps_per_dispatch: int = _f(1, _count)
+    inflight: int = _f(2, _count)
+
+
+@dataclass(frozen=True, slots=True)
+class Endpoint:
+    bind: str
+    connect: str
+
+
+_SERVICES = {"router": ("router", "port"), "telemetry": ("router", "telemetry_port"),
+             "ingest": ("ingest", "port"), "detokenizer": ("detokenizer", "port")}
+_SECTIONS = {"model": ModelConfig, "defaults": SamplingDefaults, "router": RouterConfig,
+             "ingest": IngestConfig, "detokenizer": DetokenizerConfig, "monitor": MonitorConfig}
+_LISTS = {"nodes": NodeConfig, "workers": WorkerConfig}
+
+
+@dataclass(slots=True)
+class Topology(_Section):
+    transport: str = _f("tcp", _one_of("tcp", "ipc"))
+    ipc_dir: str | None = _f(None, _optional_text)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    defaults: SamplingDefaults = field(default_factory=SamplingDefaults)
+    nodes: list[NodeConfig] = field(default_factory=list)
+    router: RouterConfig = field(default_factory=RouterConfig)
+    ingest: IngestConfig = field(default_factory=IngestConfig)
+    detokenizer: DetokenizerConfig = field(default_factory=DetokenizerConfig)
+    monitor: MonitorConfig = field(default_factory=MonitorConfig)
+    workers: list[WorkerConfig] = field(default_factory=list)
+
+    def validate(self) -> None:
+        for key in ("nodes", "workers"):
+            if not getattr(self, key):
+                raise ConfigError(key, "at least one entry is required")
+            seen: dict[str, int] = {}
+            for i, item in enumerate(getattr(self, key)):
+                if not item.name:
+                    raise ConfigError(f"{key}[{i}].name", "required")
+                if item.name in seen:
+                    first = f"{key}[{seen[item.name]}]"
+                    raise ConfigError(f"{key}[{i}].name", f"duplicate name {item.name!r} (also {first})")
+                seen[item.name] = i
+        if self.transport == "ipc" and len(self.nodes) > 1:
+            raise ConfigError("transport", f"'ipc' works on one machine only, got {len(self.nodes)} nodes (use 'tcp')")
+        refs = [(role, getattr(self, role).node) for role in ("router", "ingest", "detokenizer")]
+        refs += [(f"workers[{i}]", w.node) for i, w in enumerate(self.workers)]
+        names = [n.name for n in self.nodes]
+        for where, node in refs:
+            if node not in names:
+                reason = f"no node named {node!r}" if node else "required"
+                raise ConfigError(f"{where}.node", f"{reason} (nodes: {', '.join(names)})")
+        self._assign_ports()
+
+    def _assign_ports(self) -> None:
+        used: dict[tuple[str, int], str] = {}
+        claims = [(self.router.node, self.router.port, "router.port"),
+                  (self.router.node, self.router.telemetry_port, "router.telemetry_port"),
+                  (self.ingest.node, self.ingest.port, "ingest.port"),
+                  (self.detokenizer.node, self.detokenizer.port, "detokenizer.port")]
+        claims += [(w.node, w.kv_port, f"workers[{i}].kv_port")
+                   for i, w in enumerate(self.workers) if w.kv_port is not None]
+        for node, port, where in claims:
+            if (node, port) in used:
+                raise ConfigError(where, f"port {port} on node {node!r} is already used by {used[node, port]}")
+            used[node, port] = where
+        for i, w in enumerate(self.workers):
+            if w.kv_port is None:
+                port = DEFAULT_KV_PORT
+                while (w.node, port) in used:
+                    port += 1
+                w.kv_port = port
+                used[w.node, port] = f"workers[{i}].kv_port"
+
+    def node(self, name: str) -> NodeConfig:
+        return _find(self.nodes, name, "node")
+
+    def worker(self, name: str) -> WorkerConfig:
+        return _find(self.workers, name, "worker")
+
+    def endpoint(self, kind: str, name: str | None = None) -> Endpoint:
+        if kind == "kv":
+            if name is None:
+                raise ConfigError(None, "endpoint kind 'kv' needs a worker name")
+            worker = self.worker(name)
+            node_name, port, label = worker.node, worker.kv_port, f"kv-{name}"
+        elif kind in _SERVICES:
+            section, attr = _SERVICES[kind]
+            node_name, port, label = getattr(self, section).node, getattr(getattr(self, section), attr), kind
+        else:
+            raise ConfigError(None, f"unknown endpoint kind {kind!r} (kinds: {', '.join(_SERVICES)}, kv)")
+        if self.transport == "ipc":
+            if not self.ipc_dir:
+                raise ConfigError("ipc_dir", "required for transport 'ipc' to build endpoints")
+            path = f"{self.ipc_dir}/{label}.sock"
+            if len(path.encode()) > MAX_IPC_PATH:
+                raise ConfigError("ipc_dir", f"socket path {path!r} is longer than {MAX_IPC_PATH} bytes")
+            return Endpoint(f"ipc://{path}", f"ipc://{path}")
+        node = self.node(node_name)
+        return Endpoint(f"tcp://{_bracket(node.bind)}:{port}", f"tcp://{_bracket(node.address)}:{port}")
+
+    def roles_on(self, node_name: str) -> list[tuple[str, str]]:
+        node = self.node(node_name)
+        roles = [(r, r) for r in ("router", "detokenizer", "ingest") if getattr(self, r).node == node_name]
+        if node.monitor:
+            roles.append(("monitor", node_name))
+        return roles + [("worker", w.name) for w in self.workers if w.node == node_name]
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _find(items: list, name: str, what: str) -> Any:
+    for item in items:
+        if item.name == name:
+            return item
+    raise ConfigError(None, f"no {what} named {name!r} ({what}s: {', '.join(i.name for i in items)})")
+
+
+def _bracket(host: str) -> str:
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host
+
+
+def _kind(value: Any) -> str:
+    names = {dict: "a mapping", list: "a list", str: "a string", type(None): "null"}
+    return names.get(type(value), type(value).__name__)
+
+
+def _check_keys(cls: type, data: dict, where: str) -> None:
+    known = [f.name for f in fields(cls)]
+    for key in data:
+        if key not in known:
+            close = difflib.get_close_matches(str(key), known, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else f" (fields: {', '.join(known)})"
+            raise ConfigError(None, f"unknown field {key!r} {where}{hint}")
+
+
+def _build(cls: type, data: Any, path: str) -> Any:
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(path, f"expected a mapping, got {_kind(data)}")
+    _check_keys(cls, data, f"in {path}")
+    try:
+        return cls(**data)
+    except ConfigError as e:
+        raise e.within(path) from None
+
+
+def parse_topology(data: Mapping[str, Any], source: str = "<dict>") -> Topology:
+    """Validate a topology mapping; errors are prefixed with `source` unless it is "<dict>"."""
+    try:
+        if not isinstance(data, Mapping):
+            raise ConfigError(None, f"expected a mapping at top level, got {_kind(data)}")
+        _check_keys(Topology, data, "at top level")
+        kwargs = {k: v for k, v in data.items() if k not in _SECTIONS and k not in _LISTS}
+        kwargs.update({k: _build(cls, data.get(k), k) for k, cls in _SECTIONS.items()})
+        for key, cls in _LISTS.items():
+            items = data.get(key) or []
+            if not isinstance(items, list):
+                raise ConfigError(key, f"expected a list, got {_kind(items)}")
+            kwargs[key] = [_build(cls, item, f"{key}[{i}]") for i, item in enumerate(items)]
+        return Topology(**kwargs)
+    except ConfigError as e:
+        raise ConfigError(e.field, e.reason, None if source == "<dict>" else source) from None
+
+
+class _StrictLoader(yaml.SafeLoader):
+    """SafeLoader that rejects duplicate keys instead of keeping the last one silently."""
+
+
+def _construct_mapping(loader: _StrictLoader, node: yaml.MappingNode, deep: bool = False) -> dict:
+    seen = set()
+    for key_node, _ in node.value:
+        if key_node.tag == "tag:yaml.org,2002:merge":  # "<<: *anchor" may be overridden by design
+            continue
+        key = loader.construct_object(key_node, deep=deep)
+        if isinstance(key, str):
+            if key in seen:
+                raise yaml.constructor.ConstructorError(None, None, f"duplicate key {key!r}", key_node.start_mark)
+            seen.add(key)
+    return loader.construct_mapping(node, deep=deep)
+
+
+_StrictLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
+
+
+def load_topology(path: str | Path) -> Topology:
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise ConfigError(None, "not UTF-8 text", str(path)) from None
+    except OSError as e:
+        reason = "no such file" if isinstance(e, FileNotFoundError) else f"cannot read: {e.strerror or e}"
+        raise ConfigError(None, reason, str(path)) from None
+    try:
+        data = yaml.load(text, Loader=_StrictLoader)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        raise ConfigError(None, f"invalid YAML{where}: {getattr(e, 'problem', None) or e}", str(path)) from None
+    if data is None:
+        raise ConfigError(None, "empty file, expected a topology mapping", str(path))
+    return parse_topology(data, source=str(path))
+
+
+def dump_topology(topo: Topology, path: str | Path) -> None:
+    Path(path).write_text(yaml.safe_dump(topo.to_dict(), sort_keys=False), encoding="utf-8")
+
+
+def local_topology(num_workers: int = 2, model_path: str | None = None, ipc_dir: str | None = None,
+                   device: str = "cpu", input: str = "text", output: str = "text",
+                   max_new_tokens: int | None = None) -> Topology:
+    """One node "local", ipc transport, workers w1..wN; a VRAM monitor only when the device is CUDA."""
+    if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 1:
+        raise ConfigError("num_workers", f"expected an integer >= 1, got {num_workers!r}")
+    data = {"transport": "ipc", "ipc_dir": ipc_dir, "model": {"path": model_path},
+            "nodes": [{"name": "local", "monitor": str(device).startswith("cuda")}],
+            "router": {"node": "local"}, "ingest": {"node": "local", "input": input},
+            "detokenizer": {"node": "local", "output": output},
+            "workers": [{"name": f"w{i}", "node": "local", "device": device} for i in range(1, num_workers + 1)]}
+    if max_new_tokens is not None:
+        data["defaults"] = {"max_new_tokens": max_new_tokens}
+    return parse_topology(data, source="local_topology")

@@ -1,0 +1,320 @@
+"""Incremental detokenization and output formatting for the detokenizer role (pure: no zmq).
+
+`IncrementalDecoder` turns one request's token stream into text deltas. `TextSink` and
+`JsonlSink` take the detokenizer's events (start, tokens, finish, error) and hand finished
+output strings to a writer callable; the role owns stdout.
+
+JSONL output (`--output jsonl`), one object per line:
+    {"id": "7", "delta": " Hello", "done": false}          each non-empty text delta
+    {"id": "7", "text": " Hello world", "token_ids": [..], "finish_reason": "length", "done": true}
+    {"id": "8", "error": "empty prompt", "done": true}      a request that failed
+The deltas of a request joined together equal its final "text"; "token_ids" holds the
+generated ids only.
+
+Text output, readable with many requests streaming at once. Every line starts with the
+request id in brackets, so lines of different requests can interleave:
+    [7] Once upon a time there was a small model that told short
+    [8] 東京は日本の首都です。
+    [7] stories.
+    [7] <done: length, 32 tokens>
+    [9] error: prompt is 900 tokens; the model's context is 512
+A request's text is buffered and printed as a chunk when it holds a newline (each newline
+of the generated text starts a new line), when it passes `line_chars` characters (cut at
+the next space, which is not printed; a word longer than `max_line_chars` is cut), when
+`flush_idle` finds it older than `max_idle_s` (cut after the last whole word if there is
+one), and at the end. An empty generated line prints as a bare `[7]`.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+REPLACEMENT = "\ufffd"
+NUM_PRIME_IDS = 5
+MAX_OUT_OF_ORDER = 1 << 16
+
+
+class IncrementalDecoder:
+    """Text deltas for one token stream, by the prefix/read offset method.
+
+    Each push decodes the window ids[prefix_offset:] and emits the text past
+    decode(ids[prefix_offset:read_offset]), which was emitted already. Text ending in an
+    incomplete UTF-8 character (U+FFFD) is held back until a later token completes it.
+    Decoding skips special tokens and never cleans up spaces, because clean-up looks across
+    window edges; deltas + finish() equal decode(generated_ids, skip_special_tokens=True,
+    clean_up_tokenization_spaces=False), except that when primed on the prompt a
+    sentencepiece tokenizer keeps the first token's leading space, as a full decode of
+    prompt + generated does.
+    """
+
+    def __init__(self, tokenizer, prompt_ids: Sequence[int] | None = None) -> None:
+        self._tokenizer = tokenizer
+        self._ids = self._prime_ids([] if prompt_ids is None else [int(t) for t in prompt_ids])
+        self._prefix_offset = 0
+        self._read_offset = len(self._ids)
+
+    def _decode(self, ids: list[int]) -> str:
+        return self._tokenizer.decode(
+            ids, skip_special_tokens=True, clean_up_tokenization_spaces=False
+        )
+
+    def _prime_ids(self, prompt_ids: list[int]) -> list[int]:
+        # The prompt's tail gives the first generated token the context a full decode has
+        # (e.g. a sentencepiece leading space). The window must start and end on whole
+        # characters, or the first delta would repeat or mangle prompt bytes.
+        if not prompt_ids:
+            return []
+        start = max(0, len(prompt_ids) - NUM_PRIME_IDS)
+        min_start = max(0, start - 3)  # a character is at most 4 bytes, so 3 ids back
+        while start > min_start and self._decode(prompt_ids[start:]).startswith(REPLACEMENT):
+            start -= 1
+        tail = prompt_ids[start:]
+        text = self._decode(tail)
+        if text.startswith(REPLACEMENT) or text.endswith(REPLACEMENT):
+            return []
+        return tail
+
+    def push(self, token_ids: Sequence[int]) -> str:
+        """Append generated ids; return the newly printable text (may be "")."""
+        if len(token_ids) == 0:
+            return ""
+        self._ids.extend(map(int, token_ids))  # int32 arrays come off the wire
+        prefix_text = self._decode(self._ids[self._prefix_offset : self._read_offset])
+        new_text = self._decode(self._ids[self._prefix_offset :])
+        if len(new_text) <= len(prefix_text) or new_text.endswith(REPLACEMENT):
+            return ""
+        self._prefix_offset = self._read_offset
+        self._read_offset = len(self._ids)
+        return new_text[len(prefix_text) :]
+
+    def finish(self) -> str:
+        """Return whatever was held back (an incomplete character prints as U+FFFD)."""
+        if self._read_offset == len(self._ids):
+            return ""
+        prefix_text = self._decode(self._ids[self._prefix_offset : self._read_offset])
+        new_text = self._decode(self._ids[self._prefix_offset :])
+        self._prefix_offset = self._read_offset = len(self._ids)
+        return new_text[len(prefix_text) :]
+
+
+@dataclass(slots=True)
+class _Seq:
+    req_id: str | None
+    decoder: IncrementalDecoder | None = None
+    token_ids: list[int] = field(default_factory=list)
+    waiting: dict[int, int] = field(default_factory=dict)  # index -> id, after a gap
+    text: list[str] = field(default_factory=list)
+    pending: str = ""  # text mode: printable text not yet on a line
+    pending_since: float = 0.0
+    finish_reason: str | None = None
+    num_tokens_expected: int | None = None
+
+
+class _Sink:
+    """Per-request bookkeeping shared by the text and JSONL formats.
+
+    Token `i` of a sequence is printed once: indexes already seen are ignored, and ids after
+    a missing index wait until the gap fills. Tokens may arrive before `start`; they wait
+    for it. A finish that names `num_tokens` waits for tokens 0..num_tokens-1 and drops any
+    past them.
+    """
+
+    def __init__(self, tokenizer, write: Callable[[str], None],
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self._tokenizer = tokenizer
+        self._write = write
+        self._clock = clock
+        self._seqs: dict[int, _Seq] = {}
+        self._finished: set[int] = set()
+        self.num_done = 0
+        self.num_errors = 0
+        self.num_dropped_tokens = 0
+
+    @property
+    def num_active(self) -> int:
+        return len(self._seqs)
+
+    def is_done(self, seq_id: int) -> bool:
+        return seq_id in self._finished
+
+    def start(self, seq_id: int, req_id: str, prompt_ids: Sequence[int] | None = None) -> None:
+        if seq_id in self._finished:
+            return
+        seq = self._seqs.setdefault(seq_id, _Seq(req_id=req_id))
+        if seq.decoder is not None:
+            return
+        seq.req_id = req_id
+        seq.decoder = IncrementalDecoder(self._tokenizer, prompt_ids)
+        self._advance(seq_id, seq)
+
+    def tokens(self, seq_id: int, start_index: int, token_ids: Sequence[int]) -> None:
+        if seq_id in self._finished:
+            self.num_dropped_tokens += len(token_ids)
+            return
+        seq = self._seqs.setdefault(seq_id, _Seq(req_id=None))
+        next_index = len(seq.token_ids)
+        end_index = seq.num_tokens_expected
+        for index, token_id in enumerate(token_ids, start_index):
+            if index < next_index or index in seq.waiting:
+                continue
+            if end_index is not None and index >= end_index:
+                self.num_dropped_tokens += 1
+                continue
+            if len(seq.waiting) >= MAX_OUT_OF_ORDER:
+                self.num_dropped_tokens += 1
+                continue
+            seq.waiting[index] = int(token_id)
+        self._advance(seq_id, seq)
+
+    def finish(self, seq_id: int, finish_reason: str, num_tokens: int | None = None) -> None:
+        if seq_id in self._finished:
+            return
+        seq = self._seqs.setdefault(seq_id, _Seq(req_id=None))
+        seq.finish_reason = finish_reason
+        seq.num_tokens_expected = num_tokens
+        self._advance(seq_id, seq)
+
+    def error(self, req_id: str, message: str) -> None:
+        self.num_done += 1
+        self.num_errors += 1
+        self._on_error(req_id, message)
+
+    def flush_idle(self, now: float | None = None) -> None:
+        """Text mode prints buffered text older than max_idle_s; JSONL has nothing held."""
+
+    def _advance(self, seq_id: int, seq: _Seq) -> None:
+        if seq.decoder is None:
+            return
+        ready = []
+        index = len(seq.token_ids)
+        end_index = seq.num_tokens_expected
+        while index in seq.waiting and (end_index is None or index < end_index):
+            ready.append(seq.waiting.pop(index))
+            index += 1
+        if ready:
+            seq.token_ids.extend(ready)
+            self._emit(seq, seq.decoder.push(ready))
+        if seq.finish_reason is None:
+            return
+        if seq.num_tokens_expected is not None and len(seq.token_ids) < seq.num_tokens_expected:
+            return
+        self._emit(seq, seq.decoder.finish())
+        self.num_dropped_tokens += len(seq.waiting)
+        del self._seqs[seq_id]
+        self._finished.add(seq_id)
+        self.num_done += 1
+        self._on_finish(seq)
+
+    def _emit(self, seq: _Seq, delta: str) -> None:
+        if delta:
+            seq.text.append(delta)
+            self._on_delta(seq, delta)
+
+    def _on_delta(self, seq: _Seq, delta: str) -> None:
+        raise NotImplementedError
+
+    def _on_finish(self, seq: _Seq) -> None:
+        raise NotImplementedError
+
+    def _on_error(self, req_id: str, message: str) -> None:
+        raise NotImplementedError
+
+
+class JsonlSink(_Sink):
+    """One JSON object per line: deltas, a final record per request, error records."""
+
+    def _put(self, record: dict) -> None:
+        self._write(json.dumps(record, ensure_ascii=False) + "\n")
+
+    def _on_delta(self, seq: _Seq, delta: str) -> None:
+        self._put({"id": seq.req_id, "delta": delta, "done": False})
+
+    def _on_finish(self, seq: _Seq) -> None:
+        self._put({
+            "id": seq.req_id,
+            "text": "".join(seq.text),
+            "token_ids": seq.token_ids,
+            "finish_reason": seq.finish_reason,
+            "done": True,
+        })
+
+    def _on_error(self, req_id: str, message: str) -> None:
+        self._put({"id": req_id, "error": message, "done": True})
+
+
+class TextSink(_Sink):
+    """Readable `[req_id] chunk` lines; the format is in the module docstring."""
+
+    def __init__(self, tokenizer, write: Callable[[str], None],
+                 clock: Callable[[], float] = time.monotonic,
+                 line_chars: int = 60, max_line_chars: int = 120,
+                 max_idle_s: float = 0.3) -> None:
+        super().__init__(tokenizer, write, clock)
+        self.line_chars = line_chars
+        self.max_line_chars = max_line_chars
+        self.max_idle_s = max_idle_s
+
+    def _line(self, req_id: str | None, chunk: str) -> None:
+        self._write(f"[{req_id}] {chunk}\n" if chunk else f"[{req_id}]\n")
+
+    def _on_delta(self, seq: _Seq, delta: str) -> None:
+        if not seq.pending:
+            seq.pending_since = self._clock()
+        seq.pending += delta
+        *lines, seq.pending = seq.pending.split("\n")
+        for line in lines:
+            self._line(seq.req_id, line)
+        while len(seq.pending) > self.line_chars:
+            # Break at the first space past line_chars; past max_line_chars, at the last
+            # space before it, or mid-word when there is none.
+            cut = seq.pending.find(" ", self.line_chars, self.max_line_chars + 1)
+            if cut < 0 and len(seq.pending) > self.max_line_chars:
+                cut = seq.pending.rfind(" ", 1, self.max_line_chars + 1)
+                if cut < 0:
+                    self._line(seq.req_id, seq.pending[: self.max_line_chars])
+                    seq.pending = seq.pending[self.max_line_chars :]
+                    continue
+            if cut < 0:
+                break
+            self._line(seq.req_id, seq.pending[:cut])
+            seq.pending = seq.pending[cut + 1 :]
+        if lines or not seq.pending:
+            seq.pending_since = self._clock()
+
+    def flush_idle(self, now: float | None = None) -> None:
+        now = self._clock() if now is None else now
+        for seq in self._seqs.values():
+            if not seq.pending or now - seq.pending_since < self.max_idle_s:
+                continue
+            # Keep a trailing partial word for the next line if there is a whole word to print.
+            cut = seq.pending.rfind(" ", 1)
+            if cut < 0:
+                self._line(seq.req_id, seq.pending)
+                seq.pending = ""
+            else:
+                self._line(seq.req_id, seq.pending[:cut])
+                seq.pending = seq.pending[cut + 1 :]
+            seq.pending_since = now
+
+    def _on_finish(self, seq: _Seq) -> None:
+        if seq.pending:
+            self._line(seq.req_id, seq.pending)
+            seq.pending = ""
+        num = len(seq.token_ids)
+        self._line(seq.req_id, f"<done: {seq.finish_reason}, {num} token{'s' * (num != 1)}>")
+
+    def _on_error(self, req_id: str, message: str) -> None:
+        self._line(req_id, f"error: {message}")
+
+
+def make_sink(mode: str, tokenizer, write: Callable[[str], None],
+              clock: Callable[[], float] = time.monotonic) -> _Sink:
+    """The sink for `--output text|jsonl`."""
+    if mode == "jsonl":
+        return JsonlSink(tokenizer, write, clock)
+    if mode == "text":
+        return TextSink(tokenizer, write, clock)
+    raise ValueError(f"unknown output mode {mode!r}; expected 'text' or 'jsonl'")

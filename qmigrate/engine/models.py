@@ -1,0 +1,369 @@
+"""Built-in models, built offline: a tiny test model and the benchmark model."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import shutil
+import tempfile
+import zlib
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+UNK, BOS, EOS = "<unk>", "<s>", "</s>"
+SPECIAL_TOKENS = [UNK, BOS, EOS]  # ids 0, 1, 2
+DEFAULT_MODEL_NAME = "tiny-llama-v1"
+BUILD_MARKER = "qmigrate_build.json"
+
+TINY_VOCAB_SIZE = 1500
+TINY_SHAPE = dict(
+    hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-5,
+)
+# With the usual std of 0.02 a model this small is nearly linear in its input and greedy
+# decoding locks onto one token; a large std gives sharp, input-dependent logits.
+TINY_INIT_STD = 0.5
+
+BENCH_VOCAB_SIZE = 32000
+BENCH_SHAPE = dict(
+    hidden_size=2048, intermediate_size=5632, num_hidden_layers=22, num_attention_heads=32,
+    num_key_value_heads=4, max_position_embeddings=2048, rms_norm_eps=1e-5,
+)
+BENCH_INIT_STD = 0.02
+
+
+class ModelNotFound(ValueError):
+    pass
+
+
+class ModelLoadError(RuntimeError):
+    pass
+
+
+# ---------------------------------------------------------------- corpus and tokenizer
+
+_SUBJECTS = """the old sailor|a small robot|my neighbour|the committee|every student|the river
+|a quiet engineer|the northern wind|our little cat|the night train|a tired doctor|the city council
+|the orchestra|a curious child|the ancient library|the baker down the street|this algorithm
+|the last lighthouse keeper|a flock of geese|the weather station""".split("|")
+_VERBS = """carried|forgot|painted|measured|discovered|repaired|described|followed|borrowed
+|questioned|celebrated|ignored|translated|compressed|scheduled|migrated|counted|whispered to
+|built|explained""".split("|")
+_OBJECTS = """a broken umbrella|the morning newspaper|seven blue bottles|the final report
+|a map of the harbour|an unfinished letter|the village bridge|two hundred apples|the server logs
+|a recipe for bread|the tallest mountain|a lost key|the yearly budget|a strange melody
+|the kernel patch|forty kilometres of road|the garden fence|a box of old photographs""".split("|")
+_ADVERBS = """slowly|carefully|yesterday|before dawn|without a word|at noon|with great care
+|in the rain|once again|for no reason|by accident|after the meeting|quite happily
+|in silence|every Tuesday""".split("|")
+_CONNECTIVES = ["and then", "because", "although", "while", "so", "but", "until", "after"]
+_QUESTIONS = ["Why", "How", "When", "Where", "Who", "What"]
+
+_MULTILINGUAL = [
+    "Le café crème était déjà froid quand l'élève arriva à l'école.",
+    "Über den Wolken muss die Freiheit wohl grenzenlos sein, sagte der Bäcker aus Köln.",
+    "El niño pidió una canción más antes de dormir; mañana será otro día.",
+    "São Paulo é a maior cidade do Brasil, e a população não pára de crescer.",
+    "Smörgåsbord, fjärilar och små röda hus längs vägen till Göteborg.",
+    "Zażółć gęślą jaźń — to zdanie zawiera wszystkie polskie litery.",
+    "Ελληνικά γράμματα: άλφα, βήτα, γάμμα, δέλτα.",
+    "Привет, мир! Сегодня хорошая погода для прогулки.",
+    "我们明天早上八点在火车站见面，然后一起去图书馆。",
+    "机器学习模型在多个图形处理器之间迁移请求。",
+    "東京の天気は晴れです。今日は新しいプログラムを書きました。",
+    "ひらがなとカタカナと漢字を混ぜて書くのは楽しいです。",
+    "안녕하세요, 오늘은 날씨가 정말 좋네요.",
+    "مرحبا بالعالم، هذه جملة باللغة العربية.",
+    "नमस्ते दुनिया, यह एक हिंदी वाक्य है।",
+    "Emoji time 😀🎉🚀 and a heart ❤️ with a flag 🇯🇵 and a family 👨‍👩‍👧.",
+    "Weather: ☀️ then 🌧️ then ⛈️, temperature −3 °C to 12 °C, price €4.50 or £3.99.",
+    "Math: ∑ xᵢ² ≤ ∞, α + β = γ, √2 ≈ 1.414, π ≈ 3.14159.",
+]
+
+
+def _corpus(num_lines: int = 400) -> list[str]:
+    r = random.Random(20240611)
+    lines = []
+    for i in range(num_lines):
+        kind = i % 5
+        s, v, o, a = r.choice(_SUBJECTS), r.choice(_VERBS), r.choice(_OBJECTS), r.choice(_ADVERBS)
+        if kind == 0:
+            line = f"{s.capitalize()} {v} {o} {a}."
+        elif kind == 1:
+            s2, v2, o2 = r.choice(_SUBJECTS), r.choice(_VERBS), r.choice(_OBJECTS)
+            line = f"{s.capitalize()} {v} {o}, {r.choice(_CONNECTIVES)} {s2} {v2} {o2}."
+        elif kind == 2:
+            line = f"{r.choice(_QUESTIONS)} did {s} say that {o} was {a}?"
+        elif kind == 3:
+            n, m = r.randint(2, 9999), r.randint(1, 99)
+            line = f"Item {n}: {o} costs ${m}.{r.randint(0, 99):02d} ({n * m} in total)."
+        else:
+            name = re.sub(r"\W+", "_", o).strip("_")
+            line = f"def {name}(x, n={r.randint(1, 64)}):\n    return [x * i for i in range(n)]"
+        lines.append(line)
+    return lines + _MULTILINGUAL * 3
+
+
+def _train_tokenizer(vocab_size: int) -> Tokenizer:
+    tok = Tokenizer(models.BPE(unk_token=UNK))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tok.train_from_iterator(_corpus(), trainer=trainer)
+    return _finish(tok)
+
+
+def _finish(tok: Tokenizer) -> Tokenizer:
+    bos_id = tok.token_to_id(BOS)
+    tok.post_processor = processors.TemplateProcessing(
+        single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B", special_tokens=[(BOS, bos_id)],
+    )
+    return tok
+
+
+def _pad_tokenizer(tok: Tokenizer, vocab_size: int) -> Tokenizer:
+    """Grow a trained BPE to exactly vocab_size with filler merges of existing tokens."""
+    state = json.loads(tok.to_str())
+    vocab: dict[str, int] = dict(state["model"]["vocab"])
+    merges = [tuple(m) if isinstance(m, list) else tuple(m.split(" ")) for m in state["model"]["merges"]]
+    parts = [t for t, _ in sorted(vocab.items(), key=lambda kv: kv[1]) if t not in SPECIAL_TOKENS]
+    for a in parts:
+        for b in parts:
+            if len(vocab) >= vocab_size:
+                break
+            if a + b not in vocab:
+                vocab[a + b] = len(vocab)
+                merges.append((a, b))
+    padded = Tokenizer(models.BPE(vocab=vocab, merges=merges, unk_token=UNK))
+    padded.pre_tokenizer = tok.pre_tokenizer
+    padded.decoder = tok.decoder
+    for t in SPECIAL_TOKENS:
+        padded.add_special_tokens([t])
+    return _finish(padded)
+
+
+def _save_tokenizer(tok: Tokenizer, out_dir: Path, max_length: int) -> None:
+    from transformers import PreTrainedTokenizerFast
+
+    hf_tok = PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token=BOS, eos_token=EOS, unk_token=UNK, pad_token=EOS,
+        model_max_length=max_length,
+    )
+    hf_tok.save_pretrained(out_dir)
+
+
+# ---------------------------------------------------------------- weights
+
+
+def _llama_config(vocab_size: int, shape: dict, dtype: torch.dtype, init_std: float):
+    from transformers import LlamaConfig
+
+    config = LlamaConfig(
+        vocab_size=vocab_size, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False,
+        initializer_range=init_std, **shape,
+    )
+    config.dtype = dtype
+    config.architectures = ["LlamaForCausalLM"]
+    return config
+
+
+def _random_state_dict(config, seed: int, dtype: torch.dtype, std: float) -> dict[str, torch.Tensor]:
+    """Weights ~ N(0, std), norms = 1; each tensor seeded by (seed, name) so tensors fill in parallel."""
+    from transformers import LlamaForCausalLM
+
+    with torch.device("meta"):
+        shapes = {k: v.shape for k, v in LlamaForCausalLM(config).state_dict().items()}
+
+    def fill(name: str) -> torch.Tensor:
+        if name.endswith("norm.weight"):
+            return torch.ones(shapes[name], dtype=dtype)
+        # the CPU generator keeps only 32 bits of its seed, so mix seed and name into 32
+        gen = torch.Generator().manual_seed(zlib.crc32(f"{seed}/{name}".encode()))
+        return torch.empty(shapes[name]).normal_(0.0, std, generator=gen).to(dtype)
+
+    names = sorted(shapes)
+    with ThreadPoolExecutor(max_workers=min(16, os.cpu_count() or 1)) as pool:
+        return dict(zip(names, pool.map(fill, names)))
+
+
+def _save_model(config, state: dict[str, torch.Tensor], out_dir: Path) -> None:
+    from transformers import GenerationConfig
+
+    config.save_pretrained(out_dir)
+    GenerationConfig(
+        bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id,
+        pad_token_id=config.eos_token_id,
+    ).save_pretrained(out_dir)
+    save_file({k: v.contiguous() for k, v in state.items()}, str(out_dir / "model.safetensors"),
+              metadata={"format": "pt"})
+
+
+# ---------------------------------------------------------------- atomic build
+
+
+def _build_atomically(out_dir: str | os.PathLike, identity: dict, write) -> Path:
+    """Build into a temp dir next to out_dir and rename it into place; first writer wins."""
+    out = Path(out_dir).expanduser().absolute()
+    if _matches(out, identity):
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        write(tmp)
+        (tmp / BUILD_MARKER).write_text(json.dumps(identity, sort_keys=True) + "\n")
+        # mkdtemp makes a private dir; a model cache is meant to be readable by others
+        tmp.chmod(0o755)
+        for f in tmp.iterdir():
+            f.chmod(0o644)
+        try:
+            os.rename(tmp, out)  # replaces an empty dir; fails on a non-empty one
+        except OSError:
+            if _matches(out, identity):  # another process won the race with the same build
+                return out
+            raise FileExistsError(f"{out} exists and does not hold this built-in model") from None
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def _matches(out: Path, identity: dict) -> bool:
+    try:
+        return json.loads((out / BUILD_MARKER).read_text()) == identity
+    except (OSError, ValueError):
+        return False
+
+
+def build_tiny_model(out_dir: str | os.PathLike, *, seed: int = 0) -> Path:
+    identity = {"builder": DEFAULT_MODEL_NAME, "seed": seed}
+
+    def write(tmp: Path) -> None:
+        tok = _train_tokenizer(TINY_VOCAB_SIZE)
+        config = _llama_config(tok.get_vocab_size(), TINY_SHAPE, torch.float32, TINY_INIT_STD)
+        _save_model(config, _random_state_dict(config, seed, torch.float32, TINY_INIT_STD), tmp)
+        _save_tokenizer(tok, tmp, TINY_SHAPE["max_position_embeddings"])
+
+    return _build_atomically(out_dir, identity, write)
+
+
+def build_bench_model(
+    out_dir: str | os.PathLike, *, seed: int = 0, dtype: str = "bfloat16",
+    shape_overrides: dict | None = None,
+) -> Path:
+    shape = {**BENCH_SHAPE, **(shape_overrides or {})}
+    vocab_size = shape.pop("vocab_size", BENCH_VOCAB_SIZE)
+    torch_dtype = _parse_dtype(dtype)
+    identity = {"builder": "bench-llama-1.1b-shape", "seed": seed, "dtype": str(torch_dtype),
+                "shape": shape, "vocab_size": vocab_size}
+
+    def write(tmp: Path) -> None:
+        tok = _pad_tokenizer(_train_tokenizer(min(vocab_size, TINY_VOCAB_SIZE)), vocab_size)
+        config = _llama_config(vocab_size, shape, torch_dtype, BENCH_INIT_STD)
+        _save_model(config, _random_state_dict(config, seed, torch_dtype, BENCH_INIT_STD), tmp)
+        _save_tokenizer(tok, tmp, shape["max_position_embeddings"])
+
+    return _build_atomically(out_dir, identity, write)
+
+
+def default_model_dir() -> Path:
+    cache = os.environ.get("QMIGRATE_CACHE")
+    if cache:
+        return Path(cache).expanduser()
+    return Path.home() / ".cache" / "qmigrate" / DEFAULT_MODEL_NAME
+
+
+def ensure_default_model() -> Path:
+    return build_tiny_model(default_model_dir())
+
+
+# ---------------------------------------------------------------- resolve and load
+
+_HUB_NAME = re.compile(r"^[A-Za-z0-9_][\w.-]*/[\w.-]+$")
+
+
+def resolve_model(path_or_name: str | None) -> str:
+    if path_or_name is None:
+        return str(ensure_default_model())
+    path = Path(path_or_name).expanduser()
+    if path.is_dir():
+        return str(path.absolute())
+    seps = [s for s in (os.sep, os.altsep) if s]
+    looks_local = (
+        path_or_name.startswith(("/", "./", "../", "~"))
+        or (any(s in path_or_name for s in seps) and not _HUB_NAME.match(path_or_name))
+    )
+    if path.exists():
+        raise ModelNotFound(f"model path is not a directory: {path}")
+    if looks_local:
+        raise ModelNotFound(f"model directory not found: {path}")
+    return path_or_name
+
+
+_DTYPES = {
+    "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
+}
+
+
+def _parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    try:
+        return _DTYPES[str(dtype).lower().removeprefix("torch.")]
+    except KeyError:
+        raise ValueError(f"unknown dtype {dtype!r}; use one of {sorted(_DTYPES)} or 'auto'") from None
+
+
+def load_model(path: str | os.PathLike, device: str, dtype: str = "auto"):
+    """Load (model, tokenizer); dtype "auto" means float32 on the CPU and bfloat16 on a GPU."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    dev = torch.device(device)
+    torch_dtype = (torch.float32 if dev.type == "cpu" else torch.bfloat16) if dtype == "auto" \
+        else _parse_dtype(dtype)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            str(path), dtype=torch_dtype, attn_implementation="sdpa")
+        tokenizer = AutoTokenizer.from_pretrained(str(path))
+        model = model.to(dev).eval()
+    except Exception as exc:  # noqa: BLE001 -- any failure here means "cannot serve this model"
+        reason = (str(exc).strip().splitlines() or [""])[0]
+        raise ModelLoadError(f"cannot load model {path} on {device}: {type(exc).__name__}: {reason}") from exc
+    return model, tokenizer
+
+
+def load_tokenizer_info(path: str | os.PathLike):
+    """(tokenizer, context length, EOS ids) for the roles that never run the model."""
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(path))
+        config = AutoConfig.from_pretrained(str(path))
+    except Exception as exc:  # noqa: BLE001 -- any failure here means "cannot serve this model"
+        reason = (str(exc).strip().splitlines() or [""])[0]
+        raise ModelLoadError(f"cannot load tokenizer of {path}: {type(exc).__name__}: {reason}") from exc
+    if hasattr(config, "get_text_config"):
+        config = config.get_text_config()
+    max_context = int(getattr(config, "max_position_embeddings", 0) or tokenizer.model_max_length)
+    eos = None
+    try:
+        eos = GenerationConfig.from_pretrained(str(path)).eos_token_id
+    except Exception:  # noqa: BLE001 -- a checkpoint without generation_config.json
+        pass
+    if eos is None:
+        eos = getattr(config, "eos_token_id", None)
+    if eos is None:
+        eos = tokenizer.eos_token_id
+    eos_ids = sorted({eos} if isinstance(eos, int) else set(eos or ()))
+    return tokenizer, max_context, eos_ids

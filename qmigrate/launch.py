@@ -1,0 +1,142 @@
+"""Start the roles of a node as child processes, watch them, stop them cleanly.
+
+Each role runs as `python -m qmigrate role ROLE NAME --config FILE`, re-reading the same
+resolved topology file, so a role started here behaves exactly like one started by hand
+on another machine.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from .config import Topology, dump_topology, parse_topology
+
+log = logging.getLogger("qmigrate.launch")
+
+CORE_ROLES = ("router", "ingest", "detokenizer")
+
+
+@dataclasses.dataclass(slots=True)
+class Child:
+    role: str
+    name: str
+    proc: subprocess.Popen
+
+    @property
+    def label(self) -> str:
+        return f"{self.role} {self.name}" if self.name != self.role else self.role
+
+
+def role_command(config_path: Path, role: str, name: str, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "qmigrate", "role", role, name, "--config", str(config_path), *extra]
+
+
+def start_roles(topo: Topology, config_path: Path, roles: list[tuple[str, str]], *,
+                read_stdin: bool, log_level: str) -> list[Child]:
+    children = []
+    for role, name in roles:
+        extra = ["--log-level", log_level]
+        stdin = subprocess.DEVNULL
+        if read_stdin and role == "ingest":
+            extra += ["--stdin", "--exit-when-done"]
+            stdin = None  # the ingest process reads this process's stdin
+        if read_stdin and role == "detokenizer":
+            extra.append("--exit-when-done")
+        cmd = role_command(config_path, role, name, *extra)
+        children.append(Child(role, name, subprocess.Popen(cmd, stdin=stdin, start_new_session=False)))
+    return children
+
+
+def stop(children: list[Child], grace_s: float = 5.0) -> None:
+    for c in children:
+        if c.proc.poll() is None:
+            c.proc.terminate()
+    deadline = time.monotonic() + grace_s
+    for c in children:
+        try:
+            c.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            c.proc.kill()
+            c.proc.wait()
+
+
+def supervise(children: list[Child], *, until_done: bool) -> int:
+    """Wait until the detokenizer finishes (until_done) or a signal; 1 if a role failed."""
+    stopping = []
+    handler = lambda signum, frame: stopping.append(signum)
+    old = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        while not stopping:
+            for c in children:
+                rc = c.proc.poll()
+                if rc is None:
+                    continue
+                if c.role == "detokenizer" and until_done:
+                    return 0 if rc == 0 else _failed(c, rc)
+                if c.role in CORE_ROLES and (rc != 0 or not until_done):
+                    return _failed(c, rc)
+                if c.role == "worker" and rc != 0:
+                    log.warning("%s exited with status %d", c.label, rc)
+                    c.role = "worker (exited)"
+            workers = [c for c in children if c.role.startswith("worker")]
+            if until_done and workers and all(c.proc.poll() is not None for c in workers):
+                print("qmigrate: every worker has exited; stopping", file=sys.stderr)
+                return 1
+            time.sleep(0.1)
+        return 130 if stopping[0] == signal.SIGINT else 0
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+        stop(children)
+
+
+def _failed(c: Child, rc: int) -> int:
+    print(f"qmigrate: {c.label} exited with status {rc}; stopping the node", file=sys.stderr)
+    return 1
+
+
+def run_node(topo: Topology, config_path: Path, node: str, *, read_stdin: bool,
+             log_level: str = "warning") -> int:
+    roles = topo.roles_on(node)
+    has_detok = any(role == "detokenizer" for role, _ in roles)
+    children = start_roles(topo, config_path, roles, read_stdin=read_stdin, log_level=log_level)
+    return supervise(children, until_done=read_stdin and has_detok)
+
+
+def single_node(topo: Topology, ipc_dir: str, model_path: str) -> Topology:
+    """The same topology with every role on one node "local", over ipc:// sockets."""
+    data = topo.to_dict()
+    data["transport"], data["ipc_dir"] = "ipc", ipc_dir
+    data["model"]["path"] = model_path
+    data["nodes"] = [{"name": "local", "monitor": any(w["device"].startswith("cuda") for w in data["workers"])}]
+    for section in ("router", "ingest", "detokenizer"):
+        data[section]["node"] = "local"
+    for w in data["workers"]:
+        w["node"], w["kv_port"] = "local", None
+    return parse_topology(data, source="simulation")
+
+
+def run_sim(topo: Topology, model_path: str, log_level: str = "warning") -> int:
+    with tempfile.TemporaryDirectory(prefix="qm-") as tmp:
+        local = single_node(topo, tmp, model_path)
+        path = Path(tmp) / "topology.yaml"
+        dump_topology(local, path)
+        return run_node(local, path, "local", read_stdin=True, log_level=log_level)
+
+
+def set_title(role: str, name: str) -> None:
+    title = f"qmigrate {role} {name}" if name != role else f"qmigrate {role}"
+    try:
+        import setproctitle
+        setproctitle.setproctitle(title)
+    except ImportError:  # ps then shows the python command line, which names the role too
+        pass
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

@@ -1,0 +1,410 @@
+"""Every message that crosses a socket, and how it is encoded.
+
+A message is a frozen dataclass. On the wire it is one msgpack array: the message type (a
+small integer) followed by the fields in declaration order. Fields are only ever appended,
+so a decoder accepts extra trailing fields from a newer peer and fills missing trailing
+fields that have defaults. The protocol version travels in `Hello`.
+
+Token ids travel as packed little-endian int32 (`pack_i32`), sequence ids as int64. Nothing
+here executes data: decoding is msgpack with hard size limits, then a type check of every
+field. A message that fails either raises `ProtocolError`; roles log it and go on.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import types
+import typing
+from dataclasses import dataclass, field
+
+import msgpack
+import numpy as np
+
+PROTOCOL_VERSION = 1
+MAX_MESSAGE_BYTES = 64 << 20  # control and token messages; KV payloads travel as extra frames
+MAX_ARRAY_LEN = 1 << 20
+MAX_ID = (1 << 31) - 1
+
+
+class ProtocolError(ValueError):
+    pass
+
+
+class MsgType(enum.IntEnum):
+    HELLO = 1
+    WELCOME = 2
+    REJECT = 3
+    HEARTBEAT = 4
+    WORK_REQUEST = 5
+    LEASE = 6
+    STEP_RESULT = 7
+    TOKENS = 8
+    SUBMIT = 9
+    SUBMIT_ACK = 10
+    REQUEST_META = 11
+    REQUEST_ERROR = 12
+    INPUT_CLOSED = 13
+    SHIP_KV = 14
+    KV_HEADER = 15
+    DRAIN = 16
+    DRAIN_ACK = 17
+    EXIT = 18
+    VRAM_REPORT = 19
+    FEED_LINES = 20
+    FEED_ACK = 21
+    STATS_REQUEST = 22
+    STATS = 23
+
+
+class Finish(enum.IntEnum):
+    """Per-sequence status in results: NONE runs on, NEED_IDS asks for a resend, others end it."""
+
+    NONE = 0
+    EOS = 1
+    LENGTH = 2
+    STOP = 3
+    NEED_IDS = 4
+    ERROR = 5       # the worker cannot run this sequence at all (bad ids, too long)
+
+    @property
+    def reason(self) -> str:
+        return {1: "eos", 2: "length", 3: "stop", 5: "error"}.get(int(self), "")
+
+    @property
+    def is_finished(self) -> bool:
+        return self in (Finish.EOS, Finish.LENGTH, Finish.STOP, Finish.ERROR)
+
+
+# --- packed arrays -----------------------------------------------------------------------
+
+def pack_i32(values) -> bytes:
+    return np.ascontiguousarray(values, dtype="<i4").tobytes()
+
+
+def pack_i64(values) -> bytes:
+    return np.ascontiguousarray(values, dtype="<i8").tobytes()
+
+
+def pack_u8(values) -> bytes:
+    return np.ascontiguousarray(values, dtype="u1").tobytes()
+
+
+def _unpack(data: bytes, dtype: str, what: str) -> np.ndarray:
+    itemsize = np.dtype(dtype).itemsize
+    if len(data) % itemsize:
+        raise ProtocolError(f"{what}: {len(data)} bytes is not a whole number of {dtype} items")
+    return np.frombuffer(data, dtype=dtype)
+
+
+def unpack_ids(data: bytes, what: str = "ids") -> np.ndarray:
+    ids = _unpack(data, "<i4", what)
+    if ids.size and (ids.min() < 0):
+        raise ProtocolError(f"{what}: negative token id")
+    return ids
+
+
+def unpack_i32(data: bytes, what: str = "i32") -> np.ndarray:
+    return _unpack(data, "<i4", what)
+
+
+def unpack_i64(data: bytes, what: str = "i64") -> np.ndarray:
+    return _unpack(data, "<i8", what)
+
+
+def unpack_u8(data: bytes, what: str = "u8") -> np.ndarray:
+    return _unpack(data, "u1", what)
+
+
+# --- messages ----------------------------------------------------------------------------
+
+_BY_TYPE: dict[int, type] = {}
+
+
+def message(msg_type: MsgType):
+    def register(cls):
+        cls = dataclass(frozen=True, slots=True)(cls)
+        cls.TYPE = msg_type
+        hints = typing.get_type_hints(cls)
+        cls._fields = tuple((f.name, hints[f.name], _has_default(f)) for f in dataclasses.fields(cls))
+        _BY_TYPE[int(msg_type)] = cls
+        return cls
+    return register
+
+
+def _has_default(f) -> bool:
+    return f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING
+
+
+@dataclass(frozen=True, slots=True)
+class SeqSpec:
+    """Everything a worker needs to run a sequence it has never seen (the full form)."""
+
+    seq_id: int
+    token_ids: bytes          # int32: prompt followed by every token generated so far
+    prompt_len: int
+    max_new_tokens: int
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int = -1            # -1: no seed (a router-assigned one is used for sampling)
+    stop_ids: list[list[int]] = field(default_factory=list)
+    eos_ids: list[int] = field(default_factory=list)
+    kv_from: str = ""         # endpoint of the worker shipping this sequence's KV, if any
+    transfer_id: int = 0
+
+    @property
+    def ids(self) -> np.ndarray:
+        return unpack_ids(self.token_ids, "seq.token_ids")
+
+
+SeqSpec._fields = tuple(
+    (f.name, typing.get_type_hints(SeqSpec)[f.name], _has_default(f)) for f in dataclasses.fields(SeqSpec)
+)
+
+
+@message(MsgType.HELLO)
+class Hello:
+    role: str
+    name: str
+    version: int = PROTOCOL_VERSION
+    info: dict[str, typing.Any] = field(default_factory=dict)  # flat str -> int/float/str/bool
+
+
+@message(MsgType.WELCOME)
+class Welcome:
+    version: int
+    heartbeat_interval_s: float
+    lease_timeout_s: float
+
+
+@message(MsgType.REJECT)
+class Reject:
+    reason: str
+
+
+@message(MsgType.HEARTBEAT)
+class Heartbeat:
+    name: str
+    num_cached_seqs: int = 0
+    free_slots: int = -1
+
+
+@message(MsgType.WORK_REQUEST)
+class WorkRequest:
+    request_no: int
+    max_seqs: int
+    max_tokens: int
+    free_slots: int = -1
+
+
+@message(MsgType.LEASE)
+class Lease:
+    """A batch. Row i runs sequence seq_ids[i] whose total length after this step's input is
+    lengths[i]. Rows named in `full` carry their ids; every other row is a diff: the worker
+    already holds KV for lengths[i] - 1 tokens and feeds last_tokens[i]."""
+
+    lease_id: int
+    request_no: int
+    timeout_s: float
+    seq_ids: bytes            # int64
+    lengths: bytes            # int32
+    last_tokens: bytes        # int32
+    full: list[SeqSpec] = field(default_factory=list)
+    drop_ids: bytes = b""     # int64: sequences whose KV this worker may free
+    num_steps: int = 1
+
+
+@message(MsgType.STEP_RESULT)
+class StepResult:
+    """Row i produced counts[i] tokens (taken in order from tokens) and ended with status[i]."""
+
+    lease_id: int
+    seq_ids: bytes            # int64
+    counts: bytes             # int32
+    tokens: bytes             # int32
+    status: bytes             # uint8 Finish
+    free_slots: int = -1
+
+
+@message(MsgType.TOKENS)
+class Tokens:
+    """New tokens for the detokenizer: seq_ids[i] gets counts[i] tokens starting at
+    generated-token index start[i]; finish[i] is a Finish code (0: still running)."""
+
+    seq_ids: bytes            # int64
+    start: bytes              # int32
+    counts: bytes             # int32
+    tokens: bytes             # int32
+    finish: bytes             # uint8
+
+
+@message(MsgType.SUBMIT)
+class Submit:
+    seqs: list[SeqSpec]
+
+
+@message(MsgType.SUBMIT_ACK)
+class SubmitAck:
+    num_accepted: int
+    num_free: int
+
+
+@message(MsgType.REQUEST_META)
+class RequestMeta:
+    seq_id: int
+    req_id: str
+    prompt_ids: bytes         # int32, for priming the incremental decoder
+
+
+@message(MsgType.REQUEST_ERROR)
+class RequestError:
+    req_id: str
+    message: str
+
+
+@message(MsgType.INPUT_CLOSED)
+class InputClosed:
+    num_requests: int
+
+
+@message(MsgType.SHIP_KV)
+class ShipKV:
+    seq_id: int
+    dest: str                 # KV endpoint of the receiving worker
+    transfer_id: int
+    num_tokens: int
+
+
+@message(MsgType.KV_HEADER)
+class KVHeader:
+    """Followed by one raw frame: the KV of num_tokens positions, shape given, dtype given."""
+
+    transfer_id: int
+    seq_id: int
+    num_tokens: int
+    dtype: str
+    shape: list[int]
+
+
+@message(MsgType.DRAIN)
+class Drain:
+    worker: str
+
+
+@message(MsgType.DRAIN_ACK)
+class DrainAck:
+    ok: bool
+    message: str
+
+
+@message(MsgType.EXIT)
+class Exit:
+    reason: str
+
+
+@message(MsgType.VRAM_REPORT)
+class VramReport:
+    node: str
+    gpus: list[list[typing.Any]]  # [uuid, index, total, used, free, util_percent]
+
+
+@message(MsgType.FEED_LINES)
+class FeedLines:
+    lines: list[str]
+    eof: bool = False
+
+
+@message(MsgType.FEED_ACK)
+class FeedAck:
+    num_accepted: int
+    message: str = ""
+
+
+@message(MsgType.STATS_REQUEST)
+class StatsRequest:
+    pass
+
+
+@message(MsgType.STATS)
+class Stats:
+    counters: dict[str, typing.Any]
+
+
+# --- encode / decode ---------------------------------------------------------------------
+
+def _to_wire(value):
+    if isinstance(value, SeqSpec):
+        return [_to_wire(getattr(value, name)) for name, _, _ in SeqSpec._fields]
+    if isinstance(value, list):
+        return [_to_wire(v) for v in value]
+    return value
+
+
+def encode(msg) -> bytes:
+    body = [int(msg.TYPE)] + [_to_wire(getattr(msg, name)) for name, _, _ in msg._fields]
+    return msgpack.packb(body, use_bin_type=True)
+
+
+def decode(data: bytes):
+    if len(data) > MAX_MESSAGE_BYTES:
+        raise ProtocolError(f"message of {len(data)} bytes exceeds {MAX_MESSAGE_BYTES}")
+    try:
+        body = msgpack.unpackb(
+            data, raw=False, strict_map_key=True, max_bin_len=MAX_MESSAGE_BYTES,
+            max_str_len=1 << 20, max_array_len=MAX_ARRAY_LEN, max_map_len=1024, max_ext_len=0,
+        )
+    except Exception as exc:  # msgpack raises several unrelated types
+        raise ProtocolError(f"undecodable message: {exc}") from None
+    if not isinstance(body, list) or not body or type(body[0]) is not int:
+        raise ProtocolError("message is not [type, fields...]")
+    cls = _BY_TYPE.get(body[0])
+    if cls is None:
+        raise ProtocolError(f"unknown message type {body[0]}")
+    return _build(cls, body[1:], cls.__name__)
+
+
+def _build(cls, values: list, where: str):
+    kwargs = {}
+    for i, (name, hint, has_default) in enumerate(cls._fields):
+        if i >= len(values):
+            if not has_default:
+                raise ProtocolError(f"{where}: missing field {name!r}")
+            continue
+        kwargs[name] = _check(values[i], hint, f"{where}.{name}")
+    return cls(**kwargs)
+
+
+def _check(value, hint, where: str):
+    origin = typing.get_origin(hint)
+    if hint is typing.Any:
+        if isinstance(value, (dict, list)):
+            raise ProtocolError(f"{where}: nested value where a scalar is expected")
+        return value
+    if hint is SeqSpec:
+        if not isinstance(value, list):
+            raise ProtocolError(f"{where}: expected a sequence spec")
+        return _build(SeqSpec, value, where)
+    if hint is float:
+        if type(value) not in (int, float):
+            raise ProtocolError(f"{where}: expected a number")
+        return float(value)
+    if hint in (int, str, bytes, bool):
+        if type(value) is not hint:
+            raise ProtocolError(f"{where}: expected {hint.__name__}, got {type(value).__name__}")
+        if hint is int and not -(1 << 63) <= value < (1 << 63):
+            raise ProtocolError(f"{where}: integer out of range")
+        return value
+    if origin is list:
+        if not isinstance(value, list):
+            raise ProtocolError(f"{where}: expected a list")
+        (item,) = typing.get_args(hint)
+        return [_check(v, item, f"{where}[{i}]") for i, v in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ProtocolError(f"{where}: expected a map")
+        key_t, val_t = typing.get_args(hint)
+        return {_check(k, key_t, where): _check(v, val_t, f"{where}[{k}]") for k, v in value.items()}
+    if origin in (typing.Union, types.UnionType):
+        raise ProtocolError(f"{where}: unions are not supported on the wire")
+    raise ProtocolError(f"{where}: unsupported field type {hint}")

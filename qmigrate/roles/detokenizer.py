@@ -1,0 +1,75 @@
+"""Detokenizer: turns token streams from every worker into text on stdout."""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+
+import zmq
+
+from .. import protocol as P
+from .. import transport
+from ..detok import make_sink
+from ..engine.models import load_tokenizer_info, resolve_model
+
+log = logging.getLogger("qmigrate.detokenizer")
+
+
+class Detokenizer:
+    def __init__(self, topo, output: str | None = None):
+        tokenizer, _, _ = load_tokenizer_info(resolve_model(topo.model.path))
+        self.sink = make_sink(output or topo.detokenizer.output, tokenizer, self.write)
+        self.pull = transport.socket(zmq.PULL, bind=topo.endpoint("detokenizer").bind, hwm=100_000)
+        self.expected: int | None = None
+        self.handlers = {P.RequestMeta: self.on_meta, P.Tokens: self.on_tokens,
+                         P.RequestError: self.on_error, P.InputClosed: self.on_closed}
+
+    @staticmethod
+    def write(text: str) -> None:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+
+    def serve_forever(self, exit_when_done: bool) -> None:
+        while True:
+            got = transport.recv(self.pull, 0.1)
+            if got is not None and got[1] is not None:
+                handler = self.handlers.get(type(got[1]))
+                try:
+                    if handler is None:
+                        raise P.ProtocolError(f"unexpected {type(got[1]).__name__}")
+                    handler(got[1])
+                except (P.ProtocolError, ValueError) as exc:
+                    log.warning("dropped a message: %s", exc)
+            self.sink.flush_idle(time.monotonic())
+            if exit_when_done and self.expected is not None and self.sink.num_done >= self.expected:
+                return
+
+    def on_meta(self, msg: P.RequestMeta) -> None:
+        self.sink.start(msg.seq_id, msg.req_id, P.unpack_ids(msg.prompt_ids).tolist())
+
+    def on_error(self, msg: P.RequestError) -> None:
+        self.sink.error(msg.req_id, msg.message)
+
+    def on_closed(self, msg: P.InputClosed) -> None:
+        self.expected = msg.num_requests
+
+    def on_tokens(self, msg: P.Tokens) -> None:
+        seq_ids = P.unpack_i64(msg.seq_ids).tolist()
+        starts = P.unpack_i32(msg.start).tolist()
+        counts = P.unpack_i32(msg.counts).tolist()
+        tokens = P.unpack_i32(msg.tokens).tolist()
+        finish = P.unpack_u8(msg.finish).tolist()
+        if not len(seq_ids) == len(starts) == len(counts) == len(finish) or sum(counts) != len(tokens):
+            raise P.ProtocolError("token arrays do not agree")
+        pos = 0
+        for sid, start, count, code in zip(seq_ids, starts, counts, finish):
+            self.sink.tokens(sid, start, tokens[pos:pos + count])
+            pos += count
+            if code in (P.Finish.EOS, P.Finish.LENGTH, P.Finish.STOP, P.Finish.ERROR):
+                self.sink.finish(sid, P.Finish(code).reason, start + count)
+
+
+def run(topo, name: str, exit_when_done: bool = False) -> int:
+    Detokenizer(topo).serve_forever(exit_when_done)
+    return 0

@@ -1,0 +1,212 @@
+"""Router: the id queue. A poller loop around the pure Scheduler."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+
+import zmq
+
+from .. import protocol as P
+from .. import transport
+from ..scheduler import Scheduler, SchedulerConfig, WorkerState
+
+log = logging.getLogger("qmigrate.router")
+
+POLL_S = 0.02
+MAX_BURST = 512
+
+
+class Router:
+    def __init__(self, topo):
+        rc = topo.router
+        self.config = SchedulerConfig(
+            max_queued=rc.max_queued, lease_timeout_s=rc.lease_timeout_s,
+            heartbeat_timeout_s=rc.heartbeat_timeout_s, policy=rc.policy,
+            migrate_on_load=rc.migrate_on_load, migrate_on_memory=rc.migrate_on_memory,
+            min_free_vram_fraction=rc.min_free_vram_fraction, migration=rc.migration,
+            link_gbps=rc.link_gbps, prefill_tflops=rc.prefill_tflops,
+            rebalance_threshold=getattr(rc, "rebalance_threshold", 8))
+        self.heartbeat_interval_s = rc.heartbeat_interval_s
+        self.sched = Scheduler(self.config)
+        self.work = transport.socket(zmq.ROUTER, bind=topo.endpoint("router").bind)
+        self.telemetry = transport.socket(zmq.SUB, bind=topo.endpoint("telemetry").bind)
+        self.telemetry.setsockopt(zmq.SUBSCRIBE, b"")
+        self.identity: dict[str, bytes] = {}
+        self.parked: dict[str, deque] = {}
+        self.handlers = {
+            P.Hello: self.on_hello, P.Heartbeat: self.on_heartbeat,
+            P.WorkRequest: self.on_work_request, P.StepResult: self.on_step_result,
+            P.Submit: self.on_submit, P.Drain: self.on_drain, P.StatsRequest: self.on_stats,
+        }
+
+    def serve_forever(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self.work, zmq.POLLIN)
+        poller.register(self.telemetry, zmq.POLLIN)
+        last_expiry = 0.0
+        while True:
+            ready = dict(poller.poll(int(POLL_S * 1000)))
+            if self.work in ready:
+                self.drain_socket()
+            if self.telemetry in ready:
+                self.drain_telemetry()
+            now = time.monotonic()
+            if now - last_expiry > 0.1:
+                self.sched.expire(now)
+                last_expiry = now
+            self.serve_parked(now)
+            self.release_drained()
+
+    def drain_socket(self) -> None:
+        for _ in range(MAX_BURST):
+            try:
+                frames = self.work.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            if len(frames) != 2:
+                log.warning("dropped a message of %d frames", len(frames))
+                continue
+            sender, frame = frames
+            msg = transport.parse(frame, sender.decode(errors="replace"))
+            handler = self.handlers.get(type(msg)) if msg is not None else None
+            if msg is not None and handler is None:
+                log.warning("no handler for %s from %r", type(msg).__name__, sender)
+            if handler is not None:
+                try:
+                    handler(sender, msg)
+                except (P.ProtocolError, ValueError, KeyError) as exc:
+                    log.warning("dropped %s from %r: %s", type(msg).__name__, sender, exc)
+
+    def drain_telemetry(self) -> None:
+        for _ in range(MAX_BURST):
+            try:
+                frame = self.telemetry.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            msg = transport.parse(frame, "vram monitor")
+            if isinstance(msg, P.VramReport):
+                for gpu in msg.gpus:
+                    if len(gpu) >= 5 and isinstance(gpu[0], str) and gpu[2]:
+                        self.sched.set_free_vram(gpu[0], float(gpu[4]) / float(gpu[2]))
+
+    def reply(self, to: bytes, msg) -> None:
+        transport.send(self.work, msg, to=to)
+
+    # --- handlers ------------------------------------------------------------------------
+    def on_hello(self, sender: bytes, msg: P.Hello) -> None:
+        if msg.version != P.PROTOCOL_VERSION:
+            self.reply(sender, P.Reject(f"protocol version {msg.version}; router speaks {P.PROTOCOL_VERSION}"))
+            return
+        if msg.role == "worker":
+            info = msg.info
+            self.identity[msg.name] = sender
+            self.parked[msg.name] = deque(maxlen=max(1, int(info.get("inflight", 2))))
+            self.sched.register(WorkerState(
+                msg.name, max_seqs=int(info.get("max_seqs", 64)), max_tokens=int(info.get("max_tokens", 8192)),
+                inflight=int(info.get("inflight", 2)), kv_endpoint=str(info.get("kv_endpoint", "")),
+                gpu_uuid=str(info.get("gpu_uuid", "")), kv_bytes_per_token=int(info.get("kv_bytes_per_token", 0)),
+                num_params=int(info.get("num_params", 0))), time.monotonic())
+            log.info("worker %s joined (%s)", msg.name, info.get("device", "?"))
+        self.reply(sender, P.Welcome(P.PROTOCOL_VERSION, self.heartbeat_interval_s, self.config.lease_timeout_s))
+
+    def _worker(self, sender: bytes) -> str | None:
+        name = sender.decode(errors="replace")
+        if self.identity.get(name) != sender or not self.sched.workers[name].alive:
+            self.reply(sender, P.Reject("unknown worker: say hello first"))
+            return None
+        return name
+
+    def on_heartbeat(self, sender: bytes, msg: P.Heartbeat) -> None:
+        if (name := self._worker(sender)) is not None:
+            self.sched.touch(name, time.monotonic())
+
+    def on_work_request(self, sender: bytes, msg: P.WorkRequest) -> None:
+        if (name := self._worker(sender)) is None:
+            return
+        self.sched.touch(name, time.monotonic())
+        self.parked[name].append(msg)
+
+    def on_step_result(self, sender: bytes, msg: P.StepResult) -> None:
+        if (name := self._worker(sender)) is None:
+            return
+        seq_ids = P.unpack_i64(msg.seq_ids, "seq_ids").tolist()
+        counts = P.unpack_i32(msg.counts, "counts").tolist()
+        tokens = P.unpack_i32(msg.tokens, "tokens").tolist()
+        status = P.unpack_u8(msg.status, "status").tolist()
+        if not len(seq_ids) == len(counts) == len(status) or sum(counts) != len(tokens) or min(counts, default=0) < 0:
+            raise P.ProtocolError("step result arrays do not agree")
+        if any(s > max(P.Finish) for s in status):
+            raise P.ProtocolError("unknown status code")
+        self.sched.complete(msg.lease_id, name, seq_ids, counts, tokens, status, time.monotonic())
+
+    def on_submit(self, sender: bytes, msg: P.Submit) -> None:
+        for spec in msg.seqs:
+            spec.ids  # validates the packed ids
+        taken = self.sched.admit(msg.seqs)
+        self.reply(sender, P.SubmitAck(taken, self.sched.num_free))
+
+    def on_drain(self, sender: bytes, msg: P.Drain) -> None:
+        ok = self.sched.drain(msg.worker)
+        text = f"draining {msg.worker}" if ok else f"no live worker named {msg.worker!r}"
+        self.reply(sender, P.DrainAck(ok, text))
+
+    def on_stats(self, sender: bytes, msg: P.StatsRequest) -> None:
+        counters = dict(self.sched.counters)
+        counters.update(queued=len(self.sched.queue), live=len(self.sched.seqs),
+                        leases=len(self.sched.leases),
+                        workers=sum(w.alive for w in self.sched.workers.values()))
+        for name, w in self.sched.workers.items():
+            counters[f"owned_{name}"] = len(w.owned)
+        self.reply(sender, P.Stats(counters))
+
+    # --- periodic ------------------------------------------------------------------------
+    def serve_parked(self, now: float) -> None:
+        """Answer waiting requests, one lease per worker per round, rotating who goes first."""
+        names = [n for n, waiting in self.parked.items() if waiting]
+        if not names or not self.sched.queue:
+            return
+        self.turn = (getattr(self, "turn", 0) + 1) % len(names)
+        names = names[self.turn:] + names[:self.turn]
+        progress = True
+        while progress and self.sched.queue:
+            progress = False
+            for name in names:
+                waiting = self.parked[name]
+                if not waiting:
+                    continue
+                req = waiting[0]
+                free = req.free_slots if req.free_slots >= 0 else None
+                grant = self.sched.schedule(name, req.max_seqs, req.max_tokens, now, free)
+                if grant is not None:
+                    waiting.popleft()
+                    self.send_grant(grant, req.request_no)
+                    progress = True
+
+    def send_grant(self, grant, request_no: int) -> None:
+        for owner, seq_id, dest, transfer_id, num_tokens in grant.shipments:
+            if owner in self.identity:
+                self.reply(self.identity[owner], P.ShipKV(seq_id, dest, transfer_id, num_tokens))
+        rows = grant.rows
+        lease = P.Lease(
+            grant.lease_id, request_no, self.config.lease_timeout_s,
+            P.pack_i64([r.seq_id for r in rows]), P.pack_i32([r.length for r in rows]),
+            P.pack_i32([r.last_token for r in rows]), [r.spec for r in rows if r.spec is not None],
+            P.pack_i64(grant.drop_ids))
+        self.reply(self.identity[grant.worker], lease)
+
+    def release_drained(self) -> None:
+        for name, w in self.sched.workers.items():
+            if w.alive and w.draining and self.sched.is_drained(name):
+                self.reply(self.identity[name], P.Exit("drained"))
+                self.sched.retire(name)
+                self.parked[name].clear()
+                log.info("worker %s drained and released", name)
+
+
+def run(topo, name: str) -> int:
+    router = Router(topo)
+    log.info("router listening on %s", topo.endpoint("router").bind)
+    router.serve_forever()
+    return 0

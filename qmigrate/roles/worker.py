@@ -1,0 +1,229 @@
+"""Worker: asks the router for batches, runs one step per batch, sends results on.
+
+It keeps `inflight` requests outstanding, so the next batch is already here when a step
+ends. Results go back to the router; new tokens go to the detokenizer. KV shipments to
+and from other workers travel on a separate PULL socket, as a header and a raw frame.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import sys
+import time
+from collections import deque
+
+import numpy as np
+import torch
+import zmq
+
+from .. import protocol as P
+from .. import transport
+from ..engine.models import load_model, resolve_model
+from ..engine.runner import Engine
+from ..worker_core import WorkerCore
+
+log = logging.getLogger("qmigrate.worker")
+
+KV_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+STARTUP_TIMEOUT_S = 60.0
+
+
+class Worker:
+    def __init__(self, topo, name: str):
+        self.cfg = topo.worker(name)
+        self.name = name
+        self.router_addr = topo.endpoint("router").connect
+        self.kv_endpoint = topo.endpoint("kv", name)
+        device = self.cfg.device if self.cfg.device != "cuda" else "cuda:0"
+        model, _ = load_model(resolve_model(topo.model.path), device, topo.model.dtype)
+        num_slots = self._num_slots(model)
+        self.core = WorkerCore(Engine(model, num_slots=num_slots, max_len=self._max_len(model)))
+        self.device = device
+        self.router = transport.socket(zmq.DEALER, connect=self.router_addr, identity=name)
+        self.kv_in = transport.socket(zmq.PULL, bind=self.kv_endpoint.bind,
+                                      max_bytes=transport.KV_MAX_MESSAGE_BYTES, hwm=64)
+        self.detok = transport.socket(zmq.PUSH, connect=topo.endpoint("detokenizer").connect)
+        self.peers: dict[str, zmq.Socket] = {}
+        self.leases: deque[tuple[float, P.Lease]] = deque()
+        self.outstanding = 0
+        self.request_no = 0
+        self.heartbeat_s = 0.5
+        self.last_sent = 0.0
+        self.last_lease = time.monotonic()
+
+    def _max_len(self, model) -> int | None:
+        return None
+
+    def _num_slots(self, model) -> int:
+        if self.cfg.max_kv_tokens:
+            ctx = int(getattr(model.config, "max_position_embeddings", 2048))
+            return max(self.cfg.max_seqs, self.cfg.max_kv_tokens // ctx)
+        return self.cfg.max_seqs * self.cfg.inflight + max(8, self.cfg.max_seqs // 2)
+
+    # --- startup -----------------------------------------------------------------------
+    def hello(self) -> None:
+        engine = self.core.engine
+        from ..vram import torch_device_uuid
+        uuid = torch_device_uuid(torch.device(self.device).index or 0) if self.device.startswith("cuda") else None
+        info = {"device": self.device, "kv_endpoint": self.kv_endpoint.connect,
+                "max_seqs": self.cfg.max_seqs, "max_tokens": self.cfg.max_tokens,
+                "inflight": self.cfg.inflight, "kv_bytes_per_token": engine.kv_bytes_per_token,
+                "num_params": engine.num_params, "gpu_uuid": uuid or "", "num_slots": engine.pool.num_slots}
+        transport.send(self.router, P.Hello("worker", self.name, info=info))
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while time.monotonic() < deadline:
+            got = transport.recv(self.router, 0.5)
+            if got is None:
+                continue
+            msg = got[1]
+            if isinstance(msg, P.Welcome):
+                self.heartbeat_s = msg.heartbeat_interval_s
+                return
+            if isinstance(msg, P.Reject):
+                raise SystemExit(f"worker {self.name}: router refused: {msg.reason}")
+        raise SystemExit(f"worker {self.name}: router unreachable at {self.router_addr} "
+                         f"(no answer in {STARTUP_TIMEOUT_S:g} s)")
+
+    # --- loop --------------------------------------------------------------------------
+    def serve_forever(self) -> None:
+        self.hello()
+        log.info("worker %s ready on %s (%d KV slots)", self.name, self.device, self.core.engine.pool.num_slots)
+        poller = zmq.Poller()
+        poller.register(self.router, zmq.POLLIN)
+        poller.register(self.kv_in, zmq.POLLIN)
+        while True:
+            self.request_work()
+            timeout = 0 if self.leases else self.heartbeat_s
+            ready = dict(poller.poll(int(timeout * 1000)))
+            if self.kv_in in ready:
+                self.receive_kv()
+            if self.router in ready and self.receive_router():
+                return
+            if self.leases:
+                self.run_lease(*self.leases.popleft())
+            self.keep_alive()
+
+    def request_work(self) -> None:
+        now = time.monotonic()
+        if self.outstanding and now - self.last_lease > 10 * self.heartbeat_s:
+            self.outstanding = 0  # the router may have restarted and forgotten our requests
+            self.last_lease = now
+        while self.outstanding + len(self.leases) < self.cfg.inflight:
+            self.request_no += 1
+            req = P.WorkRequest(self.request_no, self.cfg.max_seqs, self.cfg.max_tokens, self.core.free_slots)
+            self.send_router(req)
+            self.outstanding += 1
+
+    def receive_router(self) -> bool:
+        while True:
+            got = transport.recv(self.router, 0)
+            if got is None:
+                return False
+            msg = got[1]
+            if isinstance(msg, P.Lease):
+                self.outstanding = max(0, self.outstanding - 1)
+                self.last_lease = time.monotonic()
+                self.leases.append((time.monotonic() + msg.timeout_s, msg))
+            elif isinstance(msg, P.ShipKV):
+                self.ship(msg)
+            elif isinstance(msg, P.Exit):
+                log.info("worker %s exiting: %s", self.name, msg.reason)
+                return True
+            elif isinstance(msg, P.Reject):
+                log.warning("router: %s; saying hello again", msg.reason)
+                self.hello()
+                self.outstanding = 0
+
+    def run_lease(self, deadline: float, lease: P.Lease) -> None:
+        if time.monotonic() > deadline:
+            return  # the router has already taken these sequences back
+        self.wait_for_transfers(lease, deadline)
+        if self.cfg.steps_per_dispatch > 1 and lease.num_steps < self.cfg.steps_per_dispatch:
+            lease = _with_steps(lease, self.cfg.steps_per_dispatch)
+        try:
+            result, tokens = self.core.run(lease)
+        except (P.ProtocolError, ValueError) as exc:
+            log.warning("lease %d rejected: %s", lease.lease_id, exc)
+            return
+        self.send_router(result)
+        transport.send(self.detok, tokens)
+
+    def wait_for_transfers(self, lease: P.Lease, deadline: float) -> None:
+        """Give KV shipments for this batch a moment to land; missing ones are recomputed."""
+        waiting = self.core.awaited_transfers(lease)
+        limit = min(deadline, time.monotonic() + 2.0)
+        while waiting and time.monotonic() < limit:
+            if self.kv_in.poll(20):
+                self.receive_kv()
+            waiting = self.core.awaited_transfers(lease)
+
+    def ship(self, msg: P.ShipKV) -> None:
+        kv = self.core.export(msg.seq_id, msg.num_tokens)
+        sock = self.peers.get(msg.dest)
+        if sock is None:
+            sock = self.peers[msg.dest] = transport.socket(
+                zmq.PUSH, connect=msg.dest, max_bytes=transport.KV_MAX_MESSAGE_BYTES, hwm=64)
+        if kv is None:
+            header = P.KVHeader(msg.transfer_id, msg.seq_id, 0, "float32", [0])
+            payload = b""
+        else:
+            header = P.KVHeader(msg.transfer_id, msg.seq_id, msg.num_tokens,
+                                str(kv.dtype).removeprefix("torch."), list(kv.shape))
+            payload = kv.view(torch.uint8).numpy() if kv.dtype != torch.uint8 else kv.numpy()
+        try:
+            sock.send_multipart([P.encode(header), payload], flags=zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            log.warning("KV for sequence %d not shipped: %s is not taking data", msg.seq_id, msg.dest)
+
+    def receive_kv(self) -> None:
+        while True:
+            try:
+                frames = self.kv_in.recv_multipart(zmq.NOBLOCK, copy=True)
+            except zmq.Again:
+                return
+            header = transport.parse(frames[0], "kv peer") if frames else None
+            if not isinstance(header, P.KVHeader) or len(frames) != 2:
+                log.warning("dropped a malformed KV shipment")
+                continue
+            self.core.receive_transfer(header.transfer_id, header.seq_id, _kv_tensor(header, frames[1]))
+
+    def send_router(self, msg) -> None:
+        transport.send(self.router, msg)
+        self.last_sent = time.monotonic()
+
+    def keep_alive(self) -> None:
+        if time.monotonic() - self.last_sent > self.heartbeat_s:
+            self.send_router(P.Heartbeat(self.name, len(self.core.seqs), self.core.free_slots))
+
+
+def _kv_tensor(header: P.KVHeader, data: bytes) -> torch.Tensor | None:
+    if header.num_tokens == 0:
+        return None
+    dtype = KV_DTYPES.get(header.dtype)
+    shape = header.shape
+    if dtype is None or len(shape) != 5 or shape[3] != header.num_tokens or min(shape) <= 0:
+        log.warning("KV shipment with bad dtype or shape: %s %s", header.dtype, shape)
+        return None
+    nbytes = math.prod(shape) * torch.tensor([], dtype=dtype).element_size()
+    if len(data) != nbytes:
+        log.warning("KV shipment of %d bytes, expected %d", len(data), nbytes)
+        return None
+    raw = torch.from_numpy(np.frombuffer(data, dtype=np.uint8).copy())
+    return raw.view(dtype).reshape(shape)
+
+
+def _with_steps(lease: P.Lease, num_steps: int) -> P.Lease:
+    import dataclasses
+    return dataclasses.replace(lease, num_steps=num_steps)
+
+
+def run(topo, name: str) -> int:
+    try:
+        Worker(topo, name).serve_forever()
+    except SystemExit as exc:
+        if isinstance(exc.code, str):
+            print(exc.code, file=sys.stderr)
+            return 1
+        raise
+    return 0

@@ -1,0 +1,410 @@
+"""The router's policy, as pure bookkeeping: the queue, leases, KV owners and migration.
+
+Every live sequence is either queued here or leased to exactly one worker (invariant 1).
+A worker that finishes a step for a sequence becomes its KV owner: it then holds KV for
+all of the sequence's tokens but the last. A request for work is answered with the
+requester's own sequences first (affinity), then sequences nobody owns, then sequences
+that should move: their owner is dead, draining, short of memory or holds more than it
+can batch (load), or the policy is "any". Times are plain floats supplied by the caller.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import Counter, OrderedDict
+from dataclasses import dataclass, field
+
+from .protocol import Finish, SeqSpec
+
+CAUSES = ("load", "drain", "dead", "memory", "any")
+
+
+@dataclass(slots=True)
+class SchedulerConfig:
+    max_queued: int = 4096
+    lease_timeout_s: float = 10.0
+    heartbeat_timeout_s: float = 5.0
+    policy: str = "affinity"              # affinity | any
+    migrate_on_load: bool = True
+    migrate_on_memory: bool = True
+    min_free_vram_fraction: float = 0.05
+    migration: str = "auto"               # auto | recompute | transfer
+    link_gbps: float = 10.0
+    prefill_tflops: float = 100.0
+    rebalance_threshold: int = 8          # owned-count gap that lets an idle worker take work
+
+    def __post_init__(self):
+        assert self.policy in ("affinity", "any"), self.policy
+        assert self.migration in ("auto", "recompute", "transfer"), self.migration
+
+
+@dataclass(slots=True)
+class Seq:
+    spec: SeqSpec
+    token_ids: list[int]
+    owner: str | None = None
+    lease_id: int | None = None
+
+    @property
+    def seq_id(self) -> int:
+        return self.spec.seq_id
+
+
+@dataclass(slots=True)
+class WorkerState:
+    name: str
+    max_seqs: int
+    max_tokens: int
+    inflight: int = 2
+    kv_endpoint: str = ""
+    gpu_uuid: str = ""
+    kv_bytes_per_token: int = 0
+    num_params: int = 0
+    last_seen: float = 0.0
+    joined_at: float = 0.0
+    alive: bool = True
+    draining: bool = False
+    free_vram_fraction: float | None = None
+    owned: set[int] = field(default_factory=set)
+    num_leased: int = 0
+    pending_drops: list[int] = field(default_factory=list)
+
+    @property
+    def capacity(self) -> int:
+        return self.max_seqs * self.inflight
+
+    @property
+    def is_memory_short(self) -> bool:
+        return self.free_vram_fraction is not None and self.free_vram_fraction < 0.0
+
+
+@dataclass(slots=True)
+class Row:
+    seq_id: int
+    length: int               # tokens in the sequence once this step's input is in
+    last_token: int
+    spec: SeqSpec | None      # set when the worker needs the full form
+
+
+@dataclass(slots=True)
+class Grant:
+    """A lease handed to `worker`, plus KV shipments the owners must start."""
+
+    lease_id: int
+    worker: str
+    rows: list[Row]
+    drop_ids: list[int]
+    shipments: list[tuple[str, int, str, int, int]]  # (owner, seq_id, dest, transfer_id, num_tokens)
+
+
+@dataclass(slots=True)
+class _Lease:
+    worker: str
+    seq_ids: list[int]
+    deadline: float
+
+
+@dataclass(slots=True)
+class Outcome:
+    accepted: bool
+    finished: list[tuple[int, Finish]] = field(default_factory=list)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig | None = None):
+        self.config = config or SchedulerConfig()
+        self.seqs: dict[int, Seq] = {}
+        self.queue: OrderedDict[int, None] = OrderedDict()
+        self.workers: dict[str, WorkerState] = {}
+        self.leases: dict[int, _Lease] = {}
+        self.counters: Counter[str] = Counter()
+        self._lease_ids = itertools.count(1)
+        self._transfer_ids = itertools.count(1)
+
+    # --- membership --------------------------------------------------------------------
+    def register(self, worker: WorkerState, now: float) -> None:
+        old = self.workers.get(worker.name)
+        if old is not None and old.alive:
+            self._forget_worker(old, cause="dead")  # a restarted worker holds nothing
+        worker.last_seen = worker.joined_at = now
+        self.workers[worker.name] = worker
+        self.counters["workers_joined"] += 1
+
+    def touch(self, name: str, now: float) -> None:
+        if (w := self.workers.get(name)) is not None:
+            w.last_seen = now
+
+    def drain(self, name: str) -> bool:
+        w = self.workers.get(name)
+        if w is None or not w.alive:
+            return False
+        w.draining = True
+        return True
+
+    def is_drained(self, name: str) -> bool:
+        w = self.workers[name]
+        return w.draining and w.num_leased == 0 and not w.owned
+
+    def retire(self, name: str) -> None:
+        if (w := self.workers.get(name)) is not None:
+            self._forget_worker(w, cause="drain")
+            w.alive = False
+
+    def set_free_vram(self, gpu_uuid: str, free_fraction: float) -> None:
+        for w in self.workers.values():
+            if w.gpu_uuid and w.gpu_uuid == gpu_uuid:
+                short = free_fraction < self.config.min_free_vram_fraction
+                w.free_vram_fraction = -1.0 if short else free_fraction
+
+    # --- admission ---------------------------------------------------------------------
+    @property
+    def num_free(self) -> int:
+        return max(0, self.config.max_queued - len(self.seqs))
+
+    def admit(self, specs: list[SeqSpec]) -> int:
+        """Queue as many as fit, in order; returns how many were taken."""
+        taken = 0
+        for spec in specs[: self.num_free]:
+            if spec.seq_id in self.seqs:
+                taken += 1  # a resend of something already here
+                continue
+            self.seqs[spec.seq_id] = Seq(spec, spec.ids.tolist())
+            self.queue[spec.seq_id] = None
+            taken += 1
+        self.counters["admitted"] += taken
+        return taken
+
+    # --- leasing -----------------------------------------------------------------------
+    def schedule(self, name: str, max_seqs: int, max_tokens: int, now: float,
+                 free_slots: int | None = None) -> Grant | None:
+        w = self.workers.get(name)
+        if w is None or not w.alive or w.draining or not self.queue:
+            return None
+        max_seqs = min(max_seqs, w.max_seqs)
+        budget = min(max_tokens, w.max_tokens)
+        new_slots = len(self.queue) if free_slots is None else free_slots
+        rows: list[Row] = []
+        shipments = []
+        for seq, cause in self._candidates(w):
+            if len(rows) >= max_seqs:
+                break
+            is_diff = seq.owner == name
+            if not is_diff and new_slots <= 0:
+                continue
+            mechanism = None if cause is None else self._mechanism(seq, w)
+            cost = 1 if is_diff or mechanism == "transfer" else len(seq.token_ids)
+            if rows and cost > budget:
+                continue
+            budget -= cost
+            rows.append(self._lease_row(seq, w, cause, mechanism, shipments))
+            if not is_diff:
+                new_slots -= 1
+        if not rows:
+            return None
+        lease_id = next(self._lease_ids)
+        seq_ids = [r.seq_id for r in rows]
+        for sid in seq_ids:
+            self.seqs[sid].lease_id = lease_id
+            del self.queue[sid]
+        self.leases[lease_id] = _Lease(name, seq_ids, now + self.config.lease_timeout_s)
+        w.num_leased += len(rows)
+        drops, w.pending_drops = w.pending_drops, []
+        self.counters["leases"] += 1
+        self.counters["leased_rows"] += len(rows)
+        return Grant(lease_id, name, rows, drops, shipments)
+
+    def _candidates(self, w: WorkerState):
+        """Queued sequences this worker may run, best first, with the migration cause."""
+        own, free, movable = [], [], []
+        quota = self._steal_quota(w)
+        for sid in self.queue:
+            seq = self.seqs[sid]
+            owner = self.workers.get(seq.owner) if seq.owner else None
+            if owner is None:
+                free.append((seq, None))
+            elif owner is w:
+                own.append((seq, None))
+            elif (cause := self._move_cause(owner, quota)) is not None:
+                if cause == "load":
+                    quota[owner.name] -= 1
+                movable.append((seq, cause))
+        return itertools.chain(own, free, movable)
+
+    def _steal_quota(self, w: WorkerState) -> Counter[str]:
+        """How many sequences each other worker may lose to `w` for load reasons."""
+        quota: Counter[str] = Counter()
+        if not self.config.migrate_on_load:
+            return quota
+        mine = len(w.owned)
+        for other in self.workers.values():
+            if other is w or not other.alive:
+                continue
+            have = len(other.owned)
+            excess = have - other.capacity
+            gap = (have - mine) // 2 if have - mine >= self.config.rebalance_threshold else 0
+            quota[other.name] = max(excess, gap, 0)
+        return quota
+
+    def _move_cause(self, owner: WorkerState, quota: Counter[str]) -> str | None:
+        if not owner.alive:
+            return "dead"
+        if owner.draining:
+            return "drain"
+        if self.config.migrate_on_memory and owner.is_memory_short:
+            return "memory"
+        if self.config.policy == "any":
+            return "any"
+        if quota[owner.name] > 0:
+            return "load"
+        return None
+
+    def _mechanism(self, seq: Seq, dest: WorkerState) -> str:
+        owner = self.workers[seq.owner]
+        if not owner.alive or not owner.kv_endpoint or not dest.kv_endpoint:
+            return "recompute"
+        if self.config.migration != "auto":
+            return self.config.migration
+        return choose_mechanism(len(seq.token_ids) - 1, owner.kv_bytes_per_token, owner.num_params,
+                                self.config.link_gbps, self.config.prefill_tflops)
+
+    def _lease_row(self, seq: Seq, w: WorkerState, cause, mechanism, shipments) -> Row:
+        if seq.owner == w.name:
+            return Row(seq.seq_id, len(seq.token_ids), seq.token_ids[-1], None)
+        kv_from, transfer_id = "", 0
+        if cause is not None:
+            owner = self.workers[seq.owner]
+            self.counters[f"migrations_{cause}"] += 1
+            self.counters[f"migrations_by_{mechanism}"] += 1
+            owner.owned.discard(seq.seq_id)
+            if mechanism == "transfer":
+                transfer_id = next(self._transfer_ids)
+                kv_from = owner.kv_endpoint
+                shipments.append((owner.name, seq.seq_id, w.kv_endpoint, transfer_id,
+                                  len(seq.token_ids) - 1))
+            elif owner.alive:
+                owner.pending_drops.append(seq.seq_id)
+        seq.owner = None
+        spec = _respec(seq, kv_from, transfer_id)
+        return Row(seq.seq_id, len(seq.token_ids), seq.token_ids[-1], spec)
+
+    # --- results -----------------------------------------------------------------------
+    def complete(self, lease_id: int, name: str, seq_ids: list[int], counts: list[int],
+                 tokens: list[int], status: list[int], now: float) -> Outcome:
+        lease = self.leases.get(lease_id)
+        if lease is None or lease.worker != name:
+            self.counters["stale_results"] += 1
+            return Outcome(False)
+        del self.leases[lease_id]
+        w = self.workers[name]
+        w.last_seen = now
+        w.num_leased -= len(lease.seq_ids)
+        outcome = Outcome(True)
+        pos = 0
+        reported = set()
+        for sid, count, code in zip(seq_ids, counts, status):
+            new, pos = tokens[pos:pos + count], pos + count
+            seq = self.seqs.get(sid)
+            if seq is None or seq.lease_id != lease_id or sid in reported:
+                continue
+            reported.add(sid)
+            seq.lease_id = None
+            code = Finish(code)
+            if code.is_finished:
+                self._remove(seq)
+                outcome.finished.append((sid, code))
+                continue
+            if code == Finish.NEED_IDS:
+                self._set_owner(seq, None)
+                self.counters["resends"] += 1
+            else:
+                seq.token_ids.extend(new)
+                self._set_owner(seq, name)
+            self._requeue(seq, front=code == Finish.NEED_IDS)
+        for sid in lease.seq_ids:  # rows the worker failed to report
+            if sid not in reported and (seq := self.seqs.get(sid)) is not None:
+                seq.lease_id = None
+                self._set_owner(seq, None)
+                self._requeue(seq, front=True)
+        return outcome
+
+    def expire(self, now: float) -> list[int]:
+        """Take back leases past their deadline and forget workers that stopped talking."""
+        expired = []
+        for lease_id, lease in list(self.leases.items()):
+            if lease.deadline <= now:
+                expired.append(lease_id)
+                self._revoke(lease_id)
+                self.counters["leases_expired"] += 1
+        for w in self.workers.values():
+            if w.alive and now - w.last_seen > self.config.heartbeat_timeout_s:
+                self._forget_worker(w, cause="dead")
+                w.alive = False
+                self.counters["workers_lost"] += 1
+        return expired
+
+    # --- internals ---------------------------------------------------------------------
+    def _revoke(self, lease_id: int) -> None:
+        lease = self.leases.pop(lease_id)
+        w = self.workers[lease.worker]
+        w.num_leased -= len(lease.seq_ids)
+        for sid in lease.seq_ids:
+            seq = self.seqs.get(sid)
+            if seq is not None and seq.lease_id == lease_id:
+                seq.lease_id = None
+                # The worker may or may not have run the step: its KV is not to be trusted.
+                self._set_owner(seq, None)
+                w.pending_drops.append(sid)
+                self._requeue(seq, front=True)
+
+    def _forget_worker(self, w: WorkerState, cause: str) -> None:
+        for lease_id in [i for i, lease in self.leases.items() if lease.worker == w.name]:
+            self._revoke(lease_id)
+        if cause == "dead":
+            for sid in list(w.owned):
+                seq = self.seqs[sid]
+                seq.owner = None
+                self.counters["migrations_dead"] += 1
+                self.counters["migrations_by_recompute"] += 1
+            w.owned.clear()
+
+    def _set_owner(self, seq: Seq, name: str | None) -> None:
+        if seq.owner and seq.owner != name and (old := self.workers.get(seq.owner)):
+            old.owned.discard(seq.seq_id)
+        seq.owner = name
+        if name is not None:
+            self.workers[name].owned.add(seq.seq_id)
+
+    def _requeue(self, seq: Seq, front: bool = False) -> None:
+        self.queue[seq.seq_id] = None
+        if front:
+            self.queue.move_to_end(seq.seq_id, last=False)
+
+    def _remove(self, seq: Seq) -> None:
+        self._set_owner(seq, None)
+        self.queue.pop(seq.seq_id, None)
+        del self.seqs[seq.seq_id]
+        self.counters["finished"] += 1
+
+
+def _respec(seq: Seq, kv_from: str, transfer_id: int) -> SeqSpec:
+    from .protocol import pack_i32  # local: keeps the import list of the pure core short
+    s = seq.spec
+    return SeqSpec(s.seq_id, pack_i32(seq.token_ids), s.prompt_len, s.max_new_tokens, s.temperature,
+                   s.top_p, s.top_k, s.seed, s.stop_ids, s.eos_ids, kv_from, transfer_id)
+
+
+def choose_mechanism(num_tokens: int, kv_bytes_per_token: int, num_params: int,
+                     link_gbps: float, prefill_tflops: float) -> str:
+    """KV transfer when shipping the cache beats recomputing it.
+
+    transfer ≈ num_tokens · kv_bytes_per_token / link bandwidth
+    recompute ≈ num_tokens · 2 · num_params / prefill FLOP rate
+    Both grow linearly in length, so the choice is really between bytes per token over
+    the link and FLOPs per token on the GPU; a fixed 1 ms setup cost for a transfer tips
+    short sequences towards recompute.
+    """
+    if num_tokens <= 0 or kv_bytes_per_token <= 0 or num_params <= 0:
+        return "recompute"
+    transfer_s = 1e-3 + num_tokens * kv_bytes_per_token * 8 / (link_gbps * 1e9)
+    recompute_s = num_tokens * 2 * num_params / (prefill_tflops * 1e12)
+    return "transfer" if transfer_s < recompute_s else "recompute"

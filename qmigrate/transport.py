@@ -1,0 +1,110 @@
+"""ZeroMQ plumbing: sockets with safe options, timed receives, one-shot requests."""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+
+import zmq
+
+from . import protocol
+from .protocol import ProtocolError
+
+log = logging.getLogger(__name__)
+
+KV_MAX_MESSAGE_BYTES = 4 << 30
+
+
+class Unreachable(RuntimeError):
+    pass
+
+
+_context: zmq.Context | None = None
+
+
+def context() -> zmq.Context:
+    global _context
+    if _context is None or _context.closed:
+        _context = zmq.Context()
+    return _context
+
+
+def _prepare_ipc(endpoint: str) -> None:
+    if endpoint.startswith("ipc://"):
+        os.makedirs(os.path.dirname(endpoint[len("ipc://"):]) or ".", exist_ok=True)
+
+
+def socket(kind: int, *, bind: str | None = None, connect: str | list[str] | None = None,
+           identity: str | None = None, max_bytes: int = protocol.MAX_MESSAGE_BYTES,
+           hwm: int = 10_000) -> zmq.Socket:
+    sock = context().socket(kind)
+    sock.setsockopt(zmq.LINGER, 0)
+    # A peer sending more than this is disconnected instead of exhausting our memory.
+    sock.setsockopt(zmq.MAXMSGSIZE, max_bytes)
+    sock.setsockopt(zmq.SNDHWM, hwm)
+    sock.setsockopt(zmq.RCVHWM, hwm)
+    if kind == zmq.ROUTER:
+        # Without this a reply to a peer that went away vanishes silently.
+        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+    if identity is not None:
+        sock.setsockopt(zmq.IDENTITY, identity.encode())
+    if bind:
+        _prepare_ipc(bind)
+        sock.bind(bind)
+    for endpoint in [connect] if isinstance(connect, str) else (connect or []):
+        sock.connect(endpoint)
+    return sock
+
+
+def send(sock: zmq.Socket, msg, *, to: bytes | None = None, flags: int = 0) -> bool:
+    """Send one message; to a ROUTER peer when `to` is given. False if it could not go."""
+    frames = [protocol.encode(msg)]
+    if to is not None:
+        frames.insert(0, to)
+    try:
+        sock.send_multipart(frames, flags=flags, copy=False)
+        return True
+    except zmq.Again:
+        return False
+    except zmq.ZMQError as exc:
+        if exc.errno == zmq.EHOSTUNREACH:
+            log.warning("peer %r is gone; dropped a %s", to, type(msg).__name__)
+            return False
+        raise
+
+
+def parse(frame: bytes, origin: str):
+    """Decode one frame, logging and returning None when it is malformed."""
+    try:
+        return protocol.decode(frame)
+    except ProtocolError as exc:
+        log.warning("dropped malformed message from %s: %s", origin, exc)
+        return None
+
+
+def recv(sock: zmq.Socket, timeout_s: float):
+    """Receive one message within timeout_s: (sender identity or None, message) or None."""
+    if not sock.poll(int(timeout_s * 1000)):
+        return None
+    frames = sock.recv_multipart(copy=True)
+    sender = frames[0] if sock.socket_type == zmq.ROUTER and len(frames) > 1 else None
+    return sender, parse(frames[-1], sender.decode(errors="replace") if sender else "peer")
+
+
+def request(endpoint: str, msg, *, timeout_s: float = 5.0, expect: type | tuple = ()):
+    """One request, one reply, on a fresh DEALER socket. Raises Unreachable on timeout."""
+    sock = socket(zmq.DEALER, connect=endpoint)
+    try:
+        send(sock, msg)
+        deadline = time.monotonic() + timeout_s
+        while (left := deadline - time.monotonic()) > 0:
+            got = recv(sock, left)
+            if got is None:
+                break
+            reply = got[1]
+            if reply is not None and (not expect or isinstance(reply, expect)):
+                return reply
+        raise Unreachable(f"no answer from {endpoint} within {timeout_s:g} s")
+    finally:
+        sock.close(linger=0)

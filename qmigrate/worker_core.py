@@ -1,0 +1,188 @@
+"""What a worker does with a lease, without sockets: rows in, results and tokens out.
+
+The worker keeps, per sequence it holds KV for, the sampling parameters from the full
+form it first received; after that only diffs arrive (length and last token). A diff
+for a sequence whose KV is not here (evicted, worker restarted) is answered NEED_IDS,
+and the router resends the full form.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from . import protocol as P
+from .engine.runner import Engine, StepRow
+from .protocol import Finish
+
+log = logging.getLogger(__name__)
+
+ERROR = Finish.ERROR
+
+
+@dataclass(slots=True)
+class SeqState:
+    prompt_len: int
+    max_new_tokens: int
+    temperature: float
+    top_p: float
+    top_k: int
+    seed: int
+    stop_ids: list[list[int]]
+    eos_ids: frozenset[int]
+    tail: list[int] = field(default_factory=list)   # recent tokens, for stop sequences
+
+    @classmethod
+    def from_spec(cls, spec: P.SeqSpec, ids: np.ndarray) -> "SeqState":
+        keep = max((len(s) for s in spec.stop_ids), default=0)
+        seed = spec.seed if spec.seed >= 0 else spec.seq_id
+        tail = ids[spec.prompt_len:].tolist()[-keep:] if keep else []
+        return cls(spec.prompt_len, spec.max_new_tokens, spec.temperature, spec.top_p, spec.top_k,
+                   seed, spec.stop_ids, frozenset(spec.eos_ids), tail)
+
+    def finish_after(self, token: int, index: int, length: int, max_len: int) -> Finish:
+        """Status once `token`, generated token number `index`, joined a sequence of `length`."""
+        if token in self.eos_ids:
+            return Finish.EOS
+        if self.stop_ids:
+            self.tail.append(token)
+            keep = max(len(s) for s in self.stop_ids)
+            del self.tail[:-keep]
+            if any(self.tail[-len(s):] == s for s in self.stop_ids if s):
+                return Finish.STOP
+        if index + 1 >= self.max_new_tokens or length >= max_len:
+            return Finish.LENGTH
+        return Finish.NONE
+
+
+@dataclass(slots=True)
+class Transfer:
+    seq_id: int
+    kv: torch.Tensor | None   # None: the owner had nothing to send
+    arrived: float
+
+
+class WorkerCore:
+    def __init__(self, engine: Engine):
+        self.engine = engine
+        self.seqs: dict[int, SeqState] = {}
+        self.transfers: dict[int, Transfer] = {}
+        self.num_steps = 0
+
+    @property
+    def free_slots(self) -> int:
+        return self.engine.pool.num_free
+
+    def drop(self, seq_ids) -> None:
+        for sid in seq_ids:
+            self.seqs.pop(int(sid), None)
+            self.engine.release(int(sid))
+
+    def receive_transfer(self, transfer_id: int, seq_id: int, kv: torch.Tensor | None) -> None:
+        self.transfers[transfer_id] = Transfer(seq_id, kv, time.monotonic())
+        if len(self.transfers) > 4 * self.engine.pool.num_slots:
+            oldest = min(self.transfers, key=lambda t: self.transfers[t].arrived)
+            del self.transfers[oldest]
+
+    def export(self, seq_id: int, num_tokens: int) -> torch.Tensor | None:
+        """The KV to ship for seq_id, then forget it here; None if it is not held."""
+        kv = None
+        if self.engine.cached_len(seq_id) >= num_tokens > 0:
+            kv = self.engine.export_kv(seq_id)[:, :, :, :num_tokens].contiguous()
+        self.drop([seq_id])
+        return kv
+
+    def awaited_transfers(self, lease: P.Lease) -> set[int]:
+        return {s.transfer_id for s in lease.full if s.kv_from and s.transfer_id not in self.transfers}
+
+    def run(self, lease: P.Lease) -> tuple[P.StepResult, P.Tokens]:
+        self.drop(P.unpack_i64(lease.drop_ids, "drop_ids"))
+        seq_ids = P.unpack_i64(lease.seq_ids, "seq_ids").tolist()
+        lengths = P.unpack_i32(lease.lengths, "lengths").tolist()
+        last = P.unpack_i32(lease.last_tokens, "last_tokens").tolist()
+        if not len(seq_ids) == len(lengths) == len(last):
+            raise P.ProtocolError("lease arrays differ in length")
+        full = {s.seq_id: s for s in lease.full}
+        status = {sid: Finish.NONE for sid in seq_ids}
+        out: dict[int, list[int]] = {sid: [] for sid in seq_ids}
+        rows: list[StepRow] = []
+        first_index: dict[int, int] = {}
+        for sid, length, token in zip(seq_ids, lengths, last):
+            row = self._row(sid, length, token, full.get(sid))
+            if isinstance(row, StepRow):
+                rows.append(row)
+                first_index[sid] = row.index
+            else:
+                status[sid] = row
+        for _ in range(max(1, lease.num_steps)):
+            if not rows:
+                break
+            tokens = self.engine.step(rows)
+            self.num_steps += 1
+            rows = self._advance(rows, tokens, status, out)
+        return self._messages(lease.lease_id, seq_ids, first_index, status, out)
+
+    def _row(self, sid: int, length: int, token: int, spec: P.SeqSpec | None):
+        vocab = self.engine.vocab_size
+        if spec is not None:
+            ids = spec.ids
+            if len(ids) != length or length == 0 or spec.prompt_len <= 0 or (ids >= vocab).any():
+                log.warning("sequence %d: inconsistent or out-of-vocabulary full form", sid)
+                return ERROR
+            if length > self.engine.max_len:
+                return ERROR
+            state = self.seqs[sid] = SeqState.from_spec(spec, ids)
+            start = self._take_transfer(spec, length)
+            new = ids[start:].tolist()
+        else:
+            state = self.seqs.get(sid)
+            if state is None or self.engine.cached_len(sid) < length - 1 or not 0 <= token < vocab:
+                return Finish.NEED_IDS
+            start, new = length - 1, [token]
+        return StepRow(sid, new, start, length - state.prompt_len, state.temperature,
+                       state.top_p, state.top_k, state.seed)
+
+    def _take_transfer(self, spec: P.SeqSpec, length: int) -> int:
+        """Positions whose KV arrived by transfer (0 when it did not: recompute)."""
+        if not spec.kv_from:
+            self.engine.release(spec.seq_id)
+            return 0
+        transfer = self.transfers.pop(spec.transfer_id, None)
+        if transfer is None or transfer.kv is None or transfer.kv.shape[3] != length - 1:
+            self.engine.release(spec.seq_id)
+            return 0
+        self.engine.import_kv(spec.seq_id, transfer.kv)
+        return length - 1
+
+    def _advance(self, rows: list[StepRow], tokens: list[int], status, out) -> list[StepRow]:
+        nxt = []
+        for row, token in zip(rows, tokens):
+            state = self.seqs[row.seq_id]
+            out[row.seq_id].append(token)
+            length = row.start + len(row.new_ids) + 1
+            code = state.finish_after(token, row.index, length, self.engine.max_len)
+            status[row.seq_id] = code
+            if code.is_finished:
+                self.drop([row.seq_id])
+            else:
+                nxt.append(StepRow(row.seq_id, [token], length - 1, row.index + 1, row.temperature,
+                                   row.top_p, row.top_k, row.seed))
+        return nxt
+
+    def _messages(self, lease_id, seq_ids, first_index, status, out):
+        counts = [len(out[sid]) for sid in seq_ids]
+        flat = [t for sid in seq_ids for t in out[sid]]
+        codes = [int(status[sid]) for sid in seq_ids]
+        result = P.StepResult(lease_id, P.pack_i64(seq_ids), P.pack_i32(counts), P.pack_i32(flat),
+                              P.pack_u8(codes), self.free_slots)
+        emitted = [i for i, sid in enumerate(seq_ids) if out[sid] or codes[i] == ERROR]
+        starts = [first_index.get(seq_ids[i], 0) for i in emitted]
+        tokens = P.Tokens(P.pack_i64([seq_ids[i] for i in emitted]), P.pack_i32(starts),
+                          P.pack_i32([counts[i] for i in emitted]),
+                          P.pack_i32([t for i in emitted for t in out[seq_ids[i]]]),
+                          P.pack_u8([codes[i] for i in emitted]))
+        return result, tokens

@@ -1,0 +1,212 @@
+import json
+
+import pytest
+
+from qmigrate.intake import Defaults, Prompt, PromptError, parse_line
+from tokenizer_util import build_tokenizer
+
+MAX_CONTEXT = 64
+EOS_ID = 1  # "</s>" in the test tokenizer
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return build_tokenizer()
+
+
+def text(tok, line, line_no=1, **kw):
+    kw.setdefault("max_context", MAX_CONTEXT)
+    return parse_line(line, mode="text", line_no=line_no, tokenizer=tok,
+                      defaults=kw.pop("defaults", Defaults()),
+                      eos_ids=kw.pop("eos_ids", [EOS_ID]), **kw)
+
+
+def jsonl(tok, obj, line_no=1, **kw):
+    line = obj if isinstance(obj, str) else json.dumps(obj)
+    kw.setdefault("max_context", MAX_CONTEXT)
+    return parse_line(line + "\n", mode="jsonl", line_no=line_no, tokenizer=tok,
+                      defaults=kw.pop("defaults", Defaults()),
+                      eos_ids=kw.pop("eos_ids", [EOS_ID]), **kw)
+
+
+def error_of(fn, *args, **kw) -> PromptError:
+    with pytest.raises(PromptError) as info:
+        fn(*args, **kw)
+    assert isinstance(info.value, ValueError)
+    return info.value
+
+
+# ---- text mode ----
+
+
+def test_text_prompt_defaults(tok):
+    assert tok.eos_token_id == EOS_ID
+    p = text(tok, "Hello world\n", line_no=3, max_context=1000)
+    assert p == Prompt(req_id="3", prompt_ids=tok.encode("Hello world"), max_new_tokens=64,
+                       temperature=0.0, top_p=1.0, top_k=0, seed=None, stop_ids=[])
+    assert p.prompt_ids[0] == tok.bos_token_id
+
+
+def test_text_keeps_spaces_strips_line_ending_only(tok):
+    assert text(tok, "  Hello world \r\n").prompt_ids == tok.encode("  Hello world ")
+
+
+def test_text_defaults_object_used(tok):
+    d = Defaults(max_new_tokens=5, temperature=0.7, top_p=0.9, top_k=40)
+    p = text(tok, "hi", defaults=d)
+    assert (p.max_new_tokens, p.temperature, p.top_p, p.top_k) == (5, 0.7, 0.9, 40)
+
+
+@pytest.mark.parametrize("line", ["\n", "", "   \t \n", "\r\n"])
+def test_text_empty_prompt(tok, line):
+    err = error_of(text, tok, line, line_no=7)
+    assert str(err) == "empty prompt" and err.req_id == "7"
+
+
+def test_text_too_long(tok):
+    line = "word " * 100
+    n = len(tok.encode(line))
+    err = error_of(text, tok, line, line_no=2)
+    assert str(err) == f"prompt is {n} tokens; the model's context is {MAX_CONTEXT}"
+    assert err.req_id == "2"
+
+
+def test_context_boundary(tok):
+    ids = [5] * (MAX_CONTEXT - 1)
+    p = jsonl(tok, {"prompt_ids": ids, "max_new_tokens": 10})
+    assert p.max_new_tokens == 1
+    err = error_of(jsonl, tok, {"prompt_ids": ids + [5]})
+    assert str(err) == f"prompt is {MAX_CONTEXT} tokens; the model's context is {MAX_CONTEXT}"
+
+
+def test_max_new_tokens_clamped(tok):
+    p = text(tok, "Hello world")
+    assert p.max_new_tokens == MAX_CONTEXT - len(p.prompt_ids)
+    p = jsonl(tok, {"prompt": "Hello world", "max_new_tokens": 3})
+    assert p.max_new_tokens == 3
+
+
+def test_trailing_eos_removed(tok):
+    class AddsEos:
+        def __len__(self):
+            return len(tok)
+
+        def encode(self, s, add_special_tokens=True):
+            return tok.encode(s, add_special_tokens=add_special_tokens) + [tok.eos_token_id]
+
+    assert text(AddsEos(), "Hello").prompt_ids == tok.encode("Hello")
+    assert text(AddsEos(), "Hello", eos_ids=[]).prompt_ids == tok.encode("Hello") + [EOS_ID]
+
+
+# ---- jsonl mode ----
+
+
+def test_jsonl_full(tok):
+    p = jsonl(tok, {"id": "abc", "prompt": "Hello world", "max_new_tokens": 8,
+                    "temperature": 1, "top_p": 0.5, "top_k": 3, "seed": 2**63 - 1,
+                    "stop": ["END", [7, 8], " stop"]})
+    assert p == Prompt(req_id="abc", prompt_ids=tok.encode("Hello world"), max_new_tokens=8,
+                       temperature=1.0, top_p=0.5, top_k=3, seed=2**63 - 1,
+                       stop_ids=[tok.encode("END", add_special_tokens=False), [7, 8],
+                                 tok.encode(" stop", add_special_tokens=False)])
+    assert isinstance(p.temperature, float)
+    assert tok.bos_token_id not in p.stop_ids[0]
+
+
+def test_jsonl_defaults_and_ids(tok):
+    p = jsonl(tok, {"prompt_ids": [0, 5, 511]}, line_no=4, max_context=1000)
+    assert p == Prompt(req_id="4", prompt_ids=[0, 5, 511], max_new_tokens=64, temperature=0.0,
+                       top_p=1.0, top_k=0, seed=None, stop_ids=[])
+
+
+def test_jsonl_int_id_and_null_fields(tok):
+    p = jsonl(tok, {"id": 12, "prompt": "x", "seed": None, "top_k": None})
+    assert p.req_id == "12" and p.seed is None and p.top_k == 0
+
+
+def test_jsonl_stop_single_string(tok):
+    p = jsonl(tok, {"prompt": "x", "stop": "END"})
+    assert p.stop_ids == [tok.encode("END", add_special_tokens=False)]
+
+
+@pytest.mark.parametrize("obj, message", [
+    ({"prompt": "x", "foo": 1}, "unknown key 'foo'"),
+    ({"max_new_tokens": 3}, "give exactly one of 'prompt' and 'prompt_ids'"),
+    ({"prompt": "x", "prompt_ids": [1]}, "give exactly one of 'prompt' and 'prompt_ids'"),
+    ({"prompt": "  "}, "empty prompt"),
+    ({"prompt": 5}, "prompt must be a string"),
+    ({"prompt_ids": []}, "prompt_ids must be a non-empty list of token ids"),
+    ({"prompt_ids": "1 2"}, "prompt_ids must be a non-empty list of token ids"),
+    ({"prompt_ids": [1, 512]}, "prompt_ids[1] = 512 is out of range [0, 512)"),
+    ({"prompt_ids": [-1]}, "prompt_ids[0] = -1 is out of range [0, 512)"),
+    ({"prompt_ids": [1, True]}, "prompt_ids[1] must be an integer token id, got true"),
+    ({"prompt_ids": [1.0]}, "prompt_ids[0] must be an integer token id, got 1.0"),
+    ({"prompt": "x", "max_new_tokens": 0}, "max_new_tokens must be an integer >= 1"),
+    ({"prompt": "x", "max_new_tokens": 2.0}, "max_new_tokens must be an integer >= 1"),
+    ({"prompt": "x", "max_new_tokens": True}, "max_new_tokens must be an integer >= 1"),
+    ({"prompt": "x", "temperature": -0.1}, "temperature must be a number >= 0"),
+    ({"prompt": "x", "temperature": "hot"}, "temperature must be a number >= 0"),
+    ({"prompt": "x", "temperature": False}, "temperature must be a number >= 0"),
+    ({"prompt": "x", "top_p": 0}, "top_p must be a number in (0, 1]"),
+    ({"prompt": "x", "top_p": 1.5}, "top_p must be a number in (0, 1]"),
+    ({"prompt": "x", "top_k": -1}, "top_k must be an integer >= 0"),
+    ({"prompt": "x", "top_k": 2.5}, "top_k must be an integer >= 0"),
+    ({"prompt": "x", "seed": -1}, "seed must be an integer in [0, 2**63)"),
+    ({"prompt": "x", "seed": 2**63}, "seed must be an integer in [0, 2**63)"),
+    ({"prompt": "x", "seed": "7"}, "seed must be an integer in [0, 2**63)"),
+    ({"prompt": "x", "stop": 5}, "stop must be a string or a list of strings and token id lists"),
+    ({"prompt": "x", "stop": ""}, "stop is an empty string"),
+    ({"prompt": "x", "stop": ["a", ""]}, "stop[1] is an empty string"),
+    ({"prompt": "x", "stop": [5]}, "stop[0] must be a string or a list of token ids"),
+    ({"prompt": "x", "stop": [[]]}, "stop[0] must be a non-empty list of token ids"),
+    ({"prompt": "x", "stop": [[1, 900]]}, "stop[0][1] = 900 is out of range [0, 512)"),
+])
+def test_jsonl_errors(tok, obj, message):
+    err = error_of(jsonl, tok, {"id": "q", **obj}, line_no=9)
+    assert str(err) == message
+    assert err.req_id == "q"
+
+
+def test_jsonl_error_without_id_uses_line_number(tok):
+    err = error_of(jsonl, tok, {"prompt": "x", "top_k": -1}, line_no=11)
+    assert err.req_id == "11"
+
+
+@pytest.mark.parametrize("bad_id", [True, "", 1.5, ["a"]])
+def test_jsonl_bad_id(tok, bad_id):
+    err = error_of(jsonl, tok, {"id": bad_id, "prompt": "x"}, line_no=5)
+    assert str(err) == "id must be a non-empty string or an integer"
+    assert err.req_id == "5"
+
+
+@pytest.mark.parametrize("line, message", [
+    ('{"prompt": "x",}', "invalid JSON: Expecting property name enclosed in double quotes: "
+                         "line 1 column 16 (char 15)"),
+    ("not json", "invalid JSON: Expecting value: line 1 column 1 (char 0)"),
+    ('{"prompt": "x", "temperature": NaN}', "invalid JSON: NaN is not valid JSON"),
+    ('{"prompt": "x", "top_p": Infinity}', "invalid JSON: Infinity is not valid JSON"),
+    ('["x"]', "expected a JSON object, got list"),
+    ('"x"', "expected a JSON object, got str"),
+    ("  ", "empty line"),
+])
+def test_jsonl_invalid(tok, line, message):
+    err = error_of(jsonl, tok, line, line_no=6)
+    assert str(err) == message
+    assert err.req_id == "6"
+
+
+def test_jsonl_too_long_names_request(tok):
+    err = error_of(jsonl, tok, {"id": "big", "prompt_ids": [3] * 200})
+    assert str(err) == "prompt is 200 tokens; the model's context is 64"
+    assert err.req_id == "big"
+
+
+def test_vocab_size_override(tok):
+    err = error_of(jsonl, tok, {"prompt_ids": [100]}, vocab_size=100)
+    assert str(err) == "prompt_ids[0] = 100 is out of range [0, 100)"
+
+
+def test_unknown_mode(tok):
+    with pytest.raises(ValueError, match="unknown input mode"):
+        parse_line("x", mode="csv", line_no=1, tokenizer=tok, max_context=8,
+                   defaults=Defaults(), eos_ids=[])
