@@ -59,8 +59,8 @@ def sim(
     config: Annotated[Optional[Path], typer.Argument(help="Topology YAML; its roles all run here. Default: 2 CPU workers.")] = None,
     workers: Annotated[Optional[int], typer.Option("--workers", "-w", min=1, help="Number of CPU workers (replaces the topology's workers).")] = None,
     model: Annotated[Optional[str], typer.Option("--model", "-m", help="HF causal LM: a local directory or a hub name. Default: the built-in tiny model.")] = None,
-    input: Annotated[InputMode, typer.Option("--input", help="text: one prompt per line; jsonl: one JSON request per line.")] = InputMode.text,
-    output: Annotated[InputMode, typer.Option("--output", help="text: readable streams; jsonl: one JSON event per line.")] = InputMode.text,
+    input: Annotated[Optional[InputMode], typer.Option("--input", help="text: one prompt per line; jsonl: one JSON request per line. Default: the topology's (text).")] = None,
+    output: Annotated[Optional[InputMode], typer.Option("--output", help="text: readable streams; jsonl: one JSON event per line. Default: the topology's (text).")] = None,
     max_new_tokens: Annotated[Optional[int], typer.Option("--max-new-tokens", min=1, help="Default output length per request.")] = None,
     log_level: LogLevel = "warning",
 ):
@@ -73,7 +73,10 @@ def sim(
     if workers is not None:
         template = data["workers"][0]
         data["workers"] = [{**template, "name": f"w{i}", "kv_port": None} for i in range(1, workers + 1)]
-    data["ingest"]["input"], data["detokenizer"]["output"] = input.value, output.value
+    if input is not None:
+        data["ingest"]["input"] = input.value
+    if output is not None:
+        data["detokenizer"]["output"] = output.value
     if max_new_tokens is not None:
         data["defaults"]["max_new_tokens"] = max_new_tokens
     try:

@@ -95,7 +95,6 @@ def supervise(children: list[Child], *, until_done: bool) -> int:
     finally:
         for s, h in old.items():
             signal.signal(s, h)
-        stop(children)
 
 
 def _failed(c: Child, rc: int) -> int:
@@ -104,11 +103,62 @@ def _failed(c: Child, rc: int) -> int:
 
 
 def run_node(topo: Topology, config_path: Path, node: str, *, read_stdin: bool,
-             log_level: str = "warning") -> int:
+             log_level: str = "warning", wait_for_workers: bool = False) -> int:
     roles = topo.roles_on(node)
     has_detok = any(role == "detokenizer" for role, _ in roles)
-    children = start_roles(topo, config_path, roles, read_stdin=read_stdin, log_level=log_level)
-    return supervise(children, until_done=read_stdin and has_detok)
+    # With wait_for_workers, prompts are read only once every worker has joined the router,
+    # so a short run is spread over the whole fleet instead of the first worker up.
+    late = [r for r in roles if r[0] == "ingest"] if wait_for_workers else []
+    early = [r for r in roles if r not in late]
+    children = start_roles(topo, config_path, early, read_stdin=read_stdin, log_level=log_level)
+    try:
+        if late:
+            if not wait_for_fleet(topo, children, len(topo.workers)):
+                return 1
+            children += start_roles(topo, config_path, late, read_stdin=read_stdin, log_level=log_level)
+        rc = supervise(children, until_done=read_stdin and has_detok)
+        if rc == 0 and read_stdin and any(role == "router" for role, _ in roles):
+            print_summary(topo)
+        return rc
+    finally:
+        stop(children)
+
+
+def wait_for_fleet(topo: Topology, children: list[Child], num_workers: int, timeout_s: float = 120.0) -> bool:
+    from . import protocol as P
+    from . import transport
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for c in children:
+            if (rc := c.proc.poll()) is not None:
+                _failed(c, rc)
+                return False
+        try:
+            stats = transport.request(topo.endpoint("router").connect, P.StatsRequest(),
+                                      timeout_s=1.0, expect=P.Stats).counters
+            if stats.get("workers", 0) >= num_workers:
+                return True
+        except transport.Unreachable:
+            pass
+        time.sleep(0.2)
+    print(f"qmigrate: only some of {num_workers} workers joined within {timeout_s:g} s", file=sys.stderr)
+    return False
+
+
+def print_summary(topo: Topology) -> None:
+    """One line on stderr: what the router counted, migrations by cause and mechanism."""
+    from . import protocol as P
+    from . import transport
+    try:
+        stats = transport.request(topo.endpoint("router").connect, P.StatsRequest(),
+                                  timeout_s=2.0, expect=P.Stats).counters
+    except transport.Unreachable:
+        return
+    moves = {k.removeprefix("migrations_"): v for k, v in sorted(stats.items())
+             if k.startswith("migrations_") and v}
+    detail = ", ".join(f"{k} {v}" for k, v in moves.items()) or "none"
+    print(f"qmigrate: {stats.get('finished', 0)} sequences finished in {stats.get('leases', 0)} "
+          f"batches; migrations: {detail}", file=sys.stderr)
 
 
 def single_node(topo: Topology, ipc_dir: str, model_path: str) -> Topology:
@@ -129,7 +179,7 @@ def run_sim(topo: Topology, model_path: str, log_level: str = "warning") -> int:
         local = single_node(topo, tmp, model_path)
         path = Path(tmp) / "topology.yaml"
         dump_topology(local, path)
-        return run_node(local, path, "local", read_stdin=True, log_level=log_level)
+        return run_node(local, path, "local", read_stdin=True, log_level=log_level, wait_for_workers=True)
 
 
 def set_title(role: str, name: str) -> None:

@@ -155,7 +155,7 @@ class Router:
     def on_stats(self, sender: bytes, msg: P.StatsRequest) -> None:
         counters = dict(self.sched.counters)
         counters.update(queued=len(self.sched.queue), live=len(self.sched.seqs),
-                        leases=len(self.sched.leases),
+                        open_leases=len(self.sched.leases),
                         workers=sum(w.alive for w in self.sched.workers.values()))
         for name, w in self.sched.workers.items():
             counters[f"owned_{name}"] = len(w.owned)
@@ -179,6 +179,8 @@ class Router:
                 req = waiting[0]
                 free = req.free_slots if req.free_slots >= 0 else None
                 grant = self.sched.schedule(name, req.max_seqs, req.max_tokens, now, free)
+                log.debug("request %d of %s (queue %d): %s", req.request_no, name,
+                          len(self.sched.queue), grant and len(grant.rows))
                 if grant is not None:
                     waiting.popleft()
                     self.send_grant(grant, req.request_no)

@@ -1,0 +1,139 @@
+"""The whole pipeline as users run it: `qmigrate sim` with real processes and sockets."""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+
+import pytest
+import torch
+import yaml
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def _topology(tmp_path, model_dir, num_workers: int, **router) -> str:
+    data = {
+        "transport": "ipc",
+        "model": {"path": str(model_dir)},
+        "nodes": [{"name": "local"}],
+        "router": {"node": "local", **router},
+        "ingest": {"node": "local", "input": "jsonl"},
+        "detokenizer": {"node": "local", "output": "jsonl"},
+        "workers": [{"name": f"w{i}", "node": "local", "device": "cpu", "max_seqs": 8}
+                    for i in range(1, num_workers + 1)],
+    }
+    path = tmp_path / f"topo-{num_workers}.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return str(path)
+
+
+def _prompts(n: int, seed: int = 0) -> list[dict]:
+    r = random.Random(seed)
+    return [{"id": f"p{i}", "prompt_ids": [1] + [r.randint(3, 1400) for _ in range(r.randint(1, 60))],
+             "max_new_tokens": r.randint(6, 24)} for i in range(n)]
+
+
+def _migrations(stderr: str) -> dict[str, int]:
+    line = re.search(r"migrations: (.*)", stderr)
+    assert line, stderr[-2000:]
+    return {k: int(v) for k, v in re.findall(r"(\w+) (\d+)", line.group(1))}
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model_dir):
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+
+    def generate(prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+        with torch.no_grad():
+            out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=max_new_tokens, do_sample=False)
+        return out[0, len(prompt_ids):].tolist()
+    return generate
+
+
+@pytest.mark.parametrize("num_workers,router", [
+    (2, {"policy": "affinity", "rebalance_threshold": 2, "migration": "recompute"}),
+    (3, {"policy": "any", "migration": "transfer"}),
+])
+def test_greedy_equals_generate_while_sequences_migrate(tmp_path, tiny_model_dir, reference, qmigrate,
+                                                         num_workers, router):
+    prompts = _prompts(24, seed=num_workers)
+    stdin = "".join(json.dumps(p) + "\n" for p in prompts)
+    run = qmigrate("sim", _topology(tmp_path, tiny_model_dir, num_workers, **router), stdin=stdin)
+    assert run.returncode == 0, run.stderr[-3000:]
+    finals = run.finals()
+    assert sorted(finals) == sorted(p["id"] for p in prompts)
+    for p in prompts:
+        expected = reference(p["prompt_ids"], p["max_new_tokens"])
+        assert finals[p["id"]]["token_ids"] == expected, p["id"]
+    moves = _migrations(run.stderr)
+    mechanism = router["migration"]
+    assert moves.get(f"by_{mechanism}", 0) > 0, run.stderr[-2000:]
+    cause = "load" if router["policy"] == "affinity" else "any"
+    assert moves.get(cause, 0) > 0, run.stderr[-2000:]
+
+
+def test_deltas_join_to_final_text(tmp_path, tiny_model_dir, qmigrate):
+    prompts = [{"id": "a", "prompt": "Hello there", "max_new_tokens": 20},
+               {"id": "b", "prompt": "東京 🦀 café", "max_new_tokens": 20}]
+    stdin = "".join(json.dumps(p) + "\n" for p in prompts)
+    run = qmigrate("sim", _topology(tmp_path, tiny_model_dir, 2), stdin=stdin)
+    assert run.returncode == 0, run.stderr[-3000:]
+    deltas: dict[str, str] = {}
+    for r in run.records():
+        if not r["done"]:
+            deltas[r["id"]] = deltas.get(r["id"], "") + r["delta"]
+    for rid, final in run.finals().items():
+        assert final["text"] == deltas.get(rid, "")
+        assert len(final["token_ids"]) == 20 or final["finish_reason"] == "eos"
+
+
+def test_seeded_sampling_is_the_same_on_one_and_three_workers(tmp_path, tiny_model_dir, qmigrate):
+    prompts = [{**p, "temperature": 0.9, "top_k": 40, "top_p": 0.95, "seed": 1000 + i}
+               for i, p in enumerate(_prompts(12, seed=7))]
+    stdin = "".join(json.dumps(p) + "\n" for p in prompts)
+    one = qmigrate("sim", _topology(tmp_path, tiny_model_dir, 1), stdin=stdin)
+    three = qmigrate("sim", _topology(tmp_path, tiny_model_dir, 3, policy="any"), stdin=stdin)
+    assert one.returncode == 0 and three.returncode == 0, one.stderr[-2000:] + three.stderr[-2000:]
+    a, b = one.finals(), three.finals()
+    assert {k: v["token_ids"] for k, v in a.items()} == {k: v["token_ids"] for k, v in b.items()}
+    assert _migrations(three.stderr).get("any", 0) > 0
+    greedy = qmigrate("sim", _topology(tmp_path, tiny_model_dir, 1),
+                      stdin="".join(json.dumps({**p, "temperature": 0}) + "\n" for p in prompts))
+    differs = [k for k, v in greedy.finals().items() if v["token_ids"] != a[k]["token_ids"]]
+    assert differs, "sampling at temperature 0.9 gave exactly the greedy output everywhere"
+
+
+def test_bad_requests_get_an_error_record_and_the_rest_go_on(tmp_path, tiny_model_dir, qmigrate):
+    lines = ['{"id": "ok1", "prompt": "Hello", "max_new_tokens": 5}',
+             '{"id": "empty", "prompt": ""}',
+             '{"id": "long", "prompt_ids": [' + ",".join(["5"] * 600) + "]}",
+             "this is not json",
+             '{"id": "bad", "prompt": "x", "temperature": -1}',
+             '{"id": "ok2", "prompt": "World", "max_new_tokens": 5}']
+    run = qmigrate("sim", _topology(tmp_path, tiny_model_dir, 2), stdin="\n".join(lines) + "\n")
+    assert run.returncode == 0, run.stderr[-3000:]
+    finals = run.finals()
+    assert len(finals["ok1"]["token_ids"]) == 5 and len(finals["ok2"]["token_ids"]) == 5
+    assert "empty prompt" in finals["empty"]["error"]
+    assert "context" in finals["long"]["error"]
+    assert "temperature" in finals["bad"]["error"]
+    assert "invalid JSON" in finals["4"]["error"]
+    assert "Traceback" not in run.stderr
+
+
+def test_text_mode_streams_every_request(tiny_model_dir, qmigrate):
+    run = qmigrate("sim", "--workers", "2", "--model", str(tiny_model_dir), "--max-new-tokens", "8",
+                   stdin="Hello\nTell me a story\n\n")
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert re.search(r"^\[1\] <done: length, 8 tokens>$", run.stdout, re.M), run.stdout
+    assert re.search(r"^\[2\] <done: length, 8 tokens>$", run.stdout, re.M), run.stdout
+    assert re.search(r"^\[3\] error: empty prompt$", run.stdout, re.M), run.stdout
+
+
+def test_no_stdin_exits_cleanly(tiny_model_dir, qmigrate):
+    run = qmigrate("sim", "--model", str(tiny_model_dir), stdin="")
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout == ""

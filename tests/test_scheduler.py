@@ -1,0 +1,763 @@
+"""The router's policy as pure bookkeeping: queue, leases, KV owners and migration.
+
+Times are plain floats; nothing here sleeps.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+
+import pytest
+
+from qmigrate.protocol import Finish, SeqSpec, pack_i32
+from qmigrate.scheduler import Grant, Scheduler, SchedulerConfig, WorkerState, choose_mechanism
+
+TOKEN = 77  # what the fake workers below "sample"
+
+
+# --- helpers ----------------------------------------------------------------------------
+
+def spec(seq_id: int, prompt_len: int = 4, max_new_tokens: int = 64) -> SeqSpec:
+    ids = [1] + [3 + (seq_id * 31 + i) % 1000 for i in range(prompt_len - 1)]
+    return SeqSpec(seq_id, pack_i32(ids), prompt_len, max_new_tokens, temperature=0.5, seed=seq_id,
+                   stop_ids=[[9, 9]], eos_ids=[2])
+
+
+def make_sched(**config) -> Scheduler:
+    config.setdefault("heartbeat_timeout_s", 1e9)  # tests about death set it themselves
+    return Scheduler(SchedulerConfig(**config))
+
+
+def join(s: Scheduler, name: str, now: float = 0.0, **kw) -> WorkerState:
+    kw = {"max_seqs": 8, "max_tokens": 4096, **kw}
+    w = WorkerState(name, **kw)
+    s.register(w, now)
+    return w
+
+
+def ask(s: Scheduler, name: str, now: float = 0.0, max_seqs: int = 64, max_tokens: int = 1 << 20,
+        free_slots: int | None = None) -> Grant | None:
+    return s.schedule(name, max_seqs, max_tokens, now, free_slots)
+
+
+def report(s: Scheduler, grant: Grant, now: float = 0.0, codes: dict[int, Finish] | None = None,
+           name: str | None = None, skip: tuple[int, ...] = ()):
+    """Complete a grant the way a worker would: one token per row unless NEED_IDS."""
+    codes = codes or {}
+    seq_ids, counts, tokens, status = [], [], [], []
+    for row in grant.rows:
+        if row.seq_id in skip:
+            continue
+        code = codes.get(row.seq_id, Finish.NONE)
+        seq_ids.append(row.seq_id)
+        counts.append(0 if code == Finish.NEED_IDS else 1)
+        tokens += [] if code == Finish.NEED_IDS else [TOKEN]
+        status.append(int(code))
+    return s.complete(grant.lease_id, name or grant.worker, seq_ids, counts, tokens, status, now)
+
+
+def row_ids(grant: Grant | None) -> list[int]:
+    return [] if grant is None else [r.seq_id for r in grant.rows]
+
+
+def diff_ids(grant: Grant) -> list[int]:
+    return [r.seq_id for r in grant.rows if r.spec is None]
+
+
+def full_ids(grant: Grant) -> list[int]:
+    return [r.seq_id for r in grant.rows if r.spec is not None]
+
+
+def give(s: Scheduler, name: str, seq_ids: list[int], now: float = 0.0, prompt_len: int = 4) -> None:
+    """Admit seq_ids and run one step of each on `name` (with whatever it already owns)."""
+    s.admit([spec(i, prompt_len) for i in seq_ids])
+    grant = ask(s, name, now)
+    assert set(row_ids(grant)) >= set(seq_ids)
+    assert report(s, grant, now).accepted
+    assert s.workers[name].owned >= set(seq_ids)
+
+
+def migrations(s: Scheduler) -> dict[str, int]:
+    return {k: v for k, v in s.counters.items() if k.startswith("migrations_") and v}
+
+
+def check_invariants(s: Scheduler) -> None:
+    """One place at a time, and the owner bookkeeping agrees with itself."""
+    leased = Counter(sid for lease in s.leases.values() for sid in lease.seq_ids)
+    assert set(s.queue) <= set(s.seqs)
+    assert set(leased) <= set(s.seqs)
+    for sid, seq in s.seqs.items():
+        if seq.lease_id is None:
+            assert sid in s.queue and leased[sid] == 0, f"seq {sid} is lost"
+        else:
+            assert sid not in s.queue, f"seq {sid} is leased and queued"
+            assert leased[sid] == 1, f"seq {sid} is in {leased[sid]} leases"
+            assert sid in s.leases[seq.lease_id].seq_ids
+        if seq.owner is not None:
+            assert sid in s.workers[seq.owner].owned
+    for name, w in s.workers.items():
+        assert all(s.seqs[sid].owner == name for sid in w.owned)
+        mine = [lease for lease in s.leases.values() if lease.worker == name]
+        assert w.num_leased == sum(len(lease.seq_ids) for lease in mine)
+        assert w.alive or not mine
+
+
+# --- affinity and plain leasing ---------------------------------------------------------
+
+def test_a_worker_gets_back_its_own_sequences_first():
+    s = make_sched()
+    join(s, "w0"), join(s, "w1")
+    s.admit([spec(1), spec(2)])
+    g0, g1 = ask(s, "w0", max_seqs=1), ask(s, "w1", max_seqs=1)
+    assert (row_ids(g0), row_ids(g1)) == ([1], [2])
+    report(s, g0), report(s, g1)
+    s.admit([spec(3)])
+    assert list(s.queue) == [1, 2, 3]
+    g1 = ask(s, "w1", max_seqs=1)
+    assert row_ids(g1) == [2] and diff_ids(g1) == [2]  # its own, though 1 is ahead in the queue
+    g1b = ask(s, "w1")
+    assert row_ids(g1b) == [3]  # a new one; seq 1 stays with its owner
+    g0 = ask(s, "w0")
+    assert row_ids(g0) == [1] and diff_ids(g0) == [1]
+    assert migrations(s) == {}
+    check_invariants(s)
+
+
+def test_new_sequences_go_to_whoever_asks():
+    s = make_sched()
+    join(s, "w0"), join(s, "w1")
+    s.admit([spec(i) for i in range(1, 5)])
+    g1 = ask(s, "w1", max_seqs=3)
+    g0 = ask(s, "w0")
+    assert row_ids(g1) == [1, 2, 3] and row_ids(g0) == [4]
+    assert full_ids(g1) == [1, 2, 3] and full_ids(g0) == [4]
+    assert ask(s, "w0") is None  # nothing queued
+    check_invariants(s)
+
+
+def test_rows_carry_length_last_token_and_the_full_form():
+    s = make_sched()
+    join(s, "w0"), join(s, "w1")
+    s.admit([spec(1, prompt_len=5)])
+    g = ask(s, "w0")
+    (row,) = g.rows
+    assert (row.length, row.last_token) == (5, spec(1, 5).ids[-1])
+    assert row.spec.ids.tolist() == spec(1, 5).ids.tolist()
+    assert (row.spec.prompt_len, row.spec.seed, row.spec.stop_ids) == (5, 1, [[9, 9]])
+    report(s, g)
+    g = ask(s, "w0")
+    (row,) = g.rows
+    assert (row.length, row.last_token, row.spec) == (6, TOKEN, None)
+    report(s, g)
+    s.drain("w0")
+    (row,) = ask(s, "w1").rows  # moved: the full form now holds the generated tokens
+    assert (row.length, row.last_token) == (7, TOKEN)
+    assert row.spec.ids.tolist() == spec(1, 5).ids.tolist() + [TOKEN, TOKEN]
+
+
+def test_nobody_gets_work_from_an_empty_queue_or_unknown_name():
+    s = make_sched()
+    join(s, "w0")
+    assert ask(s, "w0") is None
+    s.admit([spec(1)])
+    assert ask(s, "ghost") is None
+    assert ask(s, "w0", max_seqs=0) is None
+    assert row_ids(ask(s, "w0")) == [1]
+
+
+# --- results ----------------------------------------------------------------------------
+
+def test_results_on_unknown_leases_are_ignored_and_counted_stale():
+    s = make_sched()
+    join(s, "w0"), join(s, "w1")
+    s.admit([spec(1)])
+    g = ask(s, "w0")
+    assert not s.complete(999, "w0", [1], [1], [TOKEN], [0], 0.0).accepted
+    assert not report(s, g, name="w1").accepted  # someone else's lease
+    assert s.counters["stale_results"] == 2
+    assert g.lease_id in s.leases  # the real holder may still report
+    assert report(s, g).accepted
+    assert not report(s, g).accepted  # a duplicate of an accepted result
+    assert s.counters["stale_results"] == 3
+    assert s.seqs[1].token_ids[-1] == TOKEN and len(s.seqs[1].token_ids) == 5
+    check_invariants(s)
+
+
+def test_finished_sequences_leave_everything():
+    s = make_sched(max_queued=4)
+    join(s, "w0")
+    s.admit([spec(i) for i in range(1, 5)])
+    assert s.num_free == 0
+    out = report(s, ask(s, "w0"), codes={1: Finish.EOS, 2: Finish.STOP, 3: Finish.LENGTH})
+    assert sorted(out.finished) == [(1, Finish.EOS), (2, Finish.STOP), (3, Finish.LENGTH)]
+    assert set(s.seqs) == {4} and list(s.queue) == [4]
+    assert s.workers["w0"].owned == {4}
+    assert s.num_free == 3 and s.counters["finished"] == 3
+    out = report(s, ask(s, "w0"), codes={4: Finish.ERROR})
+    assert out.finished == [(4, Finish.ERROR)] and not s.seqs and not s.workers["w0"].owned
+    check_invariants(s)
+
+
+def test_need_ids_resends_the_full_form_first():
+    s = make_sched()
+    join(s, "w0")
+    s.admit([spec(1), spec(2)])
+    report(s, ask(s, "w0"))
+    s.admit([spec(3)])
+    g = ask(s, "w0")
+    assert diff_ids(g) == [1, 2]
+    report(s, g, codes={2: Finish.NEED_IDS})
+    assert list(s.queue)[0] == 2
+    assert s.seqs[2].owner is None and 2 not in s.workers["w0"].owned
+    assert len(s.seqs[2].token_ids) == 5  # nothing appended
+    assert s.counters["resends"] == 1
+    g = ask(s, "w0")
+    assert full_ids(g) == [2] and diff_ids(g) == [1, 3]
+    check_invariants(s)
+
+
+def test_rows_a_worker_failed_to_report_are_requeued_in_front():
+    s = make_sched()
+    join(s, "w0")
+    s.admit([spec(1), spec(2), spec(3)])
+    g = ask(s, "w0", max_seqs=2)
+    assert report(s, g, skip=(2,)).accepted
+    assert list(s.queue) == [2, 3, 1]
+    assert s.seqs[2].owner is None and s.seqs[1].owner == "w0"
+    check_invariants(s)
+
+
+# --- leases that expire -----------------------------------------------------------------
+
+def test_lease_expiry_requeues_and_schedules_the_old_kv_for_drop():
+    s = make_sched(lease_timeout_s=10.0)
+    join(s, "w0"), join(s, "w1")
+    give(s, "w0", [1])
+    s.admit([spec(2)])
+    g = ask(s, "w0", now=1.0, max_seqs=1)
+    assert diff_ids(g) == [1]
+    assert s.expire(10.9) == []
+    assert s.expire(11.0) == [g.lease_id]
+    assert s.counters["leases_expired"] == 1
+    assert list(s.queue) == [1, 2]  # in front
+    assert s.seqs[1].owner is None and s.seqs[1].lease_id is None
+    assert s.workers["w0"].num_leased == 0 and not s.workers["w0"].owned
+    check_invariants(s)
+    g1 = ask(s, "w1", now=11.0, max_seqs=1)
+    assert full_ids(g1) == [1]  # its KV on w0 is not trusted: recompute
+    g0 = ask(s, "w0", now=11.0)
+    assert row_ids(g0) == [2] and g0.drop_ids == [1]
+    assert ask(s, "w0", now=11.0) is None
+    late = report(s, g, now=12.0)
+    assert not late.accepted and s.counters["stale_results"] == 1
+    assert len(s.seqs[1].token_ids) == 5  # the late token was not taken
+    check_invariants(s)
+
+
+def test_drops_travel_once_with_the_next_grant():
+    s = make_sched(lease_timeout_s=1.0)
+    join(s, "w0")
+    s.admit([spec(1), spec(2)])
+    g = ask(s, "w0", max_seqs=1)
+    s.expire(5.0)
+    g = ask(s, "w0", now=5.0, max_seqs=1)
+    assert g.drop_ids == [1] and row_ids(g) == [1]  # dropped, then prefilled from its ids
+    assert ask(s, "w0", now=5.0).drop_ids == []
+
+
+# --- dead workers -----------------------------------------------------------------------
+
+def dead_fleet() -> Scheduler:
+    s = make_sched(heartbeat_timeout_s=5.0, lease_timeout_s=10.0, migration="transfer")
+    for name in ("w0", "w1"):
+        join(s, name, kv_endpoint=f"tcp://{name}:1", kv_bytes_per_token=1000, num_params=10**9)
+    return s
+
+
+def test_dead_worker_sequences_migrate_by_recompute():
+    s = dead_fleet()
+    give(s, "w0", [1, 2], prompt_len=500)  # long enough that a live owner would ship its KV
+    s.touch("w1", 6.0)
+    assert s.expire(5.0) == [] and s.workers["w0"].alive  # silent for exactly the timeout
+    s.expire(6.0)
+    assert not s.workers["w0"].alive and s.workers["w1"].alive
+    assert s.counters["workers_lost"] == 1
+    assert all(seq.owner is None for seq in s.seqs.values()) and not s.workers["w0"].owned
+    check_invariants(s)
+    assert ask(s, "w0", now=6.0) is None
+    g = ask(s, "w1", now=6.0)
+    assert sorted(full_ids(g)) == [1, 2] and g.shipments == []
+    assert all(r.spec.kv_from == "" and r.spec.transfer_id == 0 for r in g.rows)
+    assert migrations(s) == {"migrations_dead": 2, "migrations_by_recompute": 2}
+    check_invariants(s)
+
+
+def test_dead_worker_loses_its_leases():
+    s = dead_fleet()
+    give(s, "w0", [1])
+    s.admit([spec(2)])
+    held = ask(s, "w0", now=1.0)
+    assert row_ids(held) == [1, 2]
+    s.touch("w1", 6.5)
+    assert s.expire(6.5) == []  # taken back as part of the death, before any deadline
+    assert held.lease_id not in s.leases and sorted(s.queue) == [1, 2]
+    check_invariants(s)
+    g = ask(s, "w1", now=6.5)
+    assert full_ids(g) == [1, 2]
+    assert not report(s, held, now=7.0).accepted
+    assert report(s, g, now=7.0).accepted
+    assert s.workers["w1"].owned == {1, 2}
+    check_invariants(s)
+
+
+def test_heartbeats_and_results_keep_a_worker_alive():
+    s = make_sched(heartbeat_timeout_s=5.0, lease_timeout_s=100.0)
+    join(s, "w0"), join(s, "w1")
+    s.admit([spec(1)])
+    g = ask(s, "w1")
+    for t in (4.0, 8.0, 12.0):
+        s.touch("w0", t)
+    report(s, g, now=12.0)
+    s.expire(17.0)
+    assert s.workers["w0"].alive and s.workers["w1"].alive
+    s.expire(17.01)
+    assert not s.workers["w0"].alive and not s.workers["w1"].alive
+    assert s.counters["migrations_dead"] == 1  # seq 1, owned by w1
+
+
+def test_a_restarted_worker_holds_nothing():
+    s = make_sched()
+    join(s, "w0"), join(s, "w1")
+    give(s, "w0", [1, 2])
+    s.admit([spec(3)])
+    held = ask(s, "w0", max_seqs=1)
+    join(s, "w0", now=1.0)  # same name, new process
+    assert not s.workers["w0"].owned and held.lease_id not in s.leases
+    g = ask(s, "w0", now=1.0)
+    assert sorted(full_ids(g)) == [1, 2, 3]
+    check_invariants(s)
+
+
+# --- drain ------------------------------------------------------------------------------
+
+def test_drain_moves_sequences_then_reports_drained():
+    s = make_sched()
+    join(s, "w0"), join(s, "w1")
+    give(s, "w0", [1, 2, 3])
+    g = ask(s, "w0", max_seqs=1)  # one of them is in flight when the drain starts
+    assert s.drain("w0") and not s.drain("ghost")
+    assert ask(s, "w0") is None
+    assert not s.is_drained("w0")
+    g1 = ask(s, "w1")
+    assert sorted(full_ids(g1)) == [2, 3]
+    assert s.counters["migrations_drain"] == 2
+    assert not s.is_drained("w0")  # seq 1 is still leased to it
+    report(s, g)
+    assert not s.is_drained("w0")  # ... and now it holds its KV
+    assert full_ids(ask(s, "w1")) == [1]
+    assert s.counters["migrations_drain"] == 3
+    assert s.is_drained("w0")
+    s.retire("w0")
+    assert not s.workers["w0"].alive and not s.drain("w0")
+    check_invariants(s)
+
+
+# --- load migration ---------------------------------------------------------------------
+
+def test_load_moves_the_excess_over_capacity():
+    s = make_sched(rebalance_threshold=100)
+    join(s, "w0", max_seqs=3, inflight=1), join(s, "w1")
+    s.admit([spec(i) for i in range(1, 6)])
+    g_a, g_b = ask(s, "w0"), ask(s, "w0")  # two batches in flight: 3 + 2 sequences
+    assert len(g_a.rows) + len(g_b.rows) == 5
+    report(s, g_a), report(s, g_b)
+    assert len(s.workers["w0"].owned) == 5  # capacity is 3
+    g1 = ask(s, "w1")
+    assert len(g1.rows) == 2 and full_ids(g1) == row_ids(g1)
+    assert migrations(s) == {"migrations_load": 2, "migrations_by_recompute": 2}
+    assert len(s.workers["w0"].owned) == 3
+    assert ask(s, "w1") is None  # within capacity now
+    check_invariants(s)
+
+
+@pytest.mark.parametrize("threshold, moved", [(8, 5), (10, 5), (11, 0)])
+def test_rebalance_when_the_owned_gap_reaches_the_threshold(threshold, moved):
+    s = make_sched(rebalance_threshold=threshold)
+    join(s, "w0", max_seqs=16), join(s, "w1")
+    give(s, "w0", list(range(1, 11)))
+    g = ask(s, "w1")
+    assert len(row_ids(g)) == moved
+    assert s.counters["migrations_load"] == moved
+    if moved:
+        report(s, g)
+        assert len(s.workers["w0"].owned) == len(s.workers["w1"].owned) == 5
+        assert len(row_ids(ask(s, "w1"))) == 5  # its own; the gap is closed
+        assert s.counters["migrations_load"] == moved
+
+
+def test_load_migration_can_be_switched_off():
+    s = make_sched(migrate_on_load=False, rebalance_threshold=1)
+    join(s, "w0", max_seqs=16, inflight=1), join(s, "w1")
+    give(s, "w0", list(range(1, 11)))
+    assert ask(s, "w1") is None
+
+
+def test_policy_any_moves_sequences_to_any_requester():
+    s = make_sched(policy="any")
+    join(s, "w0"), join(s, "w1")
+    give(s, "w0", [1, 2])
+    g = ask(s, "w1")
+    assert sorted(full_ids(g)) == [1, 2]
+    assert migrations(s) == {"migrations_any": 2, "migrations_by_recompute": 2}
+    assert s.workers["w0"].pending_drops == [1, 2] or sorted(s.workers["w0"].pending_drops) == [1, 2]
+    check_invariants(s)
+
+
+def test_memory_short_owner_sheds_sequences():
+    s = make_sched(min_free_vram_fraction=0.05)
+    join(s, "w0", gpu_uuid="GPU-a"), join(s, "w1", gpu_uuid="GPU-b")
+    give(s, "w0", [1, 2])
+    s.set_free_vram("GPU-a", 0.5)
+    s.set_free_vram("GPU-b", 0.01)  # w1 itself being short does not move w0's work
+    assert ask(s, "w1") is None
+    s.set_free_vram("GPU-a", 0.049)
+    assert s.workers["w0"].is_memory_short
+    g = ask(s, "w1")
+    assert sorted(full_ids(g)) == [1, 2]
+    assert migrations(s) == {"migrations_memory": 2, "migrations_by_recompute": 2}
+    s.set_free_vram("GPU-a", 0.3)
+    assert not s.workers["w0"].is_memory_short
+
+
+def test_memory_migration_can_be_switched_off():
+    s = make_sched(migrate_on_memory=False)
+    join(s, "w0", gpu_uuid="GPU-a"), join(s, "w1", gpu_uuid="GPU-b")
+    give(s, "w0", [1, 2])
+    s.set_free_vram("GPU-a", 0.0)
+    assert ask(s, "w1") is None
+
+
+# --- admission and batch limits ---------------------------------------------------------
+
+def test_admission_limit_takes_fewer():
+    s = make_sched(max_queued=3)
+    join(s, "w0")
+    assert s.admit([spec(i) for i in range(1, 6)]) == 3
+    assert set(s.seqs) == {1, 2, 3} and s.num_free == 0
+    assert s.admit([spec(6)]) == 0
+    report(s, ask(s, "w0", max_seqs=1), codes={1: Finish.EOS})
+    assert s.num_free == 1
+    assert s.admit([spec(6), spec(7)]) == 1 and set(s.seqs) == {2, 3, 6}
+
+
+def test_a_resent_sequence_is_not_queued_twice():
+    s = make_sched()
+    join(s, "w0")
+    assert s.admit([spec(1), spec(2)]) == 2
+    assert s.admit([spec(1)]) == 1
+    assert list(s.queue) == [1, 2] and len(s.seqs) == 2
+    check_invariants(s)
+
+
+def test_token_budget_limits_prefill_rows():
+    s = make_sched()
+    join(s, "w0")
+    s.admit([spec(i, prompt_len=10) for i in range(1, 5)])
+    assert row_ids(ask(s, "w0", max_tokens=25)) == [1, 2]
+
+
+def test_token_budget_always_admits_one_row():
+    s = make_sched()
+    join(s, "w0")
+    s.admit([spec(1, prompt_len=100), spec(2, prompt_len=2)])
+    assert row_ids(ask(s, "w0", max_tokens=25)) == [1]  # over budget, but alone
+
+
+def test_worker_limits_cap_the_request():
+    s = make_sched()
+    join(s, "w0", max_seqs=2, max_tokens=15)
+    s.admit([spec(i, prompt_len=6) for i in range(1, 5)])
+    assert row_ids(ask(s, "w0", max_seqs=64, max_tokens=1000)) == [1, 2]
+    assert row_ids(ask(s, "w0", max_seqs=64, max_tokens=1000)) == [3, 4]
+    s2 = make_sched()
+    join(s2, "w0", max_tokens=15)
+    s2.admit([spec(i, prompt_len=6) for i in range(1, 5)])
+    assert row_ids(ask(s2, "w0", max_tokens=1000)) == [1, 2]
+
+
+def test_decode_rows_cost_one_token_each():
+    s = make_sched()
+    join(s, "w0")
+    give(s, "w0", [1, 2, 3, 4], prompt_len=50)
+    assert row_ids(ask(s, "w0", max_tokens=3)) == [1, 2, 3]
+
+
+def test_free_slots_limit_rows_that_need_the_full_form():
+    s = make_sched()
+    join(s, "w0")
+    give(s, "w0", [1, 2])
+    s.admit([spec(3), spec(4), spec(5)])
+    g = ask(s, "w0", free_slots=1)
+    assert diff_ids(g) == [1, 2] and full_ids(g) == [3]
+    report(s, g)
+    g = ask(s, "w0", free_slots=0)
+    assert diff_ids(g) == [1, 2, 3] and full_ids(g) == []
+    assert row_ids(ask(s, "w0")) == [4, 5]
+
+
+# --- migration mechanism ----------------------------------------------------------------
+
+# A TinyLlama-1.1B-shaped model in bf16: 22 layers x 4 KV heads x 64 dims x (K, V) x 2 bytes
+# = 22528 bytes of KV per token; 1.1e9 parameters, so 2.2e9 FLOPs per token to recompute.
+# At 10 Gbit/s: transfer = 1 ms + n * 18.0 us, recompute at 100 TFLOP/s = n * 22 us, so a
+# transfer pays off from n = 252 tokens on. At 100 Gbit/s (1.8 us/token) from n = 50 on.
+# At 1 Gbit/s (180 us/token) recompute always wins.
+LLAMA_KV, LLAMA_PARAMS = 2 * 22 * 4 * 64 * 2, 1_100_000_000
+
+
+@pytest.mark.parametrize("num_tokens, link_gbps, expected", [
+    (251, 10.0, "recompute"), (252, 10.0, "transfer"), (4000, 10.0, "transfer"),
+    (49, 100.0, "recompute"), (50, 100.0, "transfer"),
+    (100_000, 1.0, "recompute"), (10, 10.0, "recompute"),
+])
+def test_choose_mechanism(num_tokens, link_gbps, expected):
+    assert choose_mechanism(num_tokens, LLAMA_KV, LLAMA_PARAMS, link_gbps, 100.0) == expected
+
+
+def test_choose_mechanism_without_sizes_recomputes():
+    assert choose_mechanism(0, LLAMA_KV, LLAMA_PARAMS, 10.0, 100.0) == "recompute"
+    assert choose_mechanism(10_000, 0, LLAMA_PARAMS, 10.0, 100.0) == "recompute"
+    assert choose_mechanism(10_000, LLAMA_KV, 0, 10.0, 100.0) == "recompute"
+
+
+def transfer_fleet(**config) -> Scheduler:
+    s = make_sched(link_gbps=10.0, prefill_tflops=100.0, **config)
+    for name in ("w0", "w1"):
+        join(s, name, kv_endpoint=f"tcp://{name}:5601", gpu_uuid=f"GPU-{name}",
+             kv_bytes_per_token=LLAMA_KV, num_params=LLAMA_PARAMS)
+    return s
+
+
+def test_transfer_migration_ships_kv_from_the_old_owner():
+    s = transfer_fleet()
+    s.admit([spec(1, prompt_len=400), spec(2, prompt_len=10)])
+    report(s, ask(s, "w0"))
+    s.set_free_vram("GPU-w0", 0.0)
+    g = ask(s, "w1")
+    rows = {r.seq_id: r for r in g.rows}
+    assert set(rows) == {1, 2}
+    ((owner, sid, dest, transfer_id, num_tokens),) = g.shipments
+    assert (owner, sid, dest, num_tokens) == ("w0", 1, "tcp://w1:5601", 400)  # 401 ids, last one is input
+    assert transfer_id > 0
+    assert (rows[1].spec.kv_from, rows[1].spec.transfer_id) == ("tcp://w0:5601", transfer_id)
+    assert (rows[2].spec.kv_from, rows[2].spec.transfer_id) == ("", 0)  # short: recompute
+    assert s.workers["w0"].pending_drops == [2]  # the shipped one is dropped by the export
+    assert migrations(s) == {"migrations_memory": 2, "migrations_by_transfer": 1,
+                             "migrations_by_recompute": 1}
+    assert not s.workers["w0"].owned
+    check_invariants(s)
+
+
+def test_a_transferred_row_costs_one_token_of_budget():
+    s = transfer_fleet(migration="transfer")
+    give(s, "w0", [1, 2], prompt_len=400)
+    s.drain("w0")
+    g = ask(s, "w1", max_tokens=2)
+    assert row_ids(g) == [1, 2] and len(g.shipments) == 2
+    assert len({t[3] for t in g.shipments}) == 2  # transfer ids are unique
+
+
+def test_forced_recompute_and_missing_endpoints_never_transfer():
+    s = transfer_fleet(migration="recompute")
+    give(s, "w0", [1], prompt_len=400)
+    s.drain("w0")
+    g = ask(s, "w1")
+    assert g.shipments == [] and g.rows[0].spec.kv_from == ""
+    s = transfer_fleet(migration="transfer")
+    s.workers["w1"].kv_endpoint = ""
+    give(s, "w0", [1], prompt_len=400)
+    s.drain("w0")
+    assert ask(s, "w1").shipments == []
+
+
+# --- one place at a time, under random operations ---------------------------------------
+
+NAMES = ("w0", "w1", "w2")
+
+
+class FleetSim:
+    """Random admissions, leases, results, expiries, deaths, restarts and drains."""
+
+    def __init__(self, seed: int, **config):
+        self.rng = random.Random(seed)
+        self.s = Scheduler(SchedulerConfig(max_queued=24, lease_timeout_s=10.0, heartbeat_timeout_s=5.0,
+                                           rebalance_threshold=3, link_gbps=10.0, prefill_tflops=100.0,
+                                           **config))
+        self.now = 0.0
+        self.next_id = 1
+        self.live: set[int] = set()
+        self.grants: dict[int, Grant] = {}
+        self.frozen: set[str] = set()
+        for name in NAMES:
+            self.restart(name)
+
+    def restart(self, name: str) -> None:
+        r = self.rng
+        self.s.register(WorkerState(name, max_seqs=r.randint(1, 6), max_tokens=r.choice([8, 64, 4096]),
+                                    inflight=r.randint(1, 2), kv_endpoint=f"tcp://{name}:1",
+                                    gpu_uuid=f"GPU-{name}", kv_bytes_per_token=10_000,
+                                    num_params=10**9), self.now)
+        self.frozen.discard(name)
+
+    def op_admit(self) -> None:
+        specs = []
+        for _ in range(self.rng.randint(1, 3)):
+            specs.append(spec(self.next_id, prompt_len=self.rng.randint(2, 150)))
+            self.next_id += 1
+        room = self.s.num_free
+        taken = self.s.admit(specs)
+        assert taken == min(room, len(specs))
+        self.live |= {sp.seq_id for sp in specs[:taken]}
+
+    def op_schedule(self) -> None:
+        name = self.rng.choice(NAMES)
+        if name in self.frozen:
+            return
+        w = self.s.workers[name]
+        owners = {sid: seq.owner for sid, seq in self.s.seqs.items()}
+        lengths = {sid: len(seq.token_ids) for sid, seq in self.s.seqs.items()}
+        free_slots = self.rng.choice([None, 0, 1, 3])
+        grant = ask(self.s, name, self.now, max_seqs=self.rng.randint(1, 8),
+                    max_tokens=self.rng.choice([1, 16, 200, 10_000]), free_slots=free_slots)
+        if not w.alive or w.draining:
+            assert grant is None
+            return
+        if grant is None:
+            return
+        ids = row_ids(grant)
+        assert len(ids) == len(set(ids)) and all(owners[sid] is not None or True for sid in ids)
+        assert len(ids) <= w.max_seqs
+        if free_slots is not None:
+            assert len(full_ids(grant)) <= free_slots
+        assert not set(grant.drop_ids) & set(diff_ids(grant))
+        for row in grant.rows:
+            assert row.length == lengths[row.seq_id]
+            # a diff goes only to the worker that holds the KV
+            assert (row.spec is None) == (owners[row.seq_id] == name)
+            if row.spec is not None:
+                assert row.spec.ids.tolist() == self.s.seqs[row.seq_id].token_ids
+        shipped = {sid: (owner, dest, tid, n) for owner, sid, dest, tid, n in grant.shipments}
+        for row in grant.rows:
+            if row.seq_id in shipped:
+                owner, dest, tid, n = shipped[row.seq_id]
+                assert owner == owners[row.seq_id] and owner != name
+                assert (dest, n) == (w.kv_endpoint, lengths[row.seq_id] - 1)
+                assert (row.spec.kv_from, row.spec.transfer_id) == (f"tcp://{owner}:1", tid)
+            elif row.spec is not None:
+                assert (row.spec.kv_from, row.spec.transfer_id) == ("", 0)
+        self.grants[grant.lease_id] = grant
+
+    def op_report(self) -> None:
+        if not self.grants:
+            return
+        lease_id = self.rng.choice(sorted(self.grants))
+        grant = self.grants.pop(lease_id)
+        expected = lease_id in self.s.leases
+        before = {sid: len(seq.token_ids) for sid, seq in self.s.seqs.items()}
+        num_stale = self.s.counters["stale_results"]
+        queue = list(self.s.queue)
+        codes = {r.seq_id: self.rng.choices(
+            [Finish.NONE, Finish.NEED_IDS, Finish.EOS, Finish.LENGTH], [70, 10, 10, 10])[0] for r in grant.rows}
+        skip = tuple(r.seq_id for r in grant.rows if self.rng.random() < 0.05)
+        out = report(self.s, grant, self.now, codes=codes, skip=skip)
+        assert out.accepted == expected
+        if not expected:
+            assert self.s.counters["stale_results"] == num_stale + 1
+            assert list(self.s.queue) == queue
+            assert {sid: len(seq.token_ids) for sid, seq in self.s.seqs.items()} == before
+            return
+        finished = {sid for sid, _ in out.finished}
+        assert finished == {sid for sid, c in codes.items() if c.is_finished and sid not in skip}
+        self.live -= finished
+        for sid, code in codes.items():
+            if code == Finish.NONE and sid not in skip:
+                assert len(self.s.seqs[sid].token_ids) == before[sid] + 1
+
+    def op_tick(self) -> None:
+        self.now += self.rng.uniform(0.5, 4.0)
+        for name in NAMES:
+            if name not in self.frozen:
+                self.s.touch(name, self.now)
+        for lease_id in self.s.expire(self.now):
+            assert lease_id not in self.s.leases
+
+    def op_freeze(self) -> None:
+        self.frozen.add(self.rng.choice(NAMES))  # stops talking: will be declared dead
+
+    def op_restart(self) -> None:
+        name = self.rng.choice(NAMES)
+        if name in self.frozen or not self.s.workers[name].alive:
+            self.restart(name)
+
+    def op_drain(self) -> None:
+        self.s.drain(self.rng.choice(NAMES))
+
+    def op_retire(self) -> None:
+        for name, w in self.s.workers.items():
+            if w.alive and w.draining and self.s.is_drained(name):
+                self.s.retire(name)
+
+    def op_vram(self) -> None:
+        self.s.set_free_vram(f"GPU-{self.rng.choice(NAMES)}", self.rng.uniform(0.0, 0.3))
+
+    OPS = ("admit", "schedule", "report", "tick", "freeze", "restart", "drain", "retire", "vram")
+    WEIGHTS = (12, 30, 25, 12, 2, 4, 2, 3, 5)
+
+    def run(self, num_steps: int) -> None:
+        for _ in range(num_steps):
+            op = self.rng.choices(self.OPS, self.WEIGHTS)[0]
+            getattr(self, f"op_{op}")()
+            check_invariants(self.s)
+            assert set(self.s.seqs) == self.live
+
+    def finish_everything(self) -> None:
+        """Bring every worker back and run to completion: nothing was lost on the way."""
+        self.now += 100.0
+        self.s.expire(self.now)
+        for name in NAMES:
+            self.restart(name)
+        for _ in range(500):
+            if not self.live:
+                break
+            for name in NAMES:
+                grant = ask(self.s, name, self.now)
+                if grant is not None:
+                    out = report(self.s, grant, self.now, codes={r.seq_id: Finish.EOS for r in grant.rows})
+                    self.live -= {sid for sid, _ in out.finished}
+                check_invariants(self.s)
+        assert not self.live and not self.s.seqs and not self.s.queue and not self.s.leases
+
+
+@pytest.mark.parametrize("seed, config", [
+    (1, {}), (2, {}), (3, {"policy": "any"}), (4, {"migration": "transfer"}),
+    (5, {"migration": "recompute", "migrate_on_load": False}), (6, {"min_free_vram_fraction": 0.2}),
+])
+def test_one_place_at_a_time_under_random_operations(seed, config):
+    sim = FleetSim(seed, **config)
+    sim.run(400)
+    c = sim.s.counters
+    assert c["leases"] > 20 and c["finished"] > 5
+    assert c["leases_expired"] + c["workers_lost"] + c["stale_results"] > 0
+    sim.finish_everything()
+
+
+def test_the_random_operations_reach_every_event():
+    totals = Counter()
+    for seed in range(1, 7):
+        sim = FleetSim(seed)
+        sim.run(400)
+        totals += sim.s.counters
+    for key in ("leases_expired", "workers_lost", "stale_results", "resends", "migrations_dead",
+                "migrations_drain", "migrations_load", "migrations_memory", "migrations_by_transfer"):
+        assert totals[key] > 0, key
