@@ -43,6 +43,14 @@ def _load(config: Path | None):
         _fail(str(exc))
 
 
+def _endpoint(topo, kind: str) -> str:
+    from .config import ConfigError
+    try:
+        return topo.endpoint(kind).connect
+    except ConfigError as exc:
+        _fail(str(exc))
+
+
 def _resolve_model(path: str | None) -> str:
     from .engine.models import ModelNotFound, resolve_model
     try:
@@ -114,7 +122,7 @@ def feed(
     """Send prompts from stdin to a running ingest node, one per line (its input format)."""
     from .client import feed_lines
     topo = _load(config)
-    raise typer.Exit(feed_lines(topo.endpoint("ingest").connect, sys.stdin, timeout))
+    raise typer.Exit(feed_lines(_endpoint(topo, "ingest"), sys.stdin, timeout))
 
 
 @app.command()
@@ -127,7 +135,7 @@ def drain(
     from . import protocol as P
     from .client import ask
     topo = _load(config)
-    reply = ask(topo.endpoint("router").connect, P.Drain(worker), P.DrainAck, timeout, "router")
+    reply = ask(_endpoint(topo, "router"), P.Drain(worker), P.DrainAck, timeout, "router")
     print(reply.message)
     raise typer.Exit(0 if reply.ok else 1)
 
@@ -141,9 +149,53 @@ def stats(
     from . import protocol as P
     from .client import ask
     topo = _load(config)
-    reply = ask(topo.endpoint("router").connect, P.StatsRequest(), P.Stats, timeout, "router")
+    reply = ask(_endpoint(topo, "router"), P.StatsRequest(), P.Stats, timeout, "router")
     for key in sorted(reply.counters):
         print(f"{key:32} {reply.counters[key]}")
+
+
+@app.command()
+def bench(
+    model: Annotated[Optional[str], typer.Option("--model", "-m", help="Model directory. Default: the tiny model on CPU; on CUDA the benchmark model, built into --model-dir if missing.")] = None,
+    model_dir: Annotated[Path, typer.Option(help="Where the benchmark model is built when --model is not given on CUDA.")] = Path(".bench/bench-model"),
+    device: Annotated[str, typer.Option(help="cpu or cuda.")] = "cpu",
+    workers: Annotated[int, typer.Option("--workers", "-w", min=1, help="Pipeline workers; on CUDA worker i uses GPU i mod the GPU count.")] = 1,
+    requests: Annotated[Optional[int], typer.Option(min=1, help="Requests (default: 256 on CUDA, 32 on CPU).")] = None,
+    prompt_len: Annotated[Optional[str], typer.Option(help="Prompt length range MIN:MAX (default 64:512 on CUDA, 8:64 on CPU).")] = None,
+    output_len: Annotated[Optional[str], typer.Option(help="Output length range MIN:MAX (default 32:512 on CUDA, 8:64 on CPU).")] = None,
+    seed: Annotated[int, typer.Option(help="Workload seed.")] = 0,
+    paths: Annotated[str, typer.Option(help="Comma-separated: pipeline, in-process, hf-static.")] = "pipeline,in-process,hf-static",
+    max_seqs: Annotated[int, typer.Option(min=1, help="Sequences per step (pipeline workers and in-process).")] = 256,
+    max_tokens: Annotated[int, typer.Option(min=1, help="New tokens per step (prefill budget).")] = 16384,
+    hf_batch: Annotated[int, typer.Option(min=1, help="Static batch size of the HF baseline.")] = 64,
+    policy: Annotated[str, typer.Option(help="Router policy: affinity or any.")] = "affinity",
+    migration: Annotated[str, typer.Option(help="auto, recompute or transfer.")] = "auto",
+    json_out: Annotated[Optional[Path], typer.Option("--json", help="Write the results as JSON here.")] = None,
+    log_level: LogLevel = "warning",
+):
+    """Run a workload through the full pipeline, the engine in-process and HF static
+    generate; print tok/s, the ratios, TTFT/TPOT p50/p99 and migrations by cause."""
+    from .bench import Workload, run_bench
+    from .engine.models import build_bench_model
+    is_cuda = device.startswith("cuda")
+    if model is None and is_cuda:
+        model = str(build_bench_model(model_dir)) if not (model_dir / "config.json").exists() else str(model_dir)
+    model_path = _resolve_model(model)
+    span = lambda text, default: tuple(int(x) for x in text.split(":")) if text else default
+    workload = Workload(requests or (256 if is_cuda else 32), span(prompt_len, (64, 512) if is_cuda else (8, 64)),
+                        span(output_len, (32, 512) if is_cuda else (8, 64)), seed=seed)
+    if not is_cuda:
+        workload.vocab = (10, 1000)
+    devices = ["cpu"] * workers
+    if is_cuda:
+        import torch
+        count = max(1, torch.cuda.device_count())
+        devices = [f"cuda:{i % count}" for i in range(workers)]
+    run_bench(model_path=model_path, devices=devices, dtype="auto", workload=workload,
+              paths=[p.strip() for p in paths.split(",") if p.strip()], max_seqs=max_seqs,
+              max_tokens=max_tokens, hf_batch=hf_batch,
+              router_overrides={"policy": policy, "migration": migration}, json_path=json_out,
+              log_level=log_level)
 
 
 @model_app.command("tiny")

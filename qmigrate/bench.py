@@ -1,0 +1,359 @@
+"""`qmigrate bench`: one workload, three paths, measured side by side in one run.
+
+- pipeline:   a router and N worker processes over ZeroMQ. This process submits every
+              request at time 0 the way ingest does, and receives tokens on the
+              detokenizer's socket, where it timestamps them.
+- in-process: the same engine driven by a plain continuous-batching loop in this
+              process: no router, no sockets.
+- hf-static:  transformers `generate()` in static batches (left-padded, each batch run
+              to its longest output), the baseline of shared/BENCHMARK.md.
+
+Useful tokens are the requested ones only; EOS is ignored everywhere.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import platform
+import random
+import sys
+import tempfile
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+
+@dataclass(slots=True)
+class Workload:
+    num_requests: int = 256
+    prompt_len: tuple[int, int] = (64, 512)
+    output_len: tuple[int, int] = (32, 512)
+    vocab: tuple[int, int] = (10, 31000)
+    seed: int = 0
+
+    def requests(self) -> list[tuple[list[int], int]]:
+        """(prompt ids, output length) per request, drawn as shared/BENCHMARK.md specifies."""
+        r = random.Random(self.seed)
+        out = []
+        for _ in range(self.num_requests):
+            n_prompt = r.randint(*self.prompt_len)
+            n_out = r.randint(*self.output_len)
+            out.append(([r.randint(*self.vocab) for _ in range(n_prompt)], n_out))
+        return out
+
+
+@dataclass(slots=True)
+class PathResult:
+    name: str
+    seconds: float
+    useful_tokens: int
+    ttft_s: list[float] = field(default_factory=list)
+    tpot_s: list[float] = field(default_factory=list)
+    migrations: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def tok_per_s(self) -> float:
+        return self.useful_tokens / self.seconds if self.seconds > 0 else 0.0
+
+    def summary(self) -> dict:
+        pct = lambda xs, q: float(np.percentile(xs, q)) if xs else None
+        return {"seconds": self.seconds, "useful_tokens": self.useful_tokens, "tok_per_s": self.tok_per_s,
+                "ttft_p50_s": pct(self.ttft_s, 50), "ttft_p99_s": pct(self.ttft_s, 99),
+                "tpot_p50_ms": _ms(pct(self.tpot_s, 50)), "tpot_p99_ms": _ms(pct(self.tpot_s, 99)),
+                "migrations": self.migrations}
+
+
+def _ms(x):
+    return None if x is None else x * 1000
+
+
+class Timeline:
+    """Arrival times of each request's tokens, from which TTFT and TPOT follow."""
+
+    def __init__(self, lengths: list[int], t0: float):
+        self.t0, self.lengths = t0, lengths
+        self.first = [0.0] * len(lengths)
+        self.last = [0.0] * len(lengths)
+        self.count = [0] * len(lengths)
+        self.num_done = 0
+
+    def add(self, i: int, n: int, now: float) -> None:
+        if self.count[i] == 0 and n:
+            self.first[i] = now
+        self.count[i] += n
+        self.last[i] = now
+        if self.count[i] >= self.lengths[i] and n:
+            self.num_done += 1
+
+    def result(self, name: str, end: float, migrations=None) -> PathResult:
+        ttft = [f - self.t0 for f in self.first]
+        tpot = [(l - f) / (n - 1) for f, l, n in zip(self.first, self.last, self.lengths) if n > 1]
+        return PathResult(name, end - self.t0, sum(self.lengths), ttft, tpot, migrations or {})
+
+
+class Progress:
+    def __init__(self, name: str, total: int):
+        self.name, self.total, self.t0, self.shown = name, total, time.monotonic(), 0.0
+
+    def update(self, done_tokens: int) -> None:
+        now = time.monotonic()
+        if now - self.shown >= 2.0:
+            self.shown = now
+            rate = done_tokens / max(now - self.t0, 1e-9)
+            print(f"  {self.name}: {done_tokens}/{self.total} tokens, {rate:,.0f} tok/s", file=sys.stderr)
+
+
+# --- the engine alone ------------------------------------------------------------------
+
+def run_inprocess(model_path: str, device: str, dtype: str, requests, max_seqs: int,
+                  max_tokens: int) -> PathResult:
+    from .engine.models import load_model
+    from .engine.runner import Engine, StepRow
+    model, _ = load_model(model_path, device, dtype)
+    engine = Engine(model, num_slots=max_seqs + 8)
+    _warm(engine, StepRow)
+    lengths = [n for _, n in requests]
+    waiting = deque(range(len(requests)))
+    running: dict[int, StepRow] = {}
+    progress = Progress("in-process", sum(lengths))
+    timeline = Timeline(lengths, time.monotonic())
+    while waiting or running:
+        rows = list(running.values())
+        budget = max_tokens - len(rows)
+        while waiting and len(rows) < max_seqs and (len(requests[waiting[0]][0]) <= budget or not rows):
+            i = waiting.popleft()
+            budget -= len(requests[i][0])
+            rows.append(StepRow(i, requests[i][0], 0, 0))
+        tokens = engine.step(rows)
+        now = time.monotonic()
+        for row, token in zip(rows, tokens):
+            timeline.add(row.seq_id, 1, now)
+            if row.index + 1 >= lengths[row.seq_id]:
+                running.pop(row.seq_id, None)
+                engine.release(row.seq_id)
+            else:
+                running[row.seq_id] = StepRow(row.seq_id, [token], row.start + len(row.new_ids), row.index + 1)
+        progress.update(sum(timeline.count))
+    _sync(device)
+    result = timeline.result("in-process", time.monotonic())
+    del engine, model
+    _free(device)
+    return result
+
+
+def _warm(engine, StepRow) -> None:
+    rows = [StepRow(-1 - i, list(range(10, 10 + 8 * (i + 1))), 0, 0) for i in range(4)]
+    for _ in range(3):
+        tokens = engine.step(rows)
+        rows = [StepRow(r.seq_id, [t], r.start + len(r.new_ids), r.index + 1) for r, t in zip(rows, tokens)]
+    for r in rows:
+        engine.release(r.seq_id)
+
+
+# --- transformers generate, static batches ---------------------------------------------
+
+def run_hf_static(model_path: str, device: str, dtype: str, requests, batch_size: int) -> PathResult:
+    import torch
+    from .engine.models import load_model
+    model, tokenizer = load_model(model_path, device, dtype)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    lengths = [n for _, n in requests]
+    progress = Progress("hf-static", sum(lengths))
+    ttft = []
+    with torch.inference_mode():
+        model.generate(torch.tensor([[10, 11, 12]], device=device), max_new_tokens=4, do_sample=False,
+                       pad_token_id=pad)  # warm-up
+        _sync(device)
+        t0 = time.monotonic()
+        done = 0
+        for start in range(0, len(requests), batch_size):
+            batch = requests[start:start + batch_size]
+            width = max(len(p) for p, _ in batch)
+            ids = torch.full((len(batch), width), pad, dtype=torch.long)
+            mask = torch.zeros((len(batch), width), dtype=torch.long)
+            for row, (prompt, _) in enumerate(batch):
+                ids[row, width - len(prompt):] = torch.tensor(prompt)
+                mask[row, width - len(prompt):] = 1
+            longest = max(n for _, n in batch)
+            model.generate(ids.to(device), attention_mask=mask.to(device), max_new_tokens=longest,
+                           min_new_tokens=longest, do_sample=False, pad_token_id=pad)
+            _sync(device)
+            ttft += [time.monotonic() - t0] * len(batch)  # nothing streams: tokens land per batch
+            done += sum(n for _, n in batch)
+            progress.update(done)
+        seconds = time.monotonic() - t0
+    del model
+    _free(device)
+    return PathResult("hf-static", seconds, sum(lengths), ttft, [])
+
+
+# --- the full pipeline -------------------------------------------------------------------
+
+def run_pipeline(model_path: str, devices: list[str], dtype: str, requests, max_seqs: int,
+                 max_tokens: int, router_overrides: dict, log_level: str) -> PathResult:
+    import zmq
+    from . import protocol as P
+    from . import transport
+    from .config import dump_topology, parse_topology
+    from .launch import start_roles, stop, wait_for_fleet
+
+    with tempfile.TemporaryDirectory(prefix="qm-bench-") as tmp:
+        topo = parse_topology({
+            "transport": "ipc", "ipc_dir": tmp, "model": {"path": model_path, "dtype": dtype},
+            "nodes": [{"name": "local"}],
+            "router": {"node": "local", "max_queued": max(4096, len(requests) + 64), **router_overrides},
+            "ingest": {"node": "local"}, "detokenizer": {"node": "local"},
+            "workers": [{"name": f"w{i}", "node": "local", "device": d, "max_seqs": max_seqs,
+                         "max_tokens": max_tokens} for i, d in enumerate(devices, 1)],
+        }, source="bench")
+        path = Path(tmp) / "topology.yaml"
+        dump_topology(topo, path)
+        collector = transport.socket(zmq.PULL, bind=topo.endpoint("detokenizer").bind, hwm=1_000_000)
+        roles = [("router", "router")] + [("worker", w.name) for w in topo.workers]
+        children = start_roles(topo, path, roles, read_stdin=False, log_level=log_level)
+        try:
+            if not wait_for_fleet(topo, children, len(devices), timeout_s=600):
+                raise RuntimeError("the benchmark fleet did not start")
+            router = transport.socket(zmq.DEALER, connect=topo.endpoint("router").connect,
+                                      identity="bench-ingest")
+            warm = [(list(range(10, 10 + 16 * (i + 1))), 4) for i in range(len(devices) * 4)]
+            _drive(router, collector, warm, id_base=1 << 40, name="warm-up", quiet=True)
+            before = _stats(topo)
+            timeline = _drive(router, collector, requests, id_base=0, name="pipeline")
+            end = timeline.end
+            after = _stats(topo)
+            moves = {k.removeprefix("migrations_"): after.get(k, 0) - before.get(k, 0)
+                     for k in after if k.startswith("migrations_")}
+            return timeline.result("pipeline", end, {k: v for k, v in moves.items() if v})
+        finally:
+            stop(children)
+            collector.close(linger=0)
+
+
+def _stats(topo) -> dict:
+    from . import protocol as P
+    from . import transport
+    return transport.request(topo.endpoint("router").connect, P.StatsRequest(), timeout_s=5.0,
+                             expect=P.Stats).counters
+
+
+def _drive(router, collector, requests, *, id_base: int, name: str, quiet: bool = False) -> Timeline:
+    """Submit every request at once (as ingest does) and timestamp tokens as they arrive."""
+    import zmq
+    from . import protocol as P
+    from . import transport
+    lengths = [n for _, n in requests]
+    specs = [P.SeqSpec(id_base + i + 1, P.pack_i32(p), len(p), n, seed=i)
+             for i, (p, n) in enumerate(requests)]
+    timeline = Timeline(lengths, time.monotonic())
+    progress = None if quiet else Progress(name, sum(lengths))
+    pending = deque(specs)
+    in_flight = 0
+    while timeline.num_done < len(requests):
+        if pending and not in_flight:
+            batch = [pending[i] for i in range(min(64, len(pending)))]
+            transport.send(router, P.Submit(batch))
+            in_flight = len(batch)
+        got = transport.recv(router, 0) if in_flight else None
+        if got is not None and isinstance(got[1], P.SubmitAck):
+            for _ in range(got[1].num_accepted):
+                pending.popleft()
+            in_flight = 0
+        if not collector.poll(50 if not pending else 1):
+            continue
+        while True:
+            try:
+                msg = P.decode(collector.recv(zmq.NOBLOCK))
+            except zmq.Again:
+                break
+            if isinstance(msg, P.Tokens):
+                now = time.monotonic()
+                for sid, n in zip(P.unpack_i64(msg.seq_ids).tolist(), P.unpack_i32(msg.counts).tolist()):
+                    timeline.add(sid - id_base - 1, n, now)
+        if progress:
+            progress.update(sum(timeline.count))
+    timeline.end = time.monotonic()
+    return timeline
+
+
+# --- helpers -----------------------------------------------------------------------------
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        import torch
+        torch.cuda.synchronize()
+
+
+def _free(device: str) -> None:
+    import gc
+    gc.collect()
+    if device.startswith("cuda"):
+        import torch
+        torch.cuda.empty_cache()
+
+
+def machine_info(device: str) -> dict:
+    import torch
+    import transformers
+    info = {"date": datetime.date.today().isoformat(), "python": platform.python_version(),
+            "torch": torch.__version__, "transformers": transformers.__version__,
+            "cpu": platform.processor() or platform.machine()}
+    if device.startswith("cuda") and torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name(0)
+        info["num_gpus"] = torch.cuda.device_count()
+        try:
+            import pynvml
+            pynvml.nvmlInit()
+            info["driver"] = pynvml.nvmlSystemGetDriverVersion()
+        except Exception:  # noqa: BLE001 -- the driver version is a nicety
+            pass
+    return info
+
+
+def format_table(results: list[PathResult]) -> str:
+    base = next((r for r in results if r.name == "hf-static"), None)
+    lines = [f"{'path':12} {'tok/s':>10} {'vs HF':>7} {'TTFT p50/p99 s':>16} {'TPOT p50/p99 ms':>17}  migrations"]
+    for r in results:
+        s = r.summary()
+        ratio = f"{r.tok_per_s / base.tok_per_s:6.2f}x" if base and base.tok_per_s else "      -"
+        ttft = f"{s['ttft_p50_s']:.2f}/{s['ttft_p99_s']:.2f}" if s["ttft_p50_s"] is not None else "-"
+        tpot = f"{s['tpot_p50_ms']:.1f}/{s['tpot_p99_ms']:.1f}" if s["tpot_p50_ms"] is not None else "-"
+        moves = ", ".join(f"{k} {v}" for k, v in sorted(r.migrations.items())) or "-"
+        lines.append(f"{r.name:12} {r.tok_per_s:10,.0f} {ratio:>7} {ttft:>16} {tpot:>17}  {moves}")
+    by = {r.name: r for r in results}
+    if "pipeline" in by and "in-process" in by and by["in-process"].tok_per_s:
+        lines.append(f"pipeline / in-process = {by['pipeline'].tok_per_s / by['in-process'].tok_per_s:.3f}")
+    return "\n".join(lines)
+
+
+def run_bench(*, model_path: str, devices: list[str], dtype: str, workload: Workload, paths: list[str],
+              max_seqs: int, max_tokens: int, hf_batch: int, router_overrides: dict,
+              json_path: Path | None, log_level: str = "warning") -> list[PathResult]:
+    requests = workload.requests()
+    total = sum(n for _, n in requests)
+    print(f"workload: {workload.num_requests} requests, prompts {workload.prompt_len}, outputs "
+          f"{workload.output_len}, {total:,} output tokens; model {model_path}; workers {devices}",
+          file=sys.stderr)
+    results = []
+    if "pipeline" in paths:
+        results.append(run_pipeline(model_path, devices, dtype, requests, max_seqs, max_tokens,
+                                    router_overrides, log_level))
+    if "in-process" in paths:
+        results.append(run_inprocess(model_path, devices[0], dtype, requests, max_seqs, max_tokens))
+    if "hf-static" in paths:
+        results.append(run_hf_static(model_path, devices[0], dtype, requests, hf_batch))
+    table = format_table(results)
+    print(table)
+    if json_path is not None:
+        report = {"workload": dataclasses.asdict(workload) | {"output_tokens": total},
+                  "machine": machine_info(devices[0]), "workers": devices, "max_seqs": max_seqs,
+                  "max_tokens": max_tokens, "model": model_path,
+                  "paths": {r.name: r.summary() for r in results}, "table": table}
+        json_path.write_text(json.dumps(report, indent=2))
+        print(f"wrote {json_path}", file=sys.stderr)
+    return results
