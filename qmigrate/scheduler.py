@@ -165,13 +165,16 @@ class Scheduler:
         """Queue as many as fit, in order; returns how many were taken."""
         taken = 0
         for spec in specs[: self.num_free]:
-            if spec.seq_id in self.seqs:
-                taken += 1  # a resend of something already here
-                continue
-            self.seqs[spec.seq_id] = Seq(spec, spec.ids.tolist())
-            self.queue[spec.seq_id] = None
             taken += 1
-        self.counters["admitted"] += taken
+            if spec.seq_id in self.seqs:
+                continue  # a resend of something already here
+            ids = spec.ids.tolist()
+            if not ids or not 0 < spec.prompt_len <= len(ids) or spec.max_new_tokens < 1:
+                self.counters["rejected_specs"] += 1
+                continue
+            self.seqs[spec.seq_id] = Seq(spec, ids)
+            self.queue[spec.seq_id] = None
+            self.counters["admitted"] += 1
         return taken
 
     # --- leasing -----------------------------------------------------------------------

@@ -111,13 +111,17 @@ class WorkerCore:
         out: dict[int, list[int]] = {sid: [] for sid in seq_ids}
         rows: list[StepRow] = []
         first_index: dict[int, int] = {}
+        protect = set(seq_ids)
         for sid, length, token in zip(seq_ids, lengths, last):
-            row = self._row(sid, length, token, full.get(sid))
+            spec = full.get(sid)
+            row = self._row(sid, length, token, spec, protect)
             if isinstance(row, StepRow):
                 rows.append(row)
                 first_index[sid] = row.index
             else:
                 status[sid] = row
+                if spec is not None:  # tokens before this point came from other workers
+                    first_index[sid] = max(0, length - spec.prompt_len)
         for _ in range(max(1, lease.num_steps)):
             if not rows:
                 break
@@ -126,7 +130,7 @@ class WorkerCore:
             rows = self._advance(rows, tokens, status, out)
         return self._messages(lease.lease_id, seq_ids, first_index, status, out)
 
-    def _row(self, sid: int, length: int, token: int, spec: P.SeqSpec | None):
+    def _row(self, sid: int, length: int, token: int, spec: P.SeqSpec | None, protect: set[int]):
         vocab = self.engine.vocab_size
         if spec is not None:
             ids = spec.ids
@@ -136,7 +140,7 @@ class WorkerCore:
             if length > self.engine.max_len:
                 return ERROR
             state = self.seqs[sid] = SeqState.from_spec(spec, ids)
-            start = self._take_transfer(spec, length)
+            start = self._take_transfer(spec, length, protect)
             new = ids[start:].tolist()
         else:
             state = self.seqs.get(sid)
@@ -146,16 +150,18 @@ class WorkerCore:
         return StepRow(sid, new, start, length - state.prompt_len, state.temperature,
                        state.top_p, state.top_k, state.seed)
 
-    def _take_transfer(self, spec: P.SeqSpec, length: int) -> int:
+    def _take_transfer(self, spec: P.SeqSpec, length: int, protect: set[int]) -> int:
         """Positions whose KV arrived by transfer (0 when it did not: recompute)."""
         if not spec.kv_from:
             self.engine.release(spec.seq_id)
             return 0
         transfer = self.transfers.pop(spec.transfer_id, None)
-        if transfer is None or transfer.kv is None or transfer.kv.shape[3] != length - 1:
+        e = self.engine
+        expected = (e.num_layers, 2, e.num_kv_heads, length - 1, e.head_dim)
+        if transfer is None or transfer.kv is None or tuple(transfer.kv.shape) != expected:
             self.engine.release(spec.seq_id)
             return 0
-        self.engine.import_kv(spec.seq_id, transfer.kv)
+        self.engine.import_kv(spec.seq_id, transfer.kv, protect)
         return length - 1
 
     def _advance(self, rows: list[StepRow], tokens: list[int], status, out) -> list[StepRow]:

@@ -1,0 +1,720 @@
+"""The compute core on the CPU in fp32: batched steps, the KV store, sampling and WorkerCore.
+
+Greedy output must equal `generate()` for each prompt alone, whatever the batch, and however
+a sequence moved (KV transfer or recompute); seeded sampling must not depend on the batch.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+from transformers import GenerationConfig
+
+from qmigrate import protocol as P
+from qmigrate.engine.kvcache import OutOfSlots
+from qmigrate.engine.models import build_tiny_model, load_model
+from qmigrate.engine.runner import Engine, StepRow
+from qmigrate.engine.sampling import SamplingRows, sample, uniforms
+from qmigrate.protocol import Finish
+from qmigrate.worker_core import WorkerCore
+
+TEXTS = [
+    "The old sailor carried a broken umbrella",
+    "Hello",
+    "我们明天早上八点在火车站见面",
+    "def f(x, n=3):\n    return [x * i for i in range(n)]",
+    "the committee measured seven blue bottles slowly, and then the river forgot a lost key "
+    "because the night train whispered to the orchestra",
+]
+REF_LEN = 24  # greedy reference tokens computed per prompt
+
+
+# --- fixtures ---------------------------------------------------------------------------
+
+@pytest.fixture(scope="session")
+def tiny(tmp_path_factory):
+    path = build_tiny_model(tmp_path_factory.mktemp("engine-model") / "tiny")
+    return load_model(path, "cpu")
+
+
+@pytest.fixture(scope="session")
+def model(tiny):
+    return tiny[0]
+
+
+@pytest.fixture(scope="session")
+def prompts(tiny) -> list[list[int]]:
+    """Prompts of many lengths: text, BOS alone, and random ids of near-equal lengths."""
+    _, tokenizer = tiny
+    rng = random.Random(5)
+    out = [tokenizer(text).input_ids for text in TEXTS]
+    out.append([1])
+    out += [[1] + [rng.randrange(3, 1500) for _ in range(n - 1)] for n in (10, 12, 12, 40)]
+    assert len({len(p) for p in out}) >= 7
+    return out
+
+
+@pytest.fixture(scope="session")
+def greedy(model):
+    """greedy(prompt, n): the first n tokens of `generate(do_sample=False)` for the prompt alone."""
+    cache: dict[tuple[int, ...], list[int]] = {}
+    config = GenerationConfig(max_new_tokens=REF_LEN, do_sample=False, eos_token_id=None, pad_token_id=0)
+
+    def reference(prompt: list[int], n: int) -> list[int]:
+        assert n <= REF_LEN
+        key = tuple(prompt)
+        if key not in cache:
+            ids = torch.tensor([prompt])
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config)
+            cache[key] = out[0, len(prompt):].tolist()
+            assert len(cache[key]) == REF_LEN
+        return cache[key][:n]
+
+    return reference
+
+
+def make_engine(model, num_slots: int = 16, max_len: int = 256) -> Engine:
+    return Engine(model, num_slots=num_slots, max_len=max_len)
+
+
+def record_steps(engine: Engine) -> list[list[tuple[int, int, int]]]:
+    """Spy on engine.step: one entry per call, (seq_id, start, number of new ids) per row."""
+    calls = []
+    real = engine.step
+
+    def step(rows):
+        calls.append([(r.seq_id, r.start, len(r.new_ids)) for r in rows])
+        return real(rows)
+
+    engine.step = step
+    return calls
+
+
+# --- driving the engine directly --------------------------------------------------------
+
+@dataclass
+class Job:
+    seq_id: int
+    prompt: list[int]
+    num_new: int
+    join_at: int = 0
+    temperature: float = 0.0
+    seed: int = 0
+    out: list[int] = field(default_factory=list)
+
+    @property
+    def is_done(self) -> bool:
+        return len(self.out) >= self.num_new
+
+    def row(self) -> StepRow:
+        kw = dict(temperature=self.temperature, seed=self.seed)
+        if not self.out:
+            return StepRow(self.seq_id, list(self.prompt), 0, 0, **kw)
+        return StepRow(self.seq_id, [self.out[-1]], len(self.prompt) + len(self.out) - 1, len(self.out), **kw)
+
+
+def drive(engine: Engine, jobs: list[Job], seed: int = 0, sit_out: float = 0.0, release: bool = True) -> int:
+    """Step all jobs to completion in shuffled mixed batches; returns the number of steps."""
+    rng = random.Random(seed)
+    step = 0
+    while not all(j.is_done for j in jobs):
+        ready = [j for j in jobs if j.join_at <= step and not j.is_done]
+        batch = [j for j in ready if j.out == [] or rng.random() >= sit_out]
+        rng.shuffle(batch)
+        if batch:
+            for job, token in zip(batch, engine.step([j.row() for j in batch])):
+                job.out.append(token)
+                if job.is_done and release:
+                    engine.release(job.seq_id)
+        step += 1
+        assert step < 500
+    return step
+
+
+def test_mixed_batches_match_generate(model, prompts, greedy):
+    engine = make_engine(model)
+    calls = record_steps(engine)
+    jobs = [Job(i, p, num_new=8 + (i * 5) % 13, join_at=(i * 3) % 7) for i, p in enumerate(prompts)]
+    drive(engine, jobs, seed=1, sit_out=0.2)
+    for job in jobs:
+        assert job.out == greedy(job.prompt, job.num_new), f"prompt {job.seq_id} of length {len(job.prompt)}"
+    # the schedule really mixed things: prefill beside decode rows, several prefills at once
+    assert any(any(n > 1 for _, _, n in c) and any(s > 0 for _, s, _ in c) for c in calls)
+    assert any(sum(n > 1 for _, _, n in c) >= 2 for c in calls)
+
+
+@pytest.mark.parametrize("max_padding", [0.0, 0.25, 10.0])
+def test_prefill_grouping_and_padding_do_not_change_tokens(model, prompts, greedy, max_padding):
+    engine = Engine(model, num_slots=16, max_len=256, max_padding=max_padding)
+    jobs = [Job(i, p, num_new=6) for i, p in enumerate(prompts)]  # all prefill in one step
+    drive(engine, jobs, seed=2)
+    for job in jobs:
+        assert job.out == greedy(job.prompt, 6)
+
+
+def test_groups_split_prefills_by_length(model):
+    engine = Engine(model, num_slots=4, max_padding=0.25)
+    rows = [StepRow(1, [5] * 12, 0, 0), StepRow(2, [5], 7, 1), StepRow(3, [5] * 10, 0, 0),
+            StepRow(4, [5] * 3, 0, 0)]
+    groups = engine._groups(rows)
+    assert sorted(i for g in groups for i in g) == [0, 1, 2, 3]
+    assert [1] in groups  # decode rows run together
+    assert [0, 2] in groups and [3] in groups  # 12 and 10 share a padded forward; 3 does not
+
+
+def test_resuming_from_a_shorter_cached_prefix(model, prompts, greedy):
+    """A row may start anywhere inside what is cached: the tail is recomputed."""
+    prompt = prompts[0]
+    ref = greedy(prompt, 10)
+    engine = make_engine(model)
+    other = Job(99, prompts[4], num_new=10)
+    job = Job(1, prompt, num_new=6)
+    drive(engine, [job], release=False)
+    ids = prompt + job.out
+    assert engine.cached_len(1) == len(ids) - 1
+    rows = [StepRow(1, ids[3:], 3, 6), other.row()]
+    token, first = engine.step(rows)
+    assert token == ref[6] and first == greedy(prompts[4], 1)[0]
+    assert engine.cached_len(1) == len(ids)
+
+
+def test_step_refuses_rows_it_cannot_run(model):
+    engine = make_engine(model, num_slots=2, max_len=32)
+    with pytest.raises(ValueError, match="not here"):
+        engine.step([StepRow(1, [5], 4, 1)])
+    with pytest.raises(ValueError, match="exceed"):
+        engine.step([StepRow(2, [5] * 33, 0, 0)])
+    with pytest.raises(OutOfSlots):
+        engine.step([StepRow(i, [5, 6], 0, 0) for i in range(3)])
+
+
+def test_lru_eviction_spares_the_batch(model, prompts):
+    engine = make_engine(model, num_slots=2)
+    engine.step([StepRow(1, prompts[0], 0, 0)])
+    engine.step([StepRow(2, prompts[1], 0, 0)])
+    # 1 is the least recently used, but it is in the batch: 2 makes room
+    engine.step([StepRow(1, [7], len(prompts[0]), 1), StepRow(3, prompts[2], 0, 0)])
+    assert engine.cached_len(2) == -1
+    assert engine.cached_len(1) == len(prompts[0]) + 1 and engine.cached_len(3) == len(prompts[2])
+    engine.step([StepRow(3, [7], len(prompts[2]), 1)])
+    engine.step([StepRow(4, prompts[3], 0, 0)])  # now 1 is the least recently used
+    assert engine.cached_len(1) == -1 and engine.cached_len(3) == len(prompts[2]) + 1
+
+
+# --- migration at the engine level ------------------------------------------------------
+
+def test_kv_export_import_continues_identically(model, prompts, greedy):
+    prompt = prompts[3]
+    ref = greedy(prompt, 16)
+    src = make_engine(model)
+    job = Job(1, prompt, num_new=6)
+    drive(src, [job, Job(2, prompts[0], num_new=3)], release=False)
+    assert job.out == ref[:6]
+    kv = src.export_kv(1)
+    n = len(prompt) + 5  # the last sampled token has not been fed yet
+    cfg = model.config
+    head_dim = cfg.hidden_size // cfg.num_attention_heads
+    assert kv.shape == (cfg.num_hidden_layers, 2, cfg.num_key_value_heads, n, head_dim)
+    assert kv.device.type == "cpu" and kv.is_contiguous()
+    assert src.kv_bytes_per_token == kv[:, :, :, :1].numel() * kv.element_size()
+
+    dst = make_engine(model, num_slots=4)
+    neighbour = Job(7, prompts[5], num_new=10)
+    drive(dst, [Job(8, prompts[2], num_new=2)])  # the destination slot has held something else
+    dst.import_kv(1, kv.clone())
+    assert dst.cached_len(1) == n
+    job.num_new = 16
+    drive(dst, [job, neighbour], seed=3)
+    assert job.out == ref
+    assert neighbour.out == greedy(prompts[5], 10)
+
+
+def test_recompute_from_ids_continues_identically(model, prompts, greedy):
+    prompt = prompts[0]
+    ref = greedy(prompt, 14)
+    src = make_engine(model)
+    job = Job(1, prompt, num_new=5)
+    drive(src, [job])
+    dst = make_engine(model)
+    moved = Job(1, prompt + job.out, num_new=9)  # the full form: prompt and all tokens so far
+    token = dst.step([StepRow(1, moved.prompt, 0, 5), Job(2, prompts[1], 1).row()])[0]
+    assert token == ref[5]
+    rest = [token]
+    for i in range(6, 14):
+        rest.append(dst.step([StepRow(1, [rest[-1]], len(prompt) + i - 1, i)])[0])
+    assert job.out + rest == ref
+
+
+# --- sampling ---------------------------------------------------------------------------
+
+def rows_of(n: int, temperature=1.0, top_p=1.0, top_k=0, seed=None, index=None) -> SamplingRows:
+    full = lambda v: v if isinstance(v, list) else [v] * n
+    return SamplingRows.build(full(temperature), full(top_p), full(top_k),
+                              full(seed if seed is not None else list(range(n))),
+                              full(index if index is not None else 0), "cpu")
+
+
+def test_uniforms_are_a_pure_function_in_the_open_interval():
+    seeds = torch.tensor([0, 1, -1, 42, (1 << 63) - 1, -(1 << 63), 1 << 40, 12345])
+    index = torch.tensor([0, 0, 3, 7, (1 << 31) - 1, 1, 5, 1 << 20])
+    u = uniforms(seeds, index, 1500)
+    assert u.shape == (8, 1500) and u.dtype == torch.float64
+    assert bool((u > 0).all()) and bool((u < 1).all())
+    assert torch.equal(u, uniforms(seeds.clone(), index.clone(), 1500))
+    for i in range(len(seeds)):  # one row at a time gives the same row
+        assert torch.equal(u[i], uniforms(seeds[i:i + 1], index[i:i + 1], 1500)[0])
+    assert torch.equal(uniforms(seeds, index, 10), u[:, :10])  # a function of the vocab id too
+    assert torch.equal(uniforms(seeds.flip(0), index.flip(0), 1500), u.flip(0))
+    assert not torch.equal(u[0], u[1])  # the seed matters
+    assert not torch.equal(uniforms(seeds, index + 1, 1500), u)  # the index matters
+
+
+def test_uniforms_look_uniform():
+    u = uniforms(torch.arange(200), torch.arange(200) % 7, 1000).flatten()
+    counts = torch.histc(u.float(), bins=10, min=0.0, max=1.0)
+    assert bool(((counts - 20_000).abs() < 600).all()), counts
+    assert abs(float(u.mean()) - 0.5) < 0.005
+
+
+def test_sampled_rows_do_not_depend_on_the_rest_of_the_batch():
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(8, 300, generator=gen) * 3
+    params = dict(temperature=[0.0, 0.7, 1.0, 1.5, 0.9, 1.0, 0.0, 2.0],
+                  top_p=[1.0, 0.9, 1.0, 0.5, 1.0, 0.95, 1.0, 1.0],
+                  top_k=[0, 0, 50, 0, 5, 20, 3, 0],
+                  seed=[11, 12, 13, 14, 15, 16, 17, 18], index=[0, 4, 9, 2, 2, 31, 5, 1])
+    full = sample(logits, rows_of(8, **params)).tolist()
+    assert full[0] == int(logits[0].argmax()) and full[6] == int(logits[6].argmax())
+    rng = random.Random(1)
+    for _ in range(20):
+        pick = rng.sample(range(8), rng.randint(1, 8))
+        sub = {k: [v[i] for i in pick] for k, v in params.items()}
+        assert sample(logits[pick], rows_of(len(pick), **sub)).tolist() == [full[i] for i in pick]
+
+
+def test_top_k_one_and_tiny_top_p_are_greedy():
+    gen = torch.Generator().manual_seed(1)
+    logits = torch.randn(64, 500, generator=gen) * 2
+    greedy = logits.argmax(dim=-1)
+    for index in range(5):
+        assert torch.equal(sample(logits, rows_of(64, temperature=1.5, top_k=1, index=index)), greedy)
+        assert torch.equal(sample(logits, rows_of(64, temperature=1.5, top_p=1e-6, index=index)), greedy)
+    assert not torch.equal(sample(logits, rows_of(64, temperature=1.5)), greedy)  # sampling is on
+
+
+def test_temperature_zero_is_greedy_whatever_the_seed():
+    logits = torch.randn(16, 100, generator=torch.Generator().manual_seed(2))
+    assert torch.equal(sample(logits, rows_of(16, temperature=0.0, top_k=7, top_p=0.5)), logits.argmax(-1))
+
+
+LOGITS = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0])
+N_DRAWS = 20_000
+
+
+def draw_counts(temperature: float, top_k: int = 0, top_p: float = 1.0, vary: str = "seed") -> torch.Tensor:
+    steps = list(range(N_DRAWS))
+    seed, index = (steps, 3) if vary == "seed" else (7, steps)
+    rows = rows_of(N_DRAWS, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, index=index)
+    tokens = sample(LOGITS.expand(N_DRAWS, -1).contiguous(), rows)
+    return torch.bincount(tokens, minlength=len(LOGITS)).double()
+
+
+def chi_square(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    kept = probs > 0
+    assert float(counts[~kept].sum()) == 0, "drew a token that was filtered out"
+    expected = probs[kept].double() * counts.sum()
+    return float(((counts[kept] - expected) ** 2 / expected).sum())
+
+
+def renormalised(probs: torch.Tensor, keep: list[int]) -> torch.Tensor:
+    out = torch.zeros_like(probs)
+    out[keep] = probs[keep] / probs[keep].sum()
+    return out
+
+
+# With k - 1 degrees of freedom (at most 4 here), chi-square exceeds 20 with probability
+# below 0.0005; the draws are deterministic, so these tests cannot flake.
+CHI2_LIMIT = 20.0
+
+
+@pytest.mark.parametrize("vary", ["seed", "index"])
+@pytest.mark.parametrize("temperature", [0.8, 1.0, 2.0])
+def test_frequencies_follow_the_tempered_softmax(temperature, vary):
+    counts = draw_counts(temperature, vary=vary)
+    assert chi_square(counts, torch.softmax(LOGITS / temperature, -1)) < CHI2_LIMIT
+    wrong = torch.softmax(LOGITS / (temperature * 1.5), -1)
+    assert chi_square(counts, wrong) > 10 * CHI2_LIMIT  # the check has the power to fail
+
+
+def test_frequencies_with_top_k_and_top_p():
+    probs = torch.softmax(LOGITS / 0.8, -1)  # about [.647, .186, .099, .053, .015]
+    assert chi_square(draw_counts(0.8, top_k=2), renormalised(probs, [0, 1])) < CHI2_LIMIT
+    # top_p 0.9 keeps tokens whose more likely tokens hold at most 0.9: .647 + .186 < .9 < + .099
+    assert chi_square(draw_counts(0.8, top_p=0.9), renormalised(probs, [0, 1, 2])) < CHI2_LIMIT
+    # top_k first (renormalised to [.78, .22]), then top_p 0.5 keeps the first alone
+    assert draw_counts(0.8, top_k=2, top_p=0.5).tolist() == [N_DRAWS, 0, 0, 0, 0]
+
+
+def test_engine_sampling_does_not_depend_on_the_batch(model, prompts):
+    def sampled(job_ids: list[int], seed: int) -> dict[int, list[int]]:
+        jobs = [Job(i, prompts[i], num_new=10, join_at=i % 3, temperature=1.0, seed=100 + i) for i in job_ids]
+        drive(make_engine(model), jobs, seed=seed, sit_out=0.3)
+        return {j.seq_id: j.out for j in jobs}
+
+    alone = {i: sampled([i], 0)[i] for i in (0, 3, 5)}
+    together = sampled([0, 1, 2, 3, 4, 5, 8], seed=4)
+    assert {i: together[i] for i in alone} == alone
+    assert len({tuple(v) for v in alone.values()}) == 3
+
+
+# --- WorkerCore: a router stand-in ------------------------------------------------------
+
+def spec_of(seq_id: int, ids: list[int], prompt_len: int, max_new_tokens: int = 64, **kw) -> P.SeqSpec:
+    return P.SeqSpec(seq_id, P.pack_i32(ids), prompt_len, max_new_tokens, **kw)
+
+
+def make_lease(ids: dict[int, list[int]], full: list[P.SeqSpec] = (), num_steps: int = 1,
+               drop_ids: list[int] = (), lease_id: int = 1, lengths: dict[int, int] | None = None) -> P.Lease:
+    """Rows for ids' sequences (the router's view: prompt + tokens so far); `full` rows carry specs."""
+    lengths = lengths or {}
+    sids = list(ids)
+    return P.Lease(lease_id, lease_id, 10.0, P.pack_i64(sids),
+                   P.pack_i32([lengths.get(s, len(ids[s])) for s in sids]),
+                   P.pack_i32([ids[s][-1] if ids[s] else 0 for s in sids]), list(full),
+                   P.pack_i64(list(drop_ids)), num_steps)
+
+
+@dataclass
+class Ran:
+    tokens: dict[int, list[int]]      # per sequence, from the step result
+    status: dict[int, Finish]
+    emitted: dict[int, tuple[int, list[int], Finish]]  # the detokenizer's view: start, tokens, finish
+    free_slots: int
+
+
+def run(core: WorkerCore, lease: P.Lease) -> Ran:
+    result, tokens = core.run(lease)
+    result, tokens = P.decode(P.encode(result)), P.decode(P.encode(tokens))  # they travel
+    assert result.lease_id == lease.lease_id
+    sids = P.unpack_i64(result.seq_ids).tolist()
+    assert sids == P.unpack_i64(lease.seq_ids).tolist()
+    counts, flat = P.unpack_i32(result.counts).tolist(), P.unpack_i32(result.tokens).tolist()
+    assert sum(counts) == len(flat)
+    out, pos = {}, 0
+    for sid, n in zip(sids, counts):
+        out[sid], pos = flat[pos:pos + n], pos + n
+    status = dict(zip(sids, map(Finish, P.unpack_u8(result.status).tolist())))
+    t_sids, starts = P.unpack_i64(tokens.seq_ids).tolist(), P.unpack_i32(tokens.start).tolist()
+    t_counts, t_flat = P.unpack_i32(tokens.counts).tolist(), P.unpack_i32(tokens.tokens).tolist()
+    finish = P.unpack_u8(tokens.finish).tolist()
+    emitted, pos = {}, 0
+    for sid, start, n, code in zip(t_sids, starts, t_counts, finish):
+        emitted[sid], pos = (start, t_flat[pos:pos + n], Finish(code)), pos + n
+    assert pos == len(t_flat)
+    return Ran(out, status, emitted, result.free_slots)
+
+
+def advance(ids: dict[int, list[int]], ran: Ran) -> None:
+    """The router's bookkeeping: append new tokens, forget finished sequences."""
+    for sid, toks in ran.tokens.items():
+        if ran.status[sid].is_finished:
+            ids.pop(sid)
+        else:
+            ids[sid] += toks
+
+
+def first_new_position(tokens: list[int], at_least: int) -> int:
+    """An index i >= at_least whose token does not occur before i."""
+    return next(i for i in range(at_least, len(tokens)) if tokens[i] not in tokens[:i])
+
+
+@pytest.fixture
+def core(model) -> WorkerCore:
+    return WorkerCore(make_engine(model))
+
+
+def test_worker_runs_full_forms_then_diffs(core, prompts, greedy):
+    a, b = prompts[0], prompts[3]
+    ids = {1: list(a), 2: list(b)}
+    ran = run(core, make_lease(ids, full=[spec_of(1, a, len(a)), spec_of(2, b, len(b))]))
+    assert ran.emitted[1] == (0, greedy(a, 1), Finish.NONE) and ran.emitted[2][:2] == (0, greedy(b, 1))
+    advance(ids, ran)
+    for k in range(1, 6):
+        ran = run(core, make_lease(ids, lease_id=k + 1))
+        assert ran.status == {1: Finish.NONE, 2: Finish.NONE}
+        assert ran.emitted[1] == (k, [greedy(a, k + 1)[k]], Finish.NONE)
+        assert ran.emitted[2][0] == k
+        advance(ids, ran)
+    assert ids[1] == a + greedy(a, 6) and ids[2] == b + greedy(b, 6)
+    assert ran.free_slots == core.engine.pool.num_free == 14
+
+
+def test_diff_for_an_unknown_sequence_needs_ids(core, prompts):
+    calls = record_steps(core.engine)
+    ran = run(core, make_lease({5: prompts[0]}))
+    assert ran.status == {5: Finish.NEED_IDS} and ran.tokens == {5: []}
+    assert ran.emitted == {}  # nothing for the detokenizer
+    assert calls == []
+
+
+def test_diff_after_eviction_or_drop_needs_ids(model, prompts, greedy):
+    core = WorkerCore(make_engine(model, num_slots=1))
+    a, b = prompts[0], prompts[1]
+    ids = {1: list(a)}
+    advance(ids, run(core, make_lease(ids, full=[spec_of(1, a, len(a))])))
+    run(core, make_lease({2: list(b)}, full=[spec_of(2, b, len(b))]))  # evicts sequence 1
+    assert run(core, make_lease(ids)).status == {1: Finish.NEED_IDS}
+    ids = {2: list(b) + greedy(b, 1)}
+    assert run(core, make_lease(ids, drop_ids=[2])).status == {2: Finish.NEED_IDS}
+    assert 2 not in core.seqs
+
+
+def test_diff_that_does_not_match_the_cache_needs_ids(core, prompts):
+    a = prompts[0]
+    ids = {1: list(a)}
+    advance(ids, run(core, make_lease(ids, full=[spec_of(1, a, len(a))])))
+    ran = run(core, make_lease(ids, lengths={1: len(ids[1]) + 2}))  # claims two tokens we never saw
+    assert ran.status == {1: Finish.NEED_IDS}
+    bad = {1: ids[1][:-1] + [core.engine.vocab_size]}  # an out-of-vocabulary last token
+    assert run(core, make_lease(bad)).status == {1: Finish.NEED_IDS}
+
+
+def test_eos_ends_a_row(core, prompts, greedy):
+    a = prompts[0]
+    ref = greedy(a, REF_LEN)
+    i = first_new_position(ref, 2)
+    ids = {1: list(a)}
+    unused = min(set(range(3, 1500)) - set(ref))
+    full = [spec_of(1, a, len(a), eos_ids=[unused, ref[i]])]
+    for k in range(i + 1):
+        ran = run(core, make_lease(ids, full=full if k == 0 else [], lease_id=k + 1))
+        code = Finish.EOS if k == i else Finish.NONE
+        assert ran.status == {1: code} and ran.emitted == {1: (k, [ref[k]], code)}
+        advance(ids, ran)
+    assert 1 not in core.seqs and core.engine.cached_len(1) == -1  # its KV is freed
+
+
+def test_eos_inside_a_multi_step_lease(core, prompts, greedy):
+    a = prompts[4]
+    ref = greedy(a, REF_LEN)
+    i = first_new_position(ref, 3)
+    ran = run(core, make_lease({1: list(a)}, full=[spec_of(1, a, len(a), eos_ids=[ref[i]])], num_steps=20))
+    assert ran.tokens == {1: ref[:i + 1]} and ran.emitted == {1: (0, ref[:i + 1], Finish.EOS)}
+
+
+def test_max_new_tokens_ends_a_row(core, prompts, greedy):
+    a, b = prompts[0], prompts[2]
+    ids = {1: list(a), 2: list(b)}
+    full = [spec_of(1, a, len(a), max_new_tokens=4), spec_of(2, b, len(b), max_new_tokens=2)]
+    ran = run(core, make_lease(ids, full=full, num_steps=3))
+    assert ran.tokens == {1: greedy(a, 3), 2: greedy(b, 2)}
+    assert ran.status == {1: Finish.NONE, 2: Finish.LENGTH}
+    assert ran.emitted == {1: (0, greedy(a, 3), Finish.NONE), 2: (0, greedy(b, 2), Finish.LENGTH)}
+    advance(ids, ran)
+    ran = run(core, make_lease(ids, num_steps=3, lease_id=2))
+    assert ran.emitted == {1: (3, greedy(a, 4)[3:], Finish.LENGTH)}
+
+
+def test_stop_sequence_ends_a_row_across_leases(core, prompts, greedy):
+    a = prompts[3]
+    ref = greedy(a, REF_LEN)
+    i = first_new_position(ref, 2)
+    stop = [[ref[i - 1], ref[i]], [ref[i], ref[i]], [1499, 1498, 1497]]
+    ids = {1: list(a)}
+    full = [spec_of(1, a, len(a), stop_ids=stop)]
+    for k in range(i + 1):
+        ran = run(core, make_lease(ids, full=full if k == 0 else [], lease_id=k + 1))
+        assert ran.emitted[1] == (k, [ref[k]], Finish.STOP if k == i else Finish.NONE)
+        advance(ids, ran)
+
+
+def test_stop_sequence_that_began_before_a_migration(core, prompts, greedy):
+    a = prompts[3]
+    ref = greedy(a, REF_LEN)
+    i = first_new_position(ref, 2)
+    ids = a + ref[:i]  # the sequence arrives with i tokens generated elsewhere
+    spec = spec_of(1, ids, len(a), stop_ids=[[ref[i - 1], ref[i]]])
+    ran = run(core, make_lease({1: ids}, full=[spec]))
+    assert ran.emitted == {1: (i, [ref[i]], Finish.STOP)}
+
+
+def test_several_steps_per_dispatch(core, prompts, greedy):
+    ids = {i: list(prompts[i]) for i in (0, 1, 5)}
+    full = [spec_of(i, p, len(p)) for i, p in ids.items()]
+    ran = run(core, make_lease(ids, full=full, num_steps=4))
+    for i, p in ((0, prompts[0]), (1, prompts[1]), (5, prompts[5])):
+        assert ran.emitted[i] == (0, greedy(p, 4), Finish.NONE)
+    advance(ids, ran)
+    ran = run(core, make_lease(ids, num_steps=3, lease_id=2))
+    assert ran.emitted[0] == (4, greedy(prompts[0], 7)[4:], Finish.NONE)
+    assert core.num_steps == 7
+
+
+def test_out_of_vocabulary_ids_are_an_error_for_that_row_only(core, prompts, greedy):
+    vocab = core.engine.vocab_size
+    good, bad = prompts[0], [1, 5, vocab, 7]
+    ids = {1: list(good), 2: bad, 3: [1, 9, vocab + 1000]}
+    full = [spec_of(1, good, len(good)), spec_of(2, bad, 2), spec_of(3, ids[3], 3)]
+    ran = run(core, make_lease(ids, full=full))
+    assert ran.status == {1: Finish.NONE, 2: Finish.ERROR, 3: Finish.ERROR}
+    assert ran.tokens == {1: greedy(good, 1), 2: [], 3: []}
+    # The error record starts after the tokens other workers already generated (2 for row 2).
+    assert ran.emitted[2] == (2, [], Finish.ERROR) and ran.emitted[3] == (0, [], Finish.ERROR)
+    assert 2 not in core.seqs and 3 not in core.seqs
+
+
+@pytest.mark.parametrize("case", ["length mismatch", "empty", "no prompt", "too long"])
+def test_inconsistent_full_forms_are_errors(core, prompts, case):
+    p = prompts[0]
+    spec, length = {
+        "length mismatch": (spec_of(1, p, len(p)), len(p) + 1),
+        "empty": (spec_of(1, [], 0), 0),
+        "no prompt": (spec_of(1, p, 0), len(p)),
+        "too long": (spec_of(1, [5] * 300, 300), 300),  # the engine holds 256 positions
+    }[case]
+    lease = P.Lease(1, 1, 10.0, P.pack_i64([1]), P.pack_i32([length]), P.pack_i32([5]), [spec])
+    ran = run(core, lease)
+    assert ran.status == {1: Finish.ERROR} and ran.emitted[1][1:] == ([], Finish.ERROR)
+
+
+def test_an_error_after_migration_reports_the_tokens_already_generated(core):
+    """The detokenizer ends a request at start + count: after 60 generated tokens it must
+    wait for all 60, not end the request at 0."""
+    ids = [1] + [5] * 239 + [9] * 60  # 240 prompt + 60 generated = 300 > 256 positions
+    ran = run(core, make_lease({1: ids}, full=[spec_of(1, ids, 240)]))
+    assert ran.status == {1: Finish.ERROR}
+    assert ran.emitted[1] == (60, [], Finish.ERROR)
+
+
+def test_negative_ids_are_a_protocol_error_not_a_crash(core):
+    ids = [1, -5, 7]
+    lease = P.Lease(1, 1, 10.0, P.pack_i64([1]), P.pack_i32([3]), P.pack_i32([7]), [spec_of(1, ids, 2)])
+    with pytest.raises(P.ProtocolError):
+        core.run(lease)
+
+
+def test_seeded_sampling_is_the_same_wherever_it_runs(model, prompts, greedy):
+    p = prompts[4]
+
+    def generate(num_cores: int, neighbours: bool, seed: int) -> list[int]:
+        """8 tokens of seq 1, moved by recompute across num_cores workers, maybe in company."""
+        cores = [WorkerCore(make_engine(model)) for _ in range(num_cores)]
+        ids = {1: list(p)}
+        for k in range(8):
+            core = cores[k * num_cores // 8]
+            here, full = dict(ids), []
+            if core.engine.cached_len(1) < 0:
+                full.append(spec_of(1, ids[1], len(p), temperature=1.0, top_p=0.95, seed=seed))
+            if neighbours:
+                q = prompts[k % 4]
+                here[50 + k] = list(q)
+                full.append(spec_of(50 + k, q, len(q), temperature=0.7, seed=k))
+            ids[1] += run(core, make_lease(here, full=full, lease_id=k + 1)).tokens[1]
+        return ids[1][len(p):]
+
+    alone = generate(1, neighbours=False, seed=4242)
+    assert generate(3, neighbours=True, seed=4242) == alone
+    assert alone != greedy(p, 8)  # it really sampled
+    assert generate(1, neighbours=False, seed=4243) != alone
+    # no seed: the sequence id stands in, so the output is still reproducible
+    assert generate(1, neighbours=False, seed=-1) == generate(2, neighbours=True, seed=-1)
+
+
+# --- WorkerCore: KV transfer ------------------------------------------------------------
+
+def run_on(core: WorkerCore, prompt: list[int], num_tokens: int, seq_id: int = 1) -> list[int]:
+    """Run a sequence for num_tokens one-step leases; returns prompt + generated ids."""
+    ids = {seq_id: list(prompt)}
+    for k in range(num_tokens):
+        full = [spec_of(seq_id, prompt, len(prompt))] if k == 0 else []
+        advance(ids, run(core, make_lease(ids, full=full, lease_id=100 + k)))
+    return ids[seq_id]
+
+
+def moved_spec(ids: list[int], prompt_len: int, transfer_id: int, seq_id: int = 1) -> P.SeqSpec:
+    return spec_of(seq_id, ids, prompt_len, kv_from="tcp://10.0.0.1:5601", transfer_id=transfer_id)
+
+
+def test_kv_transfer_is_used_instead_of_recompute(model, prompts, greedy):
+    a = prompts[3]
+    ref = greedy(a, 10)
+    src, dst = WorkerCore(make_engine(model)), WorkerCore(make_engine(model))
+    ids = run_on(src, a, 4)
+    kv = src.export(1, len(ids) - 1)
+    assert kv is not None and kv.shape[3] == len(ids) - 1
+    assert src.engine.cached_len(1) == -1 and 1 not in src.seqs  # shipped means forgotten
+    lease = make_lease({1: ids}, full=[moved_spec(ids, len(a), 77)])
+    assert dst.awaited_transfers(lease) == {77}
+    dst.receive_transfer(77, 1, kv)
+    assert dst.awaited_transfers(lease) == set()
+    calls = record_steps(dst.engine)
+    ran = run(dst, lease)
+    assert calls == [[(1, len(ids) - 1, 1)]]  # a decode row: nothing was prefilled
+    assert ran.emitted == {1: (4, [ref[4]], Finish.NONE)}
+    ids += ran.tokens[1]
+    for k in range(5, 10):
+        ran = run(dst, make_lease({1: ids}, lease_id=k))
+        ids += ran.tokens[1]
+    assert ids == a + ref
+
+
+@pytest.mark.parametrize("damage", ["short", "long", "missing", "empty"])
+def test_unusable_transfer_falls_back_to_recompute(model, prompts, greedy, damage):
+    a = prompts[0]
+    src, dst = WorkerCore(make_engine(model)), WorkerCore(make_engine(model))
+    ids = run_on(src, a, 3)
+    kv = src.engine.export_kv(1)
+    kv = {"short": kv[:, :, :, :-1], "long": torch.cat([kv, kv[:, :, :, -1:]], dim=3),
+          "missing": None, "empty": None}[damage]
+    if damage != "missing":
+        dst.receive_transfer(5, 1, kv)
+    calls = record_steps(dst.engine)
+    ran = run(dst, make_lease({1: ids}, full=[moved_spec(ids, len(a), 5)]))
+    assert calls == [[(1, 0, len(ids))]]  # prefilled from the ids
+    assert ran.emitted == {1: (3, [greedy(a, 4)[3]], Finish.NONE)}
+    assert 5 not in dst.transfers
+
+
+def test_transfer_of_the_wrong_shape_falls_back_to_recompute(model, prompts, greedy):
+    """A shipment from a worker with another KV layout (heads, layers) must not crash this one."""
+    a = prompts[0]
+    src, dst = WorkerCore(make_engine(model)), WorkerCore(make_engine(model))
+    ids = run_on(src, a, 3)
+    kv = src.export(1, len(ids) - 1)
+    dst.receive_transfer(5, 1, torch.cat([kv, kv], dim=2))  # twice the KV heads, right length
+    ran = run(dst, make_lease({1: ids}, full=[moved_spec(ids, len(a), 5)]))
+    assert ran.emitted == {1: (3, [greedy(a, 4)[3]], Finish.NONE)}
+
+
+def test_importing_a_transfer_never_evicts_a_row_of_the_same_lease(model, prompts, greedy):
+    """Two slots, both full. The lease runs seq 1 (cached, least recently used) and seq 2
+    (arriving by transfer): making room for 2 must evict seq 3, which is not in the lease."""
+    src = WorkerCore(make_engine(model))
+    ids2 = run_on(src, prompts[1], 3, seq_id=2)
+    kv = src.export(2, len(ids2) - 1)
+    dst = WorkerCore(make_engine(model, num_slots=2))
+    ids1 = run_on(dst, prompts[0], 2, seq_id=1)
+    run_on(dst, prompts[4], 1, seq_id=3)  # now the most recently used
+    dst.receive_transfer(9, 2, kv)
+    lease = make_lease({1: ids1, 2: ids2}, full=[moved_spec(ids2, len(prompts[1]), 9, seq_id=2)])
+    ran = run(dst, lease)
+    assert ran.status == {1: Finish.NONE, 2: Finish.NONE}
+    assert ran.tokens == {1: greedy(prompts[0], 3)[2:], 2: greedy(prompts[1], 4)[3:]}
+    assert dst.engine.cached_len(3) == -1
+
+
+def test_export_of_a_sequence_that_is_not_held_is_none(core, prompts):
+    assert core.export(1, 5) is None
+    ids = run_on(core, prompts[0], 2)
+    assert core.export(1, len(ids)) is None  # asks for more than is cached
+    assert core.engine.cached_len(1) == -1  # and forgets it all the same
+
+
+def test_transfers_kept_are_bounded(model):
+    core = WorkerCore(make_engine(model, num_slots=2))
+    for tid in range(1, 20):
+        core.receive_transfer(tid, tid, None)
+    assert len(core.transfers) == 8 and 19 in core.transfers
