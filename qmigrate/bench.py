@@ -111,7 +111,7 @@ class Progress:
 # --- the engine alone ------------------------------------------------------------------
 
 def run_inprocess(model_path: str, device: str, dtype: str, requests, max_seqs: int,
-                  max_tokens: int) -> PathResult:
+                  max_tokens: int, profile: bool = False) -> PathResult:
     from .engine.models import load_model
     from .engine.runner import Engine, StepRow
     model, _ = load_model(model_path, device, dtype)
@@ -129,7 +129,12 @@ def run_inprocess(model_path: str, device: str, dtype: str, requests, max_seqs: 
             i = waiting.popleft()
             budget -= len(requests[i][0])
             rows.append(StepRow(i, requests[i][0], 0, 0))
-        tokens = engine.step(rows)
+        num_steps = getattr(engine, "num_steps_run", 0) + 1
+        engine.num_steps_run = num_steps
+        if profile and num_steps == 40:
+            tokens = _profiled(engine, rows, device)
+        else:
+            tokens = engine.step(rows)
         now = time.monotonic()
         for row, token in zip(rows, tokens):
             timeline.add(row.seq_id, 1, now)
@@ -144,6 +149,24 @@ def run_inprocess(model_path: str, device: str, dtype: str, requests, max_seqs: 
     del engine, model
     _free(device)
     return result
+
+
+def _profiled(engine, rows, device: str) -> list[int]:
+    """One step under the torch profiler; prints where its time goes."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.startswith("cuda") else [])
+    _sync(device)
+    t0 = time.monotonic()
+    with profile(activities=activities) as prof:
+        tokens = engine.step(rows)
+        _sync(device)
+    wall = time.monotonic() - t0
+    key = "cuda_time_total" if device.startswith("cuda") else "cpu_time_total"
+    print(f"profiled step: {len(rows)} rows, {sum(len(r.new_ids) for r in rows)} new tokens, "
+          f"{wall * 1000:.1f} ms wall", file=sys.stderr)
+    print(prof.key_averages().table(sort_by=key, row_limit=18), file=sys.stderr)
+    return tokens
 
 
 def _warm(engine, StepRow) -> None:
@@ -333,7 +356,7 @@ def format_table(results: list[PathResult]) -> str:
 
 def run_bench(*, model_path: str, devices: list[str], dtype: str, workload: Workload, paths: list[str],
               max_seqs: int, max_tokens: int, hf_batch: int, router_overrides: dict,
-              json_path: Path | None, log_level: str = "warning") -> list[PathResult]:
+              json_path: Path | None, log_level: str = "warning", profile: bool = False) -> list[PathResult]:
     requests = workload.requests()
     total = sum(n for _, n in requests)
     print(f"workload: {workload.num_requests} requests, prompts {workload.prompt_len}, outputs "
@@ -344,7 +367,7 @@ def run_bench(*, model_path: str, devices: list[str], dtype: str, workload: Work
         results.append(run_pipeline(model_path, devices, dtype, requests, max_seqs, max_tokens,
                                     router_overrides, log_level))
     if "in-process" in paths:
-        results.append(run_inprocess(model_path, devices[0], dtype, requests, max_seqs, max_tokens))
+        results.append(run_inprocess(model_path, devices[0], dtype, requests, max_seqs, max_tokens, profile))
     if "hf-static" in paths:
         results.append(run_hf_static(model_path, devices[0], dtype, requests, hf_batch))
     table = format_table(results)

@@ -171,6 +171,7 @@ def bench(
     policy: Annotated[str, typer.Option(help="Router policy: affinity or any.")] = "affinity",
     migration: Annotated[str, typer.Option(help="auto, recompute or transfer.")] = "auto",
     json_out: Annotated[Optional[Path], typer.Option("--json", help="Write the results as JSON here.")] = None,
+    profile: Annotated[bool, typer.Option(help="Print a torch profiler table of one in-process decode step.")] = False,
     log_level: LogLevel = "warning",
 ):
     """Run a workload through the full pipeline, the engine in-process and HF static
@@ -195,7 +196,7 @@ def bench(
               paths=[p.strip() for p in paths.split(",") if p.strip()], max_seqs=max_seqs,
               max_tokens=max_tokens, hf_batch=hf_batch,
               router_overrides={"policy": policy, "migration": migration}, json_path=json_out,
-              log_level=log_level)
+              log_level=log_level, profile=profile)
 
 
 @model_app.command("tiny")

@@ -216,6 +216,13 @@ class Scheduler:
         self.counters["leased_rows"] += len(rows)
         return Grant(lease_id, name, rows, drops, shipments)
 
+    def num_available(self, name: str) -> int:
+        """Queued sequences `name` could be given now (its own, unowned, or movable)."""
+        w = self.workers.get(name)
+        if w is None or not w.alive or w.draining:
+            return 0
+        return sum(1 for _ in self._candidates(w))
+
     def _candidates(self, w: WorkerState):
         """Queued sequences this worker may run, best first, with the migration cause."""
         own, free, movable = [], [], []

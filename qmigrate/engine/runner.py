@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from .attention import install as install_attention
 from .kvcache import BatchView, SlotPool
 from .sampling import SamplingRows, sample
 
@@ -31,8 +32,9 @@ class StepRow:
 
 class Engine:
     def __init__(self, model, *, num_slots: int, max_len: int | None = None,
-                 max_padding: float = 0.25):
+                 max_padding: float = 0.25, grouped_attention: bool = True):
         self.model = model
+        self.grouped_attention = grouped_attention and install_attention(model)
         self.base = getattr(model, model.base_model_prefix)
         self.lm_head = model.get_output_embeddings()
         cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config

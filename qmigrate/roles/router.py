@@ -177,6 +177,8 @@ class Router:
                 if not waiting:
                     continue
                 req = waiting[0]
+                if not self.should_dispatch(name, req):
+                    continue
                 free = req.free_slots if req.free_slots >= 0 else None
                 grant = self.sched.schedule(name, req.max_seqs, req.max_tokens, now, free)
                 log.debug("request %d of %s (queue %d): %s", req.request_no, name,
@@ -185,6 +187,19 @@ class Router:
                     waiting.popleft()
                     self.send_grant(grant, req.request_no)
                     progress = True
+
+    def should_dispatch(self, name: str, req: P.WorkRequest) -> bool:
+        """A second batch goes out early only when it can be full.
+
+        A worker with a batch in flight asks ahead so that the next one is already there
+        when its step ends. But a step of half the sequences costs a GPU nearly as much as
+        a step of all of them, so while the queue cannot fill a batch, the router waits for
+        the batch in flight to come back and sends its sequences out together with the rest.
+        """
+        w = self.sched.workers[name]
+        if w.num_leased == 0:
+            return True
+        return self.sched.num_available(name) >= min(req.max_seqs, w.max_seqs)
 
     def send_grant(self, grant, request_no: int) -> None:
         for owner, seq_id, dest, transfer_id, num_tokens in grant.shipments:
