@@ -152,6 +152,7 @@ class SeqSpec:
     eos_ids: list[int] = field(default_factory=list)
     kv_from: str = ""         # endpoint of the worker shipping this sequence's KV, if any
     transfer_id: int = 0
+    resend_from: int = -1     # >= 0: send the detokenizer generated tokens from this index on
 
     @property
     def ids(self) -> np.ndarray:

@@ -44,6 +44,9 @@ class Seq:
     token_ids: list[int]
     owner: str | None = None
     lease_id: int | None = None
+    # Set when a worker vanished holding this sequence: tokens it reported here may never
+    # have reached the detokenizer, so the next worker sends them again.
+    resync: bool = False
 
     @property
     def seq_id(self) -> int:
@@ -295,6 +298,7 @@ class Scheduler:
                 owner.pending_drops.append(seq.seq_id)
         seq.owner = None
         spec = _respec(seq, kv_from, transfer_id)
+        seq.resync = False
         return Row(seq.seq_id, len(seq.token_ids), seq.token_ids[-1], spec)
 
     # --- results -----------------------------------------------------------------------
@@ -363,16 +367,22 @@ class Scheduler:
                 seq.lease_id = None
                 # The worker may or may not have run the step: its KV is not to be trusted.
                 self._set_owner(seq, None)
+                seq.resync = True
                 w.pending_drops.append(sid)
                 self._requeue(seq, front=True)
 
     def _forget_worker(self, w: WorkerState, cause: str) -> None:
+        lost = set(w.owned)
         for lease_id in [i for i, lease in self.leases.items() if lease.worker == w.name]:
+            lost.update(self.leases[lease_id].seq_ids)
             self._revoke(lease_id)
         if cause == "dead":
-            for sid in list(w.owned):
-                seq = self.seqs[sid]
-                seq.owner = None
+            for sid in lost:
+                if (seq := self.seqs.get(sid)) is None:
+                    continue
+                if seq.owner == w.name:
+                    seq.owner = None
+                seq.resync = True
                 self.counters["migrations_dead"] += 1
                 self.counters["migrations_by_recompute"] += 1
             w.owned.clear()
@@ -400,7 +410,8 @@ def _respec(seq: Seq, kv_from: str, transfer_id: int) -> SeqSpec:
     from .protocol import pack_i32  # local: keeps the import list of the pure core short
     s = seq.spec
     return SeqSpec(s.seq_id, pack_i32(seq.token_ids), s.prompt_len, s.max_new_tokens, s.temperature,
-                   s.top_p, s.top_k, s.seed, s.stop_ids, s.eos_ids, kv_from, transfer_id)
+                   s.top_p, s.top_k, s.seed, s.stop_ids, s.eos_ids, kv_from, transfer_id,
+                   0 if seq.resync else -1)
 
 
 def choose_mechanism(num_tokens: int, kv_bytes_per_token: int, num_params: int,

@@ -88,7 +88,7 @@ def recv(sock: zmq.Socket, timeout_s: float):
     if not sock.poll(int(timeout_s * 1000)):
         return None
     frames = sock.recv_multipart(copy=True)
-    sender = frames[0] if sock.socket_type == zmq.ROUTER and len(frames) > 1 else None
+    sender = frames[0] if sock.type == zmq.ROUTER and len(frames) > 1 else None
     return sender, parse(frames[-1], sender.decode(errors="replace") if sender else "peer")
 
 

@@ -112,6 +112,10 @@ class WorkerCore:
         rows: list[StepRow] = []
         first_index: dict[int, int] = {}
         protect = set(seq_ids)
+        resend: dict[int, list[int]] = {}
+        for spec in lease.full:
+            if spec.resend_from >= 0:
+                resend[spec.seq_id] = spec.ids[spec.prompt_len + spec.resend_from:].tolist()
         for sid, length, token in zip(seq_ids, lengths, last):
             spec = full.get(sid)
             row = self._row(sid, length, token, spec, protect)
@@ -128,7 +132,7 @@ class WorkerCore:
             tokens = self.engine.step(rows)
             self.num_steps += 1
             rows = self._advance(rows, tokens, status, out)
-        return self._messages(lease.lease_id, seq_ids, first_index, status, out)
+        return self._messages(lease.lease_id, seq_ids, first_index, status, out, resend)
 
     def _row(self, sid: int, length: int, token: int, spec: P.SeqSpec | None, protect: set[int]):
         vocab = self.engine.vocab_size
@@ -179,16 +183,18 @@ class WorkerCore:
                                    row.top_p, row.top_k, row.seed))
         return nxt
 
-    def _messages(self, lease_id, seq_ids, first_index, status, out):
+    def _messages(self, lease_id, seq_ids, first_index, status, out, resend):
         counts = [len(out[sid]) for sid in seq_ids]
         flat = [t for sid in seq_ids for t in out[sid]]
         codes = [int(status[sid]) for sid in seq_ids]
         result = P.StepResult(lease_id, P.pack_i64(seq_ids), P.pack_i32(counts), P.pack_i32(flat),
                               P.pack_u8(codes), self.free_slots)
-        emitted = [i for i, sid in enumerate(seq_ids) if out[sid] or codes[i] == ERROR]
-        starts = [first_index.get(seq_ids[i], 0) for i in emitted]
-        tokens = P.Tokens(P.pack_i64([seq_ids[i] for i in emitted]), P.pack_i32(starts),
-                          P.pack_i32([counts[i] for i in emitted]),
-                          P.pack_i32([t for i in emitted for t in out[seq_ids[i]]]),
-                          P.pack_u8([codes[i] for i in emitted]))
+        # For the detokenizer: new tokens, preceded by any tokens it may have missed.
+        shown = [(sid, resend.get(sid, []) + out[sid], code) for sid, code in zip(seq_ids, codes)
+                 if out[sid] or code == ERROR or sid in resend]
+        starts = [first_index.get(sid, 0) - len(resend.get(sid, [])) for sid, _, _ in shown]
+        tokens = P.Tokens(P.pack_i64([sid for sid, _, _ in shown]), P.pack_i32(starts),
+                          P.pack_i32([len(ts) for _, ts, _ in shown]),
+                          P.pack_i32([t for _, ts, _ in shown for t in ts]),
+                          P.pack_u8([code for _, _, code in shown]))
         return result, tokens

@@ -718,3 +718,12 @@ def test_transfers_kept_are_bounded(model):
     for tid in range(1, 20):
         core.receive_transfer(tid, tid, None)
     assert len(core.transfers) == 8 and 19 in core.transfers
+
+
+def test_a_resync_resends_earlier_tokens_before_the_new_one(core, prompts, greedy):
+    p = prompts[0]
+    done = greedy(p, 3)
+    ids = {1: list(p) + done}
+    ran = run(core, make_lease(ids, full=[spec_of(1, ids[1], len(p), resend_from=0)]))
+    start, tokens, _ = ran.emitted[1]
+    assert start == 0 and tokens == done + greedy(p, 4)[3:]

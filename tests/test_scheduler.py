@@ -771,3 +771,26 @@ def test_the_random_operations_reach_every_event():
     for key in ("leases_expired", "workers_lost", "stale_results", "resends", "migrations_dead",
                 "migrations_drain", "migrations_load", "migrations_memory", "migrations_by_transfer"):
         assert totals[key] > 0, key
+
+
+def test_sequences_of_a_vanished_worker_are_resent_to_the_detokenizer():
+    s = dead_fleet()
+    give(s, "w0", [1, 2])
+    s.admit([spec(3)])
+    held = ask(s, "w0", now=1.0)          # sequence 3's first step, leased when w0 vanishes
+    assert 3 in row_ids(held)
+    s.touch("w1", 7.0)
+    s.expire(7.0)
+    g = ask(s, "w1", now=7.0)
+    assert sorted(full_ids(g)) == [1, 2, 3]
+    assert all(r.spec.resend_from == 0 for r in g.rows)  # tokens w0 reported may be unseen
+    assert migrations(s)["migrations_dead"] == 3
+
+
+def test_an_orderly_migration_does_not_resend():
+    s = make_sched(rebalance_threshold=2)
+    join(s, "w0")
+    join(s, "w1")
+    give(s, "w0", [1, 2, 3, 4])
+    g = ask(s, "w1")
+    assert full_ids(g) and all(r.spec.resend_from == -1 for r in g.rows)

@@ -94,22 +94,27 @@ class BatchView:
 
     def __init__(self, pool: SlotPool, slots: torch.Tensor, write_rows: torch.Tensor,
                  write_cols: torch.Tensor, write_slots: torch.Tensor, write_pos: torch.Tensor,
-                 total_len: int):
+                 total_len: int, is_decode: bool = False):
         self.pool = pool
         self.slots = slots
         self.write_rows, self.write_cols = write_rows, write_cols
         self.write_slots, self.write_pos = write_slots, write_pos
         self.total_len = total_len
+        self.is_decode = is_decode  # one new token per row: row i writes slots[i] at write_pos[i]
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         k_pool, v_pool = self.pool.keys[layer_idx], self.pool.values[layer_idx]
-        # [batch, heads, new, dim] -> [tokens, heads, dim] for the real (unpadded) tokens
-        k_new = key_states.transpose(1, 2)[self.write_rows, self.write_cols]
-        v_new = value_states.transpose(1, 2)[self.write_rows, self.write_cols]
+        if self.is_decode:
+            k_new, v_new = key_states[:, :, 0], value_states[:, :, 0]          # [B, heads, dim]
+        else:
+            # [batch, heads, new, dim] -> [tokens, heads, dim] for the real (unpadded) tokens
+            k_new = key_states.transpose(1, 2)[self.write_rows, self.write_cols]
+            v_new = value_states.transpose(1, 2)[self.write_rows, self.write_cols]
         k_pool[self.write_slots, :, self.write_pos] = k_new.to(k_pool.dtype)
         v_pool[self.write_slots, :, self.write_pos] = v_new.to(v_pool.dtype)
         n = self.total_len
-        return k_pool[self.slots, :, :n], v_pool[self.slots, :, :n]
+        # index_select over a length-n view copies only the live positions of each row
+        return k_pool[:, :, :n].index_select(0, self.slots), v_pool[:, :, :n].index_select(0, self.slots)
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.total_len

@@ -132,7 +132,8 @@ class Engine:
         mask &= t(is_real)[:, :, None]
         mask[:, :, 0] = True
         slots = t(np.array([self.pool.slot_of[r.seq_id] for r in rows]))
-        view = BatchView(self.pool, slots, t(rr), t(cc), slots[t(rr)], t(starts[rr] + cc), total)
+        view = BatchView(self.pool, slots, t(rr), t(cc), slots[t(rr)], t(starts[rr] + cc), total,
+                         is_decode=width == 1)
         out = self.base(input_ids=t(ids), attention_mask=mask[:, None], position_ids=pos_t,
                         past_key_values=view, use_cache=True)
         last = out.last_hidden_state[torch.arange(batch, device=dev), t(lens - 1)]

@@ -81,6 +81,7 @@ class Ingest:
                     transport.send(self.detok, P.InputClosed(self.num_requests))
                     self.closed_sent = True
                     if exit_on_eof:
+                        self.detok.close(linger=5000)  # InputClosed must not be dropped
                         return
 
     def _read_stdin(self) -> None:

@@ -99,6 +99,7 @@ class Worker:
             if self.kv_in in ready:
                 self.receive_kv()
             if self.router in ready and self.receive_router():
+                self.close()
                 return
             if self.leases:
                 self.run_lease(*self.leases.popleft())
@@ -146,8 +147,10 @@ class Worker:
         except (P.ProtocolError, ValueError) as exc:
             log.warning("lease %d rejected: %s", lease.lease_id, exc)
             return
-        self.send_router(result)
+        # Tokens first: if this process dies between the two sends, the router re-runs the
+        # step and the detokenizer drops the duplicate, rather than never seeing the token.
         transport.send(self.detok, tokens)
+        self.send_router(result)
 
     def wait_for_transfers(self, lease: P.Lease, deadline: float) -> None:
         """Give KV shipments for this batch a moment to land; missing ones are recomputed."""
@@ -187,6 +190,13 @@ class Worker:
                 log.warning("dropped a malformed KV shipment")
                 continue
             self.core.receive_transfer(header.transfer_id, header.seq_id, _kv_tensor(header, frames[1]))
+
+    def close(self) -> None:
+        """Leaving on purpose: let queued tokens and results reach their peers first."""
+        self.detok.close(linger=5000)
+        self.router.close(linger=2000)
+        for sock in self.peers.values():
+            sock.close(linger=2000)
 
     def send_router(self, msg) -> None:
         transport.send(self.router, msg)

@@ -1,0 +1,188 @@
+"""A running fleet changes under load: a worker joins, one is drained, one is killed.
+
+Real `qmigrate node` processes on loopback TCP; nothing may be lost or printed twice."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+import yaml
+
+from qmigrate import protocol as P
+from qmigrate import transport
+
+pytestmark = pytest.mark.timeout(300)
+
+NUM_PROMPTS = 16
+NEW_TOKENS = 120
+
+
+def _free_ports(n: int) -> list[int]:
+    socks = [socket.socket() for _ in range(n)]
+    for s in socks:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports
+
+
+@pytest.fixture
+def fleet(tmp_path, tiny_model_dir):
+    ports = _free_ports(7)
+    data = {
+        "transport": "tcp",
+        "model": {"path": str(tiny_model_dir)},
+        "nodes": [{"name": "head", "address": "127.0.0.1", "bind": "127.0.0.1"},
+                  {"name": "late", "address": "127.0.0.1", "bind": "127.0.0.1"}],
+        "router": {"node": "head", "port": ports[0], "telemetry_port": ports[1],
+                   "heartbeat_interval_s": 0.2, "heartbeat_timeout_s": 1.5, "lease_timeout_s": 5.0,
+                   "rebalance_threshold": 2},
+        "ingest": {"node": "head", "port": ports[2], "input": "jsonl"},
+        "detokenizer": {"node": "head", "port": ports[3], "output": "jsonl"},
+        "workers": [{"name": f"w{i}", "node": "head" if i < 3 else "late", "device": "cpu",
+                     "kv_port": ports[3 + i], "max_seqs": 2} for i in (1, 2, 3)],
+    }
+    path = tmp_path / "fleet.yaml"
+    path.write_text(yaml.safe_dump(data))
+    procs: list[subprocess.Popen] = []
+
+    def start(node: str, stdin_text: str | None = None) -> subprocess.Popen:
+        args = [sys.executable, "-m", "qmigrate", "node", str(path), "--node", node]
+        if stdin_text is not None:
+            args.append("--stdin")
+        # Files, not pipes: a pipe nobody reads while the test polls would stall the node.
+        out = open(tmp_path / f"{node}.out", "w+")
+        err = open(tmp_path / f"{node}.err", "w+")
+        proc = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=out, stderr=err, text=True,
+                                start_new_session=True)
+        if stdin_text is not None:
+            proc.stdin.write(stdin_text)
+        proc.stdin.close()
+        proc.stdin = None
+        proc.out, proc.err = out, err
+        procs.append(proc)
+        return proc
+
+    router = f"tcp://127.0.0.1:{ports[0]}"
+    yield path, start, router
+    for proc in procs:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+
+
+def _stats(router: str) -> dict:
+    try:
+        return transport.request(router, P.StatsRequest(), timeout_s=1.0, expect=P.Stats).counters
+    except transport.Unreachable:
+        return {}
+
+
+def _wait_for(what: str, predicate, router: str, timeout: float = 90.0) -> dict:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        stats = _stats(router)
+        if stats and predicate(stats):
+            return stats
+        time.sleep(0.1)
+    pytest.fail(f"timed out waiting for {what}; last stats {_stats(router)}")
+
+
+def _prompts():
+    r = random.Random(11)
+    return [{"id": f"q{i}", "prompt_ids": [1] + [r.randint(3, 1400) for _ in range(r.randint(2, 30))],
+             "max_new_tokens": NEW_TOKENS} for i in range(NUM_PROMPTS)]
+
+
+def _check_outputs(stdout: str, prompts, model_dir) -> None:
+    from transformers import AutoModelForCausalLM
+    finals = {}
+    for line in stdout.splitlines():
+        record = json.loads(line)
+        if record["done"]:
+            assert record["id"] not in finals, f"{record['id']} finished twice"
+            finals[record["id"]] = record
+    assert sorted(finals) == sorted(p["id"] for p in prompts)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    for p in prompts:
+        with torch.no_grad():
+            out = model.generate(torch.tensor([p["prompt_ids"]]), max_new_tokens=NEW_TOKENS, do_sample=False)
+        assert finals[p["id"]]["token_ids"] == out[0, len(p["prompt_ids"]):].tolist(), p["id"]
+
+
+def _finish(proc: subprocess.Popen, router: str) -> tuple[str, str]:
+    try:
+        proc.wait(timeout=120)
+    except subprocess.TimeoutExpired:
+        proc.err.seek(0)
+        pytest.fail(f"the head node did not finish; router stats {_stats(router)}\n{proc.err.read()[-3000:]}")
+    proc.out.seek(0)
+    proc.err.seek(0)
+    return proc.out.read(), proc.err.read()
+
+
+def _ps_args() -> str:
+    return subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
+
+
+def test_join_and_drain_under_load_lose_nothing(fleet, tiny_model_dir):
+    path, start, router = fleet
+    prompts = _prompts()
+    head = start("head", "".join(json.dumps(p) + "\n" for p in prompts))
+    _wait_for("work on the first two workers", lambda s: s.get("workers") == 2 and s.get("leases", 0) > 5, router)
+    for title in ("qmigrate router", "qmigrate worker w1", "qmigrate worker w2", "qmigrate ingest",
+                  "qmigrate detokenizer"):
+        assert title in _ps_args(), title
+
+    start("late")
+    stats = _wait_for("w3 to join and own sequences", lambda s: s.get("owned_w3", 0) > 0, router)
+    assert stats.get("live", 0) > 0, "the run ended before w3 joined; the test proves nothing"
+
+    drain = subprocess.run([sys.executable, "-m", "qmigrate", "drain", str(path), "--worker", "w1"],
+                           capture_output=True, text=True, timeout=30)
+    assert drain.returncode == 0 and "draining w1" in drain.stdout, drain.stderr
+    _wait_for("w1 to be drained and released", lambda s: s.get("workers") == 2 and s.get("owned_w1", 1) == 0,
+              router)
+    deadline = time.monotonic() + 30
+    while "qmigrate worker w1" in _ps_args() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert "qmigrate worker w1" not in _ps_args(), "the drained worker did not exit"
+
+    out, err = _finish(head, router)
+    assert head.returncode == 0, err[-3000:]
+    moves = dict(re.findall(r"(\w+) (\d+)", re.search(r"migrations: (.*)", err).group(1)))
+    assert int(moves.get("drain", 0)) > 0, err[-2000:]
+    _check_outputs(out, prompts, tiny_model_dir)
+
+
+def test_a_killed_worker_loses_nothing(fleet, tiny_model_dir):
+    path, start, router = fleet
+    prompts = _prompts()
+    head = start("head", "".join(json.dumps(p) + "\n" for p in prompts))
+    _wait_for("both workers to own sequences",
+              lambda s: s.get("owned_w1", 0) > 0 and s.get("owned_w2", 0) > 0, router)
+    victim = subprocess.run(["pgrep", "-f", "qmigrate worker w2"], capture_output=True, text=True).stdout.split()
+    assert victim, _ps_args()
+    os.kill(int(victim[0]), signal.SIGKILL)
+    stats = _wait_for("the router to notice", lambda s: s.get("workers_lost", 0) >= 1, router)
+    assert stats.get("live", 0) > 0, "the run ended before the kill; the test proves nothing"
+    out, err = _finish(head, router)
+    assert head.returncode == 0, err[-3000:]
+    assert "w2 exited" in err  # the node says which role died, then carries on
+    moves = dict(re.findall(r"(\w+) (\d+)", re.search(r"migrations: (.*)", err).group(1)))
+    assert int(moves.get("dead", 0)) > 0, err[-2000:]
+    _check_outputs(out, prompts, tiny_model_dir)
