@@ -218,7 +218,8 @@ def run_hf_static(model_path: str, device: str, dtype: str, requests, batch_size
 # --- the full pipeline -------------------------------------------------------------------
 
 def run_pipeline(model_path: str, devices: list[str], dtype: str, requests, max_seqs: int,
-                 max_tokens: int, router_overrides: dict, log_level: str) -> PathResult:
+                 max_tokens: int, router_overrides: dict, log_level: str,
+                 steps_per_dispatch: int = 1) -> PathResult:
     import zmq
     from . import protocol as P
     from . import transport
@@ -232,7 +233,8 @@ def run_pipeline(model_path: str, devices: list[str], dtype: str, requests, max_
             "router": {"node": "local", "max_queued": max(4096, len(requests) + 64), **router_overrides},
             "ingest": {"node": "local"}, "detokenizer": {"node": "local"},
             "workers": [{"name": f"w{i}", "node": "local", "device": d, "max_seqs": max_seqs,
-                         "max_tokens": max_tokens} for i, d in enumerate(devices, 1)],
+                         "max_tokens": max_tokens, "steps_per_dispatch": steps_per_dispatch}
+                        for i, d in enumerate(devices, 1)],
         }, source="bench")
         path = Path(tmp) / "topology.yaml"
         dump_topology(topo, path)
@@ -249,9 +251,20 @@ def run_pipeline(model_path: str, devices: list[str], dtype: str, requests, max_
             before = _stats(topo)
             timeline = _drive(router, collector, requests, id_base=0, name="pipeline")
             end = timeline.end
+            time.sleep(1.0)  # one more heartbeat, so the busy/idle counters cover the run
             after = _stats(topo)
             moves = {k.removeprefix("migrations_"): after.get(k, 0) - before.get(k, 0)
                      for k in after if k.startswith("migrations_")}
+            chained = after.get("chained_rows", 0) - before.get("chained_rows", 0)
+            rows = after.get("leased_rows", 0) - before.get("leased_rows", 0)
+            print(f"  router: {rows} rows leased, {chained} of them chained to a batch in flight",
+                  file=sys.stderr)
+            for w in topo.workers:
+                busy = (after.get(f"busy_ms_{w.name}", 0) - before.get(f"busy_ms_{w.name}", 0)) / 1000
+                idle = (after.get(f"idle_ms_{w.name}", 0) - before.get(f"idle_ms_{w.name}", 0)) / 1000
+                if busy + idle > 0:
+                    print(f"  {w.name}: {busy / (busy + idle):.0%} of its time running steps, "
+                          f"{idle / (busy + idle):.0%} waiting for a batch", file=sys.stderr)
             return timeline.result("pipeline", end, {k: v for k, v in moves.items() if v})
         finally:
             stop(children)
@@ -348,26 +361,34 @@ def format_table(results: list[PathResult]) -> str:
         tpot = f"{s['tpot_p50_ms']:.1f}/{s['tpot_p99_ms']:.1f}" if s["tpot_p50_ms"] is not None else "-"
         moves = ", ".join(f"{k} {v}" for k, v in sorted(r.migrations.items())) or "-"
         lines.append(f"{r.name:12} {r.tok_per_s:10,.0f} {ratio:>7} {ttft:>16} {tpot:>17}  {moves}")
-    by = {r.name: r for r in results}
-    if "pipeline" in by and "in-process" in by and by["in-process"].tok_per_s:
-        lines.append(f"pipeline / in-process = {by['pipeline'].tok_per_s / by['in-process'].tok_per_s:.3f}")
+    rates: dict[str, list[float]] = {}
+    for r in results:
+        rates.setdefault(r.name, []).append(r.tok_per_s)
+    if rates.get("pipeline") and rates.get("in-process"):
+        ratios = [p / i for p, i in zip(rates["pipeline"], rates["in-process"]) if i]
+        each = ", ".join(f"{x:.3f}" for x in ratios)
+        lines.append(f"pipeline / in-process = {float(np.median(ratios)):.3f}"
+                     + (f" (median of runs: {each})" if len(ratios) > 1 else ""))
     return "\n".join(lines)
 
 
 def run_bench(*, model_path: str, devices: list[str], dtype: str, workload: Workload, paths: list[str],
               max_seqs: int, max_tokens: int, hf_batch: int, router_overrides: dict,
-              json_path: Path | None, log_level: str = "warning", profile: bool = False) -> list[PathResult]:
+              json_path: Path | None, log_level: str = "warning", profile: bool = False,
+              steps_per_dispatch: int = 1, repeat: int = 1) -> list[PathResult]:
     requests = workload.requests()
     total = sum(n for _, n in requests)
     print(f"workload: {workload.num_requests} requests, prompts {workload.prompt_len}, outputs "
           f"{workload.output_len}, {total:,} output tokens; model {model_path}; workers {devices}",
           file=sys.stderr)
     results = []
-    if "pipeline" in paths:
-        results.append(run_pipeline(model_path, devices, dtype, requests, max_seqs, max_tokens,
-                                    router_overrides, log_level))
-    if "in-process" in paths:
-        results.append(run_inprocess(model_path, devices[0], dtype, requests, max_seqs, max_tokens, profile))
+    for attempt in range(repeat):  # interleaved, so drift hits both paths alike
+        if "pipeline" in paths:
+            results.append(run_pipeline(model_path, devices, dtype, requests, max_seqs, max_tokens,
+                                        router_overrides, log_level, steps_per_dispatch))
+        if "in-process" in paths:
+            results.append(run_inprocess(model_path, devices[0], dtype, requests, max_seqs, max_tokens,
+                                         profile and attempt == 0))
     if "hf-static" in paths:
         results.append(run_hf_static(model_path, devices[0], dtype, requests, hf_batch))
     table = format_table(results)
@@ -375,8 +396,8 @@ def run_bench(*, model_path: str, devices: list[str], dtype: str, workload: Work
     if json_path is not None:
         report = {"workload": dataclasses.asdict(workload) | {"output_tokens": total},
                   "machine": machine_info(devices[0]), "workers": devices, "max_seqs": max_seqs,
-                  "max_tokens": max_tokens, "model": model_path,
-                  "paths": {r.name: r.summary() for r in results}, "table": table}
+                  "max_tokens": max_tokens, "model": model_path, "steps_per_dispatch": steps_per_dispatch,
+                  "runs": [{"path": r.name, **r.summary()} for r in results], "table": table}
         json_path.write_text(json.dumps(report, indent=2))
         print(f"wrote {json_path}", file=sys.stderr)
     return results

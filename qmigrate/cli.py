@@ -168,6 +168,8 @@ def bench(
     max_seqs: Annotated[int, typer.Option(min=1, help="Sequences per step (pipeline workers and in-process).")] = 256,
     max_tokens: Annotated[int, typer.Option(min=1, help="New tokens per step (prefill budget).")] = 16384,
     hf_batch: Annotated[int, typer.Option(min=1, help="Static batch size of the HF baseline.")] = 64,
+    steps_per_dispatch: Annotated[int, typer.Option(min=1, help="Decode steps a pipeline worker runs per batch it is given.")] = 1,
+    repeat: Annotated[int, typer.Option(min=1, help="Run the pipeline and in-process paths this many times, interleaved.")] = 1,
     policy: Annotated[str, typer.Option(help="Router policy: affinity or any.")] = "affinity",
     migration: Annotated[str, typer.Option(help="auto, recompute or transfer.")] = "auto",
     json_out: Annotated[Optional[Path], typer.Option("--json", help="Write the results as JSON here.")] = None,
@@ -196,7 +198,7 @@ def bench(
               paths=[p.strip() for p in paths.split(",") if p.strip()], max_seqs=max_seqs,
               max_tokens=max_tokens, hf_batch=hf_batch,
               router_overrides={"policy": policy, "migration": migration}, json_path=json_out,
-              log_level=log_level, profile=profile)
+              log_level=log_level, profile=profile, steps_per_dispatch=steps_per_dispatch, repeat=repeat)
 
 
 @model_app.command("tiny")

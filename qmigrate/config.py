@@ -137,6 +137,7 @@ class RouterConfig(_Section):
     link_gbps: float = _f(10.0, _positive)
     prefill_tflops: float = _f(100.0, _positive)
     rebalance_threshold: int = _f(8, _count)
+    chain_leases: bool = _f(True, _boolean)
 
     def validate(self) -> None:
         if self.heartbeat_timeout_s <= self.heartbeat_interval_s:

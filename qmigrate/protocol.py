@@ -25,6 +25,7 @@ PROTOCOL_VERSION = 1
 MAX_MESSAGE_BYTES = 64 << 20  # control and token messages; KV payloads travel as extra frames
 MAX_ARRAY_LEN = 1 << 20
 MAX_ID = (1 << 31) - 1
+CONTINUE = -1
 
 
 class ProtocolError(ValueError):
@@ -189,6 +190,8 @@ class Heartbeat:
     name: str
     num_cached_seqs: int = 0
     free_slots: int = -1
+    busy_ms: int = 0          # cumulative time spent running steps
+    idle_ms: int = 0          # cumulative time spent with no batch to run
 
 
 @message(MsgType.WORK_REQUEST)
@@ -203,7 +206,9 @@ class WorkRequest:
 class Lease:
     """A batch. Row i runs sequence seq_ids[i] whose total length after this step's input is
     lengths[i]. Rows named in `full` carry their ids; every other row is a diff: the worker
-    already holds KV for lengths[i] - 1 tokens and feeds last_tokens[i]."""
+    already holds KV for lengths[i] - 1 tokens and feeds last_tokens[i]. A length of
+    CONTINUE (-1) chains the row to the step this worker is running for it now: it feeds the
+    token that step samples."""
 
     lease_id: int
     request_no: int

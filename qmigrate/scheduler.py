@@ -6,6 +6,11 @@ all of the sequence's tokens but the last. A request for work is answered with t
 requester's own sequences first (affinity), then sequences nobody owns, then sequences
 that should move: their owner is dead, draining, short of memory or holds more than it
 can batch (load), or the policy is "any". Times are plain floats supplied by the caller.
+
+Chained leases hide the round trip without splitting the batch: a worker that asks for
+work while a batch is in flight may be given the *next* step of that batch's sequences
+(rows of length CONTINUE: "go on from the step you are running"). Such a sequence is
+still in one place, that worker; it is never chained when it ought to move instead.
 """
 
 from __future__ import annotations
@@ -14,7 +19,7 @@ import itertools
 from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 
-from .protocol import Finish, SeqSpec
+from .protocol import CONTINUE, Finish, SeqSpec
 
 CAUSES = ("load", "drain", "dead", "memory", "any")
 
@@ -32,6 +37,7 @@ class SchedulerConfig:
     link_gbps: float = 10.0
     prefill_tflops: float = 100.0
     rebalance_threshold: int = 8          # owned-count gap that lets an idle worker take work
+    chain: bool = True                    # lease the next step of a batch still in flight
 
     def __post_init__(self):
         assert self.policy in ("affinity", "any"), self.policy
@@ -44,6 +50,7 @@ class Seq:
     token_ids: list[int]
     owner: str | None = None
     lease_id: int | None = None
+    next_lease: int | None = None  # a chained lease that takes over when lease_id completes
     # Set when a worker vanished holding this sequence: tokens it reported here may never
     # have reached the detokenizer, so the next worker sends them again.
     resync: bool = False
@@ -184,13 +191,17 @@ class Scheduler:
     def schedule(self, name: str, max_seqs: int, max_tokens: int, now: float,
                  free_slots: int | None = None) -> Grant | None:
         w = self.workers.get(name)
-        if w is None or not w.alive or w.draining or not self.queue:
+        if w is None or not w.alive or w.draining:
             return None
         max_seqs = min(max_seqs, w.max_seqs)
         budget = min(max_tokens, w.max_tokens)
         new_slots = len(self.queue) if free_slots is None else free_slots
         rows: list[Row] = []
         shipments = []
+        chained = self._chainable(w)[:max_seqs]
+        for seq in chained:
+            rows.append(Row(seq.seq_id, CONTINUE, CONTINUE, None))
+        budget -= len(chained)
         for seq, cause in self._candidates(w):
             if len(rows) >= max_seqs:
                 break
@@ -209,7 +220,10 @@ class Scheduler:
             return None
         lease_id = next(self._lease_ids)
         seq_ids = [r.seq_id for r in rows]
-        for sid in seq_ids:
+        for seq in chained:
+            seq.next_lease = lease_id
+        self.counters["chained_rows"] += len(chained)
+        for sid in seq_ids[len(chained):]:
             self.seqs[sid].lease_id = lease_id
             del self.queue[sid]
         self.leases[lease_id] = _Lease(name, seq_ids, now + self.config.lease_timeout_s)
@@ -224,7 +238,36 @@ class Scheduler:
         w = self.workers.get(name)
         if w is None or not w.alive or w.draining:
             return 0
-        return sum(1 for _ in self._candidates(w))
+        return len(self._chainable(w)) + sum(1 for _ in self._candidates(w))
+
+    def num_chainable(self, name: str) -> int:
+        w = self.workers.get(name)
+        return len(self._chainable(w)) if w is not None and w.alive else 0
+
+    def _chainable(self, w: WorkerState) -> list[Seq]:
+        """Sequences in w's batches in flight whose next step may be leased to w now."""
+        if not self.config.chain or self.config.policy == "any" or not self._may_keep(w):
+            return []
+        out = []
+        for lease_id, lease in self.leases.items():
+            if lease.worker != w.name:
+                continue
+            for sid in lease.seq_ids:
+                seq = self.seqs.get(sid)
+                if seq is not None and seq.lease_id == lease_id and seq.next_lease is None:
+                    out.append(seq)
+        return out
+
+    def _may_keep(self, w: WorkerState) -> bool:
+        """False when some of w's sequences ought to move: they must come back to the queue."""
+        if w.draining or (self.config.migrate_on_memory and w.is_memory_short):
+            return False
+        if not self.config.migrate_on_load:
+            return True
+        if len(w.owned) > w.capacity:
+            return False
+        return all(len(w.owned) - len(o.owned) < self.config.rebalance_threshold
+                   for o in self.workers.values() if o is not w and o.alive and not o.draining)
 
     def _candidates(self, w: WorkerState):
         """Queued sequences this worker may run, best first, with the migration cause."""
@@ -321,7 +364,7 @@ class Scheduler:
             if seq is None or seq.lease_id != lease_id or sid in reported:
                 continue
             reported.add(sid)
-            seq.lease_id = None
+            seq.lease_id, chained, seq.next_lease = None, seq.next_lease, None
             code = Finish(code)
             if code.is_finished:
                 self._remove(seq)
@@ -330,13 +373,18 @@ class Scheduler:
             if code == Finish.NEED_IDS:
                 self._set_owner(seq, None)
                 self.counters["resends"] += 1
+                self._requeue(seq, front=True)  # a chained step fails too; its result is ignored
+                continue
+            seq.token_ids.extend(new)
+            self._set_owner(seq, name)
+            if chained is not None and chained in self.leases:
+                seq.lease_id = chained  # the next step is already at this worker
             else:
-                seq.token_ids.extend(new)
-                self._set_owner(seq, name)
-            self._requeue(seq, front=code == Finish.NEED_IDS)
+                self._requeue(seq)
         for sid in lease.seq_ids:  # rows the worker failed to report
-            if sid not in reported and (seq := self.seqs.get(sid)) is not None:
-                seq.lease_id = None
+            seq = self.seqs.get(sid)
+            if sid not in reported and seq is not None and seq.lease_id == lease_id:
+                seq.lease_id = seq.next_lease = None
                 self._set_owner(seq, None)
                 self._requeue(seq, front=True)
         return outcome
@@ -363,8 +411,10 @@ class Scheduler:
         w.num_leased -= len(lease.seq_ids)
         for sid in lease.seq_ids:
             seq = self.seqs.get(sid)
-            if seq is not None and seq.lease_id == lease_id:
-                seq.lease_id = None
+            if seq is not None and seq.next_lease == lease_id:
+                seq.next_lease = None  # a chained step that will not happen; the current one stands
+            elif seq is not None and seq.lease_id == lease_id:
+                seq.lease_id = seq.next_lease = None
                 # The worker may or may not have run the step: its KV is not to be trusted.
                 self._set_owner(seq, None)
                 seq.resync = True

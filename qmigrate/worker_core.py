@@ -35,6 +35,7 @@ class SeqState:
     stop_ids: list[list[int]]
     eos_ids: frozenset[int]
     tail: list[int] = field(default_factory=list)   # recent tokens, for stop sequences
+    last_token: int = -1                            # sampled here, not yet in the KV
 
     @classmethod
     def from_spec(cls, spec: P.SeqSpec, ids: np.ndarray) -> "SeqState":
@@ -146,6 +147,12 @@ class WorkerCore:
             state = self.seqs[sid] = SeqState.from_spec(spec, ids)
             start = self._take_transfer(spec, length, protect)
             new = ids[start:].tolist()
+        elif length == P.CONTINUE:
+            state = self.seqs.get(sid)
+            if state is None or state.last_token < 0 or self.engine.cached_len(sid) < 0:
+                return Finish.NEED_IDS
+            start, new = self.engine.cached_len(sid), [state.last_token]
+            length = start + 1
         else:
             state = self.seqs.get(sid)
             if state is None or self.engine.cached_len(sid) < length - 1 or not 0 <= token < vocab:
@@ -172,6 +179,7 @@ class WorkerCore:
         nxt = []
         for row, token in zip(rows, tokens):
             state = self.seqs[row.seq_id]
+            state.last_token = token
             out[row.seq_id].append(token)
             length = row.start + len(row.new_ids) + 1
             code = state.finish_after(token, row.index, length, self.engine.max_len)

@@ -727,3 +727,15 @@ def test_a_resync_resends_earlier_tokens_before_the_new_one(core, prompts, greed
     ran = run(core, make_lease(ids, full=[spec_of(1, ids[1], len(p), resend_from=0)]))
     start, tokens, _ = ran.emitted[1]
     assert start == 0 and tokens == done + greedy(p, 4)[3:]
+
+
+def test_a_chained_row_feeds_the_token_its_previous_step_sampled(core, prompts, greedy):
+    p = prompts[1]
+    ids = {1: list(p)}
+    first = run(core, make_lease(ids, full=[spec_of(1, ids[1], len(p))]))
+    chained = P.Lease(2, 2, 10.0, P.pack_i64([1]), P.pack_i32([P.CONTINUE]), P.pack_i32([P.CONTINUE]))
+    second = run(core, chained)
+    assert first.tokens[1] + second.tokens[1] == greedy(p, 2)
+    assert second.emitted[1][0] == 1  # generated-token index of what it sampled
+    unknown = P.Lease(3, 3, 10.0, P.pack_i64([99]), P.pack_i32([P.CONTINUE]), P.pack_i32([P.CONTINUE]))
+    assert run(core, unknown).status[99] == Finish.NEED_IDS

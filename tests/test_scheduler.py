@@ -10,7 +10,7 @@ from collections import Counter
 
 import pytest
 
-from qmigrate.protocol import Finish, SeqSpec, pack_i32
+from qmigrate.protocol import CONTINUE, Finish, SeqSpec, pack_i32
 from qmigrate.scheduler import Grant, Scheduler, SchedulerConfig, WorkerState, choose_mechanism
 
 TOKEN = 77  # what the fake workers below "sample"
@@ -26,6 +26,7 @@ def spec(seq_id: int, prompt_len: int = 4, max_new_tokens: int = 64) -> SeqSpec:
 
 def make_sched(**config) -> Scheduler:
     config.setdefault("heartbeat_timeout_s", 1e9)  # tests about death set it themselves
+    config.setdefault("chain", False)  # chained leases have tests of their own below
     return Scheduler(SchedulerConfig(**config))
 
 
@@ -83,17 +84,24 @@ def migrations(s: Scheduler) -> dict[str, int]:
 
 
 def check_invariants(s: Scheduler) -> None:
-    """One place at a time, and the owner bookkeeping agrees with itself."""
-    leased = Counter(sid for lease in s.leases.values() for sid in lease.seq_ids)
+    """One place at a time, and the owner bookkeeping agrees with itself.
+
+    A lease record may still list a sequence it no longer holds (taken back, finished);
+    only the current lease and a chained next lease, both at one worker, hold it."""
     assert set(s.queue) <= set(s.seqs)
-    assert set(leased) <= set(s.seqs)
     for sid, seq in s.seqs.items():
+        holders = [i for i, lease in s.leases.items() if sid in lease.seq_ids
+                   and i in (seq.lease_id, seq.next_lease)]
         if seq.lease_id is None:
-            assert sid in s.queue and leased[sid] == 0, f"seq {sid} is lost"
+            assert sid in s.queue and not holders and seq.next_lease is None, f"seq {sid} is lost"
         else:
             assert sid not in s.queue, f"seq {sid} is leased and queued"
-            assert leased[sid] == 1, f"seq {sid} is in {leased[sid]} leases"
-            assert sid in s.leases[seq.lease_id].seq_ids
+            assert seq.lease_id in holders, f"seq {sid}'s lease is gone"
+            if seq.next_lease is not None:
+                assert seq.next_lease in holders and len(holders) == 2
+                assert s.leases[seq.next_lease].worker == s.leases[seq.lease_id].worker
+            else:
+                assert len(holders) == 1
         if seq.owner is not None:
             assert sid in s.workers[seq.owner].owned
     for name, w in s.workers.items():
@@ -601,6 +609,7 @@ class FleetSim:
 
     def __init__(self, seed: int, **config):
         self.rng = random.Random(seed)
+        config.setdefault("chain", False)
         self.s = Scheduler(SchedulerConfig(max_queued=24, lease_timeout_s=10.0, heartbeat_timeout_s=5.0,
                                            rebalance_threshold=3, link_gbps=10.0, prefill_tflops=100.0,
                                            **config))
@@ -652,6 +661,11 @@ class FleetSim:
             assert len(full_ids(grant)) <= free_slots
         assert not set(grant.drop_ids) & set(diff_ids(grant))
         for row in grant.rows:
+            if row.length == CONTINUE:  # the next step of a batch this worker is running
+                seq = self.s.seqs[row.seq_id]
+                assert row.spec is None and seq.next_lease == grant.lease_id
+                assert self.s.leases[seq.lease_id].worker == name
+                continue
             assert row.length == lengths[row.seq_id]
             # a diff goes only to the worker that holds the KV
             assert (row.spec is None) == (owners[row.seq_id] == name)
@@ -659,6 +673,8 @@ class FleetSim:
                 assert row.spec.ids.tolist() == self.s.seqs[row.seq_id].token_ids
         shipped = {sid: (owner, dest, tid, n) for owner, sid, dest, tid, n in grant.shipments}
         for row in grant.rows:
+            if row.length == CONTINUE:
+                continue
             if row.seq_id in shipped:
                 owner, dest, tid, n = shipped[row.seq_id]
                 assert owner == owners[row.seq_id] and owner != name
@@ -671,9 +687,16 @@ class FleetSim:
     def op_report(self) -> None:
         if not self.grants:
             return
-        lease_id = self.rng.choice(sorted(self.grants))
+        if self.s.config.chain:
+            # Chained batches are reported in the order they were given, as one socket delivers them.
+            name = self.rng.choice(sorted({g.worker for g in self.grants.values()}))
+            lease_id = min(i for i, g in self.grants.items() if g.worker == name)
+        else:
+            lease_id = self.rng.choice(sorted(self.grants))
         grant = self.grants.pop(lease_id)
         expected = lease_id in self.s.leases
+        held = {r.seq_id for r in grant.rows if r.seq_id in self.s.seqs
+                and self.s.seqs[r.seq_id].lease_id == lease_id}
         before = {sid: len(seq.token_ids) for sid, seq in self.s.seqs.items()}
         num_stale = self.s.counters["stale_results"]
         queue = list(self.s.queue)
@@ -688,11 +711,14 @@ class FleetSim:
             assert {sid: len(seq.token_ids) for sid, seq in self.s.seqs.items()} == before
             return
         finished = {sid for sid, _ in out.finished}
-        assert finished == {sid for sid, c in codes.items() if c.is_finished and sid not in skip}
+        assert finished == {sid for sid, c in codes.items() if c.is_finished and sid not in skip
+                            and sid in held}
         self.live -= finished
         for sid, code in codes.items():
-            if code == Finish.NONE and sid not in skip:
+            if code == Finish.NONE and sid not in skip and sid in held:
                 assert len(self.s.seqs[sid].token_ids) == before[sid] + 1
+            elif sid not in held and sid in self.s.seqs:
+                assert len(self.s.seqs[sid].token_ids) == before[sid]  # not its lease: ignored
 
     def op_tick(self) -> None:
         self.now += self.rng.uniform(0.2, 3.0)
@@ -752,6 +778,8 @@ class FleetSim:
 @pytest.mark.parametrize("seed, config", [
     (1, {}), (2, {}), (3, {"policy": "any"}), (4, {"migration": "transfer"}),
     (5, {"migration": "recompute", "migrate_on_load": False}), (6, {"min_free_vram_fraction": 0.2}),
+    (7, {"chain": True}), (8, {"chain": True, "migration": "transfer"}),
+    (9, {"chain": True, "migrate_on_load": False}),
 ])
 def test_one_place_at_a_time_under_random_operations(seed, config):
     sim = FleetSim(seed, **config)
@@ -794,3 +822,71 @@ def test_an_orderly_migration_does_not_resend():
     give(s, "w0", [1, 2, 3, 4])
     g = ask(s, "w1")
     assert full_ids(g) and all(r.spec.resend_from == -1 for r in g.rows)
+
+
+# --- chained leases ------------------------------------------------------------------------
+
+def chained_fleet(**config) -> Scheduler:
+    s = make_sched(chain=True, rebalance_threshold=4, **config)
+    join(s, "w0")
+    give(s, "w0", [1, 2])
+    return s
+
+
+def test_a_chained_lease_continues_the_batch_in_flight():
+    s = chained_fleet()
+    a = ask(s, "w0")
+    assert sorted(diff_ids(a)) == [1, 2] and not s.queue
+    c = ask(s, "w0")  # asked while `a` runs: the next step of the same sequences
+    assert sorted(row_ids(c)) == [1, 2] and all(r.length == CONTINUE for r in c.rows)
+    assert ask(s, "w0") is None  # one step ahead at most
+    check_invariants(s)
+    lengths = {sid: len(seq.token_ids) for sid, seq in s.seqs.items()}
+    assert report(s, a).accepted
+    assert not s.queue and all(seq.lease_id == c.lease_id for seq in s.seqs.values())
+    check_invariants(s)
+    assert report(s, c).accepted
+    assert sorted(s.queue) == [1, 2]
+    assert {sid: len(seq.token_ids) for sid, seq in s.seqs.items()} == {k: v + 2 for k, v in lengths.items()}
+    check_invariants(s)
+
+
+def test_no_chain_for_sequences_that_ought_to_move():
+    s = chained_fleet()
+    give(s, "w0", [3, 4, 5, 6])
+    join(s, "w1")                       # owns nothing: a gap of 6 >= 4
+    a = ask(s, "w0")
+    assert ask(s, "w0") is None         # nothing chained; the batch comes back to the queue
+    report(s, a)
+    moved = ask(s, "w1")
+    assert full_ids(moved) and migrations(s)["migrations_load"] == len(full_ids(moved))
+    s.drain("w0")
+    assert s.num_chainable("w0") == 0
+
+
+def test_a_failed_first_step_cancels_the_chain():
+    s = chained_fleet()
+    a = ask(s, "w0")
+    c = ask(s, "w0")
+    report(s, a, codes={1: Finish.NEED_IDS})
+    assert list(s.queue) == [1] and s.seqs[1].next_lease is None and s.seqs[1].owner is None
+    check_invariants(s)
+    before = list(s.seqs[1].token_ids)
+    report(s, c)                        # its row for 1 is not its to report any more
+    assert s.seqs[1].token_ids == before and sorted(s.queue) == [1, 2]
+    check_invariants(s)
+
+
+def test_expiry_takes_back_both_the_lease_and_its_chain():
+    s = chained_fleet(lease_timeout_s=5.0)
+    a = ask(s, "w0", now=0.0)
+    c = ask(s, "w0", now=1.0)
+    s.touch("w0", 5.5)
+    s.expire(5.5)                       # `a` expired; `c` (deadline 6.0) has nothing left to run
+    assert sorted(s.queue) == [1, 2] and all(seq.next_lease is None for seq in s.seqs.values())
+    assert all(seq.resync for seq in s.seqs.values())
+    check_invariants(s)
+    assert not report(s, a, now=5.5).accepted
+    report(s, c, now=5.5)
+    assert sorted(s.queue) == [1, 2]
+    check_invariants(s)

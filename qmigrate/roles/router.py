@@ -27,7 +27,7 @@ class Router:
             migrate_on_load=rc.migrate_on_load, migrate_on_memory=rc.migrate_on_memory,
             min_free_vram_fraction=rc.min_free_vram_fraction, migration=rc.migration,
             link_gbps=rc.link_gbps, prefill_tflops=rc.prefill_tflops,
-            rebalance_threshold=getattr(rc, "rebalance_threshold", 8))
+            rebalance_threshold=rc.rebalance_threshold, chain=rc.chain_leases)
         self.heartbeat_interval_s = rc.heartbeat_interval_s
         self.sched = Scheduler(self.config)
         self.work = transport.socket(zmq.ROUTER, bind=topo.endpoint("router").bind)
@@ -35,6 +35,7 @@ class Router:
         self.telemetry.setsockopt(zmq.SUBSCRIBE, b"")
         self.identity: dict[str, bytes] = {}
         self.parked: dict[str, deque] = {}
+        self.worker_times: dict[str, tuple[int, int]] = {}
         self.handlers = {
             P.Hello: self.on_hello, P.Heartbeat: self.on_heartbeat,
             P.WorkRequest: self.on_work_request, P.StepResult: self.on_step_result,
@@ -121,6 +122,7 @@ class Router:
     def on_heartbeat(self, sender: bytes, msg: P.Heartbeat) -> None:
         if (name := self._worker(sender)) is not None:
             self.sched.touch(name, time.monotonic())
+            self.worker_times[name] = (msg.busy_ms, msg.idle_ms)
 
     def on_work_request(self, sender: bytes, msg: P.WorkRequest) -> None:
         if (name := self._worker(sender)) is None:
@@ -159,18 +161,20 @@ class Router:
                         workers=sum(w.alive for w in self.sched.workers.values()))
         for name, w in self.sched.workers.items():
             counters[f"owned_{name}"] = len(w.owned)
+        for name, (busy, idle) in self.worker_times.items():
+            counters[f"busy_ms_{name}"], counters[f"idle_ms_{name}"] = busy, idle
         self.reply(sender, P.Stats(counters))
 
     # --- periodic ------------------------------------------------------------------------
     def serve_parked(self, now: float) -> None:
         """Answer waiting requests, one lease per worker per round, rotating who goes first."""
         names = [n for n, waiting in self.parked.items() if waiting]
-        if not names or not self.sched.queue:
+        if not names or not (self.sched.queue or self.sched.leases):
             return
         self.turn = (getattr(self, "turn", 0) + 1) % len(names)
         names = names[self.turn:] + names[:self.turn]
         progress = True
-        while progress and self.sched.queue:
+        while progress:
             progress = False
             for name in names:
                 waiting = self.parked[name]
@@ -192,13 +196,14 @@ class Router:
         """A second batch goes out early only when it can be full.
 
         A worker with a batch in flight asks ahead so that the next one is already there
-        when its step ends. But a step of half the sequences costs a GPU nearly as much as
-        a step of all of them, so while the queue cannot fill a batch, the router waits for
-        the batch in flight to come back and sends its sequences out together with the rest.
+        when its step ends. Best is the next step of the batch in flight (a chained lease).
+        Otherwise, since a step of half the sequences costs a GPU nearly as much as a step
+        of all of them, while the queue cannot fill a batch the router waits for the batch
+        in flight to come back and sends its sequences out together with the rest.
         """
         w = self.sched.workers[name]
-        if w.num_leased == 0:
-            return True
+        if w.num_leased == 0 or self.sched.num_chainable(name):
+            return True  # nothing in flight, or the next step of the batch in flight can go now
         return self.sched.num_available(name) >= min(req.max_seqs, w.max_seqs)
 
     def send_grant(self, grant, request_no: int) -> None:

@@ -51,6 +51,8 @@ class Worker:
         self.heartbeat_s = 0.5
         self.last_sent = 0.0
         self.last_lease = time.monotonic()
+        self.busy_s = self.idle_s = 0.0
+        self.last_heartbeat = 0.0
 
     def _max_len(self, model) -> int | None:
         return None
@@ -95,7 +97,10 @@ class Worker:
         while True:
             self.request_work()
             timeout = 0 if self.leases else self.heartbeat_s
+            t0 = time.monotonic()
             ready = dict(poller.poll(int(timeout * 1000)))
+            if not self.leases:
+                self.idle_s += time.monotonic() - t0
             if self.kv_in in ready:
                 self.receive_kv()
             if self.router in ready and self.receive_router():
@@ -142,11 +147,14 @@ class Worker:
         self.wait_for_transfers(lease, deadline)
         if self.cfg.steps_per_dispatch > 1 and lease.num_steps < self.cfg.steps_per_dispatch:
             lease = _with_steps(lease, self.cfg.steps_per_dispatch)
+        t0 = time.monotonic()
         try:
             result, tokens = self.core.run(lease)
         except (P.ProtocolError, ValueError) as exc:
             log.warning("lease %d rejected: %s", lease.lease_id, exc)
             return
+        finally:
+            self.busy_s += time.monotonic() - t0
         # Tokens first: if this process dies between the two sends, the router re-runs the
         # step and the detokenizer drops the duplicate, rather than never seeing the token.
         transport.send(self.detok, tokens)
@@ -203,8 +211,11 @@ class Worker:
         self.last_sent = time.monotonic()
 
     def keep_alive(self) -> None:
-        if time.monotonic() - self.last_sent > self.heartbeat_s:
-            self.send_router(P.Heartbeat(self.name, len(self.core.seqs), self.core.free_slots))
+        # Sent on schedule even while results flow: it also carries the busy/idle counters.
+        if time.monotonic() - self.last_heartbeat > self.heartbeat_s:
+            self.last_heartbeat = time.monotonic()
+            self.send_router(P.Heartbeat(self.name, len(self.core.seqs), self.core.free_slots,
+                                         int(self.busy_s * 1000), int(self.idle_s * 1000)))
 
 
 def _kv_tensor(header: P.KVHeader, data: bytes) -> torch.Tensor | None:
