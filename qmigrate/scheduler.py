@@ -198,10 +198,6 @@ class Scheduler:
         new_slots = len(self.queue) if free_slots is None else free_slots
         rows: list[Row] = []
         shipments = []
-        chained = self._chainable(w)[:max_seqs]
-        for seq in chained:
-            rows.append(Row(seq.seq_id, CONTINUE, CONTINUE, None))
-        budget -= len(chained)
         for seq, cause in self._candidates(w):
             if len(rows) >= max_seqs:
                 break
@@ -216,16 +212,20 @@ class Scheduler:
             rows.append(self._lease_row(seq, w, cause, mechanism, shipments))
             if not is_diff:
                 new_slots -= 1
+        queued = len(rows)
+        # Queued work first, so chaining never starves it; the batch in flight fills the rest.
+        chained = self._chainable(w)[: max(0, min(max_seqs - queued, budget))]
+        rows += [Row(seq.seq_id, CONTINUE, CONTINUE, None) for seq in chained]
         if not rows:
             return None
         lease_id = next(self._lease_ids)
         seq_ids = [r.seq_id for r in rows]
+        for sid in seq_ids[:queued]:
+            self.seqs[sid].lease_id = lease_id
+            del self.queue[sid]
         for seq in chained:
             seq.next_lease = lease_id
         self.counters["chained_rows"] += len(chained)
-        for sid in seq_ids[len(chained):]:
-            self.seqs[sid].lease_id = lease_id
-            del self.queue[sid]
         self.leases[lease_id] = _Lease(name, seq_ids, now + self.config.lease_timeout_s)
         w.num_leased += len(rows)
         drops, w.pending_drops = w.pending_drops, []
