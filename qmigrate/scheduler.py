@@ -266,8 +266,8 @@ class Scheduler:
             return True
         if len(w.owned) > w.capacity:
             return False
-        return all(len(w.owned) - len(o.owned) < self.config.rebalance_threshold
-                   for o in self.workers.values() if o is not w and o.alive and not o.draining)
+        return not any(self._rebalance_gap(w, o) for o in self.workers.values()
+                       if o is not w and o.alive and not o.draining)
 
     def _candidates(self, w: WorkerState):
         """Queued sequences this worker may run, best first, with the migration cause."""
@@ -291,15 +291,23 @@ class Scheduler:
         quota: Counter[str] = Counter()
         if not self.config.migrate_on_load:
             return quota
-        mine = len(w.owned)
         for other in self.workers.values():
             if other is w or not other.alive:
                 continue
-            have = len(other.owned)
-            excess = have - other.capacity
-            gap = (have - mine) // 2 if have - mine >= self.config.rebalance_threshold else 0
-            quota[other.name] = max(excess, gap, 0)
+            excess = len(other.owned) - other.capacity
+            quota[other.name] = max(excess, self._rebalance_gap(other, w) // 2, 0)
         return quota
+
+    def _rebalance_gap(self, owner: WorkerState, taker: WorkerState) -> int:
+        """How far owner is ahead of taker, if that is reason to move work (else 0).
+
+        Moving a sequence costs a prefill or a KV shipment, while a step of fewer rows
+        costs a GPU nearly as much as a full one; so work moves only to a worker that cannot
+        fill half a batch, and only past `rebalance_threshold` sequences of difference."""
+        gap = len(owner.owned) - len(taker.owned)
+        if gap < self.config.rebalance_threshold or len(taker.owned) >= max(1, taker.max_seqs // 2):
+            return 0
+        return gap
 
     def _move_cause(self, owner: WorkerState, quota: Counter[str]) -> str | None:
         if not owner.alive:

@@ -48,3 +48,32 @@ def run_qmigrate(*args: str, stdin: str = "", timeout: float = 180, env: dict | 
 @pytest.fixture
 def qmigrate():
     return run_qmigrate
+
+
+TIE = 1e-4  # logits this close are a numerical tie: fp32 summation order may pick either
+
+
+def greedy_reference(model_dir):
+    """A checker of pipeline output against transformers' own greedy generate().
+
+    Exact equality is the rule. The one allowed difference is a numerical tie: where the
+    two sequences first part, the reference model's logits for the token we produced and
+    the token generate() produced must lie within TIE of each other (after that point the
+    two continuations are different texts, so nothing later is compared)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+    def check(prompt_ids: list[int], max_new_tokens: int, got: list[int], label: str = "") -> None:
+        with torch.no_grad():
+            out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=max_new_tokens, do_sample=False)
+        expected = out[0, len(prompt_ids):].tolist()
+        if got == expected:
+            return
+        i = next((k for k, (a, b) in enumerate(zip(got, expected)) if a != b), min(len(got), len(expected)))
+        assert i < len(got) and i < len(expected), f"{label}: lengths differ ({len(got)} vs {len(expected)})"
+        with torch.no_grad():
+            logits = model(torch.tensor([prompt_ids + expected[:i]])).logits[0, -1]
+        gap = float(logits[expected[i]] - logits[got[i]])
+        assert gap < TIE, f"{label}: token {i} is {got[i]}, generate() gives {expected[i]} (logit gap {gap:.2e})"
+    return check

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import sys
 import time
 from collections import deque
@@ -36,6 +37,7 @@ class Worker:
         self.router_addr = topo.endpoint("router").connect
         self.kv_endpoint = topo.endpoint("kv", name)
         device = self.cfg.device if self.cfg.device != "cuda" else "cuda:0"
+        _share_cpu_threads(topo, self.cfg)
         model, _ = load_model(resolve_model(topo.model.path), device, topo.model.dtype)
         num_slots = self._num_slots(model)
         self.core = WorkerCore(Engine(model, num_slots=num_slots, max_len=self._max_len(model)))
@@ -216,6 +218,17 @@ class Worker:
             self.last_heartbeat = time.monotonic()
             self.send_router(P.Heartbeat(self.name, len(self.core.seqs), self.core.free_slots,
                                          int(self.busy_s * 1000), int(self.idle_s * 1000)))
+
+
+def _share_cpu_threads(topo, cfg) -> None:
+    """Split the node's cores between its CPU workers; a GPU worker needs only a few for
+    host-side work, and a full-width thread pool per process just fights the others."""
+    cores = os.cpu_count() or 1
+    if cfg.device == "cpu":
+        peers = sum(1 for w in topo.workers if w.node == cfg.node and w.device == "cpu")
+        torch.set_num_threads(max(1, cores // max(1, peers)))
+    else:
+        torch.set_num_threads(min(4, cores))
 
 
 def _kv_tensor(header: P.KVHeader, data: bytes) -> torch.Tensor | None:
