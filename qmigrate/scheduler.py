@@ -70,6 +70,7 @@ class WorkerState:
     gpu_uuid: str = ""
     kv_bytes_per_token: int = 0
     num_params: int = 0
+    num_slots: int = 0        # sequences whose KV the worker can hold at once; 0: unknown
     last_seen: float = 0.0
     joined_at: float = 0.0
     alive: bool = True
@@ -196,6 +197,12 @@ class Scheduler:
         max_seqs = min(max_seqs, w.max_seqs)
         budget = min(max_tokens, w.max_tokens)
         new_slots = len(self.queue) if free_slots is None else free_slots
+        if w.num_slots:
+            # Its KV slots hold what it owns plus what it is prefilling now; past that, a new
+            # sequence would evict one it owns, whose next step then has to recompute.
+            arriving = sum(1 for lease in self.leases.values() if lease.worker == name
+                           for sid in lease.seq_ids if sid in self.seqs and self.seqs[sid].owner != name)
+            new_slots = min(new_slots, w.num_slots - len(w.owned) - arriving)
         rows: list[Row] = []
         shipments = []
         for seq, cause in self._candidates(w):

@@ -890,3 +890,17 @@ def test_expiry_takes_back_both_the_lease_and_its_chain():
     report(s, c, now=5.5)
     assert sorted(s.queue) == [1, 2]
     check_invariants(s)
+
+
+def test_new_sequences_stop_at_the_workers_kv_slots():
+    s = make_sched()
+    join(s, "w0", num_slots=3)
+    s.admit([spec(i) for i in range(1, 6)])
+    g = ask(s, "w0")
+    assert len(row_ids(g)) == 3          # three slots: three sequences, none evicted
+    assert ask(s, "w0") is None          # the first three are still prefilling
+    report(s, g)
+    g2 = ask(s, "w0")
+    assert sorted(row_ids(g2)) == sorted(row_ids(g)) and not full_ids(g2)  # its own, no new ones
+    join(s, "w1", num_slots=8)
+    assert sorted(row_ids(ask(s, "w1"))) == [4, 5]

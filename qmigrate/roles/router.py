@@ -108,7 +108,8 @@ class Router:
                 msg.name, max_seqs=int(info.get("max_seqs", 64)), max_tokens=int(info.get("max_tokens", 8192)),
                 inflight=int(info.get("inflight", 2)), kv_endpoint=str(info.get("kv_endpoint", "")),
                 gpu_uuid=str(info.get("gpu_uuid", "")), kv_bytes_per_token=int(info.get("kv_bytes_per_token", 0)),
-                num_params=int(info.get("num_params", 0))), time.monotonic())
+                num_params=int(info.get("num_params", 0)), num_slots=int(info.get("num_slots", 0))),
+                time.monotonic())
             log.info("worker %s joined (%s)", msg.name, info.get("device", "?"))
         self.reply(sender, P.Welcome(P.PROTOCOL_VERSION, self.heartbeat_interval_s, self.config.lease_timeout_s))
 
