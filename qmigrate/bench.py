@@ -153,7 +153,6 @@ def run_inprocess(model_path: str, device: str, dtype: str, requests, max_seqs: 
 
 def _profiled(engine, rows, device: str) -> list[int]:
     """One step under the torch profiler; prints where its time goes."""
-    import torch
     from torch.profiler import ProfilerActivity, profile
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.startswith("cuda") else [])
     _sync(device)
@@ -221,7 +220,6 @@ def run_pipeline(model_path: str, devices: list[str], dtype: str, requests, max_
                  max_tokens: int, router_overrides: dict, log_level: str,
                  steps_per_dispatch: int = 1) -> PathResult:
     import zmq
-    from . import protocol as P
     from . import transport
     from .config import dump_topology, parse_topology
     from .launch import start_roles, stop, wait_for_fleet

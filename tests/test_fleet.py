@@ -15,7 +15,6 @@ import sys
 import time
 
 import pytest
-import torch
 import yaml
 
 from qmigrate import protocol as P

@@ -7,7 +7,6 @@ import random
 import re
 
 import pytest
-import torch
 import yaml
 
 pytestmark = pytest.mark.timeout(300)

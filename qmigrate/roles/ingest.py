@@ -19,6 +19,7 @@ from .. import protocol as P
 from .. import transport
 from ..engine.models import load_tokenizer_info, resolve_model
 from ..intake import Defaults, PromptError, parse_line
+from . import run_until_fatal
 
 log = logging.getLogger("qmigrate.ingest")
 
@@ -156,11 +157,4 @@ class Ingest:
 
 
 def run(topo, name: str, read_stdin: bool = False, exit_when_done: bool = False) -> int:
-    try:
-        Ingest(topo, read_stdin).serve_forever(exit_on_eof=exit_when_done)
-    except SystemExit as exc:
-        if isinstance(exc.code, str):
-            print(exc.code, file=sys.stderr)
-            return 1
-        raise
-    return 0
+    return run_until_fatal(lambda: Ingest(topo, read_stdin).serve_forever(exit_on_eof=exit_when_done))

@@ -10,7 +10,6 @@ from __future__ import annotations
 import logging
 import math
 import os
-import sys
 import time
 from collections import deque
 
@@ -23,6 +22,7 @@ from .. import transport
 from ..engine.models import load_model, resolve_model
 from ..engine.runner import Engine
 from ..worker_core import WorkerCore
+from . import run_until_fatal
 
 log = logging.getLogger("qmigrate.worker")
 
@@ -253,11 +253,4 @@ def _with_steps(lease: P.Lease, num_steps: int) -> P.Lease:
 
 
 def run(topo, name: str) -> int:
-    try:
-        Worker(topo, name).serve_forever()
-    except SystemExit as exc:
-        if isinstance(exc.code, str):
-            print(exc.code, file=sys.stderr)
-            return 1
-        raise
-    return 0
+    return run_until_fatal(lambda: Worker(topo, name).serve_forever())
