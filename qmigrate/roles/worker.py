@@ -170,13 +170,16 @@ class Worker:
             if self.kv_in.poll(20):
                 self.receive_kv()
             waiting = self.core.awaited_transfers(lease)
+            self.keep_alive()
 
     def ship(self, msg: P.ShipKV) -> None:
         kv = self.core.export(msg.seq_id, msg.num_tokens)
         sock = self.peers.get(msg.dest)
         if sock is None:
             sock = self.peers[msg.dest] = transport.socket(
-                zmq.PUSH, connect=msg.dest, max_bytes=transport.KV_MAX_MESSAGE_BYTES, hwm=64)
+                zmq.PUSH, connect=msg.dest, max_bytes=transport.KV_MAX_MESSAGE_BYTES, hwm=128)
+            # Wait a little for a slow peer rather than drop the shipment at once.
+            sock.setsockopt(zmq.SNDTIMEO, 500)
         if kv is None:
             header = P.KVHeader(msg.transfer_id, msg.seq_id, 0, "float32", [0])
             payload = b""
@@ -185,7 +188,7 @@ class Worker:
                                 str(kv.dtype).removeprefix("torch."), list(kv.shape))
             payload = kv.view(torch.uint8).numpy() if kv.dtype != torch.uint8 else kv.numpy()
         try:
-            sock.send_multipart([P.encode(header), payload], flags=zmq.NOBLOCK, copy=False)
+            sock.send_multipart([P.encode(header), payload], copy=False)
         except zmq.Again:
             log.warning("KV for sequence %d not shipped: %s is not taking data", msg.seq_id, msg.dest)
 
