@@ -122,6 +122,7 @@ def run_inprocess(model_path: str, device: str, dtype: str, requests, max_seqs: 
     running: dict[int, StepRow] = {}
     progress = Progress("in-process", sum(lengths))
     timeline = Timeline(lengths, time.monotonic())
+    num_steps = 0
     while waiting or running:
         rows = list(running.values())
         budget = max_tokens - len(rows)
@@ -129,8 +130,7 @@ def run_inprocess(model_path: str, device: str, dtype: str, requests, max_seqs: 
             i = waiting.popleft()
             budget -= len(requests[i][0])
             rows.append(StepRow(i, requests[i][0], 0, 0))
-        num_steps = getattr(engine, "num_steps_run", 0) + 1
-        engine.num_steps_run = num_steps
+        num_steps += 1
         if profile and num_steps == 40:
             tokens = _profiled(engine, rows, device)
         else:

@@ -126,15 +126,17 @@ def message(msg_type: MsgType):
     def register(cls):
         cls = dataclass(frozen=True, slots=True)(cls)
         cls.TYPE = msg_type
-        hints = typing.get_type_hints(cls)
-        cls._fields = tuple((f.name, hints[f.name], _has_default(f)) for f in dataclasses.fields(cls))
+        cls._fields = _field_table(cls)
         _BY_TYPE[int(msg_type)] = cls
         return cls
     return register
 
 
-def _has_default(f) -> bool:
-    return f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING
+def _field_table(cls) -> tuple:
+    """(name, type, has a default) per field, in wire order."""
+    hints = typing.get_type_hints(cls)
+    return tuple((f.name, hints[f.name], f.default is not dataclasses.MISSING
+                  or f.default_factory is not dataclasses.MISSING) for f in dataclasses.fields(cls))
 
 
 @dataclass(frozen=True, slots=True)
@@ -160,9 +162,7 @@ class SeqSpec:
         return unpack_ids(self.token_ids, "seq.token_ids")
 
 
-SeqSpec._fields = tuple(
-    (f.name, typing.get_type_hints(SeqSpec)[f.name], _has_default(f)) for f in dataclasses.fields(SeqSpec)
-)
+SeqSpec._fields = _field_table(SeqSpec)
 
 
 @message(MsgType.HELLO)

@@ -17,109 +17,13 @@ from __future__ import annotations
 
 import itertools
 from collections import Counter, OrderedDict
-from dataclasses import dataclass, field
 
+from .fleet import (Grant, LeaseRecord, Outcome, Row, SchedulerConfig, Seq, WorkerState,
+                    choose_mechanism)
 from .protocol import CONTINUE, Finish, SeqSpec
 
-CAUSES = ("load", "drain", "dead", "memory", "any")
-
-
-@dataclass(slots=True)
-class SchedulerConfig:
-    max_queued: int = 4096
-    lease_timeout_s: float = 10.0
-    heartbeat_timeout_s: float = 5.0
-    policy: str = "affinity"              # affinity | any
-    migrate_on_load: bool = True
-    migrate_on_memory: bool = True
-    min_free_vram_fraction: float = 0.05
-    migration: str = "auto"               # auto | recompute | transfer
-    link_gbps: float = 10.0
-    prefill_tflops: float = 100.0
-    rebalance_threshold: int = 8          # owned-count gap that lets an idle worker take work
-    chain: bool = True                    # lease the next step of a batch still in flight
-
-    def __post_init__(self):
-        assert self.policy in ("affinity", "any"), self.policy
-        assert self.migration in ("auto", "recompute", "transfer"), self.migration
-
-
-@dataclass(slots=True)
-class Seq:
-    spec: SeqSpec
-    token_ids: list[int]
-    owner: str | None = None
-    lease_id: int | None = None
-    next_lease: int | None = None  # a chained lease that takes over when lease_id completes
-    # Set when a worker vanished holding this sequence: tokens it reported here may never
-    # have reached the detokenizer, so the next worker sends them again.
-    resync: bool = False
-
-    @property
-    def seq_id(self) -> int:
-        return self.spec.seq_id
-
-
-@dataclass(slots=True)
-class WorkerState:
-    name: str
-    max_seqs: int
-    max_tokens: int
-    inflight: int = 2
-    kv_endpoint: str = ""
-    gpu_uuid: str = ""
-    kv_bytes_per_token: int = 0
-    num_params: int = 0
-    num_slots: int = 0        # sequences whose KV the worker can hold at once; 0: unknown
-    last_seen: float = 0.0
-    joined_at: float = 0.0
-    alive: bool = True
-    draining: bool = False
-    free_vram_fraction: float | None = None
-    owned: set[int] = field(default_factory=set)
-    num_leased: int = 0
-    pending_drops: list[int] = field(default_factory=list)
-
-    @property
-    def capacity(self) -> int:
-        return self.max_seqs * self.inflight
-
-    @property
-    def is_memory_short(self) -> bool:
-        return self.free_vram_fraction is not None and self.free_vram_fraction < 0.0
-
-
-@dataclass(slots=True)
-class Row:
-    seq_id: int
-    length: int               # tokens in the sequence once this step's input is in
-    last_token: int
-    spec: SeqSpec | None      # set when the worker needs the full form
-
-
-@dataclass(slots=True)
-class Grant:
-    """A lease handed to `worker`, plus KV shipments the owners must start."""
-
-    lease_id: int
-    worker: str
-    rows: list[Row]
-    drop_ids: list[int]
-    shipments: list[tuple[str, int, str, int, int]]  # (owner, seq_id, dest, transfer_id, num_tokens)
-
-
-@dataclass(slots=True)
-class _Lease:
-    worker: str
-    seq_ids: list[int]
-    deadline: float
-
-
-@dataclass(slots=True)
-class Outcome:
-    accepted: bool
-    finished: list[tuple[int, Finish]] = field(default_factory=list)
-
+__all__ = ["Grant", "Outcome", "Row", "Scheduler", "SchedulerConfig", "Seq", "WorkerState",
+           "choose_mechanism"]
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig | None = None):
@@ -127,7 +31,7 @@ class Scheduler:
         self.seqs: dict[int, Seq] = {}
         self.queue: OrderedDict[int, None] = OrderedDict()
         self.workers: dict[str, WorkerState] = {}
-        self.leases: dict[int, _Lease] = {}
+        self.leases: dict[int, LeaseRecord] = {}
         self.counters: Counter[str] = Counter()
         self._lease_ids = itertools.count(1)
         self._transfer_ids = itertools.count(1)
@@ -190,22 +94,33 @@ class Scheduler:
 
     # --- leasing -----------------------------------------------------------------------
     def schedule(self, name: str, max_seqs: int, max_tokens: int, now: float,
-                 free_slots: int | None = None) -> Grant | None:
+                 free_slots: int | None = None, *, ahead: bool = False) -> Grant | None:
+        """A batch for `name`, or None.
+
+        `ahead` marks a request sent while the worker already has a batch in flight. It is
+        answered with the next step of that batch (a chain), or with a full batch; never
+        with part of the sequences, since a step of half of them costs a GPU nearly as much
+        as a step of all, and splitting would double the steps. Otherwise it waits for the
+        batch in flight to come back."""
         w = self.workers.get(name)
         if w is None or not w.alive or w.draining:
             return None
         max_seqs = min(max_seqs, w.max_seqs)
+        held = self._held(w)
+        chainable = [seq for seq in held if seq.next_lease is None] if self._may_chain(w) else []
+        candidates = list(self._candidates(w))
+        if ahead and w.num_leased and not chainable and len(candidates) < max_seqs:
+            return None
         budget = min(max_tokens, w.max_tokens)
         new_slots = len(self.queue) if free_slots is None else free_slots
         if w.num_slots:
             # Its KV slots hold what it owns plus what it is prefilling now; past that, a new
             # sequence would evict one it owns, whose next step then has to recompute.
-            arriving = sum(1 for lease in self.leases.values() if lease.worker == name
-                           for sid in lease.seq_ids if sid in self.seqs and self.seqs[sid].owner != name)
+            arriving = sum(1 for seq in held if seq.owner != name)
             new_slots = min(new_slots, w.num_slots - len(w.owned) - arriving)
         rows: list[Row] = []
         shipments = []
-        for seq, cause in self._candidates(w):
+        for seq, cause in candidates:
             if len(rows) >= max_seqs:
                 break
             is_diff = seq.owner == name
@@ -221,7 +136,7 @@ class Scheduler:
                 new_slots -= 1
         queued = len(rows)
         # Queued work first, so chaining never starves it; the batch in flight fills the rest.
-        chained = self._chainable(w)[: max(0, min(max_seqs - queued, budget))]
+        chained = chainable[: max(0, min(max_seqs - queued, budget))]
         rows += [Row(seq.seq_id, CONTINUE, CONTINUE, None) for seq in chained]
         if not rows:
             return None
@@ -233,37 +148,27 @@ class Scheduler:
         for seq in chained:
             seq.next_lease = lease_id
         self.counters["chained_rows"] += len(chained)
-        self.leases[lease_id] = _Lease(name, seq_ids, now + self.config.lease_timeout_s)
+        self.leases[lease_id] = LeaseRecord(name, seq_ids, now + self.config.lease_timeout_s)
         w.num_leased += len(rows)
         drops, w.pending_drops = w.pending_drops, []
         self.counters["leases"] += 1
         self.counters["leased_rows"] += len(rows)
         return Grant(lease_id, name, rows, drops, shipments)
 
-    def num_available(self, name: str) -> int:
-        """Queued sequences `name` could be given now (its own, unowned, or movable)."""
-        w = self.workers.get(name)
-        if w is None or not w.alive or w.draining:
-            return 0
-        return len(self._chainable(w)) + sum(1 for _ in self._candidates(w))
-
     def num_chainable(self, name: str) -> int:
         w = self.workers.get(name)
-        return len(self._chainable(w)) if w is not None and w.alive else 0
+        if w is None or not w.alive or not self._may_chain(w):
+            return 0
+        return sum(1 for seq in self._held(w) if seq.next_lease is None)
 
-    def _chainable(self, w: WorkerState) -> list[Seq]:
-        """Sequences in w's batches in flight whose next step may be leased to w now."""
-        if not self.config.chain or self.config.policy == "any" or not self._may_keep(w):
-            return []
-        out = []
-        for lease_id, lease in self.leases.items():
-            if lease.worker != w.name:
-                continue
-            for sid in lease.seq_ids:
-                seq = self.seqs.get(sid)
-                if seq is not None and seq.lease_id == lease_id and seq.next_lease is None:
-                    out.append(seq)
-        return out
+    def _held(self, w: WorkerState) -> list[Seq]:
+        """Sequences whose current step is at w (a lease record may list stale ones)."""
+        return [seq for lease_id, lease in self.leases.items() if lease.worker == w.name
+                for sid in lease.seq_ids
+                if (seq := self.seqs.get(sid)) is not None and seq.lease_id == lease_id]
+
+    def _may_chain(self, w: WorkerState) -> bool:
+        return self.config.chain and self.config.policy != "any" and self._may_keep(w)
 
     def _may_keep(self, w: WorkerState) -> bool:
         """False when some of w's sequences ought to move: they must come back to the queue."""
@@ -355,7 +260,7 @@ class Scheduler:
             elif owner.alive:
                 owner.pending_drops.append(seq.seq_id)
         seq.owner = None
-        spec = _respec(seq, kv_from, transfer_id)
+        spec = seq.respec(kv_from, transfer_id)
         seq.resync = False
         return Row(seq.seq_id, len(seq.token_ids), seq.token_ids[-1], spec)
 
@@ -469,28 +374,3 @@ class Scheduler:
         self.queue.pop(seq.seq_id, None)
         del self.seqs[seq.seq_id]
         self.counters["finished"] += 1
-
-
-def _respec(seq: Seq, kv_from: str, transfer_id: int) -> SeqSpec:
-    from .protocol import pack_i32  # local: keeps the import list of the pure core short
-    s = seq.spec
-    return SeqSpec(s.seq_id, pack_i32(seq.token_ids), s.prompt_len, s.max_new_tokens, s.temperature,
-                   s.top_p, s.top_k, s.seed, s.stop_ids, s.eos_ids, kv_from, transfer_id,
-                   0 if seq.resync else -1)
-
-
-def choose_mechanism(num_tokens: int, kv_bytes_per_token: int, num_params: int,
-                     link_gbps: float, prefill_tflops: float) -> str:
-    """KV transfer when shipping the cache beats recomputing it.
-
-    transfer ≈ num_tokens · kv_bytes_per_token / link bandwidth
-    recompute ≈ num_tokens · 2 · num_params / prefill FLOP rate
-    Both grow linearly in length, so the choice is really between bytes per token over
-    the link and FLOPs per token on the GPU; a fixed 1 ms setup cost for a transfer tips
-    short sequences towards recompute.
-    """
-    if num_tokens <= 0 or kv_bytes_per_token <= 0 or num_params <= 0:
-        return "recompute"
-    transfer_s = 1e-3 + num_tokens * kv_bytes_per_token * 8 / (link_gbps * 1e9)
-    recompute_s = num_tokens * 2 * num_params / (prefill_tflops * 1e12)
-    return "transfer" if transfer_s < recompute_s else "recompute"

@@ -156,21 +156,35 @@ def _ps_args() -> str:
     return subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
 
 
+def _keep_busy_until_w3_joins(path, router, timeout: float = 120.0) -> list[dict]:
+    """Feed waves of long requests so the fleet is working when w3 joins, however slowly
+    it starts; returns every prompt fed."""
+    fed: list[dict] = []
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        stats = _stats(router)
+        if stats.get("workers") == 3:
+            assert stats.get("live", 0) > 0, f"w3 joined an idle fleet: {stats}"
+            return fed
+        if stats and stats.get("live", 0) < 8:
+            wave = _prompts(100 + len(fed), f"a{len(fed)}-", n=8, new_tokens=300)
+            _feed(path, wave)
+            fed += wave
+        time.sleep(0.1)
+    pytest.fail(f"w3 did not join within {timeout:g} s; last stats {_stats(router)}")
+
+
 def test_join_and_drain_under_load_lose_nothing(fleet, tiny_model_dir):
     """The head runs as a service (no --stdin): prompts arrive by `qmigrate feed`."""
     path, start, router = fleet
-    first, second = _prompts(11, "a", n=48, new_tokens=400), _prompts(12, "b", n=16, new_tokens=100)
+    second = _prompts(12, "b", n=16, new_tokens=100)
     head = start("head")
     _wait_for("the first two workers", lambda s: s.get("workers") == 2, router)
-    start("late")  # loads its model while the first wave runs
-    _feed(path, first)
-    _wait_for("work on the first two workers", lambda s: s.get("leases", 0) > 5, router)
+    start("late")  # loads its model while the fleet works
+    first = _keep_busy_until_w3_joins(path, router)
     for title in ("qmigrate router", "qmigrate worker w1", "qmigrate worker w2", "qmigrate ingest",
-                  "qmigrate detokenizer"):
+                  "qmigrate detokenizer", "qmigrate worker w3"):
         assert title in _ps_args(), title
-
-    stats = _wait_for("w3 to join", lambda s: s.get("workers") == 3, router)
-    assert stats.get("live", 0) > 0, f"the first wave ended before w3 joined: {stats}"
     _feed(path, second)
     _wait_for("w3 to own sequences while w1 owns some",
               lambda s: s.get("owned_w3", 0) > 0 and s.get("owned_w1", 0) > 0, router)

@@ -904,3 +904,19 @@ def test_new_sequences_stop_at_the_workers_kv_slots():
     assert sorted(row_ids(g2)) == sorted(row_ids(g)) and not full_ids(g2)  # its own, no new ones
     join(s, "w1", num_slots=8)
     assert sorted(row_ids(ask(s, "w1"))) == [4, 5]
+
+
+def test_a_request_sent_ahead_gets_a_chain_or_a_full_batch_never_a_part():
+    s = make_sched()                                   # chaining off: only a full batch will do
+    join(s, "w0", max_seqs=4)
+    s.admit([spec(i) for i in range(1, 7)])
+    first = ask(s, "w0")
+    assert len(row_ids(first)) == 4
+    assert s.schedule("w0", 4, 1 << 20, 0.0, ahead=True) is None       # 2 queued: half a batch
+    assert len(row_ids(ask(s, "w0"))) == 2                              # an ordinary ask takes them
+    chained = make_sched(chain=True)
+    join(chained, "w0", max_seqs=4)
+    chained.admit([spec(i) for i in range(1, 3)])
+    ask(chained, "w0")
+    g = chained.schedule("w0", 4, 1 << 20, 0.0, ahead=True)
+    assert sorted(row_ids(g)) == [1, 2] and all(r.length == CONTINUE for r in g.rows)

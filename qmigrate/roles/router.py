@@ -54,11 +54,13 @@ class Router:
             if self.telemetry in ready:
                 self.drain_telemetry()
             now = time.monotonic()
-            if now - last_expiry > 0.1:
+            ticked = now - last_expiry > 0.1
+            if ticked:
                 self.sched.expire(now)
                 last_expiry = now
-            self.serve_parked(now)
-            self.release_drained()
+            if ready or ticked:  # nothing else can have changed what a waiting request gets
+                self.serve_parked(now)
+                self.release_drained()
 
     def drain_socket(self) -> None:
         for _ in range(MAX_BURST):
@@ -182,30 +184,14 @@ class Router:
                 if not waiting:
                     continue
                 req = waiting[0]
-                if not self.should_dispatch(name, req):
-                    continue
                 free = req.free_slots if req.free_slots >= 0 else None
-                grant = self.sched.schedule(name, req.max_seqs, req.max_tokens, now, free)
+                grant = self.sched.schedule(name, req.max_seqs, req.max_tokens, now, free, ahead=True)
                 log.debug("request %d of %s (queue %d): %s", req.request_no, name,
                           len(self.sched.queue), grant and len(grant.rows))
                 if grant is not None:
                     waiting.popleft()
                     self.send_grant(grant, req.request_no)
                     progress = True
-
-    def should_dispatch(self, name: str, req: P.WorkRequest) -> bool:
-        """A second batch goes out early only when it can be full.
-
-        A worker with a batch in flight asks ahead so that the next one is already there
-        when its step ends. Best is the next step of the batch in flight (a chained lease).
-        Otherwise, since a step of half the sequences costs a GPU nearly as much as a step
-        of all of them, while the queue cannot fill a batch the router waits for the batch
-        in flight to come back and sends its sequences out together with the rest.
-        """
-        w = self.sched.workers[name]
-        if w.num_leased == 0 or self.sched.num_chainable(name):
-            return True  # nothing in flight, or the next step of the batch in flight can go now
-        return self.sched.num_available(name) >= min(req.max_seqs, w.max_seqs)
 
     def send_grant(self, grant, request_no: int) -> None:
         for owner, seq_id, dest, transfer_id, num_tokens in grant.shipments:

@@ -7,6 +7,7 @@ and from other workers travel on a separate PULL socket, as a header and a raw f
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import os
@@ -40,7 +41,7 @@ class Worker:
         _share_cpu_threads(topo, self.cfg)
         model, _ = load_model(resolve_model(topo.model.path), device, topo.model.dtype)
         num_slots = self._num_slots(model)
-        self.core = WorkerCore(Engine(model, num_slots=num_slots, max_len=self._max_len(model)))
+        self.core = WorkerCore(Engine(model, num_slots=num_slots))
         self.device = device
         self.router = transport.socket(zmq.DEALER, connect=self.router_addr, identity=name)
         self.kv_in = transport.socket(zmq.PULL, bind=self.kv_endpoint.bind,
@@ -55,9 +56,6 @@ class Worker:
         self.last_lease = time.monotonic()
         self.busy_s = self.idle_s = 0.0
         self.last_heartbeat = 0.0
-
-    def _max_len(self, model) -> int | None:
-        return None
 
     def _num_slots(self, model) -> int:
         if self.cfg.max_kv_tokens:
@@ -148,7 +146,7 @@ class Worker:
             return  # the router has already taken these sequences back
         self.wait_for_transfers(lease, deadline)
         if self.cfg.steps_per_dispatch > 1 and lease.num_steps < self.cfg.steps_per_dispatch:
-            lease = _with_steps(lease, self.cfg.steps_per_dispatch)
+            lease = dataclasses.replace(lease, num_steps=self.cfg.steps_per_dispatch)
         t0 = time.monotonic()
         try:
             result, tokens = self.core.run(lease)
@@ -248,11 +246,6 @@ def _kv_tensor(header: P.KVHeader, data: bytes) -> torch.Tensor | None:
         return None
     raw = torch.from_numpy(np.frombuffer(data, dtype=np.uint8).copy())
     return raw.view(dtype).reshape(shape)
-
-
-def _with_steps(lease: P.Lease, num_steps: int) -> P.Lease:
-    import dataclasses
-    return dataclasses.replace(lease, num_steps=num_steps)
 
 
 def run(topo, name: str) -> int:

@@ -1,0 +1,128 @@
+"""The router's records: its settings, sequences, workers and leases, and the cost rule
+that picks how a sequence moves. Plain data; `scheduler.py` holds the policy."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .protocol import Finish, SeqSpec, pack_i32
+
+@dataclass(slots=True)
+class SchedulerConfig:
+    max_queued: int = 4096
+    lease_timeout_s: float = 10.0
+    heartbeat_timeout_s: float = 5.0
+    policy: str = "affinity"              # affinity | any
+    migrate_on_load: bool = True
+    migrate_on_memory: bool = True
+    min_free_vram_fraction: float = 0.05
+    migration: str = "auto"               # auto | recompute | transfer
+    link_gbps: float = 10.0
+    prefill_tflops: float = 100.0
+    rebalance_threshold: int = 8          # owned-count gap that lets an idle worker take work
+    chain: bool = True                    # lease the next step of a batch still in flight
+
+    def __post_init__(self):
+        assert self.policy in ("affinity", "any"), self.policy
+        assert self.migration in ("auto", "recompute", "transfer"), self.migration
+
+
+@dataclass(slots=True)
+class Seq:
+    spec: SeqSpec
+    token_ids: list[int]
+    owner: str | None = None
+    lease_id: int | None = None
+    next_lease: int | None = None  # a chained lease that takes over when lease_id completes
+    # Set when a worker vanished holding this sequence: tokens it reported here may never
+    # have reached the detokenizer, so the next worker sends them again.
+    resync: bool = False
+
+    @property
+    def seq_id(self) -> int:
+        return self.spec.seq_id
+
+    def respec(self, kv_from: str = "", transfer_id: int = 0) -> SeqSpec:
+        """The full form as it stands now, for a worker that has not seen this sequence."""
+        s = self.spec
+        return SeqSpec(s.seq_id, pack_i32(self.token_ids), s.prompt_len, s.max_new_tokens,
+                       s.temperature, s.top_p, s.top_k, s.seed, s.stop_ids, s.eos_ids, kv_from,
+                       transfer_id, 0 if self.resync else -1)
+
+
+@dataclass(slots=True)
+class WorkerState:
+    name: str
+    max_seqs: int
+    max_tokens: int
+    inflight: int = 2
+    kv_endpoint: str = ""
+    gpu_uuid: str = ""
+    kv_bytes_per_token: int = 0
+    num_params: int = 0
+    num_slots: int = 0        # sequences whose KV the worker can hold at once; 0: unknown
+    last_seen: float = 0.0
+    joined_at: float = 0.0
+    alive: bool = True
+    draining: bool = False
+    free_vram_fraction: float | None = None
+    owned: set[int] = field(default_factory=set)
+    num_leased: int = 0
+    pending_drops: list[int] = field(default_factory=list)
+
+    @property
+    def capacity(self) -> int:
+        return self.max_seqs * self.inflight
+
+    @property
+    def is_memory_short(self) -> bool:
+        return self.free_vram_fraction is not None and self.free_vram_fraction < 0.0
+
+
+@dataclass(slots=True)
+class Row:
+    seq_id: int
+    length: int               # tokens in the sequence once this step's input is in
+    last_token: int
+    spec: SeqSpec | None      # set when the worker needs the full form
+
+
+@dataclass(slots=True)
+class Grant:
+    """A lease handed to `worker`, plus KV shipments the owners must start."""
+
+    lease_id: int
+    worker: str
+    rows: list[Row]
+    drop_ids: list[int]
+    shipments: list[tuple[str, int, str, int, int]]  # (owner, seq_id, dest, transfer_id, num_tokens)
+
+
+@dataclass(slots=True)
+class LeaseRecord:
+    worker: str
+    seq_ids: list[int]
+    deadline: float
+
+
+@dataclass(slots=True)
+class Outcome:
+    accepted: bool
+    finished: list[tuple[int, Finish]] = field(default_factory=list)
+
+
+def choose_mechanism(num_tokens: int, kv_bytes_per_token: int, num_params: int,
+                     link_gbps: float, prefill_tflops: float) -> str:
+    """KV transfer when shipping the cache beats recomputing it.
+
+    transfer ≈ num_tokens · kv_bytes_per_token / link bandwidth
+    recompute ≈ num_tokens · 2 · num_params / prefill FLOP rate
+    Both grow linearly in length, so the choice is really between bytes per token over
+    the link and FLOPs per token on the GPU; a fixed 1 ms setup cost for a transfer tips
+    short sequences towards recompute.
+    """
+    if num_tokens <= 0 or kv_bytes_per_token <= 0 or num_params <= 0:
+        return "recompute"
+    transfer_s = 1e-3 + num_tokens * kv_bytes_per_token * 8 / (link_gbps * 1e9)
+    recompute_s = num_tokens * 2 * num_params / (prefill_tflops * 1e12)
+    return "transfer" if transfer_s < recompute_s else "recompute"
