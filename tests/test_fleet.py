@@ -186,8 +186,12 @@ def test_join_and_drain_under_load_lose_nothing(fleet, tiny_model_dir):
                   "qmigrate detokenizer", "qmigrate worker w3"):
         assert title in _ps_args(), title
     _feed(path, second)
-    _wait_for("w3 to own sequences while w1 owns some",
-              lambda s: s.get("owned_w3", 0) > 0 and s.get("owned_w1", 0) > 0, router)
+    _wait_for("w3 to own sequences", lambda s: s.get("owned_w3", 0) > 0, router)
+    # Fresh long requests, so w1 is mid-way through work when the drain lands.
+    third = _prompts(13, "c", n=8, new_tokens=300)
+    _feed(path, third)
+    _wait_for("w1 to hold several unfinished sequences",
+              lambda s: s.get("owned_w1", 0) >= 2 and s.get("live", 0) >= 8, router)
 
     drain = subprocess.run([sys.executable, "-m", "qmigrate", "drain", str(path), "--worker", "w1"],
                            capture_output=True, text=True, timeout=30)
@@ -199,10 +203,10 @@ def test_join_and_drain_under_load_lose_nothing(fleet, tiny_model_dir):
         time.sleep(0.2)
     assert "qmigrate worker w1" not in _ps_args(), "the drained worker did not exit"
 
-    out = _wait_for_output(head, len(first) + len(second))
+    out = _wait_for_output(head, len(first) + len(second) + len(third))
     stats = _stats(router)
     assert stats.get("migrations_drain", 0) > 0, stats
-    _check_outputs(out, first + second, tiny_model_dir)
+    _check_outputs(out, first + second + third, tiny_model_dir)
 
 
 def test_a_killed_worker_loses_nothing(fleet, tiny_model_dir):
