@@ -115,7 +115,7 @@ def run_inprocess(model_path: str, device: str, dtype: str, requests, max_seqs: 
     from .engine.models import load_model
     from .engine.runner import Engine, StepRow
     model, _ = load_model(model_path, device, dtype)
-    engine = Engine(model, num_slots=max_seqs + 8)
+    engine = Engine(model, max_batch=max_seqs, max_batch_tokens=max_tokens)
     _warm(engine, StepRow)
     lengths = [n for _, n in requests]
     waiting = deque(range(len(requests)))

@@ -173,9 +173,22 @@ class WorkerConfig(_Section):
     kv_port: int | None = _f(None, _optional_port)  # None: Topology picks a free port from 5560 up
     max_seqs: int = _f(64, _count)
     max_tokens: int = _f(8192, _count)
-    max_kv_tokens: int = _f(0, _non_negative)
+    max_kv_tokens: int = _f(0, _non_negative)   # 0: size the KV pool from memory
     steps_per_dispatch: int = _f(1, _count)
     inflight: int = _f(2, _count)
+    runner: str = _f("auto", _one_of("auto", "fast", "hf"))
+    block_size: int = _f(16, _rule("a power of two from 1 to 256", lambda v: _is_int(v) and 1 <= v <= 256
+                                   and v & (v - 1) == 0))
+    gpu_memory_utilization: float = _f(0.9, _number("a number in (0, 1]", lambda x: 0 < x <= 1))
+    cpu_kv_gib: float = _f(2.0, _positive)
+    cuda_graphs: bool = _f(True, _boolean)
+
+    def engine_config(self):
+        from .engine.runner import EngineConfig
+        return EngineConfig(runner=self.runner, block_size=self.block_size, max_kv_tokens=self.max_kv_tokens,
+                            gpu_memory_utilization=self.gpu_memory_utilization,
+                            cpu_kv_bytes=int(self.cpu_kv_gib * 2**30), max_batch=self.max_seqs,
+                            max_batch_tokens=self.max_tokens, cuda_graphs=self.cuda_graphs)
 
 
 @dataclass(frozen=True, slots=True)

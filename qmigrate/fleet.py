@@ -60,7 +60,8 @@ class WorkerState:
     gpu_uuid: str = ""
     kv_bytes_per_token: int = 0
     num_params: int = 0
-    num_slots: int = 0        # sequences whose KV the worker can hold at once; 0: unknown
+    kv_tokens: int = 0        # KV pool capacity in tokens; 0: unknown
+    block_size: int = 16      # KV block size: a new sequence takes whole blocks
     last_seen: float = 0.0
     joined_at: float = 0.0
     alive: bool = True

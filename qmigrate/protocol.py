@@ -189,7 +189,7 @@ class Reject:
 class Heartbeat:
     name: str
     num_cached_seqs: int = 0
-    free_slots: int = -1
+    free_kv_tokens: int = -1
     busy_ms: int = 0          # cumulative time spent running steps
     idle_ms: int = 0          # cumulative time spent with no batch to run
 
@@ -199,7 +199,7 @@ class WorkRequest:
     request_no: int
     max_seqs: int
     max_tokens: int
-    free_slots: int = -1
+    free_kv_tokens: int = -1
 
 
 @message(MsgType.LEASE)
@@ -230,7 +230,8 @@ class StepResult:
     counts: bytes             # int32
     tokens: bytes             # int32
     status: bytes             # uint8 Finish
-    free_slots: int = -1
+    free_kv_tokens: int = -1
+    evicted_ids: bytes = b""  # int64: sequences whose KV this worker evicted to make room
 
 
 @message(MsgType.TOKENS)

@@ -94,7 +94,7 @@ class Scheduler:
 
     # --- leasing -----------------------------------------------------------------------
     def schedule(self, name: str, max_seqs: int, max_tokens: int, now: float,
-                 free_slots: int | None = None, *, ahead: bool = False) -> Grant | None:
+                 free_kv_tokens: int | None = None, *, ahead: bool = False) -> Grant | None:
         """A batch for `name`, or None.
 
         `ahead` marks a request sent while the worker already has a batch in flight. It is
@@ -112,28 +112,23 @@ class Scheduler:
         if ahead and w.num_leased and not chainable and len(candidates) < max_seqs:
             return None
         budget = min(max_tokens, w.max_tokens)
-        new_slots = len(self.queue) if free_slots is None else free_slots
-        if w.num_slots:
-            # Its KV slots hold what it owns plus what it is prefilling now; past that, a new
-            # sequence would evict one it owns, whose next step then has to recompute.
-            arriving = sum(1 for seq in held if seq.owner != name)
-            new_slots = min(new_slots, w.num_slots - len(w.owned) - arriving)
+        room = self._kv_room(w, held, free_kv_tokens)
         rows: list[Row] = []
         shipments = []
         for seq, cause in candidates:
             if len(rows) >= max_seqs:
                 break
             is_diff = seq.owner == name
-            if not is_diff and new_slots <= 0:
+            kv_cost = 0 if is_diff else len(seq.token_ids) + w.block_size
+            if kv_cost and kv_cost > room:
                 continue
             mechanism = None if cause is None else self._mechanism(seq, w)
             cost = 1 if is_diff or mechanism == "transfer" else len(seq.token_ids)
             if rows and cost > budget:
                 continue
             budget -= cost
+            room -= kv_cost
             rows.append(self._lease_row(seq, w, cause, mechanism, shipments))
-            if not is_diff:
-                new_slots -= 1
         queued = len(rows)
         # Queued work first, so chaining never starves it; the batch in flight fills the rest.
         chained = chainable[: max(0, min(max_seqs - queued, budget))]
@@ -154,6 +149,24 @@ class Scheduler:
         self.counters["leases"] += 1
         self.counters["leased_rows"] += len(rows)
         return Grant(lease_id, name, rows, drops, shipments)
+
+    def _kv_room(self, w: WorkerState, held: list[Seq], free_kv_tokens: int | None) -> float:
+        """KV tokens w can take for sequences new to it without evicting any it owns.
+
+        Its pool holds what it owns plus what it is prefilling now, and each owned sequence
+        grows a token a step, so a block per owned sequence is kept for that growth."""
+        if free_kv_tokens is None or not w.kv_tokens:
+            return float("inf")
+        arriving = sum(len(seq.token_ids) + w.block_size for seq in held if seq.owner != w.name)
+        return free_kv_tokens - arriving - w.block_size * len(w.owned)
+
+    def evicted(self, name: str, seq_ids) -> None:
+        """name dropped these sequences' KV for room: they are recomputed wherever they run next."""
+        for sid in seq_ids:
+            seq = self.seqs.get(int(sid))
+            if seq is not None and seq.owner == name:
+                self._set_owner(seq, None)
+                self.counters["evictions"] += 1
 
     def num_chainable(self, name: str) -> int:
         w = self.workers.get(name)

@@ -16,12 +16,13 @@ import numpy as np
 import torch
 
 from . import protocol as P
-from .engine.runner import Engine, StepRow
+from .engine.runner import REFUSED, Engine, StepRow
 from .protocol import Finish
 
 log = logging.getLogger(__name__)
 
 ERROR = Finish.ERROR
+MAX_TRANSFERS = 64  # shipments kept while their lease has not come
 
 
 @dataclass(slots=True)
@@ -75,8 +76,8 @@ class WorkerCore:
         self.num_steps = 0
 
     @property
-    def free_slots(self) -> int:
-        return self.engine.pool.num_free
+    def free_tokens(self) -> int:
+        return self.engine.free_tokens
 
     def drop(self, seq_ids) -> None:
         for sid in seq_ids:
@@ -85,7 +86,7 @@ class WorkerCore:
 
     def receive_transfer(self, transfer_id: int, seq_id: int, kv: torch.Tensor | None) -> None:
         self.transfers[transfer_id] = Transfer(seq_id, kv, time.monotonic())
-        if len(self.transfers) > 4 * self.engine.pool.num_slots:
+        if len(self.transfers) > MAX_TRANSFERS:
             oldest = min(self.transfers, key=lambda t: self.transfers[t].arrived)
             del self.transfers[oldest]
 
@@ -93,7 +94,7 @@ class WorkerCore:
         """The KV to ship for seq_id, then forget it here; None if it is not held."""
         kv = None
         if self.engine.cached_len(seq_id) >= num_tokens > 0:
-            kv = self.engine.export_kv(seq_id)[:, :, :, :num_tokens].contiguous()
+            kv = self.engine.export_kv(seq_id, num_tokens)
         self.drop([seq_id])
         return kv
 
@@ -168,16 +169,20 @@ class WorkerCore:
             return 0
         transfer = self.transfers.pop(spec.transfer_id, None)
         e = self.engine
-        expected = (e.num_layers, 2, e.num_kv_heads, length - 1, e.head_dim)
-        if transfer is None or transfer.kv is None or tuple(transfer.kv.shape) != expected:
-            self.engine.release(spec.seq_id)
+        expected = (e.num_layers, 2, length - 1, e.num_kv_heads, e.head_dim)
+        if transfer is None or transfer.kv is None or tuple(transfer.kv.shape) != expected \
+                or not e.import_kv(spec.seq_id, transfer.kv, protect):
+            e.release(spec.seq_id)
             return 0
-        self.engine.import_kv(spec.seq_id, transfer.kv, protect)
         return length - 1
 
     def _advance(self, rows: list[StepRow], tokens: list[int], status, out) -> list[StepRow]:
         nxt = []
         for row, token in zip(rows, tokens):
+            if token == REFUSED:  # no room in the pool: the router places it again
+                status[row.seq_id] = Finish.NEED_IDS
+                self.drop([row.seq_id])
+                continue
             state = self.seqs[row.seq_id]
             state.last_token = token
             out[row.seq_id].append(token)
@@ -196,7 +201,7 @@ class WorkerCore:
         flat = [t for sid in seq_ids for t in out[sid]]
         codes = [int(status[sid]) for sid in seq_ids]
         result = P.StepResult(lease_id, P.pack_i64(seq_ids), P.pack_i32(counts), P.pack_i32(flat),
-                              P.pack_u8(codes), self.free_slots)
+                              P.pack_u8(codes), self.free_tokens, P.pack_i64(self.engine.take_evicted()))
         # For the detokenizer: new tokens, preceded by any tokens it may have missed.
         shown = [(sid, resend.get(sid, []) + out[sid], code) for sid, code in zip(seq_ids, codes)
                  if out[sid] or code == ERROR or sid in resend]

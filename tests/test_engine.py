@@ -14,12 +14,12 @@ import torch
 from transformers import GenerationConfig
 
 from qmigrate import protocol as P
-from qmigrate.engine.kvcache import OutOfSlots
+from qmigrate.engine.batch import StepBatch
 from qmigrate.engine.models import build_tiny_model, load_model
-from qmigrate.engine.runner import Engine, StepRow
+from qmigrate.engine.runner import REFUSED, Engine, StepRow
 from qmigrate.engine.sampling import SamplingRows, sample, uniforms
 from qmigrate.protocol import Finish
-from qmigrate.worker_core import WorkerCore
+from qmigrate.worker_core import MAX_TRANSFERS, WorkerCore
 
 TEXTS = [
     "The old sailor carried a broken umbrella",
@@ -76,8 +76,9 @@ def greedy(model):
     return reference
 
 
-def make_engine(model, num_slots: int = 16, max_len: int = 256) -> Engine:
-    return Engine(model, num_slots=num_slots, max_len=max_len)
+def make_engine(model, kv_tokens: int = 4096, max_len: int = 256, **kw) -> Engine:
+    """A CPU engine on the portable runner whose pool holds kv_tokens (16-token blocks)."""
+    return Engine(model, max_len=max_len, max_kv_tokens=kv_tokens, runner="hf", **kw)
 
 
 def record_steps(engine: Engine) -> list[list[tuple[int, int, int]]]:
@@ -148,7 +149,7 @@ def test_mixed_batches_match_generate(model, prompts, greedy):
 
 @pytest.mark.parametrize("max_padding", [0.0, 0.25, 10.0])
 def test_prefill_grouping_and_padding_do_not_change_tokens(model, prompts, greedy, max_padding):
-    engine = Engine(model, num_slots=16, max_len=256, max_padding=max_padding)
+    engine = make_engine(model, max_padding=max_padding)
     jobs = [Job(i, p, num_new=6) for i, p in enumerate(prompts)]  # all prefill in one step
     drive(engine, jobs, seed=2)
     for job in jobs:
@@ -156,10 +157,14 @@ def test_prefill_grouping_and_padding_do_not_change_tokens(model, prompts, greed
 
 
 def test_groups_split_prefills_by_length(model):
-    engine = Engine(model, num_slots=4, max_padding=0.25)
+    engine = make_engine(model, max_padding=0.25)
+    engine.step([StepRow(2, [5] * 7, 0, 0)])
     rows = [StepRow(1, [5] * 12, 0, 0), StepRow(2, [5], 7, 1), StepRow(3, [5] * 10, 0, 0),
             StepRow(4, [5] * 3, 0, 0)]
-    groups = engine._groups(rows)
+    engine.place(rows)
+    batch = StepBatch.build(engine.pool, [r.seq_id for r in rows], [r.new_ids for r in rows],
+                            [r.start for r in rows])
+    groups = engine.runner.groups(batch)
     assert sorted(i for g in groups for i in g) == [0, 1, 2, 3]
     assert [1] in groups  # decode rows run together
     assert [0, 2] in groups and [3] in groups  # 12 and 10 share a padded forward; 3 does not
@@ -182,26 +187,68 @@ def test_resuming_from_a_shorter_cached_prefix(model, prompts, greedy):
 
 
 def test_step_refuses_rows_it_cannot_run(model):
-    engine = make_engine(model, num_slots=2, max_len=32)
+    engine = make_engine(model, max_len=32)
     with pytest.raises(ValueError, match="not here"):
         engine.step([StepRow(1, [5], 4, 1)])
     with pytest.raises(ValueError, match="exceed"):
         engine.step([StepRow(2, [5] * 33, 0, 0)])
-    with pytest.raises(OutOfSlots):
-        engine.step([StepRow(i, [5, 6], 0, 0) for i in range(3)])
+
+
+def test_a_full_pool_refuses_the_largest_prefill_and_runs_the_rest(model, prompts, greedy):
+    engine = make_engine(model, kv_tokens=64, max_len=32)  # 4 blocks of 16
+    assert engine.pool.capacity_tokens == 64
+    a, b, c = prompts[9][:31], prompts[6], prompts[1]
+    assert [engine.pool.blocks_for(len(p)) for p in (a, b, c)] == [2, 1, 1]
+    tokens = engine.step([StepRow(1, a, 0, 0), StepRow(2, b, 0, 0), StepRow(3, c, 0, 0),
+                          StepRow(4, list(a), 0, 0)])
+    # 2 + 1 + 1 + 2 blocks wanted, 4 free: one of the two-block prefills is refused
+    assert tokens[0] == REFUSED and engine.cached_len(1) == -1
+    assert tokens[1:] == [greedy(b, 1)[0], greedy(c, 1)[0], greedy(a, 1)[0]]
+    assert engine.pool.num_free_blocks == 0 and engine.take_evicted() == []
+
+
+def test_decode_rows_are_refused_from_the_end_when_nothing_can_be_evicted(model, prompts):
+    engine = make_engine(model, kv_tokens=48, max_len=32)  # 3 blocks
+    p = [1] + [7] * 15  # exactly one block each
+    engine.step([StepRow(i, list(p), 0, 0) for i in (1, 2, 3)])
+    assert engine.pool.num_free_blocks == 0
+    tokens = engine.step([StepRow(i, [9], 16, 1) for i in (1, 2, 3)])  # each needs a second block
+    # refusing 3 frees one block: enough for the second row; the first also needs one
+    assert tokens[2] == REFUSED and engine.cached_len(3) == -1
+    assert tokens[0] == REFUSED or tokens[1] == REFUSED
+    assert sum(t != REFUSED for t in tokens) == 1
 
 
 def test_lru_eviction_spares_the_batch(model, prompts):
-    engine = make_engine(model, num_slots=2)
-    engine.step([StepRow(1, prompts[0], 0, 0)])
-    engine.step([StepRow(2, prompts[1], 0, 0)])
+    engine = make_engine(model, kv_tokens=32, max_len=16)  # room for two one-block sequences
+    p1, p2, p3, p4 = ([1] + [k] * 9 for k in (11, 12, 13, 14))
+    engine.step([StepRow(1, p1, 0, 0)])
+    engine.step([StepRow(2, p2, 0, 0)])
     # 1 is the least recently used, but it is in the batch: 2 makes room
-    engine.step([StepRow(1, [7], len(prompts[0]), 1), StepRow(3, prompts[2], 0, 0)])
-    assert engine.cached_len(2) == -1
-    assert engine.cached_len(1) == len(prompts[0]) + 1 and engine.cached_len(3) == len(prompts[2])
-    engine.step([StepRow(3, [7], len(prompts[2]), 1)])
-    engine.step([StepRow(4, prompts[3], 0, 0)])  # now 1 is the least recently used
-    assert engine.cached_len(1) == -1 and engine.cached_len(3) == len(prompts[2]) + 1
+    engine.step([StepRow(1, [7], len(p1), 1), StepRow(3, p3, 0, 0)])
+    assert engine.cached_len(2) == -1 and engine.take_evicted() == [2]
+    assert engine.cached_len(1) == len(p1) + 1 and engine.cached_len(3) == len(p3)
+    engine.step([StepRow(3, [7], len(p3), 1)])
+    engine.step([StepRow(4, p4, 0, 0)])  # now 1 is the least recently used
+    assert engine.cached_len(1) == -1 and engine.cached_len(3) == len(p3) + 1
+    assert engine.take_evicted() == [1] and engine.take_evicted() == []
+
+
+def test_blocks_are_reused_and_lengths_grow_across_block_edges(model, prompts, greedy):
+    """A sequence crosses several block edges while others come and go in its blocks."""
+    p = prompts[4]
+    ref = greedy(p, REF_LEN)
+    engine = make_engine(model, kv_tokens=160)
+    out = []
+    rows = [StepRow(1, list(p), 0, 0)]
+    for k in range(REF_LEN):
+        other = Job(100 + k, prompts[k % 4], num_new=1)
+        token = engine.step(rows + [other.row()])[0]
+        engine.release(100 + k)
+        out.append(token)
+        rows = [StepRow(1, [token], len(p) + k, k + 1)]
+    assert out == ref
+    assert len(engine.pool.blocks[1]) == engine.pool.blocks_for(len(p) + REF_LEN - 1)
 
 
 # --- migration at the engine level ------------------------------------------------------
@@ -217,11 +264,11 @@ def test_kv_export_import_continues_identically(model, prompts, greedy):
     n = len(prompt) + 5  # the last sampled token has not been fed yet
     cfg = model.config
     head_dim = cfg.hidden_size // cfg.num_attention_heads
-    assert kv.shape == (cfg.num_hidden_layers, 2, cfg.num_key_value_heads, n, head_dim)
+    assert kv.shape == (cfg.num_hidden_layers, 2, n, cfg.num_key_value_heads, head_dim)
     assert kv.device.type == "cpu" and kv.is_contiguous()
-    assert src.kv_bytes_per_token == kv[:, :, :, :1].numel() * kv.element_size()
+    assert src.kv_bytes_per_token == kv[:, :, :1].numel() * kv.element_size()
 
-    dst = make_engine(model, num_slots=4)
+    dst = make_engine(model, kv_tokens=256)
     neighbour = Job(7, prompts[5], num_new=10)
     drive(dst, [Job(8, prompts[2], num_new=2)])  # the destination slot has held something else
     dst.import_kv(1, kv.clone())
@@ -392,7 +439,7 @@ class Ran:
     tokens: dict[int, list[int]]      # per sequence, from the step result
     status: dict[int, Finish]
     emitted: dict[int, tuple[int, list[int], Finish]]  # the detokenizer's view: start, tokens, finish
-    free_slots: int
+    free_kv_tokens: int
 
 
 def run(core: WorkerCore, lease: P.Lease) -> Ran:
@@ -414,7 +461,7 @@ def run(core: WorkerCore, lease: P.Lease) -> Ran:
     for sid, start, n, code in zip(t_sids, starts, t_counts, finish):
         emitted[sid], pos = (start, t_flat[pos:pos + n], Finish(code)), pos + n
     assert pos == len(t_flat)
-    return Ran(out, status, emitted, result.free_slots)
+    return Ran(out, status, emitted, result.free_kv_tokens)
 
 
 def advance(ids: dict[int, list[int]], ran: Ran) -> None:
@@ -449,7 +496,8 @@ def test_worker_runs_full_forms_then_diffs(core, prompts, greedy):
         assert ran.emitted[2][0] == k
         advance(ids, ran)
     assert ids[1] == a + greedy(a, 6) and ids[2] == b + greedy(b, 6)
-    assert ran.free_slots == core.engine.pool.num_free == 14
+    held = sum(core.engine.pool.blocks_for(len(v) - 1) for v in ids.values())
+    assert ran.free_kv_tokens == core.engine.free_tokens == core.engine.pool.capacity_tokens - 16 * held
 
 
 def test_diff_for_an_unknown_sequence_needs_ids(core, prompts):
@@ -461,7 +509,7 @@ def test_diff_for_an_unknown_sequence_needs_ids(core, prompts):
 
 
 def test_diff_after_eviction_or_drop_needs_ids(model, prompts, greedy):
-    core = WorkerCore(make_engine(model, num_slots=1))
+    core = WorkerCore(make_engine(model, kv_tokens=16, max_len=16))  # one block
     a, b = prompts[0], prompts[1]
     ids = {1: list(a)}
     advance(ids, run(core, make_lease(ids, full=[spec_of(1, a, len(a))])))
@@ -644,7 +692,7 @@ def test_kv_transfer_is_used_instead_of_recompute(model, prompts, greedy):
     src, dst = WorkerCore(make_engine(model)), WorkerCore(make_engine(model))
     ids = run_on(src, a, 4)
     kv = src.export(1, len(ids) - 1)
-    assert kv is not None and kv.shape[3] == len(ids) - 1
+    assert kv is not None and kv.shape[2] == len(ids) - 1
     assert src.engine.cached_len(1) == -1 and 1 not in src.seqs  # shipped means forgotten
     lease = make_lease({1: ids}, full=[moved_spec(ids, len(a), 77)])
     assert dst.awaited_transfers(lease) == {77}
@@ -667,7 +715,7 @@ def test_unusable_transfer_falls_back_to_recompute(model, prompts, greedy, damag
     src, dst = WorkerCore(make_engine(model)), WorkerCore(make_engine(model))
     ids = run_on(src, a, 3)
     kv = src.engine.export_kv(1)
-    kv = {"short": kv[:, :, :, :-1], "long": torch.cat([kv, kv[:, :, :, -1:]], dim=3),
+    kv = {"short": kv[:, :, :-1], "long": torch.cat([kv, kv[:, :, -1:]], dim=2),
           "missing": None, "empty": None}[damage]
     if damage != "missing":
         dst.receive_transfer(5, 1, kv)
@@ -684,7 +732,7 @@ def test_transfer_of_the_wrong_shape_falls_back_to_recompute(model, prompts, gre
     src, dst = WorkerCore(make_engine(model)), WorkerCore(make_engine(model))
     ids = run_on(src, a, 3)
     kv = src.export(1, len(ids) - 1)
-    dst.receive_transfer(5, 1, torch.cat([kv, kv], dim=2))  # twice the KV heads, right length
+    dst.receive_transfer(5, 1, torch.cat([kv, kv], dim=3))  # twice the KV heads, right length
     ran = run(dst, make_lease({1: ids}, full=[moved_spec(ids, len(a), 5)]))
     assert ran.emitted == {1: (3, [greedy(a, 4)[3]], Finish.NONE)}
 
@@ -695,7 +743,9 @@ def test_importing_a_transfer_never_evicts_a_row_of_the_same_lease(model, prompt
     src = WorkerCore(make_engine(model))
     ids2 = run_on(src, prompts[1], 3, seq_id=2)
     kv = src.export(2, len(ids2) - 1)
-    dst = WorkerCore(make_engine(model, num_slots=2))
+    blocks = lambda p, n: -(-(len(p) + n) // 16)
+    room = blocks(prompts[0], 2) + max(blocks(prompts[4], 1), blocks(prompts[1], 3))
+    dst = WorkerCore(make_engine(model, kv_tokens=16 * room, max_len=16 * room))
     ids1 = run_on(dst, prompts[0], 2, seq_id=1)
     run_on(dst, prompts[4], 1, seq_id=3)  # now the most recently used
     dst.receive_transfer(9, 2, kv)
@@ -714,10 +764,10 @@ def test_export_of_a_sequence_that_is_not_held_is_none(core, prompts):
 
 
 def test_transfers_kept_are_bounded(model):
-    core = WorkerCore(make_engine(model, num_slots=2))
-    for tid in range(1, 20):
+    core = WorkerCore(make_engine(model))
+    for tid in range(1, MAX_TRANSFERS + 12):
         core.receive_transfer(tid, tid, None)
-    assert len(core.transfers) == 8 and 19 in core.transfers
+    assert len(core.transfers) == MAX_TRANSFERS and MAX_TRANSFERS + 11 in core.transfers and 1 not in core.transfers
 
 
 def test_a_resync_resends_earlier_tokens_before_the_new_one(core, prompts, greedy):

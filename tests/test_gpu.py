@@ -23,7 +23,7 @@ def test_engine_on_cuda_matches_generate_in_fp32(tiny_model_dir):
     from qmigrate.engine.models import load_model
     from qmigrate.engine.runner import Engine, StepRow
     model, _ = load_model(tiny_model_dir, "cuda:0", "float32")
-    engine = Engine(model, num_slots=32)
+    engine = Engine(model, max_batch=32, runner="hf")  # exact in fp32: the transformers forward
     r = random.Random(3)
     prompts = [[1] + [r.randint(3, 1400) for _ in range(r.randint(1, 50))] for _ in range(12)]
     n = 16
@@ -53,7 +53,8 @@ def test_pipeline_on_one_gpu_two_workers_with_kv_transfer(tmp_path, tiny_model_d
             "nodes": [{"name": "local", "monitor": True}],
             "router": {"node": "local", "policy": "any", "migration": "transfer"},
             "ingest": {"node": "local", "input": "jsonl"}, "detokenizer": {"node": "local", "output": "jsonl"},
-            "workers": [{"name": f"w{i}", "node": "local", "device": "cuda:0", "max_seqs": 8} for i in (1, 2)]}
+            "workers": [{"name": f"w{i}", "node": "local", "device": "cuda:0", "max_seqs": 8, "runner": "hf",
+                         "gpu_memory_utilization": 0.3} for i in (1, 2)]}
     path = tmp_path / "gpu.yaml"
     path.write_text(yaml.safe_dump(data))
     r = random.Random(5)

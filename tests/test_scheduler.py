@@ -38,8 +38,8 @@ def join(s: Scheduler, name: str, now: float = 0.0, **kw) -> WorkerState:
 
 
 def ask(s: Scheduler, name: str, now: float = 0.0, max_seqs: int = 64, max_tokens: int = 1 << 20,
-        free_slots: int | None = None) -> Grant | None:
-    return s.schedule(name, max_seqs, max_tokens, now, free_slots)
+        free_kv_tokens: int | None = None) -> Grant | None:
+    return s.schedule(name, max_seqs, max_tokens, now, free_kv_tokens)
 
 
 def report(s: Scheduler, grant: Grant, now: float = 0.0, codes: dict[int, Finish] | None = None,
@@ -511,17 +511,18 @@ def test_decode_rows_cost_one_token_each():
     assert row_ids(ask(s, "w0", max_tokens=3)) == [1, 2, 3]
 
 
-def test_free_slots_limit_rows_that_need_the_full_form():
+def test_free_kv_tokens_limit_rows_that_need_the_full_form():
     s = make_sched()
-    join(s, "w0")
+    join(s, "w0", kv_tokens=1000, block_size=16)
     give(s, "w0", [1, 2])
     s.admit([spec(3), spec(4), spec(5)])
-    g = ask(s, "w0", free_slots=1)
+    # two owned sequences keep a block each for growth; a new one costs its 4 ids + a block
+    g = ask(s, "w0", free_kv_tokens=2 * 16 + 20)
     assert diff_ids(g) == [1, 2] and full_ids(g) == [3]
     report(s, g)
-    g = ask(s, "w0", free_slots=0)
+    g = ask(s, "w0", free_kv_tokens=3 * 16 + 19)
     assert diff_ids(g) == [1, 2, 3] and full_ids(g) == []
-    assert row_ids(ask(s, "w0")) == [4, 5]
+    assert row_ids(ask(s, "w0")) == [4, 5]       # an unknown free count does not limit
 
 
 # --- migration mechanism ----------------------------------------------------------------
@@ -626,7 +627,7 @@ class FleetSim:
         self.s.register(WorkerState(name, max_seqs=r.randint(1, 6), max_tokens=r.choice([8, 64, 4096]),
                                     inflight=r.randint(1, 2), kv_endpoint=f"tcp://{name}:1",
                                     gpu_uuid=f"GPU-{name}", kv_bytes_per_token=10_000,
-                                    num_params=10**9), self.now)
+                                    num_params=10**9, kv_tokens=2000, block_size=16), self.now)
         self.frozen.discard(name)
 
     def op_admit(self) -> None:
@@ -646,9 +647,9 @@ class FleetSim:
         w = self.s.workers[name]
         owners = {sid: seq.owner for sid, seq in self.s.seqs.items()}
         lengths = {sid: len(seq.token_ids) for sid, seq in self.s.seqs.items()}
-        free_slots = self.rng.choice([None, 0, 1, 3])
+        free = self.rng.choice([None, None, 60, 400])
         grant = ask(self.s, name, self.now, max_seqs=self.rng.randint(1, 8),
-                    max_tokens=self.rng.choice([1, 16, 200, 10_000]), free_slots=free_slots)
+                    max_tokens=self.rng.choice([1, 16, 200, 10_000]), free_kv_tokens=free)
         if not w.alive or w.draining:
             assert grant is None
             return
@@ -657,8 +658,8 @@ class FleetSim:
         ids = row_ids(grant)
         assert len(ids) == len(set(ids))
         assert len(ids) <= w.max_seqs
-        if free_slots is not None:
-            assert len(full_ids(grant)) <= free_slots
+        if free is not None:  # new sequences fit the free KV tokens, a block of headroom each
+            assert sum(lengths[i] + w.block_size for i in full_ids(grant)) <= free
         assert not set(grant.drop_ids) & set(diff_ids(grant))
         for row in grant.rows:
             if row.length == CONTINUE:  # the next step of a batch this worker is running
@@ -892,18 +893,30 @@ def test_expiry_takes_back_both_the_lease_and_its_chain():
     check_invariants(s)
 
 
-def test_new_sequences_stop_at_the_workers_kv_slots():
+def test_new_sequences_stop_at_the_workers_free_kv_tokens():
     s = make_sched()
-    join(s, "w0", num_slots=3)
-    s.admit([spec(i) for i in range(1, 6)])
-    g = ask(s, "w0")
-    assert len(row_ids(g)) == 3          # three slots: three sequences, none evicted
-    assert ask(s, "w0") is None          # the first three are still prefilling
+    join(s, "w0", kv_tokens=64, block_size=16)
+    s.admit([spec(i, prompt_len=10) for i in range(1, 6)])
+    g = ask(s, "w0", free_kv_tokens=80)
+    assert len(row_ids(g)) == 3          # 26 tokens each (10 ids + a block): three fit in 80
+    assert ask(s, "w0", free_kv_tokens=80) is None  # the first three are still prefilling
     report(s, g)
-    g2 = ask(s, "w0")
+    g2 = ask(s, "w0", free_kv_tokens=32)
     assert sorted(row_ids(g2)) == sorted(row_ids(g)) and not full_ids(g2)  # its own, no new ones
-    join(s, "w1", num_slots=8)
-    assert sorted(row_ids(ask(s, "w1"))) == [4, 5]
+    join(s, "w1", kv_tokens=64, block_size=16)
+    assert sorted(row_ids(ask(s, "w1", free_kv_tokens=64))) == [4, 5]
+
+
+def test_evicted_sequences_lose_their_owner_and_are_recomputed():
+    s = make_sched()
+    join(s, "w0")
+    give(s, "w0", [1, 2])
+    s.evicted("w0", [2, 99])             # 99 is unknown: ignored
+    assert s.seqs[1].owner == "w0" and s.seqs[2].owner is None
+    assert s.counters["evictions"] == 1
+    g = ask(s, "w0")
+    assert diff_ids(g) == [1] and full_ids(g) == [2]
+    check_invariants(s)
 
 
 def test_a_request_sent_ahead_gets_a_chain_or_a_full_batch_never_a_part():

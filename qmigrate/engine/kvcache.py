@@ -1,120 +1,154 @@
-"""A worker's KV store: one fixed slot per cached sequence, preallocated once.
+"""A worker's KV pool: fixed-size blocks, one block table per cached sequence.
 
-Layout per layer: keys and values of shape [num_slots, num_kv_heads, max_len, head_dim].
-A sequence's position p lives at [slot, :, p]. A step writes the new positions of every
-row and hands attention a gathered [batch, heads, L, head_dim] view of the rows' slots,
-so sequences of any mix of lengths share one forward pass and no cache is ever
-reallocated when the batch changes.
+Layout: `kv[layer, 0 or 1]` holds keys or values as [num_blocks, block_size, kv_heads,
+head_dim]; position p of a sequence lives in block `blocks[p // block_size]` at offset
+`p % block_size`. The pool is allocated once; sequences of any length share it, and
+capacity is counted in tokens. Block 0 is never handed out: it stays zero, and padding
+entries of block tables point at it, so a gather past a row's end reads zeros, not stale
+data that might be NaN.
+
+When a step needs more blocks than are free, whole sequences that are not in the step are
+evicted, least recently used first. Their ids are kept in `evicted` until the worker
+reports them to the router, which then recomputes them wherever they run next.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
 
+import numpy as np
 import torch
 
 
-class OutOfSlots(RuntimeError):
+class OutOfBlocks(RuntimeError):
     pass
 
 
-class SlotPool:
-    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, num_slots: int,
-                 max_len: int, dtype: torch.dtype, device: torch.device):
-        shape = (num_slots, num_kv_heads, max_len, head_dim)
-        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.num_slots, self.max_len = num_slots, max_len
+class BlockPool:
+    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, num_blocks: int,
+                 block_size: int, dtype: torch.dtype, device: torch.device):
+        if num_blocks < 2:
+            raise ValueError(f"a KV pool needs at least 2 blocks, got {num_blocks}")
+        shape = (num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim)
+        # Unused slots of a block must never hold NaN bits (a masked score times a NaN value
+        # is still NaN). A GPU pool is zeroed at once; on the CPU a block is zeroed when it is
+        # first handed out, so untouched pages of a large pool cost no memory.
+        self.is_lazy = torch.device(device).type == "cpu"
+        make = torch.empty if self.is_lazy else torch.zeros
+        self.kv = make(shape, dtype=dtype, device=device)
+        self.is_clean = np.zeros(num_blocks, dtype=bool)
+        self._zero([0])
+        self.num_blocks, self.block_size = num_blocks, block_size
+        self.num_layers, self.num_kv_heads, self.head_dim = num_layers, num_kv_heads, head_dim
         self.dtype, self.device = dtype, device
-        self.free = list(range(num_slots - 1, -1, -1))
-        self.slot_of: OrderedDict[int, int] = OrderedDict()   # seq_id -> slot, LRU order
-        self.length: dict[int, int] = {}                      # seq_id -> cached positions
+        self.free = list(range(num_blocks - 1, 0, -1))
+        self.blocks: OrderedDict[int, list[int]] = OrderedDict()   # seq_id -> blocks, LRU order
+        self.length: dict[int, int] = {}                            # seq_id -> cached positions
+        self.evicted: list[int] = []
+
+    # --- capacity --------------------------------------------------------------------------
+    @property
+    def capacity_tokens(self) -> int:
+        return (self.num_blocks - 1) * self.block_size
 
     @property
-    def num_free(self) -> int:
+    def num_free_blocks(self) -> int:
         return len(self.free)
 
+    @property
+    def free_tokens(self) -> int:
+        return len(self.free) * self.block_size
+
+    @property
+    def bytes_per_token(self) -> int:
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.kv.element_size()
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    # --- sequences ---------------------------------------------------------------------------
     def cached_len(self, seq_id: int) -> int:
         return self.length.get(seq_id, -1)
 
-    def allocate(self, seq_id: int, protect: set[int]) -> int:
-        """A slot for seq_id, evicting the least recently used unprotected sequence if full."""
-        if seq_id in self.slot_of:
-            self.length[seq_id] = 0
-            return self.slot_of[seq_id]
-        if not self.free:
-            victim = next((s for s in self.slot_of if s not in protect), None)
-            if victim is None:
-                raise OutOfSlots(f"all {self.num_slots} KV slots hold sequences of this batch")
-            self.release(victim)
-        slot = self.free.pop()
-        self.slot_of[seq_id] = slot
-        self.length[seq_id] = 0
-        return slot
-
     def touch(self, seq_id: int) -> None:
-        self.slot_of.move_to_end(seq_id)
+        self.blocks.move_to_end(seq_id)
 
     def release(self, seq_id: int) -> None:
-        slot = self.slot_of.pop(seq_id, None)
-        if slot is not None:
-            self.free.append(slot)
+        blocks = self.blocks.pop(seq_id, None)
+        if blocks is not None:
+            self.free.extend(reversed(blocks))
             del self.length[seq_id]
 
     def truncate(self, seq_id: int, length: int) -> None:
+        """Keep positions [0, length): the tail past it will be written again."""
         self.length[seq_id] = min(self.length[seq_id], length)
 
-    def export(self, seq_id: int) -> torch.Tensor:
-        """[num_layers, 2, heads, L, head_dim] on the CPU, contiguous, for shipping."""
-        slot, n = self.slot_of[seq_id], self.length[seq_id]
-        parts = [torch.stack((k[slot, :, :n], v[slot, :, :n])) for k, v in zip(self.keys, self.values)]
-        return torch.stack(parts).to("cpu").contiguous()
+    def make_room(self, num_blocks: int, protect) -> bool:
+        """Free blocks until `num_blocks` are free, evicting LRU sequences outside `protect`."""
+        if len(self.free) >= num_blocks:
+            return True
+        for victim in [s for s in self.blocks if s not in protect]:
+            self.release(victim)
+            self.evicted.append(victim)
+            if len(self.free) >= num_blocks:
+                return True
+        return False
 
-    def load(self, seq_id: int, kv: torch.Tensor, protect: set[int]) -> None:
-        n = kv.shape[3]
-        if n > self.max_len:
-            raise OutOfSlots(f"{n} positions do not fit a slot of {self.max_len}")
-        slot = self.allocate(seq_id, protect)
-        kv = kv.to(device=self.device, dtype=self.dtype)
-        for layer, (k, v) in enumerate(zip(self.keys, self.values)):
-            k[slot, :, :n] = kv[layer, 0]
-            v[slot, :, :n] = kv[layer, 1]
+    def grow(self, seq_id: int, num_tokens: int) -> None:
+        """Give seq_id blocks for `num_tokens` positions; the caller made room first."""
+        blocks = self.blocks.setdefault(seq_id, [])
+        self.length.setdefault(seq_id, 0)
+        need = self.blocks_for(num_tokens) - len(blocks)
+        if need > len(self.free):
+            raise OutOfBlocks(f"sequence {seq_id} needs {need} more KV blocks, {len(self.free)} are free")
+        new = [self.free.pop() for _ in range(need)]
+        blocks += new
+        if self.is_lazy:
+            self._zero([b for b in new if not self.is_clean[b]])
+
+    def _zero(self, blocks: list[int]) -> None:
+        if blocks:
+            self.kv[:, :, torch.as_tensor(blocks)] = 0
+            self.is_clean[blocks] = True
+
+    def take_evicted(self) -> list[int]:
+        out, self.evicted = self.evicted, []
+        return out
+
+    # --- addressing ----------------------------------------------------------------------------
+    def slots(self, seq_id: int, start: int, stop: int) -> np.ndarray:
+        """Flat slot (block * block_size + offset) of positions [start, stop)."""
+        blocks = np.asarray(self.blocks[seq_id], dtype=np.int64)
+        pos = np.arange(start, stop)
+        return blocks[pos // self.block_size] * self.block_size + pos % self.block_size
+
+    def block_table(self, seq_ids, width: int) -> np.ndarray:
+        """[len(seq_ids), width] int32; entries past a sequence's blocks point at block 0."""
+        table = np.zeros((len(seq_ids), width), dtype=np.int32)
+        for i, sid in enumerate(seq_ids):
+            blocks = self.blocks[sid]
+            table[i, :len(blocks)] = blocks
+        return table
+
+    # --- shipping ----------------------------------------------------------------------------
+    def export(self, seq_id: int, num_tokens: int | None = None) -> torch.Tensor:
+        """[num_layers, 2, n, kv_heads, head_dim] on the CPU, contiguous, for shipping."""
+        n = self.length[seq_id] if num_tokens is None else num_tokens
+        if not 0 < n <= self.length[seq_id]:
+            raise ValueError(f"sequence {seq_id}: cannot export {n} of {self.length[seq_id]} positions")
+        slots = torch.from_numpy(self.slots(seq_id, 0, n)).to(self.device)
+        flat = self.kv.view(self.num_layers, 2, -1, self.num_kv_heads, self.head_dim)
+        return flat.index_select(2, slots).to("cpu").contiguous()
+
+    def load(self, seq_id: int, kv: torch.Tensor, protect) -> bool:
+        """Place shipped KV in any free blocks; False when there is no room for it."""
+        n = kv.shape[2]
+        self.release(seq_id)
+        if not self.make_room(self.blocks_for(n), protect):
+            return False
+        self.grow(seq_id, n)
+        slots = torch.from_numpy(self.slots(seq_id, 0, n)).to(self.device)
+        flat = self.kv.view(self.num_layers, 2, -1, self.num_kv_heads, self.head_dim)
+        flat.index_copy_(2, slots, kv.to(device=self.device, dtype=self.dtype))
         self.length[seq_id] = n
-
-
-class BatchView:
-    """The object handed to a transformers model as `past_key_values` for one forward.
-
-    The model calls `update(k, v, layer)` once per layer with this step's keys and values
-    ([batch, heads, new, head_dim], right-padded); we write the real ones into the rows'
-    slots and return the gathered past+new keys and values for attention.
-    """
-
-    is_compileable = False
-
-    def __init__(self, pool: SlotPool, slots: torch.Tensor, write_rows: torch.Tensor,
-                 write_cols: torch.Tensor, write_slots: torch.Tensor, write_pos: torch.Tensor,
-                 total_len: int, is_decode: bool = False):
-        self.pool = pool
-        self.slots = slots
-        self.write_rows, self.write_cols = write_rows, write_cols
-        self.write_slots, self.write_pos = write_slots, write_pos
-        self.total_len = total_len
-        self.is_decode = is_decode  # one new token per row: row i writes slots[i] at write_pos[i]
-
-    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
-        k_pool, v_pool = self.pool.keys[layer_idx], self.pool.values[layer_idx]
-        if self.is_decode:
-            k_new, v_new = key_states[:, :, 0], value_states[:, :, 0]          # [B, heads, dim]
-        else:
-            # [batch, heads, new, dim] -> [tokens, heads, dim] for the real (unpadded) tokens
-            k_new = key_states.transpose(1, 2)[self.write_rows, self.write_cols]
-            v_new = value_states.transpose(1, 2)[self.write_rows, self.write_cols]
-        k_pool[self.write_slots, :, self.write_pos] = k_new.to(k_pool.dtype)
-        v_pool[self.write_slots, :, self.write_pos] = v_new.to(v_pool.dtype)
-        n = self.total_len
-        # index_select over a length-n view copies only the live positions of each row
-        return k_pool[:, :, :n].index_select(0, self.slots), v_pool[:, :, :n].index_select(0, self.slots)
-
-    def get_seq_length(self, layer_idx: int = 0) -> int:
-        return self.total_len
+        return True

@@ -1,21 +1,36 @@
 """One sampling step for a batch of sequences of any lengths, on one device.
 
 Rows new to this engine prefill their ids; rows it has cached decode from their last
-token. Decode rows run together in one forward; prefill rows are grouped by length so
-padding stays small. The model is any transformers causal LM whose attention layers call
-`past_key_values.update(...)` and accept a prepared 4D mask (Llama, Mistral, Qwen2, ...).
+token. The engine places every row in the paged pool before the forward pass: a row
+needs blocks for its new positions. When the free blocks do not cover the step,
+sequences outside the step are evicted, least recently used first (`take_evicted` lists
+them for the router). If that is still not enough, rows of the step itself are refused,
+prefills first (largest first), then decode rows from the end of the batch; a refused row
+loses its KV here and samples nothing (its token is REFUSED). A step never fails for
+want of memory.
+
+The forward pass is a runner's: the fast Llama-family runner (`llama.py`) on a GPU, or
+the portable transformers runner (`hf_runner.py`) for every other model and the CPU.
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from .attention import install as install_attention
-from .kvcache import BatchView, SlotPool
+from .batch import StepBatch
+from .hf_runner import HFRunner
+from .kvcache import BlockPool
 from .sampling import SamplingRows, sample
+
+log = logging.getLogger(__name__)
+
+REFUSED = -1
+RUNNERS = ("auto", "fast", "hf")
+DEFAULT_CPU_KV_BYTES = 2 << 30
 
 
 @dataclass(slots=True)
@@ -30,111 +45,213 @@ class StepRow:
     seed: int = 0
 
 
+@dataclass(slots=True)
+class EngineConfig:
+    runner: str = "auto"                  # auto | fast | hf
+    block_size: int = 16
+    max_kv_tokens: int = 0                # 0: size the pool from memory
+    gpu_memory_utilization: float = 0.9   # share of the GPU this process may fill
+    cpu_kv_bytes: int = DEFAULT_CPU_KV_BYTES
+    max_len: int = 0                      # 0: the model's context
+    max_batch: int = 256                  # rows of a step (CUDA graphs are captured up to it)
+    max_batch_tokens: int = 8192          # new tokens of a step
+    max_padding: float = 0.25             # HF runner: padding allowed when grouping prefills
+    cuda_graphs: bool = True
+
+    def __post_init__(self):
+        if self.runner not in RUNNERS:
+            raise ValueError(f"runner must be one of {RUNNERS}, got {self.runner!r}")
+
+
 class Engine:
-    def __init__(self, model, *, num_slots: int, max_len: int | None = None,
-                 max_padding: float = 0.25, grouped_attention: bool = True):
-        self.model = model
-        self.grouped_attention = grouped_attention and install_attention(model)
-        self.base = getattr(model, model.base_model_prefix)
-        self.lm_head = model.get_output_embeddings()
-        cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-        self.num_layers = cfg.num_hidden_layers
-        self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
-        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        self.vocab_size = cfg.vocab_size
-        self.max_context = int(getattr(cfg, "max_position_embeddings", 2048))
-        self.max_len = min(max_len or self.max_context, self.max_context)
+    def __init__(self, model, config: EngineConfig | None = None, **overrides):
+        cfg = config or EngineConfig()
+        for key, value in overrides.items():
+            setattr(cfg, key, value)
+        self.config = cfg
+        text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+        self.num_layers = text.num_hidden_layers
+        self.num_kv_heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
+        self.head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+        self.vocab_size = text.vocab_size
+        self.max_context = int(getattr(text, "max_position_embeddings", 2048))
+        self.max_len = min(cfg.max_len or self.max_context, self.max_context)
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
         self.num_params = sum(p.numel() for p in model.parameters())
-        self.max_padding = max_padding
-        self.pool = SlotPool(self.num_layers, self.num_kv_heads, self.head_dim, num_slots,
-                             self.max_len, self.dtype, self.device)
+        self.runner, self.runner_reason = _make_runner(model, cfg, self.device)
+        self.pool = BlockPool(self.num_layers, self.num_kv_heads, self.head_dim,
+                              self._num_blocks(), cfg.block_size, self.dtype, self.device)
+        self.runner.attach(self.pool)
 
+    # --- sizing -------------------------------------------------------------------------
     @property
     def kv_bytes_per_token(self) -> int:
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.pool.keys[0].element_size()
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * torch.finfo(self.dtype).bits // 8
 
+    def _num_blocks(self) -> int:
+        cfg = self.config
+        per_block = self.kv_bytes_per_token * cfg.block_size
+        if self.device.type == "cuda":
+            budget = _gpu_kv_budget(self.device, cfg.gpu_memory_utilization, self._activation_bytes())
+        else:
+            budget = cfg.cpu_kv_bytes
+        blocks = budget // per_block
+        if cfg.max_kv_tokens:
+            blocks = min(blocks, -(-cfg.max_kv_tokens // cfg.block_size)) if budget > 0 else \
+                -(-cfg.max_kv_tokens // cfg.block_size)
+        # one sequence at full length must fit, or the pool is useless
+        need = -(-self.max_len // cfg.block_size)
+        if blocks < need:
+            if self.device.type == "cuda" and not cfg.max_kv_tokens:
+                raise MemoryError(f"{budget / 2**30:.2f} GiB left for the KV pool on {self.device}: not enough "
+                                  f"for one sequence of {self.max_len} tokens (raise gpu_memory_utilization)")
+            blocks = need
+        return int(blocks) + 1  # block 0 is the zero block
+
+    def _activation_bytes(self) -> int:
+        """Peak memory of the largest step, measured by running one on a scratch pool."""
+        cfg = self.config
+        num_rows = max(1, min(cfg.max_batch, cfg.max_batch_tokens // 64))
+        per_row = max(1, min(self.max_len, cfg.max_batch_tokens // num_rows))
+        blocks = num_rows * (-(-per_row // cfg.block_size)) + 1
+        scratch = BlockPool(self.num_layers, self.num_kv_heads, self.head_dim, blocks, cfg.block_size,
+                            self.dtype, self.device)
+        self.runner.attach(scratch, capture=False)
+        seq_ids = list(range(num_rows))
+        for sid in seq_ids:
+            scratch.grow(sid, per_row)
+        batch = StepBatch.build(scratch, seq_ids, [[1] * per_row] * num_rows, [0] * num_rows)
+        torch.cuda.synchronize(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        before = torch.cuda.memory_allocated(self.device)
+        with torch.inference_mode():
+            logits = self.runner.forward(batch)
+            sample(logits.expand(cfg.max_batch, -1).contiguous(),
+                   SamplingRows.build([1.0] * cfg.max_batch, [0.9] * cfg.max_batch, [50] * cfg.max_batch,
+                                      [0] * cfg.max_batch, [0] * cfg.max_batch, self.device))
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device) - before
+        del scratch, batch, logits
+        self.runner.attach(None, capture=False)
+        torch.cuda.empty_cache()
+        return int(peak * 1.2) + (256 << 20)  # CUDA graphs and allocator slack
+
+    def describe(self) -> str:
+        p = self.pool
+        return (f"{self.runner.name} runner ({self.runner_reason}), KV pool of {p.capacity_tokens:,} tokens "
+                f"({p.num_blocks - 1:,} blocks of {p.block_size}, "
+                f"{p.kv.numel() * p.kv.element_size() / 2**30:.2f} GiB)")
+
+    # --- KV store -------------------------------------------------------------------------
     def cached_len(self, seq_id: int) -> int:
         return self.pool.cached_len(seq_id)
 
     def release(self, seq_id: int) -> None:
         self.pool.release(seq_id)
 
-    def export_kv(self, seq_id: int) -> torch.Tensor:
-        return self.pool.export(seq_id)
+    def take_evicted(self) -> list[int]:
+        return self.pool.take_evicted()
 
-    def import_kv(self, seq_id: int, kv: torch.Tensor, protect: set[int] = frozenset()) -> None:
-        self.pool.load(seq_id, kv, protect)
+    @property
+    def free_tokens(self) -> int:
+        return self.pool.free_tokens
 
+    def export_kv(self, seq_id: int, num_tokens: int | None = None) -> torch.Tensor:
+        return self.pool.export(seq_id, num_tokens)
+
+    def import_kv(self, seq_id: int, kv: torch.Tensor, protect=frozenset()) -> bool:
+        return self.pool.load(seq_id, kv, protect)
+
+    # --- a step -------------------------------------------------------------------------
     @torch.inference_mode()
     def step(self, rows: list[StepRow]) -> list[int]:
-        """Run one step for every row and return the sampled token of each, in row order."""
-        protect = {r.seq_id for r in rows}
+        """Run one step for every row; the sampled token of each, in row order (REFUSED
+        for a row the pool had no room for)."""
+        placed = self.place(rows)
+        tokens = [REFUSED] * len(rows)
+        if placed:
+            run = [rows[i] for i in placed]
+            for i, token in zip(placed, self._run(run)):
+                tokens[i] = token
+        return tokens
+
+    def place(self, rows: list[StepRow]) -> list[int]:
+        """Blocks for every row that can have them; the indices of the rows that run."""
+        pool = self.pool
         for r in rows:
-            if r.start == 0:
-                self.pool.allocate(r.seq_id, protect)
-            elif self.pool.cached_len(r.seq_id) < r.start:
+            cached = pool.cached_len(r.seq_id)
+            if r.start > 0 and cached < r.start:
                 raise ValueError(f"sequence {r.seq_id}: KV for {r.start} positions is not here")
-            else:
-                self.pool.truncate(r.seq_id, r.start)
             if r.start + len(r.new_ids) > self.max_len:
                 raise ValueError(f"sequence {r.seq_id}: {r.start + len(r.new_ids)} positions exceed {self.max_len}")
-            self.pool.touch(r.seq_id)
-        logits = torch.empty(len(rows), self.vocab_size, dtype=torch.float32, device=self.device)
-        for group in self._groups(rows):
-            logits[torch.tensor(group, device=self.device)] = self._forward([rows[i] for i in group])
+            if r.start == 0 and cached >= 0:
+                pool.release(r.seq_id)
+            elif cached >= 0:
+                pool.truncate(r.seq_id, r.start)
+        need = {i: self._blocks_needed(r) for i, r in enumerate(rows)}
+        protect = {r.seq_id for r in rows}
+        running = list(range(len(rows)))
+        if not pool.make_room(sum(need.values()), protect):
+            running = self._refuse(rows, need, running)
+        for i in running:
+            r = rows[i]
+            pool.grow(r.seq_id, r.start + len(r.new_ids))
+            pool.touch(r.seq_id)
+        return running
+
+    def _blocks_needed(self, r: StepRow) -> int:
+        held = len(self.pool.blocks.get(r.seq_id, ()))
+        return max(0, self.pool.blocks_for(r.start + len(r.new_ids)) - held)
+
+    def _refuse(self, rows, need, running) -> list[int]:
+        pool = self.pool
+        prefills = sorted((i for i in running if len(rows[i].new_ids) > 1), key=lambda i: -need[i])
+        decodes = [i for i in reversed(running) if len(rows[i].new_ids) == 1]
+        refused = set()
+        for i in prefills + decodes:
+            if pool.num_free_blocks >= sum(need[j] for j in running if j not in refused):
+                break
+            refused.add(i)
+            pool.release(rows[i].seq_id)
+        return [i for i in running if i not in refused]
+
+    def _run(self, rows: list[StepRow]) -> list[int]:
+        batch = StepBatch.build(self.pool, [r.seq_id for r in rows], [r.new_ids for r in rows],
+                                [r.start for r in rows])
+        logits = self.runner.forward(batch)
         params = SamplingRows.build([r.temperature for r in rows], [r.top_p for r in rows],
                                     [r.top_k for r in rows], [r.seed for r in rows],
                                     [r.index for r in rows], self.device)
-        tokens = sample(logits, params).tolist()
+        tokens = sample(logits, params).tolist()   # the one host sync of the step
         for r in rows:
             self.pool.length[r.seq_id] = r.start + len(r.new_ids)
         return tokens
 
-    def _groups(self, rows: list[StepRow]) -> list[list[int]]:
-        decode = [i for i, r in enumerate(rows) if len(r.new_ids) == 1]
-        prefill = sorted((i for i, r in enumerate(rows) if len(r.new_ids) > 1),
-                         key=lambda i: -len(rows[i].new_ids))
-        groups = [decode] if decode else []
-        group, real = [], 0
-        for i in prefill:
-            n = len(rows[i].new_ids)
-            width = len(rows[group[0]].new_ids) if group else n
-            if group and (len(group) + 1) * width > (1 + self.max_padding) * (real + n):
-                groups.append(group)
-                group, real = [], 0
-            group.append(i)
-            real += n
-        if group:
-            groups.append(group)
-        return groups
 
-    def _forward(self, rows: list[StepRow]) -> torch.Tensor:
-        lens = np.array([len(r.new_ids) for r in rows])
-        starts = np.array([r.start for r in rows])
-        batch, width = len(rows), int(lens.max())
-        total = int((starts + lens).max())
-        ids = np.zeros((batch, width), dtype=np.int64)
-        for i, r in enumerate(rows):
-            ids[i, : lens[i]] = r.new_ids
-        cols = np.arange(width)
-        is_real = cols[None, :] < lens[:, None]
-        positions = np.where(is_real, starts[:, None] + cols[None, :], starts[:, None])
-        rr, cc = np.nonzero(is_real)
-        dev = self.device
-        t = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(dev, non_blocking=True)
-        pos_t = t(positions)
-        keys = torch.arange(total, device=dev)
-        # [B, 1, new, total]: a query sees keys at or before its own position; a pad query
-        # sees key 0 only, so no row of the softmax is empty.
-        mask = keys[None, None, :] <= pos_t[:, :, None]
-        mask &= t(is_real)[:, :, None]
-        mask[:, :, 0] = True
-        slots = t(np.array([self.pool.slot_of[r.seq_id] for r in rows]))
-        view = BatchView(self.pool, slots, t(rr), t(cc), slots[t(rr)], t(starts[rr] + cc), total,
-                         is_decode=width == 1)
-        out = self.base(input_ids=t(ids), attention_mask=mask[:, None], position_ids=pos_t,
-                        past_key_values=view, use_cache=True)
-        last = out.last_hidden_state[torch.arange(batch, device=dev), t(lens - 1)]
-        return self.lm_head(last).float()
+def _make_runner(model, cfg: EngineConfig, device: torch.device):
+    """(runner, why it was chosen): the fast runner on a GPU for the Llama family, or when
+    forced; the transformers runner otherwise."""
+    if cfg.runner == "hf":
+        return HFRunner(model, max_padding=cfg.max_padding), "forced by the runner setting"
+    if cfg.runner == "auto" and device.type != "cuda":
+        return HFRunner(model, max_padding=cfg.max_padding), "the fast runner is for GPUs"
+    from . import llama
+    reason = llama.unsupported(model, device)
+    if reason is None:
+        why = "forced by the runner setting" if cfg.runner == "fast" else "Llama family on a GPU"
+        return llama.LlamaRunner(model, max_batch=cfg.max_batch, cuda_graphs=cfg.cuda_graphs), why
+    if cfg.runner == "fast":
+        raise ValueError(f"runner 'fast' cannot run this model: {reason}")
+    return HFRunner(model, max_padding=cfg.max_padding), reason
+
+
+def _gpu_kv_budget(device: torch.device, utilization: float, activation_bytes: int) -> int:
+    """Bytes the pool may take: this process's share of the GPU, less what is in use now
+    (weights, other processes) and the step's activations."""
+    torch.cuda.synchronize(device)
+    free, total = torch.cuda.mem_get_info(device)
+    budget = int(free - (1.0 - utilization) * total - activation_bytes)
+    log.info("GPU %s: %.1f of %.1f GiB free; %.2f GiB kept for activations; %.2f GiB for KV",
+             device, free / 2**30, total / 2**30, activation_bytes / 2**30, max(budget, 0) / 2**30)
+    return max(budget, 0)

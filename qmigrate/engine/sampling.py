@@ -25,12 +25,18 @@ class SamplingRows:
     top_k: torch.Tensor         # int64 [B]; 0 = off
     seed: torch.Tensor          # int64 [B]
     index: torch.Tensor         # int64 [B]: generated-token index being sampled
+    # Known on the host when the rows are built, so sampling never asks the device.
+    is_sampled: bool = False
+    is_top_k: bool = False
+    is_top_p: bool = False
 
     @classmethod
     def build(cls, temperature, top_p, top_k, seed, index, device) -> "SamplingRows":
         f = lambda xs, dt: torch.tensor(xs, dtype=dt, device=device)
+        hot = [i for i, t in enumerate(temperature) if t > 0]
         return cls(f(temperature, torch.float32), f(top_p, torch.float32), f(top_k, torch.int64),
-                   f(seed, torch.int64), f(index, torch.int64))
+                   f(seed, torch.int64), f(index, torch.int64), bool(hot),
+                   any(top_k[i] > 0 for i in hot), any(top_p[i] < 1 for i in hot))
 
 
 def _mix32(x: torch.Tensor) -> torch.Tensor:
@@ -52,26 +58,27 @@ def uniforms(seed: torch.Tensor, index: torch.Tensor, vocab_size: int) -> torch.
 
 
 def sample(logits: torch.Tensor, rows: SamplingRows) -> torch.Tensor:
-    """logits [B, V] float32 -> token ids [B] int64."""
+    """logits [B, V] float32 -> token ids [B] int64, without a host sync.
+
+    Every row goes through the sampled path when any row samples (each row's result
+    depends on that row alone); greedy rows then take their argmax."""
     greedy = logits.argmax(dim=-1)
-    is_sampled = rows.temperature > 0
-    if not bool(is_sampled.any()):
+    if not rows.is_sampled:
         return greedy
-    idx = is_sampled.nonzero().squeeze(1)
-    x = logits[idx].float() / rows.temperature[idx, None]
-    x = _filter_top_k(x, rows.top_k[idx])
-    x = _filter_top_p(x, rows.top_p[idx])
-    u = uniforms(rows.seed[idx], rows.index[idx], x.shape[-1])
+    is_sampled = rows.temperature > 0
+    temperature = torch.where(is_sampled, rows.temperature, torch.ones_like(rows.temperature))
+    x = logits.float() / temperature[:, None]
+    if rows.is_top_k:
+        x = _filter_top_k(x, torch.where(is_sampled, rows.top_k, torch.zeros_like(rows.top_k)))
+    if rows.is_top_p:
+        x = _filter_top_p(x, torch.where(is_sampled, rows.top_p, torch.ones_like(rows.top_p)))
+    u = uniforms(rows.seed, rows.index, x.shape[-1])
     gumbel = -torch.log(-torch.log(u))
     drawn = (x.double() + gumbel).argmax(dim=-1)
-    out = greedy.clone()
-    out[idx] = drawn
-    return out
+    return torch.where(is_sampled, drawn, greedy)
 
 
 def _filter_top_k(x: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
-    if not bool((top_k > 0).any()):
-        return x
     vocab = x.shape[-1]
     k = torch.where(top_k > 0, top_k.clamp(max=vocab), torch.full_like(top_k, vocab))
     kth = x.sort(dim=-1, descending=True).values.gather(1, (k - 1)[:, None])
@@ -79,8 +86,6 @@ def _filter_top_k(x: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
 
 
 def _filter_top_p(x: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    if not bool((top_p < 1).any()):
-        return x
     sorted_x, order = x.sort(dim=-1, descending=True)
     probs = sorted_x.softmax(dim=-1)
     before = probs.cumsum(dim=-1) - probs   # mass strictly above each token

@@ -110,7 +110,8 @@ class Router:
                 msg.name, max_seqs=int(info.get("max_seqs", 64)), max_tokens=int(info.get("max_tokens", 8192)),
                 inflight=int(info.get("inflight", 2)), kv_endpoint=str(info.get("kv_endpoint", "")),
                 gpu_uuid=str(info.get("gpu_uuid", "")), kv_bytes_per_token=int(info.get("kv_bytes_per_token", 0)),
-                num_params=int(info.get("num_params", 0)), num_slots=int(info.get("num_slots", 0))),
+                num_params=int(info.get("num_params", 0)), kv_tokens=int(info.get("kv_tokens", 0)),
+                block_size=int(info.get("block_size", 16))),
                 time.monotonic())
             log.info("worker %s joined (%s)", msg.name, info.get("device", "?"))
         self.reply(sender, P.Welcome(P.PROTOCOL_VERSION, self.heartbeat_interval_s, self.config.lease_timeout_s))
@@ -144,7 +145,10 @@ class Router:
             raise P.ProtocolError("step result arrays do not agree")
         if any(s > max(P.Finish) for s in status):
             raise P.ProtocolError("unknown status code")
+        evicted = P.unpack_i64(msg.evicted_ids, "evicted_ids")
         self.sched.complete(msg.lease_id, name, seq_ids, counts, tokens, status, time.monotonic())
+        if len(evicted):
+            self.sched.evicted(name, evicted.tolist())
 
     def on_submit(self, sender: bytes, msg: P.Submit) -> None:
         for spec in msg.seqs:
@@ -184,7 +188,7 @@ class Router:
                 if not waiting:
                     continue
                 req = waiting[0]
-                free = req.free_slots if req.free_slots >= 0 else None
+                free = req.free_kv_tokens if req.free_kv_tokens >= 0 else None
                 grant = self.sched.schedule(name, req.max_seqs, req.max_tokens, now, free, ahead=True)
                 log.debug("request %d of %s (queue %d): %s", req.request_no, name,
                           len(self.sched.queue), grant and len(grant.rows))

@@ -40,8 +40,8 @@ class Worker:
         device = self.cfg.device if self.cfg.device != "cuda" else "cuda:0"
         _share_cpu_threads(topo, self.cfg)
         model, _ = load_model(resolve_model(topo.model.path), device, topo.model.dtype)
-        num_slots = self._num_slots(model)
-        self.core = WorkerCore(Engine(model, num_slots=num_slots))
+        self.core = WorkerCore(Engine(model, self.cfg.engine_config()))
+        del model
         self.device = device
         self.router = transport.socket(zmq.DEALER, connect=self.router_addr, identity=name)
         self.kv_in = transport.socket(zmq.PULL, bind=self.kv_endpoint.bind,
@@ -57,12 +57,6 @@ class Worker:
         self.busy_s = self.idle_s = 0.0
         self.last_heartbeat = 0.0
 
-    def _num_slots(self, model) -> int:
-        if self.cfg.max_kv_tokens:
-            ctx = int(getattr(model.config, "max_position_embeddings", 2048))
-            return max(self.cfg.max_seqs, self.cfg.max_kv_tokens // ctx)
-        return self.cfg.max_seqs * self.cfg.inflight + max(8, self.cfg.max_seqs // 2)
-
     # --- startup -----------------------------------------------------------------------
     def hello(self) -> None:
         engine = self.core.engine
@@ -71,7 +65,8 @@ class Worker:
         info = {"device": self.device, "kv_endpoint": self.kv_endpoint.connect,
                 "max_seqs": self.cfg.max_seqs, "max_tokens": self.cfg.max_tokens,
                 "inflight": self.cfg.inflight, "kv_bytes_per_token": engine.kv_bytes_per_token,
-                "num_params": engine.num_params, "gpu_uuid": uuid or "", "num_slots": engine.pool.num_slots}
+                "num_params": engine.num_params, "gpu_uuid": uuid or "",
+                "kv_tokens": engine.pool.capacity_tokens, "block_size": engine.pool.block_size}
         transport.send(self.router, P.Hello("worker", self.name, info=info))
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
         while time.monotonic() < deadline:
@@ -90,7 +85,7 @@ class Worker:
     # --- loop --------------------------------------------------------------------------
     def serve_forever(self) -> None:
         self.hello()
-        log.info("worker %s ready on %s (%d KV slots)", self.name, self.device, self.core.engine.pool.num_slots)
+        log.info("worker %s ready on %s: %s", self.name, self.device, self.core.engine.describe())
         poller = zmq.Poller()
         poller.register(self.router, zmq.POLLIN)
         poller.register(self.kv_in, zmq.POLLIN)
@@ -117,7 +112,7 @@ class Worker:
             self.last_lease = now
         while self.outstanding + len(self.leases) < self.cfg.inflight:
             self.request_no += 1
-            req = P.WorkRequest(self.request_no, self.cfg.max_seqs, self.cfg.max_tokens, self.core.free_slots)
+            req = P.WorkRequest(self.request_no, self.cfg.max_seqs, self.cfg.max_tokens, self.core.free_tokens)
             self.send_router(req)
             self.outstanding += 1
 
@@ -183,7 +178,7 @@ class Worker:
             payload = b""
         else:
             header = P.KVHeader(msg.transfer_id, msg.seq_id, msg.num_tokens,
-                                str(kv.dtype).removeprefix("torch."), list(kv.shape))
+                                str(kv.dtype).removeprefix("torch."), list(kv.shape))  # [L, 2, n, H, D]
             payload = kv.view(torch.uint8).numpy() if kv.dtype != torch.uint8 else kv.numpy()
         try:
             sock.send_multipart([P.encode(header), payload], copy=False)
@@ -217,7 +212,7 @@ class Worker:
         # Sent on schedule even while results flow: it also carries the busy/idle counters.
         if time.monotonic() - self.last_heartbeat > self.heartbeat_s:
             self.last_heartbeat = time.monotonic()
-            self.send_router(P.Heartbeat(self.name, len(self.core.seqs), self.core.free_slots,
+            self.send_router(P.Heartbeat(self.name, len(self.core.seqs), self.core.free_tokens,
                                          int(self.busy_s * 1000), int(self.idle_s * 1000)))
 
 
@@ -237,7 +232,7 @@ def _kv_tensor(header: P.KVHeader, data: bytes) -> torch.Tensor | None:
         return None
     dtype = KV_DTYPES.get(header.dtype)
     shape = header.shape
-    if dtype is None or len(shape) != 5 or shape[3] != header.num_tokens or min(shape) <= 0:
+    if dtype is None or len(shape) != 5 or shape[2] != header.num_tokens or min(shape) <= 0:
         log.warning("KV shipment with bad dtype or shape: %s %s", header.dtype, shape)
         return None
     nbytes = math.prod(shape) * torch.tensor([], dtype=dtype).element_size()

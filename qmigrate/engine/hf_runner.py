@@ -1,0 +1,126 @@
+"""The portable runner: any transformers causal LM, over the paged pool.
+
+Decode rows run together in one forward; prefill rows are grouped by length so padding
+stays small. The model's attention layers call `past_key_values.update(...)` once per
+layer: `PagedView` writes the step's keys and values into the pool and hands back each
+row's past gathered from its blocks (a copy; the fast runner reads the pool in place).
+Works for every architecture whose layers take a prepared 4D mask (Llama, Mistral,
+Qwen2, Phi, Gemma, ...), on any device.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from .attention import install as install_attention
+from .batch import StepBatch
+from .kvcache import BlockPool
+
+
+class PagedView:
+    """Handed to a transformers model as `past_key_values` for one forward."""
+
+    is_compileable = False
+
+    def __init__(self, pool: BlockPool, table: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor,
+                 slots: torch.Tensor, total_len: int, is_decode: bool):
+        self.pool, self.table = pool, table             # table: [g, W] block ids
+        self.rows, self.cols, self.slots = rows, cols, slots  # real tokens of the padded input
+        self.total_len, self.is_decode = total_len, is_decode
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        pool = self.pool
+        k_pool, v_pool = pool.kv[layer_idx, 0], pool.kv[layer_idx, 1]   # [N, bs, H, D]
+        if self.is_decode:
+            k_new, v_new = key_states[:, :, 0], value_states[:, :, 0]       # [g, H, D]
+        else:
+            k_new = key_states.transpose(1, 2)[self.rows, self.cols]        # [T, H, D]
+            v_new = value_states.transpose(1, 2)[self.rows, self.cols]
+        flat_k = k_pool.view(-1, pool.num_kv_heads, pool.head_dim)
+        flat_v = v_pool.view(-1, pool.num_kv_heads, pool.head_dim)
+        flat_k[self.slots] = k_new.to(pool.dtype)
+        flat_v[self.slots] = v_new.to(pool.dtype)
+        g, n = self.table.shape[0], self.total_len
+        # [g, W, bs, H, D] -> [g, H, n, D]; padding entries read the zero block
+        k = k_pool[self.table].view(g, -1, pool.num_kv_heads, pool.head_dim)[:, :n].transpose(1, 2)
+        v = v_pool[self.table].view(g, -1, pool.num_kv_heads, pool.head_dim)[:, :n].transpose(1, 2)
+        return k.to(key_states.dtype), v.to(value_states.dtype)
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.total_len
+
+
+class HFRunner:
+    name = "hf"
+
+    def __init__(self, model, pool: BlockPool | None = None, *, max_padding: float = 0.25,
+                 grouped_attention: bool = True):
+        self.model = model
+        self.grouped_attention = grouped_attention and install_attention(model)
+        self.base = getattr(model, model.base_model_prefix)
+        self.lm_head = model.get_output_embeddings()
+        self.max_padding = max_padding
+        self.pool = pool
+        param = next(model.parameters())
+        self.device = param.device
+
+    def attach(self, pool: BlockPool | None, capture: bool = True) -> None:
+        self.pool = pool
+
+    def forward(self, batch: StepBatch) -> torch.Tensor:
+        """logits [B, V] float32 of each row's last token."""
+        logits = None
+        for group in self.groups(batch):
+            out = self._forward(batch, group)
+            if logits is None:
+                logits = out.new_empty((batch.num_rows, out.shape[-1]))
+            logits[torch.as_tensor(group, device=self.device)] = out
+        return logits
+
+    def groups(self, batch: StepBatch) -> list[list[int]]:
+        lens = np.diff(batch.query_start)
+        decode = [i for i in range(batch.num_rows) if lens[i] == 1]
+        prefill = sorted((i for i in range(batch.num_rows) if lens[i] > 1), key=lambda i: -lens[i])
+        groups = [decode] if decode else []
+        group, real = [], 0
+        for i in prefill:
+            n = int(lens[i])
+            width = int(lens[group[0]]) if group else n
+            if group and (len(group) + 1) * width > (1 + self.max_padding) * (real + n):
+                groups.append(group)
+                group, real = [], 0
+            group.append(i)
+            real += n
+        if group:
+            groups.append(group)
+        return groups
+
+    def _forward(self, batch: StepBatch, group: list[int]) -> torch.Tensor:
+        qs = batch.query_start
+        lens = np.array([qs[i + 1] - qs[i] for i in group])
+        seq_lens = batch.seq_lens[group].astype(np.int64)
+        starts = seq_lens - lens
+        g, width, total = len(group), int(lens.max()), int(seq_lens.max())
+        cols = np.arange(width)
+        is_real = cols[None, :] < lens[:, None]
+        token_index = np.where(is_real, qs[group][:, None] + cols[None, :], 0)
+        ids = np.where(is_real, batch.ids[token_index], 0)
+        positions = np.where(is_real, starts[:, None] + cols[None, :], starts[:, None])
+        rr, cc = np.nonzero(is_real)
+        slots = batch.slot_mapping[token_index[rr, cc]]
+        dev = self.device
+        t = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(dev, non_blocking=True)
+        pos_t = t(positions)
+        keys = torch.arange(total, device=dev)
+        # [g, 1, new, total]: a query sees keys at or before its own position; a pad query
+        # sees key 0 only, so no row of the softmax is empty.
+        mask = keys[None, None, :] <= pos_t[:, :, None]
+        mask &= t(is_real)[:, :, None]
+        mask[:, :, 0] = True
+        table = t(batch.block_table[group, :self.pool.blocks_for(total)].astype(np.int64))
+        view = PagedView(self.pool, table, t(rr), t(cc), t(slots), total, is_decode=width == 1)
+        out = self.base(input_ids=t(ids), attention_mask=mask[:, None], position_ids=pos_t,
+                        past_key_values=view, use_cache=True)
+        last = out.last_hidden_state[torch.arange(g, device=dev), t(lens - 1)]
+        return self.lm_head(last).float()

@@ -1,0 +1,232 @@
+"""The fast runner for the Llama family (Llama, Mistral, Qwen2 and their derivatives).
+
+The weights come from the loaded transformers checkpoint, with q/k/v and gate/up fused
+into one matrix each. A step is one varlen forward over every row's new tokens (no
+padding): per layer an RMSNorm fused with the residual add, one q/k/v matmul, RoPE fused
+with the write of K and V into the paged pool, attention that reads the pool in place, the
+output projection, and the MLP. Steps of decode rows only replay a CUDA graph captured
+for the next batch-size bucket.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from . import fused
+from . import paged_attention as attn
+from .batch import StepBatch
+from .kvcache import BlockPool
+
+log = logging.getLogger(__name__)
+
+FAMILY = ("llama", "mistral", "qwen2")
+GRAPH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 80, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
+
+
+def unsupported(model, device: torch.device) -> str | None:
+    """Why the fast runner cannot run this model, or None when it can."""
+    cfg = model.config
+    kind = getattr(cfg, "model_type", "")
+    if kind not in FAMILY:
+        return f"model type {kind!r} is not one of {', '.join(FAMILY)}"
+    if getattr(cfg, "hidden_act", "silu") != "silu":
+        return f"activation {cfg.hidden_act!r} (the fast runner has SiLU only)"
+    window = getattr(cfg, "sliding_window", None)
+    if window and getattr(cfg, "use_sliding_window", True) and window < cfg.max_position_embeddings:
+        return f"sliding-window attention ({window} of {cfg.max_position_embeddings} positions)"
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    if device.type == "cuda" and head_dim & (head_dim - 1):
+        return f"head_dim {head_dim} is not a power of two"
+    base = getattr(model, "model", None)
+    if base is None or not hasattr(base, "layers") or not hasattr(base, "rotary_emb"):
+        return "the checkpoint's module layout is not the Llama one"
+    return None
+
+
+@dataclass(slots=True)
+class Layer:
+    ln1: torch.Tensor
+    qkv: torch.Tensor
+    qkv_bias: torch.Tensor | None
+    o: torch.Tensor
+    o_bias: torch.Tensor | None
+    ln2: torch.Tensor
+    gate_up: torch.Tensor
+    gate_up_bias: torch.Tensor | None
+    down: torch.Tensor
+    down_bias: torch.Tensor | None
+
+
+def _cat(*linears) -> tuple[torch.Tensor, torch.Tensor | None]:
+    weight = torch.cat([m.weight.detach() for m in linears])
+    biases = [m.bias for m in linears]
+    if all(b is None for b in biases):
+        return weight, None
+    bias = torch.cat([b.detach() if b is not None else weight.new_zeros(m.weight.shape[0])
+                      for m, b in zip(linears, biases)])
+    return weight, bias
+
+
+def _bias(m) -> torch.Tensor | None:
+    return None if m.bias is None else m.bias.detach()
+
+
+@dataclass(slots=True)
+class _Inputs:
+    ids: torch.Tensor
+    positions: torch.Tensor
+    slots: torch.Tensor
+    query_start: torch.Tensor
+    seq_lens: torch.Tensor
+    block_table: torch.Tensor
+    last: torch.Tensor
+
+
+class LlamaRunner:
+    name = "fast"
+
+    def __init__(self, model, *, max_batch: int = 256, cuda_graphs: bool = True):
+        cfg = model.config
+        base = model.model
+        first = base.layers[0]
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.scale = float(getattr(first.self_attn, "scaling", self.head_dim ** -0.5))
+        self.eps = float(first.input_layernorm.variance_epsilon)
+        self.embed = base.embed_tokens.weight.detach()
+        self.norm = base.norm.weight.detach()
+        self.lm_head = model.get_output_embeddings().weight.detach()
+        self.layers = []
+        for layer in base.layers:
+            a, m = layer.self_attn, layer.mlp
+            qkv, qkv_bias = _cat(a.q_proj, a.k_proj, a.v_proj)
+            gate_up, gate_up_bias = _cat(m.gate_proj, m.up_proj)
+            self.layers.append(Layer(layer.input_layernorm.weight.detach(), qkv, qkv_bias,
+                                     a.o_proj.weight.detach(), _bias(a.o_proj),
+                                     layer.post_attention_layernorm.weight.detach(), gate_up, gate_up_bias,
+                                     m.down_proj.weight.detach(), _bias(m.down_proj)))
+        self.device, self.dtype = self.embed.device, self.embed.dtype
+        self.cos, self.sin = _rope_tables(base.rotary_emb, cfg.max_position_embeddings, self.device)
+        self.vocab_size = self.lm_head.shape[0]
+        self.max_batch = max_batch
+        self.use_graphs = cuda_graphs and self.device.type == "cuda"
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.pool: BlockPool | None = None
+
+    # --- setup -------------------------------------------------------------------------
+    def attach(self, pool: BlockPool | None, capture: bool = True) -> None:
+        self.pool = pool
+        self.graphs.clear()
+        if pool is not None and capture and self.use_graphs:
+            self._capture()
+
+    def _capture(self) -> None:
+        pool, n = self.pool, self.max_batch
+        width = pool.blocks_for(self.cos.shape[0])
+        dev = self.device
+        self.static = _Inputs(
+            ids=torch.zeros(n, dtype=torch.int64, device=dev),
+            positions=torch.zeros(n, dtype=torch.int64, device=dev),
+            slots=torch.full((n,), -1, dtype=torch.int64, device=dev),
+            query_start=torch.arange(n + 1, dtype=torch.int32, device=dev),
+            seq_lens=torch.ones(n, dtype=torch.int32, device=dev),
+            block_table=torch.zeros((n, width), dtype=torch.int32, device=dev),
+            last=torch.arange(n, dtype=torch.int64, device=dev))
+        self.static_logits = torch.empty((n, self.vocab_size), dtype=torch.float32, device=dev)
+        buckets = [b for b in GRAPH_BUCKETS if b < n] + [n]
+        mempool = torch.cuda.graph_pool_handle()
+        stream = torch.cuda.Stream(dev)
+        stream.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(stream), torch.inference_mode():
+            for b in reversed(buckets):
+                for _ in range(2):  # compile the kernels outside the capture
+                    self._decode_into(b)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=mempool, stream=stream):
+                    self._decode_into(b)
+                self.graphs[b] = graph
+        torch.cuda.current_stream(dev).wait_stream(stream)
+        torch.cuda.synchronize(dev)
+        log.info("captured decode graphs for batch sizes %s", buckets)
+
+    def _decode_into(self, b: int) -> None:
+        s = self.static
+        view = _Inputs(s.ids[:b], s.positions[:b], s.slots[:b], s.query_start[:b + 1], s.seq_lens[:b],
+                       s.block_table[:b], s.last[:b])
+        self.static_logits[:b] = self._forward(view, b, 1, is_decode=True)
+
+    # --- a step ------------------------------------------------------------------------
+    def forward(self, batch: StepBatch) -> torch.Tensor:
+        """logits [B, V] float32 of each row's last token."""
+        b = batch.num_rows
+        if batch.is_decode and self.graphs and b <= self.max_batch:
+            bucket = next(k for k in sorted(self.graphs) if k >= b)
+            self._load_static(batch, bucket)
+            self.graphs[bucket].replay()
+            return self.static_logits[:b]
+        return self._forward(self._inputs(batch), batch.num_tokens, batch.max_query_len, batch.is_decode)
+
+    def _inputs(self, batch: StepBatch) -> _Inputs:
+        dev = self.device
+        t = lambda a, dt: torch.from_numpy(np.ascontiguousarray(a)).to(dev, dt, non_blocking=True)
+        return _Inputs(t(batch.ids, torch.int64), t(batch.positions, torch.int64),
+                       t(batch.slot_mapping, torch.int64), t(batch.query_start, torch.int32),
+                       t(batch.seq_lens, torch.int32), t(batch.block_table, torch.int32),
+                       t(batch.last, torch.int64))
+
+    def _load_static(self, batch: StepBatch, bucket: int) -> None:
+        s, b = self.static, batch.num_rows
+        t = lambda a: torch.from_numpy(np.ascontiguousarray(a))
+        s.ids[:b].copy_(t(batch.ids), non_blocking=True)
+        s.positions[:b].copy_(t(batch.positions), non_blocking=True)
+        s.slots[:b].copy_(t(batch.slot_mapping), non_blocking=True)
+        s.seq_lens[:b].copy_(t(batch.seq_lens), non_blocking=True)
+        width = batch.block_table.shape[1]
+        s.block_table[:b, :width].copy_(t(batch.block_table), non_blocking=True)
+        if bucket > b:  # padding rows: write nothing, attend to the zero block
+            s.slots[b:bucket].fill_(-1)
+            s.seq_lens[b:bucket].fill_(1)
+            s.block_table[b:bucket, 0].fill_(0)
+
+    def _forward(self, x: _Inputs, num_tokens: int, max_query_len: int, is_decode: bool) -> torch.Tensor:
+        pool = self.pool
+        h = F.embedding(x.ids, self.embed)
+        residual = None
+        for i, layer in enumerate(self.layers):
+            if residual is None:
+                residual, y = h, fused.rms_norm(h, layer.ln1, self.eps)
+            else:
+                y, residual = fused.add_rms_norm(h, residual, layer.ln1, self.eps)
+            qkv = F.linear(y, layer.qkv, layer.qkv_bias)
+            k_cache, v_cache = pool.kv[i, 0], pool.kv[i, 1]
+            q = fused.rope_and_write_kv(qkv, x.positions, self.cos, self.sin, k_cache, v_cache, x.slots,
+                                        self.num_heads, self.num_kv_heads, self.head_dim)
+            if is_decode:
+                o = attn.decode_attention(q, k_cache, v_cache, x.seq_lens, x.block_table, self.scale)
+            else:
+                o = attn.prefill_attention(q, k_cache, v_cache, x.query_start, x.seq_lens, x.block_table,
+                                           self.scale, max_query_len)
+            h = F.linear(o.reshape(num_tokens, -1), layer.o, layer.o_bias)
+            y, residual = fused.add_rms_norm(h, residual, layer.ln2, self.eps)
+            h = F.linear(fused.silu_and_mul(F.linear(y, layer.gate_up, layer.gate_up_bias)),
+                         layer.down, layer.down_bias)
+        if not is_decode:
+            h, residual = h[x.last], residual[x.last]
+        y, _ = fused.add_rms_norm(h, residual, self.norm, self.eps)
+        return F.linear(y, self.lm_head).float()
+
+
+def _rope_tables(rotary, max_positions: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin [max_positions, head_dim] in float32, from the model's own rotary module
+    (so every RoPE variant it knows, scaled or not, comes out as transformers computes it)."""
+    positions = torch.arange(max_positions, device=device)[None]
+    probe = torch.zeros(1, dtype=torch.float32, device=device)
+    with torch.no_grad():
+        cos, sin = rotary(probe, positions)
+    return cos[0].float().contiguous(), sin[0].float().contiguous()
