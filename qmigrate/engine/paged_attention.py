@@ -1,0 +1,308 @@
+"""Causal attention over a paged KV cache: a torch reference and Triton kernels.
+
+Cache, one layer: k_cache, v_cache [num_blocks, block_size, num_kv_heads, head_dim]; block 0
+is an all-zero null block that padding entries of a block table may point at. A batch is
+q [T, Hq, D] (rows concatenated), query_start [B+1], seq_lens [B] (keys per row, this step's
+included: they are written before attention runs) and block_tables [B, max_blocks].
+Row b's i-th query sits at position seq_lens[b] - n_b + i and sees keys 0..that position.
+
+The kernels fold the G = Hq / Hkv query heads that share a KV head into the rows of one
+tile, so every K/V tile is read once per (row, KV head), not once per query head.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+try:
+    import triton
+except ImportError:  # the reference still works without triton
+    triton = None
+
+LOG2E = 1.4426950408889634
+MIN_SPLIT_KEYS = 128   # a decode split shorter than this costs more to merge than it saves
+MAX_SPLITS = 16
+
+
+def write_kv(k_cache, v_cache, slot_mapping, k, v) -> None:
+    """Write k, v [T, Hkv, D] at flat slots block * block_size + offset; no host sync.
+
+    A negative slot marks a padding token: it writes zeros into the null block, which keeps
+    it zero (every duplicate write there carries the same zeros, so order does not matter).
+    """
+    keep = (slot_mapping >= 0)[:, None, None]
+    slots = slot_mapping.clamp(min=0).long()
+    for cache, new in ((k_cache, k), (v_cache, v)):
+        flat = cache.view(-1, cache.shape[2], cache.shape[3])
+        flat.index_copy_(0, slots, torch.where(keep, new.to(cache.dtype), 0))
+
+
+def paged_attention_reference(q, k_cache, v_cache, query_start, seq_lens, block_tables, scale):
+    """Plain torch, one row at a time, softmax in fp32. A row without keys gets zeros."""
+    num_tokens, num_heads, head_dim = q.shape
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    out = torch.zeros_like(q)
+    starts, lens = query_start.tolist(), seq_lens.tolist()
+    for b, seq_len in enumerate(lens):
+        first, last = starts[b], starts[b + 1]
+        num_q = last - first
+        if num_q == 0 or seq_len == 0:
+            continue
+        assert num_q <= seq_len, f"row {b}: {num_q} queries but {seq_len} keys"
+        pos = torch.arange(seq_len, device=q.device)
+        blocks = block_tables[b].long()[pos // block_size]
+        k = k_cache[blocks, pos % block_size].float()                      # [L, Hkv, D]
+        v = v_cache[blocks, pos % block_size].float()
+        qb = q[first:last].float().view(num_q, num_kv_heads, group, head_dim)
+        scores = torch.einsum("nhgd,lhd->hgnl", qb, k) * scale              # [Hkv, G, n, L]
+        qpos = torch.arange(seq_len - num_q, seq_len, device=q.device)
+        scores.masked_fill_(pos[None, :] > qpos[:, None], float("-inf"))
+        o = torch.einsum("hgnl,lhd->nhgd", scores.softmax(-1), v)
+        out[first:last] = o.reshape(num_q, num_heads, head_dim).to(q.dtype)
+    return out
+
+
+def paged_attention(q, k_cache, v_cache, query_start, seq_lens, block_tables, scale,
+                    max_query_len: int | None = None):
+    """The Triton kernels where they can run (CUDA, or triton's interpreter), else the reference.
+
+    max_query_len == 1 takes the decode kernel; None reads it from query_start (a host sync).
+    """
+    if not can_use_triton(q):
+        return paged_attention_reference(q, k_cache, v_cache, query_start, seq_lens, block_tables, scale)
+    if max_query_len is None:
+        max_query_len = int((query_start[1:] - query_start[:-1]).max()) if len(seq_lens) else 0
+    if max_query_len == 1 and q.shape[0] == seq_lens.shape[0]:
+        return decode_attention(q, k_cache, v_cache, seq_lens, block_tables, scale)
+    return prefill_attention(q, k_cache, v_cache, query_start, seq_lens, block_tables, scale, max_query_len)
+
+
+def can_use_triton(q) -> bool:
+    if triton is None:
+        return False
+    return q.is_cuda or is_interpreted()
+
+
+def is_interpreted() -> bool:
+    # the interpreter is chosen when triton is first imported, so ask a kernel, not the environment
+    from triton.runtime.interpreter import InterpretedFunction
+    return isinstance(_decode_kernel, InterpretedFunction)
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def _check(q, k_cache, v_cache, block_tables):
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    assert k_cache.shape == v_cache.shape and k_cache.shape[3] == head_dim
+    assert num_heads % num_kv_heads == 0, f"{num_heads} query heads over {num_kv_heads} KV heads"
+    assert head_dim & (head_dim - 1) == 0 and 16 <= head_dim <= 256, f"head_dim {head_dim}"
+    assert block_size & (block_size - 1) == 0, f"block_size {block_size}"
+    assert q.dtype == k_cache.dtype == v_cache.dtype, "q and the cache must share a dtype"
+    assert q.stride(2) == 1 and k_cache.stride(3) == 1 and v_cache.stride(3) == 1
+    assert block_tables.stride(1) == 1
+    return num_heads // num_kv_heads, num_kv_heads, head_dim, block_size
+
+
+def _dot_precision(dtype) -> str:
+    # fp32 caches would otherwise get tf32 products on the GPU
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+# ---------------------------------------------------------------------------------- decode
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def decode_splits(batch: int, num_kv_heads: int, max_context: int, device) -> int:
+    """Context splits per (row, KV head): a function of shapes only, so graphs can capture it.
+
+    Split only while the (row, KV head) programs are too few to fill the GPU once.
+    """
+    device = torch.device(device)
+    if device.type != "cuda":
+        return 1
+    programs = batch * num_kv_heads
+    sms = _num_sms(device.index if device.index is not None else torch.cuda.current_device())
+    if programs >= sms:
+        return 1
+    return max(1, min(_cdiv(sms, programs), max_context // MIN_SPLIT_KEYS, MAX_SPLITS))
+
+
+_scratch: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def decode_scratch(batch: int, num_heads: int, head_dim: int, num_splits: int, device):
+    """Per-split partial outputs [B, Hq, S, D] and log2-sum-exps [B, Hq, S], fp32."""
+    return (torch.empty(batch, num_heads, num_splits, head_dim, dtype=torch.float32, device=device),
+            torch.empty(batch, num_heads, num_splits, dtype=torch.float32, device=device))
+
+
+def decode_attention(q, k_cache, v_cache, seq_lens, block_tables, scale, out=None,
+                     num_splits: int | None = None, scratch=None):
+    """One query per row: q [B, Hq, D] -> [B, Hq, D]. No host sync; the grid follows shapes.
+
+    With split-K the partials need scratch; without one it is allocated once per shape and
+    reused, so only a call of a new shape allocates (warm up before capturing a graph).
+    """
+    group, num_kv_heads, head_dim, block_size = _check(q, k_cache, v_cache, block_tables)
+    batch, num_heads = q.shape[0], q.shape[1]
+    assert seq_lens.shape[0] == batch and block_tables.shape[0] == batch
+    if out is None:
+        out = torch.empty_like(q)
+    if batch == 0:
+        return out
+    if num_splits is None:
+        num_splits = decode_splits(batch, num_kv_heads, block_tables.shape[1] * block_size, q.device)
+    block_n = 64 if head_dim <= 128 else 32
+    if num_splits > 1:
+        if scratch is None:
+            key = (q.device, batch, num_heads, head_dim, num_splits)
+            if key not in _scratch:
+                _scratch[key] = decode_scratch(batch, num_heads, head_dim, num_splits, q.device)
+            scratch = _scratch[key]
+        part_out, part_lse = scratch
+        dst, dst_strides = part_out, (*part_out.stride()[:3], *part_lse.stride()[:2])
+    else:
+        part_lse = out  # unused when there is one split
+        dst, dst_strides = out, (out.stride(0), out.stride(1), 0, 0, 0)
+    _decode_kernel[(batch, num_kv_heads, num_splits)](
+        q, k_cache, v_cache, seq_lens, block_tables, dst, part_lse,
+        scale * LOG2E, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
+        k_cache.stride(2), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        block_tables.stride(0), *dst_strides,
+        GROUP=group, GROUP_PAD=max(16, _next_pow2(group)), HEAD_DIM=head_dim,
+        BLOCK_SIZE=block_size, BLOCK_N=block_n, NUM_SPLITS=num_splits,
+        DOT_PRECISION=_dot_precision(q.dtype), num_warps=4, num_stages=3)
+    if num_splits > 1:
+        _merge_splits_kernel[(batch, num_heads)](
+            part_out, part_lse, out, *part_out.stride()[:3], *part_lse.stride()[:2],
+            out.stride(0), out.stride(1), NUM_SPLITS=num_splits,
+            SPLITS_PAD=_next_pow2(num_splits), HEAD_DIM=head_dim, num_warps=4)
+    return out
+
+
+# --------------------------------------------------------------------------------- prefill
+
+def prefill_tiles(query_start, num_tokens: int, block_q: int, max_query_len: int):
+    """(row, first query) of every BLOCK_Q-query tile, int32 [num_tiles]; no host sync.
+
+    num_tiles is a bound from the arguments alone; the tiles past the real ones get row -1.
+    """
+    batch = query_start.shape[0] - 1
+    num_tiles = min(_cdiv(num_tokens, block_q) + batch, batch * _cdiv(max_query_len, block_q))
+    counts = (query_start[1:] - query_start[:-1] + block_q - 1) // block_q   # tiles per row
+    ends = counts.cumsum(0)
+    tile = torch.arange(num_tiles, device=query_start.device)
+    rows = torch.searchsorted(ends, tile, right=True)
+    inside = rows < batch
+    rows = rows.clamp(max=batch - 1)
+    first = ((tile - (ends[rows] - counts[rows])) * block_q).to(torch.int32)
+    return torch.where(inside, rows, -1).to(torch.int32), first
+
+
+def prefill_attention(q, k_cache, v_cache, query_start, seq_lens, block_tables, scale,
+                      max_query_len: int, out=None):
+    """Any number of queries per row, after any cached prefix: q [T, Hq, D] -> [T, Hq, D]."""
+    group, num_kv_heads, head_dim, block_size = _check(q, k_cache, v_cache, block_tables)
+    if out is None:
+        out = torch.empty_like(q)
+    batch = seq_lens.shape[0]
+    if batch == 0 or q.shape[0] == 0 or max_query_len == 0:
+        return out
+    # a tile is BLOCK_M (query, head) pairs, query-major; small queries get a small tile
+    max_m = 128 if head_dim <= 128 else 64
+    block_m = max(_next_pow2(group), min(max_m, max(16, _next_pow2(max_query_len * group))))
+    block_q = block_m // group
+    tile_rows, tile_first = prefill_tiles(query_start, q.shape[0], block_q, max_query_len)
+    _prefill_kernel[(tile_rows.shape[0], num_kv_heads)](
+        q, k_cache, v_cache, query_start, seq_lens, block_tables, tile_rows, tile_first, out,
+        scale * LOG2E, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
+        k_cache.stride(2), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        block_tables.stride(0), out.stride(0), out.stride(1),
+        GROUP=group, BLOCK_M=block_m, BLOCK_Q=block_q, HEAD_DIM=head_dim,
+        BLOCK_SIZE=block_size, BLOCK_N=64 if head_dim <= 128 else 32,
+        DOT_PRECISION=_dot_precision(q.dtype),
+        num_warps=8 if block_m >= 128 else 4, num_stages=3 if head_dim <= 128 else 2)
+    return out
+
+
+# --------------------------------------------------------------------------------- kernels
+
+if triton is not None:
+    from .paged_attention_kernels import _decode_kernel, _merge_splits_kernel, _prefill_kernel
+
+
+# ---------------------------------------------------------------------------------- timing
+
+def _random_batch(rows, num_heads, num_kv_heads, head_dim, block_size, dtype, device):
+    """rows: (new queries, keys) each; blocks handed out in a shuffled order."""
+    need = [_cdiv(seq_len, block_size) for _, seq_len in rows]
+    shape = (1 + sum(need), block_size, num_kv_heads, head_dim)
+    k_cache = torch.randn(shape, dtype=dtype, device=device)
+    v_cache = torch.randn(shape, dtype=dtype, device=device)
+    k_cache[0] = v_cache[0] = 0
+    order = (torch.randperm(sum(need)) + 1).tolist()
+    tables = torch.zeros(len(rows), max(need), dtype=torch.int32)
+    for b, n in enumerate(need):
+        tables[b, :n] = torch.tensor([order.pop() for _ in range(n)], dtype=torch.int32)
+    query_start = torch.tensor([0] + [n for n, _ in rows]).cumsum(0).to(torch.int32)
+    q = torch.randn(int(query_start[-1]), num_heads, head_dim, dtype=dtype, device=device)
+    seq_lens = torch.tensor([s for _, s in rows], dtype=torch.int32)
+    return q, k_cache, v_cache, query_start.to(device), seq_lens.to(device), tables.to(device)
+
+
+def _bench() -> None:
+    """Decode and prefill times for TinyLlama's attention shape (Hq 32, Hkv 4, D 64), bf16."""
+    from triton.testing import do_bench
+    assert torch.cuda.is_available(), "timing needs a CUDA GPU"
+    torch.manual_seed(0)
+    heads, kv_heads, head_dim, block_size, context = 32, 4, 64, 16, 512
+    scale, dtype = head_dim ** -0.5, torch.bfloat16
+    elem = torch.finfo(dtype).bits // 8
+    print(f"{torch.cuda.get_device_name()}, Hq {heads}, Hkv {kv_heads}, D {head_dim}, bf16, block {block_size}")
+    print(f"{'decode batch':>12} {'context':>7} {'splits':>6} {'us':>8} {'GB/s':>7} {'us 1 split':>10} {'GB/s':>7}")
+    for batch in (1, 16, 64, 128, 256):
+        q, k, v, query_start, seq_lens, tables = _random_batch(
+            [(1, context)] * batch, heads, kv_heads, head_dim, block_size, dtype, "cuda")
+        expected = paged_attention_reference(q, k, v, query_start, seq_lens, tables, scale)
+        out = torch.empty_like(q)
+        splits = decode_splits(batch, kv_heads, tables.shape[1] * block_size, q.device)
+        kv_bytes = 2 * batch * context * kv_heads * head_dim * elem
+        cols = []
+        for n in (splits, 1):
+            decode_attention(q, k, v, seq_lens, tables, scale, out=out, num_splits=n)
+            torch.testing.assert_close(out, expected, rtol=2e-2, atol=2e-2)
+            ms = do_bench(lambda n=n: decode_attention(q, k, v, seq_lens, tables, scale, out=out, num_splits=n),
+                          return_mode="median")
+            cols += [f"{ms * 1e3:8.1f}", f"{kv_bytes / ms / 1e6:7.0f}"]
+        print(f"{batch:>12} {context:>7} {splits:>6} {cols[0]} {cols[1]} {cols[2]:>10} {cols[3]}")
+    print(f"{'prefill rows':>12} {'new':>5} {'cached':>6} {'us':>8} {'TFLOP/s':>8}")
+    for num_rows, new, cached in ((8, 256, 0), (8, 256, 768)):
+        rows = [(new, cached + new)] * num_rows
+        q, k, v, query_start, seq_lens, tables = _random_batch(
+            rows, heads, kv_heads, head_dim, block_size, dtype, "cuda")
+        expected = paged_attention_reference(q, k, v, query_start, seq_lens, tables, scale)
+        out = torch.empty_like(q)
+        prefill_attention(q, k, v, query_start, seq_lens, tables, scale, new, out=out)
+        torch.testing.assert_close(out, expected, rtol=2e-2, atol=2e-2)
+        ms = do_bench(lambda: prefill_attention(q, k, v, query_start, seq_lens, tables, scale, new, out=out),
+                      return_mode="median")
+        # QK^T and PV over the keys each query sees: 4 * D flops per (query head, key)
+        flops = 4 * head_dim * heads * num_rows * sum(cached + i + 1 for i in range(new))
+        print(f"{num_rows:>12} {new:>5} {cached:>6} {ms * 1e3:8.1f} {flops / ms / 1e9:8.1f}")
+
+
+if __name__ == "__main__":
+    _bench()

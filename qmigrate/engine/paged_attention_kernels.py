@@ -1,0 +1,177 @@
+"""Triton kernels behind paged_attention; imported only where triton is.
+
+Scores are kept in log2 units (the softmax scale is pre-multiplied by log2(e)) so the
+online softmax uses exp2. Tiles of keys are gathered row by row through the block table,
+so a tile of BLOCK_N keys may span several cache blocks in any order.
+"""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _attend(acc, m_i, l_i, q, k_ptr, v_ptr, table_ptr, n0, key_end, qpos, offs_d,
+            qk_scale, stride_kb, stride_ks, stride_vb, stride_vs,
+            BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+            BOUNDED: tl.constexpr, CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """One online-softmax step over keys n0..n0+BLOCK_N. q [M, D], acc [M, D], m_i/l_i [M].
+
+    k_ptr/v_ptr already point at this KV head; table_ptr at this row's block table.
+    BOUNDED masks keys at or past key_end; CAUSAL masks keys after each query's qpos [M].
+    """
+    pos = n0 + tl.arange(0, BLOCK_N)
+    if BOUNDED:
+        in_range = pos < key_end
+        block = tl.load(table_ptr + pos // BLOCK_SIZE, mask=in_range, other=0).to(tl.int64)
+    else:
+        block = tl.load(table_ptr + pos // BLOCK_SIZE).to(tl.int64)
+    slot = pos % BLOCK_SIZE
+    k_off = block * stride_kb + slot * stride_ks
+    v_off = block * stride_vb + slot * stride_vs
+    if BOUNDED:
+        k = tl.load(k_ptr + k_off[:, None] + offs_d[None, :], mask=in_range[:, None], other=0.0)
+        v = tl.load(v_ptr + v_off[:, None] + offs_d[None, :], mask=in_range[:, None], other=0.0)
+    else:
+        k = tl.load(k_ptr + k_off[:, None] + offs_d[None, :])
+        v = tl.load(v_ptr + v_off[:, None] + offs_d[None, :])
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale     # [M, BLOCK_N]
+    if BOUNDED:
+        s = tl.where(in_range[None, :], s, float("-inf"))
+    if CAUSAL:
+        s = tl.where(pos[None, :] <= qpos[:, None], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    p = tl.exp2(s - m_new[:, None])
+    alpha = tl.exp2(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return acc, m_new, l_i
+
+
+@triton.jit
+def _decode_kernel(q_ptr, k_ptr, v_ptr, seq_lens_ptr, tables_ptr, out_ptr, lse_ptr,
+                   qk_scale, stride_qt, stride_qh, stride_kb, stride_ks, stride_kh,
+                   stride_vb, stride_vs, stride_vh, stride_table,
+                   stride_ot, stride_oh, stride_os, stride_lt, stride_lh,
+                   GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
+                   BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
+                   DOT_PRECISION: tl.constexpr):
+    """Program (row, KV head, split): the GROUP query heads of that KV head over one split.
+
+    One split writes the normalised output; several write fp32 partials [B, Hq, S, D] and
+    their log2-sum-exp [B, Hq, S] for _merge_splits_kernel.
+    """
+    row = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + row)
+    # split length from the row's own length, so short rows are not spread thin
+    chunk = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = split * chunk
+    end = tl.minimum(start + chunk, seq_len)
+
+    offs_g = tl.arange(0, GROUP_PAD)
+    offs_d = tl.arange(0, HEAD_DIM)
+    heads = kv_head * GROUP + offs_g
+    q = tl.load(q_ptr + row * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
+                mask=(offs_g < GROUP)[:, None], other=0.0)                    # [GROUP_PAD, D]
+    m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+    l_i = tl.zeros([GROUP_PAD], tl.float32)
+    acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
+    table = tables_ptr + row.to(tl.int64) * stride_table
+    k_head = k_ptr + kv_head * stride_kh
+    v_head = v_ptr + kv_head * stride_vh
+    for n0 in range(start, end, BLOCK_N):
+        acc, m_i, l_i = _attend(acc, m_i, l_i, q, k_head, v_head, table, n0, end, m_i, offs_d,
+                                qk_scale, stride_kb, stride_ks, stride_vb, stride_vs,
+                                BLOCK_SIZE, BLOCK_N, True, False, DOT_PRECISION)
+    # no keys (a padding row, or an empty split) -> zeros and a -inf weight, never NaN
+    l_safe = tl.where(l_i > 0, l_i, 1.0)
+    o = acc / l_safe[:, None]
+    dst = out_ptr + row * stride_ot + heads[:, None] * stride_oh + split * stride_os + offs_d[None, :]
+    g_mask = (offs_g < GROUP)[:, None]
+    if NUM_SPLITS == 1:
+        tl.store(dst, o.to(out_ptr.dtype.element_ty), mask=g_mask)
+    else:
+        tl.store(dst, o, mask=g_mask)
+        lse = tl.where(l_i > 0, m_i + tl.log2(l_safe), float("-inf"))
+        tl.store(lse_ptr + row * stride_lt + heads * stride_lh + split, lse, mask=offs_g < GROUP)
+
+
+@triton.jit
+def _merge_splits_kernel(part_ptr, lse_ptr, out_ptr, stride_pt, stride_ph, stride_ps,
+                         stride_lt, stride_lh, stride_ot, stride_oh, NUM_SPLITS: tl.constexpr,
+                         SPLITS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """Program (row, query head): weight each split's output by its share of the softmax."""
+    row = tl.program_id(0)
+    head = tl.program_id(1)
+    offs_s = tl.arange(0, SPLITS_PAD)
+    offs_d = tl.arange(0, HEAD_DIM)
+    lse = tl.load(lse_ptr + row * stride_lt + head * stride_lh + offs_s,
+                  mask=offs_s < NUM_SPLITS, other=float("-inf"))
+    top = tl.max(lse, 0)
+    top = tl.where(top == float("-inf"), 0.0, top)
+    w = tl.exp2(lse - top)                                                    # [SPLITS_PAD]
+    part = tl.load(part_ptr + row * stride_pt + head * stride_ph
+                   + offs_s[:, None] * stride_ps + offs_d[None, :],
+                   mask=(offs_s < NUM_SPLITS)[:, None], other=0.0)           # [SPLITS_PAD, D]
+    total = tl.sum(w, 0)
+    o = tl.sum(w[:, None] * part, 0) / tl.where(total > 0, total, 1.0)
+    tl.store(out_ptr + row * stride_ot + head * stride_oh + offs_d, o.to(out_ptr.dtype.element_ty))
+
+
+@triton.jit
+def _prefill_kernel(q_ptr, k_ptr, v_ptr, query_start_ptr, seq_lens_ptr, tables_ptr,
+                    tile_rows_ptr, tile_first_ptr, out_ptr,
+                    qk_scale, stride_qt, stride_qh, stride_kb, stride_ks, stride_kh,
+                    stride_vb, stride_vs, stride_vh, stride_table, stride_ot, stride_oh,
+                    GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr,
+                    HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+                    DOT_PRECISION: tl.constexpr):
+    """Program (tile, KV head): BLOCK_Q queries of one row x the GROUP heads of a KV head.
+
+    Tile row m holds query m // GROUP, head m % GROUP. Keys every query of the tile sees run
+    without masks; the rest, up to the tile's last query, run with the causal mask; keys
+    past that are never read.
+    """
+    tile = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    row = tl.load(tile_rows_ptr + tile)
+    if row < 0:
+        return
+    first = tl.load(tile_first_ptr + tile)
+    q_start = tl.load(query_start_ptr + row)
+    num_q = tl.load(query_start_ptr + row + 1) - q_start
+    seq_len = tl.load(seq_lens_ptr + row)
+    context = seq_len - num_q                                 # cached keys before the queries
+
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    token = offs_m // GROUP
+    valid = (token < BLOCK_Q) & (first + token < num_q)
+    # rows past the tile clamp to a real query, so every row sees key 0 and stays finite
+    query = tl.minimum(first + token, num_q - 1)
+    qpos = context + query
+    heads = kv_head * GROUP + offs_m % GROUP
+    q_rows = (q_start + query).to(tl.int64)
+    q = tl.load(q_ptr + q_rows[:, None] * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
+                mask=valid[:, None], other=0.0)                               # [BLOCK_M, D]
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    table = tables_ptr + row.to(tl.int64) * stride_table
+    k_head = k_ptr + kv_head * stride_kh
+    v_head = v_ptr + kv_head * stride_vh
+    open_end = (context + first + 1) // BLOCK_N * BLOCK_N     # keys seen by every query
+    key_end = context + tl.minimum(first + BLOCK_Q, num_q)     # one past the last query's key
+    for n0 in range(0, open_end, BLOCK_N):
+        acc, m_i, l_i = _attend(acc, m_i, l_i, q, k_head, v_head, table, n0, key_end, qpos, offs_d,
+                                qk_scale, stride_kb, stride_ks, stride_vb, stride_vs,
+                                BLOCK_SIZE, BLOCK_N, False, False, DOT_PRECISION)
+    for n0 in range(open_end, key_end, BLOCK_N):
+        acc, m_i, l_i = _attend(acc, m_i, l_i, q, k_head, v_head, table, n0, key_end, qpos, offs_d,
+                                qk_scale, stride_kb, stride_ks, stride_vb, stride_vs,
+                                BLOCK_SIZE, BLOCK_N, True, True, DOT_PRECISION)
+    o = acc / l_i[:, None]
+    tl.store(out_ptr + q_rows[:, None] * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
+             o.to(out_ptr.dtype.element_ty), mask=valid[:, None])
