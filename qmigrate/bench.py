@@ -111,11 +111,13 @@ class Progress:
 # --- the engine alone ------------------------------------------------------------------
 
 def run_inprocess(model_path: str, device: str, dtype: str, requests, max_seqs: int,
-                  max_tokens: int, profile: bool = False) -> PathResult:
+                  max_tokens: int, profile: bool = False, runner: str = "auto") -> PathResult:
     from .engine.models import load_model
     from .engine.runner import Engine, StepRow
     model, _ = load_model(model_path, device, dtype)
-    engine = Engine(model, max_batch=max_seqs, max_batch_tokens=max_tokens)
+    engine = Engine(model, max_batch=max_seqs, max_batch_tokens=max_tokens, runner=runner)
+    del model
+    print(f"  in-process: {engine.describe()}", file=sys.stderr)
     _warm(engine, StepRow)
     lengths = [n for _, n in requests]
     waiting = deque(range(len(requests)))
@@ -146,7 +148,7 @@ def run_inprocess(model_path: str, device: str, dtype: str, requests, max_seqs: 
         progress.update(sum(timeline.count))
     _sync(device)
     result = timeline.result("in-process", time.monotonic())
-    del engine, model
+    del engine
     _free(device)
     return result
 
@@ -218,7 +220,7 @@ def run_hf_static(model_path: str, device: str, dtype: str, requests, batch_size
 
 def run_pipeline(model_path: str, devices: list[str], dtype: str, requests, max_seqs: int,
                  max_tokens: int, router_overrides: dict, log_level: str,
-                 steps_per_dispatch: int = 1) -> PathResult:
+                 steps_per_dispatch: int = 1, runner: str = "auto") -> PathResult:
     import zmq
     from . import transport
     from .config import dump_topology, parse_topology
@@ -231,7 +233,8 @@ def run_pipeline(model_path: str, devices: list[str], dtype: str, requests, max_
             "router": {"node": "local", "max_queued": max(4096, len(requests) + 64), **router_overrides},
             "ingest": {"node": "local"}, "detokenizer": {"node": "local"},
             "workers": [{"name": f"w{i}", "node": "local", "device": d, "max_seqs": max_seqs,
-                         "max_tokens": max_tokens, "steps_per_dispatch": steps_per_dispatch}
+                         "max_tokens": max_tokens, "steps_per_dispatch": steps_per_dispatch, "runner": runner,
+                         "gpu_memory_utilization": 0.9 / devices.count(d)}
                         for i, d in enumerate(devices, 1)],
         }, source="bench")
         path = Path(tmp) / "topology.yaml"
@@ -373,7 +376,7 @@ def format_table(results: list[PathResult]) -> str:
 def run_bench(*, model_path: str, devices: list[str], dtype: str, workload: Workload, paths: list[str],
               max_seqs: int, max_tokens: int, hf_batch: int, router_overrides: dict,
               json_path: Path | None, log_level: str = "warning", profile: bool = False,
-              steps_per_dispatch: int = 1, repeat: int = 1) -> list[PathResult]:
+              steps_per_dispatch: int = 1, repeat: int = 1, runner: str = "auto") -> list[PathResult]:
     requests = workload.requests()
     total = sum(n for _, n in requests)
     print(f"workload: {workload.num_requests} requests, prompts {workload.prompt_len}, outputs "
@@ -383,10 +386,10 @@ def run_bench(*, model_path: str, devices: list[str], dtype: str, workload: Work
     for attempt in range(repeat):  # interleaved, so drift hits both paths alike
         if "pipeline" in paths:
             results.append(run_pipeline(model_path, devices, dtype, requests, max_seqs, max_tokens,
-                                        router_overrides, log_level, steps_per_dispatch))
+                                        router_overrides, log_level, steps_per_dispatch, runner))
         if "in-process" in paths:
             results.append(run_inprocess(model_path, devices[0], dtype, requests, max_seqs, max_tokens,
-                                         profile and attempt == 0))
+                                         profile and attempt == 0, runner))
     if "hf-static" in paths:
         results.append(run_hf_static(model_path, devices[0], dtype, requests, hf_batch))
     table = format_table(results)

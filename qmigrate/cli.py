@@ -173,6 +173,10 @@ def bench(
     migration: Annotated[str, typer.Option(help="auto, recompute or transfer.")] = "auto",
     json_out: Annotated[Optional[Path], typer.Option("--json", help="Write the results as JSON here.")] = None,
     profile: Annotated[bool, typer.Option(help="Print a torch profiler table of one in-process decode step.")] = False,
+    runner: Annotated[str, typer.Option(help="Engine runner: auto (fast on a GPU for the Llama family), fast or hf.")] = "auto",
+    decode_step: Annotated[bool, typer.Option("--decode-step", help="Instead of the workload: time one decode step per batch size against the weight-read floor (CUDA).")] = False,
+    batches: Annotated[str, typer.Option(help="With --decode-step: comma-separated batch sizes.")] = "1,16,64,128,256",
+    context: Annotated[int, typer.Option(min=2, help="With --decode-step: tokens of context per row.")] = 512,
     log_level: LogLevel = "warning",
 ):
     """Run a workload through the full pipeline, the engine in-process and HF static
@@ -183,6 +187,11 @@ def bench(
     if model is None and is_cuda:
         model = str(build_bench_model(model_dir)) if not (model_dir / "config.json").exists() else str(model_dir)
     model_path = _resolve_model(model)
+    if decode_step:
+        from .bench_step import run_decode_steps
+        run_decode_steps(model_path, device if device != "cuda" else "cuda:0",
+                         [int(b) for b in batches.split(",")], context, runner, json_out)
+        return
     span = lambda text, default: tuple(int(x) for x in text.split(":")) if text else default
     workload = Workload(requests or (256 if is_cuda else 32), span(prompt_len, (64, 512) if is_cuda else (8, 64)),
                         span(output_len, (32, 512) if is_cuda else (8, 64)), seed=seed)
@@ -197,7 +206,8 @@ def bench(
               paths=[p.strip() for p in paths.split(",") if p.strip()], max_seqs=max_seqs,
               max_tokens=max_tokens, hf_batch=hf_batch,
               router_overrides={"policy": policy, "migration": migration}, json_path=json_out,
-              log_level=log_level, profile=profile, steps_per_dispatch=steps_per_dispatch, repeat=repeat)
+              log_level=log_level, profile=profile, steps_per_dispatch=steps_per_dispatch, repeat=repeat,
+              runner=runner)
 
 
 @model_app.command("tiny")

@@ -47,14 +47,16 @@ def test_engine_on_cuda_matches_generate_in_fp32(tiny_model_dir):
         assert got == expected[i], i
 
 
-def test_pipeline_on_one_gpu_two_workers_with_kv_transfer(tmp_path, tiny_model_dir, qmigrate):
+@pytest.mark.parametrize("runners,migration", [(("hf", "hf"), "transfer"), (("fast", "fast"), "transfer"),
+                                               (("fast", "hf"), "recompute")])
+def test_pipeline_on_one_gpu_two_workers_migrating(tmp_path, tiny_model_dir, qmigrate, runners, migration):
     from transformers import AutoModelForCausalLM
     data = {"transport": "ipc", "model": {"path": str(tiny_model_dir), "dtype": "float32"},
             "nodes": [{"name": "local", "monitor": True}],
-            "router": {"node": "local", "policy": "any", "migration": "transfer"},
+            "router": {"node": "local", "policy": "any", "migration": migration},
             "ingest": {"node": "local", "input": "jsonl"}, "detokenizer": {"node": "local", "output": "jsonl"},
-            "workers": [{"name": f"w{i}", "node": "local", "device": "cuda:0", "max_seqs": 8, "runner": "hf",
-                         "gpu_memory_utilization": 0.3} for i in (1, 2)]}
+            "workers": [{"name": f"w{i}", "node": "local", "device": "cuda:0", "max_seqs": 8, "runner": runner,
+                         "gpu_memory_utilization": 0.3} for i, runner in enumerate(runners, 1)]}
     path = tmp_path / "gpu.yaml"
     path.write_text(yaml.safe_dump(data))
     r = random.Random(5)
@@ -62,8 +64,86 @@ def test_pipeline_on_one_gpu_two_workers_with_kv_transfer(tmp_path, tiny_model_d
                 "max_new_tokens": 12} for i in range(16)]
     run = qmigrate("sim", str(path), stdin="".join(json.dumps(p) + "\n" for p in prompts))
     assert run.returncode == 0, run.stderr[-3000:]
-    assert "by_transfer" in run.stderr, run.stderr[-2000:]
+    assert f"by_{migration}" in run.stderr, run.stderr[-2000:]
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).to("cuda:0").eval()
     finals = run.finals()
-    for p in prompts:
-        assert finals[p["id"]]["token_ids"] == _generate(model, p["prompt_ids"], 12), p["id"]
+    same = sum(finals[p["id"]]["token_ids"] == _generate(model, p["prompt_ids"], 12) for p in prompts)
+    # exact with the transformers runner; the fast runner's fp32 kernels may flip a near-tie
+    assert same == len(prompts) if runners == ("hf", "hf") else same >= len(prompts) - 2, same
+
+
+# --- the fast runner against the transformers forward, in bf16 --------------------------
+
+def _logits(engine, rows):
+    """Each row's last-token logits from the engine's runner (the pool updated as in a step)."""
+    from qmigrate.engine.batch import StepBatch
+    placed = engine.place(rows)
+    assert placed == list(range(len(rows)))
+    batch = StepBatch.build(engine.pool, [r.seq_id for r in rows], [r.new_ids for r in rows],
+                            [r.start for r in rows])
+    with torch.inference_mode():
+        logits = engine.runner.forward(batch).float().clone()
+    for r in rows:
+        engine.pool.length[r.seq_id] = r.start + len(r.new_ids)
+    return logits
+
+
+@pytest.fixture(scope="module")
+def medium_model_dir(tmp_path_factory):
+    """A Llama shape with TinyLlama's head layout (head_dim 64, 4 query heads per KV head)."""
+    from qmigrate.engine.models import build_bench_model
+    shape = dict(hidden_size=512, intermediate_size=1408, num_hidden_layers=4, num_attention_heads=8,
+                 num_key_value_heads=2, max_position_embeddings=1024, vocab_size=4096)
+    return build_bench_model(tmp_path_factory.mktemp("models") / "medium", shape_overrides=shape)
+
+
+def test_fast_runner_matches_the_hf_forward_in_bf16(medium_model_dir):
+    """Mixed prefill lengths, then 64 teacher-forced decode steps of 32 rows (CUDA graphs),
+    and a decode step of 5 rows (a padded graph bucket): logits within bf16 tolerance,
+    greedy choices agree at >= 95% of positions. (Not on the tiny test model: its weights
+    are drawn with std 0.5 to make its logits sharp, and bf16 rounding alone moves them
+    by several percent, in transformers' own forward as much as in ours.)"""
+    from qmigrate.engine.models import load_model
+    from qmigrate.engine.runner import Engine, StepRow
+    which, path = "medium", medium_model_dir
+    model, _ = load_model(path, "cuda:0", "bfloat16")
+    fast = Engine(model, runner="fast", max_batch=32, max_kv_tokens=1 << 16)
+    hf = Engine(model, runner="hf", max_batch=32, max_kv_tokens=1 << 16)
+    assert fast.runner.name == "fast" and hf.runner.name == "hf"
+    vocab = model.config.vocab_size
+    r = random.Random(7)
+    prompts = [[1] + [r.randint(3, vocab - 1) for _ in range(r.randint(1, 200))] for _ in range(32)]
+    rows = [StepRow(i, p, 0, 0) for i, p in enumerate(prompts)]
+    a, b = _logits(fast, rows), _logits(hf, rows)
+    errors = [float((a - b).norm() / b.norm())]
+    agree = [(a.argmax(-1) == b.argmax(-1)).float().mean().item()]
+    tokens = b.argmax(-1).tolist()
+    for step in range(64):
+        rows = [StepRow(i, [tokens[i]], len(prompts[i]) + step, step + 1) for i in range(32)]
+        a, b = _logits(fast, rows), _logits(hf, rows)
+        errors.append(float((a - b).norm() / b.norm()))
+        agree.append((a.argmax(-1) == b.argmax(-1)).float().mean().item())
+        tokens = b.argmax(-1).tolist()
+    rows = [StepRow(i, [tokens[i]], len(prompts[i]) + 64, 65) for i in range(5)]
+    a, b = _logits(fast, rows), _logits(hf, rows)
+    errors.append(float((a - b).norm() / b.norm()))
+    print(f"{which}: max relative logit error {max(errors):.2e}, greedy agreement {sum(agree) / len(agree):.3f}")
+    assert max(errors) <= 2e-2
+    assert sum(agree) / len(agree) >= 0.95
+
+
+def test_fast_runner_in_fp32_matches_generate(tiny_model_dir):
+    from qmigrate.engine.models import load_model
+    from qmigrate.engine.runner import Engine, StepRow
+    model, _ = load_model(tiny_model_dir, "cuda:0", "float32")
+    engine = Engine(model, runner="fast", max_batch=16, max_kv_tokens=1 << 14)
+    r = random.Random(11)
+    prompts = [[1] + [r.randint(3, 1400) for _ in range(r.randint(1, 60))] for _ in range(8)]
+    out = {i: [] for i in range(8)}
+    rows = [StepRow(i, p, 0, 0) for i, p in enumerate(prompts)]
+    for step in range(16):
+        for row, token in zip(rows, engine.step(rows)):
+            out[row.seq_id].append(token)
+        rows = [StepRow(i, [out[i][-1]], len(prompts[i]) + step, step + 1) for i in range(8)]
+    same = sum(out[i] == _generate(model, p, 16) for i, p in enumerate(prompts))
+    assert same >= 7, same  # fp32 kernels on the GPU round differently from cuBLAS: ties may flip

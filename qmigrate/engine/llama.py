@@ -112,9 +112,10 @@ class LlamaRunner:
                                      layer.post_attention_layernorm.weight.detach(), gate_up, gate_up_bias,
                                      m.down_proj.weight.detach(), _bias(m.down_proj)))
         self.device, self.dtype = self.embed.device, self.embed.dtype
-        self.cos, self.sin = _rope_tables(base.rotary_emb, cfg.max_position_embeddings, self.device)
+        self.cos, self.sin = fused.rope_tables(base.rotary_emb, cfg.max_position_embeddings)
         self.vocab_size = self.lm_head.shape[0]
         self.max_batch = max_batch
+        self.use_kernels = attn.can_use_triton(self.embed)
         self.use_graphs = cuda_graphs and self.device.type == "cuda"
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.pool: BlockPool | None = None
@@ -207,7 +208,10 @@ class LlamaRunner:
             k_cache, v_cache = pool.kv[i, 0], pool.kv[i, 1]
             q = fused.rope_and_write_kv(qkv, x.positions, self.cos, self.sin, k_cache, v_cache, x.slots,
                                         self.num_heads, self.num_kv_heads, self.head_dim)
-            if is_decode:
+            if not self.use_kernels:
+                o = attn.paged_attention_reference(q, k_cache, v_cache, x.query_start, x.seq_lens,
+                                                   x.block_table, self.scale)
+            elif is_decode:
                 o = attn.decode_attention(q, k_cache, v_cache, x.seq_lens, x.block_table, self.scale)
             else:
                 o = attn.prefill_attention(q, k_cache, v_cache, x.query_start, x.seq_lens, x.block_table,
@@ -220,13 +224,3 @@ class LlamaRunner:
             h, residual = h[x.last], residual[x.last]
         y, _ = fused.add_rms_norm(h, residual, self.norm, self.eps)
         return F.linear(y, self.lm_head).float()
-
-
-def _rope_tables(rotary, max_positions: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin [max_positions, head_dim] in float32, from the model's own rotary module
-    (so every RoPE variant it knows, scaled or not, comes out as transformers computes it)."""
-    positions = torch.arange(max_positions, device=device)[None]
-    probe = torch.zeros(1, dtype=torch.float32, device=device)
-    with torch.no_grad():
-        cos, sin = rotary(probe, positions)
-    return cos[0].float().contiguous(), sin[0].float().contiguous()

@@ -1,0 +1,109 @@
+"""`qmigrate bench --decode-step`: the time of one decode step against the weight-read floor.
+
+For each batch size: prefill every row to the context, warm up 3 steps, then time 20
+decode steps with a device synchronize on both ends (shared/BENCHMARK.md's method). Two
+figures per batch: `step`, the engine's whole step as a caller sees it (host work,
+forward, sampling and the fetch of the sampled ids), and `gpu`, 20 forwards queued back to
+back with no host sync between them, which is what the device itself needs per step. The
+floor is the weight bytes over the device-to-device copy bandwidth measured in the same
+process.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+
+def copy_bandwidth(device: str, nbytes: int = 1 << 30) -> float:
+    """Bytes per second of a large device-to-device copy, counting bytes read and written."""
+    src = torch.empty(nbytes // 2, dtype=torch.uint8, device=device).random_()
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    torch.cuda.synchronize(device)
+    times = []
+    for _ in range(10):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - t0)
+    del src, dst
+    return nbytes / sorted(times)[len(times) // 2]
+
+
+def run_decode_steps(model_path: str, device: str, batches: list[int], context: int, runner: str,
+                     json_path: Path | None = None) -> list[dict]:
+    from .engine.batch import StepBatch
+    from .engine.models import load_model
+    from .engine.runner import Engine, StepRow
+    model, _ = load_model(model_path, device, "auto")
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    engine = Engine(model, max_batch=max(batches), max_batch_tokens=16384, runner=runner)
+    del model
+    bandwidth = copy_bandwidth(device)
+    floor_ms = weight_bytes / bandwidth * 1000
+    print(f"{engine.describe()}; weights {weight_bytes / 1e9:.2f} GB, copy bandwidth "
+          f"{bandwidth / 1e12:.2f} TB/s, floor {floor_ms:.3f} ms", file=sys.stderr)
+    r = random.Random(0)
+    results = []
+    for batch in batches:
+        ids = {i: [r.randint(10, 31000) for _ in range(context - 1)] for i in range(batch)}
+        per_step = max(1, 16384 // (context - 1))
+        for first in range(0, batch, per_step):   # prefill in chunks of the step budget
+            rows = [StepRow(i, ids[i], 0, 0) for i in range(first, min(batch, first + per_step))]
+            for row, token in zip(rows, engine.step(rows)):
+                ids[row.seq_id].append(token)
+        pos = context - 1
+
+        def rows_now():
+            return [StepRow(i, [ids[i][-1]], pos, 1) for i in range(batch)]
+
+        for _ in range(3):
+            rows = rows_now()
+            for row, token in zip(rows, engine.step(rows)):
+                ids[row.seq_id].append(token)
+            pos += 1
+        torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        for _ in range(20):
+            tokens = engine.step(rows_now())
+            for i, token in enumerate(tokens):
+                ids[i].append(token)
+            pos += 1
+        torch.cuda.synchronize(device)
+        step_ms = (time.perf_counter() - t0) / 20 * 1000
+        # the device alone: the same decode batch, forwards queued without a host sync
+        rows = rows_now()
+        engine.place(rows)
+        decode = StepBatch.build(engine.pool, [x.seq_id for x in rows], [x.new_ids for x in rows],
+                                 [x.start for x in rows])
+        with torch.inference_mode():
+            engine.runner.forward(decode)
+            torch.cuda.synchronize(device)
+            t0 = time.perf_counter()
+            for _ in range(20):
+                logits = engine.runner.forward(decode)
+                logits.argmax(-1)
+            torch.cuda.synchronize(device)
+        gpu_ms = (time.perf_counter() - t0) / 20 * 1000
+        for i in range(batch):
+            engine.release(i)
+        results.append({"batch": batch, "context": context, "step_ms": step_ms, "gpu_ms": gpu_ms,
+                        "floor_ms": floor_ms, "step_x_floor": step_ms / floor_ms,
+                        "gpu_x_floor": gpu_ms / floor_ms})
+    lines = [f"{'batch':>5} {'step ms':>8} {'x floor':>8} {'gpu ms':>8} {'x floor':>8}"]
+    lines += [f"{x['batch']:5d} {x['step_ms']:8.2f} {x['step_x_floor']:8.1f} {x['gpu_ms']:8.2f} "
+              f"{x['gpu_x_floor']:8.1f}" for x in results]
+    print(f"decode step, context {context}, {engine.runner.name} runner, floor {floor_ms:.3f} ms")
+    print("\n".join(lines))
+    if json_path is not None:
+        json_path.write_text(json.dumps({"runner": engine.runner.name, "describe": engine.describe(),
+                                         "weight_bytes": weight_bytes, "copy_bytes_per_s": bandwidth,
+                                         "results": results}, indent=2))
+    return results
