@@ -113,7 +113,7 @@ class Progress:
 def run_inprocess(model_path: str, device: str, dtype: str, requests, max_seqs: int,
                   max_tokens: int, profile: bool = False, runner: str = "auto") -> PathResult:
     from .engine.models import load_model
-    from .engine.runner import Engine, StepRow
+    from .engine.runner import REFUSED, Engine, StepRow
     model, _ = load_model(model_path, device, dtype)
     engine = Engine(model, max_batch=max_seqs, max_batch_tokens=max_tokens, runner=runner)
     del model
@@ -121,11 +121,15 @@ def run_inprocess(model_path: str, device: str, dtype: str, requests, max_seqs: 
     _warm(engine, StepRow)
     lengths = [n for _, n in requests]
     waiting = deque(range(len(requests)))
+    # The step in flight, and per sequence the row of its next step. Step N+1 is built and
+    # launched before step N's tokens are collected: a running row feeds the token its
+    # previous step samples without that token passing through the host.
+    pending = None
     running: dict[int, StepRow] = {}
     progress = Progress("in-process", sum(lengths))
     timeline = Timeline(lengths, time.monotonic())
     num_steps = 0
-    while waiting or running:
+    while waiting or running or pending is not None:
         rows = list(running.values())
         budget = max_tokens - len(rows)
         while waiting and len(rows) < max_seqs and (len(requests[waiting[0]][0]) <= budget or not rows):
@@ -133,19 +137,26 @@ def run_inprocess(model_path: str, device: str, dtype: str, requests, max_seqs: 
             budget -= len(requests[i][0])
             rows.append(StepRow(i, requests[i][0], 0, 0))
         num_steps += 1
-        if profile and num_steps == 40:
-            tokens = _profiled(engine, rows, device)
-        else:
-            tokens = engine.step(rows)
-        now = time.monotonic()
-        for row, token in zip(rows, tokens):
-            timeline.add(row.seq_id, 1, now)
-            if row.index + 1 >= lengths[row.seq_id]:
-                running.pop(row.seq_id, None)
-                engine.release(row.seq_id)
+        if profile and num_steps == 40 and pending is not None:
+            known = dict(zip((r.seq_id for r in pending.rows), engine.collect(pending)))
+            rows = [StepRow(r.seq_id, r.new_ids or [known[r.seq_id]], r.start, r.index) for r in rows]
+            _profiled(engine, rows, device)
+        nxt = engine.launch(rows, after=pending) if rows else None
+        running = {}
+        for row in rows:
+            if row.index + 1 < lengths[row.seq_id]:
+                running[row.seq_id] = StepRow(row.seq_id, [], row.start + max(1, len(row.new_ids)), row.index + 1)
             else:
-                running[row.seq_id] = StepRow(row.seq_id, [token], row.start + len(row.new_ids), row.index + 1)
-        progress.update(sum(timeline.count))
+                engine.release(row.seq_id)  # its last step is queued on the device before any reuse
+        if pending is not None:
+            tokens = engine.collect(pending)
+            if REFUSED in tokens:
+                raise RuntimeError("the in-process benchmark ran out of KV blocks")
+            now = time.monotonic()
+            for row in pending.rows:
+                timeline.add(row.seq_id, 1, now)
+            progress.update(sum(timeline.count))
+        pending = nxt
     _sync(device)
     result = timeline.result("in-process", time.monotonic())
     del engine

@@ -62,6 +62,20 @@ class SeqState:
 
 
 @dataclass(slots=True)
+class Started:
+    """A lease whose first step is on the device."""
+
+    lease: P.Lease
+    seq_ids: list[int]
+    status: dict[int, Finish]
+    out: dict[int, list[int]]
+    rows: list[StepRow] = field(default_factory=list)
+    first_index: dict[int, int] = field(default_factory=dict)
+    resend: dict[int, list[int]] = field(default_factory=dict)
+    pending: object = None
+
+
+@dataclass(slots=True)
 class Transfer:
     seq_id: int
     kv: torch.Tensor | None   # None: the owner had nothing to send
@@ -102,6 +116,12 @@ class WorkerCore:
         return {s.transfer_id for s in lease.full if s.kv_from and s.transfer_id not in self.transfers}
 
     def run(self, lease: P.Lease) -> tuple[P.StepResult, P.Tokens]:
+        return self.finish(self.start(lease))
+
+    def start(self, lease: P.Lease, after: "Started | None" = None) -> "Started":
+        """Launch the lease's first step and return at once. `after` is a lease started
+        before and not yet finished: rows chained to it (CONTINUE) feed the tokens its step
+        samples straight from the device, so the next step is queued before that one ends."""
         self.drop(P.unpack_i64(lease.drop_ids, "drop_ids"))
         seq_ids = P.unpack_i64(lease.seq_ids, "seq_ids").tolist()
         lengths = P.unpack_i32(lease.lengths, "lengths").tolist()
@@ -109,34 +129,39 @@ class WorkerCore:
         if not len(seq_ids) == len(lengths) == len(last):
             raise P.ProtocolError("lease arrays differ in length")
         full = {s.seq_id: s for s in lease.full}
-        status = {sid: Finish.NONE for sid in seq_ids}
-        out: dict[int, list[int]] = {sid: [] for sid in seq_ids}
-        rows: list[StepRow] = []
-        first_index: dict[int, int] = {}
+        run = Started(lease, seq_ids, {sid: Finish.NONE for sid in seq_ids}, {sid: [] for sid in seq_ids})
         protect = set(seq_ids)
-        resend: dict[int, list[int]] = {}
         for spec in lease.full:
             if spec.resend_from >= 0:
-                resend[spec.seq_id] = spec.ids[spec.prompt_len + spec.resend_from:].tolist()
+                run.resend[spec.seq_id] = spec.ids[spec.prompt_len + spec.resend_from:].tolist()
         for sid, length, token in zip(seq_ids, lengths, last):
             spec = full.get(sid)
-            row = self._row(sid, length, token, spec, protect)
+            row = self._row(sid, length, token, spec, protect, after)
             if isinstance(row, StepRow):
-                rows.append(row)
-                first_index[sid] = row.index
+                run.rows.append(row)
+                run.first_index[sid] = row.index
             else:
-                status[sid] = row
+                run.status[sid] = row
                 if spec is not None:  # tokens before this point came from other workers
-                    first_index[sid] = max(0, length - spec.prompt_len)
-        for _ in range(max(1, lease.num_steps)):
+                    run.first_index[sid] = max(0, length - spec.prompt_len)
+        if run.rows:
+            run.pending = self.engine.launch(run.rows, after=after.pending if after else None)
+        return run
+
+    def finish(self, run: "Started") -> tuple[P.StepResult, P.Tokens]:
+        """Wait for the lease's first step, run any further steps, and build its messages."""
+        rows = run.rows
+        for k in range(max(1, run.lease.num_steps)):
             if not rows:
                 break
-            tokens = self.engine.step(rows)
+            tokens = self.engine.collect(run.pending) if k == 0 else self.engine.step(rows)
             self.num_steps += 1
-            rows = self._advance(rows, tokens, status, out)
-        return self._messages(lease.lease_id, seq_ids, first_index, status, out, resend)
+            rows = self._advance(rows, tokens, run.status, run.out)
+        return self._messages(run.lease.lease_id, run.seq_ids, run.first_index, run.status, run.out,
+                              run.resend)
 
-    def _row(self, sid: int, length: int, token: int, spec: P.SeqSpec | None, protect: set[int]):
+    def _row(self, sid: int, length: int, token: int, spec: P.SeqSpec | None, protect: set[int],
+             after: "Started | None" = None):
         vocab = self.engine.vocab_size
         if spec is not None:
             ids = spec.ids
@@ -150,9 +175,13 @@ class WorkerCore:
             new = ids[start:].tolist()
         elif length == P.CONTINUE:
             state = self.seqs.get(sid)
-            if state is None or state.last_token < 0 or self.engine.cached_len(sid) < 0:
+            in_flight = after is not None and sid in after.out
+            if in_flight and after.pending is not None and sid in after.pending.row_of:
+                start, new = self.engine.cached_len(sid), []   # fed on the device
+            elif in_flight or state is None or state.last_token < 0 or self.engine.cached_len(sid) < 0:
                 return Finish.NEED_IDS
-            start, new = self.engine.cached_len(sid), [state.last_token]
+            else:
+                start, new = self.engine.cached_len(sid), [state.last_token]
             length = start + 1
         else:
             state = self.seqs.get(sid)
@@ -179,11 +208,13 @@ class WorkerCore:
     def _advance(self, rows: list[StepRow], tokens: list[int], status, out) -> list[StepRow]:
         nxt = []
         for row, token in zip(rows, tokens):
-            if token == REFUSED:  # no room in the pool: the router places it again
+            state = self.seqs.get(row.seq_id)
+            if token == REFUSED or state is None:
+                # no room in the pool (the router places it again), or a step queued behind
+                # one that ended the sequence: nothing to report
                 status[row.seq_id] = Finish.NEED_IDS
                 self.drop([row.seq_id])
                 continue
-            state = self.seqs[row.seq_id]
             state.last_token = token
             out[row.seq_id].append(token)
             length = row.start + len(row.new_ids) + 1

@@ -78,19 +78,20 @@ def greedy(model):
 
 def make_engine(model, kv_tokens: int = 4096, max_len: int = 256, **kw) -> Engine:
     """A CPU engine on the portable runner whose pool holds kv_tokens (16-token blocks)."""
-    return Engine(model, max_len=max_len, max_kv_tokens=kv_tokens, runner="hf", **kw)
+    return Engine(model, **{"max_len": max_len, "max_kv_tokens": kv_tokens, "runner": "hf", **kw})
 
 
 def record_steps(engine: Engine) -> list[list[tuple[int, int, int]]]:
-    """Spy on engine.step: one entry per call, (seq_id, start, number of new ids) per row."""
+    """Spy on engine.launch (every step goes through it): one entry per step,
+    (seq_id, start, number of new ids) per row."""
     calls = []
-    real = engine.step
+    real = engine.launch
 
-    def step(rows):
+    def launch(rows, after=None):
         calls.append([(r.seq_id, r.start, len(r.new_ids)) for r in rows])
-        return real(rows)
+        return real(rows, after)
 
-    engine.step = step
+    engine.launch = launch
     return calls
 
 
@@ -789,3 +790,29 @@ def test_a_chained_row_feeds_the_token_its_previous_step_sampled(core, prompts, 
     assert second.emitted[1][0] == 1  # generated-token index of what it sampled
     unknown = P.Lease(3, 3, 10.0, P.pack_i64([99]), P.pack_i32([P.CONTINUE]), P.pack_i32([P.CONTINUE]))
     assert run(core, unknown).status[99] == Finish.NEED_IDS
+
+
+@pytest.mark.parametrize("runner", ["fast", "hf"])
+def test_a_step_launched_before_the_last_is_collected_feeds_its_tokens(model, prompts, greedy, runner):
+    """Step N+1 is built and launched while step N is in flight; rows with no new_ids take
+    the token step N samples for them, which never passes through the host first."""
+    engine = make_engine(model, runner=runner)
+    jobs = {i: prompts[i] for i in (0, 3, 4, 6)}
+    pending = engine.launch([StepRow(i, list(p), 0, 0) for i, p in jobs.items()])
+    out = {i: [] for i in jobs}
+    for k in range(1, 12):
+        rows = [StepRow(i, [], len(p) + k - 1, k) for i, p in jobs.items()]
+        if k == 5:  # a newcomer joins mid-stream beside the fed rows
+            rows.append(StepRow(99, list(prompts[1]), 0, 0))
+        nxt = engine.launch(rows, after=pending)
+        for row, token in zip(pending.rows, engine.collect(pending)):
+            if row.seq_id in out:
+                out[row.seq_id].append(token)
+        pending = nxt
+    for row, token in zip(pending.rows, engine.collect(pending)):
+        if row.seq_id in out:
+            out[row.seq_id].append(token)
+    for i, p in jobs.items():
+        assert out[i] == greedy(p, 12), i
+    with pytest.raises(ValueError, match="did not sample"):
+        engine.launch([StepRow(1234, [], 5, 1)], after=pending)

@@ -163,15 +163,29 @@ class LlamaRunner:
         self.static_logits[:b] = self._forward(view, b, 1, is_decode=True)
 
     # --- a step ------------------------------------------------------------------------
-    def forward(self, batch: StepBatch) -> torch.Tensor:
-        """logits [B, V] float32 of each row's last token."""
+    can_feed = True
+
+    def forward(self, batch: StepBatch, feed=None) -> torch.Tensor:
+        """logits [B, V] float32 of each row's last token. `feed` = (rows, src, tokens): the
+        input of row rows[k] (a decode row) is tokens[src[k]], a tensor already on the device."""
         b = batch.num_rows
         if batch.is_decode and self.graphs and b <= self.max_batch:
             bucket = next(k for k in sorted(self.graphs) if k >= b)
             self._load_static(batch, bucket)
+            if feed is not None:
+                self._feed(self.static.ids, batch, feed)
             self.graphs[bucket].replay()
             return self.static_logits[:b]
-        return self._forward(self._inputs(batch), batch.num_tokens, batch.max_query_len, batch.is_decode)
+        x = self._inputs(batch)
+        if feed is not None:
+            self._feed(x.ids, batch, feed)
+        return self._forward(x, batch.num_tokens, batch.max_query_len, batch.is_decode)
+
+    def _feed(self, ids: torch.Tensor, batch: StepBatch, feed) -> None:
+        rows, src, tokens = feed
+        at = torch.as_tensor(batch.query_start[rows], dtype=torch.int64).to(self.device, non_blocking=True)
+        src = torch.as_tensor(src, dtype=torch.int64).to(self.device, non_blocking=True)
+        ids.index_copy_(0, at, tokens.index_select(0, src))
 
     def _inputs(self, batch: StepBatch) -> _Inputs:
         dev = self.device

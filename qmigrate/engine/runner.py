@@ -168,13 +168,49 @@ class Engine:
     def step(self, rows: list[StepRow]) -> list[int]:
         """Run one step for every row; the sampled token of each, in row order (REFUSED
         for a row the pool had no room for)."""
+        return self.collect(self.launch(rows))
+
+    @torch.inference_mode()
+    def launch(self, rows: list[StepRow], after: "Pending | None" = None) -> "Pending":
+        """Start a step on the device and return without waiting for its tokens.
+
+        A row with no new_ids feeds the token that the step `after` (launched before, not
+        necessarily collected) samples for the same sequence: the host builds step N+1
+        while the device still runs step N, and that token never visits the host."""
+        feed = [i for i, r in enumerate(rows) if not r.new_ids]
+        if feed and (after is None or not getattr(self.runner, "can_feed", False)):
+            known = dict(zip((r.seq_id for r in after.rows), self.collect(after))) if after else {}
+            rows = [StepRow(r.seq_id, [known.get(r.seq_id, REFUSED)], r.start, r.index, r.temperature,
+                            r.top_p, r.top_k, r.seed) if not r.new_ids else r for r in rows]
+            feed = []
+        bad = [i for i in feed if after.row_of.get(rows[i].seq_id) is None]
+        if bad or any(r.new_ids and r.new_ids[0] == REFUSED for r in rows):
+            raise ValueError("a row feeds a token its previous step did not sample")
         placed = self.place(rows)
-        tokens = [REFUSED] * len(rows)
-        if placed:
-            run = [rows[i] for i in placed]
-            for i, token in zip(placed, self._run(run)):
-                tokens[i] = token
-        return tokens
+        pending = Pending(rows, placed, {rows[i].seq_id: k for k, i in enumerate(placed)})
+        if not placed:
+            return pending
+        run = [rows[i] for i in placed]
+        batch = StepBatch.build(self.pool, [r.seq_id for r in run], [r.new_ids or [0] for r in run],
+                                [r.start for r in run])
+        fed = [k for k, r in enumerate(run) if not r.new_ids]
+        if fed:
+            src = [after.row_of[run[k].seq_id] for k in fed]
+            logits = self.runner.forward(batch, feed=(fed, src, after.tokens))
+        else:
+            logits = self.runner.forward(batch)
+        params = SamplingRows.build([r.temperature for r in run], [r.top_p for r in run],
+                                    [r.top_k for r in run], [r.seed for r in run],
+                                    [r.index for r in run], self.device)
+        pending.tokens = sample(logits, params)
+        if self.device.type == "cuda":
+            pending.host = torch.empty(len(run), dtype=torch.int64, pin_memory=True)
+            pending.host.copy_(pending.tokens, non_blocking=True)
+            pending.event = torch.cuda.Event()
+            pending.event.record()
+        for r in run:
+            self.pool.length[r.seq_id] = r.start + max(1, len(r.new_ids))
+        return pending
 
     def place(self, rows: list[StepRow]) -> list[int]:
         """Blocks for every row that can have them; the indices of the rows that run."""
@@ -183,8 +219,8 @@ class Engine:
             cached = pool.cached_len(r.seq_id)
             if r.start > 0 and cached < r.start:
                 raise ValueError(f"sequence {r.seq_id}: KV for {r.start} positions is not here")
-            if r.start + len(r.new_ids) > self.max_len:
-                raise ValueError(f"sequence {r.seq_id}: {r.start + len(r.new_ids)} positions exceed {self.max_len}")
+            if r.start + _num_new(r) > self.max_len:
+                raise ValueError(f"sequence {r.seq_id}: {r.start + _num_new(r)} positions exceed {self.max_len}")
             if r.start == 0 and cached >= 0:
                 pool.release(r.seq_id)
             elif cached >= 0:
@@ -196,18 +232,18 @@ class Engine:
             running = self._refuse(rows, need, running)
         for i in running:
             r = rows[i]
-            pool.grow(r.seq_id, r.start + len(r.new_ids))
+            pool.grow(r.seq_id, r.start + _num_new(r))
             pool.touch(r.seq_id)
         return running
 
     def _blocks_needed(self, r: StepRow) -> int:
         held = len(self.pool.blocks.get(r.seq_id, ()))
-        return max(0, self.pool.blocks_for(r.start + len(r.new_ids)) - held)
+        return max(0, self.pool.blocks_for(r.start + _num_new(r)) - held)
 
     def _refuse(self, rows, need, running) -> list[int]:
         pool = self.pool
         prefills = sorted((i for i in running if len(rows[i].new_ids) > 1), key=lambda i: -need[i])
-        decodes = [i for i in reversed(running) if len(rows[i].new_ids) == 1]
+        decodes = [i for i in reversed(running) if len(rows[i].new_ids) <= 1]
         refused = set()
         for i in prefills + decodes:
             if pool.num_free_blocks >= sum(need[j] for j in running if j not in refused):
@@ -216,17 +252,35 @@ class Engine:
             pool.release(rows[i].seq_id)
         return [i for i in running if i not in refused]
 
-    def _run(self, rows: list[StepRow]) -> list[int]:
-        batch = StepBatch.build(self.pool, [r.seq_id for r in rows], [r.new_ids for r in rows],
-                                [r.start for r in rows])
-        logits = self.runner.forward(batch)
-        params = SamplingRows.build([r.temperature for r in rows], [r.top_p for r in rows],
-                                    [r.top_k for r in rows], [r.seed for r in rows],
-                                    [r.index for r in rows], self.device)
-        tokens = sample(logits, params).tolist()   # the one host sync of the step
-        for r in rows:
-            self.pool.length[r.seq_id] = r.start + len(r.new_ids)
-        return tokens
+    def collect(self, pending: "Pending") -> list[int]:
+        """Wait for a launched step: its sampled tokens in row order (the step's one host sync)."""
+        if pending.result is None:
+            tokens = [REFUSED] * len(pending.rows)
+            if pending.placed:
+                if pending.event is not None:
+                    pending.event.synchronize()
+                values = (pending.host if pending.host is not None else pending.tokens).tolist()
+                for i, token in zip(pending.placed, values):
+                    tokens[i] = token
+            pending.result = tokens
+        return pending.result
+
+
+def _num_new(r: StepRow) -> int:
+    return max(1, len(r.new_ids))  # no new_ids: the one token its previous step samples
+
+
+@dataclass(slots=True)
+class Pending:
+    """A launched step: its rows, which of them run, and where their tokens land."""
+
+    rows: list[StepRow]
+    placed: list[int]
+    row_of: dict[int, int]                  # seq_id -> row of `tokens`
+    tokens: torch.Tensor | None = None      # [len(placed)] on the device
+    host: torch.Tensor | None = None        # pinned copy, ready once `event` has passed
+    event: object = None
+    result: list[int] | None = None
 
 
 def _make_runner(model, cfg: EngineConfig, device: torch.device):

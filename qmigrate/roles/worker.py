@@ -49,6 +49,7 @@ class Worker:
         self.detok = transport.socket(zmq.PUSH, connect=topo.endpoint("detokenizer").connect)
         self.peers: dict[str, zmq.Socket] = {}
         self.leases: deque[tuple[float, P.Lease]] = deque()
+        self.started: deque = deque()  # leases whose step is on the device, oldest first
         self.outstanding = 0
         self.request_no = 0
         self.heartbeat_s = 0.5
@@ -91,18 +92,24 @@ class Worker:
         poller.register(self.kv_in, zmq.POLLIN)
         while True:
             self.request_work()
-            timeout = 0 if self.leases else self.heartbeat_s
+            # A started lease and none queued: wait a moment for the next one (it usually
+            # chains on this one), so it can be queued on the device before this one ends.
+            timeout = 0 if self.leases else 0.002 if self.started else self.heartbeat_s
             t0 = time.monotonic()
             ready = dict(poller.poll(int(timeout * 1000)))
-            if not self.leases:
+            if not self.leases and not self.started:
                 self.idle_s += time.monotonic() - t0
             if self.kv_in in ready:
                 self.receive_kv()
             if self.router in ready and self.receive_router():
+                while self.started:
+                    self.finish_lease(self.started.popleft())
                 self.close()
                 return
-            if self.leases:
-                self.run_lease(*self.leases.popleft())
+            if self.leases and len(self.started) < 2:
+                self.start_lease(*self.leases.popleft())
+            if self.started and (len(self.started) == 2 or not self.leases):
+                self.finish_lease(self.started.popleft())
             self.keep_alive()
 
     def request_work(self) -> None:
@@ -136,7 +143,7 @@ class Worker:
                 self.hello()
                 self.outstanding = 0
 
-    def run_lease(self, deadline: float, lease: P.Lease) -> None:
+    def start_lease(self, deadline: float, lease: P.Lease) -> None:
         if time.monotonic() > deadline:
             return  # the router has already taken these sequences back
         self.wait_for_transfers(lease, deadline)
@@ -144,9 +151,18 @@ class Worker:
             lease = dataclasses.replace(lease, num_steps=self.cfg.steps_per_dispatch)
         t0 = time.monotonic()
         try:
-            result, tokens = self.core.run(lease)
+            self.started.append(self.core.start(lease, after=self.started[-1] if self.started else None))
         except (P.ProtocolError, ValueError) as exc:
             log.warning("lease %d rejected: %s", lease.lease_id, exc)
+        finally:
+            self.busy_s += time.monotonic() - t0
+
+    def finish_lease(self, started) -> None:
+        t0 = time.monotonic()
+        try:
+            result, tokens = self.core.finish(started)
+        except (P.ProtocolError, ValueError) as exc:
+            log.warning("lease %d failed: %s", started.lease.lease_id, exc)
             return
         finally:
             self.busy_s += time.monotonic() - t0
