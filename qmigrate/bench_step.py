@@ -1,10 +1,12 @@
 """`qmigrate bench --decode-step`: the time of one decode step against the weight-read floor.
 
 For each batch size: prefill every row to the context, warm up 3 steps, then time 20
-decode steps with a device synchronize on both ends (shared/BENCHMARK.md's method). Two
-figures per batch: `step`, the engine's whole step as a caller sees it (host work,
-forward, sampling and the fetch of the sampled ids), and `gpu`, 20 forwards queued back to
-back with no host sync between them, which is what the device itself needs per step. The
+decode steps with a device synchronize on both ends (shared/BENCHMARK.md's method). Three
+figures per batch: `step`, the engine's whole step as a caller that waits for each step
+sees it (host work, forward, sampling and the fetch of the sampled ids); `overlap`, the
+same steps with step N+1 launched before step N is collected, as the worker and the
+in-process loop run them; and `gpu`, 20 forwards queued back to back with no host work
+between them, which is what the device itself needs per step. The
 floor is the weight bytes over the device-to-device copy bandwidth measured in the same
 process.
 """
@@ -78,6 +80,19 @@ def run_decode_steps(model_path: str, device: str, batches: list[int], context: 
             pos += 1
         torch.cuda.synchronize(device)
         step_ms = (time.perf_counter() - t0) / 20 * 1000
+        # overlapped: step N+1 is launched (fed on the device) before step N is collected
+        pending = engine.launch(rows_now())
+        pos += 1
+        t0 = time.perf_counter()
+        for _ in range(20):
+            nxt = engine.launch([StepRow(i, [], pos, 1) for i in range(batch)], after=pending)
+            engine.collect(pending)
+            pending, pos = nxt, pos + 1
+        engine.collect(pending)
+        torch.cuda.synchronize(device)
+        overlap_ms = (time.perf_counter() - t0) / 21 * 1000
+        for i, token in enumerate(engine.collect(pending)):
+            ids[i].append(token)
         # the device alone: the same decode batch, forwards queued without a host sync
         rows = rows_now()
         engine.place(rows)
@@ -94,12 +109,13 @@ def run_decode_steps(model_path: str, device: str, batches: list[int], context: 
         gpu_ms = (time.perf_counter() - t0) / 20 * 1000
         for i in range(batch):
             engine.release(i)
-        results.append({"batch": batch, "context": context, "step_ms": step_ms, "gpu_ms": gpu_ms,
+        results.append({"batch": batch, "context": context, "step_ms": step_ms, "overlap_ms": overlap_ms,
+                        "overlap_x_floor": overlap_ms / floor_ms, "gpu_ms": gpu_ms,
                         "floor_ms": floor_ms, "step_x_floor": step_ms / floor_ms,
                         "gpu_x_floor": gpu_ms / floor_ms})
-    lines = [f"{'batch':>5} {'step ms':>8} {'x floor':>8} {'gpu ms':>8} {'x floor':>8}"]
-    lines += [f"{x['batch']:5d} {x['step_ms']:8.2f} {x['step_x_floor']:8.1f} {x['gpu_ms']:8.2f} "
-              f"{x['gpu_x_floor']:8.1f}" for x in results]
+    lines = [f"{'batch':>5} {'step ms':>8} {'x floor':>8} {'overlap':>8} {'x floor':>8} {'gpu ms':>8} {'x floor':>8}"]
+    lines += [f"{x['batch']:5d} {x['step_ms']:8.2f} {x['step_x_floor']:8.1f} {x['overlap_ms']:8.2f} "
+              f"{x['overlap_x_floor']:8.1f} {x['gpu_ms']:8.2f} {x['gpu_x_floor']:8.1f}" for x in results]
     print(f"decode step, context {context}, {engine.runner.name} runner, floor {floor_ms:.3f} ms")
     print("\n".join(lines))
     if json_path is not None:

@@ -182,13 +182,15 @@ class WorkerConfig(_Section):
     gpu_memory_utilization: float = _f(0.9, _number("a number in (0, 1]", lambda x: 0 < x <= 1))
     cpu_kv_gib: float = _f(2.0, _positive)
     cuda_graphs: bool = _f(True, _boolean)
+    prefill_chunk: int = _f(512, _non_negative)   # 0: a prompt fills its KV in one forward
 
     def engine_config(self):
         from .engine.runner import EngineConfig
         return EngineConfig(runner=self.runner, block_size=self.block_size, max_kv_tokens=self.max_kv_tokens,
                             gpu_memory_utilization=self.gpu_memory_utilization,
                             cpu_kv_bytes=int(self.cpu_kv_gib * 2**30), max_batch=self.max_seqs,
-                            max_batch_tokens=self.max_tokens, cuda_graphs=self.cuda_graphs)
+                            max_batch_tokens=self.max_tokens, cuda_graphs=self.cuda_graphs,
+                            prefill_chunk=self.prefill_chunk)
 
 
 @dataclass(frozen=True, slots=True)

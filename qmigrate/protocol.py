@@ -192,6 +192,7 @@ class Heartbeat:
     free_kv_tokens: int = -1
     busy_ms: int = 0          # cumulative time spent running steps
     idle_ms: int = 0          # cumulative time spent with no batch to run
+    lease_ids: bytes = b""    # int64: leases received and not yet answered; the router renews them
 
 
 @message(MsgType.WORK_REQUEST)

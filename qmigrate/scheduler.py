@@ -49,6 +49,14 @@ class Scheduler:
         if (w := self.workers.get(name)) is not None:
             w.last_seen = now
 
+    def renew(self, name: str, lease_ids, now: float) -> None:
+        """name is alive and still working on these leases (a long prefill, say): push their
+        deadlines on. A worker whose loop is stuck sends no heartbeat, so its leases still expire."""
+        for lease_id in lease_ids:
+            lease = self.leases.get(int(lease_id))
+            if lease is not None and lease.worker == name:
+                lease.deadline = max(lease.deadline, now + self.config.lease_timeout_s)
+
     def drain(self, name: str) -> bool:
         w = self.workers.get(name)
         if w is None or not w.alive:

@@ -118,7 +118,7 @@ class WorkerCore:
     def run(self, lease: P.Lease) -> tuple[P.StepResult, P.Tokens]:
         return self.finish(self.start(lease))
 
-    def start(self, lease: P.Lease, after: "Started | None" = None) -> "Started":
+    def start(self, lease: P.Lease, after: "Started | None" = None, between=None) -> "Started":
         """Launch the lease's first step and return at once. `after` is a lease started
         before and not yet finished: rows chained to it (CONTINUE) feed the tokens its step
         samples straight from the device, so the next step is queued before that one ends."""
@@ -145,7 +145,7 @@ class WorkerCore:
                 if spec is not None:  # tokens before this point came from other workers
                     run.first_index[sid] = max(0, length - spec.prompt_len)
         if run.rows:
-            run.pending = self.engine.launch(run.rows, after=after.pending if after else None)
+            run.pending = self.engine.launch(run.rows, after=after.pending if after else None, between=between)
         return run
 
     def finish(self, run: "Started") -> tuple[P.StepResult, P.Tokens]:

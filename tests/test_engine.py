@@ -816,3 +816,15 @@ def test_a_step_launched_before_the_last_is_collected_feeds_its_tokens(model, pr
         assert out[i] == greedy(p, 12), i
     with pytest.raises(ValueError, match="did not sample"):
         engine.launch([StepRow(1234, [], 5, 1)], after=pending)
+
+
+@pytest.mark.parametrize("runner", ["fast", "hf"])
+def test_long_prompts_fill_their_kv_in_chunks(model, prompts, greedy, runner):
+    engine = make_engine(model, runner=runner, prefill_chunk=8)
+    calls = []
+    long, short = prompts[9], prompts[1]          # 40 tokens: 4 chunks of 8 before the step
+    rows = [StepRow(1, list(long), 0, 0), StepRow(2, list(short), 0, 0)]
+    tokens = engine.collect(engine.launch(rows, between=lambda: calls.append(engine.cached_len(1))))
+    assert calls == [8, 16, 24, 32]
+    assert tokens == [greedy(long, 1)[0], greedy(short, 1)[0]]
+    assert engine.cached_len(1) == len(long)

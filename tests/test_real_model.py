@@ -76,6 +76,35 @@ def test_smollm2_answers_through_its_chat_template(smollm2_dir):
     assert "Paris" in answer, answer
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_smollm2_runs_in_the_simulation_with_default_settings(smollm2_dir, qmigrate):
+    """An 8,192-token-context checkpoint on two CPU workers with no KV setting at all: the
+    paged pool holds what the requests use, not a full context per sequence; output
+    equals generate() in fp32, a prompt of over 1,000 tokens (filled in chunks) included."""
+    from transformers import AutoTokenizer
+
+    from conftest import greedy_reference
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
+    question = tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
+                                             add_generation_prompt=True, tokenize=False)
+    long_text = " ".join(f"Item {i} costs {i * 7 % 100} euros." for i in range(120))
+    requests = [{"id": "q", "prompt": question, "max_new_tokens": 10},
+                {"id": "long", "prompt": long_text + " The first item costs", "max_new_tokens": 6},
+                {"id": "s", "prompt": "Once upon a time", "max_new_tokens": 8}]
+    run = qmigrate("sim", "--model", str(smollm2_dir), "--input", "jsonl", "--output", "jsonl",
+                   stdin="".join(json.dumps(r) + "\n" for r in requests), timeout=500)
+    assert run.returncode == 0, run.stderr[-3000:]
+    finals = run.finals()
+    assert "Paris" in finals["q"]["text"], finals["q"]
+    check = greedy_reference(smollm2_dir)
+    for r in requests:
+        ids = tokenizer(r["prompt"]).input_ids
+        if r["id"] == "long":
+            assert len(ids) > 1000
+        check(ids, r["max_new_tokens"], finals[r["id"]]["token_ids"], r["id"])
+
+
 def test_fetch_without_an_index_fails_fast_in_one_line(no_index, tmp_path):
     pytest.importorskip("gguf")
     pytest.importorskip("accelerate")

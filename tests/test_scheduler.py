@@ -933,3 +933,19 @@ def test_a_request_sent_ahead_gets_a_chain_or_a_full_batch_never_a_part():
     ask(chained, "w0")
     g = chained.schedule("w0", 4, 1 << 20, 0.0, ahead=True)
     assert sorted(row_ids(g)) == [1, 2] and all(r.length == CONTINUE for r in g.rows)
+
+
+def test_heartbeats_renew_the_leases_a_worker_names_and_no_others():
+    s = make_sched(lease_timeout_s=5.0)
+    join(s, "w0")
+    join(s, "w1")
+    s.admit([spec(1), spec(2)])
+    a = ask(s, "w0", now=0.0, max_seqs=1)
+    b = ask(s, "w1", now=0.0, max_seqs=1)
+    for t in (2.0, 4.0, 6.0, 8.0):
+        s.touch("w0", t)
+        s.touch("w1", t)
+        s.renew("w0", [a.lease_id, b.lease_id], t)   # w1's lease is not w0's to renew
+    assert s.expire(9.0) == [b.lease_id]
+    assert a.lease_id in s.leases and report(s, a, now=9.0).accepted
+    check_invariants(s)

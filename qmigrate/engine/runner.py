@@ -15,6 +15,7 @@ the portable transformers runner (`hf_runner.py`) for every other model and the 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 
@@ -56,6 +57,7 @@ class EngineConfig:
     max_batch: int = 256                  # rows of a step (CUDA graphs are captured up to it)
     max_batch_tokens: int = 8192          # new tokens of a step
     max_padding: float = 0.25             # HF runner: padding allowed when grouping prefills
+    prefill_chunk: int = 512              # longer prompts fill their KV in chunks (0: never)
     cuda_graphs: bool = True
 
     def __post_init__(self):
@@ -171,12 +173,16 @@ class Engine:
         return self.collect(self.launch(rows))
 
     @torch.inference_mode()
-    def launch(self, rows: list[StepRow], after: "Pending | None" = None) -> "Pending":
+    def launch(self, rows: list[StepRow], after: "Pending | None" = None, between=None) -> "Pending":
         """Start a step on the device and return without waiting for its tokens.
 
         A row with no new_ids feeds the token that the step `after` (launched before, not
         necessarily collected) samples for the same sequence: the host builds step N+1
-        while the device still runs step N, and that token never visits the host."""
+        while the device still runs step N, and that token never visits the host.
+
+        A prompt longer than `prefill_chunk` fills its KV a chunk at a time before the step
+        proper, with `between()` called after each chunk (a worker's heartbeat), so no single
+        forward pass grows with the prompt."""
         feed = [i for i, r in enumerate(rows) if not r.new_ids]
         if feed and (after is None or not getattr(self.runner, "can_feed", False)):
             known = dict(zip((r.seq_id for r in after.rows), self.collect(after))) if after else {}
@@ -186,7 +192,9 @@ class Engine:
         bad = [i for i in feed if after.row_of.get(rows[i].seq_id) is None]
         if bad or any(r.new_ids and r.new_ids[0] == REFUSED for r in rows):
             raise ValueError("a row feeds a token its previous step did not sample")
-        placed = self.place(rows)
+        rows, refused = self._prefill_chunks(rows, between)
+        kept = [i for i in range(len(rows)) if i not in refused]
+        placed = [kept[k] for k in self.place([rows[i] for i in kept], {r.seq_id for r in rows})]
         pending = Pending(rows, placed, {rows[i].seq_id: k for k, i in enumerate(placed)})
         if not placed:
             return pending
@@ -212,8 +220,31 @@ class Engine:
             self.pool.length[r.seq_id] = r.start + max(1, len(r.new_ids))
         return pending
 
-    def place(self, rows: list[StepRow]) -> list[int]:
-        """Blocks for every row that can have them; the indices of the rows that run."""
+    def _prefill_chunks(self, rows: list[StepRow], between) -> tuple[list[StepRow], set[int]]:
+        """Fill all but the last chunk of long prompts; the rows left for the step proper,
+        and the indices of rows the pool had no room for."""
+        chunk = self.config.prefill_chunk
+        if not chunk or all(len(r.new_ids) <= chunk for r in rows):
+            return rows, set()
+        rows, refused, protect = list(rows), set(), {r.seq_id for r in rows}
+        for i, r in enumerate(rows):
+            start, new = r.start, r.new_ids
+            while len(new) > chunk:
+                piece = StepRow(r.seq_id, new[:chunk], start, r.index)
+                if self.place([piece], protect) != [0]:
+                    refused.add(i)
+                    break
+                self.runner.forward(StepBatch.build(self.pool, [r.seq_id], [piece.new_ids], [start]))
+                self.pool.length[r.seq_id] = start + chunk
+                start, new = start + chunk, new[chunk:]
+                if between is not None:
+                    between()
+            rows[i] = dataclasses.replace(r, new_ids=new, start=start)
+        return rows, refused
+
+    def place(self, rows: list[StepRow], protect=()) -> list[int]:
+        """Blocks for every row that can have them; the indices of the rows that run.
+        Sequences in `protect` (and the rows') are never evicted for room."""
         pool = self.pool
         for r in rows:
             cached = pool.cached_len(r.seq_id)
@@ -226,7 +257,7 @@ class Engine:
             elif cached >= 0:
                 pool.truncate(r.seq_id, r.start)
         need = {i: self._blocks_needed(r) for i, r in enumerate(rows)}
-        protect = {r.seq_id for r in rows}
+        protect = {r.seq_id for r in rows} | set(protect)
         running = list(range(len(rows)))
         if not pool.make_room(sum(need.values()), protect):
             running = self._refuse(rows, need, running)

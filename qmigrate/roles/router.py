@@ -125,7 +125,9 @@ class Router:
 
     def on_heartbeat(self, sender: bytes, msg: P.Heartbeat) -> None:
         if (name := self._worker(sender)) is not None:
-            self.sched.touch(name, time.monotonic())
+            now = time.monotonic()
+            self.sched.touch(name, now)
+            self.sched.renew(name, P.unpack_i64(msg.lease_ids, "lease_ids").tolist(), now)
             self.worker_times[name] = (msg.busy_ms, msg.idle_ms)
 
     def on_work_request(self, sender: bytes, msg: P.WorkRequest) -> None:

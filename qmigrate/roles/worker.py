@@ -50,6 +50,7 @@ class Worker:
         self.peers: dict[str, zmq.Socket] = {}
         self.leases: deque[tuple[float, P.Lease]] = deque()
         self.started: deque = deque()  # leases whose step is on the device, oldest first
+        self.starting: int | None = None  # the lease being started (its prompt may take a while)
         self.outstanding = 0
         self.request_no = 0
         self.heartbeat_s = 0.5
@@ -150,11 +151,14 @@ class Worker:
         if self.cfg.steps_per_dispatch > 1 and lease.num_steps < self.cfg.steps_per_dispatch:
             lease = dataclasses.replace(lease, num_steps=self.cfg.steps_per_dispatch)
         t0 = time.monotonic()
+        self.starting = lease.lease_id
         try:
-            self.started.append(self.core.start(lease, after=self.started[-1] if self.started else None))
+            self.started.append(self.core.start(lease, after=self.started[-1] if self.started else None,
+                                                between=self.keep_alive))
         except (P.ProtocolError, ValueError) as exc:
             log.warning("lease %d rejected: %s", lease.lease_id, exc)
         finally:
+            self.starting = None
             self.busy_s += time.monotonic() - t0
 
     def finish_lease(self, started) -> None:
@@ -228,8 +232,11 @@ class Worker:
         # Sent on schedule even while results flow: it also carries the busy/idle counters.
         if time.monotonic() - self.last_heartbeat > self.heartbeat_s:
             self.last_heartbeat = time.monotonic()
+            held = [lease.lease_id for _, lease in self.leases] + [s.lease.lease_id for s in self.started]
+            if self.starting is not None:
+                held.append(self.starting)
             self.send_router(P.Heartbeat(self.name, len(self.core.seqs), self.core.free_tokens,
-                                         int(self.busy_s * 1000), int(self.idle_s * 1000)))
+                                         int(self.busy_s * 1000), int(self.idle_s * 1000), P.pack_i64(held)))
 
 
 def _share_cpu_threads(topo, cfg) -> None:
