@@ -51,7 +51,7 @@ class EngineConfig:
     runner: str = "auto"                  # auto | fast | hf
     block_size: int = 16
     max_kv_tokens: int = 0                # 0: size the pool from memory
-    gpu_memory_utilization: float = 0.9   # share of the GPU this process may fill
+    gpu_memory_utilization: float = 0.9   # share of the GPU's memory this process may fill
     cpu_kv_bytes: int = DEFAULT_CPU_KV_BYTES
     max_len: int = 0                      # 0: the model's context
     max_batch: int = 256                  # rows of a step (CUDA graphs are captured up to it)
@@ -332,11 +332,14 @@ def _make_runner(model, cfg: EngineConfig, device: torch.device):
 
 
 def _gpu_kv_budget(device: torch.device, utilization: float, activation_bytes: int) -> int:
-    """Bytes the pool may take: this process's share of the GPU, less what is in use now
-    (weights, other processes) and the step's activations."""
+    """Bytes the pool may take: this process's share of the GPU (`utilization` of its
+    memory), less what this process holds now (weights) and the step's activations, and
+    never more than is free (other processes on the same GPU keep theirs)."""
     torch.cuda.synchronize(device)
     free, total = torch.cuda.mem_get_info(device)
-    budget = int(free - (1.0 - utilization) * total - activation_bytes)
-    log.info("GPU %s: %.1f of %.1f GiB free; %.2f GiB kept for activations; %.2f GiB for KV",
-             device, free / 2**30, total / 2**30, activation_bytes / 2**30, max(budget, 0) / 2**30)
+    mine = torch.cuda.memory_reserved(device)
+    budget = min(int(utilization * total) - mine, free - (256 << 20)) - activation_bytes
+    log.info("GPU %s: %.1f of %.1f GiB free, %.2f GiB held here; %.2f GiB kept for activations; "
+             "%.2f GiB for KV", device, free / 2**30, total / 2**30, mine / 2**30, activation_bytes / 2**30,
+             max(budget, 0) / 2**30)
     return max(budget, 0)

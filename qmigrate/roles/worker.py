@@ -118,7 +118,8 @@ class Worker:
         if self.outstanding and now - self.last_lease > 10 * self.heartbeat_s:
             self.outstanding = 0  # the router may have restarted and forgotten our requests
             self.last_lease = now
-        while self.outstanding + len(self.leases) < self.cfg.inflight:
+        # Batches in flight: asked for, received, or running on the device.
+        while self.outstanding + len(self.leases) + len(self.started) < self.cfg.inflight:
             self.request_no += 1
             req = P.WorkRequest(self.request_no, self.cfg.max_seqs, self.cfg.max_tokens, self.core.free_tokens)
             self.send_router(req)
