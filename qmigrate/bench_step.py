@@ -40,7 +40,7 @@ def copy_bandwidth(device: str, nbytes: int = 1 << 30) -> float:
 
 
 def run_decode_steps(model_path: str, device: str, batches: list[int], context: int, runner: str,
-                     json_path: Path | None = None) -> list[dict]:
+                     json_path: Path | None = None, profile: bool = False) -> list[dict]:
     from .engine.batch import StepBatch
     from .engine.models import load_model
     from .engine.runner import Engine, StepRow
@@ -107,6 +107,8 @@ def run_decode_steps(model_path: str, device: str, batches: list[int], context: 
                 logits.argmax(-1)
             torch.cuda.synchronize(device)
         gpu_ms = (time.perf_counter() - t0) / 20 * 1000
+        if profile and batch == 64:
+            _profile_forward(engine, decode, device)
         for i in range(batch):
             engine.release(i)
         results.append({"batch": batch, "context": context, "step_ms": step_ms, "overlap_ms": overlap_ms,
@@ -123,3 +125,16 @@ def run_decode_steps(model_path: str, device: str, batches: list[int], context: 
                                          "weight_bytes": weight_bytes, "copy_bytes_per_s": bandwidth,
                                          "results": results}, indent=2))
     return results
+
+
+def _profile_forward(engine, decode, device: str) -> None:
+    """Where one decode forward's device time goes, by kernel."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+    with torch.inference_mode(), torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(5):
+            engine.runner.forward(decode)
+        torch.cuda.synchronize(device)
+    print(f"profile: 5 decode forwards of {decode.num_rows} rows", file=sys.stderr)
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=60),
+          file=sys.stderr)

@@ -190,7 +190,7 @@ def bench(
     if decode_step:
         from .bench_step import run_decode_steps
         run_decode_steps(model_path, device if device != "cuda" else "cuda:0",
-                         [int(b) for b in batches.split(",")], context, runner, json_out)
+                         [int(b) for b in batches.split(",")], context, runner, json_out, profile)
         return
     span = lambda text, default: tuple(int(x) for x in text.split(":")) if text else default
     workload = Workload(requests or (256 if is_cuda else 32), span(prompt_len, (64, 512) if is_cuda else (8, 64)),
