@@ -87,9 +87,9 @@ def record_steps(engine: Engine) -> list[list[tuple[int, int, int]]]:
     calls = []
     real = engine.launch
 
-    def launch(rows, after=None):
+    def launch(rows, after=None, between=None):
         calls.append([(r.seq_id, r.start, len(r.new_ids)) for r in rows])
-        return real(rows, after)
+        return real(rows, after, between)
 
     engine.launch = launch
     return calls
@@ -136,8 +136,9 @@ def drive(engine: Engine, jobs: list[Job], seed: int = 0, sit_out: float = 0.0, 
     return step
 
 
-def test_mixed_batches_match_generate(model, prompts, greedy):
-    engine = make_engine(model)
+@pytest.mark.parametrize("runner", ["hf", "fast"])
+def test_mixed_batches_match_generate(model, prompts, greedy, runner):
+    engine = make_engine(model, runner=runner)
     calls = record_steps(engine)
     jobs = [Job(i, p, num_new=8 + (i * 5) % 13, join_at=(i * 3) % 7) for i, p in enumerate(prompts)]
     drive(engine, jobs, seed=1, sit_out=0.2)
@@ -254,10 +255,11 @@ def test_blocks_are_reused_and_lengths_grow_across_block_edges(model, prompts, g
 
 # --- migration at the engine level ------------------------------------------------------
 
-def test_kv_export_import_continues_identically(model, prompts, greedy):
+@pytest.mark.parametrize("runner", ["hf", "fast"])
+def test_kv_export_import_continues_identically(model, prompts, greedy, runner):
     prompt = prompts[3]
     ref = greedy(prompt, 16)
-    src = make_engine(model)
+    src = make_engine(model, runner=runner)
     job = Job(1, prompt, num_new=6)
     drive(src, [job, Job(2, prompts[0], num_new=3)], release=False)
     assert job.out == ref[:6]
@@ -269,7 +271,7 @@ def test_kv_export_import_continues_identically(model, prompts, greedy):
     assert kv.device.type == "cpu" and kv.is_contiguous()
     assert src.kv_bytes_per_token == kv[:, :, :1].numel() * kv.element_size()
 
-    dst = make_engine(model, kv_tokens=256)
+    dst = make_engine(model, kv_tokens=256, runner="fast" if runner == "hf" else "hf")  # across runners
     neighbour = Job(7, prompts[5], num_new=10)
     drive(dst, [Job(8, prompts[2], num_new=2)])  # the destination slot has held something else
     dst.import_kv(1, kv.clone())

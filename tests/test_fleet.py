@@ -152,8 +152,37 @@ def _finish(proc: subprocess.Popen, router: str) -> tuple[str, str]:
     return proc.out.read(), proc.err.read()
 
 
-def _ps_args() -> str:
-    return subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
+def _roles_of(node: subprocess.Popen) -> dict[str, int]:
+    """Process title -> pid of the processes in the node's own session (the node was started
+    in a new session, and its roles inherit it): never another test's or user's processes."""
+    found = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                session = int(f.read().rsplit(")", 1)[1].split()[3])
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                title = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
+        except (OSError, ValueError, IndexError):
+            continue
+        if session == node.pid:
+            found[title] = int(entry)
+    return found
+
+
+def _pid_of(node: subprocess.Popen, title: str) -> int | None:
+    """The pid of the node's role whose process title is `title` (a running one), or None."""
+    for name, pid in _roles_of(node).items():
+        if name == title or name.startswith(title + " "):
+            try:
+                with open(f"/proc/{pid}/stat") as f:
+                    if f.read().rsplit(")", 1)[1].split()[0] == "Z":
+                        continue  # exited, not yet reaped
+            except OSError:
+                continue
+            return pid
+    return None
 
 
 def _keep_busy_until_w3_joins(path, router, timeout: float = 120.0) -> list[dict]:
@@ -180,11 +209,11 @@ def test_join_and_drain_under_load_lose_nothing(fleet, tiny_model_dir):
     second = _prompts(12, "b", n=16, new_tokens=100)
     head = start("head")
     _wait_for("the first two workers", lambda s: s.get("workers") == 2, router)
-    start("late")  # loads its model while the fleet works
+    late = start("late")  # loads its model while the fleet works
     first = _keep_busy_until_w3_joins(path, router)
-    for title in ("qmigrate router", "qmigrate worker w1", "qmigrate worker w2", "qmigrate ingest",
-                  "qmigrate detokenizer", "qmigrate worker w3"):
-        assert title in _ps_args(), title
+    for node, title in ((head, "qmigrate router"), (head, "qmigrate worker w1"), (head, "qmigrate worker w2"),
+                        (head, "qmigrate ingest"), (head, "qmigrate detokenizer"), (late, "qmigrate worker w3")):
+        assert _pid_of(node, title), (title, _roles_of(node))
     _feed(path, second)
     _wait_for("w3 to own sequences", lambda s: s.get("owned_w3", 0) > 0, router)
     # Fresh long requests, so w1 is mid-way through work when the drain lands.
@@ -199,9 +228,9 @@ def test_join_and_drain_under_load_lose_nothing(fleet, tiny_model_dir):
     _wait_for("w1 to be drained and released", lambda s: s.get("workers") == 2 and s.get("owned_w1", 1) == 0,
               router)
     deadline = time.monotonic() + 30
-    while "qmigrate worker w1" in _ps_args() and time.monotonic() < deadline:
+    while _pid_of(head, "qmigrate worker w1") and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert "qmigrate worker w1" not in _ps_args(), "the drained worker did not exit"
+    assert not _pid_of(head, "qmigrate worker w1"), "the drained worker did not exit"
 
     out = _wait_for_output(head, len(first) + len(second) + len(third))
     stats = _stats(router)
@@ -215,9 +244,9 @@ def test_a_killed_worker_loses_nothing(fleet, tiny_model_dir):
     head = start("head", "".join(json.dumps(p) + "\n" for p in prompts))
     _wait_for("both workers to own sequences",
               lambda s: s.get("owned_w1", 0) > 0 and s.get("owned_w2", 0) > 0, router)
-    victim = subprocess.run(["pgrep", "-f", "qmigrate worker w2"], capture_output=True, text=True).stdout.split()
-    assert victim, _ps_args()
-    os.kill(int(victim[0]), signal.SIGKILL)
+    victim = _pid_of(head, "qmigrate worker w2")
+    assert victim, _roles_of(head)
+    os.kill(victim, signal.SIGKILL)
     stats = _wait_for("the router to notice", lambda s: s.get("workers_lost", 0) >= 1, router)
     assert stats.get("live", 0) > 0, "the run ended before the kill; the test proves nothing"
     out, err = _finish(head, router)

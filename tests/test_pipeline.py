@@ -68,21 +68,6 @@ def test_greedy_equals_generate_while_sequences_migrate(tmp_path, tiny_model_dir
     assert moves.get(cause, 0) > 0, run.stderr[-2000:]
 
 
-def test_deltas_join_to_final_text(tmp_path, tiny_model_dir, qmigrate):
-    prompts = [{"id": "a", "prompt": "Hello there", "max_new_tokens": 20},
-               {"id": "b", "prompt": "東京 🦀 café", "max_new_tokens": 20}]
-    stdin = "".join(json.dumps(p) + "\n" for p in prompts)
-    run = qmigrate("sim", _topology(tmp_path, tiny_model_dir, 2), stdin=stdin)
-    assert run.returncode == 0, run.stderr[-3000:]
-    deltas: dict[str, str] = {}
-    for r in run.records():
-        if not r["done"]:
-            deltas[r["id"]] = deltas.get(r["id"], "") + r["delta"]
-    for rid, final in run.finals().items():
-        assert final["text"] == deltas.get(rid, "")
-        assert len(final["token_ids"]) == 20 or final["finish_reason"] == "eos"
-
-
 def test_seeded_sampling_is_the_same_on_one_and_three_workers(tmp_path, tiny_model_dir, qmigrate):
     prompts = [{**p, "temperature": 0.9, "top_k": 40, "top_p": 0.95, "seed": 1000 + i}
                for i, p in enumerate(_prompts(12, seed=7))]
@@ -93,19 +78,28 @@ def test_seeded_sampling_is_the_same_on_one_and_three_workers(tmp_path, tiny_mod
     a, b = one.finals(), three.finals()
     assert {k: v["token_ids"] for k, v in a.items()} == {k: v["token_ids"] for k, v in b.items()}
     assert _migrations(three.stderr).get("any", 0) > 0
-    greedy = qmigrate("sim", _topology(tmp_path, tiny_model_dir, 1),
-                      stdin="".join(json.dumps({**p, "temperature": 0}) + "\n" for p in prompts))
-    differs = [k for k, v in greedy.finals().items() if v["token_ids"] != a[k]["token_ids"]]
+    import torch
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        greedy = {p["id"]: model.generate(torch.tensor([p["prompt_ids"]]), max_new_tokens=p["max_new_tokens"],
+                                          do_sample=False)[0, len(p["prompt_ids"]):].tolist() for p in prompts}
+    differs = [k for k, v in greedy.items() if v != a[k]["token_ids"]]
     assert differs, "sampling at temperature 0.9 gave exactly the greedy output everywhere"
 
 
-def test_bad_requests_get_an_error_record_and_the_rest_go_on(tmp_path, tiny_model_dir, qmigrate):
+def test_bad_requests_get_an_error_record_and_deltas_join_to_the_final_text(tmp_path, tiny_model_dir, qmigrate):
+    """One run: malformed and invalid requests each get an error record while the others
+    stream, and every request's deltas (multi-byte characters split across tokens too)
+    join to its final text."""
     lines = ['{"id": "ok1", "prompt": "Hello", "max_new_tokens": 5}',
              '{"id": "empty", "prompt": ""}',
              '{"id": "long", "prompt_ids": [' + ",".join(["5"] * 600) + "]}",
              "this is not json",
              '{"id": "bad", "prompt": "x", "temperature": -1}',
-             '{"id": "ok2", "prompt": "World", "max_new_tokens": 5}']
+             '{"id": "ok2", "prompt": "World", "max_new_tokens": 5}',
+             '{"id": "a", "prompt": "Hello there", "max_new_tokens": 20}',
+             '{"id": "b", "prompt": "東京 🦀 café", "max_new_tokens": 20}']
     run = qmigrate("sim", _topology(tmp_path, tiny_model_dir, 2), stdin="\n".join(lines) + "\n")
     assert run.returncode == 0, run.stderr[-3000:]
     finals = run.finals()
@@ -115,6 +109,14 @@ def test_bad_requests_get_an_error_record_and_the_rest_go_on(tmp_path, tiny_mode
     assert "temperature" in finals["bad"]["error"]
     assert "invalid JSON" in finals["4"]["error"]
     assert "Traceback" not in run.stderr
+    deltas: dict[str, str] = {}
+    for r in run.records():
+        if not r["done"]:
+            deltas[r["id"]] = deltas.get(r["id"], "") + r["delta"]
+    for rid in ("ok1", "ok2", "a", "b"):
+        final = finals[rid]
+        assert final["text"] == deltas.get(rid, "")
+        assert len(final["token_ids"]) == (5 if rid.startswith("ok") else 20) or final["finish_reason"] == "eos"
 
 
 def test_text_mode_streams_every_request(tiny_model_dir, qmigrate):
