@@ -91,7 +91,8 @@ def supervise(children: list[Child], *, until_done: bool) -> int:
                 print("qmigrate: every worker has exited; stopping", file=sys.stderr)
                 return 1
             time.sleep(0.1)
-        return 130 if stopping[0] == signal.SIGINT else 0
+        # interrupted: whatever was still running is unfinished, so never report success
+        return 128 + stopping[0]
     finally:
         for s, h in old.items():
             signal.signal(s, h)

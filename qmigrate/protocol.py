@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -183,6 +184,7 @@ class Welcome:
 @message(MsgType.REJECT)
 class Reject:
     reason: str
+    is_unknown_peer: bool = False   # "say hello first": may answer a message sent before a restart
 
 
 @message(MsgType.HEARTBEAT)
@@ -339,6 +341,22 @@ class Stats:
     counters: dict[str, typing.Any]
 
 
+def info_int(info: dict, key: str, default: int, low: int = 0, high: int = 1 << 62) -> int:
+    """An integer field of a Hello's `info` map, checked: absent gives the default; a
+    value of another type or out of [low, high] is a ProtocolError."""
+    value = info.get(key, default)
+    if type(value) is not int or not low <= value <= high:
+        raise ProtocolError(f"Hello.info[{key!r}]: expected an integer in [{low}, {high}], got {value!r}")
+    return value
+
+
+def info_str(info: dict, key: str, max_len: int = 512) -> str:
+    value = info.get(key, "")
+    if type(value) is not str or len(value) > max_len:
+        raise ProtocolError(f"Hello.info[{key!r}]: expected a string of at most {max_len} characters")
+    return value
+
+
 # --- encode / decode ---------------------------------------------------------------------
 
 def _to_wire(value):
@@ -388,14 +406,16 @@ def _check(value, hint, where: str):
     if hint is typing.Any:
         if isinstance(value, (dict, list)):
             raise ProtocolError(f"{where}: nested value where a scalar is expected")
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ProtocolError(f"{where}: {value} where a finite number is expected")
         return value
     if hint is SeqSpec:
         if not isinstance(value, list):
             raise ProtocolError(f"{where}: expected a sequence spec")
         return _build(SeqSpec, value, where)
     if hint is float:
-        if type(value) not in (int, float):
-            raise ProtocolError(f"{where}: expected a number")
+        if type(value) not in (int, float) or not math.isfinite(value):
+            raise ProtocolError(f"{where}: expected a finite number")
         return float(value)
     if hint in (int, str, bytes, bool):
         if type(value) is not hint:

@@ -19,6 +19,7 @@ log = logging.getLogger("qmigrate.detokenizer")
 class Detokenizer:
     def __init__(self, topo, output: str | None = None):
         tokenizer, _, _ = load_tokenizer_info(resolve_model(topo.model.path))
+        self.vocab_size = len(tokenizer)
         self.sink = make_sink(output or topo.detokenizer.output, tokenizer, self.write)
         self.pull = transport.socket(zmq.PULL, bind=topo.endpoint("detokenizer").bind, hwm=100_000)
         self.expected: int | None = None
@@ -39,8 +40,10 @@ class Detokenizer:
                     if handler is None:
                         raise P.ProtocolError(f"unexpected {type(got[1]).__name__}")
                     handler(got[1])
-                except (P.ProtocolError, ValueError) as exc:
+                except P.ProtocolError as exc:
                     log.warning("dropped a message: %s", exc)
+                except Exception as exc:  # noqa: BLE001 -- one bad message must not stop the output
+                    log.warning("dropped a message: %s: %s", type(exc).__name__, exc)
             self.sink.flush_idle(time.monotonic())
             if exit_when_done and self.expected is not None and self.sink.num_done >= self.expected:
                 return
@@ -62,6 +65,10 @@ class Detokenizer:
         finish = P.unpack_u8(msg.finish).tolist()
         if not len(seq_ids) == len(starts) == len(counts) == len(finish) or sum(counts) != len(tokens):
             raise P.ProtocolError("token arrays do not agree")
+        if tokens and (min(tokens) < 0 or max(tokens) >= self.vocab_size):
+            raise P.ProtocolError(f"token id outside the vocabulary (0..{self.vocab_size - 1})")
+        if (counts and min(counts) < 0) or (starts and min(starts) < 0):
+            raise P.ProtocolError("negative count or start")
         pos = 0
         for sid, start, count, code in zip(seq_ids, starts, counts, finish):
             self.sink.tokens(sid, start, tokens[pos:pos + count])

@@ -79,8 +79,10 @@ class Router:
             if handler is not None:
                 try:
                     handler(sender, msg)
-                except (P.ProtocolError, ValueError, KeyError) as exc:
+                except P.ProtocolError as exc:
                     log.warning("dropped %s from %r: %s", type(msg).__name__, sender, exc)
+                except Exception as exc:  # noqa: BLE001 -- one bad message must not stop the router
+                    log.warning("dropped %s from %r: %s: %s", type(msg).__name__, sender, type(exc).__name__, exc)
 
     def drain_telemetry(self) -> None:
         for _ in range(MAX_BURST):
@@ -91,8 +93,12 @@ class Router:
             msg = transport.parse(frame, "vram monitor")
             if isinstance(msg, P.VramReport):
                 for gpu in msg.gpus:
-                    if len(gpu) >= 5 and isinstance(gpu[0], str) and gpu[2]:
-                        self.sched.set_free_vram(gpu[0], float(gpu[4]) / float(gpu[2]))
+                    numbers = gpu[1:5] if len(gpu) >= 5 else ()
+                    if (isinstance(gpu[0], str) and len(numbers) == 4
+                            and all(type(x) is int and x >= 0 for x in numbers) and 0 < gpu[4] <= gpu[2]):
+                        self.sched.set_free_vram(gpu[0], gpu[4] / gpu[2])
+                    else:
+                        log.warning("dropped a malformed VRAM report entry from %s", msg.node[:64])
 
     def reply(self, to: bytes, msg) -> None:
         transport.send(self.work, msg, to=to)
@@ -104,22 +110,24 @@ class Router:
             return
         if msg.role == "worker":
             info = msg.info
+            inflight = P.info_int(info, "inflight", 2, 1, 64)
+            state = WorkerState(
+                msg.name, max_seqs=P.info_int(info, "max_seqs", 64, 1, 1 << 20),
+                max_tokens=P.info_int(info, "max_tokens", 8192, 1, 1 << 30), inflight=inflight,
+                kv_endpoint=P.info_str(info, "kv_endpoint"), gpu_uuid=P.info_str(info, "gpu_uuid"),
+                kv_bytes_per_token=P.info_int(info, "kv_bytes_per_token", 0),
+                num_params=P.info_int(info, "num_params", 0), kv_tokens=P.info_int(info, "kv_tokens", 0),
+                block_size=P.info_int(info, "block_size", 16, 1, 1 << 16))
             self.identity[msg.name] = sender
-            self.parked[msg.name] = deque(maxlen=max(1, int(info.get("inflight", 2))))
-            self.sched.register(WorkerState(
-                msg.name, max_seqs=int(info.get("max_seqs", 64)), max_tokens=int(info.get("max_tokens", 8192)),
-                inflight=int(info.get("inflight", 2)), kv_endpoint=str(info.get("kv_endpoint", "")),
-                gpu_uuid=str(info.get("gpu_uuid", "")), kv_bytes_per_token=int(info.get("kv_bytes_per_token", 0)),
-                num_params=int(info.get("num_params", 0)), kv_tokens=int(info.get("kv_tokens", 0)),
-                block_size=int(info.get("block_size", 16))),
-                time.monotonic())
+            self.parked[msg.name] = deque(maxlen=inflight)
+            self.sched.register(state, time.monotonic())
             log.info("worker %s joined (%s)", msg.name, info.get("device", "?"))
         self.reply(sender, P.Welcome(P.PROTOCOL_VERSION, self.heartbeat_interval_s, self.config.lease_timeout_s))
 
     def _worker(self, sender: bytes) -> str | None:
         name = sender.decode(errors="replace")
         if self.identity.get(name) != sender or not self.sched.workers[name].alive:
-            self.reply(sender, P.Reject("unknown worker: say hello first"))
+            self.reply(sender, P.Reject("unknown worker: say hello first", is_unknown_peer=True))
             return None
         return name
 

@@ -79,8 +79,9 @@ class Worker:
             if isinstance(msg, P.Welcome):
                 self.heartbeat_s = msg.heartbeat_interval_s
                 return
-            if isinstance(msg, P.Reject):
+            if isinstance(msg, P.Reject) and not msg.is_unknown_peer:
                 raise SystemExit(f"worker {self.name}: router refused: {msg.reason}")
+            # a Reject of a message sent before this hello (say, before a router restart): skip it
         raise SystemExit(f"worker {self.name}: router unreachable at {self.router_addr} "
                          f"(no answer in {STARTUP_TIMEOUT_S:g} s)")
 

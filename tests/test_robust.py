@@ -1,0 +1,109 @@
+"""Malformed messages to a live router and detokenizer: each is dropped with one log line,
+and the role goes on serving. The roles run in this process on ipc sockets in a temp dir."""
+
+from __future__ import annotations
+
+import math
+
+import msgpack
+import pytest
+import zmq
+
+from qmigrate import protocol as P
+from qmigrate import transport
+from qmigrate.config import parse_topology
+
+
+@pytest.fixture
+def topo(tmp_path, tiny_model_dir):
+    return parse_topology({
+        "transport": "ipc", "ipc_dir": str(tmp_path), "model": {"path": str(tiny_model_dir)},
+        "nodes": [{"name": "local"}], "router": {"node": "local"}, "ingest": {"node": "local"},
+        "detokenizer": {"node": "local", "output": "jsonl"},
+        "workers": [{"name": "w1", "node": "local"}]})
+
+
+def _raw(msg_type: P.MsgType, *fields) -> bytes:
+    return msgpack.packb([int(msg_type), *fields], use_bin_type=True)
+
+
+def test_non_finite_numbers_are_refused_at_decode():
+    for bad in (math.inf, -math.inf, math.nan):
+        with pytest.raises(P.ProtocolError, match="finite"):
+            P.decode(_raw(P.MsgType.WELCOME, 1, bad, 10.0))
+        with pytest.raises(P.ProtocolError, match="finite"):
+            P.decode(_raw(P.MsgType.HELLO, "worker", "w9", 1, {"max_seqs": bad}))
+    assert P.decode(_raw(P.MsgType.WELCOME, 1, 0.5, 10)).lease_timeout_s == 10.0
+
+
+def test_hello_info_is_range_checked():
+    assert P.info_int({}, "max_seqs", 64, 1, 100) == 64
+    assert P.info_int({"max_seqs": 7}, "max_seqs", 64, 1, 100) == 7
+    for bad in (None, "8", 8.0, 0, 101, True):
+        with pytest.raises(P.ProtocolError, match="max_seqs"):
+            P.info_int({"max_seqs": bad}, "max_seqs", 64, 1, 100)
+    with pytest.raises(P.ProtocolError):
+        P.info_str({"kv_endpoint": "x" * 600}, "kv_endpoint")
+
+
+def test_a_live_router_drops_bad_messages_and_goes_on(topo):
+    from qmigrate.roles.router import Router
+    router = Router(topo)
+    client = transport.socket(zmq.DEALER, connect=topo.endpoint("router").connect, identity="w9")
+    monitor = transport.socket(zmq.PUB, connect=topo.endpoint("telemetry").connect)
+    try:
+        bad = [
+            _raw(P.MsgType.HELLO, "worker", "w9", 1, {"max_seqs": None}),
+            _raw(P.MsgType.HELLO, "worker", "w9", 1, {"inflight": 10**9, "max_tokens": "lots"}),
+            _raw(P.MsgType.HELLO, "worker", "w9", 1, {"kv_tokens": -5}),
+            _raw(P.MsgType.STEP_RESULT, 1, b"\x01", b"", b"", b""),      # not a whole int64
+            _raw(P.MsgType.SUBMIT, [[1, b"\x01\x00\x00\x00", 5, 1]]),    # prompt_len past the ids
+            b"\xc1not msgpack", _raw(99), _raw(P.MsgType.STATS, "not a map"),
+        ]
+        for frame in bad:
+            client.send(frame)
+        monitor.send(P.encode(P.VramReport("n", [["GPU-1", 0, "80", 5, 7], ["GPU-2"], [1, 2, 3, 4, 5]])))
+        for _ in range(20):
+            router.drain_socket()
+            router.drain_telemetry()
+        assert "w9" not in router.sched.workers  # no bad hello registered a worker
+        transport.send(client, P.Hello("worker", "w9", info={"max_seqs": 4, "kv_tokens": 4096}))
+        transport.send(client, P.StatsRequest())
+        replies = []
+        for _ in range(50):
+            router.drain_socket()
+            got = transport.recv(client, 0.02)
+            if got is not None:
+                replies.append(got[1])
+            if any(isinstance(r, P.Stats) for r in replies):
+                break
+        assert any(isinstance(r, P.Welcome) for r in replies), replies
+        stats = next(r for r in replies if isinstance(r, P.Stats)).counters
+        assert stats["workers"] == 1 and router.sched.workers["w9"].max_seqs == 4
+    finally:
+        client.close(linger=0)
+        monitor.close(linger=0)
+        router.work.close(linger=0)
+        router.telemetry.close(linger=0)
+
+
+def test_a_live_detokenizer_drops_bad_tokens_and_finishes_the_rest(topo, capsys):
+    from qmigrate.roles.detokenizer import Detokenizer
+    detok = Detokenizer(topo)
+    push = transport.socket(zmq.PUSH, connect=topo.endpoint("detokenizer").connect)
+    ids = lambda xs: P.pack_i32(xs)
+    try:
+        transport.send(push, P.RequestMeta(1, "r1", ids([1, 42])))
+        for tokens in ([-1], [detok.vocab_size], [10 ** 9]):  # outside the vocabulary
+            transport.send(push, P.Tokens(P.pack_i64([1]), ids([0]), ids([1]), ids(tokens), P.pack_u8([0])))
+        transport.send(push, P.Tokens(P.pack_i64([1]), ids([-3]), ids([1]), ids([5]), P.pack_u8([0])))
+        transport.send(push, P.Tokens(P.pack_i64([1]), ids([0]), ids([2]), ids([5]), P.pack_u8([0])))  # counts
+        transport.send(push, P.Tokens(P.pack_i64([1]), ids([0]), ids([2]), ids([71, 78]), P.pack_u8([2])))
+        transport.send(push, P.InputClosed(1))
+        detok.serve_forever(exit_when_done=True)  # returns once r1 is done
+    finally:
+        push.close(linger=0)
+        detok.pull.close(linger=0)
+    out = capsys.readouterr().out
+    final = [line for line in out.splitlines() if '"done": true' in line]
+    assert len(final) == 1 and '"token_ids": [71, 78]' in final[0], out
