@@ -80,6 +80,9 @@ class Engine:
         self.max_len = min(cfg.max_len or self.max_context, self.max_context)
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
+        if self.device.type == "cuda":
+            # Triton launches and CUDA graph captures go to the current device: make it ours
+            torch.cuda.set_device(self.device)
         self.num_params = sum(p.numel() for p in model.parameters())
         self.runner, self.runner_reason = _make_runner(model, cfg, self.device)
         self.pool = BlockPool(self.num_layers, self.num_kv_heads, self.head_dim,
