@@ -67,10 +67,7 @@ class EngineConfig:
 
 class Engine:
     def __init__(self, model, config: EngineConfig | None = None, **overrides):
-        cfg = config or EngineConfig()
-        for key, value in overrides.items():
-            setattr(cfg, key, value)
-        self.config = cfg
+        cfg = self.config = dataclasses.replace(config or EngineConfig(), **overrides)
         text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
         self.num_layers = text.num_hidden_layers
         self.num_kv_heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
@@ -103,8 +100,7 @@ class Engine:
             budget = cfg.cpu_kv_bytes
         blocks = budget // per_block
         if cfg.max_kv_tokens:
-            blocks = min(blocks, -(-cfg.max_kv_tokens // cfg.block_size)) if budget > 0 else \
-                -(-cfg.max_kv_tokens // cfg.block_size)
+            blocks = min(blocks, -(-cfg.max_kv_tokens // cfg.block_size))
         # one sequence at full length must fit, or the pool is useless
         need = -(-self.max_len // cfg.block_size)
         if blocks < need:
