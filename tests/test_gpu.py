@@ -13,6 +13,16 @@ pytestmark = [pytest.mark.gpu, pytest.mark.timeout(600),
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 
+@pytest.fixture(autouse=True)
+def _give_back_gpu_memory():
+    """An engine sizes its KV pool from the memory that is free: memory this process's
+    allocator still caches from an earlier test would starve the next one's workers."""
+    yield
+    import gc
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
 def _generate(model, prompt: list[int], n: int) -> list[int]:
     with torch.no_grad():
         out = model.generate(torch.tensor([prompt], device=model.device), max_new_tokens=n, do_sample=False)
@@ -23,7 +33,7 @@ def test_engine_on_cuda_matches_generate_in_fp32(tiny_model_dir):
     from qmigrate.engine.models import load_model
     from qmigrate.engine.runner import Engine, StepRow
     model, _ = load_model(tiny_model_dir, "cuda:0", "float32")
-    engine = Engine(model, max_batch=32, runner="hf")  # exact in fp32: the transformers forward
+    engine = Engine(model, max_batch=32, runner="hf", max_kv_tokens=1 << 14)  # exact in fp32: transformers' forward
     r = random.Random(3)
     prompts = [[1] + [r.randint(3, 1400) for _ in range(r.randint(1, 50))] for _ in range(12)]
     n = 16
