@@ -70,16 +70,17 @@ def test_pipeline_on_one_gpu_two_workers_migrating(tmp_path, tiny_model_dir, qmi
     path = tmp_path / "gpu.yaml"
     path.write_text(yaml.safe_dump(data))
     r = random.Random(5)
+    # enough steps that the second worker surely takes some under policy "any", however fast a step
     prompts = [{"id": str(i), "prompt_ids": [1] + [r.randint(3, 1400) for _ in range(r.randint(1, 40))],
-                "max_new_tokens": 12} for i in range(16)]
+                "max_new_tokens": 40} for i in range(32)]
     run = qmigrate("sim", str(path), stdin="".join(json.dumps(p) + "\n" for p in prompts))
     assert run.returncode == 0, run.stderr[-3000:]
     assert f"by_{migration}" in run.stderr, run.stderr[-2000:]
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).to("cuda:0").eval()
     finals = run.finals()
-    same = sum(finals[p["id"]]["token_ids"] == _generate(model, p["prompt_ids"], 12) for p in prompts)
+    same = sum(finals[p["id"]]["token_ids"] == _generate(model, p["prompt_ids"], 40) for p in prompts)
     # exact with the transformers runner; the fast runner's fp32 kernels may flip a near-tie
-    assert same == len(prompts) if runners == ("hf", "hf") else same >= len(prompts) - 2, same
+    assert same == len(prompts) if runners == ("hf", "hf") else same >= len(prompts) - 3, same
 
 
 # --- the fast runner against the transformers forward, in bf16 --------------------------
