@@ -107,3 +107,41 @@ def test_a_live_detokenizer_drops_bad_tokens_and_finishes_the_rest(topo, capsys)
     out = capsys.readouterr().out
     final = [line for line in out.splitlines() if '"done": true' in line]
     assert len(final) == 1 and '"token_ids": [71, 78]' in final[0], out
+
+
+def test_a_worker_skips_stale_rejects_while_it_says_hello(topo):
+    """After a router restart, Rejects that answer messages queued before it can arrive
+    before the Welcome: the worker must skip them, and stop only on a real refusal."""
+    import threading
+
+    from qmigrate.roles.worker import Worker
+    router = transport.socket(zmq.ROUTER, bind=topo.endpoint("router").bind)
+    worker = Worker(topo, "w1")
+    outcome: list = []
+
+    def say_hello():
+        try:
+            worker.hello()
+            outcome.append("welcomed")
+        except SystemExit as exc:
+            outcome.append(str(exc.code))
+
+    try:
+        for answers, expected in (
+                ([P.Reject("unknown worker: say hello first", is_unknown_peer=True)] * 3
+                 + [P.Welcome(P.PROTOCOL_VERSION, 0.25, 10.0)], "welcomed"),
+                ([P.Reject("protocol version 0; router speaks 1")], "router refused: protocol version")):
+            outcome.clear()
+            thread = threading.Thread(target=say_hello)
+            thread.start()
+            sender, hello = transport.recv(router, 10.0)
+            assert isinstance(hello, P.Hello) and hello.name == "w1"
+            for answer in answers:
+                transport.send(router, answer, to=sender)
+            thread.join(10.0)
+            assert not thread.is_alive() and outcome and expected in outcome[0], outcome
+        assert worker.heartbeat_s == 0.25
+    finally:
+        router.close(linger=0)
+        for sock in (worker.router, worker.kv_in, worker.detok):
+            sock.close(linger=0)
