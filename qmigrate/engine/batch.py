@@ -53,7 +53,7 @@ class StepBatch:
         if int(lens.max()) == 1:
             ids = np.fromiter((n[0] for n in new_ids), dtype=np.int64, count=len(new_ids))
             positions = starts_a
-            slots = np.fromiter((_slot(pool, s, p) for s, p in zip(seq_ids, starts)),
+            slots = np.fromiter((pool.slot(s, p) for s, p in zip(seq_ids, starts)),
                                 dtype=np.int64, count=len(seq_ids))
         else:
             ids = np.concatenate([np.asarray(n, dtype=np.int64) for n in new_ids])
@@ -62,7 +62,3 @@ class StepBatch:
         width = pool.blocks_for(int(seq_lens.max()))
         return cls(list(seq_ids), ids, positions, slots, query_start, seq_lens,
                    pool.block_table(seq_ids, width), int(lens.max()))
-
-
-def _slot(pool: BlockPool, seq_id: int, pos: int) -> int:
-    return pool.blocks[seq_id][pos // pool.block_size] * pool.block_size + pos % pool.block_size

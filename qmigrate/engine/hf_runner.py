@@ -15,7 +15,7 @@ import torch
 
 from .attention import install as install_attention
 from .batch import StepBatch
-from .kvcache import BlockPool
+from .kvcache import BlockPool, write_kv
 
 
 class PagedView:
@@ -37,10 +37,7 @@ class PagedView:
         else:
             k_new = key_states.transpose(1, 2)[self.rows, self.cols]        # [T, H, D]
             v_new = value_states.transpose(1, 2)[self.rows, self.cols]
-        flat_k = k_pool.view(-1, pool.num_kv_heads, pool.head_dim)
-        flat_v = v_pool.view(-1, pool.num_kv_heads, pool.head_dim)
-        flat_k[self.slots] = k_new.to(pool.dtype)
-        flat_v[self.slots] = v_new.to(pool.dtype)
+        write_kv(k_pool, v_pool, self.slots, k_new, v_new)
         g, n = self.table.shape[0], self.total_len
         # [g, W, bs, H, D] -> [g, H, n, D]; padding entries read the zero block
         k = k_pool[self.table].view(g, -1, pool.num_kv_heads, pool.head_dim)[:, :n].transpose(1, 2)
@@ -54,14 +51,14 @@ class PagedView:
 class HFRunner:
     name = "hf"
 
-    def __init__(self, model, pool: BlockPool | None = None, *, max_padding: float = 0.25,
-                 grouped_attention: bool = True):
+    def __init__(self, model, *, max_padding: float = 0.25, grouped_attention: bool = True):
         self.model = model
-        self.grouped_attention = grouped_attention and install_attention(model)
+        if grouped_attention:
+            install_attention(model)
         self.base = getattr(model, model.base_model_prefix)
         self.lm_head = model.get_output_embeddings()
         self.max_padding = max_padding
-        self.pool = pool
+        self.pool: BlockPool | None = None
         param = next(model.parameters())
         self.device = param.device
 

@@ -20,6 +20,19 @@ import numpy as np
 import torch
 
 
+def write_kv(k_cache, v_cache, slot_mapping, k, v) -> None:
+    """Write k, v [T, Hkv, D] at flat slots block * block_size + offset; no host sync.
+
+    A negative slot marks a padding token: it writes zeros into the null block, which keeps
+    it zero (every duplicate write there carries the same zeros, so order does not matter).
+    """
+    keep = (slot_mapping >= 0)[:, None, None]
+    slots = slot_mapping.clamp(min=0).long()
+    for cache, new in ((k_cache, k), (v_cache, v)):
+        flat = cache.view(-1, cache.shape[2], cache.shape[3])
+        flat.index_copy_(0, slots, torch.where(keep, new.to(cache.dtype), 0))
+
+
 class OutOfBlocks(RuntimeError):
     pass
 
@@ -58,10 +71,6 @@ class BlockPool:
     @property
     def free_tokens(self) -> int:
         return len(self.free) * self.block_size
-
-    @property
-    def bytes_per_token(self) -> int:
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.kv.element_size()
 
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -116,6 +125,10 @@ class BlockPool:
         return out
 
     # --- addressing ----------------------------------------------------------------------------
+    def slot(self, seq_id: int, pos: int) -> int:
+        """Flat slot (block * block_size + offset) of one position."""
+        return self.blocks[seq_id][pos // self.block_size] * self.block_size + pos % self.block_size
+
     def slots(self, seq_id: int, start: int, stop: int) -> np.ndarray:
         """Flat slot (block * block_size + offset) of positions [start, stop)."""
         blocks = np.asarray(self.blocks[seq_id], dtype=np.int64)

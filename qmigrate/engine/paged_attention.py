@@ -21,22 +21,11 @@ try:
 except ImportError:  # the reference still works without triton
     triton = None
 
+from .kvcache import write_kv  # noqa: F401 -- the write half of a step, re-exported beside attention
+
 LOG2E = 1.4426950408889634
 MIN_SPLIT_KEYS = 128   # a decode split shorter than this costs more to merge than it saves
 MAX_SPLITS = 16
-
-
-def write_kv(k_cache, v_cache, slot_mapping, k, v) -> None:
-    """Write k, v [T, Hkv, D] at flat slots block * block_size + offset; no host sync.
-
-    A negative slot marks a padding token: it writes zeros into the null block, which keeps
-    it zero (every duplicate write there carries the same zeros, so order does not matter).
-    """
-    keep = (slot_mapping >= 0)[:, None, None]
-    slots = slot_mapping.clamp(min=0).long()
-    for cache, new in ((k_cache, k), (v_cache, v)):
-        flat = cache.view(-1, cache.shape[2], cache.shape[3])
-        flat.index_copy_(0, slots, torch.where(keep, new.to(cache.dtype), 0))
 
 
 def paged_attention_reference(q, k_cache, v_cache, query_start, seq_lens, block_tables, scale):

@@ -216,7 +216,7 @@ class Engine:
             pending.event = torch.cuda.Event()
             pending.event.record()
         for r in run:
-            self.pool.length[r.seq_id] = r.start + max(1, len(r.new_ids))
+            self.pool.length[r.seq_id] = r.start + _num_new(r)
         return pending
 
     def _prefill_chunks(self, rows: list[StepRow], between) -> tuple[list[StepRow], set[int]]:
