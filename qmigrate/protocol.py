@@ -57,6 +57,7 @@ class MsgType(enum.IntEnum):
     FEED_ACK = 21
     STATS_REQUEST = 22
     STATS = 23
+    REVOKE = 24
 
 
 class Finish(enum.IntEnum):
@@ -339,6 +340,15 @@ class StatsRequest:
 @message(MsgType.STATS)
 class Stats:
     counters: dict[str, typing.Any]
+
+
+@message(MsgType.REVOKE)
+class Revoke:
+    """Router to worker: stop these rows of a multi-step lease at the next step boundary and
+    report them with the tokens they produced so far (no seq_ids: every row of the lease)."""
+
+    lease_id: int
+    seq_ids: bytes = b""      # int64
 
 
 def info_int(info: dict, key: str, default: int, low: int = 0, high: int = 1 << 62) -> int:
