@@ -3,6 +3,9 @@ that picks how a sequence moves. Plain data; `scheduler.py` holds the policy."""
 
 from __future__ import annotations
 
+import heapq
+import itertools
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from .protocol import Finish, SeqSpec, pack_i32
@@ -21,6 +24,7 @@ class SchedulerConfig:
     prefill_tflops: float = 100.0
     rebalance_threshold: int = 8          # owned-count gap that lets an idle worker take work
     chain: bool = True                    # lease the next step of a batch still in flight
+    max_lease_steps: int = 8              # steps a lease may cover while nothing waits for its worker
 
     def __post_init__(self):
         assert self.policy in ("affinity", "any"), self.policy
@@ -34,6 +38,8 @@ class Seq:
     owner: str | None = None
     lease_id: int | None = None
     next_lease: int | None = None  # a chained lease that takes over when lease_id completes
+    queue_key: object = None       # the owner it is queued under; _OUT when not queued
+    queue_pos: int = 0             # its place in the router's order: lower runs first
     # Set when a worker vanished holding this sequence: tokens it reported here may never
     # have reached the detokenizer, so the next worker sends them again.
     resync: bool = False
@@ -41,6 +47,9 @@ class Seq:
     @property
     def seq_id(self) -> int:
         return self.spec.seq_id
+
+    def __post_init__(self):
+        self.queue_key = _OUT
 
     def respec(self, kv_from: str = "", transfer_id: int = 0) -> SeqSpec:
         """The full form as it stands now, for a worker that has not seen this sequence."""
@@ -70,6 +79,7 @@ class WorkerState:
     owned: set[int] = field(default_factory=set)
     num_leased: int = 0
     pending_drops: list[int] = field(default_factory=list)
+    lease_ids: dict[int, None] = field(default_factory=dict)  # its open leases, oldest first
 
     @property
     def capacity(self) -> int:
@@ -97,6 +107,7 @@ class Grant:
     rows: list[Row]
     drop_ids: list[int]
     shipments: list[tuple[str, int, str, int, int]]  # (owner, seq_id, dest, transfer_id, num_tokens)
+    num_steps: int = 1
 
 
 @dataclass(slots=True)
@@ -104,6 +115,8 @@ class LeaseRecord:
     worker: str
     seq_ids: list[int]
     deadline: float
+    num_steps: int = 1
+    is_revoked: bool = False  # a Revoke went out: it ends at the worker's next step boundary
 
 
 @dataclass(slots=True)
@@ -127,3 +140,90 @@ def choose_mechanism(num_tokens: int, kv_bytes_per_token: int, num_params: int,
     transfer_s = 1e-3 + num_tokens * kv_bytes_per_token * 8 / (link_gbps * 1e9)
     recompute_s = num_tokens * 2 * num_params / (prefill_tflops * 1e12)
     return "transfer" if transfer_s < recompute_s else "recompute"
+
+
+class Queue:
+    """Queued sequences, one ordered map per KV owner (None: held nowhere), so a worker
+    finds its own work without walking everyone's. Each map is in the router's order
+    (`Seq.queue_pos`, lower first); iterating the whole queue merges them."""
+
+    def __init__(self):
+        self.by_owner: dict[str | None, OrderedDict[int, Seq]] = {}
+        self._back = itertools.count(1)
+        self._front = itertools.count(-1, -1)
+        self.size = 0
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __contains__(self, seq_id: int) -> bool:
+        return any(seq_id in d for d in self.by_owner.values())
+
+    def __iter__(self):
+        """Sequence ids in the router's order (not on a hot path)."""
+        merged = heapq.merge(*(d.values() for d in self.by_owner.values()), key=_pos)
+        return (seq.seq_id for seq in merged)
+
+    def of(self, owner: str | None) -> OrderedDict[int, Seq]:
+        return self.by_owner.get(owner) or _EMPTY
+
+    def push(self, seq: Seq, front: bool = False) -> None:
+        assert seq.queue_key is _OUT, f"sequence {seq.seq_id} is queued twice"
+        d = self.by_owner.get(seq.owner)
+        if d is None:
+            d = self.by_owner[seq.owner] = OrderedDict()
+        d[seq.seq_id] = seq
+        if front:
+            seq.queue_pos = next(self._front)
+            d.move_to_end(seq.seq_id, last=False)
+        else:
+            seq.queue_pos = next(self._back)
+        seq.queue_key = seq.owner
+        self.size += 1
+
+    def extend(self, seqs: list[Seq]) -> None:
+        """push(seq) for each, at the back: the common case of a step's results, kept cheap."""
+        for seq in seqs:
+            assert seq.queue_key is _OUT, f"sequence {seq.seq_id} is queued twice"
+            d = self.by_owner.get(seq.owner)
+            if d is None:
+                d = self.by_owner[seq.owner] = OrderedDict()
+            d[seq.seq_id] = seq
+            seq.queue_pos = next(self._back)
+            seq.queue_key = seq.owner
+        self.size += len(seqs)
+
+    def pop(self, seq: Seq) -> None:
+        if seq.queue_key is _OUT:
+            return
+        d = self.by_owner[seq.queue_key]
+        del d[seq.seq_id]
+        if not d:
+            del self.by_owner[seq.queue_key]
+        seq.queue_key = _OUT
+        self.size -= 1
+
+    def rekey(self, seqs) -> None:
+        """These queued sequences changed owner: file them under the new one, in order."""
+        moved = {}
+        for seq in seqs:
+            if seq.queue_key is not _OUT and seq.queue_key != seq.owner:
+                self.pop(seq)
+                moved.setdefault(seq.owner, []).append(seq)
+        for owner, group in moved.items():
+            d = self.by_owner.setdefault(owner, OrderedDict())
+            items = sorted([*d.values(), *group], key=_pos)
+            d.clear()
+            for seq in items:
+                d[seq.seq_id] = seq
+            for seq in group:
+                seq.queue_key = owner
+            self.size += len(group)
+
+
+_OUT = object()  # Seq.queue_key of a sequence that is not queued
+_EMPTY: OrderedDict = OrderedDict()
+
+
+def _pos(seq: Seq) -> int:
+    return seq.queue_pos

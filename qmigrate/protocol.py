@@ -344,8 +344,9 @@ class Stats:
 
 @message(MsgType.REVOKE)
 class Revoke:
-    """Router to worker: stop these rows of a multi-step lease at the next step boundary and
-    report them with the tokens they produced so far (no seq_ids: every row of the lease)."""
+    """Router to worker: end this lease at its next step boundary (after at most one more
+    step) and report it as usual. Rows named in seq_ids take no further step in it; a lease
+    not yet started reports them with no tokens."""
 
     lease_id: int
     seq_ids: bytes = b""      # int64

@@ -11,30 +11,63 @@ Chained leases hide the round trip without splitting the batch: a worker that as
 work while a batch is in flight may be given the *next* step of that batch's sequences
 (rows of length CONTINUE: "go on from the step you are running"). Such a sequence is
 still in one place, that worker; it is never chained when it ought to move instead.
+
+Multi-step leases take the router off the per-step path: while nothing waits for a worker,
+its lease covers up to `max_lease_steps` steps. When something must move sooner (a drain,
+memory pressure, an idle worker to feed, new requests to admit) the router revokes such a
+lease: it ends at the worker's next step boundary and its rows come back like any result;
+rows named in the revoke take no further step there, even in a chained lease not yet begun.
+Revokes to send collect in `revokes`; the router sends them once per loop turn.
+
+The queue is kept per KV owner (`fleet.Queue`), and a worker's open leases are listed on
+it, so a request for work costs what it returns, not what the whole fleet holds.
 """
 
 from __future__ import annotations
 
+import heapq
 import itertools
-from collections import Counter, OrderedDict
+from collections import Counter
 
-from .fleet import (Grant, LeaseRecord, Outcome, Row, SchedulerConfig, Seq, WorkerState,
+from .fleet import (Grant, LeaseRecord, Outcome, Queue, Row, SchedulerConfig, Seq, WorkerState,
                     choose_mechanism)
 from .protocol import CONTINUE, Finish, SeqSpec
 
 __all__ = ["Grant", "Outcome", "Row", "Scheduler", "SchedulerConfig", "Seq", "WorkerState",
            "choose_mechanism"]
 
+_FINISHED = frozenset(int(f) for f in Finish if f.is_finished)
+
+
 class Scheduler:
     def __init__(self, config: SchedulerConfig | None = None):
         self.config = config or SchedulerConfig()
         self.seqs: dict[int, Seq] = {}
-        self.queue: OrderedDict[int, None] = OrderedDict()
+        self.queue = Queue()
         self.workers: dict[str, WorkerState] = {}
         self.leases: dict[int, LeaseRecord] = {}
         self.counters: Counter[str] = Counter()
         self._lease_ids = itertools.count(1)
         self._transfer_ids = itertools.count(1)
+        self.revokes: list[tuple[str, int, list[int]]] = []  # (worker, lease_id, seq_ids; [] = all)
+
+    def take_revokes(self) -> list[tuple[str, int, list[int]]]:
+        revokes, self.revokes = self.revokes, []
+        return revokes
+
+    def _revoke_steps(self, w: WorkerState, seq_ids: list[int] | None = None) -> None:
+        """End w's multi-step leases at its next step boundary; with seq_ids, end every lease
+        of w that holds one of them, and those rows take no further step there."""
+        for lease_id in w.lease_ids:
+            lease = self.leases[lease_id]
+            if lease.is_revoked:
+                continue
+            rows = [] if seq_ids is None else sorted(set(seq_ids).intersection(lease.seq_ids))
+            if (seq_ids is None and lease.num_steps <= 1) or (seq_ids is not None and not rows):
+                continue
+            lease.is_revoked = True
+            self.revokes.append((w.name, lease_id, rows))
+            self.counters["revokes"] += 1
 
     # --- membership --------------------------------------------------------------------
     def register(self, worker: WorkerState, now: float) -> None:
@@ -62,6 +95,7 @@ class Scheduler:
         if w is None or not w.alive:
             return False
         w.draining = True
+        self._revoke_steps(w)
         return True
 
     def is_drained(self, name: str) -> bool:
@@ -77,6 +111,8 @@ class Scheduler:
         for w in self.workers.values():
             if w.gpu_uuid and w.gpu_uuid == gpu_uuid:
                 short = free_fraction < self.config.min_free_vram_fraction
+                if short and not w.is_memory_short and self.config.migrate_on_memory:
+                    self._revoke_steps(w)
                 w.free_vram_fraction = -1.0 if short else free_fraction
 
     # --- admission ---------------------------------------------------------------------
@@ -87,6 +123,7 @@ class Scheduler:
     def admit(self, specs: list[SeqSpec]) -> int:
         """Queue as many as fit, in order; returns how many were taken."""
         taken = 0
+        num_queued = len(self.queue)
         for spec in specs[: self.num_free]:
             taken += 1
             if spec.seq_id in self.seqs:
@@ -95,9 +132,14 @@ class Scheduler:
             if not ids or not 0 < spec.prompt_len <= len(ids) or spec.max_new_tokens < 1:
                 self.counters["rejected_specs"] += 1
                 continue
-            self.seqs[spec.seq_id] = Seq(spec, ids)
-            self.queue[spec.seq_id] = None
+            seq = self.seqs[spec.seq_id] = Seq(spec, ids)
+            self.queue.push(seq)
             self.counters["admitted"] += 1
+        if len(self.queue) > num_queued:
+            # New work: a worker with room stops its multi-step leases at the next step to take it.
+            for w in self.workers.values():
+                if w.alive and not w.draining and len(w.owned) < w.max_seqs:
+                    self._revoke_steps(w)
         return taken
 
     # --- leasing -----------------------------------------------------------------------
@@ -116,16 +158,20 @@ class Scheduler:
         max_seqs = min(max_seqs, w.max_seqs)
         held = self._held(w)
         chainable = [seq for seq in held if seq.next_lease is None] if self._may_chain(w) else []
-        candidates = list(self._candidates(w))
+        quota = self._steal_quota(w)
+        # Look at a bounded stretch of the queue: a request costs what it can return.
+        candidates = list(itertools.islice(self._candidates(w, quota), 4 * max_seqs + 64))
         if ahead and w.num_leased and not chainable and len(candidates) < max_seqs:
             return None
         budget = min(max_tokens, w.max_tokens)
         room = self._kv_room(w, held, free_kv_tokens)
         rows: list[Row] = []
         shipments = []
+        num_passed = 0
         for seq, cause in candidates:
             if len(rows) >= max_seqs:
                 break
+            num_passed += 1
             is_diff = seq.owner == name
             kv_cost = 0 if is_diff else len(seq.token_ids) + w.block_size
             if kv_cost and kv_cost > room:
@@ -136,27 +182,50 @@ class Scheduler:
                 continue
             budget -= cost
             room -= kv_cost
+            num_passed -= 1
             rows.append(self._lease_row(seq, w, cause, mechanism, shipments))
         queued = len(rows)
         # Queued work first, so chaining never starves it; the batch in flight fills the rest.
         chained = chainable[: max(0, min(max_seqs - queued, budget))]
         rows += [Row(seq.seq_id, CONTINUE, CONTINUE, None) for seq in chained]
+        if len(rows) < max_seqs:
+            self._feed_from_leases(w, quota, max_seqs - len(rows))
         if not rows:
             return None
         lease_id = next(self._lease_ids)
         seq_ids = [r.seq_id for r in rows]
-        for sid in seq_ids[:queued]:
-            self.seqs[sid].lease_id = lease_id
-            del self.queue[sid]
+        for row in rows[:queued]:
+            seq = self.seqs[row.seq_id]
+            seq.lease_id = lease_id
+            self.queue.pop(seq)
         for seq in chained:
             seq.next_lease = lease_id
+        # Several steps only for a batch of decodes that nothing is waiting behind.
+        waiting = num_passed or len(candidates) > queued or self.queue.of(None)
+        num_steps = 1
+        if (self.config.max_lease_steps > 1 and not waiting and not shipments and self._may_keep(w)
+                and self.config.policy != "any" and all(r.spec is None for r in rows)):
+            num_steps = self.config.max_lease_steps
         self.counters["chained_rows"] += len(chained)
-        self.leases[lease_id] = LeaseRecord(name, seq_ids, now + self.config.lease_timeout_s)
+        self.leases[lease_id] = LeaseRecord(name, seq_ids, now + self.config.lease_timeout_s, num_steps)
+        w.lease_ids[lease_id] = None
         w.num_leased += len(rows)
         drops, w.pending_drops = w.pending_drops, []
         self.counters["leases"] += 1
         self.counters["leased_rows"] += len(rows)
-        return Grant(lease_id, name, rows, drops, shipments)
+        return Grant(lease_id, name, rows, drops, shipments, num_steps)
+
+    def _feed_from_leases(self, w: WorkerState, quota: Counter[str], room: int) -> None:
+        """w has room that the queue cannot fill: revoke rows of other workers' multi-step
+        leases that load balancing would move to it, so they come back at the next step."""
+        for name, n in quota.items():
+            other = self.workers[name]
+            if n <= 0 or room <= 0 or not other.alive or not any(
+                    self.leases[i].num_steps > 1 and not self.leases[i].is_revoked for i in other.lease_ids):
+                continue
+            take = [seq.seq_id for seq in self._held(other)][-min(n, room):]
+            self._revoke_steps(other, take)
+            room -= len(take)
 
     def _kv_room(self, w: WorkerState, held: list[Seq], free_kv_tokens: int | None) -> float:
         """KV tokens w can take for sequences new to it without evicting any it owns.
@@ -184,8 +253,7 @@ class Scheduler:
 
     def _held(self, w: WorkerState) -> list[Seq]:
         """Sequences whose current step is at w (a lease record may list stale ones)."""
-        return [seq for lease_id, lease in self.leases.items() if lease.worker == w.name
-                for sid in lease.seq_ids
+        return [seq for lease_id in w.lease_ids for sid in self.leases[lease_id].seq_ids
                 if (seq := self.seqs.get(sid)) is not None and seq.lease_id == lease_id]
 
     def _may_chain(self, w: WorkerState) -> bool:
@@ -202,22 +270,23 @@ class Scheduler:
         return not any(self._rebalance_gap(w, o) for o in self.workers.values()
                        if o is not w and o.alive and not o.draining)
 
-    def _candidates(self, w: WorkerState):
-        """Queued sequences this worker may run, best first, with the migration cause."""
-        own, free, movable = [], [], []
-        quota = self._steal_quota(w)
-        for sid in self.queue:
-            seq = self.seqs[sid]
-            owner = self.workers.get(seq.owner) if seq.owner else None
-            if owner is None:
-                free.append((seq, None))
-            elif owner is w:
-                own.append((seq, None))
-            elif (cause := self._move_cause(owner, quota)) is not None:
+    def _candidates(self, w: WorkerState, quota: Counter[str]):
+        """Queued sequences this worker may run, best first, with the migration cause:
+        its own, then those held nowhere, then those that should leave their owner."""
+        own = self.queue.of(w.name)
+        yield from ((seq, None) for seq in own.values())
+        yield from ((seq, None) for seq in self.queue.of(None).values())
+        movable = []
+        for owner, queued in self.queue.by_owner.items():
+            other = self.workers.get(owner) if owner is not None else None
+            if other is not None and other is not w and self._move_cause(other, quota) is not None:
+                movable.append(queued.values())
+        for seq in heapq.merge(*movable, key=lambda seq: seq.queue_pos):
+            owner = self.workers[seq.owner]
+            if (cause := self._move_cause(owner, quota)) is not None:
                 if cause == "load":
                     quota[owner.name] -= 1
-                movable.append((seq, cause))
-        return itertools.chain(own, free, movable)
+                yield seq, cause
 
     def _steal_quota(self, w: WorkerState) -> Counter[str]:
         """How many sequences each other worker may lose to `w` for load reasons."""
@@ -294,34 +363,38 @@ class Scheduler:
             return Outcome(False)
         del self.leases[lease_id]
         w = self.workers[name]
+        w.lease_ids.pop(lease_id, None)
         w.last_seen = now
         w.num_leased -= len(lease.seq_ids)
         outcome = Outcome(True)
         pos = 0
         reported = set()
+        back = []  # still running here and not chained: queued again as this worker's
+        seqs = self.seqs
         for sid, count, code in zip(seq_ids, counts, status):
             new, pos = tokens[pos:pos + count], pos + count
-            seq = self.seqs.get(sid)
+            seq = seqs.get(sid)
             if seq is None or seq.lease_id != lease_id or sid in reported:
                 continue
             reported.add(sid)
             seq.lease_id, chained, seq.next_lease = None, seq.next_lease, None
-            code = Finish(code)
-            if code.is_finished:
+            if code in _FINISHED:
                 self._remove(seq)
-                outcome.finished.append((sid, code))
+                outcome.finished.append((sid, Finish(code)))
                 continue
             if code == Finish.NEED_IDS:
                 self._set_owner(seq, None)
                 self.counters["resends"] += 1
                 self._requeue(seq, front=True)  # a chained step fails too; its result is ignored
                 continue
-            seq.token_ids.extend(new)
-            self._set_owner(seq, name)
+            seq.token_ids += new
+            if seq.owner != name:
+                self._set_owner(seq, name)
             if chained is not None and chained in self.leases:
                 seq.lease_id = chained  # the next step is already at this worker
             else:
-                self._requeue(seq)
+                back.append(seq)
+        self.queue.extend(back)
         for sid in lease.seq_ids:  # rows the worker failed to report
             seq = self.seqs.get(sid)
             if sid not in reported and seq is not None and seq.lease_id == lease_id:
@@ -349,6 +422,7 @@ class Scheduler:
     def _revoke(self, lease_id: int) -> None:
         lease = self.leases.pop(lease_id)
         w = self.workers[lease.worker]
+        w.lease_ids.pop(lease_id, None)
         w.num_leased -= len(lease.seq_ids)
         for sid in lease.seq_ids:
             seq = self.seqs.get(sid)
@@ -364,7 +438,7 @@ class Scheduler:
 
     def _forget_worker(self, w: WorkerState, cause: str) -> None:
         lost = set(w.owned)
-        for lease_id in [i for i, lease in self.leases.items() if lease.worker == w.name]:
+        for lease_id in list(w.lease_ids):
             lost.update(self.leases[lease_id].seq_ids)
             self._revoke(lease_id)
         if cause == "dead":
@@ -377,6 +451,7 @@ class Scheduler:
                 self.counters["migrations_dead"] += 1
                 self.counters["migrations_by_recompute"] += 1
             w.owned.clear()
+            self.queue.rekey(self.seqs[sid] for sid in lost if sid in self.seqs)
 
     def _set_owner(self, seq: Seq, name: str | None) -> None:
         if seq.owner and seq.owner != name and (old := self.workers.get(seq.owner)):
@@ -384,14 +459,13 @@ class Scheduler:
         seq.owner = name
         if name is not None:
             self.workers[name].owned.add(seq.seq_id)
+        self.queue.rekey((seq,))
 
     def _requeue(self, seq: Seq, front: bool = False) -> None:
-        self.queue[seq.seq_id] = None
-        if front:
-            self.queue.move_to_end(seq.seq_id, last=False)
+        self.queue.push(seq, front)
 
     def _remove(self, seq: Seq) -> None:
         self._set_owner(seq, None)
-        self.queue.pop(seq.seq_id, None)
+        self.queue.pop(seq)
         del self.seqs[seq.seq_id]
         self.counters["finished"] += 1

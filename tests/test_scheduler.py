@@ -781,6 +781,7 @@ class FleetSim:
     (5, {"migration": "recompute", "migrate_on_load": False}), (6, {"min_free_vram_fraction": 0.2}),
     (7, {"chain": True}), (8, {"chain": True, "migration": "transfer"}),
     (9, {"chain": True, "migrate_on_load": False}),
+    (10, {"chain": True, "max_lease_steps": 4}), (11, {"max_lease_steps": 1}),
 ])
 def test_one_place_at_a_time_under_random_operations(seed, config):
     sim = FleetSim(seed, **config)
@@ -948,4 +949,134 @@ def test_heartbeats_renew_the_leases_a_worker_names_and_no_others():
         s.renew("w0", [a.lease_id, b.lease_id], t)   # w1's lease is not w0's to renew
     assert s.expire(9.0) == [b.lease_id]
     assert a.lease_id in s.leases and report(s, a, now=9.0).accepted
+    check_invariants(s)
+
+
+# --- multi-step leases and revokes -------------------------------------------------------
+
+def revoked(s: Scheduler) -> dict[int, list[int]]:
+    """lease id -> rows named, for the revokes the router would send now (checked)."""
+    out = {}
+    for worker, lease_id, seq_ids in s.take_revokes():
+        assert s.leases[lease_id].worker == worker and s.leases[lease_id].is_revoked
+        assert set(seq_ids) <= set(s.leases[lease_id].seq_ids)
+        out[lease_id] = seq_ids
+    return out
+
+
+def steady(s: Scheduler, name: str, seq_ids: list[int]) -> Grant:
+    """Give seq_ids to name and return its next lease: decodes only, nothing queued."""
+    give(s, name, seq_ids)
+    grant = ask(s, name)
+    assert sorted(diff_ids(grant)) == sorted(seq_ids) and not s.queue
+    return grant
+
+
+def test_a_lease_covers_several_steps_only_while_nothing_waits():
+    s = make_sched(max_lease_steps=6)
+    join(s, "w0")
+    s.admit([spec(1), spec(2)])
+    first = ask(s, "w0")
+    assert first.num_steps == 1  # prefills: their first tokens should not wait
+    report(s, first)
+    grant = ask(s, "w0")
+    assert grant.num_steps == 6 and not revoked(s)
+    # every row may come back with up to six tokens
+    out = s.complete(grant.lease_id, "w0", [1, 2], [6, 3], [TOKEN] * 9, [0, 0], 0.0)
+    assert out.accepted and [len(s.seqs[i].token_ids) for i in (1, 2)] == [4 + 1 + 6, 4 + 1 + 3]
+    s.admit([spec(3)])  # queued behind a full worker: the next lease is one step
+    s.workers["w0"].max_seqs = 2
+    assert ask(s, "w0").num_steps == 1
+    check_invariants(s)
+
+
+@pytest.mark.parametrize("config", [{"max_lease_steps": 1}, {"policy": "any"}])
+def test_single_step_leases_when_configured_or_when_any_step_may_move(config):
+    s = make_sched(**config)
+    join(s, "w0")
+    assert steady(s, "w0", [1, 2]).num_steps == 1
+
+
+def test_new_requests_end_a_multi_step_lease_of_a_worker_with_room():
+    s = make_sched(max_lease_steps=8)
+    join(s, "w0")
+    grant = steady(s, "w0", [1, 2])
+    assert grant.num_steps == 8
+    s.admit([spec(3)])
+    assert revoked(s) == {grant.lease_id: []}
+    s.admit([spec(4)])  # already ending: no second revoke
+    assert revoked(s) == {}
+    report(s, grant)  # the worker stopped after one step
+    nxt = ask(s, "w0")
+    assert sorted(row_ids(nxt)) == [1, 2, 3, 4] and sorted(full_ids(nxt)) == [3, 4]
+    check_invariants(s)
+
+
+def test_a_full_worker_keeps_its_multi_step_lease_when_requests_arrive():
+    s = make_sched(max_lease_steps=8)
+    join(s, "w0", max_seqs=2)
+    grant = steady(s, "w0", [1, 2])
+    s.admit([spec(3)])
+    assert revoked(s) == {} and grant.lease_id in s.leases
+
+
+def test_drain_and_memory_pressure_end_multi_step_leases():
+    s = make_sched(max_lease_steps=8, migrate_on_load=False)
+    join(s, "w0", gpu_uuid="GPU-0"), join(s, "w1", gpu_uuid="GPU-1")
+    g0 = steady(s, "w0", [1, 2])
+    g1 = steady(s, "w1", [3, 4])
+    assert revoked(s) == {g0.lease_id: []}  # w1's requests arrived while w0 had room
+    g0 = ask(s, "w0") if report(s, g0).accepted else None
+    s.set_free_vram("GPU-1", 0.5)
+    assert revoked(s) == {} and g0.num_steps == 8
+    s.set_free_vram("GPU-1", 0.01)
+    assert revoked(s) == {g1.lease_id: []}
+    s.set_free_vram("GPU-1", 0.01)  # still short: nothing new to end
+    assert revoked(s) == {}
+    assert s.drain("w0")
+    assert revoked(s) == {g0.lease_id: []}
+    report(s, g0)
+    report(s, g1)
+    assert ask(s, "w0") is None  # draining
+    join(s, "w2")
+    taken = ask(s, "w2")
+    assert sorted(row_ids(taken)) == [1, 2, 3, 4]
+    assert migrations(s) == {"migrations_drain": 2, "migrations_memory": 2, "migrations_by_recompute": 4}
+    check_invariants(s)
+
+
+def test_an_idle_worker_gets_rows_revoked_from_a_busy_one():
+    s = make_sched(max_lease_steps=8, rebalance_threshold=4, chain=True)
+    join(s, "w0", max_seqs=16)
+    busy = steady(s, "w0", list(range(1, 13)))
+    ahead = s.schedule("w0", 16, 1 << 20, 0.0, ahead=True)  # the chained next lease
+    assert busy.num_steps == 8 and ahead.num_steps == 8 and len(ahead.rows) == 12
+    join(s, "w1", max_seqs=16)  # joins while w0 runs both
+    assert ask(s, "w1") is None  # nothing queued for it...
+    ends = revoked(s)  # ...so half the gap comes back from w0 at its next step
+    assert set(ends) == {busy.lease_id, ahead.lease_id}
+    moving = ends[busy.lease_id]
+    assert len(moving) == 6 and ends[ahead.lease_id] == moving
+    report(s, busy)  # the running lease ends after one step; every row chains on
+    # the chained lease runs no step for the revoked rows: they come back with no tokens
+    seq_ids = row_ids(ahead)
+    counts = [0 if sid in moving else 1 for sid in seq_ids]
+    s.complete(ahead.lease_id, "w0", seq_ids, counts, [TOKEN] * sum(counts), [0] * len(seq_ids), 0.0)
+    taken = ask(s, "w1")
+    assert len(full_ids(taken)) == 6 and set(full_ids(taken)) <= set(range(1, 13))
+    assert migrations(s)["migrations_load"] == 6
+    check_invariants(s)
+
+
+def test_the_queue_keeps_the_routers_order_across_owners():
+    s = make_sched(max_lease_steps=1)
+    join(s, "w0"), join(s, "w1")
+    give(s, "w0", [1, 2])
+    give(s, "w1", [3])
+    s.admit([spec(4)])
+    assert list(s.queue) == [1, 2, 3, 4]
+    grant = ask(s, "w0")
+    report(s, grant, codes={1: Finish.NEED_IDS})  # a resend goes to the front
+    assert list(s.queue) == [1, 3, 2, 4] or list(s.queue)[0] == 1
+    assert 1 in s.queue and 5 not in s.queue and len(s.queue) == 4
     check_invariants(s)

@@ -27,7 +27,8 @@ class Router:
             migrate_on_load=rc.migrate_on_load, migrate_on_memory=rc.migrate_on_memory,
             min_free_vram_fraction=rc.min_free_vram_fraction, migration=rc.migration,
             link_gbps=rc.link_gbps, prefill_tflops=rc.prefill_tflops,
-            rebalance_threshold=rc.rebalance_threshold, chain=rc.chain_leases)
+            rebalance_threshold=rc.rebalance_threshold, chain=rc.chain_leases,
+            max_lease_steps=rc.max_lease_steps)
         self.heartbeat_interval_s = rc.heartbeat_interval_s
         self.sched = Scheduler(self.config)
         self.work = transport.socket(zmq.ROUTER, bind=topo.endpoint("router").bind)
@@ -61,6 +62,8 @@ class Router:
             if ready or ticked:  # nothing else can have changed what a waiting request gets
                 self.serve_parked(now)
                 self.release_drained()
+            if self.sched.revokes:
+                self.send_revokes()
 
     def drain_socket(self) -> None:
         for _ in range(MAX_BURST):
@@ -147,16 +150,18 @@ class Router:
     def on_step_result(self, sender: bytes, msg: P.StepResult) -> None:
         if (name := self._worker(sender)) is None:
             return
-        seq_ids = P.unpack_i64(msg.seq_ids, "seq_ids").tolist()
-        counts = P.unpack_i32(msg.counts, "counts").tolist()
-        tokens = P.unpack_i32(msg.tokens, "tokens").tolist()
-        status = P.unpack_u8(msg.status, "status").tolist()
-        if not len(seq_ids) == len(counts) == len(status) or sum(counts) != len(tokens) or min(counts, default=0) < 0:
+        seq_ids = P.unpack_i64(msg.seq_ids, "seq_ids")
+        counts = P.unpack_i32(msg.counts, "counts")
+        tokens = P.unpack_i32(msg.tokens, "tokens")
+        status = P.unpack_u8(msg.status, "status")
+        if not len(seq_ids) == len(counts) == len(status) or (len(counts) and counts.min() < 0) \
+                or int(counts.sum()) != len(tokens):
             raise P.ProtocolError("step result arrays do not agree")
-        if any(s > max(P.Finish) for s in status):
+        if len(status) and status.max() > max(P.Finish):
             raise P.ProtocolError("unknown status code")
         evicted = P.unpack_i64(msg.evicted_ids, "evicted_ids")
-        self.sched.complete(msg.lease_id, name, seq_ids, counts, tokens, status, time.monotonic())
+        self.sched.complete(msg.lease_id, name, seq_ids.tolist(), counts.tolist(), tokens.tolist(),
+                            status.tolist(), time.monotonic())
         if len(evicted):
             self.sched.evicted(name, evicted.tolist())
 
@@ -216,8 +221,13 @@ class Router:
             grant.lease_id, request_no, self.config.lease_timeout_s,
             P.pack_i64([r.seq_id for r in rows]), P.pack_i32([r.length for r in rows]),
             P.pack_i32([r.last_token for r in rows]), [r.spec for r in rows if r.spec is not None],
-            P.pack_i64(grant.drop_ids))
+            P.pack_i64(grant.drop_ids), grant.num_steps)
         self.reply(self.identity[grant.worker], lease)
+
+    def send_revokes(self) -> None:
+        for worker, lease_id, seq_ids in self.sched.take_revokes():
+            if worker in self.identity:
+                self.reply(self.identity[worker], P.Revoke(lease_id, P.pack_i64(seq_ids)))
 
     def release_drained(self) -> None:
         for name, w in self.sched.workers.items():
