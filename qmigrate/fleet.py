@@ -40,6 +40,7 @@ class Seq:
     next_lease: int | None = None  # a chained lease that takes over when lease_id completes
     queue_key: object = None       # the owner it is queued under; _OUT when not queued
     queue_pos: int = 0             # its place in the router's order: lower runs first
+    lost_at: float | None = None   # when the worker holding it was found dead
     # Set when a worker vanished holding this sequence: tokens it reported here may never
     # have reached the detokenizer, so the next worker sends them again.
     resync: bool = False
@@ -80,6 +81,7 @@ class WorkerState:
     num_leased: int = 0
     pending_drops: list[int] = field(default_factory=list)
     lease_ids: dict[int, None] = field(default_factory=dict)  # its open leases, oldest first
+    moving_since: float | None = None  # when its sequences were told to leave (drain, memory, death)
 
     @property
     def capacity(self) -> int:

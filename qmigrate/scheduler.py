@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from collections import Counter
+from collections import Counter, deque
 
 from .fleet import (Grant, LeaseRecord, Outcome, Queue, Row, SchedulerConfig, Seq, WorkerState,
                     choose_mechanism)
@@ -50,6 +50,8 @@ class Scheduler:
         self._lease_ids = itertools.count(1)
         self._transfer_ids = itertools.count(1)
         self.revokes: list[tuple[str, int, list[int]]] = []  # (worker, lease_id, seq_ids; [] = all)
+        # (cause, seconds from the decision to move to the lease on the new worker)
+        self.move_delays: deque[tuple[str, float]] = deque(maxlen=4096)
 
     def take_revokes(self) -> list[tuple[str, int, list[int]]]:
         revokes, self.revokes = self.revokes, []
@@ -73,7 +75,7 @@ class Scheduler:
     def register(self, worker: WorkerState, now: float) -> None:
         old = self.workers.get(worker.name)
         if old is not None and old.alive:
-            self._forget_worker(old, cause="dead")  # a restarted worker holds nothing
+            self._forget_worker(old, "dead", now)  # a restarted worker holds nothing
         worker.last_seen = worker.joined_at = now
         self.workers[worker.name] = worker
         self.counters["workers_joined"] += 1
@@ -90,10 +92,12 @@ class Scheduler:
             if lease is not None and lease.worker == name:
                 lease.deadline = max(lease.deadline, now + self.config.lease_timeout_s)
 
-    def drain(self, name: str) -> bool:
+    def drain(self, name: str, now: float = 0.0) -> bool:
         w = self.workers.get(name)
         if w is None or not w.alive:
             return False
+        if not w.draining:
+            w.moving_since = now
         w.draining = True
         self._revoke_steps(w)
         return True
@@ -104,15 +108,16 @@ class Scheduler:
 
     def retire(self, name: str) -> None:
         if (w := self.workers.get(name)) is not None:
-            self._forget_worker(w, cause="drain")
+            self._forget_worker(w, "drain")
             w.alive = False
 
-    def set_free_vram(self, gpu_uuid: str, free_fraction: float) -> None:
+    def set_free_vram(self, gpu_uuid: str, free_fraction: float, now: float = 0.0) -> None:
         for w in self.workers.values():
             if w.gpu_uuid and w.gpu_uuid == gpu_uuid:
                 short = free_fraction < self.config.min_free_vram_fraction
                 if short and not w.is_memory_short and self.config.migrate_on_memory:
                     self._revoke_steps(w)
+                    w.moving_since = now
                 w.free_vram_fraction = -1.0 if short else free_fraction
 
     # --- admission ---------------------------------------------------------------------
@@ -183,7 +188,7 @@ class Scheduler:
             budget -= cost
             room -= kv_cost
             num_passed -= 1
-            rows.append(self._lease_row(seq, w, cause, mechanism, shipments))
+            rows.append(self._lease_row(seq, w, cause, mechanism, shipments, now))
         queued = len(rows)
         # Queued work first, so chaining never starves it; the batch in flight fills the rest.
         chained = chainable[: max(0, min(max_seqs - queued, budget))]
@@ -333,12 +338,17 @@ class Scheduler:
         return choose_mechanism(len(seq.token_ids) - 1, owner.kv_bytes_per_token, owner.num_params,
                                 self.config.link_gbps, self.config.prefill_tflops)
 
-    def _lease_row(self, seq: Seq, w: WorkerState, cause, mechanism, shipments) -> Row:
+    def _lease_row(self, seq: Seq, w: WorkerState, cause, mechanism, shipments, now: float) -> Row:
         if seq.owner == w.name:
             return Row(seq.seq_id, len(seq.token_ids), seq.token_ids[-1], None)
+        if seq.lost_at is not None:
+            self.move_delays.append(("dead", now - seq.lost_at))
+            seq.lost_at = None
         kv_from, transfer_id = "", 0
         if cause is not None:
             owner = self.workers[seq.owner]
+            if owner.moving_since is not None and cause in ("drain", "memory", "dead"):
+                self.move_delays.append((cause, now - owner.moving_since))
             self.counters[f"migrations_{cause}"] += 1
             self.counters[f"migrations_by_{mechanism}"] += 1
             owner.owned.discard(seq.seq_id)
@@ -413,7 +423,8 @@ class Scheduler:
                 self.counters["leases_expired"] += 1
         for w in self.workers.values():
             if w.alive and now - w.last_seen > self.config.heartbeat_timeout_s:
-                self._forget_worker(w, cause="dead")
+                w.moving_since = now
+                self._forget_worker(w, "dead", now)
                 w.alive = False
                 self.counters["workers_lost"] += 1
         return expired
@@ -436,7 +447,7 @@ class Scheduler:
                 w.pending_drops.append(sid)
                 self._requeue(seq, front=True)
 
-    def _forget_worker(self, w: WorkerState, cause: str) -> None:
+    def _forget_worker(self, w: WorkerState, cause: str, now: float = 0.0) -> None:
         lost = set(w.owned)
         for lease_id in list(w.lease_ids):
             lost.update(self.leases[lease_id].seq_ids)
@@ -448,6 +459,7 @@ class Scheduler:
                 if seq.owner == w.name:
                     seq.owner = None
                 seq.resync = True
+                seq.lost_at = now
                 self.counters["migrations_dead"] += 1
                 self.counters["migrations_by_recompute"] += 1
             w.owned.clear()

@@ -1080,3 +1080,21 @@ def test_the_queue_keeps_the_routers_order_across_owners():
     assert list(s.queue) == [1, 3, 2, 4] or list(s.queue)[0] == 1
     assert 1 in s.queue and 5 not in s.queue and len(s.queue) == 4
     check_invariants(s)
+
+
+def test_the_delay_from_a_decision_to_move_to_the_new_workers_lease_is_recorded():
+    s = make_sched(max_lease_steps=8, migrate_on_load=False, heartbeat_timeout_s=5.0)
+    join(s, "w0", gpu_uuid="GPU-0"), join(s, "w1", gpu_uuid="GPU-1"), join(s, "w2")
+    give(s, "w0", [1])
+    give(s, "w1", [2])
+    s.drain("w0", now=10.0)
+    assert row_ids(ask(s, "w2", now=10.25)) == [1]
+    s.set_free_vram("GPU-1", 0.01, now=11.0)
+    assert row_ids(ask(s, "w2", now=11.5)) == [2]
+    assert list(s.move_delays) == [("drain", 0.25), ("memory", 0.5)]
+    give(s, "w1", [3], now=11.5)
+    for name in ("w0", "w2"):
+        s.touch(name, 20.0)
+    s.expire(20.0)  # w1 silent since 11.5: found dead at 20.0
+    assert row_ids(ask(s, "w2", now=20.125)) == [3]
+    assert list(s.move_delays)[-1] == ("dead", 0.125)

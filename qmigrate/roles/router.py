@@ -99,7 +99,7 @@ class Router:
                     numbers = gpu[1:5] if len(gpu) >= 5 else ()
                     if (isinstance(gpu[0], str) and len(numbers) == 4
                             and all(type(x) is int and x >= 0 for x in numbers) and 0 < gpu[4] <= gpu[2]):
-                        self.sched.set_free_vram(gpu[0], gpu[4] / gpu[2])
+                        self.sched.set_free_vram(gpu[0], gpu[4] / gpu[2], time.monotonic())
                     else:
                         log.warning("dropped a malformed VRAM report entry from %s", msg.node[:64])
 
@@ -172,7 +172,7 @@ class Router:
         self.reply(sender, P.SubmitAck(taken, self.sched.num_free))
 
     def on_drain(self, sender: bytes, msg: P.Drain) -> None:
-        ok = self.sched.drain(msg.worker)
+        ok = self.sched.drain(msg.worker, time.monotonic())
         text = f"draining {msg.worker}" if ok else f"no live worker named {msg.worker!r}"
         self.reply(sender, P.DrainAck(ok, text))
 
@@ -183,6 +183,13 @@ class Router:
                         workers=sum(w.alive for w in self.sched.workers.values()))
         for name, w in self.sched.workers.items():
             counters[f"owned_{name}"] = len(w.owned)
+        delays: dict[str, list[float]] = {}
+        for cause, seconds in self.sched.move_delays:
+            delays.setdefault(cause, []).append(seconds)
+        for cause, values in delays.items():  # from the decision to move to the new worker's lease
+            values.sort()
+            counters[f"move_delay_ms_p50_{cause}"] = round(values[len(values) // 2] * 1000, 3)
+            counters[f"move_delay_ms_max_{cause}"] = round(values[-1] * 1000, 3)
         for name, (busy, idle) in self.worker_times.items():
             counters[f"busy_ms_{name}"], counters[f"idle_ms_{name}"] = busy, idle
         self.reply(sender, P.Stats(counters))
