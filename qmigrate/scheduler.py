@@ -205,12 +205,8 @@ class Scheduler:
             self.queue.pop(seq)
         for seq in chained:
             seq.next_lease = lease_id
-        # Several steps only for a batch of decodes that nothing is waiting behind.
-        waiting = num_passed or len(candidates) > queued or self.queue.of(None)
-        num_steps = 1
-        if (self.config.max_lease_steps > 1 and not waiting and not shipments and self._may_keep(w)
-                and self.config.policy != "any" and all(r.spec is None for r in rows)):
-            num_steps = self.config.max_lease_steps
+        num_steps = self._num_steps(w, rows, queued, skipped=num_passed > 0,
+                                    full=len(candidates) > queued and len(rows) >= max_seqs)
         self.counters["chained_rows"] += len(chained)
         self.leases[lease_id] = LeaseRecord(name, seq_ids, now + self.config.lease_timeout_s, num_steps)
         w.lease_ids[lease_id] = None
@@ -219,6 +215,21 @@ class Scheduler:
         self.counters["leases"] += 1
         self.counters["leased_rows"] += len(rows)
         return Grant(lease_id, name, rows, drops, shipments, num_steps)
+
+    def _num_steps(self, w: WorkerState, rows: list[Row], queued: int, *, skipped: bool, full: bool) -> int:
+        """Steps the lease may cover: several for a batch of decodes that nothing waits to join.
+
+        Work that did not fit this lease's budget keeps it to one step. Behind a full batch,
+        the lease ends when its first row reaches max_new_tokens, when a place frees."""
+        limit = self.config.max_lease_steps
+        if (limit <= 1 or skipped or self.config.policy == "any" or not self._may_keep(w)
+                or any(r.spec is not None for r in rows)):
+            return 1
+        if full:
+            for r in rows[:queued]:
+                seq = self.seqs[r.seq_id]
+                limit = min(limit, seq.spec.prompt_len + seq.spec.max_new_tokens - len(seq.token_ids))
+        return max(1, limit)
 
     def _feed_from_leases(self, w: WorkerState, quota: Counter[str], room: int) -> None:
         """w has room that the queue cannot fill: revoke rows of other workers' multi-step

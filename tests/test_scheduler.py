@@ -975,7 +975,7 @@ def steady(s: Scheduler, name: str, seq_ids: list[int]) -> Grant:
 def test_a_lease_covers_several_steps_only_while_nothing_waits():
     s = make_sched(max_lease_steps=6)
     join(s, "w0")
-    s.admit([spec(1), spec(2)])
+    s.admit([spec(1), spec(2, max_new_tokens=8)])
     first = ask(s, "w0")
     assert first.num_steps == 1  # prefills: their first tokens should not wait
     report(s, first)
@@ -984,9 +984,16 @@ def test_a_lease_covers_several_steps_only_while_nothing_waits():
     # every row may come back with up to six tokens
     out = s.complete(grant.lease_id, "w0", [1, 2], [6, 3], [TOKEN] * 9, [0, 0], 0.0)
     assert out.accepted and [len(s.seqs[i].token_ids) for i in (1, 2)] == [4 + 1 + 6, 4 + 1 + 3]
-    s.admit([spec(3)])  # queued behind a full worker: the next lease is one step
+    # Queued behind a full batch: the lease ends when its first row can end (seq 2 has 4
+    # tokens to go), when a place frees for the waiting one.
     s.workers["w0"].max_seqs = 2
-    assert ask(s, "w0").num_steps == 1
+    s.admit([spec(3)])
+    behind = ask(s, "w0")
+    assert sorted(row_ids(behind)) == [1, 2] and behind.num_steps == 4
+    report(s, behind)
+    # A prompt that does not fit this lease's token budget keeps the lease to one step.
+    s.workers["w0"].max_seqs = 8
+    assert ask(s, "w0", max_tokens=2).num_steps == 1
     check_invariants(s)
 
 
