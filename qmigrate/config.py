@@ -138,7 +138,7 @@ class RouterConfig(_Section):
     prefill_tflops: float = _f(100.0, _positive)
     rebalance_threshold: int = _f(8, _count)
     chain_leases: bool = _f(True, _boolean)
-    max_lease_steps: int = _f(8, _rule("an integer 1..1024", lambda v: _is_int(v) and 1 <= v <= 1024))
+    max_lease_steps: int = _f(16, _rule("an integer 1..1024", lambda v: _is_int(v) and 1 <= v <= 1024))
 
     def validate(self) -> None:
         if self.heartbeat_timeout_s <= self.heartbeat_interval_s:

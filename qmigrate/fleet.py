@@ -24,7 +24,7 @@ class SchedulerConfig:
     prefill_tflops: float = 100.0
     rebalance_threshold: int = 8          # owned-count gap that lets an idle worker take work
     chain: bool = True                    # lease the next step of a batch still in flight
-    max_lease_steps: int = 8              # steps a lease may cover while nothing waits for its worker
+    max_lease_steps: int = 16             # steps a lease may cover while nothing waits for its worker
 
     def __post_init__(self):
         assert self.policy in ("affinity", "any"), self.policy

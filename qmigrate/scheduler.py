@@ -165,7 +165,7 @@ class Scheduler:
         chainable = [seq for seq in held if seq.next_lease is None] if self._may_chain(w) else []
         quota = self._steal_quota(w)
         # Look at a bounded stretch of the queue: a request costs what it can return.
-        candidates = list(itertools.islice(self._candidates(w, quota), 4 * max_seqs + 64))
+        candidates = self._candidates(w, quota, max_seqs + 64)
         if ahead and w.num_leased and not chainable and len(candidates) < max_seqs:
             return None
         budget = min(max_tokens, w.max_tokens)
@@ -286,23 +286,26 @@ class Scheduler:
         return not any(self._rebalance_gap(w, o) for o in self.workers.values()
                        if o is not w and o.alive and not o.draining)
 
-    def _candidates(self, w: WorkerState, quota: Counter[str]):
-        """Queued sequences this worker may run, best first, with the migration cause:
-        its own, then those held nowhere, then those that should leave their owner."""
-        own = self.queue.of(w.name)
-        yield from ((seq, None) for seq in own.values())
-        yield from ((seq, None) for seq in self.queue.of(None).values())
+    def _candidates(self, w: WorkerState, quota: Counter[str], limit: int) -> list[tuple[Seq, str | None]]:
+        """Up to `limit` queued sequences this worker may run, best first, with the migration
+        cause: its own, then those held nowhere, then those that should leave their owner."""
+        out = [(seq, None) for seq in itertools.islice(self.queue.of(w.name).values(), limit)]
+        if len(out) < limit:
+            out += [(seq, None) for seq in itertools.islice(self.queue.of(None).values(), limit - len(out))]
         movable = []
         for owner, queued in self.queue.by_owner.items():
             other = self.workers.get(owner) if owner is not None else None
             if other is not None and other is not w and self._move_cause(other, quota) is not None:
                 movable.append(queued.values())
         for seq in heapq.merge(*movable, key=lambda seq: seq.queue_pos):
+            if len(out) >= limit:
+                break
             owner = self.workers[seq.owner]
             if (cause := self._move_cause(owner, quota)) is not None:
                 if cause == "load":
                     quota[owner.name] -= 1
-                yield seq, cause
+                out.append((seq, cause))
+        return out
 
     def _steal_quota(self, w: WorkerState) -> Counter[str]:
         """How many sequences each other worker may lose to `w` for load reasons."""
