@@ -217,7 +217,7 @@ class WorkerCore:
                 continue
             state.last_token = token
             out[row.seq_id].append(token)
-            length = row.start + len(row.new_ids) + 1
+            length = row.start + max(1, len(row.new_ids)) + 1  # a row fed on the device has one new token
             code = state.finish_after(token, row.index, length, self.engine.max_len)
             status[row.seq_id] = code
             if code.is_finished:

@@ -830,3 +830,23 @@ def test_long_prompts_fill_their_kv_in_chunks(model, prompts, greedy, runner):
     assert calls == [8, 16, 24, 32]
     assert tokens == [greedy(long, 1)[0], greedy(short, 1)[0]]
     assert engine.cached_len(1) == len(long)
+
+
+def test_a_multi_step_lease_chained_on_the_device_runs_on_from_the_fed_token(core, prompts, greedy):
+    """A lease started before the previous one is collected feeds its first token on the
+    device; its later steps must then start one position further on."""
+    ps = {1: list(prompts[1]), 2: list(prompts[2])}
+    first = core.start(make_lease(ps, full=[spec_of(i, p, len(p)) for i, p in ps.items()]))
+    chained = P.Lease(2, 2, 10.0, P.pack_i64([1, 2]), P.pack_i32([P.CONTINUE] * 2),
+                      P.pack_i32([P.CONTINUE] * 2), [], b"", 5)
+    second = core.start(chained, after=first)
+    a, _ = core.finish(first)
+    b, _ = core.finish(second)
+    got = {sid: [] for sid in ps}
+    for res in (a, b):
+        counts = P.unpack_i32(res.counts).tolist()
+        tokens = iter(P.unpack_i32(res.tokens).tolist())
+        for sid, n in zip(P.unpack_i64(res.seq_ids).tolist(), counts):
+            got[sid] += [next(tokens) for _ in range(n)]
+    for sid, p in ps.items():
+        assert got[sid] == greedy(p, 6), sid

@@ -108,6 +108,9 @@ class Worker:
                     self.finish_lease(self.started.popleft())
                 self.close()
                 return
+            if self.started and self.started[-1].lease.num_steps > 1:
+                # its later steps run when it is finished: nothing may be queued behind it
+                self.finish_lease(self.started.popleft())
             if self.leases and len(self.started) < 2:
                 self.start_lease(*self.leases.popleft())
             if self.started and (len(self.started) == 2 or not self.leases):
