@@ -184,7 +184,7 @@ def serve(endpoint: str, names: list[str], step_s: float, max_seqs: int, infligh
         ends = [e for w in workers if w.alive and (e := w.device.next_end()) is not None]
         wait = min(ends, default=now + 0.02) - now
         # zmq polls in whole milliseconds: wake early, then sleep the rest of the way.
-        ready = poller.poll(max(0, math.floor(wait * 1000))) if wait >= 0.001 else []
+        ready = poller.poll(math.floor(wait * 1000) if wait >= 0.001 else 0)
         if not ready and 0 < wait < 0.001:
             time.sleep(wait)
         for sock, _ in ready:
