@@ -177,10 +177,25 @@ def bench(
     decode_step: Annotated[bool, typer.Option("--decode-step", help="Instead of the workload: time one decode step per batch size against the weight-read floor (CUDA).")] = False,
     batches: Annotated[str, typer.Option(help="With --decode-step: comma-separated batch sizes.")] = "1,16,64,128,256",
     context: Annotated[int, typer.Option(min=2, help="With --decode-step: tokens of context per row.")] = 512,
+    fake_workers: Annotated[Optional[str], typer.Option("--fake-workers", help="Instead of the workload: the router alone with fake workers that skip the model. N sweeps 1,2,4,... up to N; or a list such as 1,2,4,8,16,32.")] = None,
+    fake_step_ms: Annotated[float, typer.Option(min=0.01, help="With --fake-workers: milliseconds a fake step takes.")] = 2.0,
+    fake_batch: Annotated[int, typer.Option(min=1, help="With --fake-workers: rows per fake step (the workers' max_seqs).")] = 256,
+    fake_window_s: Annotated[float, typer.Option(min=0.1, help="With --fake-workers: seconds measured per fleet size, after the warm-up.")] = 3.0,
+    fake_warmup_s: Annotated[float, typer.Option(min=0.0, help="With --fake-workers: seconds of warm-up per fleet size.")] = 1.0,
     log_level: LogLevel = "warning",
 ):
     """Run a workload through the full pipeline, the engine in-process and HF static
     generate; print tok/s, the ratios, TTFT/TPOT p50/p99 and migrations by cause."""
+    if fake_workers is not None:
+        from .bench_router import run_router_bench, sweep_sizes
+        try:
+            sizes = sweep_sizes(fake_workers)
+        except ValueError as exc:
+            _fail(str(exc))
+        run_router_bench(sizes=sizes, step_ms=fake_step_ms, batch=fake_batch, warmup_s=fake_warmup_s,
+                         window_s=fake_window_s, router_overrides={"policy": policy, "migration": migration},
+                         json_path=json_out, log_level=log_level)
+        return
     from .bench import Workload, run_bench
     from .engine.models import build_bench_model
     is_cuda = device.startswith("cuda")
@@ -250,14 +265,15 @@ def role(
     logging.basicConfig(level=log_level.upper(), stream=sys.stderr,
                         format=f"qmigrate {role.value} {name}: %(levelname)s %(message)s")
     topo = _load(config)
-    from .roles import detokenizer, ingest, monitor, router, worker
+    import importlib
+    module = importlib.import_module(f".roles.{role.value}", __package__)  # only this role's imports
     try:
         if role is Role.ingest:
-            code = ingest.run(topo, name, read_stdin=stdin, exit_when_done=exit_when_done)
+            code = module.run(topo, name, read_stdin=stdin, exit_when_done=exit_when_done)
         elif role is Role.detokenizer:
-            code = detokenizer.run(topo, name, exit_when_done=exit_when_done)
+            code = module.run(topo, name, exit_when_done=exit_when_done)
         else:
-            code = {Role.router: router, Role.worker: worker, Role.monitor: monitor}[role].run(topo, name)
+            code = module.run(topo, name)
     except KeyboardInterrupt:
         code = 130  # the node supervisor stops every role; no traceback for Ctrl-C
     raise typer.Exit(code)

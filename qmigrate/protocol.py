@@ -344,9 +344,8 @@ class Stats:
 
 @message(MsgType.REVOKE)
 class Revoke:
-    """Router to worker: end this lease at its next step boundary (after at most one more
-    step) and report it as usual. Rows named in seq_ids take no further step in it; a lease
-    not yet started reports them with no tokens."""
+    """Router to worker: end this lease at its next step boundary and answer it as usual (a
+    lease not yet started runs one step). seq_ids names the rows the router wants back."""
 
     lease_id: int
     seq_ids: bytes = b""      # int64

@@ -15,8 +15,8 @@ still in one place, that worker; it is never chained when it ought to move inste
 Multi-step leases take the router off the per-step path: while nothing waits for a worker,
 its lease covers up to `max_lease_steps` steps. When something must move sooner (a drain,
 memory pressure, an idle worker to feed, new requests to admit) the router revokes such a
-lease: it ends at the worker's next step boundary and its rows come back like any result;
-rows named in the revoke take no further step there, even in a chained lease not yet begun.
+lease: it ends at the worker's next step boundary and its rows come back like any result
+(a chained lease not yet begun is revoked too, and then runs one step).
 Revokes to send collect in `revokes`; the router sends them once per loop turn.
 
 The queue is kept per KV owner (`fleet.Queue`), and a worker's open leases are listed on
@@ -59,7 +59,7 @@ class Scheduler:
 
     def _revoke_steps(self, w: WorkerState, seq_ids: list[int] | None = None) -> None:
         """End w's multi-step leases at its next step boundary; with seq_ids, end every lease
-        of w that holds one of them, and those rows take no further step there."""
+        of w that holds one of them."""
         for lease_id in w.lease_ids:
             lease = self.leases[lease_id]
             if lease.is_revoked:

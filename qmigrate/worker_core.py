@@ -73,6 +73,8 @@ class Started:
     first_index: dict[int, int] = field(default_factory=dict)
     resend: dict[int, list[int]] = field(default_factory=dict)
     pending: object = None
+    shown: dict[int, int] = field(default_factory=dict)   # tokens already sent to the detokenizer
+    announced: set[int] = field(default_factory=set)      # rows whose end it has been sent
 
 
 @dataclass(slots=True)
@@ -148,17 +150,45 @@ class WorkerCore:
             run.pending = self.engine.launch(run.rows, after=after.pending if after else None, between=between)
         return run
 
-    def finish(self, run: "Started") -> tuple[P.StepResult, P.Tokens]:
-        """Wait for the lease's first step, run any further steps, and build its messages."""
-        rows = run.rows
-        for k in range(max(1, run.lease.num_steps)):
-            if not rows:
-                break
-            tokens = self.engine.collect(run.pending) if k == 0 else self.engine.step(rows)
+    def finish(self, run: "Started", on_step=None, revoked: frozenset[int] | None = frozenset()
+               ) -> tuple[P.StepResult, P.Tokens]:
+        """Wait for the lease's first step, run any further steps, and build its messages.
+
+        A lease of num_steps > 1 runs up to that many steps, each launched before the last
+        is collected. After every step but the last, on_step(tokens) gets that step's Tokens
+        for the detokenizer (streaming stays one step behind) and returns the rows revoked so
+        far (`revoked`: None for every row). A revoked row stops at the next step not yet
+        launched, keeping the tokens it produced; its KV stays here, as after any step.
+        Returns the StepResult of the whole lease and the Tokens not yet given to on_step."""
+        pending, launched = run.pending, 1
+        while pending is not None:
+            nxt = None
+            if launched < max(1, run.lease.num_steps):
+                rows = self._continuing(run, pending, revoked)
+                nxt = self.engine.launch(rows, after=pending) if rows else None
+                launched += 1
+            tokens = self.engine.collect(pending)
             self.num_steps += 1
-            rows = self._advance(rows, tokens, run.status, run.out)
-        return self._messages(run.lease.lease_id, run.seq_ids, run.first_index, run.status, run.out,
-                              run.resend)
+            self._advance(pending.rows, tokens, run.status, run.out)
+            pending = nxt
+            if pending is not None and on_step is not None:
+                revoked = on_step(self._tokens(run, final=False))
+        return self._result(run), self._tokens(run, final=True)
+
+    def _continuing(self, run: "Started", pending, revoked: frozenset[int] | None) -> list[StepRow]:
+        """Rows of the next step of a multi-step lease, fed the tokens `pending` samples."""
+        if revoked is None:
+            return []
+        rows = []
+        for i in pending.placed:
+            r = pending.rows[i]
+            state = self.seqs.get(r.seq_id)
+            start = r.start + max(1, len(r.new_ids))
+            if (state is None or r.seq_id in revoked or run.status[r.seq_id].is_finished
+                    or r.index + 1 >= state.max_new_tokens or start + 1 >= self.engine.max_len):
+                continue  # ends with the step in flight (a length limit is known in advance)
+            rows.append(StepRow(r.seq_id, [], start, r.index + 1, r.temperature, r.top_p, r.top_k, r.seed))
+        return rows
 
     def _row(self, sid: int, length: int, token: int, spec: P.SeqSpec | None, protect: set[int],
              after: "Started | None" = None):
@@ -205,9 +235,10 @@ class WorkerCore:
             return 0
         return length - 1
 
-    def _advance(self, rows: list[StepRow], tokens: list[int], status, out) -> list[StepRow]:
-        nxt = []
+    def _advance(self, rows: list[StepRow], tokens: list[int], status, out) -> None:
         for row, token in zip(rows, tokens):
+            if status[row.seq_id].is_finished:
+                continue  # a step launched before the one that ended the row was collected
             state = self.seqs.get(row.seq_id)
             if token == REFUSED or state is None:
                 # no room in the pool (the router places it again), or a step queued behind
@@ -217,28 +248,36 @@ class WorkerCore:
                 continue
             state.last_token = token
             out[row.seq_id].append(token)
-            length = row.start + max(1, len(row.new_ids)) + 1  # a row fed on the device has one new token
+            length = row.start + max(1, len(row.new_ids)) + 1   # tokens, the new one included
             code = state.finish_after(token, row.index, length, self.engine.max_len)
             status[row.seq_id] = code
             if code.is_finished:
                 self.drop([row.seq_id])
-            else:
-                nxt.append(StepRow(row.seq_id, [token], length - 1, row.index + 1, row.temperature,
-                                   row.top_p, row.top_k, row.seed))
-        return nxt
 
-    def _messages(self, lease_id, seq_ids, first_index, status, out, resend):
-        counts = [len(out[sid]) for sid in seq_ids]
-        flat = [t for sid in seq_ids for t in out[sid]]
-        codes = [int(status[sid]) for sid in seq_ids]
-        result = P.StepResult(lease_id, P.pack_i64(seq_ids), P.pack_i32(counts), P.pack_i32(flat),
-                              P.pack_u8(codes), self.free_tokens, P.pack_i64(self.engine.take_evicted()))
-        # For the detokenizer: new tokens, preceded by any tokens it may have missed.
-        shown = [(sid, resend.get(sid, []) + out[sid], code) for sid, code in zip(seq_ids, codes)
-                 if out[sid] or code == ERROR or sid in resend]
-        starts = [first_index.get(sid, 0) - len(resend.get(sid, [])) for sid, _, _ in shown]
-        tokens = P.Tokens(P.pack_i64([sid for sid, _, _ in shown]), P.pack_i32(starts),
-                          P.pack_i32([len(ts) for _, ts, _ in shown]),
-                          P.pack_i32([t for _, ts, _ in shown for t in ts]),
-                          P.pack_u8([code for _, _, code in shown]))
-        return result, tokens
+    def _result(self, run: "Started") -> P.StepResult:
+        sids = run.seq_ids
+        return P.StepResult(run.lease.lease_id, P.pack_i64(sids), P.pack_i32([len(run.out[s]) for s in sids]),
+                            P.pack_i32([t for s in sids for t in run.out[s]]),
+                            P.pack_u8([int(run.status[s]) for s in sids]), self.free_tokens,
+                            P.pack_i64(self.engine.take_evicted()))
+
+    def _tokens(self, run: "Started", final: bool) -> P.Tokens:
+        """For the detokenizer: tokens not sent yet (after any it may have missed), and the
+        end of rows that ended; `final` also reports every row's status once."""
+        shown = []
+        for sid in run.seq_ids:
+            code = run.status[sid]
+            sent = run.shown.get(sid, 0)
+            new = run.out[sid][sent:]
+            resend = run.resend.pop(sid, [])
+            ends = code.is_finished and sid not in run.announced
+            if not (new or resend or ends):
+                continue
+            start = run.first_index.get(sid, 0) + sent - len(resend)
+            shown.append((sid, start, resend + new, int(code) if (final or code.is_finished) else 0))
+            run.shown[sid] = sent + len(new)
+            if code.is_finished:
+                run.announced.add(sid)
+        return P.Tokens(P.pack_i64([x[0] for x in shown]), P.pack_i32([x[1] for x in shown]),
+                        P.pack_i32([len(x[2]) for x in shown]), P.pack_i32([t for x in shown for t in x[2]]),
+                        P.pack_u8([x[3] for x in shown]))

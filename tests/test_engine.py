@@ -850,3 +850,98 @@ def test_a_multi_step_lease_chained_on_the_device_runs_on_from_the_fed_token(cor
             got[sid] += [next(tokens) for _ in range(n)]
     for sid, p in ps.items():
         assert got[sid] == greedy(p, 6), sid
+
+
+# --- WorkerCore: multi-step leases, streamed step by step, and revokes -------------------
+
+def decode_tokens(msg: P.Tokens) -> dict[int, tuple[int, list[int], int]]:
+    msg = P.decode(P.encode(msg))
+    out, pos = {}, 0
+    for sid, start, n, code in zip(P.unpack_i64(msg.seq_ids).tolist(), P.unpack_i32(msg.start).tolist(),
+                                   P.unpack_i32(msg.counts).tolist(), P.unpack_u8(msg.finish).tolist()):
+        out[sid], pos = (start, P.unpack_i32(msg.tokens).tolist()[pos:pos + n], code), pos + n
+    return out
+
+
+def result_tokens(result: P.StepResult) -> dict[int, list[int]]:
+    sids, counts = P.unpack_i64(result.seq_ids).tolist(), P.unpack_i32(result.counts).tolist()
+    flat, out, pos = P.unpack_i32(result.tokens).tolist(), {}, 0
+    for sid, n in zip(sids, counts):
+        out[sid], pos = flat[pos:pos + n], pos + n
+    return out
+
+
+def run_steps(core: WorkerCore, lease: P.Lease, revoke_at: dict | None = None, revoked=frozenset()):
+    """Run a lease, recording each step's Tokens; revoke_at[k]: the rows revoked as of the
+    k-th call between steps (None: every row)."""
+    streamed, current = [], [revoked]
+
+    def on_step(tokens):
+        streamed.append(decode_tokens(tokens))
+        current[0] = (revoke_at or {}).get(len(streamed), current[0])
+        return current[0]
+
+    result, final = core.finish(core.start(lease), on_step, revoked)
+    streamed.append(decode_tokens(final))
+    return result, streamed
+
+
+def test_a_multi_step_lease_streams_every_step_and_answers_once(core, prompts, greedy):
+    ids = {i: list(prompts[i]) for i in (0, 1, 5, 6)}
+    full = [spec_of(i, p, len(p)) for i, p in ids.items()]
+    result, streamed = run_steps(core, make_lease(ids, full=full, num_steps=5))
+    assert len(streamed) == 5                     # four calls between steps, then the final Tokens
+    for k, step in enumerate(streamed):
+        assert step == {i: (k, [greedy(p, 5)[k]], 0) for i, p in ids.items()}, k
+    assert result_tokens(result) == {i: greedy(p, 5) for i, p in ids.items()}
+    assert P.unpack_u8(result.status).tolist() == [Finish.NONE] * 4
+
+
+def test_revoked_rows_stop_at_the_next_step_boundary_and_keep_their_kv(core, prompts, greedy):
+    ids = {i: list(prompts[i]) for i in (0, 3, 6)}
+    full = [spec_of(i, p, len(p)) for i, p in ids.items()]
+    # Revoked in the call after step 2: step 3 is already launched, so row 3 ends with 3 tokens.
+    result, streamed = run_steps(core, make_lease(ids, full=full, num_steps=6), {2: frozenset({3})})
+    got = result_tokens(result)
+    assert got == {0: greedy(ids[0], 6), 3: greedy(ids[3], 3), 6: greedy(ids[6], 6)}
+    assert sum(len(s.get(3, (0, []))[1]) for s in streamed) == 3  # each token streamed once
+    assert P.unpack_u8(result.status).tolist() == [Finish.NONE] * 3
+    # It goes on here from its KV (a diff), exactly as if it had never stopped.
+    ids = {3: ids[3] + got[3]}
+    result, _ = run_steps(core, make_lease(ids, num_steps=3, lease_id=2))
+    assert result_tokens(result) == {3: greedy(prompts[3], 6)[3:]}
+
+
+def test_revoking_every_row(core, prompts, greedy):
+    ids = {i: list(prompts[i]) for i in (1, 4)}
+    full = [spec_of(i, p, len(p)) for i, p in ids.items()]
+    result, streamed = run_steps(core, make_lease(ids, full=full, num_steps=8), {1: None})
+    assert result_tokens(result) == {i: greedy(p, 2) for i, p in ids.items()} and len(streamed) == 2
+    # Revoked before it started: every row runs its first step only.
+    ids = {i: ids[i] + greedy(ids[i], 2) for i in ids}
+    result, streamed = run_steps(core, make_lease(ids, num_steps=8, lease_id=2), revoked=None)
+    assert result_tokens(result) == {i: [greedy(prompts[i], 3)[2]] for i in ids} and len(streamed) == 1
+
+
+def test_a_chained_row_runs_several_steps_from_the_token_on_the_device(core, prompts, greedy):
+    p = prompts[2]
+    first = core.start(make_lease({1: list(p)}, full=[spec_of(1, p, len(p))]))
+    chained = P.Lease(2, 2, 10.0, P.pack_i64([1]), P.pack_i32([P.CONTINUE]), P.pack_i32([P.CONTINUE]),
+                      num_steps=4)
+    second = core.start(chained, after=first)      # launched before the first step is collected
+    result1, _ = core.finish(first)
+    result2, tokens2 = core.finish(second)
+    assert result_tokens(result1)[1] + result_tokens(result2)[1] == greedy(p, 5)
+    assert decode_tokens(tokens2)[1][0] == 1
+
+
+def test_rows_that_end_inside_a_multi_step_lease_are_announced_once(core, prompts, greedy):
+    a, b = prompts[0], prompts[5]
+    ids = {1: list(a), 2: list(b)}
+    full = [spec_of(1, a, len(a), max_new_tokens=2), spec_of(2, b, len(b), eos_ids=[greedy(b, 3)[2]])]
+    result, streamed = run_steps(core, make_lease(ids, full=full, num_steps=6))
+    assert result_tokens(result) == {1: greedy(a, 2), 2: greedy(b, 3)}
+    assert P.unpack_u8(result.status).tolist() == [Finish.LENGTH, Finish.EOS]
+    ends = [(sid, code) for step in streamed for sid, (_, _, code) in step.items() if code]
+    assert ends == [(1, Finish.LENGTH), (2, Finish.EOS)]
+    assert 1 not in core.seqs and 2 not in core.seqs

@@ -1,13 +1,13 @@
-"""Worker: asks the router for batches, runs one step per batch, sends results on.
+"""Worker: asks the router for batches, runs them, sends results on.
 
-It keeps `inflight` requests outstanding, so the next batch is already here when a step
-ends. Results go back to the router; new tokens go to the detokenizer. KV shipments to
-and from other workers travel on a separate PULL socket, as a header and a raw frame.
+A socket loop around two pure cores: `WorkerLoop` decides what to ask for and which lease
+to start or finish next; `WorkerCore` runs a lease on the engine. Results go back to the
+router; new tokens go to the detokenizer. KV shipments to and from other workers travel on
+a separate PULL socket, as a header and a raw frame.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import math
 import os
@@ -23,6 +23,7 @@ from .. import transport
 from ..engine.models import load_model, resolve_model
 from ..engine.runner import Engine
 from ..worker_core import WorkerCore
+from ..worker_loop import FINISH, START, WAIT, LoopConfig, WorkerLoop
 from . import run_until_fatal
 
 log = logging.getLogger("qmigrate.worker")
@@ -48,16 +49,15 @@ class Worker:
                                       max_bytes=transport.KV_MAX_MESSAGE_BYTES, hwm=64)
         self.detok = transport.socket(zmq.PUSH, connect=topo.endpoint("detokenizer").connect)
         self.peers: dict[str, zmq.Socket] = {}
-        self.leases: deque[tuple[float, P.Lease]] = deque()
-        self.started: deque = deque()  # leases whose step is on the device, oldest first
-        self.starting: int | None = None  # the lease being started (its prompt may take a while)
-        self.outstanding = 0
-        self.request_no = 0
-        self.heartbeat_s = 0.5
-        self.last_sent = 0.0
-        self.last_lease = time.monotonic()
+        self.loop = WorkerLoop(LoopConfig(inflight=self.cfg.inflight, max_seqs=self.cfg.max_seqs,
+                                          max_tokens=self.cfg.max_tokens,
+                                          steps_per_dispatch=self.cfg.steps_per_dispatch))
+        self.deferred: deque = deque()  # router messages that came during a multi-step lease
         self.busy_s = self.idle_s = 0.0
-        self.last_heartbeat = 0.0
+
+    @property
+    def heartbeat_s(self) -> float:
+        return self.loop.config.heartbeat_s
 
     # --- startup -----------------------------------------------------------------------
     def hello(self) -> None:
@@ -77,7 +77,7 @@ class Worker:
                 continue
             msg = got[1]
             if isinstance(msg, P.Welcome):
-                self.heartbeat_s = msg.heartbeat_interval_s
+                self.loop.config.heartbeat_s = msg.heartbeat_interval_s
                 return
             if isinstance(msg, P.Reject) and not msg.is_unknown_peer:
                 raise SystemExit(f"worker {self.name}: router refused: {msg.reason}")
@@ -89,106 +89,100 @@ class Worker:
     def serve_forever(self) -> None:
         self.hello()
         log.info("worker %s ready on %s: %s", self.name, self.device, self.core.engine.describe())
-        poller = zmq.Poller()
-        poller.register(self.router, zmq.POLLIN)
-        poller.register(self.kv_in, zmq.POLLIN)
+        self.poller = zmq.Poller()
+        self.poller.register(self.router, zmq.POLLIN)
+        self.poller.register(self.kv_in, zmq.POLLIN)
         while True:
-            self.request_work()
-            # A started lease and none queued: wait a moment for the next one (it usually
-            # chains on this one), so it can be queued on the device before this one ends.
-            timeout = 0 if self.leases else 0.002 if self.started else self.heartbeat_s
-            t0 = time.monotonic()
-            ready = dict(poller.poll(int(timeout * 1000)))
-            if not self.leases and not self.started:
-                self.idle_s += time.monotonic() - t0
-            if self.kv_in in ready:
-                self.receive_kv()
-            if self.router in ready and self.receive_router():
-                while self.started:
-                    self.finish_lease(self.started.popleft())
+            now = time.monotonic()
+            for req in self.loop.requests(now, self.core.free_tokens):
+                self.send_router(req)
+            action, arg = self.loop.next_action(now, self.core.awaited_transfers)
+            if action == START:
+                self.start_lease(arg)
+            elif action == FINISH:
+                self.finish_lease(arg)
+            if self.receive(arg if action == WAIT else 0.0):
+                while self.loop.on_device:
+                    self.finish_lease(self.loop.on_device[0].handle)
                 self.close()
                 return
-            if self.started and self.started[-1].lease.num_steps > 1:
-                # its later steps run when it is finished: nothing may be queued behind it
-                self.finish_lease(self.started.popleft())
-            if self.leases and len(self.started) < 2:
-                self.start_lease(*self.leases.popleft())
-            if self.started and (len(self.started) == 2 or not self.leases):
-                self.finish_lease(self.started.popleft())
             self.keep_alive()
 
-    def request_work(self) -> None:
-        now = time.monotonic()
-        if self.outstanding and now - self.last_lease > 10 * self.heartbeat_s:
-            self.outstanding = 0  # the router may have restarted and forgotten our requests
-            self.last_lease = now
-        # Batches in flight: asked for, received, or running on the device.
-        while self.outstanding + len(self.leases) + len(self.started) < self.cfg.inflight:
-            self.request_no += 1
-            req = P.WorkRequest(self.request_no, self.cfg.max_seqs, self.cfg.max_tokens, self.core.free_tokens)
-            self.send_router(req)
-            self.outstanding += 1
-
-    def receive_router(self) -> bool:
-        while True:
-            got = transport.recv(self.router, 0)
-            if got is None:
-                return False
-            msg = got[1]
-            if isinstance(msg, P.Lease):
-                self.outstanding = max(0, self.outstanding - 1)
-                self.last_lease = time.monotonic()
-                self.leases.append((time.monotonic() + msg.timeout_s, msg))
-            elif isinstance(msg, P.ShipKV):
-                self.ship(msg)
-            elif isinstance(msg, P.Exit):
-                log.info("worker %s exiting: %s", self.name, msg.reason)
-                return True
-            elif isinstance(msg, P.Reject):
-                log.warning("router: %s; saying hello again", msg.reason)
-                self.hello()
-                self.outstanding = 0
-
-    def start_lease(self, deadline: float, lease: P.Lease) -> None:
-        if time.monotonic() > deadline:
-            return  # the router has already taken these sequences back
-        self.wait_for_transfers(lease, deadline)
-        if self.cfg.steps_per_dispatch > 1 and lease.num_steps < self.cfg.steps_per_dispatch:
-            lease = dataclasses.replace(lease, num_steps=self.cfg.steps_per_dispatch)
+    def receive(self, timeout_s: float) -> bool:
+        """Take what the sockets hold, waiting up to timeout_s; True when told to exit."""
+        if self.deferred:
+            timeout_s = 0.0
         t0 = time.monotonic()
-        self.starting = lease.lease_id
+        ready = dict(self.poller.poll(math.ceil(timeout_s * 1000)))
+        if not self.loop.queued and not self.loop.on_device:
+            self.idle_s += time.monotonic() - t0
+        if self.kv_in in ready:
+            self.receive_kv()
+        while self.deferred:
+            if self.handle(self.deferred.popleft()):
+                return True
+        return self.router in ready and self.receive_router()
+
+    def receive_router(self, mid_lease: bool = False) -> bool:
+        while (got := transport.recv(self.router, 0)) is not None:
+            msg = got[1]
+            if mid_lease and not isinstance(msg, (P.Lease, P.Revoke)):
+                self.deferred.append(msg)   # KV to ship, exit, re-hello: once the lease is done
+            elif self.handle(msg):
+                return True
+        return False
+
+    def handle(self, msg) -> bool:
+        if isinstance(msg, P.Lease):
+            self.loop.on_lease(msg, time.monotonic())
+        elif isinstance(msg, P.Revoke):
+            self.loop.on_revoke(msg)
+        elif isinstance(msg, P.ShipKV):
+            self.ship(msg)
+        elif isinstance(msg, P.Exit):
+            log.info("worker %s exiting: %s", self.name, msg.reason)
+            return True
+        elif isinstance(msg, P.Reject):
+            log.warning("router: %s; saying hello again", msg.reason)
+            self.hello()
+            self.loop.on_reset()
+        return False
+
+    def start_lease(self, lease: P.Lease) -> None:
+        t0 = time.monotonic()
+        after = self.loop.on_device[-1].handle if self.loop.on_device else None
+        handle = None
         try:
-            self.started.append(self.core.start(lease, after=self.started[-1] if self.started else None,
-                                                between=self.keep_alive))
+            handle = self.core.start(lease, after=after, between=self.keep_alive)
         except (P.ProtocolError, ValueError) as exc:
             log.warning("lease %d rejected: %s", lease.lease_id, exc)
         finally:
-            self.starting = None
             self.busy_s += time.monotonic() - t0
+            self.loop.started(lease, handle, time.monotonic())
 
     def finish_lease(self, started) -> None:
         t0 = time.monotonic()
+        lease_id = started.lease.lease_id
         try:
-            result, tokens = self.core.finish(started)
+            result, tokens = self.core.finish(started, lambda step: self.between_steps(lease_id, step),
+                                              self.loop.revoked_rows(lease_id))
         except (P.ProtocolError, ValueError) as exc:
-            log.warning("lease %d failed: %s", started.lease.lease_id, exc)
+            log.warning("lease %d failed: %s", lease_id, exc)
             return
         finally:
             self.busy_s += time.monotonic() - t0
+            self.loop.finished()
         # Tokens first: if this process dies between the two sends, the router re-runs the
         # step and the detokenizer drops the duplicate, rather than never seeing the token.
         transport.send(self.detok, tokens)
         self.send_router(result)
 
-    def wait_for_transfers(self, lease: P.Lease, deadline: float) -> None:
-        """Give KV shipments for this batch a moment to land; missing ones are recomputed."""
-        waiting = self.core.awaited_transfers(lease)
-        limit = min(deadline, time.monotonic() + 2.0)
-        while waiting and time.monotonic() < limit:
-            if self.kv_in.poll(20):
-                self.receive_kv()
-            waiting = self.core.awaited_transfers(lease)
-            self.keep_alive()
+    def between_steps(self, lease_id: int, tokens: P.Tokens):
+        """Between two steps of a multi-step lease: stream this step's tokens, take Revokes."""
+        transport.send(self.detok, tokens)
+        self.receive_router(mid_lease=True)
+        self.keep_alive()
+        return self.loop.revoked_rows(lease_id)
 
     def ship(self, msg: P.ShipKV) -> None:
         kv = self.core.export(msg.seq_id, msg.num_tokens)
@@ -231,17 +225,13 @@ class Worker:
 
     def send_router(self, msg) -> None:
         transport.send(self.router, msg)
-        self.last_sent = time.monotonic()
 
     def keep_alive(self) -> None:
         # Sent on schedule even while results flow: it also carries the busy/idle counters.
-        if time.monotonic() - self.last_heartbeat > self.heartbeat_s:
-            self.last_heartbeat = time.monotonic()
-            held = [lease.lease_id for _, lease in self.leases] + [s.lease.lease_id for s in self.started]
-            if self.starting is not None:
-                held.append(self.starting)
+        if self.loop.heartbeat_due(time.monotonic()):
             self.send_router(P.Heartbeat(self.name, len(self.core.seqs), self.core.free_tokens,
-                                         int(self.busy_s * 1000), int(self.idle_s * 1000), P.pack_i64(held)))
+                                         int(self.busy_s * 1000), int(self.idle_s * 1000),
+                                         P.pack_i64(self.loop.held_lease_ids())))
 
 
 def _share_cpu_threads(topo, cfg) -> None:

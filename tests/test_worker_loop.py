@@ -1,0 +1,205 @@
+"""The worker's own loop as a pure core: what to ask the router for, which lease to start or
+finish next, deadlines, KV waits, heartbeats and revokes; no sockets, no model. (Multi-step
+leases and revokes on the engine are tested with the other WorkerCore tests, in test_engine.)"""
+
+from __future__ import annotations
+
+import pytest
+
+from qmigrate import protocol as P
+from qmigrate.worker_loop import FINISH, START, WAIT, LoopConfig, WorkerLoop
+
+NOTHING = lambda lease: set()  # noqa: E731 -- no KV shipments awaited
+
+
+def lease(lease_id: int, num_steps: int = 1, timeout_s: float = 10.0) -> P.Lease:
+    return P.Lease(lease_id, lease_id, timeout_s, P.pack_i64([lease_id]), P.pack_i32([5]), P.pack_i32([1]),
+                   num_steps=num_steps)
+
+
+def start_next(loop: WorkerLoop, now: float, awaited=NOTHING) -> P.Lease:
+    action, got = loop.next_action(now, awaited)
+    assert action == START, (action, got)
+    loop.started(got, f"handle-{got.lease_id}", now)
+    return got
+
+
+# --- WorkerLoop ---------------------------------------------------------------------------
+
+def test_requests_keep_inflight_batches_asked_for_here_or_on_the_device():
+    loop = WorkerLoop(LoopConfig(inflight=2, max_seqs=8, max_tokens=100))
+    reqs = loop.requests(0.0, free_tokens=640)
+    assert [(r.request_no, r.max_seqs, r.max_tokens, r.free_kv_tokens) for r in reqs] == [(1, 8, 100, 640),
+                                                                                     (2, 8, 100, 640)]
+    assert loop.requests(0.1, 640) == []
+    loop.on_lease(lease(1), 0.1)
+    assert loop.requests(0.1, 640) == []          # received counts as in flight
+    start_next(loop, 0.1)
+    assert loop.requests(0.1, 640) == []          # so does running
+    assert loop.next_action(0.2, NOTHING) == (FINISH, "handle-1")
+    assert loop.finished() == 1
+    assert [r.request_no for r in loop.requests(0.2, 640)] == [3]
+
+
+def test_requests_the_router_forgot_are_sent_again():
+    loop = WorkerLoop(LoopConfig(inflight=2, heartbeat_s=0.5))
+    assert len(loop.requests(0.0, 0)) == 2
+    assert loop.requests(4.9, 0) == []             # no lease for less than 10 heartbeats: keep waiting
+    assert [r.request_no for r in loop.requests(5.1, 0)] == [3, 4]
+    loop.on_reset()                                # a new hello: the router holds none of them
+    assert [r.request_no for r in loop.requests(5.2, 0)] == [5, 6]
+
+
+def test_a_lease_past_its_deadline_is_dropped_unstarted():
+    loop = WorkerLoop(LoopConfig())
+    loop.on_lease(lease(1, timeout_s=1.0), 0.0)
+    loop.on_lease(lease(2, timeout_s=5.0), 0.0)
+    assert loop.held_lease_ids() == [1, 2]
+    assert start_next(loop, 2.0).lease_id == 2     # lease 1 is the router's again by now
+    assert loop.num_expired == 1 and loop.held_lease_ids() == [2]
+
+
+def test_two_leases_on_the_device_the_older_finished_first():
+    loop = WorkerLoop(LoopConfig(chain_wait_s=0.002))
+    for i in (1, 2, 3):
+        loop.on_lease(lease(i), 0.0)
+    start_next(loop, 0.0)
+    start_next(loop, 0.0)                          # launched before lease 1 is collected
+    assert loop.next_action(0.0, NOTHING) == (FINISH, "handle-1")  # never three on the device
+    loop.finished()
+    start_next(loop, 0.0)
+    assert loop.next_action(0.0, NOTHING) == (FINISH, "handle-2")
+    loop.finished()
+    # A lone lease waits a moment for the next one (it usually chains on it), then finishes.
+    action, wait = loop.next_action(0.001, NOTHING)
+    assert action == WAIT and wait == pytest.approx(0.001) and loop.wait_s(0.001) == pytest.approx(0.001)
+    assert loop.next_action(0.0025, NOTHING) == (FINISH, "handle-3")
+    loop.finished()
+    assert loop.next_action(0.003, NOTHING) == (WAIT, loop.config.heartbeat_s)
+
+
+def test_a_multi_step_lease_runs_alone_and_steps_per_dispatch_forces_steps():
+    loop = WorkerLoop(LoopConfig())
+    loop.on_lease(lease(1, num_steps=4), 0.0)
+    loop.on_lease(lease(2), 0.0)
+    assert start_next(loop, 0.0).num_steps == 4
+    assert loop.next_action(0.0, NOTHING) == (FINISH, "handle-1")  # lease 2 may not queue behind it
+    forced = WorkerLoop(LoopConfig(steps_per_dispatch=3))
+    forced.on_lease(lease(1), 0.0)
+    forced.on_lease(lease(2, num_steps=5), 0.0)
+    assert start_next(forced, 0.0).num_steps == 3
+    forced.finished()
+    assert start_next(forced, 0.0).num_steps == 5
+
+
+def test_a_lease_waits_for_its_kv_shipments_then_gives_up():
+    loop = WorkerLoop(LoopConfig(transfer_wait_s=2.0))
+    awaited = {1: set(), 2: {7}, 3: {9}}
+    check = lambda l: awaited[l.lease_id]          # noqa: E731
+    for i in (1, 2, 3):
+        loop.on_lease(lease(i), 0.0)
+    start_next(loop, 0.0, check)
+    # Lease 2 waits for KV: lease 1, on the device, is finished meanwhile rather than held back.
+    assert loop.next_action(0.0, check) == (FINISH, "handle-1")
+    loop.finished()
+    action, wait = loop.next_action(0.1, check)
+    assert action == WAIT and 0 < wait <= 0.02
+    awaited[2] = set()                             # the shipment landed
+    assert start_next(loop, 0.5, check).lease_id == 2
+    loop.finished()
+    assert loop.next_action(0.6, check)[0] == WAIT  # lease 3 waits from now on
+    assert loop.next_action(2.5, check)[0] == WAIT
+    assert start_next(loop, 2.6, check).lease_id == 3  # given up: the missing KV is recomputed
+
+
+def test_the_wait_for_kv_never_outlasts_the_lease():
+    loop = WorkerLoop(LoopConfig(transfer_wait_s=2.0))
+    loop.on_lease(lease(1, timeout_s=0.5), 0.0)
+    assert loop.next_action(0.0, lambda l: {3})[0] == WAIT
+    assert loop.queued[0].wait_until == pytest.approx(0.5)
+
+
+def test_heartbeats_name_held_leases_and_revokes_apply_only_to_them():
+    loop = WorkerLoop(LoopConfig(heartbeat_s=0.5))
+    assert loop.heartbeat_due(0.0) and not loop.heartbeat_due(0.4) and loop.heartbeat_due(0.6)
+    loop.on_lease(lease(1, num_steps=4), 0.0)
+    loop.on_lease(lease(2), 0.0)
+    action, first = loop.next_action(0.0, NOTHING)
+    assert loop.held_lease_ids() == [2, 1]         # lease 1 is being started: a long prefill
+    loop.started(first, "h1", 0.0)
+    assert loop.held_lease_ids() == [2, 1]
+    assert not loop.on_revoke(P.Revoke(99)) and loop.num_revokes_ignored == 1
+    assert loop.revoked_rows(1) == frozenset()
+    assert loop.on_revoke(P.Revoke(1, P.pack_i64([5, 6])))  # rows named: the whole lease ends
+    assert loop.revoked_rows(1) is None
+    assert loop.on_revoke(P.Revoke(2))             # queued: every row stops after its first step
+    assert loop.revoked_rows(2) is None
+    assert loop.finished() == 1
+    assert not loop.on_revoke(P.Revoke(1))         # answered already: ignored
+    assert loop.revoked_rows(1) == frozenset()
+
+
+# --- the socket loop around it, in this process, with this test as its router ---------------
+
+def test_the_worker_streams_a_multi_step_lease_and_takes_a_revoke_between_steps(tmp_path, tiny_model_dir):
+    import threading
+
+    import zmq
+
+    from qmigrate import transport
+    from qmigrate.config import parse_topology
+    from qmigrate.roles.worker import Worker
+    topo = parse_topology({
+        "transport": "ipc", "ipc_dir": str(tmp_path), "model": {"path": str(tiny_model_dir)},
+        "nodes": [{"name": "local"}], "router": {"node": "local"}, "ingest": {"node": "local"},
+        "detokenizer": {"node": "local"}, "workers": [{"name": "w1", "node": "local", "inflight": 1}]})
+    router = transport.socket(zmq.ROUTER, bind=topo.endpoint("router").bind)
+    detok = transport.socket(zmq.PULL, bind=topo.endpoint("detokenizer").bind)
+    worker = Worker(topo, "w1")
+    between = worker.between_steps
+
+    def revoke_seen_first(lease_id, tokens):  # the Revoke is on its way: take it at this boundary
+        if lease_id not in worker.loop.revoked:
+            worker.router.poll(10_000)
+        return between(lease_id, tokens)
+
+    worker.between_steps = revoke_seen_first
+    thread = threading.Thread(target=worker.serve_forever, daemon=True)
+    thread.start()
+    sender = None
+    try:
+        sender, hello = transport.recv(router, 30.0)
+        assert isinstance(hello, P.Hello)
+        transport.send(router, P.Welcome(P.PROTOCOL_VERSION, 0.5, 10.0), to=sender)
+        while not isinstance(req := transport.recv(router, 10.0)[1], P.WorkRequest):
+            pass
+        prompt = [1, 50, 9, 140, 20, 33]
+        full = [P.SeqSpec(sid, P.pack_i32(prompt), len(prompt), 64) for sid in (1, 2)]
+        transport.send(router, P.Revoke(99), to=sender)  # a lease it never had: ignored
+        transport.send(router, P.Lease(7, req.request_no, 10.0, P.pack_i64([1, 2]), P.pack_i32([6, 6]),
+                                       P.pack_i32([20, 20]), full, num_steps=6), to=sender)
+        transport.send(router, P.Revoke(7, P.pack_i64([1])), to=sender)
+        while not isinstance(result := transport.recv(router, 30.0)[1], P.StepResult):
+            pass
+        streamed = {1: [], 2: []}
+        while sum(map(len, streamed.values())) < len(P.unpack_i32(result.tokens)):
+            got = P.decode(detok.recv()) if detok.poll(10_000) else pytest.fail("tokens missing")
+            sids, starts = P.unpack_i64(got.seq_ids).tolist(), P.unpack_i32(got.start).tolist()
+            counts, flat = P.unpack_i32(got.counts).tolist(), P.unpack_i32(got.tokens).tolist()
+            for sid, start, n in zip(sids, starts, counts):
+                assert start == len(streamed[sid])   # in order, each token once
+                streamed[sid] += flat[:n]
+                flat = flat[n:]
+    finally:
+        if sender is not None:
+            transport.send(router, P.Exit("test over"), to=sender)
+        thread.join(30.0)
+        router.close(linger=0)
+        detok.close(linger=0)
+    assert not thread.is_alive()
+    counts = P.unpack_i32(result.counts).tolist()
+    # The Revoke named row 1; the whole lease stopped at a step boundary (the answer is one
+    # per lease), after the step it was running and at most the one already launched.
+    assert result.lease_id == 7 and counts[0] == counts[1] and counts[0] in (1, 2)
+    assert streamed[1] == streamed[2] and len(streamed[1]) == counts[0]  # same prompt, greedy
+    assert worker.loop.num_revokes_ignored == 1
