@@ -150,8 +150,8 @@ class WorkerCore:
             run.pending = self.engine.launch(run.rows, after=after.pending if after else None, between=between)
         return run
 
-    def finish(self, run: "Started", on_step=None, revoked: frozenset[int] | None = frozenset()
-               ) -> tuple[P.StepResult, P.Tokens]:
+    def finish(self, run: "Started", on_step=None, revoked: frozenset[int] | None = frozenset(),
+               on_last_launch=None) -> tuple[P.StepResult, P.Tokens]:
         """Wait for the lease's first step, run any further steps, and build its messages.
 
         A lease of num_steps > 1 runs up to that many steps, each launched before the last
@@ -159,14 +159,22 @@ class WorkerCore:
         for the detokenizer (streaming stays one step behind) and returns the rows revoked so
         far (`revoked`: None for every row). A revoked row stops at the next step not yet
         launched, keeping the tokens it produced; its KV stays here, as after any step.
+        Once its last step is launched, on_last_launch() may launch the next lease behind it
+        (`run.pending` is then that last step, which the next lease's chained rows feed from),
+        so the device does not wait for the host between two leases.
         Returns the StepResult of the whole lease and the Tokens not yet given to on_step."""
-        pending, launched = run.pending, 1
+        pending, launched, more = run.pending, 1, True
         while pending is not None:
             nxt = None
-            if launched < max(1, run.lease.num_steps):
+            if more and launched < max(1, run.lease.num_steps):
                 rows = self._continuing(run, pending, revoked)
                 nxt = self.engine.launch(rows, after=pending) if rows else None
                 launched += 1
+            if more and (nxt is None or launched >= run.lease.num_steps):
+                more = False
+                run.pending = nxt or pending
+                if on_last_launch is not None:
+                    on_last_launch()
             tokens = self.engine.collect(pending)
             self.num_steps += 1
             self._advance(pending.rows, tokens, run.status, run.out)

@@ -148,6 +148,16 @@ class WorkerLoop:
             return max(0.0, self.last_started + self.config.chain_wait_s - now)
         return self.config.heartbeat_s
 
+    def next_behind(self, now: float, awaited: Callable[[P.Lease], set[int]]) -> P.Lease | None:
+        """The lease to launch now behind the last step of the lease being finished: the head
+        of the queue, if its KV shipments are here (else the loop starts it later)."""
+        self.drop_expired(now)
+        if not self.queued or len(self.on_device) >= MAX_ON_DEVICE or awaited(self.queued[0].lease):
+            return None
+        head = self.queued.popleft()
+        self.starting = head.lease.lease_id
+        return self._dispatched(head.lease)
+
     @property
     def can_start_more(self) -> bool:
         return len(self.on_device) < MAX_ON_DEVICE and all(d.num_steps == 1 for d in self.on_device)

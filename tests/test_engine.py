@@ -945,3 +945,34 @@ def test_rows_that_end_inside_a_multi_step_lease_are_announced_once(core, prompt
     ends = [(sid, code) for step in streamed for sid, (_, _, code) in step.items() if code]
     assert ends == [(1, Finish.LENGTH), (2, Finish.EOS)]
     assert 1 not in core.seqs and 2 not in core.seqs
+
+
+def test_the_next_lease_launches_behind_the_last_step_of_a_multi_step_lease(core, prompts, greedy):
+    """While a multi-step lease is finished, the next lease may start once the last step is
+    launched; its chained rows feed from that last step, on the device."""
+    ps = {1: list(prompts[1]), 2: list(prompts[2])}
+    first = core.start(make_lease(ps, full=[spec_of(i, p, len(p)) for i, p in ps.items()]))
+    core.finish(first)
+    seq_ids = P.pack_i64([1, 2])
+    a = core.start(P.Lease(2, 2, 10.0, seq_ids, P.pack_i32([P.CONTINUE] * 2), P.pack_i32([P.CONTINUE] * 2),
+                           [], b"", 3))
+    b_lease = P.Lease(3, 3, 10.0, seq_ids, P.pack_i32([P.CONTINUE] * 2), P.pack_i32([P.CONTINUE] * 2),
+                      [], b"", 4)
+    behind = []
+
+    def launch_next():
+        assert not behind  # once, when the last step is on the device and not yet collected
+        behind.append(core.start(b_lease, after=a))
+        assert behind[0].rows and all(not r.new_ids for r in behind[0].rows)  # fed on the device
+
+    res_a, _ = core.finish(a, on_last_launch=launch_next)
+    res_b, _ = core.finish(behind[0])
+    got = {1: [], 2: []}
+    for res in (res_a, res_b):
+        counts = P.unpack_i32(res.counts).tolist()
+        tokens = iter(P.unpack_i32(res.tokens).tolist())
+        for sid, n in zip(P.unpack_i64(res.seq_ids).tolist(), counts):
+            got[sid] += [next(tokens) for _ in range(n)]
+    first_tokens = greedy(ps[1], 1), greedy(ps[2], 1)
+    for (sid, p), head in zip(ps.items(), first_tokens):
+        assert head + got[sid] == greedy(p, 8), sid

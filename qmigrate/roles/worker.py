@@ -165,7 +165,7 @@ class Worker:
         lease_id = started.lease.lease_id
         try:
             result, tokens = self.core.finish(started, lambda step: self.between_steps(lease_id, step),
-                                              self.loop.revoked_rows(lease_id))
+                                              self.loop.revoked_rows(lease_id), self.start_behind)
         except (P.ProtocolError, ValueError) as exc:
             log.warning("lease %d failed: %s", lease_id, exc)
             return
@@ -176,6 +176,15 @@ class Worker:
         # step and the detokenizer drops the duplicate, rather than never seeing the token.
         transport.send(self.detok, tokens)
         self.send_router(result)
+
+    def start_behind(self) -> None:
+        """The lease being finished has launched its last step: queue the next one behind it."""
+        self.receive_router(mid_lease=True)
+        t0 = time.monotonic()
+        lease = self.loop.next_behind(t0, self.core.awaited_transfers)
+        if lease is not None:
+            self.start_lease(lease)
+            self.busy_s -= time.monotonic() - t0  # counted by the finish it runs inside
 
     def between_steps(self, lease_id: int, tokens: P.Tokens):
         """Between two steps of a multi-step lease: stream this step's tokens, take Revokes."""
