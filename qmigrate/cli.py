@@ -171,6 +171,7 @@ def bench(
     repeat: Annotated[int, typer.Option(min=1, help="Run the pipeline and in-process paths this many times, interleaved.")] = 1,
     policy: Annotated[str, typer.Option(help="Router policy: affinity or any.")] = "affinity",
     migration: Annotated[str, typer.Option(help="auto, recompute or transfer.")] = "auto",
+    lease_steps: Annotated[Optional[int], typer.Option(min=1, max=1024, help="Router max_lease_steps: decode steps a lease may cover (default: the topology's, 16).")] = None,
     json_out: Annotated[Optional[Path], typer.Option("--json", help="Write the results as JSON here.")] = None,
     profile: Annotated[bool, typer.Option(help="Print a torch profiler table of one in-process decode step.")] = False,
     runner: Annotated[str, typer.Option(help="Engine runner: auto (fast on a GPU for the Llama family), fast or hf.")] = "auto",
@@ -186,6 +187,9 @@ def bench(
 ):
     """Run a workload through the full pipeline, the engine in-process and HF static
     generate; print tok/s, the ratios, TTFT/TPOT p50/p99 and migrations by cause."""
+    overrides = {"policy": policy, "migration": migration}
+    if lease_steps is not None:
+        overrides["max_lease_steps"] = lease_steps
     if fake_workers is not None:
         from .bench_router import run_router_bench, sweep_sizes
         try:
@@ -193,7 +197,7 @@ def bench(
         except ValueError as exc:
             _fail(str(exc))
         run_router_bench(sizes=sizes, step_ms=fake_step_ms, batch=fake_batch, warmup_s=fake_warmup_s,
-                         window_s=fake_window_s, router_overrides={"policy": policy, "migration": migration},
+                         window_s=fake_window_s, router_overrides=overrides,
                          json_path=json_out, log_level=log_level)
         return
     from .bench import Workload, run_bench
@@ -220,7 +224,7 @@ def bench(
     run_bench(model_path=model_path, devices=devices, dtype="auto", workload=workload,
               paths=[p.strip() for p in paths.split(",") if p.strip()], max_seqs=max_seqs,
               max_tokens=max_tokens, hf_batch=hf_batch,
-              router_overrides={"policy": policy, "migration": migration}, json_path=json_out,
+              router_overrides=overrides, json_path=json_out,
               log_level=log_level, profile=profile, steps_per_dispatch=steps_per_dispatch, repeat=repeat,
               runner=runner)
 

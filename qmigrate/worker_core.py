@@ -75,6 +75,7 @@ class Started:
     pending: object = None
     shown: dict[int, int] = field(default_factory=dict)   # tokens already sent to the detokenizer
     announced: set[int] = field(default_factory=set)      # rows whose end it has been sent
+    ended: set[int] = field(default_factory=set)          # rows whose status is a finish (cheap to test)
 
 
 @dataclass(slots=True)
@@ -144,6 +145,8 @@ class WorkerCore:
                 run.first_index[sid] = row.index
             else:
                 run.status[sid] = row
+                if row.is_finished:
+                    run.ended.add(sid)
                 if spec is not None:  # tokens before this point came from other workers
                     run.first_index[sid] = max(0, length - spec.prompt_len)
         if run.rows:
@@ -177,25 +180,27 @@ class WorkerCore:
                     on_last_launch()
             tokens = self.engine.collect(pending)
             self.num_steps += 1
-            self._advance(pending.rows, tokens, run.status, run.out)
+            self._advance(run, pending.rows, tokens)
             pending = nxt
             if pending is not None and on_step is not None:
                 revoked = on_step(self._tokens(run, final=False))
         return self._result(run), self._tokens(run, final=True)
 
     def _continuing(self, run: "Started", pending, revoked: frozenset[int] | None) -> list[StepRow]:
-        """Rows of the next step of a multi-step lease, fed the tokens `pending` samples."""
+        """Rows of the next step of a multi-step lease, fed the tokens `pending` samples.
+        (Runs every step for every row: kept to plain lookups.)"""
         if revoked is None:
             return []
-        rows = []
+        seqs, ended, max_len, rows = self.seqs, run.ended, self.engine.max_len, []
         for i in pending.placed:
             r = pending.rows[i]
-            state = self.seqs.get(r.seq_id)
-            start = r.start + max(1, len(r.new_ids))
-            if (state is None or r.seq_id in revoked or run.status[r.seq_id].is_finished
-                    or r.index + 1 >= state.max_new_tokens or start + 1 >= self.engine.max_len):
+            sid = r.seq_id
+            if sid in ended or sid in revoked or (state := seqs.get(sid)) is None:
+                continue
+            start = r.start + (len(r.new_ids) or 1)
+            if r.index + 1 >= state.max_new_tokens or start + 1 >= max_len:
                 continue  # ends with the step in flight (a length limit is known in advance)
-            rows.append(StepRow(r.seq_id, [], start, r.index + 1, r.temperature, r.top_p, r.top_k, r.seed))
+            rows.append(StepRow(sid, [], start, r.index + 1, r.temperature, r.top_p, r.top_k, r.seed))
         return rows
 
     def _row(self, sid: int, length: int, token: int, spec: P.SeqSpec | None, protect: set[int],
@@ -243,24 +248,27 @@ class WorkerCore:
             return 0
         return length - 1
 
-    def _advance(self, rows: list[StepRow], tokens: list[int], status, out) -> None:
+    def _advance(self, run: "Started", rows: list[StepRow], tokens: list[int]) -> None:
+        status, out, ended, seqs, max_len = run.status, run.out, run.ended, self.seqs, self.engine.max_len
         for row, token in zip(rows, tokens):
-            if status[row.seq_id].is_finished:
+            sid = row.seq_id
+            if sid in ended:
                 continue  # a step launched before the one that ended the row was collected
-            state = self.seqs.get(row.seq_id)
+            state = seqs.get(sid)
             if token == REFUSED or state is None:
                 # no room in the pool (the router places it again), or a step queued behind
                 # one that ended the sequence: nothing to report
-                status[row.seq_id] = Finish.NEED_IDS
-                self.drop([row.seq_id])
+                status[sid] = Finish.NEED_IDS
+                self.drop([sid])
                 continue
             state.last_token = token
-            out[row.seq_id].append(token)
-            length = row.start + max(1, len(row.new_ids)) + 1   # tokens, the new one included
-            code = state.finish_after(token, row.index, length, self.engine.max_len)
-            status[row.seq_id] = code
-            if code.is_finished:
-                self.drop([row.seq_id])
+            out[sid].append(token)
+            length = row.start + (len(row.new_ids) or 1) + 1   # tokens, the new one included
+            code = state.finish_after(token, row.index, length, max_len)
+            status[sid] = code
+            if code is not Finish.NONE:
+                ended.add(sid)
+                self.drop([sid])
 
     def _result(self, run: "Started") -> P.StepResult:
         sids = run.seq_ids
@@ -272,20 +280,23 @@ class WorkerCore:
     def _tokens(self, run: "Started", final: bool) -> P.Tokens:
         """For the detokenizer: tokens not sent yet (after any it may have missed), and the
         end of rows that ended; `final` also reports every row's status once."""
-        shown = []
+        shown, sent_of, out, ended, announced = [], run.shown, run.out, run.ended, run.announced
         for sid in run.seq_ids:
+            tokens = out[sid]
+            sent = sent_of.get(sid, 0)
+            ends = sid in ended and sid not in announced
+            resend = run.resend.pop(sid, []) if run.resend else []
+            if not (len(tokens) > sent or resend or ends or final):
+                continue
             code = run.status[sid]
-            sent = run.shown.get(sid, 0)
-            new = run.out[sid][sent:]
-            resend = run.resend.pop(sid, [])
-            ends = code.is_finished and sid not in run.announced
+            new = tokens[sent:]
             if not (new or resend or ends):
                 continue
             start = run.first_index.get(sid, 0) + sent - len(resend)
-            shown.append((sid, start, resend + new, int(code) if (final or code.is_finished) else 0))
-            run.shown[sid] = sent + len(new)
-            if code.is_finished:
-                run.announced.add(sid)
+            shown.append((sid, start, resend + new, int(code) if (final or ends) else 0))
+            sent_of[sid] = sent + len(new)
+            if ends:
+                announced.add(sid)
         return P.Tokens(P.pack_i64([x[0] for x in shown]), P.pack_i32([x[1] for x in shown]),
                         P.pack_i32([len(x[2]) for x in shown]), P.pack_i32([t for x in shown for t in x[2]]),
                         P.pack_u8([x[3] for x in shown]))
