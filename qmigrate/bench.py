@@ -118,7 +118,7 @@ def run_inprocess(model_path: str, device: str, dtype: str, requests, max_seqs: 
     engine = Engine(model, max_batch=max_seqs, max_batch_tokens=max_tokens, runner=runner)
     del model
     print(f"  in-process: {engine.describe()}", file=sys.stderr)
-    _warm(engine, StepRow)
+    engine.warm_up()
     lengths = [n for _, n in requests]
     waiting = deque(range(len(requests)))
     # The step in flight, and per sequence the row of its next step. Step N+1 is built and
@@ -179,15 +179,6 @@ def _profiled(engine, rows, device: str) -> list[int]:
           f"{wall * 1000:.1f} ms wall", file=sys.stderr)
     print(prof.key_averages().table(sort_by=key, row_limit=18), file=sys.stderr)
     return tokens
-
-
-def _warm(engine, StepRow) -> None:
-    rows = [StepRow(-1 - i, list(range(10, 10 + 8 * (i + 1))), 0, 0) for i in range(4)]
-    for _ in range(3):
-        tokens = engine.step(rows)
-        rows = [StepRow(r.seq_id, [t], r.start + len(r.new_ids), r.index + 1) for r, t in zip(rows, tokens)]
-    for r in rows:
-        engine.release(r.seq_id)
 
 
 # --- transformers generate, static batches ---------------------------------------------

@@ -166,6 +166,18 @@ class Engine:
 
     # --- a step -------------------------------------------------------------------------
     @torch.inference_mode()
+    def warm_up(self) -> None:
+        """A few prefills and decode steps of throwaway rows, so that kernels are compiled
+        (and their caches loaded) before the first real request waits on them."""
+        rows = [StepRow(-1 - i, list(range(10, 10 + 8 * (i + 1))), 0, 0) for i in range(4)]
+        for _ in range(3):
+            tokens = self.step(rows)
+            if REFUSED in tokens:
+                break
+            rows = [StepRow(r.seq_id, [t], r.start + len(r.new_ids), r.index + 1) for r, t in zip(rows, tokens)]
+        for r in rows:
+            self.release(r.seq_id)
+
     def step(self, rows: list[StepRow]) -> list[int]:
         """Run one step for every row; the sampled token of each, in row order (REFUSED
         for a row the pool had no room for)."""

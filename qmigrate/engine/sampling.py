@@ -32,7 +32,9 @@ class SamplingRows:
 
     @classmethod
     def build(cls, temperature, top_p, top_k, seed, index, device) -> "SamplingRows":
-        f = lambda xs, dt: torch.tensor(xs, dtype=dt, device=device)
+        # Built on the host, then copied without waiting: a blocking copy would wait for the
+        # step in flight on the device, and the next step could not be queued behind it.
+        f = lambda xs, dt: torch.tensor(xs, dtype=dt).to(device, non_blocking=True)
         hot = [i for i, t in enumerate(temperature) if t > 0]
         return cls(f(temperature, torch.float32), f(top_p, torch.float32), f(top_k, torch.int64),
                    f(seed, torch.int64), f(index, torch.int64), bool(hot),

@@ -42,6 +42,7 @@ class Worker:
         _share_cpu_threads(topo, self.cfg)
         model, _ = load_model(resolve_model(topo.model.path), device, topo.model.dtype)
         self.core = WorkerCore(Engine(model, self.cfg.engine_config()))
+        self.core.engine.warm_up()
         del model
         self.device = device
         self.router = transport.socket(zmq.DEALER, connect=self.router_addr, identity=name)
