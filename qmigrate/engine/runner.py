@@ -169,7 +169,11 @@ class Engine:
     def warm_up(self) -> None:
         """A few prefills and decode steps of throwaway rows, so that kernels are compiled
         (and their caches loaded) before the first real request waits on them."""
-        rows = [StepRow(-1 - i, list(range(10, 10 + 8 * (i + 1))), 0, 0) for i in range(4)]
+        # Prompt lengths of several kinds (one token, odd, a multiple of 16, over a chunk):
+        # compiled kernels are specialised on such properties of their sizes.
+        lengths = [1, 17, 96, max(600, self.config.prefill_chunk + 88)]
+        lengths = [max(1, min(n, self.max_len - 4)) for n in lengths]
+        rows = [StepRow(-1 - i, [10 + j % 500 for j in range(n)], 0, 0) for i, n in enumerate(lengths)]
         for _ in range(3):
             tokens = self.step(rows)
             if REFUSED in tokens:
