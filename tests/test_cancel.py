@@ -94,3 +94,24 @@ def test_unknown_finished_and_repeated_ids_count_nothing():
     assert s.cancel([2]) == 0
     assert lease(s) is None
     assert s.counters["cancelled"] == 1
+
+
+def test_cancel_and_replies_are_checked_at_decode():
+    import msgpack
+    import pytest
+    from qmigrate import protocol as P
+
+    def wire(msg_type, *fields):
+        return msgpack.packb([int(msg_type), *fields], use_bin_type=True)
+
+    assert P.decode(P.encode(P.Cancel(P.pack_i64([5])))) == P.Cancel(P.pack_i64([5]))
+    bad = [
+        wire(P.MsgType.CANCEL, b"\x01\x02\x03"),                                    # not int64s
+        wire(P.MsgType.REPLIES, P.pack_i64([1, 2]), P.pack_u8([0]), P.pack_i32([1]), ["a"]),  # lengths differ
+        wire(P.MsgType.REPLIES, P.pack_i64([1]), P.pack_u8([7]), P.pack_i32([1]), ["a"]),     # unknown finish
+        wire(P.MsgType.REPLIES, P.pack_i64([1]), P.pack_u8([0]), P.pack_i32([-1]), ["a"]),    # negative count
+        wire(P.MsgType.REQUEST_META, 1, "r", P.pack_i32([1]), 9),                   # unknown route
+    ]
+    for data in bad:
+        with pytest.raises(P.ProtocolError):
+            P.decode(data)
