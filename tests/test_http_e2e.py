@@ -122,7 +122,7 @@ def expected(tiny_chat_model_dir):
 
 
 def test_completions_streamed_and_not_equal_generate(node, expected):
-    for prompt in PROMPTS[:2]:
+    for prompt in PROMPTS[:1]:
         text, num = expected(expected.tok.encode(prompt), 8)
         whole = node.client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0)
         assert whole.choices[0].text == text
