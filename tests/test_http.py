@@ -142,3 +142,12 @@ def test_models_and_health(make_server):
     conn.request("GET", "/health")
     assert json.loads(conn.getresponse().read())["status"] == "ok"
     conn.close()
+
+
+def test_a_port_in_use_is_one_clear_line(tiny_chat_model_dir):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        cfg = IngestConfig(node="local", http_port=taken.getsockname()[1], model_name="tiny")
+        with pytest.raises(SystemExit, match=f"cannot serve HTTP on http://127.0.0.1:{cfg.http_port}"):
+            HttpServer(cfg, str(tiny_chat_model_dir), Defaults()).start()

@@ -46,7 +46,7 @@ def _reject_constant(name: str):
 
 
 class HttpServer:
-    def __init__(self, cfg, model_path: str, defaults: Defaults):
+    def __init__(self, cfg, model_path: str, defaults: Defaults, id_base: int | None = None):
         self.cfg = cfg
         self.defaults = defaults
         self.tokenizer, self.max_context, self.eos_ids = load_tokenizer_info(model_path)
@@ -54,7 +54,8 @@ class HttpServer:
         self.submissions: queue.Queue = queue.Queue(maxsize=cfg.max_pending)
         self.cancels: queue.SimpleQueue = queue.SimpleQueue()
         self.streams: dict[int, asyncio.Queue] = {}
-        self.id_base = random.SystemRandom().randrange(1, 1 << 22) << 40
+        # Sequence ids: ingest's random high part with bit 39 set, so never one of its own.
+        self.id_base = (id_base or random.SystemRandom().randrange(1, 1 << 22) << 40) | 1 << 39
         self.counter = itertools.count(1)
         self.loop: asyncio.AbstractEventLoop | None = None
         self.wake_sock = None

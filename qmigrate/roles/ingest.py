@@ -50,11 +50,13 @@ class Ingest:
         self.replies = transport.socket(zmq.PULL, bind=topo.endpoint("ingest_reply").bind, hwm=100_000)
         self.live: dict[str, int] = {}        # JSONL/text request id -> sequence id, until it ends
         self.live_ids: dict[int, str] = {}
+        # Sequence ids are unique across ingest processes: a random high part, a counter below.
+        self.id_base = random.SystemRandom().randrange(1, 1 << 22) << 40
         self.http = None
         if cfg.http_port is not None:
             from .http import WAKE_ENDPOINT, HttpServer
             self.wake = transport.socket(zmq.PULL, bind=WAKE_ENDPOINT, hwm=1)
-            self.http = HttpServer(cfg, model_path, self.defaults)
+            self.http = HttpServer(cfg, model_path, self.defaults, self.id_base)
         self.lines: queue.Queue = queue.Queue(maxsize=self.max_pending)
         self.read_stdin = read_stdin
         self.stdin_done = not read_stdin
@@ -65,8 +67,6 @@ class Ingest:
         self.line_no = 0
         self.num_requests = 0
         self.closed_sent = False
-        # Sequence ids are unique across ingest processes: a random high part, a counter below.
-        self.id_base = random.SystemRandom().randrange(1, 1 << 22) << 40
         self.rng = random.SystemRandom()
 
     def hello(self) -> None:
