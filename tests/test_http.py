@@ -23,6 +23,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+LONG = 100
+
+
 class FakeIngest:
     """Takes requests off the server's handoff and answers each with `words`, one per event."""
 
@@ -45,7 +48,7 @@ class FakeIngest:
                 continue
             n = len(self.words)
             rows = [(seq_id, w, 0, i + 1) for i, w in enumerate(self.words)]
-            if prompt.max_new_tokens >= n:  # "a long request": never ends unless cancelled
+            if prompt.max_new_tokens < LONG:  # a long request never ends unless cancelled
                 rows.append((seq_id, "", 2, n))
             self.server.deliver(rows)
 
@@ -123,7 +126,7 @@ def test_a_full_handoff_is_a_429_and_silence_a_503(make_server):
 def test_a_client_that_leaves_mid_stream_cancels_its_request(make_server):
     server, fake = make_server(["a", "b"])
     conn = http.client.HTTPConnection("127.0.0.1", server.cfg.http_port, timeout=30)
-    conn.request("POST", "/v1/completions", json.dumps({**GOOD, "max_tokens": 100, "stream": True}))
+    conn.request("POST", "/v1/completions", json.dumps({**GOOD, "max_tokens": LONG, "stream": True}))
     resp = conn.getresponse()
     assert resp.status == 200 and resp.getheader("Content-Type").startswith("text/event-stream")
     assert resp.readline().startswith(b"data: {")  # the stream is running and will never end

@@ -168,8 +168,8 @@ def test_64_concurrent_streaming_clients_all_complete(node, expected):
 
 def test_a_client_that_closes_mid_stream_frees_its_sequence(node):
     before = node.stats().get("cancelled", 0)
-    stream = node.client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=400, stream=True)
-    next(iter(stream))  # generating now; 400 tokens take far longer than the test waits
+    stream = node.client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=500, stream=True)
+    next(iter(stream))  # generating now; 500 tokens take far longer than the test waits
     stream.close()
     deadline = time.monotonic() + 20
     while time.monotonic() < deadline:
