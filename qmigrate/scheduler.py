@@ -390,11 +390,11 @@ class Scheduler:
             num += 1
             holders = {seq.owner} | {lease.worker for lid in (seq.lease_id, seq.next_lease)
                                      if lid is not None and (lease := self.leases.get(lid))}
+            self.queue.pop(seq)
+            self._set_owner(seq, None)
             for name in holders - {None}:
                 if (w := self.workers.get(name)) is not None and w.alive:
                     w.pending_drops.append(sid)
-                    w.owned.discard(sid)
-            self.queue.pop(sid, None)
         self.counters["cancelled"] += num
         return num
 
