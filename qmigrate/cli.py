@@ -69,10 +69,13 @@ def sim(
     input: Annotated[Optional[InputMode], typer.Option("--input", help="text: one prompt per line; jsonl: one JSON request per line. Default: the topology's (text).")] = None,
     output: Annotated[Optional[InputMode], typer.Option("--output", help="text: readable streams; jsonl: one JSON event per line. Default: the topology's (text).")] = None,
     max_new_tokens: Annotated[Optional[int], typer.Option("--max-new-tokens", min=1, help="Default output length per request.")] = None,
+    chat: Annotated[bool, typer.Option("--chat", help="Text input: each line is one user message, put through the model's chat template.")] = False,
+    http: Annotated[Optional[int], typer.Option("--http", min=1, max=65535, metavar="PORT", help="Also serve the OpenAI-compatible HTTP API on this port (127.0.0.1 unless the topology's ingest.http_host says otherwise); the simulation then runs until interrupted.")] = None,
     log_level: LogLevel = "warning",
 ):
     """Local multi-process simulation: every role a process on this machine, prompts from
-    stdin, streaming output on stdout. Exits once stdin closes and every request is done."""
+    stdin, streaming output on stdout. Exits once stdin closes and every request is done
+    (with --http: when interrupted; stdin is still read until it closes)."""
     from .config import ConfigError, parse_topology
     from .launch import run_sim
     topo = _load(config)
@@ -86,6 +89,10 @@ def sim(
         data["detokenizer"]["output"] = output.value
     if max_new_tokens is not None:
         data["defaults"]["max_new_tokens"] = max_new_tokens
+    if chat:
+        data["ingest"]["chat"] = True
+    if http is not None:
+        data["ingest"]["http_port"] = http
     try:
         topo = parse_topology(data, source="sim options")
     except ConfigError as exc:

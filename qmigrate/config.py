@@ -152,6 +152,13 @@ class IngestConfig(_Section):
     port: int = _f(5552, _port)
     input: str = _f("text", _one_of("text", "jsonl"))
     max_pending: int = _f(256, _count)
+    chat: bool = _f(False, _boolean)             # text input: each line is one user message
+    reply_port: int = _f(5554, _port)            # the detokenizer's replies to HTTP requests
+    http_port: int | None = _f(None, _optional_port)   # None: no HTTP server
+    http_host: str = _f("127.0.0.1", _host)      # the HTTP API has no authentication
+    max_body_bytes: int = _f(1 << 20, _count)
+    http_timeout_s: float = _f(60.0, _positive)  # longest wait for a request's next text
+    model_name: str | None = _f(None, _optional_text)  # None: the model directory's name
 
 
 @dataclass(slots=True)
@@ -201,7 +208,8 @@ class Endpoint:
 
 
 _SERVICES = {"router": ("router", "port"), "telemetry": ("router", "telemetry_port"),
-             "ingest": ("ingest", "port"), "detokenizer": ("detokenizer", "port")}
+             "ingest": ("ingest", "port"), "ingest_reply": ("ingest", "reply_port"),
+             "detokenizer": ("detokenizer", "port")}
 _SECTIONS = {"model": ModelConfig, "defaults": SamplingDefaults, "router": RouterConfig,
              "ingest": IngestConfig, "detokenizer": DetokenizerConfig, "monitor": MonitorConfig}
 _LISTS = {"nodes": NodeConfig, "workers": WorkerConfig}
@@ -248,9 +256,12 @@ class Topology(_Section):
         claims = [(self.router.node, self.router.port, "router.port"),
                   (self.router.node, self.router.telemetry_port, "router.telemetry_port"),
                   (self.ingest.node, self.ingest.port, "ingest.port"),
+                  (self.ingest.node, self.ingest.reply_port, "ingest.reply_port"),
                   (self.detokenizer.node, self.detokenizer.port, "detokenizer.port")]
         claims += [(w.node, w.kv_port, f"workers[{i}].kv_port")
                    for i, w in enumerate(self.workers) if w.kv_port is not None]
+        if self.ingest.http_port is not None:
+            claims.append((self.ingest.node, self.ingest.http_port, "ingest.http_port"))
         for node, port, where in claims:
             if (node, port) in used:
                 raise ConfigError(where, f"port {port} on node {node!r} is already used by {used[node, port]}")

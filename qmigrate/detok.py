@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 
 REPLACEMENT = "\ufffd"
 NUM_PRIME_IDS = 5
+FINISH_CODES = {"eos": 1, "length": 2, "stop": 3, "error": 5, "cancelled": 100}  # protocol.Finish, FINISH_CANCELLED
 MAX_OUT_OF_ORDER = 1 << 16
 
 
@@ -100,9 +101,14 @@ class IncrementalDecoder:
         return new_text[len(prefix_text) :]
 
 
+Reply = Callable[[int, str, int, int], None]  # (seq_id, new text, finish code or 0, tokens so far)
+
+
 @dataclass(slots=True)
 class _Seq:
     req_id: str | None
+    seq_id: int = -1
+    route: int = 0     # 0: this sink prints it; else its text goes to `reply`
     decoder: IncrementalDecoder | None = None
     token_ids: list[int] = field(default_factory=list)
     waiting: dict[int, int] = field(default_factory=dict)  # index -> id, after a gap
@@ -123,13 +129,15 @@ class _Sink:
     """
 
     def __init__(self, tokenizer, write: Callable[[str], None],
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, reply: Reply | None = None) -> None:
         self._tokenizer = tokenizer
         self._write = write
         self._clock = clock
+        self._reply = reply
         self._seqs: dict[int, _Seq] = {}
         self._finished: set[int] = set()
-        self.num_done = 0
+        self.num_done = 0         # requests this sink printed the end of
+        self.num_replied = 0      # requests routed elsewhere that ended
         self.num_errors = 0
         self.num_dropped_tokens = 0
 
@@ -140,13 +148,15 @@ class _Sink:
     def is_done(self, seq_id: int) -> bool:
         return seq_id in self._finished
 
-    def start(self, seq_id: int, req_id: str, prompt_ids: Sequence[int] | None = None) -> None:
+    def start(self, seq_id: int, req_id: str, prompt_ids: Sequence[int] | None = None,
+              route: int = 0) -> None:
+        """`route` other than 0: the request's text and end go to `reply`, not to the writer."""
         if seq_id in self._finished:
             return
         seq = self._seqs.setdefault(seq_id, _Seq(req_id=req_id))
         if seq.decoder is not None:
             return
-        seq.req_id = req_id
+        seq.req_id, seq.seq_id, seq.route = req_id, seq_id, route
         seq.decoder = IncrementalDecoder(self._tokenizer, prompt_ids)
         self._advance(seq_id, seq)
 
@@ -177,6 +187,15 @@ class _Sink:
         seq.num_tokens_expected = num_tokens
         self._advance(seq_id, seq)
 
+    def cancel(self, seq_id: int) -> None:
+        """End a request now: its held-back text, then a "cancelled" end; later tokens are dropped."""
+        seq = self._seqs.get(seq_id)
+        if seq_id in self._finished or seq is None or seq.decoder is None:
+            return
+        seq.finish_reason, seq.num_tokens_expected = "cancelled", len(seq.token_ids)
+        seq.waiting.clear()
+        self._advance(seq_id, seq)
+
     def error(self, req_id: str, message: str) -> None:
         self.num_done += 1
         self.num_errors += 1
@@ -205,11 +224,20 @@ class _Sink:
         self.num_dropped_tokens += len(seq.waiting)
         del self._seqs[seq_id]
         self._finished.add(seq_id)
-        self.num_done += 1
-        self._on_finish(seq)
+        if seq.route:
+            self.num_replied += 1
+        else:
+            self.num_done += 1
+            self._on_finish(seq)
+        if self._reply is not None:  # for a printed request: "it ended", so its id is free again
+            self._reply(seq_id, "", FINISH_CODES.get(seq.finish_reason, 5), len(seq.token_ids))
 
     def _emit(self, seq: _Seq, delta: str) -> None:
-        if delta:
+        if not delta:
+            return
+        if seq.route:
+            self._reply(seq.seq_id, delta, 0, len(seq.token_ids))
+        else:
             seq.text.append(delta)
             self._on_delta(seq, delta)
 
@@ -251,8 +279,8 @@ class TextSink(_Sink):
     def __init__(self, tokenizer, write: Callable[[str], None],
                  clock: Callable[[], float] = time.monotonic,
                  line_chars: int = 60, max_line_chars: int = 120,
-                 max_idle_s: float = 0.3) -> None:
-        super().__init__(tokenizer, write, clock)
+                 max_idle_s: float = 0.3, reply: Reply | None = None) -> None:
+        super().__init__(tokenizer, write, clock, reply)
         self.line_chars = line_chars
         self.max_line_chars = max_line_chars
         self.max_idle_s = max_idle_s
@@ -311,10 +339,10 @@ class TextSink(_Sink):
 
 
 def make_sink(mode: str, tokenizer, write: Callable[[str], None],
-              clock: Callable[[], float] = time.monotonic) -> _Sink:
-    """The sink for `--output text|jsonl`."""
+              clock: Callable[[], float] = time.monotonic, reply: Reply | None = None) -> _Sink:
+    """The sink for `--output text|jsonl`; `reply` takes the requests routed elsewhere."""
     if mode == "jsonl":
-        return JsonlSink(tokenizer, write, clock)
+        return JsonlSink(tokenizer, write, clock, reply)
     if mode == "text":
-        return TextSink(tokenizer, write, clock)
+        return TextSink(tokenizer, write, clock, reply=reply)
     raise ValueError(f"unknown output mode {mode!r}; expected 'text' or 'jsonl'")

@@ -1,11 +1,14 @@
 """Prompt parsing and validation for the ingest role (pure: no zmq).
 
 Text input: one prompt per line, the line as typed (only its line ending is removed); the
-request id is the 1-based line number.
+request id is the 1-based line number. With `chat`, each line is one user message, put
+through the model's chat template.
 
 JSONL input: one object per line with the keys
     id              string or integer (default: the line number)
     prompt          text, tokenized with the tokenizer's special tokens (BOS if it adds one)
+    messages        chat: a non-empty list of {"role", "content"} objects, put through the
+                    model's chat template (with the assistant's turn opened)
     prompt_ids      non-empty list of token ids, taken as given
     max_new_tokens  integer >= 1
     temperature     number >= 0 (0 is greedy)
@@ -13,7 +16,8 @@ JSONL input: one object per line with the keys
     top_k           integer >= 0 (0 is off)
     seed            integer in [0, 2**63)
     stop            a string, or a list of strings and/or lists of token ids
-Exactly one of prompt / prompt_ids. A key given as null takes its default. Stop strings are
+Exactly one of prompt / prompt_ids / messages. A line {"cancel": ID} (and nothing else)
+asks to cancel the running request ID. A key given as null takes its default. Stop strings are
 tokenized alone, without special tokens, so a stop string matches only when the model
 generates that exact token sequence.
 
@@ -32,9 +36,11 @@ from typing import Literal
 
 MAX_SEED = 2**63
 KEYS = frozenset(
-    ["id", "prompt", "prompt_ids", "max_new_tokens", "temperature", "top_p", "top_k",
-     "seed", "stop"]
+    ["id", "prompt", "prompt_ids", "messages", "max_new_tokens", "temperature", "top_p",
+     "top_k", "seed", "stop"]
 )
+CHAT_ROLES = frozenset(["system", "user", "assistant", "developer", "tool"])
+MESSAGE_KEYS = frozenset(["role", "content", "name"])
 
 
 @dataclass(slots=True)
@@ -55,6 +61,11 @@ class Defaults:
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0
+
+
+@dataclass(slots=True, frozen=True)
+class CancelRequest:
+    req_id: str
 
 
 class PromptError(ValueError):
@@ -88,8 +99,9 @@ def parse_line(
     defaults: Defaults = Defaults(),
     eos_ids: Collection[int] = (),
     vocab_size: int | None = None,
-) -> Prompt:
-    """Parse one input line into a validated Prompt, or raise PromptError.
+    chat: bool = False,
+) -> Prompt | CancelRequest:
+    """Parse one input line into a validated Prompt (or a CancelRequest), or raise PromptError.
 
     `vocab_size` bounds prompt_ids and stop ids (default: len(tokenizer)). `eos_ids`: a
     tokenizer that appends EOS to encoded text would make the model see the text as
@@ -102,7 +114,10 @@ def parse_line(
     if mode == "text":
         if not line.strip():
             raise PromptError(req_id, "empty prompt")
-        prompt_ids = _encode_prompt(line, tokenizer, eos_ids)
+        if chat:
+            prompt_ids = encode_chat([{"role": "user", "content": line}], tokenizer, lambda m: _raise(req_id, m))
+        else:
+            prompt_ids = _encode_prompt(line, tokenizer, eos_ids)
         return _fit(Prompt(req_id, prompt_ids, defaults.max_new_tokens, defaults.temperature,
                            defaults.top_p, defaults.top_k, None, []), max_context)
     if mode != "jsonl":
@@ -117,6 +132,11 @@ def parse_line(
     if not isinstance(obj, dict):
         raise PromptError(req_id, f"expected a JSON object, got {type(obj).__name__}")
 
+    if set(obj) == {"cancel"}:
+        target = obj["cancel"]
+        if _is_int(target) or (isinstance(target, str) and target):
+            return CancelRequest(str(target))
+        raise PromptError(req_id, "cancel must name a request id (a non-empty string or an integer)")
     raw_id = obj.get("id")
     if raw_id is not None:
         if isinstance(raw_id, str) and raw_id:
@@ -125,6 +145,23 @@ def parse_line(
             req_id = str(raw_id)
         else:
             raise PromptError(req_id, "id must be a non-empty string or an integer")
+    return parse_request(obj, req_id, tokenizer=tokenizer, max_context=max_context,
+                         defaults=defaults, eos_ids=eos_ids, vocab_size=vocab_size)
+
+
+def parse_request(
+    obj: dict,
+    req_id: str,
+    *,
+    tokenizer,
+    max_context: int,
+    defaults: Defaults = Defaults(),
+    eos_ids: Collection[int] = (),
+    vocab_size: int | None = None,
+) -> Prompt:
+    """Validate one decoded request object (the JSONL keys above, without "id")."""
+    if vocab_size is None:
+        vocab_size = len(tokenizer)
 
     def fail(message: str):
         raise PromptError(req_id, message)
@@ -134,8 +171,8 @@ def parse_line(
         fail(f"unknown key {unknown[0]!r}")
     obj = {key: value for key, value in obj.items() if value is not None}
 
-    if ("prompt" in obj) == ("prompt_ids" in obj):
-        fail("give exactly one of 'prompt' and 'prompt_ids'")
+    if sum(key in obj for key in ("prompt", "prompt_ids", "messages")) != 1:
+        fail("give exactly one of 'prompt', 'prompt_ids' and 'messages'")
     if "prompt" in obj:
         text = obj["prompt"]
         if not isinstance(text, str):
@@ -143,6 +180,8 @@ def parse_line(
         if not text.strip():
             fail("empty prompt")
         prompt_ids = _encode_prompt(text, tokenizer, eos_ids)
+    elif "messages" in obj:
+        prompt_ids = encode_chat(obj["messages"], tokenizer, fail)
     else:
         prompt_ids = _check_ids(obj["prompt_ids"], "prompt_ids", vocab_size, fail)
 
@@ -165,6 +204,42 @@ def parse_line(
 
     return _fit(Prompt(req_id, prompt_ids, max_new_tokens, float(temperature), float(top_p),
                        top_k, seed, stop_ids), max_context)
+
+
+def _raise(req_id: str, message: str):
+    raise PromptError(req_id, message)
+
+
+def encode_chat(messages, tokenizer, fail) -> list[int]:
+    """Token ids of a conversation through the model's chat template, the assistant's turn
+    opened. The template writes any special tokens itself (BOS included), so none are added."""
+    if not isinstance(messages, list) or not messages:
+        fail("messages must be a non-empty list of {\"role\", \"content\"} objects")
+    turns = []
+    for i, msg in enumerate(messages):
+        if not isinstance(msg, dict):
+            fail(f"messages[{i}] must be an object with 'role' and 'content'")
+        unknown = sorted(set(msg) - MESSAGE_KEYS)
+        if unknown:
+            fail(f"messages[{i}] has an unsupported key {unknown[0]!r}")
+        role, content = msg.get("role"), msg.get("content")
+        if role not in CHAT_ROLES:
+            fail(f"messages[{i}].role must be one of {', '.join(sorted(CHAT_ROLES))}")
+        if isinstance(content, list):  # OpenAI's content parts; text parts only
+            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                       for p in content):
+                fail(f"messages[{i}].content: only text parts ({{\"type\": \"text\", \"text\": ...}}) are supported")
+            content = "".join(p["text"] for p in content)
+        if not isinstance(content, str):
+            fail(f"messages[{i}].content must be a string")
+        turns.append({"role": role, "content": content})
+    if not getattr(tokenizer, "chat_template", None):
+        fail("this model has no chat template; send a plain prompt instead of messages")
+    try:
+        text = tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=True)
+    except Exception as exc:  # noqa: BLE001 -- a template may raise anything (jinja, raise_exception)
+        fail(f"the chat template refused these messages: {exc}")
+    return list(tokenizer.encode(text, add_special_tokens=False))
 
 
 def _encode_prompt(text: str, tokenizer, eos_ids: Collection[int]) -> list[int]:

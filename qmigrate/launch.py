@@ -42,17 +42,23 @@ def role_command(config_path: Path, role: str, name: str, *extra: str) -> list[s
 def start_roles(topo: Topology, config_path: Path, roles: list[tuple[str, str]], *,
                 read_stdin: bool, log_level: str) -> list[Child]:
     children = []
+    serving = is_serving(topo)
     for role, name in roles:
         extra = ["--log-level", log_level]
         stdin = subprocess.DEVNULL
         if read_stdin and role == "ingest":
-            extra += ["--stdin", "--exit-when-done"]
+            extra += ["--stdin"] + ([] if serving else ["--exit-when-done"])
             stdin = None  # the ingest process reads this process's stdin
-        if read_stdin and role == "detokenizer":
+        if read_stdin and role == "detokenizer" and not serving:
             extra.append("--exit-when-done")
         cmd = role_command(config_path, role, name, *extra)
         children.append(Child(role, name, subprocess.Popen(cmd, stdin=stdin, start_new_session=False)))
     return children
+
+
+def is_serving(topo: Topology) -> bool:
+    """With an HTTP API the node serves until it is stopped, whether or not stdin has ended."""
+    return topo.ingest.http_port is not None
 
 
 def stop(children: list[Child], grace_s: float = 5.0) -> None:
@@ -117,7 +123,7 @@ def run_node(topo: Topology, config_path: Path, node: str, *, read_stdin: bool,
             if not wait_for_fleet(topo, children, len(topo.workers)):
                 return 1
             children += start_roles(topo, config_path, late, read_stdin=read_stdin, log_level=log_level)
-        rc = supervise(children, until_done=read_stdin and has_detok)
+        rc = supervise(children, until_done=read_stdin and has_detok and not is_serving(topo))
         if rc == 0 and read_stdin and any(role == "router" for role, _ in roles):
             print_summary(topo)
         return rc

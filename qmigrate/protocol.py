@@ -27,6 +27,9 @@ MAX_MESSAGE_BYTES = 64 << 20  # control and token messages; KV payloads travel a
 MAX_ARRAY_LEN = 1 << 20
 MAX_ID = (1 << 31) - 1
 CONTINUE = -1
+ROUTE_STDOUT = 0   # a request's text is printed by the detokenizer
+ROUTE_INGEST = 1   # a request's text goes back to the ingest node that took it (HTTP)
+MAX_REPLY_TEXT = 1 << 16
 
 
 class ProtocolError(ValueError):
@@ -58,6 +61,8 @@ class MsgType(enum.IntEnum):
     STATS_REQUEST = 22
     STATS = 23
     REVOKE = 24
+    CANCEL = 30
+    REPLIES = 31
 
 
 class Finish(enum.IntEnum):
@@ -266,6 +271,11 @@ class RequestMeta:
     seq_id: int
     req_id: str
     prompt_ids: bytes         # int32, for priming the incremental decoder
+    route: int = ROUTE_STDOUT  # where the text goes: stdout, or back to the ingest node (HTTP)
+
+    def validate(self) -> None:
+        if self.route not in (ROUTE_STDOUT, ROUTE_INGEST):
+            raise ProtocolError(f"RequestMeta.route: unknown route {self.route}")
 
 
 @message(MsgType.REQUEST_ERROR)
@@ -351,6 +361,44 @@ class Revoke:
     seq_ids: bytes = b""      # int64
 
 
+@message(MsgType.CANCEL)
+class Cancel:
+    """Ingest to router and detokenizer: these sequences are no longer wanted. The router
+    forgets them (and has their KV freed), the detokenizer ends their output."""
+
+    seq_ids: bytes            # int64
+
+    def validate(self) -> None:
+        unpack_i64(self.seq_ids, "Cancel.seq_ids")
+
+
+@message(MsgType.REPLIES)
+class Replies:
+    """Detokenizer to ingest: text for requests routed back to it, and the end of every
+    request (so ingest knows which ids are live). Row i: texts[i] is new text of seq_ids[i]
+    (may be ""); num_tokens[i] tokens are generated so far; finish[i] is a Finish code
+    (NONE: still running) or FINISH_CANCELLED."""
+
+    seq_ids: bytes            # int64
+    finish: bytes             # uint8
+    num_tokens: bytes         # int32
+    texts: list[str]
+
+    def validate(self) -> None:
+        n = len(unpack_i64(self.seq_ids, "Replies.seq_ids"))
+        finish, counts = unpack_u8(self.finish, "Replies.finish"), unpack_i32(self.num_tokens, "Replies.num_tokens")
+        if not n == len(finish) == len(counts) == len(self.texts):
+            raise ProtocolError("Replies: arrays differ in length")
+        if n and (counts.min() < 0 or any(int(f) not in _REPLY_CODES for f in finish)):
+            raise ProtocolError("Replies: negative count or unknown finish code")
+        if sum(len(t) for t in self.texts) > MAX_REPLY_TEXT * max(1, n):
+            raise ProtocolError("Replies: text too long")
+
+
+FINISH_CANCELLED = 100
+_REPLY_CODES = {0, 1, 2, 3, 5, FINISH_CANCELLED}
+
+
 def info_int(info: dict, key: str, default: int, low: int = 0, high: int = 1 << 62) -> int:
     """An integer field of a Hello's `info` map, checked: absent gives the default; a
     value of another type or out of [low, high] is a ProtocolError."""
@@ -408,7 +456,10 @@ def _build(cls, values: list, where: str):
                 raise ProtocolError(f"{where}: missing field {name!r}")
             continue
         kwargs[name] = _check(values[i], hint, f"{where}.{name}")
-    return cls(**kwargs)
+    msg = cls(**kwargs)
+    if hasattr(cls, "validate"):
+        msg.validate()  # ranges and agreement between fields, checked at decode
+    return msg
 
 
 def _check(value, hint, where: str):

@@ -378,6 +378,26 @@ class Scheduler:
         seq.resync = False
         return Row(seq.seq_id, len(seq.token_ids), seq.token_ids[-1], spec)
 
+    def cancel(self, seq_ids) -> int:
+        """Forget these sequences; returns how many were live. A queued one is dropped; a
+        leased one too, so its result is ignored when it comes back (as for any unknown
+        sequence). Whoever holds or is computing its KV is told to free it with its next lease."""
+        num = 0
+        for sid in map(int, seq_ids):
+            seq = self.seqs.pop(sid, None)
+            if seq is None:
+                continue
+            num += 1
+            holders = {seq.owner} | {lease.worker for lid in (seq.lease_id, seq.next_lease)
+                                     if lid is not None and (lease := self.leases.get(lid))}
+            self.queue.pop(seq)
+            self._set_owner(seq, None)
+            for name in holders - {None}:
+                if (w := self.workers.get(name)) is not None and w.alive:
+                    w.pending_drops.append(sid)
+        self.counters["cancelled"] += num
+        return num
+
     # --- results -----------------------------------------------------------------------
     def complete(self, lease_id: int, name: str, seq_ids: list[int], counts: list[int],
                  tokens: list[int], status: list[int], now: float) -> Outcome:

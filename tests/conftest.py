@@ -77,3 +77,20 @@ def greedy_reference(model_dir):
         gap = float(logits[expected[i]] - logits[got[i]])
         assert gap < TIE, f"{label}: token {i} is {got[i]}, generate() gives {expected[i]} (logit gap {gap:.2e})"
     return check
+
+
+CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+
+
+@pytest.fixture(scope="session")
+def tiny_chat_model_dir(tiny_model_dir, tmp_path_factory) -> Path:
+    """The tiny model with a chat template (the built-in one has none, like many base models)."""
+    import shutil
+    from transformers import AutoTokenizer
+    out = tmp_path_factory.mktemp("models") / "tiny-chat"
+    shutil.copytree(tiny_model_dir, out)
+    tok = AutoTokenizer.from_pretrained(out)
+    tok.chat_template = CHAT_TEMPLATE
+    tok.save_pretrained(out)
+    return out

@@ -131,8 +131,8 @@ def test_jsonl_stop_single_string(tok):
 
 @pytest.mark.parametrize("obj, message", [
     ({"prompt": "x", "foo": 1}, "unknown key 'foo'"),
-    ({"max_new_tokens": 3}, "give exactly one of 'prompt' and 'prompt_ids'"),
-    ({"prompt": "x", "prompt_ids": [1]}, "give exactly one of 'prompt' and 'prompt_ids'"),
+    ({"max_new_tokens": 3}, "give exactly one of 'prompt', 'prompt_ids' and 'messages'"),
+    ({"prompt": "x", "prompt_ids": [1]}, "give exactly one of 'prompt', 'prompt_ids' and 'messages'"),
     ({"prompt": "  "}, "empty prompt"),
     ({"prompt": 5}, "prompt must be a string"),
     ({"prompt_ids": []}, "prompt_ids must be a non-empty list of token ids"),

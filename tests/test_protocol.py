@@ -53,6 +53,9 @@ EXAMPLES = [
     P.FeedAck(2, "ok"),
     P.StatsRequest(),
     P.Stats({"leases": 10, "queued": 3, "rate": 1.5, "name": "router"}),
+    P.Revoke(5, P.pack_i64([7, 8])),
+    P.Cancel(P.pack_i64([7, 8])),
+    P.Replies(P.pack_i64([7, 8]), P.pack_u8([0, P.FINISH_CANCELLED]), P.pack_i32([3, 9]), [" Hello", ""]),
 ]
 
 

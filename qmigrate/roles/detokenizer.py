@@ -1,4 +1,5 @@
-"""Detokenizer: turns token streams from every worker into text on stdout."""
+"""Detokenizer: turns token streams from every worker into text on stdout, or, for requests
+that came in over HTTP, sends the text back to the ingest node that took them."""
 
 from __future__ import annotations
 
@@ -20,16 +21,32 @@ class Detokenizer:
     def __init__(self, topo, output: str | None = None):
         tokenizer, _, _ = load_tokenizer_info(resolve_model(topo.model.path))
         self.vocab_size = len(tokenizer)
-        self.sink = make_sink(output or topo.detokenizer.output, tokenizer, self.write)
+        self.sink = make_sink(output or topo.detokenizer.output, tokenizer, self.write, reply=self.reply)
         self.pull = transport.socket(zmq.PULL, bind=topo.endpoint("detokenizer").bind, hwm=100_000)
+        self.replies = transport.socket(zmq.PUSH, connect=topo.endpoint("ingest_reply").connect, hwm=100_000)
+        self.outbox: list[tuple[int, str, int, int]] = []
         self.expected: int | None = None
         self.handlers = {P.RequestMeta: self.on_meta, P.Tokens: self.on_tokens,
-                         P.RequestError: self.on_error, P.InputClosed: self.on_closed}
+                         P.RequestError: self.on_error, P.InputClosed: self.on_closed,
+                         P.Cancel: self.on_cancel}
 
     @staticmethod
     def write(text: str) -> None:
         sys.stdout.write(text)
         sys.stdout.flush()
+
+    def reply(self, seq_id: int, text: str, finish: int, num_tokens: int) -> None:
+        self.outbox.append((seq_id, text, finish, num_tokens))
+
+    def send_replies(self) -> None:
+        if not self.outbox:
+            return
+        seq_ids, texts, finish, counts = zip(*self.outbox)
+        self.outbox = []
+        msg = P.Replies(P.pack_i64(seq_ids), P.pack_u8(finish), P.pack_i32(counts), list(texts))
+        if not transport.send(self.replies, msg, flags=zmq.NOBLOCK):
+            # Ingest gone or far behind: its HTTP clients time out rather than this loop stall.
+            log.warning("ingest is not taking replies; dropped %d", len(seq_ids))
 
     def serve_forever(self, exit_when_done: bool) -> None:
         while True:
@@ -44,12 +61,17 @@ class Detokenizer:
                     log.warning("dropped a message: %s", exc)
                 except Exception as exc:  # noqa: BLE001 -- one bad message must not stop the output
                     log.warning("dropped a message: %s: %s", type(exc).__name__, exc)
+            self.send_replies()
             self.sink.flush_idle(time.monotonic())
             if exit_when_done and self.expected is not None and self.sink.num_done >= self.expected:
                 return
 
     def on_meta(self, msg: P.RequestMeta) -> None:
-        self.sink.start(msg.seq_id, msg.req_id, P.unpack_ids(msg.prompt_ids).tolist())
+        self.sink.start(msg.seq_id, msg.req_id, P.unpack_ids(msg.prompt_ids).tolist(), msg.route)
+
+    def on_cancel(self, msg: P.Cancel) -> None:
+        for seq_id in P.unpack_i64(msg.seq_ids).tolist():
+            self.sink.cancel(seq_id)
 
     def on_error(self, msg: P.RequestError) -> None:
         self.sink.error(msg.req_id, msg.message)

@@ -1,6 +1,10 @@
-"""Ingest: reads prompts (stdin and/or `qmigrate feed` clients), tokenizes, validates, and
-hands them to the router. Stdin is read only while fewer than `max_pending` prompts wait
-for the router, so a full router stops the reading instead of growing memory."""
+"""Ingest: reads prompts (stdin, `qmigrate feed` clients and, with `http_port`, the HTTP
+API), tokenizes, validates, and hands them to the router. Stdin is read only while fewer
+than `max_pending` prompts wait for the router, so a full router stops the reading instead
+of growing memory; the HTTP API answers 429 then.
+
+A request id given in JSONL is refused while a request with the same id is still running
+(the detokenizer reports every request's end back here, so ids are reusable after it)."""
 
 from __future__ import annotations
 
@@ -18,7 +22,7 @@ import zmq
 from .. import protocol as P
 from .. import transport
 from ..engine.models import load_tokenizer_info, resolve_model
-from ..intake import Defaults, PromptError, parse_line
+from ..intake import CancelRequest, Defaults, PromptError, parse_line
 from . import run_until_fatal
 
 log = logging.getLogger("qmigrate.ingest")
@@ -32,15 +36,27 @@ class Ingest:
     def __init__(self, topo, read_stdin: bool):
         cfg = topo.ingest
         self.mode = cfg.input
+        self.chat = cfg.chat
         self.max_pending = cfg.max_pending
         d = topo.defaults
         self.defaults = Defaults(d.max_new_tokens, d.temperature, d.top_p, d.top_k)
-        self.tokenizer, self.max_context, self.eos_ids = load_tokenizer_info(resolve_model(topo.model.path))
+        model_path = resolve_model(topo.model.path)
+        self.tokenizer, self.max_context, self.eos_ids = load_tokenizer_info(model_path)
         self.router_addr = topo.endpoint("router").connect
         self.router = transport.socket(zmq.DEALER, connect=self.router_addr,
                                        identity=f"ingest-{os.getpid()}")
         self.detok = transport.socket(zmq.PUSH, connect=topo.endpoint("detokenizer").connect)
         self.feed = transport.socket(zmq.ROUTER, bind=topo.endpoint("ingest").bind)
+        self.replies = transport.socket(zmq.PULL, bind=topo.endpoint("ingest_reply").bind, hwm=100_000)
+        self.live: dict[str, int] = {}        # JSONL/text request id -> sequence id, until it ends
+        self.live_ids: dict[int, str] = {}
+        # Sequence ids are unique across ingest processes: a random high part, a counter below.
+        self.id_base = random.SystemRandom().randrange(1, 1 << 22) << 40
+        self.http = None
+        if cfg.http_port is not None:
+            from .http import WAKE_ENDPOINT, HttpServer
+            self.wake = transport.socket(zmq.PULL, bind=WAKE_ENDPOINT, hwm=1)
+            self.http = HttpServer(cfg, model_path, self.defaults, self.id_base)
         self.lines: queue.Queue = queue.Queue(maxsize=self.max_pending)
         self.read_stdin = read_stdin
         self.stdin_done = not read_stdin
@@ -51,8 +67,6 @@ class Ingest:
         self.line_no = 0
         self.num_requests = 0
         self.closed_sent = False
-        # Sequence ids are unique across ingest processes: a random high part, a counter below.
-        self.id_base = random.SystemRandom().randrange(1, 1 << 22) << 40
         self.rng = random.SystemRandom()
 
     def hello(self) -> None:
@@ -64,19 +78,31 @@ class Ingest:
 
     def serve_forever(self, exit_on_eof: bool) -> None:
         self.hello()
+        if self.http is not None:
+            self.http.start()
+            print(f"qmigrate: OpenAI-compatible API on {self.http.url}/v1", file=sys.stderr, flush=True)
         if self.read_stdin:
             threading.Thread(target=self._read_stdin, daemon=True, name="stdin").start()
         poller = zmq.Poller()
         poller.register(self.router, zmq.POLLIN)
         poller.register(self.feed, zmq.POLLIN)
+        poller.register(self.replies, zmq.POLLIN)
+        if self.http is not None:
+            poller.register(self.wake, zmq.POLLIN)
         while True:
             self.take_lines()
+            self.take_http()
             self.submit()
             ready = dict(poller.poll(20))
             if self.router in ready:
                 self.on_router()
             if self.feed in ready:
                 self.on_feed()
+            if self.replies in ready:
+                self.on_replies()
+            if self.http is not None and self.wake in ready:
+                while self.wake.poll(0):
+                    self.wake.recv()
             if self.stdin_done and not self.pending and not self.in_flight and self.lines.empty():
                 if not self.closed_sent and self.read_stdin:
                     transport.send(self.detok, P.InputClosed(self.num_requests))
@@ -107,18 +133,73 @@ class Ingest:
         try:
             prompt = parse_line(line, mode=self.mode, line_no=self.line_no, tokenizer=self.tokenizer,
                                 max_context=self.max_context, defaults=self.defaults,
-                                eos_ids=self.eos_ids)
+                                eos_ids=self.eos_ids, chat=self.chat)
+            if isinstance(prompt, CancelRequest):
+                seq_id = self.live.get(prompt.req_id)
+                if seq_id is None:
+                    raise PromptError(prompt.req_id, "cancel: no running request has this id")
+                self.num_requests -= 1  # the cancelled request's end is its record
+                self.cancel([seq_id])
+                return
+            if prompt.req_id in self.live:
+                raise PromptError(prompt.req_id, f"duplicate id {prompt.req_id!r}: a request with this "
+                                  "id is still running; this one is refused")
         except PromptError as exc:
             transport.send(self.detok, P.RequestError(exc.req_id, exc.message))
             return
         seq_id = self.id_base | self.num_requests
+        self.live[prompt.req_id], self.live_ids[seq_id] = seq_id, prompt.req_id
+        self.enqueue(seq_id, prompt, P.ROUTE_STDOUT)
+
+    def enqueue(self, seq_id: int, prompt, route: int) -> None:
         ids = P.pack_i32(prompt.prompt_ids)
         seed = prompt.seed if prompt.seed is not None else self.rng.randrange(1 << 62)
         spec = P.SeqSpec(seq_id, ids, len(prompt.prompt_ids), prompt.max_new_tokens,
                          prompt.temperature, prompt.top_p, prompt.top_k, seed, prompt.stop_ids,
                          sorted(self.eos_ids))
-        transport.send(self.detok, P.RequestMeta(seq_id, prompt.req_id, ids))
+        transport.send(self.detok, P.RequestMeta(seq_id, prompt.req_id, ids, route))
         self.pending.append(spec)
+
+    def take_http(self) -> None:
+        if self.http is None:
+            return
+        cancelled = []
+        while not self.http.cancels.empty():
+            cancelled.append(self.http.cancels.get())
+        if cancelled:
+            self.cancel(cancelled)
+        while len(self.pending) < self.max_pending:
+            try:
+                seq_id, prompt = self.http.submissions.get_nowait()
+            except queue.Empty:
+                return
+            self.enqueue(seq_id, prompt, P.ROUTE_INGEST)
+
+    def cancel(self, seq_ids: list[int]) -> None:
+        """Forget requests: those not yet sent to the router here, the rest at the router; the
+        detokenizer ends their output."""
+        unsent = set(seq_ids)
+        kept = [spec for i, spec in enumerate(self.pending)
+                if i < self.in_flight or spec.seq_id not in unsent]
+        self.pending = deque(kept)
+        for seq_id in seq_ids:
+            self.live.pop(self.live_ids.pop(seq_id, None), None)
+        ids = P.pack_i64(seq_ids)
+        transport.send(self.router, P.Cancel(ids))
+        transport.send(self.detok, P.Cancel(ids))
+
+    def on_replies(self) -> None:
+        while (got := transport.recv(self.replies, 0)) is not None:
+            msg = got[1]
+            if not isinstance(msg, P.Replies):
+                continue
+            seq_ids = P.unpack_i64(msg.seq_ids).tolist()
+            finish = P.unpack_u8(msg.finish).tolist()
+            for seq_id, code in zip(seq_ids, finish):
+                if code and seq_id in self.live_ids:
+                    self.live.pop(self.live_ids.pop(seq_id), None)
+            if self.http is not None:
+                self.http.deliver(list(zip(seq_ids, msg.texts, finish, P.unpack_i32(msg.num_tokens).tolist())))
 
     def submit(self) -> None:
         now = time.monotonic()

@@ -41,6 +41,7 @@ class Router:
             P.Hello: self.on_hello, P.Heartbeat: self.on_heartbeat,
             P.WorkRequest: self.on_work_request, P.StepResult: self.on_step_result,
             P.Submit: self.on_submit, P.Drain: self.on_drain, P.StatsRequest: self.on_stats,
+            P.Cancel: self.on_cancel,
         }
 
     def serve_forever(self) -> None:
@@ -170,6 +171,9 @@ class Router:
             spec.ids  # validates the packed ids
         taken = self.sched.admit(msg.seqs)
         self.reply(sender, P.SubmitAck(taken, self.sched.num_free))
+
+    def on_cancel(self, sender: bytes, msg: P.Cancel) -> None:
+        self.sched.cancel(P.unpack_i64(msg.seq_ids, "seq_ids").tolist())
 
     def on_drain(self, sender: bytes, msg: P.Drain) -> None:
         ok = self.sched.drain(msg.worker, time.monotonic())

@@ -1,0 +1,156 @@
+"""The HTTP server in-process, with a fake ingest loop on the other side of its handoff:
+bad input gets 4xx and the server keeps serving, a full handoff is a 429, silence is a 503,
+and a client that goes away mid-stream cancels its request."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import queue
+import socket
+import threading
+
+import pytest
+
+from qmigrate.config import IngestConfig
+from qmigrate.intake import Defaults
+from qmigrate.roles.http import HttpServer
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+LONG = 100
+
+
+class FakeIngest:
+    """Takes requests off the server's handoff and answers each with `words`, one per event."""
+
+    def __init__(self, server: HttpServer, words: list[str] | None):
+        self.server, self.words = server, words
+        self.cancelled: queue.Queue = queue.Queue()
+        self.stopping = threading.Event()
+        threading.Thread(target=self.run, daemon=True).start()
+
+    def run(self) -> None:
+        while not self.stopping.is_set():
+            while not self.server.cancels.empty():
+                self.cancelled.put(self.server.cancels.get())
+            if self.words is None:  # a stalled router: take nothing
+                self.stopping.wait(0.01)
+                continue
+            try:
+                seq_id, prompt = self.server.submissions.get(timeout=0.01)
+            except queue.Empty:
+                continue
+            n = len(self.words)
+            rows = [(seq_id, w, 0, i + 1) for i, w in enumerate(self.words)]
+            if prompt.max_new_tokens < LONG:  # a long request never ends unless cancelled
+                rows.append((seq_id, "", 2, n))
+            self.server.deliver(rows)
+
+
+@pytest.fixture(scope="module")
+def make_server(tiny_chat_model_dir):
+    started = []
+
+    def make(words, max_pending=8, timeout_s=30.0):
+        cfg = IngestConfig(node="local", http_port=free_port(), max_pending=max_pending,
+                           http_timeout_s=timeout_s, max_body_bytes=4096, model_name="tiny")
+        server = HttpServer(cfg, str(tiny_chat_model_dir), Defaults(max_new_tokens=8))
+        server.start()
+        fake = FakeIngest(server, words)
+        started.append(fake)
+        return server, fake
+    yield make
+    for fake in started:
+        fake.stopping.set()
+
+
+def post(server, path: str, body, raw: bytes | None = None):
+    conn = http.client.HTTPConnection("127.0.0.1", server.cfg.http_port, timeout=30)
+    data = raw if raw is not None else json.dumps(body).encode()
+    conn.request("POST", path, data, {"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    out = resp.status, resp.read()
+    conn.close()
+    return out[0], json.loads(out[1]) if out[1].startswith(b"{") else out[1]
+
+
+GOOD = {"model": "tiny", "prompt": "Hello", "max_tokens": 8}
+CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}
+
+
+def test_answers_and_bad_input_gets_4xx_while_the_server_keeps_serving(make_server):
+    server, _ = make_server(["Hel", "lo"])
+    status, body = post(server, "/v1/completions", GOOD)
+    assert status == 200 and body["choices"][0]["text"] == "Hello"
+    assert body["usage"]["completion_tokens"] == 2
+    cases = [
+        ("/v1/completions", None, b"{not json", 400),
+        ("/v1/completions", None, b"\xff\xfe", 400),
+        ("/v1/completions", {**GOOD, "max_tokens": "many"}, None, 400),
+        ("/v1/completions", {**GOOD, "model": "other"}, None, 404),
+        ("/v1/completions", {**GOOD, "max_tokens": 0}, None, 400),
+        ("/v1/completions", {**GOOD, "n": 3}, None, 400),
+        ("/v1/chat/completions", {**CHAT, "messages": []}, None, 400),
+        ("/v1/completions", {**GOOD, "prompt": "x" * 5000}, None, 413),
+        ("/v1/nothing", GOOD, None, 404),
+    ]
+    for path, body, raw, expected in cases:
+        status, reply = post(server, path, body, raw)
+        assert status == expected, (path, body, raw, reply)
+        assert reply["error"]["message"], reply
+        status, ok = post(server, "/v1/chat/completions", CHAT)
+        assert status == 200 and ok["choices"][0]["message"]["content"] == "Hello"
+
+
+def test_a_full_handoff_is_a_429_and_silence_a_503(make_server):
+    server, fake = make_server(None, max_pending=1, timeout_s=1.0)
+    first = []
+    waiter = threading.Thread(target=lambda: first.append(post(server, "/v1/completions", GOOD)))
+    waiter.start()
+    while server.submissions.empty():  # the first request waits in the handoff
+        waiter.join(0.01)
+    status, body = post(server, "/v1/completions", GOOD)
+    assert status == 429 and body["error"]["code"] == "rate_limit_exceeded"
+    waiter.join()
+    status, body = first[0]
+    assert status == 503 and "no output within 1 s" in body["error"]["message"]
+    assert fake.cancelled.get(timeout=5) > 0  # a request given up on is cancelled
+
+
+def test_a_client_that_leaves_mid_stream_cancels_its_request(make_server):
+    server, fake = make_server(["a", "b"])
+    conn = http.client.HTTPConnection("127.0.0.1", server.cfg.http_port, timeout=30)
+    conn.request("POST", "/v1/completions", json.dumps({**GOOD, "max_tokens": LONG, "stream": True}))
+    resp = conn.getresponse()
+    assert resp.status == 200 and resp.getheader("Content-Type").startswith("text/event-stream")
+    assert resp.readline().startswith(b"data: {")  # the stream is running and will never end
+    conn.sock.shutdown(socket.SHUT_RDWR)
+    conn.close()
+    seq_id = fake.cancelled.get(timeout=10)
+    assert seq_id not in server.streams
+
+
+def test_models_and_health(make_server):
+    server, _ = make_server(["x"])
+    conn = http.client.HTTPConnection("127.0.0.1", server.cfg.http_port, timeout=10)
+    conn.request("GET", "/v1/models")
+    models = json.loads(conn.getresponse().read())
+    assert [m["id"] for m in models["data"]] == ["tiny"]
+    conn.request("GET", "/health")
+    assert json.loads(conn.getresponse().read())["status"] == "ok"
+    conn.close()
+
+
+def test_a_port_in_use_is_one_clear_line(tiny_chat_model_dir):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        cfg = IngestConfig(node="local", http_port=taken.getsockname()[1], model_name="tiny")
+        with pytest.raises(SystemExit, match=f"cannot serve HTTP on http://127.0.0.1:{cfg.http_port}"):
+            HttpServer(cfg, str(tiny_chat_model_dir), Defaults()).start()

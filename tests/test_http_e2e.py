@@ -1,0 +1,221 @@
+"""The official `openai` client against a live node (router, ingest with the HTTP API,
+detokenizer, one CPU worker) on the tiny model with a chat template."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import yaml
+
+from qmigrate import protocol as P
+from qmigrate import transport
+
+openai = pytest.importorskip("openai")
+pytestmark = pytest.mark.slow
+
+MODEL = "tiny"
+PROMPTS = ["Hello world", "Once upon a time", "The router keeps"]
+
+
+def free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Node:
+    def __init__(self, tmp, model_dir):
+        self.ipc = tmp / "s"
+        self.port = free_port()
+        topo = {
+            "transport": "ipc", "ipc_dir": str(self.ipc), "model": {"path": str(model_dir)},
+            "defaults": {"max_new_tokens": 8}, "nodes": [{"name": "local"}],
+            "router": {"node": "local"}, "detokenizer": {"node": "local", "output": "jsonl"},
+            "ingest": {"node": "local", "input": "jsonl", "http_port": self.port, "model_name": MODEL},
+            "workers": [{"name": "w1", "node": "local", "cpu_kv_gib": 0.25}],
+        }
+        self.config = tmp / "topology.yaml"
+        self.config.write_text(yaml.safe_dump(topo))
+        self.stdout = tmp / "stdout.jsonl"
+        self.stderr = tmp / "stderr.txt"
+        with open(self.stdout, "w") as out, open(self.stderr, "w") as err:
+            self.proc = subprocess.Popen([sys.executable, "-m", "qmigrate", "node", str(self.config), "--node", "local"],
+                                         stdin=subprocess.DEVNULL, stdout=out, stderr=err, start_new_session=True)
+        self.client = openai.OpenAI(base_url=f"http://127.0.0.1:{self.port}/v1", api_key="none",
+                                    max_retries=0, timeout=60)
+
+    def wait_ready(self, timeout_s: float = 90) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            assert self.proc.poll() is None, self.stderr.read_text()[-3000:]
+            try:
+                if self.stats(timeout_s=0.5).get("workers", 0) >= 1:
+                    self.client.models.list()
+                    return
+            except (transport.Unreachable, openai.APIConnectionError):
+                pass
+            time.sleep(0.2)
+        pytest.fail(f"node not ready in {timeout_s} s:\n{self.stderr.read_text()[-3000:]}")
+
+    def stats(self, timeout_s: float = 5.0) -> dict:
+        return transport.request(f"ipc://{self.ipc}/router.sock", P.StatsRequest(), timeout_s=timeout_s,
+                                 expect=P.Stats).counters
+
+    def feed(self, *lines: str) -> None:
+        ack = transport.request(f"ipc://{self.ipc}/ingest.sock", P.FeedLines(list(lines)), expect=P.FeedAck)
+        assert ack.num_accepted == len(lines)
+
+    def records(self, done_ids: set[str], timeout_s: float = 30) -> list[dict]:
+        """Printed records, once every id in done_ids has a final record."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            records = [json.loads(line) for line in self.stdout.read_text().splitlines() if line.strip()]
+            if done_ids <= {r["id"] for r in records if r.get("done")}:
+                return records
+            time.sleep(0.05)
+        pytest.fail(f"no final records for {done_ids}:\n{self.stdout.read_text()[-2000:]}")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+        try:
+            self.proc.wait(15)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+
+
+@pytest.fixture(scope="module")
+def node(tiny_chat_model_dir, tmp_path_factory):
+    n = Node(tmp_path_factory.mktemp("node"), tiny_chat_model_dir)
+    try:
+        n.wait_ready()
+        yield n
+    finally:
+        n.stop()
+
+
+@pytest.fixture(scope="module")
+def expected(tiny_chat_model_dir):
+    """The text and token count transformers' greedy generate() gives for prompt ids."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    model = AutoModelForCausalLM.from_pretrained(tiny_chat_model_dir, dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(tiny_chat_model_dir)
+
+    def generate(prompt_ids: list[int], max_new_tokens: int) -> tuple[str, int]:
+        with torch.no_grad():
+            out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=max_new_tokens, do_sample=False)
+        new = out[0, len(prompt_ids):].tolist()
+        decode = lambda ids: tok.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+        return decode(prompt_ids + new)[len(decode(prompt_ids)):], len(new)
+    generate.tok = tok
+    return generate
+
+
+def test_completions_streamed_and_not_equal_generate(node, expected):
+    for prompt in PROMPTS[:1]:
+        text, num = expected(expected.tok.encode(prompt), 8)
+        whole = node.client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0)
+        assert whole.choices[0].text == text
+        assert (whole.usage.prompt_tokens, whole.usage.completion_tokens) == (len(expected.tok.encode(prompt)), num)
+        stream = node.client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0,
+                                                stream=True, stream_options={"include_usage": True})
+        chunks = list(stream)
+        assert "".join(c.choices[0].text for c in chunks if c.choices) == text
+        assert chunks[-1].usage.completion_tokens == num
+        assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] in ("length", "stop")
+
+
+def test_chat_completions_streamed_and_not_equal_generate(node, expected):
+    messages = [{"role": "user", "content": "Tell me a story"}]
+    tok = expected.tok
+    ids = tok.encode(tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True),
+                     add_special_tokens=False)
+    text, num = expected(ids, 6)
+    whole = node.client.chat.completions.create(model=MODEL, messages=messages, max_tokens=6)
+    assert whole.choices[0].message.role == "assistant"
+    assert whole.choices[0].message.content == text
+    assert (whole.usage.prompt_tokens, whole.usage.completion_tokens) == (len(ids), num)
+    chunks = list(node.client.chat.completions.create(model=MODEL, messages=messages, max_tokens=6, stream=True))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == text
+
+
+def test_64_concurrent_streaming_clients_all_complete(node, expected):
+    wanted = {p: expected(expected.tok.encode(p), 4)[0] for p in PROMPTS}
+
+    def one(i: int) -> tuple[str, str, str]:
+        prompt = PROMPTS[i % len(PROMPTS)]
+        stream = node.client.completions.create(model=MODEL, prompt=prompt, max_tokens=4, stream=True)
+        chunks = list(stream)
+        return prompt, "".join(c.choices[0].text for c in chunks), chunks[-1].choices[0].finish_reason
+
+    with ThreadPoolExecutor(64) as pool:
+        results = list(pool.map(one, range(64)))
+    assert len(results) == 64
+    for prompt, text, finish in results:
+        assert text == wanted[prompt] and finish in ("length", "stop")
+
+
+def test_a_client_that_closes_mid_stream_frees_its_sequence(node):
+    before = node.stats().get("cancelled", 0)
+    stream = node.client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=500, stream=True)
+    next(iter(stream))  # generating now; 500 tokens take far longer than the test waits
+    stream.close()
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        stats = node.stats()
+        if stats.get("cancelled", 0) > before and stats["live"] == 0:
+            break
+        time.sleep(0.05)
+    assert stats.get("cancelled", 0) == before + 1 and stats["live"] == 0, stats
+
+
+def test_bad_input_gets_4xx_and_the_server_keeps_serving(node):
+    with pytest.raises(openai.NotFoundError):
+        node.client.completions.create(model="no-such-model", prompt="x", max_tokens=2)
+    with pytest.raises(openai.BadRequestError, match="'n'"):
+        node.client.completions.create(model=MODEL, prompt="x", max_tokens=2, n=2)
+    with pytest.raises(openai.BadRequestError, match="context"):
+        node.client.completions.create(model=MODEL, prompt=[5] * 600, max_tokens=2)
+    with pytest.raises(openai.BadRequestError, match="max_tokens"):
+        node.client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=0)
+    assert node.client.completions.create(model=MODEL, prompt="Hello", max_tokens=2).choices[0].finish_reason
+
+
+def test_duplicate_live_ids_are_refused_and_reusable_after_the_end(node):
+    node.feed(json.dumps({"id": "dup", "prompt": "Hello", "max_new_tokens": 6}),
+              json.dumps({"id": "dup", "prompt": "Once", "max_new_tokens": 6}))
+    records = node.records({"dup"})
+    deadline = time.monotonic() + 30
+    while sum(1 for r in records if r["id"] == "dup" and r.get("done")) < 2 and time.monotonic() < deadline:
+        records = node.records({"dup"})
+    finals = [r for r in records if r["id"] == "dup" and r.get("done")]
+    assert len(finals) == 2
+    assert sum("duplicate id 'dup'" in r.get("error", "") for r in finals) == 1
+    assert sum("text" in r for r in finals) == 1
+    deltas = [r["delta"] for r in records if r["id"] == "dup" and "delta" in r]
+    assert "".join(deltas) == next(r["text"] for r in finals if "text" in r)  # one stream, not two
+    node.feed(json.dumps({"id": "dup", "prompt": "Hello", "max_new_tokens": 6}))
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        finals = [r for r in node.records({"dup"}) if r["id"] == "dup" and r.get("done")]
+        if len(finals) == 3:
+            break
+        time.sleep(0.05)
+    assert len(finals) == 3 and "text" in finals[2]
+
+
+def test_a_jsonl_cancel_line_ends_a_request(node):
+    node.feed(json.dumps({"id": "long", "prompt": "Hello", "max_new_tokens": 400}), json.dumps({"cancel": "long"}))
+    final = [r for r in node.records({"long"}) if r["id"] == "long" and r.get("done")]
+    assert final[0]["finish_reason"] == "cancelled"

@@ -1,0 +1,161 @@
+"""OpenAI request parsing and reply shapes (pure), and the detokenizer's reply route."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+
+from conftest import CHAT_TEMPLATE
+from qmigrate.detok import make_sink
+from qmigrate.openai_api import ApiError, StopTrimmer, chunk, parse_body, reply, usage_chunk
+from tokenizer_util import build_tokenizer
+
+MODEL = "tiny"
+
+
+@pytest.fixture(scope="module")
+def tok():
+    tok = copy.deepcopy(build_tokenizer())
+    tok.chat_template = CHAT_TEMPLATE
+    return tok
+
+
+def parse(tok, body, kind="completion", max_context=64):
+    return parse_body(body, kind, model_names=[MODEL], tokenizer=tok, max_context=max_context, eos_ids=[1])
+
+
+def error(tok, body, kind="completion", **kw) -> ApiError:
+    with pytest.raises(ApiError) as info:
+        parse(tok, body, kind, **kw)
+    return info.value
+
+
+def test_a_completion_request_maps_onto_intake(tok):
+    req = parse(tok, {"model": MODEL, "prompt": "Hello world", "max_tokens": 7, "temperature": 0.5,
+                      "top_p": 0.9, "seed": 3, "stop": "\n", "stream": True,
+                      "stream_options": {"include_usage": True}, "n": 1, "logprobs": None, "user": "u"})
+    assert (req.kind, req.model, req.stream, req.include_usage, req.stop) == ("completion", MODEL, True, True, ["\n"])
+    p = req.prompt
+    assert p.prompt_ids == tok.encode("Hello world")
+    assert (p.max_new_tokens, p.temperature, p.top_p, p.seed) == (7, 0.5, 0.9, 3)
+    assert p.stop_ids == [tok.encode("\n", add_special_tokens=False)]
+    assert parse(tok, {"model": MODEL, "prompt": [5, 6, 7]}).prompt.prompt_ids == [5, 6, 7]
+    assert parse(tok, {"model": MODEL, "prompt": ["Hi"]}).prompt.prompt_ids == tok.encode("Hi")
+
+
+def test_a_chat_request_uses_the_template(tok):
+    messages = [{"role": "user", "content": "Hello"}]
+    req = parse(tok, {"model": MODEL, "messages": messages, "max_completion_tokens": 4}, "chat")
+    text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert req.prompt.prompt_ids == tok.encode(text, add_special_tokens=False)
+    assert req.prompt.max_new_tokens == 4
+
+
+@pytest.mark.parametrize("body, status, param, words", [
+    ([1, 2], 400, None, "must be a JSON object"),
+    ({"prompt": "x"}, 400, "model", "'model' is required"),
+    ({"model": "gpt-9", "prompt": "x"}, 404, "model", "does not exist"),
+    ({"model": MODEL, "prompt": "x", "max_tokens": 0}, 400, "max_tokens", ">= 1"),
+    ({"model": MODEL, "prompt": "x", "max_tokens": "5"}, 400, "max_tokens", "integer"),
+    ({"model": MODEL, "prompt": "x", "temperature": 3}, 400, "temperature", "from 0 to 2"),
+    ({"model": MODEL, "prompt": "x", "top_p": 0}, 400, "top_p", "top_p"),
+    ({"model": MODEL, "prompt": "x", "seed": -1}, 400, "seed", "seed"),
+    ({"model": MODEL, "prompt": "x", "stream": "yes"}, 400, "stream", "boolean"),
+    ({"model": MODEL, "prompt": "x", "stream_options": {"include_usage": True}}, 400, "stream_options", "only"),
+    ({"model": MODEL, "prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, 400, "stop", "up to 4"),
+    ({"model": MODEL, "prompt": "x", "n": 2}, 400, "n", "'n' is not supported"),
+    ({"model": MODEL, "prompt": "x", "logprobs": 2}, 400, "logprobs", "'logprobs'"),
+    ({"model": MODEL, "prompt": "x", "best_of": 3}, 400, "best_of", "'best_of'"),
+    ({"model": MODEL, "prompt": "x", "echo": True}, 400, "echo", "'echo'"),
+    ({"model": MODEL, "prompt": "x", "presence_penalty": 0.5}, 400, "presence_penalty", "not supported"),
+    ({"model": MODEL, "prompt": "x", "frobnicate": 1}, 400, "frobnicate", "unrecognized request argument"),
+    ({"model": MODEL, "prompt": ["a", "b"]}, 400, "prompt", "one prompt per request"),
+    ({"model": MODEL, "prompt": 5}, 400, "prompt", "string or a list of token ids"),
+    ({"model": MODEL, "prompt": "   "}, 400, "prompt", "empty prompt"),
+    ({"model": MODEL, "prompt": "The quick brown fox " * 20}, 400, "prompt", "context"),
+])
+def test_bad_completion_requests(tok, body, status, param, words):
+    exc = error(tok, body)
+    assert (exc.status, exc.param) == (status, param)
+    assert words in exc.message
+    assert set(exc.body()["error"]) == {"message", "type", "param", "code"}
+
+
+def test_a_prompt_over_the_context_has_its_code(tok):
+    assert error(tok, {"model": MODEL, "prompt": "The quick brown fox " * 20}).code == "context_length_exceeded"
+
+
+@pytest.mark.parametrize("body, param, words", [
+    ({"model": MODEL, "messages": []}, "messages", "non-empty list"),
+    ({"model": MODEL, "messages": "hi"}, "messages", "non-empty list"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": 1}]}, "messages", "content must be a string"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, "tools", "not supported"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "logprobs": True}, "logprobs", "not supported"),
+    ({"model": MODEL, "prompt": "x"}, "prompt", "unrecognized"),
+])
+def test_bad_chat_requests(tok, body, param, words):
+    exc = error(tok, body, "chat")
+    assert (exc.status, exc.param) == (400, param) and words in exc.message
+
+
+def test_neutral_values_of_unsupported_fields_are_accepted(tok):
+    parse(tok, {"model": MODEL, "prompt": "x", "n": 1, "presence_penalty": 0.0, "frequency_penalty": 0,
+                "logit_bias": {}, "echo": False, "best_of": 1, "logprobs": None})
+
+
+def test_stop_trimmer_holds_back_and_cuts_a_final_stop_string():
+    trim = StopTrimmer(["\n\n", "END"])
+    out = trim.push("Hello") + trim.push(" wor") + trim.push("ld\n") + trim.push("\n")
+    assert out + trim.finish(stopped=True) == "Hello world"
+    trim = StopTrimmer(["END"])
+    assert trim.push("abEN") + trim.push("D") + trim.finish(stopped=False) == "abEND"
+    assert StopTrimmer([]).push("xyz") == "xyz"
+
+
+def test_reply_and_chunk_shapes(tok):
+    req = parse(tok, {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "stream": True,
+                      "stream_options": {"include_usage": True}}, "chat")
+    n = len(req.prompt.prompt_ids)
+    first = chunk(req, "r", 1, "He", first=True)
+    assert first["object"] == "chat.completion.chunk"
+    assert first["choices"][0]["delta"] == {"role": "assistant", "content": "He"}
+    assert chunk(req, "r", 1, None, "length")["choices"][0] == {"index": 0, "delta": {}, "logprobs": None,
+                                                                 "finish_reason": "length"}
+    assert usage_chunk(req, "r", 1, 4)["usage"] == {"prompt_tokens": n, "completion_tokens": 4, "total_tokens": n + 4}
+    whole = reply(req, "r", 1, "Hello", "stop", 2)
+    assert whole["choices"][0]["message"] == {"role": "assistant", "content": "Hello"}
+    assert whole["usage"]["completion_tokens"] == 2
+
+
+def test_the_detokenizer_routes_text_back_and_reports_every_end():
+    tok = build_tokenizer()
+    printed, replies = [], []
+    sink = make_sink("jsonl", tok, printed.append, reply=lambda *row: replies.append(row))
+    ids = tok.encode(" hello world", add_special_tokens=False)
+    sink.start(1, "http-1", [0], route=1)
+    sink.start(2, "q2", [0])
+    sink.tokens(1, 0, ids)
+    sink.tokens(2, 0, ids)
+    sink.finish(1, "length", len(ids))
+    sink.finish(2, "eos", len(ids))
+    assert "".join(r[1] for r in replies if r[0] == 1) == tok.decode(ids)
+    assert [r for r in replies if r[2]] == [(1, "", 2, len(ids)), (2, "", 1, len(ids))]
+    assert all('"http-1"' not in line for line in printed)  # routed text is never printed
+    assert (sink.num_done, sink.num_replied) == (1, 1)
+
+
+def test_cancel_ends_a_request_once_and_drops_later_tokens():
+    tok = build_tokenizer()
+    printed, replies = [], []
+    sink = make_sink("jsonl", tok, printed.append, reply=lambda *row: replies.append(row))
+    ids = tok.encode(" hello world", add_special_tokens=False)
+    sink.start(3, "c", [0])
+    sink.tokens(3, 0, ids[:1])
+    sink.cancel(3)
+    sink.cancel(3)
+    sink.tokens(3, 1, ids[1:])
+    final = [line for line in printed if '"done": true' in line]
+    assert len(final) == 1 and '"finish_reason": "cancelled"' in final[0]
+    assert replies[-1] == (3, "", 100, 1)
+    assert sink.num_done == 1 and sink.num_dropped_tokens == len(ids) - 1
