@@ -83,6 +83,7 @@ def run_fleet(num_workers: int, step_ms: float, batch: int, *, warmup_s: float, 
         children = start_roles(topo, path, [("router", "router")], read_stdin=False, log_level=log_level)
         router_pid = children[0].proc.pid
         fakes: list[subprocess.Popen] = []
+        feeder = None
         try:
             if not wait_for_fleet(topo, children, 0, timeout_s=60):
                 raise RuntimeError("the router did not start")
@@ -101,11 +102,14 @@ def run_fleet(num_workers: int, step_ms: float, batch: int, *, warmup_s: float, 
             stop(children)  # first, so that it does not log every lease to a fake that left
             done = _collect(fakes)
         finally:
+            if feeder is not None:
+                feeder.sock.close(linger=0)
             stop(children)
             for p in fakes:
                 if p.poll() is None:
                     p.kill()
                     p.wait()
+                p.stdout.close()
     window = t1 - t0
     # A lease counts for the part of its run inside the window, rows pro rata.
     rows = leases = busy = rows_in_leases = 0.0
