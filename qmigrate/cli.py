@@ -179,6 +179,7 @@ def bench(
     policy: Annotated[str, typer.Option(help="Router policy: affinity or any.")] = "affinity",
     migration: Annotated[str, typer.Option(help="auto, recompute or transfer.")] = "auto",
     lease_steps: Annotated[Optional[int], typer.Option(min=1, max=1024, help="Router max_lease_steps: decode steps a lease may cover (default: the topology's, 16).")] = None,
+    router_setting: Annotated[Optional[list[str]], typer.Option("--router-setting", help="KEY=VALUE for the router section of the run's topology (repeatable), e.g. chain_leases=false.")] = None,
     json_out: Annotated[Optional[Path], typer.Option("--json", help="Write the results as JSON here.")] = None,
     profile: Annotated[bool, typer.Option(help="Print a torch profiler table of one in-process decode step.")] = False,
     runner: Annotated[str, typer.Option(help="Engine runner: auto (fast on a GPU for the Llama family), fast or hf.")] = "auto",
@@ -194,9 +195,14 @@ def bench(
 ):
     """Run a workload through the full pipeline, the engine in-process and HF static
     generate; print tok/s, the ratios, TTFT/TPOT p50/p99 and migrations by cause."""
+    from .config import ConfigError, router_settings
     overrides = {"policy": policy, "migration": migration}
     if lease_steps is not None:
         overrides["max_lease_steps"] = lease_steps
+    try:
+        overrides.update(router_settings(router_setting or []))
+    except ConfigError as exc:
+        _fail(str(exc))
     if fake_workers is not None:
         from .bench_router import run_router_bench, sweep_sizes
         try:

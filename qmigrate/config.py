@@ -424,3 +424,18 @@ def local_topology(num_workers: int = 2, model_path: str | None = None, ipc_dir:
     if max_new_tokens is not None:
         data["defaults"] = {"max_new_tokens": max_new_tokens}
     return parse_topology(data, source="local_topology")
+
+
+def router_settings(items: list[str]) -> dict[str, Any]:
+    """KEY=VALUE texts (VALUE read as a YAML scalar) -> fields of the router section, checked."""
+    out: dict[str, Any] = {}
+    for item in items:
+        key, sep, text = item.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError("router", f"expected KEY=VALUE, got {item!r}")
+        try:
+            out[key.strip()] = yaml.safe_load(text) if text.strip() else None
+        except yaml.YAMLError:
+            raise ConfigError(f"router.{key.strip()}", f"unreadable value {text!r}") from None
+    _build(RouterConfig, out, "router")
+    return out

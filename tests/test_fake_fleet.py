@@ -80,3 +80,13 @@ def test_router_bench_runs_the_real_router_with_fake_workers(tmp_path):
         assert 0 < p.mean_rows_per_lease <= 8 and 0 < p.device_busy <= 1.0 + 1e-9
         assert p.router_cpu > 0 and p.num_fake_procs == 1
     assert points[0].scaling == 1.0 and report["largest_linear"] >= 1
+
+
+def test_router_settings_for_a_bench_run_are_checked():
+    from qmigrate.config import ConfigError, router_settings
+    assert router_settings(["chain_leases=false", "lease_timeout_s=2.5", "policy=any"]) == {
+        "chain_leases": False, "lease_timeout_s": 2.5, "policy": "any"}
+    for bad, why in (("chain_lease=false", "did you mean 'chain_leases'"), ("policy=none", "expected"),
+                     ("max_queued", "KEY=VALUE")):
+        with pytest.raises(ConfigError, match=why):
+            router_settings([bad])
