@@ -76,6 +76,7 @@ class Started:
     shown: dict[int, int] = field(default_factory=dict)   # tokens already sent to the detokenizer
     announced: set[int] = field(default_factory=set)      # rows whose end it has been sent
     ended: set[int] = field(default_factory=set)          # rows whose status is a finish (cheap to test)
+    lost: list[int] = field(default_factory=list)         # rows cut short with their KV dropped
 
 
 @dataclass(slots=True)
@@ -257,9 +258,15 @@ class WorkerCore:
             state = seqs.get(sid)
             if token == REFUSED or state is None:
                 # no room in the pool (the router places it again), or a step queued behind
-                # one that ended the sequence: nothing to report
-                status[sid] = Finish.NEED_IDS
+                # one that ended the sequence: nothing more to report
                 self.drop([sid])
+                if out[sid]:
+                    # Earlier steps of this lease produced tokens, and the detokenizer may have
+                    # shown them: report them, and that the KV is gone (as an eviction).
+                    if sid not in run.lost:
+                        run.lost.append(sid)
+                else:
+                    status[sid] = Finish.NEED_IDS
                 continue
             state.last_token = token
             out[sid].append(token)
@@ -275,11 +282,11 @@ class WorkerCore:
         return P.StepResult(run.lease.lease_id, P.pack_i64(sids), P.pack_i32([len(run.out[s]) for s in sids]),
                             P.pack_i32([t for s in sids for t in run.out[s]]),
                             P.pack_u8([int(run.status[s]) for s in sids]), self.free_tokens,
-                            P.pack_i64(self.engine.take_evicted()))
+                            P.pack_i64(self.engine.take_evicted() + run.lost))
 
     def _tokens(self, run: "Started", final: bool) -> P.Tokens:
         """For the detokenizer: tokens not sent yet (after any it may have missed), and the
-        end of rows that ended; `final` also reports every row's status once."""
+        end of rows that ended; in the `final` one a row's code is its status at the end."""
         shown, sent_of, out, ended, announced = [], run.shown, run.out, run.ended, run.announced
         for sid in run.seq_ids:
             tokens = out[sid]

@@ -976,3 +976,16 @@ def test_the_next_lease_launches_behind_the_last_step_of_a_multi_step_lease(core
     first_tokens = greedy(ps[1], 1), greedy(ps[2], 1)
     for (sid, p), head in zip(ps.items(), first_tokens):
         assert head + got[sid] == greedy(p, 8), sid
+
+
+def test_a_row_cut_short_for_room_keeps_the_tokens_it_streamed(model, greedy):
+    core = WorkerCore(make_engine(model, kv_tokens=16, max_len=16, block_size=8))  # two blocks
+    p, q = [1] + list(range(100, 106)), [1] + list(range(200, 206))  # a block each, for 2 steps
+    ids = {1: p, 2: q}
+    full = [spec_of(i, s, len(s)) for i, s in ids.items()]
+    result, streamed = run_steps(core, make_lease(ids, full=full, num_steps=4))
+    got = result_tokens(result)
+    assert got[2] == greedy(q, 2) and got[1] == greedy(p, len(got[1])) and len(got[1]) > 2
+    assert P.unpack_u8(result.status).tolist()[1] == Finish.NONE   # its tokens stand
+    assert 2 in P.unpack_i64(result.evicted_ids).tolist()          # and its KV is gone
+    assert [t for s in streamed for t in s.get(2, (0, []))[1]] == greedy(q, 2)
