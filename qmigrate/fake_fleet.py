@@ -190,7 +190,10 @@ def serve(endpoint: str, names: list[str], step_s: float, max_seqs: int, infligh
         for sock, _ in ready:
             w = by_sock[sock]
             while (got := _recv_now(sock)) is not None:
-                w.on_message(got, time.monotonic())
+                try:
+                    w.on_message(got, time.monotonic())
+                except P.ProtocolError as exc:
+                    print(f"fake worker {w.name}: dropped a {type(got).__name__}: {exc}", file=sys.stderr)
         now = time.monotonic()
         for w in workers:
             if w.alive:
