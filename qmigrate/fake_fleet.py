@@ -4,8 +4,8 @@ A `FakeDevice` is one GPU that runs the leases it is given back to back, each st
 `step_s`: a lease of k steps that arrives at t on an idle device ends at t + k·step_s, and
 one that arrives while another runs starts when that one ends (the pipelining a real worker
 gets from keeping two batches in flight). Every row yields one token per step; a Revoke
-ends rows at the next step boundary. Sequences never finish here: the benchmark feeds long
-ones, so what it measures is the router's steady state.
+ends the lease at the next step boundary, as a real worker does. Sequences never finish
+here: the benchmark feeds long ones, so what it measures is the router's steady state.
 
 `serve` drives several fake devices from one process, a poller over one DEALER socket per
 fake worker, so a fleet of fakes costs little CPU. Run as
@@ -79,15 +79,14 @@ class FakeDevice:
         self._plan()
 
     def revoke(self, msg: P.Revoke, now: float) -> bool:
-        """End the named rows (all when none are named) at the next step boundary. False
-        when the lease is not held here (finished, unknown): then nothing changes."""
+        """End the lease at its next step boundary (a lease not started yet runs one step).
+        False when the lease is not held here (finished, unknown): then nothing changes."""
         lease = next((x for x in self.leases if x.lease_id == msg.lease_id), None)
         if lease is None:
             return False
+        P.unpack_i64(msg.seq_ids, "seq_ids")
         boundary = 1 if now < lease.start else min(lease.num_steps, int((now - lease.start) / self.step_s) + 1)
-        revoked = P.unpack_i64(msg.seq_ids, "seq_ids")
-        rows = np.isin(P.unpack_i64(lease.seq_ids), revoked) if len(revoked) else slice(None)
-        lease.stops[rows] = np.minimum(lease.stops[rows], boundary)
+        np.minimum(lease.stops, boundary, out=lease.stops)
         self._plan()
         return True
 

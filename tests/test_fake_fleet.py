@@ -44,13 +44,13 @@ def test_multi_step_lease_and_revokes_at_step_boundaries():
     dev.add(lease(1, [10, 11, 12, 13], num_steps=5), now=0.0)
     dev.add(lease(2, [20, 21], num_steps=3), now=0.0)
     assert not dev.revoke(P.Revoke(99), now=0.001)           # unknown: ignored
-    assert dev.revoke(P.Revoke(1, P.pack_i64([11, 13])), now=0.003)  # during step 2: stop after it
-    assert dev.next_end() == pytest.approx(0.010)            # rows 10 and 12 still run 5 steps
+    assert dev.next_end() == pytest.approx(0.010)
     assert dev.revoke(P.Revoke(2), now=0.004)                # not started yet: its first step only
-    assert dev.revoke(P.Revoke(1), now=0.0065)               # all rows, during step 4
+    assert dev.revoke(P.Revoke(1, P.pack_i64([11])), now=0.0065)  # during step 4: the lease ends after it
+    assert dev.revoke(P.Revoke(1), now=0.0075)               # a second one changes nothing
     (r1, d1), (r2, d2) = dev.due(1.0)
-    assert P.unpack_i32(r1.counts).tolist() == [4, 2, 4, 2]
-    assert len(P.unpack_i32(r1.tokens)) == 12 and d1.end == pytest.approx(0.008)
+    assert P.unpack_i32(r1.counts).tolist() == [4, 4, 4, 4]
+    assert len(P.unpack_i32(r1.tokens)) == 16 and d1.end == pytest.approx(0.008)
     assert P.unpack_i32(r2.counts).tolist() == [1, 1] and d2.end == pytest.approx(0.010)
     assert not dev.revoke(P.Revoke(1), now=1.0)               # finished: ignored
 
