@@ -168,7 +168,10 @@ class Engine:
     @torch.inference_mode()
     def warm_up(self) -> None:
         """A few prefills and decode steps of throwaway rows, so that kernels are compiled
-        (and their caches loaded) before the first real request waits on them."""
+        (and their caches loaded) before the first real request waits on them. Only on a GPU:
+        the CPU runs no compiled kernels, and there it would only cost time."""
+        if self.device.type != "cuda":
+            return
         # Prompt lengths of several kinds (one token, odd, a multiple of 16, over a chunk):
         # compiled kernels are specialised on such properties of their sizes.
         lengths = [1, 17, 96, max(600, self.config.prefill_chunk + 88)]
