@@ -200,7 +200,8 @@ def bench(
     prompt_len: Annotated[Optional[str], typer.Option(help="Prompt length range MIN:MAX (default 64:512 on CUDA, 8:64 on CPU).")] = None,
     output_len: Annotated[Optional[str], typer.Option(help="Output length range MIN:MAX (default 32:512 on CUDA, 8:64 on CPU).")] = None,
     seed: Annotated[int, typer.Option(help="Workload seed.")] = 0,
-    paths: Annotated[str, typer.Option(help="Comma-separated: pipeline, in-process, hf-static.")] = "pipeline,in-process,hf-static",
+    paths: Annotated[str, typer.Option(help="Comma-separated: pipeline (ipc), pipeline-tcp, pipeline-curve (tcp on 127.0.0.1 without and with CURVE), in-process, hf-static.")] = "pipeline,in-process,hf-static",
+    curve: Annotated[bool, typer.Option("--curve", help="Measure what CURVE costs: run the pipeline over tcp on 127.0.0.1 without and with CURVE, same workload (replaces --paths).")] = False,
     max_seqs: Annotated[int, typer.Option(min=1, help="Sequences per step (pipeline workers and in-process).")] = 256,
     max_tokens: Annotated[int, typer.Option(min=1, help="New tokens per step (prefill budget).")] = 16384,
     hf_batch: Annotated[int, typer.Option(min=1, help="Static batch size of the HF baseline.")] = 64,
@@ -254,6 +255,8 @@ def bench(
         run_decode_steps(model_path, device if device != "cuda" else "cuda:0",
                          [int(b) for b in batches.split(",")], context, runner, json_out, profile)
         return
+    if curve:
+        paths = "pipeline-tcp,pipeline-curve"
     span = lambda text, default: tuple(int(x) for x in text.split(":")) if text else default
     workload = Workload(requests or (256 if is_cuda else 32), span(prompt_len, (64, 512) if is_cuda else (8, 64)),
                         span(output_len, (32, 512) if is_cuda else (8, 64)), seed=seed)
