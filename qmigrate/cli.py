@@ -74,9 +74,9 @@ def _secure(topo, node: str | None) -> None:
 
 
 def _warn_if_open(topo) -> None:
-    if topo.security.enabled == "off" and topo.transport == "tcp":
-        print("warning: security.enabled is off: every tcp link of this node accepts anyone who reaches "
-              "it and travels unencrypted", file=sys.stderr)
+    from .security import open_warning
+    if (text := open_warning(topo)) is not None:
+        print(f"warning: {text}", file=sys.stderr)
 
 
 LogLevel = Annotated[str, typer.Option("--log-level", help="Log level of every role: debug, info, warning, error.")]

@@ -129,6 +129,14 @@ def secret_key_path(topo, node: str) -> Path:
     return Path(spec) if spec else Path(topo.security.keys_dir) / f"{node}{SECRET_SUFFIX}"
 
 
+def open_warning(topo) -> str | None:
+    """What a node says at every start while security is turned off by hand."""
+    if topo.security.enabled != "off" or topo.transport != "tcp":
+        return None
+    return ("security.enabled is off: this node's tcp links accept anyone who reaches them "
+            "and travel unencrypted (docs/security.md)")
+
+
 # --- who runs what -----------------------------------------------------------------------
 
 def node_of(topo, role: str, name: str) -> str:

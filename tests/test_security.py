@@ -207,7 +207,7 @@ def test_a_hello_reusing_a_live_workers_name_changes_nothing(secured, caplog):
     _pump(router, lambda: router.parked["w1"])
 
 
-def test_missing_key_files_name_the_file_and_the_command(tmp_path):
+def test_missing_key_files_name_the_file_and_the_command(tmp_path, tiny_model_dir):
     topo = parse_topology(_topology(tmp_path))
     secret = tmp_path / "keys" / "gpu2.key_secret"
     secret.unlink()
@@ -216,6 +216,12 @@ def test_missing_key_files_name_the_file_and_the_command(tmp_path):
     text = str(info.value)
     assert str(secret) in text and f"qmigrate keys generate {tmp_path / 'keys'} --node gpu2" in text
     assert "\n" not in text
+    from typer.testing import CliRunner
+    from qmigrate.cli import app
+    path = tmp_path / "topo.yaml"
+    path.write_text(yaml.safe_dump(_topology(tmp_path, tiny_model_dir)))
+    refused = CliRunner().invoke(app, ["node", str(path), "--node", "gpu2"])  # refuses before starting roles
+    assert refused.exit_code == 1 and "qmigrate keys generate" in refused.output, refused.output
     (tmp_path / "keys" / "gpu1.key").unlink()  # another node's public key: named too
     with pytest.raises(security.SecurityError, match="gpu1.key is missing"):
         security.keyring(topo, "head")
@@ -254,7 +260,9 @@ def test_security_is_on_off_loopback_and_off_only_when_asked(tmp_path):
     data["nodes"][1]["address"] = "127.0.0.1"
     data["nodes"][0]["bind"] = "*"  # every interface is off loopback too
     assert parse_topology(data).is_secure
-    assert not parse_topology({**data, "security": {"enabled": "off"}}).is_secure
+    assert security.open_warning(parse_topology(data)) is None
+    off = parse_topology({**data, "security": {"enabled": "off"}})
+    assert not off.is_secure and "security.enabled is off" in security.open_warning(off)
     assert not parse_topology({**data, "transport": "ipc", "nodes": data["nodes"][:1],
                                "workers": [{"name": "w1", "node": "head"}]}).is_secure
 
