@@ -366,3 +366,20 @@ def test_two_nodes_over_loopback_with_security_on(tmp_path, tiny_model_dir):
                 gpu.wait()
     gpu_err.seek(0)
     assert "refused" not in gpu_err.read()
+
+
+def test_bench_curve_path_runs_a_secured_loopback_topology(tmp_path):
+    from qmigrate.bench import _over_tcp
+    data = {"transport": "ipc", "ipc_dir": str(tmp_path), "nodes": [{"name": "local"}],
+            "router": {"node": "local"}, "ingest": {"node": "local"}, "detokenizer": {"node": "local"},
+            "workers": [{"name": "w1", "node": "local"}, {"name": "w2", "node": "local"}]}
+    plain = {k: (dict(v) if isinstance(v, dict) else [dict(x) for x in v] if isinstance(v, list) else v)
+             for k, v in data.items()}
+    _over_tcp(data, str(tmp_path), curve=True)
+    _over_tcp(plain, str(tmp_path / "plain"), curve=False)
+    topo = parse_topology(data)
+    assert topo.is_secure and topo.endpoint("router").bind.startswith("tcp://127.0.0.1:")
+    ring = security.keyring(topo, "local")
+    assert set(ring.clients) == {"router", "telemetry", "ingest", "detokenizer", "kv"}
+    assert ring.server_keys[topo.endpoint("kv", "w2").connect] == ring.public
+    assert not parse_topology(plain).is_secure and security.keyring(parse_topology(plain), "local") is None
