@@ -10,8 +10,8 @@ import zmq
 
 from .. import protocol as P
 from .. import transport
-from ..security import Guard
 from ..scheduler import Scheduler, SchedulerConfig, WorkerState
+from ..security import Guard
 
 log = logging.getLogger("qmigrate.router")
 
