@@ -187,10 +187,9 @@ class Guard:
                 return f"node {peer} does not run the {msg.role} role"
             if msg.role == "worker" and self.worker_nodes.get(msg.name) != peer:
                 return f"worker {msg.name!r} does not run on node {peer}"
-        if isinstance(msg, _WORKER_ONLY) and identity:
-            name = identity.decode(errors="replace")
-            if self.worker_nodes.get(name) != peer:
-                return f"worker {name!r} does not run on node {peer}"
+        name = identity.decode(errors="replace")
+        if isinstance(msg, _WORKER_ONLY) and self.worker_nodes.get(name, peer) != peer:
+            return f"worker {name!r} does not run on node {peer}"  # an identity the router knows as a worker
         return None
 
     def check(self, peer: str, msg, identity: bytes = b"") -> str | None:

@@ -275,9 +275,9 @@ def test_guard_role_table():
     assert detok.refusal("gpu1", P.RequestMeta(1, "a", b"")) is not None
     assert detok.refusal("", tokens) is not None  # an unnamed peer runs nothing
     assert detok.refusal("head", P.Drain("w1")) == "Drain is not accepted by the detokenizer"
-    router = security.Guard("router", roles, {"w1": "gpu1"})
+    router = security.Guard("router", roles, {"w1": "gpu1", "w2": "gpu2"})
     assert router.refusal("gpu1", P.Heartbeat("w1"), identity=b"w1") is None
-    assert router.refusal("gpu1", P.Heartbeat("w9"), identity=b"w9") is not None
+    assert router.refusal("gpu1", P.Heartbeat("w2"), identity=b"w2") is not None  # w2 runs elsewhere
     assert router.refusal("head", P.Hello("worker", "w1")) is not None
     assert router.refusal("head", P.Hello("ingest", "ingest")) is None
     assert security.Guard("router", None, {}).refusal("", P.Drain("w1")) is None  # security off
