@@ -421,6 +421,11 @@ def run_bench(*, model_path: str, devices: list[str], dtype: str, workload: Work
           f"{workload.output_len}, {total:,} output tokens; model {model_path}; workers {devices}",
           file=sys.stderr)
     results = []
+    link = None
+    if "pipeline-curve" in paths:
+        from .bench_link import link_table
+        link = link_table()
+        print(link[0])
     for attempt in range(repeat):  # interleaved, so drift hits both paths alike
         for name in PIPELINE_LINKS:
             if name in paths:
@@ -438,6 +443,8 @@ def run_bench(*, model_path: str, devices: list[str], dtype: str, workload: Work
                   "machine": machine_info(devices[0]), "workers": devices, "max_seqs": max_seqs,
                   "max_tokens": max_tokens, "model": model_path, "steps_per_dispatch": steps_per_dispatch,
                   "runs": [{"path": r.name, **r.summary()} for r in results], "table": table}
+        if link is not None:
+            report.update(link_round_trips=link[1], link_table=link[0])
         json_path.write_text(json.dumps(report, indent=2))
         print(f"wrote {json_path}", file=sys.stderr)
     return results

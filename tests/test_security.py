@@ -383,3 +383,9 @@ def test_bench_curve_path_runs_a_secured_loopback_topology(tmp_path):
     assert set(ring.clients) == {"router", "telemetry", "ingest", "detokenizer", "kv"}
     assert ring.server_keys[topo.endpoint("kv", "w2").connect] == ring.public
     assert not parse_topology(plain).is_secure and security.keyring(parse_topology(plain), "local") is None
+
+
+def test_bench_link_round_trips_with_and_without_curve():
+    from qmigrate.bench_link import round_trip_us
+    assert round_trip_us(256, 5, curve=True) > 0 and round_trip_us(256, 5, curve=False) > 0
+    assert not transport.is_secure()  # the process is plain again afterwards
