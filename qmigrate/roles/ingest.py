@@ -77,6 +77,8 @@ class Ingest:
         if got is None:
             raise SystemExit(f"ingest: router unreachable at {self.router_addr} "
                              f"(no answer in {STARTUP_TIMEOUT_S:g} s)")
+        if isinstance(got[1], P.Reject) and not got[1].is_unknown_peer:
+            raise SystemExit(f"ingest: router refused: {got[1].reason}")
 
     def serve_forever(self, exit_on_eof: bool) -> None:
         self.hello()
