@@ -338,7 +338,6 @@ def test_a_model_with_its_own_code_names_the_setting(tmp_path, tiny_model_dir):
 def test_two_nodes_over_loopback_with_security_on(tmp_path, tiny_model_dir):
     data = _topology(tmp_path, tiny_model_dir)
     data["ingest"]["input"] = data["detokenizer"]["output"] = "jsonl"
-    data["router"].update(heartbeat_interval_s=0.2, heartbeat_timeout_s=3.0)
     data["workers"] = data["workers"][:1]
     path = tmp_path / "secure.yaml"
     path.write_text(yaml.safe_dump(data))
