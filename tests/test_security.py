@@ -54,7 +54,8 @@ def _topology(tmp_path, model_dir=None, enabled="on", **extra):
         "security": {"enabled": enabled, "keys_dir": str(keys)},
         "nodes": [{"name": n, "address": "127.0.0.1"} for n in ("head", "gpu1", "gpu2")],
         "router": {"node": "head", "port": ports[0], "telemetry_port": ports[1]},
-        "ingest": {"node": "head", "port": ports[2]}, "detokenizer": {"node": "head", "port": ports[3]},
+        "ingest": {"node": "head", "port": ports[2], "reply_port": ports[6]},
+        "detokenizer": {"node": "head", "port": ports[3]},
         "workers": [{"name": "w1", "node": "gpu1", "kv_port": ports[4]},
                     {"name": "w2", "node": "gpu2", "kv_port": ports[5]}],
         **extra,
@@ -379,7 +380,7 @@ def test_bench_curve_path_runs_a_secured_loopback_topology(tmp_path):
     topo = parse_topology(data)
     assert topo.is_secure and topo.endpoint("router").bind.startswith("tcp://127.0.0.1:")
     ring = security.keyring(topo, "local")
-    assert set(ring.clients) == {"router", "telemetry", "ingest", "detokenizer", "kv"}
+    assert set(ring.clients) == set(security.SENDERS)
     assert ring.server_keys[topo.endpoint("kv", "w2").connect] == ring.public
     assert not parse_topology(plain).is_secure and security.keyring(parse_topology(plain), "local") is None
 
