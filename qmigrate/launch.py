@@ -172,6 +172,7 @@ def single_node(topo: Topology, ipc_dir: str, model_path: str) -> Topology:
     """The same topology with every role on one node "local", over ipc:// sockets."""
     data = topo.to_dict()
     data["transport"], data["ipc_dir"] = "ipc", ipc_dir
+    data["security"]["enabled"] = "auto"  # one node over ipc: no keys, whatever the fleet uses
     data["model"]["path"] = model_path
     data["nodes"] = [{"name": "local", "monitor": any(w["device"].startswith("cuda") for w in data["workers"])}]
     for section in ("router", "ingest", "detokenizer"):

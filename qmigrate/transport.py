@@ -21,6 +21,8 @@ class Unreachable(RuntimeError):
 
 
 _context: zmq.Context | None = None
+_keyring = None         # security.Keyring: every socket made here uses CURVE with it
+_authenticator = None   # the ZAP handler of this process's context while a keyring is set
 
 
 def context() -> zmq.Context:
@@ -28,6 +30,21 @@ def context() -> zmq.Context:
     if _context is None or _context.closed:
         _context = zmq.Context()
     return _context
+
+
+def secure(keyring) -> None:
+    """Secure every socket made from now on with `keyring` (None: plain sockets again)."""
+    global _keyring, _authenticator
+    if _authenticator is not None:
+        _authenticator.stop()
+        _authenticator = None
+    _keyring = keyring
+    if keyring is not None:
+        _authenticator = keyring.start(context())
+
+
+def is_secure() -> bool:
+    return _keyring is not None
 
 
 def _prepare_ipc(endpoint: str) -> None:
@@ -49,10 +66,17 @@ def socket(kind: int, *, bind: str | None = None, connect: str | list[str] | Non
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
     if identity is not None:
         sock.setsockopt(zmq.IDENTITY, identity.encode())
+    endpoints = [connect] if isinstance(connect, str) else list(connect or [])
+    if _keyring is not None and not (bind or "").startswith("inproc://"):  # inproc stays in this process
+        try:
+            _keyring.apply(sock, bind, endpoints)
+        except Exception:
+            sock.close(linger=0)
+            raise
     if bind:
         _prepare_ipc(bind)
         sock.bind(bind)
-    for endpoint in [connect] if isinstance(connect, str) else (connect or []):
+    for endpoint in endpoints:
         sock.connect(endpoint)
     return sock
 
@@ -83,13 +107,29 @@ def parse(frame: bytes, origin: str):
         return None
 
 
-def recv(sock: zmq.Socket, timeout_s: float):
-    """Receive one message within timeout_s: (sender identity or None, message) or None."""
+def recv_frames(sock: zmq.Socket, flags: int = 0) -> tuple[list[bytes], str]:
+    """One multipart message, and the node that sent it as ZAP named it ("" when not secured)."""
+    if _keyring is None:
+        return sock.recv_multipart(flags, copy=True), ""
+    frames = sock.recv_multipart(flags, copy=False)
+    try:
+        peer = frames[-1].get("User-Id")
+    except zmq.ZMQError:  # a connection without ZAP metadata
+        peer = ""
+    return [f.bytes for f in frames], peer
+
+
+def recv(sock: zmq.Socket, timeout_s: float, guard=None):
+    """Receive one message within timeout_s: (sender identity or None, message) or None.
+    A message that `guard` (a security.Guard) refuses comes back as None, like a malformed one."""
     if not sock.poll(int(timeout_s * 1000)):
         return None
-    frames = sock.recv_multipart(copy=True)
+    frames, peer = recv_frames(sock)
     sender = frames[0] if sock.type == zmq.ROUTER and len(frames) > 1 else None
-    return sender, parse(frames[-1], sender.decode(errors="replace") if sender else "peer")
+    msg = parse(frames[-1], sender.decode(errors="replace") if sender else "peer")
+    if msg is not None and guard is not None and guard.check(peer, msg, sender or b"") is not None:
+        msg = None
+    return sender, msg
 
 
 def request(endpoint: str, msg, *, timeout_s: float = 5.0, expect: type | tuple = ()):

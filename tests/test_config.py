@@ -79,7 +79,7 @@ def test_defaults():
     assert topo.router.port == 5550 and topo.router.telemetry_port == 5551
     assert topo.ingest.port == 5552 and topo.detokenizer.port == 5553
     assert topo.router.policy == "affinity" and topo.router.migration == "auto"
-    assert topo.nodes[0].bind == "*" and not topo.nodes[0].monitor
+    assert topo.nodes[0].bind is None and not topo.nodes[0].monitor
     assert topo.workers[0].max_seqs == 64 and topo.workers[0].inflight == 2
 
 
@@ -237,8 +237,8 @@ def test_tcp_endpoints():
     assert topo.endpoint("telemetry") == Endpoint("tcp://10.0.0.1:5551", "tcp://10.0.0.1:5551")
     assert topo.endpoint("ingest").connect == "tcp://10.0.0.1:5552"
     assert topo.endpoint("detokenizer").connect == "tcp://10.0.0.1:5553"
-    assert topo.endpoint("kv", "w2") == Endpoint("tcp://*:7001", "tcp://10.0.0.2:7001")
-    assert topo.endpoint("kv", "w1") == Endpoint("tcp://*:5560", "tcp://10.0.0.2:5560")
+    assert topo.endpoint("kv", "w2") == Endpoint("tcp://10.0.0.2:7001", "tcp://10.0.0.2:7001")
+    assert topo.endpoint("kv", "w1") == Endpoint("tcp://10.0.0.2:5560", "tcp://10.0.0.2:5560")
 
 
 def test_tcp_endpoint_brackets_ipv6():
@@ -394,7 +394,8 @@ def test_dtype_for():
 
 def test_node_defaults_direct():
     node = NodeConfig(name="n")
-    assert (node.address, node.bind, node.monitor) == ("127.0.0.1", "*", False)
+    assert (node.address, node.bind, node.monitor) == ("127.0.0.1", None, False)
+    assert node.bind_host == "127.0.0.1"  # its own address, never every interface by default
 
 
 @pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")

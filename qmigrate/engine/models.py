@@ -333,7 +333,14 @@ def _parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
         raise ValueError(f"unknown dtype {dtype!r}; use one of {sorted(_DTYPES)} or 'auto'") from None
 
 
-def load_model(path: str | os.PathLike, device: str, dtype: str = "auto"):
+def _remote_code_error(path, exc: Exception) -> ModelLoadError | None:
+    if "trust_remote_code" not in str(exc):
+        return None
+    return ModelLoadError(f"model {path} ships its own Python code; set model.trust_remote_code: true "
+                          "in the topology to run it (only for a model you trust)")
+
+
+def load_model(path: str | os.PathLike, device: str, dtype: str = "auto", *, trust_remote_code: bool = False):
     """Load (model, tokenizer); dtype "auto" means float32 on the CPU and bfloat16 on a GPU."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
@@ -344,23 +351,27 @@ def load_model(path: str | os.PathLike, device: str, dtype: str = "auto"):
         else _parse_dtype(dtype)
     try:
         model = AutoModelForCausalLM.from_pretrained(
-            str(path), dtype=torch_dtype, attn_implementation="sdpa")
-        tokenizer = AutoTokenizer.from_pretrained(str(path))
+            str(path), dtype=torch_dtype, attn_implementation="sdpa", trust_remote_code=trust_remote_code)
+        tokenizer = AutoTokenizer.from_pretrained(str(path), trust_remote_code=trust_remote_code)
         model = model.to(dev).eval()
     except Exception as exc:  # noqa: BLE001 -- any failure here means "cannot serve this model"
+        if (refused := _remote_code_error(path, exc)) is not None:
+            raise refused from None
         reason = (str(exc).strip().splitlines() or [""])[0]
         raise ModelLoadError(f"cannot load model {path} on {device}: {type(exc).__name__}: {reason}") from exc
     return model, tokenizer
 
 
-def load_tokenizer_info(path: str | os.PathLike):
+def load_tokenizer_info(path: str | os.PathLike, trust_remote_code: bool = False):
     """(tokenizer, context length, EOS ids) for the roles that never run the model."""
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
     try:
-        tokenizer = AutoTokenizer.from_pretrained(str(path))
-        config = AutoConfig.from_pretrained(str(path))
+        tokenizer = AutoTokenizer.from_pretrained(str(path), trust_remote_code=trust_remote_code)
+        config = AutoConfig.from_pretrained(str(path), trust_remote_code=trust_remote_code)
     except Exception as exc:  # noqa: BLE001 -- any failure here means "cannot serve this model"
+        if (refused := _remote_code_error(path, exc)) is not None:
+            raise refused from None
         reason = (str(exc).strip().splitlines() or [""])[0]
         raise ModelLoadError(f"cannot load tokenizer of {path}: {type(exc).__name__}: {reason}") from exc
     if hasattr(config, "get_text_config"):

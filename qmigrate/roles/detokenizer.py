@@ -13,19 +13,21 @@ from .. import protocol as P
 from .. import transport
 from ..detok import make_sink
 from ..engine.models import load_tokenizer_info, resolve_model
+from ..security import Guard
 
 log = logging.getLogger("qmigrate.detokenizer")
 
 
 class Detokenizer:
     def __init__(self, topo, output: str | None = None):
-        tokenizer, _, _ = load_tokenizer_info(resolve_model(topo.model.path))
+        tokenizer, _, _ = load_tokenizer_info(resolve_model(topo.model.path), topo.model.trust_remote_code)
         self.vocab_size = len(tokenizer)
         self.sink = make_sink(output or topo.detokenizer.output, tokenizer, self.write, reply=self.reply)
         self.pull = transport.socket(zmq.PULL, bind=topo.endpoint("detokenizer").bind, hwm=100_000)
         self.replies = transport.socket(zmq.PUSH, connect=topo.endpoint("ingest_reply").connect, hwm=100_000)
         self.outbox: list[tuple[int, str, int, int]] = []
         self.expected: int | None = None
+        self.guard = Guard.for_topology(topo, "detokenizer")
         self.handlers = {P.RequestMeta: self.on_meta, P.Tokens: self.on_tokens,
                          P.RequestError: self.on_error, P.InputClosed: self.on_closed,
                          P.Cancel: self.on_cancel}
@@ -50,7 +52,7 @@ class Detokenizer:
 
     def serve_forever(self, exit_when_done: bool) -> None:
         while True:
-            got = transport.recv(self.pull, 0.1)
+            got = transport.recv(self.pull, 0.1, guard=self.guard)
             if got is not None and got[1] is not None:
                 handler = self.handlers.get(type(got[1]))
                 try:

@@ -23,6 +23,7 @@ from .. import protocol as P
 from .. import transport
 from ..engine.models import load_tokenizer_info, resolve_model
 from ..intake import CancelRequest, Defaults, PromptError, parse_line
+from ..security import Guard
 from . import run_until_fatal
 
 log = logging.getLogger("qmigrate.ingest")
@@ -41,7 +42,7 @@ class Ingest:
         d = topo.defaults
         self.defaults = Defaults(d.max_new_tokens, d.temperature, d.top_p, d.top_k)
         model_path = resolve_model(topo.model.path)
-        self.tokenizer, self.max_context, self.eos_ids = load_tokenizer_info(model_path)
+        self.tokenizer, self.max_context, self.eos_ids = load_tokenizer_info(model_path, topo.model.trust_remote_code)
         self.router_addr = topo.endpoint("router").connect
         self.router = transport.socket(zmq.DEALER, connect=self.router_addr,
                                        identity=f"ingest-{os.getpid()}")
@@ -57,6 +58,7 @@ class Ingest:
             from .http import WAKE_ENDPOINT, HttpServer
             self.wake = transport.socket(zmq.PULL, bind=WAKE_ENDPOINT, hwm=1)
             self.http = HttpServer(cfg, model_path, self.defaults, self.id_base)
+        self.guard = Guard.for_topology(topo, "ingest")
         self.lines: queue.Queue = queue.Queue(maxsize=self.max_pending)
         self.read_stdin = read_stdin
         self.stdin_done = not read_stdin
@@ -75,6 +77,8 @@ class Ingest:
         if got is None:
             raise SystemExit(f"ingest: router unreachable at {self.router_addr} "
                              f"(no answer in {STARTUP_TIMEOUT_S:g} s)")
+        if isinstance(got[1], P.Reject) and not got[1].is_unknown_peer:
+            raise SystemExit(f"ingest: router refused: {got[1].reason}")
 
     def serve_forever(self, exit_on_eof: bool) -> None:
         self.hello()
@@ -223,7 +227,7 @@ class Ingest:
                 self.in_flight = 0
 
     def on_feed(self) -> None:
-        while (got := transport.recv(self.feed, 0)) is not None:
+        while (got := transport.recv(self.feed, 0, guard=self.guard)) is not None:
             sender, msg = got
             if not isinstance(msg, P.FeedLines):
                 continue

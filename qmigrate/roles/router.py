@@ -11,6 +11,7 @@ import zmq
 from .. import protocol as P
 from .. import transport
 from ..scheduler import Scheduler, SchedulerConfig, WorkerState
+from ..security import Guard
 
 log = logging.getLogger("qmigrate.router")
 
@@ -35,6 +36,7 @@ class Router:
         self.telemetry = transport.socket(zmq.SUB, bind=topo.endpoint("telemetry").bind)
         self.telemetry.setsockopt(zmq.SUBSCRIBE, b"")
         self.identity: dict[str, bytes] = {}
+        self.guard = Guard.for_topology(topo, "router")
         self.parked: dict[str, deque] = {}
         self.worker_times: dict[str, tuple[int, int]] = {}
         self.handlers = {
@@ -69,7 +71,7 @@ class Router:
     def drain_socket(self) -> None:
         for _ in range(MAX_BURST):
             try:
-                frames = self.work.recv_multipart(zmq.NOBLOCK)
+                frames, peer = transport.recv_frames(self.work, zmq.NOBLOCK)
             except zmq.Again:
                 return
             if len(frames) != 2:
@@ -77,6 +79,10 @@ class Router:
                 continue
             sender, frame = frames
             msg = transport.parse(frame, sender.decode(errors="replace"))
+            if msg is not None and (refusal := self.guard.check(peer, msg, sender)) is not None:
+                if isinstance(msg, P.Hello):
+                    self.reply(sender, P.Reject(f"refused: {refusal}"))
+                continue
             handler = self.handlers.get(type(msg)) if msg is not None else None
             if msg is not None and handler is None:
                 log.warning("no handler for %s from %r", type(msg).__name__, sender)
@@ -113,6 +119,11 @@ class Router:
             self.reply(sender, P.Reject(f"protocol version {msg.version}; router speaks {P.PROTOCOL_VERSION}"))
             return
         if msg.role == "worker":
+            current = self.identity.get(msg.name)
+            if current not in (None, sender) and self.sched.workers[msg.name].alive:
+                log.warning("refused a hello as live worker %s from another peer %r", msg.name, sender)
+                self.reply(sender, P.Reject(f"worker {msg.name} is already connected"))
+                return
             info = msg.info
             inflight = P.info_int(info, "inflight", 2, 1, 64)
             state = WorkerState(

@@ -22,6 +22,7 @@ from .. import protocol as P
 from .. import transport
 from ..engine.models import load_model, resolve_model
 from ..engine.runner import Engine
+from ..security import SecurityError
 from ..worker_core import WorkerCore
 from ..worker_loop import FINISH, START, WAIT, LoopConfig, WorkerLoop
 from . import run_until_fatal
@@ -40,7 +41,8 @@ class Worker:
         self.kv_endpoint = topo.endpoint("kv", name)
         device = self.cfg.device if self.cfg.device != "cuda" else "cuda:0"
         _share_cpu_threads(topo, self.cfg)
-        model, _ = load_model(resolve_model(topo.model.path), device, topo.model.dtype)
+        model, _ = load_model(resolve_model(topo.model.path), device, topo.model.dtype,
+                              trust_remote_code=topo.model.trust_remote_code)
         self.core = WorkerCore(Engine(model, self.cfg.engine_config()))
         self.core.engine.warm_up()
         del model
@@ -198,8 +200,12 @@ class Worker:
         kv = self.core.export(msg.seq_id, msg.num_tokens)
         sock = self.peers.get(msg.dest)
         if sock is None:
-            sock = self.peers[msg.dest] = transport.socket(
-                zmq.PUSH, connect=msg.dest, max_bytes=transport.KV_MAX_MESSAGE_BYTES, hwm=128)
+            try:
+                sock = transport.socket(zmq.PUSH, connect=msg.dest, max_bytes=transport.KV_MAX_MESSAGE_BYTES, hwm=128)
+            except (SecurityError, zmq.ZMQError) as exc:
+                log.warning("KV for sequence %d not shipped: %s", msg.seq_id, exc)
+                return
+            self.peers[msg.dest] = sock
             # Wait a little for a slow peer rather than drop the shipment at once.
             sock.setsockopt(zmq.SNDTIMEO, 500)
         if kv is None:
