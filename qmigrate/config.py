@@ -133,6 +133,8 @@ class RouterConfig(_Section):
     migrate_on_load: bool = _f(True, _boolean)
     migrate_on_memory: bool = _f(True, _boolean)
     min_free_vram_fraction: float = _f(0.05, _number("a number in [0, 1)", lambda x: 0 <= x < 1))
+    # a worker takes no new prefills below this (never below min_free_vram_fraction)
+    admit_free_vram_fraction: float = _f(0.07, _number("a number in [0, 1)", lambda x: 0 <= x < 1))
     migration: str = _f("auto", _one_of("auto", "recompute", "transfer"))
     link_gbps: float = _f(10.0, _positive)
     prefill_tflops: float = _f(100.0, _positive)

@@ -25,7 +25,8 @@ class Router:
             max_queued=rc.max_queued, lease_timeout_s=rc.lease_timeout_s,
             heartbeat_timeout_s=rc.heartbeat_timeout_s, policy=rc.policy,
             migrate_on_load=rc.migrate_on_load, migrate_on_memory=rc.migrate_on_memory,
-            min_free_vram_fraction=rc.min_free_vram_fraction, migration=rc.migration,
+            min_free_vram_fraction=rc.min_free_vram_fraction,
+            admit_free_vram_fraction=rc.admit_free_vram_fraction, migration=rc.migration,
             link_gbps=rc.link_gbps, prefill_tflops=rc.prefill_tflops,
             rebalance_threshold=rc.rebalance_threshold, chain=rc.chain_leases,
             max_lease_steps=rc.max_lease_steps)
