@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 import sys
 from enum import Enum
 from pathlib import Path
@@ -58,7 +57,17 @@ def _resolve_model(path: str | None) -> str:
         _fail(str(exc))
 
 
-LogLevel = Annotated[str, typer.Option("--log-level", help="Log level of every role: debug, info, warning, error.")]
+def _check_level(value: str) -> str:
+    from .logs import BadLevel, parse_level
+    try:
+        parse_level(value)
+    except BadLevel as exc:
+        _fail(str(exc))
+    return value
+
+
+LogLevel = Annotated[str, typer.Option("--log-level", callback=_check_level,
+                                       help="Log level of every role: debug, info, warning, error.")]
 
 
 @app.command()
@@ -71,6 +80,7 @@ def sim(
     max_new_tokens: Annotated[Optional[int], typer.Option("--max-new-tokens", min=1, help="Default output length per request.")] = None,
     chat: Annotated[bool, typer.Option("--chat", help="Text input: each line is one user message, put through the model's chat template.")] = False,
     http: Annotated[Optional[int], typer.Option("--http", min=1, max=65535, metavar="PORT", help="Also serve the OpenAI-compatible HTTP API on this port (127.0.0.1 unless the topology's ingest.http_host says otherwise); the simulation then runs until interrupted.")] = None,
+    metrics_port: Annotated[Optional[int], typer.Option("--metrics-port", min=1, max=65534, help="Serve Prometheus metrics: the router's on PORT, the detokenizer's latencies on PORT+1.")] = None,
     log_level: LogLevel = "warning",
 ):
     """Local multi-process simulation: every role a process on this machine, prompts from
@@ -93,6 +103,8 @@ def sim(
         data["ingest"]["chat"] = True
     if http is not None:
         data["ingest"]["http_port"] = http
+    if metrics_port is not None:
+        data["router"]["metrics_port"], data["detokenizer"]["metrics_port"] = metrics_port, metrics_port + 1
     try:
         topo = parse_topology(data, source="sim options")
     except ConfigError as exc:
@@ -158,6 +170,22 @@ def stats(
     reply = ask(_endpoint(topo, "router"), P.StatsRequest(), P.Stats, timeout, "router")
     for key in sorted(reply.counters):
         print(f"{key:32} {reply.counters[key]}")
+
+
+@app.command()
+def status(
+    config: Annotated[Path, typer.Argument(help="Topology YAML; names the router's address.")],
+    once: Annotated[bool, typer.Option("--once", help="Print one snapshot and exit (for scripts).")] = False,
+    json_out: Annotated[bool, typer.Option("--json", help="Print one snapshot as JSON and exit.")] = False,
+    interval: Annotated[float, typer.Option(min=0.1, help="Seconds between refreshes of the live view.")] = 1.0,
+    timeout: Annotated[float, typer.Option(help="Seconds to wait for the router.")] = 5.0,
+):
+    """Show the fleet: nodes, workers and their GPUs with memory, KV use, batch sizes,
+    tokens/s, queue depth and migrations; a live table until Ctrl-C."""
+    from .status import run_status
+    topo = _load(config)
+    raise typer.Exit(run_status(_endpoint(topo, "router"), once=once, as_json=json_out,
+                                interval_s=interval, timeout_s=timeout))
 
 
 @app.command()
@@ -278,10 +306,10 @@ def role(
 ):
     """Run one role in this process (used by `node` and `sim`)."""
     from .launch import set_title
+    from .logs import setup
     set_title(role.value, name)
-    logging.basicConfig(level=log_level.upper(), stream=sys.stderr,
-                        format=f"qmigrate {role.value} {name}: %(levelname)s %(message)s")
     topo = _load(config)
+    setup(role.value, name, _node_of(topo, role.value, name), log_level)
     import importlib
     module = importlib.import_module(f".roles.{role.value}", __package__)  # only this role's imports
     try:
@@ -294,6 +322,14 @@ def role(
     except KeyboardInterrupt:
         code = 130  # the node supervisor stops every role; no traceback for Ctrl-C
     raise typer.Exit(code)
+
+
+def _node_of(topo, role: str, name: str) -> str:
+    if role == "worker":
+        return next((w.node for w in topo.workers if w.name == name), "")
+    if role == "monitor":
+        return name
+    return getattr(topo, role).node
 
 
 def main() -> None:

@@ -350,6 +350,8 @@ class StatsRequest:
 @message(MsgType.STATS)
 class Stats:
     counters: dict[str, typing.Any]
+    workers: list[list[typing.Any]] = field(default_factory=list)  # rows of observe.WORKER_COLUMNS
+    gpus: list[list[typing.Any]] = field(default_factory=list)     # rows of observe.GPU_COLUMNS
 
 
 @message(MsgType.REVOKE)
