@@ -50,9 +50,10 @@ def _endpoint(topo, kind: str) -> str:
 
 
 def _resolve_model(path: str | None) -> str:
-    from .engine.models import ModelLoadError, ModelNotFound, resolve_model
+    from .engine.models import ModelLoadError, ModelNotFound, fetch_hub_model, resolve_model
     try:
-        return resolve_model(path)
+        resolved = resolve_model(path)
+        return resolved if Path(resolved).is_dir() else fetch_hub_model(resolved)
     except (ModelNotFound, ModelLoadError) as exc:
         _fail(str(exc))
 

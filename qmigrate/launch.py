@@ -109,8 +109,26 @@ def _failed(c: Child, rc: int) -> int:
     return 1
 
 
+def device_problem(topo: Topology, node: str) -> str | None:
+    """Why a worker of this node cannot have its device, naming the field; None if all can."""
+    wanted = [(i, w) for i, w in enumerate(topo.workers) if w.node == node and w.device.startswith("cuda")]
+    if not wanted:
+        return None
+    import torch
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    for i, w in wanted:
+        index = int(w.device.partition(":")[2] or 0)
+        if index >= count:
+            have = f"{count} CUDA device{'s' if count != 1 else ''}" if count else "no CUDA"
+            return f"workers[{i}].device: {w.device!r} (worker {w.name}), but this machine has {have}"
+    return None
+
+
 def run_node(topo: Topology, config_path: Path, node: str, *, read_stdin: bool,
              log_level: str = "warning", wait_for_workers: bool = False) -> int:
+    if (problem := device_problem(topo, node)) is not None:
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
     roles = topo.roles_on(node)
     has_detok = any(role == "detokenizer" for role, _ in roles)
     # With wait_for_workers, prompts are read only once every worker has joined the router,
@@ -131,11 +149,17 @@ def run_node(topo: Topology, config_path: Path, node: str, *, read_stdin: bool,
         stop(children)
 
 
-def wait_for_fleet(topo: Topology, children: list[Child], num_workers: int, timeout_s: float = 120.0) -> bool:
+def wait_for_fleet(topo: Topology, children: list[Child], num_workers: int, timeout_s: float = 120.0,
+                   notice_s: float = 10.0) -> bool:
     from . import protocol as P
     from . import transport
-    deadline = time.monotonic() + timeout_s
+    start = time.monotonic()
+    deadline, joined, told = start + timeout_s, 0, False
     while time.monotonic() < deadline:
+        if not told and time.monotonic() - start > notice_s:
+            print(f"qmigrate: waiting for workers: {joined} of {num_workers} joined after {notice_s:g} s "
+                  f"(loading the model; a worker that fails says why)", file=sys.stderr)
+            told = True
         for c in children:
             if (rc := c.proc.poll()) is not None:
                 _failed(c, rc)
@@ -143,7 +167,8 @@ def wait_for_fleet(topo: Topology, children: list[Child], num_workers: int, time
         try:
             stats = transport.request(topo.endpoint("router").connect, P.StatsRequest(),
                                       timeout_s=1.0, expect=P.Stats).counters
-            if stats.get("workers", 0) >= num_workers:
+            joined = stats.get("workers", 0)
+            if joined >= num_workers:
                 return True
         except transport.Unreachable:
             pass

@@ -73,7 +73,8 @@ class Detokenizer:
                 return
 
     def on_meta(self, msg: P.RequestMeta) -> None:
-        self.sink.start(msg.seq_id, msg.req_id, P.unpack_ids(msg.prompt_ids).tolist(), msg.route)
+        self.sink.start(msg.seq_id, msg.req_id, P.unpack_ids(msg.prompt_ids).tolist(), msg.route,
+                        msg.note[:1000])
         if self.latency is not None:
             self.times[msg.seq_id] = [time.monotonic(), None]
 

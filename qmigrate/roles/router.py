@@ -18,6 +18,7 @@ log = logging.getLogger("qmigrate.router")
 POLL_S = 0.02
 MAX_BURST = 512
 METRICS_INTERVAL_S = 1.0
+STRANDED_NOTICE_S = 5.0  # requests waiting this long with no worker get one line on stderr
 
 
 class Router:
@@ -44,6 +45,8 @@ class Router:
         self.observer = FleetObserver()
         self.errors: Counter[str] = Counter()
         self.metrics = None
+        self.stranded_since: float | None = None
+        self.told_stranded = False
         if rc.metrics_port:
             from ..metrics import RouterMetrics, serve
             self.metrics = RouterMetrics()
@@ -77,6 +80,7 @@ class Router:
             if self.sched.revokes:
                 self.send_revokes()
             if now - last_metrics > METRICS_INTERVAL_S:
+                self.notice_stranded(now)
                 self.observer.tick(now)
                 if self.metrics is not None:
                     self.metrics.update(self.sched, self.observer, self.errors)
@@ -208,6 +212,12 @@ class Router:
         self.sched.cancel(P.unpack_i64(msg.seq_ids, "seq_ids").tolist())
 
     def on_drain(self, sender: bytes, msg: P.Drain) -> None:
+        w = self.sched.workers.get(msg.worker)
+        if w is not None and w.alive and not w.draining and not any(
+                o.alive and not o.draining for o in self.sched.workers.values() if o is not w):
+            self.reply(sender, P.DrainAck(False, f"not draining {msg.worker}: it is the last live worker, "
+                                          f"so its sequences would have nowhere to go (start another first)"))
+            return
         ok = self.sched.drain(msg.worker, time.monotonic())
         text = f"draining {msg.worker}" if ok else f"no live worker named {msg.worker!r}"
         self.reply(sender, P.DrainAck(ok, text))
@@ -233,6 +243,19 @@ class Router:
         self.reply(sender, P.Stats(counters, workers, gpus))
 
     # --- periodic ------------------------------------------------------------------------
+    def notice_stranded(self, now: float) -> None:
+        """Say once, not in silence, when requests wait and no worker can take them."""
+        if not self.sched.seqs or any(w.alive and not w.draining for w in self.sched.workers.values()):
+            self.stranded_since, self.told_stranded = None, False
+            return
+        if self.stranded_since is None:
+            self.stranded_since = now
+        elif not self.told_stranded and now - self.stranded_since >= STRANDED_NOTICE_S:
+            why = "every worker has left" if self.sched.workers else "no worker has joined"
+            log.warning("%d requests are waiting and %s; they run when a worker joins",
+                        len(self.sched.seqs), why)
+            self.told_stranded = True
+
     def serve_parked(self, now: float) -> None:
         """Answer waiting requests, one lease per worker per round, rotating who goes first."""
         names = [n for n, waiting in self.parked.items() if waiting]
