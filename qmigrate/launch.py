@@ -74,8 +74,9 @@ def stop(children: list[Child], grace_s: float = 5.0) -> None:
             c.proc.wait()
 
 
-def supervise(children: list[Child], *, until_done: bool) -> int:
-    """Wait until the detokenizer finishes (until_done) or a signal; 1 if a role failed."""
+def supervise(children: list[Child], *, until_done: bool, tick=None) -> int:
+    """Wait until the detokenizer finishes (until_done) or a signal; 1 if a role failed.
+    `tick`, when given, is called on every round (the progress line)."""
     stopping = []
     handler = lambda signum, frame: stopping.append(signum)
     old = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
@@ -96,6 +97,8 @@ def supervise(children: list[Child], *, until_done: bool) -> int:
             if until_done and workers and all(c.proc.poll() is not None for c in workers):
                 print("qmigrate: every worker has exited; stopping", file=sys.stderr)
                 return 1
+            if tick is not None:
+                tick()
             time.sleep(0.1)
         # interrupted: whatever was still running is unfinished, so never report success
         return 128 + stopping[0]
@@ -141,7 +144,14 @@ def run_node(topo: Topology, config_path: Path, node: str, *, read_stdin: bool,
             if not wait_for_fleet(topo, children, len(topo.workers)):
                 return 1
             children += start_roles(topo, config_path, late, read_stdin=read_stdin, log_level=log_level)
-        rc = supervise(children, until_done=read_stdin and has_detok and not is_serving(topo))
+        has_router = any(role == "router" for role, _ in roles)
+        progress = RouterProgress(topo) if read_stdin and has_router else None
+        try:
+            rc = supervise(children, until_done=read_stdin and has_detok and not is_serving(topo),
+                           tick=progress.tick if progress and progress.line.enabled else None)
+        finally:
+            if progress is not None:
+                progress.line.clear()
         if rc == 0 and read_stdin and any(role == "router" for role, _ in roles):
             print_summary(topo)
         return rc
@@ -175,6 +185,29 @@ def wait_for_fleet(topo: Topology, children: list[Child], num_workers: int, time
         time.sleep(0.2)
     print(f"qmigrate: only some of {num_workers} workers joined within {timeout_s:g} s", file=sys.stderr)
     return False
+
+
+class RouterProgress:
+    """The progress line of a run: requests done, tokens/s and queue, as the router counts them."""
+
+    def __init__(self, topo: Topology):
+        from .progress import ProgressLine
+        self.endpoint = topo.endpoint("router").connect
+        self.line = ProgressLine("qmigrate")
+
+    def tick(self) -> None:
+        from . import protocol as P
+        from . import transport
+        if not self.line.due():
+            return
+        try:
+            stats = transport.request(self.endpoint, P.StatsRequest(), timeout_s=0.3, expect=P.Stats)
+        except transport.Unreachable:
+            return
+        c = stats.counters
+        rate = sum(row[8] for row in stats.workers if len(row) > 8 and isinstance(row[8], (int, float)))
+        self.line.show(c.get("finished", 0), None, rate, c.get("queued", 0),
+                       max(0, c.get("live", 0) - c.get("queued", 0)))
 
 
 def print_summary(topo: Topology) -> None:
