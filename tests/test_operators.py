@@ -21,7 +21,7 @@ from typer.testing import CliRunner
 
 from qmigrate.cli import app
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = pytest.mark.timeout(300)
 
 
 def _free_ports(n: int) -> list[int]:
@@ -104,7 +104,7 @@ def _wait_for(what: str, check, proc, timeout_s: float = 60.0):
         if (got := check()):
             return got
         time.sleep(0.05)
-    pytest.fail(f"timed out waiting for {what}; last seen: {check.last if hasattr(check, 'last') else ''}")
+    pytest.fail(f"timed out waiting for {what}; last seen: {getattr(check, 'last', None)}")
 
 
 @pytest.mark.slow
@@ -112,6 +112,7 @@ def test_memory_reports_steer_work_and_operators_see_it(node, tiny_model_dir):
     from conftest import greedy_reference
     from qmigrate.config import load_topology
     from qmigrate.status import fetch
+    from qmigrate.transport import Unreachable
     proc, path, router_port, detok_port = node
     topo = load_topology(path)
     router = topo.endpoint("router").connect
@@ -120,12 +121,14 @@ def test_memory_reports_steer_work_and_operators_see_it(node, tiny_model_dir):
         def workers():
             try:
                 snap = fetch(router, 1.0)
-            except Exception:  # noqa: BLE001 -- the router is still starting
+            except Unreachable as exc:  # the router is still starting
+                workers.last = exc
                 return None
+            workers.last = snap
             by_name = {w["name"]: w for w in snap["workers"]}
             return (snap, by_name) if len(by_name) == 2 and all(
                 w["vram_free_fraction"] >= 0 for w in by_name.values()) else None
-        _wait_for("both workers and their memory reports", workers, proc)
+        _wait_for("both workers and their memory reports", workers, proc, timeout_s=180)
         before = _scrape(router_port)
 
         r = random.Random(3)
