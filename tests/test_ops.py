@@ -241,3 +241,15 @@ def test_a_clamped_max_new_tokens_is_said_in_the_final_record():
     sink.finish(7, "length", 1)
     final = json.loads("".join(out).splitlines()[-1])
     assert final["done"] and final["note"] == prompt.note
+
+
+def test_the_appended_fields_travel_and_old_messages_still_decode():
+    stats = P.Stats({"queued": 1}, [["w1", "n1", "cpu", "", "up", 0, 0, 0, 0.0, -1, 0, 16, 0, -1.0]],
+                    [["n1", "GPU-a", 0, 10, 4, 6, 50]])
+    assert P.decode(P.encode(stats)) == stats
+    meta = P.RequestMeta(7, "r", P.pack_i32([1, 2]), "max_new_tokens 9 clamped to 4")
+    assert P.decode(P.encode(meta)) == meta
+    old = P.encode(P.Stats({"queued": 1}))
+    assert P.decode(old).workers == [] and P.decode(P.encode(P.RequestMeta(7, "r", b""))).note == ""
+    with pytest.raises(P.ProtocolError):
+        P.decode(P.encode(P.Stats({}, [["w1", ["nested"]]])))
