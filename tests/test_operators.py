@@ -144,7 +144,7 @@ def test_memory_reports_steer_work_and_operators_see_it(node, tiny_model_dir):
 
         r = random.Random(3)
         prompts = [{"id": f"p{i}", "prompt_ids": [1] + [r.randint(3, 1400) for _ in range(r.randint(2, 20))],
-                    "max_new_tokens": 400} for i in range(6)]
+                    "max_new_tokens": 240} for i in range(4)]
         proc.stdin.write("".join(json.dumps(p) + "\n" for p in prompts))
         proc.stdin.flush()
         # w1 is below the admission watermark: it takes nothing, though work waits for w2.
