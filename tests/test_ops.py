@@ -236,7 +236,7 @@ def test_a_clamped_max_new_tokens_is_said_in_the_final_record():
     assert prompt.note == "max_new_tokens 100 clamped to 13: the prompt is 3 tokens of the model's 16-token context"
     out = []
     sink = JsonlSink(tok, out.append)
-    sink.start(7, "a", [5, 6, 7], prompt.note)
+    sink.start(7, "a", [5, 6, 7], note=prompt.note)
     sink.tokens(7, 0, [8])
     sink.finish(7, "length", 1)
     final = json.loads("".join(out).splitlines()[-1])
@@ -247,7 +247,7 @@ def test_the_appended_fields_travel_and_old_messages_still_decode():
     stats = P.Stats({"queued": 1}, [["w1", "n1", "cpu", "", "up", 0, 0, 0, 0.0, -1, 0, 16, 0, -1.0]],
                     [["n1", "GPU-a", 0, 10, 4, 6, 50]])
     assert P.decode(P.encode(stats)) == stats
-    meta = P.RequestMeta(7, "r", P.pack_i32([1, 2]), "max_new_tokens 9 clamped to 4")
+    meta = P.RequestMeta(7, "r", P.pack_i32([1, 2]), note="max_new_tokens 9 clamped to 4")
     assert P.decode(P.encode(meta)) == meta
     old = P.encode(P.Stats({"queued": 1}))
     assert P.decode(old).workers == [] and P.decode(P.encode(P.RequestMeta(7, "r", b""))).note == ""
