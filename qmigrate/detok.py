@@ -117,6 +117,7 @@ class _Seq:
     pending_since: float = 0.0
     finish_reason: str | None = None
     num_tokens_expected: int | None = None
+    note: str = ""
 
 
 class _Sink:
@@ -149,14 +150,15 @@ class _Sink:
         return seq_id in self._finished
 
     def start(self, seq_id: int, req_id: str, prompt_ids: Sequence[int] | None = None,
-              route: int = 0) -> None:
-        """`route` other than 0: the request's text and end go to `reply`, not to the writer."""
+              route: int = 0, note: str = "") -> None:
+        """`route` other than 0: the request's text and end go to `reply`, not to the writer.
+        `note` is said in the final record."""
         if seq_id in self._finished:
             return
         seq = self._seqs.setdefault(seq_id, _Seq(req_id=req_id))
         if seq.decoder is not None:
             return
-        seq.req_id, seq.seq_id, seq.route = req_id, seq_id, route
+        seq.req_id, seq.seq_id, seq.route, seq.note = req_id, seq_id, route, note
         seq.decoder = IncrementalDecoder(self._tokenizer, prompt_ids)
         self._advance(seq_id, seq)
 
@@ -261,13 +263,16 @@ class JsonlSink(_Sink):
         self._put({"id": seq.req_id, "delta": delta, "done": False})
 
     def _on_finish(self, seq: _Seq) -> None:
-        self._put({
+        record = {
             "id": seq.req_id,
             "text": "".join(seq.text),
             "token_ids": seq.token_ids,
             "finish_reason": seq.finish_reason,
             "done": True,
-        })
+        }
+        if seq.note:
+            record["note"] = seq.note
+        self._put(record)
 
     def _on_error(self, req_id: str, message: str) -> None:
         self._put({"id": req_id, "error": message, "done": True})
@@ -332,7 +337,8 @@ class TextSink(_Sink):
             self._line(seq.req_id, seq.pending)
             seq.pending = ""
         num = len(seq.token_ids)
-        self._line(seq.req_id, f"<done: {seq.finish_reason}, {num} token{'s' * (num != 1)}>")
+        note = f"; {seq.note}" if seq.note else ""
+        self._line(seq.req_id, f"<done: {seq.finish_reason}, {num} token{'s' * (num != 1)}{note}>")
 
     def _on_error(self, req_id: str, message: str) -> None:
         self._line(req_id, f"error: {message}")

@@ -18,7 +18,8 @@ class SchedulerConfig:
     policy: str = "affinity"              # affinity | any
     migrate_on_load: bool = True
     migrate_on_memory: bool = True
-    min_free_vram_fraction: float = 0.05
+    min_free_vram_fraction: float = 0.05     # below: sequences migrate off (cause "memory")
+    admit_free_vram_fraction: float = 0.07   # below: no new prefills
     migration: str = "auto"               # auto | recompute | transfer
     link_gbps: float = 10.0
     prefill_tflops: float = 100.0
@@ -29,6 +30,7 @@ class SchedulerConfig:
     def __post_init__(self):
         assert self.policy in ("affinity", "any"), self.policy
         assert self.migration in ("auto", "recompute", "transfer"), self.migration
+        self.admit_free_vram_fraction = max(self.admit_free_vram_fraction, self.min_free_vram_fraction)
 
 
 @dataclass(slots=True)
@@ -76,7 +78,9 @@ class WorkerState:
     joined_at: float = 0.0
     alive: bool = True
     draining: bool = False
-    free_vram_fraction: float | None = None
+    free_vram_fraction: float | None = None  # as the monitor last reported; None: no report
+    may_prefill: bool = True        # free memory above the admission watermark
+    is_memory_short: bool = False   # free memory below the migration watermark
     owned: set[int] = field(default_factory=set)
     num_leased: int = 0
     pending_drops: list[int] = field(default_factory=list)
@@ -86,10 +90,6 @@ class WorkerState:
     @property
     def capacity(self) -> int:
         return self.max_seqs * self.inflight
-
-    @property
-    def is_memory_short(self) -> bool:
-        return self.free_vram_fraction is not None and self.free_vram_fraction < 0.0
 
 
 @dataclass(slots=True)

@@ -53,6 +53,7 @@ class Prompt:
     top_k: int
     seed: int | None
     stop_ids: list[list[int]]
+    note: str = ""            # said in the request's final record (a clamped max_new_tokens)
 
 
 @dataclass(slots=True, frozen=True)
@@ -285,5 +286,9 @@ def _fit(prompt: Prompt, max_context: int) -> Prompt:
             prompt.req_id,
             f"prompt is {num_prompt} tokens; the model's context is {max_context}",
         )
-    prompt.max_new_tokens = min(prompt.max_new_tokens, max_context - num_prompt)
+    room = max_context - num_prompt
+    if prompt.max_new_tokens > room:
+        prompt.note = (f"max_new_tokens {prompt.max_new_tokens} clamped to {room}: the prompt is "
+                       f"{num_prompt} tokens of the model's {max_context}-token context")
+        prompt.max_new_tokens = room
     return prompt

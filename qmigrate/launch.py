@@ -74,8 +74,9 @@ def stop(children: list[Child], grace_s: float = 5.0) -> None:
             c.proc.wait()
 
 
-def supervise(children: list[Child], *, until_done: bool) -> int:
-    """Wait until the detokenizer finishes (until_done) or a signal; 1 if a role failed."""
+def supervise(children: list[Child], *, until_done: bool, tick=None) -> int:
+    """Wait until the detokenizer finishes (until_done) or a signal; 1 if a role failed.
+    `tick`, when given, is called on every round (the progress line)."""
     stopping = []
     handler = lambda signum, frame: stopping.append(signum)
     old = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
@@ -96,6 +97,8 @@ def supervise(children: list[Child], *, until_done: bool) -> int:
             if until_done and workers and all(c.proc.poll() is not None for c in workers):
                 print("qmigrate: every worker has exited; stopping", file=sys.stderr)
                 return 1
+            if tick is not None:
+                tick()
             time.sleep(0.1)
         # interrupted: whatever was still running is unfinished, so never report success
         return 128 + stopping[0]
@@ -109,8 +112,26 @@ def _failed(c: Child, rc: int) -> int:
     return 1
 
 
+def device_problem(topo: Topology, node: str) -> str | None:
+    """Why a worker of this node cannot have its device, naming the field; None if all can."""
+    wanted = [(i, w) for i, w in enumerate(topo.workers) if w.node == node and w.device.startswith("cuda")]
+    if not wanted:
+        return None
+    import torch
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    for i, w in wanted:
+        index = int(w.device.partition(":")[2] or 0)
+        if index >= count:
+            have = f"{count} CUDA device{'s' if count != 1 else ''}" if count else "no CUDA"
+            return f"workers[{i}].device: {w.device!r} (worker {w.name}), but this machine has {have}"
+    return None
+
+
 def run_node(topo: Topology, config_path: Path, node: str, *, read_stdin: bool,
              log_level: str = "warning", wait_for_workers: bool = False) -> int:
+    if (problem := device_problem(topo, node)) is not None:
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
     roles = topo.roles_on(node)
     has_detok = any(role == "detokenizer" for role, _ in roles)
     # With wait_for_workers, prompts are read only once every worker has joined the router,
@@ -123,7 +144,14 @@ def run_node(topo: Topology, config_path: Path, node: str, *, read_stdin: bool,
             if not wait_for_fleet(topo, children, len(topo.workers)):
                 return 1
             children += start_roles(topo, config_path, late, read_stdin=read_stdin, log_level=log_level)
-        rc = supervise(children, until_done=read_stdin and has_detok and not is_serving(topo))
+        has_router = any(role == "router" for role, _ in roles)
+        progress = RouterProgress(topo) if read_stdin and has_router else None
+        try:
+            rc = supervise(children, until_done=read_stdin and has_detok and not is_serving(topo),
+                           tick=progress.tick if progress and progress.line.enabled else None)
+        finally:
+            if progress is not None:
+                progress.line.clear()
         if rc == 0 and read_stdin and any(role == "router" for role, _ in roles):
             print_summary(topo)
         return rc
@@ -131,11 +159,17 @@ def run_node(topo: Topology, config_path: Path, node: str, *, read_stdin: bool,
         stop(children)
 
 
-def wait_for_fleet(topo: Topology, children: list[Child], num_workers: int, timeout_s: float = 120.0) -> bool:
+def wait_for_fleet(topo: Topology, children: list[Child], num_workers: int, timeout_s: float = 120.0,
+                   notice_s: float = 10.0) -> bool:
     from . import protocol as P
     from . import transport
-    deadline = time.monotonic() + timeout_s
+    start = time.monotonic()
+    deadline, joined, told = start + timeout_s, 0, False
     while time.monotonic() < deadline:
+        if not told and time.monotonic() - start > notice_s:
+            print(f"qmigrate: waiting for workers: {joined} of {num_workers} joined after {notice_s:g} s "
+                  f"(loading the model; a worker that fails says why)", file=sys.stderr)
+            told = True
         for c in children:
             if (rc := c.proc.poll()) is not None:
                 _failed(c, rc)
@@ -143,13 +177,37 @@ def wait_for_fleet(topo: Topology, children: list[Child], num_workers: int, time
         try:
             stats = transport.request(topo.endpoint("router").connect, P.StatsRequest(),
                                       timeout_s=1.0, expect=P.Stats).counters
-            if stats.get("workers", 0) >= num_workers:
+            joined = stats.get("workers", 0)
+            if joined >= num_workers:
                 return True
         except transport.Unreachable:
             pass
         time.sleep(0.2)
     print(f"qmigrate: only some of {num_workers} workers joined within {timeout_s:g} s", file=sys.stderr)
     return False
+
+
+class RouterProgress:
+    """The progress line of a run: requests done, tokens/s and queue, as the router counts them."""
+
+    def __init__(self, topo: Topology):
+        from .progress import ProgressLine
+        self.endpoint = topo.endpoint("router").connect
+        self.line = ProgressLine("qmigrate")
+
+    def tick(self) -> None:
+        from . import protocol as P
+        from . import transport
+        if not self.line.due():
+            return
+        try:
+            stats = transport.request(self.endpoint, P.StatsRequest(), timeout_s=0.3, expect=P.Stats)
+        except transport.Unreachable:
+            return
+        c = stats.counters
+        rate = sum(row[8] for row in stats.workers if len(row) > 8 and isinstance(row[8], (int, float)))
+        self.line.show(c.get("finished", 0), None, rate, c.get("queued", 0),
+                       max(0, c.get("live", 0) - c.get("queued", 0)))
 
 
 def print_summary(topo: Topology) -> None:

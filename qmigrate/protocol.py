@@ -272,6 +272,7 @@ class RequestMeta:
     req_id: str
     prompt_ids: bytes         # int32, for priming the incremental decoder
     route: int = ROUTE_STDOUT  # where the text goes: stdout, or back to the ingest node (HTTP)
+    note: str = ""            # for the final record, e.g. that max_new_tokens was clamped
 
     def validate(self) -> None:
         if self.route not in (ROUTE_STDOUT, ROUTE_INGEST):
@@ -350,6 +351,8 @@ class StatsRequest:
 @message(MsgType.STATS)
 class Stats:
     counters: dict[str, typing.Any]
+    workers: list[list[typing.Any]] = field(default_factory=list)  # rows of observe.WORKER_COLUMNS
+    gpus: list[list[typing.Any]] = field(default_factory=list)     # rows of observe.GPU_COLUMNS
 
 
 @message(MsgType.REVOKE)

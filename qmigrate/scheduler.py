@@ -118,7 +118,9 @@ class Scheduler:
                 if short and not w.is_memory_short and self.config.migrate_on_memory:
                     self._revoke_steps(w)
                     w.moving_since = now
-                w.free_vram_fraction = -1.0 if short else free_fraction
+                w.free_vram_fraction = free_fraction
+                w.is_memory_short = short
+                w.may_prefill = free_fraction >= self.config.admit_free_vram_fraction
 
     # --- admission ---------------------------------------------------------------------
     @property
@@ -178,6 +180,8 @@ class Scheduler:
                 break
             num_passed += 1
             is_diff = seq.owner == name
+            if not is_diff and not w.may_prefill:
+                break  # short of memory: only sequences whose KV it holds
             kv_cost = 0 if is_diff else len(seq.token_ids) + w.block_size
             if kv_cost and kv_cost > room:
                 continue
@@ -289,7 +293,10 @@ class Scheduler:
     def _candidates(self, w: WorkerState, quota: Counter[str], limit: int) -> list[tuple[Seq, str | None]]:
         """Up to `limit` queued sequences this worker may run, best first, with the migration
         cause: its own, then those held nowhere, then those that should leave their owner."""
-        out = [(seq, None) for seq in itertools.islice(self.queue.of(w.name).values(), limit)]
+        # Short of memory: it leaves its own sequences to whoever may take them (cause "memory").
+        shedding = self.config.migrate_on_memory and w.is_memory_short and any(
+            o.alive and not o.draining and o.may_prefill for o in self.workers.values() if o is not w)
+        out = [] if shedding else [(seq, None) for seq in itertools.islice(self.queue.of(w.name).values(), limit)]
         if len(out) < limit:
             out += [(seq, None) for seq in itertools.islice(self.queue.of(None).values(), limit - len(out))]
         movable = []

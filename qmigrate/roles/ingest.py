@@ -161,7 +161,7 @@ class Ingest:
         spec = P.SeqSpec(seq_id, ids, len(prompt.prompt_ids), prompt.max_new_tokens,
                          prompt.temperature, prompt.top_p, prompt.top_k, seed, prompt.stop_ids,
                          sorted(self.eos_ids))
-        transport.send(self.detok, P.RequestMeta(seq_id, prompt.req_id, ids, route))
+        transport.send(self.detok, P.RequestMeta(seq_id, prompt.req_id, ids, route, prompt.note))
         self.pending.append(spec)
 
     def take_http(self) -> None:

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import deque
+from collections import Counter, deque
 
 import zmq
 
 from .. import protocol as P
 from .. import transport
+from ..observe import FleetObserver
 from ..scheduler import Scheduler, SchedulerConfig, WorkerState
 from ..security import Guard
 
@@ -17,6 +18,8 @@ log = logging.getLogger("qmigrate.router")
 
 POLL_S = 0.02
 MAX_BURST = 512
+METRICS_INTERVAL_S = 1.0
+STRANDED_NOTICE_S = 5.0  # requests waiting this long with no worker get one line on stderr
 
 
 class Router:
@@ -26,7 +29,8 @@ class Router:
             max_queued=rc.max_queued, lease_timeout_s=rc.lease_timeout_s,
             heartbeat_timeout_s=rc.heartbeat_timeout_s, policy=rc.policy,
             migrate_on_load=rc.migrate_on_load, migrate_on_memory=rc.migrate_on_memory,
-            min_free_vram_fraction=rc.min_free_vram_fraction, migration=rc.migration,
+            min_free_vram_fraction=rc.min_free_vram_fraction,
+            admit_free_vram_fraction=rc.admit_free_vram_fraction, migration=rc.migration,
             link_gbps=rc.link_gbps, prefill_tflops=rc.prefill_tflops,
             rebalance_threshold=rc.rebalance_threshold, chain=rc.chain_leases,
             max_lease_steps=rc.max_lease_steps)
@@ -39,6 +43,16 @@ class Router:
         self.guard = Guard.for_topology(topo, "router")
         self.parked: dict[str, deque] = {}
         self.worker_times: dict[str, tuple[int, int]] = {}
+        self.nodes = {w.name: w.node for w in topo.workers}
+        self.observer = FleetObserver()
+        self.errors: Counter[str] = Counter()
+        self.metrics = None
+        self.stranded_since: float | None = None
+        self.told_stranded = False
+        if rc.metrics_port:
+            from ..metrics import RouterMetrics, serve
+            self.metrics = RouterMetrics()
+            serve(self.metrics.registry, rc.metrics_port, topo.node(rc.node).bind)
         self.handlers = {
             P.Hello: self.on_hello, P.Heartbeat: self.on_heartbeat,
             P.WorkRequest: self.on_work_request, P.StepResult: self.on_step_result,
@@ -50,7 +64,7 @@ class Router:
         poller = zmq.Poller()
         poller.register(self.work, zmq.POLLIN)
         poller.register(self.telemetry, zmq.POLLIN)
-        last_expiry = 0.0
+        last_expiry = last_metrics = 0.0
         while True:
             ready = dict(poller.poll(int(POLL_S * 1000)))
             if self.work in ready:
@@ -67,6 +81,12 @@ class Router:
                 self.release_drained()
             if self.sched.revokes:
                 self.send_revokes()
+            if now - last_metrics > METRICS_INTERVAL_S:
+                self.notice_stranded(now)
+                self.observer.tick(now)
+                if self.metrics is not None:
+                    self.metrics.update(self.sched, self.observer, self.errors)
+                last_metrics = now
 
     def drain_socket(self) -> None:
         for _ in range(MAX_BURST):
@@ -76,6 +96,7 @@ class Router:
                 return
             if len(frames) != 2:
                 log.warning("dropped a message of %d frames", len(frames))
+                self.errors["malformed"] += 1
                 continue
             sender, frame = frames
             msg = transport.parse(frame, sender.decode(errors="replace"))
@@ -84,14 +105,19 @@ class Router:
                     self.reply(sender, P.Reject(f"refused: {refusal}"))
                 continue
             handler = self.handlers.get(type(msg)) if msg is not None else None
-            if msg is not None and handler is None:
+            if msg is None:
+                self.errors["malformed"] += 1
+            elif handler is None:
+                self.errors["unexpected_message"] += 1
                 log.warning("no handler for %s from %r", type(msg).__name__, sender)
             if handler is not None:
                 try:
                     handler(sender, msg)
                 except P.ProtocolError as exc:
+                    self.errors["malformed"] += 1
                     log.warning("dropped %s from %r: %s", type(msg).__name__, sender, exc)
                 except Exception as exc:  # noqa: BLE001 -- one bad message must not stop the router
+                    self.errors["handler"] += 1
                     log.warning("dropped %s from %r: %s: %s", type(msg).__name__, sender, type(exc).__name__, exc)
 
     def drain_telemetry(self) -> None:
@@ -107,7 +133,11 @@ class Router:
                     if (isinstance(gpu[0], str) and len(numbers) == 4
                             and all(type(x) is int and x >= 0 for x in numbers) and 0 < gpu[4] <= gpu[2]):
                         self.sched.set_free_vram(gpu[0], gpu[4] / gpu[2], time.monotonic())
+                        index, util = (gpu[1], gpu[5]) if len(gpu) >= 6 else (gpu[1], -1)
+                        self.observer.vram(msg.node[:64], gpu[0][:128], index, gpu[2], gpu[3], gpu[4],
+                                           util if type(util) is int else -1)
                     else:
+                        self.errors["malformed"] += 1
                         log.warning("dropped a malformed VRAM report entry from %s", msg.node[:64])
 
     def reply(self, to: bytes, msg) -> None:
@@ -126,6 +156,7 @@ class Router:
                 return
             info = msg.info
             inflight = P.info_int(info, "inflight", 2, 1, 64)
+            device = P.info_str(info, "device", 64)
             state = WorkerState(
                 msg.name, max_seqs=P.info_int(info, "max_seqs", 64, 1, 1 << 20),
                 max_tokens=P.info_int(info, "max_tokens", 8192, 1, 1 << 30), inflight=inflight,
@@ -136,6 +167,7 @@ class Router:
             self.identity[msg.name] = sender
             self.parked[msg.name] = deque(maxlen=inflight)
             self.sched.register(state, time.monotonic())
+            self.observer.joined(msg.name, self.nodes.get(msg.name, ""), device, time.monotonic())
             log.info("worker %s joined (%s)", msg.name, info.get("device", "?"))
         self.reply(sender, P.Welcome(P.PROTOCOL_VERSION, self.heartbeat_interval_s, self.config.lease_timeout_s))
 
@@ -143,6 +175,7 @@ class Router:
         name = sender.decode(errors="replace")
         if self.identity.get(name) != sender or not self.sched.workers[name].alive:
             self.reply(sender, P.Reject("unknown worker: say hello first", is_unknown_peer=True))
+            self.errors["unknown_worker"] += 1
             return None
         return name
 
@@ -157,6 +190,7 @@ class Router:
         if (name := self._worker(sender)) is None:
             return
         self.sched.touch(name, time.monotonic())
+        self.observer.asked(name, msg.free_kv_tokens)
         self.parked[name].append(msg)
 
     def on_step_result(self, sender: bytes, msg: P.StepResult) -> None:
@@ -172,8 +206,10 @@ class Router:
         if len(status) and status.max() > max(P.Finish):
             raise P.ProtocolError("unknown status code")
         evicted = P.unpack_i64(msg.evicted_ids, "evicted_ids")
+        now = time.monotonic()
         self.sched.complete(msg.lease_id, name, seq_ids.tolist(), counts.tolist(), tokens.tolist(),
-                            status.tolist(), time.monotonic())
+                            status.tolist(), now)
+        self.observer.reported(name, len(tokens), msg.free_kv_tokens, now)
         if len(evicted):
             self.sched.evicted(name, evicted.tolist())
 
@@ -187,6 +223,12 @@ class Router:
         self.sched.cancel(P.unpack_i64(msg.seq_ids, "seq_ids").tolist())
 
     def on_drain(self, sender: bytes, msg: P.Drain) -> None:
+        w = self.sched.workers.get(msg.worker)
+        if w is not None and w.alive and not w.draining and not any(
+                o.alive and not o.draining for o in self.sched.workers.values() if o is not w):
+            self.reply(sender, P.DrainAck(False, f"not draining {msg.worker}: it is the last live worker, "
+                                          f"so its sequences would have nowhere to go (start another first)"))
+            return
         ok = self.sched.drain(msg.worker, time.monotonic())
         text = f"draining {msg.worker}" if ok else f"no live worker named {msg.worker!r}"
         self.reply(sender, P.DrainAck(ok, text))
@@ -207,9 +249,24 @@ class Router:
             counters[f"move_delay_ms_max_{cause}"] = round(values[-1] * 1000, 3)
         for name, (busy, idle) in self.worker_times.items():
             counters[f"busy_ms_{name}"], counters[f"idle_ms_{name}"] = busy, idle
-        self.reply(sender, P.Stats(counters))
+        counters.update({f"errors_{kind}": n for kind, n in self.errors.items()})
+        workers, gpus = self.observer.snapshot(self.sched)
+        self.reply(sender, P.Stats(counters, workers, gpus))
 
     # --- periodic ------------------------------------------------------------------------
+    def notice_stranded(self, now: float) -> None:
+        """Say once, not in silence, when requests wait and no worker can take them."""
+        if not self.sched.seqs or any(w.alive and not w.draining for w in self.sched.workers.values()):
+            self.stranded_since, self.told_stranded = None, False
+            return
+        if self.stranded_since is None:
+            self.stranded_since = now
+        elif not self.told_stranded and now - self.stranded_since >= STRANDED_NOTICE_S:
+            why = "every worker has left" if self.sched.workers else "no worker has joined"
+            log.warning("%d requests are waiting and %s; they run when a worker joins",
+                        len(self.sched.seqs), why)
+            self.told_stranded = True
+
     def serve_parked(self, now: float) -> None:
         """Answer waiting requests, one lease per worker per round, rotating who goes first."""
         names = [n for n, waiting in self.parked.items() if waiting]
@@ -238,7 +295,9 @@ class Router:
         for owner, seq_id, dest, transfer_id, num_tokens in grant.shipments:
             if owner in self.identity:
                 self.reply(self.identity[owner], P.ShipKV(seq_id, dest, transfer_id, num_tokens))
+                self.observer.shipped(num_tokens, self.sched.workers[owner].kv_bytes_per_token)
         rows = grant.rows
+        self.observer.leased(grant.worker, len(rows))
         lease = P.Lease(
             grant.lease_id, request_no, self.config.lease_timeout_s,
             P.pack_i64([r.seq_id for r in rows]), P.pack_i32([r.length for r in rows]),

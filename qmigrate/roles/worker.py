@@ -67,6 +67,7 @@ class Worker:
         engine = self.core.engine
         from ..vram import torch_device_uuid
         uuid = torch_device_uuid(torch.device(self.device).index or 0) if self.device.startswith("cuda") else None
+        uuid = uuid or f"CPU-{self.name}"  # no NVML report names it; a test's simulated monitor may
         info = {"device": self.device, "kv_endpoint": self.kv_endpoint.connect,
                 "max_seqs": self.cfg.max_seqs, "max_tokens": self.cfg.max_tokens,
                 "inflight": self.cfg.inflight, "kv_bytes_per_token": engine.kv_bytes_per_token,

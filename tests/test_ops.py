@@ -1,0 +1,255 @@
+"""Operators' view, in-process: the fleet observer, metrics, status rendering, the router's
+answers to drains and to a fleet with no workers, logs, progress and the rough edges."""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+
+import pytest
+import yaml
+from typer.testing import CliRunner
+
+from qmigrate import protocol as P
+from qmigrate.cli import app
+from qmigrate.config import parse_topology
+from qmigrate.observe import GPU_COLUMNS, WORKER_COLUMNS, FleetObserver, as_dicts
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def _topo(tmp_path, **router):
+    return parse_topology({
+        "transport": "ipc", "ipc_dir": str(tmp_path / "ipc"), "nodes": [{"name": "n1"}],
+        "router": {"node": "n1", **router}, "ingest": {"node": "n1"}, "detokenizer": {"node": "n1"},
+        "workers": [{"name": "w1", "node": "n1"}, {"name": "w2", "node": "n1"}]})
+
+
+@pytest.fixture
+def router(tmp_path):
+    """A Router in this process with its replies captured instead of sent."""
+    from qmigrate.roles.router import Router
+    r = Router(_topo(tmp_path))
+    r.sent = []
+    r.reply = lambda to, msg: r.sent.append((to, msg))
+    yield r
+    r.work.close(linger=0)
+    r.telemetry.close(linger=0)
+
+
+def _hello(r, name: str, **info) -> None:
+    info = {"device": "cpu", "kv_tokens": 1024, "block_size": 16, "gpu_uuid": f"CPU-{name}", **info}
+    r.on_hello(name.encode(), P.Hello("worker", name, info=info))
+
+
+# --- the router ---------------------------------------------------------------------------
+
+def test_draining_the_last_live_worker_is_refused_with_a_reason(router):
+    _hello(router, "w1"), _hello(router, "w2")
+    router.on_drain(b"cli", P.Drain("w1"))
+    assert router.sent[-1][1].ok
+    router.on_drain(b"cli", P.Drain("w2"))
+    ack = router.sent[-1][1]
+    assert not ack.ok and "last live worker" in ack.message and "\n" not in ack.message
+    assert not router.sched.workers["w2"].draining
+
+
+def test_requests_waiting_with_no_worker_are_said_once(router, caplog):
+    from qmigrate.roles.router import STRANDED_NOTICE_S
+    router.on_submit(b"ingest", P.Submit([P.SeqSpec(1, P.pack_i32([1, 5, 6]), 3, 4)]))
+    with caplog.at_level(logging.WARNING, logger="qmigrate.router"):
+        for t in (0.0, 1.0, STRANDED_NOTICE_S + 0.5, STRANDED_NOTICE_S + 10):
+            router.notice_stranded(t)
+    said = [r.getMessage() for r in caplog.records]
+    assert said == ["1 requests are waiting and no worker has joined; they run when a worker joins"]
+
+
+def test_stats_carry_worker_and_gpu_rows(router):
+    _hello(router, "w1")
+    router.sched.admit([P.SeqSpec(1, P.pack_i32([1, 5, 6]), 3, 4)])
+    router.observer.asked("w1", 1024 - 64)
+    router.observer.vram("n1", "CPU-w1", 0, 1000, 960, 40, 7)
+    router.sched.set_free_vram("CPU-w1", 0.04)
+    router.on_stats(b"cli", P.StatsRequest())
+    stats = P.decode(P.encode(router.sent[-1][1]))  # survives the wire
+    (w,) = as_dicts(WORKER_COLUMNS, stats.workers)
+    assert (w["name"], w["node"], w["state"], w["kv_used_tokens"], w["vram_free_fraction"]) == \
+        ("w1", "n1", "memory-short", 64, 0.04)
+    assert as_dicts(GPU_COLUMNS, stats.gpus)[0]["free_bytes"] == 40
+    assert stats.counters["queued"] == 1
+
+
+# --- observer, metrics, status ------------------------------------------------------------
+
+class _Sched:
+    """Just what the observer and metrics read of a Scheduler."""
+
+    def __init__(self):
+        from qmigrate.scheduler import Scheduler, WorkerState
+        self.s = Scheduler()
+        self.s.register(WorkerState("w1", 8, 4096, kv_tokens=1600, block_size=16, gpu_uuid="GPU-a"), 0.0)
+
+
+def test_tokens_per_second_follow_results_and_fall_to_zero_when_idle():
+    obs = FleetObserver()
+    obs.joined("w1", "n1", "cuda:0", 0.0)
+    for t in range(1, 11):
+        obs.reported("w1", 100, 800, float(t) * 0.5)
+    assert obs.workers["w1"].tokens_per_s == pytest.approx(200.0)
+    obs.tick(20.0)
+    obs.tick(30.0)
+    assert obs.workers["w1"].tokens_per_s == 0.0
+    assert obs.workers["w1"].tokens_total == 1000
+
+
+def test_metrics_follow_the_scheduler_and_observer():
+    from prometheus_client import generate_latest
+
+    from qmigrate.metrics import RouterMetrics
+    fleet, obs, m = _Sched(), FleetObserver(), RouterMetrics()
+    obs.joined("w1", "n1", "cuda:0", 0.0)
+    obs.reported("w1", 50, 1600 - 160, 1.0)
+    obs.shipped(10, 4096)
+    obs.vram("n1", "GPU-a", 0, 80 << 30, 60 << 30, 20 << 30, 90)
+    fleet.s.counters.update(migrations_memory=3, migrations_by_transfer=3, stale_results=2, finished=4)
+    m.update(fleet.s, obs, {"malformed": 1})
+    fleet.s.counters.update(migrations_memory=2)
+    m.update(fleet.s, obs, {"malformed": 1})
+    text = generate_latest(m.registry).decode()
+    for line in ('qmigrate_migrations_total{cause="memory"} 5.0', 'qmigrate_kv_blocks_used{worker="w1"} 10.0',
+                 'qmigrate_kv_blocks_free{worker="w1"} 90.0', 'qmigrate_kv_transfer_bytes_total 40960.0',
+                 'qmigrate_migrations_by_mechanism_total{mechanism="transfer"} 3.0',
+                 'qmigrate_errors_total{kind="stale_result"} 2.0', 'qmigrate_errors_total{kind="malformed"} 1.0',
+                 'qmigrate_generated_tokens_total{worker="w1"} 50.0', 'qmigrate_requests_finished_total 4.0',
+                 'qmigrate_gpu_memory_free_bytes{gpu="GPU-a",node="n1"} 2.147483648e+10'):
+        assert line in text, line
+
+
+def test_latency_histograms_count_each_finished_request_once():
+    from prometheus_client import generate_latest
+
+    from qmigrate.metrics import LatencyMetrics
+    m = LatencyMetrics()
+    m.finished(10.0, 10.2, 12.2, 11, "length")
+    m.finished(10.0, None, 10.5, 0, "eos")
+    text = generate_latest(m.registry).decode()
+    assert "qmigrate_time_to_first_token_seconds_count 1.0" in text
+    assert "qmigrate_time_per_output_token_seconds_sum 0.2" in text
+    assert 'qmigrate_requests_total{outcome="length"} 1.0' in text
+
+
+def test_status_renders_workers_and_gpus():
+    from rich.console import Console
+
+    from qmigrate.status import render
+    fleet, obs = _Sched(), FleetObserver()
+    obs.joined("w1", "n1", "cuda:0", 0.0)
+    obs.asked("w1", 800)
+    obs.vram("n1", "GPU-a", 0, 80 << 30, 60 << 30, 20 << 30, 90)
+    workers, gpus = obs.snapshot(fleet.s)
+    snap = {"router": {"queued": 3, "migrations_memory": 2}, "workers": as_dicts(WORKER_COLUMNS, workers),
+            "gpus": as_dicts(GPU_COLUMNS, gpus)}
+    out = io.StringIO()
+    Console(file=out, width=160).print(render(snap, "tcp://head:5550"))
+    text = out.getvalue()
+    assert "queue 3" in text and "memory 2" in text and "800/1600 (50%)" in text
+    assert "60.0/80.0" in text and "GPU-a" in text
+
+
+# --- CLI, logs, progress -------------------------------------------------------------------
+
+def test_a_wrong_log_level_is_one_line():
+    result = CliRunner().invoke(app, ["sim", "--log-level", "loud"])
+    assert result.exit_code == 2
+    assert result.output.strip() == "error: --log-level: expected one of debug, info, warning, error, got 'loud'"
+
+
+def test_role_logs_name_role_name_and_node(capsys):
+    from qmigrate.logs import setup
+    try:
+        setup("worker", "w1", "gpu3", "info")
+        logging.getLogger("qmigrate.worker").info("ready")
+    finally:
+        logging.getLogger().handlers.clear()
+    err = capsys.readouterr()
+    assert "qmigrate worker w1 on gpu3: INFO ready" in err.err and err.out == ""
+
+
+def test_help_reads_whole_at_80_columns():
+    result = CliRunner().invoke(app, ["--help"], terminal_width=80, env={"COLUMNS": "80"})
+    commands = result.output.split("Commands:")[1].splitlines()
+    assert all(not line.endswith("...") for line in commands), result.output
+    bench = CliRunner().invoke(app, ["bench", "--help"], terminal_width=80, env={"COLUMNS": "80"}).output
+    assert "--steps-per-dispatch" in bench and "--decode-step" in bench and "…" not in bench
+
+
+def test_progress_line_redraws_on_a_terminal_and_is_silent_otherwise():
+    from qmigrate.progress import ProgressLine
+
+    class Tty(io.StringIO):
+        def isatty(self):
+            return True
+    tty, pipe = Tty(), io.StringIO()
+    for stream in (tty, pipe):
+        line = ProgressLine("qmigrate", stream)
+        line.show(3, 10, 1234.5, queued=2)
+        line.clear()
+    assert tty.getvalue() == "\rqmigrate: 3/10 requests done, queue 2, 1,234 tok/s\x1b[K\r\x1b[K"
+    assert pipe.getvalue() == ""
+
+
+# --- rough edges ---------------------------------------------------------------------------
+
+def test_a_cuda_device_this_machine_lacks_is_named(tmp_path):
+    torch = pytest.importorskip("torch")
+    from qmigrate.launch import device_problem
+    topo = _topo(tmp_path)
+    topo.workers[1].device = f"cuda:{torch.cuda.device_count()}"
+    problem = device_problem(topo, "n1")
+    assert problem.startswith("workers[1].device: 'cuda:") and "(worker w2)" in problem
+
+
+def test_an_unreachable_hub_model_is_one_line(monkeypatch):
+    import huggingface_hub
+
+    from qmigrate.engine.models import ModelNotFound, fetch_hub_model
+
+    def offline(name, **kw):
+        raise OSError("Got: ConnectError: [Errno -2] Name or service not known\nmore detail")
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", offline)
+    with pytest.raises(ModelNotFound) as info:
+        fetch_hub_model("someorg/somemodel")
+    assert str(info.value) == ("model 'someorg/somemodel' is not a local directory, and fetching it from the "
+                               "Hugging Face hub failed: Got: ConnectError: [Errno -2] Name or service not known")
+
+
+def test_a_clamped_max_new_tokens_is_said_in_the_final_record():
+    from tokenizer_util import build_tokenizer
+
+    from qmigrate.detok import JsonlSink
+    from qmigrate.intake import Defaults, parse_line
+    tok = build_tokenizer()
+    prompt = parse_line(json.dumps({"id": "a", "prompt_ids": [5, 6, 7], "max_new_tokens": 100}) + "\n",
+                        mode="jsonl", line_no=1, tokenizer=tok, max_context=16, defaults=Defaults(), eos_ids=[1])
+    assert prompt.max_new_tokens == 13
+    assert prompt.note == "max_new_tokens 100 clamped to 13: the prompt is 3 tokens of the model's 16-token context"
+    out = []
+    sink = JsonlSink(tok, out.append)
+    sink.start(7, "a", [5, 6, 7], note=prompt.note)
+    sink.tokens(7, 0, [8])
+    sink.finish(7, "length", 1)
+    final = json.loads("".join(out).splitlines()[-1])
+    assert final["done"] and final["note"] == prompt.note
+
+
+def test_the_appended_fields_travel_and_old_messages_still_decode():
+    stats = P.Stats({"queued": 1}, [["w1", "n1", "cpu", "", "up", 0, 0, 0, 0.0, -1, 0, 16, 0, -1.0]],
+                    [["n1", "GPU-a", 0, 10, 4, 6, 50]])
+    assert P.decode(P.encode(stats)) == stats
+    meta = P.RequestMeta(7, "r", P.pack_i32([1, 2]), note="max_new_tokens 9 clamped to 4")
+    assert P.decode(P.encode(meta)) == meta
+    old = P.encode(P.Stats({"queued": 1}))
+    assert P.decode(old).workers == [] and P.decode(P.encode(P.RequestMeta(7, "r", b""))).note == ""
+    with pytest.raises(P.ProtocolError):
+        P.decode(P.encode(P.Stats({}, [["w1", ["nested"]]])))
