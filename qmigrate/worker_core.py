@@ -219,6 +219,8 @@ class WorkerCore:
             new = ids[start:].tolist()
         elif length == P.CONTINUE:
             state = self.seqs.get(sid)
+            if state is None:  # dropped here meanwhile (the router took it back): resend it whole
+                return Finish.NEED_IDS
             in_flight = after is not None and sid in after.out
             if in_flight and after.pending is not None and sid in after.pending.row_of:
                 start, new = self.engine.cached_len(sid), []   # fed on the device

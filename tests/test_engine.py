@@ -989,3 +989,16 @@ def test_a_row_cut_short_for_room_keeps_the_tokens_it_streamed(model, greedy):
     assert P.unpack_u8(result.status).tolist()[1] == Finish.NONE   # its tokens stand
     assert 2 in P.unpack_i64(result.evicted_ids).tolist()          # and its KV is gone
     assert [t for s in streamed for t in s.get(2, (0, []))[1]] == greedy(q, 2)
+
+
+def test_a_chained_row_whose_sequence_was_dropped_asks_for_its_ids(core, prompts):
+    """The router took a sequence back (its lease expired) and the next lease both drops it
+    and chains it: the worker answers NEED_IDS instead of failing."""
+    p = list(prompts[1])
+    first = core.start(make_lease({1: p}, full=[spec_of(1, p, len(p))]))
+    chained = P.Lease(2, 2, 10.0, P.pack_i64([1]), P.pack_i32([P.CONTINUE]), P.pack_i32([P.CONTINUE]),
+                      [], P.pack_i64([1]))
+    second = core.start(chained, after=first)
+    core.finish(first)
+    result, _ = core.finish(second)
+    assert P.unpack_u8(result.status).tolist() == [int(Finish.NEED_IDS)]
