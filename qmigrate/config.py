@@ -118,6 +118,7 @@ class NodeConfig(_Section):
     address: str = _f("127.0.0.1", _host)
     bind: str = _f("*", _host)
     monitor: bool = _f(False, _boolean)
+    max_restarts: int = _f(3, _non_negative)   # a role that dies is started again this many times
 
 
 @dataclass(slots=True)
@@ -139,6 +140,7 @@ class RouterConfig(_Section):
     rebalance_threshold: int = _f(8, _count)
     chain_leases: bool = _f(True, _boolean)
     max_lease_steps: int = _f(16, _rule("an integer 1..1024", lambda v: _is_int(v) and 1 <= v <= 1024))
+    journal: str = _f("", _rule("a file path, or '' for none", lambda v: isinstance(v, str)))
 
     def validate(self) -> None:
         if self.heartbeat_timeout_s <= self.heartbeat_interval_s:
@@ -159,6 +161,7 @@ class DetokenizerConfig(_Section):
     node: str = _f("", _name)
     port: int = _f(5553, _port)
     output: str = _f("text", _one_of("text", "jsonl"))
+    journal: str = _f("", _rule("a file path, or '' for none", lambda v: isinstance(v, str)))
 
 
 @dataclass(slots=True)

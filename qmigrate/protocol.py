@@ -26,6 +26,7 @@ PROTOCOL_VERSION = 1
 MAX_MESSAGE_BYTES = 64 << 20  # control and token messages; KV payloads travel as extra frames
 MAX_ARRAY_LEN = 1 << 20
 MAX_ID = (1 << 31) - 1
+MAX_STR = 1 << 16            # characters in any string field
 CONTINUE = -1
 
 
@@ -58,6 +59,8 @@ class MsgType(enum.IntEnum):
     STATS_REQUEST = 22
     STATS = 23
     REVOKE = 24
+    RESYNC = 35
+    PRINTED = 36
 
 
 class Finish(enum.IntEnum):
@@ -236,6 +239,9 @@ class StepResult:
     status: bytes             # uint8 Finish
     free_kv_tokens: int = -1
     evicted_ids: bytes = b""  # int64: sequences whose KV this worker evicted to make room
+    # The encoded `Tokens` of this step for the detokenizer. It travels inside the result so
+    # that no kill can deliver one without the other; the router forwards it as is.
+    output: bytes = b""
 
 
 @message(MsgType.TOKENS)
@@ -252,7 +258,14 @@ class Tokens:
 
 @message(MsgType.SUBMIT)
 class Submit:
+    """Ingest to router, resent until acknowledged. req_ids[i] names seqs[i] in the output;
+    `errors` are [req_id, message] pairs of requests refused at ingest; num_requests >= 0
+    says the input is closed after that many requests (the detokenizer's end condition)."""
+
     seqs: list[SeqSpec]
+    req_ids: list[str] = field(default_factory=list)
+    errors: list[list[str]] = field(default_factory=list)
+    num_requests: int = -1
 
 
 @message(MsgType.SUBMIT_ACK)
@@ -351,6 +364,22 @@ class Revoke:
     seq_ids: bytes = b""      # int64
 
 
+@message(MsgType.RESYNC)
+class Resync:
+    """Detokenizer to router, when it starts: send me every request not yet printed to its end
+    (metas, tokens so far, errors, the input's end); what was printed already is skipped."""
+
+    pid: int = 0
+
+
+@message(MsgType.PRINTED)
+class Printed:
+    """Detokenizer to router: these sequences are printed to their end (and journaled), so
+    the router may forget them."""
+
+    seq_ids: bytes            # int64
+
+
 def info_int(info: dict, key: str, default: int, low: int = 0, high: int = 1 << 62) -> int:
     """An integer field of a Hello's `info` map, checked: absent gives the default; a
     value of another type or out of [low, high] is a ProtocolError."""
@@ -416,6 +445,8 @@ def _check(value, hint, where: str):
     if hint is typing.Any:
         if isinstance(value, (dict, list)):
             raise ProtocolError(f"{where}: nested value where a scalar is expected")
+        if isinstance(value, str) and len(value) > MAX_STR:
+            raise ProtocolError(f"{where}: string longer than {MAX_STR} characters")
         if isinstance(value, float) and not math.isfinite(value):
             raise ProtocolError(f"{where}: {value} where a finite number is expected")
         return value
@@ -432,6 +463,8 @@ def _check(value, hint, where: str):
             raise ProtocolError(f"{where}: expected {hint.__name__}, got {type(value).__name__}")
         if hint is int and not -(1 << 63) <= value < (1 << 63):
             raise ProtocolError(f"{where}: integer out of range")
+        if hint is str and len(value) > MAX_STR:
+            raise ProtocolError(f"{where}: string longer than {MAX_STR} characters")
         return value
     if origin is list:
         if not isinstance(value, list):

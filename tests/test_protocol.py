@@ -35,10 +35,10 @@ EXAMPLES = [
     P.Lease(5, 41, 10.0, P.pack_i64([7, 8]), P.pack_i32([4, 11]), P.pack_i32([507, 99]),
             [spec(7), spec(8, kv_from="", transfer_id=0)], P.pack_i64([3]), 4),
     P.StepResult(5, P.pack_i64([7, 8]), P.pack_i32([2, 1]), P.pack_i32([10, 11, 12]),
-                 P.pack_u8([0, 1]), 30),
+                 P.pack_u8([0, 1]), 30, P.pack_i64([3]), b"\x93\x08"),
     P.Tokens(P.pack_i64([7, 8]), P.pack_i32([1, 8]), P.pack_i32([2, 1]), P.pack_i32([10, 11, 12]),
              P.pack_u8([0, 2])),
-    P.Submit([spec(1), spec(2, stop_ids=[], eos_ids=[])]),
+    P.Submit([spec(1), spec(2, stop_ids=[], eos_ids=[])], ["r1", "r2"], [["r0", "empty prompt"]], 3),
     P.SubmitAck(2, 4094),
     P.RequestMeta(7, "req-7", P.pack_i32([1, 306])),
     P.RequestError("req-8", "prompt is empty"),
@@ -53,6 +53,9 @@ EXAMPLES = [
     P.FeedAck(2, "ok"),
     P.StatsRequest(),
     P.Stats({"leases": 10, "queued": 3, "rate": 1.5, "name": "router"}),
+    P.Revoke(5, P.pack_i64([7])),
+    P.Resync(4242),
+    P.Printed(P.pack_i64([7, 8])),
 ]
 
 
@@ -265,9 +268,9 @@ def test_oversized_array_is_rejected():
 
 
 def test_oversized_string_is_rejected():
-    limit = 1 << 20
-    assert_rejected(pack([int(P.MsgType.REJECT), "x" * (limit + 1)]))
-    assert P.decode(pack([int(P.MsgType.REJECT), "x" * limit])).reason == "x" * limit
+    assert_rejected(pack([int(P.MsgType.REJECT), "x" * ((1 << 20) + 1)]))  # msgpack's own bound
+    assert_rejected(pack([int(P.MsgType.REJECT), "x" * (P.MAX_STR + 1)]))  # any string field's
+    assert P.decode(pack([int(P.MsgType.REJECT), "x" * P.MAX_STR])).reason == "x" * P.MAX_STR
 
 
 def test_oversized_map_is_rejected():

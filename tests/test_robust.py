@@ -85,6 +85,7 @@ def test_a_live_router_drops_bad_messages_and_goes_on(topo):
         monitor.close(linger=0)
         router.work.close(linger=0)
         router.telemetry.close(linger=0)
+        router.detok.close(linger=0)
 
 
 def test_a_live_detokenizer_drops_bad_tokens_and_finishes_the_rest(topo, capsys):
@@ -104,6 +105,7 @@ def test_a_live_detokenizer_drops_bad_tokens_and_finishes_the_rest(topo, capsys)
     finally:
         push.close(linger=0)
         detok.pull.close(linger=0)
+        detok.router.close(linger=0)
     out = capsys.readouterr().out
     final = [line for line in out.splitlines() if '"done": true' in line]
     assert len(final) == 1 and '"token_ids": [71, 78]' in final[0], out
@@ -143,5 +145,5 @@ def test_a_worker_skips_stale_rejects_while_it_says_hello(topo):
         assert worker.heartbeat_s == 0.25
     finally:
         router.close(linger=0)
-        for sock in (worker.router, worker.kv_in, worker.detok):
+        for sock in (worker.router, worker.kv_in):
             sock.close(linger=0)

@@ -1,8 +1,17 @@
-"""Detokenizer: turns token streams from every worker into text on stdout."""
+"""Detokenizer: turns token streams into text on stdout.
+
+Everything arrives from the router on one PULL socket. With a journal, every message is
+written to it before it is handled (and each idle flush of buffered text before it prints),
+so a restarted detokenizer replays the journal without printing, knows exactly what it
+printed, asks the router for everything again (`Resync`) and prints only what is new.
+It tells the router which requests it printed to their end (`Printed`), so the router can
+forget them."""
 
 from __future__ import annotations
 
 import logging
+import os
+import struct
 import sys
 import time
 
@@ -12,41 +21,94 @@ from .. import protocol as P
 from .. import transport
 from ..detok import make_sink
 from ..engine.models import load_tokenizer_info, resolve_model
+from ..journal import Journal
 
 log = logging.getLogger("qmigrate.detokenizer")
+
+PRINTED_EVERY_S = 0.2
+_TIME = struct.Struct("<d")
 
 
 class Detokenizer:
     def __init__(self, topo, output: str | None = None):
         tokenizer, _, _ = load_tokenizer_info(resolve_model(topo.model.path))
         self.vocab_size = len(tokenizer)
-        self.sink = make_sink(output or topo.detokenizer.output, tokenizer, self.write)
+        self.replaying = False
+        self.now = 0.0
+        self.sink = make_sink(output or topo.detokenizer.output, tokenizer, self.write, self.clock)
         self.pull = transport.socket(zmq.PULL, bind=topo.endpoint("detokenizer").bind, hwm=100_000)
+        self.router = transport.socket(zmq.DEALER, connect=topo.endpoint("router").connect,
+                                       identity=f"detokenizer-{os.getpid()}")
+        self.journal = Journal(topo.detokenizer.journal) if topo.detokenizer.journal else None
         self.expected: int | None = None
+        self.last_printed = 0.0
         self.handlers = {P.RequestMeta: self.on_meta, P.Tokens: self.on_tokens,
                          P.RequestError: self.on_error, P.InputClosed: self.on_closed}
 
-    @staticmethod
-    def write(text: str) -> None:
-        sys.stdout.write(text)
-        sys.stdout.flush()
+    def clock(self) -> float:
+        return self.now if self.replaying else time.monotonic()
+
+    def write(self, text: str) -> None:
+        if not self.replaying:
+            sys.stdout.write(text)
+            sys.stdout.flush()
+
+    def recover(self) -> None:
+        """Replay the journal without printing, then ask the router for everything again."""
+        if self.journal is not None:
+            records = self.journal.read()
+            self.replaying = True
+            try:
+                for record in records:
+                    (self.now,) = _TIME.unpack_from(record)
+                    if len(record) == _TIME.size:
+                        self.sink.flush_idle(self.now)
+                    else:
+                        self.handle(P.decode(record[_TIME.size:]))
+            finally:
+                self.replaying = False
+            if records:
+                log.warning("replayed %d journal records: %d requests done, %d under way",
+                            len(records), self.sink.num_done, self.sink.num_started)
+        transport.send(self.router, P.Resync(os.getpid()))
 
     def serve_forever(self, exit_when_done: bool) -> None:
+        self.recover()
         while True:
-            got = transport.recv(self.pull, 0.1)
-            if got is not None and got[1] is not None:
-                handler = self.handlers.get(type(got[1]))
-                try:
-                    if handler is None:
-                        raise P.ProtocolError(f"unexpected {type(got[1]).__name__}")
-                    handler(got[1])
-                except P.ProtocolError as exc:
-                    log.warning("dropped a message: %s", exc)
-                except Exception as exc:  # noqa: BLE001 -- one bad message must not stop the output
-                    log.warning("dropped a message: %s: %s", type(exc).__name__, exc)
-            self.sink.flush_idle(time.monotonic())
-            if exit_when_done and self.expected is not None and self.sink.num_done >= self.expected:
+            if self.pull.poll(100):
+                frame = self.pull.recv(copy=True)
+                msg = transport.parse(frame, "router")
+                if msg is not None:
+                    if self.journal is not None and type(msg) in self.handlers:
+                        self.journal.append(_TIME.pack(time.monotonic()) + frame)  # before it prints
+                    self.handle(msg)
+            now = time.monotonic()
+            if self.journal is not None and self.sink.is_idle_due(now):
+                self.journal.append(_TIME.pack(now))
+            self.sink.flush_idle(now)
+            if now - self.last_printed > PRINTED_EVERY_S:
+                self.report_printed(now)
+            if (exit_when_done and self.expected is not None and self.sink.num_done >= self.expected
+                    and self.sink.num_started == 0):
+                self.report_printed(now)
                 return
+
+    def handle(self, msg) -> None:
+        handler = self.handlers.get(type(msg))
+        try:
+            if handler is None:
+                raise P.ProtocolError(f"unexpected {type(msg).__name__}")
+            handler(msg)
+        except P.ProtocolError as exc:
+            log.warning("dropped a message: %s", exc)
+        except Exception as exc:  # noqa: BLE001 -- one bad message must not stop the output
+            log.warning("dropped a message: %s: %s", type(exc).__name__, exc)
+
+    def report_printed(self, now: float) -> None:
+        self.last_printed = now
+        if self.sink.newly_done:
+            done, self.sink.newly_done = sorted(set(self.sink.newly_done)), []
+            transport.send(self.router, P.Printed(P.pack_i64(done)))
 
     def on_meta(self, msg: P.RequestMeta) -> None:
         self.sink.start(msg.seq_id, msg.req_id, P.unpack_ids(msg.prompt_ids).tolist())

@@ -1,6 +1,10 @@
 """Ingest: reads prompts (stdin and/or `qmigrate feed` clients), tokenizes, validates, and
 hands them to the router. Stdin is read only while fewer than `max_pending` prompts wait
-for the router, so a full router stops the reading instead of growing memory."""
+for the router, so a full router stops the reading instead of growing memory.
+
+Everything for the detokenizer (request names, refused requests, the end of the input)
+travels in the same acknowledged `Submit` as the prompts, and the router forwards it: a
+Submit is sent again until acknowledged, so a router restart loses none of it."""
 
 from __future__ import annotations
 
@@ -39,13 +43,16 @@ class Ingest:
         self.router_addr = topo.endpoint("router").connect
         self.router = transport.socket(zmq.DEALER, connect=self.router_addr,
                                        identity=f"ingest-{os.getpid()}")
-        self.detok = transport.socket(zmq.PUSH, connect=topo.endpoint("detokenizer").connect)
         self.feed = transport.socket(zmq.ROUTER, bind=topo.endpoint("ingest").bind)
         self.lines: queue.Queue = queue.Queue(maxsize=self.max_pending)
         self.read_stdin = read_stdin
         self.stdin_done = not read_stdin
-        self.pending: deque[P.SeqSpec] = deque()
+        self.pending: deque[tuple[P.SeqSpec, str]] = deque()
+        self.errors: list[list[str]] = []   # [req_id, message] not yet acknowledged
         self.in_flight = 0            # specs sent in the Submit awaiting its ack
+        self.errors_in_flight = 0
+        self.closing_in_flight = False
+        self.awaiting_ack = False
         self.sent_at = 0.0
         self.retry_at = 0.0
         self.line_no = 0
@@ -77,13 +84,8 @@ class Ingest:
                 self.on_router()
             if self.feed in ready:
                 self.on_feed()
-            if self.stdin_done and not self.pending and not self.in_flight and self.lines.empty():
-                if not self.closed_sent and self.read_stdin:
-                    transport.send(self.detok, P.InputClosed(self.num_requests))
-                    self.closed_sent = True
-                    if exit_on_eof:
-                        self.detok.close(linger=5000)  # InputClosed must not be dropped
-                        return
+            if self.closed_sent and exit_on_eof:
+                return
 
     def _read_stdin(self) -> None:
         for line in sys.stdin:
@@ -109,7 +111,7 @@ class Ingest:
                                 max_context=self.max_context, defaults=self.defaults,
                                 eos_ids=self.eos_ids)
         except PromptError as exc:
-            transport.send(self.detok, P.RequestError(exc.req_id, exc.message))
+            self.errors.append([exc.req_id, exc.message])
             return
         seq_id = self.id_base | self.num_requests
         ids = P.pack_i32(prompt.prompt_ids)
@@ -117,29 +119,37 @@ class Ingest:
         spec = P.SeqSpec(seq_id, ids, len(prompt.prompt_ids), prompt.max_new_tokens,
                          prompt.temperature, prompt.top_p, prompt.top_k, seed, prompt.stop_ids,
                          sorted(self.eos_ids))
-        transport.send(self.detok, P.RequestMeta(seq_id, prompt.req_id, ids))
-        self.pending.append(spec)
+        self.pending.append((spec, prompt.req_id))
 
     def submit(self) -> None:
         now = time.monotonic()
-        if self.in_flight and now - self.sent_at > ACK_TIMEOUT_S:
-            self.in_flight = 0  # lost ack: resend; the router ignores ids it already holds
-        if self.in_flight or not self.pending or now < self.retry_at:
+        if self.awaiting_ack and now - self.sent_at > ACK_TIMEOUT_S:
+            self.awaiting_ack = False  # lost ack: resend; the router ignores what it already has
+        closing = (self.read_stdin and self.stdin_done and not self.closed_sent and not self.pending
+                   and self.lines.empty() and len(self.errors) <= SUBMIT_BATCH)
+        if self.awaiting_ack or now < self.retry_at or not (self.pending or self.errors or closing):
             return
         batch = [self.pending[i] for i in range(min(SUBMIT_BATCH, len(self.pending)))]
-        transport.send(self.router, P.Submit(batch))
-        self.in_flight, self.sent_at = len(batch), now
+        self.errors_in_flight = min(len(self.errors), SUBMIT_BATCH)
+        self.closing_in_flight = closing
+        transport.send(self.router, P.Submit([spec for spec, _ in batch], [r for _, r in batch],
+                                             self.errors[:self.errors_in_flight],
+                                             self.num_requests if closing else -1))
+        self.in_flight, self.sent_at, self.awaiting_ack = len(batch), now, True
 
     def on_router(self) -> None:
         while (got := transport.recv(self.router, 0)) is not None:
             msg = got[1]
-            if isinstance(msg, P.SubmitAck) and self.in_flight:
+            if isinstance(msg, P.SubmitAck) and self.awaiting_ack:
                 taken = max(0, min(msg.num_accepted, self.in_flight))
                 for _ in range(taken):
                     self.pending.popleft()
                 if taken < self.in_flight:
                     self.retry_at = time.monotonic() + 0.05  # router full: wait, keep order
-                self.in_flight = 0
+                del self.errors[:self.errors_in_flight]
+                self.closed_sent |= self.closing_in_flight
+                self.in_flight = self.errors_in_flight = 0
+                self.awaiting_ack = self.closing_in_flight = False
 
     def on_feed(self) -> None:
         while (got := transport.recv(self.feed, 0)) is not None:

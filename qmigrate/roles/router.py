@@ -1,4 +1,10 @@
-"""Router: the id queue. A poller loop around the pure Scheduler."""
+"""Router: the id queue. A poller loop around the pure Scheduler.
+
+It is also the one way into the detokenizer: request names and errors from ingest, and the
+tokens inside workers' step results, are forwarded on one PUSH socket. With a journal, what
+it accepted survives a kill: on start it runs again every request whose output the
+detokenizer has not confirmed (the same tokens: sampling depends only on the request), and
+the detokenizer prints each token once."""
 
 from __future__ import annotations
 
@@ -10,12 +16,14 @@ import zmq
 
 from .. import protocol as P
 from .. import transport
+from ..journal import Journal, OutputLog
 from ..scheduler import Scheduler, SchedulerConfig, WorkerState
 
 log = logging.getLogger("qmigrate.router")
 
 POLL_S = 0.02
 MAX_BURST = 512
+MAX_BACKLOG = 100_000  # messages for the detokenizer held here while it does not read
 
 
 class Router:
@@ -31,9 +39,14 @@ class Router:
             max_lease_steps=rc.max_lease_steps)
         self.heartbeat_interval_s = rc.heartbeat_interval_s
         self.sched = Scheduler(self.config)
+        self.sched.start_ids_at(int(time.time() * 1000) << 20)
         self.work = transport.socket(zmq.ROUTER, bind=topo.endpoint("router").bind)
         self.telemetry = transport.socket(zmq.SUB, bind=topo.endpoint("telemetry").bind)
         self.telemetry.setsockopt(zmq.SUBSCRIBE, b"")
+        self.detok = transport.socket(zmq.PUSH, connect=topo.endpoint("detokenizer").connect, hwm=100_000)
+        self.backlog: deque[bytes] = deque()
+        self.outputs = OutputLog()
+        self.journal = Journal(rc.journal) if rc.journal else None
         self.identity: dict[str, bytes] = {}
         self.parked: dict[str, deque] = {}
         self.worker_times: dict[str, tuple[int, int]] = {}
@@ -41,7 +54,20 @@ class Router:
             P.Hello: self.on_hello, P.Heartbeat: self.on_heartbeat,
             P.WorkRequest: self.on_work_request, P.StepResult: self.on_step_result,
             P.Submit: self.on_submit, P.Drain: self.on_drain, P.StatsRequest: self.on_stats,
+            P.Resync: self.on_resync, P.Printed: self.on_printed,
         }
+        if self.journal is not None:
+            self.recover()
+
+    def recover(self) -> None:
+        """Rebuild from the journal: every request not confirmed printed runs again."""
+        self.outputs.replay(self.journal.read())
+        self.journal.rewrite([P.encode(self.outputs.snapshot())])
+        for spec in self.outputs.specs.values():
+            self.sched.readmit(spec)
+        if len(self.outputs) or self.outputs.errors:
+            log.warning("recovered %d unfinished requests from %s", len(self.outputs), self.journal.path)
+        self.resend_outputs()
 
     def serve_forever(self) -> None:
         poller = zmq.Poller()
@@ -59,7 +85,9 @@ class Router:
             if ticked:
                 self.sched.expire(now)
                 last_expiry = now
-            if ready or ticked:  # nothing else can have changed what a waiting request gets
+            if self.backlog:
+                self.flush_backlog()
+            if (ready or ticked) and not self.backlog:  # no new work while output waits
                 self.serve_parked(now)
                 self.release_drained()
             if self.sched.revokes:
@@ -104,7 +132,40 @@ class Router:
                         log.warning("dropped a malformed VRAM report entry from %s", msg.node[:64])
 
     def reply(self, to: bytes, msg) -> None:
-        transport.send(self.work, msg, to=to)
+        transport.send(self.work, msg, to=to)  # dropped if that peer does not read
+
+    def forward(self, frame: bytes) -> None:
+        """To the detokenizer, in order; held here while it does not read (never dropped)."""
+        if self.backlog or not transport.send_frame(self.detok, frame, what="detokenizer message"):
+            if len(self.backlog) >= MAX_BACKLOG:
+                self.backlog.popleft()  # only results of leases already out can get here
+                self.sched.counters["output_dropped"] += 1
+            self.backlog.append(frame)
+
+    def flush_backlog(self) -> None:
+        while self.backlog:
+            try:
+                self.detok.send(self.backlog[0], zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            self.backlog.popleft()
+
+    def resend_outputs(self) -> None:
+        """Everything the detokenizer may lack (it restarted, or this router did); what it
+        printed already it skips. Requests that finished here but were not confirmed run again."""
+        for sid in self.outputs.specs:
+            self.forward(P.encode(self.outputs.meta(sid)))
+            seq = self.sched.seqs.get(sid)
+            if seq is None:
+                self.sched.readmit(self.outputs.specs[sid])
+            elif len(seq.token_ids) > seq.spec.prompt_len:
+                made = seq.token_ids[seq.spec.prompt_len:]
+                self.forward(P.encode(P.Tokens(P.pack_i64([sid]), P.pack_i32([0]), P.pack_i32([len(made)]),
+                                               P.pack_i32(made), P.pack_u8([0]))))
+        for req_id, message in self.outputs.errors.items():
+            self.forward(P.encode(P.RequestError(req_id, message)))
+        if self.outputs.num_requests >= 0:
+            self.forward(P.encode(P.InputClosed(self.outputs.num_requests)))
 
     # --- handlers ------------------------------------------------------------------------
     def on_hello(self, sender: bytes, msg: P.Hello) -> None:
@@ -160,6 +221,8 @@ class Router:
         if len(status) and status.max() > max(P.Finish):
             raise P.ProtocolError("unknown status code")
         evicted = P.unpack_i64(msg.evicted_ids, "evicted_ids")
+        if msg.output:
+            self.forward(msg.output)
         self.sched.complete(msg.lease_id, name, seq_ids.tolist(), counts.tolist(), tokens.tolist(),
                             status.tolist(), time.monotonic())
         if len(evicted):
@@ -168,8 +231,31 @@ class Router:
     def on_submit(self, sender: bytes, msg: P.Submit) -> None:
         for spec in msg.seqs:
             spec.ids  # validates the packed ids
-        taken = self.sched.admit(msg.seqs)
+        # Requests whose output is not confirmed count against the limit too: a detokenizer
+        # that does not read stops admission rather than growing this process.
+        room = self.config.max_queued * 2 - len(self.outputs)
+        taken = self.sched.admit(msg.seqs[:max(0, room)])
+        new = self.outputs.add(msg, taken)
+        if new is not None:
+            if self.journal is not None:
+                self.journal.append(P.encode(new))  # before the ack: accepted means kept
+            for spec in new.seqs:
+                self.forward(P.encode(self.outputs.meta(spec.seq_id)))
+            for req_id, message in new.errors:
+                self.forward(P.encode(P.RequestError(req_id, message)))
+            if new.num_requests >= 0:
+                self.forward(P.encode(P.InputClosed(new.num_requests)))
         self.reply(sender, P.SubmitAck(taken, self.sched.num_free))
+
+    def on_resync(self, sender: bytes, msg: P.Resync) -> None:
+        log.info("the detokenizer (pid %d) asks for everything not yet printed", msg.pid)
+        self.backlog.clear()  # it is all sent again below
+        self.resend_outputs()
+
+    def on_printed(self, sender: bytes, msg: P.Printed) -> None:
+        seq_ids = P.unpack_i64(msg.seq_ids, "seq_ids").tolist()
+        if self.outputs.printed(seq_ids) and self.journal is not None:
+            self.journal.append(P.encode(msg))
 
     def on_drain(self, sender: bytes, msg: P.Drain) -> None:
         ok = self.sched.drain(msg.worker, time.monotonic())
@@ -180,7 +266,9 @@ class Router:
         counters = dict(self.sched.counters)
         counters.update(queued=len(self.sched.queue), live=len(self.sched.seqs),
                         open_leases=len(self.sched.leases),
-                        workers=sum(w.alive for w in self.sched.workers.values()))
+                        workers=sum(w.alive for w in self.sched.workers.values()),
+                        unprinted=len(self.outputs), output_backlog=len(self.backlog),
+                        dropped_sends=transport.num_dropped)
         for name, w in self.sched.workers.items():
             counters[f"owned_{name}"] = len(w.owned)
         delays: dict[str, list[float]] = {}
