@@ -52,8 +52,9 @@ def test_router_detokenizer_and_worker_restarts_lose_nothing(tmp_path, tiny_mode
     path = tmp_path / "topo.yaml"
     path.write_text(yaml.safe_dump(_topology(tmp_path, tiny_model_dir, ports)))
     router = f"tcp://127.0.0.1:{ports[0]}"
-    prompts = _prompts(5, "r", n=10, new_tokens=120)
-    out, err = open(tmp_path / "out", "w+"), open(tmp_path / "err", "w+")
+    prompts = _prompts(5, "r", n=8, new_tokens=100)
+    # Append mode: the test reads with seek(), which must not move where the node writes.
+    out, err = open(tmp_path / "out", "a+"), open(tmp_path / "err", "a+")
     node = subprocess.Popen([sys.executable, "-m", "qmigrate", "node", str(path), "--node", "head", "--stdin"],
                             stdin=subprocess.PIPE, stdout=out, stderr=err, text=True, start_new_session=True)
     node.stdin.write("".join(json.dumps(p) + "\n" for p in prompts))
