@@ -229,12 +229,12 @@ class Router:
             self.sched.evicted(name, evicted.tolist())
 
     def on_submit(self, sender: bytes, msg: P.Submit) -> None:
-        for spec in msg.seqs:
-            spec.ids  # validates the packed ids
         # Requests whose output is not confirmed count against the limit too: a detokenizer
         # that does not read stops admission rather than growing this process.
-        room = self.config.max_queued * 2 - len(self.outputs)
-        taken = self.sched.admit(msg.seqs[:max(0, room)])
+        offered = msg.seqs[:max(0, min(self.sched.num_free, self.config.max_queued * 2 - len(self.outputs)))]
+        for spec in offered:
+            spec.ids  # validates the packed ids
+        taken = self.sched.admit(offered)
         new = self.outputs.add(msg, taken)
         if new is not None:
             if self.journal is not None:
