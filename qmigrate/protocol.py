@@ -429,15 +429,80 @@ def decode(data: bytes):
     return _build(cls, body[1:], cls.__name__)
 
 
+# Ranges checked at decode, so no handler ever sees a number it cannot use.
+_I64 = (0, (1 << 63) - 1)
+_RANGES: dict[str, dict[str, tuple]] = {
+    "SeqSpec": {"seq_id": _I64, "prompt_len": (1, MAX_ARRAY_LEN), "max_new_tokens": (1, 1 << 30),
+                "temperature": (0.0, 1e4), "top_p": (0.0, 1.0), "top_k": (0, 1 << 30), "seed": (-1, _I64[1]),
+                "transfer_id": _I64, "resend_from": (-1, MAX_ARRAY_LEN)},
+    "Hello": {"version": (0, 1 << 16)},
+    "Welcome": {"version": (0, 1 << 16), "heartbeat_interval_s": (1e-3, 3600.0), "lease_timeout_s": (1e-3, 86400.0)},
+    "Heartbeat": {"num_cached_seqs": _I64, "free_kv_tokens": (-1, _I64[1]), "busy_ms": _I64, "idle_ms": _I64},
+    "WorkRequest": {"request_no": _I64, "max_seqs": (1, 1 << 20), "max_tokens": (1, 1 << 30),
+                    "free_kv_tokens": (-1, _I64[1])},
+    "Lease": {"lease_id": _I64, "request_no": _I64, "timeout_s": (1e-3, 86400.0), "num_steps": (1, 1 << 16)},
+    "StepResult": {"lease_id": _I64, "free_kv_tokens": (-1, _I64[1])},
+    "Submit": {"num_requests": (-1, _I64[1])},
+    "SubmitAck": {"num_accepted": _I64, "num_free": _I64},
+    "RequestMeta": {"seq_id": _I64},
+    "InputClosed": {"num_requests": _I64},
+    "ShipKV": {"seq_id": _I64, "transfer_id": _I64, "num_tokens": (0, MAX_ARRAY_LEN)},
+    "KVHeader": {"transfer_id": _I64, "seq_id": _I64, "num_tokens": (0, MAX_ARRAY_LEN)},
+    "FeedAck": {"num_accepted": _I64},
+    "Revoke": {"lease_id": _I64},
+    "Resync": {"pid": (0, 1 << 32)},
+}
+# Packed arrays by field name: item type, and whether items must be >= 0 (ids).
+_ARRAYS = {"seq_ids": ("<i8", True), "drop_ids": ("<i8", True), "evicted_ids": ("<i8", True),
+           "lease_ids": ("<i8", True), "token_ids": ("<i4", True), "prompt_ids": ("<i4", True),
+           "tokens": ("<i4", True), "counts": ("<i4", True), "start": ("<i4", True),
+           "lengths": ("<i4", False), "last_tokens": ("<i4", False), "status": ("u1", False),
+           "finish": ("u1", False)}
+_NAMES = {"name": 256, "role": 64, "node": 256, "kv_from": 512, "dest": 512, "worker": 256, "dtype": 32}
+
+
 def _build(cls, values: list, where: str):
     kwargs = {}
+    ranges = _RANGES.get(cls.__name__, {})
     for i, (name, hint, has_default) in enumerate(cls._fields):
         if i >= len(values):
             if not has_default:
                 raise ProtocolError(f"{where}: missing field {name!r}")
             continue
-        kwargs[name] = _check(values[i], hint, f"{where}.{name}")
+        value = kwargs[name] = _check(values[i], hint, f"{where}.{name}")
+        if name in ranges and not ranges[name][0] <= value <= ranges[name][1]:
+            raise ProtocolError(f"{where}.{name}: {value!r} outside [{ranges[name][0]}, {ranges[name][1]}]")
+        if hint is bytes and name in _ARRAYS:
+            dtype, is_id = _ARRAYS[name]
+            array = _unpack(value, dtype, f"{where}.{name}")
+            if is_id and array.size and array.min() < 0:
+                raise ProtocolError(f"{where}.{name}: negative id")
+        if hint is str and len(value) > _NAMES.get(name, MAX_STR):
+            raise ProtocolError(f"{where}.{name}: longer than {_NAMES[name]} characters")
+    _check_structure(cls.__name__, kwargs, where)
     return cls(**kwargs)
+
+
+def _check_structure(name: str, fields: dict, where: str) -> None:
+    """What one field's type cannot say: list shapes, and a nested message."""
+    if name == "SeqSpec":
+        for ids in fields.get("stop_ids", []) + [fields.get("eos_ids", [])]:
+            if len(ids) > 64 or any(not 0 <= t <= MAX_ID for t in ids):
+                raise ProtocolError(f"{where}: stop or eos ids out of range")
+        if len(fields.get("stop_ids", [])) > 64:
+            raise ProtocolError(f"{where}: more than 64 stop sequences")
+    elif name == "Submit" and any(len(pair) != 2 for pair in fields.get("errors", [])):
+        raise ProtocolError(f"{where}.errors: expected [req_id, message] pairs")
+    elif name == "KVHeader" and (len(fields["shape"]) > 8 or any(not 0 <= d <= MAX_ID for d in fields["shape"])):
+        raise ProtocolError(f"{where}.shape: out of range")
+    elif name == "VramReport":
+        for gpu in fields["gpus"]:
+            if (len(gpu) < 5 or type(gpu[0]) is not str or len(gpu[0]) > 256
+                    or not all(type(x) is int and 0 <= x < 1 << 62 for x in gpu[1:5])):
+                raise ProtocolError(f"{where}.gpus: expected [uuid, index, total, used, free, ...]")
+    elif name == "StepResult" and fields.get("output"):
+        if not isinstance(decode(fields["output"]), Tokens):
+            raise ProtocolError(f"{where}.output: not a Tokens message")
 
 
 def _check(value, hint, where: str):
