@@ -76,12 +76,7 @@ class Detokenizer:
         self.recover()
         while True:
             if self.pull.poll(100):
-                frame = self.pull.recv(copy=True)
-                msg = transport.parse(frame, "router")
-                if msg is not None:
-                    if self.journal is not None and type(msg) in self.handlers:
-                        self.journal.append(_TIME.pack(time.monotonic()) + frame)  # before it prints
-                    self.handle(msg)
+                self.receive(self.pull.recv(copy=True))
             now = time.monotonic()
             if self.journal is not None and self.sink.is_idle_due(now):
                 self.journal.append(_TIME.pack(now))
@@ -92,6 +87,13 @@ class Detokenizer:
                     and self.sink.num_started == 0):
                 self.report_printed(now)
                 return
+
+    def receive(self, frame: bytes) -> None:
+        msg = transport.parse(frame, "router")
+        if msg is not None:
+            if self.journal is not None and type(msg) in self.handlers:
+                self.journal.append(_TIME.pack(time.monotonic()) + frame)  # before it prints
+            self.handle(msg)
 
     def handle(self, msg) -> None:
         handler = self.handlers.get(type(msg))
