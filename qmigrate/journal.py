@@ -99,6 +99,17 @@ class OutputLog:
             self.req_ids.pop(int(sid), None)
         return known
 
+    def trim(self, max_kept: int, live) -> int:
+        """Forget the oldest requests not in `live` while more than max_kept are kept."""
+        num = 0
+        for sid in list(self.specs):
+            if len(self.specs) <= max_kept:
+                break
+            if sid not in live:
+                self.printed([sid])
+                num += 1
+        return num
+
     def meta(self, seq_id: int) -> P.RequestMeta:
         spec = self.specs[seq_id]
         return P.RequestMeta(seq_id, self.req_ids[seq_id], P.pack_i32(spec.ids[:spec.prompt_len]))

@@ -239,9 +239,6 @@ class StepResult:
     status: bytes             # uint8 Finish
     free_kv_tokens: int = -1
     evicted_ids: bytes = b""  # int64: sequences whose KV this worker evicted to make room
-    # The encoded `Tokens` of this step for the detokenizer. It travels inside the result so
-    # that no kill can deliver one without the other; the router forwards it as is.
-    output: bytes = b""
 
 
 @message(MsgType.TOKENS)
@@ -484,7 +481,7 @@ def _build(cls, values: list, where: str):
 
 
 def _check_structure(name: str, fields: dict, where: str) -> None:
-    """What one field's type cannot say: list shapes, and a nested message."""
+    """What one field's type cannot say: list shapes."""
     if name == "SeqSpec":
         for ids in fields.get("stop_ids", []) + [fields.get("eos_ids", [])]:
             if len(ids) > 64 or any(not 0 <= t <= MAX_ID for t in ids):
@@ -500,9 +497,6 @@ def _check_structure(name: str, fields: dict, where: str) -> None:
             if (len(gpu) < 5 or type(gpu[0]) is not str or len(gpu[0]) > 256
                     or not all(type(x) is int and 0 <= x < 1 << 62 for x in gpu[1:5])):
                 raise ProtocolError(f"{where}.gpus: expected [uuid, index, total, used, free, ...]")
-    elif name == "StepResult" and fields.get("output"):
-        if not isinstance(decode(fields["output"]), Tokens):
-            raise ProtocolError(f"{where}.output: not a Tokens message")
 
 
 def _check(value, hint, where: str):

@@ -43,6 +43,13 @@ def test_output_log_keeps_each_request_once_until_printed():
     assert bad.seqs == [] and bad.errors == [["z", "invalid request"]]
 
 
+def test_output_log_trims_the_oldest_finished_requests():
+    log = OutputLog()
+    log.add(P.Submit([spec(i) for i in range(1, 7)], [f"r{i}" for i in range(1, 7)]), 6)
+    assert log.trim(3, live={1, 2}) == 3  # 1 and 2 still run: 3, 4 and 5 go
+    assert sorted(log.specs) == [1, 2, 6] and log.trim(3, live=set()) == 0
+
+
 def test_output_log_replays_its_records_and_its_snapshot():
     log = OutputLog()
     records = [P.encode(log.add(P.Submit([spec(1), spec(2)], ["a", "b"], [["e", "bad"]]), 2))]

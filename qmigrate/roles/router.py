@@ -1,7 +1,7 @@
 """Router: the id queue. A poller loop around the pure Scheduler.
 
 It is also the one way into the detokenizer: request names and errors from ingest, and the
-tokens inside workers' step results, are forwarded on one PUSH socket. With a journal, what
+tokens workers send before their step results, are forwarded on one PUSH socket. With a journal, what
 it accepted survives a kill: on start it runs again every request whose output the
 detokenizer has not confirmed (the same tokens: sampling depends only on the request), and
 the detokenizer prints each token once."""
@@ -54,7 +54,7 @@ class Router:
             P.Hello: self.on_hello, P.Heartbeat: self.on_heartbeat,
             P.WorkRequest: self.on_work_request, P.StepResult: self.on_step_result,
             P.Submit: self.on_submit, P.Drain: self.on_drain, P.StatsRequest: self.on_stats,
-            P.Resync: self.on_resync, P.Printed: self.on_printed,
+            P.Resync: self.on_resync, P.Printed: self.on_printed, P.Tokens: self.on_tokens,
         }
         if self.journal is not None:
             self.recover()
@@ -103,6 +103,7 @@ class Router:
                 log.warning("dropped a message of %d frames", len(frames))
                 continue
             sender, frame = frames
+            self.frame = frame  # forwarded as is by on_tokens
             msg = transport.parse(frame, sender.decode(errors="replace"))
             handler = self.handlers.get(type(msg)) if msg is not None else None
             if msg is not None and handler is None:
@@ -221,21 +222,26 @@ class Router:
         if len(status) and status.max() > max(P.Finish):
             raise P.ProtocolError("unknown status code")
         evicted = P.unpack_i64(msg.evicted_ids, "evicted_ids")
-        if msg.output:
-            self.forward(msg.output)
         self.sched.complete(msg.lease_id, name, seq_ids.tolist(), counts.tolist(), tokens.tolist(),
                             status.tolist(), time.monotonic())
         if len(evicted):
             self.sched.evicted(name, evicted.tolist())
 
+    def on_tokens(self, sender: bytes, msg: P.Tokens) -> None:
+        """A worker's new tokens, sent on the socket of its results and before them: the
+        detokenizer gets them in that order, so no result arrives here without its tokens."""
+        if self._worker(sender) is not None:
+            self.forward(self.frame)
+
     def on_submit(self, sender: bytes, msg: P.Submit) -> None:
-        # Requests whose output is not confirmed count against the limit too: a detokenizer
-        # that does not read stops admission rather than growing this process.
-        offered = msg.seqs[:max(0, min(self.sched.num_free, self.config.max_queued * 2 - len(self.outputs)))]
+        offered = msg.seqs[:self.sched.num_free]
         for spec in offered:
             spec.ids  # validates the packed ids
         taken = self.sched.admit(offered)
         new = self.outputs.add(msg, taken)
+        # Finished requests wait here for the detokenizer's Printed, at most max_queued of
+        # them: past that the oldest are forgotten (only a detokenizer restart needs them).
+        self.outputs.trim(2 * self.config.max_queued, self.sched.seqs)
         if new is not None:
             if self.journal is not None:
                 self.journal.append(P.encode(new))  # before the ack: accepted means kept
