@@ -151,8 +151,7 @@ class Scheduler:
         """Queue a sequence again from its full form, past the admission limit: after a router
         restart, or when its output was lost. A sequence still here is left alone."""
         if spec.seq_id not in self.seqs:
-            self.seqs[spec.seq_id] = Seq(spec, spec.ids.tolist())
-            self.queue[spec.seq_id] = None
+            self.queue.push(self.seqs.setdefault(spec.seq_id, Seq(spec, spec.ids.tolist())))
             self.counters["readmitted"] += 1
 
     def start_ids_at(self, base: int) -> None:

@@ -43,6 +43,20 @@ def test_output_log_keeps_each_request_once_until_printed():
     assert bad.seqs == [] and bad.errors == [["z", "invalid request"]]
 
 
+def test_the_scheduler_readmits_past_its_limit_and_only_once():
+    from qmigrate.scheduler import Scheduler, SchedulerConfig, WorkerState
+    sched = Scheduler(SchedulerConfig(max_queued=1))
+    assert sched.admit([spec(1), spec(2)]) == 1
+    for _ in range(2):
+        sched.readmit(spec(2))
+    sched.readmit(spec(1))  # still here: left alone
+    assert sorted(sched.seqs) == [1, 2] and len(sched.queue) == 2 and sched.counters["readmitted"] == 1
+    sched.start_ids_at(1 << 40)
+    sched.register(WorkerState("w1", max_seqs=4, max_tokens=64), 0.0)
+    grant = sched.schedule("w1", 4, 64, 0.0)
+    assert grant.lease_id >= 1 << 40 and sorted(r.seq_id for r in grant.rows) == [1, 2]
+
+
 def test_output_log_trims_the_oldest_finished_requests():
     log = OutputLog()
     log.add(P.Submit([spec(i) for i in range(1, 7)], [f"r{i}" for i in range(1, 7)]), 6)
