@@ -4,7 +4,6 @@ requests. Every request still equals generate(), and no role dies or restarts.""
 
 from __future__ import annotations
 
-import io
 import json
 import os
 import signal
