@@ -126,6 +126,7 @@ class NodeConfig(_Section):
     monitor: bool = _f(False, _boolean)
     public_key: str | None = _f(None, _optional_text)  # inline Z85 key, a key file, or a directory
     secret_key: str | None = _f(None, _optional_text)  # None: <security.keys_dir>/<name>.key_secret
+    max_restarts: int = _f(3, _non_negative)   # a role that dies is started again this many times
 
     @property
     def bind_host(self) -> str:
@@ -173,6 +174,7 @@ class RouterConfig(_Section):
     chain_leases: bool = _f(True, _boolean)
     max_lease_steps: int = _f(16, _rule("an integer 1..1024", lambda v: _is_int(v) and 1 <= v <= 1024))
     metrics_port: int | None = _f(None, _metrics_port)  # Prometheus /metrics; 0 or null: none
+    journal: str = _f("", _rule("a file path, or '' for none", lambda v: isinstance(v, str)))
 
     def validate(self) -> None:
         if self.heartbeat_timeout_s <= self.heartbeat_interval_s:
@@ -201,6 +203,7 @@ class DetokenizerConfig(_Section):
     port: int = _f(5553, _port)
     output: str = _f("text", _one_of("text", "jsonl"))
     metrics_port: int | None = _f(None, _metrics_port)  # latency histograms; 0 or null: none
+    journal: str = _f("", _rule("a file path, or '' for none", lambda v: isinstance(v, str)))
 
 
 @dataclass(slots=True)

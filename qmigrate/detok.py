@@ -36,6 +36,8 @@ REPLACEMENT = "\ufffd"
 NUM_PRIME_IDS = 5
 FINISH_CODES = {"eos": 1, "length": 2, "stop": 3, "error": 5, "cancelled": 100}  # protocol.Finish, FINISH_CANCELLED
 MAX_OUT_OF_ORDER = 1 << 16
+MAX_UNSTARTED = 256          # sequences with tokens but no start yet (normally none)
+MAX_UNSTARTED_TOKENS = 4096  # tokens held for each of them
 
 
 class IncrementalDecoder:
@@ -137,6 +139,9 @@ class _Sink:
         self._reply = reply
         self._seqs: dict[int, _Seq] = {}
         self._finished: set[int] = set()
+        self._errored: set[str] = set()
+        self._num_unstarted = 0
+        self.newly_done: list[int] = []  # finished (or seen again after finishing) since taken
         self.num_done = 0         # requests this sink printed the end of
         self.num_replied = 0      # requests routed elsewhere that ended
         self.num_errors = 0
@@ -146,6 +151,20 @@ class _Sink:
     def num_active(self) -> int:
         return len(self._seqs)
 
+    @property
+    def num_started(self) -> int:
+        """Requests started and not yet finished."""
+        return len(self._seqs) - self._num_unstarted
+
+    def _seq(self, seq_id: int) -> _Seq | None:
+        seq = self._seqs.get(seq_id)
+        if seq is None:
+            if self._num_unstarted >= MAX_UNSTARTED:
+                return None
+            seq = self._seqs[seq_id] = _Seq(req_id=None)
+            self._num_unstarted += 1
+        return seq
+
     def is_done(self, seq_id: int) -> bool:
         return seq_id in self._finished
 
@@ -154,10 +173,15 @@ class _Sink:
         """`route` other than 0: the request's text and end go to `reply`, not to the writer.
         `note` is said in the final record."""
         if seq_id in self._finished:
+            self.newly_done.append(seq_id)
             return
-        seq = self._seqs.setdefault(seq_id, _Seq(req_id=req_id))
-        if seq.decoder is not None:
+        seq = self._seqs.get(seq_id)
+        if seq is None:
+            seq = self._seqs[seq_id] = _Seq(req_id=req_id)
+        elif seq.decoder is not None:
             return
+        else:
+            self._num_unstarted -= 1
         seq.req_id, seq.seq_id, seq.route, seq.note = req_id, seq_id, route, note
         seq.decoder = IncrementalDecoder(self._tokenizer, prompt_ids)
         self._advance(seq_id, seq)
@@ -165,17 +189,22 @@ class _Sink:
     def tokens(self, seq_id: int, start_index: int, token_ids: Sequence[int]) -> None:
         if seq_id in self._finished:
             self.num_dropped_tokens += len(token_ids)
+            self.newly_done.append(seq_id)
             return
-        seq = self._seqs.setdefault(seq_id, _Seq(req_id=None))
+        seq = self._seq(seq_id)
+        if seq is None:
+            self.num_dropped_tokens += len(token_ids)
+            return
         next_index = len(seq.token_ids)
         end_index = seq.num_tokens_expected
+        limit = MAX_OUT_OF_ORDER if seq.decoder is not None else MAX_UNSTARTED_TOKENS
         for index, token_id in enumerate(token_ids, start_index):
             if index < next_index or index in seq.waiting:
                 continue
             if end_index is not None and index >= end_index:
                 self.num_dropped_tokens += 1
                 continue
-            if len(seq.waiting) >= MAX_OUT_OF_ORDER:
+            if len(seq.waiting) >= limit or index - next_index >= MAX_OUT_OF_ORDER:
                 self.num_dropped_tokens += 1
                 continue
             seq.waiting[index] = int(token_id)
@@ -184,7 +213,9 @@ class _Sink:
     def finish(self, seq_id: int, finish_reason: str, num_tokens: int | None = None) -> None:
         if seq_id in self._finished:
             return
-        seq = self._seqs.setdefault(seq_id, _Seq(req_id=None))
+        seq = self._seq(seq_id)
+        if seq is None:
+            return
         seq.finish_reason = finish_reason
         seq.num_tokens_expected = num_tokens
         self._advance(seq_id, seq)
@@ -199,12 +230,19 @@ class _Sink:
         self._advance(seq_id, seq)
 
     def error(self, req_id: str, message: str) -> None:
+        if req_id in self._errored:
+            return  # sent again after a restart
+        self._errored.add(req_id)
         self.num_done += 1
         self.num_errors += 1
         self._on_error(req_id, message)
 
     def flush_idle(self, now: float | None = None) -> None:
         """Text mode prints buffered text older than max_idle_s; JSONL has nothing held."""
+
+    def is_idle_due(self, now: float) -> bool:
+        """Whether flush_idle(now) would print anything."""
+        return False
 
     def _advance(self, seq_id: int, seq: _Seq) -> None:
         if seq.decoder is None:
@@ -226,6 +264,7 @@ class _Sink:
         self.num_dropped_tokens += len(seq.waiting)
         del self._seqs[seq_id]
         self._finished.add(seq_id)
+        self.newly_done.append(seq_id)
         if seq.route:
             self.num_replied += 1
         else:
@@ -316,6 +355,9 @@ class TextSink(_Sink):
             seq.pending = seq.pending[cut + 1 :]
         if lines or not seq.pending:
             seq.pending_since = self._clock()
+
+    def is_idle_due(self, now: float) -> bool:
+        return any(seq.pending and now - seq.pending_since >= self.max_idle_s for seq in self._seqs.values())
 
     def flush_idle(self, now: float | None = None) -> None:
         now = self._clock() if now is None else now

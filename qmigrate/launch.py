@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -29,14 +30,68 @@ class Child:
     role: str
     name: str
     proc: subprocess.Popen
+    cmd: list[str] = dataclasses.field(default_factory=list)
+    stdin: object = None
+    num_restarts: int = 0
+    exited: bool = False
 
     @property
     def label(self) -> str:
         return f"{self.role} {self.name}" if self.name != self.role else self.role
 
 
+class Interrupted(Exception):
+    """SIGINT or SIGTERM reached the supervisor: stop every role and report it."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
+def _interrupt(signum, frame):
+    raise Interrupted(signum)
+
+
+def catch_signals():
+    """From here on SIGINT and SIGTERM unwind the supervisor, so its `finally` blocks stop
+    the roles and remove the temp directory. Returns the old handlers."""
+    return {s: signal.signal(s, _interrupt) for s in (signal.SIGINT, signal.SIGTERM)}
+
+
+def ignore_signals() -> None:
+    """While stopping: a second signal must not cut the clean-up short."""
+    for s in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(s, signal.SIG_IGN)
+
+
+def _libc():
+    try:
+        import ctypes
+        return ctypes.CDLL(None, use_errno=True)
+    except OSError:
+        return None
+
+
+_LIBC = _libc() if sys.platform.startswith("linux") else None
+PR_SET_PDEATHSIG = 1
+
+
+def _die_with(parent: int):
+    """Run in the child before exec: SIGTERM it when the supervisor dies, even by SIGKILL."""
+    def prepare():
+        if _LIBC is not None:
+            _LIBC.prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+        if os.getppid() != parent:  # the supervisor died before prctl took effect
+            os._exit(1)
+    return prepare
+
+
 def role_command(config_path: Path, role: str, name: str, *extra: str) -> list[str]:
     return [sys.executable, "-m", "qmigrate", "role", role, name, "--config", str(config_path), *extra]
+
+
+def _spawn(cmd: list[str], stdin) -> subprocess.Popen:
+    return subprocess.Popen(cmd, stdin=stdin, start_new_session=False, preexec_fn=_die_with(os.getpid()))
 
 
 def start_roles(topo: Topology, config_path: Path, roles: list[tuple[str, str]], *,
@@ -52,7 +107,7 @@ def start_roles(topo: Topology, config_path: Path, roles: list[tuple[str, str]],
         if read_stdin and role == "detokenizer" and not serving:
             extra.append("--exit-when-done")
         cmd = role_command(config_path, role, name, *extra)
-        children.append(Child(role, name, subprocess.Popen(cmd, stdin=stdin, start_new_session=False)))
+        children.append(Child(role, name, _spawn(cmd, stdin), cmd, stdin))
     return children
 
 
@@ -74,37 +129,37 @@ def stop(children: list[Child], grace_s: float = 5.0) -> None:
             c.proc.wait()
 
 
-def supervise(children: list[Child], *, until_done: bool, tick=None) -> int:
-    """Wait until the detokenizer finishes (until_done) or a signal; 1 if a role failed.
-    `tick`, when given, is called on every round (the progress line)."""
-    stopping = []
-    handler = lambda signum, frame: stopping.append(signum)
-    old = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        while not stopping:
-            for c in children:
-                rc = c.proc.poll()
-                if rc is None:
-                    continue
-                if c.role == "detokenizer" and until_done:
-                    return 0 if rc == 0 else _failed(c, rc)
-                if c.role in CORE_ROLES and (rc != 0 or not until_done):
-                    return _failed(c, rc)
-                if c.role == "worker" and rc != 0:
-                    log.warning("%s exited with status %d", c.label, rc)
-                    c.role = "worker (exited)"
-            workers = [c for c in children if c.role.startswith("worker")]
-            if until_done and workers and all(c.proc.poll() is not None for c in workers):
-                print("qmigrate: every worker has exited; stopping", file=sys.stderr)
-                return 1
-            if tick is not None:
-                tick()
-            time.sleep(0.1)
-        # interrupted: whatever was still running is unfinished, so never report success
-        return 128 + stopping[0]
-    finally:
-        for s, h in old.items():
-            signal.signal(s, h)
+def supervise(children: list[Child], *, until_done: bool, max_restarts: int = 0, tick=None) -> int:
+    """Wait until the detokenizer finishes (until_done), or forever as a service. A role that
+    dies is started again, up to max_restarts times; 1 if a role failed for good. `tick`,
+    when given, is called on every round (the progress line)."""
+    while True:
+        for c in children:
+            if c.exited or (rc := c.proc.poll()) is None:
+                continue
+            if rc == 0 and c.role == "detokenizer" and until_done:
+                return 0
+            if rc == 0 and c.role in ("ingest", "worker", "monitor"):
+                c.exited = True  # done reading, drained, or no NVML here: not a failure
+                continue
+            if c.role != "ingest" and c.num_restarts < max_restarts:  # ingest's stdin is gone
+                c.num_restarts += 1
+                print(f"qmigrate: {c.label} exited with status {rc}; starting it again "
+                      f"({c.num_restarts} of {max_restarts})", file=sys.stderr)
+                c.proc = _spawn(c.cmd, c.stdin)
+                continue
+            if c.role in CORE_ROLES:
+                return _failed(c, rc)
+            log.warning("%s exited with status %d", c.label, rc)
+            print(f"qmigrate: {c.label} exited with status {rc}", file=sys.stderr)
+            c.exited = True
+        workers = [c for c in children if c.role == "worker"]
+        if until_done and workers and all(c.exited for c in workers):
+            print("qmigrate: every worker has exited; stopping", file=sys.stderr)
+            return 1
+        if tick is not None:
+            tick()
+        time.sleep(0.1)
 
 
 def _failed(c: Child, rc: int) -> int:
@@ -132,14 +187,16 @@ def run_node(topo: Topology, config_path: Path, node: str, *, read_stdin: bool,
     if (problem := device_problem(topo, node)) is not None:
         print(f"error: {problem}", file=sys.stderr)
         return 2
-    roles = topo.roles_on(node)
-    has_detok = any(role == "detokenizer" for role, _ in roles)
-    # With wait_for_workers, prompts are read only once every worker has joined the router,
-    # so a short run is spread over the whole fleet instead of the first worker up.
-    late = [r for r in roles if r[0] == "ingest"] if wait_for_workers else []
-    early = [r for r in roles if r not in late]
-    children = start_roles(topo, config_path, early, read_stdin=read_stdin, log_level=log_level)
+    old = catch_signals()
+    children: list[Child] = []
     try:
+        roles = topo.roles_on(node)
+        has_detok = any(role == "detokenizer" for role, _ in roles)
+        # With wait_for_workers, prompts are read only once every worker has joined the router,
+        # so a short run is spread over the whole fleet instead of the first worker up.
+        late = [r for r in roles if r[0] == "ingest"] if wait_for_workers else []
+        early = [r for r in roles if r not in late]
+        children += start_roles(topo, config_path, early, read_stdin=read_stdin, log_level=log_level)
         if late:
             if not wait_for_fleet(topo, children, len(topo.workers)):
                 return 1
@@ -148,6 +205,7 @@ def run_node(topo: Topology, config_path: Path, node: str, *, read_stdin: bool,
         progress = RouterProgress(topo) if read_stdin and has_router else None
         try:
             rc = supervise(children, until_done=read_stdin and has_detok and not is_serving(topo),
+                           max_restarts=topo.node(node).max_restarts,
                            tick=progress.tick if progress and progress.line.enabled else None)
         finally:
             if progress is not None:
@@ -155,8 +213,15 @@ def run_node(topo: Topology, config_path: Path, node: str, *, read_stdin: bool,
         if rc == 0 and read_stdin and any(role == "router" for role, _ in roles):
             print_summary(topo)
         return rc
+    except Interrupted as exc:
+        # whatever was still running is unfinished, so never report success
+        print(f"qmigrate: stopped by signal {exc.signum}", file=sys.stderr)
+        return 128 + exc.signum
     finally:
+        ignore_signals()
         stop(children)
+        for s, h in old.items():
+            signal.signal(s, h)  # in a simulation: its handler, until the temp directory is gone
 
 
 def wait_for_fleet(topo: Topology, children: list[Child], num_workers: int, timeout_s: float = 120.0,
@@ -232,7 +297,11 @@ def single_node(topo: Topology, ipc_dir: str, model_path: str) -> Topology:
     data["transport"], data["ipc_dir"] = "ipc", ipc_dir
     data["security"]["enabled"] = "auto"  # one node over ipc: no keys, whatever the fleet uses
     data["model"]["path"] = model_path
-    data["nodes"] = [{"name": "local", "monitor": any(w["device"].startswith("cuda") for w in data["workers"])}]
+    data["nodes"] = [{"name": "local", "monitor": any(w["device"].startswith("cuda") for w in data["workers"]),
+                      "max_restarts": data["nodes"][0]["max_restarts"]}]
+    # Journals in the run's own directory: a role the supervisor starts again loses nothing.
+    data["router"]["journal"] = data["router"]["journal"] or f"{ipc_dir}/router.journal"
+    data["detokenizer"]["journal"] = data["detokenizer"]["journal"] or f"{ipc_dir}/detokenizer.journal"
     for section in ("router", "ingest", "detokenizer"):
         data[section]["node"] = "local"
     for w in data["workers"]:
@@ -241,11 +310,23 @@ def single_node(topo: Topology, ipc_dir: str, model_path: str) -> Topology:
 
 
 def run_sim(topo: Topology, model_path: str, log_level: str = "warning") -> int:
-    with tempfile.TemporaryDirectory(prefix="qm-") as tmp:
+    old = catch_signals()  # before the temp directory exists, so a signal never leaves it behind
+    tmp = None
+    try:
+        tmp = tempfile.mkdtemp(prefix="qm-")
         local = single_node(topo, tmp, model_path)
         path = Path(tmp) / "topology.yaml"
         dump_topology(local, path)
         return run_node(local, path, "local", read_stdin=True, log_level=log_level, wait_for_workers=True)
+    except Interrupted as exc:
+        print(f"qmigrate: stopped by signal {exc.signum}", file=sys.stderr)
+        return 128 + exc.signum
+    finally:
+        ignore_signals()
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+        for s, h in old.items():
+            signal.signal(s, h)
 
 
 def set_title(role: str, name: str) -> None:

@@ -26,6 +26,7 @@ PROTOCOL_VERSION = 1
 MAX_MESSAGE_BYTES = 64 << 20  # control and token messages; KV payloads travel as extra frames
 MAX_ARRAY_LEN = 1 << 20
 MAX_ID = (1 << 31) - 1
+MAX_STR = 1 << 16            # characters in any string field
 CONTINUE = -1
 ROUTE_STDOUT = 0   # a request's text is printed by the detokenizer
 ROUTE_INGEST = 1   # a request's text goes back to the ingest node that took it (HTTP)
@@ -63,6 +64,8 @@ class MsgType(enum.IntEnum):
     REVOKE = 24
     CANCEL = 30
     REPLIES = 31
+    RESYNC = 35
+    PRINTED = 36
 
 
 class Finish(enum.IntEnum):
@@ -257,7 +260,16 @@ class Tokens:
 
 @message(MsgType.SUBMIT)
 class Submit:
+    """Ingest to router, resent until acknowledged. req_ids[i] names seqs[i] in the output;
+    `errors` are [req_id, message] pairs of requests refused at ingest; num_requests >= 0
+    says the input is closed after that many requests (the detokenizer's end condition)."""
+
     seqs: list[SeqSpec]
+    req_ids: list[str] = field(default_factory=list)
+    errors: list[list[str]] = field(default_factory=list)
+    num_requests: int = -1
+    routes: bytes = b""       # uint8: RequestMeta.route of seqs[i] (none: stdout)
+    notes: list[str] = field(default_factory=list)   # RequestMeta.note of seqs[i]
 
 
 @message(MsgType.SUBMIT_ACK)
@@ -401,6 +413,21 @@ class Replies:
 FINISH_CANCELLED = 100
 _REPLY_CODES = {0, 1, 2, 3, 5, FINISH_CANCELLED}
 
+@message(MsgType.RESYNC)
+class Resync:
+    """Detokenizer to router, when it starts: send me every request not yet printed to its end
+    (metas, tokens so far, errors, the input's end); what was printed already is skipped."""
+
+    pid: int = 0
+
+
+@message(MsgType.PRINTED)
+class Printed:
+    """Detokenizer to router: these sequences are printed to their end (and journaled), so
+    the router may forget them."""
+
+    seq_ids: bytes            # int64
+
 
 def info_int(info: dict, key: str, default: int, low: int = 0, high: int = 1 << 62) -> int:
     """An integer field of a Hello's `info` map, checked: absent gives the default; a
@@ -451,18 +478,80 @@ def decode(data: bytes):
     return _build(cls, body[1:], cls.__name__)
 
 
+# Ranges checked at decode, so no handler ever sees a number it cannot use.
+_I64 = (0, (1 << 63) - 1)
+_RANGES: dict[str, dict[str, tuple]] = {
+    "SeqSpec": {"seq_id": _I64, "prompt_len": (1, MAX_ARRAY_LEN), "max_new_tokens": (1, 1 << 30),
+                "temperature": (0.0, 1e4), "top_p": (0.0, 1.0), "top_k": (0, 1 << 30), "seed": (-1, _I64[1]),
+                "transfer_id": _I64, "resend_from": (-1, MAX_ARRAY_LEN)},
+    "Hello": {"version": (0, 1 << 16)},
+    "Welcome": {"version": (0, 1 << 16), "heartbeat_interval_s": (1e-3, 3600.0), "lease_timeout_s": (1e-3, 86400.0)},
+    "Heartbeat": {"num_cached_seqs": _I64, "free_kv_tokens": (-1, _I64[1]), "busy_ms": _I64, "idle_ms": _I64},
+    "WorkRequest": {"request_no": _I64, "max_seqs": (1, 1 << 20), "max_tokens": (1, 1 << 30),
+                    "free_kv_tokens": (-1, _I64[1])},
+    "Lease": {"lease_id": _I64, "request_no": _I64, "timeout_s": (1e-3, 86400.0), "num_steps": (1, 1 << 16)},
+    "StepResult": {"lease_id": _I64, "free_kv_tokens": (-1, _I64[1])},
+    "Submit": {"num_requests": (-1, _I64[1])},
+    "SubmitAck": {"num_accepted": _I64, "num_free": _I64},
+    "RequestMeta": {"seq_id": _I64},
+    "InputClosed": {"num_requests": _I64},
+    "ShipKV": {"seq_id": _I64, "transfer_id": _I64, "num_tokens": (0, MAX_ARRAY_LEN)},
+    "KVHeader": {"transfer_id": _I64, "seq_id": _I64, "num_tokens": (0, MAX_ARRAY_LEN)},
+    "FeedAck": {"num_accepted": _I64},
+    "Revoke": {"lease_id": _I64},
+    "Resync": {"pid": (0, 1 << 32)},
+}
+# Packed arrays by field name: item type, and whether items must be >= 0 (ids).
+_ARRAYS = {"seq_ids": ("<i8", True), "drop_ids": ("<i8", True), "evicted_ids": ("<i8", True),
+           "lease_ids": ("<i8", True), "token_ids": ("<i4", True), "prompt_ids": ("<i4", True),
+           "tokens": ("<i4", True), "counts": ("<i4", True), "start": ("<i4", True),
+           "lengths": ("<i4", False), "last_tokens": ("<i4", False), "status": ("u1", False),
+           "finish": ("u1", False), "routes": ("u1", False)}
+_NAMES = {"name": 256, "role": 64, "node": 256, "kv_from": 512, "dest": 512, "worker": 256, "dtype": 32}
+
+
 def _build(cls, values: list, where: str):
     kwargs = {}
+    ranges = _RANGES.get(cls.__name__, {})
     for i, (name, hint, has_default) in enumerate(cls._fields):
         if i >= len(values):
             if not has_default:
                 raise ProtocolError(f"{where}: missing field {name!r}")
             continue
-        kwargs[name] = _check(values[i], hint, f"{where}.{name}")
+        value = kwargs[name] = _check(values[i], hint, f"{where}.{name}")
+        if name in ranges and not ranges[name][0] <= value <= ranges[name][1]:
+            raise ProtocolError(f"{where}.{name}: {value!r} outside [{ranges[name][0]}, {ranges[name][1]}]")
+        if hint is bytes and name in _ARRAYS:
+            dtype, is_id = _ARRAYS[name]
+            array = _unpack(value, dtype, f"{where}.{name}")
+            if is_id and array.size and array.min() < 0:
+                raise ProtocolError(f"{where}.{name}: negative id")
+        if hint is str and len(value) > _NAMES.get(name, MAX_STR):
+            raise ProtocolError(f"{where}.{name}: longer than {_NAMES[name]} characters")
+    _check_structure(cls.__name__, kwargs, where)
     msg = cls(**kwargs)
     if hasattr(cls, "validate"):
         msg.validate()  # ranges and agreement between fields, checked at decode
     return msg
+
+
+def _check_structure(name: str, fields: dict, where: str) -> None:
+    """What one field's type cannot say: list shapes."""
+    if name == "SeqSpec":
+        for ids in fields.get("stop_ids", []) + [fields.get("eos_ids", [])]:
+            if len(ids) > 64 or any(not 0 <= t <= MAX_ID for t in ids):
+                raise ProtocolError(f"{where}: stop or eos ids out of range")
+        if len(fields.get("stop_ids", [])) > 64:
+            raise ProtocolError(f"{where}: more than 64 stop sequences")
+    elif name == "Submit" and any(len(pair) != 2 for pair in fields.get("errors", [])):
+        raise ProtocolError(f"{where}.errors: expected [req_id, message] pairs")
+    elif name == "KVHeader" and (len(fields["shape"]) > 8 or any(not 0 <= d <= MAX_ID for d in fields["shape"])):
+        raise ProtocolError(f"{where}.shape: out of range")
+    elif name == "VramReport":
+        for gpu in fields["gpus"]:
+            if (len(gpu) < 5 or type(gpu[0]) is not str or len(gpu[0]) > 256
+                    or not all(type(x) is int and 0 <= x < 1 << 62 for x in gpu[1:5])):
+                raise ProtocolError(f"{where}.gpus: expected [uuid, index, total, used, free, ...]")
 
 
 def _check(value, hint, where: str):
@@ -470,6 +559,8 @@ def _check(value, hint, where: str):
     if hint is typing.Any:
         if isinstance(value, (dict, list)):
             raise ProtocolError(f"{where}: nested value where a scalar is expected")
+        if isinstance(value, str) and len(value) > MAX_STR:
+            raise ProtocolError(f"{where}: string longer than {MAX_STR} characters")
         if isinstance(value, float) and not math.isfinite(value):
             raise ProtocolError(f"{where}: {value} where a finite number is expected")
         return value
@@ -486,6 +577,8 @@ def _check(value, hint, where: str):
             raise ProtocolError(f"{where}: expected {hint.__name__}, got {type(value).__name__}")
         if hint is int and not -(1 << 63) <= value < (1 << 63):
             raise ProtocolError(f"{where}: integer out of range")
+        if hint is str and len(value) > MAX_STR:
+            raise ProtocolError(f"{where}: string longer than {MAX_STR} characters")
         return value
     if origin is list:
         if not isinstance(value, list):

@@ -149,6 +149,19 @@ class Scheduler:
                     self._revoke_steps(w)
         return taken
 
+    def readmit(self, spec: SeqSpec) -> None:
+        """Queue a sequence again from its full form, past the admission limit: after a router
+        restart, or when its output was lost. A sequence still here is left alone."""
+        if spec.seq_id not in self.seqs:
+            self.queue.push(self.seqs.setdefault(spec.seq_id, Seq(spec, spec.ids.tolist())))
+            self.counters["readmitted"] += 1
+
+    def start_ids_at(self, base: int) -> None:
+        """Number leases and transfers from base, so a restarted router never reuses the ids
+        of results still travelling from before the restart."""
+        self._lease_ids = itertools.count(base)
+        self._transfer_ids = itertools.count(base)
+
     # --- leasing -----------------------------------------------------------------------
     def schedule(self, name: str, max_seqs: int, max_tokens: int, now: float,
                  free_kv_tokens: int | None = None, *, ahead: bool = False) -> Grant | None:

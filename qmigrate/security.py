@@ -33,10 +33,12 @@ MAX_LOGGED_REFUSALS = 4096
 # not listed for a service is refused from every node while security is on.
 SENDERS: dict[str, dict[type, tuple[str, ...]]] = {
     "router": {P.Hello: ("worker", "ingest"), P.Heartbeat: ("worker",), P.WorkRequest: ("worker",),
-               P.StepResult: ("worker",), P.Submit: ("ingest",), P.Drain: ("operator",),
-               P.StatsRequest: ("operator",), P.Cancel: ("ingest",)},
-    "detokenizer": {P.Tokens: ("worker",), P.RequestMeta: ("ingest",), P.RequestError: ("ingest",),
-                    P.InputClosed: ("ingest",), P.Cancel: ("ingest",)},
+               P.StepResult: ("worker",), P.Tokens: ("worker",), P.Submit: ("ingest",),
+               P.Drain: ("operator",), P.StatsRequest: ("operator",), P.Cancel: ("ingest",),
+               P.Resync: ("detokenizer",), P.Printed: ("detokenizer",)},
+    # Everything for the detokenizer comes through the router (see roles/router.py).
+    "detokenizer": {P.Tokens: ("router",), P.RequestMeta: ("router",), P.RequestError: ("router",),
+                    P.InputClosed: ("router",), P.Cancel: ("router",)},
     "ingest": {P.FeedLines: ("operator",)},
     "ingest_reply": {P.Replies: ("detokenizer",)},
     "telemetry": {P.VramReport: ("monitor",)},

@@ -81,19 +81,34 @@ def socket(kind: int, *, bind: str | None = None, connect: str | list[str] | Non
     return sock
 
 
-def send(sock: zmq.Socket, msg, *, to: bytes | None = None, flags: int = 0) -> bool:
-    """Send one message; to a ROUTER peer when `to` is given. False if it could not go."""
-    frames = [protocol.encode(msg)]
-    if to is not None:
-        frames.insert(0, to)
+num_dropped = 0  # sends refused because the peer's queue was full (or no peer)
+
+
+def send(sock: zmq.Socket, msg, *, to: bytes | None = None, flags: int = zmq.NOBLOCK) -> bool:
+    """Send one message; to a ROUTER peer when `to` is given. False if it could not go.
+
+    Never blocks by default: a peer that stops reading fills its queue up to the high-water
+    mark, and from then on what is sent to it is dropped (and counted) until it reads again.
+    Each caller's rule for a dropped message: a reply or heartbeat is simply lost, a request
+    is sent again on its own timeout."""
+    return send_frame(sock, protocol.encode(msg), to=to, flags=flags, what=type(msg).__name__)
+
+
+def send_frame(sock: zmq.Socket, frame: bytes, *, to: bytes | None = None, flags: int = zmq.NOBLOCK,
+               what: str = "message") -> bool:
+    global num_dropped
+    frames = [frame] if to is None else [to, frame]
     try:
         sock.send_multipart(frames, flags=flags, copy=False)
         return True
     except zmq.Again:
+        num_dropped += 1
+        if num_dropped & (num_dropped - 1) == 0:  # 1, 2, 4, ...: a log line, not a flood
+            log.warning("a peer is not reading: dropped a %s (%d dropped so far)", what, num_dropped)
         return False
     except zmq.ZMQError as exc:
         if exc.errno == zmq.EHOSTUNREACH:
-            log.warning("peer %r is gone; dropped a %s", to, type(msg).__name__)
+            log.warning("peer %r is gone; dropped a %s", to, what)
             return False
         raise
 

@@ -35,10 +35,10 @@ EXAMPLES = [
     P.Lease(5, 41, 10.0, P.pack_i64([7, 8]), P.pack_i32([4, 11]), P.pack_i32([507, 99]),
             [spec(7), spec(8, kv_from="", transfer_id=0)], P.pack_i64([3]), 4),
     P.StepResult(5, P.pack_i64([7, 8]), P.pack_i32([2, 1]), P.pack_i32([10, 11, 12]),
-                 P.pack_u8([0, 1]), 30),
+                 P.pack_u8([0, 1]), 30, P.pack_i64([3])),
     P.Tokens(P.pack_i64([7, 8]), P.pack_i32([1, 8]), P.pack_i32([2, 1]), P.pack_i32([10, 11, 12]),
              P.pack_u8([0, 2])),
-    P.Submit([spec(1), spec(2, stop_ids=[], eos_ids=[])]),
+    P.Submit([spec(1), spec(2, stop_ids=[], eos_ids=[])], ["r1", "r2"], [["r0", "empty prompt"]], 3),
     P.SubmitAck(2, 4094),
     P.RequestMeta(7, "req-7", P.pack_i32([1, 306])),
     P.RequestError("req-8", "prompt is empty"),
@@ -56,6 +56,9 @@ EXAMPLES = [
     P.Revoke(5, P.pack_i64([7, 8])),
     P.Cancel(P.pack_i64([7, 8])),
     P.Replies(P.pack_i64([7, 8]), P.pack_u8([0, P.FINISH_CANCELLED]), P.pack_i32([3, 9]), [" Hello", ""]),
+    P.Revoke(5, P.pack_i64([7])),
+    P.Resync(4242),
+    P.Printed(P.pack_i64([7, 8])),
 ]
 
 
@@ -134,8 +137,27 @@ def test_int_is_accepted_for_a_float_field_and_becomes_a_float():
 
 
 def test_extreme_but_valid_integers_round_trip():
-    big = P.WorkRequest((1 << 63) - 1, -(1 << 63), 0, -1)
+    big = P.WorkRequest((1 << 63) - 1, 1 << 20, 1 << 30, -1)
     assert P.decode(P.encode(big)) == big
+
+
+@pytest.mark.parametrize("body", [
+    [P.MsgType.WORK_REQUEST, -1, 4, 4],                       # request numbers count up from 0
+    [P.MsgType.WORK_REQUEST, 1, 0, 4],                        # a batch of no sequences
+    [P.MsgType.WELCOME, 1, 0.0, 10.0],                        # heartbeats every 0 s
+    [P.MsgType.LEASE, 1, 1, 10.0, b"", b"", b"", [], b"", 0],  # zero steps
+    [P.MsgType.LEASE, 1, 1, 10.0, b"\xff" * 8, b"\x01\x00\x00\x00", b"\x01\x00\x00\x00"],  # seq id -1
+    [P.MsgType.TOKENS, b"", b"", b"", b"\x01\x00\x00", b""],      # not whole int32 items
+    [P.MsgType.REQUEST_META, 1, "r", b"\xff\xff\xff\xff"],        # token id -1
+    [P.MsgType.SUBMIT, [[1, b"\x01\x00\x00\x00", 0, 4]]],        # empty prompt
+    [P.MsgType.SUBMIT, [[1, b"\x01\x00\x00\x00", 1, 4, 0.5, 1.5]]],  # top_p past 1
+    [P.MsgType.SUBMIT, [], [], [["r1"]]],                     # an error without its message
+    [P.MsgType.HELLO, "worker", "w" * 300],                    # a name past its bound
+    [P.MsgType.VRAM_REPORT, "n", [["GPU-1", 0, "80", 5, 7]]],  # a string where a number goes
+    [P.MsgType.STEP_RESULT, 1, b"", b"", b"", b"", -2],         # free KV tokens below -1
+])
+def test_values_out_of_range_are_rejected_at_decode(body):
+    assert_rejected(pack([int(body[0])] + body[1:]))
 
 
 # --- forward compatibility --------------------------------------------------------------
@@ -258,7 +280,7 @@ def test_non_string_map_keys_are_rejected():
 def test_integers_beyond_int64_are_rejected():
     assert_rejected(pack([int(P.MsgType.INPUT_CLOSED), (1 << 64) - 1]))
     assert_rejected(pack([int(P.MsgType.INPUT_CLOSED), 1 << 63]))
-    assert P.decode(pack([int(P.MsgType.INPUT_CLOSED), -(1 << 63)])).num_requests == -(1 << 63)
+    assert P.decode(pack([int(P.MsgType.INPUT_CLOSED), (1 << 63) - 1])).num_requests == (1 << 63) - 1
 
 
 def test_oversized_array_is_rejected():
@@ -268,9 +290,9 @@ def test_oversized_array_is_rejected():
 
 
 def test_oversized_string_is_rejected():
-    limit = 1 << 20
-    assert_rejected(pack([int(P.MsgType.REJECT), "x" * (limit + 1)]))
-    assert P.decode(pack([int(P.MsgType.REJECT), "x" * limit])).reason == "x" * limit
+    assert_rejected(pack([int(P.MsgType.REJECT), "x" * ((1 << 20) + 1)]))  # msgpack's own bound
+    assert_rejected(pack([int(P.MsgType.REJECT), "x" * (P.MAX_STR + 1)]))  # any string field's
+    assert P.decode(pack([int(P.MsgType.REJECT), "x" * P.MAX_STR])).reason == "x" * P.MAX_STR
 
 
 def test_oversized_map_is_rejected():

@@ -4,6 +4,7 @@ and the role goes on serving. The roles run in this process on ipc sockets in a 
 from __future__ import annotations
 
 import math
+import os
 
 import msgpack
 import pytest
@@ -85,6 +86,7 @@ def test_a_live_router_drops_bad_messages_and_goes_on(topo):
         monitor.close(linger=0)
         router.work.close(linger=0)
         router.telemetry.close(linger=0)
+        router.detok.close(linger=0)
 
 
 def test_a_live_detokenizer_drops_bad_tokens_and_finishes_the_rest(topo, capsys):
@@ -104,6 +106,7 @@ def test_a_live_detokenizer_drops_bad_tokens_and_finishes_the_rest(topo, capsys)
     finally:
         push.close(linger=0)
         detok.pull.close(linger=0)
+        detok.router.close(linger=0)
     out = capsys.readouterr().out
     final = [line for line in out.splitlines() if '"done": true' in line]
     assert len(final) == 1 and '"token_ids": [71, 78]' in final[0], out
@@ -143,5 +146,80 @@ def test_a_worker_skips_stale_rejects_while_it_says_hello(topo):
         assert worker.heartbeat_s == 0.25
     finally:
         router.close(linger=0)
-        for sock in (worker.router, worker.kv_in, worker.detok):
+        for sock in (worker.router, worker.kv_in):
             sock.close(linger=0)
+
+
+def _close_router(router) -> None:
+    for sock in (router.work, router.telemetry, router.detok):
+        sock.close(linger=0)
+
+
+def test_a_client_that_stops_reading_cannot_stall_the_router(topo):
+    """15,000 requests whose answers are never read: the router drops what that peer's queue
+    cannot take, never blocks, and goes on answering another client."""
+    from qmigrate.roles.router import Router
+    router = Router(topo)
+    deaf = transport.socket(zmq.DEALER, connect=topo.endpoint("router").connect, identity="deaf", hwm=10)
+    other = transport.socket(zmq.DEALER, connect=topo.endpoint("router").connect, identity="other")
+    try:
+        frame = P.encode(P.StatsRequest())
+        sent = 0
+        while sent < 15_000:
+            try:
+                deaf.send(frame, zmq.NOBLOCK)
+                sent += 1
+            except zmq.Again:
+                router.drain_socket()  # would block for good here if a reply could block
+        while router.work.poll(0):
+            router.drain_socket()
+        assert transport.num_dropped > 0, "the deaf client's queue never filled; the test proves nothing"
+        transport.send(other, P.StatsRequest())
+        got = None
+        for _ in range(100):
+            router.drain_socket()
+            if (got := transport.recv(other, 0.02)) is not None:
+                break
+        assert got is not None and isinstance(got[1], P.Stats) and got[1].counters["dropped_sends"] > 0
+    finally:
+        deaf.close(linger=0)
+        other.close(linger=0)
+        _close_router(router)
+
+
+def test_fifty_thousand_prompts_keep_the_router_bounded(topo):
+    """Overload: 50,000 prompts offered to a router that can queue 64 (no worker runs them).
+    It takes 64, refuses the rest (ingest keeps them, and stops reading its input), and its
+    resident memory stays flat: it grew by under 1 MiB here, and the bound is 16 MiB."""
+    from qmigrate.roles.router import Router
+
+    def rss() -> int:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+    topo.router.max_queued = 64
+    router = Router(topo)
+    ingest = transport.socket(zmq.DEALER, connect=topo.endpoint("router").connect, identity="ingest-1")
+    ids = P.pack_i32(list(range(1, 33)))
+    taken = offered = 0
+    try:
+        while offered < 50_000:
+            if offered == 5_000:
+                base = rss()  # after the first offer has filled the router
+            batch = [P.SeqSpec(offered + i + 1, ids, 32, 16) for i in range(5_000)]
+            transport.send(ingest, P.Submit(batch, [f"q{s.seq_id}" for s in batch]))
+            offered += len(batch)
+            del batch
+            for _ in range(500):
+                router.drain_socket()
+                if (got := transport.recv(ingest, 0.01)) is not None:
+                    break
+            assert got is not None and isinstance(got[1], P.SubmitAck)
+            taken += got[1].num_accepted
+        grown = rss() - base
+    finally:
+        ingest.close(linger=0)
+        _close_router(router)
+    assert taken == 64 and len(router.sched.seqs) == 64 and len(router.outputs) == 64
+    assert router.outputs.specs.keys() == router.sched.seqs.keys()
+    assert grown < 16 << 20, f"the process grew by {grown >> 20} MiB while the router refused prompts"

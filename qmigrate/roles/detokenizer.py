@@ -1,9 +1,18 @@
-"""Detokenizer: turns token streams from every worker into text on stdout, or, for requests
-that came in over HTTP, sends the text back to the ingest node that took them."""
+"""Detokenizer: turns token streams into text on stdout or, for requests that came in over
+HTTP, sends the text back to the ingest node that took them.
+
+Everything arrives from the router on one PULL socket. With a journal, every message is
+written to it before it is handled (and each idle flush of buffered text before it prints),
+so a restarted detokenizer replays the journal without printing, knows exactly what it
+printed, asks the router for everything again (`Resync`) and prints only what is new.
+It tells the router which requests it printed to their end (`Printed`), so the router can
+forget them."""
 
 from __future__ import annotations
 
 import logging
+import os
+import struct
 import sys
 import time
 
@@ -13,20 +22,31 @@ from .. import protocol as P
 from .. import transport
 from ..detok import make_sink
 from ..engine.models import load_tokenizer_info, resolve_model
+from ..journal import Journal
 from ..security import Guard
 
 log = logging.getLogger("qmigrate.detokenizer")
+
+PRINTED_EVERY_S = 0.2
+_TIME = struct.Struct("<d")
 
 
 class Detokenizer:
     def __init__(self, topo, output: str | None = None):
         tokenizer, _, _ = load_tokenizer_info(resolve_model(topo.model.path), topo.model.trust_remote_code)
         self.vocab_size = len(tokenizer)
-        self.sink = make_sink(output or topo.detokenizer.output, tokenizer, self.write, reply=self.reply)
+        self.replaying = False
+        self.now = 0.0
+        self.sink = make_sink(output or topo.detokenizer.output, tokenizer, self.write, self.clock,
+                              reply=self.reply)
         self.pull = transport.socket(zmq.PULL, bind=topo.endpoint("detokenizer").bind, hwm=100_000)
+        self.router = transport.socket(zmq.DEALER, connect=topo.endpoint("router").connect,
+                                       identity=f"detokenizer-{os.getpid()}")
         self.replies = transport.socket(zmq.PUSH, connect=topo.endpoint("ingest_reply").connect, hwm=100_000)
         self.outbox: list[tuple[int, str, int, int]] = []
+        self.journal = Journal(topo.detokenizer.journal) if topo.detokenizer.journal else None
         self.expected: int | None = None
+        self.last_printed = 0.0
         self.guard = Guard.for_topology(topo, "detokenizer")
         self.latency = None
         self.times: dict[int, list] = {}  # seq_id -> [admitted, first token or None]
@@ -38,13 +58,17 @@ class Detokenizer:
                          P.RequestError: self.on_error, P.InputClosed: self.on_closed,
                          P.Cancel: self.on_cancel}
 
-    @staticmethod
-    def write(text: str) -> None:
-        sys.stdout.write(text)
-        sys.stdout.flush()
+    def clock(self) -> float:
+        return self.now if self.replaying else time.monotonic()
+
+    def write(self, text: str) -> None:
+        if not self.replaying:
+            sys.stdout.write(text)
+            sys.stdout.flush()
 
     def reply(self, seq_id: int, text: str, finish: int, num_tokens: int) -> None:
-        self.outbox.append((seq_id, text, finish, num_tokens))
+        if not self.replaying:
+            self.outbox.append((seq_id, text, finish, num_tokens))
 
     def send_replies(self) -> None:
         if not self.outbox:
@@ -56,28 +80,72 @@ class Detokenizer:
             # Ingest gone or far behind: its HTTP clients time out rather than this loop stall.
             log.warning("ingest is not taking replies; dropped %d", len(seq_ids))
 
+    def recover(self) -> None:
+        """Replay the journal without printing, then ask the router for everything again."""
+        if self.journal is not None:
+            records = self.journal.read()
+            self.replaying = True
+            try:
+                for record in records:
+                    (self.now,) = _TIME.unpack_from(record)
+                    if len(record) == _TIME.size:
+                        self.sink.flush_idle(self.now)
+                    else:
+                        self.handle(P.decode(record[_TIME.size:]))
+            finally:
+                self.replaying = False
+            if records:
+                log.warning("replayed %d journal records: %d requests done, %d under way",
+                            len(records), self.sink.num_done, self.sink.num_started)
+        transport.send(self.router, P.Resync(os.getpid()))
+
     def serve_forever(self, exit_when_done: bool) -> None:
+        self.recover()
         while True:
-            got = transport.recv(self.pull, 0.1, guard=self.guard)
-            if got is not None and got[1] is not None:
-                handler = self.handlers.get(type(got[1]))
-                try:
-                    if handler is None:
-                        raise P.ProtocolError(f"unexpected {type(got[1]).__name__}")
-                    handler(got[1])
-                except P.ProtocolError as exc:
-                    log.warning("dropped a message: %s", exc)
-                except Exception as exc:  # noqa: BLE001 -- one bad message must not stop the output
-                    log.warning("dropped a message: %s: %s", type(exc).__name__, exc)
+            if self.pull.poll(100):
+                self.receive()
             self.send_replies()
-            self.sink.flush_idle(time.monotonic())
-            if exit_when_done and self.expected is not None and self.sink.num_done >= self.expected:
+            now = time.monotonic()
+            if self.journal is not None and self.sink.is_idle_due(now):
+                self.journal.append(_TIME.pack(now))
+            self.sink.flush_idle(now)
+            if now - self.last_printed > PRINTED_EVERY_S:
+                self.report_printed(now)
+            if (exit_when_done and self.expected is not None and self.sink.num_done >= self.expected
+                    and self.sink.num_started == 0):
+                self.report_printed(now)
                 return
+
+    def receive(self) -> None:
+        frames, peer = transport.recv_frames(self.pull)
+        msg = transport.parse(frames[-1], "router")
+        if msg is None or self.guard.check(peer, msg, b"") is not None:
+            return
+        if self.journal is not None and type(msg) in self.handlers:
+            self.journal.append(_TIME.pack(time.monotonic()) + frames[-1])  # before it prints
+        self.handle(msg)
+
+    def handle(self, msg) -> None:
+        handler = self.handlers.get(type(msg))
+        try:
+            if handler is None:
+                raise P.ProtocolError(f"unexpected {type(msg).__name__}")
+            handler(msg)
+        except P.ProtocolError as exc:
+            log.warning("dropped a message: %s", exc)
+        except Exception as exc:  # noqa: BLE001 -- one bad message must not stop the output
+            log.warning("dropped a message: %s: %s", type(exc).__name__, exc)
+
+    def report_printed(self, now: float) -> None:
+        self.last_printed = now
+        if self.sink.newly_done:
+            done, self.sink.newly_done = sorted(set(self.sink.newly_done)), []
+            transport.send(self.router, P.Printed(P.pack_i64(done)))
 
     def on_meta(self, msg: P.RequestMeta) -> None:
         self.sink.start(msg.seq_id, msg.req_id, P.unpack_ids(msg.prompt_ids).tolist(), msg.route,
                         msg.note[:1000])
-        if self.latency is not None:
+        if self.latency is not None and not self.replaying:
             self.times[msg.seq_id] = [time.monotonic(), None]
 
     def on_cancel(self, msg: P.Cancel) -> None:
@@ -86,7 +154,7 @@ class Detokenizer:
 
     def on_error(self, msg: P.RequestError) -> None:
         self.sink.error(msg.req_id, msg.message)
-        if self.latency is not None:
+        if self.latency is not None and not self.replaying:
             self.latency.failed()
 
     def on_closed(self, msg: P.InputClosed) -> None:
@@ -106,14 +174,15 @@ class Detokenizer:
             raise P.ProtocolError("negative count or start")
         pos = 0
         now = time.monotonic()
+        timed = self.latency is not None and not self.replaying
         for sid, start, count, code in zip(seq_ids, starts, counts, finish):
             self.sink.tokens(sid, start, tokens[pos:pos + count])
             pos += count
-            if self.latency is not None and count and (t := self.times.get(sid)) is not None and t[1] is None:
+            if timed and count and (t := self.times.get(sid)) is not None and t[1] is None:
                 t[1] = now
             if code in (P.Finish.EOS, P.Finish.LENGTH, P.Finish.STOP, P.Finish.ERROR):
                 self.sink.finish(sid, P.Finish(code).reason, start + count)
-                if self.latency is not None and (t := self.times.pop(sid, None)) is not None:
+                if timed and (t := self.times.pop(sid, None)) is not None:
                     self.latency.finished(t[0], t[1], now, start + count, P.Finish(code).reason)
 
 

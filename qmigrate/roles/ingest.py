@@ -3,6 +3,10 @@ API), tokenizes, validates, and hands them to the router. Stdin is read only whi
 than `max_pending` prompts wait for the router, so a full router stops the reading instead
 of growing memory; the HTTP API answers 429 then.
 
+Everything for the detokenizer (request names and routes, refused requests, the end of the
+input) travels in the same acknowledged `Submit` as the prompts, and the router forwards it:
+a Submit is sent again until acknowledged, so a router restart loses none of it.
+
 A request id given in JSONL is refused while a request with the same id is still running
 (the detokenizer reports every request's end back here, so ids are reusable after it)."""
 
@@ -46,7 +50,6 @@ class Ingest:
         self.router_addr = topo.endpoint("router").connect
         self.router = transport.socket(zmq.DEALER, connect=self.router_addr,
                                        identity=f"ingest-{os.getpid()}")
-        self.detok = transport.socket(zmq.PUSH, connect=topo.endpoint("detokenizer").connect)
         self.feed = transport.socket(zmq.ROUTER, bind=topo.endpoint("ingest").bind)
         self.replies = transport.socket(zmq.PULL, bind=topo.endpoint("ingest_reply").bind, hwm=100_000)
         self.live: dict[str, int] = {}        # JSONL/text request id -> sequence id, until it ends
@@ -62,8 +65,12 @@ class Ingest:
         self.lines: queue.Queue = queue.Queue(maxsize=self.max_pending)
         self.read_stdin = read_stdin
         self.stdin_done = not read_stdin
-        self.pending: deque[P.SeqSpec] = deque()
+        self.pending: deque[tuple[P.SeqSpec, str, int, str]] = deque()  # spec, req_id, route, note
+        self.errors: list[list[str]] = []   # [req_id, message] not yet acknowledged
         self.in_flight = 0            # specs sent in the Submit awaiting its ack
+        self.errors_in_flight = 0
+        self.closing_in_flight = False
+        self.awaiting_ack = False
         self.sent_at = 0.0
         self.retry_at = 0.0
         self.line_no = 0
@@ -107,13 +114,8 @@ class Ingest:
             if self.http is not None and self.wake in ready:
                 while self.wake.poll(0):
                     self.wake.recv()
-            if self.stdin_done and not self.pending and not self.in_flight and self.lines.empty():
-                if not self.closed_sent and self.read_stdin:
-                    transport.send(self.detok, P.InputClosed(self.num_requests))
-                    self.closed_sent = True
-                    if exit_on_eof:
-                        self.detok.close(linger=5000)  # InputClosed must not be dropped
-                        return
+            if self.closed_sent and exit_on_eof:
+                return
 
     def _read_stdin(self) -> None:
         for line in sys.stdin:
@@ -149,7 +151,7 @@ class Ingest:
                 raise PromptError(prompt.req_id, f"duplicate id {prompt.req_id!r}: a request with this "
                                   "id is still running; this one is refused")
         except PromptError as exc:
-            transport.send(self.detok, P.RequestError(exc.req_id, exc.message))
+            self.errors.append([exc.req_id, exc.message])
             return
         seq_id = self.id_base | self.num_requests
         self.live[prompt.req_id], self.live_ids[seq_id] = seq_id, prompt.req_id
@@ -161,8 +163,7 @@ class Ingest:
         spec = P.SeqSpec(seq_id, ids, len(prompt.prompt_ids), prompt.max_new_tokens,
                          prompt.temperature, prompt.top_p, prompt.top_k, seed, prompt.stop_ids,
                          sorted(self.eos_ids))
-        transport.send(self.detok, P.RequestMeta(seq_id, prompt.req_id, ids, route, prompt.note))
-        self.pending.append(spec)
+        self.pending.append((spec, prompt.req_id, route, prompt.note))
 
     def take_http(self) -> None:
         if self.http is None:
@@ -180,17 +181,18 @@ class Ingest:
             self.enqueue(seq_id, prompt, P.ROUTE_INGEST)
 
     def cancel(self, seq_ids: list[int]) -> None:
-        """Forget requests: those not yet sent to the router here, the rest at the router; the
-        detokenizer ends their output."""
+        """Forget requests: those not yet sent to the router here, the rest at the router,
+        which has the detokenizer end their output."""
         unsent = set(seq_ids)
-        kept = [spec for i, spec in enumerate(self.pending)
-                if i < self.in_flight or spec.seq_id not in unsent]
+        kept = [item for i, item in enumerate(self.pending)
+                if i < self.in_flight or item[0].seq_id not in unsent]
+        for item in self.pending:
+            if item not in kept and item[2] == P.ROUTE_STDOUT:  # its record: it never started
+                self.errors.append([item[1], "cancelled before it started"])
         self.pending = deque(kept)
         for seq_id in seq_ids:
             self.live.pop(self.live_ids.pop(seq_id, None), None)
-        ids = P.pack_i64(seq_ids)
-        transport.send(self.router, P.Cancel(ids))
-        transport.send(self.detok, P.Cancel(ids))
+        transport.send(self.router, P.Cancel(P.pack_i64(seq_ids)))  # it tells the detokenizer
 
     def on_replies(self) -> None:
         while (got := transport.recv(self.replies, 0)) is not None:
@@ -207,24 +209,34 @@ class Ingest:
 
     def submit(self) -> None:
         now = time.monotonic()
-        if self.in_flight and now - self.sent_at > ACK_TIMEOUT_S:
-            self.in_flight = 0  # lost ack: resend; the router ignores ids it already holds
-        if self.in_flight or not self.pending or now < self.retry_at:
+        if self.awaiting_ack and now - self.sent_at > ACK_TIMEOUT_S:
+            self.awaiting_ack = False  # lost ack: resend; the router ignores what it already has
+        closing = (self.read_stdin and self.stdin_done and not self.closed_sent and not self.pending
+                   and self.lines.empty() and len(self.errors) <= SUBMIT_BATCH)
+        if self.awaiting_ack or now < self.retry_at or not (self.pending or self.errors or closing):
             return
         batch = [self.pending[i] for i in range(min(SUBMIT_BATCH, len(self.pending)))]
-        transport.send(self.router, P.Submit(batch))
-        self.in_flight, self.sent_at = len(batch), now
+        self.errors_in_flight = min(len(self.errors), SUBMIT_BATCH)
+        self.closing_in_flight = closing
+        transport.send(self.router, P.Submit([b[0] for b in batch], [b[1] for b in batch],
+                                             self.errors[:self.errors_in_flight],
+                                             self.num_requests if closing else -1,
+                                             P.pack_u8([b[2] for b in batch]), [b[3] for b in batch]))
+        self.in_flight, self.sent_at, self.awaiting_ack = len(batch), now, True
 
     def on_router(self) -> None:
         while (got := transport.recv(self.router, 0)) is not None:
             msg = got[1]
-            if isinstance(msg, P.SubmitAck) and self.in_flight:
+            if isinstance(msg, P.SubmitAck) and self.awaiting_ack:
                 taken = max(0, min(msg.num_accepted, self.in_flight))
                 for _ in range(taken):
                     self.pending.popleft()
                 if taken < self.in_flight:
                     self.retry_at = time.monotonic() + 0.05  # router full: wait, keep order
-                self.in_flight = 0
+                del self.errors[:self.errors_in_flight]
+                self.closed_sent |= self.closing_in_flight
+                self.in_flight = self.errors_in_flight = 0
+                self.awaiting_ack = self.closing_in_flight = False
 
     def on_feed(self) -> None:
         while (got := transport.recv(self.feed, 0, guard=self.guard)) is not None:

@@ -1,4 +1,10 @@
-"""Router: the id queue. A poller loop around the pure Scheduler."""
+"""Router: the id queue. A poller loop around the pure Scheduler.
+
+It is also the one way into the detokenizer: request names and errors from ingest, and the
+tokens workers send before their step results, are forwarded on one PUSH socket. With a journal, what
+it accepted survives a kill: on start it runs again every request whose output the
+detokenizer has not confirmed (the same tokens: sampling depends only on the request), and
+the detokenizer prints each token once."""
 
 from __future__ import annotations
 
@@ -11,6 +17,7 @@ import zmq
 from .. import protocol as P
 from .. import transport
 from ..observe import FleetObserver
+from ..journal import Journal, OutputLog
 from ..scheduler import Scheduler, SchedulerConfig, WorkerState
 from ..security import Guard
 
@@ -20,6 +27,7 @@ POLL_S = 0.02
 MAX_BURST = 512
 METRICS_INTERVAL_S = 1.0
 STRANDED_NOTICE_S = 5.0  # requests waiting this long with no worker get one line on stderr
+MAX_BACKLOG = 100_000  # messages for the detokenizer held here while it does not read
 
 
 class Router:
@@ -36,9 +44,14 @@ class Router:
             max_lease_steps=rc.max_lease_steps)
         self.heartbeat_interval_s = rc.heartbeat_interval_s
         self.sched = Scheduler(self.config)
+        self.sched.start_ids_at(int(time.time() * 1000) << 20)
         self.work = transport.socket(zmq.ROUTER, bind=topo.endpoint("router").bind)
         self.telemetry = transport.socket(zmq.SUB, bind=topo.endpoint("telemetry").bind)
         self.telemetry.setsockopt(zmq.SUBSCRIBE, b"")
+        self.detok = transport.socket(zmq.PUSH, connect=topo.endpoint("detokenizer").connect, hwm=100_000)
+        self.backlog: deque[bytes] = deque()
+        self.outputs = OutputLog()
+        self.journal = Journal(rc.journal) if rc.journal else None
         self.identity: dict[str, bytes] = {}
         self.guard = Guard.for_topology(topo, "router")
         self.parked: dict[str, deque] = {}
@@ -58,7 +71,20 @@ class Router:
             P.WorkRequest: self.on_work_request, P.StepResult: self.on_step_result,
             P.Submit: self.on_submit, P.Drain: self.on_drain, P.StatsRequest: self.on_stats,
             P.Cancel: self.on_cancel,
+            P.Resync: self.on_resync, P.Printed: self.on_printed, P.Tokens: self.on_tokens,
         }
+        if self.journal is not None:
+            self.recover()
+
+    def recover(self) -> None:
+        """Rebuild from the journal: every request not confirmed printed runs again."""
+        self.outputs.replay(self.journal.read())
+        self.journal.rewrite([P.encode(self.outputs.snapshot())])
+        for spec in self.outputs.specs.values():
+            self.sched.readmit(spec)
+        if len(self.outputs) or self.outputs.errors:
+            log.warning("recovered %d unfinished requests from %s", len(self.outputs), self.journal.path)
+        self.resend_outputs()
 
     def serve_forever(self) -> None:
         poller = zmq.Poller()
@@ -76,7 +102,9 @@ class Router:
             if ticked:
                 self.sched.expire(now)
                 last_expiry = now
-            if ready or ticked:  # nothing else can have changed what a waiting request gets
+            if self.backlog:
+                self.flush_backlog()
+            if (ready or ticked) and not self.backlog:  # no new work while output waits
                 self.serve_parked(now)
                 self.release_drained()
             if self.sched.revokes:
@@ -99,6 +127,7 @@ class Router:
                 self.errors["malformed"] += 1
                 continue
             sender, frame = frames
+            self.frame = frame  # forwarded as is by on_tokens
             msg = transport.parse(frame, sender.decode(errors="replace"))
             if msg is not None and (refusal := self.guard.check(peer, msg, sender)) is not None:
                 if isinstance(msg, P.Hello):
@@ -141,7 +170,40 @@ class Router:
                         log.warning("dropped a malformed VRAM report entry from %s", msg.node[:64])
 
     def reply(self, to: bytes, msg) -> None:
-        transport.send(self.work, msg, to=to)
+        transport.send(self.work, msg, to=to)  # dropped if that peer does not read
+
+    def forward(self, frame: bytes) -> None:
+        """To the detokenizer, in order; held here while it does not read (never dropped)."""
+        if self.backlog or not transport.send_frame(self.detok, frame, what="detokenizer message"):
+            if len(self.backlog) >= MAX_BACKLOG:
+                self.backlog.popleft()  # only results of leases already out can get here
+                self.sched.counters["output_dropped"] += 1
+            self.backlog.append(frame)
+
+    def flush_backlog(self) -> None:
+        while self.backlog:
+            try:
+                self.detok.send(self.backlog[0], zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            self.backlog.popleft()
+
+    def resend_outputs(self) -> None:
+        """Everything the detokenizer may lack (it restarted, or this router did); what it
+        printed already it skips. Requests that finished here but were not confirmed run again."""
+        for sid in self.outputs.specs:
+            self.forward(P.encode(self.outputs.meta(sid)))
+            seq = self.sched.seqs.get(sid)
+            if seq is None:
+                self.sched.readmit(self.outputs.specs[sid])
+            elif len(seq.token_ids) > seq.spec.prompt_len:
+                made = seq.token_ids[seq.spec.prompt_len:]
+                self.forward(P.encode(P.Tokens(P.pack_i64([sid]), P.pack_i32([0]), P.pack_i32([len(made)]),
+                                               P.pack_i32(made), P.pack_u8([0]))))
+        for req_id, message in self.outputs.errors.items():
+            self.forward(P.encode(P.RequestError(req_id, message)))
+        if self.outputs.num_requests >= 0:
+            self.forward(P.encode(P.InputClosed(self.outputs.num_requests)))
 
     # --- handlers ------------------------------------------------------------------------
     def on_hello(self, sender: bytes, msg: P.Hello) -> None:
@@ -213,14 +275,45 @@ class Router:
         if len(evicted):
             self.sched.evicted(name, evicted.tolist())
 
+    def on_tokens(self, sender: bytes, msg: P.Tokens) -> None:
+        """A worker's new tokens, sent on the socket of its results and before them: the
+        detokenizer gets them in that order, so no result arrives here without its tokens."""
+        if self._worker(sender) is not None:
+            self.forward(self.frame)
+
     def on_submit(self, sender: bytes, msg: P.Submit) -> None:
-        for spec in msg.seqs:
+        offered = msg.seqs[:self.sched.num_free]
+        for spec in offered:
             spec.ids  # validates the packed ids
-        taken = self.sched.admit(msg.seqs)
+        taken = self.sched.admit(offered)
+        new = self.outputs.add(msg, taken)
+        # Finished requests wait here for the detokenizer's Printed, at most max_queued of
+        # them: past that the oldest are forgotten (only a detokenizer restart needs them).
+        self.outputs.trim(2 * self.config.max_queued, self.sched.seqs)
+        if new is not None:
+            if self.journal is not None:
+                self.journal.append(P.encode(new))  # before the ack: accepted means kept
+            for spec in new.seqs:
+                self.forward(P.encode(self.outputs.meta(spec.seq_id)))
+            for req_id, message in new.errors:
+                self.forward(P.encode(P.RequestError(req_id, message)))
+            if new.num_requests >= 0:
+                self.forward(P.encode(P.InputClosed(new.num_requests)))
         self.reply(sender, P.SubmitAck(taken, self.sched.num_free))
 
     def on_cancel(self, sender: bytes, msg: P.Cancel) -> None:
         self.sched.cancel(P.unpack_i64(msg.seq_ids, "seq_ids").tolist())
+        self.forward(self.frame)  # the detokenizer ends their output
+
+    def on_resync(self, sender: bytes, msg: P.Resync) -> None:
+        log.info("the detokenizer (pid %d) asks for everything not yet printed", msg.pid)
+        self.backlog.clear()  # it is all sent again below
+        self.resend_outputs()
+
+    def on_printed(self, sender: bytes, msg: P.Printed) -> None:
+        seq_ids = P.unpack_i64(msg.seq_ids, "seq_ids").tolist()
+        if self.outputs.printed(seq_ids) and self.journal is not None:
+            self.journal.append(P.encode(msg))
 
     def on_drain(self, sender: bytes, msg: P.Drain) -> None:
         w = self.sched.workers.get(msg.worker)
@@ -237,7 +330,9 @@ class Router:
         counters = dict(self.sched.counters)
         counters.update(queued=len(self.sched.queue), live=len(self.sched.seqs),
                         open_leases=len(self.sched.leases),
-                        workers=sum(w.alive for w in self.sched.workers.values()))
+                        workers=sum(w.alive for w in self.sched.workers.values()),
+                        unprinted=len(self.outputs), output_backlog=len(self.backlog),
+                        dropped_sends=transport.num_dropped)
         for name, w in self.sched.workers.items():
             counters[f"owned_{name}"] = len(w.owned)
         delays: dict[str, list[float]] = {}

@@ -2,7 +2,10 @@
 
 A socket loop around two pure cores: `WorkerLoop` decides what to ask for and which lease
 to start or finish next; `WorkerCore` runs a lease on the engine. Results go back to the
-router; new tokens go to the detokenizer. KV shipments to and from other workers travel on
+router; new tokens go to the router too, on the same socket and before the result that
+counts them, and the router forwards them to the detokenizer: a kill can cut the stream
+after some tokens, never deliver a result without its tokens. KV shipments to and from other
+workers travel on
 a separate PULL socket, as a header and a raw frame.
 """
 
@@ -31,6 +34,7 @@ log = logging.getLogger("qmigrate.worker")
 
 KV_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 STARTUP_TIMEOUT_S = 60.0
+HELLO_RESEND_S = 2.0
 
 
 class Worker:
@@ -50,7 +54,6 @@ class Worker:
         self.router = transport.socket(zmq.DEALER, connect=self.router_addr, identity=name)
         self.kv_in = transport.socket(zmq.PULL, bind=self.kv_endpoint.bind,
                                       max_bytes=transport.KV_MAX_MESSAGE_BYTES, hwm=64)
-        self.detok = transport.socket(zmq.PUSH, connect=topo.endpoint("detokenizer").connect)
         self.peers: dict[str, zmq.Socket] = {}
         self.loop = WorkerLoop(LoopConfig(inflight=self.cfg.inflight, max_seqs=self.cfg.max_seqs,
                                           max_tokens=self.cfg.max_tokens,
@@ -63,7 +66,9 @@ class Worker:
         return self.loop.config.heartbeat_s
 
     # --- startup -----------------------------------------------------------------------
-    def hello(self) -> None:
+    def hello(self, rejoin: bool = False) -> None:
+        """Say hello until welcomed. At startup give up after STARTUP_TIMEOUT_S; when rejoining
+        (the router restarted, or forgot this worker) keep trying: the router may take a while."""
         engine = self.core.engine
         from ..vram import torch_device_uuid
         uuid = torch_device_uuid(torch.device(self.device).index or 0) if self.device.startswith("cuda") else None
@@ -73,11 +78,16 @@ class Worker:
                 "inflight": self.cfg.inflight, "kv_bytes_per_token": engine.kv_bytes_per_token,
                 "num_params": engine.num_params, "gpu_uuid": uuid or "",
                 "kv_tokens": engine.pool.capacity_tokens, "block_size": engine.pool.block_size}
-        transport.send(self.router, P.Hello("worker", self.name, info=info))
+        hello = P.Hello("worker", self.name, info=info)
+        transport.send(self.router, hello)
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        while time.monotonic() < deadline:
+        sent = time.monotonic()
+        while rejoin or time.monotonic() < deadline:
             got = transport.recv(self.router, 0.5)
             if got is None:
+                if time.monotonic() - sent > HELLO_RESEND_S:  # it may have died with the router
+                    transport.send(self.router, hello)
+                    sent = time.monotonic()
                 continue
             msg = got[1]
             if isinstance(msg, P.Welcome):
@@ -148,7 +158,7 @@ class Worker:
             return True
         elif isinstance(msg, P.Reject):
             log.warning("router: %s; saying hello again", msg.reason)
-            self.hello()
+            self.hello(rejoin=True)
             self.loop.on_reset()
         return False
 
@@ -176,9 +186,8 @@ class Worker:
         finally:
             self.busy_s += time.monotonic() - t0
             self.loop.finished()
-        # Tokens first: if this process dies between the two sends, the router re-runs the
-        # step and the detokenizer drops the duplicate, rather than never seeing the token.
-        transport.send(self.detok, tokens)
+        # Tokens first, on the same socket: the router never has a result without its tokens.
+        self.send_router(tokens)
         self.send_router(result)
 
     def start_behind(self) -> None:
@@ -192,7 +201,7 @@ class Worker:
 
     def between_steps(self, lease_id: int, tokens: P.Tokens):
         """Between two steps of a multi-step lease: stream this step's tokens, take Revokes."""
-        transport.send(self.detok, tokens)
+        self.send_router(tokens)
         self.receive_router(mid_lease=True)
         self.keep_alive()
         return self.loop.revoked_rows(lease_id)
@@ -235,8 +244,7 @@ class Worker:
 
     def close(self) -> None:
         """Leaving on purpose: let queued tokens and results reach their peers first."""
-        self.detok.close(linger=5000)
-        self.router.close(linger=2000)
+        self.router.close(linger=5000)
         for sock in self.peers.values():
             sock.close(linger=2000)
 

@@ -1,0 +1,110 @@
+"""Roles killed, frozen and restarted mid-run: every accepted request completes with its
+no-fault tokens, and every token prints once. A real `qmigrate node --stdin` on loopback TCP
+with journals in the test's directory; victims are found among the node's own processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import yaml
+
+from test_fleet import _free_ports, _pid_of, _prompts, _roles_of, _stats
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+
+
+def _topology(tmp_path, model_dir, ports) -> dict:
+    return {
+        "transport": "tcp", "model": {"path": str(model_dir)},
+        "nodes": [{"name": "head", "address": "127.0.0.1", "bind": "127.0.0.1", "max_restarts": 2}],
+        "router": {"node": "head", "port": ports[0], "telemetry_port": ports[1], "heartbeat_interval_s": 0.2,
+                   "heartbeat_timeout_s": 1.5, "lease_timeout_s": 3.0, "journal": str(tmp_path / "router.journal")},
+        "ingest": {"node": "head", "port": ports[2], "input": "jsonl"},
+        "detokenizer": {"node": "head", "port": ports[3], "output": "jsonl",
+                        "journal": str(tmp_path / "detok.journal")},
+        "workers": [{"name": f"w{i}", "node": "head", "device": "cpu", "kv_port": ports[3 + i], "max_seqs": 2}
+                    for i in (1, 2)],
+    }
+
+
+def _wait(what: str, predicate, timeout: float = 120.0, err=None):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if (got := predicate()):
+            return got
+        time.sleep(0.05)
+    detail = ""
+    if err is not None:
+        err.seek(0)
+        detail = err.read()[-3000:]
+    pytest.fail(f"timed out waiting for {what}\n{detail}")
+
+
+def test_router_detokenizer_and_worker_restarts_lose_nothing(tmp_path, tiny_model_dir):
+    from conftest import greedy_reference
+    ports = _free_ports(6)
+    path = tmp_path / "topo.yaml"
+    path.write_text(yaml.safe_dump(_topology(tmp_path, tiny_model_dir, ports)))
+    router = f"tcp://127.0.0.1:{ports[0]}"
+    prompts = _prompts(5, "r", n=8, new_tokens=100)
+    # Append mode: the test reads with seek(), which must not move where the node writes.
+    out, err = open(tmp_path / "out", "a+"), open(tmp_path / "err", "a+")
+    node = subprocess.Popen([sys.executable, "-m", "qmigrate", "node", str(path), "--node", "head", "--stdin"],
+                            stdin=subprocess.PIPE, stdout=out, stderr=err, text=True, start_new_session=True)
+    node.stdin.write("".join(json.dumps(p) + "\n" for p in prompts))
+    node.stdin.close()
+
+    def printed() -> str:
+        out.seek(0)
+        return out.read()
+
+    def stderr() -> str:
+        err.seek(0)
+        return err.read()
+
+    try:
+        _wait("output to start", lambda: printed().count('"delta"') >= 3, err=err)
+        os.kill(_pid_of(node, "qmigrate router"), signal.SIGKILL)
+        _wait("the router to be started again", lambda: "router exited with status -9; starting" in stderr())
+        _wait("both workers to rejoin the new router", lambda: _stats(router).get("workers") == 2)
+        assert _stats(router).get("unprinted", 0) > 0, "the run ended before the kill; the test proves nothing"
+
+        w2 = _pid_of(node, "qmigrate worker w2")
+        os.kill(w2, signal.SIGSTOP)
+        try:
+            _wait("the router to notice the frozen worker", lambda: _stats(router).get("workers_lost", 0) >= 1)
+        finally:
+            os.kill(w2, signal.SIGCONT)
+        _wait("the frozen worker to rejoin", lambda: _stats(router).get("workers") == 2)
+
+        before = printed().count('"done": true')
+        os.kill(_pid_of(node, "qmigrate detokenizer"), signal.SIGKILL)
+        _wait("the detokenizer to be started again", lambda: "detokenizer exited with status -9; starting" in stderr())
+        assert before < len(prompts), "the run ended before the kill; the test proves nothing"
+        node.wait(timeout=180)
+    finally:
+        if node.poll() is None:
+            os.killpg(node.pid, signal.SIGKILL)
+            node.wait()
+    assert node.returncode == 0, stderr()[-3000:]
+    assert not [t for t in _roles_of(node).values()], "a role outlived its node"
+    finals, deltas = {}, {}
+    for line in printed().splitlines():
+        record = json.loads(line)
+        if record["done"]:
+            assert record["id"] not in finals, f"{record['id']} finished twice"
+            finals[record["id"]] = record
+        else:
+            deltas[record["id"]] = deltas.get(record["id"], "") + record["delta"]
+    assert sorted(finals) == sorted(p["id"] for p in prompts)
+    for rid, final in finals.items():
+        assert deltas.get(rid, "") == final["text"], f"{rid}: a delta printed twice or lost"
+    check = greedy_reference(tiny_model_dir)
+    for p in prompts:
+        check(p["prompt_ids"], p["max_new_tokens"], finals[p["id"]]["token_ids"], p["id"])

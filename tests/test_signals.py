@@ -1,0 +1,87 @@
+"""Signals and exit codes of the supervisor: SIGTERM at startup stops every role and removes
+the temp directory; a supervisor killed by SIGKILL takes its roles with it."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import yaml
+
+from test_fleet import _free_ports, _roles_of
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
+
+
+def _wait(predicate, timeout: float = 60.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def _alive(pids) -> list[int]:
+    alive = []
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] != "Z":
+                    alive.append(pid)
+        except OSError:
+            pass
+    return alive
+
+
+def _kill_session(proc) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    for pid in _roles_of(proc).values():  # roles left behind by a failed test
+        os.kill(pid, signal.SIGKILL)
+
+
+def test_sigterm_during_startup_stops_every_role_and_leaves_no_temp_dir(tmp_path, tiny_model_dir):
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    sim = subprocess.Popen([sys.executable, "-m", "qmigrate", "sim", "--workers", "2", "--model", str(tiny_model_dir)],
+                           stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                           env={**os.environ, "TMPDIR": str(tmp)}, start_new_session=True)
+    try:
+        # Roles started, workers still loading: the supervisor waits for the fleet.
+        assert _wait(lambda: any(t.startswith("qmigrate worker") for t in _roles_of(sim))), "no role started"
+        roles = list(_roles_of(sim).values())
+        sim.send_signal(signal.SIGTERM)
+        _, err = sim.communicate(timeout=30)
+        assert sim.returncode == 128 + signal.SIGTERM, err
+        assert _wait(lambda: not _alive(roles), 10), f"roles left running: {_alive(roles)}"
+        assert list(tmp.iterdir()) == [], "the temp directory was left behind"
+    finally:
+        _kill_session(sim)
+
+
+def test_roles_exit_when_their_supervisor_is_killed(tmp_path, tiny_model_dir):
+    ports = _free_ports(6)
+    data = {"transport": "tcp", "model": {"path": str(tiny_model_dir)},
+            "nodes": [{"name": "head", "address": "127.0.0.1", "bind": "127.0.0.1"}],
+            "router": {"node": "head", "port": ports[0], "telemetry_port": ports[1]},
+            "ingest": {"node": "head", "port": ports[2]}, "detokenizer": {"node": "head", "port": ports[3]},
+            "workers": [{"name": "w1", "node": "head", "kv_port": ports[4]}]}
+    path = tmp_path / "topo.yaml"
+    path.write_text(yaml.safe_dump(data))
+    node = subprocess.Popen([sys.executable, "-m", "qmigrate", "node", str(path), "--node", "head"],
+                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+    try:
+        assert _wait(lambda: len(_roles_of(node)) >= 5), _roles_of(node)  # the node and its 4 roles
+        roles = [pid for pid in _roles_of(node).values() if pid != node.pid]
+        os.kill(node.pid, signal.SIGKILL)
+        node.wait()
+        assert _wait(lambda: not _alive(roles), 15), f"roles outlived their supervisor: {_alive(roles)}"
+    finally:
+        _kill_session(node)
