@@ -103,7 +103,8 @@ class Detokenizer:
         self.recover()
         while True:
             if self.pull.poll(100):
-                self.receive()
+                frames, peer = transport.recv_frames(self.pull)
+                self.receive(frames[-1], peer)
             self.send_replies()
             now = time.monotonic()
             if self.journal is not None and self.sink.is_idle_due(now):
@@ -116,13 +117,12 @@ class Detokenizer:
                 self.report_printed(now)
                 return
 
-    def receive(self) -> None:
-        frames, peer = transport.recv_frames(self.pull)
-        msg = transport.parse(frames[-1], "router")
+    def receive(self, frame: bytes, peer: str = "") -> None:
+        msg = transport.parse(frame, "router")
         if msg is None or self.guard.check(peer, msg, b"") is not None:
             return
         if self.journal is not None and type(msg) in self.handlers:
-            self.journal.append(_TIME.pack(time.monotonic()) + frames[-1])  # before it prints
+            self.journal.append(_TIME.pack(time.monotonic()) + frame)  # before it prints
         self.handle(msg)
 
     def handle(self, msg) -> None:
