@@ -77,7 +77,7 @@ def test_router_bench_runs_the_real_router_with_fake_workers(tmp_path):
     for p in points:
         assert 0 < p.rows_per_s <= 1.05 * p.ideal_rows_per_s
         assert 0 < p.mean_rows_per_lease <= 8 and 0 < p.device_busy <= 1.0 + 1e-9
-        assert p.router_cpu > 0 and p.num_fake_procs == 1
+        assert p.router_cpu >= 0 and p.num_fake_procs == 1  # CPU is counted in 10 ms ticks: may be none
     assert points[0].scaling == 1.0 and report["largest_linear"] >= 1
 
 
