@@ -53,7 +53,7 @@ class Detokenizer:
         if topo.detokenizer.metrics_port:
             from ..metrics import LatencyMetrics, serve
             self.latency = LatencyMetrics()
-            serve(self.latency.registry, topo.detokenizer.metrics_port, topo.node(topo.detokenizer.node).bind)
+            serve(self.latency.registry, topo.detokenizer.metrics_port, topo.node(topo.detokenizer.node).bind_host)
         self.handlers = {P.RequestMeta: self.on_meta, P.Tokens: self.on_tokens,
                          P.RequestError: self.on_error, P.InputClosed: self.on_closed,
                          P.Cancel: self.on_cancel}

@@ -67,6 +67,7 @@ class Ingest:
         self.stdin_done = not read_stdin
         self.pending: deque[tuple[P.SeqSpec, str, int, str]] = deque()  # spec, req_id, route, note
         self.errors: list[list[str]] = []   # [req_id, message] not yet acknowledged
+        self.cancel_after_ack: set[int] = set()  # cancelled before their Submit was sent
         self.in_flight = 0            # specs sent in the Submit awaiting its ack
         self.errors_in_flight = 0
         self.closing_in_flight = False
@@ -183,16 +184,17 @@ class Ingest:
     def cancel(self, seq_ids: list[int]) -> None:
         """Forget requests: those not yet sent to the router here, the rest at the router,
         which has the detokenizer end their output."""
-        unsent = set(seq_ids)
-        kept = [item for i, item in enumerate(self.pending)
-                if i < self.in_flight or item[0].seq_id not in unsent]
-        for item in self.pending:
-            if item not in kept and item[2] == P.ROUTE_STDOUT:  # its record: it never started
-                self.errors.append([item[1], "cancelled before it started"])
-        self.pending = deque(kept)
+        wanted = set(seq_ids)
+        # Not yet sent: a Cancel now would reach the router before them. They go with their
+        # Submit, and their Cancel right after its ack, so each still gets its final record.
+        later = {item[0].seq_id for i, item in enumerate(self.pending)
+                 if i >= self.in_flight and item[0].seq_id in wanted}
+        self.cancel_after_ack |= later
         for seq_id in seq_ids:
             self.live.pop(self.live_ids.pop(seq_id, None), None)
-        transport.send(self.router, P.Cancel(P.pack_i64(seq_ids)))  # it tells the detokenizer
+        now = [sid for sid in seq_ids if sid not in later]
+        if now:
+            transport.send(self.router, P.Cancel(P.pack_i64(now)))  # it tells the detokenizer
 
     def on_replies(self) -> None:
         while (got := transport.recv(self.replies, 0)) is not None:
@@ -229,8 +231,14 @@ class Ingest:
             msg = got[1]
             if isinstance(msg, P.SubmitAck) and self.awaiting_ack:
                 taken = max(0, min(msg.num_accepted, self.in_flight))
+                cancel = []
                 for _ in range(taken):
-                    self.pending.popleft()
+                    seq_id = self.pending.popleft()[0].seq_id
+                    if seq_id in self.cancel_after_ack:
+                        self.cancel_after_ack.discard(seq_id)
+                        cancel.append(seq_id)
+                if cancel:
+                    transport.send(self.router, P.Cancel(P.pack_i64(cancel)))
                 if taken < self.in_flight:
                     self.retry_at = time.monotonic() + 0.05  # router full: wait, keep order
                 del self.errors[:self.errors_in_flight]

@@ -65,7 +65,7 @@ class Router:
         if rc.metrics_port:
             from ..metrics import RouterMetrics, serve
             self.metrics = RouterMetrics()
-            serve(self.metrics.registry, rc.metrics_port, topo.node(rc.node).bind)
+            serve(self.metrics.registry, rc.metrics_port, topo.node(rc.node).bind_host)
         self.handlers = {
             P.Hello: self.on_hello, P.Heartbeat: self.on_heartbeat,
             P.WorkRequest: self.on_work_request, P.StepResult: self.on_step_result,
