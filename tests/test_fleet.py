@@ -46,7 +46,9 @@ def fleet(tmp_path, tiny_model_dir):
                   {"name": "late", "address": "127.0.0.1", "bind": "127.0.0.1"}],
         "router": {"node": "head", "port": ports[0], "telemetry_port": ports[1],
                    "heartbeat_interval_s": 0.2, "heartbeat_timeout_s": 3.0, "lease_timeout_s": 5.0,
-                   "rebalance_threshold": 2},
+                   # One-step leases: with one row a worker, a multi-step lease would run each
+                   # sequence to its end, and a worker would never hold several for the drain.
+                   "rebalance_threshold": 2, "max_lease_steps": 1},
         "ingest": {"node": "head", "port": ports[2], "input": "jsonl"},
         "detokenizer": {"node": "head", "port": ports[3], "output": "jsonl"},
         "workers": [{"name": f"w{i}", "node": "head" if i < 3 else "late", "device": "cpu",
