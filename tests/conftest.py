@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -94,3 +95,29 @@ def tiny_chat_model_dir(tiny_model_dir, tmp_path_factory) -> Path:
     tok.chat_template = CHAT_TEMPLATE
     tok.save_pretrained(out)
     return out
+
+
+def free_ports(n: int) -> list[int]:
+    """n free TCP ports on 127.0.0.1 (free when asked; a test binds them right after)."""
+    socks = [socket.socket() for _ in range(n)]
+    for s in socks:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports
+
+
+def check_outputs(jsonl: str, prompts: list[dict], model_dir) -> dict[str, dict]:
+    """Every prompt finished exactly once, with generate()'s greedy tokens; the final records."""
+    finals = {}
+    for line in jsonl.splitlines():
+        record = json.loads(line)
+        if record["done"]:
+            assert record["id"] not in finals, f"{record['id']} finished twice"
+            finals[record["id"]] = record
+    assert sorted(finals) == sorted(p["id"] for p in prompts)
+    check = greedy_reference(model_dir)
+    for p in prompts:
+        check(p["prompt_ids"], p["max_new_tokens"], finals[p["id"]]["token_ids"], p["id"])
+    return finals

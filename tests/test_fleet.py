@@ -9,7 +9,6 @@ import os
 import random
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -19,6 +18,7 @@ import yaml
 
 from qmigrate import protocol as P
 from qmigrate import transport
+from conftest import check_outputs, free_ports
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -26,19 +26,9 @@ NUM_PROMPTS = 16
 NEW_TOKENS = 200
 
 
-def _free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
-
-
 @pytest.fixture
 def fleet(tmp_path, tiny_model_dir):
-    ports = _free_ports(7)
+    ports = free_ports(7)
     data = {
         "transport": "tcp",
         "model": {"path": str(tiny_model_dir)},
@@ -127,20 +117,6 @@ def _wait_for_output(proc, num_requests: int, timeout: float = 180.0) -> str:
         time.sleep(0.2)
     finished = text.count('"done": true')
     pytest.fail(f"only {finished} of {num_requests} requests finished")
-
-
-def _check_outputs(stdout: str, prompts, model_dir) -> None:
-    from conftest import greedy_reference
-    finals = {}
-    for line in stdout.splitlines():
-        record = json.loads(line)
-        if record["done"]:
-            assert record["id"] not in finals, f"{record['id']} finished twice"
-            finals[record["id"]] = record
-    assert sorted(finals) == sorted(p["id"] for p in prompts)
-    check = greedy_reference(model_dir)
-    for p in prompts:
-        check(p["prompt_ids"], p["max_new_tokens"], finals[p["id"]]["token_ids"], p["id"])
 
 
 def _finish(proc: subprocess.Popen, router: str) -> tuple[str, str]:
@@ -237,7 +213,7 @@ def test_join_and_drain_under_load_lose_nothing(fleet, tiny_model_dir):
     out = _wait_for_output(head, len(first) + len(second) + len(third))
     stats = _stats(router)
     assert stats.get("migrations_drain", 0) > 0, stats
-    _check_outputs(out, first + second + third, tiny_model_dir)
+    check_outputs(out, first + second + third, tiny_model_dir)
 
 
 def test_a_killed_worker_loses_nothing(fleet, tiny_model_dir):
@@ -256,4 +232,4 @@ def test_a_killed_worker_loses_nothing(fleet, tiny_model_dir):
     assert "w2 exited" in err  # the node says which role died, then carries on
     moves = dict(re.findall(r"(\w+) (\d+)", re.search(r"migrations: (.*)", err).group(1)))
     assert int(moves.get("dead", 0)) > 0, err[-2000:]
-    _check_outputs(out, prompts, tiny_model_dir)
+    check_outputs(out, prompts, tiny_model_dir)

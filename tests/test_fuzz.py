@@ -22,7 +22,8 @@ from hypothesis import strategies as st  # noqa: E402
 
 from qmigrate import protocol as P  # noqa: E402
 from qmigrate import transport  # noqa: E402
-from test_fleet import _free_ports, _pid_of, _prompts, _stats  # noqa: E402
+from conftest import free_ports  # noqa: E402
+from test_fleet import _pid_of, _prompts, _stats  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -110,8 +111,8 @@ def _feed(endpoint: str, prompts) -> None:
 
 
 def test_a_fuzzed_fleet_serves_every_request_exactly(tmp_path, tiny_model_dir):
-    from conftest import greedy_reference
-    ports = _free_ports(6)
+    from conftest import check_outputs
+    ports = free_ports(6)
     data = {"transport": "tcp", "model": {"path": str(tiny_model_dir)},
             "nodes": [{"name": "head", "address": "127.0.0.1", "bind": "127.0.0.1", "max_restarts": 0}],
             "router": {"node": "head", "port": ports[0], "telemetry_port": ports[1]},
@@ -184,13 +185,4 @@ def test_a_fuzzed_fleet_serves_every_request_exactly(tmp_path, tiny_model_dir):
             node.wait(30)
     err.seek(0)
     assert "starting it again" not in err.read()
-    finals = {}
-    for line in text.splitlines():
-        record = json.loads(line)
-        if record["done"]:
-            assert record["id"] not in finals, f"{record['id']} finished twice"
-            finals[record["id"]] = record
-    assert sorted(finals) == sorted(p["id"] for p in everything)
-    check = greedy_reference(tiny_model_dir)
-    for p in everything:
-        check(p["prompt_ids"], p["max_new_tokens"], finals[p["id"]]["token_ids"], p["id"])
+    check_outputs(text, everything, tiny_model_dir)

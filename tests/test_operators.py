@@ -8,7 +8,6 @@ import os
 import random
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -20,18 +19,9 @@ import yaml
 from typer.testing import CliRunner
 
 from qmigrate.cli import app
+from conftest import free_ports
 
 pytestmark = pytest.mark.timeout(300)
-
-
-def _free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
 
 
 def _scrape(port: int) -> dict[str, float]:
@@ -80,7 +70,7 @@ class FakeMonitor:
 @pytest.fixture
 def node(tmp_path, tiny_model_dir):
     """A one-node fleet of two CPU workers reading prompts from a pipe; stopped afterwards."""
-    router_metrics, detok_metrics = _free_ports(2)
+    router_metrics, detok_metrics = free_ports(2)
     topo = {"transport": "ipc", "ipc_dir": str(tmp_path / "ipc"), "model": {"path": str(tiny_model_dir)},
             "nodes": [{"name": "local"}],
             "router": {"node": "local", "metrics_port": router_metrics, "migration": "recompute",

@@ -14,7 +14,8 @@ import time
 import pytest
 import yaml
 
-from test_fleet import _free_ports, _pid_of, _prompts, _roles_of, _stats
+from conftest import free_ports  # noqa: E402
+from test_fleet import _pid_of, _prompts, _roles_of, _stats
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -48,7 +49,7 @@ def _wait(what: str, predicate, timeout: float = 120.0, err=None):
 
 def test_router_detokenizer_and_worker_restarts_lose_nothing(tmp_path, tiny_model_dir):
     from conftest import greedy_reference
-    ports = _free_ports(6)
+    ports = free_ports(6)
     path = tmp_path / "topo.yaml"
     path.write_text(yaml.safe_dump(_topology(tmp_path, tiny_model_dir, ports)))
     router = f"tcp://127.0.0.1:{ports[0]}"

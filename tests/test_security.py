@@ -11,7 +11,6 @@ import json
 import logging
 import os
 import signal
-import socket
 import stat
 import subprocess
 import sys
@@ -27,24 +26,15 @@ from zmq.utils.monitor import recv_monitor_message
 from qmigrate import protocol as P
 from qmigrate import security, transport
 from qmigrate.config import parse_topology
+from conftest import free_ports
 
 pytestmark = pytest.mark.timeout(120)
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
-
-
 def _topology(tmp_path, model_dir=None, enabled="on", **extra):
-    ports = _free_ports(7)
+    ports = free_ports(7)
     keys = tmp_path / "keys"
     for node in ("head", "gpu1", "gpu2"):
         if not (keys / f"{node}.key").exists():

@@ -12,7 +12,8 @@ import time
 import pytest
 import yaml
 
-from test_fleet import _free_ports, _roles_of
+from conftest import free_ports  # noqa: E402
+from test_fleet import _roles_of
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 
@@ -66,7 +67,7 @@ def test_sigterm_during_startup_stops_every_role_and_leaves_no_temp_dir(tmp_path
 
 
 def test_roles_exit_when_their_supervisor_is_killed(tmp_path, tiny_model_dir):
-    ports = _free_ports(6)
+    ports = free_ports(6)
     data = {"transport": "tcp", "model": {"path": str(tiny_model_dir)},
             "nodes": [{"name": "head", "address": "127.0.0.1", "bind": "127.0.0.1"}],
             "router": {"node": "head", "port": ports[0], "telemetry_port": ports[1]},
