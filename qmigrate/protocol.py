@@ -171,6 +171,13 @@ class SeqSpec:
     def ids(self) -> np.ndarray:
         return unpack_ids(self.token_ids, "seq.token_ids")
 
+    def validate(self) -> None:
+        if len(self.stop_ids) > 64:
+            raise ProtocolError("more than 64 stop sequences")
+        for ids in self.stop_ids + [self.eos_ids]:
+            if len(ids) > 64 or any(not 0 <= t <= MAX_ID for t in ids):
+                raise ProtocolError("stop or eos ids out of range")
+
 
 SeqSpec._fields = _field_table(SeqSpec)
 
@@ -245,6 +252,12 @@ class StepResult:
     free_kv_tokens: int = -1
     evicted_ids: bytes = b""  # int64: sequences whose KV this worker evicted to make room
 
+    def validate(self) -> None:
+        _rows_agree("StepResult", self.seq_ids, self.counts, self.status, self.tokens)
+        status = unpack_u8(self.status, "StepResult.status")
+        if len(status) and status.max() > max(Finish):
+            raise ProtocolError("StepResult.status: unknown status code")
+
 
 @message(MsgType.TOKENS)
 class Tokens:
@@ -256,6 +269,9 @@ class Tokens:
     counts: bytes             # int32
     tokens: bytes             # int32
     finish: bytes             # uint8
+
+    def validate(self) -> None:
+        _rows_agree("Tokens", self.seq_ids, self.counts, self.finish, self.tokens, self.start)
 
 
 @message(MsgType.SUBMIT)
@@ -270,6 +286,10 @@ class Submit:
     num_requests: int = -1
     routes: bytes = b""       # uint8: RequestMeta.route of seqs[i] (none: stdout)
     notes: list[str] = field(default_factory=list)   # RequestMeta.note of seqs[i]
+
+    def validate(self) -> None:
+        if any(len(pair) != 2 for pair in self.errors):
+            raise ProtocolError("errors: expected [req_id, message] pairs")
 
 
 @message(MsgType.SUBMIT_ACK)
@@ -320,6 +340,10 @@ class KVHeader:
     dtype: str
     shape: list[int]
 
+    def validate(self) -> None:
+        if len(self.shape) > 8 or any(not 0 <= d <= MAX_ID for d in self.shape):
+            raise ProtocolError("shape: out of range")
+
 
 @message(MsgType.DRAIN)
 class Drain:
@@ -341,6 +365,12 @@ class Exit:
 class VramReport:
     node: str
     gpus: list[list[typing.Any]]  # [uuid, index, total, used, free, util_percent]
+
+    def validate(self) -> None:
+        for gpu in self.gpus:
+            if (len(gpu) < 5 or type(gpu[0]) is not str or len(gpu[0]) > 256
+                    or not all(type(x) is int and 0 <= x < 1 << 62 for x in gpu[1:5])):
+                raise ProtocolError("gpus: expected [uuid, index, total, used, free, ...]")
 
 
 @message(MsgType.FEED_LINES)
@@ -528,30 +558,23 @@ def _build(cls, values: list, where: str):
                 raise ProtocolError(f"{where}.{name}: negative id")
         if hint is str and len(value) > _NAMES.get(name, MAX_STR):
             raise ProtocolError(f"{where}.{name}: longer than {_NAMES[name]} characters")
-    _check_structure(cls.__name__, kwargs, where)
     msg = cls(**kwargs)
     if hasattr(cls, "validate"):
-        msg.validate()  # ranges and agreement between fields, checked at decode
+        try:
+            msg.validate()  # what one field's type cannot say: shapes, agreement between fields
+        except ProtocolError as exc:
+            text = str(exc)
+            raise ProtocolError(text if text.startswith(cls.__name__) else f"{where}: {text}") from None
     return msg
 
 
-def _check_structure(name: str, fields: dict, where: str) -> None:
-    """What one field's type cannot say: list shapes."""
-    if name == "SeqSpec":
-        for ids in fields.get("stop_ids", []) + [fields.get("eos_ids", [])]:
-            if len(ids) > 64 or any(not 0 <= t <= MAX_ID for t in ids):
-                raise ProtocolError(f"{where}: stop or eos ids out of range")
-        if len(fields.get("stop_ids", [])) > 64:
-            raise ProtocolError(f"{where}: more than 64 stop sequences")
-    elif name == "Submit" and any(len(pair) != 2 for pair in fields.get("errors", [])):
-        raise ProtocolError(f"{where}.errors: expected [req_id, message] pairs")
-    elif name == "KVHeader" and (len(fields["shape"]) > 8 or any(not 0 <= d <= MAX_ID for d in fields["shape"])):
-        raise ProtocolError(f"{where}.shape: out of range")
-    elif name == "VramReport":
-        for gpu in fields["gpus"]:
-            if (len(gpu) < 5 or type(gpu[0]) is not str or len(gpu[0]) > 256
-                    or not all(type(x) is int and 0 <= x < 1 << 62 for x in gpu[1:5])):
-                raise ProtocolError(f"{where}.gpus: expected [uuid, index, total, used, free, ...]")
+def _rows_agree(name: str, seq_ids: bytes, counts: bytes, codes: bytes, tokens: bytes, *more: bytes) -> None:
+    """Row arrays of one length; counts (already checked non-negative) add up to the tokens."""
+    n = len(seq_ids) // 8
+    if not (n == len(counts) // 4 == len(codes) and all(len(m) // 4 == n for m in more)):
+        raise ProtocolError(f"{name}: row arrays differ in length")
+    if int(unpack_i32(counts, f"{name}.counts").sum()) != len(tokens) // 4:
+        raise ProtocolError(f"{name}: counts do not add up to the tokens")
 
 
 def _check(value, hint, where: str):

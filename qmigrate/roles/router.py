@@ -258,19 +258,12 @@ class Router:
     def on_step_result(self, sender: bytes, msg: P.StepResult) -> None:
         if (name := self._worker(sender)) is None:
             return
-        seq_ids = P.unpack_i64(msg.seq_ids, "seq_ids")
-        counts = P.unpack_i32(msg.counts, "counts")
-        tokens = P.unpack_i32(msg.tokens, "tokens")
-        status = P.unpack_u8(msg.status, "status")
-        if not len(seq_ids) == len(counts) == len(status) or (len(counts) and counts.min() < 0) \
-                or int(counts.sum()) != len(tokens):
-            raise P.ProtocolError("step result arrays do not agree")
-        if len(status) and status.max() > max(P.Finish):
-            raise P.ProtocolError("unknown status code")
-        evicted = P.unpack_i64(msg.evicted_ids, "evicted_ids")
+        # The arrays' lengths, signs and codes were checked at decode (StepResult.validate).
+        tokens = P.unpack_i32(msg.tokens).tolist()
+        evicted = P.unpack_i64(msg.evicted_ids)
         now = time.monotonic()
-        self.sched.complete(msg.lease_id, name, seq_ids.tolist(), counts.tolist(), tokens.tolist(),
-                            status.tolist(), now)
+        self.sched.complete(msg.lease_id, name, P.unpack_i64(msg.seq_ids).tolist(),
+                            P.unpack_i32(msg.counts).tolist(), tokens, P.unpack_u8(msg.status).tolist(), now)
         self.observer.reported(name, len(tokens), msg.free_kv_tokens, now)
         if len(evicted):
             self.sched.evicted(name, evicted.tolist())
