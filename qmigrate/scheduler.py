@@ -31,6 +31,7 @@ from collections import Counter, deque
 
 from .fleet import (Grant, LeaseRecord, Outcome, Queue, Row, SchedulerConfig, Seq, WorkerState,
                     choose_mechanism)
+from .migration import MovePolicy
 from .protocol import CONTINUE, Finish, SeqSpec
 
 __all__ = ["Grant", "Outcome", "Row", "Scheduler", "SchedulerConfig", "Seq", "WorkerState",
@@ -45,6 +46,7 @@ class Scheduler:
         self.seqs: dict[int, Seq] = {}
         self.queue = Queue()
         self.workers: dict[str, WorkerState] = {}
+        self.moves = MovePolicy(self.config, self.workers)
         self.leases: dict[int, LeaseRecord] = {}
         self.counters: Counter[str] = Counter()
         self._lease_ids = itertools.count(1)
@@ -178,7 +180,7 @@ class Scheduler:
         max_seqs = min(max_seqs, w.max_seqs)
         held = self._held(w)
         chainable = [seq for seq in held if seq.next_lease is None] if self._may_chain(w) else []
-        quota = self._steal_quota(w)
+        quota = self.moves.steal_quota(w)
         # Look at a bounded stretch of the queue: a request costs what it can return.
         candidates = self._candidates(w, quota, max_seqs + 64)
         if ahead and w.num_leased and not chainable and len(candidates) < max_seqs:
@@ -198,7 +200,7 @@ class Scheduler:
             kv_cost = 0 if is_diff else len(seq.token_ids) + w.block_size
             if kv_cost and kv_cost > room:
                 continue
-            mechanism = None if cause is None else self._mechanism(seq, w)
+            mechanism = None if cause is None else self.moves.mechanism(seq, w)
             cost = 1 if is_diff or mechanism == "transfer" else len(seq.token_ids)
             if rows and cost > budget:
                 continue
@@ -239,7 +241,7 @@ class Scheduler:
         Work that did not fit this lease's budget keeps it to one step. Behind a full batch,
         the lease ends when its first row reaches max_new_tokens, when a place frees."""
         limit = self.config.max_lease_steps
-        if (limit <= 1 or skipped or self.config.policy == "any" or not self._may_keep(w)
+        if (limit <= 1 or skipped or self.config.policy == "any" or not self.moves.may_keep(w)
                 or any(r.spec is not None for r in rows)):
             return 1
         if full:
@@ -290,18 +292,7 @@ class Scheduler:
                 if (seq := self.seqs.get(sid)) is not None and seq.lease_id == lease_id]
 
     def _may_chain(self, w: WorkerState) -> bool:
-        return self.config.chain and self.config.policy != "any" and self._may_keep(w)
-
-    def _may_keep(self, w: WorkerState) -> bool:
-        """False when some of w's sequences ought to move: they must come back to the queue."""
-        if w.draining or (self.config.migrate_on_memory and w.is_memory_short):
-            return False
-        if not self.config.migrate_on_load:
-            return True
-        if len(w.owned) > w.capacity:
-            return False
-        return not any(self._rebalance_gap(w, o) for o in self.workers.values()
-                       if o is not w and o.alive and not o.draining)
+        return self.config.chain and self.config.policy != "any" and self.moves.may_keep(w)
 
     def _candidates(self, w: WorkerState, quota: Counter[str], limit: int) -> list[tuple[Seq, str | None]]:
         """Up to `limit` queued sequences this worker may run, best first, with the migration
@@ -315,62 +306,17 @@ class Scheduler:
         movable = []
         for owner, queued in self.queue.by_owner.items():
             other = self.workers.get(owner) if owner is not None else None
-            if other is not None and other is not w and self._move_cause(other, quota) is not None:
+            if other is not None and other is not w and self.moves.cause(other, quota) is not None:
                 movable.append(queued.values())
         for seq in heapq.merge(*movable, key=lambda seq: seq.queue_pos):
             if len(out) >= limit:
                 break
             owner = self.workers[seq.owner]
-            if (cause := self._move_cause(owner, quota)) is not None:
+            if (cause := self.moves.cause(owner, quota)) is not None:
                 if cause == "load":
                     quota[owner.name] -= 1
                 out.append((seq, cause))
         return out
-
-    def _steal_quota(self, w: WorkerState) -> Counter[str]:
-        """How many sequences each other worker may lose to `w` for load reasons."""
-        quota: Counter[str] = Counter()
-        if not self.config.migrate_on_load:
-            return quota
-        for other in self.workers.values():
-            if other is w or not other.alive:
-                continue
-            excess = len(other.owned) - other.capacity
-            quota[other.name] = max(excess, self._rebalance_gap(other, w) // 2, 0)
-        return quota
-
-    def _rebalance_gap(self, owner: WorkerState, taker: WorkerState) -> int:
-        """How far owner is ahead of taker, if that is reason to move work (else 0).
-
-        Moving a sequence costs a prefill or a KV shipment, while a step of fewer rows
-        costs a GPU nearly as much as a full one; so work moves only to a worker that cannot
-        fill half a batch, and only past `rebalance_threshold` sequences of difference."""
-        gap = len(owner.owned) - len(taker.owned)
-        if gap < self.config.rebalance_threshold or len(taker.owned) >= max(1, taker.max_seqs // 2):
-            return 0
-        return gap
-
-    def _move_cause(self, owner: WorkerState, quota: Counter[str]) -> str | None:
-        if not owner.alive:
-            return "dead"
-        if owner.draining:
-            return "drain"
-        if self.config.migrate_on_memory and owner.is_memory_short:
-            return "memory"
-        if self.config.policy == "any":
-            return "any"
-        if quota[owner.name] > 0:
-            return "load"
-        return None
-
-    def _mechanism(self, seq: Seq, dest: WorkerState) -> str:
-        owner = self.workers[seq.owner]
-        if not owner.alive or not owner.kv_endpoint or not dest.kv_endpoint:
-            return "recompute"
-        if self.config.migration != "auto":
-            return self.config.migration
-        return choose_mechanism(len(seq.token_ids) - 1, owner.kv_bytes_per_token, owner.num_params,
-                                self.config.link_gbps, self.config.prefill_tflops)
 
     def _lease_row(self, seq: Seq, w: WorkerState, cause, mechanism, shipments, now: float) -> Row:
         if seq.owner == w.name:

@@ -1,0 +1,75 @@
+"""When a sequence should leave the worker that holds its KV, why, and how it travels.
+
+Pure rules over the router's worker records (shared with the Scheduler, which owns them):
+the causes of a move (dead, drain, memory, policy "any", load), how many sequences an
+overloaded worker may lose to another, and recompute against KV transfer.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from .fleet import SchedulerConfig, Seq, WorkerState, choose_mechanism
+
+
+class MovePolicy:
+    def __init__(self, config: SchedulerConfig, workers: dict[str, WorkerState]):
+        self.config = config
+        self.workers = workers
+
+    def may_keep(self, w: WorkerState) -> bool:
+        """False when some of w's sequences ought to move: they must come back to the queue."""
+        if w.draining or (self.config.migrate_on_memory and w.is_memory_short):
+            return False
+        if not self.config.migrate_on_load:
+            return True
+        if len(w.owned) > w.capacity:
+            return False
+        return not any(self.rebalance_gap(w, o) for o in self.workers.values()
+                       if o is not w and o.alive and not o.draining)
+
+    def steal_quota(self, w: WorkerState) -> Counter[str]:
+        """How many sequences each other worker may lose to `w` for load reasons."""
+        quota: Counter[str] = Counter()
+        if not self.config.migrate_on_load:
+            return quota
+        for other in self.workers.values():
+            if other is w or not other.alive:
+                continue
+            excess = len(other.owned) - other.capacity
+            quota[other.name] = max(excess, self.rebalance_gap(other, w) // 2, 0)
+        return quota
+
+    def rebalance_gap(self, owner: WorkerState, taker: WorkerState) -> int:
+        """How far owner is ahead of taker, if that is reason to move work (else 0).
+
+        Moving a sequence costs a prefill or a KV shipment, while a step of fewer rows
+        costs a GPU nearly as much as a full one; so work moves only to a worker that cannot
+        fill half a batch, and only past `rebalance_threshold` sequences of difference."""
+        gap = len(owner.owned) - len(taker.owned)
+        if gap < self.config.rebalance_threshold or len(taker.owned) >= max(1, taker.max_seqs // 2):
+            return 0
+        return gap
+
+    def cause(self, owner: WorkerState, quota: Counter[str]) -> str | None:
+        if not owner.alive:
+            return "dead"
+        if owner.draining:
+            return "drain"
+        if self.config.migrate_on_memory and owner.is_memory_short:
+            return "memory"
+        if self.config.policy == "any":
+            return "any"
+        if quota[owner.name] > 0:
+            return "load"
+        return None
+
+    def mechanism(self, seq: Seq, dest: WorkerState) -> str:
+        owner = self.workers[seq.owner]
+        if not owner.alive or not owner.kv_endpoint or not dest.kv_endpoint:
+            return "recompute"
+        if self.config.migration != "auto":
+            return self.config.migration
+        return choose_mechanism(len(seq.token_ids) - 1, owner.kv_bytes_per_token, owner.num_params,
+                                self.config.link_gbps, self.config.prefill_tflops)
+
