@@ -162,7 +162,8 @@ class Worker:
             self.loop.on_reset()
         return False
 
-    def start_lease(self, lease: P.Lease) -> None:
+    def start_lease(self, lease: P.Lease, *, count_busy: bool = True) -> None:
+        """Launch the lease's first step. `count_busy` is off inside a finish, which counts it."""
         t0 = time.monotonic()
         after = self.loop.on_device[-1].handle if self.loop.on_device else None
         handle = None
@@ -171,7 +172,8 @@ class Worker:
         except (P.ProtocolError, ValueError) as exc:
             log.warning("lease %d rejected: %s", lease.lease_id, exc)
         finally:
-            self.busy_s += time.monotonic() - t0
+            if count_busy:
+                self.busy_s += time.monotonic() - t0
             self.loop.started(lease, handle, time.monotonic())
 
     def finish_lease(self, started) -> None:
@@ -193,11 +195,9 @@ class Worker:
     def start_behind(self) -> None:
         """The lease being finished has launched its last step: queue the next one behind it."""
         self.receive_router(mid_lease=True)
-        t0 = time.monotonic()
-        lease = self.loop.next_behind(t0, self.core.awaited_transfers)
+        lease = self.loop.next_behind(time.monotonic(), self.core.awaited_transfers)
         if lease is not None:
-            self.start_lease(lease)
-            self.busy_s -= time.monotonic() - t0  # counted by the finish it runs inside
+            self.start_lease(lease, count_busy=False)
 
     def between_steps(self, lease_id: int, tokens: P.Tokens):
         """Between two steps of a multi-step lease: stream this step's tokens, take Revokes."""
