@@ -52,6 +52,7 @@ class Scheduler:
         self._lease_ids = itertools.count(1)
         self._transfer_ids = itertools.count(1)
         self.revokes: list[tuple[str, int, list[int]]] = []  # (worker, lease_id, seq_ids; [] = all)
+        self.lost: list[tuple[str, float, int]] = []  # (worker, silent for s, sequences it held) to log
         # (cause, seconds from the decision to move to the lease on the new worker)
         self.move_delays: deque[tuple[str, float]] = deque(maxlen=4096)
 
@@ -424,6 +425,8 @@ class Scheduler:
         for w in self.workers.values():
             if w.alive and now - w.last_seen > self.config.heartbeat_timeout_s:
                 w.moving_since = now
+                held = len(w.owned | {sid for lease_id in w.lease_ids for sid in self.leases[lease_id].seq_ids})
+                self.lost.append((w.name, now - w.last_seen, held))
                 self._forget_worker(w, "dead", now)
                 w.alive = False
                 self.counters["workers_lost"] += 1

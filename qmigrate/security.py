@@ -12,6 +12,7 @@ import datetime
 import logging
 import os
 import stat
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -28,6 +29,7 @@ PUBLIC_SUFFIX = ".key"
 SECRET_SUFFIX = ".key_secret"
 KEY_LEN = 40  # a 32-byte key in Z85
 MAX_LOGGED_REFUSALS = 4096
+ZAP_REBIND_S = 2.0  # how long a new ZAP handler waits for the old one's address
 
 # Receiving service -> message type -> roles whose nodes may send it. A message type that is
 # not listed for a service is refused from every node while security is on.
@@ -232,8 +234,19 @@ class Keyring:
             sock.curve_serverkey = keys.pop()
 
     def start(self, context: zmq.Context) -> ThreadAuthenticator:
-        auth = _Authenticator(context, self.clients)
-        auth.start()
+        # A handler stopped just before (a keyring replaced in this process) closes its socket
+        # in zmq's background thread: its inproc address is free a moment later, not at once.
+        deadline = time.monotonic() + ZAP_REBIND_S
+        while True:
+            auth = _Authenticator(context, self.clients)
+            try:
+                auth.start()
+                break
+            except zmq.ZMQError as e:
+                auth.stop()
+                if e.errno != zmq.EADDRINUSE or time.monotonic() > deadline:
+                    raise
+                time.sleep(0.01)
         for domain in self.clients:
             auth.configure_curve_callback(domain, auth)
         return auth

@@ -291,6 +291,7 @@ def test_dead_worker_sequences_migrate_by_recompute():
     s.expire(6.0)
     assert not s.workers["w0"].alive and s.workers["w1"].alive
     assert s.counters["workers_lost"] == 1
+    assert [(name, held) for name, _, held in s.lost] == [("w0", 2)]  # for the router's log
     assert all(seq.owner is None for seq in s.seqs.values()) and not s.workers["w0"].owned
     check_invariants(s)
     assert ask(s, "w0", now=6.0) is None

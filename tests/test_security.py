@@ -14,6 +14,7 @@ import signal
 import stat
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -196,6 +197,23 @@ def test_a_hello_reusing_a_live_workers_name_changes_nothing(secured, caplog):
     assert router.sched.workers["w1"].alive
     real.send(P.encode(P.WorkRequest(1, 4, 64)))  # the real worker is still served
     _pump(router, lambda: router.parked["w1"])
+
+
+def test_a_new_zap_handler_waits_for_the_address_of_the_one_before():
+    """The old handler's socket closes in zmq's background thread; the new one must not fail
+    because the address is still held for a moment (seen between two tests)."""
+    ctx = zmq.Context()
+    holder = ctx.socket(zmq.REP)
+    holder.bind("inproc://zeromq.zap.01")
+    ring = security.Keyring("head", b"", b"")
+    threading.Timer(0.3, holder.close).start()
+    started = time.monotonic()
+    auth = ring.start(ctx)
+    try:
+        assert auth.is_alive() and time.monotonic() - started >= 0.25
+    finally:
+        auth.stop()
+        ctx.destroy(linger=0)
 
 
 def test_missing_key_files_name_the_file_and_the_command(tmp_path, tiny_model_dir):

@@ -102,6 +102,10 @@ class Router:
             if ticked:
                 self.sched.expire(now)
                 last_expiry = now
+                for name, silent_s, held in self.sched.lost:
+                    log.warning("worker %s lost: silent for %.1f s; its %d sequences continue elsewhere",
+                                name, silent_s, held)
+                self.sched.lost.clear()
             if self.backlog:
                 self.flush_backlog()
             if (ready or ticked) and not self.backlog:  # no new work while output waits
