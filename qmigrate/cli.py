@@ -338,6 +338,8 @@ def role(
     config: Annotated[Path, typer.Option("--config")],
     stdin: Annotated[bool, typer.Option("--stdin")] = False,
     exit_when_done: Annotated[bool, typer.Option("--exit-when-done")] = False,
+    wait_for_workers: Annotated[int, typer.Option("--wait-for-workers", min=0, help="Ingest: submit nothing "
+                                                  "until this many workers have joined the router.")] = 0,
     log_level: LogLevel = "warning",
 ):
     """Run one role in this process (used by `node` and `sim`)."""
@@ -357,7 +359,8 @@ def role(
     try:
         _secure(topo, node)
         if role is Role.ingest:
-            code = module.run(topo, name, read_stdin=stdin, exit_when_done=exit_when_done)
+            code = module.run(topo, name, read_stdin=stdin, exit_when_done=exit_when_done,
+                              wait_for_workers=wait_for_workers)
         elif role is Role.detokenizer:
             code = module.run(topo, name, exit_when_done=exit_when_done)
         else:

@@ -95,7 +95,7 @@ def _spawn(cmd: list[str], stdin) -> subprocess.Popen:
 
 
 def start_roles(topo: Topology, config_path: Path, roles: list[tuple[str, str]], *,
-                read_stdin: bool, log_level: str) -> list[Child]:
+                read_stdin: bool, log_level: str, wait_for_workers: int = 0) -> list[Child]:
     children = []
     serving = is_serving(topo)
     for role, name in roles:
@@ -104,6 +104,8 @@ def start_roles(topo: Topology, config_path: Path, roles: list[tuple[str, str]],
         if read_stdin and role == "ingest":
             extra += ["--stdin"] + ([] if serving else ["--exit-when-done"])
             stdin = None  # the ingest process reads this process's stdin
+        if role == "ingest" and wait_for_workers:
+            extra += ["--wait-for-workers", str(wait_for_workers)]
         if read_stdin and role == "detokenizer" and not serving:
             extra.append("--exit-when-done")
         cmd = role_command(config_path, role, name, *extra)
@@ -192,15 +194,14 @@ def run_node(topo: Topology, config_path: Path, node: str, *, read_stdin: bool,
     try:
         roles = topo.roles_on(node)
         has_detok = any(role == "detokenizer" for role, _ in roles)
-        # With wait_for_workers, prompts are read only once every worker has joined the router,
-        # so a short run is spread over the whole fleet instead of the first worker up.
-        late = [r for r in roles if r[0] == "ingest"] if wait_for_workers else []
-        early = [r for r in roles if r not in late]
-        children += start_roles(topo, config_path, early, read_stdin=read_stdin, log_level=log_level)
-        if late:
-            if not wait_for_fleet(topo, children, len(topo.workers)):
-                return 1
-            children += start_roles(topo, config_path, late, read_stdin=read_stdin, log_level=log_level)
+        # With wait_for_workers, ingest submits nothing until every worker has joined the router,
+        # so a short run is spread over the whole fleet instead of the first worker up. It
+        # starts with the others all the same, and loads its tokenizer while they load the model.
+        num_workers = len(topo.workers) if wait_for_workers else 0
+        children += start_roles(topo, config_path, roles, read_stdin=read_stdin, log_level=log_level,
+                                wait_for_workers=num_workers)
+        if num_workers and not wait_for_fleet(topo, children, num_workers):
+            return 1
         has_router = any(role == "router" for role, _ in roles)
         progress = RouterProgress(topo) if read_stdin and has_router else None
         try:

@@ -36,7 +36,7 @@ ZAP_REBIND_S = 2.0  # how long a new ZAP handler waits for the old one's address
 SENDERS: dict[str, dict[type, tuple[str, ...]]] = {
     "router": {P.Hello: ("worker", "ingest"), P.Heartbeat: ("worker",), P.WorkRequest: ("worker",),
                P.StepResult: ("worker",), P.Tokens: ("worker",), P.Submit: ("ingest",),
-               P.Drain: ("operator",), P.StatsRequest: ("operator",), P.Cancel: ("ingest",),
+               P.Drain: ("operator",), P.StatsRequest: ("operator", "ingest"), P.Cancel: ("ingest",),
                P.Resync: ("detokenizer",), P.Printed: ("detokenizer",)},
     # Everything for the detokenizer comes through the router (see roles/router.py).
     "detokenizer": {P.Tokens: ("router",), P.RequestMeta: ("router",), P.RequestError: ("router",),

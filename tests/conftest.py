@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import socket
@@ -54,6 +55,16 @@ def qmigrate():
 TIE = 1e-4  # logits this close are a numerical tie: fp32 summation order may pick either
 
 
+_REFERENCE_TOKENS: dict[str, dict[tuple, list[int]]] = {}
+
+
+@functools.lru_cache(maxsize=4)
+def _reference_model(model_dir: str):
+    import torch
+    from transformers import AutoModelForCausalLM
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
 def greedy_reference(model_dir):
     """A checker of pipeline output against transformers' own greedy generate().
 
@@ -62,13 +73,16 @@ def greedy_reference(model_dir):
     the token generate() produced must lie within TIE of each other (after that point the
     two continuations are different texts, so nothing later is compared)."""
     import torch
-    from transformers import AutoModelForCausalLM
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model = _reference_model(str(model_dir))
+    generated = _REFERENCE_TOKENS.setdefault(str(model_dir), {})
 
     def check(prompt_ids: list[int], max_new_tokens: int, got: list[int], label: str = "") -> None:
-        with torch.no_grad():
-            out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=max_new_tokens, do_sample=False)
-        expected = out[0, len(prompt_ids):].tolist()
+        key = (tuple(prompt_ids), max_new_tokens)
+        if key not in generated:  # tests share prompts: each is generated once a session
+            with torch.no_grad():
+                out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=max_new_tokens, do_sample=False)
+            generated[key] = out[0, len(prompt_ids):].tolist()
+        expected = generated[key]
         if got == expected:
             return
         i = next((k for k, (a, b) in enumerate(zip(got, expected)) if a != b), min(len(got), len(expected)))

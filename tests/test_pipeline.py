@@ -120,7 +120,7 @@ def test_bad_requests_get_an_error_record_and_deltas_join_to_the_final_text(tmp_
 
 
 def test_text_mode_streams_every_request(tiny_model_dir, qmigrate):
-    run = qmigrate("sim", "--workers", "2", "--model", str(tiny_model_dir), "--max-new-tokens", "8",
+    run = qmigrate("sim", "--workers", "1", "--model", str(tiny_model_dir), "--max-new-tokens", "8",
                    stdin="Hello\nTell me a story\n\n")
     assert run.returncode == 0, run.stderr[-3000:]
     assert re.search(r"^\[1\] <done: length, 8 tokens>$", run.stdout, re.M), run.stdout
@@ -129,6 +129,6 @@ def test_text_mode_streams_every_request(tiny_model_dir, qmigrate):
 
 
 def test_no_stdin_exits_cleanly(tiny_model_dir, qmigrate):
-    run = qmigrate("sim", "--model", str(tiny_model_dir), stdin="")
+    run = qmigrate("sim", "--workers", "1", "--model", str(tiny_model_dir), stdin="")
     assert run.returncode == 0, run.stderr[-3000:]
     assert run.stdout == ""

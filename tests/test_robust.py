@@ -223,3 +223,50 @@ def test_fifty_thousand_prompts_keep_the_router_bounded(topo):
     assert taken == 64 and len(router.sched.seqs) == 64 and len(router.outputs) == 64
     assert router.outputs.specs.keys() == router.sched.seqs.keys()
     assert grown < 16 << 20, f"the process grew by {grown >> 20} MiB while the router refused prompts"
+
+
+def test_ingest_holds_prompts_until_the_fleet_has_joined(topo, tmp_path):
+    """`sim` starts ingest with the other roles, so it loads its tokenizer while workers load
+    the model, but it submits nothing until every worker has joined: a short run is then
+    spread over the whole fleet instead of the first worker up."""
+    import subprocess
+    import sys
+    import time
+
+    import yaml
+
+    from qmigrate.roles.router import Router
+    path = tmp_path / "topo.yaml"
+    data = topo.to_dict()
+    data["ingest"]["input"] = "jsonl"
+    path.write_text(yaml.safe_dump(data))
+    router = Router(topo)
+    asked = []
+    on_stats = router.handlers[P.StatsRequest]
+    router.handlers[P.StatsRequest] = lambda sender, msg: (asked.append(sender), on_stats(sender, msg))
+    ingest = subprocess.Popen([sys.executable, "-m", "qmigrate", "role", "ingest", "ingest", "--config", str(path),
+                               "--stdin", "--wait-for-workers", "1"], stdin=subprocess.PIPE, text=True,
+                              stderr=subprocess.PIPE)
+    worker = transport.socket(zmq.DEALER, connect=topo.endpoint("router").connect, identity="w1")
+
+    def pump(seconds: float, until=lambda: False) -> None:
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline and not until():
+            if router.work.poll(20):
+                router.drain_socket()
+
+    try:
+        ingest.stdin.write('{"id": "a", "prompt_ids": [1, 5, 6], "max_new_tokens": 3}\n')
+        ingest.stdin.flush()
+        pump(60, until=lambda: len(asked) >= 3)  # it is up and asking
+        pump(0.5)
+        assert len(asked) >= 3, "ingest never asked how many workers joined"
+        assert not router.sched.seqs, "ingest submitted before any worker joined"
+        transport.send(worker, P.Hello("worker", "w1", info={"max_seqs": 4}))
+        pump(30, until=lambda: bool(router.sched.seqs))
+        assert len(router.sched.seqs) == 1, "ingest never submitted after the worker joined"
+    finally:
+        ingest.kill()
+        ingest.communicate()
+        worker.close(linger=0)
+        _close_router(router)

@@ -35,10 +35,11 @@ log = logging.getLogger("qmigrate.ingest")
 SUBMIT_BATCH = 64
 ACK_TIMEOUT_S = 5.0
 STARTUP_TIMEOUT_S = 30.0
+WORKERS_POLL_S = 0.2
 
 
 class Ingest:
-    def __init__(self, topo, read_stdin: bool):
+    def __init__(self, topo, read_stdin: bool, wait_for_workers: int = 0):
         cfg = topo.ingest
         self.mode = cfg.input
         self.chat = cfg.chat
@@ -78,6 +79,10 @@ class Ingest:
         self.num_requests = 0
         self.closed_sent = False
         self.rng = random.SystemRandom()
+        # Submit nothing until this many workers have joined, so a short run is spread over the
+        # whole fleet; prompts are read and tokenized meanwhile. 0: submit at once.
+        self.wait_for_workers = wait_for_workers
+        self.asked_at = 0.0
 
     def hello(self) -> None:
         transport.send(self.router, P.Hello("ingest", "ingest"))
@@ -104,7 +109,10 @@ class Ingest:
         while True:
             self.take_lines()
             self.take_http()
-            self.submit()
+            if self.wait_for_workers:
+                self.ask_for_workers()
+            else:
+                self.submit()
             ready = dict(poller.poll(20))
             if self.router in ready:
                 self.on_router()
@@ -226,9 +234,16 @@ class Ingest:
                                              P.pack_u8([b[2] for b in batch]), [b[3] for b in batch]))
         self.in_flight, self.sent_at, self.awaiting_ack = len(batch), now, True
 
+    def ask_for_workers(self) -> None:
+        if (now := time.monotonic()) - self.asked_at >= WORKERS_POLL_S:
+            transport.send(self.router, P.StatsRequest())
+            self.asked_at = now
+
     def on_router(self) -> None:
         while (got := transport.recv(self.router, 0)) is not None:
             msg = got[1]
+            if isinstance(msg, P.Stats) and msg.counters.get("workers", 0) >= self.wait_for_workers:
+                self.wait_for_workers = 0
             if isinstance(msg, P.SubmitAck) and self.awaiting_ack:
                 taken = max(0, min(msg.num_accepted, self.in_flight))
                 cancel = []
@@ -261,5 +276,5 @@ class Ingest:
             transport.send(self.feed, P.FeedAck(accepted), to=sender)
 
 
-def run(topo, name: str, read_stdin: bool = False, exit_when_done: bool = False) -> int:
-    return run_until_fatal(lambda: Ingest(topo, read_stdin).serve_forever(exit_on_eof=exit_when_done))
+def run(topo, name: str, read_stdin: bool = False, exit_when_done: bool = False, wait_for_workers: int = 0) -> int:
+    return run_until_fatal(lambda: Ingest(topo, read_stdin, wait_for_workers).serve_forever(exit_on_eof=exit_when_done))
