@@ -174,7 +174,7 @@ def _keep_busy_until_w3_joins(path, router, timeout: float = 120.0) -> list[dict
             assert stats.get("live", 0) > 0, f"w3 joined an idle fleet: {stats}"
             return fed
         if stats and stats.get("live", 0) < 8:
-            wave = _prompts(100 + len(fed), f"a{len(fed)}-", n=8, new_tokens=300)
+            wave = _prompts(100 + len(fed), f"a{len(fed)}-", n=8, new_tokens=200)
             _feed(path, wave)
             fed += wave
         time.sleep(0.1)
@@ -184,7 +184,7 @@ def _keep_busy_until_w3_joins(path, router, timeout: float = 120.0) -> list[dict
 def test_join_and_drain_under_load_lose_nothing(fleet, tiny_model_dir):
     """The head runs as a service (no --stdin): prompts arrive by `qmigrate feed`."""
     path, start, router = fleet
-    second = _prompts(12, "b", n=16, new_tokens=100)
+    second = _prompts(12, "b", n=8, new_tokens=80)
     head = start("head")
     _wait_for("the first two workers", lambda s: s.get("workers") == 2, router)
     late = start("late")  # loads its model while the fleet works
@@ -195,7 +195,7 @@ def test_join_and_drain_under_load_lose_nothing(fleet, tiny_model_dir):
     _feed(path, second)
     _wait_for("w3 to own sequences", lambda s: s.get("owned_w3", 0) > 0, router)
     # Fresh long requests, so w1 is mid-way through work when the drain lands.
-    third = _prompts(13, "c", n=8, new_tokens=300)
+    third = _prompts(13, "c", n=8, new_tokens=200)
     _feed(path, third)
     _wait_for("w1 to hold several unfinished sequences",
               lambda s: s.get("owned_w1", 0) >= 2 and s.get("live", 0) >= 8, router)
