@@ -55,6 +55,8 @@ class PathResult:
     ttft_s: list[float] = field(default_factory=list)
     tpot_s: list[float] = field(default_factory=list)
     migrations: dict[str, int] = field(default_factory=dict)
+    move_delay_ms: dict[str, float] = field(default_factory=dict)  # router's p50/max per cause
+    longest_request_s: float = 0.0  # start to last token of the longest request: a floor of the run
 
     @property
     def tok_per_s(self) -> float:
@@ -65,7 +67,8 @@ class PathResult:
         return {"seconds": self.seconds, "useful_tokens": self.useful_tokens, "tok_per_s": self.tok_per_s,
                 "ttft_p50_s": pct(self.ttft_s, 50), "ttft_p99_s": pct(self.ttft_s, 99),
                 "tpot_p50_ms": _ms(pct(self.tpot_s, 50)), "tpot_p99_ms": _ms(pct(self.tpot_s, 99)),
-                "migrations": self.migrations}
+                "migrations": self.migrations, "move_delay_ms": self.move_delay_ms,
+                "longest_request_s": self.longest_request_s}
 
 
 def _ms(x):
@@ -93,7 +96,10 @@ class Timeline:
     def result(self, name: str, end: float, migrations=None) -> PathResult:
         ttft = [f - self.t0 for f in self.first]
         tpot = [(l - f) / (n - 1) for f, l, n in zip(self.first, self.last, self.lengths) if n > 1]
-        return PathResult(name, end - self.t0, sum(self.lengths), ttft, tpot, migrations or {})
+        longest = max(self.lengths, default=0)
+        floor = max((l - self.t0 for l, n in zip(self.last, self.lengths) if n == longest), default=0.0)
+        return PathResult(name, end - self.t0, sum(self.lengths), ttft, tpot, migrations or {},
+                          longest_request_s=floor)
 
 
 class Progress:
@@ -308,7 +314,15 @@ def run_pipeline(model_path: str, devices: list[str], dtype: str, requests, max_
                 if busy + idle > 0:
                     print(f"  {w.name}: {busy / (busy + idle):.0%} of its time running steps, "
                           f"{idle / (busy + idle):.0%} waiting for a batch", file=sys.stderr)
-            return timeline.result(name, end, {k: v for k, v in moves.items() if v})
+            result = timeline.result(name, end, {k: v for k, v in moves.items() if v})
+            result.move_delay_ms = {k.removeprefix("move_delay_ms_"): v for k, v in after.items()
+                                    if k.startswith("move_delay_ms_")}
+            if result.move_delay_ms:
+                print("  move delay, decision to the first lease on the new worker (ms): "
+                      + ", ".join(f"{k} {v:g}" for k, v in sorted(result.move_delay_ms.items())), file=sys.stderr)
+            print(f"  the longest request ({max(n for _, n in requests)} tokens) ended {result.longest_request_s:.2f} s "
+                  f"into the run's {result.seconds:.2f} s", file=sys.stderr)
+            return result
         finally:
             stop(children)
             collector.close(linger=0)

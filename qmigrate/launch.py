@@ -318,6 +318,8 @@ def run_sim(topo: Topology, model_path: str, log_level: str = "warning") -> int:
         local = single_node(topo, tmp, model_path)
         path = Path(tmp) / "topology.yaml"
         dump_topology(local, path)
+        if sys.stderr.isatty():  # an operator at a terminal may want to look inside
+            print(f"qmigrate: live view: qmigrate status {path}", file=sys.stderr)
         return run_node(local, path, "local", read_stdin=True, log_level=log_level, wait_for_workers=True)
     except Interrupted as exc:
         print(f"qmigrate: stopped by signal {exc.signum}", file=sys.stderr)

@@ -202,3 +202,18 @@ def test_the_worker_streams_a_multi_step_lease_and_takes_a_revoke_between_steps(
     assert result.lease_id == 7 and counts[0] == counts[1] and counts[0] in (1, 2)
     assert streamed[1] == streamed[2] and len(streamed[1]) == counts[0]  # same prompt, greedy
     assert worker.loop.num_revokes_ignored == 1
+
+
+def test_bench_timeline_reports_the_longest_request_as_a_floor_of_the_run():
+    from qmigrate.bench import Timeline
+    t = Timeline([3, 1, 3], t0=10.0)
+    t.add(0, 1, 10.5)
+    t.add(1, 1, 10.6)
+    t.add(2, 1, 10.7)
+    t.add(0, 2, 11.0)   # request 0 (3 tokens) ends at 1.0 s
+    t.add(2, 2, 12.5)   # request 2 (3 tokens) ends at 2.5 s: the later of the two longest
+    r = t.result("pipeline", end=12.6)
+    assert r.longest_request_s == pytest.approx(2.5)
+    assert r.summary()["longest_request_s"] == pytest.approx(2.5)
+    assert r.ttft_s == pytest.approx([0.5, 0.6, 0.7])
+    assert r.tpot_s == pytest.approx([0.25, 0.9])

@@ -79,8 +79,8 @@ class Ingest:
         self.num_requests = 0
         self.closed_sent = False
         self.rng = random.SystemRandom()
-        # Submit nothing until this many workers have joined, so a short run is spread over the
-        # whole fleet; prompts are read and tokenized meanwhile. 0: submit at once.
+        # Submit no prompt until this many workers have joined, so a short run is spread over
+        # the whole fleet; prompts are read and tokenized meanwhile. 0: submit at once.
         self.wait_for_workers = wait_for_workers
         self.asked_at = 0.0
 
@@ -109,7 +109,7 @@ class Ingest:
         while True:
             self.take_lines()
             self.take_http()
-            if self.wait_for_workers:
+            if self.wait_for_workers and self.pending:  # errors and the end of input need no worker
                 self.ask_for_workers()
             else:
                 self.submit()
