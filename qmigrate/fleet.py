@@ -43,6 +43,7 @@ class Seq:
     queue_key: object = None       # the owner it is queued under; _OUT when not queued
     queue_pos: int = 0             # its place in the router's order: lower runs first
     lost_at: float | None = None   # when the worker holding it was found dead
+    revoked_at: float | None = None  # from a lease that load balancing revoked: since when
     # Set when a worker vanished holding this sequence: tokens it reported here may never
     # have reached the detokenizer, so the next worker sends them again.
     resync: bool = False
@@ -119,6 +120,7 @@ class LeaseRecord:
     deadline: float
     num_steps: int = 1
     is_revoked: bool = False  # a Revoke went out: it ends at the worker's next step boundary
+    revoked_at: float | None = None  # when, if load balancing revoked it (for the move delay)
 
 
 @dataclass(slots=True)

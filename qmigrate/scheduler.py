@@ -60,9 +60,9 @@ class Scheduler:
         revokes, self.revokes = self.revokes, []
         return revokes
 
-    def _revoke_steps(self, w: WorkerState, seq_ids: list[int] | None = None) -> None:
+    def _revoke_steps(self, w: WorkerState, seq_ids: list[int] | None = None, *, for_load_at: float | None = None) -> None:
         """End w's multi-step leases at its next step boundary; with seq_ids, end every lease
-        of w that holds one of them."""
+        of w that holds one of them. for_load_at: when load balancing decided it."""
         for lease_id in w.lease_ids:
             lease = self.leases[lease_id]
             if lease.is_revoked:
@@ -70,7 +70,7 @@ class Scheduler:
             rows = [] if seq_ids is None else sorted(set(seq_ids).intersection(lease.seq_ids))
             if (seq_ids is None and lease.num_steps <= 1) or (seq_ids is not None and not rows):
                 continue
-            lease.is_revoked = True
+            lease.is_revoked, lease.revoked_at = True, for_load_at
             self.revokes.append((w.name, lease_id, rows))
             self.counters["revokes"] += 1
 
@@ -214,7 +214,7 @@ class Scheduler:
         chained = chainable[: max(0, min(max_seqs - queued, budget))]
         rows += [Row(seq.seq_id, CONTINUE, CONTINUE, None) for seq in chained]
         if len(rows) < max_seqs:
-            self._feed_from_leases(w, quota, max_seqs - len(rows))
+            self._feed_from_leases(w, quota, max_seqs - len(rows), now)
         if not rows:
             return None
         lease_id = next(self._lease_ids)
@@ -251,7 +251,7 @@ class Scheduler:
                 limit = min(limit, seq.spec.prompt_len + seq.spec.max_new_tokens - len(seq.token_ids))
         return max(1, limit)
 
-    def _feed_from_leases(self, w: WorkerState, quota: Counter[str], room: int) -> None:
+    def _feed_from_leases(self, w: WorkerState, quota: Counter[str], room: int, now: float) -> None:
         """w has room that the queue cannot fill: revoke rows of other workers' multi-step
         leases that load balancing would move to it, so they come back at the next step."""
         for name, n in quota.items():
@@ -260,7 +260,7 @@ class Scheduler:
                     self.leases[i].num_steps > 1 and not self.leases[i].is_revoked for i in other.lease_ids):
                 continue
             take = [seq.seq_id for seq in self._held(other)][-min(n, room):]
-            self._revoke_steps(other, take)
+            self._revoke_steps(other, take, for_load_at=now)
             room -= len(take)
 
     def _kv_room(self, w: WorkerState, held: list[Seq], free_kv_tokens: int | None) -> float:
@@ -320,11 +320,14 @@ class Scheduler:
         return out
 
     def _lease_row(self, seq: Seq, w: WorkerState, cause, mechanism, shipments, now: float) -> Row:
+        revoked_at, seq.revoked_at = seq.revoked_at, None
         if seq.owner == w.name:
             return Row(seq.seq_id, len(seq.token_ids), seq.token_ids[-1], None)
         if seq.lost_at is not None:
             self.move_delays.append(("dead", now - seq.lost_at))
             seq.lost_at = None
+        if cause == "load":  # from the revoke that sent it back; a queued one moves as decided
+            self.move_delays.append(("load", 0.0 if revoked_at is None else now - revoked_at))
         kv_from, transfer_id = "", 0
         if cause is not None:
             owner = self.workers[seq.owner]
@@ -404,6 +407,7 @@ class Scheduler:
             if chained is not None and chained in self.leases:
                 seq.lease_id = chained  # the next step is already at this worker
             else:
+                seq.revoked_at = lease.revoked_at
                 back.append(seq)
         self.queue.extend(back)
         for sid in lease.seq_ids:  # rows the worker failed to report

@@ -184,6 +184,11 @@ def test_help_reads_whole_at_80_columns():
     assert "--steps-per-dispatch" in bench and "--decode-step" in bench and "…" not in bench
 
 
+def test_bench_faults_needs_four_workers_and_says_so():
+    result = CliRunner().invoke(app, ["bench", "--faults", "--workers", "3", "--paths", "pipeline"])
+    assert result.exit_code == 2 and "--faults needs --workers 4 or more" in result.output, result.output
+
+
 def test_progress_line_redraws_on_a_terminal_and_is_silent_otherwise():
     from qmigrate.progress import ProgressLine
 

@@ -1061,16 +1061,17 @@ def test_an_idle_worker_gets_rows_revoked_from_a_busy_one():
     ahead = s.schedule("w0", 16, 1 << 20, 0.0, ahead=True)  # the chained next lease
     assert busy.num_steps == 8 and ahead.num_steps == 8 and len(ahead.rows) == 12
     join(s, "w1", max_seqs=16)  # joins while w0 runs both
-    assert ask(s, "w1") is None  # nothing queued for it...
+    assert ask(s, "w1", now=2.0) is None  # nothing queued for it...
     ends = revoked(s)  # ...so half the gap comes back from w0 at its next step
     assert set(ends) == {busy.lease_id, ahead.lease_id}
     moving = ends[busy.lease_id]
     assert len(moving) == 6 and ends[ahead.lease_id] == moving
     report(s, busy)  # the running lease ends after one step; every row chains on
     report(s, ahead)  # and so does the chained one, after its first step
-    taken = ask(s, "w1")
+    taken = ask(s, "w1", now=2.5)
     assert len(full_ids(taken)) == 6 and set(full_ids(taken)) <= set(range(1, 13))
     assert migrations(s)["migrations_load"] == 6
+    assert list(s.move_delays) == [("load", 0.5)] * 6  # from the revoke to the new worker's lease
     check_invariants(s)
 
 

@@ -378,7 +378,7 @@ def test_two_nodes_over_loopback_with_security_on(tmp_path, tiny_model_dir):
 
 
 def test_bench_curve_path_runs_a_secured_loopback_topology(tmp_path):
-    from qmigrate.bench import _over_tcp
+    from qmigrate.bench_pipeline import _over_tcp
     data = {"transport": "ipc", "ipc_dir": str(tmp_path), "nodes": [{"name": "local"}],
             "router": {"node": "local"}, "ingest": {"node": "local"}, "detokenizer": {"node": "local"},
             "workers": [{"name": "w1", "node": "local"}, {"name": "w2", "node": "local"}]}
