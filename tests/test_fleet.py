@@ -16,8 +16,11 @@ import time
 import pytest
 import yaml
 
+from typer.testing import CliRunner
+
 from qmigrate import protocol as P
 from qmigrate import transport
+from qmigrate.cli import app
 from conftest import check_outputs, free_ports
 
 pytestmark = pytest.mark.timeout(300)
@@ -200,9 +203,10 @@ def test_join_and_drain_under_load_lose_nothing(fleet, tiny_model_dir):
     _wait_for("w1 to hold several unfinished sequences",
               lambda s: s.get("owned_w1", 0) >= 2 and s.get("live", 0) >= 8, router)
 
-    drain = subprocess.run([sys.executable, "-m", "qmigrate", "drain", str(path), "--worker", "w1"],
-                           capture_output=True, text=True, timeout=30)
-    assert drain.returncode == 0 and "draining w1" in drain.stdout, drain.stderr
+    # The CLI in this process: a new interpreter would start too slowly on a busy machine,
+    # and w1 could finish what it holds before the drain arrived, leaving nothing to move.
+    drain = CliRunner().invoke(app, ["drain", str(path), "--worker", "w1"])
+    assert drain.exit_code == 0 and "draining w1" in drain.output, drain.output
     _wait_for("w1 to be drained and released", lambda s: s.get("workers") == 2 and s.get("owned_w1", 1) == 0,
               router)
     deadline = time.monotonic() + 30
