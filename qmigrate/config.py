@@ -4,97 +4,21 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import math
 import re
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any, Mapping
 
 import yaml
+
+from .config_rules import ConfigError  # noqa: F401 -- the rest of the package imports it from here
+from .config_rules import (_boolean, _count, _device, _f, _host, _is_int, _metrics_port, _name, _non_negative,
+                           _number, _one_of, _optional_host, _optional_port, _optional_text, _port, _positive,
+                           _rule, _Section, _text)
 
 DEFAULT_KV_PORT = 5560
 # sun_path is 108 bytes on Linux, including the terminating NUL.
 MAX_IPC_PATH = 107
-
-
-class ConfigError(ValueError):
-    """An invalid topology: `field` is the dotted path ("workers[1].device") or None."""
-
-    def __init__(self, field: str | None, reason: str, source: str | None = None):
-        self.field, self.reason, self.source = field, reason, source
-        super().__init__(": ".join(p for p in (source, field, reason) if p))
-
-    def within(self, prefix: str) -> ConfigError:
-        return ConfigError(f"{prefix}.{self.field}" if self.field else prefix, self.reason, self.source)
-
-
-class _Invalid(Exception):
-    """Raised by a field check with what was expected."""
-
-
-def _rule(expected: str, ok: Callable[[Any], bool], convert: Callable[[Any], Any] = lambda v: v):
-    def check(value: Any) -> Any:
-        if ok(value):
-            return convert(value)
-        raise _Invalid(expected)
-    return check
-
-
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _number(expected: str, ok: Callable[[float], bool]) -> Callable[[Any], float]:
-    return _rule(expected, lambda v: (_is_int(v) or isinstance(v, float)) and math.isfinite(v) and ok(v), float)
-
-
-def _one_of(*options: str) -> Callable[[Any], str]:
-    quoted = [repr(o) for o in options]
-    expected = " or ".join(quoted) if len(quoted) == 2 else "one of " + ", ".join(quoted)
-    return _rule(expected, lambda v: isinstance(v, str) and v in options)
-
-
-def _text(pattern: str, expected: str) -> Callable[[Any], str]:
-    return _rule(expected, lambda v: isinstance(v, str) and re.fullmatch(pattern, v) is not None)
-
-
-_port = _rule("an integer 1..65535", lambda v: _is_int(v) and 1 <= v <= 65535)
-_optional_port = _rule("an integer 1..65535 or null", lambda v: v is None or _is_int(v) and 1 <= v <= 65535)
-_metrics_port = _rule("an integer 1..65535, or 0 or null for none",
-                      lambda v: v is None or _is_int(v) and 0 <= v <= 65535)
-_count = _rule("an integer >= 1", lambda v: _is_int(v) and v >= 1)
-_non_negative = _rule("an integer >= 0", lambda v: _is_int(v) and v >= 0)
-_positive = _number("a number > 0", lambda x: x > 0)
-_boolean = _rule("true or false", lambda v: isinstance(v, bool))
-_optional_text = _rule("a non-empty string or null", lambda v: v is None or (isinstance(v, str) and v != ""))
-# Names end up in ipc socket paths, log file names and shell commands.
-_name = _text(r"([A-Za-z0-9][A-Za-z0-9_.-]*)?", "a name of letters, digits, '.', '_' or '-'")
-_host = _text(r"[^\s/]+", "a host name or IP address")
-_optional_host = _rule("a host name or IP address, or null",
-                       lambda v: v is None or isinstance(v, str) and re.fullmatch(r"[^\s/]+", v) is not None)
-_device = _text(r"cpu|cuda(:\d+)?", "'cpu', 'cuda' or 'cuda:N'")
-
-
-def _f(default: Any, check: Callable[[Any], Any]) -> Any:
-    return field(default=default, metadata={"check": check})
-
-
-class _Section:
-    __slots__ = ()
-
-    def __post_init__(self) -> None:
-        for f in fields(self):
-            check = f.metadata.get("check")
-            if check is not None:
-                value = getattr(self, f.name)
-                try:
-                    setattr(self, f.name, check(value))
-                except _Invalid as e:
-                    raise ConfigError(f.name, f"expected {e}, got {value!r}") from None
-        self.validate()
-
-    def validate(self) -> None:
-        pass
 
 
 @dataclass(slots=True)
