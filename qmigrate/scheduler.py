@@ -297,19 +297,26 @@ class Scheduler:
 
     def _candidates(self, w: WorkerState, quota: Counter[str], limit: int) -> list[tuple[Seq, str | None]]:
         """Up to `limit` queued sequences this worker may run, best first, with the migration
-        cause: its own, then those held nowhere, then those that should leave their owner."""
+        cause: those that must leave a draining or memory-short owner (their owner will not
+        run them again, so they would wait the longest), its own, those held nowhere, then
+        those that load balancing would move to it."""
         # Short of memory: it leaves its own sequences to whoever may take them (cause "memory").
         shedding = self.config.migrate_on_memory and w.is_memory_short and any(
             o.alive and not o.draining and o.may_prefill for o in self.workers.values() if o is not w)
-        out = [] if shedding else [(seq, None) for seq in itertools.islice(self.queue.of(w.name).values(), limit)]
-        if len(out) < limit:
-            out += [(seq, None) for seq in itertools.islice(self.queue.of(None).values(), limit - len(out))]
-        movable = []
+        urgent, movable = [], []
         for owner, queued in self.queue.by_owner.items():
             other = self.workers.get(owner) if owner is not None else None
-            if other is not None and other is not w and self.moves.cause(other, quota) is not None:
-                movable.append(queued.values())
-        for seq in heapq.merge(*movable, key=lambda seq: seq.queue_pos):
+            if other is not None and other is not w and (cause := self.moves.cause(other, quota)) is not None:
+                (urgent if cause in ("drain", "memory") and w.may_prefill else movable).append(queued.values())
+        out = self._merged(urgent, quota, limit, [])
+        if not shedding:
+            out += [(seq, None) for seq in itertools.islice(self.queue.of(w.name).values(), limit - len(out))]
+        out += [(seq, None) for seq in itertools.islice(self.queue.of(None).values(), max(0, limit - len(out)))]
+        return self._merged(movable, quota, limit, out)
+
+    def _merged(self, queues: list, quota: Counter[str], limit: int, out: list) -> list[tuple[Seq, str | None]]:
+        """out, then the sequences of these owners' queues in the router's order, with their cause."""
+        for seq in heapq.merge(*queues, key=lambda seq: seq.queue_pos):
             if len(out) >= limit:
                 break
             owner = self.workers[seq.owner]

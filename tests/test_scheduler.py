@@ -1106,3 +1106,33 @@ def test_the_delay_from_a_decision_to_move_to_the_new_workers_lease_is_recorded(
     s.expire(20.0)  # w1 silent since 11.5: found dead at 20.0
     assert row_ids(ask(s, "w2", now=20.125)) == [3]
     assert list(s.move_delays)[-1] == ("dead", 0.125)
+
+
+def test_a_drained_workers_sequences_go_before_the_takers_own_queue():
+    """With every place full, sequences of a draining worker would otherwise wait behind the
+    other workers' own queued work for as long as there is any: the drain would never end."""
+    s = make_sched(max_lease_steps=1, migration="recompute")
+    join(s, "w0"), join(s, "w1")
+    give(s, "w0", [1, 2])
+    give(s, "w1", [3, 4])
+    s.drain("w0", now=1.0)
+    g = ask(s, "w1", now=1.5, max_seqs=2)
+    assert sorted(row_ids(g)) == [1, 2] and sorted(full_ids(g)) == [1, 2]  # w1's own 3, 4 wait a step
+    assert migrations(s) == {"migrations_drain": 2, "migrations_by_recompute": 2}
+    report(s, g, now=1.5)
+    assert s.is_drained("w0")
+    assert sorted(row_ids(ask(s, "w1", now=2.0, max_seqs=4))) == [1, 2, 3, 4]
+    check_invariants(s)
+
+
+def test_a_memory_short_taker_keeps_its_own_work_first():
+    """A worker that may take no new prefill takes nothing new, drained or not: its own
+    sequences still run."""
+    s = make_sched(max_lease_steps=1, migration="recompute")
+    join(s, "w0", gpu_uuid="GPU-0"), join(s, "w1", gpu_uuid="GPU-1")
+    give(s, "w0", [1])
+    give(s, "w1", [2])
+    s.drain("w0", now=1.0)
+    s.set_free_vram("GPU-1", 0.02, now=1.0)  # below the admission watermark only
+    assert not s.workers["w1"].may_prefill
+    assert row_ids(ask(s, "w1", now=1.5)) == [2]
