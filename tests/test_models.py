@@ -236,3 +236,30 @@ def test_load_model_cuda(tiny_dir):
     enc = tok(PROMPTS[0], return_tensors="pt").to("cuda")
     out = model.generate(**enc, max_new_tokens=8, do_sample=False)
     assert out.shape[1] > enc.input_ids.shape[1]
+
+
+def test_tokenizer_info_without_torch_matches_autotokenizer(tiny_model_dir, tmp_path):
+    """Ingest and the detokenizer read a generic fast tokenizer without AutoConfig, which
+    imports torch; what they get equals AutoTokenizer's. Anything else takes AutoTokenizer."""
+    import json
+    import shutil
+    import subprocess
+    import sys
+
+    from qmigrate.engine.models import _auto_tokenizer_info, _generic_tokenizer_info, load_tokenizer_info
+    fast, auto = _generic_tokenizer_info(tiny_model_dir), _auto_tokenizer_info(tiny_model_dir, False)
+    assert fast is not None and type(fast[0]) is type(auto[0]) and fast[1:] == auto[1:]
+    for text in ("Hello there 東京 🦀 café", "  two leading spaces", ""):
+        ids = auto[0](text).input_ids
+        assert fast[0](text).input_ids == ids and fast[0].decode(ids) == auto[0].decode(ids)
+    probe = ("import sys; from qmigrate.engine.models import load_tokenizer_info as f; "
+             f"print(f({str(tiny_model_dir)!r})[1:], 'torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "(512, [2]) False", out
+    # A tokenizer class of its own, or a nested text config: the general path, same answer.
+    other = tmp_path / "other"
+    shutil.copytree(tiny_model_dir, other)
+    config = json.loads((other / "tokenizer_config.json").read_text())
+    (other / "tokenizer_config.json").write_text(json.dumps({**config, "tokenizer_class": "LlamaTokenizer"}))
+    assert _generic_tokenizer_info(other) is None
+    assert load_tokenizer_info(other)[1:] == (512, [2])

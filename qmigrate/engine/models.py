@@ -11,10 +11,12 @@ import tempfile
 import zlib
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
-from safetensors.torch import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+if TYPE_CHECKING:
+    import torch  # the roles that only tokenize never import it
 
 UNK, BOS, EOS = "<unk>", "<s>", "</s>"
 SPECIAL_TOKENS = [UNK, BOS, EOS]  # ids 0, 1, 2
@@ -178,6 +180,7 @@ def _llama_config(vocab_size: int, shape: dict, dtype: torch.dtype, init_std: fl
 
 
 def _random_state_dict(config, seed: int, dtype: torch.dtype, std: float) -> dict[str, torch.Tensor]:
+    import torch
     """Weights ~ N(0, std), norms = 1; each tensor seeded by (seed, name) so tensors fill in parallel."""
     from transformers import LlamaForCausalLM
 
@@ -197,6 +200,7 @@ def _random_state_dict(config, seed: int, dtype: torch.dtype, std: float) -> dic
 
 
 def _save_model(config, state: dict[str, torch.Tensor], out_dir: Path) -> None:
+    from safetensors.torch import save_file
     from transformers import GenerationConfig
 
     config.save_pretrained(out_dir)
@@ -248,8 +252,9 @@ def build_tiny_model(out_dir: str | os.PathLike, *, seed: int = 0) -> Path:
 
     def write(tmp: Path) -> None:
         tok = _train_tokenizer(TINY_VOCAB_SIZE)
-        config = _llama_config(tok.get_vocab_size(), TINY_SHAPE, torch.float32, TINY_INIT_STD)
-        _save_model(config, _random_state_dict(config, seed, torch.float32, TINY_INIT_STD), tmp)
+        dtype = _parse_dtype("float32")
+        config = _llama_config(tok.get_vocab_size(), TINY_SHAPE, dtype, TINY_INIT_STD)
+        _save_model(config, _random_state_dict(config, seed, dtype, TINY_INIT_STD), tmp)
         _save_tokenizer(tok, tmp, TINY_SHAPE["max_position_embeddings"])
 
     return _build_atomically(out_dir, identity, write)
@@ -333,20 +338,18 @@ def fetch_hub_model(name: str) -> str:
                             f"Hugging Face hub failed: {reason.strip()}") from None
 
 
-_DTYPES = {
-    "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
-    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
-}
+_DTYPE_NAMES = {"float32": "float32", "fp32": "float32", "float": "float32", "bfloat16": "bfloat16",
+                "bf16": "bfloat16", "float16": "float16", "fp16": "float16", "half": "float16"}
 
 
 def _parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    import torch
     if isinstance(dtype, torch.dtype):
         return dtype
     try:
-        return _DTYPES[str(dtype).lower().removeprefix("torch.")]
+        return getattr(torch, _DTYPE_NAMES[str(dtype).lower().removeprefix("torch.")])
     except KeyError:
-        raise ValueError(f"unknown dtype {dtype!r}; use one of {sorted(_DTYPES)} or 'auto'") from None
+        raise ValueError(f"unknown dtype {dtype!r}; use one of {sorted(_DTYPE_NAMES)} or 'auto'") from None
 
 
 def _remote_code_error(path, exc: Exception) -> ModelLoadError | None:
@@ -358,6 +361,7 @@ def _remote_code_error(path, exc: Exception) -> ModelLoadError | None:
 
 def load_model(path: str | os.PathLike, device: str, dtype: str = "auto", *, trust_remote_code: bool = False):
     """Load (model, tokenizer); dtype "auto" means float32 on the CPU and bfloat16 on a GPU."""
+    import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
@@ -378,8 +382,58 @@ def load_model(path: str | os.PathLike, device: str, dtype: str = "auto", *, tru
     return model, tokenizer
 
 
+# Tokenizer classes AutoTokenizer resolves to transformers' generic fast tokenizer itself.
+_GENERIC_TOKENIZERS = ("TokenizersBackend", "PreTrainedTokenizerFast")
+
+
 def load_tokenizer_info(path: str | os.PathLike, trust_remote_code: bool = False):
     """(tokenizer, context length, EOS ids) for the roles that never run the model."""
+    found = _generic_tokenizer_info(Path(path))
+    if found is None:
+        found = _auto_tokenizer_info(path, trust_remote_code)
+    tokenizer, max_context, eos = found
+    # Ingest refuses a prompt too long for the context with its own per-request error; the
+    # tokenizer's warning about the same prompt would only leak to stderr.
+    tokenizer.model_max_length = 1 << 62
+    if eos is None:
+        eos = tokenizer.eos_token_id
+    eos_ids = sorted({eos} if isinstance(eos, int) else set(eos or ()))
+    return tokenizer, max_context, eos_ids
+
+
+def _generic_tokenizer_info(path: Path):
+    """The same as _auto_tokenizer_info, read from the files, for a checkpoint whose tokenizer
+    is transformers' generic fast tokenizer and whose config is a plain one (no code of its
+    own, no nested text config); None for any other. AutoConfig imports torch, which the
+    ingest and detokenizer processes then never need: they start seconds sooner."""
+    try:
+        tokenizer_config = json.loads((path / "tokenizer_config.json").read_text())
+        config = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    if (not isinstance(tokenizer_config, dict) or not isinstance(config, dict)
+            or tokenizer_config.get("tokenizer_class") not in _GENERIC_TOKENIZERS
+            or "auto_map" in tokenizer_config or "auto_map" in config or "text_config" in config
+            or not (path / "tokenizer.json").is_file()
+            or type(config.get("max_position_embeddings")) is not int or config["max_position_embeddings"] < 1):
+        return None
+    from transformers import PreTrainedTokenizerFast
+    try:
+        tokenizer = PreTrainedTokenizerFast.from_pretrained(str(path))
+    except Exception as exc:  # noqa: BLE001 -- any failure here means "cannot serve this model"
+        reason = (str(exc).strip().splitlines() or [""])[0]
+        raise ModelLoadError(f"cannot load tokenizer of {path}: {type(exc).__name__}: {reason}") from exc
+    eos = None
+    try:
+        eos = json.loads((path / "generation_config.json").read_text()).get("eos_token_id")
+    except (OSError, ValueError, AttributeError):  # none, or not a JSON object
+        pass
+    if eos is None:
+        eos = config.get("eos_token_id")
+    return tokenizer, config["max_position_embeddings"], eos
+
+
+def _auto_tokenizer_info(path, trust_remote_code: bool):
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
     try:
@@ -393,9 +447,6 @@ def load_tokenizer_info(path: str | os.PathLike, trust_remote_code: bool = False
     if hasattr(config, "get_text_config"):
         config = config.get_text_config()
     max_context = int(getattr(config, "max_position_embeddings", 0) or tokenizer.model_max_length)
-    # Ingest refuses a prompt too long for the context with its own per-request error; the
-    # tokenizer's warning about the same prompt would only leak to stderr.
-    tokenizer.model_max_length = 1 << 62
     eos = None
     try:
         eos = GenerationConfig.from_pretrained(str(path)).eos_token_id
@@ -403,7 +454,4 @@ def load_tokenizer_info(path: str | os.PathLike, trust_remote_code: bool = False
         pass
     if eos is None:
         eos = getattr(config, "eos_token_id", None)
-    if eos is None:
-        eos = tokenizer.eos_token_id
-    eos_ids = sorted({eos} if isinstance(eos, int) else set(eos or ()))
-    return tokenizer, max_context, eos_ids
+    return tokenizer, max_context, eos
