@@ -56,8 +56,10 @@ def fleet(tmp_path, tiny_model_dir):
         if stdin_text is not None:
             args.append("--stdin")
         # Files, not pipes: a pipe nobody reads while the test polls would stall the node.
-        out = open(tmp_path / f"{node}.out", "w+")
-        err = open(tmp_path / f"{node}.err", "w+")
+        # Append mode: the node shares these files' offset, and the test's seek(0) before a
+        # read must not move where the node writes (it overwrote output mid-run in "w+").
+        out = open(tmp_path / f"{node}.out", "a+")
+        err = open(tmp_path / f"{node}.err", "a+")
         proc = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=out, stderr=err, text=True,
                                 start_new_session=True)
         if stdin_text is not None:

@@ -352,7 +352,7 @@ def test_two_nodes_over_loopback_with_security_on(tmp_path, tiny_model_dir):
     path = tmp_path / "secure.yaml"
     path.write_text(yaml.safe_dump(data))
     prompts = [{"id": f"p{i}", "prompt_ids": [1, 5 + i, 70, 300 + i], "max_new_tokens": 4} for i in range(3)]
-    gpu_err = open(tmp_path / "gpu1.err", "w+")
+    gpu_err = open(tmp_path / "gpu1.err", "a+")
     gpu = subprocess.Popen([sys.executable, "-m", "qmigrate", "node", str(path), "--node", "gpu1"],
                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=gpu_err,
                            start_new_session=True)
