@@ -47,6 +47,18 @@ def run_qmigrate(*args: str, stdin: str = "", timeout: float = 180, env: dict | 
     return Run(proc.returncode, out, err)
 
 
+def stop_group(proc: subprocess.Popen, grace_s: float = 10.0) -> None:
+    """Stop a process the test started in a session of its own, and everything it started:
+    SIGTERM to its group, SIGKILL after grace_s. Never touches another process."""
+    if proc.poll() is None:
+        os.killpg(proc.pid, 15)
+        try:
+            proc.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, 9)
+            proc.wait()
+
+
 @pytest.fixture
 def qmigrate():
     return run_qmigrate

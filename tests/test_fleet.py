@@ -21,7 +21,7 @@ from typer.testing import CliRunner
 from qmigrate import protocol as P
 from qmigrate import transport
 from qmigrate.cli import app
-from conftest import check_outputs, free_ports
+from conftest import check_outputs, free_ports, stop_group
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -73,12 +73,7 @@ def fleet(tmp_path, tiny_model_dir):
     router = f"tcp://127.0.0.1:{ports[0]}"
     yield path, start, router
     for proc in procs:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
+        stop_group(proc)
 
 
 def _stats(router: str) -> dict:

@@ -9,10 +9,8 @@ Run: python -m pytest -q -m gpu tests/test_gpu_memory.py -s
 from __future__ import annotations
 
 import json
-import os
 import random
 import re
-import signal
 import subprocess
 import sys
 import time
@@ -20,6 +18,8 @@ import time
 import pytest
 import torch
 import yaml
+
+from conftest import stop_group
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow, pytest.mark.timeout(600),
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -32,16 +32,6 @@ held = torch.empty(max(0, free - keep), dtype=torch.uint8, device="cuda:0")
 print(f"held {held.numel() / 2**30:.2f} GiB of {total / 2**30:.1f} GiB", flush=True)
 time.sleep(600)
 """
-
-
-def _stop(proc) -> None:
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(20)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
 
 
 def test_a_process_grabbing_gpu_memory_makes_the_worker_shed_work(tmp_path, tiny_model_dir):
@@ -92,8 +82,8 @@ def test_a_process_grabbing_gpu_memory_makes_the_worker_shed_work(tmp_path, tiny
         out, err = node.communicate(timeout=400)
     finally:
         if hog is not None:
-            _stop(hog)
-        _stop(node)
+            stop_group(hog)
+        stop_group(node)
     assert node.returncode == 0, err[-3000:]
     assert "out of memory" not in err.lower() and "Traceback" not in err, err[-3000:]
     finals = {rec["id"]: rec for rec in map(json.loads, out.splitlines()) if rec.get("done")}

@@ -13,7 +13,7 @@ import time
 import pytest
 import yaml
 
-from conftest import check_outputs, free_ports
+from conftest import check_outputs, free_ports, stop_group
 from test_fleet import _feed, _pid_of, _prompts, _stats, _wait_for_output
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
@@ -76,10 +76,4 @@ def test_a_restarted_head_node_is_rejoined_by_the_running_workers(tmp_path, tiny
         assert "Traceback" not in gpu.err.read()
     finally:
         for proc in procs:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGTERM)
-                try:
-                    proc.wait(10)
-                except subprocess.TimeoutExpired:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                    proc.wait()
+            stop_group(proc)

@@ -4,8 +4,6 @@ detokenizer, one CPU worker) on the tiny model with a chat template."""
 from __future__ import annotations
 
 import json
-import os
-import signal
 import subprocess
 import sys
 import time
@@ -16,6 +14,7 @@ import yaml
 
 from qmigrate import protocol as P
 from qmigrate import transport
+from conftest import stop_group
 
 openai = pytest.importorskip("openai")
 pytestmark = pytest.mark.slow
@@ -84,13 +83,7 @@ class Node:
         pytest.fail(f"no final records for {done_ids}:\n{self.stdout.read_text()[-2000:]}")
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-        try:
-            self.proc.wait(15)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
+        stop_group(self.proc, grace_s=15)
 
 
 @pytest.fixture(scope="module")

@@ -246,13 +246,13 @@ def test_tokenizer_info_without_torch_matches_autotokenizer(tiny_model_dir, tmp_
     import subprocess
     import sys
 
-    from qmigrate.engine.models import _auto_tokenizer_info, _generic_tokenizer_info, load_tokenizer_info
+    from qmigrate.engine.tokenizer_info import _auto_tokenizer_info, _generic_tokenizer_info, load_tokenizer_info
     fast, auto = _generic_tokenizer_info(tiny_model_dir), _auto_tokenizer_info(tiny_model_dir, False)
     assert fast is not None and type(fast[0]) is type(auto[0]) and fast[1:] == auto[1:]
     for text in ("Hello there 東京 🦀 café", "  two leading spaces", ""):
         ids = auto[0](text).input_ids
         assert fast[0](text).input_ids == ids and fast[0].decode(ids) == auto[0].decode(ids)
-    probe = ("import sys; from qmigrate.engine.models import load_tokenizer_info as f; "
+    probe = ("import sys; from qmigrate.engine.tokenizer_info import load_tokenizer_info as f; "
              f"print(f({str(tiny_model_dir)!r})[1:], 'torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "(512, [2]) False", out

@@ -4,10 +4,8 @@ migration while Prometheus metrics and `qmigrate status` follow the fleet."""
 from __future__ import annotations
 
 import json
-import os
 import random
 import re
-import signal
 import subprocess
 import sys
 import threading
@@ -19,7 +17,7 @@ import yaml
 from typer.testing import CliRunner
 
 from qmigrate.cli import app
-from conftest import free_ports
+from conftest import free_ports, stop_group
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -88,13 +86,7 @@ def node(tmp_path, tiny_model_dir):
     # output goes to files: a pipe nobody reads until the end would block the detokenizer
     proc.out_path, proc.err_path = tmp_path / "out.jsonl", tmp_path / "err.txt"
     yield proc, path, router_metrics, detok_metrics
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+    stop_group(proc)
 
 
 def _wait_for(what: str, check, proc, timeout_s: float = 60.0):

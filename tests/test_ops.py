@@ -8,7 +8,6 @@ import json
 import logging
 
 import pytest
-import yaml
 from typer.testing import CliRunner
 
 from qmigrate import protocol as P

@@ -9,8 +9,6 @@ from __future__ import annotations
 import ast
 import json
 import logging
-import os
-import signal
 import stat
 import subprocess
 import sys
@@ -27,7 +25,7 @@ from zmq.utils.monitor import recv_monitor_message
 from qmigrate import protocol as P
 from qmigrate import security, transport
 from qmigrate.config import parse_topology
-from conftest import free_ports
+from conftest import free_ports, stop_group
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -332,7 +330,8 @@ def test_receiving_sockets_bound_message_size_and_queues():
 
 def test_a_model_with_its_own_code_names_the_setting(tmp_path, tiny_model_dir):
     import shutil
-    from qmigrate.engine.models import ModelLoadError, load_tokenizer_info
+    from qmigrate.engine.models import ModelLoadError
+    from qmigrate.engine.tokenizer_info import load_tokenizer_info
     remote = tmp_path / "remote"
     shutil.copytree(tiny_model_dir, remote)
     config = json.loads((remote / "config.json").read_text())
@@ -366,13 +365,7 @@ def test_two_nodes_over_loopback_with_security_on(tmp_path, tiny_model_dir):
         assert all(len(finals[p["id"]]["token_ids"]) == p["max_new_tokens"] for p in prompts)
         assert "refused" not in head.stderr
     finally:
-        if gpu.poll() is None:
-            os.killpg(gpu.pid, signal.SIGTERM)
-            try:
-                gpu.wait(10)
-            except subprocess.TimeoutExpired:
-                os.killpg(gpu.pid, signal.SIGKILL)
-                gpu.wait()
+        stop_group(gpu)
     gpu_err.seek(0)
     assert "refused" not in gpu_err.read()
 

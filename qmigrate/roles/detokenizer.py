@@ -21,7 +21,8 @@ import zmq
 from .. import protocol as P
 from .. import transport
 from ..detok import make_sink
-from ..engine.models import load_tokenizer_info, resolve_model
+from ..engine.models import resolve_model
+from ..engine.tokenizer_info import load_tokenizer_info
 from ..journal import Journal
 from ..security import Guard
 

@@ -25,7 +25,7 @@ from aiohttp import web
 
 from .. import protocol as P
 from .. import transport
-from ..engine.models import load_tokenizer_info
+from ..engine.tokenizer_info import load_tokenizer_info
 from ..intake import Defaults
 from ..openai_api import FINISH_REASONS, ApiError, StopTrimmer, chunk, models_list, parse_body, reply, usage_chunk
 
@@ -46,10 +46,13 @@ def _reject_constant(name: str):
 
 
 class HttpServer:
-    def __init__(self, cfg, model_path: str, defaults: Defaults, id_base: int | None = None):
+    def __init__(self, cfg, model_path: str, defaults: Defaults, id_base: int | None = None,
+                 trust_remote_code: bool = False):
         self.cfg = cfg
         self.defaults = defaults
-        self.tokenizer, self.max_context, self.eos_ids = load_tokenizer_info(model_path)
+        # A tokenizer of its own: this server's thread tokenizes while ingest's does, and a
+        # fast tokenizer is not safe to share between threads.
+        self.tokenizer, self.max_context, self.eos_ids = load_tokenizer_info(model_path, trust_remote_code)
         self.model_names = [cfg.model_name or Path(model_path).name]
         self.submissions: queue.Queue = queue.Queue(maxsize=cfg.max_pending)
         self.cancels: queue.SimpleQueue = queue.SimpleQueue()

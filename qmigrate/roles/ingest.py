@@ -25,7 +25,8 @@ import zmq
 
 from .. import protocol as P
 from .. import transport
-from ..engine.models import load_tokenizer_info, resolve_model
+from ..engine.models import resolve_model
+from ..engine.tokenizer_info import load_tokenizer_info
 from ..intake import CancelRequest, Defaults, PromptError, parse_line
 from ..security import Guard
 from . import run_until_fatal
@@ -61,7 +62,7 @@ class Ingest:
         if cfg.http_port is not None:
             from .http import WAKE_ENDPOINT, HttpServer
             self.wake = transport.socket(zmq.PULL, bind=WAKE_ENDPOINT, hwm=1)
-            self.http = HttpServer(cfg, model_path, self.defaults, self.id_base)
+            self.http = HttpServer(cfg, model_path, self.defaults, self.id_base, topo.model.trust_remote_code)
         self.guard = Guard.for_topology(topo, "ingest")
         self.lines: queue.Queue = queue.Queue(maxsize=self.max_pending)
         self.read_stdin = read_stdin

@@ -1,0 +1,85 @@
+"""What the roles that never run the model need of it: the tokenizer, the context length and
+the EOS ids. A generic fast tokenizer with a plain config is read from the files, so those
+processes never import torch; anything else goes through AutoTokenizer and AutoConfig."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from .models import ModelLoadError, _remote_code_error
+
+# Tokenizer classes AutoTokenizer resolves to transformers' generic fast tokenizer itself.
+_GENERIC_TOKENIZERS = ("TokenizersBackend", "PreTrainedTokenizerFast")
+
+
+def load_tokenizer_info(path: str | os.PathLike, trust_remote_code: bool = False):
+    """(tokenizer, context length, EOS ids) for the roles that never run the model."""
+    found = _generic_tokenizer_info(Path(path))
+    if found is None:
+        found = _auto_tokenizer_info(path, trust_remote_code)
+    tokenizer, max_context, eos = found
+    # Ingest refuses a prompt too long for the context with its own per-request error; the
+    # tokenizer's warning about the same prompt would only leak to stderr.
+    tokenizer.model_max_length = 1 << 62
+    if eos is None:
+        eos = tokenizer.eos_token_id
+    eos_ids = sorted({eos} if isinstance(eos, int) else set(eos or ()))
+    return tokenizer, max_context, eos_ids
+
+
+def _generic_tokenizer_info(path: Path):
+    """The same as _auto_tokenizer_info, read from the files, for a checkpoint whose tokenizer
+    is transformers' generic fast tokenizer and whose config is a plain one (no code of its
+    own, no nested text config); None for any other. AutoConfig imports torch, which the
+    ingest and detokenizer processes then never need: they start seconds sooner."""
+    try:
+        tokenizer_config = json.loads((path / "tokenizer_config.json").read_text())
+        config = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    if (not isinstance(tokenizer_config, dict) or not isinstance(config, dict)
+            or tokenizer_config.get("tokenizer_class") not in _GENERIC_TOKENIZERS
+            or "auto_map" in tokenizer_config or "auto_map" in config or "text_config" in config
+            or not (path / "tokenizer.json").is_file()
+            or type(config.get("max_position_embeddings")) is not int or config["max_position_embeddings"] < 1):
+        return None
+    from transformers import PreTrainedTokenizerFast
+    try:
+        tokenizer = PreTrainedTokenizerFast.from_pretrained(str(path))
+    except Exception as exc:  # noqa: BLE001 -- any failure here means "cannot serve this model"
+        reason = (str(exc).strip().splitlines() or [""])[0]
+        raise ModelLoadError(f"cannot load tokenizer of {path}: {type(exc).__name__}: {reason}") from exc
+    eos = None
+    try:
+        eos = json.loads((path / "generation_config.json").read_text()).get("eos_token_id")
+    except (OSError, ValueError, AttributeError):  # none, or not a JSON object
+        pass
+    if eos is None:
+        eos = config.get("eos_token_id")
+    return tokenizer, config["max_position_embeddings"], eos
+
+
+def _auto_tokenizer_info(path, trust_remote_code: bool):
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(path), trust_remote_code=trust_remote_code)
+        config = AutoConfig.from_pretrained(str(path), trust_remote_code=trust_remote_code)
+    except Exception as exc:  # noqa: BLE001 -- any failure here means "cannot serve this model"
+        if (refused := _remote_code_error(path, exc)) is not None:
+            raise refused from None
+        reason = (str(exc).strip().splitlines() or [""])[0]
+        raise ModelLoadError(f"cannot load tokenizer of {path}: {type(exc).__name__}: {reason}") from exc
+    if hasattr(config, "get_text_config"):
+        config = config.get_text_config()
+    max_context = int(getattr(config, "max_position_embeddings", 0) or tokenizer.model_max_length)
+    eos = None
+    try:
+        eos = GenerationConfig.from_pretrained(str(path)).eos_token_id
+    except Exception:  # noqa: BLE001 -- a checkpoint without generation_config.json
+        pass
+    if eos is None:
+        eos = getattr(config, "eos_token_id", None)
+    return tokenizer, max_context, eos
