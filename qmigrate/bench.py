@@ -21,6 +21,7 @@ import random
 import sys
 import time
 from collections import deque
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -126,12 +127,21 @@ class Progress:
 def run_inprocess(model_path: str, device: str, dtype: str, requests, max_seqs: int,
                   max_tokens: int, profile: bool = False, runner: str = "auto") -> PathResult:
     from .engine.models import load_model
-    from .engine.runner import REFUSED, Engine, StepRow
+    from .engine.runner import Engine
     model, _ = load_model(model_path, device, dtype)
     engine = Engine(model, max_batch=max_seqs, max_batch_tokens=max_tokens, runner=runner)
     del model
     print(f"  in-process: {engine.describe()}", file=sys.stderr)
     engine.warm_up()
+    with frozen_heap():
+        result = _inprocess_loop(engine, requests, max_seqs, max_tokens, profile, device)
+    del engine
+    _free(device)
+    return result
+
+
+def _inprocess_loop(engine, requests, max_seqs: int, max_tokens: int, profile: bool, device: str) -> PathResult:
+    from .engine.runner import REFUSED, StepRow
     lengths = [n for _, n in requests]
     waiting = deque(range(len(requests)))
     # The step in flight, and per sequence the row of its next step. Step N+1 is built and
@@ -172,10 +182,7 @@ def run_inprocess(model_path: str, device: str, dtype: str, requests, max_seqs: 
         pending = nxt
     _sync(device)
     progress.close()
-    result = timeline.result("in-process", time.monotonic())
-    del engine
-    _free(device)
-    return result
+    return timeline.result("in-process", time.monotonic())
 
 
 def _profiled(engine, rows, device: str) -> list[int]:
@@ -239,6 +246,19 @@ def _sync(device: str) -> None:
     if device.startswith("cuda"):
         import torch
         torch.cuda.synchronize()
+
+
+@contextmanager
+def frozen_heap():
+    """A timed section without full garbage collections over what was built before it (as
+    every role serves); the heap is handed back to the collector after it."""
+    import gc
+    from .roles import freeze_heap
+    freeze_heap()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
 
 
 def _free(device: str) -> None:

@@ -10,7 +10,7 @@ import time
 from collections import deque
 from pathlib import Path
 
-from .bench import PathResult, Progress, Timeline
+from .bench import PathResult, Progress, Timeline, frozen_heap
 
 # Pipeline paths by the link their sockets use: ipc, plain tcp on 127.0.0.1, tcp with CURVE.
 PIPELINE_LINKS = {"pipeline": "ipc", "pipeline-tcp": "tcp", "pipeline-curve": "curve"}
@@ -80,7 +80,8 @@ def run_pipeline(model_path: str, devices: list[str], dtype: str, requests, max_
                 from .bench_faults import Faults
                 hook = Faults(topo, children, devices)
             try:
-                timeline = _drive(router, collector, requests, id_base=0, name=name, hook=hook)
+                with frozen_heap():
+                    timeline = _drive(router, collector, requests, id_base=0, name=name, hook=hook)
             finally:
                 if hook is not None:
                     hook.close()

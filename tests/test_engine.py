@@ -9,6 +9,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass, field
 
+import numpy as np
 import pytest
 import torch
 from transformers import GenerationConfig
@@ -251,6 +252,53 @@ def test_blocks_are_reused_and_lengths_grow_across_block_edges(model, prompts, g
         rows = [StepRow(1, [token], len(p) + k, k + 1)]
     assert out == ref
     assert len(engine.pool.blocks[1]) == engine.pool.blocks_for(len(p) + REF_LEN - 1)
+
+
+def test_a_continued_decode_step_has_the_arrays_a_fresh_build_gives(model):
+    """The decode step after a step, derived with array operations, equals a build from the
+    pool: rows dropped and reordered, rows opening a block, a sequence holding a block past
+    its length (it was cut back), and the table's width growing and shrinking."""
+    rng = random.Random(3)
+    for trial in range(20):
+        engine = make_engine(model, block_size=4)
+        pool = engine.pool
+        lens = {sid: rng.randint(1, 40) for sid in range(12)}
+        for sid, n in lens.items():
+            pool.grow(sid, n + (5 if sid == 3 else 0))  # sequence 3 holds blocks past its end
+            pool.length[sid] = n
+        prev = StepBatch.build(pool, list(lens), [[7]] * len(lens), [n - 1 for n in lens.values()])
+        keep = rng.sample(list(lens), rng.randint(1, len(lens)))
+        for sid in keep:
+            if len(pool.blocks[sid]) * 4 <= lens[sid]:
+                pool.grow(sid, lens[sid] + 1)
+        src = [list(lens).index(sid) for sid in keep]
+        got = prev.continued(pool, keep, np.asarray(src))
+        want = StepBatch.build(pool, keep, [[0]] * len(keep), [lens[s] for s in keep])
+        for name in ("ids", "positions", "slot_mapping", "query_start", "seq_lens"):
+            assert getattr(got, name).tolist() == getattr(want, name).tolist(), (trial, name)
+        assert got.max_query_len == want.max_query_len == 1
+        assert got.block_table.shape == want.block_table.shape
+        for i, sid in enumerate(keep):  # the columns a row's attention reads
+            used = pool.blocks_for(lens[sid] + 1)
+            assert got.block_table[i, :used].tolist() == want.block_table[i, :used].tolist(), (trial, sid)
+
+
+@pytest.mark.parametrize("runner", ["hf", "fast"])
+def test_steps_that_continue_the_step_before_take_the_array_path(model, prompts, greedy, runner):
+    """Decode rows one token on from the step before go the array way, with the same tokens;
+    a row with new ids, or one whose KV was dropped meanwhile, sends the step the general way."""
+    core = WorkerCore(make_engine(model, runner=runner))
+    ids = {i: list(prompts[i]) for i in (0, 1, 5, 6)}
+    full = [spec_of(i, p, len(p)) for i, p in ids.items()]
+    result, _ = run_steps(core, make_lease(ids, full=full, num_steps=6))
+    assert result_tokens(result) == {i: greedy(p, 6) for i, p in ids.items()}
+    assert core.engine.num_continued == 5   # every step after the prefill
+    engine = core.engine
+    first = engine.launch([StepRow(1, list(prompts[1]), 0, 0), StepRow(2, list(prompts[2]), 0, 0)])
+    engine.release(2)
+    with pytest.raises(ValueError, match="KV for"):   # the general path finds the KV gone
+        engine.launch([StepRow(1, [], len(prompts[1]), 1), StepRow(2, [], len(prompts[2]), 1)], after=first)
+    assert engine.num_continued == 5
 
 
 # --- migration at the engine level ------------------------------------------------------

@@ -62,3 +62,23 @@ class StepBatch:
         width = pool.blocks_for(int(seq_lens.max()))
         return cls(list(seq_ids), ids, positions, slots, query_start, seq_lens,
                    pool.block_table(seq_ids, width), int(lens.max()))
+
+    def continued(self, pool: BlockPool, seq_ids: list[int], rows: np.ndarray) -> "StepBatch":
+        """The decode step after this one for its rows `rows` (in that order), each
+        sequence one token further; what `build` gives for the same rows, derived with array
+        operations instead of a pass over each sequence's blocks. The pool must already hold
+        a block for every row's new position. Input ids are left 0 (the caller feeds them)."""
+        n, bs = len(rows), pool.block_size
+        starts = self.seq_lens[rows].astype(np.int64)
+        width = pool.blocks_for(int(starts.max()) + 1)
+        table = self.block_table[rows]
+        if table.shape[1] < width:
+            table = np.pad(table, ((0, 0), (0, width - table.shape[1])))
+        elif table.shape[1] > width:
+            table = table[:, :width]
+        # A row whose new position opens a block: that block's column is new to the table.
+        for i in np.flatnonzero(starts % bs == 0).tolist():
+            table[i, starts[i] // bs] = pool.blocks[seq_ids[i]][starts[i] // bs]
+        slots = table[np.arange(n), starts // bs].astype(np.int64) * bs + starts % bs
+        return StepBatch(list(seq_ids), np.zeros(n, dtype=np.int64), starts, slots,
+                         np.arange(n + 1, dtype=np.int32), (starts + 1).astype(np.int32), table, 1)

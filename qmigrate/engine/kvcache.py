@@ -140,6 +140,8 @@ class BlockPool:
         table = np.zeros((len(seq_ids), width), dtype=np.int32)
         for i, sid in enumerate(seq_ids):
             blocks = self.blocks[sid]
+            if len(blocks) > width:  # it holds blocks past its length (it was cut back)
+                blocks = blocks[:width]
             table[i, :len(blocks)] = blocks
         return table
 

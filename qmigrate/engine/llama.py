@@ -188,12 +188,18 @@ class LlamaRunner:
         ids.index_copy_(0, at, tokens.index_select(0, src))
 
     def _inputs(self, batch: StepBatch) -> _Inputs:
-        dev = self.device
-        t = lambda a, dt: torch.from_numpy(np.ascontiguousarray(a)).to(dev, dt, non_blocking=True)
-        return _Inputs(t(batch.ids, torch.int64), t(batch.positions, torch.int64),
-                       t(batch.slot_mapping, torch.int64), t(batch.query_start, torch.int32),
-                       t(batch.seq_lens, torch.int32), t(batch.block_table, torch.int32),
-                       t(batch.last, torch.int64))
+        """The batch's arrays on the device, through pinned buffers: a copy from pageable
+        memory larger than the driver's staging buffer (a prefill's ids and slots) makes the
+        host wait for the step in flight, so the next step could not be built meanwhile."""
+        dev, pin = self.device, self.device.type == "cuda"
+
+        def t(a, dtype):
+            host = torch.from_numpy(np.ascontiguousarray(a, dtype=dtype))
+            return (host.pin_memory() if pin else host).to(dev, non_blocking=True)
+        return _Inputs(t(batch.ids, np.int64), t(batch.positions, np.int64),
+                       t(batch.slot_mapping, np.int64), t(batch.query_start, np.int32),
+                       t(batch.seq_lens, np.int32), t(batch.block_table, np.int32),
+                       t(batch.last, np.int64))
 
     def _load_static(self, batch: StepBatch, bucket: int) -> None:
         s, b = self.static, batch.num_rows

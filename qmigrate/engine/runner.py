@@ -25,7 +25,7 @@ import torch
 from .batch import StepBatch
 from .hf_runner import HFRunner
 from .kvcache import BlockPool
-from .sampling import SamplingRows, sample
+from .sampling import HostRows, SamplingRows, host_arrays, sample
 
 log = logging.getLogger(__name__)
 
@@ -85,6 +85,7 @@ class Engine:
         self.pool = BlockPool(self.num_layers, self.num_kv_heads, self.head_dim,
                               self._num_blocks(), cfg.block_size, self.dtype, self.device)
         self.runner.attach(self.pool)
+        self.num_continued = 0   # steps built the array way (`_continue`)
 
     # --- sizing -------------------------------------------------------------------------
     @property
@@ -201,6 +202,10 @@ class Engine:
         A prompt longer than `prefill_chunk` fills its KV a chunk at a time before the step
         proper, with `between()` called after each chunk (a worker's heartbeat), so no single
         forward pass grows with the prompt."""
+        if after is not None and after.batch is not None and rows and not any(r.new_ids for r in rows):
+            pending = self._continue(rows, after)
+            if pending is not None:
+                return pending
         feed = [i for i, r in enumerate(rows) if not r.new_ids]
         if feed and (after is None or not getattr(self.runner, "can_feed", False)):
             known = dict(zip((r.seq_id for r in after.rows), self.collect(after))) if after else {}
@@ -220,22 +225,64 @@ class Engine:
         batch = StepBatch.build(self.pool, [r.seq_id for r in run], [r.new_ids or [0] for r in run],
                                 [r.start for r in run])
         fed = [k for k, r in enumerate(run) if not r.new_ids]
-        if fed:
-            src = [after.row_of[run[k].seq_id] for k in fed]
-            logits = self.runner.forward(batch, feed=(fed, src, after.tokens))
+        feed = (fed, [after.row_of[run[k].seq_id] for k in fed], after.tokens) if fed else None
+        params = host_arrays([r.temperature for r in run], [r.top_p for r in run], [r.top_k for r in run],
+                             [r.seed for r in run], [r.index for r in run])
+        return self._run(pending, batch, feed, params)
+
+    def _continue(self, rows: list[StepRow], after: "Pending") -> "Pending | None":
+        """The common decode step, built with array operations: every row is a sequence of
+        the step `after`, one token further, with the sampling parameters it had there.
+        None when that does not hold or a new block cannot be had without evicting (the
+        general path then places the rows, refusing some if it must)."""
+        pool, prev, row_of = self.pool, after.batch, after.row_of
+        n = len(rows)
+        seq_ids = [r.seq_id for r in rows]
+        src = np.fromiter((row_of.get(s, -1) for s in seq_ids), dtype=np.int64, count=n)
+        if (src < 0).any() or len(set(seq_ids)) != n:
+            return None
+        starts = np.fromiter((r.start for r in rows), dtype=np.int64, count=n)
+        index = np.fromiter((r.index for r in rows), dtype=np.int64, count=n)
+        temperature, top_p, top_k, seed, prev_index = (a[src] for a in after.params)
+        length = pool.length
+        if (not (prev.seq_lens[src] == starts).all() or not (prev_index + 1 == index).all()
+                or int(starts.max()) + 1 > self.max_len
+                or any(length.get(s) != p for s, p in zip(seq_ids, starts.tolist()))
+                or any(r.temperature != t or r.top_p != p or r.top_k != k or r.seed != d
+                       for r, t, p, k, d in zip(rows, temperature.tolist(), top_p.tolist(),
+                                                top_k.tolist(), seed.tolist()))):
+            return None
+        bs = pool.block_size
+        opening = [i for i in np.flatnonzero(starts % bs == 0).tolist()
+                   if len(pool.blocks[seq_ids[i]]) * bs <= starts[i]]
+        if opening and not pool.make_room(len(opening), set(seq_ids)):
+            return None
+        for i in opening:
+            pool.grow(seq_ids[i], int(starts[i]) + 1)
+        for s in seq_ids:
+            pool.touch(s)
+        batch = prev.continued(pool, seq_ids, src)
+        if getattr(self.runner, "can_feed", False):
+            feed = (np.arange(n), src, after.tokens)
         else:
-            logits = self.runner.forward(batch)
-        params = SamplingRows.build([r.temperature for r in run], [r.top_p for r in run],
-                                    [r.top_k for r in run], [r.seed for r in run],
-                                    [r.index for r in run], self.device)
-        pending.tokens = sample(logits, params)
+            batch.ids = np.asarray(self.collect(after), dtype=np.int64)[np.asarray(after.placed)[src]]
+            feed = None
+        pending = Pending(rows, list(range(n)), dict(zip(seq_ids, range(n))))
+        self.num_continued += 1
+        return self._run(pending, batch, feed, (temperature, top_p, top_k, seed, index))
+
+    def _run(self, pending: "Pending", batch: StepBatch, feed, params: HostRows) -> "Pending":
+        """Queue the forward pass and sampling of the placed rows; tokens come back to a
+        pinned host buffer without a wait."""
+        logits = self.runner.forward(batch, feed=feed) if feed is not None else self.runner.forward(batch)
+        pending.tokens = sample(logits, SamplingRows.from_arrays(params, self.device))
+        pending.batch, pending.params = batch, params
         if self.device.type == "cuda":
-            pending.host = torch.empty(len(run), dtype=torch.int64, pin_memory=True)
+            pending.host = torch.empty(batch.num_rows, dtype=torch.int64, pin_memory=True)
             pending.host.copy_(pending.tokens, non_blocking=True)
             pending.event = torch.cuda.Event()
             pending.event.record()
-        for r in run:
-            self.pool.length[r.seq_id] = r.start + _num_new(r)
+        self.pool.length.update(zip(batch.seq_ids, batch.seq_lens.tolist()))
         return pending
 
     def _prefill_chunks(self, rows: list[StepRow], between) -> tuple[list[StepRow], set[int]]:
@@ -327,6 +374,8 @@ class Pending:
     placed: list[int]
     row_of: dict[int, int]                  # seq_id -> row of `tokens`
     tokens: torch.Tensor | None = None      # [len(placed)] on the device
+    batch: StepBatch | None = None          # the placed rows' arrays, for the step after
+    params: HostRows | None = None          # their sampling parameters, likewise
     host: torch.Tensor | None = None        # pinned copy, ready once `event` has passed
     event: object = None
     result: list[int] | None = None

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 _MASK32 = 0xFFFFFFFF
@@ -32,13 +33,27 @@ class SamplingRows:
 
     @classmethod
     def build(cls, temperature, top_p, top_k, seed, index, device) -> "SamplingRows":
+        return cls.from_arrays(host_arrays(temperature, top_p, top_k, seed, index), device)
+
+    @classmethod
+    def from_arrays(cls, arrays: "HostRows", device) -> "SamplingRows":
         # Built on the host, then copied without waiting: a blocking copy would wait for the
         # step in flight on the device, and the next step could not be queued behind it.
-        f = lambda xs, dt: torch.tensor(xs, dtype=dt).to(device, non_blocking=True)
-        hot = [i for i, t in enumerate(temperature) if t > 0]
-        return cls(f(temperature, torch.float32), f(top_p, torch.float32), f(top_k, torch.int64),
-                   f(seed, torch.int64), f(index, torch.int64), bool(hot),
-                   any(top_k[i] > 0 for i in hot), any(top_p[i] < 1 for i in hot))
+        f = lambda a: torch.from_numpy(a).to(device, non_blocking=True)
+        temperature, top_p, top_k, seed, index = arrays
+        hot = temperature > 0
+        return cls(f(temperature), f(top_p), f(top_k), f(seed), f(index), bool(hot.any()),
+                   bool((top_k[hot] > 0).any()), bool((top_p[hot] < 1).any()))
+
+
+# (temperature float32, top_p float32, top_k int64, seed int64, index int64), one entry a row
+HostRows = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]
+
+
+def host_arrays(temperature, top_p, top_k, seed, index) -> HostRows:
+    return (np.asarray(temperature, dtype=np.float32), np.asarray(top_p, dtype=np.float32),
+            np.asarray(top_k, dtype=np.int64), np.asarray(seed, dtype=np.int64),
+            np.asarray(index, dtype=np.int64))
 
 
 def _mix32(x: torch.Tensor) -> torch.Tensor:

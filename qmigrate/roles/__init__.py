@@ -2,8 +2,18 @@
 
 from __future__ import annotations
 
+import gc
 import sys
 from typing import Callable
+
+
+def freeze_heap() -> None:
+    """Take what startup built (modules, the model, a tokenizer: some 400,000 objects that
+    live until exit) out of the garbage collector's sight. Left in, every full collection
+    walks them all and stops the loop for 150-250 ms at a step nobody chose: on an H100 one
+    such pause was a 258 ms hole in a worker's steps. Called once, before serving."""
+    gc.collect()
+    gc.freeze()
 
 
 def run_until_fatal(serve: Callable[[], None]) -> int:

@@ -25,6 +25,7 @@ from ..engine.models import resolve_model
 from ..engine.tokenizer_info import load_tokenizer_info
 from ..journal import Journal
 from ..security import Guard
+from . import freeze_heap
 
 log = logging.getLogger("qmigrate.detokenizer")
 
@@ -102,6 +103,7 @@ class Detokenizer:
 
     def serve_forever(self, exit_when_done: bool) -> None:
         self.recover()
+        freeze_heap()
         while True:
             if self.pull.poll(100):
                 frames, peer = transport.recv_frames(self.pull)

@@ -29,7 +29,7 @@ from ..engine.models import resolve_model
 from ..engine.tokenizer_info import load_tokenizer_info
 from ..intake import CancelRequest, Defaults, PromptError, parse_line
 from ..security import Guard
-from . import run_until_fatal
+from . import freeze_heap, run_until_fatal
 
 log = logging.getLogger("qmigrate.ingest")
 
@@ -96,6 +96,7 @@ class Ingest:
 
     def serve_forever(self, exit_on_eof: bool) -> None:
         self.hello()
+        freeze_heap()
         if self.http is not None:
             self.http.start()
             print(f"qmigrate: OpenAI-compatible API on {self.http.url}/v1", file=sys.stderr, flush=True)

@@ -20,6 +20,7 @@ from ..observe import FleetObserver
 from ..journal import Journal, OutputLog
 from ..scheduler import Scheduler, SchedulerConfig, WorkerState
 from ..security import Guard
+from . import freeze_heap
 
 log = logging.getLogger("qmigrate.router")
 
@@ -87,6 +88,7 @@ class Router:
         self.resend_outputs()
 
     def serve_forever(self) -> None:
+        freeze_heap()
         poller = zmq.Poller()
         poller.register(self.work, zmq.POLLIN)
         poller.register(self.telemetry, zmq.POLLIN)

@@ -28,7 +28,7 @@ from ..engine.runner import Engine
 from ..security import SecurityError
 from ..worker_core import WorkerCore
 from ..worker_loop import FINISH, START, WAIT, LoopConfig, WorkerLoop
-from . import run_until_fatal
+from . import freeze_heap, run_until_fatal
 
 log = logging.getLogger("qmigrate.worker")
 
@@ -103,6 +103,7 @@ class Worker:
     def serve_forever(self) -> None:
         self.hello()
         log.info("worker %s ready on %s: %s", self.name, self.device, self.core.engine.describe())
+        freeze_heap()
         self.poller = zmq.Poller()
         self.poller.register(self.router, zmq.POLLIN)
         self.poller.register(self.kv_in, zmq.POLLIN)
