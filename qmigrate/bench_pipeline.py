@@ -94,12 +94,14 @@ def run_pipeline(model_path: str, devices: list[str], dtype: str, requests, max_
             rows = after.get("leased_rows", 0) - before.get("leased_rows", 0)
             print(f"  router: {rows} rows leased, {chained} of them chained to a batch in flight",
                   file=sys.stderr)
+            # The counters travel with heartbeats: `after`, a second past the end, covers the run.
+            # Idle time counts the wait after the run too, so busy time is set against the run.
+            run_s = end - timeline.t0
             for w in topo.workers:
                 busy = (after.get(f"busy_ms_{w.name}", 0) - before.get(f"busy_ms_{w.name}", 0)) / 1000
-                idle = (after.get(f"idle_ms_{w.name}", 0) - before.get(f"idle_ms_{w.name}", 0)) / 1000
-                if busy + idle > 0:
-                    print(f"  {w.name}: {busy / (busy + idle):.0%} of its time running steps, "
-                          f"{idle / (busy + idle):.0%} waiting for a batch", file=sys.stderr)
+                if busy > 0:
+                    print(f"  {w.name}: running leases {busy:.2f} s of the run's {run_s:.2f} s "
+                          f"({min(1.0, busy / run_s):.0%})", file=sys.stderr)
             result = timeline.result(name, end, {k: v for k, v in moves.items() if v})
             result.move_delay_ms = {k.removeprefix("move_delay_ms_"): v for k, v in after.items()
                                     if k.startswith("move_delay_ms_")}
@@ -140,7 +142,7 @@ def _drive(router, collector, requests, *, id_base: int, name: str, quiet: bool 
     in_flight = 0
     while timeline.num_done < len(requests):
         if pending and not in_flight:
-            batch = [pending[i] for i in range(min(64, len(pending)))]
+            batch = [pending[i] for i in range(P.submit_count(pending))]
             transport.send(router, P.Submit(batch))
             in_flight = len(batch)
         got = transport.recv(router, 0) if in_flight else None

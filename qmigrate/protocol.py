@@ -28,6 +28,10 @@ CONTINUE = -1
 ROUTE_STDOUT = 0   # a request's text is printed by the detokenizer
 ROUTE_INGEST = 1   # a request's text goes back to the ingest node that took it (HTTP)
 MAX_REPLY_TEXT = 1 << 16
+# One Submit carries up to this many prompts, and this many ids in all (16 MiB): a burst
+# reaches the router in a few acknowledged messages, so its first leases are full ones.
+SUBMIT_MAX_SEQS = 512
+SUBMIT_MAX_IDS = 1 << 22
 
 
 class ProtocolError(ValueError):
@@ -177,6 +181,18 @@ class SeqSpec:
 
 
 SeqSpec._fields = _field_table(SeqSpec)
+
+
+def submit_count(specs) -> int:
+    """How many of `specs`, taken in order, go in the next Submit: at most SUBMIT_MAX_SEQS
+    and SUBMIT_MAX_IDS ids together, and never none while any wait."""
+    n = ids = 0
+    for spec in specs:
+        ids += len(spec.token_ids) // 4
+        if n and (n >= SUBMIT_MAX_SEQS or ids > SUBMIT_MAX_IDS):
+            break
+        n += 1
+    return n
 
 
 @message(MsgType.HELLO)

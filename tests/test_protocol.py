@@ -427,3 +427,15 @@ def test_forbidden_pattern_catches_what_it_should():
     assert FORBIDDEN.search("import pickle") and FORBIDDEN.search("x = eval(text)")
     assert FORBIDDEN.search("sock.recv_pyobj()") and FORBIDDEN.search("exec (code)")
     assert not FORBIDDEN.search("model = model.to(dev).eval()")
+
+
+def test_a_submit_is_bounded_by_prompts_and_by_ids_and_never_empty():
+    small = [P.SeqSpec(i + 1, P.pack_i32([5] * 100), 100, 8) for i in range(1000)]
+    assert P.submit_count(small) == P.SUBMIT_MAX_SEQS
+    assert P.submit_count(small[:3]) == 3
+    assert P.submit_count([]) == 0
+    big = P.SeqSpec(1, P.pack_i32([5] * (P.SUBMIT_MAX_IDS - 50)), 10, 8)
+    assert P.submit_count([big, small[0]]) == 1            # the next would pass the ids bound
+    assert P.submit_count(small[:1] + [big]) == 1
+    huge = P.SeqSpec(1, P.pack_i32([5] * (P.SUBMIT_MAX_IDS + 1)), 10, 8)
+    assert P.submit_count([huge, small[0]]) == 1           # one alone always goes

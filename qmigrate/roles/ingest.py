@@ -33,7 +33,6 @@ from . import freeze_heap, run_until_fatal
 
 log = logging.getLogger("qmigrate.ingest")
 
-SUBMIT_BATCH = 64
 ACK_TIMEOUT_S = 5.0
 STARTUP_TIMEOUT_S = 30.0
 WORKERS_POLL_S = 0.2
@@ -224,11 +223,11 @@ class Ingest:
         if self.awaiting_ack and now - self.sent_at > ACK_TIMEOUT_S:
             self.awaiting_ack = False  # lost ack: resend; the router ignores what it already has
         closing = (self.read_stdin and self.stdin_done and not self.closed_sent and not self.pending
-                   and self.lines.empty() and len(self.errors) <= SUBMIT_BATCH)
+                   and self.lines.empty() and len(self.errors) <= P.SUBMIT_MAX_SEQS)
         if self.awaiting_ack or now < self.retry_at or not (self.pending or self.errors or closing):
             return
-        batch = [self.pending[i] for i in range(min(SUBMIT_BATCH, len(self.pending)))]
-        self.errors_in_flight = min(len(self.errors), SUBMIT_BATCH)
+        batch = [self.pending[i] for i in range(P.submit_count(b[0] for b in self.pending))]
+        self.errors_in_flight = min(len(self.errors), P.SUBMIT_MAX_SEQS)
         self.closing_in_flight = closing
         transport.send(self.router, P.Submit([b[0] for b in batch], [b[1] for b in batch],
                                              self.errors[:self.errors_in_flight],
