@@ -186,7 +186,10 @@ class Scheduler:
         candidates = self._candidates(w, quota, max_seqs + 64)
         if ahead and w.num_leased and not chainable and len(candidates) < max_seqs:
             return None
-        budget = min(max_tokens, w.max_tokens)
+        # The batch in flight goes on at a token a row: those tokens are kept from the budget
+        # that new prompts may fill, so a prefill never makes a running row skip a step.
+        reserved = min(len(chainable), max_seqs, max(0, min(max_tokens, w.max_tokens) - 1))
+        budget = min(max_tokens, w.max_tokens) - reserved
         room = self._kv_room(w, held, free_kv_tokens)
         rows: list[Row] = []
         shipments = []
@@ -210,8 +213,9 @@ class Scheduler:
             num_passed -= 1
             rows.append(self._lease_row(seq, w, cause, mechanism, shipments, now))
         queued = len(rows)
-        # Queued work first, so chaining never starves it; the batch in flight fills the rest.
-        chained = chainable[: max(0, min(max_seqs - queued, budget))]
+        # Queued work takes rows first, so chaining never starves it; the batch in flight fills
+        # the rest, with the tokens kept for it.
+        chained = chainable[: max(0, min(max_seqs - queued, budget + reserved))]
         rows += [Row(seq.seq_id, CONTINUE, CONTINUE, None) for seq in chained]
         if len(rows) < max_seqs:
             self._feed_from_leases(w, quota, max_seqs - len(rows), now)

@@ -855,6 +855,22 @@ def test_a_chained_lease_continues_the_batch_in_flight():
     check_invariants(s)
 
 
+def test_new_prompts_fill_the_budget_the_chained_rows_leave():
+    """A worker asks ahead while a batch of prompts prefills: the chained lease continues
+    every row of that batch (a token each), and new prompts take the rest of the budget; they
+    never push a running row out of its next step."""
+    s = make_sched(chain=True)
+    join(s, "w0", max_seqs=64, max_tokens=100)
+    s.admit([spec(i, prompt_len=10) for i in range(1, 41)])
+    a = ask(s, "w0", max_tokens=100)
+    assert len(full_ids(a)) == 10                  # 10 prompts of 10 tokens fill the budget
+    c = ask(s, "w0", max_tokens=100)
+    chained = [r.seq_id for r in c.rows if r.length == CONTINUE]
+    assert sorted(chained) == sorted(full_ids(a))  # every running row goes on
+    assert len(full_ids(c)) == 9                   # 90 tokens left for prompts
+    check_invariants(s)
+
+
 def test_no_chain_for_sequences_that_ought_to_move():
     s = chained_fleet()
     give(s, "w0", [3, 4, 5, 6])

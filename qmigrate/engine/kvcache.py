@@ -162,8 +162,12 @@ class BlockPool:
         if not self.make_room(self.blocks_for(n), protect):
             return False
         self.grow(seq_id, n)
-        slots = torch.from_numpy(self.slots(seq_id, 0, n)).to(self.device)
+        # Through pinned memory and without waiting: a copy from pageable memory waits for the
+        # step in flight, and the worker could not queue the next one meanwhile.
+        slots, kv = torch.from_numpy(self.slots(seq_id, 0, n)), kv.to(self.dtype)
+        if self.kv.is_cuda:
+            slots, kv = slots.pin_memory(), kv.pin_memory()
         flat = self.kv.view(self.num_layers, 2, -1, self.num_kv_heads, self.head_dim)
-        flat.index_copy_(2, slots, kv.to(device=self.device, dtype=self.dtype))
+        flat.index_copy_(2, slots.to(self.device, non_blocking=True), kv.to(self.device, non_blocking=True))
         self.length[seq_id] = n
         return True

@@ -292,6 +292,11 @@ class Router:
         if new is not None:
             if self.journal is not None:
                 self.journal.append(P.encode(new))  # before the ack: accepted means kept
+            if taken and not self.backlog:
+                # Workers waiting for work get the new prompts before their metadata goes to
+                # the detokenizer (a burst's metadata takes milliseconds to send); no token of
+                # theirs can reach it before this handler is done.
+                self.serve_parked(time.monotonic())
             for spec in new.seqs:
                 self.forward(P.encode(self.outputs.meta(spec.seq_id)))
             for req_id, message in new.errors:
