@@ -141,8 +141,11 @@ class Worker:
     def receive_router(self, mid_lease: bool = False) -> bool:
         while (got := transport.recv(self.router, 0)) is not None:
             msg = got[1]
-            if mid_lease and not isinstance(msg, (P.Lease, P.Revoke)):
-                self.deferred.append(msg)   # KV to ship, exit, re-hello: once the lease is done
+            # KV to ship goes at once, between two steps: the lease that takes it elsewhere
+            # waits for it, and with it everything queued behind on that worker. (The router
+            # ships only sequences leased nowhere, so none of them is in this lease.)
+            if mid_lease and not isinstance(msg, (P.Lease, P.Revoke, P.ShipKV)):
+                self.deferred.append(msg)   # exit, re-hello: once the lease is done
             elif self.handle(msg):
                 return True
         return False
