@@ -53,37 +53,48 @@ def test_a_process_grabbing_gpu_memory_makes_the_worker_shed_work(tmp_path, tiny
     r = random.Random(5)
     prompts = [{"id": f"p{i}", "prompt_ids": [1] + [r.randint(3, 1400) for _ in range(r.randint(4, 60))],
                 "max_new_tokens": 400} for i in range(64)]
-    node = subprocess.Popen([sys.executable, "-m", "qmigrate", "node", str(path), "--node", "local", "--stdin"],
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+    out_path, err_path = tmp_path / "node.out", tmp_path / "node.err"
+    with open(out_path, "a+") as out_f, open(err_path, "a+") as err_f:
+        # Files, not pipes: nothing is read until the end, and a full pipe would stop the node.
+        node = subprocess.Popen([sys.executable, "-m", "qmigrate", "node", str(path), "--node", "local", "--stdin"],
+                                stdin=subprocess.PIPE, stdout=out_f, stderr=err_f, text=True,
+                                start_new_session=True)
     hog = None
-    try:
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline:
-            try:
-                if fetch(router, 1.0)["router"].get("workers") == 2:
-                    break
-            except Unreachable:
-                pass
-            assert node.poll() is None, node.stderr.read()[-3000:]
+
+    def wait_for(what: str, done, timeout_s: float) -> None:
+        print(f"waiting for {what}", flush=True)
+        deadline = time.monotonic() + timeout_s
+        while not done():
+            assert node.poll() is None, f"the node exited while waiting for {what}: {err_path.read_text()[-3000:]}"
+            assert time.monotonic() < deadline, f"no {what} in {timeout_s:g} s: {err_path.read_text()[-3000:]}"
             time.sleep(0.2)
+
+    def snapshot() -> dict:
+        try:
+            return fetch(router, 2.0)
+        except Unreachable:
+            return {"router": {}, "workers": []}
+
+    try:
+        wait_for("both workers", lambda: snapshot()["router"].get("workers") == 2, 300)
         node.stdin.write("".join(json.dumps(p) + "\n" for p in prompts))
         node.stdin.flush()
-        while not any(w["name"] == "w1" and w["tokens_total"] > 0 for w in fetch(router, 5.0)["workers"]):
-            time.sleep(0.05)
+        wait_for("w1's first tokens",
+                 lambda: any(w["name"] == "w1" and w["tokens_total"] > 0 for w in snapshot()["workers"]), 120)
         hog = subprocess.Popen([sys.executable, "-c", HOG, str(256 << 20)], stdout=subprocess.PIPE, text=True,
                                start_new_session=True)
-        print(hog.stdout.readline().strip())
+        print(hog.stdout.readline().strip(), flush=True)
         time.sleep(2.0)  # a few monitor reports
-        snap = fetch(router, 5.0)
-        w1 = next(w for w in snap["workers"] if w["name"] == "w1")
-        print("w1 while the memory is held:", w1)
+        w1 = next(w for w in snapshot()["workers"] if w["name"] == "w1")
+        print("w1 while the memory is held:", w1, flush=True)
         assert w1["state"] == "memory-short", w1
-        out, err = node.communicate(timeout=400)
+        node.stdin.close()
+        node.wait(timeout=400)
     finally:
         if hog is not None:
             stop_group(hog)
         stop_group(node)
+    out, err = out_path.read_text(), err_path.read_text()
     assert node.returncode == 0, err[-3000:]
     assert "out of memory" not in err.lower() and "Traceback" not in err, err[-3000:]
     finals = {rec["id"]: rec for rec in map(json.loads, out.splitlines()) if rec.get("done")}
