@@ -317,7 +317,7 @@ def run_bench(*, model_path: str, devices: list[str], dtype: str, workload: Work
               max_seqs: int, max_tokens: int, hf_batch: int, router_overrides: dict,
               json_path: Path | None, log_level: str = "warning", profile: bool = False,
               steps_per_dispatch: int = 1, repeat: int = 1, runner: str = "auto",
-              faults: bool = False) -> list[PathResult]:
+              faults: bool = False, trace_dir: Path | None = None) -> list[PathResult]:
     requests = workload.requests()
     total = sum(n for _, n in requests)
     print(f"workload: {workload.num_requests} requests, prompts {workload.prompt_len}, outputs "
@@ -333,9 +333,10 @@ def run_bench(*, model_path: str, devices: list[str], dtype: str, workload: Work
     for attempt in range(repeat):  # interleaved, so drift hits both paths alike
         for name in PIPELINE_LINKS:
             if name in paths:
+                trace = trace_dir / f"{name}-{attempt + 1}" if trace_dir is not None else None
                 results.append(run_pipeline(model_path, devices, dtype, requests, max_seqs, max_tokens,
                                             router_overrides, log_level, steps_per_dispatch, runner, name,
-                                            faults=faults))
+                                            faults=faults, trace_dir=trace))
         if "in-process" in paths:
             results.append(run_inprocess(model_path, devices[0], dtype, requests, max_seqs, max_tokens,
                                          profile and attempt == 0, runner))

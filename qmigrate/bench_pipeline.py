@@ -4,12 +4,14 @@ detokenizer's socket and timestamped as they arrive."""
 
 from __future__ import annotations
 
+import os
 import sys
 import tempfile
 import time
 from collections import deque
 from pathlib import Path
 
+from . import trace
 from .bench import PathResult, Progress, Timeline, frozen_heap
 
 # Pipeline paths by the link their sockets use: ipc, plain tcp on 127.0.0.1, tcp with CURVE.
@@ -39,7 +41,7 @@ def _over_tcp(data: dict, tmp: str, curve: bool) -> None:
 def run_pipeline(model_path: str, devices: list[str], dtype: str, requests, max_seqs: int,
                  max_tokens: int, router_overrides: dict, log_level: str,
                  steps_per_dispatch: int = 1, runner: str = "auto", name: str = "pipeline",
-                 faults: bool = False) -> PathResult:
+                 faults: bool = False, trace_dir: Path | None = None) -> PathResult:
     import zmq
     from . import security, transport
     from .config import dump_topology, parse_topology
@@ -66,7 +68,13 @@ def run_pipeline(model_path: str, devices: list[str], dtype: str, requests, max_
         transport.secure(security.keyring(topo, "local"))
         collector = transport.socket(zmq.PULL, bind=topo.endpoint("detokenizer").bind, hwm=1_000_000)
         roles = [("router", "router")] + [("worker", w.name) for w in topo.workers]
-        children = start_roles(topo, path, roles, read_stdin=False, log_level=log_level)
+        if trace_dir is not None:  # the roles started now keep a step timeline there
+            trace_dir.mkdir(parents=True, exist_ok=True)
+            os.environ[trace.ENV] = str(trace_dir)
+        try:
+            children = start_roles(topo, path, roles, read_stdin=False, log_level=log_level)
+        finally:
+            os.environ.pop(trace.ENV, None)
         try:
             if not wait_for_fleet(topo, children, len(devices), timeout_s=600):
                 raise RuntimeError("the benchmark fleet did not start")
@@ -118,6 +126,8 @@ def run_pipeline(model_path: str, devices: list[str], dtype: str, requests, max_
             stop(children)
             collector.close(linger=0)
             transport.secure(None)
+            if trace_dir is not None:
+                print("\n".join(f"  {line}" for line in trace.summarize(trace_dir)), file=sys.stderr)
 
 
 def _stats(topo) -> dict:

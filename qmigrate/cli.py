@@ -249,6 +249,7 @@ def bench(
     batches: Annotated[str, typer.Option(help="With --decode-step: comma-separated batch sizes.")] = "1,16,64,128,256",
     context: Annotated[int, typer.Option(min=2, help="With --decode-step: tokens of context per row.")] = 512,
     faults: Annotated[bool, typer.Option("--faults", help="During the pipeline run, drain w1 at 20% of the tokens, kill w2 at 40% and report w3 short of memory at 60%; print how long sequences took to move (needs 4 or more workers).")] = False,
+    trace: Annotated[Optional[Path], typer.Option("--trace", help="Keep a step timeline of the router and every pipeline worker under this folder (one folder per run) and print what it shows.")] = None,
     fake_workers: Annotated[Optional[str], typer.Option("--fake-workers", help="Instead of the workload: the router alone with fake workers that skip the model. N sweeps 1,2,4,... up to N; or a list such as 1,2,4,8,16,32.")] = None,
     fake_step_ms: Annotated[float, typer.Option(min=0.01, help="With --fake-workers: milliseconds a fake step takes.")] = 2.0,
     fake_batch: Annotated[int, typer.Option(min=1, help="With --fake-workers: rows per fake step (the workers' max_seqs).")] = 256,
@@ -306,7 +307,7 @@ def bench(
               max_tokens=max_tokens, hf_batch=hf_batch,
               router_overrides=overrides, json_path=json_out,
               log_level=log_level, profile=profile, steps_per_dispatch=steps_per_dispatch, repeat=repeat,
-              runner=runner, faults=faults)
+              runner=runner, faults=faults, trace_dir=trace)
 
 
 @model_app.command("tiny", short_help="The tiny random-weight Llama model (offline).")

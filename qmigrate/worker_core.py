@@ -18,6 +18,7 @@ import torch
 from . import protocol as P
 from .engine.runner import REFUSED, Engine, StepRow
 from .protocol import Finish
+from .trace import OFF
 
 log = logging.getLogger(__name__)
 
@@ -92,6 +93,7 @@ class WorkerCore:
         self.seqs: dict[int, SeqState] = {}
         self.transfers: dict[int, Transfer] = {}
         self.num_steps = 0
+        self.trace = OFF   # the worker's step timeline (`trace.py`), when it keeps one
 
     @property
     def free_tokens(self) -> int:
@@ -173,13 +175,16 @@ class WorkerCore:
             if more and launched < max(1, run.lease.num_steps):
                 rows = self._continuing(run, pending, revoked)
                 nxt = self.engine.launch(rows, after=pending) if rows else None
+                self.trace("launch", len(rows))
                 launched += 1
             if more and (nxt is None or launched >= run.lease.num_steps):
                 more = False
                 run.pending = nxt or pending
                 if on_last_launch is not None:
                     on_last_launch()
+            self.trace("collect_begin", len(pending.rows))
             tokens = self.engine.collect(pending)
+            self.trace("collect_end")
             self.num_steps += 1
             self._advance(run, pending.rows, tokens)
             pending = nxt

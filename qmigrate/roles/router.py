@@ -20,6 +20,7 @@ from ..observe import FleetObserver
 from ..journal import Journal, OutputLog
 from ..scheduler import Scheduler, SchedulerConfig, WorkerState
 from ..security import Guard
+from ..trace import tracer
 from . import freeze_heap
 
 log = logging.getLogger("qmigrate.router")
@@ -34,6 +35,7 @@ MAX_BACKLOG = 100_000  # messages for the detokenizer held here while it does no
 class Router:
     def __init__(self, topo):
         rc = topo.router
+        self.trace = tracer("router")
         self.config = SchedulerConfig(
             max_queued=rc.max_queued, lease_timeout_s=rc.lease_timeout_s,
             heartbeat_timeout_s=rc.heartbeat_timeout_s, policy=rc.policy,
@@ -116,6 +118,7 @@ class Router:
             if self.sched.revokes:
                 self.send_revokes()
             if now - last_metrics > METRICS_INTERVAL_S:
+                self.trace.flush()
                 self.notice_stranded(now)
                 self.observer.tick(now)
                 if self.metrics is not None:
@@ -258,6 +261,7 @@ class Router:
         if (name := self._worker(sender)) is None:
             return
         self.sched.touch(name, time.monotonic())
+        self.trace("request", name, msg.request_no)
         self.observer.asked(name, msg.free_kv_tokens)
         self.parked[name].append(msg)
 
@@ -266,6 +270,7 @@ class Router:
             return
         # The arrays' lengths, signs and codes were checked at decode (StepResult.validate).
         tokens = P.unpack_i32(msg.tokens).tolist()
+        self.trace("result", name, msg.lease_id)
         evicted = P.unpack_i64(msg.evicted_ids)
         now = time.monotonic()
         self.sched.complete(msg.lease_id, name, P.unpack_i64(msg.seq_ids).tolist(),
@@ -331,6 +336,7 @@ class Router:
         self.reply(sender, P.DrainAck(ok, text))
 
     def on_stats(self, sender: bytes, msg: P.StatsRequest) -> None:
+        self.trace.flush()
         counters = dict(self.sched.counters)
         counters.update(queued=len(self.sched.queue), live=len(self.sched.seqs),
                         open_leases=len(self.sched.leases),
@@ -396,6 +402,7 @@ class Router:
                 self.reply(self.identity[owner], P.ShipKV(seq_id, dest, transfer_id, num_tokens))
                 self.observer.shipped(num_tokens, self.sched.workers[owner].kv_bytes_per_token)
         rows = grant.rows
+        self.trace("grant", grant.worker, grant.lease_id, len(rows), grant.num_steps, request_no)
         self.observer.leased(grant.worker, len(rows))
         lease = P.Lease(
             grant.lease_id, request_no, self.config.lease_timeout_s,

@@ -26,6 +26,7 @@ from .. import transport
 from ..engine.models import load_model, resolve_model
 from ..engine.runner import Engine
 from ..security import SecurityError
+from ..trace import tracer
 from ..worker_core import WorkerCore
 from ..worker_loop import FINISH, START, WAIT, LoopConfig, WorkerLoop
 from . import freeze_heap, run_until_fatal
@@ -48,6 +49,7 @@ class Worker:
         model, _ = load_model(resolve_model(topo.model.path), device, topo.model.dtype,
                               trust_remote_code=topo.model.trust_remote_code)
         self.core = WorkerCore(Engine(model, self.cfg.engine_config()))
+        self.trace = self.core.trace = tracer(f"worker-{name}")
         self.core.engine.warm_up()
         del model
         self.device = device
@@ -110,6 +112,7 @@ class Worker:
         while True:
             now = time.monotonic()
             for req in self.loop.requests(now, self.core.free_tokens):
+                self.trace("ask", req.request_no)
                 self.send_router(req)
             action, arg = self.loop.next_action(now, self.core.awaited_transfers)
             if action == START:
@@ -152,6 +155,7 @@ class Worker:
 
     def handle(self, msg) -> bool:
         if isinstance(msg, P.Lease):
+            self.trace("lease", msg.lease_id, msg.num_steps, len(msg.seq_ids) // 8, len(msg.full))
             self.loop.on_lease(msg, time.monotonic())
         elif isinstance(msg, P.Revoke):
             self.loop.on_revoke(msg)
@@ -169,6 +173,7 @@ class Worker:
     def start_lease(self, lease: P.Lease, *, count_busy: bool = True) -> None:
         """Launch the lease's first step. `count_busy` is off inside a finish, which counts it."""
         t0 = time.monotonic()
+        self.trace("start_begin", lease.lease_id)
         after = self.loop.on_device[-1].handle if self.loop.on_device else None
         handle = None
         try:
@@ -176,6 +181,7 @@ class Worker:
         except (P.ProtocolError, ValueError) as exc:
             log.warning("lease %d rejected: %s", lease.lease_id, exc)
         finally:
+            self.trace("start_end", lease.lease_id)
             if count_busy:
                 self.busy_s += time.monotonic() - t0
             self.loop.started(lease, handle, time.monotonic())
@@ -183,6 +189,7 @@ class Worker:
     def finish_lease(self, started) -> None:
         t0 = time.monotonic()
         lease_id = started.lease.lease_id
+        self.trace("finish_begin", lease_id)
         try:
             result, tokens = self.core.finish(started, lambda step: self.between_steps(lease_id, step),
                                               self.loop.revoked_rows(lease_id), self.start_behind)
@@ -195,6 +202,7 @@ class Worker:
         # Tokens first, on the same socket: the router never has a result without its tokens.
         self.send_router(tokens)
         self.send_router(result)
+        self.trace("finish_end", lease_id)
 
     def start_behind(self) -> None:
         """The lease being finished has launched its last step: queue the next one behind it."""
@@ -258,6 +266,7 @@ class Worker:
     def keep_alive(self) -> None:
         # Sent on schedule even while results flow: it also carries the busy/idle counters.
         if self.loop.heartbeat_due(time.monotonic()):
+            self.trace.flush()
             self.send_router(P.Heartbeat(self.name, len(self.core.seqs), self.core.free_tokens,
                                          int(self.busy_s * 1000), int(self.idle_s * 1000),
                                          P.pack_i64(self.loop.held_lease_ids())))

@@ -1,0 +1,132 @@
+"""Step timelines: what each worker and the router did and when, to read a run afterwards.
+
+Off unless the environment variable QMIGRATE_TRACE_DIR names a directory; `qmigrate bench
+--trace DIR` sets it for the processes it starts. A traced process keeps
+(monotonic time, event, fields...) tuples in memory and appends them as JSON lines to
+DIR/<label>-<pid>.jsonl when it flushes (the roles flush with their heartbeat or metrics
+tick, so a process stopped by a signal loses at most that last stretch). The processes of
+one host share CLOCK_MONOTONIC, so their files line up.
+
+Worker events: ask (request no.), lease (id, steps, rows, full forms), start_begin /
+start_end (lease id), launch (rows), collect_begin (rows) / collect_end, finish_begin /
+finish_end (lease id). Router events: request (worker, request no.), grant (worker, lease
+id, rows, steps, request no.), result (worker, lease id).
+
+`summarize(DIR)` turns the files into the figures that located this project's gaps: per
+worker, the time with no step on the device, the time the host waited for the device, and
+host time per step; for the router, how long a request waited for its lease.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import time
+from pathlib import Path
+
+ENV = "QMIGRATE_TRACE_DIR"
+GAP_S = 0.002  # a stretch with no step on the device longer than this is listed
+
+
+class Tracer:
+    def __init__(self, directory: str, label: str):
+        self.path = Path(directory) / f"{label}-{os.getpid()}.jsonl"
+        self.events: list[tuple] = []
+
+    def __call__(self, kind: str, *fields) -> None:
+        self.events.append((time.monotonic(), kind, *fields))
+
+    def flush(self) -> None:
+        if self.events:
+            with open(self.path, "a") as f:
+                f.writelines(json.dumps(e) + "\n" for e in self.events)
+            self.events.clear()
+
+
+class _Off:
+    """The tracer when tracing is off: every call costs one no-op method call."""
+
+    def __call__(self, kind: str, *fields) -> None:
+        pass
+
+    def flush(self) -> None:
+        pass
+
+
+OFF = _Off()
+
+
+def tracer(label: str) -> Tracer | _Off:
+    directory = os.environ.get(ENV)
+    return Tracer(directory, label) if directory else OFF
+
+
+# --- reading a trace back ---------------------------------------------------------------
+
+def summarize(directory: str | Path) -> list[str]:
+    """One block of lines per traced process of the directory."""
+    lines = []
+    for path in sorted(Path(directory).glob("*.jsonl")):
+        events = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        if not events:
+            continue
+        kinds = {e[1] for e in events}
+        if "collect_end" in kinds:
+            lines += worker_summary(path.stem, events)
+        elif "grant" in kinds:
+            lines += router_summary(path.stem, events)
+    return lines
+
+
+def worker_summary(label: str, events: list) -> list[str]:
+    starts = [e[0] for e in events if e[1] == "start_end"]
+    ends = [e[0] for e in events if e[1] == "finish_end"]
+    if not starts or not ends:
+        return [f"{label}: no lease ran"]
+    first, last = starts[0], ends[-1]
+    on_device = steps = 0
+    idle = blocked = 0.0
+    gaps = []
+    last_t, collect_t = first, None
+    for t, kind, *fields in events:
+        if not first <= t <= last:
+            continue
+        if on_device == 0:
+            idle += t - last_t
+            if t - last_t > GAP_S:
+                gaps.append(t - last_t)
+        last_t = t
+        if kind == "start_end" or (kind == "launch" and fields and fields[0] > 0):
+            on_device += 1
+        elif kind == "collect_begin":
+            collect_t = t
+        elif kind == "collect_end" and collect_t is not None:
+            on_device = max(0, on_device - 1)
+            blocked += t - collect_t
+            steps += 1
+    span = last - first
+    per_step = span / max(1, steps) * 1000
+    leases = [e for e in events if e[1] == "lease"]
+    multi = sum(1 for e in leases if e[3] > 1)
+    return [f"{label}: {steps} steps in {span:.3f} s ({per_step:.2f} ms a step), {len(leases)} leases "
+            f"({multi} of several steps)",
+            f"  no step on the device {idle * 1000:.0f} ms ({idle / span:.1%}); "
+            f"{len(gaps)} stretches over {GAP_S * 1000:g} ms, longest {max(gaps, default=0) * 1000:.1f} ms",
+            f"  host waited for the device {blocked * 1000:.0f} ms ({blocked / span:.1%}); "
+            f"host time {(span - blocked) / max(1, steps) * 1000:.2f} ms a step"]
+
+
+def router_summary(label: str, events: list) -> list[str]:
+    asked, waits = {}, []
+    for t, kind, *fields in events:
+        if kind == "request":
+            asked[(fields[0], fields[1])] = t
+        elif kind == "grant" and (t0 := asked.pop((fields[0], fields[4]), None)) is not None:
+            waits.append(t - t0)
+    if not waits:
+        return [f"{label}: no lease granted"]
+    waits.sort()
+    return [f"{label}: {len(waits)} leases; a request waited for its lease p50 "
+            f"{statistics.median(waits) * 1000:.2f} ms, p90 {waits[int(len(waits) * 0.9)] * 1000:.2f} ms, "
+            f"max {waits[-1] * 1000:.1f} ms"]

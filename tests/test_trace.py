@@ -1,0 +1,71 @@
+"""Step timelines (`qmigrate/trace.py`): off by default, written as JSON lines when on, and
+read back into the figures that locate a pipeline's gaps."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from qmigrate import trace
+
+
+def test_tracing_is_off_unless_the_environment_names_a_folder(tmp_path, monkeypatch):
+    monkeypatch.delenv(trace.ENV, raising=False)
+    off = trace.tracer("worker-w1")
+    off("launch", 3)
+    off.flush()
+    assert off is trace.OFF and not list(tmp_path.iterdir())
+    monkeypatch.setenv(trace.ENV, str(tmp_path))
+    on = trace.tracer("worker-w1")
+    on("launch", 3)
+    on("collect_end")
+    assert not list(tmp_path.iterdir())          # kept in memory until a flush
+    on.flush()
+    on.flush()                                   # nothing new: nothing written twice
+    lines = [json.loads(line) for line in on.path.read_text().splitlines()]
+    assert [line[1:] for line in lines] == [["launch", 3], ["collect_end"]]
+    assert lines[0][0] <= lines[1][0] and on.path.name.startswith("worker-w1-")
+
+
+def _events(*items):
+    return [[t, kind, *fields] for t, kind, *fields in items]
+
+
+def test_the_worker_summary_counts_device_gaps_and_host_waits():
+    # Lease 1's first step is on the device at 1 ms; it runs 3 steps, the host waiting 0.5 ms
+    # for the device at each collect. After its last collect (8.5 ms) nothing is on the
+    # device until lease 2's step at 15 ms (6.5 ms, listed as 4 ms after the lease arrived),
+    # nor after that step's collect (3.5 ms). The span ends with lease 2's finish at 20 ms.
+    events = _events(
+        (0.000, "lease", 1, 3, 4, 0), (0.000, "start_begin", 1), (0.001, "start_end", 1),
+        (0.002, "launch", 4), (0.003, "collect_begin", 4), (0.0035, "collect_end"),
+        (0.004, "launch", 4), (0.005, "collect_begin", 4), (0.0055, "collect_end"),
+        (0.008, "collect_begin", 4), (0.0085, "collect_end"), (0.010, "finish_end", 1),
+        (0.011, "lease", 2, 1, 4, 0), (0.015, "start_end", 2), (0.016, "collect_begin", 4),
+        (0.0165, "collect_end"), (0.020, "finish_end", 2))
+    text = "\n".join(trace.worker_summary("worker-w1", events))
+    assert "4 steps in 0.019 s (4.75 ms a step), 2 leases (1 of several steps)" in text
+    assert "no step on the device 10 ms (52.6%); 2 stretches over 2 ms, longest 4.0 ms" in text
+    assert "host waited for the device 2 ms (10.5%); host time 4.25 ms a step" in text
+    assert trace.worker_summary("worker-w2", _events((0.0, "ask", 1))) == ["worker-w2: no lease ran"]
+
+
+def test_the_router_summary_pairs_each_request_with_its_grant():
+    events = _events((0.0, "request", "w1", 1), (0.0, "request", "w2", 1), (0.001, "grant", "w1", 7, 4, 1, 1),
+                     (0.004, "grant", "w2", 8, 4, 1, 1), (0.005, "request", "w1", 2),
+                     (0.007, "grant", "w1", 9, 4, 16, 2), (0.009, "result", "w1", 7))
+    [line] = trace.router_summary("router", events)
+    assert "3 leases; a request waited for its lease p50 2.00 ms, p90 4.00 ms, max 4.0 ms" in line
+
+
+@pytest.mark.timeout(180)
+def test_bench_trace_writes_a_timeline_per_role_and_prints_its_summary(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "qmigrate", "bench", "--paths", "pipeline", "--requests", "8",
+                          "--trace", str(tmp_path)], capture_output=True, text=True, timeout=170)
+    assert out.returncode == 0, out.stderr[-3000:]
+    files = sorted(p.name.rsplit("-", 1)[0] for p in (tmp_path / "pipeline-1").glob("*.jsonl"))
+    assert files == ["router", "worker-w1"]
+    assert "worker-w1-" in out.stderr and " steps in " in out.stderr and "a request waited for its lease" in out.stderr
