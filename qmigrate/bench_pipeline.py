@@ -4,7 +4,6 @@ detokenizer's socket and timestamped as they arrive."""
 
 from __future__ import annotations
 
-import os
 import sys
 import tempfile
 import time
@@ -51,7 +50,7 @@ def run_pipeline(model_path: str, devices: list[str], dtype: str, requests, max_
     with tempfile.TemporaryDirectory(prefix="qm-bench-") as tmp:
         data = {
             "transport": "ipc", "ipc_dir": tmp, "model": {"path": model_path, "dtype": dtype},
-            "nodes": [{"name": "local"}],
+            "nodes": [{"name": "local"}], "trace_dir": str(trace_dir) if trace_dir is not None else None,
             "router": {"node": "local", "max_queued": max(4096, len(requests) + 64), **router_overrides},
             "ingest": {"node": "local"}, "detokenizer": {"node": "local"},
             "workers": [{"name": f"w{i}", "node": "local", "device": d, "max_seqs": max_seqs,
@@ -68,13 +67,7 @@ def run_pipeline(model_path: str, devices: list[str], dtype: str, requests, max_
         transport.secure(security.keyring(topo, "local"))
         collector = transport.socket(zmq.PULL, bind=topo.endpoint("detokenizer").bind, hwm=1_000_000)
         roles = [("router", "router")] + [("worker", w.name) for w in topo.workers]
-        if trace_dir is not None:  # the roles started now keep a step timeline there
-            trace_dir.mkdir(parents=True, exist_ok=True)
-            os.environ[trace.ENV] = str(trace_dir)
-        try:
-            children = start_roles(topo, path, roles, read_stdin=False, log_level=log_level)
-        finally:
-            os.environ.pop(trace.ENV, None)
+        children = start_roles(topo, path, roles, read_stdin=False, log_level=log_level)
         try:
             if not wait_for_fleet(topo, children, len(devices), timeout_s=600):
                 raise RuntimeError("the benchmark fleet did not start")

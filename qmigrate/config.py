@@ -181,6 +181,7 @@ _LISTS = {"nodes": NodeConfig, "workers": WorkerConfig}
 class Topology(_Section):
     transport: str = _f("tcp", _one_of("tcp", "ipc"))
     ipc_dir: str | None = _f(None, _optional_text)
+    trace_dir: str | None = _f(None, _optional_text)   # a step timeline of router and workers (trace.py)
     model: ModelConfig = field(default_factory=ModelConfig)
     defaults: SamplingDefaults = field(default_factory=SamplingDefaults)
     security: SecurityConfig = field(default_factory=SecurityConfig)

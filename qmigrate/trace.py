@@ -1,7 +1,7 @@
 """Step timelines: what each worker and the router did and when, to read a run afterwards.
 
-Off unless the environment variable QMIGRATE_TRACE_DIR names a directory; `qmigrate bench
---trace DIR` sets it for the processes it starts. A traced process keeps
+Off unless the topology's `trace_dir` names a directory (`qmigrate bench --trace DIR` sets it
+in the topology of each run). A traced process keeps
 (monotonic time, event, fields...) tuples in memory and appends them as JSON lines to
 DIR/<label>-<pid>.jsonl when it flushes (the roles flush with their heartbeat or metrics
 tick, so a process stopped by a signal loses at most that last stretch). The processes of
@@ -25,7 +25,6 @@ import statistics
 import time
 from pathlib import Path
 
-ENV = "QMIGRATE_TRACE_DIR"
 GAP_S = 0.002  # a stretch with no step on the device longer than this is listed
 
 
@@ -57,9 +56,11 @@ class _Off:
 OFF = _Off()
 
 
-def tracer(label: str) -> Tracer | _Off:
-    directory = os.environ.get(ENV)
-    return Tracer(directory, label) if directory else OFF
+def tracer(label: str, directory: str | None) -> Tracer | _Off:
+    if not directory:
+        return OFF
+    Path(directory).mkdir(parents=True, exist_ok=True)
+    return Tracer(directory, label)
 
 
 # --- reading a trace back ---------------------------------------------------------------

@@ -12,19 +12,19 @@ import pytest
 from qmigrate import trace
 
 
-def test_tracing_is_off_unless_the_environment_names_a_folder(tmp_path, monkeypatch):
-    monkeypatch.delenv(trace.ENV, raising=False)
-    off = trace.tracer("worker-w1")
+def test_tracing_is_off_unless_the_topology_names_a_folder(tmp_path):
+    from qmigrate.config import local_topology
+    assert local_topology().trace_dir is None
+    off = trace.tracer("worker-w1", None)
     off("launch", 3)
     off.flush()
     assert off is trace.OFF and not list(tmp_path.iterdir())
-    monkeypatch.setenv(trace.ENV, str(tmp_path))
-    on = trace.tracer("worker-w1")
+    on = trace.tracer("worker-w1", str(tmp_path / "run"))
     on("launch", 3)
     on("collect_end")
-    assert not list(tmp_path.iterdir())          # kept in memory until a flush
+    assert not list((tmp_path / "run").iterdir())  # kept in memory until a flush
     on.flush()
-    on.flush()                                   # nothing new: nothing written twice
+    on.flush()                                     # nothing new: nothing written twice
     lines = [json.loads(line) for line in on.path.read_text().splitlines()]
     assert [line[1:] for line in lines] == [["launch", 3], ["collect_end"]]
     assert lines[0][0] <= lines[1][0] and on.path.name.startswith("worker-w1-")

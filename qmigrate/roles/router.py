@@ -35,7 +35,7 @@ MAX_BACKLOG = 100_000  # messages for the detokenizer held here while it does no
 class Router:
     def __init__(self, topo):
         rc = topo.router
-        self.trace = tracer("router")
+        self.trace = tracer("router", topo.trace_dir)
         self.config = SchedulerConfig(
             max_queued=rc.max_queued, lease_timeout_s=rc.lease_timeout_s,
             heartbeat_timeout_s=rc.heartbeat_timeout_s, policy=rc.policy,

@@ -49,7 +49,7 @@ class Worker:
         model, _ = load_model(resolve_model(topo.model.path), device, topo.model.dtype,
                               trust_remote_code=topo.model.trust_remote_code)
         self.core = WorkerCore(Engine(model, self.cfg.engine_config()))
-        self.trace = self.core.trace = tracer(f"worker-{name}")
+        self.trace = self.core.trace = tracer(f"worker-{name}", topo.trace_dir)
         self.core.engine.warm_up()
         del model
         self.device = device
