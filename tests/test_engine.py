@@ -295,10 +295,14 @@ def test_steps_that_continue_the_step_before_take_the_array_path(model, prompts,
     assert core.engine.num_continued == 5   # every step after the prefill
     engine = core.engine
     first = engine.launch([StepRow(1, list(prompts[1]), 0, 0), StepRow(2, list(prompts[2]), 0, 0)])
+    sampled = [StepRow(7, list(prompts[3]), 0, 0, 0.7, 0.9, 5, 11)]   # 0.7 is not a float32
+    step = engine.launch(sampled)
+    engine.launch([StepRow(7, [], len(prompts[3]), 1, 0.7, 0.9, 5, 11)], after=step)
+    assert engine.num_continued == 6
     engine.release(2)
     with pytest.raises(ValueError, match="KV for"):   # the general path finds the KV gone
         engine.launch([StepRow(1, [], len(prompts[1]), 1), StepRow(2, [], len(prompts[2]), 1)], after=first)
-    assert engine.num_continued == 5
+    assert engine.num_continued == 6
 
 
 # --- migration at the engine level ------------------------------------------------------

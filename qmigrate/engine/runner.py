@@ -245,12 +245,12 @@ class Engine:
         index = np.fromiter((r.index for r in rows), dtype=np.int64, count=n)
         temperature, top_p, top_k, seed, prev_index = (a[src] for a in after.params)
         length = pool.length
+        given = host_arrays(*([getattr(r, f) for r in rows] for f in ("temperature", "top_p", "top_k", "seed")),
+                            index)  # compared as the arrays hold them (float32 parameters)
         if (not (prev.seq_lens[src] == starts).all() or not (prev_index + 1 == index).all()
                 or int(starts.max()) + 1 > self.max_len
                 or any(length.get(s) != p for s, p in zip(seq_ids, starts.tolist()))
-                or any(r.temperature != t or r.top_p != p or r.top_k != k or r.seed != d
-                       for r, t, p, k, d in zip(rows, temperature.tolist(), top_p.tolist(),
-                                                top_k.tolist(), seed.tolist()))):
+                or not all((a == b).all() for a, b in zip(given, (temperature, top_p, top_k, seed)))):
             return None
         bs = pool.block_size
         opening = [i for i in np.flatnonzero(starts % bs == 0).tolist()
