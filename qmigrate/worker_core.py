@@ -112,11 +112,19 @@ class WorkerCore:
 
     def export(self, seq_id: int, num_tokens: int) -> torch.Tensor | None:
         """The KV to ship for seq_id, then forget it here; None if it is not held."""
-        kv = None
-        if self.engine.cached_len(seq_id) >= num_tokens > 0:
-            kv = self.engine.export_kv(seq_id, num_tokens)
-        self.drop([seq_id])
+        kv, copied = self.export_started(seq_id, num_tokens)
+        if copied is not None:
+            copied.synchronize()
         return kv
+
+    def export_started(self, seq_id: int, num_tokens: int) -> tuple[torch.Tensor | None, object]:
+        """As `export`, without waiting for the device: the KV is in the tensor once the
+        returned event has passed (None: now)."""
+        kv = copied = None
+        if self.engine.cached_len(seq_id) >= num_tokens > 0:
+            kv, copied = self.engine.export_kv_started(seq_id, num_tokens)
+        self.drop([seq_id])
+        return kv, copied
 
     def awaited_transfers(self, lease: P.Lease) -> set[int]:
         return {s.transfer_id for s in lease.full if s.kv_from and s.transfer_id not in self.transfers}

@@ -190,3 +190,34 @@ class WorkerLoop:
         """The lease as it runs here: `steps_per_dispatch` forces a number of steps locally."""
         steps = self.config.steps_per_dispatch
         return dataclasses.replace(lease, num_steps=steps) if lease.num_steps < steps else lease
+
+
+class KVOutbox:
+    """KV shipments whose copy to host memory is still queued on the device. Each is sent
+    once its copy has landed (its event has passed), in the order they were made, so a
+    worker never waits for the device to ship one. `copied` is a CUDA event, or None for a
+    shipment ready now; `send` puts it on the wire."""
+
+    def __init__(self):
+        self.waiting: deque[tuple[object, Callable[[], None]]] = deque()
+
+    def __len__(self) -> int:
+        return len(self.waiting)
+
+    def add(self, copied, send: Callable[[], None]) -> None:
+        self.waiting.append((copied, send))
+        self.flush()
+
+    def flush(self, wait: bool = False) -> int:
+        """Send the shipments that are ready (with `wait`, all of them, waiting for each)."""
+        sent = 0
+        while self.waiting:
+            copied, send = self.waiting[0]
+            if copied is not None and not copied.query():
+                if not wait:
+                    break
+                copied.synchronize()
+            self.waiting.popleft()
+            send()
+            sent += 1
+        return sent

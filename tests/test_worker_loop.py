@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from qmigrate import protocol as P
-from qmigrate.worker_loop import FINISH, START, WAIT, LoopConfig, WorkerLoop
+from qmigrate.worker_loop import FINISH, START, WAIT, KVOutbox, LoopConfig, WorkerLoop
 
 NOTHING = lambda lease: set()  # noqa: E731 -- no KV shipments awaited
 
@@ -217,3 +217,33 @@ def test_bench_timeline_reports_the_longest_request_as_a_floor_of_the_run():
     assert r.summary()["longest_request_s"] == pytest.approx(2.5)
     assert r.ttft_s == pytest.approx([0.5, 0.6, 0.7])
     assert r.tpot_s == pytest.approx([0.25, 0.9])
+
+
+class _Copy:
+    """A stand-in for the CUDA event of a queued device-to-host copy."""
+
+    def __init__(self, done: bool = False):
+        self.done = done
+        self.waited = False
+
+    def query(self) -> bool:
+        return self.done
+
+    def synchronize(self) -> None:
+        self.waited, self.done = True, True
+
+
+def test_kv_shipments_go_once_their_copy_has_landed_and_in_order():
+    sent = []
+    box = KVOutbox()
+    box.add(None, lambda: sent.append("now"))          # nothing on the device: at once
+    first, second = _Copy(), _Copy(done=True)
+    box.add(first, lambda: sent.append("first"))
+    box.add(second, lambda: sent.append("second"))     # ready, but behind one that is not
+    assert sent == ["now"] and len(box) == 2
+    assert box.flush() == 0 and sent == ["now"]
+    first.done = True
+    assert box.flush() == 2 and sent == ["now", "first", "second"] and len(box) == 0
+    last = _Copy()
+    box.add(last, lambda: sent.append("last"))
+    assert box.flush(wait=True) == 1 and last.waited and sent[-1] == "last"   # leaving: wait for it

@@ -148,12 +148,29 @@ class BlockPool:
     # --- shipping ----------------------------------------------------------------------------
     def export(self, seq_id: int, num_tokens: int | None = None) -> torch.Tensor:
         """[num_layers, 2, n, kv_heads, head_dim] on the CPU, contiguous, for shipping."""
+        kv, copied = self.export_started(seq_id, num_tokens)
+        if copied is not None:
+            copied.synchronize()
+        return kv
+
+    def export_started(self, seq_id: int, num_tokens: int | None = None) -> tuple[torch.Tensor, object]:
+        """The same, without waiting: on a GPU the copy to (pinned) host memory is queued
+        behind the steps already launched, and the tensor holds the KV once the returned CUDA
+        event has passed (None: it holds it now). The blocks may be freed at once: any step
+        that writes them again is queued after the copy."""
         n = self.length[seq_id] if num_tokens is None else num_tokens
         if not 0 < n <= self.length[seq_id]:
             raise ValueError(f"sequence {seq_id}: cannot export {n} of {self.length[seq_id]} positions")
-        slots = torch.from_numpy(self.slots(seq_id, 0, n)).to(self.device)
+        slots = torch.from_numpy(self.slots(seq_id, 0, n))
         flat = self.kv.view(self.num_layers, 2, -1, self.num_kv_heads, self.head_dim)
-        return flat.index_select(2, slots).to("cpu").contiguous()
+        if not self.kv.is_cuda:
+            return flat.index_select(2, slots).contiguous(), None
+        gathered = flat.index_select(2, slots.pin_memory().to(self.device, non_blocking=True))
+        host = torch.empty(gathered.shape, dtype=gathered.dtype, pin_memory=True)
+        host.copy_(gathered, non_blocking=True)
+        copied = torch.cuda.Event()
+        copied.record()
+        return host, copied
 
     def load(self, seq_id: int, kv: torch.Tensor, protect) -> bool:
         """Place shipped KV in any free blocks; False when there is no room for it."""

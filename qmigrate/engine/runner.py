@@ -162,6 +162,9 @@ class Engine:
     def export_kv(self, seq_id: int, num_tokens: int | None = None) -> torch.Tensor:
         return self.pool.export(seq_id, num_tokens)
 
+    def export_kv_started(self, seq_id: int, num_tokens: int | None = None) -> tuple[torch.Tensor, object]:
+        return self.pool.export_started(seq_id, num_tokens)
+
     def import_kv(self, seq_id: int, kv: torch.Tensor, protect=frozenset()) -> bool:
         return self.pool.load(seq_id, kv, protect)
 

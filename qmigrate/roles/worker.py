@@ -28,7 +28,7 @@ from ..engine.runner import Engine
 from ..security import SecurityError
 from ..trace import tracer
 from ..worker_core import WorkerCore
-from ..worker_loop import FINISH, START, WAIT, LoopConfig, WorkerLoop
+from ..worker_loop import FINISH, START, WAIT, KVOutbox, LoopConfig, WorkerLoop
 from . import freeze_heap, run_until_fatal
 
 log = logging.getLogger("qmigrate.worker")
@@ -61,6 +61,7 @@ class Worker:
                                           max_tokens=self.cfg.max_tokens,
                                           steps_per_dispatch=self.cfg.steps_per_dispatch))
         self.deferred: deque = deque()  # router messages that came during a multi-step lease
+        self.outbox = KVOutbox()
         self.busy_s = self.idle_s = 0.0
 
     @property
@@ -128,8 +129,11 @@ class Worker:
 
     def receive(self, timeout_s: float) -> bool:
         """Take what the sockets hold, waiting up to timeout_s; True when told to exit."""
+        self.outbox.flush()
         if self.deferred:
             timeout_s = 0.0
+        elif self.outbox:
+            timeout_s = min(timeout_s, 0.001)  # a shipment's copy lands within a step
         t0 = time.monotonic()
         ready = dict(self.poller.poll(math.ceil(timeout_s * 1000)))
         if not self.loop.queued and not self.loop.on_device:
@@ -214,12 +218,18 @@ class Worker:
     def between_steps(self, lease_id: int, tokens: P.Tokens):
         """Between two steps of a multi-step lease: stream this step's tokens, take Revokes."""
         self.send_router(tokens)
+        self.outbox.flush()
         self.receive_router(mid_lease=True)
         self.keep_alive()
         return self.loop.revoked_rows(lease_id)
 
     def ship(self, msg: P.ShipKV) -> None:
-        kv = self.core.export(msg.seq_id, msg.num_tokens)
+        """Export the KV (queued on the device behind the steps in flight) and send it once
+        it has reached host memory: the worker goes on stepping meanwhile."""
+        kv, copied = self.core.export_started(msg.seq_id, msg.num_tokens)
+        self.outbox.add(copied, lambda: self.send_kv(msg, kv))
+
+    def send_kv(self, msg: P.ShipKV, kv: torch.Tensor | None) -> None:
         sock = self.peers.get(msg.dest)
         if sock is None:
             try:
@@ -255,7 +265,8 @@ class Worker:
             self.core.receive_transfer(header.transfer_id, header.seq_id, _kv_tensor(header, frames[1]))
 
     def close(self) -> None:
-        """Leaving on purpose: let queued tokens and results reach their peers first."""
+        """Leaving on purpose: let queued tokens, results and KV reach their peers first."""
+        self.outbox.flush(wait=True)
         self.router.close(linger=5000)
         for sock in self.peers.values():
             sock.close(linger=2000)
