@@ -85,11 +85,21 @@ def test_a_cut_link_between_hosts_loses_nothing(hosts, tmp_path, tiny_model_dir)
         out.seek(0)
         return out.read()
 
+    def stats() -> dict[str, str]:
+        text = subprocess.run(["ip", "netns", "exec", f"{tag}head", sys.executable, "-m", "qmigrate", "stats",
+                               str(path)], capture_output=True, text=True, timeout=60).stdout
+        return dict(line.split() for line in text.splitlines() if len(line.split()) == 2)
+
     try:
         start("out", stdout=out)
         start("n1")
         start("n2")
         head = start("head", stdin=subprocess.PIPE, extra=["--stdin"])
+        # Both workers in before the prompts: one that joins late would miss the whole run.
+        deadline = time.monotonic() + 120
+        while int(stats().get("workers", 0)) < 2:
+            assert time.monotonic() < deadline, f"w1 and w2 did not both join\n{open(tmp_path / 'err').read()[-2000:]}"
+            time.sleep(0.5)
         head.stdin.write("".join(json.dumps(p) + "\n" for p in prompts))
         head.stdin.close()
         deadline = time.monotonic() + 180
@@ -101,8 +111,7 @@ def test_a_cut_link_between_hosts_loses_nothing(hosts, tmp_path, tiny_model_dir)
         while printed().count('"done": true') < len(prompts):
             assert time.monotonic() < deadline, f"unfinished after the cut\n{printed()[-1500:]}"
             time.sleep(0.2)
-        stats = subprocess.run(["ip", "netns", "exec", f"{tag}head", sys.executable, "-m", "qmigrate", "stats",
-                                str(path)], capture_output=True, text=True, timeout=60).stdout
+        counters = stats()
     finally:
         for proc in nodes:
             if proc.poll() is None:
@@ -113,6 +122,5 @@ def test_a_cut_link_between_hosts_loses_nothing(hosts, tmp_path, tiny_model_dir)
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
-    counters = dict(line.split() for line in stats.splitlines() if len(line.split()) == 2)
-    assert int(counters.get("workers_lost", 0)) >= 1, stats
+    assert int(counters.get("workers_lost", 0)) >= 1, counters
     check_outputs(printed(), prompts, tiny_model_dir)
