@@ -2,14 +2,17 @@
 
 Pure rules over the router's worker records (shared with the Scheduler, which owns them):
 the causes of a move (dead, drain, memory, policy "any", load), how many sequences an
-overloaded worker may lose to another, and recompute against KV transfer.
+overloaded worker may lose to another, which queued sequences a worker asking for work is
+offered and in what order, and recompute against KV transfer.
 """
 
 from __future__ import annotations
 
+import heapq
+import itertools
 from collections import Counter
 
-from .fleet import SchedulerConfig, Seq, WorkerState, choose_mechanism
+from .fleet import Queue, SchedulerConfig, Seq, WorkerState, choose_mechanism
 
 
 class MovePolicy:
@@ -73,3 +76,33 @@ class MovePolicy:
         return choose_mechanism(len(seq.token_ids) - 1, owner.kv_bytes_per_token, owner.num_params,
                                 self.config.link_gbps, self.config.prefill_tflops)
 
+    def candidates(self, w: WorkerState, queue: Queue, quota: Counter[str], limit: int) -> list[tuple[Seq, str | None]]:
+        """Up to `limit` queued sequences this worker may run, best first, with the migration
+        cause: those that must leave a draining or memory-short owner (their owner will not
+        run them again, so they would wait the longest), its own, those held nowhere, then
+        those that load balancing would move to it."""
+        # Short of memory: it leaves its own sequences to whoever may take them (cause "memory").
+        shedding = self.config.migrate_on_memory and w.is_memory_short and any(
+            o.alive and not o.draining and o.may_prefill for o in self.workers.values() if o is not w)
+        urgent, movable = [], []
+        for owner, queued in queue.by_owner.items():
+            other = self.workers.get(owner) if owner is not None else None
+            if other is not None and other is not w and (cause := self.cause(other, quota)) is not None:
+                (urgent if cause in ("drain", "memory") and w.may_prefill else movable).append(queued.values())
+        out = self._merged(urgent, quota, limit, [])
+        if not shedding:
+            out += [(seq, None) for seq in itertools.islice(queue.of(w.name).values(), limit - len(out))]
+        out += [(seq, None) for seq in itertools.islice(queue.of(None).values(), max(0, limit - len(out)))]
+        return self._merged(movable, quota, limit, out)
+
+    def _merged(self, queues: list, quota: Counter[str], limit: int, out: list) -> list[tuple[Seq, str | None]]:
+        """out, then the sequences of these owners' queues in the router's order, with their cause."""
+        for seq in heapq.merge(*queues, key=lambda seq: seq.queue_pos):
+            if len(out) >= limit:
+                break
+            owner = self.workers[seq.owner]
+            if (cause := self.cause(owner, quota)) is not None:
+                if cause == "load":
+                    quota[owner.name] -= 1
+                out.append((seq, cause))
+        return out

@@ -19,6 +19,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from .packed import (ProtocolError, _unpack, pack_i32, pack_i64, pack_u8, unpack_i32,  # noqa: F401 (re-exported)
+                     unpack_i64, unpack_ids, unpack_u8)
+
 PROTOCOL_VERSION = 1
 MAX_MESSAGE_BYTES = 64 << 20  # control and token messages; KV payloads travel as extra frames
 MAX_ARRAY_LEN = 1 << 20
@@ -34,8 +37,6 @@ SUBMIT_MAX_SEQS = 512
 SUBMIT_MAX_IDS = 1 << 22
 
 
-class ProtocolError(ValueError):
-    pass
 
 
 class MsgType(enum.IntEnum):
@@ -86,46 +87,6 @@ class Finish(enum.IntEnum):
     @property
     def is_finished(self) -> bool:
         return self in (Finish.EOS, Finish.LENGTH, Finish.STOP, Finish.ERROR)
-
-
-# --- packed arrays -----------------------------------------------------------------------
-
-def pack_i32(values) -> bytes:
-    return np.ascontiguousarray(values, dtype="<i4").tobytes()
-
-
-def pack_i64(values) -> bytes:
-    return np.ascontiguousarray(values, dtype="<i8").tobytes()
-
-
-def pack_u8(values) -> bytes:
-    return np.ascontiguousarray(values, dtype="u1").tobytes()
-
-
-def _unpack(data: bytes, dtype: str, what: str) -> np.ndarray:
-    itemsize = np.dtype(dtype).itemsize
-    if len(data) % itemsize:
-        raise ProtocolError(f"{what}: {len(data)} bytes is not a whole number of {dtype} items")
-    return np.frombuffer(data, dtype=dtype)
-
-
-def unpack_ids(data: bytes, what: str = "ids") -> np.ndarray:
-    ids = _unpack(data, "<i4", what)
-    if ids.size and (ids.min() < 0):
-        raise ProtocolError(f"{what}: negative token id")
-    return ids
-
-
-def unpack_i32(data: bytes, what: str = "i32") -> np.ndarray:
-    return _unpack(data, "<i4", what)
-
-
-def unpack_i64(data: bytes, what: str = "i64") -> np.ndarray:
-    return _unpack(data, "<i8", what)
-
-
-def unpack_u8(data: bytes, what: str = "u8") -> np.ndarray:
-    return _unpack(data, "u1", what)
 
 
 # --- messages ----------------------------------------------------------------------------

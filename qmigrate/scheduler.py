@@ -25,7 +25,6 @@ it, so a request for work costs what it returns, not what the whole fleet holds.
 
 from __future__ import annotations
 
-import heapq
 import itertools
 from collections import Counter, deque
 
@@ -183,13 +182,14 @@ class Scheduler:
         chainable = [seq for seq in held if seq.next_lease is None] if self._may_chain(w) else []
         quota = self.moves.steal_quota(w)
         # Look at a bounded stretch of the queue: a request costs what it can return.
-        candidates = self._candidates(w, quota, max_seqs + 64)
+        candidates = self.moves.candidates(w, self.queue, quota, max_seqs + 64)
         if ahead and w.num_leased and not chainable and len(candidates) < max_seqs:
             return None
         # The batch in flight goes on at a token a row: those tokens are kept from the budget
         # that new prompts may fill, so a prefill never makes a running row skip a step.
-        reserved = min(len(chainable), max_seqs, max(0, min(max_tokens, w.max_tokens) - 1))
-        budget = min(max_tokens, w.max_tokens) - reserved
+        budget = min(max_tokens, w.max_tokens)
+        reserved = min(len(chainable), max_seqs, max(0, budget - 1))
+        budget -= reserved
         room = self._kv_room(w, held, free_kv_tokens)
         rows: list[Row] = []
         shipments = []
@@ -298,37 +298,6 @@ class Scheduler:
 
     def _may_chain(self, w: WorkerState) -> bool:
         return self.config.chain and self.config.policy != "any" and self.moves.may_keep(w)
-
-    def _candidates(self, w: WorkerState, quota: Counter[str], limit: int) -> list[tuple[Seq, str | None]]:
-        """Up to `limit` queued sequences this worker may run, best first, with the migration
-        cause: those that must leave a draining or memory-short owner (their owner will not
-        run them again, so they would wait the longest), its own, those held nowhere, then
-        those that load balancing would move to it."""
-        # Short of memory: it leaves its own sequences to whoever may take them (cause "memory").
-        shedding = self.config.migrate_on_memory and w.is_memory_short and any(
-            o.alive and not o.draining and o.may_prefill for o in self.workers.values() if o is not w)
-        urgent, movable = [], []
-        for owner, queued in self.queue.by_owner.items():
-            other = self.workers.get(owner) if owner is not None else None
-            if other is not None and other is not w and (cause := self.moves.cause(other, quota)) is not None:
-                (urgent if cause in ("drain", "memory") and w.may_prefill else movable).append(queued.values())
-        out = self._merged(urgent, quota, limit, [])
-        if not shedding:
-            out += [(seq, None) for seq in itertools.islice(self.queue.of(w.name).values(), limit - len(out))]
-        out += [(seq, None) for seq in itertools.islice(self.queue.of(None).values(), max(0, limit - len(out)))]
-        return self._merged(movable, quota, limit, out)
-
-    def _merged(self, queues: list, quota: Counter[str], limit: int, out: list) -> list[tuple[Seq, str | None]]:
-        """out, then the sequences of these owners' queues in the router's order, with their cause."""
-        for seq in heapq.merge(*queues, key=lambda seq: seq.queue_pos):
-            if len(out) >= limit:
-                break
-            owner = self.workers[seq.owner]
-            if (cause := self.moves.cause(owner, quota)) is not None:
-                if cause == "load":
-                    quota[owner.name] -= 1
-                out.append((seq, cause))
-        return out
 
     def _lease_row(self, seq: Seq, w: WorkerState, cause, mechanism, shipments, now: float) -> Row:
         revoked_at, seq.revoked_at = seq.revoked_at, None

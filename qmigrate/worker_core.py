@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from . import protocol as P
+from .engine.kvcache import landed
 from .engine.runner import REFUSED, Engine, StepRow
 from .protocol import Finish
 from .trace import OFF
@@ -112,10 +113,7 @@ class WorkerCore:
 
     def export(self, seq_id: int, num_tokens: int) -> torch.Tensor | None:
         """The KV to ship for seq_id, then forget it here; None if it is not held."""
-        kv, copied = self.export_started(seq_id, num_tokens)
-        if copied is not None:
-            copied.synchronize()
-        return kv
+        return landed(*self.export_started(seq_id, num_tokens))
 
     def export_started(self, seq_id: int, num_tokens: int) -> tuple[torch.Tensor | None, object]:
         """As `export`, without waiting for the device: the KV is in the tensor once the

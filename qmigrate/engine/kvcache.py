@@ -33,6 +33,13 @@ def write_kv(k_cache, v_cache, slot_mapping, k, v) -> None:
         flat.index_copy_(0, slots, torch.where(keep, new.to(cache.dtype), 0))
 
 
+def landed(kv, copied):
+    """kv once the copy that fills it (a CUDA event, or None: done) has passed."""
+    if copied is not None:
+        copied.synchronize()
+    return kv
+
+
 class OutOfBlocks(RuntimeError):
     pass
 
@@ -148,10 +155,7 @@ class BlockPool:
     # --- shipping ----------------------------------------------------------------------------
     def export(self, seq_id: int, num_tokens: int | None = None) -> torch.Tensor:
         """[num_layers, 2, n, kv_heads, head_dim] on the CPU, contiguous, for shipping."""
-        kv, copied = self.export_started(seq_id, num_tokens)
-        if copied is not None:
-            copied.synchronize()
-        return kv
+        return landed(*self.export_started(seq_id, num_tokens))
 
     def export_started(self, seq_id: int, num_tokens: int | None = None) -> tuple[torch.Tensor, object]:
         """The same, without waiting: on a GPU the copy to (pinned) host memory is queued

@@ -180,8 +180,8 @@ def _llama_config(vocab_size: int, shape: dict, dtype: torch.dtype, init_std: fl
 
 
 def _random_state_dict(config, seed: int, dtype: torch.dtype, std: float) -> dict[str, torch.Tensor]:
-    import torch
     """Weights ~ N(0, std), norms = 1; each tensor seeded by (seed, name) so tensors fill in parallel."""
+    import torch
     from transformers import LlamaForCausalLM
 
     with torch.device("meta"):
