@@ -9,6 +9,10 @@ in-process loop run them; and `gpu`, 20 forwards queued back to back with no hos
 between them, which is what the device itself needs per step. The
 floor is the weight bytes over the device-to-device copy bandwidth measured in the same
 process.
+
+Two more figures price admitting a prompt into a running batch, as continuous batching does
+whenever a request finishes while others wait: `mixed`, the whole step of the same decode
+rows plus one new prompt of MIXED_PROMPT tokens, and `prefill`, a step of that prompt alone.
 """
 
 from __future__ import annotations
@@ -20,6 +24,8 @@ import time
 from pathlib import Path
 
 import torch
+
+MIXED_PROMPT = 256
 
 
 def copy_bandwidth(device: str, nbytes: int = 1 << 30) -> float:
@@ -109,22 +115,50 @@ def run_decode_steps(model_path: str, device: str, batches: list[int], context: 
         gpu_ms = (time.perf_counter() - t0) / 20 * 1000
         if profile and batch == 64:
             _profile_forward(engine, decode, device)
+        mixed_ms, prefill_ms = _admission_steps(engine, device, batch, rows_now, ids, r)
         for i in range(batch):
             engine.release(i)
         results.append({"batch": batch, "context": context, "step_ms": step_ms, "overlap_ms": overlap_ms,
                         "overlap_x_floor": overlap_ms / floor_ms, "gpu_ms": gpu_ms,
                         "floor_ms": floor_ms, "step_x_floor": step_ms / floor_ms,
-                        "gpu_x_floor": gpu_ms / floor_ms})
-    lines = [f"{'batch':>5} {'step ms':>8} {'x floor':>8} {'overlap':>8} {'x floor':>8} {'gpu ms':>8} {'x floor':>8}"]
+                        "gpu_x_floor": gpu_ms / floor_ms, "mixed_ms": mixed_ms, "prefill_ms": prefill_ms,
+                        "mixed_prompt": MIXED_PROMPT})
+    lines = [f"{'batch':>5} {'step ms':>8} {'x floor':>8} {'overlap':>8} {'x floor':>8} {'gpu ms':>8} {'x floor':>8}"
+             f" {'mixed':>8} {'prefill':>8}"]
     lines += [f"{x['batch']:5d} {x['step_ms']:8.2f} {x['step_x_floor']:8.1f} {x['overlap_ms']:8.2f} "
-              f"{x['overlap_x_floor']:8.1f} {x['gpu_ms']:8.2f} {x['gpu_x_floor']:8.1f}" for x in results]
-    print(f"decode step, context {context}, {engine.runner.name} runner, floor {floor_ms:.3f} ms")
+              f"{x['overlap_x_floor']:8.1f} {x['gpu_ms']:8.2f} {x['gpu_x_floor']:8.1f} "
+              f"{x['mixed_ms']:8.2f} {x['prefill_ms']:8.2f}" for x in results]
+    print(f"decode step, context {context}, {engine.runner.name} runner, floor {floor_ms:.3f} ms; "
+          f"mixed: the same step with a new prompt of {MIXED_PROMPT} tokens, prefill: that prompt alone")
     print("\n".join(lines))
     if json_path is not None:
         json_path.write_text(json.dumps({"runner": engine.runner.name, "describe": engine.describe(),
                                          "weight_bytes": weight_bytes, "copy_bytes_per_s": bandwidth,
                                          "results": results}, indent=2))
     return results
+
+
+def _admission_steps(engine, device: str, batch: int, rows_now, ids: dict, r: random.Random,
+                     num_steps: int = 10) -> tuple[float, float]:
+    """(mixed, prefill) step ms: the decode rows plus one new prompt, and the prompt alone."""
+    from .engine.runner import StepRow
+    new_id = batch  # a seq id no decode row uses
+    prompt = [r.randint(10, 31000) for _ in range(MIXED_PROMPT)]
+    times = {"mixed": [], "prefill": []}
+    for i in range(num_steps + 2):  # the first two warm up
+        for kind in times:
+            rows = (rows_now() if kind == "mixed" else []) + [StepRow(new_id, prompt, 0, 0)]
+            torch.cuda.synchronize(device)
+            t0 = time.perf_counter()
+            tokens = engine.step(rows)
+            torch.cuda.synchronize(device)
+            if i >= 2:
+                times[kind].append(time.perf_counter() - t0)
+            engine.release(new_id)
+            if kind == "mixed":
+                for row, token in zip(rows[:-1], tokens):
+                    ids[row.seq_id].append(token)
+    return tuple(sorted(t)[len(t) // 2] * 1000 for t in times.values())
 
 
 def _profile_forward(engine, decode, device: str) -> None:

@@ -158,3 +158,51 @@ def test_fast_runner_in_fp32_matches_generate(tiny_model_dir):
         rows = [StepRow(i, [out[i][-1]], len(prompts[i]) + step, step + 1) for i in range(8)]
     same = sum(out[i] == _generate(model, p, 16) for i, p in enumerate(prompts))
     assert same >= 7, same  # fp32 kernels on the GPU round differently from cuBLAS: ties may flip
+
+
+def test_steps_with_prompts_replay_token_graphs_with_the_eager_results(medium_model_dir):
+    """Continuous batching's steps: decode rows with new prompts among them, a prefill alone,
+    and a prompt longer than a chunk. With graphs they replay a token-bucket graph (padded
+    tokens and rows); the logits match the eager forward's within bf16 rounding."""
+    from qmigrate.engine.models import load_model
+    from qmigrate.engine.runner import Engine, StepRow
+    model, _ = load_model(medium_model_dir, "cuda:0", "bfloat16")
+    graphs = Engine(model, runner="fast", max_batch=32, max_batch_tokens=2048, max_kv_tokens=1 << 16)
+    eager = Engine(model, runner="fast", max_batch=32, max_batch_tokens=2048, max_kv_tokens=1 << 16,
+                   cuda_graphs=False)
+    assert graphs.runner.token_graphs and not eager.runner.token_graphs
+    assert graphs.runner.token_buckets[-1] == 2048
+    vocab = model.config.vocab_size
+    r = random.Random(3)
+    prompt = lambda n: [1] + [r.randint(3, vocab - 1) for _ in range(n - 1)]
+    running = {i: prompt(r.randint(2, 90)) for i in range(20)}
+    rows = [StepRow(i, ids, 0, 0) for i, ids in running.items()]
+    errors, agree, replays = [], [], 0
+    for step in range(12):
+        a, b = _logits(graphs, rows), _logits(eager, rows)
+        replays += graphs.runner.static_logits.data_ptr() == _last_logits_ptr(graphs, rows)
+        errors.append(float((a - b).norm() / b.norm()))
+        agree.append((a.argmax(-1) == b.argmax(-1)).float().mean().item())
+        tokens = b.argmax(-1).tolist()
+        for row, token in zip(rows, tokens):
+            running[row.seq_id] = running[row.seq_id][:row.start + len(row.new_ids)] + [token]
+        rows = [StepRow(sid, [ids[-1]], len(ids) - 1, 0) for sid, ids in running.items()]
+        new = 100 + step
+        running[new] = prompt([1, 7, 130, 700][step % 4])  # one token up to a chunk and more
+        rows.append(StepRow(new, running[new], 0, 0))
+        if len(rows) > 32:
+            rows = rows[-32:]
+    print(f"token graphs: max relative logit error {max(errors):.2e}, greedy agreement "
+          f"{sum(agree) / len(agree):.3f}")
+    assert replays == 12
+    assert max(errors) <= 2e-2
+    assert sum(agree) / len(agree) >= 0.97
+
+
+def _last_logits_ptr(engine, rows) -> int:
+    """Where a forward of these rows leaves its logits: the static buffer when a graph ran."""
+    from qmigrate.engine.batch import StepBatch
+    batch = StepBatch.build(engine.pool, [r.seq_id for r in rows], [r.new_ids for r in rows],
+                            [r.start for r in rows])
+    with torch.inference_mode():
+        return engine.runner.forward(batch).data_ptr()

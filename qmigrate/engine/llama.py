@@ -5,7 +5,11 @@ into one matrix each. A step is one varlen forward over every row's new tokens (
 padding): per layer an RMSNorm fused with the residual add, one q/k/v matmul, RoPE fused
 with the write of K and V into the paged pool, attention that reads the pool in place, the
 output projection, and the MLP. Steps of decode rows only replay a CUDA graph captured
-for the next batch-size bucket.
+for the next batch-size bucket. Steps that carry prompt tokens (a prefill, or decode rows
+with new prompts among them, as continuous batching runs whenever a request ends while
+others wait) replay a graph captured for the next bucket of tokens, with the rows padded
+to max_batch: run eagerly, such a step's ~250 launches took 14-16 ms of host time on an
+H100 whatever its size, several times what the device needed.
 """
 
 from __future__ import annotations
@@ -26,6 +30,8 @@ log = logging.getLogger(__name__)
 
 FAMILY = ("llama", "mistral", "qwen2")
 GRAPH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 80, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
+# Tokens of a step with prompts. Past the last bucket the device time outgrows the host's.
+TOKEN_BUCKETS = (64, 128, 192, 256, 320, 384, 512, 640, 768, 1024, 1280, 1536, 2048, 3072, 4096)
 
 
 def unsupported(model, device: torch.device) -> str | None:
@@ -90,7 +96,7 @@ class _Inputs:
 class LlamaRunner:
     name = "fast"
 
-    def __init__(self, model, *, max_batch: int = 256, cuda_graphs: bool = True):
+    def __init__(self, model, *, max_batch: int = 256, max_tokens: int = 8192, cuda_graphs: bool = True):
         cfg = model.config
         base = model.model
         first = base.layers[0]
@@ -117,13 +123,16 @@ class LlamaRunner:
         self.max_batch = max_batch
         self.use_kernels = attn.can_use_triton(self.embed)
         self.use_graphs = cuda_graphs and self.device.type == "cuda"
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}         # decode steps, by rows
+        self.token_graphs: dict[int, torch.cuda.CUDAGraph] = {}   # steps with prompts, by tokens
+        self.token_buckets = [t for t in TOKEN_BUCKETS if t < max_tokens] + [min(max_tokens, TOKEN_BUCKETS[-1])]
         self.pool: BlockPool | None = None
 
     # --- setup -------------------------------------------------------------------------
     def attach(self, pool: BlockPool | None, capture: bool = True) -> None:
         self.pool = pool
         self.graphs.clear()
+        self.token_graphs.clear()
         if pool is not None and capture and self.use_graphs:
             self._capture()
 
@@ -131,30 +140,44 @@ class LlamaRunner:
         pool, n = self.pool, self.max_batch
         width = pool.blocks_for(self.cos.shape[0])
         dev = self.device
+        num_tokens = max(n, self.token_buckets[-1])
         self.static = _Inputs(
-            ids=torch.zeros(n, dtype=torch.int64, device=dev),
-            positions=torch.zeros(n, dtype=torch.int64, device=dev),
-            slots=torch.full((n,), -1, dtype=torch.int64, device=dev),
+            ids=torch.zeros(num_tokens, dtype=torch.int64, device=dev),
+            positions=torch.zeros(num_tokens, dtype=torch.int64, device=dev),
+            slots=torch.full((num_tokens,), -1, dtype=torch.int64, device=dev),
             query_start=torch.arange(n + 1, dtype=torch.int32, device=dev),
             seq_lens=torch.ones(n, dtype=torch.int32, device=dev),
             block_table=torch.zeros((n, width), dtype=torch.int32, device=dev),
             last=torch.arange(n, dtype=torch.int64, device=dev))
+        # Steps with prompts have rows of any length: their own row layout, padded with rows of
+        # no tokens (they get no attention tiles, and their logits are not read).
+        self.static_rows = (torch.zeros(n + 1, dtype=torch.int32, device=dev),
+                            torch.zeros(n, dtype=torch.int64, device=dev))
         self.static_logits = torch.empty((n, self.vocab_size), dtype=torch.float32, device=dev)
         buckets = [b for b in GRAPH_BUCKETS if b < n] + [n]
         mempool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream(dev)
         stream.wait_stream(torch.cuda.current_stream(dev))
+        # Largest first, all in one memory pool: a smaller capture reuses the larger's
+        # blocks, which is safe as graphs replay one at a time and write their logits out.
         with torch.cuda.stream(stream), torch.inference_mode():
+            for tokens in reversed(self.token_buckets):
+                self.token_graphs[tokens] = self._captured(lambda: self._tokens_into(tokens), mempool, stream)
             for b in reversed(buckets):
-                for _ in range(2):  # compile the kernels outside the capture
-                    self._decode_into(b)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=mempool, stream=stream):
-                    self._decode_into(b)
-                self.graphs[b] = graph
+                self.graphs[b] = self._captured(lambda: self._decode_into(b), mempool, stream)
         torch.cuda.current_stream(dev).wait_stream(stream)
         torch.cuda.synchronize(dev)
-        log.info("captured decode graphs for batch sizes %s", buckets)
+        log.info("captured graphs for decode steps of %s rows and for steps of up to %s tokens",
+                 buckets, self.token_buckets)
+
+    @staticmethod
+    def _captured(run, mempool, stream) -> torch.cuda.CUDAGraph:
+        for _ in range(2):  # compile the kernels outside the capture
+            run()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=mempool, stream=stream):
+            run()
+        return graph
 
     def _decode_into(self, b: int) -> None:
         s = self.static
@@ -162,24 +185,38 @@ class LlamaRunner:
                        s.block_table[:b], s.last[:b])
         self.static_logits[:b] = self._forward(view, b, 1, is_decode=True)
 
+    def _tokens_into(self, tokens: int) -> None:
+        """A step of up to `tokens` tokens in up to max_batch rows, planned for a row as long
+        as the bucket (any real row is no longer)."""
+        s, (query_start, last), n = self.static, self.static_rows, self.max_batch
+        view = _Inputs(s.ids[:tokens], s.positions[:tokens], s.slots[:tokens], query_start, s.seq_lens,
+                       s.block_table, last)
+        self.static_logits[:n] = self._forward(view, tokens, tokens, is_decode=False)
+
     # --- a step ------------------------------------------------------------------------
     can_feed = True
 
     def forward(self, batch: StepBatch, feed=None) -> torch.Tensor:
         """logits [B, V] float32 of each row's last token. `feed` = (rows, src, tokens): the
         input of row rows[k] (a decode row) is tokens[src[k]], a tensor already on the device."""
-        b = batch.num_rows
+        b, t = batch.num_rows, batch.num_tokens
         if batch.is_decode and self.graphs and b <= self.max_batch:
             bucket = next(k for k in sorted(self.graphs) if k >= b)
             self._load_static(batch, bucket)
+            graph = self.graphs[bucket]
+        elif self.token_graphs and b <= self.max_batch and t <= self.token_buckets[-1]:
+            bucket = next(k for k in self.token_buckets if k >= t)
+            self._load_tokens(batch, bucket)
+            graph = self.token_graphs[bucket]
+        else:
+            x = self._inputs(batch)
             if feed is not None:
-                self._feed(self.static.ids, batch, feed)
-            self.graphs[bucket].replay()
-            return self.static_logits[:b]
-        x = self._inputs(batch)
+                self._feed(x.ids, batch, feed)
+            return self._forward(x, batch.num_tokens, batch.max_query_len, batch.is_decode)
         if feed is not None:
-            self._feed(x.ids, batch, feed)
-        return self._forward(x, batch.num_tokens, batch.max_query_len, batch.is_decode)
+            self._feed(self.static.ids, batch, feed)
+        graph.replay()
+        return self.static_logits[:b]
 
     def _feed(self, ids: torch.Tensor, batch: StepBatch, feed) -> None:
         rows, src, tokens = feed
@@ -215,10 +252,34 @@ class LlamaRunner:
             s.seq_lens[b:bucket].fill_(1)
             s.block_table[b:bucket, 0].fill_(0)
 
+    def _load_tokens(self, batch: StepBatch, bucket: int) -> None:
+        """The static inputs of a token-bucket graph: the batch's tokens, then padding tokens
+        that write nothing and belong to no row; its rows, then rows of no tokens."""
+        s, (query_start, last) = self.static, self.static_rows
+        b, n = batch.num_rows, batch.num_tokens
+        t = lambda a: torch.from_numpy(np.ascontiguousarray(a))
+        s.ids[:n].copy_(t(batch.ids), non_blocking=True)
+        s.positions[:n].copy_(t(batch.positions), non_blocking=True)
+        s.slots[:n].copy_(t(batch.slot_mapping), non_blocking=True)
+        s.slots[n:bucket].fill_(-1)
+        s.positions[n:bucket].fill_(0)
+        query_start[:b + 1].copy_(t(batch.query_start), non_blocking=True)
+        query_start[b + 1:].fill_(n)
+        last[:b].copy_(t(batch.last.astype(np.int64)), non_blocking=True)
+        last[b:].fill_(0)
+        s.seq_lens[:b].copy_(t(batch.seq_lens), non_blocking=True)
+        s.seq_lens[b:].fill_(1)
+        width = batch.block_table.shape[1]
+        s.block_table[:b, :width].copy_(t(batch.block_table), non_blocking=True)
+
     def _forward(self, x: _Inputs, num_tokens: int, max_query_len: int, is_decode: bool) -> torch.Tensor:
         pool = self.pool
         h = F.embedding(x.ids, self.embed)
         residual = None
+        plan = None
+        if self.use_kernels and not is_decode:
+            plan = attn.prefill_plan(x.query_start, num_tokens, max_query_len, self.num_heads,
+                                     self.num_kv_heads, self.head_dim)
         for i, layer in enumerate(self.layers):
             if residual is None:
                 residual, y = h, fused.rms_norm(h, layer.ln1, self.eps)
@@ -235,7 +296,7 @@ class LlamaRunner:
                 o = attn.decode_attention(q, k_cache, v_cache, x.seq_lens, x.block_table, self.scale)
             else:
                 o = attn.prefill_attention(q, k_cache, v_cache, x.query_start, x.seq_lens, x.block_table,
-                                           self.scale, max_query_len)
+                                           self.scale, max_query_len, plan=plan)
             h = F.linear(o.reshape(num_tokens, -1), layer.o, layer.o_bias)
             y, residual = fused.add_rms_norm(h, residual, layer.ln2, self.eps)
             h = F.linear(fused.silu_and_mul(F.linear(y, layer.gate_up, layer.gate_up_bias)),

@@ -13,6 +13,7 @@ tile, so every K/V tile is read once per (row, KV head), not once per query head
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 
@@ -201,8 +202,30 @@ def prefill_tiles(query_start, num_tokens: int, block_q: int, max_query_len: int
     return torch.where(inside, rows, -1).to(torch.int32), first
 
 
+@dataclass(frozen=True, slots=True)
+class PrefillPlan:
+    """How prefill_attention tiles a step's queries. It depends on the step's rows only, not
+    on the layer, so a forward computes it once for all of its layers."""
+    block_m: int
+    block_q: int
+    tile_rows: torch.Tensor
+    tile_first: torch.Tensor
+
+
+def prefill_plan(query_start, num_tokens: int, max_query_len: int, num_heads: int, num_kv_heads: int,
+                 head_dim: int) -> PrefillPlan:
+    """max_query_len may be any bound on the longest row (a CUDA graph plans for its bucket)."""
+    group = num_heads // num_kv_heads
+    # a tile is BLOCK_M (query, head) pairs, query-major; small queries get a small tile
+    max_m = 128 if head_dim <= 128 else 64
+    block_m = max(_next_pow2(group), min(max_m, max(16, _next_pow2(max_query_len * group))))
+    block_q = block_m // group
+    tile_rows, tile_first = prefill_tiles(query_start, num_tokens, block_q, max_query_len)
+    return PrefillPlan(block_m, block_q, tile_rows, tile_first)
+
+
 def prefill_attention(q, k_cache, v_cache, query_start, seq_lens, block_tables, scale,
-                      max_query_len: int, out=None):
+                      max_query_len: int, out=None, plan: PrefillPlan | None = None):
     """Any number of queries per row, after any cached prefix: q [T, Hq, D] -> [T, Hq, D]."""
     group, num_kv_heads, head_dim, block_size = _check(q, k_cache, v_cache, block_tables)
     if out is None:
@@ -210,17 +233,15 @@ def prefill_attention(q, k_cache, v_cache, query_start, seq_lens, block_tables, 
     batch = seq_lens.shape[0]
     if batch == 0 or q.shape[0] == 0 or max_query_len == 0:
         return out
-    # a tile is BLOCK_M (query, head) pairs, query-major; small queries get a small tile
-    max_m = 128 if head_dim <= 128 else 64
-    block_m = max(_next_pow2(group), min(max_m, max(16, _next_pow2(max_query_len * group))))
-    block_q = block_m // group
-    tile_rows, tile_first = prefill_tiles(query_start, q.shape[0], block_q, max_query_len)
-    _prefill_kernel[(tile_rows.shape[0], num_kv_heads)](
-        q, k_cache, v_cache, query_start, seq_lens, block_tables, tile_rows, tile_first, out,
+    if plan is None:
+        plan = prefill_plan(query_start, q.shape[0], max_query_len, q.shape[1], num_kv_heads, head_dim)
+    block_m = plan.block_m
+    _prefill_kernel[(plan.tile_rows.shape[0], num_kv_heads)](
+        q, k_cache, v_cache, query_start, seq_lens, block_tables, plan.tile_rows, plan.tile_first, out,
         scale * LOG2E, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
         k_cache.stride(2), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_tables.stride(0), out.stride(0), out.stride(1),
-        GROUP=group, BLOCK_M=block_m, BLOCK_Q=block_q, HEAD_DIM=head_dim,
+        GROUP=group, BLOCK_M=block_m, BLOCK_Q=plan.block_q, HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size, BLOCK_N=64 if head_dim <= 128 else 32,
         DOT_PRECISION=_dot_precision(q.dtype),
         num_warps=8 if block_m >= 128 else 4, num_stages=3 if head_dim <= 128 else 2)

@@ -137,7 +137,9 @@ class Engine:
         del scratch, batch, logits
         self.runner.attach(None, capture=False)
         torch.cuda.empty_cache()
-        return int(peak * 1.2) + (256 << 20)  # CUDA graphs and allocator slack
+        # CUDA graphs (those of steps with prompts hold up to 4,096 tokens' activations) and
+        # allocator slack
+        return int(peak * 1.2) + (512 << 20)
 
     def describe(self) -> str:
         p = self.pool
@@ -395,7 +397,8 @@ def _make_runner(model, cfg: EngineConfig, device: torch.device):
     reason = llama.unsupported(model, device)
     if reason is None:
         why = "forced by the runner setting" if cfg.runner == "fast" else "Llama family on a GPU"
-        return llama.LlamaRunner(model, max_batch=cfg.max_batch, cuda_graphs=cfg.cuda_graphs), why
+        return llama.LlamaRunner(model, max_batch=cfg.max_batch, max_tokens=cfg.max_batch_tokens,
+                                 cuda_graphs=cfg.cuda_graphs), why
     if cfg.runner == "fast":
         raise ValueError(f"runner 'fast' cannot run this model: {reason}")
     return HFRunner(model, max_padding=cfg.max_padding), reason
