@@ -95,6 +95,8 @@ class RouterConfig(_Section):
     link_gbps: float = _f(10.0, _positive)
     prefill_tflops: float = _f(100.0, _positive)
     rebalance_threshold: int = _f(8, _count)
+    # new prompts are shared among workers with room (by max_seqs) before load moves anything
+    spread_new_work: bool = _f(True, _boolean)
     chain_leases: bool = _f(True, _boolean)
     max_lease_steps: int = _f(16, _rule("an integer 1..1024", lambda v: _is_int(v) and 1 <= v <= 1024))
     metrics_port: int | None = _f(None, _metrics_port)  # Prometheus /metrics; 0 or null: none

@@ -24,6 +24,7 @@ class SchedulerConfig:
     link_gbps: float = 10.0
     prefill_tflops: float = 100.0
     rebalance_threshold: int = 8          # owned-count gap that lets an idle worker take work
+    spread_new: bool = True               # share new work among workers with room before load moves
     chain: bool = True                    # lease the next step of a batch still in flight
     max_lease_steps: int = 16             # steps a lease may cover while nothing waits for its worker
 
@@ -84,6 +85,7 @@ class WorkerState:
     is_memory_short: bool = False   # free memory below the migration watermark
     owned: set[int] = field(default_factory=set)
     num_leased: int = 0
+    num_arriving: int = 0   # sequences leased to it whose KV it does not hold yet (new to it)
     pending_drops: list[int] = field(default_factory=list)
     lease_ids: dict[int, None] = field(default_factory=dict)  # its open leases, oldest first
     moving_since: float | None = None  # when its sequences were told to leave (drain, memory, death)
@@ -91,6 +93,11 @@ class WorkerState:
     @property
     def capacity(self) -> int:
         return self.max_seqs * self.inflight
+
+    @property
+    def load(self) -> int:
+        """Sequences it holds or is taking on."""
+        return len(self.owned) + self.num_arriving
 
 
 @dataclass(slots=True)
@@ -121,6 +128,7 @@ class LeaseRecord:
     num_steps: int = 1
     is_revoked: bool = False  # a Revoke went out: it ends at the worker's next step boundary
     revoked_at: float | None = None  # when, if load balancing revoked it (for the move delay)
+    num_arriving: int = 0  # rows new to the worker (counted in its num_arriving while open)
 
 
 @dataclass(slots=True)

@@ -2,8 +2,15 @@
 
 Pure rules over the router's worker records (shared with the Scheduler, which owns them):
 the causes of a move (dead, drain, memory, policy "any", load), how many sequences an
-overloaded worker may lose to another, which queued sequences a worker asking for work is
+overloaded worker may lose to another, how many sequences nobody holds a worker may take
+while others could take them too, which queued sequences a worker asking for work is
 offered and in what order, and recompute against KV transfer.
+
+New work is placed before placed work moves: a sequence nobody holds costs the same prefill
+anywhere, while a load move costs a KV shipment or a second prefill. So while such
+sequences wait, nothing moves for load, and each worker asking for them gets its share of
+them (by max_seqs), not whatever fits its step: a burst split by who asked first would
+leave one worker alternating two batches while the other ran one.
 """
 
 from __future__ import annotations
@@ -16,9 +23,10 @@ from .fleet import Queue, SchedulerConfig, Seq, WorkerState, choose_mechanism
 
 
 class MovePolicy:
-    def __init__(self, config: SchedulerConfig, workers: dict[str, WorkerState]):
+    def __init__(self, config: SchedulerConfig, workers: dict[str, WorkerState], queue: Queue):
         self.config = config
         self.workers = workers
+        self.queue = queue
 
     def may_keep(self, w: WorkerState) -> bool:
         """False when some of w's sequences ought to move: they must come back to the queue."""
@@ -50,9 +58,28 @@ class MovePolicy:
         costs a GPU nearly as much as a full one; so work moves only to a worker that cannot
         fill half a batch, and only past `rebalance_threshold` sequences of difference."""
         gap = len(owner.owned) - len(taker.owned)
-        if gap < self.config.rebalance_threshold or len(taker.owned) >= max(1, taker.max_seqs // 2):
+        if (gap < self.config.rebalance_threshold or len(taker.owned) >= max(1, taker.max_seqs // 2)
+                or (self.config.spread_new and self.queue.of(None))):
             return 0
         return gap
+
+    def admission_room(self, w: WorkerState) -> int | None:
+        """How many queued sequences that nobody holds w may take now (None: no limit). When
+        other workers have room for them too, w gets its share of all the work placed on
+        these workers or waiting, in proportion to max_seqs, less what it holds already."""
+        waiting = len(self.queue.of(None))
+        if not waiting or not self.config.spread_new:
+            return None
+        peers = [o for o in self.workers.values() if o is not w and o.alive and not o.draining
+                 and o.may_prefill and o.load < o.capacity]
+        if not peers:
+            return None
+        if w.load >= w.capacity:
+            return 0
+        peers.append(w)
+        total = sum(o.load for o in peers) + waiting
+        share = -(-total * w.max_seqs // sum(o.max_seqs for o in peers))
+        return max(0, share - w.load)
 
     def cause(self, owner: WorkerState, quota: Counter[str]) -> str | None:
         if not owner.alive:

@@ -45,7 +45,7 @@ class Scheduler:
         self.seqs: dict[int, Seq] = {}
         self.queue = Queue()
         self.workers: dict[str, WorkerState] = {}
-        self.moves = MovePolicy(self.config, self.workers)
+        self.moves = MovePolicy(self.config, self.workers, self.queue)
         self.leases: dict[int, LeaseRecord] = {}
         self.counters: Counter[str] = Counter()
         self._lease_ids = itertools.count(1)
@@ -191,9 +191,10 @@ class Scheduler:
         reserved = min(len(chainable), max_seqs, max(0, budget - 1))
         budget -= reserved
         room = self._kv_room(w, held, free_kv_tokens)
+        new_room = self.moves.admission_room(w)
         rows: list[Row] = []
         shipments = []
-        num_passed = 0
+        num_passed = num_arriving = 0
         for seq, cause in candidates:
             if len(rows) >= max_seqs:
                 break
@@ -201,6 +202,9 @@ class Scheduler:
             is_diff = seq.owner == name
             if not is_diff and not w.may_prefill:
                 break  # short of memory: only sequences whose KV it holds
+            is_new = seq.owner is None
+            if is_new and new_room is not None and new_room <= 0:
+                continue  # its share of new work is taken: the rest is for the others
             kv_cost = 0 if is_diff else len(seq.token_ids) + w.block_size
             if kv_cost and kv_cost > room:
                 continue
@@ -211,6 +215,9 @@ class Scheduler:
             budget -= cost
             room -= kv_cost
             num_passed -= 1
+            num_arriving += not is_diff
+            if is_new and new_room is not None:
+                new_room -= 1
             rows.append(self._lease_row(seq, w, cause, mechanism, shipments, now))
         queued = len(rows)
         # Queued work takes rows first, so chaining never starves it; the batch in flight fills
@@ -232,9 +239,11 @@ class Scheduler:
         num_steps = self._num_steps(w, rows, queued, skipped=num_passed > 0,
                                     full=len(candidates) > queued and len(rows) >= max_seqs)
         self.counters["chained_rows"] += len(chained)
-        self.leases[lease_id] = LeaseRecord(name, seq_ids, now + self.config.lease_timeout_s, num_steps)
+        self.leases[lease_id] = LeaseRecord(name, seq_ids, now + self.config.lease_timeout_s, num_steps,
+                                            num_arriving=num_arriving)
         w.lease_ids[lease_id] = None
         w.num_leased += len(rows)
+        w.num_arriving += num_arriving
         drops, w.pending_drops = w.pending_drops, []
         self.counters["leases"] += 1
         self.counters["leased_rows"] += len(rows)
@@ -360,6 +369,7 @@ class Scheduler:
         w.lease_ids.pop(lease_id, None)
         w.last_seen = now
         w.num_leased -= len(lease.seq_ids)
+        w.num_arriving -= lease.num_arriving
         outcome = Outcome(True)
         pos = 0
         reported = set()
@@ -422,6 +432,7 @@ class Scheduler:
         w = self.workers[lease.worker]
         w.lease_ids.pop(lease_id, None)
         w.num_leased -= len(lease.seq_ids)
+        w.num_arriving -= lease.num_arriving
         for sid in lease.seq_ids:
             seq = self.seqs.get(sid)
             if seq is not None and seq.next_lease == lease_id:

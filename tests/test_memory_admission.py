@@ -16,7 +16,8 @@ def spec(seq_id: int) -> SeqSpec:
 
 
 def fleet(**config) -> Scheduler:
-    s = Scheduler(SchedulerConfig(heartbeat_timeout_s=1e9, chain=False, migrate_on_load=False,
+    # spread_new off: each test places the work on the worker it names
+    s = Scheduler(SchedulerConfig(heartbeat_timeout_s=1e9, chain=False, migrate_on_load=False, spread_new=False,
                                   min_free_vram_fraction=0.05, admit_free_vram_fraction=0.10, **config))
     for name in ("w0", "w1"):
         s.register(WorkerState(name, max_seqs=8, max_tokens=4096, gpu_uuid=f"GPU-{name}"), 0.0)

@@ -27,6 +27,8 @@ def spec(seq_id: int, prompt_len: int = 4, max_new_tokens: int = 64) -> SeqSpec:
 def make_sched(**config) -> Scheduler:
     config.setdefault("heartbeat_timeout_s", 1e9)  # tests about death set it themselves
     config.setdefault("chain", False)  # chained leases have tests of their own below
+    # so that a test can place work on the worker it names; spreading has tests of its own
+    config.setdefault("spread_new", False)
     return Scheduler(SchedulerConfig(**config))
 
 
@@ -108,6 +110,7 @@ def check_invariants(s: Scheduler) -> None:
         assert all(s.seqs[sid].owner == name for sid in w.owned)
         mine = [lease for lease in s.leases.values() if lease.worker == name]
         assert w.num_leased == sum(len(lease.seq_ids) for lease in mine)
+        assert w.num_arriving == sum(lease.num_arriving for lease in mine) >= 0
         assert w.alive or not mine
 
 
@@ -141,6 +144,83 @@ def test_new_sequences_go_to_whoever_asks():
     assert row_ids(g1) == [1, 2, 3] and row_ids(g0) == [4]
     assert full_ids(g1) == [1, 2, 3] and full_ids(g0) == [4]
     assert ask(s, "w0") is None  # nothing queued
+    check_invariants(s)
+
+
+# --- new work spread over the workers (spread_new) ----------------------------------------
+
+def test_a_burst_is_shared_among_the_workers_that_have_room():
+    s = make_sched(spread_new=True)
+    join(s, "w0", max_seqs=16), join(s, "w1", max_seqs=16)
+    s.admit([spec(i) for i in range(1, 13)])
+    g0 = ask(s, "w0")
+    assert row_ids(g0) == [1, 2, 3, 4, 5, 6]  # its share of 12, not the 12 that fit its step
+    assert ask(s, "w0") is None  # asking again (a second batch in flight) gets no more
+    g1 = ask(s, "w1")
+    assert row_ids(g1) == [7, 8, 9, 10, 11, 12]
+    report(s, g0), report(s, g1)
+    assert s.workers["w0"].num_arriving == s.workers["w1"].num_arriving == 0
+    assert len(s.workers["w0"].owned) == len(s.workers["w1"].owned) == 6
+    s.admit([spec(i) for i in range(13, 17)])  # shares count what each holds already
+    assert row_ids(ask(s, "w1")) == [7, 8, 9, 10, 11, 12, 13, 14]
+    check_invariants(s)
+
+
+def test_shares_follow_max_seqs_and_only_workers_with_room_count():
+    s = make_sched(spread_new=True)
+    join(s, "w0", max_seqs=8), join(s, "w1", max_seqs=24)
+    s.admit([spec(i) for i in range(1, 17)])
+    assert len(ask(s, "w0").rows) == 4  # 16 x 8 / 32
+    s = make_sched(spread_new=True)
+    join(s, "w0", max_seqs=8), join(s, "w1", max_seqs=8)
+    s.workers["w1"].may_prefill = False  # short of memory: takes no new work, so no share
+    s.admit([spec(i) for i in range(1, 9)])
+    assert len(ask(s, "w0").rows) == 8
+    s = make_sched(spread_new=True)
+    join(s, "w0", max_seqs=8), join(s, "w1", max_seqs=8)
+    s.drain("w1")
+    s.admit([spec(i) for i in range(1, 9)])
+    assert len(ask(s, "w0").rows) == 8
+    check_invariants(s)
+
+
+def test_a_worker_alone_or_beside_a_full_one_takes_all_that_fits():
+    s = make_sched(spread_new=True)
+    join(s, "w0", max_seqs=8)
+    s.admit([spec(i) for i in range(1, 9)])
+    assert len(ask(s, "w0").rows) == 8
+    s = make_sched(spread_new=True)
+    join(s, "w0", max_seqs=4, inflight=1)
+    give(s, "w0", [1, 2, 3, 4])  # at its capacity
+    join(s, "w1", max_seqs=8)
+    s.admit([spec(i) for i in range(5, 11)])
+    assert row_ids(ask(s, "w1")) == [5, 6, 7, 8, 9, 10]
+    check_invariants(s)
+
+
+def test_nothing_moves_for_load_while_new_work_waits():
+    s = make_sched(spread_new=True)
+    join(s, "w0", max_seqs=32)
+    give(s, "w0", list(range(1, 21)))
+    join(s, "w1", max_seqs=32)
+    s.admit([spec(21), spec(22)])
+    assert s.moves.may_keep(s.workers["w0"])  # no reason to cut w0's leases short either
+    g = ask(s, "w1")
+    assert row_ids(g) == [21, 22] and s.counters["migrations_load"] == 0
+    report(s, g)
+    g = ask(s, "w1")  # the new work is placed: now the gap of 18 moves half of it
+    assert row_ids(g)[:2] == [21, 22] and len(g.rows) == 11 and s.counters["migrations_load"] == 9
+    check_invariants(s)
+
+
+def test_arrivals_are_uncounted_when_a_lease_expires_or_its_worker_dies():
+    s = make_sched(spread_new=True, lease_timeout_s=5.0)
+    join(s, "w0", max_seqs=8), join(s, "w1", max_seqs=8)
+    s.admit([spec(i) for i in range(1, 9)])
+    ask(s, "w0", now=0.0), ask(s, "w1", now=0.0)
+    assert s.workers["w0"].num_arriving == s.workers["w1"].num_arriving == 4
+    s.expire(now=6.0)
+    assert s.workers["w0"].num_arriving == s.workers["w1"].num_arriving == 0
     check_invariants(s)
 
 

@@ -43,7 +43,7 @@ class Router:
             min_free_vram_fraction=rc.min_free_vram_fraction,
             admit_free_vram_fraction=rc.admit_free_vram_fraction, migration=rc.migration,
             link_gbps=rc.link_gbps, prefill_tflops=rc.prefill_tflops,
-            rebalance_threshold=rc.rebalance_threshold, chain=rc.chain_leases,
+            rebalance_threshold=rc.rebalance_threshold, spread_new=rc.spread_new_work, chain=rc.chain_leases,
             max_lease_steps=rc.max_lease_steps)
         self.heartbeat_interval_s = rc.heartbeat_interval_s
         self.sched = Scheduler(self.config)
