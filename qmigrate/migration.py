@@ -36,7 +36,7 @@ class MovePolicy:
             return True
         if len(w.owned) > w.capacity:
             return False
-        return not any(self.rebalance_gap(w, o) for o in self.workers.values()
+        return not any(self.num_to_balance(w, o) for o in self.workers.values()
                        if o is not w and o.alive and not o.draining)
 
     def steal_quota(self, w: WorkerState) -> Counter[str]:
@@ -48,20 +48,22 @@ class MovePolicy:
             if other is w or not other.alive:
                 continue
             excess = len(other.owned) - other.capacity
-            quota[other.name] = max(excess, self.rebalance_gap(other, w) // 2, 0)
+            quota[other.name] = max(excess, self.num_to_balance(other, w), 0)
         return quota
 
-    def rebalance_gap(self, owner: WorkerState, taker: WorkerState) -> int:
-        """How far owner is ahead of taker, if that is reason to move work (else 0).
+    def num_to_balance(self, owner: WorkerState, taker: WorkerState) -> int:
+        """How many of owner's sequences should move to taker to even out their load (0: none).
 
-        Moving a sequence costs a prefill or a KV shipment, while a step of fewer rows
-        costs a GPU nearly as much as a full one; so work moves only to a worker that cannot
-        fill half a batch, and only past `rebalance_threshold` sequences of difference."""
+        A decode step of fewer rows costs a GPU nearly as much as a full one, so moving a
+        sequence (a KV shipment or a second prefill) pays only when its owner holds more
+        than one step's batch: past max_seqs its sequences take turns, a token every other
+        step. Then up to that excess moves, half the difference at most, into room the taker
+        has in its own batch; and only past `rebalance_threshold` sequences of difference,
+        and only once new work is placed (see admission_room)."""
         gap = len(owner.owned) - len(taker.owned)
-        if (gap < self.config.rebalance_threshold or len(taker.owned) >= max(1, taker.max_seqs // 2)
-                or (self.config.spread_new and self.queue.of(None))):
+        if gap < self.config.rebalance_threshold or (self.config.spread_new and self.queue.of(None)):
             return 0
-        return gap
+        return max(0, min(gap // 2, len(owner.owned) - owner.max_seqs, taker.max_seqs - len(taker.owned)))
 
     def admission_room(self, w: WorkerState) -> int | None:
         """How many queued sequences that nobody holds w may take now (None: no limit). When

@@ -47,12 +47,12 @@ def reference(tiny_model_dir):
 
 
 @pytest.mark.parametrize("num_workers,router", [
-    # One worker takes the whole first batch; the other, owning nothing, then takes half. With
-    # one-step leases every sequence is back in the queue after each step: with multi-step
-    # leases the run is a handful of leases, and in 1 run of 10 the first worker asked first
-    # every time and took its own back before the idle one could.
-    (2, {"policy": "affinity", "rebalance_threshold": 2, "migration": "recompute", "max_seqs": 64,
-         "max_lease_steps": 1}),
+    # New work goes to whoever asks (not shared out), 8 to a batch: the first worker to ask
+    # takes two batches (one ahead), more than it can step at once, and the other worker's
+    # first sequences end after 6-24 tokens; from then on its batch has room, and half the
+    # gap moves to it. One-step leases put every sequence back in the queue after each step.
+    (2, {"policy": "affinity", "rebalance_threshold": 2, "migration": "recompute", "max_seqs": 8,
+         "max_lease_steps": 1, "spread_new_work": False}),
     (3, {"policy": "any", "migration": "transfer"}),
 ])
 def test_greedy_equals_generate_while_sequences_migrate(tmp_path, tiny_model_dir, reference, qmigrate,

@@ -73,11 +73,15 @@ def full_ids(grant: Grant) -> list[int]:
 
 
 def give(s: Scheduler, name: str, seq_ids: list[int], now: float = 0.0, prompt_len: int = 4) -> None:
-    """Admit seq_ids and run one step of each on `name` (with whatever it already owns)."""
+    """Admit seq_ids and run one step of each on `name` (with whatever it already owns), in
+    as many leases as its max_seqs needs."""
     s.admit([spec(i, prompt_len) for i in seq_ids])
-    grant = ask(s, name, now)
-    assert set(row_ids(grant)) >= set(seq_ids)
-    assert report(s, grant, now).accepted
+    grants = []
+    while (grant := ask(s, name, now)) is not None:
+        grants.append(grant)
+    assert {sid for g in grants for sid in row_ids(g)} >= set(seq_ids)
+    for grant in grants:
+        assert report(s, grant, now).accepted
     assert s.workers[name].owned >= set(seq_ids)
 
 
@@ -200,16 +204,16 @@ def test_a_worker_alone_or_beside_a_full_one_takes_all_that_fits():
 
 def test_nothing_moves_for_load_while_new_work_waits():
     s = make_sched(spread_new=True)
-    join(s, "w0", max_seqs=32)
+    join(s, "w0", max_seqs=8, inflight=4)
     give(s, "w0", list(range(1, 21)))
-    join(s, "w1", max_seqs=32)
+    join(s, "w1", max_seqs=8)
     s.admit([spec(21), spec(22)])
     assert s.moves.may_keep(s.workers["w0"])  # no reason to cut w0's leases short either
     g = ask(s, "w1")
     assert row_ids(g) == [21, 22] and s.counters["migrations_load"] == 0
     report(s, g)
-    g = ask(s, "w1")  # the new work is placed: now the gap of 18 moves half of it
-    assert row_ids(g)[:2] == [21, 22] and len(g.rows) == 11 and s.counters["migrations_load"] == 9
+    g = ask(s, "w1")  # the new work is placed: now w0's excess over a batch moves, into w1's room
+    assert row_ids(g)[:2] == [21, 22] and len(g.rows) == 8 and s.counters["migrations_load"] == 6
     check_invariants(s)
 
 
@@ -473,7 +477,7 @@ def test_load_moves_the_excess_over_capacity():
 @pytest.mark.parametrize("threshold, moved", [(8, 5), (10, 5), (11, 0)])
 def test_rebalance_when_the_owned_gap_reaches_the_threshold(threshold, moved):
     s = make_sched(rebalance_threshold=threshold)
-    join(s, "w0", max_seqs=16), join(s, "w1")
+    join(s, "w0", max_seqs=4, inflight=4), join(s, "w1")  # 10 sequences: more than one batch
     give(s, "w0", list(range(1, 11)))
     g = ask(s, "w1")
     assert len(row_ids(g)) == moved
@@ -901,7 +905,7 @@ def test_sequences_of_a_vanished_worker_are_resent_to_the_detokenizer():
 
 def test_an_orderly_migration_does_not_resend():
     s = make_sched(rebalance_threshold=2)
-    join(s, "w0")
+    join(s, "w0", max_seqs=2, inflight=4)
     join(s, "w1")
     give(s, "w0", [1, 2, 3, 4])
     g = ask(s, "w1")
@@ -910,9 +914,9 @@ def test_an_orderly_migration_does_not_resend():
 
 # --- chained leases ------------------------------------------------------------------------
 
-def chained_fleet(**config) -> Scheduler:
+def chained_fleet(max_seqs: int = 8, **config) -> Scheduler:
     s = make_sched(chain=True, rebalance_threshold=4, **config)
-    join(s, "w0")
+    join(s, "w0", max_seqs=max_seqs)
     give(s, "w0", [1, 2])
     return s
 
@@ -952,14 +956,15 @@ def test_new_prompts_fill_the_budget_the_chained_rows_leave():
 
 
 def test_no_chain_for_sequences_that_ought_to_move():
-    s = chained_fleet()
+    s = chained_fleet(max_seqs=4)
     give(s, "w0", [3, 4, 5, 6])
-    join(s, "w1")                       # owns nothing: a gap of 6 >= 4
+    join(s, "w1")                       # owns nothing: a gap of 6 >= 4, 2 over w0's batch
     a = ask(s, "w0")
-    assert ask(s, "w0") is None         # nothing chained; the batch comes back to the queue
-    report(s, a)
+    b = ask(s, "w0")                    # its other 2, as queued rows: nothing chained
+    assert all(r.length != CONTINUE for r in b.rows) and s.num_chainable("w0") == 0
+    report(s, a), report(s, b)          # every row comes back to the queue
     moved = ask(s, "w1")
-    assert full_ids(moved) and migrations(s)["migrations_load"] == len(full_ids(moved))
+    assert len(full_ids(moved)) == 2 and migrations(s)["migrations_load"] == 2
     s.drain("w0")
     assert s.num_chainable("w0") == 0
 
@@ -1151,23 +1156,22 @@ def test_drain_and_memory_pressure_end_multi_step_leases():
 
 
 def test_an_idle_worker_gets_rows_revoked_from_a_busy_one():
-    s = make_sched(max_lease_steps=8, rebalance_threshold=4, chain=True)
-    join(s, "w0", max_seqs=16)
-    busy = steady(s, "w0", list(range(1, 13)))
-    ahead = s.schedule("w0", 16, 1 << 20, 0.0, ahead=True)  # the chained next lease
-    assert busy.num_steps == 8 and ahead.num_steps == 8 and len(ahead.rows) == 12
-    join(s, "w1", max_seqs=16)  # joins while w0 runs both
+    s = make_sched(max_lease_steps=8, rebalance_threshold=4)
+    join(s, "w0", max_seqs=8)
+    give(s, "w0", list(range(1, 13)))  # prefills: 8 + 4
+    a, b = ask(s, "w0"), ask(s, "w0")  # more than a batch: two multi-step leases take turns
+    assert (len(a.rows), len(b.rows), a.num_steps, b.num_steps) == (8, 4, 8, 8)
+    join(s, "w1", max_seqs=8)  # joins while w0 runs them
     assert ask(s, "w1", now=2.0) is None  # nothing queued for it...
-    ends = revoked(s)  # ...so half the gap comes back from w0 at its next step
-    assert set(ends) == {busy.lease_id, ahead.lease_id}
-    moving = ends[busy.lease_id]
-    assert len(moving) == 6 and ends[ahead.lease_id] == moving
-    report(s, busy)  # the running lease ends after one step; every row chains on
-    report(s, ahead)  # and so does the chained one, after its first step
+    ends = revoked(s)  # ...so w0's excess over one batch (4) comes back at its next step
+    moving = {sid for ids in ends.values() for sid in ids}
+    assert len(moving) == 4
+    assert set(ends) == {i for i, lease in s.leases.items() if moving & set(lease.seq_ids)} == {b.lease_id}
+    report(s, b)  # the revoked lease ends after one step; `a` runs on
     taken = ask(s, "w1", now=2.5)
-    assert len(full_ids(taken)) == 6 and set(full_ids(taken)) <= set(range(1, 13))
-    assert migrations(s)["migrations_load"] == 6
-    assert list(s.move_delays) == [("load", 0.5)] * 6  # from the revoke to the new worker's lease
+    assert set(full_ids(taken)) == moving
+    assert migrations(s)["migrations_load"] == 4
+    assert list(s.move_delays) == [("load", 0.5)] * 4  # from the revoke to the new worker's lease
     check_invariants(s)
 
 
