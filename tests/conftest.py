@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -12,6 +13,17 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+
+
+def _interrupted(signum, frame):
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def pytest_configure(config):
+    """A run stopped with SIGTERM (a `timeout`, a CI runner) would otherwise end at once,
+    leaving the processes its tests started running: as an interrupt, the finally blocks and
+    fixtures that stop them still run."""
+    signal.signal(signal.SIGTERM, _interrupted)
 
 
 @pytest.fixture(scope="session")

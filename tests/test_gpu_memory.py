@@ -30,7 +30,7 @@ free, total = torch.cuda.mem_get_info(0)
 keep = int(sys.argv[1])
 held = torch.empty(max(0, free - keep), dtype=torch.uint8, device="cuda:0")
 print(f"held {held.numel() / 2**30:.2f} GiB of {total / 2**30:.1f} GiB", flush=True)
-time.sleep(600)
+sys.stdin.read()  # held until the test closes the pipe, or is gone
 """
 
 
@@ -81,8 +81,8 @@ def test_a_process_grabbing_gpu_memory_makes_the_worker_shed_work(tmp_path, tiny
         node.stdin.flush()
         wait_for("w1's first tokens",
                  lambda: any(w["name"] == "w1" and w["tokens_total"] > 0 for w in snapshot()["workers"]), 120)
-        hog = subprocess.Popen([sys.executable, "-c", HOG, str(256 << 20)], stdout=subprocess.PIPE, text=True,
-                               start_new_session=True)
+        hog = subprocess.Popen([sys.executable, "-c", HOG, str(256 << 20)], stdin=subprocess.PIPE,
+                               stdout=subprocess.PIPE, text=True, start_new_session=True)
         print(hog.stdout.readline().strip(), flush=True)
         time.sleep(2.0)  # a few monitor reports
         w1 = next(w for w in snapshot()["workers"] if w["name"] == "w1")
