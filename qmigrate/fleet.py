@@ -86,6 +86,7 @@ class WorkerState:
     owned: set[int] = field(default_factory=set)
     num_leased: int = 0
     num_arriving: int = 0   # sequences leased to it whose KV it does not hold yet (new to it)
+    free_kv_tokens: int | None = None  # as it reported with its last request for work
     pending_drops: list[int] = field(default_factory=list)
     lease_ids: dict[int, None] = field(default_factory=dict)  # its open leases, oldest first
     moving_since: float | None = None  # when its sequences were told to leave (drain, memory, death)

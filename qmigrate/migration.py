@@ -67,13 +67,14 @@ class MovePolicy:
 
     def admission_room(self, w: WorkerState) -> int | None:
         """How many queued sequences that nobody holds w may take now (None: no limit). When
-        other workers have room for them too, w gets its share of all the work placed on
-        these workers or waiting, in proportion to max_seqs, less what it holds already."""
+        other workers have room for them too (batch places, and KV blocks as they last
+        reported), w gets its share of all the work placed on these workers or waiting, in
+        proportion to max_seqs, less what it holds already."""
         waiting = len(self.queue.of(None))
         if not waiting or not self.config.spread_new:
             return None
         peers = [o for o in self.workers.values() if o is not w and o.alive and not o.draining
-                 and o.may_prefill and o.load < o.capacity]
+                 and o.may_prefill and o.load < o.capacity and self._has_kv_room(o)]
         if not peers:
             return None
         if w.load >= w.capacity:
@@ -104,6 +105,13 @@ class MovePolicy:
             return self.config.migration
         return choose_mechanism(len(seq.token_ids) - 1, owner.kv_bytes_per_token, owner.num_params,
                                 self.config.link_gbps, self.config.prefill_tflops)
+
+    @staticmethod
+    def _has_kv_room(w: WorkerState) -> bool:
+        """Room for a new sequence beside a block of growth for each it holds, as last reported."""
+        if w.free_kv_tokens is None or not w.kv_tokens:
+            return True
+        return w.free_kv_tokens - w.block_size * (len(w.owned) + w.num_arriving + 1) > 0
 
     def candidates(self, w: WorkerState, queue: Queue, quota: Counter[str], limit: int) -> list[tuple[Seq, str | None]]:
         """Up to `limit` queued sequences this worker may run, best first, with the migration

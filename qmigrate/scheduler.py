@@ -178,6 +178,7 @@ class Scheduler:
         if w is None or not w.alive or w.draining:
             return None
         max_seqs = min(max_seqs, w.max_seqs)
+        w.free_kv_tokens = free_kv_tokens
         held = self._held(w)
         chainable = [seq for seq in held if seq.next_lease is None] if self._may_chain(w) else []
         quota = self.moves.steal_quota(w)

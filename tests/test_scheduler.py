@@ -181,6 +181,11 @@ def test_shares_follow_max_seqs_and_only_workers_with_room_count():
     s.admit([spec(i) for i in range(1, 9)])
     assert len(ask(s, "w0").rows) == 8
     s = make_sched(spread_new=True)
+    join(s, "w0", max_seqs=8), join(s, "w1", max_seqs=8, kv_tokens=1024)
+    assert ask(s, "w1", free_kv_tokens=16) is None  # its pool is full: no room for new work
+    s.admit([spec(i) for i in range(1, 9)])
+    assert len(ask(s, "w0").rows) == 8
+    s = make_sched(spread_new=True)
     join(s, "w0", max_seqs=8), join(s, "w1", max_seqs=8)
     s.drain("w1")
     s.admit([spec(i) for i in range(1, 9)])
