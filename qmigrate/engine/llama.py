@@ -8,7 +8,7 @@ output projection, and the MLP. Steps of decode rows only replay a CUDA graph ca
 for the next batch-size bucket. Steps that carry prompt tokens (a prefill, or decode rows
 with new prompts among them, as continuous batching runs whenever a request ends while
 others wait) replay a graph captured for the next bucket of tokens, with the rows padded
-to max_batch: run eagerly, such a step's ~250 launches took 14-16 ms of host time on an
+to max_batch: run eagerly, such a step's ~250 launches took 13-22 ms of host time on an
 H100 whatever its size, several times what the device needed.
 """
 
