@@ -873,6 +873,7 @@ class FleetSim:
     (7, {"chain": True}), (8, {"chain": True, "migration": "transfer"}),
     (9, {"chain": True, "migrate_on_load": False}),
     (10, {"chain": True, "max_lease_steps": 4}), (11, {"max_lease_steps": 1}),
+    (12, {"spread_new": False}), (13, {"spread_new": False, "chain": True, "migration": "transfer"}),
 ])
 def test_one_place_at_a_time_under_random_operations(seed, config):
     sim = FleetSim(seed, **config)
