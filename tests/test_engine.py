@@ -1054,3 +1054,35 @@ def test_a_chained_row_whose_sequence_was_dropped_asks_for_its_ids(core, prompts
     core.finish(first)
     result, _ = core.finish(second)
     assert P.unpack_u8(result.status).tolist() == [int(Finish.NEED_IDS)]
+
+
+def test_a_step_padded_to_a_token_bucket_gives_the_unpadded_logits(model, prompts):
+    """The layout the token-bucket CUDA graphs replay, run eagerly here: the step's tokens,
+    then padding tokens that write nothing, and its rows, then rows of no tokens, for a
+    decode batch with a new prompt among it. Each real row's logits and the KV written
+    equal those of the unpadded step."""
+    engine = Engine(model, runner="fast", max_batch=8, max_batch_tokens=256, max_kv_tokens=4096)
+    runner = engine.runner
+    assert runner.name == "fast" and not runner.token_graphs  # no graphs on the CPU
+    running = prompts[:3]
+    for i, p in enumerate(running):
+        engine.step([StepRow(i, p, 0, 0)])
+    new = prompts[-1]
+    rows = [StepRow(i, [7 + i], len(p), 1) for i, p in enumerate(running)] + [StepRow(9, new, 0, 0)]
+    engine.place(rows)
+    batch = StepBatch.build(engine.pool, [r.seq_id for r in rows], [r.new_ids for r in rows],
+                            [r.start for r in rows])
+    bucket = next(t for t in runner.token_buckets if t >= batch.num_tokens)
+    assert bucket > batch.num_tokens and batch.num_rows < runner.max_batch  # both padded
+    with torch.inference_mode():
+        before = engine.pool.kv.clone()
+        plain = runner._forward(runner._inputs(batch), batch.num_tokens, batch.max_query_len, False).clone()
+        after = engine.pool.kv.clone()
+        engine.pool.kv.copy_(before)
+        runner._alloc_static()
+        runner._load_tokens(batch, bucket)
+        runner._tokens_into(bucket)
+    torch.testing.assert_close(runner.static_logits[:batch.num_rows], plain, rtol=1e-5, atol=1e-5)
+    # the same KV written, and nothing by the padding tokens
+    torch.testing.assert_close(engine.pool.kv, after, rtol=1e-5, atol=1e-5)
+    assert not torch.equal(after, before)

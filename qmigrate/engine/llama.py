@@ -137,6 +137,26 @@ class LlamaRunner:
             self._capture()
 
     def _capture(self) -> None:
+        self._alloc_static()
+        n = self.max_batch
+        buckets = [b for b in GRAPH_BUCKETS if b < n] + [n]
+        mempool = torch.cuda.graph_pool_handle()
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        # Largest first, all in one memory pool: a smaller capture reuses the larger's
+        # blocks, which is safe as graphs replay one at a time and write their logits out.
+        with torch.cuda.stream(stream), torch.inference_mode():
+            for tokens in reversed(self.token_buckets):
+                self.token_graphs[tokens] = self._captured(lambda: self._tokens_into(tokens), mempool, stream)
+            for b in reversed(buckets):
+                self.graphs[b] = self._captured(lambda: self._decode_into(b), mempool, stream)
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        torch.cuda.synchronize(self.device)
+        log.info("captured graphs for decode steps of %s rows and for steps of up to %s tokens",
+                 buckets, self.token_buckets)
+
+    def _alloc_static(self) -> None:
+        """The graphs' input and output buffers (they are read and written in place)."""
         pool, n = self.pool, self.max_batch
         width = pool.blocks_for(self.cos.shape[0])
         dev = self.device
@@ -154,21 +174,6 @@ class LlamaRunner:
         self.static_rows = (torch.zeros(n + 1, dtype=torch.int32, device=dev),
                             torch.zeros(n, dtype=torch.int64, device=dev))
         self.static_logits = torch.empty((n, self.vocab_size), dtype=torch.float32, device=dev)
-        buckets = [b for b in GRAPH_BUCKETS if b < n] + [n]
-        mempool = torch.cuda.graph_pool_handle()
-        stream = torch.cuda.Stream(dev)
-        stream.wait_stream(torch.cuda.current_stream(dev))
-        # Largest first, all in one memory pool: a smaller capture reuses the larger's
-        # blocks, which is safe as graphs replay one at a time and write their logits out.
-        with torch.cuda.stream(stream), torch.inference_mode():
-            for tokens in reversed(self.token_buckets):
-                self.token_graphs[tokens] = self._captured(lambda: self._tokens_into(tokens), mempool, stream)
-            for b in reversed(buckets):
-                self.graphs[b] = self._captured(lambda: self._decode_into(b), mempool, stream)
-        torch.cuda.current_stream(dev).wait_stream(stream)
-        torch.cuda.synchronize(dev)
-        log.info("captured graphs for decode steps of %s rows and for steps of up to %s tokens",
-                 buckets, self.token_buckets)
 
     @staticmethod
     def _captured(run, mempool, stream) -> torch.cuda.CUDAGraph:
