@@ -115,7 +115,7 @@ def run_decode_steps(model_path: str, device: str, batches: list[int], context: 
         gpu_ms = (time.perf_counter() - t0) / 20 * 1000
         if profile and batch == 64:
             _profile_forward(engine, decode, device)
-        mixed_ms, prefill_ms = _admission_steps(engine, device, batch, rows_now, ids, r)
+        mixed_ms, prefill_ms = _admission_steps(engine, device, batch, rows_now, r)
         for i in range(batch):
             engine.release(i)
         results.append({"batch": batch, "context": context, "step_ms": step_ms, "overlap_ms": overlap_ms,
@@ -138,7 +138,7 @@ def run_decode_steps(model_path: str, device: str, batches: list[int], context: 
     return results
 
 
-def _admission_steps(engine, device: str, batch: int, rows_now, ids: dict, r: random.Random,
+def _admission_steps(engine, device: str, batch: int, rows_now, r: random.Random,
                      num_steps: int = 10) -> tuple[float, float]:
     """(mixed, prefill) step ms: the decode rows plus one new prompt, and the prompt alone."""
     from .engine.runner import StepRow
@@ -150,14 +150,11 @@ def _admission_steps(engine, device: str, batch: int, rows_now, ids: dict, r: ra
             rows = (rows_now() if kind == "mixed" else []) + [StepRow(new_id, prompt, 0, 0)]
             torch.cuda.synchronize(device)
             t0 = time.perf_counter()
-            tokens = engine.step(rows)
+            engine.step(rows)  # the decode rows rewrite the same position each time
             torch.cuda.synchronize(device)
             if i >= 2:
                 times[kind].append(time.perf_counter() - t0)
             engine.release(new_id)
-            if kind == "mixed":
-                for row, token in zip(rows[:-1], tokens):
-                    ids[row.seq_id].append(token)
     return tuple(sorted(t)[len(t) // 2] * 1000 for t in times.values())
 
 

@@ -243,15 +243,20 @@ class LlamaRunner:
                        t(batch.seq_lens, np.int32), t(batch.block_table, np.int32),
                        t(batch.last, np.int64))
 
+    def _load_rows(self, batch: StepBatch) -> None:
+        """What both kinds of graph read in place: each token's id, position and slot, and
+        each row's length and blocks."""
+        s, b, n = self.static, batch.num_rows, batch.num_tokens
+        t = lambda a: torch.from_numpy(np.ascontiguousarray(a))
+        s.ids[:n].copy_(t(batch.ids), non_blocking=True)
+        s.positions[:n].copy_(t(batch.positions), non_blocking=True)
+        s.slots[:n].copy_(t(batch.slot_mapping), non_blocking=True)
+        s.seq_lens[:b].copy_(t(batch.seq_lens), non_blocking=True)
+        s.block_table[:b, :batch.block_table.shape[1]].copy_(t(batch.block_table), non_blocking=True)
+
     def _load_static(self, batch: StepBatch, bucket: int) -> None:
         s, b = self.static, batch.num_rows
-        t = lambda a: torch.from_numpy(np.ascontiguousarray(a))
-        s.ids[:b].copy_(t(batch.ids), non_blocking=True)
-        s.positions[:b].copy_(t(batch.positions), non_blocking=True)
-        s.slots[:b].copy_(t(batch.slot_mapping), non_blocking=True)
-        s.seq_lens[:b].copy_(t(batch.seq_lens), non_blocking=True)
-        width = batch.block_table.shape[1]
-        s.block_table[:b, :width].copy_(t(batch.block_table), non_blocking=True)
+        self._load_rows(batch)
         if bucket > b:  # padding rows: write nothing, attend to the zero block
             s.slots[b:bucket].fill_(-1)
             s.seq_lens[b:bucket].fill_(1)
@@ -262,20 +267,14 @@ class LlamaRunner:
         that write nothing and belong to no row; its rows, then rows of no tokens."""
         s, (query_start, last) = self.static, self.static_rows
         b, n = batch.num_rows, batch.num_tokens
-        t = lambda a: torch.from_numpy(np.ascontiguousarray(a))
-        s.ids[:n].copy_(t(batch.ids), non_blocking=True)
-        s.positions[:n].copy_(t(batch.positions), non_blocking=True)
-        s.slots[:n].copy_(t(batch.slot_mapping), non_blocking=True)
+        self._load_rows(batch)
         s.slots[n:bucket].fill_(-1)
         s.positions[n:bucket].fill_(0)
-        query_start[:b + 1].copy_(t(batch.query_start), non_blocking=True)
+        query_start[:b + 1].copy_(torch.from_numpy(np.ascontiguousarray(batch.query_start)), non_blocking=True)
         query_start[b + 1:].fill_(n)
-        last[:b].copy_(t(batch.last.astype(np.int64)), non_blocking=True)
+        last[:b].copy_(torch.from_numpy(batch.last.astype(np.int64)), non_blocking=True)
         last[b:].fill_(0)
-        s.seq_lens[:b].copy_(t(batch.seq_lens), non_blocking=True)
         s.seq_lens[b:].fill_(1)
-        width = batch.block_table.shape[1]
-        s.block_table[:b, :width].copy_(t(batch.block_table), non_blocking=True)
 
     def _forward(self, x: _Inputs, num_tokens: int, max_query_len: int, is_decode: bool) -> torch.Tensor:
         pool = self.pool
