@@ -1087,3 +1087,42 @@ def test_a_step_padded_to_a_token_bucket_gives_the_unpadded_logits(model, prompt
     # the same KV written, and nothing by the padding tokens
     torch.testing.assert_close(engine.pool.kv, after, rtol=1e-5, atol=1e-5)
     assert not torch.equal(after, before)
+
+
+def test_an_eager_step_padded_to_its_token_count_gives_the_unpadded_logits(model, prompts):
+    """Eager steps with prompts are padded (on a GPU, where there are graphs) with tokens that
+    belong to no row, and their logits rows to max_batch. Run here, each real row's logits and
+    the KV written equal those of the unpadded step, and the padding writes nothing."""
+    engine = Engine(model, runner="fast", max_batch=8, max_batch_tokens=256, max_kv_tokens=4096)
+    runner = engine.runner
+    engine.pool.kv.zero_()
+    running = prompts[:3]
+    for i, p in enumerate(running):
+        engine.step([StepRow(i, p, 0, 0)])
+    rows = [StepRow(i, [7 + i], len(p), 1) for i, p in enumerate(running)] + [StepRow(9, prompts[-1], 0, 0)]
+    engine.place(rows)
+    batch = StepBatch.build(engine.pool, [r.seq_id for r in rows], [r.new_ids for r in rows],
+                            [r.start for r in rows])
+    num_tokens = batch.num_tokens + 37
+    with torch.inference_mode():
+        before = engine.pool.kv.clone()
+        plain = runner._forward(runner._inputs(batch), batch.num_tokens, batch.max_query_len, False).clone()
+        after = engine.pool.kv.clone()
+        engine.pool.kv.copy_(before)
+        x = runner._inputs(batch, num_tokens, runner.max_batch)
+        assert x.ids.shape[0] == x.slots.shape[0] == num_tokens and x.last.shape[0] == runner.max_batch
+        padded = runner._forward(x, num_tokens, batch.max_query_len, False)
+    assert padded.shape[0] == runner.max_batch
+    torch.testing.assert_close(padded[:batch.num_rows], plain, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(engine.pool.kv, after, rtol=1e-5, atol=1e-5)
+
+
+def test_eager_steps_are_padded_to_few_token_counts_within_the_budget():
+    from qmigrate.engine.llama import EAGER_TOKEN_STEP, eager_sizes, eager_tokens
+    sizes = eager_sizes(4096, 16384)
+    assert sizes == list(range(4096 + EAGER_TOKEN_STEP, 16384 + 1, EAGER_TOKEN_STEP))
+    for t in range(4097, 16385, 97):  # every step past the last bucket lands on a size warmed up
+        assert eager_tokens(t, 16384) in sizes and 0 <= eager_tokens(t, 16384) - t < EAGER_TOKEN_STEP
+    assert eager_sizes(4096, 5000) == [4608, 5000] and eager_tokens(4700, 5000) == 5000
+    assert eager_sizes(4096, 4096) == [] and eager_sizes(1024, 1024) == []
+    assert eager_tokens(20000, 16384) == 20000  # past the budget: never cut

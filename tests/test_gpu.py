@@ -199,6 +199,41 @@ def test_steps_with_prompts_replay_token_graphs_with_the_eager_results(medium_mo
     assert sum(agree) / len(agree) >= 0.97
 
 
+def test_eager_steps_with_prompts_are_padded_and_match_the_unpadded_step(medium_model_dir):
+    """A step with more tokens than the last token bucket runs eagerly, padded to a multiple
+    of EAGER_TOKEN_STEP tokens and to max_batch logits rows (shapes the warm-up has run);
+    its logits match the unpadded forward's within bf16 rounding."""
+    from qmigrate.engine.batch import StepBatch
+    from qmigrate.engine.llama import EAGER_TOKEN_STEP
+    from qmigrate.engine.models import load_model
+    from qmigrate.engine.runner import Engine, StepRow
+    model, _ = load_model(medium_model_dir, "cuda:0", "bfloat16")
+    kw = dict(runner="fast", max_batch=32, max_batch_tokens=8192, max_kv_tokens=1 << 16)
+    graphs, eager = Engine(model, **kw), Engine(model, cuda_graphs=False, **kw)
+    graphs.warm_up()
+    assert graphs.runner.eager_sizes() == list(range(4096 + EAGER_TOKEN_STEP, 8192 + 1, EAGER_TOKEN_STEP))
+    assert eager.runner.eager_sizes() == []
+    vocab = model.config.vocab_size
+    r = random.Random(5)
+    rows = [StepRow(i, [1] + [r.randint(3, vocab - 1) for _ in range(r.randint(200, 300))], 0, 0)
+            for i in range(21)]
+    num_tokens = sum(len(row.new_ids) for row in rows)
+    assert 4096 < num_tokens <= 8192 and num_tokens % EAGER_TOKEN_STEP
+    a, b = _logits(graphs, rows), _logits(eager, rows)
+    assert a.shape == b.shape == (len(rows), vocab)
+    error = float((a - b).norm() / b.norm())
+    agree = (a.argmax(-1) == b.argmax(-1)).float().mean().item()
+    print(f"eager padded step of {num_tokens} tokens: relative logit error {error:.2e}, greedy agreement {agree:.3f}")
+    assert error <= 2e-2 and agree >= 0.9
+    # the padded forward's logits are the first rows of max_batch
+    rows = [StepRow(100 + row.seq_id, row.new_ids, 0, 0) for row in rows]
+    assert graphs.place(rows) == list(range(len(rows)))
+    batch = StepBatch.build(graphs.pool, [row.seq_id for row in rows], [row.new_ids for row in rows], [0] * len(rows))
+    with torch.inference_mode():
+        logits = graphs.runner.forward(batch)
+    assert logits.shape[0] == len(rows) and logits.untyped_storage().nbytes() == 32 * vocab * 4
+
+
 def _last_logits_ptr(engine, rows) -> int:
     """Where a forward of these rows leaves its logits: the static buffer when a graph ran."""
     from qmigrate.engine.batch import StepBatch

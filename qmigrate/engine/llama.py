@@ -32,6 +32,25 @@ FAMILY = ("llama", "mistral", "qwen2")
 GRAPH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 80, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
 # Tokens of a step with prompts. Past the last bucket the device time outgrows the host's.
 TOKEN_BUCKETS = (64, 128, 192, 256, 320, 384, 512, 640, 768, 1024, 1280, 1536, 2048, 3072, 4096)
+# Where there are graphs, an eager step with prompts (past the last token bucket) is padded
+# to a multiple of this many tokens and its rows to max_batch, so that its matmuls come in a
+# few shapes that the warm-up has run. A matmul of a new shape took tens of ms of host time
+# on an H100 the first time (cuBLAS chose and loaded a kernel for it), and every burst of
+# prompts is a run of steps of new token counts.
+EAGER_TOKEN_STEP = 512
+
+
+def eager_tokens(num_tokens: int, max_tokens: int) -> int:
+    """The tokens an eager step with prompts is padded to: the next multiple of
+    EAGER_TOKEN_STEP, never past max_tokens (nor below num_tokens)."""
+    step = EAGER_TOKEN_STEP
+    return max(num_tokens, min(-(-num_tokens // step) * step, max_tokens))
+
+
+def eager_sizes(last_bucket: int, max_tokens: int) -> list[int]:
+    """Every padded token count of a step past the last token bucket, up to max_tokens."""
+    counts = range(last_bucket + 1, max_tokens + 1)
+    return sorted({eager_tokens(t, max_tokens) for t in counts[::EAGER_TOKEN_STEP]} | ({max_tokens} if counts else set()))
 
 
 def unsupported(model, device: torch.device) -> str | None:
@@ -126,6 +145,7 @@ class LlamaRunner:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}         # decode steps, by rows
         self.token_graphs: dict[int, torch.cuda.CUDAGraph] = {}   # steps with prompts, by tokens
         self.token_buckets = [t for t in TOKEN_BUCKETS if t < max_tokens] + [min(max_tokens, TOKEN_BUCKETS[-1])]
+        self.max_tokens = max_tokens
         self.pool: BlockPool | None = None
 
     # --- setup -------------------------------------------------------------------------
@@ -214,14 +234,23 @@ class LlamaRunner:
             self._load_tokens(batch, bucket)
             graph = self.token_graphs[bucket]
         else:
-            x = self._inputs(batch)
+            padded = bool(self.token_graphs) and not batch.is_decode
+            x = self._inputs(batch, self.eager_tokens(t) if padded else t, max(b, self.max_batch) if padded else b)
             if feed is not None:
                 self._feed(x.ids, batch, feed)
-            return self._forward(x, batch.num_tokens, batch.max_query_len, batch.is_decode)
+            return self._forward(x, x.ids.shape[0], batch.max_query_len, batch.is_decode)[:b]
         if feed is not None:
             self._feed(self.static.ids, batch, feed)
         graph.replay()
         return self.static_logits[:b]
+
+    def eager_tokens(self, num_tokens: int) -> int:
+        return eager_tokens(num_tokens, self.max_tokens)
+
+    def eager_sizes(self) -> list[int]:
+        """Every token count an eager step with prompts is padded to (none without graphs:
+        then nothing is padded)."""
+        return eager_sizes(self.token_buckets[-1], self.max_tokens) if self.token_graphs else []
 
     def _feed(self, ids: torch.Tensor, batch: StepBatch, feed) -> None:
         rows, src, tokens = feed
@@ -229,19 +258,25 @@ class LlamaRunner:
         src = torch.as_tensor(src, dtype=torch.int64).to(self.device, non_blocking=True)
         ids.index_copy_(0, at, tokens.index_select(0, src))
 
-    def _inputs(self, batch: StepBatch) -> _Inputs:
+    def _inputs(self, batch: StepBatch, num_tokens: int | None = None, num_last: int | None = None) -> _Inputs:
         """The batch's arrays on the device, through pinned buffers: a copy from pageable
         memory larger than the driver's staging buffer (a prefill's ids and slots) makes the
-        host wait for the step in flight, so the next step could not be built meanwhile."""
-        dev, pin = self.device, self.device.type == "cuda"
+        host wait for the step in flight, so the next step could not be built meanwhile.
 
-        def t(a, dtype):
-            host = torch.from_numpy(np.ascontiguousarray(a, dtype=dtype))
+        Padded to `num_tokens` tokens (the padding tokens belong to no row and write no KV)
+        and to `num_last` logits rows (the padding ones are the first token's again)."""
+        dev, pin = self.device, self.device.type == "cuda"
+        pad = (num_tokens or batch.num_tokens) - batch.num_tokens
+        pad_last = (num_last or batch.num_rows) - batch.num_rows
+
+        def t(a, dtype, extra=0, value=0):
+            a = np.ascontiguousarray(a, dtype=dtype)
+            host = torch.from_numpy(np.pad(a, (0, extra), constant_values=value) if extra else a)
             return (host.pin_memory() if pin else host).to(dev, non_blocking=True)
-        return _Inputs(t(batch.ids, np.int64), t(batch.positions, np.int64),
-                       t(batch.slot_mapping, np.int64), t(batch.query_start, np.int32),
+        return _Inputs(t(batch.ids, np.int64, pad), t(batch.positions, np.int64, pad),
+                       t(batch.slot_mapping, np.int64, pad, -1), t(batch.query_start, np.int32),
                        t(batch.seq_lens, np.int32), t(batch.block_table, np.int32),
-                       t(batch.last, np.int64))
+                       t(batch.last, np.int64, pad_last))
 
     def _load_rows(self, batch: StepBatch) -> None:
         """What both kinds of graph read in place: each token's id, position and slot, and

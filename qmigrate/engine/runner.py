@@ -190,16 +190,21 @@ class Engine:
             rows = [StepRow(r.seq_id, [t], r.start + len(r.new_ids), r.index + 1) for r, t in zip(rows, tokens)]
         for r in rows:
             self.release(r.seq_id)
-        # A burst of prompts arrives as steps of the whole token budget, past the CUDA graphs.
-        # The first such step of a process took 62-69 ms to launch on an H100 against 14-26 ms
-        # for the next ones, so two are run here, with prompt lengths of both kinds above.
+        # A burst of prompts arrives as steps past the CUDA graphs, which the runner pads to a
+        # few token counts: one step of each, so that no request waits on a matmul's first
+        # run at a new shape (on an H100 the first launch of such a step took 62-110 ms,
+        # later ones 13-26 ms).
         n = max(2, min(self.config.prefill_chunk or 512, self.max_len - 4))
-        num_rows = min(self.config.max_batch, max(1, self.config.max_batch_tokens // n))
-        for _ in range(2):
-            rows = [StepRow(-100 - i, [10 + j % 500 for j in range(n - i % 2)], 0, 0) for i in range(num_rows)]
-            self.step(rows)
+        for size in getattr(self.runner, "eager_sizes", list)():
+            if -(-size // n) > self.config.max_batch:
+                break  # no step of so many tokens fits in max_batch rows of a chunk each
+            lengths = [n] * (size // n) + ([size % n] if size % n else [])
+            rows = [StepRow(-100 - i, [10 + j % 500 for j in range(k)], 0, 0) for i, k in enumerate(lengths)]
+            tokens = self.step(rows)
             for r in rows:
                 self.release(r.seq_id)
+            if REFUSED in tokens:
+                break
 
     def step(self, rows: list[StepRow]) -> list[int]:
         """Run one step for every row; the sampled token of each, in row order (REFUSED
