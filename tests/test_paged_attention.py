@@ -92,36 +92,6 @@ def test_decode_matches_reference(device, group, num_splits):
 
 
 @pytest.mark.parametrize("device", [ON_CPU, ON_CUDA])
-@pytest.mark.parametrize("num_splits", [1, 3])
-def test_decode_in_tiles_of_32_keys_matches_reference(device, num_splits, monkeypatch):
-    """The tiles used when the rows fill the GPU twice over (32 keys, 2 warps), forced here on
-    a small batch: keys that end mid-tile, padding rows, and splits of the context."""
-    monkeypatch.setattr(pa, "decode_config", lambda *shape: (32, 2, 4))
-    rows = [(1, n) for n in DECODE_LENGTHS] + [(1, 0), (1, 1)]
-    for dtype in dtypes_for(device):
-        q, k, v, query_start, seq_lens, tables = make_cache(rows, 8, dtype=dtype, device=device, padding_rows=(6, 7))
-        expected = pa.paged_attention_reference(q, k, v, query_start, seq_lens, tables, HEAD_DIM ** -0.5)
-        got = pa.decode_attention(q, k, v, seq_lens, tables, HEAD_DIM ** -0.5, num_splits=num_splits)
-        assert_matches(got, expected, dtype)
-        assert (got[6:] == 0).all()
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
-def test_a_decode_batch_that_fills_the_gpu_twice_takes_the_narrow_tiles_and_matches():
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    batch = sms + 8  # two KV heads a row: over two waves of programs
-    assert pa.decode_config(batch, NUM_KV_HEADS, HEAD_DIM, "cuda") == (32, 2, 4)
-    assert pa.decode_config(8, NUM_KV_HEADS, HEAD_DIM, "cuda") == (64, 4, 3)
-    r = random.Random(4)
-    rows = [(1, r.randint(1, 300)) for _ in range(batch)]
-    for dtype in (torch.float16, torch.bfloat16):
-        q, k, v, query_start, seq_lens, tables = make_cache(rows, 8, dtype=dtype, device="cuda")
-        expected = pa.paged_attention_reference(q, k, v, query_start, seq_lens, tables, HEAD_DIM ** -0.5)
-        assert_matches(pa.decode_attention(q, k, v, seq_lens, tables, HEAD_DIM ** -0.5), expected, dtype)
-
-
-@pytest.mark.parametrize("device", [ON_CPU, ON_CUDA])
 def test_decode_block_size_32_and_default_splits(device):
     rows = [(1, n) for n in (1, 32, 33, 100)]
     q, k, v, query_start, seq_lens, tables = make_cache(rows, 4, block_size=32, device=device)
