@@ -7,6 +7,7 @@ the message's own validate() for what one field cannot say. A failure is a Proto
 
 from __future__ import annotations
 
+import functools
 import math
 import types
 import typing
@@ -81,22 +82,20 @@ _NAMES = {"name": 256, "role": 64, "node": 256, "kv_from": 512, "dest": 512, "wo
 
 def _build(cls, values: list, where: str):
     kwargs = {}
-    ranges = _RANGES.get(cls.__name__, {})
-    for i, (name, hint, has_default) in enumerate(cls._fields):
+    for i, (name, check, bounds, array, max_len, has_default) in enumerate(_plan(cls)):
         if i >= len(values):
             if not has_default:
                 raise ProtocolError(f"{where}: missing field {name!r}")
             continue
-        value = kwargs[name] = _check(values[i], hint, f"{where}.{name}")
-        if name in ranges and not ranges[name][0] <= value <= ranges[name][1]:
-            raise ProtocolError(f"{where}.{name}: {value!r} outside [{ranges[name][0]}, {ranges[name][1]}]")
-        if hint is bytes and name in _ARRAYS:
-            dtype, is_id = _ARRAYS[name]
-            array = _unpack(value, dtype, f"{where}.{name}")
-            if is_id and array.size and array.min() < 0:
+        value = kwargs[name] = check(values[i], where, name)
+        if bounds is not None and not bounds[0] <= value <= bounds[1]:
+            raise ProtocolError(f"{where}.{name}: {value!r} outside [{bounds[0]}, {bounds[1]}]")
+        if array is not None:
+            items = _unpack(value, array[0], f"{where}.{name}")
+            if array[1] and items.size and items.min() < 0:
                 raise ProtocolError(f"{where}.{name}: negative id")
-        if hint is str and len(value) > _NAMES.get(name, MAX_STR):
-            raise ProtocolError(f"{where}.{name}: longer than {_NAMES[name]} characters")
+        if max_len is not None and len(value) > max_len:
+            raise ProtocolError(f"{where}.{name}: longer than {max_len} characters")
     msg = cls(**kwargs)
     if hasattr(cls, "validate"):
         try:
@@ -107,42 +106,116 @@ def _build(cls, values: list, where: str):
     return msg
 
 
-def _check(value, hint, where: str):
+@functools.lru_cache(maxsize=None)
+def _plan(cls) -> tuple:
+    """Per field of cls, in wire order: its name, the checker of its type, its range, its
+    packed-array layout, its longest string, and whether it has a default. Built once per
+    message type, so decoding looks nothing up per field and formats no text unless it fails."""
+    ranges = _RANGES.get(cls.__name__, {})
+    return tuple((name, _checker(hint), ranges.get(name), _ARRAYS.get(name) if hint is bytes else None,
+                  _NAMES.get(name, MAX_STR) if hint is str and name in _NAMES else None, has_default)
+                 for name, hint, has_default in cls._fields)
+
+
+# A checker takes (value, where, name), returns the value as the message holds it, and raises
+# ProtocolError naming f"{where}.{name}" when the value is not of its type.
+
+def _check_any(value, where: str, name: str):
+    if isinstance(value, (dict, list)):
+        raise ProtocolError(f"{where}.{name}: nested value where a scalar is expected")
+    if isinstance(value, str) and len(value) > MAX_STR:
+        raise ProtocolError(f"{where}.{name}: string longer than {MAX_STR} characters")
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ProtocolError(f"{where}.{name}: {value} where a finite number is expected")
+    return value
+
+
+def _check_float(value, where: str, name: str):
+    if type(value) not in (int, float) or not math.isfinite(value):
+        raise ProtocolError(f"{where}.{name}: expected a finite number")
+    return float(value)
+
+
+def _check_int(value, where: str, name: str):
+    if type(value) is not int:
+        raise ProtocolError(f"{where}.{name}: expected int, got {type(value).__name__}")
+    if not -(1 << 63) <= value < (1 << 63):
+        raise ProtocolError(f"{where}.{name}: integer out of range")
+    return value
+
+
+def _check_str(value, where: str, name: str):
+    if type(value) is not str:
+        raise ProtocolError(f"{where}.{name}: expected str, got {type(value).__name__}")
+    if len(value) > MAX_STR:
+        raise ProtocolError(f"{where}.{name}: string longer than {MAX_STR} characters")
+    return value
+
+
+def _exactly(hint):
+    def check(value, where: str, name: str):
+        if type(value) is not hint:
+            raise ProtocolError(f"{where}.{name}: expected {hint.__name__}, got {type(value).__name__}")
+        return value
+    return check
+
+
+def _check_spec(value, where: str, name: str):
+    if not isinstance(value, list):
+        raise ProtocolError(f"{where}.{name}: expected a sequence spec")
+    return _build(SeqSpec, value, f"{where}.{name}")
+
+
+def _list_of(item):
+    def check(value, where: str, name: str):
+        if not isinstance(value, list):
+            raise ProtocolError(f"{where}.{name}: expected a list")
+        return [item(v, where, f"{name}[{i}]") for i, v in enumerate(value)]
+    return check
+
+
+def _list_of_ints(value, where: str, name: str):
+    if not isinstance(value, list):
+        raise ProtocolError(f"{where}.{name}: expected a list")
+    if not all(type(v) is int and -(1 << 63) <= v < (1 << 63) for v in value):
+        for i, v in enumerate(value):
+            _check_int(v, where, f"{name}[{i}]")
+    return value
+
+
+def _dict_of(key, val):
+    def check(value, where: str, name: str):
+        if not isinstance(value, dict):
+            raise ProtocolError(f"{where}.{name}: expected a map")
+        return {key(k, where, name): val(v, where, f"{name}[{k}]") for k, v in value.items()}
+    return check
+
+
+def _unsupported(why: str):
+    def check(value, where: str, name: str):
+        raise ProtocolError(f"{where}.{name}: {why}")
+    return check
+
+
+def _checker(hint):
     origin = typing.get_origin(hint)
     if hint is typing.Any:
-        if isinstance(value, (dict, list)):
-            raise ProtocolError(f"{where}: nested value where a scalar is expected")
-        if isinstance(value, str) and len(value) > MAX_STR:
-            raise ProtocolError(f"{where}: string longer than {MAX_STR} characters")
-        if isinstance(value, float) and not math.isfinite(value):
-            raise ProtocolError(f"{where}: {value} where a finite number is expected")
-        return value
+        return _check_any
     if hint is SeqSpec:
-        if not isinstance(value, list):
-            raise ProtocolError(f"{where}: expected a sequence spec")
-        return _build(SeqSpec, value, where)
+        return _check_spec
     if hint is float:
-        if type(value) not in (int, float) or not math.isfinite(value):
-            raise ProtocolError(f"{where}: expected a finite number")
-        return float(value)
-    if hint in (int, str, bytes, bool):
-        if type(value) is not hint:
-            raise ProtocolError(f"{where}: expected {hint.__name__}, got {type(value).__name__}")
-        if hint is int and not -(1 << 63) <= value < (1 << 63):
-            raise ProtocolError(f"{where}: integer out of range")
-        if hint is str and len(value) > MAX_STR:
-            raise ProtocolError(f"{where}: string longer than {MAX_STR} characters")
-        return value
+        return _check_float
+    if hint is int:
+        return _check_int
+    if hint is str:
+        return _check_str
+    if hint in (bytes, bool):
+        return _exactly(hint)
     if origin is list:
-        if not isinstance(value, list):
-            raise ProtocolError(f"{where}: expected a list")
         (item,) = typing.get_args(hint)
-        return [_check(v, item, f"{where}[{i}]") for i, v in enumerate(value)]
+        return _list_of_ints if item is int else _list_of(_checker(item))
     if origin is dict:
-        if not isinstance(value, dict):
-            raise ProtocolError(f"{where}: expected a map")
-        key_t, val_t = typing.get_args(hint)
-        return {_check(k, key_t, where): _check(v, val_t, f"{where}[{k}]") for k, v in value.items()}
+        return _dict_of(*(_checker(t) for t in typing.get_args(hint)))
     if origin in (typing.Union, types.UnionType):
-        raise ProtocolError(f"{where}: unions are not supported on the wire")
-    raise ProtocolError(f"{where}: unsupported field type {hint}")
+        return _unsupported("unions are not supported on the wire")
+    return _unsupported(f"unsupported field type {hint}")
