@@ -113,7 +113,7 @@ def _plan(cls) -> tuple:
     message type, so decoding looks nothing up per field and formats no text unless it fails."""
     ranges = _RANGES.get(cls.__name__, {})
     return tuple((name, _checker(hint), ranges.get(name), _ARRAYS.get(name) if hint is bytes else None,
-                  _NAMES.get(name, MAX_STR) if hint is str and name in _NAMES else None, has_default)
+                  _NAMES.get(name) if hint is str else None, has_default)
                  for name, hint, has_default in cls._fields)
 
 
