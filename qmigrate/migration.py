@@ -107,8 +107,20 @@ class MovePolicy:
                                 self.config.link_gbps, self.config.prefill_tflops)
 
     @staticmethod
+    def kv_room(w: WorkerState, held: list[Seq]) -> float:
+        """KV tokens w can take for sequences new to it without evicting any it owns, from
+        what it last reported free. Its pool holds what it owns plus what it is prefilling
+        now (`held`: the sequences of its open leases), and each owned sequence grows a token
+        a step, so a block per owned sequence is kept for that growth."""
+        if w.free_kv_tokens is None or not w.kv_tokens:
+            return float("inf")
+        arriving = sum(len(seq.token_ids) + w.block_size for seq in held if seq.owner != w.name)
+        return w.free_kv_tokens - arriving - w.block_size * len(w.owned)
+
+    @staticmethod
     def _has_kv_room(w: WorkerState) -> bool:
-        """Room for a new sequence beside a block of growth for each it holds, as last reported."""
+        """kv_room's rule for a peer, without walking its leases: a block for each sequence
+        it owns or is taking on, and one for a new sequence."""
         if w.free_kv_tokens is None or not w.kv_tokens:
             return True
         return w.free_kv_tokens - w.block_size * (len(w.owned) + w.num_arriving + 1) > 0

@@ -191,7 +191,7 @@ class Scheduler:
         budget = min(max_tokens, w.max_tokens)
         reserved = min(len(chainable), max_seqs, max(0, budget - 1))
         budget -= reserved
-        room = self._kv_room(w, held)
+        room = self.moves.kv_room(w, held)
         new_room = self.moves.admission_room(w)
         rows: list[Row] = []
         shipments = []
@@ -276,16 +276,6 @@ class Scheduler:
             take = [seq.seq_id for seq in self._held(other)][-min(n, room):]
             self._revoke_steps(other, take, for_load_at=now)
             room -= len(take)
-
-    def _kv_room(self, w: WorkerState, held: list[Seq]) -> float:
-        """KV tokens w can take for sequences new to it without evicting any it owns.
-
-        Its pool holds what it owns plus what it is prefilling now, and each owned sequence
-        grows a token a step, so a block per owned sequence is kept for that growth."""
-        if w.free_kv_tokens is None or not w.kv_tokens:
-            return float("inf")
-        arriving = sum(len(seq.token_ids) + w.block_size for seq in held if seq.owner != w.name)
-        return w.free_kv_tokens - arriving - w.block_size * len(w.owned)
 
     def evicted(self, name: str, seq_ids) -> None:
         """name dropped these sequences' KV for room: they are recomputed wherever they run next."""

@@ -49,8 +49,10 @@ def eager_tokens(num_tokens: int, max_tokens: int) -> int:
 
 def eager_sizes(last_bucket: int, max_tokens: int) -> list[int]:
     """Every padded token count of a step past the last token bucket, up to max_tokens."""
-    counts = range(last_bucket + 1, max_tokens + 1)
-    return sorted({eager_tokens(t, max_tokens) for t in counts[::EAGER_TOKEN_STEP]} | ({max_tokens} if counts else set()))
+    if max_tokens <= last_bucket:
+        return []
+    step = EAGER_TOKEN_STEP
+    return list(range((last_bucket // step + 1) * step, max_tokens, step)) + [max_tokens]
 
 
 def unsupported(model, device: torch.device) -> str | None:
