@@ -92,6 +92,20 @@ def test_decode_matches_reference(device, group, num_splits):
 
 
 @pytest.mark.parametrize("device", [ON_CPU, ON_CUDA])
+def test_narrower_tiles_than_those_in_use_match_the_reference(device):
+    """`--tiles` times other tiles against those in use: they must compute the same attention."""
+    tiles = (32, 2, 4)
+    assert tiles in pa.TILE_CHOICES and tiles != pa.decode_tiles(HEAD_DIM)
+    rows = [(1, n) for n in DECODE_LENGTHS] + [(1, 0)]
+    q, k, v, query_start, seq_lens, tables = make_cache(rows, 8, device=device, padding_rows=(6,))
+    expected = pa.paged_attention_reference(q, k, v, query_start, seq_lens, tables, HEAD_DIM ** -0.5)
+    for num_splits in (1, 2):
+        out = torch.full_like(q, float("nan"))
+        pa.decode_attention(q, k, v, seq_lens, tables, HEAD_DIM ** -0.5, out=out, num_splits=num_splits, tiles=tiles)
+        assert_matches(out, expected, torch.float32)
+
+
+@pytest.mark.parametrize("device", [ON_CPU, ON_CUDA])
 def test_decode_block_size_32_and_default_splits(device):
     rows = [(1, n) for n in (1, 32, 33, 100)]
     q, k, v, query_start, seq_lens, tables = make_cache(rows, 4, block_size=32, device=device)
