@@ -46,18 +46,22 @@ def reference(tiny_model_dir):
     return greedy_reference(tiny_model_dir)
 
 
-@pytest.mark.parametrize("num_workers,router", [
-    # New work goes to whoever asks (not shared out), 8 to a batch: the first worker to ask
-    # takes two batches (one ahead), more than it can step at once, and the other worker's
-    # first sequences end after 6-24 tokens; from then on its batch has room, and half the
-    # gap moves to it. One-step leases put every sequence back in the queue after each step.
-    (2, {"policy": "affinity", "rebalance_threshold": 2, "migration": "recompute", "max_seqs": 8,
-         "max_lease_steps": 1, "spread_new_work": False}),
-    (3, {"policy": "any", "migration": "transfer"}),
+@pytest.mark.parametrize("num_workers,num_prompts,router", [
+    # New work goes to whoever asks (not shared out), 8 to a batch, and 20 prompts, so one
+    # worker holds more than it can step at once whichever asks first: asking first it takes
+    # two batches (16) and the other 4, which leaves the other room for half the gap at once;
+    # asking in turns they take 8 and 8, then 4 more to one of them, whose 12 take turns
+    # until the other's first sequences end (after 6-24 tokens) and leave room. (With 24
+    # prompts, a second worker that asked 12 steps late found its batch full, and by the time
+    # it had room the gap was gone: 1 run in 8 moved nothing.) One-step leases put every
+    # sequence back in the queue after each step.
+    (2, 20, {"policy": "affinity", "rebalance_threshold": 2, "migration": "recompute", "max_seqs": 8,
+             "max_lease_steps": 1, "spread_new_work": False}),
+    (3, 24, {"policy": "any", "migration": "transfer"}),
 ])
 def test_greedy_equals_generate_while_sequences_migrate(tmp_path, tiny_model_dir, reference, qmigrate,
-                                                         num_workers, router):
-    prompts = _prompts(24, seed=num_workers)
+                                                         num_workers, num_prompts, router):
+    prompts = _prompts(num_prompts, seed=num_workers)
     stdin = "".join(json.dumps(p) + "\n" for p in prompts)
     run = qmigrate("sim", _topology(tmp_path, tiny_model_dir, num_workers, **router), stdin=stdin)
     assert run.returncode == 0, run.stderr[-3000:]
