@@ -174,7 +174,7 @@ def _keep_busy_until_w3_joins(path, router, timeout: float = 120.0) -> list[dict
             assert stats.get("live", 0) > 0, f"w3 joined an idle fleet: {stats}"
             return fed
         if stats and stats.get("live", 0) < 8:
-            wave = _prompts(100 + len(fed), f"a{len(fed)}-", n=8, new_tokens=200)
+            wave = _prompts(100 + len(fed), f"a{len(fed)}-", n=8, new_tokens=120)
             _feed(path, wave)
             fed += wave
         time.sleep(0.1)
@@ -219,7 +219,9 @@ def test_join_and_drain_under_load_lose_nothing(fleet, tiny_model_dir):
 
 def test_a_killed_worker_loses_nothing(fleet, tiny_model_dir):
     path, start, router = fleet
-    prompts = _prompts()
+    # 120 tokens each, 1,920 in all: the kill lands within the first tokens, and when the
+    # router notices it 3 s later work is still live (checked below).
+    prompts = _prompts(new_tokens=120)
     head = start("head", "".join(json.dumps(p) + "\n" for p in prompts))
     _wait_for("both workers to own sequences",
               lambda s: s.get("owned_w1", 0) > 0 and s.get("owned_w2", 0) > 0, router)
