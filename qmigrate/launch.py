@@ -227,8 +227,8 @@ def run_node(topo: Topology, config_path: Path, node: str, *, read_stdin: bool,
 
 def wait_for_fleet(topo: Topology, children: list[Child], num_workers: int, timeout_s: float = 120.0,
                    notice_s: float = 10.0) -> bool:
-    from . import protocol as P
-    from . import transport
+    from qmigrate.wire import protocol as P
+    from qmigrate.wire import transport
     start = time.monotonic()
     deadline, joined, told = start + timeout_s, 0, False
     while time.monotonic() < deadline:
@@ -259,13 +259,13 @@ class RouterProgress:
     """The progress line of a run: requests done, tokens/s and queue, as the router counts them."""
 
     def __init__(self, topo: Topology):
-        from .progress import ProgressLine
+        from qmigrate.ops.progress import ProgressLine
         self.endpoint = topo.endpoint("router").connect
         self.line = ProgressLine("qmigrate")
 
     def tick(self) -> None:
-        from . import protocol as P
-        from . import transport
+        from qmigrate.wire import protocol as P
+        from qmigrate.wire import transport
         if not self.line.due():
             return
         try:
@@ -280,8 +280,8 @@ class RouterProgress:
 
 def print_summary(topo: Topology) -> None:
     """One line on stderr: what the router counted, migrations by cause and mechanism."""
-    from . import protocol as P
-    from . import transport
+    from qmigrate.wire import protocol as P
+    from qmigrate.wire import transport
     try:
         stats = transport.request(topo.endpoint("router").connect, P.StatsRequest(),
                                   timeout_s=2.0, expect=P.Stats).counters

@@ -5,8 +5,8 @@ worker that holds or computes its KV is told to free it (the next lease's drop_i
 
 from __future__ import annotations
 
-from qmigrate.protocol import Finish, SeqSpec, pack_i32
-from qmigrate.scheduler import Scheduler, SchedulerConfig, WorkerState
+from qmigrate.wire.protocol import Finish, SeqSpec, pack_i32
+from qmigrate.router.scheduler import Scheduler, SchedulerConfig, WorkerState
 
 TOKEN = 77
 
@@ -99,7 +99,7 @@ def test_unknown_finished_and_repeated_ids_count_nothing():
 def test_cancel_and_replies_are_checked_at_decode():
     import msgpack
     import pytest
-    from qmigrate import protocol as P
+    from qmigrate.wire import protocol as P
 
     def wire(msg_type, *fields):
         return msgpack.packb([int(msg_type), *fields], use_bin_type=True)

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from conftest import CHAT_TEMPLATE
-from qmigrate.intake import CancelRequest, PromptError, parse_line
+from qmigrate.ingest.prompts import CancelRequest, PromptError, parse_line
 from tokenizer_util import build_tokenizer
 
 

@@ -14,13 +14,14 @@ import pytest
 import torch
 from transformers import GenerationConfig
 
-from qmigrate import protocol as P
+from qmigrate.wire import protocol as P
 from qmigrate.engine.batch import StepBatch
-from qmigrate.engine.models import build_tiny_model, load_model
+from qmigrate.engine.builders import build_tiny_model
+from qmigrate.engine.loading import load_model
 from qmigrate.engine.runner import REFUSED, Engine, StepRow
 from qmigrate.engine.sampling import SamplingRows, sample, uniforms
-from qmigrate.protocol import Finish
-from qmigrate.worker_core import MAX_TRANSFERS, WorkerCore
+from qmigrate.wire.protocol import Finish
+from qmigrate.worker.core import MAX_TRANSFERS, WorkerCore
 
 TEXTS = [
     "The old sailor carried a broken umbrella",

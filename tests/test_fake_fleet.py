@@ -6,9 +6,9 @@ import json
 
 import pytest
 
-from qmigrate import protocol as P
-from qmigrate.bench_router import FleetPoint, cpu_seconds, largest_linear, run_router_bench, sweep_sizes
-from qmigrate.fake_fleet import FAKE_TOKEN, FakeDevice
+from qmigrate.wire import protocol as P
+from qmigrate.bench.router import FleetPoint, cpu_seconds, largest_linear, run_router_bench, sweep_sizes
+from qmigrate.bench.fake_fleet import FAKE_TOKEN, FakeDevice
 
 STEP = 0.002
 

@@ -18,8 +18,8 @@ import yaml
 
 from typer.testing import CliRunner
 
-from qmigrate import protocol as P
-from qmigrate import transport
+from qmigrate.wire import protocol as P
+from qmigrate.wire import transport
 from qmigrate.cli import app
 from conftest import check_outputs, free_ports, stop_group
 

@@ -20,8 +20,8 @@ hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import HealthCheck, Phase, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from qmigrate import protocol as P  # noqa: E402
-from qmigrate import transport  # noqa: E402
+from qmigrate.wire import protocol as P  # noqa: E402
+from qmigrate.wire import transport  # noqa: E402
 from conftest import free_ports  # noqa: E402
 from test_fleet import _pid_of, _prompts, _stats  # noqa: E402
 

@@ -30,7 +30,7 @@ def _generate(model, prompt: list[int], n: int) -> list[int]:
 
 
 def test_engine_on_cuda_matches_generate_in_fp32(tiny_model_dir):
-    from qmigrate.engine.models import load_model
+    from qmigrate.engine.loading import load_model
     from qmigrate.engine.runner import Engine, StepRow
     model, _ = load_model(tiny_model_dir, "cuda:0", "float32")
     engine = Engine(model, max_batch=32, runner="hf", max_kv_tokens=1 << 14)  # exact in fp32: transformers' forward
@@ -102,7 +102,7 @@ def _logits(engine, rows):
 @pytest.fixture(scope="module")
 def medium_model_dir(tmp_path_factory):
     """A Llama shape with TinyLlama's head layout (head_dim 64, 4 query heads per KV head)."""
-    from qmigrate.engine.models import build_bench_model
+    from qmigrate.engine.builders import build_bench_model
     shape = dict(hidden_size=512, intermediate_size=1408, num_hidden_layers=4, num_attention_heads=8,
                  num_key_value_heads=2, max_position_embeddings=1024, vocab_size=4096)
     return build_bench_model(tmp_path_factory.mktemp("models") / "medium", shape_overrides=shape)
@@ -114,7 +114,7 @@ def test_fast_runner_matches_the_hf_forward_in_bf16(medium_model_dir):
     greedy choices agree at >= 95% of positions. (Not on the tiny test model: its weights
     are drawn with std 0.5 to make its logits sharp, and bf16 rounding alone moves them
     by several percent, in transformers' own forward as much as in ours.)"""
-    from qmigrate.engine.models import load_model
+    from qmigrate.engine.loading import load_model
     from qmigrate.engine.runner import Engine, StepRow
     which, path = "medium", medium_model_dir
     model, _ = load_model(path, "cuda:0", "bfloat16")
@@ -144,7 +144,7 @@ def test_fast_runner_matches_the_hf_forward_in_bf16(medium_model_dir):
 
 
 def test_fast_runner_in_fp32_matches_generate(tiny_model_dir):
-    from qmigrate.engine.models import load_model
+    from qmigrate.engine.loading import load_model
     from qmigrate.engine.runner import Engine, StepRow
     model, _ = load_model(tiny_model_dir, "cuda:0", "float32")
     engine = Engine(model, runner="fast", max_batch=16, max_kv_tokens=1 << 14)
@@ -164,7 +164,7 @@ def test_steps_with_prompts_replay_token_graphs_with_the_eager_results(medium_mo
     """Continuous batching's steps: decode rows with new prompts among them, a prefill alone,
     and a prompt longer than a chunk. With graphs they replay a token-bucket graph (padded
     tokens and rows); the logits match the eager forward's within bf16 rounding."""
-    from qmigrate.engine.models import load_model
+    from qmigrate.engine.loading import load_model
     from qmigrate.engine.runner import Engine, StepRow
     model, _ = load_model(medium_model_dir, "cuda:0", "bfloat16")
     graphs = Engine(model, runner="fast", max_batch=32, max_batch_tokens=2048, max_kv_tokens=1 << 16)
@@ -205,7 +205,7 @@ def test_eager_steps_with_prompts_are_padded_and_match_the_unpadded_step(medium_
     its logits match the unpadded forward's within bf16 rounding."""
     from qmigrate.engine.batch import StepBatch
     from qmigrate.engine.llama import EAGER_TOKEN_STEP
-    from qmigrate.engine.models import load_model
+    from qmigrate.engine.loading import load_model
     from qmigrate.engine.runner import Engine, StepRow
     model, _ = load_model(medium_model_dir, "cuda:0", "bfloat16")
     kw = dict(runner="fast", max_batch=32, max_batch_tokens=8192, max_kv_tokens=1 << 16)

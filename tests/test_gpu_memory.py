@@ -36,8 +36,8 @@ sys.stdin.read()  # held until the test closes the pipe, or is gone
 
 def test_a_process_grabbing_gpu_memory_makes_the_worker_shed_work(tmp_path, tiny_model_dir):
     from qmigrate.config import load_topology
-    from qmigrate.status import fetch
-    from qmigrate.transport import Unreachable
+    from qmigrate.ops.status import fetch
+    from qmigrate.wire.transport import Unreachable
     two = torch.cuda.device_count() >= 2
     workers = [{"name": "w1", "node": "local", "device": "cuda:0", "gpu_memory_utilization": 0.4 if two else 0.2},
                {"name": "w2", "node": "local", "device": "cuda:1" if two else "cuda:0",

@@ -13,8 +13,8 @@ import threading
 import pytest
 
 from qmigrate.config import IngestConfig
-from qmigrate.intake import Defaults
-from qmigrate.roles.http import HttpServer
+from qmigrate.ingest.prompts import Defaults
+from qmigrate.ingest.http import HttpServer
 
 
 def free_port() -> int:

@@ -12,8 +12,8 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import yaml
 
-from qmigrate import protocol as P
-from qmigrate import transport
+from qmigrate.wire import protocol as P
+from qmigrate.wire import transport
 from conftest import stop_group
 
 openai = pytest.importorskip("openai")

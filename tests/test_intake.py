@@ -2,7 +2,7 @@ import json
 
 import pytest
 
-from qmigrate.intake import Defaults, Prompt, PromptError, parse_line
+from qmigrate.ingest.prompts import Defaults, Prompt, PromptError, parse_line
 from tokenizer_util import build_tokenizer
 
 MAX_CONTEXT = 64

@@ -7,9 +7,9 @@ import json
 
 import pytest
 
-from qmigrate import protocol as P
+from qmigrate.wire import protocol as P
 from qmigrate.config import parse_topology
-from qmigrate.journal import Journal, OutputLog
+from qmigrate.router.journal import Journal, OutputLog
 
 
 def spec(seq_id: int, prompt=(1, 5, 9), max_new_tokens: int = 4) -> P.SeqSpec:
@@ -44,7 +44,7 @@ def test_output_log_keeps_each_request_once_until_printed():
 
 
 def test_the_scheduler_readmits_past_its_limit_and_only_once():
-    from qmigrate.scheduler import Scheduler, SchedulerConfig, WorkerState
+    from qmigrate.router.scheduler import Scheduler, SchedulerConfig, WorkerState
     sched = Scheduler(SchedulerConfig(max_queued=1))
     assert sched.admit([spec(1), spec(2)]) == 1
     for _ in range(2):
@@ -87,7 +87,7 @@ def topo(tmp_path, tiny_model_dir):
 
 
 def test_a_restarted_detokenizer_prints_only_what_is_new(topo, capsys):
-    from qmigrate.roles.detokenizer import Detokenizer
+    from qmigrate.detokenizer.loop import Detokenizer
 
     def tokens(start: int, ids: list[int], finish: int = 0) -> bytes:
         return P.encode(P.Tokens(P.pack_i64([1]), P.pack_i32([start]), P.pack_i32([len(ids)]), P.pack_i32(ids),

@@ -7,8 +7,8 @@ off with cause "memory" to any worker that may take them.
 
 from __future__ import annotations
 
-from qmigrate.protocol import Finish, SeqSpec, pack_i32
-from qmigrate.scheduler import Scheduler, SchedulerConfig, WorkerState
+from qmigrate.wire.protocol import Finish, SeqSpec, pack_i32
+from qmigrate.router.scheduler import Scheduler, SchedulerConfig, WorkerState
 
 
 def spec(seq_id: int) -> SeqSpec:

@@ -9,18 +9,17 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from qmigrate.engine import models
-from qmigrate.engine.models import (
+from qmigrate.engine import builders as models
+from qmigrate.engine.loading import (
     ModelLoadError,
     ModelNotFound,
-    build_bench_model,
-    build_tiny_model,
     cache_root,
     default_model_dir,
     ensure_default_model,
     load_model,
     resolve_model,
 )
+from qmigrate.engine.builders import build_bench_model, build_tiny_model
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 PROMPTS = ["The old sailor carried", "Hello there, how are you today?", "我们明天早上"]
@@ -136,7 +135,7 @@ def test_ensure_default_model_builds_once(monkeypatch, tmp_path):
 
 def test_concurrent_builds_race_safely(tmp_path):
     out = tmp_path / "raced"
-    code = ("import sys; from qmigrate.engine.models import build_tiny_model; "
+    code = ("import sys; from qmigrate.engine.builders import build_tiny_model; "
             "print(build_tiny_model(sys.argv[1]))")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")])}
     procs = [subprocess.Popen([sys.executable, "-c", code, str(out)], env=env,

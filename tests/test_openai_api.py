@@ -7,8 +7,8 @@ import copy
 import pytest
 
 from conftest import CHAT_TEMPLATE
-from qmigrate.detok import make_sink
-from qmigrate.openai_api import ApiError, StopTrimmer, chunk, parse_body, reply, usage_chunk
+from qmigrate.detokenizer.decoder import make_sink
+from qmigrate.ingest.openai_api import ApiError, StopTrimmer, chunk, parse_body, reply, usage_chunk
 from tokenizer_util import build_tokenizer
 
 MODEL = "tiny"

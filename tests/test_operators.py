@@ -52,7 +52,7 @@ class FakeMonitor:
         self.thread.start()
 
     def run(self) -> None:
-        from qmigrate import protocol as P
+        from qmigrate.wire import protocol as P
         while not self.stop.is_set():
             gpus = [[uuid, i, self.TOTAL, self.TOTAL - int(f * self.TOTAL), int(f * self.TOTAL), 0]
                     for i, (uuid, f) in enumerate(sorted(self.free.items()))]
@@ -104,8 +104,8 @@ def _wait_for(what: str, check, proc, timeout_s: float = 60.0):
 def test_memory_reports_steer_work_and_operators_see_it(node, tiny_model_dir):
     from conftest import greedy_reference
     from qmigrate.config import load_topology
-    from qmigrate.status import fetch
-    from qmigrate.transport import Unreachable
+    from qmigrate.ops.status import fetch
+    from qmigrate.wire.transport import Unreachable
     proc, path, router_port, detok_port = node
     topo = load_topology(path)
     router = topo.endpoint("router").connect

@@ -10,10 +10,10 @@ import logging
 import pytest
 from typer.testing import CliRunner
 
-from qmigrate import protocol as P
+from qmigrate.wire import protocol as P
 from qmigrate.cli import app
 from qmigrate.config import parse_topology
-from qmigrate.observe import GPU_COLUMNS, WORKER_COLUMNS, FleetObserver, as_dicts
+from qmigrate.ops.observe import GPU_COLUMNS, WORKER_COLUMNS, FleetObserver, as_dicts
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -28,7 +28,7 @@ def _topo(tmp_path, **router):
 @pytest.fixture
 def router(tmp_path):
     """A Router in this process with its replies captured instead of sent."""
-    from qmigrate.roles.router import Router
+    from qmigrate.router.loop import Router
     r = Router(_topo(tmp_path))
     r.sent = []
     r.reply = lambda to, msg: r.sent.append((to, msg))
@@ -55,7 +55,7 @@ def test_draining_the_last_live_worker_is_refused_with_a_reason(router):
 
 
 def test_requests_waiting_with_no_worker_are_said_once(router, caplog):
-    from qmigrate.roles.router import STRANDED_NOTICE_S
+    from qmigrate.router.loop import STRANDED_NOTICE_S
     router.on_submit(b"ingest", P.Submit([P.SeqSpec(1, P.pack_i32([1, 5, 6]), 3, 4)]))
     with caplog.at_level(logging.WARNING, logger="qmigrate.router"):
         for t in (0.0, 1.0, STRANDED_NOTICE_S + 0.5, STRANDED_NOTICE_S + 10):
@@ -85,7 +85,7 @@ class _Sched:
     """Just what the observer and metrics read of a Scheduler."""
 
     def __init__(self):
-        from qmigrate.scheduler import Scheduler, WorkerState
+        from qmigrate.router.scheduler import Scheduler, WorkerState
         self.s = Scheduler()
         self.s.register(WorkerState("w1", 8, 4096, kv_tokens=1600, block_size=16, gpu_uuid="GPU-a"), 0.0)
 
@@ -105,7 +105,7 @@ def test_tokens_per_second_follow_results_and_fall_to_zero_when_idle():
 def test_metrics_follow_the_scheduler_and_observer():
     from prometheus_client import generate_latest
 
-    from qmigrate.metrics import RouterMetrics
+    from qmigrate.ops.metrics import RouterMetrics
     fleet, obs, m = _Sched(), FleetObserver(), RouterMetrics()
     obs.joined("w1", "n1", "cuda:0", 0.0)
     obs.reported("w1", 50, 1600 - 160, 1.0)
@@ -128,7 +128,7 @@ def test_metrics_follow_the_scheduler_and_observer():
 def test_latency_histograms_count_each_finished_request_once():
     from prometheus_client import generate_latest
 
-    from qmigrate.metrics import LatencyMetrics
+    from qmigrate.ops.metrics import LatencyMetrics
     m = LatencyMetrics()
     m.finished(10.0, 10.2, 12.2, 11, "length")
     m.finished(10.0, None, 10.5, 0, "eos")
@@ -141,7 +141,7 @@ def test_latency_histograms_count_each_finished_request_once():
 def test_status_renders_workers_and_gpus():
     from rich.console import Console
 
-    from qmigrate.status import render
+    from qmigrate.ops.status import render
     fleet, obs = _Sched(), FleetObserver()
     obs.joined("w1", "n1", "cuda:0", 0.0)
     obs.asked("w1", 800)
@@ -165,7 +165,7 @@ def test_a_wrong_log_level_is_one_line():
 
 
 def test_role_logs_name_role_name_and_node(capsys):
-    from qmigrate.logs import setup
+    from qmigrate.ops.logs import setup
     try:
         setup("worker", "w1", "gpu3", "info")
         logging.getLogger("qmigrate.worker").info("ready")
@@ -189,7 +189,7 @@ def test_bench_faults_needs_four_workers_and_says_so():
 
 
 def test_progress_line_redraws_on_a_terminal_and_is_silent_otherwise():
-    from qmigrate.progress import ProgressLine
+    from qmigrate.ops.progress import ProgressLine
 
     class Tty(io.StringIO):
         def isatty(self):
@@ -217,7 +217,7 @@ def test_a_cuda_device_this_machine_lacks_is_named(tmp_path):
 def test_an_unreachable_hub_model_is_one_line(monkeypatch):
     import huggingface_hub
 
-    from qmigrate.engine.models import ModelNotFound, fetch_hub_model
+    from qmigrate.engine.loading import ModelNotFound, fetch_hub_model
 
     def offline(name, **kw):
         raise OSError("Got: ConnectError: [Errno -2] Name or service not known\nmore detail")
@@ -231,8 +231,8 @@ def test_an_unreachable_hub_model_is_one_line(monkeypatch):
 def test_a_clamped_max_new_tokens_is_said_in_the_final_record():
     from tokenizer_util import build_tokenizer
 
-    from qmigrate.detok import JsonlSink
-    from qmigrate.intake import Defaults, parse_line
+    from qmigrate.detokenizer.decoder import JsonlSink
+    from qmigrate.ingest.prompts import Defaults, parse_line
     tok = build_tokenizer()
     prompt = parse_line(json.dumps({"id": "a", "prompt_ids": [5, 6, 7], "max_new_tokens": 100}) + "\n",
                         mode="jsonl", line_no=1, tokenizer=tok, max_context=16, defaults=Defaults(), eos_ids=[1])

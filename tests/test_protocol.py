@@ -12,10 +12,10 @@ import msgpack
 import numpy as np
 import pytest
 
-from qmigrate import protocol as P
-from qmigrate.protocol import Finish, ProtocolError, SeqSpec
+from qmigrate.wire import protocol as P
+from qmigrate.wire.protocol import Finish, ProtocolError, SeqSpec
 
-PACKAGE_DIR = Path(P.__file__).resolve().parent
+PACKAGE_DIR = Path(P.__file__).resolve().parent.parent  # the whole qmigrate package
 
 
 def spec(seq_id: int = 7, **overrides) -> SeqSpec:

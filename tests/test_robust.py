@@ -10,8 +10,8 @@ import msgpack
 import pytest
 import zmq
 
-from qmigrate import protocol as P
-from qmigrate import transport
+from qmigrate.wire import protocol as P
+from qmigrate.wire import transport
 from qmigrate.config import parse_topology
 
 
@@ -48,7 +48,7 @@ def test_hello_info_is_range_checked():
 
 
 def test_a_live_router_drops_bad_messages_and_goes_on(topo):
-    from qmigrate.roles.router import Router
+    from qmigrate.router.loop import Router
     router = Router(topo)
     client = transport.socket(zmq.DEALER, connect=topo.endpoint("router").connect, identity="w9")
     monitor = transport.socket(zmq.PUB, connect=topo.endpoint("telemetry").connect)
@@ -90,7 +90,7 @@ def test_a_live_router_drops_bad_messages_and_goes_on(topo):
 
 
 def test_a_live_detokenizer_drops_bad_tokens_and_finishes_the_rest(topo, capsys):
-    from qmigrate.roles.detokenizer import Detokenizer
+    from qmigrate.detokenizer.loop import Detokenizer
     detok = Detokenizer(topo)
     push = transport.socket(zmq.PUSH, connect=topo.endpoint("detokenizer").connect)
     ids = lambda xs: P.pack_i32(xs)
@@ -117,7 +117,7 @@ def test_a_worker_skips_stale_rejects_while_it_says_hello(topo):
     before the Welcome: the worker must skip them, and stop only on a real refusal."""
     import threading
 
-    from qmigrate.roles.worker import Worker
+    from qmigrate.worker.loop import Worker
     router = transport.socket(zmq.ROUTER, bind=topo.endpoint("router").bind)
     worker = Worker(topo, "w1")
     outcome: list = []
@@ -158,7 +158,7 @@ def _close_router(router) -> None:
 def test_a_client_that_stops_reading_cannot_stall_the_router(topo):
     """15,000 requests whose answers are never read: the router drops what that peer's queue
     cannot take, never blocks, and goes on answering another client."""
-    from qmigrate.roles.router import Router
+    from qmigrate.router.loop import Router
     router = Router(topo)
     deaf = transport.socket(zmq.DEALER, connect=topo.endpoint("router").connect, identity="deaf", hwm=10)
     other = transport.socket(zmq.DEALER, connect=topo.endpoint("router").connect, identity="other")
@@ -191,7 +191,7 @@ def test_fifty_thousand_prompts_keep_the_router_bounded(topo):
     """Overload: 50,000 prompts offered to a router that can queue 64 (no worker runs them).
     It takes 64, refuses the rest (ingest keeps them, and stops reading its input), and its
     resident memory stays flat: it grew by under 1 MiB here, and the bound is 16 MiB."""
-    from qmigrate.roles.router import Router
+    from qmigrate.router.loop import Router
 
     def rss() -> int:
         with open("/proc/self/statm") as f:
@@ -235,7 +235,7 @@ def test_ingest_holds_prompts_until_the_fleet_has_joined(topo, tmp_path):
 
     import yaml
 
-    from qmigrate.roles.router import Router
+    from qmigrate.router.loop import Router
     path = tmp_path / "topo.yaml"
     data = topo.to_dict()
     data["ingest"]["input"] = "jsonl"

@@ -10,8 +10,8 @@ from collections import Counter
 
 import pytest
 
-from qmigrate.protocol import CONTINUE, Finish, SeqSpec, pack_i32
-from qmigrate.scheduler import Grant, Scheduler, SchedulerConfig, WorkerState, choose_mechanism
+from qmigrate.wire.protocol import CONTINUE, Finish, SeqSpec, pack_i32
+from qmigrate.router.scheduler import Grant, Scheduler, SchedulerConfig, WorkerState, choose_mechanism
 
 TOKEN = 77  # what the fake workers below "sample"
 

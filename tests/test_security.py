@@ -22,8 +22,8 @@ import zmq
 import zmq.auth
 from zmq.utils.monitor import recv_monitor_message
 
-from qmigrate import protocol as P
-from qmigrate import security, transport
+from qmigrate.wire import protocol as P
+from qmigrate.wire import security, transport
 from qmigrate.config import parse_topology
 from conftest import free_ports, stop_group
 
@@ -59,7 +59,7 @@ def _keys(tmp_path, node: str) -> tuple[bytes, bytes]:
 @pytest.fixture
 def secured(tmp_path):
     """A router of a security-on topology, in this process, and a maker of outside clients."""
-    from qmigrate.roles.router import Router
+    from qmigrate.router.loop import Router
     topo = parse_topology(_topology(tmp_path))
     transport.secure(security.keyring(topo, "head"))
     router = Router(topo)
@@ -330,7 +330,7 @@ def test_receiving_sockets_bound_message_size_and_queues():
 
 def test_a_model_with_its_own_code_names_the_setting(tmp_path, tiny_model_dir):
     import shutil
-    from qmigrate.engine.models import ModelLoadError
+    from qmigrate.engine.loading import ModelLoadError
     from qmigrate.engine.tokenizer_info import load_tokenizer_info
     remote = tmp_path / "remote"
     shutil.copytree(tiny_model_dir, remote)
@@ -371,7 +371,7 @@ def test_two_nodes_over_loopback_with_security_on(tmp_path, tiny_model_dir):
 
 
 def test_bench_curve_path_runs_a_secured_loopback_topology(tmp_path):
-    from qmigrate.bench_pipeline import _over_tcp
+    from qmigrate.bench.pipeline import _over_tcp
     data = {"transport": "ipc", "ipc_dir": str(tmp_path), "nodes": [{"name": "local"}],
             "router": {"node": "local"}, "ingest": {"node": "local"}, "detokenizer": {"node": "local"},
             "workers": [{"name": "w1", "node": "local"}, {"name": "w2", "node": "local"}]}
@@ -388,6 +388,6 @@ def test_bench_curve_path_runs_a_secured_loopback_topology(tmp_path):
 
 
 def test_bench_link_round_trips_with_and_without_curve():
-    from qmigrate.bench_link import round_trip_us
+    from qmigrate.bench.link import round_trip_us
     assert round_trip_us(256, 5, curve=True) > 0 and round_trip_us(256, 5, curve=False) > 0
     assert not transport.is_secure()  # the process is plain again afterwards

@@ -1,4 +1,4 @@
-"""Step timelines (`qmigrate/trace.py`): off by default, written as JSON lines when on, and
+"""Step timelines (`qmigrate/ops/trace.py`): off by default, written as JSON lines when on, and
 read back into the figures that locate a pipeline's gaps."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from qmigrate import trace
+from qmigrate.ops import trace
 
 
 def test_tracing_is_off_unless_the_topology_names_a_folder(tmp_path):

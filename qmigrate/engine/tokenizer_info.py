@@ -8,7 +8,7 @@ import json
 import os
 from pathlib import Path
 
-from .models import ModelLoadError, _remote_code_error
+from .loading import ModelLoadError, _remote_code_error
 
 # Tokenizer classes AutoTokenizer resolves to transformers' generic fast tokenizer itself.
 _GENERIC_TOKENIZERS = ("TokenizersBackend", "PreTrainedTokenizerFast")

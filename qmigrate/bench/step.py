@@ -1,0 +1,171 @@
+"""`qmigrate bench --decode-step`: the time of one decode step against the weight-read floor.
+
+For each batch size: prefill every row to the context, warm up 3 steps, then time 20
+decode steps with a device synchronize on both ends (shared/BENCHMARK.md's method). Three
+figures per batch: `step`, the engine's whole step as a caller that waits for each step
+sees it (host work, forward, sampling and the fetch of the sampled ids); `overlap`, the
+same steps with step N+1 launched before step N is collected, as the worker and the
+in-process loop run them; and `gpu`, 20 forwards queued back to back with no host work
+between them, which is what the device itself needs per step. The
+floor is the weight bytes over the device-to-device copy bandwidth measured in the same
+process.
+
+Two more figures price admitting a prompt into a running batch, as continuous batching does
+whenever a request finishes while others wait: `mixed`, the whole step of the same decode
+rows plus one new prompt of MIXED_PROMPT tokens, and `prefill`, a step of that prompt alone.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+MIXED_PROMPT = 256
+
+
+def copy_bandwidth(device: str, nbytes: int = 1 << 30) -> float:
+    """Bytes per second of a large device-to-device copy, counting bytes read and written."""
+    src = torch.empty(nbytes // 2, dtype=torch.uint8, device=device).random_()
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    torch.cuda.synchronize(device)
+    times = []
+    for _ in range(10):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - t0)
+    del src, dst
+    return nbytes / sorted(times)[len(times) // 2]
+
+
+def run_decode_steps(model_path: str, device: str, batches: list[int], context: int, runner: str,
+                     json_path: Path | None = None, profile: bool = False) -> list[dict]:
+    from qmigrate.engine.batch import StepBatch
+    from qmigrate.engine.loading import load_model
+    from qmigrate.engine.runner import Engine, StepRow
+    model, _ = load_model(model_path, device, "auto")
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    engine = Engine(model, max_batch=max(batches), max_batch_tokens=16384, runner=runner)
+    del model
+    bandwidth = copy_bandwidth(device)
+    floor_ms = weight_bytes / bandwidth * 1000
+    print(f"{engine.describe()}; weights {weight_bytes / 1e9:.2f} GB, copy bandwidth "
+          f"{bandwidth / 1e12:.2f} TB/s, floor {floor_ms:.3f} ms", file=sys.stderr)
+    r = random.Random(0)
+    results = []
+    for batch in batches:
+        ids = {i: [r.randint(10, 31000) for _ in range(context - 1)] for i in range(batch)}
+        per_step = max(1, 16384 // (context - 1))
+        for first in range(0, batch, per_step):   # prefill in chunks of the step budget
+            rows = [StepRow(i, ids[i], 0, 0) for i in range(first, min(batch, first + per_step))]
+            for row, token in zip(rows, engine.step(rows)):
+                ids[row.seq_id].append(token)
+        pos = context - 1
+
+        def rows_now():
+            return [StepRow(i, [ids[i][-1]], pos, 1) for i in range(batch)]
+
+        for _ in range(3):
+            rows = rows_now()
+            for row, token in zip(rows, engine.step(rows)):
+                ids[row.seq_id].append(token)
+            pos += 1
+        torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        for _ in range(20):
+            tokens = engine.step(rows_now())
+            for i, token in enumerate(tokens):
+                ids[i].append(token)
+            pos += 1
+        torch.cuda.synchronize(device)
+        step_ms = (time.perf_counter() - t0) / 20 * 1000
+        # overlapped: step N+1 is launched (fed on the device) before step N is collected
+        pending = engine.launch(rows_now())
+        pos += 1
+        t0 = time.perf_counter()
+        for _ in range(20):
+            nxt = engine.launch([StepRow(i, [], pos, 1) for i in range(batch)], after=pending)
+            engine.collect(pending)
+            pending, pos = nxt, pos + 1
+        engine.collect(pending)
+        torch.cuda.synchronize(device)
+        overlap_ms = (time.perf_counter() - t0) / 21 * 1000
+        for i, token in enumerate(engine.collect(pending)):
+            ids[i].append(token)
+        # the device alone: the same decode batch, forwards queued without a host sync
+        rows = rows_now()
+        engine.place(rows)
+        decode = StepBatch.build(engine.pool, [x.seq_id for x in rows], [x.new_ids for x in rows],
+                                 [x.start for x in rows])
+        with torch.inference_mode():
+            engine.runner.forward(decode)
+            torch.cuda.synchronize(device)
+            t0 = time.perf_counter()
+            for _ in range(20):
+                logits = engine.runner.forward(decode)
+                logits.argmax(-1)
+            torch.cuda.synchronize(device)
+        gpu_ms = (time.perf_counter() - t0) / 20 * 1000
+        if profile and batch == 64:
+            _profile_forward(engine, decode, device)
+        mixed_ms, prefill_ms = _admission_steps(engine, device, batch, rows_now, r)
+        for i in range(batch):
+            engine.release(i)
+        results.append({"batch": batch, "context": context, "step_ms": step_ms, "overlap_ms": overlap_ms,
+                        "overlap_x_floor": overlap_ms / floor_ms, "gpu_ms": gpu_ms,
+                        "floor_ms": floor_ms, "step_x_floor": step_ms / floor_ms,
+                        "gpu_x_floor": gpu_ms / floor_ms, "mixed_ms": mixed_ms, "prefill_ms": prefill_ms,
+                        "mixed_prompt": MIXED_PROMPT})
+    lines = [f"{'batch':>5} {'step ms':>8} {'x floor':>8} {'overlap':>8} {'x floor':>8} {'gpu ms':>8} {'x floor':>8}"
+             f" {'mixed':>8} {'prefill':>8}"]
+    lines += [f"{x['batch']:5d} {x['step_ms']:8.2f} {x['step_x_floor']:8.1f} {x['overlap_ms']:8.2f} "
+              f"{x['overlap_x_floor']:8.1f} {x['gpu_ms']:8.2f} {x['gpu_x_floor']:8.1f} "
+              f"{x['mixed_ms']:8.2f} {x['prefill_ms']:8.2f}" for x in results]
+    print(f"decode step, context {context}, {engine.runner.name} runner, floor {floor_ms:.3f} ms; "
+          f"mixed: the same step with a new prompt of {MIXED_PROMPT} tokens, prefill: that prompt alone")
+    print("\n".join(lines))
+    if json_path is not None:
+        json_path.write_text(json.dumps({"runner": engine.runner.name, "describe": engine.describe(),
+                                         "weight_bytes": weight_bytes, "copy_bytes_per_s": bandwidth,
+                                         "results": results}, indent=2))
+    return results
+
+
+def _admission_steps(engine, device: str, batch: int, rows_now, r: random.Random,
+                     num_steps: int = 10) -> tuple[float, float]:
+    """(mixed, prefill) step ms: the decode rows plus one new prompt, and the prompt alone."""
+    from qmigrate.engine.runner import StepRow
+    new_id = batch  # a seq id no decode row uses
+    prompt = [r.randint(10, 31000) for _ in range(MIXED_PROMPT)]
+    times = {"mixed": [], "prefill": []}
+    for i in range(num_steps + 2):  # the first two warm up
+        for kind in times:
+            rows = (rows_now() if kind == "mixed" else []) + [StepRow(new_id, prompt, 0, 0)]
+            torch.cuda.synchronize(device)
+            t0 = time.perf_counter()
+            engine.step(rows)  # the decode rows rewrite the same position each time
+            torch.cuda.synchronize(device)
+            if i >= 2:
+                times[kind].append(time.perf_counter() - t0)
+            engine.release(new_id)
+    return tuple(sorted(t)[len(t) // 2] * 1000 for t in times.values())
+
+
+def _profile_forward(engine, decode, device: str) -> None:
+    """Where one decode forward's device time goes, by kernel."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+    with torch.inference_mode(), torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(5):
+            engine.runner.forward(decode)
+        torch.cuda.synchronize(device)
+    print(f"profile: 5 decode forwards of {decode.num_rows} rows", file=sys.stderr)
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=60),
+          file=sys.stderr)

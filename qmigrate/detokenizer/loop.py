@@ -1,0 +1,191 @@
+"""Detokenizer: turns token streams into text on stdout or, for requests that came in over
+HTTP, sends the text back to the ingest node that took them.
+
+Everything arrives from the router on one PULL socket. With a journal, every message is
+written to it before it is handled (and each idle flush of buffered text before it prints),
+so a restarted detokenizer replays the journal without printing, knows exactly what it
+printed, asks the router for everything again (`Resync`) and prints only what is new.
+It tells the router which requests it printed to their end (`Printed`), so the router can
+forget them."""
+
+from __future__ import annotations
+
+import logging
+import os
+import struct
+import sys
+import time
+
+import zmq
+
+from qmigrate.wire import protocol as P
+from qmigrate.wire import transport
+from qmigrate.detokenizer.decoder import make_sink
+from qmigrate.engine.loading import resolve_model
+from qmigrate.engine.tokenizer_info import load_tokenizer_info
+from qmigrate.router.journal import Journal
+from qmigrate.wire.security import Guard
+from qmigrate.ops.process import freeze_heap
+
+log = logging.getLogger("qmigrate.detokenizer")
+
+PRINTED_EVERY_S = 0.2
+_TIME = struct.Struct("<d")
+
+
+class Detokenizer:
+    def __init__(self, topo, output: str | None = None):
+        tokenizer, _, _ = load_tokenizer_info(resolve_model(topo.model.path), topo.model.trust_remote_code)
+        self.vocab_size = len(tokenizer)
+        self.replaying = False
+        self.now = 0.0
+        self.sink = make_sink(output or topo.detokenizer.output, tokenizer, self.write, self.clock,
+                              reply=self.reply)
+        self.pull = transport.socket(zmq.PULL, bind=topo.endpoint("detokenizer").bind, hwm=100_000)
+        self.router = transport.socket(zmq.DEALER, connect=topo.endpoint("router").connect,
+                                       identity=f"detokenizer-{os.getpid()}")
+        self.replies = transport.socket(zmq.PUSH, connect=topo.endpoint("ingest_reply").connect, hwm=100_000)
+        self.outbox: list[tuple[int, str, int, int]] = []
+        self.journal = Journal(topo.detokenizer.journal) if topo.detokenizer.journal else None
+        self.expected: int | None = None
+        self.last_printed = 0.0
+        self.guard = Guard.for_topology(topo, "detokenizer")
+        self.latency = None
+        self.times: dict[int, list] = {}  # seq_id -> [admitted, first token or None]
+        if topo.detokenizer.metrics_port:
+            from qmigrate.ops.metrics import LatencyMetrics, serve
+            self.latency = LatencyMetrics()
+            serve(self.latency.registry, topo.detokenizer.metrics_port, topo.node(topo.detokenizer.node).bind_host)
+        self.handlers = {P.RequestMeta: self.on_meta, P.Tokens: self.on_tokens,
+                         P.RequestError: self.on_error, P.InputClosed: self.on_closed,
+                         P.Cancel: self.on_cancel}
+
+    def clock(self) -> float:
+        return self.now if self.replaying else time.monotonic()
+
+    def write(self, text: str) -> None:
+        if not self.replaying:
+            sys.stdout.write(text)
+            sys.stdout.flush()
+
+    def reply(self, seq_id: int, text: str, finish: int, num_tokens: int) -> None:
+        if not self.replaying:
+            self.outbox.append((seq_id, text, finish, num_tokens))
+
+    def send_replies(self) -> None:
+        if not self.outbox:
+            return
+        seq_ids, texts, finish, counts = zip(*self.outbox)
+        self.outbox = []
+        msg = P.Replies(P.pack_i64(seq_ids), P.pack_u8(finish), P.pack_i32(counts), list(texts))
+        if not transport.send(self.replies, msg, flags=zmq.NOBLOCK):
+            # Ingest gone or far behind: its HTTP clients time out rather than this loop stall.
+            log.warning("ingest is not taking replies; dropped %d", len(seq_ids))
+
+    def recover(self) -> None:
+        """Replay the journal without printing, then ask the router for everything again."""
+        if self.journal is not None:
+            records = self.journal.read()
+            self.replaying = True
+            try:
+                for record in records:
+                    (self.now,) = _TIME.unpack_from(record)
+                    if len(record) == _TIME.size:
+                        self.sink.flush_idle(self.now)
+                    else:
+                        self.handle(P.decode(record[_TIME.size:]))
+            finally:
+                self.replaying = False
+            if records:
+                log.warning("replayed %d journal records: %d requests done, %d under way",
+                            len(records), self.sink.num_done, self.sink.num_started)
+        transport.send(self.router, P.Resync(os.getpid()))
+
+    def serve_forever(self, exit_when_done: bool) -> None:
+        self.recover()
+        freeze_heap()
+        while True:
+            if self.pull.poll(100):
+                frames, peer = transport.recv_frames(self.pull)
+                self.receive(frames[-1], peer)
+            self.send_replies()
+            now = time.monotonic()
+            if self.journal is not None and self.sink.is_idle_due(now):
+                self.journal.append(_TIME.pack(now))
+            self.sink.flush_idle(now)
+            if now - self.last_printed > PRINTED_EVERY_S:
+                self.report_printed(now)
+            if (exit_when_done and self.expected is not None and self.sink.num_done >= self.expected
+                    and self.sink.num_started == 0):
+                self.report_printed(now)
+                return
+
+    def receive(self, frame: bytes, peer: str = "") -> None:
+        msg = transport.parse(frame, "router")
+        if msg is None or self.guard.check(peer, msg, b"") is not None:
+            return
+        if self.journal is not None and type(msg) in self.handlers:
+            self.journal.append(_TIME.pack(time.monotonic()) + frame)  # before it prints
+        self.handle(msg)
+
+    def handle(self, msg) -> None:
+        handler = self.handlers.get(type(msg))
+        try:
+            if handler is None:
+                raise P.ProtocolError(f"unexpected {type(msg).__name__}")
+            handler(msg)
+        except P.ProtocolError as exc:
+            log.warning("dropped a message: %s", exc)
+        except Exception as exc:  # noqa: BLE001 -- one bad message must not stop the output
+            log.warning("dropped a message: %s: %s", type(exc).__name__, exc)
+
+    def report_printed(self, now: float) -> None:
+        self.last_printed = now
+        if self.sink.newly_done:
+            done, self.sink.newly_done = sorted(set(self.sink.newly_done)), []
+            transport.send(self.router, P.Printed(P.pack_i64(done)))
+
+    def on_meta(self, msg: P.RequestMeta) -> None:
+        self.sink.start(msg.seq_id, msg.req_id, P.unpack_ids(msg.prompt_ids).tolist(), msg.route,
+                        msg.note[:1000])
+        if self.latency is not None and not self.replaying:
+            self.times[msg.seq_id] = [time.monotonic(), None]
+
+    def on_cancel(self, msg: P.Cancel) -> None:
+        for seq_id in P.unpack_i64(msg.seq_ids).tolist():
+            self.sink.cancel(seq_id)
+
+    def on_error(self, msg: P.RequestError) -> None:
+        self.sink.error(msg.req_id, msg.message)
+        if self.latency is not None and not self.replaying:
+            self.latency.failed()
+
+    def on_closed(self, msg: P.InputClosed) -> None:
+        self.expected = msg.num_requests
+
+    def on_tokens(self, msg: P.Tokens) -> None:
+        seq_ids = P.unpack_i64(msg.seq_ids).tolist()
+        starts = P.unpack_i32(msg.start).tolist()
+        counts = P.unpack_i32(msg.counts).tolist()
+        tokens = P.unpack_i32(msg.tokens).tolist()
+        finish = P.unpack_u8(msg.finish).tolist()
+        # Lengths and signs were checked at decode (Tokens.validate); the vocabulary is ours.
+        if tokens and max(tokens) >= self.vocab_size:
+            raise P.ProtocolError(f"token id outside the vocabulary (0..{self.vocab_size - 1})")
+        pos = 0
+        now = time.monotonic()
+        timed = self.latency is not None and not self.replaying
+        for sid, start, count, code in zip(seq_ids, starts, counts, finish):
+            self.sink.tokens(sid, start, tokens[pos:pos + count])
+            pos += count
+            if timed and count and (t := self.times.get(sid)) is not None and t[1] is None:
+                t[1] = now
+            if code in (P.Finish.EOS, P.Finish.LENGTH, P.Finish.STOP, P.Finish.ERROR):
+                self.sink.finish(sid, P.Finish(code).reason, start + count)
+                if timed and (t := self.times.pop(sid, None)) is not None:
+                    self.latency.finished(t[0], t[1], now, start + count, P.Finish(code).reason)
+
+
+def run(topo, name: str, exit_when_done: bool = False) -> int:
+    Detokenizer(topo).serve_forever(exit_when_done)
+    return 0

@@ -1,0 +1,161 @@
+"""Where a model comes from and how it loads: the model cache, built-in names, hub names,
+local directories, and loading weights and tokenizer onto a device."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import tempfile
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch  # the roles that only tokenize never import it
+
+DEFAULT_MODEL_NAME = "tiny-llama-v1"
+SMOLLM2_NAME = "smollm2"  # a trained model, fetched and converted on first use (real_models.py)
+BUILD_MARKER = "qmigrate_build.json"
+
+
+class ModelNotFound(ValueError):
+    pass
+
+
+class ModelLoadError(RuntimeError):
+    pass
+
+
+def _build_atomically(out_dir: str | os.PathLike, identity: dict, write) -> Path:
+    """Build into a temp dir next to out_dir and rename it into place; first writer wins."""
+    out = Path(out_dir).expanduser().absolute()
+    if _matches(out, identity):
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        write(tmp)
+        (tmp / BUILD_MARKER).write_text(json.dumps(identity, sort_keys=True) + "\n")
+        # mkdtemp makes a private dir; a model cache is meant to be readable by others
+        tmp.chmod(0o755)
+        for f in tmp.iterdir():
+            f.chmod(0o644)
+        try:
+            os.rename(tmp, out)  # replaces an empty dir; fails on a non-empty one
+        except OSError:
+            if _matches(out, identity):  # another process won the race with the same build
+                return out
+            raise FileExistsError(f"{out} exists and does not hold this built-in model") from None
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def _matches(out: Path, identity: dict) -> bool:
+    try:
+        return json.loads((out / BUILD_MARKER).read_text()) == identity
+    except (OSError, ValueError):
+        return False
+
+
+def default_model_dir() -> Path:
+    cache = os.environ.get("QMIGRATE_CACHE")
+    if cache:
+        return Path(cache).expanduser()
+    return Path.home() / ".cache" / "qmigrate" / DEFAULT_MODEL_NAME
+
+
+def cache_root() -> Path:
+    """Where built-in models other than the tiny one are built: beside the tiny model.
+    QMIGRATE_CACHE names the tiny model's own directory, so the others cannot go inside it."""
+    return default_model_dir().parent
+
+
+def ensure_default_model() -> Path:
+    from .builders import build_tiny_model  # builders imports this module
+    return build_tiny_model(default_model_dir())
+
+
+_HUB_NAME = re.compile(r"^[A-Za-z0-9_][\w.-]*/[\w.-]+$")
+
+
+def resolve_model(path_or_name: str | None) -> str:
+    if path_or_name is None:
+        return str(ensure_default_model())
+    if path_or_name == SMOLLM2_NAME:  # a built-in name; a local directory of that name is ./smollm2
+        from qmigrate.engine.real_models import ensure_smollm2_model
+        return str(ensure_smollm2_model())
+    path = Path(path_or_name).expanduser()
+    if path.is_dir():
+        return str(path.absolute())
+    seps = [s for s in (os.sep, os.altsep) if s]
+    looks_local = (
+        path_or_name.startswith(("/", "./", "../", "~"))
+        or (any(s in path_or_name for s in seps) and not _HUB_NAME.match(path_or_name))
+    )
+    if path.exists():
+        raise ModelNotFound(f"model path is not a directory: {path}")
+    if looks_local:
+        raise ModelNotFound(f"model directory not found: {path}")
+    return path_or_name
+
+
+def fetch_hub_model(name: str) -> str:
+    """The local directory of hub model `name`, downloading it once here, so that no role
+    finds out on its own (and with retries) that the hub is out of reach."""
+    from huggingface_hub import snapshot_download
+    try:
+        return snapshot_download(name, local_files_only=True)
+    except Exception:  # noqa: BLE001 -- not cached yet: fetch it below
+        pass
+    try:
+        return snapshot_download(name, etag_timeout=10)
+    except Exception as exc:  # noqa: BLE001 -- hub errors come in many types; all mean "not servable"
+        reason = next((line for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
+        raise ModelNotFound(f"model {name!r} is not a local directory, and fetching it from the "
+                            f"Hugging Face hub failed: {reason.strip()}") from None
+
+
+_DTYPE_NAMES = {"float32": "float32", "fp32": "float32", "float": "float32", "bfloat16": "bfloat16",
+                "bf16": "bfloat16", "float16": "float16", "fp16": "float16", "half": "float16"}
+
+
+def _parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    import torch
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    try:
+        return getattr(torch, _DTYPE_NAMES[str(dtype).lower().removeprefix("torch.")])
+    except KeyError:
+        raise ValueError(f"unknown dtype {dtype!r}; use one of {sorted(_DTYPE_NAMES)} or 'auto'") from None
+
+
+def _remote_code_error(path, exc: Exception) -> ModelLoadError | None:
+    if "trust_remote_code" not in str(exc):
+        return None
+    return ModelLoadError(f"model {path} ships its own Python code; set model.trust_remote_code: true "
+                          "in the topology to run it (only for a model you trust)")
+
+
+def load_model(path: str | os.PathLike, device: str, dtype: str = "auto", *, trust_remote_code: bool = False):
+    """Load (model, tokenizer); dtype "auto" means float32 on the CPU and bfloat16 on a GPU."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    dev = torch.device(device)
+    torch_dtype = (torch.float32 if dev.type == "cpu" else torch.bfloat16) if dtype == "auto" \
+        else _parse_dtype(dtype)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            str(path), dtype=torch_dtype, attn_implementation="sdpa", trust_remote_code=trust_remote_code)
+        tokenizer = AutoTokenizer.from_pretrained(str(path), trust_remote_code=trust_remote_code)
+        model = model.to(dev).eval()
+    except Exception as exc:  # noqa: BLE001 -- any failure here means "cannot serve this model"
+        if (refused := _remote_code_error(path, exc)) is not None:
+            raise refused from None
+        reason = (str(exc).strip().splitlines() or [""])[0]
+        raise ModelLoadError(f"cannot load model {path} on {device}: {type(exc).__name__}: {reason}") from exc
+    return model, tokenizer

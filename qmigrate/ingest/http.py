@@ -1,0 +1,243 @@
+"""The OpenAI-compatible HTTP API of the ingest node: an aiohttp server on a thread of its
+own with its own asyncio loop, beside the ingest's ZeroMQ loop.
+
+Neither loop ever waits for the other. A request goes to the ingest loop through a bounded
+queue (`submissions`; full means the router is full: 429) and a wake-up message on an
+inproc socket; its text comes back from the detokenizer through the ingest loop, which calls
+`deliver`, and `deliver` hands it to this loop with call_soon_threadsafe. A request that ends
+early (the client went away, or no text for `http_timeout_s`) is put on `cancels`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import logging
+import queue
+import random
+import threading
+import time
+from pathlib import Path
+
+import zmq
+from aiohttp import web
+
+from qmigrate.wire import protocol as P
+from qmigrate.wire import transport
+from qmigrate.engine.tokenizer_info import load_tokenizer_info
+from qmigrate.ingest.prompts import Defaults
+from qmigrate.ingest.openai_api import (
+    FINISH_REASONS,
+    ApiError,
+    StopTrimmer,
+    chunk,
+    models_list,
+    parse_body,
+    reply,
+    usage_chunk,
+)
+
+log = logging.getLogger("qmigrate.http")
+
+WAKE_ENDPOINT = "inproc://ingest-http-wake"
+STARTUP_TIMEOUT_S = 30.0
+SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+DONE = b"data: [DONE]\n\n"
+
+
+def _sse(obj: dict) -> bytes:
+    return b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n"
+
+
+def _reject_constant(name: str):
+    raise ValueError(f"{name} is not valid JSON")
+
+
+class HttpServer:
+    def __init__(self, cfg, model_path: str, defaults: Defaults, id_base: int | None = None,
+                 trust_remote_code: bool = False):
+        self.cfg = cfg
+        self.defaults = defaults
+        # A tokenizer of its own: this server's thread tokenizes while ingest's does, and a
+        # fast tokenizer is not safe to share between threads.
+        self.tokenizer, self.max_context, self.eos_ids = load_tokenizer_info(model_path, trust_remote_code)
+        self.model_names = [cfg.model_name or Path(model_path).name]
+        self.submissions: queue.Queue = queue.Queue(maxsize=cfg.max_pending)
+        self.cancels: queue.SimpleQueue = queue.SimpleQueue()
+        self.streams: dict[int, asyncio.Queue] = {}
+        # Sequence ids: ingest's random high part with bit 39 set, so never one of its own.
+        self.id_base = (id_base or random.SystemRandom().randrange(1, 1 << 22) << 40) | 1 << 39
+        self.counter = itertools.count(1)
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.wake_sock = None
+        self.ready = threading.Event()
+        self.failure: str | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.cfg.http_host}:{self.cfg.http_port}"
+
+    # --- called from the ingest thread -----------------------------------------------------
+    def start(self) -> None:
+        threading.Thread(target=self._run, daemon=True, name="http").start()
+        if not self.ready.wait(STARTUP_TIMEOUT_S) or self.failure:
+            raise SystemExit(f"ingest: cannot serve HTTP on {self.url}: {self.failure or 'no start'}")
+
+    def deliver(self, rows: list[tuple[int, str, int, int]]) -> None:
+        """(seq_id, text, finish code, tokens so far) rows from the detokenizer."""
+        mine = [row for row in rows if row[0] in self.streams]
+        if mine and self.loop is not None:
+            self.loop.call_soon_threadsafe(self._dispatch, mine)
+
+    # --- this thread -----------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            asyncio.run(self._serve())
+        except Exception as exc:  # noqa: BLE001 -- reported by start() as one line
+            self.failure = f"{type(exc).__name__}: {exc}"
+            self.ready.set()
+
+    async def _serve(self) -> None:
+        self.loop = asyncio.get_running_loop()
+        self.wake_sock = transport.socket(zmq.PUSH, connect=WAKE_ENDPOINT, hwm=1)
+        app = web.Application(client_max_size=self.cfg.max_body_bytes, middlewares=[self._errors])
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_post("/v1/chat/completions", self.chat_completions)
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/health", self.health)
+        # handler_cancellation: a client that goes away cancels its handler, and so its request
+        runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
+        await runner.setup()
+        await web.TCPSite(runner, self.cfg.http_host, self.cfg.http_port).start()
+        self.ready.set()
+        await asyncio.Event().wait()
+
+    def _dispatch(self, rows) -> None:
+        for seq_id, text, code, num_tokens in rows:
+            if (events := self.streams.get(seq_id)) is not None:
+                events.put_nowait((text, code, num_tokens))
+
+    def _wake(self) -> None:
+        try:
+            self.wake_sock.send(b"", zmq.NOBLOCK)
+        except zmq.Again:
+            pass  # a wake-up is already waiting
+
+    @web.middleware
+    async def _errors(self, request, handler):
+        try:
+            return await handler(request)
+        except ApiError as exc:
+            return web.json_response(exc.body(), status=exc.status)
+        except web.HTTPException as exc:
+            if exc.status < 400:
+                raise
+            kind = "invalid_request_error" if exc.status < 500 else "server_error"
+            return web.json_response(ApiError(exc.status, exc.text or exc.reason, type=kind).body(),
+                                     status=exc.status)
+        except (asyncio.CancelledError, ConnectionResetError):
+            raise
+        except Exception as exc:  # noqa: BLE001 -- one bad request must not stop the server
+            log.exception("error serving %s", request.path)
+            return web.json_response(ApiError(500, f"internal error: {type(exc).__name__}",
+                                              type="server_error").body(), status=500)
+
+    async def health(self, request):
+        return web.json_response({"status": "ok", "waiting": self.submissions.qsize()})
+
+    async def models(self, request):
+        return web.json_response(models_list(self.model_names, self.max_context))
+
+    async def completions(self, request):
+        return await self._generate(request, "completion")
+
+    async def chat_completions(self, request):
+        return await self._generate(request, "chat")
+
+    async def _body(self, request):
+        raw = await request.read()  # over client_max_size: 413
+        try:
+            return json.loads(raw, parse_constant=_reject_constant)
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise ApiError(400, f"the request body is not valid JSON: {exc}") from None
+
+    async def _generate(self, request, kind):
+        req = parse_body(await self._body(request), kind, model_names=self.model_names,
+                         tokenizer=self.tokenizer, max_context=self.max_context,
+                         defaults=self.defaults, eos_ids=self.eos_ids)
+        seq_id = self.id_base | next(self.counter)
+        rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{seq_id:016x}"
+        req.prompt.req_id = rid
+        events: asyncio.Queue = asyncio.Queue()
+        self.streams[seq_id] = events
+        try:
+            self.submissions.put_nowait((seq_id, req.prompt))
+        except queue.Full:
+            del self.streams[seq_id]
+            raise ApiError(429, "the server is at capacity: too many requests are waiting for the "
+                           "router; retry later", type="rate_limit_error", code="rate_limit_exceeded") from None
+        self._wake()
+        ended = False
+        try:
+            if req.stream:
+                response, ended = await self._stream(request, req, rid, events)
+            else:
+                response, ended = await self._collect(req, rid, events), True
+            return response
+        finally:
+            del self.streams[seq_id]
+            if not ended:
+                self.cancels.put(seq_id)
+                self._wake()
+
+    async def _next(self, events: asyncio.Queue):
+        try:
+            return await asyncio.wait_for(events.get(), self.cfg.http_timeout_s)
+        except asyncio.TimeoutError:
+            raise ApiError(503, f"no output within {self.cfg.http_timeout_s:g} s: the workers are "
+                           "overloaded or down; retry later", type="server_error", code="timeout") from None
+
+    async def _collect(self, req, rid: str, events: asyncio.Queue):
+        trim, parts, created = StopTrimmer(req.stop), [], int(time.time())
+        while True:
+            text, code, num_tokens = await self._next(events)
+            parts.append(trim.push(text))
+            if code:
+                break
+        if code not in FINISH_REASONS:
+            raise ApiError(500, "the worker could not run this request", type="server_error")
+        parts.append(trim.finish(code == P.Finish.STOP))
+        return web.json_response(reply(req, rid, created, "".join(parts), FINISH_REASONS[code], num_tokens))
+
+    async def _stream(self, request, req, rid: str, events: asyncio.Queue):
+        """SSE; returns (response, whether the request ended)."""
+        response = web.StreamResponse(headers=SSE_HEADERS)
+        await response.prepare(request)
+        trim, created, first = StopTrimmer(req.stop), int(time.time()), True
+        try:
+            while True:
+                try:
+                    text, code, num_tokens = await self._next(events)
+                except ApiError as exc:
+                    await response.write(_sse(exc.body()) + DONE)
+                    return response, False
+                out = trim.push(text)
+                if code and code not in FINISH_REASONS:
+                    await response.write(_sse(ApiError(500, "the worker could not run this request",
+                                                       type="server_error").body()) + DONE)
+                    return response, True
+                if code:
+                    out += trim.finish(code == P.Finish.STOP)
+                if out or (first and req.kind == "chat"):
+                    await response.write(_sse(chunk(req, rid, created, out, first=first)))
+                    first = False
+                if code:
+                    tail = _sse(chunk(req, rid, created, None, FINISH_REASONS[code]))
+                    if req.include_usage:
+                        tail += _sse(usage_chunk(req, rid, created, num_tokens))
+                    await response.write(tail + DONE)
+                    await response.write_eof()
+                    return response, True
+        except ConnectionResetError:  # the client went away mid-stream
+            return response, False

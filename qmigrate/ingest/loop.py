@@ -1,0 +1,281 @@
+"""Ingest: reads prompts (stdin, `qmigrate feed` clients and, with `http_port`, the HTTP
+API), tokenizes, validates, and hands them to the router. Stdin is read only while fewer
+than `max_pending` prompts wait for the router, so a full router stops the reading instead
+of growing memory; the HTTP API answers 429 then.
+
+Everything for the detokenizer (request names and routes, refused requests, the end of the
+input) travels in the same acknowledged `Submit` as the prompts, and the router forwards it:
+a Submit is sent again until acknowledged, so a router restart loses none of it.
+
+A request id given in JSONL is refused while a request with the same id is still running
+(the detokenizer reports every request's end back here, so ids are reusable after it)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import random
+import sys
+import threading
+import time
+from collections import deque
+
+import zmq
+
+from qmigrate.wire import protocol as P
+from qmigrate.wire import transport
+from qmigrate.engine.loading import resolve_model
+from qmigrate.engine.tokenizer_info import load_tokenizer_info
+from qmigrate.ingest.prompts import CancelRequest, Defaults, PromptError, parse_line
+from qmigrate.wire.security import Guard
+from qmigrate.ops.process import freeze_heap, run_until_fatal
+
+log = logging.getLogger("qmigrate.ingest")
+
+ACK_TIMEOUT_S = 5.0
+STARTUP_TIMEOUT_S = 30.0
+WORKERS_POLL_S = 0.2
+
+
+class Ingest:
+    def __init__(self, topo, read_stdin: bool, wait_for_workers: int = 0):
+        cfg = topo.ingest
+        self.mode = cfg.input
+        self.chat = cfg.chat
+        self.max_pending = cfg.max_pending
+        d = topo.defaults
+        self.defaults = Defaults(d.max_new_tokens, d.temperature, d.top_p, d.top_k)
+        model_path = resolve_model(topo.model.path)
+        self.tokenizer, self.max_context, self.eos_ids = load_tokenizer_info(model_path, topo.model.trust_remote_code)
+        self.router_addr = topo.endpoint("router").connect
+        self.router = transport.socket(zmq.DEALER, connect=self.router_addr,
+                                       identity=f"ingest-{os.getpid()}")
+        self.feed = transport.socket(zmq.ROUTER, bind=topo.endpoint("ingest").bind)
+        self.replies = transport.socket(zmq.PULL, bind=topo.endpoint("ingest_reply").bind, hwm=100_000)
+        self.live: dict[str, int] = {}        # JSONL/text request id -> sequence id, until it ends
+        self.live_ids: dict[int, str] = {}
+        # Sequence ids are unique across ingest processes: a random high part, a counter below.
+        self.id_base = random.SystemRandom().randrange(1, 1 << 22) << 40
+        self.http = None
+        if cfg.http_port is not None:
+            from qmigrate.ingest.http import WAKE_ENDPOINT, HttpServer
+            self.wake = transport.socket(zmq.PULL, bind=WAKE_ENDPOINT, hwm=1)
+            self.http = HttpServer(cfg, model_path, self.defaults, self.id_base, topo.model.trust_remote_code)
+        self.guard = Guard.for_topology(topo, "ingest")
+        self.lines: queue.Queue = queue.Queue(maxsize=self.max_pending)
+        self.read_stdin = read_stdin
+        self.stdin_done = not read_stdin
+        self.pending: deque[tuple[P.SeqSpec, str, int, str]] = deque()  # spec, req_id, route, note
+        self.errors: list[list[str]] = []   # [req_id, message] not yet acknowledged
+        self.cancel_after_ack: set[int] = set()  # cancelled before their Submit was sent
+        self.in_flight = 0            # specs sent in the Submit awaiting its ack
+        self.errors_in_flight = 0
+        self.closing_in_flight = False
+        self.awaiting_ack = False
+        self.sent_at = 0.0
+        self.retry_at = 0.0
+        self.line_no = 0
+        self.num_requests = 0
+        self.closed_sent = False
+        self.rng = random.SystemRandom()
+        # Submit no prompt until this many workers have joined, so a short run is spread over
+        # the whole fleet; prompts are read and tokenized meanwhile. 0: submit at once.
+        self.wait_for_workers = wait_for_workers
+        self.asked_at = 0.0
+
+    def hello(self) -> None:
+        transport.send(self.router, P.Hello("ingest", "ingest"))
+        got = transport.recv(self.router, STARTUP_TIMEOUT_S)
+        if got is None:
+            raise SystemExit(f"ingest: router unreachable at {self.router_addr} "
+                             f"(no answer in {STARTUP_TIMEOUT_S:g} s)")
+        if isinstance(got[1], P.Reject) and not got[1].is_unknown_peer:
+            raise SystemExit(f"ingest: router refused: {got[1].reason}")
+
+    def serve_forever(self, exit_on_eof: bool) -> None:
+        self.hello()
+        freeze_heap()
+        if self.http is not None:
+            self.http.start()
+            print(f"qmigrate: OpenAI-compatible API on {self.http.url}/v1", file=sys.stderr, flush=True)
+        if self.read_stdin:
+            threading.Thread(target=self._read_stdin, daemon=True, name="stdin").start()
+        poller = zmq.Poller()
+        poller.register(self.router, zmq.POLLIN)
+        poller.register(self.feed, zmq.POLLIN)
+        poller.register(self.replies, zmq.POLLIN)
+        if self.http is not None:
+            poller.register(self.wake, zmq.POLLIN)
+        while True:
+            self.take_lines()
+            self.take_http()
+            if self.wait_for_workers and self.pending:  # errors and the end of input need no worker
+                self.ask_for_workers()
+            else:
+                self.submit()
+            ready = dict(poller.poll(20))
+            if self.router in ready:
+                self.on_router()
+            if self.feed in ready:
+                self.on_feed()
+            if self.replies in ready:
+                self.on_replies()
+            if self.http is not None and self.wake in ready:
+                while self.wake.poll(0):
+                    self.wake.recv()
+            if self.closed_sent and exit_on_eof:
+                return
+
+    def _read_stdin(self) -> None:
+        for line in sys.stdin:
+            self.lines.put(line)  # blocks while max_pending lines wait: backpressure
+        self.lines.put(None)
+
+    def take_lines(self) -> None:
+        while len(self.pending) < self.max_pending:
+            try:
+                line = self.lines.get_nowait()
+            except queue.Empty:
+                return
+            if line is None:
+                self.stdin_done = True
+                return
+            self.admit(line)
+
+    def admit(self, line: str) -> None:
+        self.line_no += 1
+        self.num_requests += 1
+        try:
+            prompt = parse_line(line, mode=self.mode, line_no=self.line_no, tokenizer=self.tokenizer,
+                                max_context=self.max_context, defaults=self.defaults,
+                                eos_ids=self.eos_ids, chat=self.chat)
+            if isinstance(prompt, CancelRequest):
+                seq_id = self.live.get(prompt.req_id)
+                if seq_id is None:
+                    raise PromptError(prompt.req_id, "cancel: no running request has this id")
+                self.num_requests -= 1  # the cancelled request's end is its record
+                self.cancel([seq_id])
+                return
+            if prompt.req_id in self.live:
+                raise PromptError(prompt.req_id, f"duplicate id {prompt.req_id!r}: a request with this "
+                                  "id is still running; this one is refused")
+        except PromptError as exc:
+            self.errors.append([exc.req_id, exc.message])
+            return
+        seq_id = self.id_base | self.num_requests
+        self.live[prompt.req_id], self.live_ids[seq_id] = seq_id, prompt.req_id
+        self.enqueue(seq_id, prompt, P.ROUTE_STDOUT)
+
+    def enqueue(self, seq_id: int, prompt, route: int) -> None:
+        ids = P.pack_i32(prompt.prompt_ids)
+        seed = prompt.seed if prompt.seed is not None else self.rng.randrange(1 << 62)
+        spec = P.SeqSpec(seq_id, ids, len(prompt.prompt_ids), prompt.max_new_tokens,
+                         prompt.temperature, prompt.top_p, prompt.top_k, seed, prompt.stop_ids,
+                         sorted(self.eos_ids))
+        self.pending.append((spec, prompt.req_id, route, prompt.note))
+
+    def take_http(self) -> None:
+        if self.http is None:
+            return
+        cancelled = []
+        while not self.http.cancels.empty():
+            cancelled.append(self.http.cancels.get())
+        if cancelled:
+            self.cancel(cancelled)
+        while len(self.pending) < self.max_pending:
+            try:
+                seq_id, prompt = self.http.submissions.get_nowait()
+            except queue.Empty:
+                return
+            self.enqueue(seq_id, prompt, P.ROUTE_INGEST)
+
+    def cancel(self, seq_ids: list[int]) -> None:
+        """Forget requests: those not yet sent to the router here, the rest at the router,
+        which has the detokenizer end their output."""
+        wanted = set(seq_ids)
+        # Not yet sent: a Cancel now would reach the router before them. They go with their
+        # Submit, and their Cancel right after its ack, so each still gets its final record.
+        later = {item[0].seq_id for i, item in enumerate(self.pending)
+                 if i >= self.in_flight and item[0].seq_id in wanted}
+        self.cancel_after_ack |= later
+        for seq_id in seq_ids:
+            self.live.pop(self.live_ids.pop(seq_id, None), None)
+        now = [sid for sid in seq_ids if sid not in later]
+        if now:
+            transport.send(self.router, P.Cancel(P.pack_i64(now)))  # it tells the detokenizer
+
+    def on_replies(self) -> None:
+        while (got := transport.recv(self.replies, 0)) is not None:
+            msg = got[1]
+            if not isinstance(msg, P.Replies):
+                continue
+            seq_ids = P.unpack_i64(msg.seq_ids).tolist()
+            finish = P.unpack_u8(msg.finish).tolist()
+            for seq_id, code in zip(seq_ids, finish):
+                if code and seq_id in self.live_ids:
+                    self.live.pop(self.live_ids.pop(seq_id), None)
+            if self.http is not None:
+                self.http.deliver(list(zip(seq_ids, msg.texts, finish, P.unpack_i32(msg.num_tokens).tolist())))
+
+    def submit(self) -> None:
+        now = time.monotonic()
+        if self.awaiting_ack and now - self.sent_at > ACK_TIMEOUT_S:
+            self.awaiting_ack = False  # lost ack: resend; the router ignores what it already has
+        closing = (self.read_stdin and self.stdin_done and not self.closed_sent and not self.pending
+                   and self.lines.empty() and len(self.errors) <= P.SUBMIT_MAX_SEQS)
+        if self.awaiting_ack or now < self.retry_at or not (self.pending or self.errors or closing):
+            return
+        batch = [self.pending[i] for i in range(P.submit_count(b[0] for b in self.pending))]
+        self.errors_in_flight = min(len(self.errors), P.SUBMIT_MAX_SEQS)
+        self.closing_in_flight = closing
+        transport.send(self.router, P.Submit([b[0] for b in batch], [b[1] for b in batch],
+                                             self.errors[:self.errors_in_flight],
+                                             self.num_requests if closing else -1,
+                                             P.pack_u8([b[2] for b in batch]), [b[3] for b in batch]))
+        self.in_flight, self.sent_at, self.awaiting_ack = len(batch), now, True
+
+    def ask_for_workers(self) -> None:
+        if (now := time.monotonic()) - self.asked_at >= WORKERS_POLL_S:
+            transport.send(self.router, P.StatsRequest())
+            self.asked_at = now
+
+    def on_router(self) -> None:
+        while (got := transport.recv(self.router, 0)) is not None:
+            msg = got[1]
+            if isinstance(msg, P.Stats) and msg.counters.get("workers", 0) >= self.wait_for_workers:
+                self.wait_for_workers = 0
+            if isinstance(msg, P.SubmitAck) and self.awaiting_ack:
+                taken = max(0, min(msg.num_accepted, self.in_flight))
+                cancel = []
+                for _ in range(taken):
+                    seq_id = self.pending.popleft()[0].seq_id
+                    if seq_id in self.cancel_after_ack:
+                        self.cancel_after_ack.discard(seq_id)
+                        cancel.append(seq_id)
+                if cancel:
+                    transport.send(self.router, P.Cancel(P.pack_i64(cancel)))
+                if taken < self.in_flight:
+                    self.retry_at = time.monotonic() + 0.05  # router full: wait, keep order
+                del self.errors[:self.errors_in_flight]
+                self.closed_sent |= self.closing_in_flight
+                self.in_flight = self.errors_in_flight = 0
+                self.awaiting_ack = self.closing_in_flight = False
+
+    def on_feed(self) -> None:
+        while (got := transport.recv(self.feed, 0, guard=self.guard)) is not None:
+            sender, msg = got
+            if not isinstance(msg, P.FeedLines):
+                continue
+            accepted = 0
+            for line in msg.lines:
+                try:
+                    self.lines.put_nowait(line)
+                except queue.Full:
+                    break
+                accepted += 1
+            transport.send(self.feed, P.FeedAck(accepted), to=sender)
+
+
+def run(topo, name: str, read_stdin: bool = False, exit_when_done: bool = False, wait_for_workers: int = 0) -> int:
+    return run_until_fatal(lambda: Ingest(topo, read_stdin, wait_for_workers).serve_forever(exit_on_eof=exit_when_done))

@@ -1,0 +1,1 @@
+"""The VRAM monitor role: loop.py publishes what vram.py reads from NVML."""

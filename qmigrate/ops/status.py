@@ -1,0 +1,93 @@
+"""`qmigrate status`: the fleet as the router sees it, as a live table, one snapshot or JSON."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+from qmigrate.wire import protocol as P
+from qmigrate.wire import transport
+from qmigrate.ops.observe import GPU_COLUMNS, WORKER_COLUMNS, as_dicts
+
+GIB = 2**30
+
+
+def fetch(endpoint: str, timeout_s: float) -> dict:
+    """One snapshot: {"router": counters, "workers": [...], "gpus": [...]}; raises Unreachable."""
+    reply = transport.request(endpoint, P.StatsRequest(), timeout_s=timeout_s, expect=P.Stats)
+    return {"router": dict(sorted(reply.counters.items())),
+            "workers": as_dicts(WORKER_COLUMNS, reply.workers), "gpus": as_dicts(GPU_COLUMNS, reply.gpus)}
+
+
+def _gib(n) -> str:
+    return f"{n / GIB:.1f}" if isinstance(n, int) and n >= 0 else "-"
+
+
+def _kv(w: dict) -> str:
+    used, total = w["kv_used_tokens"], w["kv_total_tokens"]
+    if not total:
+        return "-"
+    return f"{used}/{total} ({100 * used / total:.0f}%)" if used >= 0 else f"?/{total}"
+
+
+def render(snap: dict, endpoint: str):
+    from rich.console import Group
+    from rich.table import Table
+    from rich.text import Text
+
+    c = snap["router"]
+    moves = ", ".join(f"{k.removeprefix('migrations_')} {v}" for k, v in c.items()
+                      if k.startswith("migrations_") and v) or "none"
+    head = Text(f"router {endpoint}   queue {c.get('queued', 0)}   live {c.get('live', 0)}   "
+                f"finished {c.get('finished', 0)}   workers {c.get('workers', 0)}\nmigrations: {moves}")
+    gpus = {g["uuid"]: g for g in snap["gpus"]}
+    workers = Table(title="workers", title_justify="left")
+    for col in ("node", "worker", "device", "state", "GPU mem used/total GiB", "KV tokens used/total",
+                "owned", "leased", "batch", "tok/s"):
+        workers.add_column(col, justify="right" if col in ("owned", "leased", "batch", "tok/s") else "left")
+    for w in sorted(snap["workers"], key=lambda w: (w["node"], w["name"])):
+        g = gpus.get(w["gpu_uuid"])
+        mem = f"{_gib(g['used_bytes'])}/{_gib(g['total_bytes'])}" if g else "-"
+        style = None if w["state"] == "up" else "yellow" if w["state"] != "dead" else "dim"
+        workers.add_row(w["node"], w["name"], w["device"], w["state"], mem, _kv(w), str(w["owned"]),
+                        str(w["leased"]), str(w["batch_size"]), f"{w['tokens_per_s']:.1f}", style=style)
+    parts = [head, workers]
+    if gpus:
+        table = Table(title="GPUs", title_justify="left")
+        for col in ("node", "index", "uuid", "used GiB", "free GiB", "total GiB", "util %"):
+            table.add_column(col)
+        for g in sorted(gpus.values(), key=lambda g: (g["node"], g["index"])):
+            table.add_row(g["node"], str(g["index"]), g["uuid"], _gib(g["used_bytes"]), _gib(g["free_bytes"]),
+                          _gib(g["total_bytes"]), str(g["util_percent"]) if g["util_percent"] >= 0 else "-")
+        parts.append(table)
+    return Group(*parts)
+
+
+def run_status(endpoint: str, *, once: bool, as_json: bool, interval_s: float, timeout_s: float) -> int:
+    from rich.console import Console
+    from rich.live import Live
+
+    try:
+        snap = fetch(endpoint, timeout_s)
+    except transport.Unreachable as exc:
+        print(f"error: router not reachable: {exc}", file=sys.stderr)
+        return 1
+    if as_json:
+        print(json.dumps(snap, indent=1))
+        return 0
+    console = Console()
+    if once:
+        console.print(render(snap, endpoint))
+        return 0
+    with Live(render(snap, endpoint), console=console, refresh_per_second=4, screen=False) as live:
+        try:
+            while True:
+                time.sleep(interval_s)
+                try:
+                    live.update(render(fetch(endpoint, timeout_s), endpoint))
+                except transport.Unreachable as exc:
+                    from rich.text import Text
+                    live.update(Text(f"router not reachable: {exc}", style="red"))
+        except KeyboardInterrupt:
+            return 0

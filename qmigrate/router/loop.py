@@ -1,0 +1,432 @@
+"""Router: the id queue. A poller loop around the pure Scheduler.
+
+It is also the one way into the detokenizer: request names and errors from ingest, and the
+tokens workers send before their step results, are forwarded on one PUSH socket. With a journal, what
+it accepted survives a kill: on start it runs again every request whose output the
+detokenizer has not confirmed (the same tokens: sampling depends only on the request), and
+the detokenizer prints each token once."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter, deque
+
+import zmq
+
+from qmigrate.wire import protocol as P
+from qmigrate.wire import transport
+from qmigrate.ops.observe import FleetObserver
+from qmigrate.router.journal import Journal, OutputLog
+from qmigrate.router.scheduler import Scheduler, SchedulerConfig, WorkerState
+from qmigrate.wire.security import Guard
+from qmigrate.ops.trace import tracer
+from qmigrate.ops.process import freeze_heap
+
+log = logging.getLogger("qmigrate.router")
+
+POLL_S = 0.02
+MAX_BURST = 512
+METRICS_INTERVAL_S = 1.0
+STRANDED_NOTICE_S = 5.0  # requests waiting this long with no worker get one line on stderr
+MAX_BACKLOG = 100_000  # messages for the detokenizer held here while it does not read
+
+
+class Router:
+    def __init__(self, topo):
+        rc = topo.router
+        self.trace = tracer("router", topo.trace_dir)
+        self.config = SchedulerConfig(
+            max_queued=rc.max_queued, lease_timeout_s=rc.lease_timeout_s,
+            heartbeat_timeout_s=rc.heartbeat_timeout_s, policy=rc.policy,
+            migrate_on_load=rc.migrate_on_load, migrate_on_memory=rc.migrate_on_memory,
+            min_free_vram_fraction=rc.min_free_vram_fraction,
+            admit_free_vram_fraction=rc.admit_free_vram_fraction, migration=rc.migration,
+            link_gbps=rc.link_gbps, prefill_tflops=rc.prefill_tflops,
+            rebalance_threshold=rc.rebalance_threshold, spread_new=rc.spread_new_work, chain=rc.chain_leases,
+            max_lease_steps=rc.max_lease_steps)
+        self.heartbeat_interval_s = rc.heartbeat_interval_s
+        self.sched = Scheduler(self.config)
+        self.sched.start_ids_at(int(time.time() * 1000) << 20)
+        self.work = transport.socket(zmq.ROUTER, bind=topo.endpoint("router").bind)
+        self.telemetry = transport.socket(zmq.SUB, bind=topo.endpoint("telemetry").bind)
+        self.telemetry.setsockopt(zmq.SUBSCRIBE, b"")
+        self.detok = transport.socket(zmq.PUSH, connect=topo.endpoint("detokenizer").connect, hwm=100_000)
+        self.backlog: deque[bytes] = deque()
+        self.outputs = OutputLog()
+        self.journal = Journal(rc.journal) if rc.journal else None
+        self.identity: dict[str, bytes] = {}
+        self.guard = Guard.for_topology(topo, "router")
+        self.parked: dict[str, deque] = {}
+        self.worker_times: dict[str, tuple[int, int]] = {}
+        self.nodes = {w.name: w.node for w in topo.workers}
+        self.observer = FleetObserver()
+        self.errors: Counter[str] = Counter()
+        self.metrics = None
+        self.stranded_since: float | None = None
+        self.told_stranded = False
+        if rc.metrics_port:
+            from qmigrate.ops.metrics import RouterMetrics, serve
+            self.metrics = RouterMetrics()
+            serve(self.metrics.registry, rc.metrics_port, topo.node(rc.node).bind_host)
+        self.handlers = {
+            P.Hello: self.on_hello, P.Heartbeat: self.on_heartbeat,
+            P.WorkRequest: self.on_work_request, P.StepResult: self.on_step_result,
+            P.Submit: self.on_submit, P.Drain: self.on_drain, P.StatsRequest: self.on_stats,
+            P.Cancel: self.on_cancel,
+            P.Resync: self.on_resync, P.Printed: self.on_printed, P.Tokens: self.on_tokens,
+        }
+        if self.journal is not None:
+            self.recover()
+
+    def recover(self) -> None:
+        """Rebuild from the journal: every request not confirmed printed runs again."""
+        self.outputs.replay(self.journal.read())
+        self.journal.rewrite([P.encode(self.outputs.snapshot())])
+        for spec in self.outputs.specs.values():
+            self.sched.readmit(spec)
+        if len(self.outputs) or self.outputs.errors:
+            log.warning("recovered %d unfinished requests from %s", len(self.outputs), self.journal.path)
+        self.resend_outputs()
+
+    def serve_forever(self) -> None:
+        freeze_heap()
+        poller = zmq.Poller()
+        poller.register(self.work, zmq.POLLIN)
+        poller.register(self.telemetry, zmq.POLLIN)
+        last_expiry = last_metrics = 0.0
+        while True:
+            ready = dict(poller.poll(int(POLL_S * 1000)))
+            if self.work in ready:
+                self.drain_socket()
+            if self.telemetry in ready:
+                self.drain_telemetry()
+            now = time.monotonic()
+            ticked = now - last_expiry > 0.1
+            if ticked:
+                self.sched.expire(now)
+                last_expiry = now
+                for name, silent_s, held in self.sched.lost:
+                    log.warning("worker %s lost: silent for %.1f s; its %d sequences continue elsewhere",
+                                name, silent_s, held)
+                self.sched.lost.clear()
+            if self.backlog:
+                self.flush_backlog()
+            if (ready or ticked) and not self.backlog:  # no new work while output waits
+                self.serve_parked(now)
+                self.release_drained()
+            if self.sched.revokes:
+                self.send_revokes()
+            if now - last_metrics > METRICS_INTERVAL_S:
+                self.trace.flush()
+                self.notice_stranded(now)
+                self.observer.tick(now)
+                if self.metrics is not None:
+                    self.metrics.update(self.sched, self.observer, self.errors)
+                last_metrics = now
+
+    def drain_socket(self) -> None:
+        for _ in range(MAX_BURST):
+            try:
+                frames, peer = transport.recv_frames(self.work, zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            if len(frames) != 2:
+                log.warning("dropped a message of %d frames", len(frames))
+                self.errors["malformed"] += 1
+                continue
+            sender, frame = frames
+            self.frame = frame  # forwarded as is by on_tokens
+            msg = transport.parse(frame, sender.decode(errors="replace"))
+            if msg is not None and (refusal := self.guard.check(peer, msg, sender)) is not None:
+                if isinstance(msg, P.Hello):
+                    self.reply(sender, P.Reject(f"refused: {refusal}"))
+                continue
+            handler = self.handlers.get(type(msg)) if msg is not None else None
+            if msg is None:
+                self.errors["malformed"] += 1
+            elif handler is None:
+                self.errors["unexpected_message"] += 1
+                log.warning("no handler for %s from %r", type(msg).__name__, sender)
+            if handler is not None:
+                try:
+                    handler(sender, msg)
+                except P.ProtocolError as exc:
+                    self.errors["malformed"] += 1
+                    log.warning("dropped %s from %r: %s", type(msg).__name__, sender, exc)
+                except Exception as exc:  # noqa: BLE001 -- one bad message must not stop the router
+                    self.errors["handler"] += 1
+                    log.warning("dropped %s from %r: %s: %s", type(msg).__name__, sender, type(exc).__name__, exc)
+
+    def drain_telemetry(self) -> None:
+        for _ in range(MAX_BURST):
+            try:
+                frame = self.telemetry.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            msg = transport.parse(frame, "vram monitor")
+            if isinstance(msg, P.VramReport):
+                for gpu in msg.gpus:
+                    numbers = gpu[1:5] if len(gpu) >= 5 else ()
+                    if (isinstance(gpu[0], str) and len(numbers) == 4
+                            and all(type(x) is int and x >= 0 for x in numbers) and 0 < gpu[4] <= gpu[2]):
+                        self.sched.set_free_vram(gpu[0], gpu[4] / gpu[2], time.monotonic())
+                        index, util = (gpu[1], gpu[5]) if len(gpu) >= 6 else (gpu[1], -1)
+                        self.observer.vram(msg.node[:64], gpu[0][:128], index, gpu[2], gpu[3], gpu[4],
+                                           util if type(util) is int else -1)
+                    else:
+                        self.errors["malformed"] += 1
+                        log.warning("dropped a malformed VRAM report entry from %s", msg.node[:64])
+
+    def reply(self, to: bytes, msg) -> None:
+        transport.send(self.work, msg, to=to)  # dropped if that peer does not read
+
+    def forward(self, frame: bytes) -> None:
+        """To the detokenizer, in order; held here while it does not read (never dropped)."""
+        if self.backlog or not transport.send_frame(self.detok, frame, what="detokenizer message"):
+            if len(self.backlog) >= MAX_BACKLOG:
+                self.backlog.popleft()  # only results of leases already out can get here
+                self.sched.counters["output_dropped"] += 1
+            self.backlog.append(frame)
+
+    def flush_backlog(self) -> None:
+        while self.backlog:
+            try:
+                self.detok.send(self.backlog[0], zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            self.backlog.popleft()
+
+    def resend_outputs(self) -> None:
+        """Everything the detokenizer may lack (it restarted, or this router did); what it
+        printed already it skips. Requests that finished here but were not confirmed run again."""
+        for sid in self.outputs.specs:
+            self.forward(P.encode(self.outputs.meta(sid)))
+            seq = self.sched.seqs.get(sid)
+            if seq is None:
+                self.sched.readmit(self.outputs.specs[sid])
+            elif len(seq.token_ids) > seq.spec.prompt_len:
+                made = seq.token_ids[seq.spec.prompt_len:]
+                self.forward(P.encode(P.Tokens(P.pack_i64([sid]), P.pack_i32([0]), P.pack_i32([len(made)]),
+                                               P.pack_i32(made), P.pack_u8([0]))))
+        for req_id, message in self.outputs.errors.items():
+            self.forward(P.encode(P.RequestError(req_id, message)))
+        if self.outputs.num_requests >= 0:
+            self.forward(P.encode(P.InputClosed(self.outputs.num_requests)))
+
+    # --- handlers ------------------------------------------------------------------------
+    def on_hello(self, sender: bytes, msg: P.Hello) -> None:
+        if msg.version != P.PROTOCOL_VERSION:
+            self.reply(sender, P.Reject(f"protocol version {msg.version}; router speaks {P.PROTOCOL_VERSION}"))
+            return
+        if msg.role == "worker":
+            current = self.identity.get(msg.name)
+            if current not in (None, sender) and self.sched.workers[msg.name].alive:
+                log.warning("refused a hello as live worker %s from another peer %r", msg.name, sender)
+                self.reply(sender, P.Reject(f"worker {msg.name} is already connected"))
+                return
+            info = msg.info
+            inflight = P.info_int(info, "inflight", 2, 1, 64)
+            device = P.info_str(info, "device", 64)
+            state = WorkerState(
+                msg.name, max_seqs=P.info_int(info, "max_seqs", 64, 1, 1 << 20),
+                max_tokens=P.info_int(info, "max_tokens", 8192, 1, 1 << 30), inflight=inflight,
+                kv_endpoint=P.info_str(info, "kv_endpoint"), gpu_uuid=P.info_str(info, "gpu_uuid"),
+                kv_bytes_per_token=P.info_int(info, "kv_bytes_per_token", 0),
+                num_params=P.info_int(info, "num_params", 0), kv_tokens=P.info_int(info, "kv_tokens", 0),
+                block_size=P.info_int(info, "block_size", 16, 1, 1 << 16))
+            self.identity[msg.name] = sender
+            self.parked[msg.name] = deque(maxlen=inflight)
+            self.sched.register(state, time.monotonic())
+            self.observer.joined(msg.name, self.nodes.get(msg.name, ""), device, time.monotonic())
+            log.info("worker %s joined (%s)", msg.name, info.get("device", "?"))
+        self.reply(sender, P.Welcome(P.PROTOCOL_VERSION, self.heartbeat_interval_s, self.config.lease_timeout_s))
+
+    def _worker(self, sender: bytes) -> str | None:
+        name = sender.decode(errors="replace")
+        if self.identity.get(name) != sender or not self.sched.workers[name].alive:
+            self.reply(sender, P.Reject("unknown worker: say hello first", is_unknown_peer=True))
+            self.errors["unknown_worker"] += 1
+            return None
+        return name
+
+    def on_heartbeat(self, sender: bytes, msg: P.Heartbeat) -> None:
+        if (name := self._worker(sender)) is not None:
+            now = time.monotonic()
+            self.sched.touch(name, now)
+            self.sched.renew(name, P.unpack_i64(msg.lease_ids, "lease_ids").tolist(), now)
+            self.worker_times[name] = (msg.busy_ms, msg.idle_ms)
+
+    def on_work_request(self, sender: bytes, msg: P.WorkRequest) -> None:
+        if (name := self._worker(sender)) is None:
+            return
+        self.sched.touch(name, time.monotonic())
+        self.trace("request", name, msg.request_no)
+        self.observer.asked(name, msg.free_kv_tokens)
+        self.parked[name].append(msg)
+
+    def on_step_result(self, sender: bytes, msg: P.StepResult) -> None:
+        if (name := self._worker(sender)) is None:
+            return
+        # The arrays' lengths, signs and codes were checked at decode (StepResult.validate).
+        tokens = P.unpack_i32(msg.tokens).tolist()
+        self.trace("result", name, msg.lease_id)
+        evicted = P.unpack_i64(msg.evicted_ids)
+        now = time.monotonic()
+        self.sched.complete(msg.lease_id, name, P.unpack_i64(msg.seq_ids).tolist(),
+                            P.unpack_i32(msg.counts).tolist(), tokens, P.unpack_u8(msg.status).tolist(), now)
+        self.observer.reported(name, len(tokens), msg.free_kv_tokens, now)
+        if len(evicted):
+            self.sched.evicted(name, evicted.tolist())
+
+    def on_tokens(self, sender: bytes, msg: P.Tokens) -> None:
+        """A worker's new tokens, sent on the socket of its results and before them: the
+        detokenizer gets them in that order, so no result arrives here without its tokens."""
+        if self._worker(sender) is not None:
+            self.forward(self.frame)
+
+    def on_submit(self, sender: bytes, msg: P.Submit) -> None:
+        offered = msg.seqs[:self.sched.num_free]
+        for spec in offered:
+            spec.ids  # validates the packed ids
+        taken = self.sched.admit(offered)
+        new = self.outputs.add(msg, taken)
+        # Finished requests wait here for the detokenizer's Printed, at most max_queued of
+        # them: past that the oldest are forgotten (only a detokenizer restart needs them).
+        self.outputs.trim(2 * self.config.max_queued, self.sched.seqs)
+        if new is not None:
+            if self.journal is not None:
+                self.journal.append(P.encode(new))  # before the ack: accepted means kept
+            if taken and not self.backlog:
+                # Workers waiting for work get the new prompts before their metadata goes to
+                # the detokenizer (a burst's metadata takes milliseconds to send); no token of
+                # theirs can reach it before this handler is done.
+                self.serve_parked(time.monotonic())
+            for spec in new.seqs:
+                self.forward(P.encode(self.outputs.meta(spec.seq_id)))
+            for req_id, message in new.errors:
+                self.forward(P.encode(P.RequestError(req_id, message)))
+            if new.num_requests >= 0:
+                self.forward(P.encode(P.InputClosed(new.num_requests)))
+        self.reply(sender, P.SubmitAck(taken, self.sched.num_free))
+
+    def on_cancel(self, sender: bytes, msg: P.Cancel) -> None:
+        self.sched.cancel(P.unpack_i64(msg.seq_ids, "seq_ids").tolist())
+        self.forward(self.frame)  # the detokenizer ends their output
+
+    def on_resync(self, sender: bytes, msg: P.Resync) -> None:
+        log.info("the detokenizer (pid %d) asks for everything not yet printed", msg.pid)
+        self.backlog.clear()  # it is all sent again below
+        self.resend_outputs()
+
+    def on_printed(self, sender: bytes, msg: P.Printed) -> None:
+        seq_ids = P.unpack_i64(msg.seq_ids, "seq_ids").tolist()
+        if self.outputs.printed(seq_ids) and self.journal is not None:
+            self.journal.append(P.encode(msg))
+
+    def on_drain(self, sender: bytes, msg: P.Drain) -> None:
+        w = self.sched.workers.get(msg.worker)
+        if w is not None and w.alive and not w.draining and not any(
+                o.alive and not o.draining for o in self.sched.workers.values() if o is not w):
+            self.reply(sender, P.DrainAck(False, f"not draining {msg.worker}: it is the last live worker, "
+                                          f"so its sequences would have nowhere to go (start another first)"))
+            return
+        ok = self.sched.drain(msg.worker, time.monotonic())
+        text = f"draining {msg.worker}" if ok else f"no live worker named {msg.worker!r}"
+        self.reply(sender, P.DrainAck(ok, text))
+
+    def on_stats(self, sender: bytes, msg: P.StatsRequest) -> None:
+        self.trace.flush()
+        counters = dict(self.sched.counters)
+        counters.update(queued=len(self.sched.queue), live=len(self.sched.seqs),
+                        open_leases=len(self.sched.leases),
+                        workers=sum(w.alive for w in self.sched.workers.values()),
+                        unprinted=len(self.outputs), output_backlog=len(self.backlog),
+                        dropped_sends=transport.num_dropped)
+        for name, w in self.sched.workers.items():
+            counters[f"owned_{name}"] = len(w.owned)
+        delays: dict[str, list[float]] = {}
+        for cause, seconds in self.sched.move_delays:
+            delays.setdefault(cause, []).append(seconds)
+        for cause, values in delays.items():  # from the decision to move to the new worker's lease
+            values.sort()
+            counters[f"move_delay_ms_p50_{cause}"] = round(values[len(values) // 2] * 1000, 3)
+            counters[f"move_delay_ms_max_{cause}"] = round(values[-1] * 1000, 3)
+        for name, (busy, idle) in self.worker_times.items():
+            counters[f"busy_ms_{name}"], counters[f"idle_ms_{name}"] = busy, idle
+        counters.update({f"errors_{kind}": n for kind, n in self.errors.items()})
+        workers, gpus = self.observer.snapshot(self.sched)
+        self.reply(sender, P.Stats(counters, workers, gpus))
+
+    # --- periodic ------------------------------------------------------------------------
+    def notice_stranded(self, now: float) -> None:
+        """Say once, not in silence, when requests wait and no worker can take them."""
+        if not self.sched.seqs or any(w.alive and not w.draining for w in self.sched.workers.values()):
+            self.stranded_since, self.told_stranded = None, False
+            return
+        if self.stranded_since is None:
+            self.stranded_since = now
+        elif not self.told_stranded and now - self.stranded_since >= STRANDED_NOTICE_S:
+            why = "every worker has left" if self.sched.workers else "no worker has joined"
+            log.warning("%d requests are waiting and %s; they run when a worker joins",
+                        len(self.sched.seqs), why)
+            self.told_stranded = True
+
+    def serve_parked(self, now: float) -> None:
+        """Answer waiting requests, one lease per worker per round, rotating who goes first."""
+        names = [n for n, waiting in self.parked.items() if waiting]
+        if not names or not (self.sched.queue or self.sched.leases):
+            return
+        self.turn = (getattr(self, "turn", 0) + 1) % len(names)
+        names = names[self.turn:] + names[:self.turn]
+        progress = True
+        while progress:
+            progress = False
+            for name in names:
+                waiting = self.parked[name]
+                if not waiting:
+                    continue
+                req = waiting[0]
+                free = req.free_kv_tokens if req.free_kv_tokens >= 0 else None
+                grant = self.sched.schedule(name, req.max_seqs, req.max_tokens, now, free, ahead=True)
+                log.debug("request %d of %s (queue %d): %s", req.request_no, name,
+                          len(self.sched.queue), grant and len(grant.rows))
+                if grant is not None:
+                    waiting.popleft()
+                    self.send_grant(grant, req.request_no)
+                    progress = True
+
+    def send_grant(self, grant, request_no: int) -> None:
+        for owner, seq_id, dest, transfer_id, num_tokens in grant.shipments:
+            if owner in self.identity:
+                self.reply(self.identity[owner], P.ShipKV(seq_id, dest, transfer_id, num_tokens))
+                self.observer.shipped(num_tokens, self.sched.workers[owner].kv_bytes_per_token)
+        rows = grant.rows
+        self.trace("grant", grant.worker, grant.lease_id, len(rows), grant.num_steps, request_no)
+        self.observer.leased(grant.worker, len(rows))
+        lease = P.Lease(
+            grant.lease_id, request_no, self.config.lease_timeout_s,
+            P.pack_i64([r.seq_id for r in rows]), P.pack_i32([r.length for r in rows]),
+            P.pack_i32([r.last_token for r in rows]), [r.spec for r in rows if r.spec is not None],
+            P.pack_i64(grant.drop_ids), grant.num_steps)
+        self.reply(self.identity[grant.worker], lease)
+
+    def send_revokes(self) -> None:
+        for worker, lease_id, seq_ids in self.sched.take_revokes():
+            if worker in self.identity:
+                self.reply(self.identity[worker], P.Revoke(lease_id, P.pack_i64(seq_ids)))
+
+    def release_drained(self) -> None:
+        for name, w in self.sched.workers.items():
+            if w.alive and w.draining and self.sched.is_drained(name):
+                self.reply(self.identity[name], P.Exit("drained"))
+                self.sched.retire(name)
+                self.parked[name].clear()
+                log.info("worker %s drained and released", name)
+
+
+def run(topo, name: str) -> int:
+    router = Router(topo)
+    log.info("router listening on %s", topo.endpoint("router").bind)
+    router.serve_forever()
+    return 0

@@ -1,0 +1,157 @@
+"""When a sequence should leave the worker that holds its KV, why, and how it travels.
+
+Pure rules over the router's worker records (shared with the Scheduler, which owns them):
+the causes of a move (dead, drain, memory, policy "any", load), how many sequences an
+overloaded worker may lose to another, how many sequences nobody holds a worker may take
+while others could take them too, which queued sequences a worker asking for work is
+offered and in what order, and recompute against KV transfer.
+
+New work is placed before placed work moves: a sequence nobody holds costs the same prefill
+anywhere, while a load move costs a KV shipment or a second prefill. So while such
+sequences wait, nothing moves for load, and each worker asking for them gets its share of
+them (by max_seqs), not whatever fits its step: a burst split by who asked first would
+leave one worker alternating two batches while the other ran one.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections import Counter
+
+from qmigrate.router.records import Queue, SchedulerConfig, Seq, WorkerState, choose_mechanism
+
+
+class MovePolicy:
+    def __init__(self, config: SchedulerConfig, workers: dict[str, WorkerState], queue: Queue):
+        self.config = config
+        self.workers = workers
+        self.queue = queue
+
+    def may_keep(self, w: WorkerState) -> bool:
+        """False when some of w's sequences ought to move: they must come back to the queue."""
+        if w.draining or (self.config.migrate_on_memory and w.is_memory_short):
+            return False
+        if not self.config.migrate_on_load:
+            return True
+        if len(w.owned) > w.capacity:
+            return False
+        return not any(self.num_to_balance(w, o) for o in self.workers.values()
+                       if o is not w and o.alive and not o.draining)
+
+    def steal_quota(self, w: WorkerState) -> Counter[str]:
+        """How many sequences each other worker may lose to `w` for load reasons."""
+        quota: Counter[str] = Counter()
+        if not self.config.migrate_on_load:
+            return quota
+        for other in self.workers.values():
+            if other is w or not other.alive:
+                continue
+            excess = len(other.owned) - other.capacity
+            quota[other.name] = max(excess, self.num_to_balance(other, w), 0)
+        return quota
+
+    def num_to_balance(self, owner: WorkerState, taker: WorkerState) -> int:
+        """How many of owner's sequences should move to taker to even out their load (0: none).
+
+        A decode step of fewer rows costs a GPU nearly as much as a full one, so moving a
+        sequence (a KV shipment or a second prefill) pays only when its owner holds more
+        than one step's batch: past max_seqs its sequences take turns, a token every other
+        step. Then up to that excess moves, half the difference at most, into room the taker
+        has in its own batch; and only past `rebalance_threshold` sequences of difference,
+        and only once new work is placed (see admission_room)."""
+        gap = len(owner.owned) - len(taker.owned)
+        if gap < self.config.rebalance_threshold or (self.config.spread_new and self.queue.of(None)):
+            return 0
+        return max(0, min(gap // 2, len(owner.owned) - owner.max_seqs, taker.max_seqs - len(taker.owned)))
+
+    def admission_room(self, w: WorkerState) -> int | None:
+        """How many queued sequences that nobody holds w may take now (None: no limit). When
+        other workers have room for them too (batch places, and KV blocks as they last
+        reported), w gets its share of all the work placed on these workers or waiting, in
+        proportion to max_seqs, less what it holds already."""
+        waiting = len(self.queue.of(None))
+        if not waiting or not self.config.spread_new:
+            return None
+        peers = [o for o in self.workers.values() if o is not w and o.alive and not o.draining
+                 and o.may_prefill and o.load < o.capacity and self._has_kv_room(o)]
+        if not peers:
+            return None
+        if w.load >= w.capacity:
+            return 0
+        peers.append(w)
+        total = sum(o.load for o in peers) + waiting
+        share = -(-total * w.max_seqs // sum(o.max_seqs for o in peers))
+        return max(0, share - w.load)
+
+    def cause(self, owner: WorkerState, quota: Counter[str]) -> str | None:
+        if not owner.alive:
+            return "dead"
+        if owner.draining:
+            return "drain"
+        if self.config.migrate_on_memory and owner.is_memory_short:
+            return "memory"
+        if self.config.policy == "any":
+            return "any"
+        if quota[owner.name] > 0:
+            return "load"
+        return None
+
+    def mechanism(self, seq: Seq, dest: WorkerState) -> str:
+        owner = self.workers[seq.owner]
+        if not owner.alive or not owner.kv_endpoint or not dest.kv_endpoint:
+            return "recompute"
+        if self.config.migration != "auto":
+            return self.config.migration
+        return choose_mechanism(len(seq.token_ids) - 1, owner.kv_bytes_per_token, owner.num_params,
+                                self.config.link_gbps, self.config.prefill_tflops)
+
+    @staticmethod
+    def kv_room(w: WorkerState, held: list[Seq]) -> float:
+        """KV tokens w can take for sequences new to it without evicting any it owns, from
+        what it last reported free. Its pool holds what it owns plus what it is prefilling
+        now (`held`: the sequences of its open leases), and each owned sequence grows a token
+        a step, so a block per owned sequence is kept for that growth."""
+        if w.free_kv_tokens is None or not w.kv_tokens:
+            return float("inf")
+        arriving = sum(len(seq.token_ids) + w.block_size for seq in held if seq.owner != w.name)
+        return w.free_kv_tokens - arriving - w.block_size * len(w.owned)
+
+    @staticmethod
+    def _has_kv_room(w: WorkerState) -> bool:
+        """kv_room's rule for a peer, without walking its leases: a block for each sequence
+        it owns or is taking on, and one for a new sequence."""
+        if w.free_kv_tokens is None or not w.kv_tokens:
+            return True
+        return w.free_kv_tokens - w.block_size * (len(w.owned) + w.num_arriving + 1) > 0
+
+    def candidates(self, w: WorkerState, queue: Queue, quota: Counter[str], limit: int) -> list[tuple[Seq, str | None]]:
+        """Up to `limit` queued sequences this worker may run, best first, with the migration
+        cause: those that must leave a draining or memory-short owner (their owner will not
+        run them again, so they would wait the longest), its own, those held nowhere, then
+        those that load balancing would move to it."""
+        # Short of memory: it leaves its own sequences to whoever may take them (cause "memory").
+        shedding = self.config.migrate_on_memory and w.is_memory_short and any(
+            o.alive and not o.draining and o.may_prefill for o in self.workers.values() if o is not w)
+        urgent, movable = [], []
+        for owner, queued in queue.by_owner.items():
+            other = self.workers.get(owner) if owner is not None else None
+            if other is not None and other is not w and (cause := self.cause(other, quota)) is not None:
+                (urgent if cause in ("drain", "memory") and w.may_prefill else movable).append(queued.values())
+        out = self._merged(urgent, quota, limit, [])
+        if not shedding:
+            out += [(seq, None) for seq in itertools.islice(queue.of(w.name).values(), limit - len(out))]
+        out += [(seq, None) for seq in itertools.islice(queue.of(None).values(), max(0, limit - len(out)))]
+        return self._merged(movable, quota, limit, out)
+
+    def _merged(self, queues: list, quota: Counter[str], limit: int, out: list) -> list[tuple[Seq, str | None]]:
+        """out, then the sequences of these owners' queues in the router's order, with their cause."""
+        for seq in heapq.merge(*queues, key=lambda seq: seq.queue_pos):
+            if len(out) >= limit:
+                break
+            owner = self.workers[seq.owner]
+            if (cause := self.cause(owner, quota)) is not None:
+                if cause == "load":
+                    quota[owner.name] -= 1
+                out.append((seq, cause))
+        return out

@@ -1,0 +1,481 @@
+"""The router's policy, as pure bookkeeping: the queue, leases, KV owners and migration.
+
+Every live sequence is either queued here or leased to exactly one worker (invariant 1).
+A worker that finishes a step for a sequence becomes its KV owner: it then holds KV for
+all of the sequence's tokens but the last. A request for work is answered with the
+requester's own sequences first (affinity), then sequences nobody owns, then sequences
+that should move: their owner is dead, draining, short of memory or holds more than it
+can batch (load), or the policy is "any". Times are plain floats supplied by the caller.
+
+Chained leases hide the round trip without splitting the batch: a worker that asks for
+work while a batch is in flight may be given the *next* step of that batch's sequences
+(rows of length CONTINUE: "go on from the step you are running"). Such a sequence is
+still in one place, that worker; it is never chained when it ought to move instead.
+
+Multi-step leases take the router off the per-step path: while nothing waits for a worker,
+its lease covers up to `max_lease_steps` steps. When something must move sooner (a drain,
+memory pressure, an idle worker to feed, new requests to admit) the router revokes such a
+lease: it ends at the worker's next step boundary and its rows come back like any result
+(a chained lease not yet begun is revoked too, and then runs one step).
+Revokes to send collect in `revokes`; the router sends them once per loop turn.
+
+The queue is kept per KV owner (`fleet.Queue`), and a worker's open leases are listed on
+it, so a request for work costs what it returns, not what the whole fleet holds.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import Counter, deque
+
+from qmigrate.router.records import (
+    Grant,
+    LeaseRecord,
+    Outcome,
+    Queue,
+    Row,
+    SchedulerConfig,
+    Seq,
+    WorkerState,
+    choose_mechanism,
+)
+from qmigrate.router.migration import MovePolicy
+from qmigrate.wire.protocol import CONTINUE, Finish, SeqSpec
+
+__all__ = ["Grant", "Outcome", "Row", "Scheduler", "SchedulerConfig", "Seq", "WorkerState",
+           "choose_mechanism"]
+
+_FINISHED = frozenset(int(f) for f in Finish if f.is_finished)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig | None = None):
+        self.config = config or SchedulerConfig()
+        self.seqs: dict[int, Seq] = {}
+        self.queue = Queue()
+        self.workers: dict[str, WorkerState] = {}
+        self.moves = MovePolicy(self.config, self.workers, self.queue)
+        self.leases: dict[int, LeaseRecord] = {}
+        self.counters: Counter[str] = Counter()
+        self._lease_ids = itertools.count(1)
+        self._transfer_ids = itertools.count(1)
+        self.revokes: list[tuple[str, int, list[int]]] = []  # (worker, lease_id, seq_ids; [] = all)
+        self.lost: list[tuple[str, float, int]] = []  # (worker, silent for s, sequences it held) to log
+        # (cause, seconds from the decision to move to the lease on the new worker)
+        self.move_delays: deque[tuple[str, float]] = deque(maxlen=4096)
+
+    def take_revokes(self) -> list[tuple[str, int, list[int]]]:
+        revokes, self.revokes = self.revokes, []
+        return revokes
+
+    def _revoke_steps(self, w: WorkerState, seq_ids: list[int] | None = None, *, for_load_at: float | None = None) -> None:
+        """End w's multi-step leases at its next step boundary; with seq_ids, end every lease
+        of w that holds one of them. for_load_at: when load balancing decided it."""
+        for lease_id in w.lease_ids:
+            lease = self.leases[lease_id]
+            if lease.is_revoked:
+                continue
+            rows = [] if seq_ids is None else sorted(set(seq_ids).intersection(lease.seq_ids))
+            if (seq_ids is None and lease.num_steps <= 1) or (seq_ids is not None and not rows):
+                continue
+            lease.is_revoked, lease.revoked_at = True, for_load_at
+            self.revokes.append((w.name, lease_id, rows))
+            self.counters["revokes"] += 1
+
+    # --- membership --------------------------------------------------------------------
+    def register(self, worker: WorkerState, now: float) -> None:
+        old = self.workers.get(worker.name)
+        if old is not None and old.alive:
+            self._forget_worker(old, "dead", now)  # a restarted worker holds nothing
+        worker.last_seen = worker.joined_at = now
+        self.workers[worker.name] = worker
+        self.counters["workers_joined"] += 1
+
+    def touch(self, name: str, now: float) -> None:
+        if (w := self.workers.get(name)) is not None:
+            w.last_seen = now
+
+    def renew(self, name: str, lease_ids, now: float) -> None:
+        """name is alive and still working on these leases (a long prefill, say): push their
+        deadlines on. A worker whose loop is stuck sends no heartbeat, so its leases still expire."""
+        for lease_id in lease_ids:
+            lease = self.leases.get(int(lease_id))
+            if lease is not None and lease.worker == name:
+                lease.deadline = max(lease.deadline, now + self.config.lease_timeout_s)
+
+    def drain(self, name: str, now: float = 0.0) -> bool:
+        w = self.workers.get(name)
+        if w is None or not w.alive:
+            return False
+        if not w.draining:
+            w.moving_since = now
+        w.draining = True
+        self._revoke_steps(w)
+        return True
+
+    def is_drained(self, name: str) -> bool:
+        w = self.workers[name]
+        return w.draining and w.num_leased == 0 and not w.owned
+
+    def retire(self, name: str) -> None:
+        if (w := self.workers.get(name)) is not None:
+            self._forget_worker(w, "drain")
+            w.alive = False
+
+    def set_free_vram(self, gpu_uuid: str, free_fraction: float, now: float = 0.0) -> None:
+        for w in self.workers.values():
+            if w.gpu_uuid and w.gpu_uuid == gpu_uuid:
+                short = free_fraction < self.config.min_free_vram_fraction
+                if short and not w.is_memory_short and self.config.migrate_on_memory:
+                    self._revoke_steps(w)
+                    w.moving_since = now
+                w.free_vram_fraction = free_fraction
+                w.is_memory_short = short
+                w.may_prefill = free_fraction >= self.config.admit_free_vram_fraction
+
+    # --- admission ---------------------------------------------------------------------
+    @property
+    def num_free(self) -> int:
+        return max(0, self.config.max_queued - len(self.seqs))
+
+    def admit(self, specs: list[SeqSpec]) -> int:
+        """Queue as many as fit, in order; returns how many were taken."""
+        taken = 0
+        num_queued = len(self.queue)
+        for spec in specs[: self.num_free]:
+            taken += 1
+            if spec.seq_id in self.seqs:
+                continue  # a resend of something already here
+            ids = spec.ids.tolist()
+            if not ids or not 0 < spec.prompt_len <= len(ids) or spec.max_new_tokens < 1:
+                self.counters["rejected_specs"] += 1
+                continue
+            seq = self.seqs[spec.seq_id] = Seq(spec, ids)
+            self.queue.push(seq)
+            self.counters["admitted"] += 1
+        if len(self.queue) > num_queued:
+            # New work: a worker with room stops its multi-step leases at the next step to take it.
+            for w in self.workers.values():
+                if w.alive and not w.draining and len(w.owned) < w.max_seqs:
+                    self._revoke_steps(w)
+        return taken
+
+    def readmit(self, spec: SeqSpec) -> None:
+        """Queue a sequence again from its full form, past the admission limit: after a router
+        restart, or when its output was lost. A sequence still here is left alone."""
+        if spec.seq_id not in self.seqs:
+            self.queue.push(self.seqs.setdefault(spec.seq_id, Seq(spec, spec.ids.tolist())))
+            self.counters["readmitted"] += 1
+
+    def start_ids_at(self, base: int) -> None:
+        """Number leases and transfers from base, so a restarted router never reuses the ids
+        of results still travelling from before the restart."""
+        self._lease_ids = itertools.count(base)
+        self._transfer_ids = itertools.count(base)
+
+    # --- leasing -----------------------------------------------------------------------
+    def schedule(self, name: str, max_seqs: int, max_tokens: int, now: float,
+                 free_kv_tokens: int | None = None, *, ahead: bool = False) -> Grant | None:
+        """A batch for `name`, or None.
+
+        `ahead` marks a request sent while the worker already has a batch in flight. It is
+        answered with the next step of that batch (a chain), or with a full batch; never
+        with part of the sequences, since a step of half of them costs a GPU nearly as much
+        as a step of all, and splitting would double the steps. Otherwise it waits for the
+        batch in flight to come back."""
+        w = self.workers.get(name)
+        if w is None or not w.alive or w.draining:
+            return None
+        max_seqs = min(max_seqs, w.max_seqs)
+        w.free_kv_tokens = free_kv_tokens
+        held = self._held(w)
+        chainable = [seq for seq in held if seq.next_lease is None] if self._may_chain(w) else []
+        quota = self.moves.steal_quota(w)
+        # Look at a bounded stretch of the queue: a request costs what it can return.
+        candidates = self.moves.candidates(w, self.queue, quota, max_seqs + 64)
+        if ahead and w.num_leased and not chainable and len(candidates) < max_seqs:
+            return None
+        # The batch in flight goes on at a token a row: those tokens are kept from the budget
+        # that new prompts may fill, so a prefill never makes a running row skip a step.
+        budget = min(max_tokens, w.max_tokens)
+        reserved = min(len(chainable), max_seqs, max(0, budget - 1))
+        budget -= reserved
+        room = self.moves.kv_room(w, held)
+        new_room = self.moves.admission_room(w)
+        rows: list[Row] = []
+        shipments = []
+        num_passed = num_arriving = 0
+        for seq, cause in candidates:
+            if len(rows) >= max_seqs:
+                break
+            num_passed += 1
+            is_diff = seq.owner == name
+            if not is_diff and not w.may_prefill:
+                break  # short of memory: only sequences whose KV it holds
+            is_new = seq.owner is None
+            if is_new and new_room is not None and new_room <= 0:
+                continue  # its share of new work is taken: the rest is for the others
+            kv_cost = 0 if is_diff else len(seq.token_ids) + w.block_size
+            if kv_cost and kv_cost > room:
+                continue
+            mechanism = None if cause is None else self.moves.mechanism(seq, w)
+            cost = 1 if is_diff or mechanism == "transfer" else len(seq.token_ids)
+            if rows and cost > budget:
+                continue
+            budget -= cost
+            room -= kv_cost
+            num_passed -= 1
+            num_arriving += not is_diff
+            if is_new and new_room is not None:
+                new_room -= 1
+            rows.append(self._lease_row(seq, w, cause, mechanism, shipments, now))
+        queued = len(rows)
+        # Queued work takes rows first, so chaining never starves it; the batch in flight fills
+        # the rest, with the tokens kept for it.
+        chained = chainable[: max(0, min(max_seqs - queued, budget + reserved))]
+        rows += [Row(seq.seq_id, CONTINUE, CONTINUE, None) for seq in chained]
+        if len(rows) < max_seqs:
+            self._feed_from_leases(w, quota, max_seqs - len(rows), now)
+        if not rows:
+            return None
+        lease_id = next(self._lease_ids)
+        seq_ids = [r.seq_id for r in rows]
+        for row in rows[:queued]:
+            seq = self.seqs[row.seq_id]
+            seq.lease_id = lease_id
+            self.queue.pop(seq)
+        for seq in chained:
+            seq.next_lease = lease_id
+        num_steps = self._num_steps(w, rows, queued, skipped=num_passed > 0,
+                                    full=len(candidates) > queued and len(rows) >= max_seqs)
+        self.counters["chained_rows"] += len(chained)
+        self.leases[lease_id] = LeaseRecord(name, seq_ids, now + self.config.lease_timeout_s, num_steps,
+                                            num_arriving=num_arriving)
+        w.lease_ids[lease_id] = None
+        w.num_leased += len(rows)
+        w.num_arriving += num_arriving
+        drops, w.pending_drops = w.pending_drops, []
+        self.counters["leases"] += 1
+        self.counters["leased_rows"] += len(rows)
+        return Grant(lease_id, name, rows, drops, shipments, num_steps)
+
+    def _num_steps(self, w: WorkerState, rows: list[Row], queued: int, *, skipped: bool, full: bool) -> int:
+        """Steps the lease may cover: several for a batch of decodes that nothing waits to join.
+
+        Work that did not fit this lease's budget keeps it to one step. Behind a full batch,
+        the lease ends when its first row reaches max_new_tokens, when a place frees."""
+        limit = self.config.max_lease_steps
+        if (limit <= 1 or skipped or self.config.policy == "any" or not self.moves.may_keep(w)
+                or any(r.spec is not None for r in rows)):
+            return 1
+        if full:
+            for r in rows[:queued]:
+                seq = self.seqs[r.seq_id]
+                limit = min(limit, seq.spec.prompt_len + seq.spec.max_new_tokens - len(seq.token_ids))
+        return max(1, limit)
+
+    def _feed_from_leases(self, w: WorkerState, quota: Counter[str], room: int, now: float) -> None:
+        """w has room that the queue cannot fill: revoke rows of other workers' multi-step
+        leases that load balancing would move to it, so they come back at the next step."""
+        for name, n in quota.items():
+            other = self.workers[name]
+            if n <= 0 or room <= 0 or not other.alive or not any(
+                    self.leases[i].num_steps > 1 and not self.leases[i].is_revoked for i in other.lease_ids):
+                continue
+            take = [seq.seq_id for seq in self._held(other)][-min(n, room):]
+            self._revoke_steps(other, take, for_load_at=now)
+            room -= len(take)
+
+    def evicted(self, name: str, seq_ids) -> None:
+        """name dropped these sequences' KV for room: they are recomputed wherever they run next."""
+        for sid in seq_ids:
+            seq = self.seqs.get(int(sid))
+            if seq is not None and seq.owner == name:
+                self._set_owner(seq, None)
+                self.counters["evictions"] += 1
+
+    def num_chainable(self, name: str) -> int:
+        w = self.workers.get(name)
+        if w is None or not w.alive or not self._may_chain(w):
+            return 0
+        return sum(1 for seq in self._held(w) if seq.next_lease is None)
+
+    def _held(self, w: WorkerState) -> list[Seq]:
+        """Sequences whose current step is at w (a lease record may list stale ones)."""
+        return [seq for lease_id in w.lease_ids for sid in self.leases[lease_id].seq_ids
+                if (seq := self.seqs.get(sid)) is not None and seq.lease_id == lease_id]
+
+    def _may_chain(self, w: WorkerState) -> bool:
+        return self.config.chain and self.config.policy != "any" and self.moves.may_keep(w)
+
+    def _lease_row(self, seq: Seq, w: WorkerState, cause, mechanism, shipments, now: float) -> Row:
+        revoked_at, seq.revoked_at = seq.revoked_at, None
+        if seq.owner == w.name:
+            return Row(seq.seq_id, len(seq.token_ids), seq.token_ids[-1], None)
+        if seq.lost_at is not None:
+            self.move_delays.append(("dead", now - seq.lost_at))
+            seq.lost_at = None
+        if cause == "load":  # from the revoke that sent it back; a queued one moves as decided
+            self.move_delays.append(("load", 0.0 if revoked_at is None else now - revoked_at))
+        kv_from, transfer_id = "", 0
+        if cause is not None:
+            owner = self.workers[seq.owner]
+            if owner.moving_since is not None and cause in ("drain", "memory", "dead"):
+                self.move_delays.append((cause, now - owner.moving_since))
+            self.counters[f"migrations_{cause}"] += 1
+            self.counters[f"migrations_by_{mechanism}"] += 1
+            owner.owned.discard(seq.seq_id)
+            if mechanism == "transfer":
+                transfer_id = next(self._transfer_ids)
+                kv_from = owner.kv_endpoint
+                shipments.append((owner.name, seq.seq_id, w.kv_endpoint, transfer_id,
+                                  len(seq.token_ids) - 1))
+            elif owner.alive:
+                owner.pending_drops.append(seq.seq_id)
+        seq.owner = None
+        spec = seq.respec(kv_from, transfer_id)
+        seq.resync = False
+        return Row(seq.seq_id, len(seq.token_ids), seq.token_ids[-1], spec)
+
+    def cancel(self, seq_ids) -> int:
+        """Forget these sequences; returns how many were live. A queued one is dropped; a
+        leased one too, so its result is ignored when it comes back (as for any unknown
+        sequence). Whoever holds or is computing its KV is told to free it with its next lease."""
+        num = 0
+        for sid in map(int, seq_ids):
+            seq = self.seqs.pop(sid, None)
+            if seq is None:
+                continue
+            num += 1
+            holders = {seq.owner} | {lease.worker for lid in (seq.lease_id, seq.next_lease)
+                                     if lid is not None and (lease := self.leases.get(lid))}
+            self.queue.pop(seq)
+            self._set_owner(seq, None)
+            for name in holders - {None}:
+                if (w := self.workers.get(name)) is not None and w.alive:
+                    w.pending_drops.append(sid)
+        self.counters["cancelled"] += num
+        return num
+
+    # --- results -----------------------------------------------------------------------
+    def complete(self, lease_id: int, name: str, seq_ids: list[int], counts: list[int],
+                 tokens: list[int], status: list[int], now: float) -> Outcome:
+        lease = self.leases.get(lease_id)
+        if lease is None or lease.worker != name:
+            self.counters["stale_results"] += 1
+            return Outcome(False)
+        del self.leases[lease_id]
+        w = self.workers[name]
+        w.lease_ids.pop(lease_id, None)
+        w.last_seen = now
+        w.num_leased -= len(lease.seq_ids)
+        w.num_arriving -= lease.num_arriving
+        outcome = Outcome(True)
+        pos = 0
+        reported = set()
+        back = []  # still running here and not chained: queued again as this worker's
+        seqs = self.seqs
+        for sid, count, code in zip(seq_ids, counts, status):
+            new, pos = tokens[pos:pos + count], pos + count
+            seq = seqs.get(sid)
+            if seq is None or seq.lease_id != lease_id or sid in reported:
+                continue
+            reported.add(sid)
+            seq.lease_id, chained, seq.next_lease = None, seq.next_lease, None
+            if code in _FINISHED:
+                self._remove(seq)
+                outcome.finished.append((sid, Finish(code)))
+                continue
+            if code == Finish.NEED_IDS:
+                self._set_owner(seq, None)
+                self.counters["resends"] += 1
+                self._requeue(seq, front=True)  # a chained step fails too; its result is ignored
+                continue
+            seq.token_ids += new
+            if seq.owner != name:
+                self._set_owner(seq, name)
+            if chained is not None and chained in self.leases:
+                seq.lease_id = chained  # the next step is already at this worker
+            else:
+                seq.revoked_at = lease.revoked_at
+                back.append(seq)
+        self.queue.extend(back)
+        for sid in lease.seq_ids:  # rows the worker failed to report
+            seq = self.seqs.get(sid)
+            if sid not in reported and seq is not None and seq.lease_id == lease_id:
+                seq.lease_id = seq.next_lease = None
+                self._set_owner(seq, None)
+                self._requeue(seq, front=True)
+        return outcome
+
+    def expire(self, now: float) -> list[int]:
+        """Take back leases past their deadline and forget workers that stopped talking."""
+        expired = []
+        for lease_id, lease in list(self.leases.items()):
+            if lease.deadline <= now:
+                expired.append(lease_id)
+                self._revoke(lease_id)
+                self.counters["leases_expired"] += 1
+        for w in self.workers.values():
+            if w.alive and now - w.last_seen > self.config.heartbeat_timeout_s:
+                w.moving_since = now
+                held = len(w.owned | {sid for lease_id in w.lease_ids for sid in self.leases[lease_id].seq_ids})
+                self.lost.append((w.name, now - w.last_seen, held))
+                self._forget_worker(w, "dead", now)
+                w.alive = False
+                self.counters["workers_lost"] += 1
+        return expired
+
+    # --- internals ---------------------------------------------------------------------
+    def _revoke(self, lease_id: int) -> None:
+        lease = self.leases.pop(lease_id)
+        w = self.workers[lease.worker]
+        w.lease_ids.pop(lease_id, None)
+        w.num_leased -= len(lease.seq_ids)
+        w.num_arriving -= lease.num_arriving
+        for sid in lease.seq_ids:
+            seq = self.seqs.get(sid)
+            if seq is not None and seq.next_lease == lease_id:
+                seq.next_lease = None  # a chained step that will not happen; the current one stands
+            elif seq is not None and seq.lease_id == lease_id:
+                seq.lease_id = seq.next_lease = None
+                # The worker may or may not have run the step: its KV is not to be trusted.
+                self._set_owner(seq, None)
+                seq.resync = True
+                w.pending_drops.append(sid)
+                self._requeue(seq, front=True)
+
+    def _forget_worker(self, w: WorkerState, cause: str, now: float = 0.0) -> None:
+        lost = set(w.owned)
+        for lease_id in list(w.lease_ids):
+            lost.update(self.leases[lease_id].seq_ids)
+            self._revoke(lease_id)
+        if cause == "dead":
+            for sid in lost:
+                if (seq := self.seqs.get(sid)) is None:
+                    continue
+                if seq.owner == w.name:
+                    seq.owner = None
+                seq.resync = True
+                seq.lost_at = now
+                self.counters["migrations_dead"] += 1
+                self.counters["migrations_by_recompute"] += 1
+            w.owned.clear()
+            self.queue.rekey(self.seqs[sid] for sid in lost if sid in self.seqs)
+
+    def _set_owner(self, seq: Seq, name: str | None) -> None:
+        if seq.owner and seq.owner != name and (old := self.workers.get(seq.owner)):
+            old.owned.discard(seq.seq_id)
+        seq.owner = name
+        if name is not None:
+            self.workers[name].owned.add(seq.seq_id)
+        self.queue.rekey((seq,))
+
+    def _requeue(self, seq: Seq, front: bool = False) -> None:
+        self.queue.push(seq, front)
+
+    def _remove(self, seq: Seq) -> None:
+        self._set_owner(seq, None)
+        self.queue.pop(seq)
+        del self.seqs[seq.seq_id]
+        self.counters["finished"] += 1

@@ -1,0 +1,463 @@
+"""Every message that crosses a socket (their encoding is in codec.py).
+
+A message is a frozen dataclass. On the wire it is one msgpack array: the message type (a
+small integer) followed by the fields in declaration order. Fields are only ever appended,
+so a decoder accepts extra trailing fields from a newer peer and fills missing trailing
+fields that have defaults. The protocol version travels in `Hello`.
+
+Token ids travel as packed little-endian int32 (`pack_i32`), sequence ids as int64. Nothing
+here executes data: decoding is msgpack with hard size limits, then a type check of every
+field. A message that fails either raises `ProtocolError`; roles log it and go on.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import typing
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from qmigrate.wire.packed import (  # noqa: F401 (re-exported)
+    ProtocolError, _unpack, pack_i32, pack_i64, pack_u8, unpack_i32, unpack_i64, unpack_ids, unpack_u8,
+)
+
+PROTOCOL_VERSION = 1
+MAX_MESSAGE_BYTES = 64 << 20  # control and token messages; KV payloads travel as extra frames
+MAX_ARRAY_LEN = 1 << 20
+MAX_ID = (1 << 31) - 1
+MAX_STR = 1 << 16            # characters in any string field
+CONTINUE = -1
+ROUTE_STDOUT = 0   # a request's text is printed by the detokenizer
+ROUTE_INGEST = 1   # a request's text goes back to the ingest node that took it (HTTP)
+MAX_REPLY_TEXT = 1 << 16
+# One Submit carries up to this many prompts, and this many ids in all (16 MiB): a burst
+# reaches the router in a few acknowledged messages, so its first leases are full ones.
+SUBMIT_MAX_SEQS = 512
+SUBMIT_MAX_IDS = 1 << 22
+
+
+
+
+class MsgType(enum.IntEnum):
+    HELLO = 1
+    WELCOME = 2
+    REJECT = 3
+    HEARTBEAT = 4
+    WORK_REQUEST = 5
+    LEASE = 6
+    STEP_RESULT = 7
+    TOKENS = 8
+    SUBMIT = 9
+    SUBMIT_ACK = 10
+    REQUEST_META = 11
+    REQUEST_ERROR = 12
+    INPUT_CLOSED = 13
+    SHIP_KV = 14
+    KV_HEADER = 15
+    DRAIN = 16
+    DRAIN_ACK = 17
+    EXIT = 18
+    VRAM_REPORT = 19
+    FEED_LINES = 20
+    FEED_ACK = 21
+    STATS_REQUEST = 22
+    STATS = 23
+    REVOKE = 24
+    CANCEL = 30
+    REPLIES = 31
+    RESYNC = 35
+    PRINTED = 36
+
+
+class Finish(enum.IntEnum):
+    """Per-sequence status in results: NONE runs on, NEED_IDS asks for a resend, others end it."""
+
+    NONE = 0
+    EOS = 1
+    LENGTH = 2
+    STOP = 3
+    NEED_IDS = 4
+    ERROR = 5       # the worker cannot run this sequence at all (bad ids, too long)
+
+    @property
+    def reason(self) -> str:
+        return {1: "eos", 2: "length", 3: "stop", 5: "error"}.get(int(self), "")
+
+    @property
+    def is_finished(self) -> bool:
+        return self in (Finish.EOS, Finish.LENGTH, Finish.STOP, Finish.ERROR)
+
+
+# --- messages ----------------------------------------------------------------------------
+
+_BY_TYPE: dict[int, type] = {}
+
+
+def message(msg_type: MsgType):
+    def register(cls):
+        cls = dataclass(frozen=True, slots=True)(cls)
+        cls.TYPE = msg_type
+        cls._fields = _field_table(cls)
+        _BY_TYPE[int(msg_type)] = cls
+        return cls
+    return register
+
+
+def _field_table(cls) -> tuple:
+    """(name, type, has a default) per field, in wire order."""
+    hints = typing.get_type_hints(cls)
+    return tuple((f.name, hints[f.name], f.default is not dataclasses.MISSING
+                  or f.default_factory is not dataclasses.MISSING) for f in dataclasses.fields(cls))
+
+
+@dataclass(frozen=True, slots=True)
+class SeqSpec:
+    """Everything a worker needs to run a sequence it has never seen (the full form)."""
+
+    seq_id: int
+    token_ids: bytes          # int32: prompt followed by every token generated so far
+    prompt_len: int
+    max_new_tokens: int
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int = -1            # -1: no seed (a router-assigned one is used for sampling)
+    stop_ids: list[list[int]] = field(default_factory=list)
+    eos_ids: list[int] = field(default_factory=list)
+    kv_from: str = ""         # endpoint of the worker shipping this sequence's KV, if any
+    transfer_id: int = 0
+    resend_from: int = -1     # >= 0: send the detokenizer generated tokens from this index on
+
+    @property
+    def ids(self) -> np.ndarray:
+        return unpack_ids(self.token_ids, "seq.token_ids")
+
+    def validate(self) -> None:
+        if len(self.stop_ids) > 64:
+            raise ProtocolError("more than 64 stop sequences")
+        for ids in self.stop_ids + [self.eos_ids]:
+            if len(ids) > 64 or any(not 0 <= t <= MAX_ID for t in ids):
+                raise ProtocolError("stop or eos ids out of range")
+
+
+SeqSpec._fields = _field_table(SeqSpec)
+
+
+def submit_count(specs) -> int:
+    """How many of `specs`, taken in order, go in the next Submit: at most SUBMIT_MAX_SEQS
+    and SUBMIT_MAX_IDS ids together, and never none while any wait."""
+    n = ids = 0
+    for spec in specs:
+        ids += len(spec.token_ids) // 4
+        if n and (n >= SUBMIT_MAX_SEQS or ids > SUBMIT_MAX_IDS):
+            break
+        n += 1
+    return n
+
+
+@message(MsgType.HELLO)
+class Hello:
+    role: str
+    name: str
+    version: int = PROTOCOL_VERSION
+    info: dict[str, typing.Any] = field(default_factory=dict)  # flat str -> int/float/str/bool
+
+
+@message(MsgType.WELCOME)
+class Welcome:
+    version: int
+    heartbeat_interval_s: float
+    lease_timeout_s: float
+
+
+@message(MsgType.REJECT)
+class Reject:
+    reason: str
+    is_unknown_peer: bool = False   # "say hello first": may answer a message sent before a restart
+
+
+@message(MsgType.HEARTBEAT)
+class Heartbeat:
+    name: str
+    num_cached_seqs: int = 0
+    free_kv_tokens: int = -1
+    busy_ms: int = 0          # cumulative time spent running steps
+    idle_ms: int = 0          # cumulative time spent with no batch to run
+    lease_ids: bytes = b""    # int64: leases received and not yet answered; the router renews them
+
+
+@message(MsgType.WORK_REQUEST)
+class WorkRequest:
+    request_no: int
+    max_seqs: int
+    max_tokens: int
+    free_kv_tokens: int = -1
+
+
+@message(MsgType.LEASE)
+class Lease:
+    """A batch. Row i runs sequence seq_ids[i] whose total length after this step's input is
+    lengths[i]. Rows named in `full` carry their ids; every other row is a diff: the worker
+    already holds KV for lengths[i] - 1 tokens and feeds last_tokens[i]. A length of
+    CONTINUE (-1) chains the row to the step this worker is running for it now: it feeds the
+    token that step samples."""
+
+    lease_id: int
+    request_no: int
+    timeout_s: float
+    seq_ids: bytes            # int64
+    lengths: bytes            # int32
+    last_tokens: bytes        # int32
+    full: list[SeqSpec] = field(default_factory=list)
+    drop_ids: bytes = b""     # int64: sequences whose KV this worker may free
+    num_steps: int = 1
+
+
+@message(MsgType.STEP_RESULT)
+class StepResult:
+    """Row i produced counts[i] tokens (taken in order from tokens) and ended with status[i]."""
+
+    lease_id: int
+    seq_ids: bytes            # int64
+    counts: bytes             # int32
+    tokens: bytes             # int32
+    status: bytes             # uint8 Finish
+    free_kv_tokens: int = -1
+    evicted_ids: bytes = b""  # int64: sequences whose KV this worker evicted to make room
+
+    def validate(self) -> None:
+        _rows_agree("StepResult", self.seq_ids, self.counts, self.status, self.tokens)
+        status = unpack_u8(self.status, "StepResult.status")
+        if len(status) and status.max() > max(Finish):
+            raise ProtocolError("StepResult.status: unknown status code")
+
+
+@message(MsgType.TOKENS)
+class Tokens:
+    """New tokens for the detokenizer: seq_ids[i] gets counts[i] tokens starting at
+    generated-token index start[i]; finish[i] is a Finish code (0: still running)."""
+
+    seq_ids: bytes            # int64
+    start: bytes              # int32
+    counts: bytes             # int32
+    tokens: bytes             # int32
+    finish: bytes             # uint8
+
+    def validate(self) -> None:
+        _rows_agree("Tokens", self.seq_ids, self.counts, self.finish, self.tokens, self.start)
+
+
+@message(MsgType.SUBMIT)
+class Submit:
+    """Ingest to router, resent until acknowledged. req_ids[i] names seqs[i] in the output;
+    `errors` are [req_id, message] pairs of requests refused at ingest; num_requests >= 0
+    says the input is closed after that many requests (the detokenizer's end condition)."""
+
+    seqs: list[SeqSpec]
+    req_ids: list[str] = field(default_factory=list)
+    errors: list[list[str]] = field(default_factory=list)
+    num_requests: int = -1
+    routes: bytes = b""       # uint8: RequestMeta.route of seqs[i] (none: stdout)
+    notes: list[str] = field(default_factory=list)   # RequestMeta.note of seqs[i]
+
+    def validate(self) -> None:
+        if any(len(pair) != 2 for pair in self.errors):
+            raise ProtocolError("errors: expected [req_id, message] pairs")
+
+
+@message(MsgType.SUBMIT_ACK)
+class SubmitAck:
+    num_accepted: int
+    num_free: int
+
+
+@message(MsgType.REQUEST_META)
+class RequestMeta:
+    seq_id: int
+    req_id: str
+    prompt_ids: bytes         # int32, for priming the incremental decoder
+    route: int = ROUTE_STDOUT  # where the text goes: stdout, or back to the ingest node (HTTP)
+    note: str = ""            # for the final record, e.g. that max_new_tokens was clamped
+
+    def validate(self) -> None:
+        if self.route not in (ROUTE_STDOUT, ROUTE_INGEST):
+            raise ProtocolError(f"RequestMeta.route: unknown route {self.route}")
+
+
+@message(MsgType.REQUEST_ERROR)
+class RequestError:
+    req_id: str
+    message: str
+
+
+@message(MsgType.INPUT_CLOSED)
+class InputClosed:
+    num_requests: int
+
+
+@message(MsgType.SHIP_KV)
+class ShipKV:
+    seq_id: int
+    dest: str                 # KV endpoint of the receiving worker
+    transfer_id: int
+    num_tokens: int
+
+
+@message(MsgType.KV_HEADER)
+class KVHeader:
+    """Followed by one raw frame: the KV of num_tokens positions, shape given, dtype given."""
+
+    transfer_id: int
+    seq_id: int
+    num_tokens: int
+    dtype: str
+    shape: list[int]
+
+    def validate(self) -> None:
+        if len(self.shape) > 8 or any(not 0 <= d <= MAX_ID for d in self.shape):
+            raise ProtocolError("shape: out of range")
+
+
+@message(MsgType.DRAIN)
+class Drain:
+    worker: str
+
+
+@message(MsgType.DRAIN_ACK)
+class DrainAck:
+    ok: bool
+    message: str
+
+
+@message(MsgType.EXIT)
+class Exit:
+    reason: str
+
+
+@message(MsgType.VRAM_REPORT)
+class VramReport:
+    node: str
+    gpus: list[list[typing.Any]]  # [uuid, index, total, used, free, util_percent]
+
+    def validate(self) -> None:
+        for gpu in self.gpus:
+            if (len(gpu) < 5 or type(gpu[0]) is not str or len(gpu[0]) > 256
+                    or not all(type(x) is int and 0 <= x < 1 << 62 for x in gpu[1:5])):
+                raise ProtocolError("gpus: expected [uuid, index, total, used, free, ...]")
+
+
+@message(MsgType.FEED_LINES)
+class FeedLines:
+    lines: list[str]
+    eof: bool = False
+
+
+@message(MsgType.FEED_ACK)
+class FeedAck:
+    num_accepted: int
+    message: str = ""
+
+
+@message(MsgType.STATS_REQUEST)
+class StatsRequest:
+    pass
+
+
+@message(MsgType.STATS)
+class Stats:
+    counters: dict[str, typing.Any]
+    workers: list[list[typing.Any]] = field(default_factory=list)  # rows of observe.WORKER_COLUMNS
+    gpus: list[list[typing.Any]] = field(default_factory=list)     # rows of observe.GPU_COLUMNS
+
+
+@message(MsgType.REVOKE)
+class Revoke:
+    """Router to worker: end this lease at its next step boundary and answer it as usual (a
+    lease not yet started runs one step). seq_ids names the rows the router wants back."""
+
+    lease_id: int
+    seq_ids: bytes = b""      # int64
+
+
+@message(MsgType.CANCEL)
+class Cancel:
+    """Ingest to router and detokenizer: these sequences are no longer wanted. The router
+    forgets them (and has their KV freed), the detokenizer ends their output."""
+
+    seq_ids: bytes            # int64
+
+    def validate(self) -> None:
+        unpack_i64(self.seq_ids, "Cancel.seq_ids")
+
+
+@message(MsgType.REPLIES)
+class Replies:
+    """Detokenizer to ingest: text for requests routed back to it, and the end of every
+    request (so ingest knows which ids are live). Row i: texts[i] is new text of seq_ids[i]
+    (may be ""); num_tokens[i] tokens are generated so far; finish[i] is a Finish code
+    (NONE: still running) or FINISH_CANCELLED."""
+
+    seq_ids: bytes            # int64
+    finish: bytes             # uint8
+    num_tokens: bytes         # int32
+    texts: list[str]
+
+    def validate(self) -> None:
+        n = len(unpack_i64(self.seq_ids, "Replies.seq_ids"))
+        finish, counts = unpack_u8(self.finish, "Replies.finish"), unpack_i32(self.num_tokens, "Replies.num_tokens")
+        if not n == len(finish) == len(counts) == len(self.texts):
+            raise ProtocolError("Replies: arrays differ in length")
+        if n and (counts.min() < 0 or any(int(f) not in _REPLY_CODES for f in finish)):
+            raise ProtocolError("Replies: negative count or unknown finish code")
+        if sum(len(t) for t in self.texts) > MAX_REPLY_TEXT * max(1, n):
+            raise ProtocolError("Replies: text too long")
+
+
+FINISH_CANCELLED = 100
+_REPLY_CODES = {0, 1, 2, 3, 5, FINISH_CANCELLED}
+
+@message(MsgType.RESYNC)
+class Resync:
+    """Detokenizer to router, when it starts: send me every request not yet printed to its end
+    (metas, tokens so far, errors, the input's end); what was printed already is skipped."""
+
+    pid: int = 0
+
+
+@message(MsgType.PRINTED)
+class Printed:
+    """Detokenizer to router: these sequences are printed to their end (and journaled), so
+    the router may forget them."""
+
+    seq_ids: bytes            # int64
+
+
+def info_int(info: dict, key: str, default: int, low: int = 0, high: int = 1 << 62) -> int:
+    """An integer field of a Hello's `info` map, checked: absent gives the default; a
+    value of another type or out of [low, high] is a ProtocolError."""
+    value = info.get(key, default)
+    if type(value) is not int or not low <= value <= high:
+        raise ProtocolError(f"Hello.info[{key!r}]: expected an integer in [{low}, {high}], got {value!r}")
+    return value
+
+
+def info_str(info: dict, key: str, max_len: int = 512) -> str:
+    value = info.get(key, "")
+    if type(value) is not str or len(value) > max_len:
+        raise ProtocolError(f"Hello.info[{key!r}]: expected a string of at most {max_len} characters")
+    return value
+
+
+def _rows_agree(name: str, seq_ids: bytes, counts: bytes, codes: bytes, tokens: bytes, *more: bytes) -> None:
+    """Row arrays of one length; counts (already checked non-negative) add up to the tokens."""
+    n = len(seq_ids) // 8
+    if not (n == len(counts) // 4 == len(codes) and all(len(m) // 4 == n for m in more)):
+        raise ProtocolError(f"{name}: row arrays differ in length")
+    if int(unpack_i32(counts, f"{name}.counts").sum()) != len(tokens) // 4:
+        raise ProtocolError(f"{name}: counts do not add up to the tokens")
+
+
+# Encoding and decoding live in codec.py (the checks of every field against its type and range).
+from qmigrate.wire.codec import decode, encode  # noqa: E402,F401 -- P.encode / P.decode for every role

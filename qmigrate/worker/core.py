@@ -1,0 +1,322 @@
+"""What a worker does with a lease, without sockets: rows in, results and tokens out.
+
+The worker keeps, per sequence it holds KV for, the sampling parameters from the full
+form it first received; after that only diffs arrive (length and last token). A diff
+for a sequence whose KV is not here (evicted, worker restarted) is answered NEED_IDS,
+and the router resends the full form.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from qmigrate.wire import protocol as P
+from qmigrate.engine.kvcache import landed
+from qmigrate.engine.runner import REFUSED, Engine, StepRow
+from qmigrate.wire.protocol import Finish
+from qmigrate.ops.trace import OFF
+
+log = logging.getLogger(__name__)
+
+ERROR = Finish.ERROR
+MAX_TRANSFERS = 64  # shipments kept while their lease has not come
+
+
+@dataclass(slots=True)
+class SeqState:
+    prompt_len: int
+    max_new_tokens: int
+    temperature: float
+    top_p: float
+    top_k: int
+    seed: int
+    stop_ids: list[list[int]]
+    eos_ids: frozenset[int]
+    tail: list[int] = field(default_factory=list)   # recent tokens, for stop sequences
+    last_token: int = -1                            # sampled here, not yet in the KV
+
+    @classmethod
+    def from_spec(cls, spec: P.SeqSpec, ids: np.ndarray) -> "SeqState":
+        keep = max((len(s) for s in spec.stop_ids), default=0)
+        seed = spec.seed if spec.seed >= 0 else spec.seq_id
+        tail = ids[spec.prompt_len:].tolist()[-keep:] if keep else []
+        return cls(spec.prompt_len, spec.max_new_tokens, spec.temperature, spec.top_p, spec.top_k,
+                   seed, spec.stop_ids, frozenset(spec.eos_ids), tail)
+
+    def finish_after(self, token: int, index: int, length: int, max_len: int) -> Finish:
+        """Status once `token`, generated token number `index`, joined a sequence of `length`."""
+        if token in self.eos_ids:
+            return Finish.EOS
+        if self.stop_ids:
+            self.tail.append(token)
+            keep = max(len(s) for s in self.stop_ids)
+            del self.tail[:-keep]
+            if any(self.tail[-len(s):] == s for s in self.stop_ids if s):
+                return Finish.STOP
+        if index + 1 >= self.max_new_tokens or length >= max_len:
+            return Finish.LENGTH
+        return Finish.NONE
+
+
+@dataclass(slots=True)
+class Started:
+    """A lease whose first step is on the device."""
+
+    lease: P.Lease
+    seq_ids: list[int]
+    status: dict[int, Finish]
+    out: dict[int, list[int]]
+    rows: list[StepRow] = field(default_factory=list)
+    first_index: dict[int, int] = field(default_factory=dict)
+    resend: dict[int, list[int]] = field(default_factory=dict)
+    pending: object = None
+    shown: dict[int, int] = field(default_factory=dict)   # tokens already sent to the detokenizer
+    announced: set[int] = field(default_factory=set)      # rows whose end it has been sent
+    ended: set[int] = field(default_factory=set)          # rows whose status is a finish (cheap to test)
+    lost: list[int] = field(default_factory=list)         # rows cut short with their KV dropped
+
+
+@dataclass(slots=True)
+class Transfer:
+    seq_id: int
+    kv: torch.Tensor | None   # None: the owner had nothing to send
+    arrived: float
+
+
+class WorkerCore:
+    def __init__(self, engine: Engine):
+        self.engine = engine
+        self.seqs: dict[int, SeqState] = {}
+        self.transfers: dict[int, Transfer] = {}
+        self.num_steps = 0
+        self.trace = OFF   # the worker's step timeline (`trace.py`), when it keeps one
+
+    @property
+    def free_tokens(self) -> int:
+        return self.engine.free_tokens
+
+    def drop(self, seq_ids) -> None:
+        for sid in seq_ids:
+            self.seqs.pop(int(sid), None)
+            self.engine.release(int(sid))
+
+    def receive_transfer(self, transfer_id: int, seq_id: int, kv: torch.Tensor | None) -> None:
+        self.transfers[transfer_id] = Transfer(seq_id, kv, time.monotonic())
+        if len(self.transfers) > MAX_TRANSFERS:
+            oldest = min(self.transfers, key=lambda t: self.transfers[t].arrived)
+            del self.transfers[oldest]
+
+    def export(self, seq_id: int, num_tokens: int) -> torch.Tensor | None:
+        """The KV to ship for seq_id, then forget it here; None if it is not held."""
+        return landed(*self.export_started(seq_id, num_tokens))
+
+    def export_started(self, seq_id: int, num_tokens: int) -> tuple[torch.Tensor | None, object]:
+        """As `export`, without waiting for the device: the KV is in the tensor once the
+        returned event has passed (None: now)."""
+        kv = copied = None
+        if self.engine.cached_len(seq_id) >= num_tokens > 0:
+            kv, copied = self.engine.export_kv_started(seq_id, num_tokens)
+        self.drop([seq_id])
+        return kv, copied
+
+    def awaited_transfers(self, lease: P.Lease) -> set[int]:
+        return {s.transfer_id for s in lease.full if s.kv_from and s.transfer_id not in self.transfers}
+
+    def run(self, lease: P.Lease) -> tuple[P.StepResult, P.Tokens]:
+        return self.finish(self.start(lease))
+
+    def start(self, lease: P.Lease, after: "Started | None" = None, between=None) -> "Started":
+        """Launch the lease's first step and return at once. `after` is a lease started
+        before and not yet finished: rows chained to it (CONTINUE) feed the tokens its step
+        samples straight from the device, so the next step is queued before that one ends."""
+        self.drop(P.unpack_i64(lease.drop_ids, "drop_ids"))
+        seq_ids = P.unpack_i64(lease.seq_ids, "seq_ids").tolist()
+        lengths = P.unpack_i32(lease.lengths, "lengths").tolist()
+        last = P.unpack_i32(lease.last_tokens, "last_tokens").tolist()
+        if not len(seq_ids) == len(lengths) == len(last):
+            raise P.ProtocolError("lease arrays differ in length")
+        full = {s.seq_id: s for s in lease.full}
+        run = Started(lease, seq_ids, {sid: Finish.NONE for sid in seq_ids}, {sid: [] for sid in seq_ids})
+        protect = set(seq_ids)
+        for spec in lease.full:
+            if spec.resend_from >= 0:
+                run.resend[spec.seq_id] = spec.ids[spec.prompt_len + spec.resend_from:].tolist()
+        for sid, length, token in zip(seq_ids, lengths, last):
+            spec = full.get(sid)
+            row = self._row(sid, length, token, spec, protect, after)
+            if isinstance(row, StepRow):
+                run.rows.append(row)
+                run.first_index[sid] = row.index
+            else:
+                run.status[sid] = row
+                if row.is_finished:
+                    run.ended.add(sid)
+                if spec is not None:  # tokens before this point came from other workers
+                    run.first_index[sid] = max(0, length - spec.prompt_len)
+        if run.rows:
+            run.pending = self.engine.launch(run.rows, after=after.pending if after else None, between=between)
+        return run
+
+    def finish(self, run: "Started", on_step=None, revoked: frozenset[int] | None = frozenset(),
+               on_last_launch=None) -> tuple[P.StepResult, P.Tokens]:
+        """Wait for the lease's first step, run any further steps, and build its messages.
+
+        A lease of num_steps > 1 runs up to that many steps, each launched before the last
+        is collected. After every step but the last, on_step(tokens) gets that step's Tokens
+        for the detokenizer (streaming stays one step behind) and returns the rows revoked so
+        far (`revoked`: None for every row). A revoked row stops at the next step not yet
+        launched, keeping the tokens it produced; its KV stays here, as after any step.
+        Once its last step is launched, on_last_launch() may launch the next lease behind it
+        (`run.pending` is then that last step, which the next lease's chained rows feed from),
+        so the device does not wait for the host between two leases.
+        Returns the StepResult of the whole lease and the Tokens not yet given to on_step."""
+        pending, launched, more = run.pending, 1, True
+        while pending is not None:
+            nxt = None
+            if more and launched < max(1, run.lease.num_steps):
+                rows = self._continuing(run, pending, revoked)
+                nxt = self.engine.launch(rows, after=pending) if rows else None
+                self.trace("launch", len(rows))
+                launched += 1
+            if more and (nxt is None or launched >= run.lease.num_steps):
+                more = False
+                run.pending = nxt or pending
+                if on_last_launch is not None:
+                    on_last_launch()
+            self.trace("collect_begin", len(pending.rows))
+            tokens = self.engine.collect(pending)
+            self.trace("collect_end")
+            self.num_steps += 1
+            self._advance(run, pending.rows, tokens)
+            pending = nxt
+            if pending is not None and on_step is not None:
+                revoked = on_step(self._tokens(run, final=False))
+        return self._result(run), self._tokens(run, final=True)
+
+    def _continuing(self, run: "Started", pending, revoked: frozenset[int] | None) -> list[StepRow]:
+        """Rows of the next step of a multi-step lease, fed the tokens `pending` samples.
+        (Runs every step for every row: kept to plain lookups.)"""
+        if revoked is None:
+            return []
+        seqs, ended, max_len, rows = self.seqs, run.ended, self.engine.max_len, []
+        for i in pending.placed:
+            r = pending.rows[i]
+            sid = r.seq_id
+            if sid in ended or sid in revoked or (state := seqs.get(sid)) is None:
+                continue
+            start = r.start + (len(r.new_ids) or 1)
+            if r.index + 1 >= state.max_new_tokens or start + 1 >= max_len:
+                continue  # ends with the step in flight (a length limit is known in advance)
+            rows.append(StepRow(sid, [], start, r.index + 1, r.temperature, r.top_p, r.top_k, r.seed))
+        return rows
+
+    def _row(self, sid: int, length: int, token: int, spec: P.SeqSpec | None, protect: set[int],
+             after: "Started | None" = None):
+        vocab = self.engine.vocab_size
+        if spec is not None:
+            ids = spec.ids
+            if len(ids) != length or length == 0 or spec.prompt_len <= 0 or (ids >= vocab).any():
+                log.warning("sequence %d: inconsistent or out-of-vocabulary full form", sid)
+                return ERROR
+            if length > self.engine.max_len:
+                return ERROR
+            state = self.seqs[sid] = SeqState.from_spec(spec, ids)
+            start = self._take_transfer(spec, length, protect)
+            new = ids[start:].tolist()
+        elif length == P.CONTINUE:
+            state = self.seqs.get(sid)
+            if state is None:  # dropped here meanwhile (the router took it back): resend it whole
+                return Finish.NEED_IDS
+            in_flight = after is not None and sid in after.out
+            if in_flight and after.pending is not None and sid in after.pending.row_of:
+                start, new = self.engine.cached_len(sid), []   # fed on the device
+            elif in_flight or state is None or state.last_token < 0 or self.engine.cached_len(sid) < 0:
+                return Finish.NEED_IDS
+            else:
+                start, new = self.engine.cached_len(sid), [state.last_token]
+            length = start + 1
+        else:
+            state = self.seqs.get(sid)
+            if state is None or self.engine.cached_len(sid) < length - 1 or not 0 <= token < vocab:
+                return Finish.NEED_IDS
+            start, new = length - 1, [token]
+        return StepRow(sid, new, start, length - state.prompt_len, state.temperature,
+                       state.top_p, state.top_k, state.seed)
+
+    def _take_transfer(self, spec: P.SeqSpec, length: int, protect: set[int]) -> int:
+        """Positions whose KV arrived by transfer (0 when it did not: recompute)."""
+        if not spec.kv_from:
+            self.engine.release(spec.seq_id)
+            return 0
+        transfer = self.transfers.pop(spec.transfer_id, None)
+        e = self.engine
+        expected = (e.num_layers, 2, length - 1, e.num_kv_heads, e.head_dim)
+        if transfer is None or transfer.kv is None or tuple(transfer.kv.shape) != expected \
+                or not e.import_kv(spec.seq_id, transfer.kv, protect):
+            e.release(spec.seq_id)
+            return 0
+        return length - 1
+
+    def _advance(self, run: "Started", rows: list[StepRow], tokens: list[int]) -> None:
+        status, out, ended, seqs, max_len = run.status, run.out, run.ended, self.seqs, self.engine.max_len
+        for row, token in zip(rows, tokens):
+            sid = row.seq_id
+            if sid in ended:
+                continue  # a step launched before the one that ended the row was collected
+            state = seqs.get(sid)
+            if token == REFUSED or state is None:
+                # no room in the pool (the router places it again), or a step queued behind
+                # one that ended the sequence: nothing more to report
+                self.drop([sid])
+                if out[sid]:
+                    # Earlier steps of this lease produced tokens, and the detokenizer may have
+                    # shown them: report them, and that the KV is gone (as an eviction).
+                    if sid not in run.lost:
+                        run.lost.append(sid)
+                else:
+                    status[sid] = Finish.NEED_IDS
+                continue
+            state.last_token = token
+            out[sid].append(token)
+            length = row.start + (len(row.new_ids) or 1) + 1   # tokens, the new one included
+            code = state.finish_after(token, row.index, length, max_len)
+            status[sid] = code
+            if code is not Finish.NONE:
+                ended.add(sid)
+                self.drop([sid])
+
+    def _result(self, run: "Started") -> P.StepResult:
+        sids = run.seq_ids
+        return P.StepResult(run.lease.lease_id, P.pack_i64(sids), P.pack_i32([len(run.out[s]) for s in sids]),
+                            P.pack_i32([t for s in sids for t in run.out[s]]),
+                            P.pack_u8([int(run.status[s]) for s in sids]), self.free_tokens,
+                            P.pack_i64(self.engine.take_evicted() + run.lost))
+
+    def _tokens(self, run: "Started", final: bool) -> P.Tokens:
+        """For the detokenizer: tokens not sent yet (after any it may have missed), and the
+        end of rows that ended; in the `final` one a row's code is its status at the end."""
+        shown, sent_of, out, ended, announced = [], run.shown, run.out, run.ended, run.announced
+        for sid in run.seq_ids:
+            tokens = out[sid]
+            sent = sent_of.get(sid, 0)
+            ends = sid in ended and sid not in announced
+            resend = run.resend.pop(sid, []) if run.resend else []
+            if not (len(tokens) > sent or resend or ends or final):
+                continue
+            code = run.status[sid]
+            new = tokens[sent:]
+            if not (new or resend or ends):
+                continue
+            start = run.first_index.get(sid, 0) + sent - len(resend)
+            shown.append((sid, start, resend + new, int(code) if (final or ends) else 0))
+            sent_of[sid] = sent + len(new)
+            if ends:
+                announced.add(sid)
+        return P.Tokens(P.pack_i64([x[0] for x in shown]), P.pack_i32([x[1] for x in shown]),
+                        P.pack_i32([len(x[2]) for x in shown]), P.pack_i32([t for x in shown for t in x[2]]),
+                        P.pack_u8([x[3] for x in shown]))
