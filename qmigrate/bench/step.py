@@ -119,20 +119,24 @@ def run_decode_steps(model_path: str, device: str, batches: list[int], context: 
         if profile and batch == 64:
             _profile_forward(engine, decode, device)
         mixed_ms, prefill_ms = _admission_steps(engine, device, batch, rows_now, r)
+        mixed_gpu_ms = _mixed_device_ms(engine, device, batch, rows_now, r,
+                                        profile and batch == max(batches))
         for i in range(batch):
             engine.release(i)
         results.append({"batch": batch, "context": context, "step_ms": step_ms, "overlap_ms": overlap_ms,
                         "overlap_x_floor": overlap_ms / floor_ms, "gpu_ms": gpu_ms,
                         "floor_ms": floor_ms, "step_x_floor": step_ms / floor_ms,
                         "gpu_x_floor": gpu_ms / floor_ms, "mixed_ms": mixed_ms, "prefill_ms": prefill_ms,
+                        "mixed_gpu_ms": mixed_gpu_ms,
                         "mixed_prompt": MIXED_PROMPT})
     lines = [f"{'batch':>5} {'step ms':>8} {'x floor':>8} {'overlap':>8} {'x floor':>8} {'gpu ms':>8} {'x floor':>8}"
-             f" {'mixed':>8} {'prefill':>8}"]
+             f" {'mixed':>8} {'mix gpu':>8} {'prefill':>8}"]
     lines += [f"{x['batch']:5d} {x['step_ms']:8.2f} {x['step_x_floor']:8.1f} {x['overlap_ms']:8.2f} "
               f"{x['overlap_x_floor']:8.1f} {x['gpu_ms']:8.2f} {x['gpu_x_floor']:8.1f} "
-              f"{x['mixed_ms']:8.2f} {x['prefill_ms']:8.2f}" for x in results]
+              f"{x['mixed_ms']:8.2f} {x['mixed_gpu_ms']:8.2f} {x['prefill_ms']:8.2f}" for x in results]
     print(f"decode step, context {context}, {engine.runner.name} runner, floor {floor_ms:.3f} ms; "
-          f"mixed: the same step with a new prompt of {MIXED_PROMPT} tokens, prefill: that prompt alone")
+          f"mixed: the same step with a new prompt of {MIXED_PROMPT} tokens (mix gpu: its forwards queued back to "
+          f"back), prefill: that prompt alone")
     print("\n".join(lines))
     if json_path is not None:
         json_path.write_text(json.dumps({"runner": engine.runner.name, "describe": engine.describe(),
@@ -161,14 +165,38 @@ def _admission_steps(engine, device: str, batch: int, rows_now, r: random.Random
     return tuple(sorted(t)[len(t) // 2] * 1000 for t in times.values())
 
 
-def _profile_forward(engine, decode, device: str) -> None:
-    """Where one decode forward's device time goes, by kernel."""
+def _mixed_device_ms(engine, device: str, batch: int, rows_now, r: random.Random, profile: bool,
+                     num_steps: int = 10) -> float:
+    """Device ms of the mixed step's forward alone: forwards queued with no host sync between
+    them (each rewrites the same KV positions), as `gpu` is for the decode step."""
+    from qmigrate.engine.batch import StepBatch
+    from qmigrate.engine.runner import StepRow
+    rows = rows_now() + [StepRow(batch, [r.randint(10, 31000) for _ in range(MIXED_PROMPT)], 0, 0)]
+    engine.place(rows)
+    mixed = StepBatch.build(engine.pool, [x.seq_id for x in rows], [x.new_ids for x in rows],
+                            [x.start for x in rows])
+    with torch.inference_mode():
+        engine.runner.forward(mixed)
+        torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        for _ in range(num_steps):
+            engine.runner.forward(mixed).argmax(-1)
+        torch.cuda.synchronize(device)
+    ms = (time.perf_counter() - t0) / num_steps * 1000
+    if profile:
+        _profile_forward(engine, mixed, device, "mixed")
+    engine.release(batch)
+    return ms
+
+
+def _profile_forward(engine, decode, device: str, what: str = "decode") -> None:
+    """Where one forward's device time goes, by kernel."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
     with torch.inference_mode(), torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(5):
             engine.runner.forward(decode)
         torch.cuda.synchronize(device)
-    print(f"profile: 5 decode forwards of {decode.num_rows} rows", file=sys.stderr)
+    print(f"profile: 5 {what} forwards of {decode.num_rows} rows", file=sys.stderr)
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=60),
           file=sys.stderr)

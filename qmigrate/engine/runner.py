@@ -129,7 +129,8 @@ class Engine:
         before = torch.cuda.memory_allocated(self.device)
         with torch.inference_mode():
             logits = self.runner.forward(batch)
-            sample(logits.expand(cfg.max_batch, -1).contiguous(),
+            # one row's logits copied to max_batch rows (the step above may have fewer rows)
+            sample(logits[:1].expand(cfg.max_batch, -1).contiguous(),
                    SamplingRows.build([1.0] * cfg.max_batch, [0.9] * cfg.max_batch, [50] * cfg.max_batch,
                                       [0] * cfg.max_batch, [0] * cfg.max_batch, self.device))
         torch.cuda.synchronize(self.device)
