@@ -284,6 +284,37 @@ def test_a_continued_decode_step_has_the_arrays_a_fresh_build_gives(model):
             assert got.block_table[i, :used].tolist() == want.block_table[i, :used].tolist(), (trial, sid)
 
 
+def test_a_step_batch_is_what_its_rows_give_one_at_a_time():
+    """build's arrays, made over the whole step at once, against each row's own: decode rows
+    and prompts mixed, cached prefixes, sequences holding blocks past their length; and a
+    sequence with too few blocks for its positions is refused, not sent to the null block."""
+    from qmigrate.engine.kvcache import BlockPool
+    rng = random.Random(11)
+    pool = BlockPool(1, 1, 4, 4000, 4, torch.float32, torch.device("cpu"))
+    for trial in range(60):
+        seq_ids = [100 * trial + i for i in range(rng.randint(1, 10))]
+        starts = [rng.randint(0, 50) for _ in seq_ids]
+        one = trial % 3 == 0   # steps of decode rows only take build's other branch
+        new_ids = [[rng.randint(0, 99) for _ in range(1 if one or rng.random() < 0.6 else rng.randint(2, 30))]
+                   for _ in seq_ids]
+        for sid, start, new in zip(seq_ids, starts, new_ids):
+            pool.grow(sid, start + len(new) + rng.choice([0, 0, 9]))
+        batch = StepBatch.build(pool, seq_ids, new_ids, starts)
+        assert batch.ids.tolist() == [t for new in new_ids for t in new]
+        assert batch.positions.tolist() == [p for st, new in zip(starts, new_ids) for p in range(st, st + len(new))]
+        assert batch.slot_mapping.tolist() == [pool.slot(sid, p) for sid, st, new in zip(seq_ids, starts, new_ids)
+                                               for p in range(st, st + len(new))]
+        assert batch.seq_lens.tolist() == [st + len(new) for st, new in zip(starts, new_ids)]
+        width = pool.blocks_for(max(batch.seq_lens.tolist()))
+        assert batch.block_table.tolist() == [(pool.blocks[sid] + [0] * width)[:width] for sid in seq_ids]
+        assert batch.max_query_len == max(len(n) for n in new_ids)
+        for sid in seq_ids:
+            pool.release(sid)
+    pool.grow(1, 8)
+    with pytest.raises(IndexError, match="too few"):
+        StepBatch.build(pool, [1], [[5, 6]], [7])
+
+
 @pytest.mark.parametrize("runner", ["hf", "fast"])
 def test_steps_that_continue_the_step_before_take_the_array_path(model, prompts, greedy, runner):
     """Decode rows one token on from the step before go the array way, with the same tokens;

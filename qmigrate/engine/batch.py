@@ -8,6 +8,7 @@ row's past; `last[b]` is the index of row b's last token, whose logits are sampl
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import numpy as np
@@ -45,23 +46,33 @@ class StepBatch:
     @classmethod
     def build(cls, pool: BlockPool, seq_ids: list[int], new_ids: list[list[int]],
               starts: list[int]) -> "StepBatch":
-        lens = np.fromiter((len(n) for n in new_ids), dtype=np.int32, count=len(new_ids))
+        """Array operations over the whole step rather than a pass per row: a step of a full
+        batch of decode rows plus a prompt has hundreds of rows, and per-row work on the host
+        is time the device waits for."""
+        num_rows = len(seq_ids)
+        lens = np.fromiter((len(n) for n in new_ids), dtype=np.int32, count=num_rows)
         starts_a = np.asarray(starts, dtype=np.int64)
-        query_start = np.zeros(len(seq_ids) + 1, dtype=np.int32)
+        query_start = np.zeros(num_rows + 1, dtype=np.int32)
         np.cumsum(lens, out=query_start[1:])
         seq_lens = (starts_a + lens).astype(np.int32)
+        num_tokens = int(query_start[-1])
         if int(lens.max()) == 1:
-            ids = np.fromiter((n[0] for n in new_ids), dtype=np.int64, count=len(new_ids))
+            ids = np.fromiter((n[0] for n in new_ids), dtype=np.int64, count=num_rows)
+            row = np.arange(num_rows)
             positions = starts_a
-            slots = np.fromiter((pool.slot(s, p) for s, p in zip(seq_ids, starts)),
-                                dtype=np.int64, count=len(seq_ids))
         else:
-            ids = np.concatenate([np.asarray(n, dtype=np.int64) for n in new_ids])
-            positions = np.concatenate([np.arange(s, s + n) for s, n in zip(starts, lens)])
-            slots = np.concatenate([pool.slots(s, st, st + n) for s, st, n in zip(seq_ids, starts, lens)])
-        width = pool.blocks_for(int(seq_lens.max()))
-        return cls(list(seq_ids), ids, positions, slots, query_start, seq_lens,
-                   pool.block_table(seq_ids, width), int(lens.max()))
+            ids = np.fromiter(itertools.chain.from_iterable(new_ids), dtype=np.int64, count=num_tokens)
+            row = np.repeat(np.arange(num_rows), lens)                         # row of each token
+            positions = starts_a[row] + np.arange(num_tokens) - query_start[row]
+        held = np.fromiter((len(pool.blocks[s]) for s in seq_ids), dtype=np.int64, count=num_rows)
+        short = np.flatnonzero(held * pool.block_size < seq_lens)
+        if short.size:
+            i = int(short[0])
+            raise IndexError(f"sequence {seq_ids[i]} holds {held[i]} blocks, too few for {seq_lens[i]} positions")
+        table = pool.block_table(seq_ids, pool.blocks_for(int(seq_lens.max())))
+        bs = pool.block_size
+        slots = table[row, positions // bs].astype(np.int64) * bs + positions % bs
+        return cls(list(seq_ids), ids, positions, slots, query_start, seq_lens, table, int(lens.max()))
 
     def continued(self, pool: BlockPool, seq_ids: list[int], rows: np.ndarray) -> "StepBatch":
         """The decode step after this one for its rows `rows` (in that order), each

@@ -14,6 +14,8 @@ reports them to the router, which then recomputes them wherever they run next.
 
 from __future__ import annotations
 
+import itertools
+
 from collections import OrderedDict
 
 import numpy as np
@@ -145,11 +147,11 @@ class BlockPool:
     def block_table(self, seq_ids, width: int) -> np.ndarray:
         """[len(seq_ids), width] int32; entries past a sequence's blocks point at block 0."""
         table = np.zeros((len(seq_ids), width), dtype=np.int32)
-        for i, sid in enumerate(seq_ids):
-            blocks = self.blocks[sid]
-            if len(blocks) > width:  # it holds blocks past its length (it was cut back)
-                blocks = blocks[:width]
-            table[i, :len(blocks)] = blocks
+        # a sequence may hold blocks past its length (it was cut back): only `width` count
+        lists = [self.blocks[sid][:width] for sid in seq_ids]
+        counts = np.fromiter((len(b) for b in lists), dtype=np.int64, count=len(lists))
+        flat = np.fromiter(itertools.chain.from_iterable(lists), dtype=np.int32, count=int(counts.sum()))
+        table[np.arange(width) < counts[:, None]] = flat   # row-major, as `flat` runs
         return table
 
     # --- shipping ----------------------------------------------------------------------------
