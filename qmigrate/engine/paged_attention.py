@@ -151,30 +151,21 @@ def decode_scratch(batch: int, num_heads: int, head_dim: int, num_splits: int, d
 
 
 def decode_attention(q, k_cache, v_cache, seq_lens, block_tables, scale, out=None,
-                     num_splits: int | None = None, scratch=None, tiles: tuple[int, int, int] | None = None,
-                     query_start=None):
+                     num_splits: int | None = None, scratch=None, tiles: tuple[int, int, int] | None = None):
     """One query per row: q [B, Hq, D] -> [B, Hq, D]. No host sync; the grid follows shapes.
 
     With split-K the partials need scratch; without one it is allocated once per shape and
     reused, so only a call of a new shape allocates (warm up before capturing a graph).
     `tiles` (keys per tile, warps, pipeline stages) replaces decode_tiles' choice (timing only).
-
-    With `query_start` [B+1], q and out are a varlen step's tokens [T, Hq, D] and only the
-    rows of exactly one query are computed (in one split); `out` is then required, and the
-    other rows' tokens are left as they are.
     """
     group, num_kv_heads, head_dim, block_size = _check(q, k_cache, v_cache, block_tables)
-    batch, num_heads = seq_lens.shape[0], q.shape[1]
-    varlen = query_start is not None
-    assert block_tables.shape[0] == batch
-    assert (query_start.shape[0] == batch + 1 and out is not None) if varlen else q.shape[0] == batch
+    batch, num_heads = q.shape[0], q.shape[1]
+    assert seq_lens.shape[0] == batch and block_tables.shape[0] == batch
     if out is None:
         out = torch.empty_like(q)
     if batch == 0:
         return out
-    if varlen:
-        num_splits = 1
-    elif num_splits is None:
+    if num_splits is None:
         num_splits = decode_splits(batch, num_kv_heads, block_tables.shape[1] * block_size, q.device)
     block_n, num_warps, num_stages = tiles or decode_tiles(head_dim)
     if num_splits > 1:
@@ -189,12 +180,12 @@ def decode_attention(q, k_cache, v_cache, seq_lens, block_tables, scale, out=Non
         part_lse = out  # unused when there is one split
         dst, dst_strides = out, (out.stride(0), out.stride(1), 0, 0, 0)
     _decode_kernel[(batch, num_kv_heads, num_splits)](
-        q, k_cache, v_cache, seq_lens, block_tables, dst, part_lse, query_start if varlen else seq_lens,
+        q, k_cache, v_cache, seq_lens, block_tables, dst, part_lse,
         scale * LOG2E, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
         k_cache.stride(2), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_tables.stride(0), *dst_strides,
         GROUP=group, GROUP_PAD=max(16, _next_pow2(group)), HEAD_DIM=head_dim,
-        BLOCK_SIZE=block_size, BLOCK_N=block_n, NUM_SPLITS=num_splits, VARLEN=varlen,
+        BLOCK_SIZE=block_size, BLOCK_N=block_n, NUM_SPLITS=num_splits,
         DOT_PRECISION=_dot_precision(q.dtype), num_warps=num_warps, num_stages=num_stages)
     if num_splits > 1:
         _merge_splits_kernel[(batch, num_heads)](
@@ -209,13 +200,11 @@ def decode_attention(q, k_cache, v_cache, seq_lens, block_tables, scale, out=Non
 def prefill_tiles(query_start, num_tokens: int, block_q: int, max_query_len: int):
     """(row, first query) of every BLOCK_Q-query tile, int32 [num_tiles]; no host sync.
 
-    Rows of one query get no tile: prefill_attention runs them through the decode kernel.
     num_tiles is a bound from the arguments alone; the tiles past the real ones get row -1.
     """
     batch = query_start.shape[0] - 1
     num_tiles = min(_cdiv(num_tokens, block_q) + batch, batch * _cdiv(max_query_len, block_q))
-    num_q = query_start[1:] - query_start[:-1]
-    counts = torch.where(num_q > 1, (num_q + block_q - 1) // block_q, 0)   # tiles per row
+    counts = (query_start[1:] - query_start[:-1] + block_q - 1) // block_q   # tiles per row
     ends = counts.cumsum(0)
     tile = torch.arange(num_tiles, device=query_start.device)
     rows = torch.searchsorted(ends, tile, right=True)
@@ -249,12 +238,7 @@ def prefill_plan(query_start, num_tokens: int, max_query_len: int, num_heads: in
 
 def prefill_attention(q, k_cache, v_cache, query_start, seq_lens, block_tables, scale,
                       max_query_len: int, out=None, plan: PrefillPlan | None = None):
-    """Any number of queries per row, after any cached prefix: q [T, Hq, D] -> [T, Hq, D].
-
-    Two launches over disjoint tokens of q and out: rows of several queries in tiles of the
-    prefill kernel, rows of one (decode rows of a step with prompts) in the decode kernel. A
-    one-query row in a prefill tile would fill BLOCK_Q query slots with one, and a graph of a
-    token bucket plans for tiles as long as the bucket (BLOCK_Q 16 at Hq 32, Hkv 4, D 64)."""
+    """Any number of queries per row, after any cached prefix: q [T, Hq, D] -> [T, Hq, D]."""
     group, num_kv_heads, head_dim, block_size = _check(q, k_cache, v_cache, block_tables)
     if out is None:
         out = torch.empty_like(q)
@@ -264,7 +248,6 @@ def prefill_attention(q, k_cache, v_cache, query_start, seq_lens, block_tables, 
     if plan is None:
         plan = prefill_plan(query_start, q.shape[0], max_query_len, q.shape[1], num_kv_heads, head_dim)
     block_m = plan.block_m
-    decode_attention(q, k_cache, v_cache, seq_lens, block_tables, scale, out=out, query_start=query_start)
     _prefill_kernel[(plan.tile_rows.shape[0], num_kv_heads)](
         q, k_cache, v_cache, query_start, seq_lens, block_tables, plan.tile_rows, plan.tile_first, out,
         scale * LOG2E, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),

@@ -48,30 +48,21 @@ def _attend(acc, m_i, l_i, q, k_ptr, v_ptr, table_ptr, n0, key_end, qpos, offs_d
 
 
 @triton.jit
-def _decode_kernel(q_ptr, k_ptr, v_ptr, seq_lens_ptr, tables_ptr, out_ptr, lse_ptr, query_start_ptr,
+def _decode_kernel(q_ptr, k_ptr, v_ptr, seq_lens_ptr, tables_ptr, out_ptr, lse_ptr,
                    qk_scale, stride_qt, stride_qh, stride_kb, stride_ks, stride_kh,
                    stride_vb, stride_vs, stride_vh, stride_table,
                    stride_ot, stride_oh, stride_os, stride_lt, stride_lh,
                    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
                    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
-                   VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                   DOT_PRECISION: tl.constexpr):
     """Program (row, KV head, split): the GROUP query heads of that KV head over one split.
 
     One split writes the normalised output; several write fp32 partials [B, Hq, S, D] and
     their log2-sum-exp [B, Hq, S] for _merge_splits_kernel.
-
-    VARLEN (one split only): q and out are a varlen step's tokens, row b's at
-    query_start[b]..query_start[b + 1]; only rows of exactly one query are computed here,
-    the others are left to the prefill kernel.
     """
     row = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
-    token = row.to(tl.int64)
-    if VARLEN:
-        token = tl.load(query_start_ptr + row).to(tl.int64)
-        if tl.load(query_start_ptr + row + 1) - token != 1:
-            return
     seq_len = tl.load(seq_lens_ptr + row)
     # split length from the row's own length, so short rows are not spread thin
     chunk = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
@@ -81,7 +72,7 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, seq_lens_ptr, tables_ptr, out_ptr, lse_p
     offs_g = tl.arange(0, GROUP_PAD)
     offs_d = tl.arange(0, HEAD_DIM)
     heads = kv_head * GROUP + offs_g
-    q = tl.load(q_ptr + token * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
+    q = tl.load(q_ptr + row * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
                 mask=(offs_g < GROUP)[:, None], other=0.0)                    # [GROUP_PAD, D]
     m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([GROUP_PAD], tl.float32)
@@ -96,7 +87,7 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, seq_lens_ptr, tables_ptr, out_ptr, lse_p
     # no keys (a padding row, or an empty split) -> zeros and a -inf weight, never NaN
     l_safe = tl.where(l_i > 0, l_i, 1.0)
     o = acc / l_safe[:, None]
-    dst = out_ptr + token * stride_ot + heads[:, None] * stride_oh + split * stride_os + offs_d[None, :]
+    dst = out_ptr + row * stride_ot + heads[:, None] * stride_oh + split * stride_os + offs_d[None, :]
     g_mask = (offs_g < GROUP)[:, None]
     if NUM_SPLITS == 1:
         tl.store(dst, o.to(out_ptr.dtype.element_ty), mask=g_mask)
