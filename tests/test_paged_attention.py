@@ -167,6 +167,24 @@ def test_prefill_tiles():
     assert not real[5:].any() and len(rows) == min(-(-57 // 16) + 4, 4 * 3)
 
 
+@pytest.mark.parametrize("device", [ON_CPU, ON_CUDA])
+def test_decode_rows_and_a_prompt_in_a_step_planned_for_a_token_bucket(device):
+    """A token-bucket graph's layout: decode rows and a prompt, then padding rows of no queries
+    and padding tokens of no row, planned for a row as long as the bucket (so each decode row
+    gets a tile of BLOCK_Q query slots); the padding tokens are left alone."""
+    rows = [(1, n) for n in DECODE_LENGTHS] + [(40, 40), (1, 90)] + [(0, 1)] * 3
+    q, k, v, query_start, seq_lens, tables = make_cache(rows, 8, device=device, seed=5, padding_rows=(8, 9, 10))
+    bucket = 64
+    q = torch.cat([q, torch.randn(bucket - q.shape[0], *q.shape[1:], device=device)])
+    expected = pa.paged_attention_reference(q, k, v, query_start, seq_lens, tables, 0.125)
+    plan = pa.prefill_plan(query_start, bucket, bucket, q.shape[1], NUM_KV_HEADS, HEAD_DIM)
+    out = torch.full_like(q, float("nan"))
+    pa.prefill_attention(q, k, v, query_start, seq_lens, tables, 0.125, bucket, out=out, plan=plan)
+    real = int(query_start[-1])
+    assert_matches(out[:real], expected[:real], torch.float32)
+    assert out[real:].isnan().all()
+
+
 def test_write_kv_and_reference_match_dense_attention():
     group, block_size, scale = 3, 16, HEAD_DIM ** -0.5
     rows = [(4, 4), (1, 23), (7, 40)]       # (new queries, keys): a prompt, decode, prefix + chunk
