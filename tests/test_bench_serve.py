@@ -303,3 +303,37 @@ def test_a_real_node_gives_exact_lengths(node, tmp_path, qmigrate):
     sessions = D.multi_turn_dataset(sessions=2, turns=2, turn_len=5, output_len=3)
     [(_, s)] = run_serve(base_url=node, model="tiny", requests=sessions, rates=[math.inf], warmup=0)
     assert (s["completed"], s["failed"], s["short_calls"], s["output_tokens"]) == (4, 0, 0, 12), s
+
+
+# --- the HTTP thread's cheaper per-token path -----------------------------------------------
+
+@pytest.mark.parametrize("kind", ["completion", "chat"])
+def test_a_frame_is_the_chunk_it_stands_for(kind):
+    from types import SimpleNamespace
+    from qmigrate.ingest.http import _MARK, _Frame, _sse
+    from qmigrate.ingest.openai_api import chunk
+    for usage in (False, True):
+        req = SimpleNamespace(kind=kind, model="m\u00e9", include_usage=usage)
+        frame = _Frame(chunk(req, "cmpl-1", 7, _MARK))
+        for text in ("a", ' "quoted"\n\\', "\u00e9t\u00e9 \U0001f600", "\ue000text\ue000"):
+            assert frame(text) == _sse(chunk(req, "cmpl-1", 7, text))
+
+
+def test_what_arrived_together_leaves_together():
+    from types import SimpleNamespace
+    from qmigrate.ingest.http import HttpServer
+
+    async def main():
+        server = HttpServer.__new__(HttpServer)
+        server.cfg = SimpleNamespace(http_timeout_s=5.0)
+        events = asyncio.Queue()
+        for item in [("a", 0, 1), ("b", 0, 2), ("c", 2, 3), ("late", 0, 4)]:
+            events.put_nowait(item)
+        got = [await server._next_all(events)]
+        got.append(await server._next_all(events))
+        server.cfg.http_timeout_s = 0.05
+        with pytest.raises(Exception, match="no output within"):
+            await server._next_all(events)
+        return got
+
+    assert asyncio.run(main()) == [("abc", 2, 3), ("late", 0, 4)]

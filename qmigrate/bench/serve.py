@@ -96,26 +96,35 @@ class Client:
                 if resp.status != 200:
                     rec.error = f"HTTP {resp.status}: {(await resp.text())[:200]}"
                     return ""
-                async for line in resp.content:
-                    if not line.startswith(b"data: "):
-                        continue
-                    data = line[6:].strip()
-                    if data == b"[DONE]":
+                buf, done = b"", False
+                # Whole reads, split into events here: one await per read, not one per line;
+                # events that arrived in one read share its timestamp.
+                async for data in resp.content.iter_any():
+                    now = time.perf_counter()
+                    *events, buf = (buf + data).split(b"\n\n")
+                    for raw in events:
+                        if not raw.startswith(b"data: "):
+                            continue
+                        if raw[6:].strip() == b"[DONE]":
+                            done = True
+                            break
+                        event = json.loads(raw[6:])
+                        if "error" in event:
+                            rec.error = str(event["error"].get("message", event["error"]))[:200]
+                            done = True
+                            break
+                        for choice in event.get("choices") or ():
+                            text = (choice.get("delta") or {}).get("content") if chat else choice.get("text")
+                            if text:
+                                rec.chunks.append(now)
+                                parts.append(text)
+                                chunks += 1
+                        usage = event.get("usage")
+                        if usage:
+                            rec.output_tokens = usage.get("completion_tokens", 0)
+                            rec.prompt_tokens = usage.get("prompt_tokens", 0)
+                    if done:
                         break
-                    event = json.loads(data)
-                    if "error" in event:
-                        rec.error = str(event["error"].get("message", event["error"]))[:200]
-                        break
-                    for choice in event.get("choices") or ():
-                        text = (choice.get("delta") or {}).get("content") if chat else choice.get("text")
-                        if text:
-                            rec.chunks.append(time.perf_counter())
-                            parts.append(text)
-                            chunks += 1
-                    usage = event.get("usage")
-                    if usage:
-                        rec.output_tokens = usage.get("completion_tokens", 0)
-                        rec.prompt_tokens = usage.get("prompt_tokens", 0)
         except (aiohttp.ClientError, OSError, asyncio.TimeoutError, ValueError) as exc:
             rec.error = f"{type(exc).__name__}: {exc}"[:200]
         if not rec.output_tokens:

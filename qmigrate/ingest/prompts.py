@@ -16,6 +16,8 @@ JSONL input: one object per line with the keys
     top_k           integer >= 0 (0 is off)
     seed            integer in [0, 2**63)
     stop            a string, or a list of strings and/or lists of token ids
+    ignore_eos      boolean: generate past EOS (stop sequences still apply)
+    min_tokens      integer from 0 to max_new_tokens: neither EOS nor a stop ends it sooner
 Exactly one of prompt / prompt_ids / messages. A line {"cancel": ID} (and nothing else)
 asks to cancel the running request ID. A key given as null takes its default. Stop strings are
 tokenized alone, without special tokens, so a stop string matches only when the model
