@@ -337,3 +337,12 @@ def test_what_arrived_together_leaves_together():
         return got
 
     assert asyncio.run(main()) == [("abc", 2, 3), ("late", 0, 4)]
+
+
+def test_the_pipeline_figure_is_read_for_the_same_workload_only(tmp_path):
+    from qmigrate.bench.serve import _pipeline_figure
+    path = tmp_path / "bench.json"
+    runs = [{"path": "pipeline", "tok_per_s": v} for v in (30.0, 10.0, 20.0)] + [{"path": "in-process", "tok_per_s": 99.0}]
+    path.write_text(json.dumps({"workload": {"output_tokens": 500}, "runs": runs}))
+    assert _pipeline_figure(path, 500) == 20.0
+    assert _pipeline_figure(path, 501) is None
