@@ -61,6 +61,7 @@ def main(argv=None) -> None:
     ap.add_argument("--tokens", type=int, default=256)
     ap.add_argument("--step-ms", type=float, default=0.0)
     ap.add_argument("--model", default=None, help="Tokenizer directory (default: the tiny model).")
+    ap.add_argument("--profile", action="store_true", help="Print where the HTTP thread's time goes (cProfile).")
     args = ap.parse_args(argv)
     from qmigrate.config import IngestConfig
     from qmigrate.engine.builders import build_tiny_model
@@ -73,6 +74,11 @@ def main(argv=None) -> None:
     model = args.model or str(build_tiny_model(Path(tempfile.mkdtemp(prefix="qm-http-")) / "tiny"))
     cfg = IngestConfig(node="local", http_port=port, max_pending=max(256, 2 * args.streams), model_name="m")
     server = HttpServer(cfg, model, Defaults())
+    prof = None
+    if args.profile:
+        import cProfile
+        prof, run_thread = cProfile.Profile(), server._run
+        server._run = lambda: prof.runcall(run_thread)
     server.start()
     stop = threading.Event()
     feeder = threading.Thread(target=fake_ingest, args=(server, args.step_ms / 1000, stop), daemon=True)
@@ -84,10 +90,15 @@ def main(argv=None) -> None:
     run = subprocess.run([sys.executable, "-m", "qmigrate", "bench", "serve", "--base-url", server.url,
                           "--requests", str(args.streams), "--prompt-len", "4:4", "--vocab", "10:100",
                           "--output-len", f"{args.tokens}:{args.tokens}", "--json", str(out)], check=False)
+    http_cpu = time.clock_gettime(clock) - cpu0[0]  # while the thread lives
     stop.set()
+    if prof is not None:
+        import pstats
+        server.loop.call_soon_threadsafe(server.loop.stop)  # ends runcall, so the profile is whole
+        time.sleep(0.5)
+        pstats.Stats(prof, stream=sys.stderr).sort_stats("tottime").print_stats(25)
     if run.returncode:
         raise SystemExit(run.returncode)
-    http_cpu = time.clock_gettime(clock) - cpu0[0]
     child = resource.getrusage(resource.RUSAGE_CHILDREN)
     client_cpu = child.ru_utime + child.ru_stime - cpu0[1].ru_utime - cpu0[1].ru_stime
     report = json.loads(out.read_text())["runs"][0]
