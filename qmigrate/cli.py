@@ -355,7 +355,6 @@ def bench_serve(
     from qmigrate.bench.serve import parse_rates, run_serve
     from qmigrate.bench.serve_stats import parse_slos
     try:
-        span = lambda text, name: _span(text, name)
         rates, slos = parse_rates(request_rate), parse_slos(goodput or [])
         if prompt_format not in ("ids", "text"):
             raise ValueError("--prompt-format must be ids or text")
@@ -365,13 +364,13 @@ def bench_serve(
             tok = AutoTokenizer.from_pretrained(tokenizer)
         described = {"name": dataset, "prompt_format": prompt_format}
         if dataset == "random":
-            workload = Workload(requests, span(prompt_len, "--prompt-len"), span(output_len, "--output-len"),
-                                span(vocab, "--vocab"), seed)
+            workload = Workload(requests, _span(prompt_len, "--prompt-len"), _span(output_len, "--output-len"),
+                                _span(vocab, "--vocab"), seed)
             reqs = D.random_dataset(workload, prompt_format, tok)
             described.update(requests=requests, prompt_len=prompt_len, output_len=output_len, seed=seed)
         elif dataset == "shared-prefix":
             reqs = D.shared_prefix_dataset(groups, prompts_per_group, system_len, question_len, shared_output_len,
-                                           span(vocab, "--vocab"), fmt=prompt_format, tokenizer=tok)
+                                           _span(vocab, "--vocab"), fmt=prompt_format, tokenizer=tok)
             described.update(groups=groups, prompts_per_group=prompts_per_group, system_len=system_len,
                              question_len=question_len, output_len=shared_output_len)
         elif dataset == "multi-turn":

@@ -150,7 +150,7 @@ async def run_load(client: Client, requests: list[ServeRequest], rate: float, *,
     offsets = arrival_offsets(len(requests), rate, burstiness, seed)
     gate = asyncio.Semaphore(max_concurrency) if max_concurrency else None
     records: list[CallRecord] = []
-    progress, total = ProgressLine(f"  {name}"), sum(r.output_len * r.num_calls for r in requests)
+    progress = ProgressLine(f"  {name}")
     t0 = time.perf_counter()
 
     def show():
