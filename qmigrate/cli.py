@@ -221,8 +221,13 @@ def status(
                                 interval_s=interval, timeout_s=timeout))
 
 
-@app.command(short_help="Benchmark the pipeline against in-process and HF.")
+bench_app = typer.Typer(rich_markup_mode=None, short_help="Benchmark the pipeline against in-process and HF.")
+app.add_typer(bench_app, name="bench")
+
+
+@bench_app.callback(invoke_without_command=True)
 def bench(
+    ctx: typer.Context,
     model: Annotated[Optional[str], typer.Option("--model", "-m", help="Model directory. Default: the tiny model on CPU; on CUDA the benchmark model, built into --model-dir if missing.")] = None,
     model_dir: Annotated[Path, typer.Option(help="Where the benchmark model is built when --model is not given on CUDA.")] = Path(".bench/bench-model"),
     device: Annotated[str, typer.Option(help="cpu or cuda.")] = "cpu",
@@ -258,7 +263,10 @@ def bench(
     log_level: LogLevel = "warning",
 ):
     """Run a workload through the full pipeline, the engine in-process and HF static
-    generate; print tok/s, the ratios, TTFT/TPOT p50/p99 and migrations by cause."""
+    generate; print tok/s, the ratios, TTFT/TPOT p50/p99 and migrations by cause.
+    `qmigrate bench serve` loads an OpenAI-compatible server instead."""
+    if ctx.invoked_subcommand is not None:
+        return
     from .config import ConfigError, router_settings
     overrides = {"policy": policy, "migration": migration}
     if lease_steps is not None:
@@ -308,6 +316,91 @@ def bench(
               router_overrides=overrides, json_path=json_out,
               log_level=log_level, profile=profile, steps_per_dispatch=steps_per_dispatch, repeat=repeat,
               runner=runner, faults=faults, trace_dir=trace)
+
+
+@bench_app.command("serve", short_help="Load any OpenAI-compatible server: throughput, TTFT, TPOT, ITL.")
+def bench_serve(
+    base_url: Annotated[str, typer.Option("--base-url", help="The server, e.g. http://127.0.0.1:8000 (qmigrate, vLLM, SGLang).")],
+    model_name: Annotated[Optional[str], typer.Option("--model-name", help="Model name sent in requests (default: the first of /v1/models).")] = None,
+    dataset: Annotated[str, typer.Option(help="random (mixed-256's shape), shared-prefix, multi-turn or jsonl.")] = "random",
+    dataset_path: Annotated[Optional[Path], typer.Option(help="With --dataset jsonl: one object a line, {\"prompt\": text or [ids], \"output_len\": N} or {\"turns\": [...]}.")] = None,
+    prompt_format: Annotated[str, typer.Option(help="ids (token-id prompts) or text (decoded by --tokenizer, else filler words).")] = "ids",
+    tokenizer: Annotated[Optional[str], typer.Option(help="Tokenizer directory for text prompts.")] = None,
+    requests: Annotated[int, typer.Option(min=1, help="random: requests.")] = 256,
+    prompt_len: Annotated[str, typer.Option(help="random: prompt length range MIN:MAX.")] = "64:512",
+    output_len: Annotated[str, typer.Option(help="random: output length range MIN:MAX.")] = "32:512",
+    vocab: Annotated[str, typer.Option(help="Token ids drawn from MIN:MAX (the tiny model: 10:1000).")] = "10:31000",
+    seed: Annotated[int, typer.Option(help="random: the workload seed (that of `qmigrate bench`); also the arrivals' seed.")] = 0,
+    groups: Annotated[int, typer.Option(min=1, help="shared-prefix: groups (one system prompt each).")] = 64,
+    prompts_per_group: Annotated[int, typer.Option(min=1, help="shared-prefix: prompts per group.")] = 16,
+    system_len: Annotated[int, typer.Option(min=1, help="shared-prefix: system prompt tokens.")] = 1024,
+    question_len: Annotated[int, typer.Option(min=1, help="shared-prefix: question tokens; multi-turn: words per turn.")] = 128,
+    shared_output_len: Annotated[int, typer.Option("--answer-len", min=1, help="shared-prefix and multi-turn: output tokens per call.")] = 256,
+    sessions: Annotated[int, typer.Option(min=1, help="multi-turn: sessions.")] = 64,
+    turns: Annotated[int, typer.Option(min=1, help="multi-turn: turns per session.")] = 4,
+    request_rate: Annotated[str, typer.Option(help="Requests (sessions) per second, or inf for all at once; a comma-separated list sweeps, e.g. 4,8,16,inf.")] = "inf",
+    burstiness: Annotated[float, typer.Option(min=0.001, help="Gamma shape of the gaps between arrivals: 1 is Poisson, below 1 burstier.")] = 1.0,
+    max_concurrency: Annotated[Optional[int], typer.Option(min=1, help="At most this many calls (sessions) in flight.")] = None,
+    goodput: Annotated[Optional[list[str]], typer.Option("--goodput", help="SLOs NAME:MS (ttft, tpot, e2e), e.g. --goodput ttft:500 --goodput tpot:50; goodput counts the calls that meet all.")] = None,
+    ignore_eos: Annotated[bool, typer.Option("--ignore-eos/--no-ignore-eos", help="Send ignore_eos and min_tokens (vLLM's extensions) so outputs have exact lengths; off for servers that refuse them.")] = True,
+    warmup: Annotated[int, typer.Option(min=0, help="Short calls sent before the timed runs.")] = 2,
+    pipeline_json: Annotated[Optional[Path], typer.Option("--pipeline-json", help="A `qmigrate bench --json` report of the same workload: print HTTP / pipeline for the all-at-once run.")] = None,
+    json_out: Annotated[Optional[Path], typer.Option("--json", help="Write the results as JSON here.")] = None,
+):
+    """Send a dataset to an OpenAI-compatible server over streamed HTTP and print output tok/s,
+    requests/s, TTFT, TPOT, ITL and end-to-end latency at p50/p90/p99 (and goodput under SLOs),
+    one line per request rate."""
+    from qmigrate.bench import serve_data as D
+    from qmigrate.bench.core import Workload
+    from qmigrate.bench.serve import parse_rates, run_serve
+    from qmigrate.bench.serve_stats import parse_slos
+    try:
+        rates, slos = parse_rates(request_rate), parse_slos(goodput or [])
+        if prompt_format not in ("ids", "text"):
+            raise ValueError("--prompt-format must be ids or text")
+        tok = None
+        if tokenizer is not None:
+            from transformers import AutoTokenizer
+            tok = AutoTokenizer.from_pretrained(tokenizer)
+        described = {"name": dataset, "prompt_format": prompt_format}
+        if dataset == "random":
+            workload = Workload(requests, _span(prompt_len, "--prompt-len"), _span(output_len, "--output-len"),
+                                _span(vocab, "--vocab"), seed)
+            reqs = D.random_dataset(workload, prompt_format, tok)
+            described.update(requests=requests, prompt_len=prompt_len, output_len=output_len, seed=seed)
+        elif dataset == "shared-prefix":
+            reqs = D.shared_prefix_dataset(groups, prompts_per_group, system_len, question_len, shared_output_len,
+                                           _span(vocab, "--vocab"), fmt=prompt_format, tokenizer=tok)
+            described.update(groups=groups, prompts_per_group=prompts_per_group, system_len=system_len,
+                             question_len=question_len, output_len=shared_output_len)
+        elif dataset == "multi-turn":
+            reqs = D.multi_turn_dataset(sessions, turns, question_len, shared_output_len)
+            described.update(sessions=sessions, turns=turns, turn_words=question_len, output_len=shared_output_len)
+        elif dataset == "jsonl":
+            if dataset_path is None:
+                raise ValueError("--dataset jsonl needs --dataset-path")
+            reqs = D.jsonl_dataset(dataset_path)
+            described.update(path=str(dataset_path))
+        else:
+            raise ValueError("--dataset must be random, shared-prefix, multi-turn or jsonl")
+    except (ValueError, OSError) as exc:
+        _fail(str(exc))
+    try:
+        run_serve(base_url=base_url, model=model_name, requests=reqs, rates=rates, burstiness=burstiness,
+                  max_concurrency=max_concurrency, slos=slos, seed=seed, warmup=warmup, extensions=ignore_eos,
+                  json_path=json_out, dataset=described, pipeline_json=pipeline_json)
+    except (RuntimeError, OSError) as exc:
+        _fail(str(exc), 1)
+
+
+def _span(text: str, name: str) -> tuple[int, int]:
+    try:
+        lo, hi = (int(x) for x in text.split(":"))
+    except ValueError:
+        raise ValueError(f"{name} takes MIN:MAX, e.g. 64:512") from None
+    if not 0 < lo <= hi:
+        raise ValueError(f"{name} {text}: need 0 < MIN <= MAX")
+    return lo, hi
 
 
 @model_app.command("tiny", short_help="The tiny random-weight Llama model (offline).")

@@ -50,6 +50,22 @@ def _sse(obj: dict) -> bytes:
     return b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n"
 
 
+_timeout = getattr(asyncio, "timeout", None)
+_MARK = "\ue000text\ue000"  # where the text goes in a frame's template; private-use characters
+
+
+class _Frame:
+    """The SSE event of a stream's middle chunks as two fixed halves around the JSON string of
+    the text, so that each chunk costs one json.dumps of a short string, not of a whole dict."""
+
+    def __init__(self, obj: dict):
+        head, _, tail = _sse(obj).partition(json.dumps(_MARK, ensure_ascii=False).encode())
+        self.head, self.tail = head, tail
+
+    def __call__(self, text: str) -> bytes:
+        return self.head + json.dumps(text, ensure_ascii=False).encode() + self.tail
+
+
 def _reject_constant(name: str):
     raise ValueError(f"{name} is not valid JSON")
 
@@ -192,11 +208,28 @@ class HttpServer:
                 self._wake()
 
     async def _next(self, events: asyncio.Queue):
-        try:
-            return await asyncio.wait_for(events.get(), self.cfg.http_timeout_s)
-        except asyncio.TimeoutError:
-            raise ApiError(503, f"no output within {self.cfg.http_timeout_s:g} s: the workers are "
-                           "overloaded or down; retry later", type="server_error", code="timeout") from None
+        if events.empty():
+            try:  # asyncio.timeout where there is one (3.11): wait_for makes a task per token
+                if _timeout is None:
+                    return await asyncio.wait_for(events.get(), self.cfg.http_timeout_s)
+                async with _timeout(self.cfg.http_timeout_s):
+                    return await events.get()
+            except (TimeoutError, asyncio.TimeoutError):
+                raise ApiError(503, f"no output within {self.cfg.http_timeout_s:g} s: the workers are "
+                               "overloaded or down; retry later", type="server_error", code="timeout") from None
+        return events.get_nowait()
+
+    async def _next_all(self, events: asyncio.Queue) -> tuple[str, int, int]:
+        """The text of every update waiting (at least one): what arrived together leaves
+        together, in one event. Stops at a finish, which ends the stream."""
+        text, code, num_tokens = await self._next(events)
+        if code or events.empty():
+            return text, code, num_tokens
+        parts = [text]
+        while not code and not events.empty():
+            text, code, num_tokens = events.get_nowait()
+            parts.append(text)
+        return "".join(parts), code, num_tokens
 
     async def _collect(self, req, rid: str, events: asyncio.Queue):
         trim, parts, created = StopTrimmer(req.stop), [], int(time.time())
@@ -215,10 +248,11 @@ class HttpServer:
         response = web.StreamResponse(headers=SSE_HEADERS)
         await response.prepare(request)
         trim, created, first = StopTrimmer(req.stop), int(time.time()), True
+        frame = _Frame(chunk(req, rid, created, _MARK))
         try:
             while True:
                 try:
-                    text, code, num_tokens = await self._next(events)
+                    text, code, num_tokens = await self._next_all(events)
                 except ApiError as exc:
                     await response.write(_sse(exc.body()) + DONE)
                     return response, False
@@ -230,7 +264,7 @@ class HttpServer:
                 if code:
                     out += trim.finish(code == P.Finish.STOP)
                 if out or (first and req.kind == "chat"):
-                    await response.write(_sse(chunk(req, rid, created, out, first=first)))
+                    await response.write(_sse(chunk(req, rid, created, out, first=True)) if first else frame(out))
                     first = False
                 if code:
                     tail = _sse(chunk(req, rid, created, None, FINISH_REASONS[code]))

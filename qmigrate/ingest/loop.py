@@ -172,7 +172,8 @@ class Ingest:
         seed = prompt.seed if prompt.seed is not None else self.rng.randrange(1 << 62)
         spec = P.SeqSpec(seq_id, ids, len(prompt.prompt_ids), prompt.max_new_tokens,
                          prompt.temperature, prompt.top_p, prompt.top_k, seed, prompt.stop_ids,
-                         sorted(self.eos_ids))
+                         [] if prompt.ignore_eos else sorted(self.eos_ids),
+                         min_new_tokens=prompt.min_tokens)
         self.pending.append((spec, prompt.req_id, route, prompt.note))
 
     def take_http(self) -> None:

@@ -16,6 +16,8 @@ JSONL input: one object per line with the keys
     top_k           integer >= 0 (0 is off)
     seed            integer in [0, 2**63)
     stop            a string, or a list of strings and/or lists of token ids
+    ignore_eos      boolean: generate past EOS (stop sequences still apply)
+    min_tokens      integer from 0 to max_new_tokens: neither EOS nor a stop ends it sooner
 Exactly one of prompt / prompt_ids / messages. A line {"cancel": ID} (and nothing else)
 asks to cancel the running request ID. A key given as null takes its default. Stop strings are
 tokenized alone, without special tokens, so a stop string matches only when the model
@@ -37,7 +39,7 @@ from typing import Literal
 MAX_SEED = 2**63
 KEYS = frozenset(
     ["id", "prompt", "prompt_ids", "messages", "max_new_tokens", "temperature", "top_p",
-     "top_k", "seed", "stop"]
+     "top_k", "seed", "stop", "ignore_eos", "min_tokens"]
 )
 CHAT_ROLES = frozenset(["system", "user", "assistant", "developer", "tool"])
 MESSAGE_KEYS = frozenset(["role", "content", "name"])
@@ -54,6 +56,8 @@ class Prompt:
     seed: int | None
     stop_ids: list[list[int]]
     note: str = ""            # said in the request's final record (a clamped max_new_tokens)
+    ignore_eos: bool = False  # run on past EOS (synthetic loads of exact lengths)
+    min_tokens: int = 0       # neither EOS nor a stop sequence ends it before this many tokens
 
 
 @dataclass(slots=True, frozen=True)
@@ -202,9 +206,17 @@ def parse_request(
     if seed is not None and (not _is_int(seed) or not 0 <= seed < MAX_SEED):
         fail("seed must be an integer in [0, 2**63)")
     stop_ids = _parse_stop(obj.get("stop", []), tokenizer, vocab_size, fail)
+    ignore_eos = obj.get("ignore_eos", False)
+    if not isinstance(ignore_eos, bool):
+        fail("ignore_eos must be a boolean")
+    min_tokens = obj.get("min_tokens", 0)
+    if not _is_int(min_tokens) or not 0 <= min_tokens <= max_new_tokens:
+        fail("min_tokens must be an integer from 0 to max_new_tokens")
 
-    return _fit(Prompt(req_id, prompt_ids, max_new_tokens, float(temperature), float(top_p),
-                       top_k, seed, stop_ids), max_context)
+    prompt = _fit(Prompt(req_id, prompt_ids, max_new_tokens, float(temperature), float(top_p),
+                         top_k, seed, stop_ids, ignore_eos=ignore_eos, min_tokens=min_tokens), max_context)
+    prompt.min_tokens = min(prompt.min_tokens, prompt.max_new_tokens)  # after a clamp to the context
+    return prompt
 
 
 def _raise(req_id: str, message: str):

@@ -61,7 +61,7 @@ class Seq:
         s = self.spec
         return SeqSpec(s.seq_id, pack_i32(self.token_ids), s.prompt_len, s.max_new_tokens,
                        s.temperature, s.top_p, s.top_k, s.seed, s.stop_ids, s.eos_ids, kv_from,
-                       transfer_id, 0 if self.resync else -1)
+                       transfer_id, 0 if self.resync else -1, s.min_new_tokens)
 
 
 @dataclass(slots=True)

@@ -129,12 +129,15 @@ class SeqSpec:
     kv_from: str = ""         # endpoint of the worker shipping this sequence's KV, if any
     transfer_id: int = 0
     resend_from: int = -1     # >= 0: send the detokenizer generated tokens from this index on
+    min_new_tokens: int = 0   # neither EOS nor a stop sequence ends it before this many tokens
 
     @property
     def ids(self) -> np.ndarray:
         return unpack_ids(self.token_ids, "seq.token_ids")
 
     def validate(self) -> None:
+        if not 0 <= self.min_new_tokens <= max(0, self.max_new_tokens):
+            raise ProtocolError("min_new_tokens out of range")
         if len(self.stop_ids) > 64:
             raise ProtocolError("more than 64 stop sequences")
         for ids in self.stop_ids + [self.eos_ids]:

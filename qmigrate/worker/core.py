@@ -39,6 +39,7 @@ class SeqState:
     eos_ids: frozenset[int]
     tail: list[int] = field(default_factory=list)   # recent tokens, for stop sequences
     last_token: int = -1                            # sampled here, not yet in the KV
+    min_new_tokens: int = 0
 
     @classmethod
     def from_spec(cls, spec: P.SeqSpec, ids: np.ndarray) -> "SeqState":
@@ -46,17 +47,18 @@ class SeqState:
         seed = spec.seed if spec.seed >= 0 else spec.seq_id
         tail = ids[spec.prompt_len:].tolist()[-keep:] if keep else []
         return cls(spec.prompt_len, spec.max_new_tokens, spec.temperature, spec.top_p, spec.top_k,
-                   seed, spec.stop_ids, frozenset(spec.eos_ids), tail)
+                   seed, spec.stop_ids, frozenset(spec.eos_ids), tail, min_new_tokens=spec.min_new_tokens)
 
     def finish_after(self, token: int, index: int, length: int, max_len: int) -> Finish:
         """Status once `token`, generated token number `index`, joined a sequence of `length`."""
-        if token in self.eos_ids:
+        early = index + 1 < self.min_new_tokens
+        if token in self.eos_ids and not early:
             return Finish.EOS
         if self.stop_ids:
             self.tail.append(token)
             keep = max(len(s) for s in self.stop_ids)
             del self.tail[:-keep]
-            if any(self.tail[-len(s):] == s for s in self.stop_ids if s):
+            if not early and any(self.tail[-len(s):] == s for s in self.stop_ids if s):
                 return Finish.STOP
         if index + 1 >= self.max_new_tokens or length >= max_len:
             return Finish.LENGTH

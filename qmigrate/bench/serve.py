@@ -1,0 +1,253 @@
+"""`qmigrate bench serve`: a load generator for any OpenAI-compatible server.
+
+Every call streams (SSE) from /v1/completions, or /v1/chat/completions for multi-turn sessions,
+and is timestamped chunk by chunk as it arrives; serve_stats.py turns that into the figures.
+Calls arrive all at once, or at a Poisson or gamma rate, optionally under a concurrency cap;
+a list of rates is a sweep. `ignore_eos` and `min_tokens` (vLLM's extensions, which qmigrate
+accepts) make every output exactly as long as asked.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import random
+import sys
+import time
+from pathlib import Path
+
+import aiohttp
+
+from qmigrate.bench.serve_data import ServeRequest
+from qmigrate.bench.serve_stats import CallRecord, format_rows, summarize
+
+READ_TIMEOUT_S = 600.0
+
+
+def arrival_offsets(n: int, rate: float, burstiness: float = 1.0, seed: int = 0) -> list[float]:
+    """Send times of `n` arrivals from 0: all at 0 for an infinite rate, else gaps drawn from a
+    gamma of mean 1/rate and shape `burstiness` (1: Poisson; below 1 burstier, above steadier)."""
+    if math.isinf(rate):
+        return [0.0] * n
+    if not rate > 0 or not burstiness > 0:
+        raise ValueError("the request rate and the burstiness must be > 0")
+    r = random.Random(seed)
+    t, out = 0.0, []
+    for _ in range(n):
+        out.append(t)
+        t += r.gammavariate(burstiness, 1.0 / (rate * burstiness))
+    return out
+
+
+def parse_rates(text: str) -> list[float]:
+    rates = []
+    for part in text.split(","):
+        part = part.strip().lower()
+        if not part:
+            continue
+        try:
+            rate = math.inf if part in ("inf", "all") else float(part)
+        except ValueError:
+            raise ValueError(f"request rate {part!r}: give numbers (requests/s) or inf, e.g. 2,4,8,inf") from None
+        if not rate > 0:
+            raise ValueError(f"request rate {part!r} must be > 0")
+        rates.append(rate)
+    if not rates:
+        raise ValueError("no request rate given")
+    return rates
+
+
+class Client:
+    def __init__(self, base_url: str, model: str, *, extensions: bool = True, temperature: float = 0.0):
+        self.base_url, self.model = base_url.rstrip("/"), model
+        self.extensions, self.temperature = extensions, temperature
+        self.session = None
+
+    async def __aenter__(self):
+        timeout = aiohttp.ClientTimeout(total=None, sock_connect=30, sock_read=READ_TIMEOUT_S)
+        self.session = aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0))
+        return self
+
+    async def __aexit__(self, *exc):
+        await self.session.close()
+
+    def _payload(self, output_len: int) -> dict:
+        body = {"model": self.model, "max_tokens": output_len, "stream": True, "temperature": self.temperature,
+                "stream_options": {"include_usage": True}}
+        if self.extensions:
+            body.update(ignore_eos=True, min_tokens=output_len)
+        return body
+
+    async def complete(self, prompt, output_len: int, rec: CallRecord) -> str:
+        body = self._payload(output_len) | {"prompt": prompt}
+        return await self._stream("/v1/completions", body, rec, chat=False)
+
+    async def chat(self, messages: list[dict], output_len: int, rec: CallRecord) -> str:
+        body = self._payload(output_len) | {"messages": messages}
+        return await self._stream("/v1/chat/completions", body, rec, chat=True)
+
+    async def _stream(self, path: str, body: dict, rec: CallRecord, chat: bool) -> str:
+        """Sends one call and reads its events; the text is returned, timings go to `rec`."""
+        parts, chunks = [], 0
+        rec.start = time.perf_counter()
+        try:
+            async with self.session.post(self.base_url + path, json=body) as resp:
+                if resp.status != 200:
+                    rec.error = f"HTTP {resp.status}: {(await resp.text())[:200]}"
+                    return ""
+                buf, done = b"", False
+                # Whole reads, split into events here: one await per read, not one per line;
+                # events that arrived in one read share its timestamp.
+                async for data in resp.content.iter_any():
+                    now = time.perf_counter()
+                    *events, buf = (buf + data).split(b"\n\n")
+                    for raw in events:
+                        if not raw.startswith(b"data: "):
+                            continue
+                        if raw[6:].strip() == b"[DONE]":
+                            done = True
+                            break
+                        event = json.loads(raw[6:])
+                        if "error" in event:
+                            rec.error = str(event["error"].get("message", event["error"]))[:200]
+                            done = True
+                            break
+                        for choice in event.get("choices") or ():
+                            text = (choice.get("delta") or {}).get("content") if chat else choice.get("text")
+                            if text:
+                                rec.chunks.append(now)
+                                parts.append(text)
+                                chunks += 1
+                        usage = event.get("usage")
+                        if usage:
+                            rec.output_tokens = usage.get("completion_tokens", 0)
+                            rec.prompt_tokens = usage.get("prompt_tokens", 0)
+                    if done:
+                        break
+        except (aiohttp.ClientError, OSError, asyncio.TimeoutError, ValueError) as exc:
+            rec.error = f"{type(exc).__name__}: {exc}"[:200]
+        if not rec.output_tokens:
+            rec.output_tokens = chunks
+        if not rec.error and not rec.chunks:
+            rec.error = "no text"
+        return "".join(parts)
+
+    async def first_model(self) -> str:
+        async with self.session.get(self.base_url + "/v1/models") as resp:
+            if resp.status != 200:
+                raise RuntimeError(f"GET {self.base_url}/v1/models answered HTTP {resp.status}")
+            data = (await resp.json()).get("data") or []
+        if not data:
+            raise RuntimeError(f"{self.base_url}/v1/models lists no model")
+        return data[0]["id"]
+
+
+async def run_load(client: Client, requests: list[ServeRequest], rate: float, *, burstiness: float = 1.0,
+                   max_concurrency: int | None = None, seed: int = 0, name: str = "serve"):
+    """All of `requests` at the given arrivals; returns (records, t0, end)."""
+    from qmigrate.ops.progress import ProgressLine
+    offsets = arrival_offsets(len(requests), rate, burstiness, seed)
+    gate = asyncio.Semaphore(max_concurrency) if max_concurrency else None
+    records: list[CallRecord] = []
+    progress = ProgressLine(f"  {name}")
+    t0 = time.perf_counter()
+
+    def show():
+        if progress.due():
+            done = sum(rec.output_tokens or len(rec.chunks) for rec in records)
+            progress.show(sum(1 for rec in records if rec.ok), sum(r.num_calls for r in requests),
+                          done / max(time.perf_counter() - t0, 1e-9))
+
+    async def one(req: ServeRequest, offset: float):
+        delay = t0 + offset - time.perf_counter()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        if gate is not None:
+            await gate.acquire()
+        try:
+            if not req.is_session:
+                rec = CallRecord(0.0, expected_tokens=req.output_len, prompt_tokens=req.prompt_len)
+                records.append(rec)
+                await client.complete(req.prompt, req.output_len, rec)
+                show()
+                return
+            messages = []
+            for turn in req.turns:  # each turn carries the earlier turns and their answers
+                messages.append({"role": "user", "content": turn})
+                rec = CallRecord(0.0, expected_tokens=req.output_len)
+                records.append(rec)
+                answer = await client.chat(list(messages), req.output_len, rec)
+                show()
+                if not rec.ok:
+                    return
+                messages.append({"role": "assistant", "content": answer})
+        finally:
+            if gate is not None:
+                gate.release()
+
+    await asyncio.gather(*(one(req, off) for req, off in zip(requests, offsets)))
+    end = max((rec.chunks[-1] for rec in records if rec.chunks), default=time.perf_counter())
+    progress.clear()
+    return records, t0, end
+
+
+def rate_label(rate: float) -> str:
+    return "inf" if math.isinf(rate) else f"{rate:g}"
+
+
+def run_serve(*, base_url: str, model: str | None, requests: list[ServeRequest], rates: list[float],
+              burstiness: float = 1.0, max_concurrency: int | None = None, slos: dict | None = None,
+              seed: int = 0, warmup: int = 2, extensions: bool = True, json_path: Path | None = None,
+              dataset: dict | None = None, pipeline_json: Path | None = None) -> list[tuple[str, dict]]:
+    async def main():
+        runs = []
+        async with Client(base_url, model or "", extensions=extensions) as client:
+            client.model = model or await client.first_model()
+            if warmup:
+                warm = [ServeRequest(r.prompt, min(r.output_len, 8), r.turns[:1], r.prompt_len)
+                        for r in requests[:warmup]]
+                await run_load(client, warm, math.inf, name="warm-up")
+            for i, rate in enumerate(rates):
+                records, t0, end = await run_load(client, requests, rate, burstiness=burstiness,
+                                                  max_concurrency=max_concurrency, seed=seed + i,
+                                                  name=f"rate {rate_label(rate)}")
+                runs.append((rate_label(rate), summarize(records, t0, end, slos)))
+        return runs, client.model
+
+    total = sum(r.output_len * r.num_calls for r in requests)
+    print(f"bench serve: {base_url}, {len(requests)} requests ({sum(r.num_calls for r in requests)} calls), "
+          f"{total:,} output tokens asked", file=sys.stderr)
+    runs, served = asyncio.run(main())
+    table = format_rows(runs)
+    print(table)
+    for rate, s in runs:
+        if s["failed"] or s["short_calls"]:
+            print(f"  rate {rate}: {s['failed']} calls failed, {s['short_calls']} ended short of their length"
+                  + (f"; e.g. {s['errors'][0]}" if s["errors"] else ""), file=sys.stderr)
+    pipeline = _pipeline_figure(pipeline_json, total) if pipeline_json else None
+    if pipeline:
+        for rate, s in runs:
+            if rate == "inf":
+                print(f"HTTP / pipeline = {s['output_tok_per_s'] / pipeline:.3f} "
+                      f"({s['output_tok_per_s']:,.0f} / {pipeline:,.0f} tok/s)")
+    if json_path is not None:
+        report = {"base_url": base_url, "model": served, "dataset": dataset or {}, "output_tokens_asked": total,
+                  "burstiness": burstiness, "max_concurrency": max_concurrency, "ignore_eos": extensions,
+                  "runs": [{"rate": rate, **s} for rate, s in runs], "table": table}
+        if pipeline:
+            report["pipeline_tok_per_s"] = pipeline
+        json_path.write_text(json.dumps(report, indent=2))
+        print(f"wrote {json_path}", file=sys.stderr)
+    return runs
+
+
+def _pipeline_figure(path: Path, total: int) -> float | None:
+    """The median pipeline tok/s of a `qmigrate bench --json` report of the same workload."""
+    report = json.loads(Path(path).read_text())
+    asked = report.get("workload", {}).get("output_tokens")
+    if asked != total:
+        print(f"  {path}: its workload asked {asked} output tokens, this one {total}: no ratio", file=sys.stderr)
+        return None
+    rates = sorted(r["tok_per_s"] for r in report.get("runs", []) if r.get("path") == "pipeline")
+    return rates[len(rates) // 2] if rates else None

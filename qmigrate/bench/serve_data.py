@@ -1,0 +1,110 @@
+"""Datasets of `qmigrate bench serve`: what each request asks, before any timing.
+
+A request is a completion (a prompt of token ids or text, and an exact output length), or, in
+the multi-turn dataset, a session: user turns sent one after another on /v1/chat/completions,
+each carrying every earlier turn and the server's answers to them.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from qmigrate.bench.core import Workload
+
+# Filler for text prompts when no tokenizer is given: short common words, about a token each.
+WORDS = ("the of and to in is was for on are with as his they be at one have this from or had by "
+         "word but what some we can out other were all there when up use your how said an each she "
+         "which do their time if will way about many then them write would like so these her long "
+         "make thing see him two has look more day could go come did number sound no most people "
+         "my over know water than call first who may down side been now find").split()
+
+
+@dataclass(slots=True)
+class ServeRequest:
+    prompt: list[int] | str         # token ids or text (completions)
+    output_len: int
+    turns: list[str] = field(default_factory=list)   # a multi-turn session: its user turns, in order
+    prompt_len: int = 0             # ids in the prompt, where known (token-id prompts)
+
+    @property
+    def is_session(self) -> bool:
+        return bool(self.turns)
+
+    @property
+    def num_calls(self) -> int:
+        return len(self.turns) or 1
+
+
+def words(r: random.Random, n: int) -> str:
+    return " ".join(r.choice(WORDS) for _ in range(n))
+
+
+def _as_prompt(ids: list[int], fmt: str, tokenizer) -> list[int] | str:
+    if fmt == "ids":
+        return ids
+    if tokenizer is not None:
+        return tokenizer.decode(ids, skip_special_tokens=True)
+    return words(random.Random(ids[0] * 7919 + len(ids)), len(ids))
+
+
+def random_dataset(workload: Workload, fmt: str = "ids", tokenizer=None) -> list[ServeRequest]:
+    """The mixed-256 shape, drawn by the same generator as `qmigrate bench`: same ids, same lengths."""
+    return [ServeRequest(_as_prompt(ids, fmt, tokenizer), n, prompt_len=len(ids))
+            for ids, n in workload.requests()]
+
+
+def shared_prefix_dataset(groups: int = 64, prompts_per_group: int = 16, system_len: int = 1024,
+                          question_len: int = 128, output_len: int = 256, vocab: tuple[int, int] = (10, 31000),
+                          seed: int = 1, fmt: str = "ids", tokenizer=None) -> list[ServeRequest]:
+    """SGLang's generated-shared-prefix shape: per group a system prompt, per prompt a question."""
+    r = random.Random(seed)
+    out = []
+    for _ in range(groups):
+        system = [r.randint(*vocab) for _ in range(system_len)]
+        for _ in range(prompts_per_group):
+            ids = system + [r.randint(*vocab) for _ in range(question_len)]
+            out.append(ServeRequest(_as_prompt(ids, fmt, tokenizer), output_len, prompt_len=len(ids)))
+    return out
+
+
+def multi_turn_dataset(sessions: int = 64, turns: int = 4, turn_len: int = 128, output_len: int = 128,
+                       seed: int = 1) -> list[ServeRequest]:
+    """Sessions of `turns` user messages of about `turn_len` words each; every answer `output_len` tokens."""
+    r = random.Random(seed)
+    return [ServeRequest("", output_len, turns=[words(r, turn_len) for _ in range(turns)])
+            for _ in range(sessions)]
+
+
+def jsonl_dataset(path: Path, default_output_len: int = 128) -> list[ServeRequest]:
+    """One object a line: {"prompt": text or [ids], "output_len": N}, or {"turns": [text, ...], ...}."""
+    out = []
+    for no, line in enumerate(Path(path).read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except ValueError as exc:
+            raise ValueError(f"{path}:{no}: not JSON: {exc}") from None
+        if not isinstance(obj, dict):
+            raise ValueError(f"{path}:{no}: each line must be a JSON object")
+        n = obj.get("output_len", obj.get("max_tokens", default_output_len))
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+            raise ValueError(f"{path}:{no}: output_len must be an integer >= 1")
+        turns, prompt = obj.get("turns"), obj.get("prompt")
+        if turns is not None:
+            if not isinstance(turns, list) or not turns or not all(isinstance(t, str) and t for t in turns):
+                raise ValueError(f"{path}:{no}: turns must be a non-empty list of strings")
+            out.append(ServeRequest("", n, turns=list(turns)))
+        elif isinstance(prompt, str) and prompt:
+            out.append(ServeRequest(prompt, n))
+        elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool)
+                                                         and t >= 0 for t in prompt):
+            out.append(ServeRequest(list(prompt), n, prompt_len=len(prompt)))
+        else:
+            raise ValueError(f"{path}:{no}: give 'prompt' (text or a list of token ids) or 'turns'")
+    if not out:
+        raise ValueError(f"{path}: no requests")
+    return out

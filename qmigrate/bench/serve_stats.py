@@ -1,0 +1,119 @@
+"""The figures of `qmigrate bench serve`, from what the client saw of each call (pure).
+
+TTFT: from sending a call to its first text. TPOT: the time after the first token, shared by the
+tokens after it. ITL: the gaps between successive chunks of text, over every call. E2E: from
+sending to the last chunk. Goodput: calls per second that met every SLO given.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+PERCENTILES = (50, 90, 99)
+SLO_NAMES = ("ttft", "tpot", "e2e")
+
+
+@dataclass(slots=True)
+class CallRecord:
+    start: float                         # when the call was sent
+    chunks: list[float] = field(default_factory=list)   # arrival time of each chunk of text
+    output_tokens: int = 0               # as the server's usage says, else the chunks counted
+    expected_tokens: int = 0
+    prompt_tokens: int = 0
+    error: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return not self.error and bool(self.chunks)
+
+    @property
+    def ttft(self) -> float:
+        return self.chunks[0] - self.start
+
+    @property
+    def e2e(self) -> float:
+        return self.chunks[-1] - self.start
+
+    @property
+    def tpot(self) -> float | None:
+        if self.output_tokens < 2:
+            return None
+        return (self.chunks[-1] - self.chunks[0]) / (self.output_tokens - 1)
+
+    def itls(self) -> list[float]:
+        return [b - a for a, b in zip(self.chunks, self.chunks[1:])]
+
+
+def parse_slos(specs: list[str]) -> dict[str, float]:
+    """"ttft:200" "tpot:50" → {"ttft": 0.2, "tpot": 0.05} (milliseconds in, seconds out)."""
+    out = {}
+    for spec in specs:
+        for part in spec.replace(",", " ").split():
+            name, _, value = part.partition(":")
+            if name not in SLO_NAMES:
+                raise ValueError(f"goodput SLO {part!r}: the name must be one of {', '.join(SLO_NAMES)}")
+            try:
+                ms = float(value)
+            except ValueError:
+                raise ValueError(f"goodput SLO {part!r}: give NAME:MILLISECONDS, e.g. ttft:500") from None
+            if not ms > 0:
+                raise ValueError(f"goodput SLO {part!r}: the limit must be > 0 ms")
+            out[name] = ms / 1000
+    return out
+
+
+def _dist(values: list[float], scale: float = 1000.0) -> dict:
+    if not values:
+        return {"mean": None, **{f"p{q}": None for q in PERCENTILES}}
+    arr = np.asarray(values) * scale
+    return {"mean": float(arr.mean()), **{f"p{q}": float(np.percentile(arr, q)) for q in PERCENTILES}}
+
+
+def meets(rec: CallRecord, slos: dict[str, float]) -> bool:
+    if not rec.ok:
+        return False
+    got = {"ttft": rec.ttft, "tpot": rec.tpot or 0.0, "e2e": rec.e2e}
+    return all(got[name] <= limit for name, limit in slos.items())
+
+
+def summarize(records: list[CallRecord], t0: float, end: float, slos: dict[str, float] | None = None) -> dict:
+    """Figures of one run; times in ms except `duration_s`."""
+    done = [r for r in records if r.ok]
+    duration = max(end - t0, 1e-9)
+    out_tokens = sum(r.output_tokens for r in done)
+    out = {
+        "duration_s": duration, "calls": len(records), "completed": len(done),
+        "failed": len(records) - len(done),
+        "errors": sorted({r.error for r in records if r.error})[:5],
+        "output_tokens": out_tokens, "prompt_tokens": sum(r.prompt_tokens for r in done),
+        "output_tok_per_s": out_tokens / duration, "requests_per_s": len(done) / duration,
+        "short_calls": sum(1 for r in done if r.expected_tokens and r.output_tokens != r.expected_tokens),
+        "ttft_ms": _dist([r.ttft for r in done]),
+        "tpot_ms": _dist([t for r in done if (t := r.tpot) is not None]),
+        "itl_ms": _dist([g for r in done for g in r.itls()]),
+        "e2e_ms": _dist([r.e2e for r in done]),
+    }
+    if slos:
+        good = sum(1 for r in records if meets(r, slos))
+        out["goodput"] = {"slos_ms": {k: v * 1000 for k, v in slos.items()}, "good_calls": good,
+                          "requests_per_s": good / duration}
+    return out
+
+
+def format_rows(runs: list[tuple[str, dict]]) -> str:
+    """One line per run (a rate of a sweep): throughput, then p50/p99 of each latency."""
+    head = (f"{'rate':>8} {'tok/s':>9} {'req/s':>7} {'TTFT p50/p90/p99 ms':>22} {'TPOT p50/p99 ms':>16} "
+            f"{'ITL p50/p99 ms':>16} {'E2E p50/p99 s':>14} {'good/s':>7} {'failed':>6}")
+    lines = [head]
+    for rate, s in runs:
+        f = lambda d, q: "-" if d[f"p{q}"] is None else f"{d[f'p{q}']:.1f}"
+        e = lambda q: "-" if s["e2e_ms"][f"p{q}"] is None else f"{s['e2e_ms'][f'p{q}'] / 1000:.2f}"
+        ttft = "/".join(f(s["ttft_ms"], q) for q in PERCENTILES)
+        good = f"{s['goodput']['requests_per_s']:.2f}" if "goodput" in s else "-"
+        lines.append(f"{rate:>8} {s['output_tok_per_s']:9,.0f} {s['requests_per_s']:7.2f} {ttft:>22} "
+                     f"{f(s['tpot_ms'], 50) + '/' + f(s['tpot_ms'], 99):>16} "
+                     f"{f(s['itl_ms'], 50) + '/' + f(s['itl_ms'], 99):>16} {e(50) + '/' + e(99):>14} "
+                     f"{good:>7} {s['failed']:>6}")
+    return "\n".join(lines)

@@ -1,0 +1,348 @@
+"""`qmigrate bench serve`: its statistics on synthetic timestamps, its datasets and arrivals,
+and whole runs against a minimal fake OpenAI server and against a real node on the tiny model."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import statistics
+import threading
+
+import numpy as np
+import pytest
+from aiohttp import web
+
+from qmigrate.bench import serve_data as D
+from qmigrate.bench.core import Workload
+from qmigrate.bench.serve import arrival_offsets, parse_rates, run_serve
+from qmigrate.bench.serve_stats import CallRecord, meets, parse_slos, summarize
+
+
+# --- statistics --------------------------------------------------------------------------
+
+def test_summary_of_synthetic_calls():
+    # Two calls sent at 0 and 1 s: chunks (one token each) at the times below.
+    a = CallRecord(0.0, [0.5, 0.6, 0.8, 1.1], output_tokens=4, expected_tokens=4)
+    b = CallRecord(1.0, [1.2, 1.3], output_tokens=2, expected_tokens=3)
+    bad = CallRecord(1.0, error="HTTP 500: boom")
+    s = summarize([a, b, bad], t0=0.0, end=2.0, slos={"ttft": 0.3})
+    assert (s["calls"], s["completed"], s["failed"], s["output_tokens"]) == (3, 2, 1, 6)
+    assert s["output_tok_per_s"] == pytest.approx(3.0) and s["requests_per_s"] == pytest.approx(1.0)
+    assert s["short_calls"] == 1 and s["errors"] == ["HTTP 500: boom"]
+    assert s["ttft_ms"]["p50"] == pytest.approx(np.percentile([500, 200], 50))
+    assert s["ttft_ms"]["mean"] == pytest.approx(350)
+    # TPOT: (1.1 - 0.5) / 3 and (1.3 - 1.2) / 1
+    assert s["tpot_ms"]["p99"] == pytest.approx(np.percentile([200, 100], 99))
+    # ITL pools the gaps of every call: 100, 200, 300 and 100 ms.
+    itl = [100, 200, 300, 100]
+    for q in (50, 90, 99):
+        assert s["itl_ms"][f"p{q}"] == pytest.approx(np.percentile(itl, q))
+    assert s["e2e_ms"]["p50"] == pytest.approx(np.percentile([1100, 300], 50))
+    # Only b's first token came within 300 ms; the failed call never counts.
+    assert s["goodput"]["good_calls"] == 1 and s["goodput"]["requests_per_s"] == pytest.approx(0.5)
+
+
+def test_slos_parse_and_apply():
+    assert parse_slos(["ttft:200", "tpot:50,e2e:3000"]) == {"ttft": 0.2, "tpot": 0.05, "e2e": 3.0}
+    for bad in (["itl:5"], ["ttft"], ["ttft:x"], ["tpot:0"]):
+        with pytest.raises(ValueError):
+            parse_slos(bad)
+    rec = CallRecord(0.0, [0.1, 0.3, 0.5], output_tokens=3)
+    assert meets(rec, {"ttft": 0.1, "tpot": 0.2}) and not meets(rec, {"tpot": 0.19})
+
+
+def test_arrivals_and_rates():
+    assert arrival_offsets(5, math.inf) == [0.0] * 5
+    poisson = np.diff(arrival_offsets(20000, 50.0, 1.0, seed=3))
+    assert statistics.fmean(poisson) == pytest.approx(1 / 50, rel=0.05)
+    # The gaps' squared coefficient of variation is 1 / burstiness.
+    for shape in (0.25, 4.0):
+        gaps = np.diff(arrival_offsets(20000, 50.0, shape, seed=3))
+        assert gaps.mean() == pytest.approx(1 / 50, rel=0.05)
+        assert gaps.var() / gaps.mean() ** 2 == pytest.approx(1 / shape, rel=0.15)
+    assert arrival_offsets(10, 5.0, seed=1) == arrival_offsets(10, 5.0, seed=1)
+    assert parse_rates("2, 4.5,inf") == [2.0, 4.5, math.inf]
+    for bad in ("", "0", "-1", "fast"):
+        with pytest.raises(ValueError):
+            parse_rates(bad)
+
+
+# --- datasets ----------------------------------------------------------------------------
+
+def test_random_dataset_is_mixed_256():
+    reqs = D.random_dataset(Workload())
+    assert len(reqs) == 256 and sum(r.output_len for r in reqs) == 70721
+    assert [(r.prompt, r.output_len) for r in reqs] == Workload().requests()
+    text = D.random_dataset(Workload(4, (8, 16), (4, 8)), fmt="text")
+    assert all(isinstance(r.prompt, str) and len(r.prompt.split()) == r.prompt_len for r in text)
+
+
+def test_shared_prefix_and_multi_turn_shapes():
+    reqs = D.shared_prefix_dataset(groups=3, prompts_per_group=4, system_len=20, question_len=5, output_len=7)
+    assert len(reqs) == 12 and all(len(r.prompt) == 25 and r.output_len == 7 for r in reqs)
+    for g in range(3):
+        group = reqs[4 * g: 4 * g + 4]
+        assert all(r.prompt[:20] == group[0].prompt[:20] for r in group)
+        assert len({tuple(r.prompt[20:]) for r in group}) == 4
+    assert reqs[0].prompt[:20] != reqs[4].prompt[:20]
+    assert D.shared_prefix_dataset(2, 2, 8, 4, 3) == D.shared_prefix_dataset(2, 2, 8, 4, 3)
+    sessions = D.multi_turn_dataset(sessions=3, turns=4, turn_len=6, output_len=5)
+    assert len(sessions) == 3 and all(len(s.turns) == 4 and s.num_calls == 4 for s in sessions)
+
+
+def test_jsonl_dataset(tmp_path):
+    path = tmp_path / "d.jsonl"
+    path.write_text('{"prompt": "hi", "output_len": 3}\n\n{"prompt": [5, 6]}\n{"turns": ["a", "b"], "max_tokens": 2}\n')
+    reqs = D.jsonl_dataset(path, default_output_len=9)
+    assert [(r.prompt, r.output_len, r.turns) for r in reqs] == [("hi", 3, []), ([5, 6], 9, []), ("", 2, ["a", "b"])]
+    for bad in ('{"prompt": 5}', "[1]", '{"prompt": "x", "output_len": 0}', "nope", '{"turns": []}'):
+        path.write_text(bad + "\n")
+        with pytest.raises(ValueError, match="d.jsonl:1"):
+            D.jsonl_dataset(path)
+
+
+# --- against a fake server -----------------------------------------------------------------
+
+class FakeServer:
+    """A minimal OpenAI server on a thread: one SSE event per token, usage at the end."""
+
+    def __init__(self):
+        self.bodies, self.in_flight, self.most_in_flight = [], 0, 0
+        self.loop = asyncio.new_event_loop()
+        self.started = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+        assert self.started.wait(10)
+
+    def _run(self):
+        asyncio.set_event_loop(self.loop)
+        app = web.Application()
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_post("/v1/completions", self.generate)
+        app.router.add_post("/v1/chat/completions", self.generate)
+        self.runner = web.AppRunner(app)
+        self.loop.run_until_complete(self.runner.setup())
+        site = web.TCPSite(self.runner, "127.0.0.1", 0)
+        self.loop.run_until_complete(site.start())
+        self.url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+        self.started.set()
+        self.loop.run_forever()
+
+    async def models(self, request):
+        return web.json_response({"data": [{"id": "fake"}]})
+
+    async def generate(self, request):
+        body = await request.json()
+        self.bodies.append(body)
+        self.in_flight += 1
+        self.most_in_flight = max(self.most_in_flight, self.in_flight)
+        chat = "messages" in body
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        n = body["max_tokens"] if body.get("ignore_eos") else max(1, body["max_tokens"] // 2)
+        for i in range(n):
+            await asyncio.sleep(0.001)
+            choice = {"delta": {"content": f"t{i} "}} if chat else {"text": f"t{i} "}
+            await resp.write(b"data: " + json.dumps({"choices": [choice]}).encode() + b"\n\n")
+        usage = {"prompt_tokens": 1, "completion_tokens": n}
+        await resp.write(b"data: " + json.dumps({"choices": [], "usage": usage}).encode() + b"\n\ndata: [DONE]\n\n")
+        self.in_flight -= 1
+        return resp
+
+    def close(self):
+        asyncio.run_coroutine_threadsafe(self.runner.cleanup(), self.loop).result(10)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+
+
+@pytest.fixture
+def fake_server():
+    server = FakeServer()
+    yield server
+    server.close()
+
+
+def test_against_a_fake_server(fake_server, tmp_path):
+    reqs = D.random_dataset(Workload(12, (4, 8), (3, 9), vocab=(10, 100)))
+    out = tmp_path / "r.json"
+    runs = run_serve(base_url=fake_server.url, model=None, requests=reqs, rates=[200.0, math.inf],
+                     max_concurrency=3, slos={"e2e": 60.0}, warmup=0, json_path=out)
+    asked = sum(r.output_len for r in reqs)
+    for _, s in runs:
+        assert (s["completed"], s["failed"], s["short_calls"], s["output_tokens"]) == (12, 0, 0, asked)
+        assert s["goodput"]["good_calls"] == 12
+    assert fake_server.most_in_flight <= 3
+    body = fake_server.bodies[0]
+    assert body["model"] == "fake" and body["stream"] and body["ignore_eos"] and body["prompt"] == reqs[0].prompt
+    assert body["min_tokens"] == body["max_tokens"] == reqs[0].output_len
+    report = json.loads(out.read_text())
+    assert [r["rate"] for r in report["runs"]] == ["200", "inf"] and report["model"] == "fake"
+
+
+def test_without_ignore_eos_short_outputs_are_reported(fake_server):
+    reqs = D.random_dataset(Workload(4, (4, 8), (4, 9), vocab=(10, 100)))
+    [(_, s)] = run_serve(base_url=fake_server.url, model="fake", requests=reqs, rates=[math.inf],
+                         warmup=0, extensions=False)
+    assert s["short_calls"] == 4 and "ignore_eos" not in fake_server.bodies[0]
+
+
+def test_multi_turn_carries_earlier_turns(fake_server):
+    sessions = D.multi_turn_dataset(sessions=2, turns=3, turn_len=4, output_len=2)
+    [(_, s)] = run_serve(base_url=fake_server.url, model="fake", requests=sessions, rates=[math.inf], warmup=0)
+    assert s["completed"] == 6 and s["output_tokens"] == 12
+    for session in sessions:
+        mine = [b["messages"] for b in fake_server.bodies if b["messages"][0]["content"] == session.turns[0]]
+        assert [len(m) for m in mine] == [1, 3, 5]
+        last = mine[-1]
+        assert [m["content"] for m in last if m["role"] == "user"] == session.turns
+        assert [m["content"] for m in last if m["role"] == "assistant"] == ["t0 t1 ", "t0 t1 "]
+
+
+# --- ignore_eos and min_tokens, from the request to the worker's stopping rule ---------------
+
+def test_request_extensions_parse():
+    import copy
+    from conftest import CHAT_TEMPLATE
+    from qmigrate.ingest.openai_api import ApiError, parse_body
+    from tokenizer_util import build_tokenizer
+    tok = copy.deepcopy(build_tokenizer())
+    tok.chat_template = CHAT_TEMPLATE
+    parse = lambda body, kind="completion": parse_body({"model": "m", **body}, kind, model_names=["m"],
+                                                       tokenizer=tok, max_context=64, eos_ids=[1])
+    p = parse({"prompt": [5, 6], "max_tokens": 9, "ignore_eos": True, "min_tokens": 4}).prompt
+    assert (p.ignore_eos, p.min_tokens, p.max_new_tokens) == (True, 4, 9)
+    p = parse({"messages": [{"role": "user", "content": "hi"}], "ignore_eos": False}, "chat").prompt
+    assert (p.ignore_eos, p.min_tokens) == (False, 0)
+    # A clamp to the context takes min_tokens down with it.
+    assert parse({"prompt": [5] * 60, "max_tokens": 20, "min_tokens": 20}).prompt.min_tokens == 4
+    for body, param in (({"ignore_eos": 1}, "ignore_eos"), ({"min_tokens": -1}, "min_tokens"),
+                        ({"min_tokens": 10, "max_tokens": 9}, "min_tokens"), ({"min_tokens": 1.5}, "min_tokens")):
+        with pytest.raises(ApiError) as info:
+            parse({"prompt": [5, 6], **body})
+        assert info.value.status == 400 and info.value.param == param, info.value.message
+
+
+def test_min_new_tokens_holds_off_eos_and_stop_sequences():
+    from qmigrate.wire import protocol as P
+    from qmigrate.worker.core import SeqState
+    spec = P.SeqSpec(1, P.pack_i32([5, 6]), 2, 10, stop_ids=[[7, 8]], eos_ids=[2], min_new_tokens=3)
+    state = SeqState.from_spec(spec, spec.ids)
+    assert state.finish_after(2, 0, 3, 100) == P.Finish.NONE       # EOS as token 1 of 3
+    assert state.finish_after(7, 1, 4, 100) == P.Finish.NONE
+    assert state.finish_after(8, 2, 5, 100) == P.Finish.STOP        # the stop ends token 3
+    state = SeqState.from_spec(spec, spec.ids)
+    assert [state.finish_after(2, i, 3 + i, 100) for i in range(4)] == [P.Finish.NONE] * 2 + [P.Finish.EOS] * 2
+    plain = P.SeqSpec(1, P.pack_i32([5, 6]), 2, 10, eos_ids=[2])
+    assert SeqState.from_spec(plain, plain.ids).finish_after(2, 0, 3, 100) == P.Finish.EOS
+    # It travels in Submit, and a value above max_new_tokens is refused at decode.
+    got = P.decode(P.encode(P.Submit([spec])))
+    assert got.seqs[0].min_new_tokens == 3
+    with pytest.raises(P.ProtocolError):
+        P.decode(P.encode(P.Submit([P.SeqSpec(1, P.pack_i32([5]), 1, 4, min_new_tokens=5)])))
+
+
+# --- against a real node -----------------------------------------------------------------------
+
+@pytest.fixture
+def node(tmp_path, tiny_chat_model_dir):
+    import subprocess
+    import sys
+    import time
+    import urllib.request
+    import yaml
+    from conftest import free_ports, stop_group
+    [port] = free_ports(1)
+    topo = {"transport": "ipc", "ipc_dir": str(tmp_path / "s"), "model": {"path": str(tiny_chat_model_dir)},
+            "nodes": [{"name": "local"}], "router": {"node": "local"},
+            "detokenizer": {"node": "local", "output": "jsonl"},
+            "ingest": {"node": "local", "input": "jsonl", "http_port": port, "model_name": "tiny"},
+            "workers": [{"name": "w1", "node": "local", "cpu_kv_gib": 0.25}]}
+    config = tmp_path / "topology.yaml"
+    config.write_text(yaml.safe_dump(topo))
+    err = open(tmp_path / "stderr.txt", "w")
+    proc = subprocess.Popen([sys.executable, "-m", "qmigrate", "node", str(config), "--node", "local"],
+                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 90
+        while True:
+            assert proc.poll() is None, (tmp_path / "stderr.txt").read_text()[-3000:]
+            assert time.monotonic() < deadline, "the node did not serve HTTP in 90 s"
+            try:
+                # A completion, not /v1/models alone: the worker is up once one comes back.
+                req = urllib.request.Request(url + "/v1/completions", method="POST",
+                                             data=json.dumps({"model": "tiny", "prompt": [5, 6], "max_tokens": 1}).encode(),
+                                             headers={"Content-Type": "application/json"})
+                with urllib.request.urlopen(req, timeout=30) as resp:
+                    if resp.status == 200:
+                        break
+            except OSError:
+                time.sleep(0.3)
+        yield url
+    finally:
+        stop_group(proc)
+        err.close()
+
+
+@pytest.mark.slow
+def test_a_real_node_gives_exact_lengths(node, tmp_path, qmigrate):
+    out = tmp_path / "serve.json"
+    run = qmigrate("bench", "serve", "--base-url", node, "--requests", "6", "--prompt-len", "4:16",
+                   "--output-len", "4:12", "--vocab", "10:1000", "--request-rate", "50,inf", "--max-concurrency", "4",
+                   "--goodput", "e2e:600000", "--json", str(out))
+    assert run.returncode == 0, run.stderr
+    asked = sum(n for _, n in Workload(6, (4, 16), (4, 12), (10, 1000)).requests())
+    report = json.loads(out.read_text())
+    assert report["output_tokens_asked"] == asked and report["model"] == "tiny"
+    for r in report["runs"]:
+        assert (r["completed"], r["failed"], r["short_calls"], r["output_tokens"]) == (6, 0, 0, asked), r
+        assert r["prompt_tokens"] == sum(len(p) for p, _ in Workload(6, (4, 16), (4, 12), (10, 1000)).requests())
+        assert r["goodput"]["good_calls"] == 6 and r["ttft_ms"]["p50"] > 0
+    assert "inf" in run.stdout and "TTFT" in run.stdout
+    sessions = D.multi_turn_dataset(sessions=2, turns=2, turn_len=5, output_len=3)
+    [(_, s)] = run_serve(base_url=node, model="tiny", requests=sessions, rates=[math.inf], warmup=0)
+    assert (s["completed"], s["failed"], s["short_calls"], s["output_tokens"]) == (4, 0, 0, 12), s
+
+
+# --- the HTTP thread's cheaper per-token path -----------------------------------------------
+
+@pytest.mark.parametrize("kind", ["completion", "chat"])
+def test_a_frame_is_the_chunk_it_stands_for(kind):
+    from types import SimpleNamespace
+    from qmigrate.ingest.http import _MARK, _Frame, _sse
+    from qmigrate.ingest.openai_api import chunk
+    for usage in (False, True):
+        req = SimpleNamespace(kind=kind, model="m\u00e9", include_usage=usage)
+        frame = _Frame(chunk(req, "cmpl-1", 7, _MARK))
+        for text in ("a", ' "quoted"\n\\', "\u00e9t\u00e9 \U0001f600", "\ue000text\ue000"):
+            assert frame(text) == _sse(chunk(req, "cmpl-1", 7, text))
+
+
+def test_what_arrived_together_leaves_together():
+    from types import SimpleNamespace
+    from qmigrate.ingest.http import HttpServer
+
+    async def main():
+        server = HttpServer.__new__(HttpServer)
+        server.cfg = SimpleNamespace(http_timeout_s=5.0)
+        events = asyncio.Queue()
+        for item in [("a", 0, 1), ("b", 0, 2), ("c", 2, 3), ("late", 0, 4)]:
+            events.put_nowait(item)
+        got = [await server._next_all(events)]
+        got.append(await server._next_all(events))
+        server.cfg.http_timeout_s = 0.05
+        with pytest.raises(Exception, match="no output within"):
+            await server._next_all(events)
+        return got
+
+    assert asyncio.run(main()) == [("abc", 2, 3), ("late", 0, 4)]
+
+
+def test_the_pipeline_figure_is_read_for_the_same_workload_only(tmp_path):
+    from qmigrate.bench.serve import _pipeline_figure
+    path = tmp_path / "bench.json"
+    runs = [{"path": "pipeline", "tok_per_s": v} for v in (30.0, 10.0, 20.0)] + [{"path": "in-process", "tok_per_s": 99.0}]
+    path.write_text(json.dumps({"workload": {"output_tokens": 500}, "runs": runs}))
+    assert _pipeline_figure(path, 500) == 20.0
+    assert _pipeline_figure(path, 501) is None
