@@ -152,6 +152,7 @@ class SeqSpec:
     transfer_id: int = 0
     resend_from: int = -1     # >= 0: send the detokenizer generated tokens from this index on
     min_new_tokens: int = 0   # neither EOS nor a stop sequence ends it before this many tokens
+    cache_salt: str = ""      # its KV prefix is shared only with sequences of the same salt
 
     @property
     def ids(self) -> np.ndarray:
