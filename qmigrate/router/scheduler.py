@@ -179,11 +179,10 @@ class Scheduler:
             taken += 1
             if spec.seq_id in self.seqs:
                 continue  # a resend of something already here
-            ids = spec.ids.tolist()
-            if not ids or not 0 < spec.prompt_len <= len(ids) or spec.max_new_tokens < 1:
+            if not spec.is_valid:
                 self.counters["rejected_specs"] += 1
                 continue
-            seq = self.seqs[spec.seq_id] = Seq(spec, ids)
+            seq = self.seqs[spec.seq_id] = Seq(spec, spec.ids.tolist())
             self.queue.push(seq)
             self.counters["admitted"] += 1
         if len(self.queue) > num_queued:
