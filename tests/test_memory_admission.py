@@ -8,7 +8,8 @@ off with cause "memory" to any worker that may take them.
 from __future__ import annotations
 
 from qmigrate.wire.protocol import Finish, SeqSpec, pack_i32
-from qmigrate.router.scheduler import Scheduler, SchedulerConfig, WorkerState
+from qmigrate.config import RouterConfig
+from qmigrate.router.scheduler import Scheduler, WorkerState
 
 
 def spec(seq_id: int) -> SeqSpec:
@@ -16,8 +17,8 @@ def spec(seq_id: int) -> SeqSpec:
 
 
 def fleet(**config) -> Scheduler:
-    # spread_new off: each test places the work on the worker it names
-    s = Scheduler(SchedulerConfig(heartbeat_timeout_s=1e9, chain=False, migrate_on_load=False, spread_new=False,
+    # spread_new_work off: each test places the work on the worker it names
+    s = Scheduler(RouterConfig(heartbeat_timeout_s=1e9, chain_leases=False, migrate_on_load=False, spread_new_work=False,
                                   min_free_vram_fraction=0.05, admit_free_vram_fraction=0.10, **config))
     for name in ("w0", "w1"):
         s.register(WorkerState(name, max_seqs=8, max_tokens=4096, gpu_uuid=f"GPU-{name}"), 0.0)
@@ -81,5 +82,5 @@ def test_memory_rules_switched_off_leave_sequences_in_place():
 
 
 def test_the_admission_watermark_is_never_below_the_migration_one():
-    config = SchedulerConfig(min_free_vram_fraction=0.2, admit_free_vram_fraction=0.1)
+    config = RouterConfig(min_free_vram_fraction=0.2, admit_free_vram_fraction=0.1)
     assert config.admit_free_vram_fraction == 0.2
