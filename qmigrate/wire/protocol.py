@@ -217,6 +217,7 @@ class Heartbeat:
     busy_ms: int = 0          # cumulative time spent running steps
     idle_ms: int = 0          # cumulative time spent with no batch to run
     lease_ids: bytes = b""    # int64: leases received and not yet answered; the router renews them
+    held_bytes: int = -1      # device memory this worker holds (weights, KV pool, graphs); -1: unknown
 
 
 @message(MsgType.WORK_REQUEST)

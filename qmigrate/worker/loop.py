@@ -78,7 +78,8 @@ class Worker:
                 "max_seqs": self.cfg.max_seqs, "max_tokens": self.cfg.max_tokens,
                 "inflight": self.cfg.inflight, "kv_bytes_per_token": engine.kv_bytes_per_token,
                 "num_params": engine.num_params, "gpu_uuid": uuid or "",
-                "kv_tokens": engine.pool.capacity_tokens, "block_size": engine.pool.block_size}
+                "kv_tokens": engine.pool.capacity_tokens, "block_size": engine.pool.block_size,
+                "held_bytes": self.held_bytes()}
         hello = P.Hello("worker", self.name, info=info)
         transport.send(self.router, hello)
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
@@ -278,7 +279,14 @@ class Worker:
             self.trace.flush()
             self.send_router(P.Heartbeat(self.name, len(self.core.seqs), self.core.free_tokens,
                                          int(self.busy_s * 1000), int(self.idle_s * 1000),
-                                         P.pack_i64(self.loop.held_lease_ids())))
+                                         P.pack_i64(self.loop.held_lease_ids()), self.held_bytes()))
+
+    def held_bytes(self) -> int:
+        """Device memory this process holds: weights, KV pool, graphs and activations (the
+        router does not count it as memory pressure). A CPU worker holds no device memory."""
+        if not self.device.startswith("cuda"):
+            return 0
+        return int(torch.cuda.memory_reserved(torch.device(self.device)))
 
 
 def _share_cpu_threads(topo, cfg) -> None:
