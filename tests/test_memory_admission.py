@@ -112,7 +112,7 @@ def test_memory_another_process_takes_is_still_pressure():
 
 
 def test_several_workers_on_one_gpu_count_together():
-    s = Scheduler(SchedulerConfig(heartbeat_timeout_s=1e9, chain=False, spread_new=False))
+    s = Scheduler(RouterConfig(heartbeat_timeout_s=1e9, chain_leases=False, spread_new_work=False))
     for name in ("a", "b"):
         s.register(WorkerState(name, max_seqs=8, max_tokens=4096, gpu_uuid="GPU-0", held_bytes=38 * GiB), 0.0)
     s.set_vram("GPU-0", 80 * GiB, 2 * GiB)           # 76 GiB held by the two: 2 of 4 free
@@ -123,7 +123,7 @@ def test_several_workers_on_one_gpu_count_together():
 
 
 def test_a_report_that_came_before_the_worker_joined_is_applied_with_its_holdings():
-    s = Scheduler(SchedulerConfig(heartbeat_timeout_s=1e9))
+    s = Scheduler(RouterConfig(heartbeat_timeout_s=1e9))
     s.set_vram("GPU-0", 80 * GiB, 2 * GiB)
     s.register(WorkerState("a", max_seqs=8, max_tokens=4096, gpu_uuid="GPU-0", held_bytes=76 * GiB), 0.0)
     assert s.workers["a"].may_prefill
@@ -181,8 +181,8 @@ def test_the_shipped_gpu_topologies_admit_work_with_their_default_watermarks(pat
     gpu_nodes = {w.node for w in topo.workers if w.device.startswith("cuda")}
     assert gpu_nodes and all(topo.node(n).monitor for n in gpu_nodes)
     rc = topo.router
-    s = Scheduler(SchedulerConfig(heartbeat_timeout_s=1e9, min_free_vram_fraction=rc.min_free_vram_fraction,
-                                  admit_free_vram_fraction=rc.admit_free_vram_fraction))
+    s = Scheduler(RouterConfig(heartbeat_timeout_s=1e9, min_free_vram_fraction=rc.min_free_vram_fraction,
+                               admit_free_vram_fraction=rc.admit_free_vram_fraction))
     total = 80 * GiB
     for i, w in enumerate(topo.workers):
         held = int(w.gpu_memory_utilization * total)
