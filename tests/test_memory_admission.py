@@ -10,7 +10,8 @@ from __future__ import annotations
 import pytest
 
 from qmigrate.wire.protocol import Finish, SeqSpec, pack_i32
-from qmigrate.router.scheduler import Scheduler, SchedulerConfig, WorkerState
+from qmigrate.config import RouterConfig
+from qmigrate.router.scheduler import Scheduler, WorkerState
 
 
 def spec(seq_id: int) -> SeqSpec:
@@ -18,8 +19,8 @@ def spec(seq_id: int) -> SeqSpec:
 
 
 def fleet(**config) -> Scheduler:
-    # spread_new off: each test places the work on the worker it names
-    s = Scheduler(SchedulerConfig(heartbeat_timeout_s=1e9, chain=False, migrate_on_load=False, spread_new=False,
+    # spread_new_work off: each test places the work on the worker it names
+    s = Scheduler(RouterConfig(heartbeat_timeout_s=1e9, chain_leases=False, migrate_on_load=False, spread_new_work=False,
                                   min_free_vram_fraction=0.05, admit_free_vram_fraction=0.10, **config))
     for name in ("w0", "w1"):
         s.register(WorkerState(name, max_seqs=8, max_tokens=4096, gpu_uuid=f"GPU-{name}"), 0.0)
@@ -83,7 +84,7 @@ def test_memory_rules_switched_off_leave_sequences_in_place():
 
 
 def test_the_admission_watermark_is_never_below_the_migration_one():
-    config = SchedulerConfig(min_free_vram_fraction=0.2, admit_free_vram_fraction=0.1)
+    config = RouterConfig(min_free_vram_fraction=0.2, admit_free_vram_fraction=0.1)
     assert config.admit_free_vram_fraction == 0.2
 
 
@@ -111,7 +112,7 @@ def test_memory_another_process_takes_is_still_pressure():
 
 
 def test_several_workers_on_one_gpu_count_together():
-    s = Scheduler(SchedulerConfig(heartbeat_timeout_s=1e9, chain=False, spread_new=False))
+    s = Scheduler(RouterConfig(heartbeat_timeout_s=1e9, chain_leases=False, spread_new_work=False))
     for name in ("a", "b"):
         s.register(WorkerState(name, max_seqs=8, max_tokens=4096, gpu_uuid="GPU-0", held_bytes=38 * GiB), 0.0)
     s.set_vram("GPU-0", 80 * GiB, 2 * GiB)           # 76 GiB held by the two: 2 of 4 free
@@ -122,7 +123,7 @@ def test_several_workers_on_one_gpu_count_together():
 
 
 def test_a_report_that_came_before_the_worker_joined_is_applied_with_its_holdings():
-    s = Scheduler(SchedulerConfig(heartbeat_timeout_s=1e9))
+    s = Scheduler(RouterConfig(heartbeat_timeout_s=1e9))
     s.set_vram("GPU-0", 80 * GiB, 2 * GiB)
     s.register(WorkerState("a", max_seqs=8, max_tokens=4096, gpu_uuid="GPU-0", held_bytes=76 * GiB), 0.0)
     assert s.workers["a"].may_prefill
@@ -180,8 +181,8 @@ def test_the_shipped_gpu_topologies_admit_work_with_their_default_watermarks(pat
     gpu_nodes = {w.node for w in topo.workers if w.device.startswith("cuda")}
     assert gpu_nodes and all(topo.node(n).monitor for n in gpu_nodes)
     rc = topo.router
-    s = Scheduler(SchedulerConfig(heartbeat_timeout_s=1e9, min_free_vram_fraction=rc.min_free_vram_fraction,
-                                  admit_free_vram_fraction=rc.admit_free_vram_fraction))
+    s = Scheduler(RouterConfig(heartbeat_timeout_s=1e9, min_free_vram_fraction=rc.min_free_vram_fraction,
+                               admit_free_vram_fraction=rc.admit_free_vram_fraction))
     total = 80 * GiB
     for i, w in enumerate(topo.workers):
         held = int(w.gpu_memory_utilization * total)

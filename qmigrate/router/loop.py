@@ -18,7 +18,7 @@ from qmigrate.wire import protocol as P
 from qmigrate.wire import transport
 from qmigrate.ops.observe import FleetObserver
 from qmigrate.router.journal import Journal, OutputLog
-from qmigrate.router.scheduler import Scheduler, SchedulerConfig, WorkerState
+from qmigrate.router.scheduler import Scheduler, WorkerState
 from qmigrate.wire.security import Guard
 from qmigrate.ops.trace import tracer
 from qmigrate.ops.process import freeze_heap
@@ -36,15 +36,7 @@ class Router:
     def __init__(self, topo):
         rc = topo.router
         self.trace = tracer("router", topo.trace_dir)
-        self.config = SchedulerConfig(
-            max_queued=rc.max_queued, lease_timeout_s=rc.lease_timeout_s,
-            heartbeat_timeout_s=rc.heartbeat_timeout_s, policy=rc.policy,
-            migrate_on_load=rc.migrate_on_load, migrate_on_memory=rc.migrate_on_memory,
-            min_free_vram_fraction=rc.min_free_vram_fraction,
-            admit_free_vram_fraction=rc.admit_free_vram_fraction, migration=rc.migration,
-            link_gbps=rc.link_gbps, prefill_tflops=rc.prefill_tflops,
-            rebalance_threshold=rc.rebalance_threshold, spread_new=rc.spread_new_work, chain=rc.chain_leases,
-            max_lease_steps=rc.max_lease_steps)
+        self.config = rc
         self.heartbeat_interval_s = rc.heartbeat_interval_s
         self.sched = Scheduler(self.config)
         self.sched.start_ids_at(int(time.time() * 1000) << 20)

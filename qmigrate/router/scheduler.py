@@ -28,13 +28,13 @@ from __future__ import annotations
 import itertools
 from collections import Counter, deque
 
+from qmigrate.config import RouterConfig
 from qmigrate.router.records import (
     Grant,
     LeaseRecord,
     Outcome,
     Queue,
     Row,
-    SchedulerConfig,
     Seq,
     WorkerState,
     choose_mechanism,
@@ -42,7 +42,7 @@ from qmigrate.router.records import (
 from qmigrate.router.migration import MovePolicy
 from qmigrate.wire.protocol import CONTINUE, Finish, SeqSpec
 
-__all__ = ["Grant", "Outcome", "Row", "Scheduler", "SchedulerConfig", "Seq", "WorkerState",
+__all__ = ["Grant", "Outcome", "Row", "Scheduler", "Seq", "WorkerState",
            "choose_mechanism"]
 
 MAX_GPUS = 4096  # GPUs whose last memory report is kept
@@ -51,8 +51,8 @@ _FINISHED = frozenset(int(f) for f in Finish if f.is_finished)
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig | None = None):
-        self.config = config or SchedulerConfig()
+    def __init__(self, config: RouterConfig | None = None):
+        self.config = config or RouterConfig()
         self.seqs: dict[int, Seq] = {}
         self.queue = Queue()
         self.workers: dict[str, WorkerState] = {}
@@ -338,7 +338,7 @@ class Scheduler:
                 if (seq := self.seqs.get(sid)) is not None and seq.lease_id == lease_id]
 
     def _may_chain(self, w: WorkerState) -> bool:
-        return self.config.chain and self.config.policy != "any" and self.moves.may_keep(w)
+        return self.config.chain_leases and self.config.policy != "any" and self.moves.may_keep(w)
 
     def _lease_row(self, seq: Seq, w: WorkerState, cause, mechanism, shipments, now: float) -> Row:
         revoked_at, seq.revoked_at = seq.revoked_at, None
