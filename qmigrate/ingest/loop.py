@@ -36,6 +36,7 @@ log = logging.getLogger("qmigrate.ingest")
 ACK_TIMEOUT_S = 5.0
 STARTUP_TIMEOUT_S = 30.0
 WORKERS_POLL_S = 0.2
+HEALTH_POLL_S = 0.5  # how often the router is asked whether a worker can serve
 
 
 class Ingest:
@@ -114,6 +115,8 @@ class Ingest:
                 self.ask_for_workers()
             else:
                 self.submit()
+            if self.http is not None:
+                self.ask_for_workers(HEALTH_POLL_S)  # for /health
             ready = dict(poller.poll(20))
             if self.router in ready:
                 self.on_router()
@@ -236,16 +239,20 @@ class Ingest:
                                              P.pack_u8([b[2] for b in batch]), [b[3] for b in batch]))
         self.in_flight, self.sent_at, self.awaiting_ack = len(batch), now, True
 
-    def ask_for_workers(self) -> None:
-        if (now := time.monotonic()) - self.asked_at >= WORKERS_POLL_S:
+    def ask_for_workers(self, every_s: float = WORKERS_POLL_S) -> None:
+        if (now := time.monotonic()) - self.asked_at >= every_s:
             transport.send(self.router, P.StatsRequest())
             self.asked_at = now
 
     def on_router(self) -> None:
         while (got := transport.recv(self.router, 0)) is not None:
             msg = got[1]
-            if isinstance(msg, P.Stats) and msg.counters.get("workers", 0) >= self.wait_for_workers:
-                self.wait_for_workers = 0
+            if isinstance(msg, P.Stats):
+                if msg.counters.get("workers", 0) >= self.wait_for_workers:
+                    self.wait_for_workers = 0
+                if self.http is not None:
+                    serving = msg.counters.get("serving", msg.counters.get("workers", 0))
+                    self.http.num_serving = serving if type(serving) is int else 0
             if isinstance(msg, P.SubmitAck) and self.awaiting_ack:
                 taken = max(0, min(msg.num_accepted, self.in_flight))
                 cancel = []

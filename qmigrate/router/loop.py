@@ -338,6 +338,7 @@ class Router:
         counters.update(queued=len(self.sched.queue), live=len(self.sched.seqs),
                         open_leases=len(self.sched.leases),
                         workers=sum(w.alive for w in self.sched.workers.values()),
+                        serving=sum(w.alive and not w.draining for w in self.sched.workers.values()),
                         unprinted=len(self.outputs), output_backlog=len(self.backlog),
                         dropped_sends=transport.num_dropped)
         for name, w in self.sched.workers.items():
