@@ -199,8 +199,34 @@ def test_progress_line_redraws_on_a_terminal_and_is_silent_otherwise():
         line = ProgressLine("qmigrate", stream)
         line.show(3, 10, 1234.5, queued=2)
         line.clear()
-    assert tty.getvalue() == "\rqmigrate: 3/10 requests done, queue 2, 1,234 tok/s\x1b[K\r\x1b[K"
+    assert tty.getvalue() == "\r\x1b[Kqmigrate: 3/10 requests done, queue 2, 1,234 tok/s\r\x1b[K"
     assert pipe.getvalue() == ""
+
+
+def test_output_at_a_terminal_clears_the_progress_line_first():
+    from qmigrate.ops.progress import TerminalWriter
+
+    class Tty(io.StringIO):
+        def isatty(self):
+            return True
+    tty, pipe = Tty(), io.StringIO()
+    for stream in (tty, pipe):
+        TerminalWriter(stream)("[1] capital\n")
+    assert tty.getvalue() == "\r\x1b[K[1] capital\n"
+    assert pipe.getvalue() == "[1] capital\n"
+
+
+def test_the_progress_rate_is_tokens_over_the_time_they_took():
+    from qmigrate.ops.progress import TokenRate
+    rate = TokenRate(window_s=5.0)
+    for tick in range(61):                           # 30 s of loading, sampled every 0.5 s
+        assert rate.add(100.0 + tick / 2, 0) == 0.0
+    for tick in range(1, 21):                        # then 40 tokens in 10 s
+        got = rate.add(130.0 + tick / 2, 2 * tick)
+        assert got == pytest.approx(4.0), tick        # from the first tokens on, not 1 tok/s
+    assert rate.add(142.0, 40) < 4.0                 # output stopped: the rate falls
+    assert rate.add(200.0, 40) == 0.0
+    assert rate.add(201.0, 3) == 0.0                 # the total restarted: a fresh start
 
 
 # --- rough edges ---------------------------------------------------------------------------
