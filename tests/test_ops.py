@@ -152,8 +152,29 @@ def test_status_renders_workers_and_gpus():
     out = io.StringIO()
     Console(file=out, width=160).print(render(snap, "tcp://head:5550"))
     text = out.getvalue()
-    assert "queue 3" in text and "memory 2" in text and "800/1600 (50%)" in text
-    assert "60.0/80.0" in text and "GPU-a" in text
+    assert "queue 3" in text and "memory 2" in text and "50% 1600" in text
+    assert "60/80" in text and "GPU-a" in text
+
+
+def test_status_fits_80_columns_without_cutting_a_word():
+    from rich.console import Console
+
+    from qmigrate.ops.status import render
+    uuid = "GPU-5f3a9c2e-1b4d-4e8f-9a7b-0c1d2e3f4a5b"
+    row = dict(name="gpu12", node="gpus", device="cuda:12", gpu_uuid=uuid, state="memory-short", owned=1212,
+               leased=2560, batch_size=256, tokens_per_s=123456.7, kv_used_tokens=1234567,
+               kv_total_tokens=2345678, block_size=16, tokens_total=10**9, vram_free_fraction=0.01)
+    gpu = dict(node="gpus", uuid=uuid, index=12, total_bytes=141 << 30, used_bytes=130 << 30,
+               free_bytes=11 << 30, util_percent=100)
+    snap = {"router": {"queued": 12345, "live": 20000, "finished": 1234567, "workers": 16,
+                       "migrations_memory": 3, "migrations_load": 120}, "workers": [row], "gpus": [gpu]}
+    out = io.StringIO()
+    Console(file=out, width=80).print(render(snap, "tcp://192.168.100.200:5550"))
+    text = out.getvalue()
+    assert "\u2026" not in text and max(map(len, text.splitlines())) <= 80, text
+    for word in ("worker", "device", "state", "GPU GiB", "memory-short", "owned", "leased", "batch", "tok/s",
+                 "123,457", "53% 2.3M", "130/141", "util %"):
+        assert word in text, (word, text)
 
 
 # --- CLI, logs, progress -------------------------------------------------------------------
