@@ -21,10 +21,11 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from . import fused
+from . import fused, parallel
 from . import paged_attention as attn
 from .batch import StepBatch
 from .kvcache import BlockPool
+from .parallel import TensorParallel
 
 log = logging.getLogger(__name__)
 
@@ -117,7 +118,8 @@ class _Inputs:
 class LlamaRunner:
     name = "fast"
 
-    def __init__(self, model, *, max_batch: int = 256, max_tokens: int = 8192, cuda_graphs: bool = True):
+    def __init__(self, model, *, max_batch: int = 256, max_tokens: int = 8192, cuda_graphs: bool = True,
+                 tp: TensorParallel | None = None):
         cfg = model.config
         base = model.model
         first = base.layers[0]
@@ -126,6 +128,27 @@ class LlamaRunner:
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.scale = float(getattr(first.self_attn, "scaling", self.head_dim ** -0.5))
         self.eps = float(first.input_layernorm.variance_epsilon)
+        self.tp = tp
+        self.vocab_size = model.get_output_embeddings().weight.shape[0]
+        if tp is None:
+            self._take_weights(model)
+        else:
+            self._take_shards(model, tp)
+        self.device, self.dtype = self.embed.device, self.embed.dtype
+        self.cos, self.sin = fused.rope_tables(base.rotary_emb, cfg.max_position_embeddings)
+        self.cos, self.sin = self.cos.to(self.device), self.sin.to(self.device)
+        self.max_batch = max_batch
+        self.use_kernels = attn.can_use_triton(self.embed)
+        self.use_graphs = cuda_graphs and self.device.type == "cuda"
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}         # decode steps, by rows
+        self.token_graphs: dict[int, torch.cuda.CUDAGraph] = {}   # steps with prompts, by tokens
+        self.token_buckets = [t for t in TOKEN_BUCKETS if t < max_tokens] + [min(max_tokens, TOKEN_BUCKETS[-1])]
+        self.max_tokens = max_tokens
+        self.pool: BlockPool | None = None
+
+    def _take_weights(self, model) -> None:
+        """The checkpoint's tensors, where they are (q/k/v and gate/up fused into new ones)."""
+        base = model.model
         self.embed = base.embed_tokens.weight.detach()
         self.norm = base.norm.weight.detach()
         self.lm_head = model.get_output_embeddings().weight.detach()
@@ -138,17 +161,38 @@ class LlamaRunner:
                                      a.o_proj.weight.detach(), _bias(a.o_proj),
                                      layer.post_attention_layernorm.weight.detach(), gate_up, gate_up_bias,
                                      m.down_proj.weight.detach(), _bias(m.down_proj)))
-        self.device, self.dtype = self.embed.device, self.embed.dtype
-        self.cos, self.sin = fused.rope_tables(base.rotary_emb, cfg.max_position_embeddings)
-        self.vocab_size = self.lm_head.shape[0]
-        self.max_batch = max_batch
-        self.use_kernels = attn.can_use_triton(self.embed)
-        self.use_graphs = cuda_graphs and self.device.type == "cuda"
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}         # decode steps, by rows
-        self.token_graphs: dict[int, torch.cuda.CUDAGraph] = {}   # steps with prompts, by tokens
-        self.token_buckets = [t for t in TOKEN_BUCKETS if t < max_tokens] + [min(max_tokens, TOKEN_BUCKETS[-1])]
-        self.max_tokens = max_tokens
-        self.pool: BlockPool | None = None
+
+    def _take_shards(self, model, tp: TensorParallel) -> None:
+        """This rank's shards of the checkpoint (loaded on the CPU), moved to tp.device."""
+        cfg, base, r, n, dev = model.config, model.model, tp.rank, tp.world, tp.device
+        layout = tp.layout = parallel.check_layout(n, self.num_heads, self.num_kv_heads,
+                                                   base.layers[0].mlp.gate_proj.weight.shape[0])
+        qkv_rows = parallel.qkv_ranges(layout, r, self.head_dim)
+        qkv_parts = [self.num_heads * self.head_dim] + [self.num_kv_heads * self.head_dim] * 2
+        to = lambda t: None if t is None else t.detach().contiguous().to(dev)
+        self.embed = to(parallel.split_vocab(base.embed_tokens.weight.detach(), r, n))
+        self.vocab_rows = parallel.vocab_range(self.vocab_size, r, n)
+        self.norm = to(base.norm.weight)
+        self.lm_head = to(parallel.split_vocab(model.get_output_embeddings().weight.detach(), r, n))
+        self.layers = []
+        for layer in base.layers:
+            a, m = layer.self_attn, layer.mlp
+            qkv, qkv_bias = _cat(a.q_proj, a.k_proj, a.v_proj)
+            gate_up, gate_up_bias = _cat(m.gate_proj, m.up_proj)
+            inter = m.gate_proj.weight.shape[0]
+            gu_rows = parallel.even_ranges([inter, inter], r, n)
+            lead = r == 0   # a row-parallel bias is added once, before the sum
+            self.layers.append(Layer(
+                to(layer.input_layernorm.weight),
+                to(parallel.split_parts(qkv, qkv_parts, qkv_rows)),
+                to(parallel.split_parts(qkv_bias, qkv_parts, qkv_rows)),
+                to(parallel.split_cols(a.o_proj.weight.detach(), r, n)), to(_bias(a.o_proj)) if lead else None,
+                to(layer.post_attention_layernorm.weight),
+                to(parallel.split_parts(gate_up, [inter, inter], gu_rows)),
+                to(parallel.split_parts(gate_up_bias, [inter, inter], gu_rows)),
+                to(parallel.split_cols(m.down_proj.weight.detach(), r, n)),
+                to(_bias(m.down_proj)) if lead else None))
+        self.num_heads, self.num_kv_heads = layout.heads_per_rank, layout.kv_heads_per_rank
 
     # --- setup -------------------------------------------------------------------------
     def attach(self, pool: BlockPool | None, capture: bool = True) -> None:
@@ -314,8 +358,8 @@ class LlamaRunner:
         s.seq_lens[b:].fill_(1)
 
     def _forward(self, x: _Inputs, num_tokens: int, max_query_len: int, is_decode: bool) -> torch.Tensor:
-        pool = self.pool
-        h = F.embedding(x.ids, self.embed)
+        pool, tp = self.pool, self.tp
+        h = F.embedding(x.ids, self.embed) if tp is None else self._embed_shard(x.ids)
         residual = None
         plan = None
         if self.use_kernels and not is_decode:
@@ -339,10 +383,24 @@ class LlamaRunner:
                 o = attn.prefill_attention(q, k_cache, v_cache, x.query_start, x.seq_lens, x.block_table,
                                            self.scale, max_query_len, plan=plan)
             h = F.linear(o.reshape(num_tokens, -1), layer.o, layer.o_bias)
+            if tp is not None:
+                h = tp.all_reduce(h)
             y, residual = fused.add_rms_norm(h, residual, layer.ln2, self.eps)
             h = F.linear(fused.silu_and_mul(F.linear(y, layer.gate_up, layer.gate_up_bias)),
                          layer.down, layer.down_bias)
+            if tp is not None:
+                h = tp.all_reduce(h)
         if not is_decode:
             h, residual = h[x.last], residual[x.last]
         y, _ = fused.add_rms_norm(h, residual, self.norm, self.eps)
+        if tp is not None:
+            return tp.all_gather_last(F.linear(y, self.lm_head).float())[:, :self.vocab_size]
         return F.linear(y, self.lm_head).float()
+
+    def _embed_shard(self, ids: torch.Tensor) -> torch.Tensor:
+        """Vocabulary-parallel lookup: this rank's rows, zeros for ids it does not hold, summed
+        over the ranks."""
+        lo, hi = self.vocab_rows.start, self.vocab_rows.stop
+        mine = (ids >= lo) & (ids < hi)
+        h = F.embedding((ids - lo).clamp(0, self.embed.shape[0] - 1), self.embed)
+        return self.tp.all_reduce(h * mine.unsqueeze(1).to(h.dtype))
