@@ -106,6 +106,7 @@ class RouterConfig(_Section):
         if self.heartbeat_timeout_s <= self.heartbeat_interval_s:
             raise ConfigError("heartbeat_timeout_s", f"must be greater than heartbeat_interval_s "
                               f"({self.heartbeat_interval_s:g}), got {self.heartbeat_timeout_s:g}")
+        self.admit_free_vram_fraction = max(self.admit_free_vram_fraction, self.min_free_vram_fraction)
 
 
 @dataclass(slots=True)
@@ -155,6 +156,9 @@ class WorkerConfig(_Section):
     cpu_kv_gib: float = _f(2.0, _positive)
     cuda_graphs: bool = _f(True, _boolean)
     prefill_chunk: int = _f(512, _non_negative)   # 0: a prompt fills its KV in one forward
+    transfer_wait_s: float = _f(2.0, _positive)   # a lease waits this long for KV shipments, then recomputes
+    # a lone lease on the device waits this long for the next one before it is collected
+    chain_wait_s: float = _f(0.002, _number("a number >= 0", lambda x: x >= 0))
 
     def engine_config(self):
         from .engine.runner import EngineConfig

@@ -55,7 +55,7 @@ EXAMPLES = [
     P.Stats({"leases": 10, "queued": 3, "rate": 1.5, "name": "router"}),
     P.Revoke(5, P.pack_i64([7, 8])),
     P.Cancel(P.pack_i64([7, 8])),
-    P.Replies(P.pack_i64([7, 8]), P.pack_u8([0, P.FINISH_CANCELLED]), P.pack_i32([3, 9]), [" Hello", ""]),
+    P.Replies(P.pack_i64([7, 8]), P.pack_u8([0, P.Finish.CANCELLED]), P.pack_i32([3, 9]), [" Hello", ""]),
     P.Revoke(5, P.pack_i64([7])),
     P.Resync(4242),
     P.Printed(P.pack_i64([7, 8])),
@@ -404,8 +404,28 @@ def test_messages_are_immutable():
 
 
 def test_finish_codes():
-    assert [f.is_finished for f in Finish] == [False, True, True, True, False, True]
-    assert [f.reason for f in Finish] == ["", "eos", "length", "stop", "", "error"]
+    assert [f.is_finished for f in Finish] == [False, True, True, True, False, True, True]
+    assert [f.reason for f in Finish] == ["", "eos", "length", "stop", "", "error", "cancelled"]
+    assert [f.openai_reason for f in Finish] == [None, "stop", "length", "stop", None, None, None]
+    assert all(Finish.from_reason(f.reason) is f for f in Finish if f.is_finished)
+    assert Finish.from_reason("no such reason") is Finish.ERROR
+
+
+def test_seq_spec_validity():
+    ok = P.SeqSpec(1, P.pack_i32([5, 6]), 2, 1)
+    assert ok.is_valid
+    for bad in (dataclasses.replace(ok, prompt_len=0), dataclasses.replace(ok, prompt_len=3),
+                dataclasses.replace(ok, max_new_tokens=0), dataclasses.replace(ok, token_ids=b"")):
+        assert not bad.is_valid
+
+
+def test_finish_codes_allowed_per_message():
+    step = P.StepResult(1, P.pack_i64([1]), P.pack_i32([0]), b"", P.pack_u8([Finish.CANCELLED]))
+    tokens = P.Tokens(P.pack_i64([1]), P.pack_i32([0]), P.pack_i32([0]), b"", P.pack_u8([7]))
+    replies = P.Replies(P.pack_i64([1]), P.pack_u8([Finish.NEED_IDS]), P.pack_i32([0]), [""])
+    for msg in (step, tokens, replies):  # CANCELLED comes only from the detokenizer, NEED_IDS only from a worker
+        with pytest.raises(P.ProtocolError):
+            P.decode(P.encode(msg))
 
 
 # --- data, never code -------------------------------------------------------------------

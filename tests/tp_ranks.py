@@ -24,6 +24,7 @@ FAMILIES = {
     "mistral": dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=4,
                     sliding_window=None),
     "qwen2": dict(hidden_size=64, intermediate_size=64, num_attention_heads=4, num_key_value_heads=1),
+    "qwen3": dict(hidden_size=64, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=32),
 }
 
 

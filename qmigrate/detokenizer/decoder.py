@@ -32,9 +32,10 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from qmigrate.wire.protocol import Finish
+
 REPLACEMENT = "\ufffd"
 NUM_PRIME_IDS = 5
-FINISH_CODES = {"eos": 1, "length": 2, "stop": 3, "error": 5, "cancelled": 100}  # protocol.Finish, FINISH_CANCELLED
 MAX_OUT_OF_ORDER = 1 << 16
 MAX_UNSTARTED = 256          # sequences with tokens but no start yet (normally none)
 MAX_UNSTARTED_TOKENS = 4096  # tokens held for each of them
@@ -225,7 +226,7 @@ class _Sink:
         seq = self._seqs.get(seq_id)
         if seq_id in self._finished or seq is None or seq.decoder is None:
             return
-        seq.finish_reason, seq.num_tokens_expected = "cancelled", len(seq.token_ids)
+        seq.finish_reason, seq.num_tokens_expected = Finish.CANCELLED.reason, len(seq.token_ids)
         seq.waiting.clear()
         self._advance(seq_id, seq)
 
@@ -271,7 +272,7 @@ class _Sink:
             self.num_done += 1
             self._on_finish(seq)
         if self._reply is not None:  # for a printed request: "it ended", so its id is free again
-            self._reply(seq_id, "", FINISH_CODES.get(seq.finish_reason, 5), len(seq.token_ids))
+            self._reply(seq_id, "", Finish.from_reason(seq.finish_reason), len(seq.token_ids))
 
     def _emit(self, seq: _Seq, delta: str) -> None:
         if not delta:

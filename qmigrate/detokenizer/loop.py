@@ -180,10 +180,10 @@ class Detokenizer:
             pos += count
             if timed and count and (t := self.times.get(sid)) is not None and t[1] is None:
                 t[1] = now
-            if code in (P.Finish.EOS, P.Finish.LENGTH, P.Finish.STOP, P.Finish.ERROR):
-                self.sink.finish(sid, P.Finish(code).reason, start + count)
+            if code and (end := P.Finish(code)).is_finished:
+                self.sink.finish(sid, end.reason, start + count)
                 if timed and (t := self.times.pop(sid, None)) is not None:
-                    self.latency.finished(t[0], t[1], now, start + count, P.Finish(code).reason)
+                    self.latency.finished(t[0], t[1], now, start + count, end.reason)
 
 
 def run(topo, name: str, exit_when_done: bool = False) -> int:

@@ -18,11 +18,15 @@ The layout (Megatron's, as in vLLM and nano-vllm):
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
+
+from .layers.linear import Linear
 
 COLLECTIVE_TIMEOUT_S = 120.0  # a rank that stops answering fails its peers' next collective
 # Followers wait on the host group for rank 0's next command however long the worker idles;
@@ -206,3 +210,117 @@ class TensorParallel:
         parts = [torch.empty_like(x) for _ in range(self.world)] if self.is_leader else None
         dist.gather(x.contiguous(), parts, dst=0, group=self.host)
         return parts
+
+
+# --- a model's shard ------------------------------------------------------------------------
+class RowParallelLinear(Linear):
+    """A row-parallel shard: partial outputs summed over the ranks."""
+    __slots__ = ("tp",)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.tp.all_reduce(F.linear(x, self.weight, self.bias))
+
+
+class VocabParallelHead(Linear):
+    """An output head split by vocabulary: each rank's logits, gathered in rank order and cut
+    to the vocabulary (the last shard's padding rows dropped)."""
+    __slots__ = ("tp", "vocab_size")
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        logits = self.tp.all_gather_last(F.linear(x, self.weight, self.bias))
+        return logits if logits.shape[-1] == self.vocab_size else logits[:, :self.vocab_size].contiguous()
+
+
+def _with(cls, linear: Linear, weight, bias, **extra) -> Linear:
+    out = cls(weight, bias, linear.parallel, ())
+    for k, v in extra.items():
+        setattr(out, k, v)
+    return out
+
+
+def shard_linear(linear: Linear, tp: TensorParallel, rows: list[range] | None = None) -> Linear:
+    """This rank's shard of a layer, by its `parallel` kind: column (each of its `parts`
+    split evenly, or `rows` given per part), row (input split, outputs all-reduced, the bias
+    added by rank 0), vocab (rows padded to one shape per rank, logits gathered) or replicated."""
+    r, n, dev = tp.rank, tp.world, tp.device
+    to = lambda t: None if t is None else t.detach().contiguous().to(dev)
+    kind = linear.parallel
+    if kind == "column":
+        parts = list(linear.parts or (linear.weight.shape[0],))
+        rows = rows or even_ranges(parts, r, n)
+        out = Linear(to(split_parts(linear.weight, parts, rows)), to(split_parts(linear.bias, parts, rows)),
+                     "column", tuple(len(x) for x in rows) if linear.parts else ())
+        return out
+    if kind == "row":
+        return _with(RowParallelLinear, linear, to(split_cols(linear.weight, r, n)),
+                     to(linear.bias) if r == 0 else None, tp=tp)
+    if kind == "vocab":
+        bias = None if linear.bias is None else split_vocab(linear.bias[:, None], r, n)[:, 0]
+        return _with(VocabParallelHead, linear, to(split_vocab(linear.weight.detach(), r, n)), to(bias),
+                     tp=tp, vocab_size=linear.weight.shape[0])
+    return Linear(to(linear.weight), to(linear.bias), kind, linear.parts)
+
+
+def shard_model(model, tp: TensorParallel):
+    """A DecoderModel built on the CPU -> this rank's shard on tp.device, in place. Every
+    layer is cut by its `parallel` kind; attention by heads (layout: check_layout)."""
+    from .layers.attention import Attention
+    first = next(layer.attn for layer in model.layers)
+    mlp_width = _mlp_width(model.layers[0].mlp)
+    tp.layout = check_layout(tp.world, first.num_heads, first.num_kv_heads, mlp_width)
+    moved: dict[int, torch.Tensor] = {}   # tensors shared by layers (rotary tables) move once
+
+    def to(t):
+        if id(t) not in moved:
+            moved[id(t)] = t.detach().contiguous().to(tp.device)
+        return moved[id(t)]
+
+    def walk(obj):
+        if isinstance(obj, Attention):
+            _shard_attention(obj, tp, to)
+            return obj
+        if isinstance(obj, Linear):
+            return shard_linear(obj, tp)
+        if isinstance(obj, torch.Tensor):
+            return to(obj)
+        for name in _fields(obj):
+            value = getattr(obj, name)
+            if value is not None and not isinstance(value, (int, float, str, bool)):
+                setattr(obj, name, walk(value))
+        return obj
+
+    vocab = model.vocab_size
+    model.vocab_rows = vocab_range(model.embed.shape[0], tp.rank, tp.world)
+    model.embed = to(split_vocab(model.embed.detach(), tp.rank, tp.world))
+    model.layers = [walk(layer) for layer in model.layers]
+    model.norm = walk(model.norm)
+    model.lm_head = shard_linear(model.lm_head, tp)
+    model.tp = tp
+    model.device, model.vocab_size = tp.device, vocab
+    return model
+
+
+def _shard_attention(a, tp: TensorParallel, to) -> None:
+    layout = tp.layout
+    a.qkv = shard_linear(a.qkv, tp, qkv_ranges(layout, tp.rank, a.head_dim))
+    a.o = shard_linear(a.o, tp)
+    a.num_heads, a.num_kv_heads = layout.heads_per_rank, layout.kv_heads_per_rank
+    a.cos, a.sin = to(a.cos), to(a.sin)
+    for norm in (a.q_norm, a.k_norm):   # per head: the same on every rank
+        if norm is not None:
+            norm.weight = to(norm.weight)
+
+
+def _fields(obj) -> list[str]:
+    if dataclasses.is_dataclass(obj):
+        return [f.name for f in dataclasses.fields(obj)]
+    raise LayoutError(f"cannot shard a {type(obj).__name__}: not a layer of engine/layers/")
+
+
+def _mlp_width(mlp) -> int:
+    """The width the MLP's column-parallel layers split (their first part)."""
+    for name in _fields(mlp):
+        value = getattr(mlp, name)
+        if isinstance(value, Linear) and value.parallel == "column":
+            return (value.parts or value.weight.shape)[0]
+    raise LayoutError(f"{type(mlp).__name__} has no column-parallel layer")

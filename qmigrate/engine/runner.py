@@ -9,8 +9,9 @@ prefills first (largest first), then decode rows from the end of the batch; a re
 loses its KV here and samples nothing (its token is REFUSED). A step never fails for
 want of memory.
 
-The forward pass is a runner's: the fast Llama-family runner (`llama.py`) on a GPU, or
-the portable transformers runner (`hf_runner.py`) for every other model and the CPU.
+The forward pass is a runner's (the `Runner` protocol below): the fast runner
+(`graph_runner.py` over a family of `models/`) on a GPU, or the portable transformers
+runner (`hf_runner.py`) for every other model and the CPU.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -32,6 +34,26 @@ log = logging.getLogger(__name__)
 REFUSED = -1
 RUNNERS = ("auto", "fast", "hf")
 DEFAULT_CPU_KV_BYTES = 2 << 30
+
+
+class Runner(Protocol):
+    """What the engine asks of a runner.
+
+    forward(batch, feed) returns float32 logits [B, V] of each row's last token; `feed` =
+    (rows, src, tokens) says the input of row rows[k] (a decode row) is tokens[src[k]], a
+    tensor on the device that the previous step sampled: only a runner with can_feed takes
+    one (the engine gives the others the ids on the host). attach() hands it the KV pool
+    (None: drop it); with capture it may capture CUDA graphs over the pool. eager_sizes()
+    lists the padded token counts of steps it runs eagerly, for the warm-up to run once."""
+
+    name: str
+    can_feed: bool
+
+    def attach(self, pool: BlockPool | None, capture: bool = True) -> None: ...
+
+    def forward(self, batch: StepBatch, feed=None) -> torch.Tensor: ...
+
+    def eager_sizes(self) -> list[int]: ...
 
 
 @dataclass(slots=True)
@@ -221,7 +243,7 @@ class Engine:
         # run at a new shape (on an H100 the first launch of such a step took 62-110 ms,
         # later ones 13-26 ms).
         n = max(2, min(self.config.prefill_chunk or 512, self.max_len - 4))
-        for size in getattr(self.runner, "eager_sizes", list)():
+        for size in self.runner.eager_sizes():
             if -(-size // n) > self.config.max_batch:
                 break  # no step of so many tokens fits in max_batch rows of a chunk each
             lengths = [n] * (size // n) + ([size % n] if size % n else [])
@@ -253,7 +275,7 @@ class Engine:
             if pending is not None:
                 return pending
         feed = [i for i, r in enumerate(rows) if not r.new_ids]
-        if feed and (after is None or not getattr(self.runner, "can_feed", False)):
+        if feed and (after is None or not self.runner.can_feed):
             known = dict(zip((r.seq_id for r in after.rows), self.collect(after))) if after else {}
             rows = [StepRow(r.seq_id, [known.get(r.seq_id, REFUSED)], r.start, r.index, r.temperature,
                             r.top_p, r.top_k, r.seed) if not r.new_ids else r for r in rows]
@@ -308,7 +330,7 @@ class Engine:
         for s in seq_ids:
             pool.touch(s)
         batch = prev.continued(pool, seq_ids, src)
-        if getattr(self.runner, "can_feed", False):
+        if self.runner.can_feed:
             feed = (np.arange(n), src, after.tokens)
         else:
             batch.ids = np.asarray(self.collect(after), dtype=np.int64)[np.asarray(after.placed)[src]]
@@ -320,7 +342,7 @@ class Engine:
     def _run(self, pending: "Pending", batch: StepBatch, feed, params: HostRows) -> "Pending":
         """Queue the forward pass and sampling of the placed rows; tokens come back to a
         pinned host buffer without a wait."""
-        logits = self.runner.forward(batch, feed=feed) if feed is not None else self.runner.forward(batch)
+        logits = self.runner.forward(batch, feed=feed)
         pending.tokens = sample(logits, SamplingRows.from_arrays(params, self.device))
         pending.batch, pending.params = batch, params
         if self.device.type == "cuda":
@@ -427,29 +449,34 @@ class Pending:
     result: list[int] | None = None
 
 
-def _make_runner(model, cfg: EngineConfig, device: torch.device, tp=None):
-    """(runner, why it was chosen): the fast runner on a GPU for the Llama family, or when
-    forced; the transformers runner otherwise. Tensor parallelism needs the fast runner."""
+def _make_runner(model, cfg: EngineConfig, device: torch.device, tp=None) -> tuple[Runner, str]:
+    """(runner, why it was chosen): the fast runner on a GPU for every family engine/models/
+    defines, or when forced; the transformers runner otherwise (saying why). Tensor
+    parallelism needs the fast runner: its model is sharded for this rank."""
     if tp is not None:
-        from . import llama
-        reason = llama.unsupported(model, device)
-        if reason is not None or cfg.runner == "hf":
-            raise ValueError(f"tensor parallelism needs the fast runner, which cannot run this model: "
-                             f"{reason or 'runner hf was asked for'}")
-        return llama.LlamaRunner(model, max_batch=cfg.max_batch, max_tokens=cfg.max_batch_tokens,
-                                 cuda_graphs=cfg.cuda_graphs, tp=tp), f"tensor parallel, rank {tp.rank} of {tp.world}"
+        from . import models
+        from .graph_runner import GraphRunner
+        from .parallel import shard_model
+        reason = models.unsupported(model, device) or ("runner 'hf' was asked for" if cfg.runner == "hf" else None)
+        if reason is not None:
+            raise ValueError(f"tensor parallelism needs the fast runner, which cannot run this model: {reason}")
+        return GraphRunner(shard_model(models.build(model), tp), max_batch=cfg.max_batch,
+                           max_tokens=cfg.max_batch_tokens, cuda_graphs=cfg.cuda_graphs), \
+            f"{models.family(model)} family, tensor parallel rank {tp.rank} of {tp.world}"
     if cfg.runner == "hf":
         return HFRunner(model, max_padding=cfg.max_padding), "forced by the runner setting"
     if cfg.runner == "auto" and device.type != "cuda":
         return HFRunner(model, max_padding=cfg.max_padding), "the fast runner is for GPUs"
-    from . import llama
-    reason = llama.unsupported(model, device)
+    from . import models
+    from .graph_runner import GraphRunner
+    reason = models.unsupported(model, device)
     if reason is None:
-        why = "forced by the runner setting" if cfg.runner == "fast" else "Llama family on a GPU"
-        return llama.LlamaRunner(model, max_batch=cfg.max_batch, max_tokens=cfg.max_batch_tokens,
-                                 cuda_graphs=cfg.cuda_graphs), why
+        why = "forced by the runner setting" if cfg.runner == "fast" else f"{models.family(model)} family on a GPU"
+        return GraphRunner(models.build(model), max_batch=cfg.max_batch, max_tokens=cfg.max_batch_tokens,
+                           cuda_graphs=cfg.cuda_graphs), why
     if cfg.runner == "fast":
         raise ValueError(f"runner 'fast' cannot run this model: {reason}")
+    log.warning("the fast runner cannot run this model (%s): using the transformers runner", reason)
     return HFRunner(model, max_padding=cfg.max_padding), reason
 
 

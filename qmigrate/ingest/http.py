@@ -28,7 +28,6 @@ from qmigrate.wire import transport
 from qmigrate.engine.tokenizer_info import load_tokenizer_info
 from qmigrate.ingest.prompts import Defaults
 from qmigrate.ingest.openai_api import (
-    FINISH_REASONS,
     ApiError,
     StopTrimmer,
     chunk,
@@ -238,10 +237,11 @@ class HttpServer:
             parts.append(trim.push(text))
             if code:
                 break
-        if code not in FINISH_REASONS:
+        reason = P.Finish(code).openai_reason
+        if reason is None:
             raise ApiError(500, "the worker could not run this request", type="server_error")
         parts.append(trim.finish(code == P.Finish.STOP))
-        return web.json_response(reply(req, rid, created, "".join(parts), FINISH_REASONS[code], num_tokens))
+        return web.json_response(reply(req, rid, created, "".join(parts), reason, num_tokens))
 
     async def _stream(self, request, req, rid: str, events: asyncio.Queue):
         """SSE; returns (response, whether the request ended)."""
@@ -257,7 +257,8 @@ class HttpServer:
                     await response.write(_sse(exc.body()) + DONE)
                     return response, False
                 out = trim.push(text)
-                if code and code not in FINISH_REASONS:
+                reason = P.Finish(code).openai_reason
+                if code and reason is None:
                     await response.write(_sse(ApiError(500, "the worker could not run this request",
                                                        type="server_error").body()) + DONE)
                     return response, True
@@ -267,7 +268,7 @@ class HttpServer:
                     await response.write(_sse(chunk(req, rid, created, out, first=True)) if first else frame(out))
                     first = False
                 if code:
-                    tail = _sse(chunk(req, rid, created, None, FINISH_REASONS[code]))
+                    tail = _sse(chunk(req, rid, created, None, reason))
                     if req.include_usage:
                         tail += _sse(usage_chunk(req, rid, created, num_tokens))
                     await response.write(tail + DONE)

@@ -34,7 +34,6 @@ NEUTRAL = {"n": (1,), "presence_penalty": (0,), "frequency_penalty": (0,), "logi
            "logprobs": (False, 0), "top_logprobs": (0,), "echo": (False,), "best_of": (1,),
            "suffix": ("",), "tools": ([],), "tool_choice": ("none",), "functions": ([],),
            "function_call": ("none",), "response_format": ({"type": "text"},)}
-FINISH_REASONS = {1: "stop", 2: "length", 3: "stop"}  # protocol.Finish EOS, LENGTH, STOP
 
 
 class ApiError(Exception):

@@ -75,7 +75,7 @@ class OutputLog:
             extra = (routes[i] if i < len(routes) else P.ROUTE_STDOUT, msg.notes[i] if i < len(msg.notes) else "")
             if spec.seq_id in self.specs:
                 continue
-            if not 0 < spec.prompt_len <= len(spec.token_ids) // 4 or spec.max_new_tokens < 1:
+            if not spec.is_valid:
                 if req_id not in self.errors:  # the scheduler refused it too: say so
                     self.errors[req_id] = "invalid request"
                     errors.append([req_id, "invalid request"])

@@ -18,7 +18,7 @@ from qmigrate.wire import protocol as P
 from qmigrate.wire import transport
 from qmigrate.ops.observe import FleetObserver
 from qmigrate.router.journal import Journal, OutputLog
-from qmigrate.router.scheduler import Scheduler, SchedulerConfig, WorkerState
+from qmigrate.router.scheduler import Scheduler, WorkerState
 from qmigrate.wire.security import Guard
 from qmigrate.ops.trace import tracer
 from qmigrate.ops.process import freeze_heap
@@ -36,15 +36,7 @@ class Router:
     def __init__(self, topo):
         rc = topo.router
         self.trace = tracer("router", topo.trace_dir)
-        self.config = SchedulerConfig(
-            max_queued=rc.max_queued, lease_timeout_s=rc.lease_timeout_s,
-            heartbeat_timeout_s=rc.heartbeat_timeout_s, policy=rc.policy,
-            migrate_on_load=rc.migrate_on_load, migrate_on_memory=rc.migrate_on_memory,
-            min_free_vram_fraction=rc.min_free_vram_fraction,
-            admit_free_vram_fraction=rc.admit_free_vram_fraction, migration=rc.migration,
-            link_gbps=rc.link_gbps, prefill_tflops=rc.prefill_tflops,
-            rebalance_threshold=rc.rebalance_threshold, spread_new=rc.spread_new_work, chain=rc.chain_leases,
-            max_lease_steps=rc.max_lease_steps)
+        self.config = rc
         self.heartbeat_interval_s = rc.heartbeat_interval_s
         self.sched = Scheduler(self.config)
         self.sched.start_ids_at(int(time.time() * 1000) << 20)
@@ -166,17 +158,20 @@ class Router:
                 return
             msg = transport.parse(frame, "vram monitor")
             if isinstance(msg, P.VramReport):
-                for gpu in msg.gpus:
-                    numbers = gpu[1:5] if len(gpu) >= 5 else ()
-                    if (isinstance(gpu[0], str) and len(numbers) == 4
-                            and all(type(x) is int and x >= 0 for x in numbers) and 0 < gpu[4] <= gpu[2]):
-                        self.sched.set_free_vram(gpu[0], gpu[4] / gpu[2], time.monotonic())
-                        index, util = (gpu[1], gpu[5]) if len(gpu) >= 6 else (gpu[1], -1)
-                        self.observer.vram(msg.node[:64], gpu[0][:128], index, gpu[2], gpu[3], gpu[4],
-                                           util if type(util) is int else -1)
-                    else:
-                        self.errors["malformed"] += 1
-                        log.warning("dropped a malformed VRAM report entry from %s", msg.node[:64])
+                self.on_vram(msg)
+
+    def on_vram(self, msg: P.VramReport) -> None:
+        for gpu in msg.gpus:
+            numbers = gpu[1:5] if len(gpu) >= 5 else ()
+            if (isinstance(gpu[0], str) and len(numbers) == 4
+                    and all(type(x) is int and x >= 0 for x in numbers) and 0 <= gpu[4] <= gpu[2] and gpu[2] > 0):
+                self.sched.set_vram(gpu[0], gpu[2], gpu[4], time.monotonic())
+                index, util = (gpu[1], gpu[5]) if len(gpu) >= 6 else (gpu[1], -1)
+                self.observer.vram(msg.node[:64], gpu[0][:128], index, gpu[2], gpu[3], gpu[4],
+                                   util if type(util) is int else -1)
+            else:
+                self.errors["malformed"] += 1
+                log.warning("dropped a malformed VRAM report entry from %s", msg.node[:64])
 
     def reply(self, to: bytes, msg) -> None:
         transport.send(self.work, msg, to=to)  # dropped if that peer does not read
@@ -234,7 +229,8 @@ class Router:
                 kv_endpoint=P.info_str(info, "kv_endpoint"), gpu_uuid=P.info_str(info, "gpu_uuid"),
                 kv_bytes_per_token=P.info_int(info, "kv_bytes_per_token", 0),
                 num_params=P.info_int(info, "num_params", 0), kv_tokens=P.info_int(info, "kv_tokens", 0),
-                block_size=P.info_int(info, "block_size", 16, 1, 1 << 16))
+                block_size=P.info_int(info, "block_size", 16, 1, 1 << 16),
+                held_bytes=P.info_int(info, "held_bytes", 0))
             self.identity[msg.name] = sender
             self.parked[msg.name] = deque(maxlen=inflight)
             self.sched.register(state, time.monotonic())
@@ -255,6 +251,7 @@ class Router:
             now = time.monotonic()
             self.sched.touch(name, now)
             self.sched.renew(name, P.unpack_i64(msg.lease_ids, "lease_ids").tolist(), now)
+            self.sched.set_held(name, msg.held_bytes, now)
             self.worker_times[name] = (msg.busy_ms, msg.idle_ms)
 
     def on_work_request(self, sender: bytes, msg: P.WorkRequest) -> None:

@@ -72,7 +72,9 @@ class MsgType(enum.IntEnum):
 
 
 class Finish(enum.IntEnum):
-    """Per-sequence status in results: NONE runs on, NEED_IDS asks for a resend, others end it."""
+    """How a sequence stands after a step, and how a request ended. In a worker's results NONE
+    runs on, NEED_IDS asks for a resend, the others end it; CANCELLED (its client went away)
+    is set by the detokenizer and travels only to ingest."""
 
     NONE = 0
     EOS = 1
@@ -80,14 +82,34 @@ class Finish(enum.IntEnum):
     STOP = 3
     NEED_IDS = 4
     ERROR = 5       # the worker cannot run this sequence at all (bad ids, too long)
+    CANCELLED = 100
 
     @property
     def reason(self) -> str:
-        return {1: "eos", 2: "length", 3: "stop", 5: "error"}.get(int(self), "")
+        """The text reason the detokenizer prints ("" for a code that ends nothing)."""
+        return _REASONS.get(self, "")
+
+    @classmethod
+    def from_reason(cls, reason: str) -> "Finish":
+        """The code of a text reason; an unknown reason is an ERROR."""
+        return _BY_REASON.get(reason, cls.ERROR)
+
+    @property
+    def openai_reason(self) -> str | None:
+        """The OpenAI API's finish_reason, or None where the request did not end well."""
+        return _OPENAI_REASONS.get(self)
 
     @property
     def is_finished(self) -> bool:
-        return self in (Finish.EOS, Finish.LENGTH, Finish.STOP, Finish.ERROR)
+        return self in _REASONS
+
+
+_REASONS = {Finish.EOS: "eos", Finish.LENGTH: "length", Finish.STOP: "stop", Finish.ERROR: "error",
+            Finish.CANCELLED: "cancelled"}
+_BY_REASON = {text: code for code, text in _REASONS.items()}
+_OPENAI_REASONS = {Finish.EOS: "stop", Finish.LENGTH: "length", Finish.STOP: "stop"}
+_STEP_CODES = frozenset(int(f) for f in Finish if f is not Finish.CANCELLED)   # a worker's results
+_REPLY_CODES = frozenset(int(f) for f in Finish if f is not Finish.NEED_IDS)   # detokenizer to ingest
 
 
 # --- messages ----------------------------------------------------------------------------
@@ -134,6 +156,12 @@ class SeqSpec:
     @property
     def ids(self) -> np.ndarray:
         return unpack_ids(self.token_ids, "seq.token_ids")
+
+    @property
+    def is_valid(self) -> bool:
+        """Runnable: a prompt of at least one id, within its ids, and at least one token to
+        generate. Decoding accepts the rest; the router refuses what fails this."""
+        return 0 < self.prompt_len <= len(self.token_ids) // 4 and self.max_new_tokens >= 1
 
     def validate(self) -> None:
         if not 0 <= self.min_new_tokens <= max(0, self.max_new_tokens):
@@ -189,6 +217,7 @@ class Heartbeat:
     busy_ms: int = 0          # cumulative time spent running steps
     idle_ms: int = 0          # cumulative time spent with no batch to run
     lease_ids: bytes = b""    # int64: leases received and not yet answered; the router renews them
+    held_bytes: int = -1      # device memory this worker holds (weights, KV pool, graphs); -1: unknown
 
 
 @message(MsgType.WORK_REQUEST)
@@ -233,7 +262,7 @@ class StepResult:
     def validate(self) -> None:
         _rows_agree("StepResult", self.seq_ids, self.counts, self.status, self.tokens)
         status = unpack_u8(self.status, "StepResult.status")
-        if len(status) and status.max() > max(Finish):
+        if len(status) and not set(np.unique(status).tolist()) <= _STEP_CODES:
             raise ProtocolError("StepResult.status: unknown status code")
 
 
@@ -250,6 +279,9 @@ class Tokens:
 
     def validate(self) -> None:
         _rows_agree("Tokens", self.seq_ids, self.counts, self.finish, self.tokens, self.start)
+        finish = unpack_u8(self.finish, "Tokens.finish")
+        if len(finish) and not set(np.unique(finish).tolist()) <= _STEP_CODES:
+            raise ProtocolError("Tokens.finish: unknown finish code")
 
 
 @message(MsgType.SUBMIT)
@@ -400,7 +432,7 @@ class Replies:
     """Detokenizer to ingest: text for requests routed back to it, and the end of every
     request (so ingest knows which ids are live). Row i: texts[i] is new text of seq_ids[i]
     (may be ""); num_tokens[i] tokens are generated so far; finish[i] is a Finish code
-    (NONE: still running) or FINISH_CANCELLED."""
+    (NONE: still running), never NEED_IDS."""
 
     seq_ids: bytes            # int64
     finish: bytes             # uint8
@@ -418,8 +450,6 @@ class Replies:
             raise ProtocolError("Replies: text too long")
 
 
-FINISH_CANCELLED = 100
-_REPLY_CODES = {0, 1, 2, 3, 5, FINISH_CANCELLED}
 
 @message(MsgType.RESYNC)
 class Resync:

@@ -28,7 +28,7 @@ from qmigrate.engine.runner import Engine
 from qmigrate.wire.security import SecurityError
 from qmigrate.ops.trace import tracer
 from qmigrate.worker.core import WorkerCore
-from qmigrate.worker.pipeline import FINISH, START, WAIT, KVOutbox, LoopConfig, WorkerLoop
+from qmigrate.worker.pipeline import FINISH, START, WAIT, KVOutbox, WorkerLoop
 from qmigrate.ops.process import freeze_heap, run_until_fatal
 
 log = logging.getLogger("qmigrate.worker")
@@ -57,16 +57,14 @@ class Worker:
         self.kv_in = transport.socket(zmq.PULL, bind=self.kv_endpoint.bind,
                                       max_bytes=transport.KV_MAX_MESSAGE_BYTES, hwm=64)
         self.peers: dict[str, zmq.Socket] = {}
-        self.loop = WorkerLoop(LoopConfig(inflight=self.cfg.inflight, max_seqs=self.cfg.max_seqs,
-                                          max_tokens=self.cfg.max_tokens,
-                                          steps_per_dispatch=self.cfg.steps_per_dispatch))
+        self.loop = WorkerLoop(self.cfg)
         self.deferred: deque = deque()  # router messages that came during a multi-step lease
         self.outbox = KVOutbox()
         self.busy_s = self.idle_s = 0.0
 
     @property
     def heartbeat_s(self) -> float:
-        return self.loop.config.heartbeat_s
+        return self.loop.heartbeat_s
 
     # --- startup -----------------------------------------------------------------------
     def hello(self, rejoin: bool = False) -> None:
@@ -80,7 +78,8 @@ class Worker:
                 "max_seqs": self.cfg.max_seqs, "max_tokens": self.cfg.max_tokens,
                 "inflight": self.cfg.inflight, "kv_bytes_per_token": engine.kv_bytes_per_token,
                 "num_params": engine.num_params, "gpu_uuid": uuid or "",
-                "kv_tokens": engine.pool.capacity_tokens, "block_size": engine.pool.block_size}
+                "kv_tokens": engine.pool.capacity_tokens, "block_size": engine.pool.block_size,
+                "held_bytes": self.held_bytes()}
         hello = P.Hello("worker", self.name, info=info)
         transport.send(self.router, hello)
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
@@ -94,7 +93,7 @@ class Worker:
                 continue
             msg = got[1]
             if isinstance(msg, P.Welcome):
-                self.loop.config.heartbeat_s = msg.heartbeat_interval_s
+                self.loop.heartbeat_s = msg.heartbeat_interval_s
                 return
             if isinstance(msg, P.Reject) and not msg.is_unknown_peer:
                 raise SystemExit(f"worker {self.name}: router refused: {msg.reason}")
@@ -280,7 +279,14 @@ class Worker:
             self.trace.flush()
             self.send_router(P.Heartbeat(self.name, len(self.core.seqs), self.core.free_tokens,
                                          int(self.busy_s * 1000), int(self.idle_s * 1000),
-                                         P.pack_i64(self.loop.held_lease_ids())))
+                                         P.pack_i64(self.loop.held_lease_ids()), self.held_bytes()))
+
+    def held_bytes(self) -> int:
+        """Device memory this process holds: weights, KV pool, graphs and activations (the
+        router does not count it as memory pressure). A CPU worker holds no device memory."""
+        if not self.device.startswith("cuda"):
+            return 0
+        return int(torch.cuda.memory_reserved(torch.device(self.device)))
 
 
 def _share_cpu_threads(topo, cfg) -> None:
