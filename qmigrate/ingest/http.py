@@ -27,7 +27,7 @@ from aiohttp import web
 from qmigrate.wire import protocol as P
 from qmigrate.wire import transport
 from qmigrate.engine.tokenizer_info import load_tokenizer_info
-from qmigrate.ingest.prompts import Defaults
+from qmigrate.ingest.prompts import Defaults, check_json
 from qmigrate.ingest.openai_api import (
     ApiError,
     StopTrimmer,
@@ -187,9 +187,13 @@ class HttpServer:
     async def _body(self, request):
         raw = await request.read()  # over client_max_size: 413
         try:
-            return json.loads(raw, parse_constant=_reject_constant)
+            body = json.loads(raw, parse_constant=_reject_constant)
+            check_json(body)
         except (ValueError, UnicodeDecodeError) as exc:
             raise ApiError(400, f"the request body is not valid JSON: {exc}") from None
+        except RecursionError:
+            raise ApiError(400, "the request body is not valid JSON: nested too deep") from None
+        return body
 
     async def _generate(self, request, kind):
         req = parse_body(await self._body(request), kind, model_names=self.model_names,
