@@ -68,8 +68,11 @@ def _secure(topo, node: str | None) -> None:
         return
     if node is None:
         node = security.operator_nodes(topo)[0]
+    from .config import ConfigError
     try:
         transport.secure(security.keyring(topo, node))
+    except ConfigError as exc:  # no such node
+        _fail(str(exc))
     except security.SecurityError as exc:
         _fail(str(exc), 1)
 
@@ -136,6 +139,37 @@ def sim(
         _fail(str(exc))
     model_path = _resolve_model(model if model is not None else topo.model.path)
     raise typer.Exit(run_sim(topo, model_path, log_level))
+
+
+@app.command(short_help="Serve a model over the OpenAI API on this machine's GPUs.")
+def serve(
+    model: Annotated[Optional[str], typer.Argument(help="A model directory, smollm2 (fetched and built on first use), or a hub name. Default: the --config topology's model.")] = None,
+    host: Annotated[str, typer.Option(help="Address the OpenAI API listens on.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(min=1, max=65535, help="Port of the OpenAI API.")] = 8000,
+    served_model_name: Annotated[Optional[str], typer.Option("--served-model-name", help="Model name in the API (default: the model directory's name).")] = None,
+    gpu_memory_utilization: Annotated[Optional[float], typer.Option("--gpu-memory-utilization", min=0.01, max=1.0, help="Share of each GPU's memory a worker may fill, weights and KV cache together (default 0.9).")] = None,
+    max_num_seqs: Annotated[Optional[int], typer.Option("--max-num-seqs", min=1, help="Sequences per step on each worker (default: the topology's, 64).")] = None,
+    api_key: Annotated[Optional[str], typer.Option("--api-key", help="Requests to /v1 must send 'Authorization: Bearer KEY'.")] = None,
+    config: Annotated[Optional[Path], typer.Option("--config", help="A topology to run on this machine instead of one worker per GPU (its workers, settings and model).")] = None,
+    cpu_workers: Annotated[int, typer.Option("--cpu-workers", min=1, help="Workers on the CPU when no GPU is visible.")] = 2,
+    log_level: LogLevel = "warning",
+):
+    """Start every role on this machine and serve the OpenAI-compatible API (/v1/completions,
+    /v1/chat/completions, /v1/models, /health) until Ctrl-C or SIGTERM: one worker per
+    visible GPU (CUDA_VISIBLE_DEVICES applies), CPU workers when there is none, the VRAM
+    monitor on a GPU machine. Prints "ready: URL" once a worker can serve."""
+    from .config import ConfigError
+    from .serve import ServeOptions, run_serve, serve_topology, visible_gpus
+    if model is None and config is None:
+        _fail("give a MODEL (a directory, smollm2 or a hub name) or --config TOPOLOGY")
+    base = _load(config) if config is not None else None
+    opts = ServeOptions(host, port, served_model_name, gpu_memory_utilization, max_num_seqs, api_key, cpu_workers)
+    try:
+        topo = serve_topology(opts, base, num_gpus=0 if base is not None else visible_gpus())
+    except ConfigError as exc:
+        _fail(str(exc))
+    model_path = _resolve_model(model if model is not None else topo.model.path)
+    raise typer.Exit(run_serve(topo, model_path, log_level))
 
 
 @app.command(short_help="Start and supervise the roles of one node.")
@@ -212,11 +246,13 @@ def status(
     json_out: Annotated[bool, typer.Option("--json", help="Print one snapshot as JSON and exit.")] = False,
     interval: Annotated[float, typer.Option(min=0.1, help="Seconds between refreshes of the live view.")] = 1.0,
     timeout: Annotated[float, typer.Option(help="Seconds to wait for the router.")] = 5.0,
+    node: AsNode = None,
 ):
     """Show the fleet: nodes, workers and their GPUs with memory, KV use, batch sizes,
     tokens/s, queue depth and migrations; a live table until Ctrl-C."""
     from qmigrate.ops.status import run_status
     topo = _load(config)
+    _secure(topo, node)
     raise typer.Exit(run_status(_endpoint(topo, "router"), once=once, as_json=json_out,
                                 interval_s=interval, timeout_s=timeout))
 

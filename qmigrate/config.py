@@ -118,7 +118,8 @@ class IngestConfig(_Section):
     chat: bool = _f(False, _boolean)             # text input: each line is one user message
     reply_port: int = _f(5554, _port)            # the detokenizer's replies to HTTP requests
     http_port: int | None = _f(None, _optional_port)   # None: no HTTP server
-    http_host: str = _f("127.0.0.1", _host)      # the HTTP API has no authentication
+    http_host: str = _f("127.0.0.1", _host)
+    api_key: str | None = _f(None, _optional_text)  # HTTP requests to /v1 need "Authorization: Bearer KEY"
     max_body_bytes: int = _f(1 << 20, _count)
     http_timeout_s: float = _f(60.0, _positive)  # longest wait for a request's next text
     model_name: str | None = _f(None, _optional_text)  # None: the model directory's name

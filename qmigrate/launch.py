@@ -77,8 +77,13 @@ PR_SET_PDEATHSIG = 1
 
 
 def _die_with(parent: int):
-    """Run in the child before exec: SIGTERM it when the supervisor dies, even by SIGKILL."""
+    """Run in the child before exec: SIGTERM it when the supervisor dies, even by SIGKILL.
+    SIGINT is ignored from the start (an ignored signal stays ignored across exec, and Python
+    then installs no KeyboardInterrupt handler): Ctrl-C at a terminal reaches every process of
+    the group, and a role still importing would print a traceback. The supervisor takes the
+    Ctrl-C and stops each role with SIGTERM."""
     def prepare():
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
         if _LIBC is not None:
             _LIBC.prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
         if os.getppid() != parent:  # the supervisor died before prctl took effect
@@ -185,7 +190,8 @@ def device_problem(topo: Topology, node: str) -> str | None:
 
 
 def run_node(topo: Topology, config_path: Path, node: str, *, read_stdin: bool,
-             log_level: str = "warning", wait_for_workers: bool = False) -> int:
+             log_level: str = "warning", wait_for_workers: bool = False, tick=None) -> int:
+    """`tick`, when given, is called on every round of supervision (unless a progress line is)."""
     if (problem := device_problem(topo, node)) is not None:
         print(f"error: {problem}", file=sys.stderr)
         return 2
@@ -207,7 +213,7 @@ def run_node(topo: Topology, config_path: Path, node: str, *, read_stdin: bool,
         try:
             rc = supervise(children, until_done=read_stdin and has_detok and not is_serving(topo),
                            max_restarts=topo.node(node).max_restarts,
-                           tick=progress.tick if progress and progress.line.enabled else None)
+                           tick=progress.tick if progress and progress.line.enabled else tick)
         finally:
             if progress is not None:
                 progress.line.clear()

@@ -11,6 +11,7 @@ early (the client went away, or no text for `http_timeout_s`) is put on `cancels
 from __future__ import annotations
 
 import asyncio
+import hmac
 import itertools
 import json
 import logging
@@ -26,7 +27,7 @@ from aiohttp import web
 from qmigrate.wire import protocol as P
 from qmigrate.wire import transport
 from qmigrate.engine.tokenizer_info import load_tokenizer_info
-from qmigrate.ingest.prompts import Defaults
+from qmigrate.ingest.prompts import Defaults, check_json
 from qmigrate.ingest.openai_api import (
     ApiError,
     StopTrimmer,
@@ -88,6 +89,8 @@ class HttpServer:
         self.wake_sock = None
         self.ready = threading.Event()
         self.failure: str | None = None
+        self.num_serving = 0  # workers the router last said can serve: /health is 503 while 0
+        self.api_key = cfg.api_key.encode() if cfg.api_key else None
 
     @property
     def url(self) -> str:
@@ -142,6 +145,8 @@ class HttpServer:
     @web.middleware
     async def _errors(self, request, handler):
         try:
+            if self.api_key is not None and request.path.startswith("/v1/"):
+                self._authorize(request)
             return await handler(request)
         except ApiError as exc:
             return web.json_response(exc.body(), status=exc.status)
@@ -158,8 +163,17 @@ class HttpServer:
             return web.json_response(ApiError(500, f"internal error: {type(exc).__name__}",
                                               type="server_error").body(), status=500)
 
+    def _authorize(self, request) -> None:
+        scheme, _, key = request.headers.get("Authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(key.strip().encode(), self.api_key):
+            raise ApiError(401, "a valid API key is needed: send 'Authorization: Bearer KEY'",
+                           code="invalid_api_key")
+
     async def health(self, request):
-        return web.json_response({"status": "ok", "waiting": self.submissions.qsize()})
+        """200 once a worker can serve (as the router last said), 503 before and while none can."""
+        body = {"status": "ok" if self.num_serving else "starting", "workers": self.num_serving,
+                "waiting": self.submissions.qsize()}
+        return web.json_response(body, status=200 if self.num_serving else 503)
 
     async def models(self, request):
         return web.json_response(models_list(self.model_names, self.max_context))
@@ -173,9 +187,13 @@ class HttpServer:
     async def _body(self, request):
         raw = await request.read()  # over client_max_size: 413
         try:
-            return json.loads(raw, parse_constant=_reject_constant)
+            body = json.loads(raw, parse_constant=_reject_constant)
+            check_json(body)
         except (ValueError, UnicodeDecodeError) as exc:
             raise ApiError(400, f"the request body is not valid JSON: {exc}") from None
+        except RecursionError:
+            raise ApiError(400, "the request body is not valid JSON: nested too deep") from None
+        return body
 
     async def _generate(self, request, kind):
         req = parse_body(await self._body(request), kind, model_names=self.model_names,

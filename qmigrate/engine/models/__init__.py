@@ -14,6 +14,8 @@ from ..layers.rotary import unsupported_rope
 # model_type -> module of engine/models/ that builds it
 FAMILIES = {
     "llama": "llama", "mistral": "llama", "qwen2": "llama", "qwen3": "llama",
+    "gemma2": "gemma", "gemma3_text": "gemma",
+    "phi3": "phi3",
 }
 
 

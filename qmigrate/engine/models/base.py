@@ -48,7 +48,9 @@ class DecoderModel:
         self.norm = norm
         self.lm_head = lm_head              # parallel "vocab"; its weight is `embed` when tied
         self.max_positions = max_positions
-        self.embed_scale = embed_scale
+        # transformers multiplies by the scale rounded to the model dtype
+        self.embed_scale = None if embed_scale is None else torch.tensor(embed_scale, dtype=embed.dtype,
+                                                                          device=embed.device)
         self.final_softcap = final_softcap
         self.device, self.dtype = embed.device, embed.dtype
         self.vocab_size = lm_head.weight.shape[0]
@@ -59,7 +61,7 @@ class DecoderModel:
         """logits [R, V] float32 of each row's last token (R = len(x.last))."""
         h = F.embedding(x.ids, self.embed) if self.tp is None else self._embed_shard(x.ids)
         if self.embed_scale is not None:
-            h = h * torch.tensor(self.embed_scale, dtype=h.dtype)
+            h = h * self.embed_scale
         residual, plans = None, {}
         for i, layer in enumerate(self.layers):
             h, residual = layer(h, residual, x, (pool.kv[i, 0], pool.kv[i, 1]), shape, plans)
