@@ -68,8 +68,11 @@ def _secure(topo, node: str | None) -> None:
         return
     if node is None:
         node = security.operator_nodes(topo)[0]
+    from .config import ConfigError
     try:
         transport.secure(security.keyring(topo, node))
+    except ConfigError as exc:  # no such node
+        _fail(str(exc))
     except security.SecurityError as exc:
         _fail(str(exc), 1)
 
@@ -243,11 +246,13 @@ def status(
     json_out: Annotated[bool, typer.Option("--json", help="Print one snapshot as JSON and exit.")] = False,
     interval: Annotated[float, typer.Option(min=0.1, help="Seconds between refreshes of the live view.")] = 1.0,
     timeout: Annotated[float, typer.Option(help="Seconds to wait for the router.")] = 5.0,
+    node: AsNode = None,
 ):
     """Show the fleet: nodes, workers and their GPUs with memory, KV use, batch sizes,
     tokens/s, queue depth and migrations; a live table until Ctrl-C."""
     from qmigrate.ops.status import run_status
     topo = _load(config)
+    _secure(topo, node)
     raise typer.Exit(run_status(_endpoint(topo, "router"), once=once, as_json=json_out,
                                 interval_s=interval, timeout_s=timeout))
 
