@@ -270,7 +270,7 @@ class Worker:
                 return
             header = transport.parse(frames[0], "kv peer") if frames else None
             if not isinstance(header, P.KVHeader) or len(frames) != 2:
-                log.warning("dropped a malformed KV shipment")
+                transport.dropped_log.warning("dropped a malformed KV shipment")
                 continue
             self.core.receive_transfer(header.transfer_id, header.seq_id, _kv_tensor(header, frames[1]))
 
