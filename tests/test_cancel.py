@@ -6,7 +6,8 @@ worker that holds or computes its KV is told to free it (the next lease's drop_i
 from __future__ import annotations
 
 from qmigrate.wire.protocol import Finish, SeqSpec, pack_i32
-from qmigrate.router.scheduler import Scheduler, SchedulerConfig, WorkerState
+from qmigrate.config import RouterConfig
+from qmigrate.router.scheduler import Scheduler, WorkerState
 
 TOKEN = 77
 
@@ -15,8 +16,9 @@ def spec(seq_id: int) -> SeqSpec:
     return SeqSpec(seq_id, pack_i32([1, 5, 6, 7]), 4, 64, eos_ids=[2])
 
 
-def make(chain: bool = False, **config) -> Scheduler:
-    s = Scheduler(SchedulerConfig(heartbeat_timeout_s=1e9, chain=chain, **config))
+def make(**config) -> Scheduler:
+    config.setdefault("chain_leases", False)
+    s = Scheduler(RouterConfig(heartbeat_timeout_s=1e9, **config))
     s.register(WorkerState("w0", max_seqs=8, max_tokens=4096), 0.0)
     return s
 
@@ -67,7 +69,7 @@ def test_a_sequence_whose_kv_a_worker_holds_is_freed_there():
 
 
 def test_a_chained_step_of_a_cancelled_sequence_comes_to_nothing():
-    s = make(chain=True)
+    s = make(chain_leases=True)
     s.admit([spec(1), spec(2)])
     first = lease(s)
     finish(s, first)

@@ -44,8 +44,9 @@ def test_output_log_keeps_each_request_once_until_printed():
 
 
 def test_the_scheduler_readmits_past_its_limit_and_only_once():
-    from qmigrate.router.scheduler import Scheduler, SchedulerConfig, WorkerState
-    sched = Scheduler(SchedulerConfig(max_queued=1))
+    from qmigrate.config import RouterConfig
+    from qmigrate.router.scheduler import Scheduler, WorkerState
+    sched = Scheduler(RouterConfig(max_queued=1))
     assert sched.admit([spec(1), spec(2)]) == 1
     for _ in range(2):
         sched.readmit(spec(2))

@@ -11,7 +11,8 @@ from collections import Counter
 import pytest
 
 from qmigrate.wire.protocol import CONTINUE, Finish, SeqSpec, pack_i32
-from qmigrate.router.scheduler import Grant, Scheduler, SchedulerConfig, WorkerState, choose_mechanism
+from qmigrate.config import RouterConfig
+from qmigrate.router.scheduler import Grant, Scheduler, WorkerState, choose_mechanism
 
 TOKEN = 77  # what the fake workers below "sample"
 
@@ -26,10 +27,10 @@ def spec(seq_id: int, prompt_len: int = 4, max_new_tokens: int = 64) -> SeqSpec:
 
 def make_sched(**config) -> Scheduler:
     config.setdefault("heartbeat_timeout_s", 1e9)  # tests about death set it themselves
-    config.setdefault("chain", False)  # chained leases have tests of their own below
+    config.setdefault("chain_leases", False)  # chained leases have tests of their own below
     # so that a test can place work on the worker it names; spreading has tests of its own
-    config.setdefault("spread_new", False)
-    return Scheduler(SchedulerConfig(**config))
+    config.setdefault("spread_new_work", False)
+    return Scheduler(RouterConfig(**config))
 
 
 def join(s: Scheduler, name: str, now: float = 0.0, **kw) -> WorkerState:
@@ -151,10 +152,10 @@ def test_new_sequences_go_to_whoever_asks():
     check_invariants(s)
 
 
-# --- new work spread over the workers (spread_new) ----------------------------------------
+# --- new work spread over the workers (spread_new_work) ----------------------------------------
 
 def test_a_burst_is_shared_among_the_workers_that_have_room():
-    s = make_sched(spread_new=True)
+    s = make_sched(spread_new_work=True)
     join(s, "w0", max_seqs=16), join(s, "w1", max_seqs=16)
     s.admit([spec(i) for i in range(1, 13)])
     g0 = ask(s, "w0")
@@ -171,21 +172,21 @@ def test_a_burst_is_shared_among_the_workers_that_have_room():
 
 
 def test_shares_follow_max_seqs_and_only_workers_with_room_count():
-    s = make_sched(spread_new=True)
+    s = make_sched(spread_new_work=True)
     join(s, "w0", max_seqs=8), join(s, "w1", max_seqs=24)
     s.admit([spec(i) for i in range(1, 17)])
     assert len(ask(s, "w0").rows) == 4  # 16 x 8 / 32
-    s = make_sched(spread_new=True)
+    s = make_sched(spread_new_work=True)
     join(s, "w0", max_seqs=8), join(s, "w1", max_seqs=8)
     s.workers["w1"].may_prefill = False  # short of memory: takes no new work, so no share
     s.admit([spec(i) for i in range(1, 9)])
     assert len(ask(s, "w0").rows) == 8
-    s = make_sched(spread_new=True)
+    s = make_sched(spread_new_work=True)
     join(s, "w0", max_seqs=8), join(s, "w1", max_seqs=8, kv_tokens=1024)
     assert ask(s, "w1", free_kv_tokens=16) is None  # its pool is full: no room for new work
     s.admit([spec(i) for i in range(1, 9)])
     assert len(ask(s, "w0").rows) == 8
-    s = make_sched(spread_new=True)
+    s = make_sched(spread_new_work=True)
     join(s, "w0", max_seqs=8), join(s, "w1", max_seqs=8)
     s.drain("w1")
     s.admit([spec(i) for i in range(1, 9)])
@@ -194,11 +195,11 @@ def test_shares_follow_max_seqs_and_only_workers_with_room_count():
 
 
 def test_a_worker_alone_or_beside_a_full_one_takes_all_that_fits():
-    s = make_sched(spread_new=True)
+    s = make_sched(spread_new_work=True)
     join(s, "w0", max_seqs=8)
     s.admit([spec(i) for i in range(1, 9)])
     assert len(ask(s, "w0").rows) == 8
-    s = make_sched(spread_new=True)
+    s = make_sched(spread_new_work=True)
     join(s, "w0", max_seqs=4, inflight=1)
     give(s, "w0", [1, 2, 3, 4])  # at its capacity
     join(s, "w1", max_seqs=8)
@@ -208,7 +209,7 @@ def test_a_worker_alone_or_beside_a_full_one_takes_all_that_fits():
 
 
 def test_nothing_moves_for_load_while_new_work_waits():
-    s = make_sched(spread_new=True)
+    s = make_sched(spread_new_work=True)
     join(s, "w0", max_seqs=8, inflight=4)
     give(s, "w0", list(range(1, 21)))
     join(s, "w1", max_seqs=8)
@@ -223,7 +224,7 @@ def test_nothing_moves_for_load_while_new_work_waits():
 
 
 def test_arrivals_are_uncounted_when_a_lease_expires_or_its_worker_dies():
-    s = make_sched(spread_new=True, lease_timeout_s=5.0)
+    s = make_sched(spread_new_work=True, lease_timeout_s=5.0)
     join(s, "w0", max_seqs=8), join(s, "w1", max_seqs=8)
     s.admit([spec(i) for i in range(1, 9)])
     ask(s, "w0", now=0.0), ask(s, "w1", now=0.0)
@@ -701,8 +702,8 @@ class FleetSim:
 
     def __init__(self, seed: int, **config):
         self.rng = random.Random(seed)
-        config.setdefault("chain", False)
-        self.s = Scheduler(SchedulerConfig(max_queued=24, lease_timeout_s=10.0, heartbeat_timeout_s=5.0,
+        config.setdefault("chain_leases", False)
+        self.s = Scheduler(RouterConfig(max_queued=24, lease_timeout_s=10.0, heartbeat_timeout_s=5.0,
                                            rebalance_threshold=3, link_gbps=10.0, prefill_tflops=100.0,
                                            **config))
         self.now = 0.0
@@ -779,7 +780,7 @@ class FleetSim:
     def op_report(self) -> None:
         if not self.grants:
             return
-        if self.s.config.chain:
+        if self.s.config.chain_leases:
             # Chained batches are reported in the order they were given, as one socket delivers them.
             name = self.rng.choice(sorted({g.worker for g in self.grants.values()}))
             lease_id = min(i for i, g in self.grants.items() if g.worker == name)
@@ -870,10 +871,10 @@ class FleetSim:
 @pytest.mark.parametrize("seed, config", [
     (1, {}), (10, {}), (3, {"policy": "any"}), (4, {"migration": "transfer"}),
     (5, {"migration": "recompute", "migrate_on_load": False}), (6, {"min_free_vram_fraction": 0.2}),
-    (7, {"chain": True}), (8, {"chain": True, "migration": "transfer"}),
-    (9, {"chain": True, "migrate_on_load": False}),
-    (10, {"chain": True, "max_lease_steps": 4}), (11, {"max_lease_steps": 1}),
-    (12, {"spread_new": False}), (13, {"spread_new": False, "chain": True, "migration": "transfer"}),
+    (7, {"chain_leases": True}), (8, {"chain_leases": True, "migration": "transfer"}),
+    (9, {"chain_leases": True, "migrate_on_load": False}),
+    (10, {"chain_leases": True, "max_lease_steps": 4}), (11, {"max_lease_steps": 1}),
+    (12, {"spread_new_work": False}), (13, {"spread_new_work": False, "chain_leases": True, "migration": "transfer"}),
 ])
 def test_one_place_at_a_time_under_random_operations(seed, config):
     sim = FleetSim(seed, **config)
@@ -921,7 +922,7 @@ def test_an_orderly_migration_does_not_resend():
 # --- chained leases ------------------------------------------------------------------------
 
 def chained_fleet(max_seqs: int = 8, **config) -> Scheduler:
-    s = make_sched(chain=True, rebalance_threshold=4, **config)
+    s = make_sched(chain_leases=True, rebalance_threshold=4, **config)
     join(s, "w0", max_seqs=max_seqs)
     give(s, "w0", [1, 2])
     return s
@@ -949,7 +950,7 @@ def test_new_prompts_fill_the_budget_the_chained_rows_leave():
     """A worker asks ahead while a batch of prompts prefills: the chained lease continues
     every row of that batch (a token each), and new prompts take the rest of the budget; they
     never push a running row out of its next step."""
-    s = make_sched(chain=True)
+    s = make_sched(chain_leases=True)
     join(s, "w0", max_seqs=64, max_tokens=100)
     s.admit([spec(i, prompt_len=10) for i in range(1, 41)])
     a = ask(s, "w0", max_tokens=100)
@@ -1037,7 +1038,7 @@ def test_a_request_sent_ahead_gets_a_chain_or_a_full_batch_never_a_part():
     assert len(row_ids(first)) == 4
     assert s.schedule("w0", 4, 1 << 20, 0.0, ahead=True) is None       # 2 queued: half a batch
     assert len(row_ids(ask(s, "w0"))) == 2                              # an ordinary ask takes them
-    chained = make_sched(chain=True)
+    chained = make_sched(chain_leases=True)
     join(chained, "w0", max_seqs=4)
     chained.admit([spec(i) for i in range(1, 3)])
     ask(chained, "w0")

@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 
 from qmigrate.wire import protocol as P
-from qmigrate.worker.pipeline import FINISH, START, WAIT, KVOutbox, LoopConfig, WorkerLoop
+from qmigrate.config import WorkerConfig
+from qmigrate.worker.pipeline import FINISH, START, WAIT, KVOutbox, WorkerLoop
 
 NOTHING = lambda lease: set()  # noqa: E731 -- no KV shipments awaited
 
@@ -27,7 +28,7 @@ def start_next(loop: WorkerLoop, now: float, awaited=NOTHING) -> P.Lease:
 # --- WorkerLoop ---------------------------------------------------------------------------
 
 def test_requests_keep_inflight_batches_asked_for_here_or_on_the_device():
-    loop = WorkerLoop(LoopConfig(inflight=2, max_seqs=8, max_tokens=100))
+    loop = WorkerLoop(WorkerConfig(inflight=2, max_seqs=8, max_tokens=100))
     reqs = loop.requests(0.0, free_tokens=640)
     assert [(r.request_no, r.max_seqs, r.max_tokens, r.free_kv_tokens) for r in reqs] == [(1, 8, 100, 640),
                                                                                      (2, 8, 100, 640)]
@@ -42,7 +43,7 @@ def test_requests_keep_inflight_batches_asked_for_here_or_on_the_device():
 
 
 def test_requests_the_router_forgot_are_sent_again():
-    loop = WorkerLoop(LoopConfig(inflight=2, heartbeat_s=0.5))
+    loop = WorkerLoop(WorkerConfig(inflight=2), heartbeat_s=0.5)
     assert len(loop.requests(0.0, 0)) == 2
     assert loop.requests(4.9, 0) == []             # no lease for less than 10 heartbeats: keep waiting
     assert [r.request_no for r in loop.requests(5.1, 0)] == [3, 4]
@@ -51,7 +52,7 @@ def test_requests_the_router_forgot_are_sent_again():
 
 
 def test_a_lease_past_its_deadline_is_dropped_unstarted():
-    loop = WorkerLoop(LoopConfig())
+    loop = WorkerLoop(WorkerConfig())
     loop.on_lease(lease(1, timeout_s=1.0), 0.0)
     loop.on_lease(lease(2, timeout_s=5.0), 0.0)
     assert loop.held_lease_ids() == [1, 2]
@@ -60,7 +61,7 @@ def test_a_lease_past_its_deadline_is_dropped_unstarted():
 
 
 def test_two_leases_on_the_device_the_older_finished_first():
-    loop = WorkerLoop(LoopConfig(chain_wait_s=0.002))
+    loop = WorkerLoop(WorkerConfig(chain_wait_s=0.002))
     for i in (1, 2, 3):
         loop.on_lease(lease(i), 0.0)
     start_next(loop, 0.0)
@@ -75,16 +76,16 @@ def test_two_leases_on_the_device_the_older_finished_first():
     assert action == WAIT and wait == pytest.approx(0.001) and loop.wait_s(0.001) == pytest.approx(0.001)
     assert loop.next_action(0.0025, NOTHING) == (FINISH, "handle-3")
     loop.finished()
-    assert loop.next_action(0.003, NOTHING) == (WAIT, loop.config.heartbeat_s)
+    assert loop.next_action(0.003, NOTHING) == (WAIT, loop.heartbeat_s)
 
 
 def test_a_multi_step_lease_runs_alone_and_steps_per_dispatch_forces_steps():
-    loop = WorkerLoop(LoopConfig())
+    loop = WorkerLoop(WorkerConfig())
     loop.on_lease(lease(1, num_steps=4), 0.0)
     loop.on_lease(lease(2), 0.0)
     assert start_next(loop, 0.0).num_steps == 4
     assert loop.next_action(0.0, NOTHING) == (FINISH, "handle-1")  # lease 2 may not queue behind it
-    forced = WorkerLoop(LoopConfig(steps_per_dispatch=3))
+    forced = WorkerLoop(WorkerConfig(steps_per_dispatch=3))
     forced.on_lease(lease(1), 0.0)
     forced.on_lease(lease(2, num_steps=5), 0.0)
     assert start_next(forced, 0.0).num_steps == 3
@@ -93,7 +94,7 @@ def test_a_multi_step_lease_runs_alone_and_steps_per_dispatch_forces_steps():
 
 
 def test_a_lease_waits_for_its_kv_shipments_then_gives_up():
-    loop = WorkerLoop(LoopConfig(transfer_wait_s=2.0))
+    loop = WorkerLoop(WorkerConfig(transfer_wait_s=2.0))
     awaited = {1: set(), 2: {7}, 3: {9}}
     check = lambda l: awaited[l.lease_id]          # noqa: E731
     for i in (1, 2, 3):
@@ -113,14 +114,14 @@ def test_a_lease_waits_for_its_kv_shipments_then_gives_up():
 
 
 def test_the_wait_for_kv_never_outlasts_the_lease():
-    loop = WorkerLoop(LoopConfig(transfer_wait_s=2.0))
+    loop = WorkerLoop(WorkerConfig(transfer_wait_s=2.0))
     loop.on_lease(lease(1, timeout_s=0.5), 0.0)
     assert loop.next_action(0.0, lambda l: {3})[0] == WAIT
     assert loop.queued[0].wait_until == pytest.approx(0.5)
 
 
 def test_heartbeats_name_held_leases_and_revokes_apply_only_to_them():
-    loop = WorkerLoop(LoopConfig(heartbeat_s=0.5))
+    loop = WorkerLoop(WorkerConfig(), heartbeat_s=0.5)
     assert loop.heartbeat_due(0.0) and not loop.heartbeat_due(0.4) and loop.heartbeat_due(0.6)
     loop.on_lease(lease(1, num_steps=4), 0.0)
     loop.on_lease(lease(2), 0.0)

@@ -77,6 +77,7 @@ class BlockPool:
         self.length: dict[int, int] = {}                            # seq_id -> cached positions
         self.evicted: list[int] = []
         self.prefix = PrefixCache(num_blocks, block_size) if prefix_cache else None
+        self.can_copy = True   # False: blocks are mirrored elsewhere (tensor parallel ranks), never copied here
 
     @property
     def is_caching(self) -> bool:
@@ -139,7 +140,7 @@ class BlockPool:
         del blocks[keep:]
         prefix.cut(seq_id, length)
         if length % self.block_size and blocks and prefix.is_shared(blocks[-1]):
-            if not self.num_free_blocks:
+            if not self.num_free_blocks or not self.can_copy:
                 self.release(seq_id)
                 return False
             old, new = blocks[-1], self._take(1)[0]

@@ -12,18 +12,21 @@ import logging
 import time
 from collections import Counter, deque
 
+import numpy as np
 import zmq
 
 from qmigrate.wire import protocol as P
 from qmigrate.wire import transport
 from qmigrate.ops.observe import FleetObserver
 from qmigrate.router.journal import Journal, OutputLog
-from qmigrate.router.scheduler import Scheduler, SchedulerConfig, WorkerState
+from qmigrate.router.scheduler import Scheduler, WorkerState
 from qmigrate.wire.security import Guard
+from qmigrate.ops.logs import Throttled
 from qmigrate.ops.trace import tracer
 from qmigrate.ops.process import freeze_heap
 
 log = logging.getLogger("qmigrate.router")
+dropped_log = Throttled(log)
 
 POLL_S = 0.02
 MAX_BURST = 512
@@ -36,15 +39,7 @@ class Router:
     def __init__(self, topo):
         rc = topo.router
         self.trace = tracer("router", topo.trace_dir)
-        self.config = SchedulerConfig(
-            max_queued=rc.max_queued, lease_timeout_s=rc.lease_timeout_s,
-            heartbeat_timeout_s=rc.heartbeat_timeout_s, policy=rc.policy,
-            migrate_on_load=rc.migrate_on_load, migrate_on_memory=rc.migrate_on_memory,
-            min_free_vram_fraction=rc.min_free_vram_fraction,
-            admit_free_vram_fraction=rc.admit_free_vram_fraction, migration=rc.migration,
-            link_gbps=rc.link_gbps, prefill_tflops=rc.prefill_tflops,
-            rebalance_threshold=rc.rebalance_threshold, spread_new=rc.spread_new_work, chain=rc.chain_leases,
-            max_lease_steps=rc.max_lease_steps)
+        self.config = rc
         self.heartbeat_interval_s = rc.heartbeat_interval_s
         self.sched = Scheduler(self.config)
         self.sched.start_ids_at(int(time.time() * 1000) << 20)
@@ -132,12 +127,18 @@ class Router:
             except zmq.Again:
                 return
             if len(frames) != 2:
-                log.warning("dropped a message of %d frames", len(frames))
+                dropped_log.warning("dropped a message of %d frames", len(frames))
                 self.errors["malformed"] += 1
                 continue
             sender, frame = frames
             self.frame = frame  # forwarded as is by on_tokens
-            msg = transport.parse(frame, sender.decode(errors="replace"))
+            try:
+                msg = P.decode(frame)
+            except P.ProtocolError as exc:
+                msg = None
+                dropped_log.warning("dropped malformed message from %r: %s", sender[:64], exc)
+                if exc.msg_type == P.MsgType.SUBMIT:  # answered, or ingest would send it again
+                    self.refuse_submit(sender, str(exc))
             if msg is not None and (refusal := self.guard.check(peer, msg, sender)) is not None:
                 if isinstance(msg, P.Hello):
                     self.reply(sender, P.Reject(f"refused: {refusal}"))
@@ -153,10 +154,20 @@ class Router:
                     handler(sender, msg)
                 except P.ProtocolError as exc:
                     self.errors["malformed"] += 1
-                    log.warning("dropped %s from %r: %s", type(msg).__name__, sender, exc)
+                    dropped_log.warning("dropped %s from %r: %s", type(msg).__name__, sender[:64], exc)
+                    if isinstance(msg, P.Submit):
+                        self.refuse_submit(sender, str(exc))
                 except Exception as exc:  # noqa: BLE001 -- one bad message must not stop the router
                     self.errors["handler"] += 1
-                    log.warning("dropped %s from %r: %s: %s", type(msg).__name__, sender, type(exc).__name__, exc)
+                    dropped_log.warning("dropped %s from %r: %s: %s", type(msg).__name__, sender[:64],
+                                        type(exc).__name__, exc)
+                    if isinstance(msg, P.Submit):
+                        self.refuse_submit(sender, f"{type(exc).__name__}: {exc}")
+
+    def refuse_submit(self, sender: bytes, reason: str) -> None:
+        """A Submit this router cannot take: say so, and ingest splits it (never sends it as is)."""
+        self.errors["submit_refused"] += 1
+        self.reply(sender, P.Reject(reason[:P.MAX_NOTE]))
 
     def drain_telemetry(self) -> None:
         for _ in range(MAX_BURST):
@@ -166,17 +177,20 @@ class Router:
                 return
             msg = transport.parse(frame, "vram monitor")
             if isinstance(msg, P.VramReport):
-                for gpu in msg.gpus:
-                    numbers = gpu[1:5] if len(gpu) >= 5 else ()
-                    if (isinstance(gpu[0], str) and len(numbers) == 4
-                            and all(type(x) is int and x >= 0 for x in numbers) and 0 < gpu[4] <= gpu[2]):
-                        self.sched.set_free_vram(gpu[0], gpu[4] / gpu[2], time.monotonic())
-                        index, util = (gpu[1], gpu[5]) if len(gpu) >= 6 else (gpu[1], -1)
-                        self.observer.vram(msg.node[:64], gpu[0][:128], index, gpu[2], gpu[3], gpu[4],
-                                           util if type(util) is int else -1)
-                    else:
-                        self.errors["malformed"] += 1
-                        log.warning("dropped a malformed VRAM report entry from %s", msg.node[:64])
+                self.on_vram(msg)
+
+    def on_vram(self, msg: P.VramReport) -> None:
+        for gpu in msg.gpus:
+            numbers = gpu[1:5] if len(gpu) >= 5 else ()
+            if (isinstance(gpu[0], str) and len(numbers) == 4
+                    and all(type(x) is int and x >= 0 for x in numbers) and 0 <= gpu[4] <= gpu[2] and gpu[2] > 0):
+                self.sched.set_vram(gpu[0], gpu[2], gpu[4], time.monotonic())
+                index, util = (gpu[1], gpu[5]) if len(gpu) >= 6 else (gpu[1], -1)
+                self.observer.vram(msg.node[:64], gpu[0][:128], index, gpu[2], gpu[3], gpu[4],
+                                   util if type(util) is int else -1)
+            else:
+                self.errors["malformed"] += 1
+                dropped_log.warning("dropped a malformed VRAM report entry from %s", msg.node[:64])
 
     def reply(self, to: bytes, msg) -> None:
         transport.send(self.work, msg, to=to)  # dropped if that peer does not read
@@ -234,7 +248,8 @@ class Router:
                 kv_endpoint=P.info_str(info, "kv_endpoint"), gpu_uuid=P.info_str(info, "gpu_uuid"),
                 kv_bytes_per_token=P.info_int(info, "kv_bytes_per_token", 0),
                 num_params=P.info_int(info, "num_params", 0), kv_tokens=P.info_int(info, "kv_tokens", 0),
-                block_size=P.info_int(info, "block_size", 16, 1, 1 << 16))
+                block_size=P.info_int(info, "block_size", 16, 1, 1 << 16),
+                held_bytes=P.info_int(info, "held_bytes", 0))
             self.identity[msg.name] = sender
             self.parked[msg.name] = deque(maxlen=inflight)
             self.sched.register(state, time.monotonic())
@@ -255,6 +270,7 @@ class Router:
             now = time.monotonic()
             self.sched.touch(name, now)
             self.sched.renew(name, P.unpack_i64(msg.lease_ids, "lease_ids").tolist(), now)
+            self.sched.set_held(name, msg.held_bytes, now)
             self.worker_times[name] = (msg.busy_ms, msg.idle_ms)
 
     def on_work_request(self, sender: bytes, msg: P.WorkRequest) -> None:
@@ -281,9 +297,26 @@ class Router:
 
     def on_tokens(self, sender: bytes, msg: P.Tokens) -> None:
         """A worker's new tokens, sent on the socket of its results and before them: the
-        detokenizer gets them in that order, so no result arrives here without its tokens."""
-        if self._worker(sender) is not None:
+        detokenizer gets them in that order, so no result arrives here without its tokens.
+        Only rows of sequences leased to the sender go on: a worker (or a stolen worker key)
+        cannot write into another worker's sequences, nor into one whose lease it lost."""
+        if (name := self._worker(sender)) is None:
+            return
+        seq_ids = P.unpack_i64(msg.seq_ids)
+        mine = self.sched.leased_to(name, seq_ids.tolist())
+        if all(mine):
             self.forward(self.frame)
+            return
+        num_refused = len(mine) - sum(mine)
+        self.errors["tokens_not_leased"] += num_refused
+        dropped_log.warning("dropped tokens of %d sequences not leased to worker %s", num_refused, name)
+        if any(mine):
+            keep = np.array(mine)
+            counts = P.unpack_i32(msg.counts)
+            tokens = P.unpack_i32(msg.tokens)[np.repeat(keep, counts)]
+            self.forward(P.encode(P.Tokens(P.pack_i64(seq_ids[keep]), P.pack_i32(P.unpack_i32(msg.start)[keep]),
+                                           P.pack_i32(counts[keep]), P.pack_i32(tokens),
+                                           P.pack_u8(P.unpack_u8(msg.finish)[keep]))))
 
     def on_submit(self, sender: bytes, msg: P.Submit) -> None:
         offered = msg.seqs[:self.sched.num_free]
@@ -341,6 +374,7 @@ class Router:
         counters.update(queued=len(self.sched.queue), live=len(self.sched.seqs),
                         open_leases=len(self.sched.leases),
                         workers=sum(w.alive for w in self.sched.workers.values()),
+                        serving=sum(w.alive and not w.draining for w in self.sched.workers.values()),
                         unprinted=len(self.outputs), output_backlog=len(self.backlog),
                         dropped_sends=transport.num_dropped)
         for name, w in self.sched.workers.items():

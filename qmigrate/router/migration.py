@@ -19,11 +19,12 @@ import heapq
 import itertools
 from collections import Counter
 
-from qmigrate.router.records import Queue, SchedulerConfig, Seq, WorkerState, choose_mechanism
+from qmigrate.config import RouterConfig
+from qmigrate.router.records import Queue, Seq, WorkerState, choose_mechanism
 
 
 class MovePolicy:
-    def __init__(self, config: SchedulerConfig, workers: dict[str, WorkerState], queue: Queue):
+    def __init__(self, config: RouterConfig, workers: dict[str, WorkerState], queue: Queue):
         self.config = config
         self.workers = workers
         self.queue = queue
@@ -61,7 +62,7 @@ class MovePolicy:
         has in its own batch; and only past `rebalance_threshold` sequences of difference,
         and only once new work is placed (see admission_room)."""
         gap = len(owner.owned) - len(taker.owned)
-        if gap < self.config.rebalance_threshold or (self.config.spread_new and self.queue.of(None)):
+        if gap < self.config.rebalance_threshold or (self.config.spread_new_work and self.queue.of(None)):
             return 0
         return max(0, min(gap // 2, len(owner.owned) - owner.max_seqs, taker.max_seqs - len(taker.owned)))
 
@@ -71,7 +72,7 @@ class MovePolicy:
         reported), w gets its share of all the work placed on these workers or waiting, in
         proportion to max_seqs, less what it holds already."""
         waiting = len(self.queue.of(None))
-        if not waiting or not self.config.spread_new:
+        if not waiting or not self.config.spread_new_work:
             return None
         peers = [o for o in self.workers.values() if o is not w and o.alive and not o.draining
                  and o.may_prefill and o.load < o.capacity and self._has_kv_room(o)]

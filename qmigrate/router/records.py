@@ -1,4 +1,4 @@
-"""The router's records: its settings, sequences, workers and leases, and the cost rule
+"""The router's records: sequences, workers and leases, and the cost rule
 that picks how a sequence moves. Plain data; `scheduler.py` holds the policy."""
 
 from __future__ import annotations
@@ -9,30 +9,6 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from qmigrate.wire.protocol import Finish, SeqSpec, pack_i32
-
-@dataclass(slots=True)
-class SchedulerConfig:
-    max_queued: int = 4096
-    lease_timeout_s: float = 10.0
-    heartbeat_timeout_s: float = 5.0
-    policy: str = "affinity"              # affinity | any
-    migrate_on_load: bool = True
-    migrate_on_memory: bool = True
-    min_free_vram_fraction: float = 0.05     # below: sequences migrate off (cause "memory")
-    admit_free_vram_fraction: float = 0.07   # below: no new prefills
-    migration: str = "auto"               # auto | recompute | transfer
-    link_gbps: float = 10.0
-    prefill_tflops: float = 100.0
-    rebalance_threshold: int = 8          # owned-count gap that lets an idle worker take work
-    spread_new: bool = True               # share new work among workers with room before load moves
-    chain: bool = True                    # lease the next step of a batch still in flight
-    max_lease_steps: int = 16             # steps a lease may cover while nothing waits for its worker
-
-    def __post_init__(self):
-        assert self.policy in ("affinity", "any"), self.policy
-        assert self.migration in ("auto", "recompute", "transfer"), self.migration
-        self.admit_free_vram_fraction = max(self.admit_free_vram_fraction, self.min_free_vram_fraction)
-
 
 @dataclass(slots=True)
 class Seq:
@@ -76,6 +52,7 @@ class WorkerState:
     num_params: int = 0
     kv_tokens: int = 0        # KV pool capacity in tokens; 0: unknown
     block_size: int = 16      # KV block size: a new sequence takes whole blocks
+    held_bytes: int = 0       # device memory it holds (weights, KV pool, graphs): not pressure
     last_seen: float = 0.0
     joined_at: float = 0.0
     alive: bool = True

@@ -28,13 +28,13 @@ from __future__ import annotations
 import itertools
 from collections import Counter, deque
 
+from qmigrate.config import RouterConfig
 from qmigrate.router.records import (
     Grant,
     LeaseRecord,
     Outcome,
     Queue,
     Row,
-    SchedulerConfig,
     Seq,
     WorkerState,
     choose_mechanism,
@@ -42,15 +42,17 @@ from qmigrate.router.records import (
 from qmigrate.router.migration import MovePolicy
 from qmigrate.wire.protocol import CONTINUE, Finish, SeqSpec
 
-__all__ = ["Grant", "Outcome", "Row", "Scheduler", "SchedulerConfig", "Seq", "WorkerState",
+__all__ = ["Grant", "Outcome", "Row", "Scheduler", "Seq", "WorkerState",
            "choose_mechanism"]
+
+MAX_GPUS = 4096  # GPUs whose last memory report is kept
 
 _FINISHED = frozenset(int(f) for f in Finish if f.is_finished)
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig | None = None):
-        self.config = config or SchedulerConfig()
+    def __init__(self, config: RouterConfig | None = None):
+        self.config = config or RouterConfig()
         self.seqs: dict[int, Seq] = {}
         self.queue = Queue()
         self.workers: dict[str, WorkerState] = {}
@@ -63,6 +65,7 @@ class Scheduler:
         self.lost: list[tuple[str, float, int]] = []  # (worker, silent for s, sequences it held) to log
         # (cause, seconds from the decision to move to the lease on the new worker)
         self.move_delays: deque[tuple[str, float]] = deque(maxlen=4096)
+        self.vram: dict[str, tuple[int, int]] = {}  # GPU uuid -> (total, free) bytes, as last reported
 
     def take_revokes(self) -> list[tuple[str, int, list[int]]]:
         revokes, self.revokes = self.revokes, []
@@ -90,6 +93,7 @@ class Scheduler:
         worker.last_seen = worker.joined_at = now
         self.workers[worker.name] = worker
         self.counters["workers_joined"] += 1
+        self._apply_vram(worker.gpu_uuid, now)
 
     def touch(self, name: str, now: float) -> None:
         if (w := self.workers.get(name)) is not None:
@@ -121,6 +125,35 @@ class Scheduler:
         if (w := self.workers.get(name)) is not None:
             self._forget_worker(w, "drain")
             w.alive = False
+
+    def set_vram(self, gpu_uuid: str, total: int, free: int, now: float = 0.0) -> None:
+        """A monitor's report of one GPU, in bytes. The watermarks compare the free share of
+        the memory the fleet's own workers do not hold on that GPU: their KV pools, weights
+        and graphs are theirs by design, and only what other processes take is pressure."""
+        if gpu_uuid not in self.vram and len(self.vram) >= MAX_GPUS:
+            self.vram.pop(next(iter(self.vram)))
+        self.vram[gpu_uuid] = (total, free)
+        self._apply_vram(gpu_uuid, now)
+
+    def set_held(self, name: str, held_bytes: int, now: float = 0.0) -> None:
+        """What worker `name` now holds on its device (from its heartbeat)."""
+        w = self.workers.get(name)
+        if w is not None and held_bytes >= 0 and held_bytes != w.held_bytes:
+            w.held_bytes = held_bytes
+            self._apply_vram(w.gpu_uuid, now)
+
+    def free_vram_fraction(self, gpu_uuid: str) -> float | None:
+        """Free memory over the memory the fleet does not hold, on that GPU; None: no report."""
+        if (report := self.vram.get(gpu_uuid)) is None:
+            return None
+        total, free = report
+        held = sum(w.held_bytes for w in self.workers.values() if w.alive and w.gpu_uuid == gpu_uuid)
+        others = total - held  # free memory plus what other processes hold
+        return 1.0 if others <= 0 else min(1.0, max(0.0, free / others))
+
+    def _apply_vram(self, gpu_uuid: str, now: float) -> None:
+        if gpu_uuid and (fraction := self.free_vram_fraction(gpu_uuid)) is not None:
+            self.set_free_vram(gpu_uuid, fraction, now)
 
     def set_free_vram(self, gpu_uuid: str, free_fraction: float, now: float = 0.0) -> None:
         for w in self.workers.values():
@@ -285,6 +318,18 @@ class Scheduler:
             self._revoke_steps(other, take, for_load_at=now)
             room -= len(take)
 
+    def leased_to(self, name: str, seq_ids) -> list[bool]:
+        """Per sequence: is its current (or chained next) step leased to `name`? Only such a
+        worker's tokens for it count."""
+        leases, seqs = self.leases, self.seqs
+        out = []
+        for sid in seq_ids:
+            seq = seqs.get(sid)
+            out.append(seq is not None and any(
+                lid is not None and (lease := leases.get(lid)) is not None and lease.worker == name
+                for lid in (seq.lease_id, seq.next_lease)))
+        return out
+
     def evicted(self, name: str, seq_ids) -> None:
         """name dropped these sequences' KV for room: they are recomputed wherever they run next."""
         for sid in seq_ids:
@@ -305,7 +350,7 @@ class Scheduler:
                 if (seq := self.seqs.get(sid)) is not None and seq.lease_id == lease_id]
 
     def _may_chain(self, w: WorkerState) -> bool:
-        return self.config.chain and self.config.policy != "any" and self.moves.may_keep(w)
+        return self.config.chain_leases and self.config.policy != "any" and self.moves.may_keep(w)
 
     def _lease_row(self, seq: Seq, w: WorkerState, cause, mechanism, shipments, now: float) -> Row:
         revoked_at, seq.revoked_at = seq.revoked_at, None

@@ -28,7 +28,7 @@ from qmigrate.engine.runner import Engine
 from qmigrate.wire.security import SecurityError
 from qmigrate.ops.trace import tracer
 from qmigrate.worker.core import WorkerCore
-from qmigrate.worker.pipeline import FINISH, START, WAIT, KVOutbox, LoopConfig, WorkerLoop
+from qmigrate.worker.pipeline import FINISH, START, WAIT, KVOutbox, WorkerLoop
 from qmigrate.ops.process import freeze_heap, run_until_fatal
 
 log = logging.getLogger("qmigrate.worker")
@@ -46,9 +46,20 @@ class Worker:
         self.kv_endpoint = topo.endpoint("kv", name)
         device = self.cfg.device if self.cfg.device != "cuda" else "cuda:0"
         _share_cpu_threads(topo, self.cfg)
-        model, _ = load_model(resolve_model(topo.model.path), device, topo.model.dtype,
-                              trust_remote_code=topo.model.trust_remote_code)
-        self.core = WorkerCore(Engine(model, self.cfg.engine_config()))
+        self.ranks = None
+        if self.cfg.tensor_parallel > 1:   # N processes, this one rank 0 (worker/ranks.py)
+            from qmigrate.worker import ranks
+            path = resolve_model(topo.model.path)
+            ranks.check_model(name, path, self.cfg.tensor_parallel, topo.model.trust_remote_code)
+            self.ranks = ranks.Ranks(topo, name, path)
+            device = ranks.rank_device(device, 0)
+            model = None
+            engine = ranks.build_engine(topo, name, path, self.ranks.tp)
+        else:
+            model, _ = load_model(resolve_model(topo.model.path), device, topo.model.dtype,
+                                  trust_remote_code=topo.model.trust_remote_code)
+            engine = Engine(model, self.cfg.engine_config())
+        self.core = WorkerCore(engine)
         self.trace = self.core.trace = tracer(f"worker-{name}", topo.trace_dir)
         self.core.engine.warm_up()
         del model
@@ -57,16 +68,14 @@ class Worker:
         self.kv_in = transport.socket(zmq.PULL, bind=self.kv_endpoint.bind,
                                       max_bytes=transport.KV_MAX_MESSAGE_BYTES, hwm=64)
         self.peers: dict[str, zmq.Socket] = {}
-        self.loop = WorkerLoop(LoopConfig(inflight=self.cfg.inflight, max_seqs=self.cfg.max_seqs,
-                                          max_tokens=self.cfg.max_tokens,
-                                          steps_per_dispatch=self.cfg.steps_per_dispatch))
+        self.loop = WorkerLoop(self.cfg)
         self.deferred: deque = deque()  # router messages that came during a multi-step lease
         self.outbox = KVOutbox()
         self.busy_s = self.idle_s = 0.0
 
     @property
     def heartbeat_s(self) -> float:
-        return self.loop.config.heartbeat_s
+        return self.loop.heartbeat_s
 
     # --- startup -----------------------------------------------------------------------
     def hello(self, rejoin: bool = False) -> None:
@@ -80,7 +89,8 @@ class Worker:
                 "max_seqs": self.cfg.max_seqs, "max_tokens": self.cfg.max_tokens,
                 "inflight": self.cfg.inflight, "kv_bytes_per_token": engine.kv_bytes_per_token,
                 "num_params": engine.num_params, "gpu_uuid": uuid or "",
-                "kv_tokens": engine.pool.capacity_tokens, "block_size": engine.pool.block_size}
+                "kv_tokens": engine.pool.capacity_tokens, "block_size": engine.pool.block_size,
+                "held_bytes": self.held_bytes()}
         hello = P.Hello("worker", self.name, info=info)
         transport.send(self.router, hello)
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
@@ -94,7 +104,7 @@ class Worker:
                 continue
             msg = got[1]
             if isinstance(msg, P.Welcome):
-                self.loop.config.heartbeat_s = msg.heartbeat_interval_s
+                self.loop.heartbeat_s = msg.heartbeat_interval_s
                 return
             if isinstance(msg, P.Reject) and not msg.is_unknown_peer:
                 raise SystemExit(f"worker {self.name}: router refused: {msg.reason}")
@@ -260,7 +270,7 @@ class Worker:
                 return
             header = transport.parse(frames[0], "kv peer") if frames else None
             if not isinstance(header, P.KVHeader) or len(frames) != 2:
-                log.warning("dropped a malformed KV shipment")
+                transport.dropped_log.warning("dropped a malformed KV shipment")
                 continue
             self.core.receive_transfer(header.transfer_id, header.seq_id, _kv_tensor(header, frames[1]))
 
@@ -270,6 +280,8 @@ class Worker:
         self.router.close(linger=5000)
         for sock in self.peers.values():
             sock.close(linger=2000)
+        if self.ranks is not None:
+            self.ranks.stop(self.core.engine.runner)
 
     def send_router(self, msg) -> None:
         transport.send(self.router, msg)
@@ -280,7 +292,14 @@ class Worker:
             self.trace.flush()
             self.send_router(P.Heartbeat(self.name, len(self.core.seqs), self.core.free_tokens,
                                          int(self.busy_s * 1000), int(self.idle_s * 1000),
-                                         P.pack_i64(self.loop.held_lease_ids())))
+                                         P.pack_i64(self.loop.held_lease_ids()), self.held_bytes()))
+
+    def held_bytes(self) -> int:
+        """Device memory this process holds: weights, KV pool, graphs and activations (the
+        router does not count it as memory pressure). A CPU worker holds no device memory."""
+        if not self.device.startswith("cuda"):
+            return 0
+        return int(torch.cuda.memory_reserved(torch.device(self.device)))
 
 
 def _share_cpu_threads(topo, cfg) -> None:
@@ -288,7 +307,7 @@ def _share_cpu_threads(topo, cfg) -> None:
     host-side work, and a full-width thread pool per process just fights the others."""
     cores = os.cpu_count() or 1
     if cfg.device == "cpu":
-        peers = sum(1 for w in topo.workers if w.node == cfg.node and w.device == "cpu")
+        peers = sum(w.tensor_parallel for w in topo.workers if w.node == cfg.node and w.device == "cpu")
         torch.set_num_threads(max(1, cores // max(1, peers)))
     else:
         torch.set_num_threads(min(4, cores))

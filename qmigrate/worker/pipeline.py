@@ -19,22 +19,12 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
 
+from qmigrate.config import WorkerConfig
 from qmigrate.wire import protocol as P
 
 START, FINISH, WAIT = "start", "finish", "wait"
 MAX_ON_DEVICE = 2
-
-
-@dataclass(slots=True)
-class LoopConfig:
-    inflight: int = 2
-    max_seqs: int = 64
-    max_tokens: int = 8192
-    steps_per_dispatch: int = 1
-    transfer_wait_s: float = 2.0    # how long a lease waits for its KV shipments
-    chain_wait_s: float = 0.002     # how long a lone lease on the device waits for the next one
-    heartbeat_s: float = 0.5
-    forget_after_heartbeats: int = 10  # no lease for this long: the router forgot our requests
+FORGET_AFTER_HEARTBEATS = 10  # no lease for this long: the router forgot our requests
 
 
 @dataclass(slots=True)
@@ -53,7 +43,8 @@ class OnDevice:
 
 @dataclass(slots=True)
 class WorkerLoop:
-    config: LoopConfig
+    config: WorkerConfig
+    heartbeat_s: float = 0.5          # the router's heartbeat interval, from its Welcome
     outstanding: int = 0              # requests sent and not answered
     request_no: int = 0
     last_lease: float = 0.0
@@ -70,7 +61,7 @@ class WorkerLoop:
     def requests(self, now: float, free_tokens: int) -> list[P.WorkRequest]:
         """Work requests to send now, so that `inflight` batches are asked for, here or running."""
         cfg = self.config
-        if self.outstanding and now - self.last_lease > cfg.forget_after_heartbeats * cfg.heartbeat_s:
+        if self.outstanding and now - self.last_lease > FORGET_AFTER_HEARTBEATS * self.heartbeat_s:
             self.outstanding = 0  # the router may have restarted and forgotten our requests
             self.last_lease = now
         out = []
@@ -113,7 +104,7 @@ class WorkerLoop:
         return held
 
     def heartbeat_due(self, now: float) -> bool:
-        if now - self.last_heartbeat > self.config.heartbeat_s:
+        if now - self.last_heartbeat > self.heartbeat_s:
             self.last_heartbeat = now
             return True
         return False
@@ -146,7 +137,7 @@ class WorkerLoop:
             return 0.0
         if self.on_device:
             return max(0.0, self.last_started + self.config.chain_wait_s - now)
-        return self.config.heartbeat_s
+        return self.heartbeat_s
 
     def next_behind(self, now: float, awaited: Callable[[P.Lease], set[int]]) -> P.Lease | None:
         """The lease to launch now behind the last step of the lease being finished: the head
