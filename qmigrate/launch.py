@@ -265,9 +265,12 @@ class RouterProgress:
     """The progress line of a run: requests done, tokens/s and queue, as the router counts them."""
 
     def __init__(self, topo: Topology):
-        from qmigrate.ops.progress import ProgressLine
+        from qmigrate.ops.observe import WORKER_COLUMNS
+        from qmigrate.ops.progress import ProgressLine, TokenRate
+        self.tokens_col = WORKER_COLUMNS.index("tokens_total")
         self.endpoint = topo.endpoint("router").connect
         self.line = ProgressLine("qmigrate")
+        self.rate = TokenRate()
 
     def tick(self) -> None:
         from qmigrate.wire import protocol as P
@@ -279,7 +282,9 @@ class RouterProgress:
         except transport.Unreachable:
             return
         c = stats.counters
-        rate = sum(row[8] for row in stats.workers if len(row) > 8 and isinstance(row[8], (int, float)))
+        col = self.tokens_col
+        total = sum(row[col] for row in stats.workers if len(row) > col and type(row[col]) is int)
+        rate = self.rate.add(time.monotonic(), total)
         self.line.show(c.get("finished", 0), None, rate, c.get("queued", 0),
                        max(0, c.get("live", 0) - c.get("queued", 0)))
 

@@ -141,22 +141,33 @@ def test_serve_on_the_gpus_with_defaults_answers_with_the_monitor_on(tiny_model_
     from qmigrate.wire import protocol as P
     from qmigrate.wire import transport
     (port,) = free_ports(1)
-    proc = subprocess.Popen([sys.executable, "-m", "qmigrate", "serve", str(tiny_model_dir), "--port", str(port)],
-                            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+    err_path = tmp_path / "serve.err"
+    with open(err_path, "w") as err_file:  # a file: nothing blocks on a full pipe while it serves
+        proc = subprocess.Popen([sys.executable, "-m", "qmigrate", "serve", str(tiny_model_dir), "--port", str(port)],
+                                stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=err_file, text=True,
+                                start_new_session=True)
     try:
-        line = proc.stderr.readline()
-        topology = re.search(r"qmigrate status (\S+)", line).group(1)
+        assert _wait(lambda: (re.search(r"qmigrate status (\S+)", err_path.read_text())), 120), \
+            err_path.read_text()
+        topology = re.search(r"qmigrate status (\S+)", err_path.read_text()).group(1)
         assert proc.stdout.readline().startswith(f"ready: http://127.0.0.1:{port}")
         router = load_topology(topology).endpoint("router").connect
-        assert _wait(lambda: transport.request(router, P.StatsRequest(), timeout_s=5, expect=P.Stats).gpus, 30)
+
+        def stats():
+            return transport.request(router, P.StatsRequest(), timeout_s=5, expect=P.Stats)
+        assert _wait(lambda: stats().gpus, 30), "no VRAM report reached the router"
+        time.sleep(2.0)  # a few more reports, each applied to the workers' admission
         status, body = _complete(port, {"model": tiny_model_dir.name, "prompt": [5, 6, 7], "max_tokens": 8})
         assert status == 200 and body["usage"]["completion_tokens"] == 8, body
-        stats = transport.request(router, P.StatsRequest(), timeout_s=5, expect=P.Stats)
         import torch
-        assert stats.counters["workers"] == torch.cuda.device_count()
+        from qmigrate.ops.observe import WORKER_COLUMNS, as_dicts
+        reply = stats()
+        assert reply.counters["workers"] == torch.cuda.device_count()
+        workers = as_dicts(WORKER_COLUMNS, reply.workers)
+        assert all(w["state"] == "up" for w in workers), workers  # not memory-short, may take prompts
         proc.send_signal(signal.SIGINT)  # Ctrl-C
-        _, err = proc.communicate(timeout=60)
+        proc.communicate(timeout=60)
+        err = err_path.read_text()
         assert proc.returncode == 128 + signal.SIGINT and "Traceback" not in err, err
     finally:
         _kill_session(proc)

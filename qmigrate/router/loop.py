@@ -12,6 +12,7 @@ import logging
 import time
 from collections import Counter, deque
 
+import numpy as np
 import zmq
 
 from qmigrate.wire import protocol as P
@@ -296,9 +297,26 @@ class Router:
 
     def on_tokens(self, sender: bytes, msg: P.Tokens) -> None:
         """A worker's new tokens, sent on the socket of its results and before them: the
-        detokenizer gets them in that order, so no result arrives here without its tokens."""
-        if self._worker(sender) is not None:
+        detokenizer gets them in that order, so no result arrives here without its tokens.
+        Only rows of sequences leased to the sender go on: a worker (or a stolen worker key)
+        cannot write into another worker's sequences, nor into one whose lease it lost."""
+        if (name := self._worker(sender)) is None:
+            return
+        seq_ids = P.unpack_i64(msg.seq_ids)
+        mine = self.sched.leased_to(name, seq_ids.tolist())
+        if all(mine):
             self.forward(self.frame)
+            return
+        num_refused = len(mine) - sum(mine)
+        self.errors["tokens_not_leased"] += num_refused
+        dropped_log.warning("dropped tokens of %d sequences not leased to worker %s", num_refused, name)
+        if any(mine):
+            keep = np.array(mine)
+            counts = P.unpack_i32(msg.counts)
+            tokens = P.unpack_i32(msg.tokens)[np.repeat(keep, counts)]
+            self.forward(P.encode(P.Tokens(P.pack_i64(seq_ids[keep]), P.pack_i32(P.unpack_i32(msg.start)[keep]),
+                                           P.pack_i32(counts[keep]), P.pack_i32(tokens),
+                                           P.pack_u8(P.unpack_u8(msg.finish)[keep]))))
 
     def on_submit(self, sender: bytes, msg: P.Submit) -> None:
         offered = msg.seqs[:self.sched.num_free]

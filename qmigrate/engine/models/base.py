@@ -54,10 +54,12 @@ class DecoderModel:
         self.final_softcap = final_softcap
         self.device, self.dtype = embed.device, embed.dtype
         self.vocab_size = lm_head.weight.shape[0]
+        self.tp = None                      # a tensor-parallel rank's shard: parallel.shard_model
+        self.vocab_rows = range(self.vocab_size)
 
     def forward(self, x, pool, shape) -> torch.Tensor:
         """logits [R, V] float32 of each row's last token (R = len(x.last))."""
-        h = F.embedding(x.ids, self.embed)
+        h = F.embedding(x.ids, self.embed) if self.tp is None else self._embed_shard(x.ids)
         if self.embed_scale is not None:
             h = h * self.embed_scale
         residual, plans = None, {}
@@ -70,6 +72,14 @@ class DecoderModel:
         if self.final_softcap:
             logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
         return logits
+
+
+    def _embed_shard(self, ids: torch.Tensor) -> torch.Tensor:
+        """Vocabulary-parallel lookup: this rank's rows, zeros for the ids it does not hold,
+        summed over the ranks."""
+        lo, hi = self.vocab_rows.start, self.vocab_rows.stop
+        h = F.embedding((ids - lo).clamp(0, self.embed.shape[0] - 1), self.embed)
+        return self.tp.all_reduce(h * ((ids >= lo) & (ids < hi)).unsqueeze(1).to(h.dtype))
 
 
 def output_head(model) -> Linear:
