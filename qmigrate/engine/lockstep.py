@@ -52,7 +52,16 @@ def _local_kv(pool, slots: np.ndarray) -> torch.Tensor:
     return _flat(pool).index_select(2, index).cpu().contiguous()
 
 
+def _zero_new(pool, blocks: np.ndarray) -> None:
+    """A follower's lazy CPU pool: zero the blocks rank 0 hands out, on their first use here
+    (rank 0's pool does it as it hands them out)."""
+    if pool.is_lazy:
+        blocks = np.unique(blocks)
+        pool._zero(blocks[~pool.is_clean[blocks]].tolist())
+
+
 def _store_kv(pool, slots: np.ndarray, kv: torch.Tensor) -> None:
+    _zero_new(pool, slots // pool.block_size)
     index = torch.from_numpy(np.ascontiguousarray(slots, dtype=np.int64)).to(pool.device)
     _flat(pool).index_copy_(2, index, kv.to(device=pool.device, dtype=pool.dtype))
 
@@ -133,6 +142,7 @@ def follow(engine) -> None:
             ids, positions, slots, query_start, seq_lens, table, rows, src = np.split(a, cut)
             batch = StepBatch([0] * b, ids, positions, slots, query_start.astype(np.int32),
                               seq_lens.astype(np.int32), table.astype(np.int32).reshape(b, w), max_query_len)
+            _zero_new(pool, batch.block_table)
             feed = None
             if num_fed:
                 tokens = tp.broadcast_device(torch.empty(num_fed, dtype=torch.int64, device=tp.device))

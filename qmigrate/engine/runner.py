@@ -112,11 +112,6 @@ class Engine:
         self.pool_kv_heads = self.num_kv_heads if tp is None else tp.layout.kv_heads_per_rank
         self.pool = BlockPool(self.num_layers, self.pool_kv_heads, self.head_dim,
                               self._num_blocks(), cfg.block_size, self.dtype, self.device)
-        if tp is not None and self.pool.is_lazy:
-            # Other ranks never hand out blocks (rank 0 places every sequence), so none of
-            # their blocks is zeroed on first use: zero every rank's pool at once.
-            self.pool.kv.zero_()
-            self.pool.is_clean[:] = True
         self.runner.attach(self.pool)
         self.num_continued = 0   # steps built the array way (`_continue`)
         if tp is not None and tp.world > 1 and tp.is_leader:

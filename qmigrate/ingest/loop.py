@@ -21,6 +21,7 @@ import logging
 import os
 import queue
 import random
+import signal
 import sys
 import threading
 import time
@@ -114,6 +115,14 @@ class Ingest:
             raise SystemExit(f"ingest: router refused: {got[1].reason}")
 
     def serve_forever(self, exit_on_eof: bool) -> None:
+        signal.signal(signal.SIGTERM, _stop)
+        try:
+            self._serve(exit_on_eof)
+        finally:
+            if self.http is not None:
+                self.http.shutdown()  # open HTTP requests end with an error, streams with [DONE]
+
+    def _serve(self, exit_on_eof: bool) -> None:
         self.hello()
         freeze_heap()
         if self.http is not None:
@@ -336,6 +345,12 @@ class Ingest:
                     break
                 accepted += 1
             transport.send(self.feed, P.FeedAck(accepted), to=sender)
+
+
+def _stop(signum, frame):
+    """SIGTERM: unwind the loop, so that open HTTP requests are answered before the exit."""
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a second one ends the process at once
+    raise SystemExit(128 + signum)
 
 
 def run(topo, name: str, read_stdin: bool = False, exit_when_done: bool = False, wait_for_workers: int = 0) -> int:

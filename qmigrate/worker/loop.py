@@ -36,6 +36,7 @@ log = logging.getLogger("qmigrate.worker")
 KV_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 STARTUP_TIMEOUT_S = 60.0
 HELLO_RESEND_S = 2.0
+NVML_EVERY_S = 5.0  # how often NVML is asked what this process holds on its GPU
 
 
 class Worker:
@@ -46,9 +47,20 @@ class Worker:
         self.kv_endpoint = topo.endpoint("kv", name)
         device = self.cfg.device if self.cfg.device != "cuda" else "cuda:0"
         _share_cpu_threads(topo, self.cfg)
-        model, _ = load_model(resolve_model(topo.model.path), device, topo.model.dtype,
-                              trust_remote_code=topo.model.trust_remote_code)
-        self.core = WorkerCore(Engine(model, self.cfg.engine_config()))
+        self.ranks = None
+        if self.cfg.tensor_parallel > 1:   # N processes, this one rank 0 (worker/ranks.py)
+            from qmigrate.worker import ranks
+            path = resolve_model(topo.model.path)
+            ranks.check_model(name, path, self.cfg.tensor_parallel, topo.model.trust_remote_code)
+            self.ranks = ranks.Ranks(topo, name, path)
+            device = ranks.rank_device(device, 0)
+            model = None
+            engine = ranks.build_engine(topo, name, path, self.ranks.tp)
+        else:
+            model, _ = load_model(resolve_model(topo.model.path), device, topo.model.dtype,
+                                  trust_remote_code=topo.model.trust_remote_code)
+            engine = Engine(model, self.cfg.engine_config())
+        self.core = WorkerCore(engine)
         self.trace = self.core.trace = tracer(f"worker-{name}", topo.trace_dir)
         self.core.engine.warm_up()
         del model
@@ -61,6 +73,12 @@ class Worker:
         self.deferred: deque = deque()  # router messages that came during a multi-step lease
         self.outbox = KVOutbox()
         self.busy_s = self.idle_s = 0.0
+        self.gpu_memory = None  # this process's memory on its GPU as NVML reports it
+        self.nvml_at, self.nvml_bytes = -NVML_EVERY_S, 0
+        if device.startswith("cuda"):
+            from qmigrate.monitor.vram import ProcessMemory, torch_device_uuid
+            uuid = torch_device_uuid(torch.device(device).index or 0)
+            self.gpu_memory = ProcessMemory(uuid, os.getpid()) if uuid else None
 
     @property
     def heartbeat_s(self) -> float:
@@ -269,6 +287,8 @@ class Worker:
         self.router.close(linger=5000)
         for sock in self.peers.values():
             sock.close(linger=2000)
+        if self.ranks is not None:
+            self.ranks.stop(self.core.engine.runner)
 
     def send_router(self, msg) -> None:
         transport.send(self.router, msg)
@@ -282,11 +302,16 @@ class Worker:
                                          P.pack_i64(self.loop.held_lease_ids()), self.held_bytes()))
 
     def held_bytes(self) -> int:
-        """Device memory this process holds: weights, KV pool, graphs and activations (the
-        router does not count it as memory pressure). A CPU worker holds no device memory."""
+        """Device memory this process holds: weights, KV pool, graphs and activations, and its
+        CUDA context where NVML reports it per process (the router does not count any of it as
+        memory pressure). A CPU worker holds no device memory."""
         if not self.device.startswith("cuda"):
             return 0
-        return int(torch.cuda.memory_reserved(torch.device(self.device)))
+        reserved = int(torch.cuda.memory_reserved(torch.device(self.device)))
+        now = time.monotonic()
+        if self.gpu_memory is not None and now - self.nvml_at >= NVML_EVERY_S:
+            self.nvml_at, self.nvml_bytes = now, self.gpu_memory.held_bytes() or 0
+        return max(reserved, self.nvml_bytes)
 
 
 def _share_cpu_threads(topo, cfg) -> None:
@@ -294,7 +319,7 @@ def _share_cpu_threads(topo, cfg) -> None:
     host-side work, and a full-width thread pool per process just fights the others."""
     cores = os.cpu_count() or 1
     if cfg.device == "cpu":
-        peers = sum(1 for w in topo.workers if w.node == cfg.node and w.device == "cpu")
+        peers = sum(w.tensor_parallel for w in topo.workers if w.node == cfg.node and w.device == "cpu")
         torch.set_num_threads(max(1, cores // max(1, peers)))
     else:
         torch.set_num_threads(min(4, cores))
