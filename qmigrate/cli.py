@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import signal
 import sys
 from enum import Enum
 from pathlib import Path
@@ -16,6 +18,19 @@ app.add_typer(model_app, name="model")
 keys_app = typer.Typer(no_args_is_help=True, rich_markup_mode=None, short_help="Make CurveZMQ keys for a node.",
                        help="CurveZMQ keys that authenticate and encrypt the links between nodes.")
 app.add_typer(keys_app, name="keys")
+
+
+def _show_version(value: bool) -> None:
+    if value:
+        from . import __version__
+        print(f"qmigrate {__version__}")
+        raise typer.Exit(0)
+
+
+@app.callback()
+def _top(version: Annotated[bool, typer.Option("--version", callback=_show_version, is_eager=True,
+                                               help="Print the version and exit.")] = False):
+    """Serve a causal LM from a fleet of GPU workers that trade requests at every step."""
 
 
 class InputMode(str, Enum):
@@ -68,8 +83,11 @@ def _secure(topo, node: str | None) -> None:
         return
     if node is None:
         node = security.operator_nodes(topo)[0]
+    from .config import ConfigError
     try:
         transport.secure(security.keyring(topo, node))
+    except ConfigError as exc:  # no such node
+        _fail(str(exc))
     except security.SecurityError as exc:
         _fail(str(exc), 1)
 
@@ -81,6 +99,24 @@ def _warn_if_open(topo) -> None:
 
 
 AsNode = Annotated[Optional[str], typer.Option("--as-node", help="With security on: the operator node whose keys this command uses (default: the first of security.operators).")]
+
+@contextlib.contextmanager
+def _interruptible():
+    """SIGINT and SIGTERM unwind what runs inside (its finally blocks and temp directories do
+    their work), then the command exits 128 + the signal, with one line and no traceback."""
+    from .launch import Interrupted, catch_signals, ignore_signals
+    old = catch_signals()
+    try:
+        yield
+    except (Interrupted, KeyboardInterrupt) as exc:
+        ignore_signals()
+        signum = getattr(exc, "signum", signal.SIGINT)
+        print(f"qmigrate: stopped by signal {signum}", file=sys.stderr)
+        raise typer.Exit(128 + signum) from None
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+
 
 def _check_level(value: str) -> str:
     from qmigrate.ops.logs import BadLevel, parse_level
@@ -136,6 +172,37 @@ def sim(
         _fail(str(exc))
     model_path = _resolve_model(model if model is not None else topo.model.path)
     raise typer.Exit(run_sim(topo, model_path, log_level))
+
+
+@app.command(short_help="Serve a model over the OpenAI API on this machine's GPUs.")
+def serve(
+    model: Annotated[Optional[str], typer.Argument(help="A model directory, smollm2 (fetched and built on first use), or a hub name. Default: the --config topology's model.")] = None,
+    host: Annotated[str, typer.Option(help="Address the OpenAI API listens on.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(min=1, max=65535, help="Port of the OpenAI API.")] = 8000,
+    served_model_name: Annotated[Optional[str], typer.Option("--served-model-name", help="Model name in the API (default: the model directory's name).")] = None,
+    gpu_memory_utilization: Annotated[Optional[float], typer.Option("--gpu-memory-utilization", min=0.01, max=1.0, help="Share of each GPU's memory a worker may fill, weights and KV cache together (default 0.9).")] = None,
+    max_num_seqs: Annotated[Optional[int], typer.Option("--max-num-seqs", min=1, help="Sequences per step on each worker (default: the topology's, 64).")] = None,
+    api_key: Annotated[Optional[str], typer.Option("--api-key", help="Requests to /v1 must send 'Authorization: Bearer KEY'.")] = None,
+    config: Annotated[Optional[Path], typer.Option("--config", help="A topology to run on this machine instead of one worker per GPU (its workers, settings and model).")] = None,
+    cpu_workers: Annotated[int, typer.Option("--cpu-workers", min=1, help="Workers on the CPU when no GPU is visible.")] = 2,
+    log_level: LogLevel = "warning",
+):
+    """Start every role on this machine and serve the OpenAI-compatible API (/v1/completions,
+    /v1/chat/completions, /v1/models, /health) until Ctrl-C or SIGTERM: one worker per
+    visible GPU (CUDA_VISIBLE_DEVICES applies), CPU workers when there is none, the VRAM
+    monitor on a GPU machine. Prints "ready: URL" once a worker can serve."""
+    from .config import ConfigError
+    from .serve import ServeOptions, run_serve, serve_topology, visible_gpus
+    if model is None and config is None:
+        _fail("give a MODEL (a directory, smollm2 or a hub name) or --config TOPOLOGY")
+    base = _load(config) if config is not None else None
+    opts = ServeOptions(host, port, served_model_name, gpu_memory_utilization, max_num_seqs, api_key, cpu_workers)
+    try:
+        topo = serve_topology(opts, base, num_gpus=0 if base is not None else visible_gpus())
+    except ConfigError as exc:
+        _fail(str(exc))
+    model_path = _resolve_model(model if model is not None else topo.model.path)
+    raise typer.Exit(run_serve(topo, model_path, log_level))
 
 
 @app.command(short_help="Start and supervise the roles of one node.")
@@ -212,11 +279,13 @@ def status(
     json_out: Annotated[bool, typer.Option("--json", help="Print one snapshot as JSON and exit.")] = False,
     interval: Annotated[float, typer.Option(min=0.1, help="Seconds between refreshes of the live view.")] = 1.0,
     timeout: Annotated[float, typer.Option(help="Seconds to wait for the router.")] = 5.0,
+    node: AsNode = None,
 ):
     """Show the fleet: nodes, workers and their GPUs with memory, KV use, batch sizes,
     tokens/s, queue depth and migrations; a live table until Ctrl-C."""
     from qmigrate.ops.status import run_status
     topo = _load(config)
+    _secure(topo, node)
     raise typer.Exit(run_status(_endpoint(topo, "router"), once=once, as_json=json_out,
                                 interval_s=interval, timeout_s=timeout))
 
@@ -277,45 +346,46 @@ def bench(
         _fail(str(exc))
     if faults and workers < 4:
         _fail("--faults needs --workers 4 or more: one drained, one killed, one short of memory, one left")
-    if fake_workers is not None:
-        from qmigrate.bench.router import run_router_bench, sweep_sizes
-        try:
-            sizes = sweep_sizes(fake_workers)
-        except ValueError as exc:
-            _fail(str(exc))
-        run_router_bench(sizes=sizes, step_ms=fake_step_ms, batch=fake_batch, warmup_s=fake_warmup_s,
-                         window_s=fake_window_s, router_overrides=overrides,
-                         json_path=json_out, log_level=log_level)
-        return
-    from qmigrate.bench.core import Workload, run_bench
-    from qmigrate.engine.builders import build_bench_model
-    is_cuda = device.startswith("cuda")
-    if model is None and is_cuda:
-        model = str(build_bench_model(model_dir)) if not (model_dir / "config.json").exists() else str(model_dir)
-    model_path = _resolve_model(model)
-    if decode_step:
-        from qmigrate.bench.step import run_decode_steps
-        run_decode_steps(model_path, device if device != "cuda" else "cuda:0",
-                         [int(b) for b in batches.split(",")], context, runner, json_out, profile)
-        return
-    if curve:
-        paths = "pipeline-tcp,pipeline-curve"
-    span = lambda text, default: tuple(int(x) for x in text.split(":")) if text else default
-    workload = Workload(requests or (256 if is_cuda else 32), span(prompt_len, (64, 512) if is_cuda else (8, 64)),
-                        span(output_len, (32, 512) if is_cuda else (8, 64)), seed=seed)
-    if not is_cuda:
-        workload.vocab = (10, 1000)
-    devices = ["cpu"] * workers
-    if is_cuda:
-        import torch
-        count = max(1, torch.cuda.device_count())
-        devices = [f"cuda:{i % count}" for i in range(workers)]
-    run_bench(model_path=model_path, devices=devices, dtype="auto", workload=workload,
-              paths=[p.strip() for p in paths.split(",") if p.strip()], max_seqs=max_seqs,
-              max_tokens=max_tokens, hf_batch=hf_batch,
-              router_overrides=overrides, json_path=json_out,
-              log_level=log_level, profile=profile, steps_per_dispatch=steps_per_dispatch, repeat=repeat,
-              runner=runner, faults=faults, trace_dir=trace)
+    with _interruptible():  # SIGTERM too unwinds: the roles stop, the temp directories go
+        if fake_workers is not None:
+            from qmigrate.bench.router import run_router_bench, sweep_sizes
+            try:
+                sizes = sweep_sizes(fake_workers)
+            except ValueError as exc:
+                _fail(str(exc))
+            run_router_bench(sizes=sizes, step_ms=fake_step_ms, batch=fake_batch, warmup_s=fake_warmup_s,
+                             window_s=fake_window_s, router_overrides=overrides,
+                             json_path=json_out, log_level=log_level)
+            return
+        from qmigrate.bench.core import Workload, run_bench
+        from qmigrate.engine.builders import build_bench_model
+        is_cuda = device.startswith("cuda")
+        if model is None and is_cuda:
+            model = str(build_bench_model(model_dir)) if not (model_dir / "config.json").exists() else str(model_dir)
+        model_path = _resolve_model(model)
+        if decode_step:
+            from qmigrate.bench.step import run_decode_steps
+            run_decode_steps(model_path, device if device != "cuda" else "cuda:0",
+                             [int(b) for b in batches.split(",")], context, runner, json_out, profile)
+            return
+        if curve:
+            paths = "pipeline-tcp,pipeline-curve"
+        span = lambda text, default: tuple(int(x) for x in text.split(":")) if text else default
+        workload = Workload(requests or (256 if is_cuda else 32), span(prompt_len, (64, 512) if is_cuda else (8, 64)),
+                            span(output_len, (32, 512) if is_cuda else (8, 64)), seed=seed)
+        if not is_cuda:
+            workload.vocab = (10, 1000)
+        devices = ["cpu"] * workers
+        if is_cuda:
+            import torch
+            count = max(1, torch.cuda.device_count())
+            devices = [f"cuda:{i % count}" for i in range(workers)]
+        run_bench(model_path=model_path, devices=devices, dtype="auto", workload=workload,
+                  paths=[p.strip() for p in paths.split(",") if p.strip()], max_seqs=max_seqs,
+                  max_tokens=max_tokens, hf_batch=hf_batch,
+                  router_overrides=overrides, json_path=json_out,
+                  log_level=log_level, profile=profile, steps_per_dispatch=steps_per_dispatch, repeat=repeat,
+                  runner=runner, faults=faults, trace_dir=trace)
 
 
 @bench_app.command("serve", short_help="Load any OpenAI-compatible server: throughput, TTFT, TPOT, ITL.")

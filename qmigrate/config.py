@@ -118,7 +118,8 @@ class IngestConfig(_Section):
     chat: bool = _f(False, _boolean)             # text input: each line is one user message
     reply_port: int = _f(5554, _port)            # the detokenizer's replies to HTTP requests
     http_port: int | None = _f(None, _optional_port)   # None: no HTTP server
-    http_host: str = _f("127.0.0.1", _host)      # the HTTP API has no authentication
+    http_host: str = _f("127.0.0.1", _host)
+    api_key: str | None = _f(None, _optional_text)  # HTTP requests to /v1 need "Authorization: Bearer KEY"
     max_body_bytes: int = _f(1 << 20, _count)
     http_timeout_s: float = _f(60.0, _positive)  # longest wait for a request's next text
     model_name: str | None = _f(None, _optional_text)  # None: the model directory's name
@@ -159,6 +160,9 @@ class WorkerConfig(_Section):
     transfer_wait_s: float = _f(2.0, _positive)   # a lease waits this long for KV shipments, then recomputes
     # a lone lease on the device waits this long for the next one before it is collected
     chain_wait_s: float = _f(0.002, _number("a number >= 0", lambda x: x >= 0))
+    # GPUs (processes) one worker spans, from `device` on (cuda:K .. cuda:K+N-1); the model's
+    # heads and MLP width must divide by it (checked when the worker loads the model)
+    tensor_parallel: int = _f(1, _count)
 
     def engine_config(self):
         from .engine.runner import EngineConfig
@@ -219,10 +223,27 @@ class Topology(_Section):
             if node not in names:
                 reason = f"no node named {node!r}" if node else "required"
                 raise ConfigError(f"{where}.node", f"{reason} (nodes: {', '.join(names)})")
+        self._check_gpus()
         for i, name in enumerate(self.security.operators):
             if name not in names:
                 raise ConfigError(f"security.operators[{i}]", f"no node named {name!r} (nodes: {', '.join(names)})")
         self._assign_ports()
+
+    def _check_gpus(self) -> None:
+        """A tensor-parallel worker takes N GPUs from its device on: no other worker of its node
+        may use them (workers of one GPU each may still share one, as tests do)."""
+        taken: dict[tuple[str, int], str] = {}
+        parallel_nodes = {w.node for w in self.workers if w.tensor_parallel > 1}
+        for i, w in enumerate(self.workers):
+            if not w.device.startswith("cuda") or w.node not in parallel_nodes:
+                continue
+            first = int(w.device.partition(":")[2] or 0)
+            for gpu in range(first, first + w.tensor_parallel):
+                if (w.node, gpu) in taken:
+                    raise ConfigError(f"workers[{i}].device", f"cuda:{gpu} on node {w.node!r} is also used by "
+                                      f"worker {taken[w.node, gpu]!r} (tensor_parallel {w.tensor_parallel} "
+                                      f"takes cuda:{first}..cuda:{first + w.tensor_parallel - 1})")
+                taken[w.node, gpu] = w.name
 
     @property
     def is_secure(self) -> bool:

@@ -39,10 +39,24 @@ def _number(expected: str, ok: Callable[[float], bool]) -> Callable[[Any], float
     return _rule(expected, lambda v: (_is_int(v) or isinstance(v, float)) and math.isfinite(v) and ok(v), float)
 
 
+# YAML 1.1 reads on/off and yes/no as booleans: a choice that offers one of these words takes
+# the boolean for it, and a true/false setting takes the words (as quoted strings too).
+_TRUE_WORDS, _FALSE_WORDS = ("on", "yes", "true"), ("off", "no", "false")
+
+
 def _one_of(*options: str) -> Callable[[Any], str]:
     quoted = [repr(o) for o in options]
     expected = " or ".join(quoted) if len(quoted) == 2 else "one of " + ", ".join(quoted)
-    return _rule(expected, lambda v: isinstance(v, str) and v in options)
+    as_word = {flag: next((w for w in words if w in options), None)
+               for flag, words in ((True, _TRUE_WORDS), (False, _FALSE_WORDS))}
+
+    def word(v: Any) -> Any:
+        return as_word[v] if isinstance(v, bool) else v
+    return _rule(expected, lambda v: word(v) in options, word)
+
+
+def _to_bool(v: Any) -> bool:
+    return v if isinstance(v, bool) else v.strip().lower() in _TRUE_WORDS
 
 
 def _text(pattern: str, expected: str) -> Callable[[Any], str]:
@@ -56,7 +70,8 @@ _metrics_port = _rule("an integer 1..65535, or 0 or null for none",
 _count = _rule("an integer >= 1", lambda v: _is_int(v) and v >= 1)
 _non_negative = _rule("an integer >= 0", lambda v: _is_int(v) and v >= 0)
 _positive = _number("a number > 0", lambda x: x > 0)
-_boolean = _rule("true or false", lambda v: isinstance(v, bool))
+_boolean = _rule("true or false", lambda v: isinstance(v, bool) or (
+    isinstance(v, str) and v.strip().lower() in _TRUE_WORDS + _FALSE_WORDS), _to_bool)
 _optional_text = _rule("a non-empty string or null", lambda v: v is None or (isinstance(v, str) and v != ""))
 # Names end up in ipc socket paths, log file names and shell commands.
 _name = _text(r"([A-Za-z0-9][A-Za-z0-9_.-]*)?", "a name of letters, digits, '.', '_' or '-'")

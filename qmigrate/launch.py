@@ -77,8 +77,13 @@ PR_SET_PDEATHSIG = 1
 
 
 def _die_with(parent: int):
-    """Run in the child before exec: SIGTERM it when the supervisor dies, even by SIGKILL."""
+    """Run in the child before exec: SIGTERM it when the supervisor dies, even by SIGKILL.
+    SIGINT is ignored from the start (an ignored signal stays ignored across exec, and Python
+    then installs no KeyboardInterrupt handler): Ctrl-C at a terminal reaches every process of
+    the group, and a role still importing would print a traceback. The supervisor takes the
+    Ctrl-C and stops each role with SIGTERM."""
     def prepare():
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
         if _LIBC is not None:
             _LIBC.prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
         if os.getppid() != parent:  # the supervisor died before prctl took effect
@@ -185,7 +190,8 @@ def device_problem(topo: Topology, node: str) -> str | None:
 
 
 def run_node(topo: Topology, config_path: Path, node: str, *, read_stdin: bool,
-             log_level: str = "warning", wait_for_workers: bool = False) -> int:
+             log_level: str = "warning", wait_for_workers: bool = False, tick=None) -> int:
+    """`tick`, when given, is called on every round of supervision (unless a progress line is)."""
     if (problem := device_problem(topo, node)) is not None:
         print(f"error: {problem}", file=sys.stderr)
         return 2
@@ -207,7 +213,7 @@ def run_node(topo: Topology, config_path: Path, node: str, *, read_stdin: bool,
         try:
             rc = supervise(children, until_done=read_stdin and has_detok and not is_serving(topo),
                            max_restarts=topo.node(node).max_restarts,
-                           tick=progress.tick if progress and progress.line.enabled else None)
+                           tick=progress.tick if progress and progress.line.enabled else tick)
         finally:
             if progress is not None:
                 progress.line.clear()
@@ -259,9 +265,12 @@ class RouterProgress:
     """The progress line of a run: requests done, tokens/s and queue, as the router counts them."""
 
     def __init__(self, topo: Topology):
-        from qmigrate.ops.progress import ProgressLine
+        from qmigrate.ops.observe import WORKER_COLUMNS
+        from qmigrate.ops.progress import ProgressLine, TokenRate
+        self.tokens_col = WORKER_COLUMNS.index("tokens_total")
         self.endpoint = topo.endpoint("router").connect
         self.line = ProgressLine("qmigrate")
+        self.rate = TokenRate()
 
     def tick(self) -> None:
         from qmigrate.wire import protocol as P
@@ -273,7 +282,9 @@ class RouterProgress:
         except transport.Unreachable:
             return
         c = stats.counters
-        rate = sum(row[8] for row in stats.workers if len(row) > 8 and isinstance(row[8], (int, float)))
+        col = self.tokens_col
+        total = sum(row[col] for row in stats.workers if len(row) > col and type(row[col]) is int)
+        rate = self.rate.add(time.monotonic(), total)
         self.line.show(c.get("finished", 0), None, rate, c.get("queued", 0),
                        max(0, c.get("live", 0) - c.get("queued", 0)))
 

@@ -171,7 +171,7 @@ def test_device_forms_accepted():
     (base(nodes=[{"name": "head"}, {"name": "head"}]), "nodes[1].name: duplicate name 'head' (also nodes[0])"),
     (base(nodes=[{"name": "head"}, {"address": "x"}]), "nodes[1].name: required"),
     (base(nodes=[{"name": "head", "address": "a b"}]), "nodes[0].address: expected a host name or IP address"),
-    (base(nodes=[{"name": "head", "monitor": "on"}]), "nodes[0].monitor: expected true or false, got 'on'"),
+    (base(nodes=[{"name": "head", "monitor": "sometimes"}]), "nodes[0].monitor: expected true or false, got 'sometimes'"),
     (base(nodes=["head"]), "nodes[0]: expected a mapping, got a string"),
     (base(workers=[{"name": "w1", "node": "gpu1"}, {"name": "w1", "node": "gpu1"}]),
      "workers[1].name: duplicate name 'w1' (also workers[0])"),
@@ -409,3 +409,24 @@ def test_launch_scripts_present():
     names = {p.name for p in SCRIPTS}
     assert {"start-node.sh", "start-all.sh", "stop-node.sh"} <= names
     assert (ROOT / "launch" / "README.md").is_file()
+
+
+@pytest.mark.parametrize("text, expected", [("on", "on"), ("off", "off"), ("yes", "on"), ("no", "off"),
+                                            ('"on"', "on"), ("auto", "auto")])
+def test_security_enabled_as_the_docs_write_it(text, expected):
+    """YAML 1.1 reads on/off/yes/no as booleans; a choice of 'on' or 'off' takes them."""
+    data = base(security=yaml.safe_load(f"{{enabled: {text}, keys_dir: keys}}"))
+    assert parse_topology(data).security.enabled == expected
+
+
+@pytest.mark.parametrize("value, expected", [("on", True), ("off", False), ("yes", True), ("No", False),
+                                             ("true", True), (True, True), (False, False)])
+def test_boolean_settings_take_the_yaml_words(value, expected):
+    data = base(router={"node": "head", "chain_leases": value})
+    assert parse_topology(data).router.chain_leases is expected
+
+
+def test_a_boolean_where_no_on_or_off_is_offered_is_still_refused():
+    assert "router.policy: expected 'affinity' or 'any', got True" in error_of(base(router={"node": "head", "policy": True}))
+    assert "router.chain_leases: expected true or false, got 'maybe'" in error_of(
+        base(router={"node": "head", "chain_leases": "maybe"}))

@@ -369,3 +369,20 @@ def test_accepts_int32_arrays(tok):
     sink.tokens(1, 0, np.asarray(ids, dtype=np.int32))
     sink.finish(1, "length")
     assert json.loads(out[-1])["token_ids"] == ids
+
+
+def test_text_to_a_pipe_prints_whole_lines_however_the_tokens_come(tok):
+    out = []
+    clock = Clock()
+    sink = make_sink("text", tok, out.append, clock, whole_lines=True)
+    text = ("The quick brown fox jumps over the lazy dog. " * 4).strip() + "\nSecond line"
+    ids = gen_ids(tok, text)
+    sink.start(1, "r")
+    for i, t in enumerate(ids):
+        sink.tokens(1, i, [t])
+        clock.now += 1.0
+        assert not sink.is_idle_due(clock.now)
+        sink.flush_idle()
+    assert out == ["[r] " + text.split("\n")[0] + "\n"]  # the first line, whole, at its newline
+    sink.finish(1, "length")
+    assert out[1:] == ["[r] Second line\n", f"[r] <done: length, {len(ids)} tokens>\n"]

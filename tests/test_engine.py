@@ -1153,7 +1153,7 @@ def test_an_eager_step_padded_to_its_token_count_gives_the_unpadded_logits(model
 
 
 def test_eager_steps_are_padded_to_few_token_counts_within_the_budget():
-    from qmigrate.engine.llama import EAGER_TOKEN_STEP, eager_sizes, eager_tokens
+    from qmigrate.engine.graph_runner import EAGER_TOKEN_STEP, eager_sizes, eager_tokens
     sizes = eager_sizes(4096, 16384)
     assert sizes == list(range(4096 + EAGER_TOKEN_STEP, 16384 + 1, EAGER_TOKEN_STEP))
     for t in range(4097, 16385, 97):  # every step past the last bucket lands on a size warmed up

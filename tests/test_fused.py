@@ -194,12 +194,13 @@ def test_silu_and_mul_kernel_matches_fallback(dtype, inter, poisoned_outputs):
 
 
 @needs_kernels
-@pytest.mark.parametrize("dtype,head_dim,index_dtype", [
-    (torch.float32, 16, torch.int64), (torch.float32, 24, torch.int32),
-    (torch.float16, 16, torch.int32), (torch.bfloat16, 16, torch.int64)])
-def test_rope_and_write_kv_kernel_matches_fallback(dtype, head_dim, index_dtype, poisoned_outputs):
+@pytest.mark.parametrize("dtype,head_dim,index_dtype,rotary", [
+    (torch.float32, 16, torch.int64, 16), (torch.float32, 24, torch.int32, 24),
+    (torch.float16, 16, torch.int32, 16), (torch.bfloat16, 16, torch.int64, 16),
+    (torch.float32, 16, torch.int64, 8), (torch.bfloat16, 32, torch.int32, 24)])  # partial rotary
+def test_rope_and_write_kv_kernel_matches_fallback(dtype, head_dim, index_dtype, rotary, poisoned_outputs):
     num_tokens, block_size, num_blocks, dev = 7, 4, 3, KERNEL_DEVICE
-    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, head_dim, 2).float() / head_dim))
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, rotary, 2).float() / rotary))
     freqs = torch.arange(64).float()[:, None] * inv_freq
     cos = torch.cat((freqs, freqs), -1).cos().to(dev)
     sin = torch.cat((freqs, freqs), -1).sin().to(dev)
@@ -221,6 +222,9 @@ def test_rope_and_write_kv_kernel_matches_fallback(dtype, head_dim, index_dtype,
     assert int(written.any(-1).any(-1).sum()) == 5
     # the kernel rounds to the model dtype wherever torch does: exact in every dtype
     assert torch.equal(q, want_q) and torch.equal(k_cache[written], want_k[written])
+    if rotary < head_dim:  # the dims past the rotary ones pass through unchanged
+        q_in = qkv.view(num_tokens, -1, head_dim)[:, :NUM_HEADS]
+        assert torch.equal(q[..., rotary:], q_in[..., rotary:]) and not torch.equal(q[..., :rotary], q_in[..., :rotary])
 
 
 @needs_kernels

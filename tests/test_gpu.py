@@ -204,7 +204,7 @@ def test_eager_steps_with_prompts_are_padded_and_match_the_unpadded_step(medium_
     of EAGER_TOKEN_STEP tokens and to max_batch logits rows (shapes the warm-up has run);
     its logits match the unpadded forward's within bf16 rounding."""
     from qmigrate.engine.batch import StepBatch
-    from qmigrate.engine.llama import EAGER_TOKEN_STEP
+    from qmigrate.engine.graph_runner import EAGER_TOKEN_STEP
     from qmigrate.engine.loading import load_model
     from qmigrate.engine.runner import Engine, StepRow
     model, _ = load_model(medium_model_dir, "cuda:0", "bfloat16")

@@ -143,8 +143,35 @@ def test_models_and_health(make_server):
     models = json.loads(conn.getresponse().read())
     assert [m["id"] for m in models["data"]] == ["tiny"]
     conn.request("GET", "/health")
-    assert json.loads(conn.getresponse().read())["status"] == "ok"
+    resp = conn.getresponse()
+    assert (resp.status, json.loads(resp.read())["status"]) == (503, "starting")  # no worker yet
+    server.num_serving = 1  # as the ingest loop sets it from the router's answer
+    conn.request("GET", "/health")
+    resp = conn.getresponse()
+    assert (resp.status, json.loads(resp.read())["status"]) == (200, "ok")
     conn.close()
+
+
+def test_an_api_key_is_needed_on_v1_but_not_for_health(tiny_chat_model_dir):
+    cfg = IngestConfig(node="local", http_port=free_port(), model_name="tiny", api_key="s3cret")
+    server = HttpServer(cfg, str(tiny_chat_model_dir), Defaults(max_new_tokens=8))
+    server.start()
+    fake = FakeIngest(server, ["ok"])
+    try:
+        for headers, expected in [({}, 401), ({"Authorization": "Bearer wrong"}, 401),
+                                  ({"Authorization": "Basic s3cret"}, 401), ({"Authorization": "Bearer s3cret"}, 200)]:
+            conn = http.client.HTTPConnection("127.0.0.1", cfg.http_port, timeout=30)
+            conn.request("POST", "/v1/completions", json.dumps(GOOD), headers)
+            resp = conn.getresponse()
+            body = json.loads(resp.read())
+            assert resp.status == expected, (headers, body)
+            if expected == 401:
+                assert body["error"]["code"] == "invalid_api_key"
+            conn.request("GET", "/health")
+            assert conn.getresponse().status == 503  # no key needed; no worker in this test
+            conn.close()
+    finally:
+        fake.stopping.set()
 
 
 def test_a_port_in_use_is_one_clear_line(tiny_chat_model_dir):
@@ -154,3 +181,26 @@ def test_a_port_in_use_is_one_clear_line(tiny_chat_model_dir):
         cfg = IngestConfig(node="local", http_port=taken.getsockname()[1], model_name="tiny")
         with pytest.raises(SystemExit, match=f"cannot serve HTTP on http://127.0.0.1:{cfg.http_port}"):
             HttpServer(cfg, str(tiny_chat_model_dir), Defaults()).start()
+
+
+def test_a_stream_cut_by_shutdown_ends_with_an_error_event_and_done(make_server):
+    server, fake = make_server(["a", "b"])
+    conn = http.client.HTTPConnection("127.0.0.1", server.cfg.http_port, timeout=30)
+    conn.request("POST", "/v1/completions", json.dumps({**GOOD, "max_tokens": LONG, "stream": True}))
+    resp = conn.getresponse()
+    assert resp.readline().startswith(b"data: {")  # running, and would never end
+    waiting = []
+    plain = threading.Thread(target=lambda: waiting.append(post(server, "/v1/completions", {**GOOD, "max_tokens": LONG})))
+    plain.start()
+    while len(server.streams) < 2:
+        plain.join(0.01)
+    server.shutdown()
+    events = [line for line in resp.read().split(b"\n") if line.startswith(b"data: ")]
+    conn.close()
+    assert events[-1] == b"data: [DONE]"
+    error = json.loads(events[-2].removeprefix(b"data: "))["error"]
+    assert error["code"] == "shutdown" and "shutting down" in error["message"]
+    plain.join(10)
+    status, body = waiting[0]
+    assert status == 503 and body["error"]["code"] == "shutdown"
+    assert not server.streams

@@ -144,13 +144,13 @@ def test_jsonl_stop_single_string(tok):
     ({"prompt": "x", "max_new_tokens": 0}, "max_new_tokens must be an integer >= 1"),
     ({"prompt": "x", "max_new_tokens": 2.0}, "max_new_tokens must be an integer >= 1"),
     ({"prompt": "x", "max_new_tokens": True}, "max_new_tokens must be an integer >= 1"),
-    ({"prompt": "x", "temperature": -0.1}, "temperature must be a number >= 0"),
-    ({"prompt": "x", "temperature": "hot"}, "temperature must be a number >= 0"),
-    ({"prompt": "x", "temperature": False}, "temperature must be a number >= 0"),
+    ({"prompt": "x", "temperature": -0.1}, "temperature must be a number from 0 to 10000"),
+    ({"prompt": "x", "temperature": "hot"}, "temperature must be a number from 0 to 10000"),
+    ({"prompt": "x", "temperature": False}, "temperature must be a number from 0 to 10000"),
     ({"prompt": "x", "top_p": 0}, "top_p must be a number in (0, 1]"),
     ({"prompt": "x", "top_p": 1.5}, "top_p must be a number in (0, 1]"),
-    ({"prompt": "x", "top_k": -1}, "top_k must be an integer >= 0"),
-    ({"prompt": "x", "top_k": 2.5}, "top_k must be an integer >= 0"),
+    ({"prompt": "x", "top_k": -1}, "top_k must be an integer from 0 (off) to 1073741824"),
+    ({"prompt": "x", "top_k": 2.5}, "top_k must be an integer from 0 (off) to 1073741824"),
     ({"prompt": "x", "seed": -1}, "seed must be an integer in [0, 2**63)"),
     ({"prompt": "x", "seed": 2**63}, "seed must be an integer in [0, 2**63)"),
     ({"prompt": "x", "seed": "7"}, "seed must be an integer in [0, 2**63)"),
@@ -160,6 +160,13 @@ def test_jsonl_stop_single_string(tok):
     ({"prompt": "x", "stop": [5]}, "stop[0] must be a string or a list of token ids"),
     ({"prompt": "x", "stop": [[]]}, "stop[0] must be a non-empty list of token ids"),
     ({"prompt": "x", "stop": [[1, 900]]}, "stop[0][1] = 900 is out of range [0, 512)"),
+    # the wire's bounds (protocol.py), refused here rather than by the router
+    ({"prompt": "x", "top_k": 2**30 + 1}, "top_k must be an integer from 0 (off) to 1073741824"),
+    ({"prompt": "x", "top_k": 2**64}, "top_k must be an integer from 0 (off) to 1073741824"),
+    ({"prompt": "x", "temperature": 1e5}, "temperature must be a number from 0 to 10000"),
+    ({"prompt": "x", "stop": [[1]] * 65}, "stop: at most 64 stop sequences"),
+    ({"prompt": "x", "stop": [[1] * 65]}, "stop[0] is 65 tokens; a stop sequence is at most 64"),
+    ({"prompt": "x", "seed": 2**64}, "seed must be an integer in [0, 2**63)"),
 ])
 def test_jsonl_errors(tok, obj, message):
     err = error_of(jsonl, tok, {"id": "q", **obj}, line_no=9)
@@ -193,6 +200,33 @@ def test_jsonl_invalid(tok, line, message):
     err = error_of(jsonl, tok, line, line_no=6)
     assert str(err) == message
     assert err.req_id == "6"
+
+
+@pytest.mark.parametrize("line, message", [
+    ('{"id": "s", "prompt": "a\\ud800b"}', "invalid JSON: a string holds a lone surrogate (not valid Unicode)"),
+    ('{"id": "\\udfff", "prompt": "x"}', "invalid JSON: a string holds a lone surrogate (not valid Unicode)"),
+    ('{"prompt": "x", "stop": ' + "[" * 1000 + "]" * 1000 + "}", "invalid JSON: nested deeper than 32 levels"),
+    ('{"prompt": "x", "stop": ' + "[" * 100000 + "]" * 100000 + "}", "invalid JSON: nested deeper than 32 levels"),
+    ('{"id": "' + "i" * 300 + '", "prompt": "x"}', "id is longer than 256 characters"),
+])
+def test_jsonl_text_the_wire_cannot_carry(tok, line, message):
+    """Each is an error record of its own request (no traceback, no crash of ingest)."""
+    err = error_of(jsonl, tok, line, line_no=3)
+    assert (str(err), err.req_id) == (message, "3")
+
+
+def test_a_pair_of_surrogates_is_one_character(tok):
+    assert jsonl(tok, '{"prompt": "a\\ud83d\\ude00"}').prompt_ids == tok.encode("a\U0001f600")
+
+
+def test_an_accepted_request_passes_the_codec(tok):
+    """What ingest accepts, the router decodes: parse_request ends with the codec's own check."""
+    from qmigrate.ingest.prompts import check_prompt
+    p = jsonl(tok, {"prompt": "x", "top_k": 2**30, "stop": [[1] * 64] * 64, "seed": 2**63 - 1})
+    assert check_prompt(p) is p
+    p.top_k = 2**30 + 1
+    with pytest.raises(PromptError, match="protocol's bounds.*top_k"):
+        check_prompt(p)
 
 
 def test_jsonl_too_long_names_request(tok):

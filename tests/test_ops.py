@@ -152,8 +152,29 @@ def test_status_renders_workers_and_gpus():
     out = io.StringIO()
     Console(file=out, width=160).print(render(snap, "tcp://head:5550"))
     text = out.getvalue()
-    assert "queue 3" in text and "memory 2" in text and "800/1600 (50%)" in text
-    assert "60.0/80.0" in text and "GPU-a" in text
+    assert "queue 3" in text and "memory 2" in text and "50% 1600" in text
+    assert "60/80" in text and "GPU-a" in text
+
+
+def test_status_fits_80_columns_without_cutting_a_word():
+    from rich.console import Console
+
+    from qmigrate.ops.status import render
+    uuid = "GPU-5f3a9c2e-1b4d-4e8f-9a7b-0c1d2e3f4a5b"
+    row = dict(name="gpu12", node="gpus", device="cuda:12", gpu_uuid=uuid, state="memory-short", owned=1212,
+               leased=2560, batch_size=256, tokens_per_s=123456.7, kv_used_tokens=1234567,
+               kv_total_tokens=2345678, block_size=16, tokens_total=10**9, vram_free_fraction=0.01)
+    gpu = dict(node="gpus", uuid=uuid, index=12, total_bytes=141 << 30, used_bytes=130 << 30,
+               free_bytes=11 << 30, util_percent=100)
+    snap = {"router": {"queued": 12345, "live": 20000, "finished": 1234567, "workers": 16,
+                       "migrations_memory": 3, "migrations_load": 120}, "workers": [row], "gpus": [gpu]}
+    out = io.StringIO()
+    Console(file=out, width=80).print(render(snap, "tcp://192.168.100.200:5550"))
+    text = out.getvalue()
+    assert "\u2026" not in text and max(map(len, text.splitlines())) <= 80, text
+    for word in ("worker", "device", "state", "GPU GiB", "memory-short", "owned", "leased", "batch", "tok/s",
+                 "123,457", "53% 2.3M", "130/141", "util %"):
+        assert word in text, (word, text)
 
 
 # --- CLI, logs, progress -------------------------------------------------------------------
@@ -199,8 +220,34 @@ def test_progress_line_redraws_on_a_terminal_and_is_silent_otherwise():
         line = ProgressLine("qmigrate", stream)
         line.show(3, 10, 1234.5, queued=2)
         line.clear()
-    assert tty.getvalue() == "\rqmigrate: 3/10 requests done, queue 2, 1,234 tok/s\x1b[K\r\x1b[K"
+    assert tty.getvalue() == "\r\x1b[Kqmigrate: 3/10 requests done, queue 2, 1,234 tok/s\r\x1b[K"
     assert pipe.getvalue() == ""
+
+
+def test_output_at_a_terminal_clears_the_progress_line_first():
+    from qmigrate.ops.progress import TerminalWriter
+
+    class Tty(io.StringIO):
+        def isatty(self):
+            return True
+    tty, pipe = Tty(), io.StringIO()
+    for stream in (tty, pipe):
+        TerminalWriter(stream)("[1] capital\n")
+    assert tty.getvalue() == "\r\x1b[K[1] capital\n"
+    assert pipe.getvalue() == "[1] capital\n"
+
+
+def test_the_progress_rate_is_tokens_over_the_time_they_took():
+    from qmigrate.ops.progress import TokenRate
+    rate = TokenRate(window_s=5.0)
+    for tick in range(61):                           # 30 s of loading, sampled every 0.5 s
+        assert rate.add(100.0 + tick / 2, 0) == 0.0
+    for tick in range(1, 21):                        # then 40 tokens in 10 s
+        got = rate.add(130.0 + tick / 2, 2 * tick)
+        assert got == pytest.approx(4.0), tick        # from the first tokens on, not 1 tok/s
+    assert rate.add(142.0, 40) < 4.0                 # output stopped: the rate falls
+    assert rate.add(200.0, 40) == 0.0
+    assert rate.add(201.0, 3) == 0.0                 # the total restarted: a fresh start
 
 
 # --- rough edges ---------------------------------------------------------------------------

@@ -114,6 +114,27 @@ def test_decode_block_size_32_and_default_splits(device):
     assert_matches(pa.decode_attention(q, k, v, seq_lens, tables, 0.1, num_splits=5), expected, torch.float32)
 
 
+@pytest.mark.parametrize("device", [ON_CPU, ON_CUDA])
+@pytest.mark.parametrize("window,softcap", [(7, 0.0), (0, 1.5), (20, 2.0)])
+def test_sliding_window_and_softcap_match_the_reference(device, window, softcap):
+    """Decode (split or not) and prefill rows longer and shorter than the window, against the
+    reference, which masks keys a window or more behind each query and caps scores with tanh."""
+    scale = HEAD_DIM ** -0.5
+    decode_rows = [(1, n) for n in DECODE_LENGTHS]
+    q, k, v, query_start, seq_lens, tables = make_cache(decode_rows, 3, device=device, seed=21)
+    kw = dict(window=window, softcap=softcap)
+    expected = pa.paged_attention_reference(q, k, v, query_start, seq_lens, tables, scale, **kw)
+    assert not torch.allclose(expected, pa.paged_attention_reference(q, k, v, query_start, seq_lens, tables, scale))
+    for num_splits in (1, 3):
+        assert_matches(pa.decode_attention(q, k, v, seq_lens, tables, scale, num_splits=num_splits, **kw),
+                       expected, torch.float32)
+    q, k, v, query_start, seq_lens, tables = make_cache(PREFILL_ROWS, 3, device=device, seed=22)
+    expected = pa.paged_attention_reference(q, k, v, query_start, seq_lens, tables, scale, **kw)
+    out = torch.full_like(q, float("nan"))
+    pa.prefill_attention(q, k, v, query_start, seq_lens, tables, scale, 30, out=out, **kw)
+    assert_matches(out, expected, torch.float32)
+
+
 # (new queries, keys): single tokens, a whole prompt, cached prefixes, a block multiple
 PREFILL_ROWS = [(1, 1), (16, 16), (5, 37), (1, 50), (30, 70), (3, 3), (1, 17), (12, 44)]
 

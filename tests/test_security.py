@@ -391,3 +391,29 @@ def test_bench_link_round_trips_with_and_without_curve():
     from qmigrate.bench.link import round_trip_us
     assert round_trip_us(256, 5, curve=True) > 0 and round_trip_us(256, 5, curve=False) > 0
     assert not transport.is_secure()  # the process is plain again afterwards
+
+
+def test_status_reaches_a_router_with_security_on(secured, tmp_path):
+    import threading
+    topo, router, _ = secured
+    path = tmp_path / "topology.yaml"
+    path.write_text(yaml.safe_dump(topo.to_dict()))
+    stop = threading.Event()
+
+    def pump():
+        while not stop.is_set():
+            if router.work.poll(20):
+                router.drain_socket()
+    thread = threading.Thread(target=pump, daemon=True)
+    thread.start()
+    try:
+        cmd = [sys.executable, "-m", "qmigrate", "status", str(path), "--json", "--timeout", "10"]
+        for extra in ([], ["--as-node", "head"]):
+            run = subprocess.run(cmd + extra, capture_output=True, text=True, timeout=60)
+            assert run.returncode == 0, run.stderr
+            assert "queued" in json.loads(run.stdout)["router"]
+        run = subprocess.run(cmd + ["--as-node", "nowhere"], capture_output=True, text=True, timeout=60)
+        assert run.returncode == 2 and run.stderr.startswith("error: no node named 'nowhere'"), run.stderr
+    finally:
+        stop.set()
+        thread.join()

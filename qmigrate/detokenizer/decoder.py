@@ -23,6 +23,8 @@ of the generated text starts a new line), when it passes `line_chars` characters
 the next space, which is not printed; a word longer than `max_line_chars` is cut), when
 `flush_idle` finds it older than `max_idle_s` (cut after the last whole word if there is
 one), and at the end. An empty generated line prints as a bare `[7]`.
+With `whole_lines` (stdout is a pipe or a file, not a terminal) nothing is cut for the eye:
+a request's text is printed one whole generated line at a time, at its newlines and its end.
 """
 
 from __future__ import annotations
@@ -324,11 +326,12 @@ class TextSink(_Sink):
     def __init__(self, tokenizer, write: Callable[[str], None],
                  clock: Callable[[], float] = time.monotonic,
                  line_chars: int = 60, max_line_chars: int = 120,
-                 max_idle_s: float = 0.3, reply: Reply | None = None) -> None:
+                 max_idle_s: float = 0.3, reply: Reply | None = None, whole_lines: bool = False) -> None:
         super().__init__(tokenizer, write, clock, reply)
         self.line_chars = line_chars
         self.max_line_chars = max_line_chars
         self.max_idle_s = max_idle_s
+        self.whole_lines = whole_lines
 
     def _line(self, req_id: str | None, chunk: str) -> None:
         self._write(f"[{req_id}] {chunk}\n" if chunk else f"[{req_id}]\n")
@@ -340,7 +343,7 @@ class TextSink(_Sink):
         *lines, seq.pending = seq.pending.split("\n")
         for line in lines:
             self._line(seq.req_id, line)
-        while len(seq.pending) > self.line_chars:
+        while not self.whole_lines and len(seq.pending) > self.line_chars:
             # Break at the first space past line_chars; past max_line_chars, at the last
             # space before it, or mid-word when there is none.
             cut = seq.pending.find(" ", self.line_chars, self.max_line_chars + 1)
@@ -358,9 +361,11 @@ class TextSink(_Sink):
             seq.pending_since = self._clock()
 
     def is_idle_due(self, now: float) -> bool:
-        return any(seq.pending and now - seq.pending_since >= self.max_idle_s for seq in self._seqs.values())
+        return not self.whole_lines and any(seq.pending and now - seq.pending_since >= self.max_idle_s for seq in self._seqs.values())
 
     def flush_idle(self, now: float | None = None) -> None:
+        if self.whole_lines:
+            return
         now = self._clock() if now is None else now
         for seq in self._seqs.values():
             if not seq.pending or now - seq.pending_since < self.max_idle_s:
@@ -388,10 +393,12 @@ class TextSink(_Sink):
 
 
 def make_sink(mode: str, tokenizer, write: Callable[[str], None],
-              clock: Callable[[], float] = time.monotonic, reply: Reply | None = None) -> _Sink:
-    """The sink for `--output text|jsonl`; `reply` takes the requests routed elsewhere."""
+              clock: Callable[[], float] = time.monotonic, reply: Reply | None = None,
+              whole_lines: bool = False) -> _Sink:
+    """The sink for `--output text|jsonl`; `reply` takes the requests routed elsewhere;
+    `whole_lines`: text output not cut for a terminal (see TextSink)."""
     if mode == "jsonl":
         return JsonlSink(tokenizer, write, clock, reply)
     if mode == "text":
-        return TextSink(tokenizer, write, clock, reply=reply)
+        return TextSink(tokenizer, write, clock, reply=reply, whole_lines=whole_lines)
     raise ValueError(f"unknown output mode {mode!r}; expected 'text' or 'jsonl'")

@@ -26,6 +26,7 @@ from qmigrate.engine.tokenizer_info import load_tokenizer_info
 from qmigrate.router.journal import Journal
 from qmigrate.wire.security import Guard
 from qmigrate.ops.process import freeze_heap
+from qmigrate.ops.progress import TerminalWriter
 
 log = logging.getLogger("qmigrate.detokenizer")
 
@@ -39,8 +40,9 @@ class Detokenizer:
         self.vocab_size = len(tokenizer)
         self.replaying = False
         self.now = 0.0
+        self.out = TerminalWriter(sys.stdout)
         self.sink = make_sink(output or topo.detokenizer.output, tokenizer, self.write, self.clock,
-                              reply=self.reply)
+                              reply=self.reply, whole_lines=not sys.stdout.isatty())
         self.pull = transport.socket(zmq.PULL, bind=topo.endpoint("detokenizer").bind, hwm=100_000)
         self.router = transport.socket(zmq.DEALER, connect=topo.endpoint("router").connect,
                                        identity=f"detokenizer-{os.getpid()}")
@@ -65,8 +67,7 @@ class Detokenizer:
 
     def write(self, text: str) -> None:
         if not self.replaying:
-            sys.stdout.write(text)
-            sys.stdout.flush()
+            self.out(text)
 
     def reply(self, seq_id: int, text: str, finish: int, num_tokens: int) -> None:
         if not self.replaying:

@@ -107,8 +107,9 @@ if triton is not None:
                         kc_stride_block, kc_stride_slot, kc_stride_head,
                         vc_stride_block, vc_stride_slot, vc_stride_head,
                         NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-                        HALF: tl.constexpr, BLOCK: tl.constexpr):
-        # program (t, h): h < NUM_HEADS rotates query head h; otherwise kv head h - NUM_HEADS
+                        HALF: tl.constexpr, BLOCK: tl.constexpr, PASS: tl.constexpr, PASS_BLOCK: tl.constexpr):
+        # program (t, h): h < NUM_HEADS rotates query head h; otherwise kv head h - NUM_HEADS.
+        # HALF is half the rotary dims; the PASS dims after them (partial rotary) are copied.
         t = tl.program_id(0).to(tl.int64)
         h = tl.program_id(1)
         d = tl.arange(0, BLOCK)
@@ -126,6 +127,10 @@ if triton is not None:
             out = q_ptr + (t * NUM_HEADS + h) * HEAD_DIM
             tl.store(out + d, lo, mask=mask)
             tl.store(out + HALF + d, hi, mask=mask)
+            if PASS > 0:
+                p = tl.arange(0, PASS_BLOCK)
+                keep = tl.load(row + h * HEAD_DIM + 2 * HALF + p, mask=p < PASS, other=0.0)
+                tl.store(out + 2 * HALF + p, keep, mask=p < PASS)
         else:
             kv_head = h - NUM_HEADS
             slot = tl.load(slot_ptr + t).to(tl.int64)
@@ -137,11 +142,19 @@ if triton is not None:
                 k_out = k_cache_ptr + block * kc_stride_block + offset * kc_stride_slot + kv_head * kc_stride_head
                 tl.store(k_out + d, lo.to(k_cache_ptr.dtype.element_ty), mask=mask)
                 tl.store(k_out + HALF + d, hi.to(k_cache_ptr.dtype.element_ty), mask=mask)
+                if PASS > 0:
+                    p = tl.arange(0, PASS_BLOCK)
+                    keep = tl.load(row + (NUM_HEADS + kv_head) * HEAD_DIM + 2 * HALF + p, mask=p < PASS, other=0.0)
+                    tl.store(k_out + 2 * HALF + p, keep.to(k_cache_ptr.dtype.element_ty), mask=p < PASS)
                 v_in = row + (NUM_HEADS + NUM_KV_HEADS + kv_head) * HEAD_DIM
                 v_out = v_cache_ptr + block * vc_stride_block + offset * vc_stride_slot + kv_head * vc_stride_head
                 for i in tl.static_range(2):
                     v = tl.load(v_in + i * HALF + d, mask=mask, other=0.0)
                     tl.store(v_out + i * HALF + d, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+                if PASS > 0:
+                    p = tl.arange(0, PASS_BLOCK)
+                    v = tl.load(v_in + 2 * HALF + p, mask=p < PASS, other=0.0)
+                    tl.store(v_out + 2 * HALF + p, v.to(v_cache_ptr.dtype.element_ty), mask=p < PASS)
 
     INTERPRETED = type(_rms_norm_kernel).__name__ == "InterpretedFunction"
 else:
@@ -223,10 +236,15 @@ def _rope_and_write_kv_torch(qkv, positions, cos, sin, k_cache, v_cache, slot_ma
                              head_dim):
     num_tokens = qkv.shape[0]
     q, k, v = qkv.view(num_tokens, -1, head_dim).split([num_heads, num_kv_heads, num_kv_heads], dim=1)
-    cos_t = cos[positions].to(qkv.dtype).unsqueeze(1)                    # [T, 1, D]
+    cos_t = cos[positions].to(qkv.dtype).unsqueeze(1)                    # [T, 1, R]
     sin_t = sin[positions].to(qkv.dtype).unsqueeze(1)
-    q = (q * cos_t) + (_rotate_half(q) * sin_t)
-    k = (k * cos_t) + (_rotate_half(k) * sin_t)
+    rot = cos.shape[1]
+    if rot == head_dim:
+        q = (q * cos_t) + (_rotate_half(q) * sin_t)
+        k = (k * cos_t) + (_rotate_half(k) * sin_t)
+    else:  # partial rotary: the dims past R pass through
+        q = torch.cat([(q[..., :rot] * cos_t) + (_rotate_half(q[..., :rot]) * sin_t), q[..., rot:]], dim=-1)
+        k = torch.cat([(k[..., :rot] * cos_t) + (_rotate_half(k[..., :rot]) * sin_t), k[..., rot:]], dim=-1)
     valid = slot_mapping >= 0                                              # boolean index: a host sync
     slots = slot_mapping[valid].long()
     block_size = k_cache.shape[1]
@@ -243,14 +261,17 @@ def rope_and_write_kv(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Ten
     """Rotate q and k as transformers' apply_rotary_pos_emb, store k and v in the paged cache.
 
     qkv [T, (num_heads + 2 * num_kv_heads) * head_dim]: q heads, then k heads, then v heads.
-    positions [T] int; cos, sin [max_positions, head_dim] fp32 (see rope_tables); every
-    position, padding rows' too, must index the tables.
+    positions [T] int; cos, sin [max_positions, R] fp32 (see rope_tables); every
+    position, padding rows' too, must index the tables. R < head_dim rotates the first R
+    dims of each head and passes the rest through (partial rotary).
     k_cache, v_cache [num_blocks, block_size, num_kv_heads, head_dim]; token t goes to flat
     slot slot_mapping[t] = block * block_size + offset; a slot of -1 writes nothing.
     Returns q rotated, [T, num_heads, head_dim] contiguous.
     """
     num_tokens = qkv.shape[0]
     assert qkv.shape[1] == (num_heads + 2 * num_kv_heads) * head_dim and head_dim % 2 == 0
+    rot = cos.shape[1]
+    assert rot % 2 == 0 and rot <= head_dim, f"rotary dims {rot} of a head of {head_dim}"
     assert k_cache.shape[2:] == (num_kv_heads, head_dim) and v_cache.shape == k_cache.shape
     if not _use_triton(qkv, use_triton):
         return _rope_and_write_kv_torch(qkv, positions, cos, sin, k_cache, v_cache, slot_mapping, num_heads,
@@ -261,13 +282,14 @@ def rope_and_write_kv(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Ten
     q = torch.empty((num_tokens, num_heads, head_dim), dtype=qkv.dtype, device=qkv.device)
     if num_tokens == 0:
         return q
-    block = triton.next_power_of_2(head_dim // 2)
+    block = triton.next_power_of_2(rot // 2)
+    num_pass = head_dim - rot
     _rope_kv_kernel[(num_tokens, num_heads + num_kv_heads)](
         qkv, qkv.stride(0), positions, cos, sin, cos.stride(0), q, k_cache, v_cache, slot_mapping,
         k_cache.shape[1], k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, HALF=head_dim // 2, BLOCK=block,
-        num_warps=1, **_LAUNCH)
+        NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, HALF=rot // 2, BLOCK=block,
+        PASS=num_pass, PASS_BLOCK=triton.next_power_of_2(max(num_pass, 1)), num_warps=1, **_LAUNCH)
     return q
 
 

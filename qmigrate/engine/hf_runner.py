@@ -50,6 +50,7 @@ class PagedView:
 
 class HFRunner:
     name = "hf"
+    can_feed = False
 
     def __init__(self, model, *, max_padding: float = 0.25, grouped_attention: bool = True):
         self.model = model
@@ -65,8 +66,13 @@ class HFRunner:
     def attach(self, pool: BlockPool | None, capture: bool = True) -> None:
         self.pool = pool
 
-    def forward(self, batch: StepBatch) -> torch.Tensor:
+    def eager_sizes(self) -> list[int]:
+        return []
+
+    def forward(self, batch: StepBatch, feed=None) -> torch.Tensor:
         """logits [B, V] float32 of each row's last token."""
+        if feed is not None:
+            raise ValueError("the transformers runner takes its input ids on the host")
         logits = None
         for group in self.groups(batch):
             out = self._forward(batch, group)

@@ -29,8 +29,12 @@ MIN_SPLIT_KEYS = 128   # a decode split shorter than this costs more to merge th
 MAX_SPLITS = 16
 
 
-def paged_attention_reference(q, k_cache, v_cache, query_start, seq_lens, block_tables, scale):
-    """Plain torch, one row at a time, softmax in fp32. A row without keys gets zeros."""
+def paged_attention_reference(q, k_cache, v_cache, query_start, seq_lens, block_tables, scale,
+                              window: int = 0, softcap: float = 0.0):
+    """Plain torch, one row at a time, softmax in fp32. A row without keys gets zeros.
+
+    window > 0: a query sees only the last `window` positions, its own included.
+    softcap > 0: scores become softcap * tanh(scores / softcap) before the mask."""
     num_tokens, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_heads // num_kv_heads
@@ -48,26 +52,32 @@ def paged_attention_reference(q, k_cache, v_cache, query_start, seq_lens, block_
         v = v_cache[blocks, pos % block_size].float()
         qb = q[first:last].float().view(num_q, num_kv_heads, group, head_dim)
         scores = torch.einsum("nhgd,lhd->hgnl", qb, k) * scale              # [Hkv, G, n, L]
+        if softcap:
+            scores = torch.tanh(scores / softcap) * softcap
         qpos = torch.arange(seq_len - num_q, seq_len, device=q.device)
         scores.masked_fill_(pos[None, :] > qpos[:, None], float("-inf"))
+        if window:
+            scores.masked_fill_(pos[None, :] <= qpos[:, None] - window, float("-inf"))
         o = torch.einsum("hgnl,lhd->nhgd", scores.softmax(-1), v)
         out[first:last] = o.reshape(num_q, num_heads, head_dim).to(q.dtype)
     return out
 
 
 def paged_attention(q, k_cache, v_cache, query_start, seq_lens, block_tables, scale,
-                    max_query_len: int | None = None):
+                    max_query_len: int | None = None, window: int = 0, softcap: float = 0.0):
     """The Triton kernels where they can run (CUDA, or triton's interpreter), else the reference.
 
     max_query_len == 1 takes the decode kernel; None reads it from query_start (a host sync).
     """
     if not can_use_triton(q):
-        return paged_attention_reference(q, k_cache, v_cache, query_start, seq_lens, block_tables, scale)
+        return paged_attention_reference(q, k_cache, v_cache, query_start, seq_lens, block_tables, scale,
+                                         window, softcap)
     if max_query_len is None:
         max_query_len = int((query_start[1:] - query_start[:-1]).max()) if len(seq_lens) else 0
     if max_query_len == 1 and q.shape[0] == seq_lens.shape[0]:
-        return decode_attention(q, k_cache, v_cache, seq_lens, block_tables, scale)
-    return prefill_attention(q, k_cache, v_cache, query_start, seq_lens, block_tables, scale, max_query_len)
+        return decode_attention(q, k_cache, v_cache, seq_lens, block_tables, scale, window=window, softcap=softcap)
+    return prefill_attention(q, k_cache, v_cache, query_start, seq_lens, block_tables, scale, max_query_len,
+                             window=window, softcap=softcap)
 
 
 def can_use_triton(q) -> bool:
@@ -80,6 +90,12 @@ def is_interpreted() -> bool:
     # the interpreter is chosen when triton is first imported, so ask a kernel, not the environment
     from triton.runtime.interpreter import InterpretedFunction
     return isinstance(_decode_kernel, InterpretedFunction)
+
+
+def _qk_scale(scale: float, softcap: float) -> float:
+    """What the kernels multiply q.k by: the scale in log2 units, or scale / softcap before
+    the tanh of soft-capping (whose result the kernels take to log2 units)."""
+    return scale / softcap if softcap else scale * LOG2E
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -151,7 +167,8 @@ def decode_scratch(batch: int, num_heads: int, head_dim: int, num_splits: int, d
 
 
 def decode_attention(q, k_cache, v_cache, seq_lens, block_tables, scale, out=None,
-                     num_splits: int | None = None, scratch=None, tiles: tuple[int, int, int] | None = None):
+                     num_splits: int | None = None, scratch=None, tiles: tuple[int, int, int] | None = None,
+                     window: int = 0, softcap: float = 0.0):
     """One query per row: q [B, Hq, D] -> [B, Hq, D]. No host sync; the grid follows shapes.
 
     With split-K the partials need scratch; without one it is allocated once per shape and
@@ -166,7 +183,8 @@ def decode_attention(q, k_cache, v_cache, seq_lens, block_tables, scale, out=Non
     if batch == 0:
         return out
     if num_splits is None:
-        num_splits = decode_splits(batch, num_kv_heads, block_tables.shape[1] * block_size, q.device)
+        context = block_tables.shape[1] * block_size
+        num_splits = decode_splits(batch, num_kv_heads, min(context, window) if window else context, q.device)
     block_n, num_warps, num_stages = tiles or decode_tiles(head_dim)
     if num_splits > 1:
         if scratch is None:
@@ -181,9 +199,10 @@ def decode_attention(q, k_cache, v_cache, seq_lens, block_tables, scale, out=Non
         dst, dst_strides = out, (out.stride(0), out.stride(1), 0, 0, 0)
     _decode_kernel[(batch, num_kv_heads, num_splits)](
         q, k_cache, v_cache, seq_lens, block_tables, dst, part_lse,
-        scale * LOG2E, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
+        _qk_scale(scale, softcap), q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
         k_cache.stride(2), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        block_tables.stride(0), *dst_strides,
+        block_tables.stride(0), *dst_strides, int(window), float(softcap) * LOG2E,
+        WINDOWED=bool(window), SOFTCAP=bool(softcap),
         GROUP=group, GROUP_PAD=max(16, _next_pow2(group)), HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size, BLOCK_N=block_n, NUM_SPLITS=num_splits,
         DOT_PRECISION=_dot_precision(q.dtype), num_warps=num_warps, num_stages=num_stages)
@@ -237,7 +256,8 @@ def prefill_plan(query_start, num_tokens: int, max_query_len: int, num_heads: in
 
 
 def prefill_attention(q, k_cache, v_cache, query_start, seq_lens, block_tables, scale,
-                      max_query_len: int, out=None, plan: PrefillPlan | None = None):
+                      max_query_len: int, out=None, plan: PrefillPlan | None = None,
+                      window: int = 0, softcap: float = 0.0):
     """Any number of queries per row, after any cached prefix: q [T, Hq, D] -> [T, Hq, D]."""
     group, num_kv_heads, head_dim, block_size = _check(q, k_cache, v_cache, block_tables)
     if out is None:
@@ -250,10 +270,10 @@ def prefill_attention(q, k_cache, v_cache, query_start, seq_lens, block_tables, 
     block_m = plan.block_m
     _prefill_kernel[(plan.tile_rows.shape[0], num_kv_heads)](
         q, k_cache, v_cache, query_start, seq_lens, block_tables, plan.tile_rows, plan.tile_first, out,
-        scale * LOG2E, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
+        _qk_scale(scale, softcap), q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
         k_cache.stride(2), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        block_tables.stride(0), out.stride(0), out.stride(1),
-        GROUP=group, BLOCK_M=block_m, BLOCK_Q=plan.block_q, HEAD_DIM=head_dim,
+        block_tables.stride(0), out.stride(0), out.stride(1), int(window), float(softcap) * LOG2E,
+        WINDOWED=bool(window), SOFTCAP=bool(softcap), GROUP=group, BLOCK_M=block_m, BLOCK_Q=plan.block_q, HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size, BLOCK_N=64 if head_dim <= 128 else 32,
         DOT_PRECISION=_dot_precision(q.dtype),
         num_warps=8 if block_m >= 128 else 4, num_stages=3 if head_dim <= 128 else 2)

@@ -13,11 +13,14 @@ import triton.language as tl
 def _attend(acc, m_i, l_i, q, k_ptr, v_ptr, table_ptr, n0, key_end, qpos, offs_d,
             qk_scale, stride_kb, stride_ks, stride_vb, stride_vs,
             BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-            BOUNDED: tl.constexpr, CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr):
+            BOUNDED: tl.constexpr, CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
+            key_lo, cap_log2, WINDOWED: tl.constexpr, SOFTCAP: tl.constexpr):
     """One online-softmax step over keys n0..n0+BLOCK_N. q [M, D], acc [M, D], m_i/l_i [M].
 
     k_ptr/v_ptr already point at this KV head; table_ptr at this row's block table.
-    BOUNDED masks keys at or past key_end; CAUSAL masks keys after each query's qpos [M].
+    BOUNDED masks keys at or past key_end; CAUSAL masks keys after each query's qpos [M];
+    WINDOWED masks keys before each query's key_lo [M] (a tile may then hold rows with no
+    key yet). SOFTCAP: scores are cap_log2 * tanh(q.k * qk_scale), qk_scale = scale / cap.
     """
     pos = n0 + tl.arange(0, BLOCK_N)
     if BOUNDED:
@@ -35,13 +38,22 @@ def _attend(acc, m_i, l_i, q, k_ptr, v_ptr, table_ptr, n0, key_end, qpos, offs_d
         k = tl.load(k_ptr + k_off[:, None] + offs_d[None, :])
         v = tl.load(v_ptr + v_off[:, None] + offs_d[None, :])
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale     # [M, BLOCK_N]
+    if SOFTCAP:
+        s = cap_log2 * (1.0 - 2.0 / (tl.exp(2.0 * s) + 1.0))                # tanh without libdevice
     if BOUNDED:
         s = tl.where(in_range[None, :], s, float("-inf"))
     if CAUSAL:
         s = tl.where(pos[None, :] <= qpos[:, None], s, float("-inf"))
+    if WINDOWED:
+        s = tl.where(pos[None, :] >= key_lo[:, None], s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
-    p = tl.exp2(s - m_new[:, None])
-    alpha = tl.exp2(m_i - m_new)
+    if WINDOWED:
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(s - m_ref[:, None])
+        alpha = tl.exp2(m_i - m_ref)
+    else:
+        p = tl.exp2(s - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     return acc, m_new, l_i
@@ -51,10 +63,10 @@ def _attend(acc, m_i, l_i, q, k_ptr, v_ptr, table_ptr, n0, key_end, qpos, offs_d
 def _decode_kernel(q_ptr, k_ptr, v_ptr, seq_lens_ptr, tables_ptr, out_ptr, lse_ptr,
                    qk_scale, stride_qt, stride_qh, stride_kb, stride_ks, stride_kh,
                    stride_vb, stride_vs, stride_vh, stride_table,
-                   stride_ot, stride_oh, stride_os, stride_lt, stride_lh,
+                   stride_ot, stride_oh, stride_os, stride_lt, stride_lh, window, cap_log2,
                    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
                    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
-                   DOT_PRECISION: tl.constexpr):
+                   DOT_PRECISION: tl.constexpr, WINDOWED: tl.constexpr = False, SOFTCAP: tl.constexpr = False):
     """Program (row, KV head, split): the GROUP query heads of that KV head over one split.
 
     One split writes the normalised output; several write fp32 partials [B, Hq, S, D] and
@@ -64,9 +76,14 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, seq_lens_ptr, tables_ptr, out_ptr, lse_p
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + row)
-    # split length from the row's own length, so short rows are not spread thin
-    chunk = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
-    start = split * chunk
+    # split length from the row's own length, so short rows are not spread thin; with a
+    # window the keys before it are never read
+    if WINDOWED:
+        lo = tl.maximum(seq_len - window, 0)
+    else:
+        lo = 0
+    chunk = tl.cdiv(tl.cdiv(seq_len - lo, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = lo + split * chunk
     end = tl.minimum(start + chunk, seq_len)
 
     offs_g = tl.arange(0, GROUP_PAD)
@@ -83,7 +100,7 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, seq_lens_ptr, tables_ptr, out_ptr, lse_p
     for n0 in range(start, end, BLOCK_N):
         acc, m_i, l_i = _attend(acc, m_i, l_i, q, k_head, v_head, table, n0, end, m_i, offs_d,
                                 qk_scale, stride_kb, stride_ks, stride_vb, stride_vs,
-                                BLOCK_SIZE, BLOCK_N, True, False, DOT_PRECISION)
+                                BLOCK_SIZE, BLOCK_N, True, False, DOT_PRECISION, m_i, cap_log2, False, SOFTCAP)
     # no keys (a padding row, or an empty split) -> zeros and a -inf weight, never NaN
     l_safe = tl.where(l_i > 0, l_i, 1.0)
     o = acc / l_safe[:, None]
@@ -123,10 +140,10 @@ def _merge_splits_kernel(part_ptr, lse_ptr, out_ptr, stride_pt, stride_ph, strid
 def _prefill_kernel(q_ptr, k_ptr, v_ptr, query_start_ptr, seq_lens_ptr, tables_ptr,
                     tile_rows_ptr, tile_first_ptr, out_ptr,
                     qk_scale, stride_qt, stride_qh, stride_kb, stride_ks, stride_kh,
-                    stride_vb, stride_vs, stride_vh, stride_table, stride_ot, stride_oh,
+                    stride_vb, stride_vs, stride_vh, stride_table, stride_ot, stride_oh, window, cap_log2,
                     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr,
                     HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-                    DOT_PRECISION: tl.constexpr):
+                    DOT_PRECISION: tl.constexpr, WINDOWED: tl.constexpr = False, SOFTCAP: tl.constexpr = False):
     """Program (tile, KV head): BLOCK_Q queries of one row x the GROUP heads of a KV head.
 
     Tile row m holds query m // GROUP, head m % GROUP. Keys every query of the tile sees run
@@ -164,14 +181,25 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, query_start_ptr, seq_lens_ptr, tables_p
     v_head = v_ptr + kv_head * stride_vh
     open_end = (context + first + 1) // BLOCK_N * BLOCK_N     # keys seen by every query
     key_end = context + tl.minimum(first + BLOCK_Q, num_q)     # one past the last query's key
-    for n0 in range(0, open_end, BLOCK_N):
-        acc, m_i, l_i = _attend(acc, m_i, l_i, q, k_head, v_head, table, n0, key_end, qpos, offs_d,
-                                qk_scale, stride_kb, stride_ks, stride_vb, stride_vs,
-                                BLOCK_SIZE, BLOCK_N, False, False, DOT_PRECISION)
-    for n0 in range(open_end, key_end, BLOCK_N):
-        acc, m_i, l_i = _attend(acc, m_i, l_i, q, k_head, v_head, table, n0, key_end, qpos, offs_d,
-                                qk_scale, stride_kb, stride_ks, stride_vb, stride_vs,
-                                BLOCK_SIZE, BLOCK_N, True, True, DOT_PRECISION)
+    if WINDOWED:
+        # from the first key the tile's first query sees, every tile masked
+        key_lo = qpos - window + 1
+        for n0 in range(tl.maximum(context + first - window + 1, 0), key_end, BLOCK_N):
+            acc, m_i, l_i = _attend(acc, m_i, l_i, q, k_head, v_head, table, n0, key_end, qpos, offs_d,
+                                    qk_scale, stride_kb, stride_ks, stride_vb, stride_vs,
+                                    BLOCK_SIZE, BLOCK_N, True, True, DOT_PRECISION,
+                                    key_lo, cap_log2, True, SOFTCAP)
+    else:
+        for n0 in range(0, open_end, BLOCK_N):
+            acc, m_i, l_i = _attend(acc, m_i, l_i, q, k_head, v_head, table, n0, key_end, qpos, offs_d,
+                                    qk_scale, stride_kb, stride_ks, stride_vb, stride_vs,
+                                    BLOCK_SIZE, BLOCK_N, False, False, DOT_PRECISION,
+                                    qpos, cap_log2, False, SOFTCAP)
+        for n0 in range(open_end, key_end, BLOCK_N):
+            acc, m_i, l_i = _attend(acc, m_i, l_i, q, k_head, v_head, table, n0, key_end, qpos, offs_d,
+                                    qk_scale, stride_kb, stride_ks, stride_vb, stride_vs,
+                                    BLOCK_SIZE, BLOCK_N, True, True, DOT_PRECISION,
+                                    qpos, cap_log2, False, SOFTCAP)
     o = acc / l_i[:, None]
     tl.store(out_ptr + q_rows[:, None] * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
              o.to(out_ptr.dtype.element_ty), mask=valid[:, None])

@@ -9,8 +9,9 @@ prefills first (largest first), then decode rows from the end of the batch; a re
 loses its KV here and samples nothing (its token is REFUSED). A step never fails for
 want of memory.
 
-The forward pass is a runner's: the fast Llama-family runner (`llama.py`) on a GPU, or
-the portable transformers runner (`hf_runner.py`) for every other model and the CPU.
+The forward pass is a runner's (the `Runner` protocol below): the fast runner
+(`graph_runner.py` over a family of `models/`) on a GPU, or the portable transformers
+runner (`hf_runner.py`) for every other model and the CPU.
 """
 
 from __future__ import annotations
@@ -18,13 +19,14 @@ from __future__ import annotations
 import dataclasses
 import logging
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 import torch
 
 from .batch import StepBatch
 from .hf_runner import HFRunner
-from .kvcache import BlockPool
+from .kvcache import BlockPool, landed
 from .sampling import HostRows, SamplingRows, host_arrays, sample
 
 log = logging.getLogger(__name__)
@@ -32,6 +34,26 @@ log = logging.getLogger(__name__)
 REFUSED = -1
 RUNNERS = ("auto", "fast", "hf")
 DEFAULT_CPU_KV_BYTES = 2 << 30
+
+
+class Runner(Protocol):
+    """What the engine asks of a runner.
+
+    forward(batch, feed) returns float32 logits [B, V] of each row's last token; `feed` =
+    (rows, src, tokens) says the input of row rows[k] (a decode row) is tokens[src[k]], a
+    tensor on the device that the previous step sampled: only a runner with can_feed takes
+    one (the engine gives the others the ids on the host). attach() hands it the KV pool
+    (None: drop it); with capture it may capture CUDA graphs over the pool. eager_sizes()
+    lists the padded token counts of steps it runs eagerly, for the warm-up to run once."""
+
+    name: str
+    can_feed: bool
+
+    def attach(self, pool: BlockPool | None, capture: bool = True) -> None: ...
+
+    def forward(self, batch: StepBatch, feed=None) -> torch.Tensor: ...
+
+    def eager_sizes(self) -> list[int]: ...
 
 
 @dataclass(slots=True)
@@ -66,35 +88,50 @@ class EngineConfig:
 
 
 class Engine:
-    def __init__(self, model, config: EngineConfig | None = None, **overrides):
+    def __init__(self, model, config: EngineConfig | None = None, *, tp=None, **overrides):
+        """`tp`: this process's rank of a tensor-parallel group (parallel.TensorParallel); the
+        model is then the whole checkpoint on the CPU, and the runner keeps this rank's shard
+        on tp.device. Without it (tensor_parallel 1) nothing here differs from one device."""
         cfg = self.config = dataclasses.replace(config or EngineConfig(), **overrides)
         text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
         self.num_layers = text.num_hidden_layers
         self.num_kv_heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
+        self.tp = tp
         self.head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
         self.vocab_size = text.vocab_size
         self.max_context = int(getattr(text, "max_position_embeddings", 2048))
         self.max_len = min(cfg.max_len or self.max_context, self.max_context)
         param = next(model.parameters())
-        self.device, self.dtype = param.device, param.dtype
+        self.device, self.dtype = (param.device if tp is None else tp.device), param.dtype
         if self.device.type == "cuda":
             # Triton launches and CUDA graph captures go to the current device: make it ours
             torch.cuda.set_device(self.device)
         self.num_params = sum(p.numel() for p in model.parameters())
-        self.runner, self.runner_reason = _make_runner(model, cfg, self.device)
-        self.pool = BlockPool(self.num_layers, self.num_kv_heads, self.head_dim,
+        self.runner, self.runner_reason = _make_runner(model, cfg, self.device, tp)
+        # the pool holds this rank's KV heads (all of them without tensor parallelism)
+        self.pool_kv_heads = self.num_kv_heads if tp is None else tp.layout.kv_heads_per_rank
+        self.pool = BlockPool(self.num_layers, self.pool_kv_heads, self.head_dim,
                               self._num_blocks(), cfg.block_size, self.dtype, self.device)
         self.runner.attach(self.pool)
         self.num_continued = 0   # steps built the array way (`_continue`)
+        if tp is not None and tp.world > 1 and tp.is_leader:
+            from .lockstep import Leader
+            self.runner = Leader(self.runner, self)   # every step and KV move is sent to the others first
 
     # --- sizing -------------------------------------------------------------------------
     @property
     def kv_bytes_per_token(self) -> int:
+        """KV bytes of one token of the whole model (all ranks: what a transfer ships)."""
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * torch.finfo(self.dtype).bits // 8
 
     def _num_blocks(self) -> int:
+        blocks = self._num_blocks_here()
+        # every rank's pool has as many blocks as the smallest can hold: rank 0 places for all
+        return blocks if self.tp is None else self.tp.min_int(blocks)
+
+    def _num_blocks_here(self) -> int:
         cfg = self.config
-        per_block = self.kv_bytes_per_token * cfg.block_size
+        per_block = self.kv_bytes_per_token * self.pool_kv_heads // self.num_kv_heads * cfg.block_size
         if self.device.type == "cuda":
             budget = _gpu_kv_budget(self.device, cfg.gpu_memory_utilization, self._activation_bytes())
         else:
@@ -117,7 +154,7 @@ class Engine:
         num_rows = max(1, min(cfg.max_batch, cfg.max_batch_tokens // 64))
         per_row = max(1, min(self.max_len, cfg.max_batch_tokens // num_rows))
         blocks = num_rows * (-(-per_row // cfg.block_size)) + 1
-        scratch = BlockPool(self.num_layers, self.num_kv_heads, self.head_dim, blocks, cfg.block_size,
+        scratch = BlockPool(self.num_layers, self.pool_kv_heads, self.head_dim, blocks, cfg.block_size,
                             self.dtype, self.device)
         self.runner.attach(scratch, capture=False)
         seq_ids = list(range(num_rows))
@@ -144,7 +181,8 @@ class Engine:
 
     def describe(self) -> str:
         p = self.pool
-        return (f"{self.runner.name} runner ({self.runner_reason}), KV pool of {p.capacity_tokens:,} tokens "
+        ranks = "" if self.tp is None else f", tensor parallel over {self.tp.world} ranks (pool per rank)"
+        return (f"{self.runner.name} runner ({self.runner_reason}{ranks}), KV pool of {p.capacity_tokens:,} tokens "
                 f"({p.num_blocks - 1:,} blocks of {p.block_size}, "
                 f"{p.kv.numel() * p.kv.element_size() / 2**30:.2f} GiB)")
 
@@ -163,12 +201,16 @@ class Engine:
         return self.pool.free_tokens
 
     def export_kv(self, seq_id: int, num_tokens: int | None = None) -> torch.Tensor:
-        return self.pool.export(seq_id, num_tokens)
+        return landed(*self.export_kv_started(seq_id, num_tokens))
 
     def export_kv_started(self, seq_id: int, num_tokens: int | None = None) -> tuple[torch.Tensor, object]:
+        if self.tp is not None and self.tp.world > 1:
+            return self.runner.export_kv(seq_id, num_tokens), None   # every rank's heads, gathered here
         return self.pool.export_started(seq_id, num_tokens)
 
     def import_kv(self, seq_id: int, kv: torch.Tensor, protect=frozenset()) -> bool:
+        if self.tp is not None and self.tp.world > 1:
+            return self.runner.import_kv(seq_id, kv, protect)        # each rank keeps its heads
         return self.pool.load(seq_id, kv, protect)
 
     # --- a step -------------------------------------------------------------------------
@@ -196,7 +238,7 @@ class Engine:
         # run at a new shape (on an H100 the first launch of such a step took 62-110 ms,
         # later ones 13-26 ms).
         n = max(2, min(self.config.prefill_chunk or 512, self.max_len - 4))
-        for size in getattr(self.runner, "eager_sizes", list)():
+        for size in self.runner.eager_sizes():
             if -(-size // n) > self.config.max_batch:
                 break  # no step of so many tokens fits in max_batch rows of a chunk each
             lengths = [n] * (size // n) + ([size % n] if size % n else [])
@@ -228,7 +270,7 @@ class Engine:
             if pending is not None:
                 return pending
         feed = [i for i, r in enumerate(rows) if not r.new_ids]
-        if feed and (after is None or not getattr(self.runner, "can_feed", False)):
+        if feed and (after is None or not self.runner.can_feed):
             known = dict(zip((r.seq_id for r in after.rows), self.collect(after))) if after else {}
             rows = [StepRow(r.seq_id, [known.get(r.seq_id, REFUSED)], r.start, r.index, r.temperature,
                             r.top_p, r.top_k, r.seed) if not r.new_ids else r for r in rows]
@@ -283,7 +325,7 @@ class Engine:
         for s in seq_ids:
             pool.touch(s)
         batch = prev.continued(pool, seq_ids, src)
-        if getattr(self.runner, "can_feed", False):
+        if self.runner.can_feed:
             feed = (np.arange(n), src, after.tokens)
         else:
             batch.ids = np.asarray(self.collect(after), dtype=np.int64)[np.asarray(after.placed)[src]]
@@ -295,7 +337,7 @@ class Engine:
     def _run(self, pending: "Pending", batch: StepBatch, feed, params: HostRows) -> "Pending":
         """Queue the forward pass and sampling of the placed rows; tokens come back to a
         pinned host buffer without a wait."""
-        logits = self.runner.forward(batch, feed=feed) if feed is not None else self.runner.forward(batch)
+        logits = self.runner.forward(batch, feed=feed)
         pending.tokens = sample(logits, SamplingRows.from_arrays(params, self.device))
         pending.batch, pending.params = batch, params
         if self.device.type == "cuda":
@@ -402,21 +444,34 @@ class Pending:
     result: list[int] | None = None
 
 
-def _make_runner(model, cfg: EngineConfig, device: torch.device):
-    """(runner, why it was chosen): the fast runner on a GPU for the Llama family, or when
-    forced; the transformers runner otherwise."""
+def _make_runner(model, cfg: EngineConfig, device: torch.device, tp=None) -> tuple[Runner, str]:
+    """(runner, why it was chosen): the fast runner on a GPU for every family engine/models/
+    defines, or when forced; the transformers runner otherwise (saying why). Tensor
+    parallelism needs the fast runner: its model is sharded for this rank."""
+    if tp is not None:
+        from . import models
+        from .graph_runner import GraphRunner
+        from .parallel import shard_model
+        reason = models.unsupported(model, device) or ("runner 'hf' was asked for" if cfg.runner == "hf" else None)
+        if reason is not None:
+            raise ValueError(f"tensor parallelism needs the fast runner, which cannot run this model: {reason}")
+        return GraphRunner(shard_model(models.build(model), tp), max_batch=cfg.max_batch,
+                           max_tokens=cfg.max_batch_tokens, cuda_graphs=cfg.cuda_graphs), \
+            f"{models.family(model)} family, tensor parallel rank {tp.rank} of {tp.world}"
     if cfg.runner == "hf":
         return HFRunner(model, max_padding=cfg.max_padding), "forced by the runner setting"
     if cfg.runner == "auto" and device.type != "cuda":
         return HFRunner(model, max_padding=cfg.max_padding), "the fast runner is for GPUs"
-    from . import llama
-    reason = llama.unsupported(model, device)
+    from . import models
+    from .graph_runner import GraphRunner
+    reason = models.unsupported(model, device)
     if reason is None:
-        why = "forced by the runner setting" if cfg.runner == "fast" else "Llama family on a GPU"
-        return llama.LlamaRunner(model, max_batch=cfg.max_batch, max_tokens=cfg.max_batch_tokens,
-                                 cuda_graphs=cfg.cuda_graphs), why
+        why = "forced by the runner setting" if cfg.runner == "fast" else f"{models.family(model)} family on a GPU"
+        return GraphRunner(models.build(model), max_batch=cfg.max_batch, max_tokens=cfg.max_batch_tokens,
+                           cuda_graphs=cfg.cuda_graphs), why
     if cfg.runner == "fast":
         raise ValueError(f"runner 'fast' cannot run this model: {reason}")
+    log.warning("the fast runner cannot run this model (%s): using the transformers runner", reason)
     return HFRunner(model, max_padding=cfg.max_padding), reason
 
 

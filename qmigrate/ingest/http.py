@@ -11,6 +11,7 @@ early (the client went away, or no text for `http_timeout_s`) is put on `cancels
 from __future__ import annotations
 
 import asyncio
+import hmac
 import itertools
 import json
 import logging
@@ -26,7 +27,7 @@ from aiohttp import web
 from qmigrate.wire import protocol as P
 from qmigrate.wire import transport
 from qmigrate.engine.tokenizer_info import load_tokenizer_info
-from qmigrate.ingest.prompts import Defaults
+from qmigrate.ingest.prompts import Defaults, check_json
 from qmigrate.ingest.openai_api import (
     ApiError,
     StopTrimmer,
@@ -50,6 +51,7 @@ def _sse(obj: dict) -> bytes:
 
 
 _timeout = getattr(asyncio, "timeout", None)
+_SHUTDOWN = (None, -1, 0)  # put on every open request's queue when the server stops
 _MARK = "\ue000text\ue000"  # where the text goes in a frame's template; private-use characters
 
 
@@ -88,6 +90,8 @@ class HttpServer:
         self.wake_sock = None
         self.ready = threading.Event()
         self.failure: str | None = None
+        self.num_serving = 0  # workers the router last said can serve: /health is 503 while 0
+        self.api_key = cfg.api_key.encode() if cfg.api_key else None
 
     @property
     def url(self) -> str:
@@ -98,6 +102,29 @@ class HttpServer:
         threading.Thread(target=self._run, daemon=True, name="http").start()
         if not self.ready.wait(STARTUP_TIMEOUT_S) or self.failure:
             raise SystemExit(f"ingest: cannot serve HTTP on {self.url}: {self.failure or 'no start'}")
+
+    def shutdown(self, timeout_s: float = 2.0) -> None:
+        """End every open request before the process exits: a stream gets an error event and
+        `data: [DONE]`, a plain request a 503. Returns when they are answered or at timeout_s."""
+        if self.loop is None or not self.streams:
+            return
+        done = threading.Event()
+
+        def end_all() -> None:
+            for events in self.streams.values():
+                events.put_nowait(_SHUTDOWN)
+            self.loop.create_task(self._answered(done, time.monotonic() + timeout_s))
+        try:
+            self.loop.call_soon_threadsafe(end_all)
+        except RuntimeError:  # the loop has already stopped
+            return
+        done.wait(timeout_s)
+
+    async def _answered(self, done: threading.Event, deadline: float) -> None:
+        while self.streams and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.05)  # the last writes leave the socket
+        done.set()
 
     def deliver(self, rows: list[tuple[int, str, int, int]]) -> None:
         """(seq_id, text, finish code, tokens so far) rows from the detokenizer."""
@@ -142,6 +169,8 @@ class HttpServer:
     @web.middleware
     async def _errors(self, request, handler):
         try:
+            if self.api_key is not None and request.path.startswith("/v1/"):
+                self._authorize(request)
             return await handler(request)
         except ApiError as exc:
             return web.json_response(exc.body(), status=exc.status)
@@ -158,8 +187,17 @@ class HttpServer:
             return web.json_response(ApiError(500, f"internal error: {type(exc).__name__}",
                                               type="server_error").body(), status=500)
 
+    def _authorize(self, request) -> None:
+        scheme, _, key = request.headers.get("Authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(key.strip().encode(), self.api_key):
+            raise ApiError(401, "a valid API key is needed: send 'Authorization: Bearer KEY'",
+                           code="invalid_api_key")
+
     async def health(self, request):
-        return web.json_response({"status": "ok", "waiting": self.submissions.qsize()})
+        """200 once a worker can serve (as the router last said), 503 before and while none can."""
+        body = {"status": "ok" if self.num_serving else "starting", "workers": self.num_serving,
+                "waiting": self.submissions.qsize()}
+        return web.json_response(body, status=200 if self.num_serving else 503)
 
     async def models(self, request):
         return web.json_response(models_list(self.model_names, self.max_context))
@@ -173,9 +211,13 @@ class HttpServer:
     async def _body(self, request):
         raw = await request.read()  # over client_max_size: 413
         try:
-            return json.loads(raw, parse_constant=_reject_constant)
+            body = json.loads(raw, parse_constant=_reject_constant)
+            check_json(body)
         except (ValueError, UnicodeDecodeError) as exc:
             raise ApiError(400, f"the request body is not valid JSON: {exc}") from None
+        except RecursionError:
+            raise ApiError(400, "the request body is not valid JSON: nested too deep") from None
+        return body
 
     async def _generate(self, request, kind):
         req = parse_body(await self._body(request), kind, model_names=self.model_names,
@@ -207,16 +249,21 @@ class HttpServer:
                 self._wake()
 
     async def _next(self, events: asyncio.Queue):
-        if events.empty():
-            try:  # asyncio.timeout where there is one (3.11): wait_for makes a task per token
-                if _timeout is None:
-                    return await asyncio.wait_for(events.get(), self.cfg.http_timeout_s)
-                async with _timeout(self.cfg.http_timeout_s):
-                    return await events.get()
-            except (TimeoutError, asyncio.TimeoutError):
-                raise ApiError(503, f"no output within {self.cfg.http_timeout_s:g} s: the workers are "
-                               "overloaded or down; retry later", type="server_error", code="timeout") from None
-        return events.get_nowait()
+        item = await self._wait(events) if events.empty() else events.get_nowait()
+        if item is _SHUTDOWN:
+            raise ApiError(503, "the server is shutting down; retry on another server or later",
+                           type="server_error", code="shutdown")
+        return item
+
+    async def _wait(self, events: asyncio.Queue):
+        try:  # asyncio.timeout where there is one (3.11): wait_for makes a task per token
+            if _timeout is None:
+                return await asyncio.wait_for(events.get(), self.cfg.http_timeout_s)
+            async with _timeout(self.cfg.http_timeout_s):
+                return await events.get()
+        except (TimeoutError, asyncio.TimeoutError):
+            raise ApiError(503, f"no output within {self.cfg.http_timeout_s:g} s: the workers are "
+                           "overloaded or down; retry later", type="server_error", code="timeout") from None
 
     async def _next_all(self, events: asyncio.Queue) -> tuple[str, int, int]:
         """The text of every update waiting (at least one): what arrived together leaves
@@ -226,7 +273,11 @@ class HttpServer:
             return text, code, num_tokens
         parts = [text]
         while not code and not events.empty():
-            text, code, num_tokens = events.get_nowait()
+            item = events.get_nowait()
+            if item is _SHUTDOWN:
+                events.put_nowait(item)  # the next call ends the stream, after this text
+                break
+            text, code, num_tokens = item
             parts.append(text)
         return "".join(parts), code, num_tokens
 

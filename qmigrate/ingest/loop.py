@@ -8,7 +8,12 @@ input) travels in the same acknowledged `Submit` as the prompts, and the router 
 a Submit is sent again until acknowledged, so a router restart loses none of it.
 
 A request id given in JSONL is refused while a request with the same id is still running
-(the detokenizer reports every request's end back here, so ids are reusable after it)."""
+(the detokenizer reports every request's end back here, so ids are reusable after it).
+
+Bad input is a per-request error, never the end of the node: a stdin line that is not UTF-8
+is an error record of its own; each request is checked as the router will decode it before
+it is queued; a Submit the router refuses anyway (answered with a Reject) is split in halves
+until the request it cannot take is alone, and that one becomes an error record."""
 
 from __future__ import annotations
 
@@ -16,6 +21,7 @@ import logging
 import os
 import queue
 import random
+import signal
 import sys
 import threading
 import time
@@ -27,7 +33,7 @@ from qmigrate.wire import protocol as P
 from qmigrate.wire import transport
 from qmigrate.engine.loading import resolve_model
 from qmigrate.engine.tokenizer_info import load_tokenizer_info
-from qmigrate.ingest.prompts import CancelRequest, Defaults, PromptError, parse_line
+from qmigrate.ingest.prompts import CancelRequest, Defaults, PromptError, parse_line, to_spec
 from qmigrate.wire.security import Guard
 from qmigrate.ops.process import freeze_heap, run_until_fatal
 
@@ -36,6 +42,18 @@ log = logging.getLogger("qmigrate.ingest")
 ACK_TIMEOUT_S = 5.0
 STARTUP_TIMEOUT_S = 30.0
 WORKERS_POLL_S = 0.2
+HEALTH_POLL_S = 0.5  # how often the router is asked whether a worker can serve
+
+
+class BadLine(str):
+    """A stdin line that could not be read as text: admitted as an error record."""
+
+
+def error_record(req_id: str, message: str) -> list[str]:
+    """[req_id, message] within the wire's bounds, whatever the user sent."""
+    def clean(text: str, limit: int) -> str:
+        return text[:limit].encode("utf-8", "replace").decode("utf-8")
+    return [clean(req_id, P.MAX_REQ_ID), clean(message, P.MAX_NOTE)]
 
 
 class Ingest:
@@ -70,6 +88,7 @@ class Ingest:
         self.errors: list[list[str]] = []   # [req_id, message] not yet acknowledged
         self.cancel_after_ack: set[int] = set()  # cancelled before their Submit was sent
         self.in_flight = 0            # specs sent in the Submit awaiting its ack
+        self.max_batch = P.SUBMIT_MAX_SEQS  # halved when a Submit is refused or unanswered
         self.errors_in_flight = 0
         self.closing_in_flight = False
         self.awaiting_ack = False
@@ -94,6 +113,14 @@ class Ingest:
             raise SystemExit(f"ingest: router refused: {got[1].reason}")
 
     def serve_forever(self, exit_on_eof: bool) -> None:
+        signal.signal(signal.SIGTERM, _stop)
+        try:
+            self._serve(exit_on_eof)
+        finally:
+            if self.http is not None:
+                self.http.shutdown()  # open HTTP requests end with an error, streams with [DONE]
+
+    def _serve(self, exit_on_eof: bool) -> None:
         self.hello()
         freeze_heap()
         if self.http is not None:
@@ -114,6 +141,8 @@ class Ingest:
                 self.ask_for_workers()
             else:
                 self.submit()
+            if self.http is not None:
+                self.ask_for_workers(HEALTH_POLL_S)  # for /health
             ready = dict(poller.poll(20))
             if self.router in ready:
                 self.on_router()
@@ -128,7 +157,11 @@ class Ingest:
                 return
 
     def _read_stdin(self) -> None:
-        for line in sys.stdin:
+        for raw in sys.stdin.buffer:  # bytes: a line that is not UTF-8 is that line's error
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                line = BadLine(f"the line is not valid UTF-8 ({exc.reason} at byte {exc.start})")
             self.lines.put(line)  # blocks while max_pending lines wait: backpressure
         self.lines.put(None)
 
@@ -147,6 +180,8 @@ class Ingest:
         self.line_no += 1
         self.num_requests += 1
         try:
+            if isinstance(line, BadLine):
+                raise PromptError(str(self.line_no), str(line))
             prompt = parse_line(line, mode=self.mode, line_no=self.line_no, tokenizer=self.tokenizer,
                                 max_context=self.max_context, defaults=self.defaults,
                                 eos_ids=self.eos_ids, chat=self.chat)
@@ -161,19 +196,15 @@ class Ingest:
                 raise PromptError(prompt.req_id, f"duplicate id {prompt.req_id!r}: a request with this "
                                   "id is still running; this one is refused")
         except PromptError as exc:
-            self.errors.append([exc.req_id, exc.message])
+            self.errors.append(error_record(exc.req_id, exc.message))
             return
         seq_id = self.id_base | self.num_requests
         self.live[prompt.req_id], self.live_ids[seq_id] = seq_id, prompt.req_id
         self.enqueue(seq_id, prompt, P.ROUTE_STDOUT)
 
     def enqueue(self, seq_id: int, prompt, route: int) -> None:
-        ids = P.pack_i32(prompt.prompt_ids)
         seed = prompt.seed if prompt.seed is not None else self.rng.randrange(1 << 62)
-        spec = P.SeqSpec(seq_id, ids, len(prompt.prompt_ids), prompt.max_new_tokens,
-                         prompt.temperature, prompt.top_p, prompt.top_k, seed, prompt.stop_ids,
-                         [] if prompt.ignore_eos else sorted(self.eos_ids),
-                         min_new_tokens=prompt.min_tokens)
+        spec = to_spec(prompt, seq_id, seed, self.eos_ids)
         self.pending.append((spec, prompt.req_id, route, prompt.note))
 
     def take_http(self) -> None:
@@ -222,12 +253,15 @@ class Ingest:
     def submit(self) -> None:
         now = time.monotonic()
         if self.awaiting_ack and now - self.sent_at > ACK_TIMEOUT_S:
-            self.awaiting_ack = False  # lost ack: resend; the router ignores what it already has
+            # Lost ack (a router restart, say): send again, the router ignores what it has
+            # already; in a smaller Submit, so a message it cannot read is not sent as is.
+            self.awaiting_ack = False
+            self.max_batch = max(1, self.in_flight // 2)
         closing = (self.read_stdin and self.stdin_done and not self.closed_sent and not self.pending
                    and self.lines.empty() and len(self.errors) <= P.SUBMIT_MAX_SEQS)
         if self.awaiting_ack or now < self.retry_at or not (self.pending or self.errors or closing):
             return
-        batch = [self.pending[i] for i in range(P.submit_count(b[0] for b in self.pending))]
+        batch = [self.pending[i] for i in range(min(self.max_batch, P.submit_count(b[0] for b in self.pending)))]
         self.errors_in_flight = min(len(self.errors), P.SUBMIT_MAX_SEQS)
         self.closing_in_flight = closing
         transport.send(self.router, P.Submit([b[0] for b in batch], [b[1] for b in batch],
@@ -236,16 +270,22 @@ class Ingest:
                                              P.pack_u8([b[2] for b in batch]), [b[3] for b in batch]))
         self.in_flight, self.sent_at, self.awaiting_ack = len(batch), now, True
 
-    def ask_for_workers(self) -> None:
-        if (now := time.monotonic()) - self.asked_at >= WORKERS_POLL_S:
+    def ask_for_workers(self, every_s: float = WORKERS_POLL_S) -> None:
+        if (now := time.monotonic()) - self.asked_at >= every_s:
             transport.send(self.router, P.StatsRequest())
             self.asked_at = now
 
     def on_router(self) -> None:
         while (got := transport.recv(self.router, 0)) is not None:
             msg = got[1]
-            if isinstance(msg, P.Stats) and msg.counters.get("workers", 0) >= self.wait_for_workers:
-                self.wait_for_workers = 0
+            if isinstance(msg, P.Stats):
+                if msg.counters.get("workers", 0) >= self.wait_for_workers:
+                    self.wait_for_workers = 0
+                if self.http is not None:
+                    serving = msg.counters.get("serving", msg.counters.get("workers", 0))
+                    self.http.num_serving = serving if type(serving) is int else 0
+            if isinstance(msg, P.Reject) and self.awaiting_ack and not msg.is_unknown_peer:
+                self.on_refused(msg.reason)
             if isinstance(msg, P.SubmitAck) and self.awaiting_ack:
                 taken = max(0, min(msg.num_accepted, self.in_flight))
                 cancel = []
@@ -262,6 +302,26 @@ class Ingest:
                 self.closed_sent |= self.closing_in_flight
                 self.in_flight = self.errors_in_flight = 0
                 self.awaiting_ack = self.closing_in_flight = False
+                self.max_batch = min(P.SUBMIT_MAX_SEQS, 2 * self.max_batch)
+
+    def on_refused(self, reason: str) -> None:
+        """The router could not take the Submit in flight: send its first half alone next, so
+        the requests around a bad one go on; a request refused alone gets an error record."""
+        log.warning("the router refused a Submit of %d requests: %s", self.in_flight, reason[:200])
+        if self.in_flight == 1:
+            spec, req_id, route, _ = self.pending.popleft()
+            self.live.pop(self.live_ids.pop(spec.seq_id, None), None)
+            self.cancel_after_ack.discard(spec.seq_id)
+            if route == P.ROUTE_INGEST and self.http is not None:
+                self.http.deliver([(spec.seq_id, "", int(P.Finish.ERROR), 0)])
+            else:
+                self.errors.insert(0, error_record(req_id, f"refused by the router: {reason}"))
+        elif self.in_flight == 0:  # errors alone (each within bounds already): keep them in bounds again
+            for i in range(self.errors_in_flight):
+                self.errors[i] = error_record(self.errors[i][0][:64], "invalid request")
+        self.max_batch = max(1, self.in_flight // 2)
+        self.in_flight = self.errors_in_flight = 0
+        self.awaiting_ack = self.closing_in_flight = False
 
     def on_feed(self) -> None:
         while (got := transport.recv(self.feed, 0, guard=self.guard)) is not None:
@@ -276,6 +336,12 @@ class Ingest:
                     break
                 accepted += 1
             transport.send(self.feed, P.FeedAck(accepted), to=sender)
+
+
+def _stop(signum, frame):
+    """SIGTERM: unwind the loop, so that open HTTP requests are answered before the exit."""
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a second one ends the process at once
+    raise SystemExit(128 + signum)
 
 
 def run(topo, name: str, read_stdin: bool = False, exit_when_done: bool = False, wait_for_workers: int = 0) -> int:

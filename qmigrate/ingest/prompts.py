@@ -13,9 +13,10 @@ JSONL input: one object per line with the keys
     max_new_tokens  integer >= 1
     temperature     number >= 0 (0 is greedy)
     top_p           number in (0, 1]
-    top_k           integer >= 0 (0 is off)
+    top_k           integer from 0 (off) to 2**30
     seed            integer in [0, 2**63)
-    stop            a string, or a list of strings and/or lists of token ids
+    stop            a string, or a list of strings and/or lists of token ids (at most 64,
+                    each at most 64 tokens)
     ignore_eos      boolean: generate past EOS (stop sequences still apply)
     min_tokens      integer from 0 to max_new_tokens: neither EOS nor a stop ends it sooner
 Exactly one of prompt / prompt_ids / messages. A line {"cancel": ID} (and nothing else)
@@ -25,7 +26,10 @@ generates that exact token sequence.
 
 Every problem raises PromptError with a message meant for the user and the request id.
 A prompt that leaves no room for one new token is an error; a max_new_tokens that does
-not fit the context is clamped to what fits.
+not fit the context is clamped to what fits. The bounds are the wire's (protocol.py), and a
+request that passes here is checked once more as the router will decode it (`check_prompt`),
+so what ingest accepts the router accepts. Strings must be encodable (no lone surrogates)
+and JSON at most MAX_JSON_DEPTH deep.
 """
 
 from __future__ import annotations
@@ -36,7 +40,10 @@ from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Literal
 
-MAX_SEED = 2**63
+from qmigrate.wire import protocol as P
+
+MAX_SEED = P.MAX_SEED + 1  # exclusive: seeds are in [0, 2**63)
+MAX_JSON_DEPTH = 32
 KEYS = frozenset(
     ["id", "prompt", "prompt_ids", "messages", "max_new_tokens", "temperature", "top_p",
      "top_k", "seed", "stop", "ignore_eos", "min_tokens"]
@@ -94,6 +101,44 @@ def _reject_constant(name: str):
     raise ValueError(f"{name} is not valid JSON")
 
 
+def check_json(obj) -> None:
+    """Raise ValueError for a decoded JSON value nested deeper than MAX_JSON_DEPTH or holding
+    a string that is not valid Unicode (a lone surrogate from a \\ud800 escape). Iterative:
+    a deep value cannot exhaust the stack here."""
+    stack = [(obj, 1)]
+    while stack:
+        value, depth = stack.pop()
+        if depth > MAX_JSON_DEPTH:
+            raise ValueError(f"nested deeper than {MAX_JSON_DEPTH} levels")
+        if isinstance(value, str):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError:
+                raise ValueError("a string holds a lone surrogate (not valid Unicode)") from None
+        elif isinstance(value, dict):
+            stack.extend((k, depth + 1) for k in value)
+            stack.extend((v, depth + 1) for v in value.values())
+        elif isinstance(value, list):
+            stack.extend((v, depth + 1) for v in value)
+
+
+def to_spec(prompt: Prompt, seq_id: int, seed: int, eos_ids: Collection[int]) -> P.SeqSpec:
+    """The request's full form as the router and the workers take it."""
+    return P.SeqSpec(seq_id, P.pack_i32(prompt.prompt_ids), len(prompt.prompt_ids), prompt.max_new_tokens,
+                     prompt.temperature, prompt.top_p, prompt.top_k, seed, prompt.stop_ids,
+                     [] if prompt.ignore_eos else sorted(eos_ids), min_new_tokens=prompt.min_tokens)
+
+
+def check_prompt(prompt: Prompt, eos_ids: Collection[int] = ()) -> Prompt:
+    """Raise PromptError unless the router would decode this request: the codec's own check."""
+    spec = to_spec(prompt, 1, prompt.seed if prompt.seed is not None else 0, eos_ids)
+    try:
+        P.check_wire(P.Submit([spec], [prompt.req_id], [], -1, P.pack_u8([P.ROUTE_INGEST]), [prompt.note]))
+    except P.ProtocolError as exc:
+        raise PromptError(prompt.req_id, f"the request is past the protocol's bounds: {exc}") from None
+    return prompt
+
+
 def parse_line(
     line: str,
     *,
@@ -117,14 +162,18 @@ def parse_line(
     if vocab_size is None:
         vocab_size = len(tokenizer)
     if mode == "text":
+        try:
+            check_json(line)
+        except ValueError as exc:
+            raise PromptError(req_id, str(exc)) from None
         if not line.strip():
             raise PromptError(req_id, "empty prompt")
         if chat:
             prompt_ids = encode_chat([{"role": "user", "content": line}], tokenizer, lambda m: _raise(req_id, m))
         else:
             prompt_ids = _encode_prompt(line, tokenizer, eos_ids)
-        return _fit(Prompt(req_id, prompt_ids, defaults.max_new_tokens, defaults.temperature,
-                           defaults.top_p, defaults.top_k, None, []), max_context)
+        return check_prompt(_fit(Prompt(req_id, prompt_ids, defaults.max_new_tokens, defaults.temperature,
+                                        defaults.top_p, defaults.top_k, None, []), max_context), eos_ids)
     if mode != "jsonl":
         raise ValueError(f"unknown input mode {mode!r}; expected 'text' or 'jsonl'")
 
@@ -132,8 +181,11 @@ def parse_line(
         raise PromptError(req_id, "empty line")
     try:
         obj = json.loads(line, parse_constant=_reject_constant)
+        check_json(obj)
     except ValueError as exc:
         raise PromptError(req_id, f"invalid JSON: {exc}") from None
+    except RecursionError:
+        raise PromptError(req_id, f"invalid JSON: nested deeper than {MAX_JSON_DEPTH} levels") from None
     if not isinstance(obj, dict):
         raise PromptError(req_id, f"expected a JSON object, got {type(obj).__name__}")
 
@@ -145,6 +197,8 @@ def parse_line(
     raw_id = obj.get("id")
     if raw_id is not None:
         if isinstance(raw_id, str) and raw_id:
+            if len(raw_id) > P.MAX_REQ_ID:
+                raise PromptError(req_id, f"id is longer than {P.MAX_REQ_ID} characters")
             req_id = raw_id
         elif _is_int(raw_id):
             req_id = str(raw_id)
@@ -171,6 +225,10 @@ def parse_request(
     def fail(message: str):
         raise PromptError(req_id, message)
 
+    try:
+        check_json(obj)
+    except ValueError as exc:
+        fail(str(exc))
     unknown = sorted(set(obj) - KEYS)
     if unknown:
         fail(f"unknown key {unknown[0]!r}")
@@ -194,14 +252,14 @@ def parse_request(
     if not _is_int(max_new_tokens) or max_new_tokens < 1:
         fail("max_new_tokens must be an integer >= 1")
     temperature = obj.get("temperature", defaults.temperature)
-    if not _is_number(temperature) or temperature < 0:
-        fail("temperature must be a number >= 0")
+    if not _is_number(temperature) or not 0 <= temperature <= P.MAX_TEMPERATURE:
+        fail(f"temperature must be a number from 0 to {P.MAX_TEMPERATURE:g}")
     top_p = obj.get("top_p", defaults.top_p)
     if not _is_number(top_p) or not 0 < top_p <= 1:
         fail("top_p must be a number in (0, 1]")
     top_k = obj.get("top_k", defaults.top_k)
-    if not _is_int(top_k) or top_k < 0:
-        fail("top_k must be an integer >= 0")
+    if not _is_int(top_k) or not 0 <= top_k <= P.MAX_TOP_K:
+        fail(f"top_k must be an integer from 0 (off) to {P.MAX_TOP_K}")
     seed = obj.get("seed")
     if seed is not None and (not _is_int(seed) or not 0 <= seed < MAX_SEED):
         fail("seed must be an integer in [0, 2**63)")
@@ -216,7 +274,7 @@ def parse_request(
     prompt = _fit(Prompt(req_id, prompt_ids, max_new_tokens, float(temperature), float(top_p),
                          top_k, seed, stop_ids, ignore_eos=ignore_eos, min_tokens=min_tokens), max_context)
     prompt.min_tokens = min(prompt.min_tokens, prompt.max_new_tokens)  # after a clamp to the context
-    return prompt
+    return check_prompt(prompt, eos_ids)
 
 
 def _raise(req_id: str, message: str):
@@ -277,6 +335,8 @@ def _parse_stop(value, tokenizer, vocab_size: int, fail) -> list[list[int]]:
     items = [value] if isinstance(value, str) else value
     if not isinstance(items, list):
         fail("stop must be a string or a list of strings and token id lists")
+    if len(items) > P.MAX_STOP_SEQS:
+        fail(f"stop: at most {P.MAX_STOP_SEQS} stop sequences")
     stop_ids = []
     for i, item in enumerate(items):
         name = "stop" if isinstance(value, str) else f"stop[{i}]"
@@ -288,6 +348,8 @@ def _parse_stop(value, tokenizer, vocab_size: int, fail) -> list[list[int]]:
             stop_ids.append(_check_ids(item, name, vocab_size, fail))
         else:
             fail(f"{name} must be a string or a list of token ids")
+        if len(stop_ids[-1]) > P.MAX_STOP_LEN:
+            fail(f"{name} is {len(stop_ids[-1])} tokens; a stop sequence is at most {P.MAX_STOP_LEN}")
     return stop_ids
 
 

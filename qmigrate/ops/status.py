@@ -24,14 +24,27 @@ def _gib(n) -> str:
     return f"{n / GIB:.1f}" if isinstance(n, int) and n >= 0 else "-"
 
 
+def _gib_pair(used, total) -> str:
+    """used/total GiB, without decimals from 10 GiB on (narrow enough for 80 columns)."""
+    if not (isinstance(used, int) and isinstance(total, int) and used >= 0 and total > 0):
+        return "-"
+    digits = 0 if total >= 10 * GIB else 1
+    return f"{used / GIB:.{digits}f}/{total / GIB:.{digits}f}"
+
+
+def _count(n: int) -> str:
+    return f"{n / 1e6:.1f}M" if n >= 1_000_000 else f"{n / 1e3:.0f}k" if n >= 10_000 else str(n)
+
+
 def _kv(w: dict) -> str:
     used, total = w["kv_used_tokens"], w["kv_total_tokens"]
     if not total:
         return "-"
-    return f"{used}/{total} ({100 * used / total:.0f}%)" if used >= 0 else f"?/{total}"
+    return f"{100 * used / total:.0f}% {_count(total)}" if used >= 0 else f"? {_count(total)}"
 
 
 def render(snap: dict, endpoint: str):
+    from rich import box
     from rich.console import Group
     from rich.table import Table
     from rich.text import Text
@@ -39,26 +52,28 @@ def render(snap: dict, endpoint: str):
     c = snap["router"]
     moves = ", ".join(f"{k.removeprefix('migrations_')} {v}" for k, v in c.items()
                       if k.startswith("migrations_") and v) or "none"
-    head = Text(f"router {endpoint}   queue {c.get('queued', 0)}   live {c.get('live', 0)}   "
+    head = Text(f"router {endpoint}\nqueue {c.get('queued', 0)}   live {c.get('live', 0)}   "
                 f"finished {c.get('finished', 0)}   workers {c.get('workers', 0)}\nmigrations: {moves}")
     gpus = {g["uuid"]: g for g in snap["gpus"]}
-    workers = Table(title="workers", title_justify="left")
-    for col in ("node", "worker", "device", "state", "GPU mem used/total GiB", "KV tokens used/total",
-                "owned", "leased", "batch", "tok/s"):
-        workers.add_column(col, justify="right" if col in ("owned", "leased", "batch", "tok/s") else "left")
+    # No vertical rules and one space between columns: a whole row fits in 80 columns.
+    compact = dict(title_justify="left", box=box.SIMPLE_HEAD, padding=0, show_edge=False)
+    workers = Table(title="workers (KV in tokens)", **compact)
+    for col in ("node", "worker", "device", "state", "GPU GiB", "KV", "owned", "leased", "batch", "tok/s"):
+        workers.add_column(col, justify="right" if col in ("owned", "leased", "batch", "tok/s") else "left",
+                           overflow="fold")
     for w in sorted(snap["workers"], key=lambda w: (w["node"], w["name"])):
         g = gpus.get(w["gpu_uuid"])
-        mem = f"{_gib(g['used_bytes'])}/{_gib(g['total_bytes'])}" if g else "-"
+        mem = _gib_pair(g["used_bytes"], g["total_bytes"]) if g else "-"
         style = None if w["state"] == "up" else "yellow" if w["state"] != "dead" else "dim"
         workers.add_row(w["node"], w["name"], w["device"], w["state"], mem, _kv(w), str(w["owned"]),
-                        str(w["leased"]), str(w["batch_size"]), f"{w['tokens_per_s']:.1f}", style=style)
+                        str(w["leased"]), str(w["batch_size"]), f"{w['tokens_per_s']:,.0f}", style=style)
     parts = [head, workers]
     if gpus:
-        table = Table(title="GPUs", title_justify="left")
-        for col in ("node", "index", "uuid", "used GiB", "free GiB", "total GiB", "util %"):
-            table.add_column(col)
+        table = Table(title="GPUs (GiB)", **compact)
+        for col in ("node", "index", "uuid", "used", "free", "total", "util %"):
+            table.add_column(col, overflow="fold")
         for g in sorted(gpus.values(), key=lambda g: (g["node"], g["index"])):
-            table.add_row(g["node"], str(g["index"]), g["uuid"], _gib(g["used_bytes"]), _gib(g["free_bytes"]),
+            table.add_row(g["node"], str(g["index"]), g["uuid"][:12], _gib(g["used_bytes"]), _gib(g["free_bytes"]),
                           _gib(g["total_bytes"]), str(g["util_percent"]) if g["util_percent"] >= 0 else "-")
         parts.append(table)
     return Group(*parts)

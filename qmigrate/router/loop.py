@@ -12,6 +12,7 @@ import logging
 import time
 from collections import Counter, deque
 
+import numpy as np
 import zmq
 
 from qmigrate.wire import protocol as P
@@ -20,10 +21,12 @@ from qmigrate.ops.observe import FleetObserver
 from qmigrate.router.journal import Journal, OutputLog
 from qmigrate.router.scheduler import Scheduler, WorkerState
 from qmigrate.wire.security import Guard
+from qmigrate.ops.logs import Throttled
 from qmigrate.ops.trace import tracer
 from qmigrate.ops.process import freeze_heap
 
 log = logging.getLogger("qmigrate.router")
+dropped_log = Throttled(log)
 
 POLL_S = 0.02
 MAX_BURST = 512
@@ -125,12 +128,18 @@ class Router:
             except zmq.Again:
                 return
             if len(frames) != 2:
-                log.warning("dropped a message of %d frames", len(frames))
+                dropped_log.warning("dropped a message of %d frames", len(frames))
                 self.errors["malformed"] += 1
                 continue
             sender, frame = frames
             self.frame = frame  # forwarded as is by on_tokens
-            msg = transport.parse(frame, sender.decode(errors="replace"))
+            try:
+                msg = P.decode(frame)
+            except P.ProtocolError as exc:
+                msg = None
+                dropped_log.warning("dropped malformed message from %r: %s", sender[:64], exc)
+                if exc.msg_type == P.MsgType.SUBMIT:  # answered, or ingest would send it again
+                    self.refuse_submit(sender, str(exc))
             if msg is not None and (refusal := self.guard.check(peer, msg, sender)) is not None:
                 if isinstance(msg, P.Hello):
                     self.reply(sender, P.Reject(f"refused: {refusal}"))
@@ -146,10 +155,20 @@ class Router:
                     handler(sender, msg)
                 except P.ProtocolError as exc:
                     self.errors["malformed"] += 1
-                    log.warning("dropped %s from %r: %s", type(msg).__name__, sender, exc)
+                    dropped_log.warning("dropped %s from %r: %s", type(msg).__name__, sender[:64], exc)
+                    if isinstance(msg, P.Submit):
+                        self.refuse_submit(sender, str(exc))
                 except Exception as exc:  # noqa: BLE001 -- one bad message must not stop the router
                     self.errors["handler"] += 1
-                    log.warning("dropped %s from %r: %s: %s", type(msg).__name__, sender, type(exc).__name__, exc)
+                    dropped_log.warning("dropped %s from %r: %s: %s", type(msg).__name__, sender[:64],
+                                        type(exc).__name__, exc)
+                    if isinstance(msg, P.Submit):
+                        self.refuse_submit(sender, f"{type(exc).__name__}: {exc}")
+
+    def refuse_submit(self, sender: bytes, reason: str) -> None:
+        """A Submit this router cannot take: say so, and ingest splits it (never sends it as is)."""
+        self.errors["submit_refused"] += 1
+        self.reply(sender, P.Reject(reason[:P.MAX_NOTE]))
 
     def drain_telemetry(self) -> None:
         for _ in range(MAX_BURST):
@@ -172,7 +191,7 @@ class Router:
                                    util if type(util) is int else -1)
             else:
                 self.errors["malformed"] += 1
-                log.warning("dropped a malformed VRAM report entry from %s", msg.node[:64])
+                dropped_log.warning("dropped a malformed VRAM report entry from %s", msg.node[:64])
 
     def reply(self, to: bytes, msg) -> None:
         transport.send(self.work, msg, to=to)  # dropped if that peer does not read
@@ -280,9 +299,26 @@ class Router:
 
     def on_tokens(self, sender: bytes, msg: P.Tokens) -> None:
         """A worker's new tokens, sent on the socket of its results and before them: the
-        detokenizer gets them in that order, so no result arrives here without its tokens."""
-        if self._worker(sender) is not None:
+        detokenizer gets them in that order, so no result arrives here without its tokens.
+        Only rows of sequences leased to the sender go on: a worker (or a stolen worker key)
+        cannot write into another worker's sequences, nor into one whose lease it lost."""
+        if (name := self._worker(sender)) is None:
+            return
+        seq_ids = P.unpack_i64(msg.seq_ids)
+        mine = self.sched.leased_to(name, seq_ids.tolist())
+        if all(mine):
             self.forward(self.frame)
+            return
+        num_refused = len(mine) - sum(mine)
+        self.errors["tokens_not_leased"] += num_refused
+        dropped_log.warning("dropped tokens of %d sequences not leased to worker %s", num_refused, name)
+        if any(mine):
+            keep = np.array(mine)
+            counts = P.unpack_i32(msg.counts)
+            tokens = P.unpack_i32(msg.tokens)[np.repeat(keep, counts)]
+            self.forward(P.encode(P.Tokens(P.pack_i64(seq_ids[keep]), P.pack_i32(P.unpack_i32(msg.start)[keep]),
+                                           P.pack_i32(counts[keep]), P.pack_i32(tokens),
+                                           P.pack_u8(P.unpack_u8(msg.finish)[keep]))))
 
     def on_submit(self, sender: bytes, msg: P.Submit) -> None:
         offered = msg.seqs[:self.sched.num_free]
@@ -340,6 +376,7 @@ class Router:
         counters.update(queued=len(self.sched.queue), live=len(self.sched.seqs),
                         open_leases=len(self.sched.leases),
                         workers=sum(w.alive for w in self.sched.workers.values()),
+                        serving=sum(w.alive and not w.draining for w in self.sched.workers.values()),
                         unprinted=len(self.outputs), output_backlog=len(self.backlog),
                         dropped_sends=transport.num_dropped)
         for name, w in self.sched.workers.items():

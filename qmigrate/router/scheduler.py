@@ -318,6 +318,18 @@ class Scheduler:
             self._revoke_steps(other, take, for_load_at=now)
             room -= len(take)
 
+    def leased_to(self, name: str, seq_ids) -> list[bool]:
+        """Per sequence: is its current (or chained next) step leased to `name`? Only such a
+        worker's tokens for it count."""
+        leases, seqs = self.leases, self.seqs
+        out = []
+        for sid in seq_ids:
+            seq = seqs.get(sid)
+            out.append(seq is not None and any(
+                lid is not None and (lease := leases.get(lid)) is not None and lease.worker == name
+                for lid in (seq.lease_id, seq.next_lease)))
+        return out
+
     def evicted(self, name: str, seq_ids) -> None:
         """name dropped these sequences' KV for room: they are recomputed wherever they run next."""
         for sid in seq_ids:

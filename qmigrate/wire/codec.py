@@ -18,7 +18,11 @@ from qmigrate.wire.protocol import (
     _BY_TYPE,
     MAX_ARRAY_LEN,
     MAX_MESSAGE_BYTES,
+    MAX_NEW_TOKENS,
+    MAX_SEED,
     MAX_STR,
+    MAX_TEMPERATURE,
+    MAX_TOP_K,
     ProtocolError,
     SeqSpec,
     _unpack,
@@ -37,6 +41,16 @@ def encode(msg) -> bytes:
     return msgpack.packb(body, use_bin_type=True)
 
 
+def check_wire(msg) -> None:
+    """Raise ProtocolError unless `msg` encodes and its receiver would decode it: the one
+    check of what may be sent, run by a sender on its own input (ingest on each request)."""
+    try:
+        data = encode(msg)
+    except (OverflowError, UnicodeEncodeError, ValueError, TypeError) as exc:
+        raise ProtocolError(f"{type(msg).__name__} cannot be encoded: {exc}") from None
+    decode(data)
+
+
 def decode(data: bytes):
     if len(data) > MAX_MESSAGE_BYTES:
         raise ProtocolError(f"message of {len(data)} bytes exceeds {MAX_MESSAGE_BYTES}")
@@ -52,14 +66,19 @@ def decode(data: bytes):
     cls = _BY_TYPE.get(body[0])
     if cls is None:
         raise ProtocolError(f"unknown message type {body[0]}")
-    return _build(cls, body[1:], cls.__name__)
+    try:
+        return _build(cls, body[1:], cls.__name__)
+    except ProtocolError as exc:
+        exc.msg_type = cls.TYPE  # the receiver may answer a refused message of a known type
+        raise
 
 
 # Ranges checked at decode, so no handler ever sees a number it cannot use.
 _I64 = (0, (1 << 63) - 1)
 _RANGES: dict[str, dict[str, tuple]] = {
-    "SeqSpec": {"seq_id": _I64, "prompt_len": (1, MAX_ARRAY_LEN), "max_new_tokens": (1, 1 << 30),
-                "temperature": (0.0, 1e4), "top_p": (0.0, 1.0), "top_k": (0, 1 << 30), "seed": (-1, _I64[1]),
+    "SeqSpec": {"seq_id": _I64, "prompt_len": (1, MAX_ARRAY_LEN), "max_new_tokens": (1, MAX_NEW_TOKENS),
+                "temperature": (0.0, MAX_TEMPERATURE), "top_p": (0.0, 1.0), "top_k": (0, MAX_TOP_K),
+                "seed": (-1, MAX_SEED),
                 "transfer_id": _I64, "resend_from": (-1, MAX_ARRAY_LEN)},
     "Hello": {"version": (0, 1 << 16)},
     "Welcome": {"version": (0, 1 << 16), "heartbeat_interval_s": (1e-3, 3600.0), "lease_timeout_s": (1e-3, 86400.0)},

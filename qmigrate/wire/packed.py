@@ -8,7 +8,10 @@ import numpy as np
 
 
 class ProtocolError(ValueError):
-    """Data from a peer that is not a well-formed message; the role logs it and goes on."""
+    """Data from a peer that is not a well-formed message; the role logs it and goes on.
+    `msg_type` is the message's type when that much of it was readable (else None)."""
+
+    msg_type = None
 
 
 def pack_i32(values) -> bytes:

@@ -36,9 +36,16 @@ MAX_REPLY_TEXT = 1 << 16
 # reaches the router in a few acknowledged messages, so its first leases are full ones.
 SUBMIT_MAX_SEQS = 512
 SUBMIT_MAX_IDS = 1 << 22
-
-
-
+# A request's bounds on the wire: the codec refuses a SeqSpec past them, and ingest refuses
+# such a request with its own error before it is sent (ingest.prompts uses these names).
+MAX_NEW_TOKENS = 1 << 30
+MAX_TOP_K = 1 << 30
+MAX_TEMPERATURE = 1e4
+MAX_SEED = (1 << 63) - 1
+MAX_STOP_SEQS = 64         # stop sequences of one request
+MAX_STOP_LEN = 64          # token ids of one stop sequence (and of the EOS list)
+MAX_REQ_ID = 256           # characters of a request id
+MAX_NOTE = 1024            # characters of a request's note and of an error message
 
 class MsgType(enum.IntEnum):
     HELLO = 1
@@ -166,10 +173,10 @@ class SeqSpec:
     def validate(self) -> None:
         if not 0 <= self.min_new_tokens <= max(0, self.max_new_tokens):
             raise ProtocolError("min_new_tokens out of range")
-        if len(self.stop_ids) > 64:
-            raise ProtocolError("more than 64 stop sequences")
+        if len(self.stop_ids) > MAX_STOP_SEQS:
+            raise ProtocolError(f"more than {MAX_STOP_SEQS} stop sequences")
         for ids in self.stop_ids + [self.eos_ids]:
-            if len(ids) > 64 or any(not 0 <= t <= MAX_ID for t in ids):
+            if len(ids) > MAX_STOP_LEN or any(not 0 <= t <= MAX_ID for t in ids):
                 raise ProtocolError("stop or eos ids out of range")
 
 
@@ -301,6 +308,9 @@ class Submit:
     def validate(self) -> None:
         if any(len(pair) != 2 for pair in self.errors):
             raise ProtocolError("errors: expected [req_id, message] pairs")
+        if any(len(r) > MAX_REQ_ID for r in self.req_ids) or any(len(n) > MAX_NOTE for n in self.notes) \
+                or any(len(r) > MAX_REQ_ID or len(m) > MAX_NOTE for r, m in self.errors):
+            raise ProtocolError(f"a request id over {MAX_REQ_ID} or a note over {MAX_NOTE} characters")
 
 
 @message(MsgType.SUBMIT_ACK)
@@ -494,4 +504,4 @@ def _rows_agree(name: str, seq_ids: bytes, counts: bytes, codes: bytes, tokens: 
 
 
 # Encoding and decoding live in codec.py (the checks of every field against its type and range).
-from qmigrate.wire.codec import decode, encode  # noqa: E402,F401 -- P.encode / P.decode for every role
+from qmigrate.wire.codec import check_wire, decode, encode  # noqa: E402,F401 -- P.encode / P.decode for every role

@@ -8,10 +8,12 @@ import time
 
 import zmq
 
+from qmigrate.ops.logs import Throttled
 from qmigrate.wire import protocol
 from qmigrate.wire.protocol import ProtocolError
 
 log = logging.getLogger(__name__)
+dropped_log = Throttled(log)  # malformed messages: a peer can send them as fast as it likes
 
 KV_MAX_MESSAGE_BYTES = 4 << 30
 
@@ -118,7 +120,7 @@ def parse(frame: bytes, origin: str):
     try:
         return protocol.decode(frame)
     except ProtocolError as exc:
-        log.warning("dropped malformed message from %s: %s", origin, exc)
+        dropped_log.warning("dropped malformed message from %s: %s", origin[:64], exc)
         return None
 
 

@@ -259,7 +259,8 @@ class WorkerCore:
         transfer = self.transfers.pop(spec.transfer_id, None)
         e = self.engine
         expected = (e.num_layers, 2, length - 1, e.num_kv_heads, e.head_dim)
-        if transfer is None or transfer.kv is None or tuple(transfer.kv.shape) != expected \
+        if transfer is None or transfer.kv is None or transfer.seq_id != spec.seq_id \
+                or tuple(transfer.kv.shape) != expected \
                 or not e.import_kv(spec.seq_id, transfer.kv, protect):
             e.release(spec.seq_id)
             return 0

@@ -46,9 +46,20 @@ class Worker:
         self.kv_endpoint = topo.endpoint("kv", name)
         device = self.cfg.device if self.cfg.device != "cuda" else "cuda:0"
         _share_cpu_threads(topo, self.cfg)
-        model, _ = load_model(resolve_model(topo.model.path), device, topo.model.dtype,
-                              trust_remote_code=topo.model.trust_remote_code)
-        self.core = WorkerCore(Engine(model, self.cfg.engine_config()))
+        self.ranks = None
+        if self.cfg.tensor_parallel > 1:   # N processes, this one rank 0 (worker/ranks.py)
+            from qmigrate.worker import ranks
+            path = resolve_model(topo.model.path)
+            ranks.check_model(name, path, self.cfg.tensor_parallel, topo.model.trust_remote_code)
+            self.ranks = ranks.Ranks(topo, name, path)
+            device = ranks.rank_device(device, 0)
+            model = None
+            engine = ranks.build_engine(topo, name, path, self.ranks.tp)
+        else:
+            model, _ = load_model(resolve_model(topo.model.path), device, topo.model.dtype,
+                                  trust_remote_code=topo.model.trust_remote_code)
+            engine = Engine(model, self.cfg.engine_config())
+        self.core = WorkerCore(engine)
         self.trace = self.core.trace = tracer(f"worker-{name}", topo.trace_dir)
         self.core.engine.warm_up()
         del model
@@ -261,7 +272,7 @@ class Worker:
                 return
             header = transport.parse(frames[0], "kv peer") if frames else None
             if not isinstance(header, P.KVHeader) or len(frames) != 2:
-                log.warning("dropped a malformed KV shipment")
+                transport.dropped_log.warning("dropped a malformed KV shipment")
                 continue
             self.core.receive_transfer(header.transfer_id, header.seq_id, _kv_tensor(header, frames[1]))
 
@@ -271,6 +282,8 @@ class Worker:
         self.router.close(linger=5000)
         for sock in self.peers.values():
             sock.close(linger=2000)
+        if self.ranks is not None:
+            self.ranks.stop(self.core.engine.runner)
 
     def send_router(self, msg) -> None:
         transport.send(self.router, msg)
@@ -300,7 +313,7 @@ def _share_cpu_threads(topo, cfg) -> None:
     host-side work, and a full-width thread pool per process just fights the others."""
     cores = os.cpu_count() or 1
     if cfg.device == "cpu":
-        peers = sum(1 for w in topo.workers if w.node == cfg.node and w.device == "cpu")
+        peers = sum(w.tensor_parallel for w in topo.workers if w.node == cfg.node and w.device == "cpu")
         torch.set_num_threads(max(1, cores // max(1, peers)))
     else:
         torch.set_num_threads(min(4, cores))

@@ -1,15 +1,13 @@
-"""The fast runner for the Llama family (Llama, Mistral, Qwen2 and their derivatives).
+"""The shared fast runner: static buffers, padding, CUDA graph capture and input staging,
+apart from any model's maths (engine/models/ defines those).
 
-The weights come from the loaded transformers checkpoint, with q/k/v and gate/up fused
-into one matrix each. A step is one varlen forward over every row's new tokens (no
-padding): per layer an RMSNorm fused with the residual add, one q/k/v matmul, RoPE fused
-with the write of K and V into the paged pool, attention that reads the pool in place, the
-output projection, and the MLP. Steps of decode rows only replay a CUDA graph captured
-for the next batch-size bucket. Steps that carry prompt tokens (a prefill, or decode rows
-with new prompts among them, as continuous batching runs whenever a request ends while
-others wait) replay a graph captured for the next bucket of tokens, with the rows padded
-to max_batch: run eagerly, such a step's ~250 launches took 13-22 ms of host time on an
-H100 whatever its size, several times what the device needed.
+A step is one varlen forward over every row's new tokens (no padding) through the model's
+`forward(inputs, pool, shape)`. Steps of decode rows only replay a CUDA graph captured for
+the next batch-size bucket. Steps that carry prompt tokens (a prefill, or decode rows with
+new prompts among them, as continuous batching runs whenever a request ends while others
+wait) replay a graph captured for the next bucket of tokens, with the rows padded to
+max_batch: run eagerly, such a step's ~250 launches took 13-22 ms of host time on an H100
+whatever its size, several times what the device needed.
 """
 
 from __future__ import annotations
@@ -19,16 +17,13 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
-from . import fused
 from . import paged_attention as attn
 from .batch import StepBatch
 from .kvcache import BlockPool
 
 log = logging.getLogger(__name__)
 
-FAMILY = ("llama", "mistral", "qwen2")
 GRAPH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 80, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
 # Tokens of a step with prompts. Past the last bucket the device time outgrows the host's.
 TOKEN_BUCKETS = (64, 128, 192, 256, 320, 384, 512, 640, 768, 1024, 1280, 1536, 2048, 3072, 4096)
@@ -55,56 +50,19 @@ def eager_sizes(last_bucket: int, max_tokens: int) -> list[int]:
     return list(range((last_bucket // step + 1) * step, max_tokens, step)) + [max_tokens]
 
 
-def unsupported(model, device: torch.device) -> str | None:
-    """Why the fast runner cannot run this model, or None when it can."""
-    cfg = model.config
-    kind = getattr(cfg, "model_type", "")
-    if kind not in FAMILY:
-        return f"model type {kind!r} is not one of {', '.join(FAMILY)}"
-    if getattr(cfg, "hidden_act", "silu") != "silu":
-        return f"activation {cfg.hidden_act!r} (the fast runner has SiLU only)"
-    window = getattr(cfg, "sliding_window", None)
-    if window and getattr(cfg, "use_sliding_window", True) and window < cfg.max_position_embeddings:
-        return f"sliding-window attention ({window} of {cfg.max_position_embeddings} positions)"
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    if device.type == "cuda" and head_dim & (head_dim - 1):
-        return f"head_dim {head_dim} is not a power of two"
-    base = getattr(model, "model", None)
-    if base is None or not hasattr(base, "layers") or not hasattr(base, "rotary_emb"):
-        return "the checkpoint's module layout is not the Llama one"
-    return None
+@dataclass(frozen=True, slots=True)
+class StepShape:
+    """What a model's forward needs to know of a step beyond its arrays."""
+    num_tokens: int
+    max_query_len: int      # a bound on the longest row (a graph plans for its bucket)
+    is_decode: bool
+    use_kernels: bool       # Triton kernels (CUDA or the interpreter), else the torch reference
 
 
 @dataclass(slots=True)
-class Layer:
-    ln1: torch.Tensor
-    qkv: torch.Tensor
-    qkv_bias: torch.Tensor | None
-    o: torch.Tensor
-    o_bias: torch.Tensor | None
-    ln2: torch.Tensor
-    gate_up: torch.Tensor
-    gate_up_bias: torch.Tensor | None
-    down: torch.Tensor
-    down_bias: torch.Tensor | None
+class StepInputs:
+    """A step's arrays on the device (see batch.StepBatch); the graphs' static buffers are one."""
 
-
-def _cat(*linears) -> tuple[torch.Tensor, torch.Tensor | None]:
-    weight = torch.cat([m.weight.detach() for m in linears])
-    biases = [m.bias for m in linears]
-    if all(b is None for b in biases):
-        return weight, None
-    bias = torch.cat([b.detach() if b is not None else weight.new_zeros(m.weight.shape[0])
-                      for m, b in zip(linears, biases)])
-    return weight, bias
-
-
-def _bias(m) -> torch.Tensor | None:
-    return None if m.bias is None else m.bias.detach()
-
-
-@dataclass(slots=True)
-class _Inputs:
     ids: torch.Tensor
     positions: torch.Tensor
     slots: torch.Tensor
@@ -114,35 +72,19 @@ class _Inputs:
     last: torch.Tensor
 
 
-class LlamaRunner:
+class GraphRunner:
+    """The fast runner: a model's step maths (models/) driven over the paged pool, with the
+    inputs staged into static buffers and steps replayed from CUDA graphs."""
+
     name = "fast"
 
     def __init__(self, model, *, max_batch: int = 256, max_tokens: int = 8192, cuda_graphs: bool = True):
-        cfg = model.config
-        base = model.model
-        first = base.layers[0]
-        self.num_heads = cfg.num_attention_heads
-        self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
-        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        self.scale = float(getattr(first.self_attn, "scaling", self.head_dim ** -0.5))
-        self.eps = float(first.input_layernorm.variance_epsilon)
-        self.embed = base.embed_tokens.weight.detach()
-        self.norm = base.norm.weight.detach()
-        self.lm_head = model.get_output_embeddings().weight.detach()
-        self.layers = []
-        for layer in base.layers:
-            a, m = layer.self_attn, layer.mlp
-            qkv, qkv_bias = _cat(a.q_proj, a.k_proj, a.v_proj)
-            gate_up, gate_up_bias = _cat(m.gate_proj, m.up_proj)
-            self.layers.append(Layer(layer.input_layernorm.weight.detach(), qkv, qkv_bias,
-                                     a.o_proj.weight.detach(), _bias(a.o_proj),
-                                     layer.post_attention_layernorm.weight.detach(), gate_up, gate_up_bias,
-                                     m.down_proj.weight.detach(), _bias(m.down_proj)))
-        self.device, self.dtype = self.embed.device, self.embed.dtype
-        self.cos, self.sin = fused.rope_tables(base.rotary_emb, cfg.max_position_embeddings)
-        self.vocab_size = self.lm_head.shape[0]
+        self.model = model
+        self.device, self.dtype = model.device, model.dtype
+        self.max_positions = model.max_positions
+        self.vocab_size = model.vocab_size
         self.max_batch = max_batch
-        self.use_kernels = attn.can_use_triton(self.embed)
+        self.use_kernels = attn.can_use_triton(model.embed)
         self.use_graphs = cuda_graphs and self.device.type == "cuda"
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}         # decode steps, by rows
         self.token_graphs: dict[int, torch.cuda.CUDAGraph] = {}   # steps with prompts, by tokens
@@ -180,10 +122,10 @@ class LlamaRunner:
     def _alloc_static(self) -> None:
         """The graphs' input and output buffers (they are read and written in place)."""
         pool, n = self.pool, self.max_batch
-        width = pool.blocks_for(self.cos.shape[0])
+        width = pool.blocks_for(self.max_positions)
         dev = self.device
         num_tokens = max(n, self.token_buckets[-1])
-        self.static = _Inputs(
+        self.static = StepInputs(
             ids=torch.zeros(num_tokens, dtype=torch.int64, device=dev),
             positions=torch.zeros(num_tokens, dtype=torch.int64, device=dev),
             slots=torch.full((num_tokens,), -1, dtype=torch.int64, device=dev),
@@ -208,7 +150,7 @@ class LlamaRunner:
 
     def _decode_into(self, b: int) -> None:
         s = self.static
-        view = _Inputs(s.ids[:b], s.positions[:b], s.slots[:b], s.query_start[:b + 1], s.seq_lens[:b],
+        view = StepInputs(s.ids[:b], s.positions[:b], s.slots[:b], s.query_start[:b + 1], s.seq_lens[:b],
                        s.block_table[:b], s.last[:b])
         self.static_logits[:b] = self._forward(view, b, 1, is_decode=True)
 
@@ -216,7 +158,7 @@ class LlamaRunner:
         """A step of up to `tokens` tokens in up to max_batch rows, planned for a row as long
         as the bucket (any real row is no longer)."""
         s, (query_start, last), n = self.static, self.static_rows, self.max_batch
-        view = _Inputs(s.ids[:tokens], s.positions[:tokens], s.slots[:tokens], query_start, s.seq_lens,
+        view = StepInputs(s.ids[:tokens], s.positions[:tokens], s.slots[:tokens], query_start, s.seq_lens,
                        s.block_table, last)
         self.static_logits[:n] = self._forward(view, tokens, tokens, is_decode=False)
 
@@ -260,7 +202,7 @@ class LlamaRunner:
         src = torch.as_tensor(src, dtype=torch.int64).to(self.device, non_blocking=True)
         ids.index_copy_(0, at, tokens.index_select(0, src))
 
-    def _inputs(self, batch: StepBatch, num_tokens: int | None = None, num_last: int | None = None) -> _Inputs:
+    def _inputs(self, batch: StepBatch, num_tokens: int | None = None, num_last: int | None = None) -> StepInputs:
         """The batch's arrays on the device, through pinned buffers: a copy from pageable
         memory larger than the driver's staging buffer (a prefill's ids and slots) makes the
         host wait for the step in flight, so the next step could not be built meanwhile.
@@ -275,7 +217,7 @@ class LlamaRunner:
             a = np.ascontiguousarray(a, dtype=dtype)
             host = torch.from_numpy(np.pad(a, (0, extra), constant_values=value) if extra else a)
             return (host.pin_memory() if pin else host).to(dev, non_blocking=True)
-        return _Inputs(t(batch.ids, np.int64, pad), t(batch.positions, np.int64, pad),
+        return StepInputs(t(batch.ids, np.int64, pad), t(batch.positions, np.int64, pad),
                        t(batch.slot_mapping, np.int64, pad, -1), t(batch.query_start, np.int32),
                        t(batch.seq_lens, np.int32), t(batch.block_table, np.int32),
                        t(batch.last, np.int64, pad_last))
@@ -313,36 +255,5 @@ class LlamaRunner:
         last[b:].fill_(0)
         s.seq_lens[b:].fill_(1)
 
-    def _forward(self, x: _Inputs, num_tokens: int, max_query_len: int, is_decode: bool) -> torch.Tensor:
-        pool = self.pool
-        h = F.embedding(x.ids, self.embed)
-        residual = None
-        plan = None
-        if self.use_kernels and not is_decode:
-            plan = attn.prefill_plan(x.query_start, num_tokens, max_query_len, self.num_heads,
-                                     self.num_kv_heads, self.head_dim)
-        for i, layer in enumerate(self.layers):
-            if residual is None:
-                residual, y = h, fused.rms_norm(h, layer.ln1, self.eps)
-            else:
-                y, residual = fused.add_rms_norm(h, residual, layer.ln1, self.eps)
-            qkv = F.linear(y, layer.qkv, layer.qkv_bias)
-            k_cache, v_cache = pool.kv[i, 0], pool.kv[i, 1]
-            q = fused.rope_and_write_kv(qkv, x.positions, self.cos, self.sin, k_cache, v_cache, x.slots,
-                                        self.num_heads, self.num_kv_heads, self.head_dim)
-            if not self.use_kernels:
-                o = attn.paged_attention_reference(q, k_cache, v_cache, x.query_start, x.seq_lens,
-                                                   x.block_table, self.scale)
-            elif is_decode:
-                o = attn.decode_attention(q, k_cache, v_cache, x.seq_lens, x.block_table, self.scale)
-            else:
-                o = attn.prefill_attention(q, k_cache, v_cache, x.query_start, x.seq_lens, x.block_table,
-                                           self.scale, max_query_len, plan=plan)
-            h = F.linear(o.reshape(num_tokens, -1), layer.o, layer.o_bias)
-            y, residual = fused.add_rms_norm(h, residual, layer.ln2, self.eps)
-            h = F.linear(fused.silu_and_mul(F.linear(y, layer.gate_up, layer.gate_up_bias)),
-                         layer.down, layer.down_bias)
-        if not is_decode:
-            h, residual = h[x.last], residual[x.last]
-        y, _ = fused.add_rms_norm(h, residual, self.norm, self.eps)
-        return F.linear(y, self.lm_head).float()
+    def _forward(self, x: StepInputs, num_tokens: int, max_query_len: int, is_decode: bool) -> torch.Tensor:
+        return self.model.forward(x, self.pool, StepShape(num_tokens, max_query_len, is_decode, self.use_kernels))

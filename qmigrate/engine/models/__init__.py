@@ -1,0 +1,48 @@
+"""One definition per model family over the shared layers (engine/layers/). `build` turns a
+loaded transformers checkpoint into the model the fast runner drives; `unsupported` says
+why it cannot (then the engine falls back to the transformers runner)."""
+
+from __future__ import annotations
+
+import importlib
+
+import torch
+
+from ..layers.mlp import ACTIVATIONS
+from ..layers.rotary import unsupported_rope
+
+# model_type -> module of engine/models/ that builds it
+FAMILIES = {
+    "llama": "llama", "mistral": "llama", "qwen2": "llama", "qwen3": "llama",
+    "gemma2": "gemma", "gemma3_text": "gemma",
+    "phi3": "phi3",
+}
+
+
+def family(model) -> str | None:
+    return FAMILIES.get(getattr(model.config, "model_type", ""))
+
+
+def unsupported(model, device: torch.device) -> str | None:
+    """Why the fast runner cannot run this model, or None when it can."""
+    cfg = model.config
+    kind = getattr(cfg, "model_type", "")
+    if kind not in FAMILIES:
+        return f"model type {kind!r} is not one of {', '.join(sorted(FAMILIES))}"
+    act = getattr(cfg, "hidden_activation", None) or getattr(cfg, "hidden_act", "silu")
+    if act not in ACTIVATIONS:
+        return f"activation {act!r} (the fast runner has {', '.join(ACTIVATIONS)})"
+    why = unsupported_rope(cfg)
+    if why:
+        return why
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    if device.type == "cuda" and (head_dim & (head_dim - 1) or not 16 <= head_dim <= 256):
+        return f"head_dim {head_dim} is not a power of two from 16 to 256 (the attention kernels' tiles)"
+    base = getattr(model, "model", None)
+    if base is None or not hasattr(base, "layers") or not hasattr(base, "rotary_emb"):
+        return f"the checkpoint's module layout is not the one engine/models/{FAMILIES[kind]}.py reads"
+    return None
+
+
+def build(model):
+    return importlib.import_module(f".{FAMILIES[model.config.model_type]}", __name__).build(model)

@@ -1,0 +1,33 @@
+"""Gemma 2 and Gemma 3 (text): embeddings scaled by sqrt(hidden), norms of 1 + weight before
+and after attention and MLP, GeGLU, query_pre_attn_scalar for the softmax scale, sliding
+windows on the layers their config marks, attention soft-capping (Gemma 2) or q/k norms
+(Gemma 3), a RoPE base per layer type (Gemma 3) and final-logit soft-capping."""
+
+from __future__ import annotations
+
+from ..layers.attention import Attention, layer_windows
+from ..layers.mlp import GatedMLP
+from ..layers.norms import RMSNorm
+from ..layers.rotary import tables_for
+from .base import DecoderLayer, DecoderModel, output_head
+
+MODEL_TYPES = ("gemma2", "gemma3_text")
+
+
+def build(model) -> DecoderModel:
+    cfg, base = model.config, model.model
+    max_positions = cfg.max_position_embeddings
+    tables = tables_for(model, max_positions)
+    types = cfg.layer_types
+    act = getattr(cfg, "hidden_activation", None) or cfg.hidden_act
+    layers = []
+    for i, (layer, window) in enumerate(zip(base.layers, layer_windows(cfg))):
+        rope = tables.get(types[i], tables.get(None))
+        layers.append(DecoderLayer(
+            RMSNorm.of(layer.input_layernorm), Attention.of(layer.self_attn, cfg, rope, window),
+            RMSNorm.of(layer.pre_feedforward_layernorm), GatedMLP.of(layer.mlp, act),
+            post_attn_norm=RMSNorm.of(layer.post_attention_layernorm),
+            post_mlp_norm=RMSNorm.of(layer.post_feedforward_layernorm)))
+    return DecoderModel(base.embed_tokens.weight.detach(), layers, RMSNorm.of(base.norm), output_head(model),
+                        max_positions=max_positions, embed_scale=cfg.hidden_size ** 0.5,
+                        final_softcap=float(getattr(cfg, "final_logit_softcapping", None) or 0.0))

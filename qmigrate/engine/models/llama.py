@@ -1,0 +1,28 @@
+"""Llama 2/3 (llama3 rope scaling, tied embeddings), Qwen2/2.5 (q/k/v biases), Qwen3 (q/k
+RMSNorm per head, an explicit head_dim) and Mistral (sliding window): one layout, the
+differences read from the checkpoint's modules and config."""
+
+from __future__ import annotations
+
+from ..layers.attention import Attention, layer_windows
+from ..layers.mlp import GatedMLP
+from ..layers.norms import RMSNorm
+from ..layers.rotary import tables_for
+from .base import DecoderLayer, DecoderModel, output_head
+
+MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+
+
+def build(model) -> DecoderModel:
+    cfg, base = model.config, model.model
+    max_positions = cfg.max_position_embeddings
+    tables = tables_for(model, max_positions)
+    types = getattr(cfg, "layer_types", None)
+    act = getattr(cfg, "hidden_act", "silu")
+    layers = []
+    for i, (layer, window) in enumerate(zip(base.layers, layer_windows(cfg))):
+        rope = tables.get(types[i] if types else None, tables.get(None))
+        layers.append(DecoderLayer(RMSNorm.of(layer.input_layernorm), Attention.of(layer.self_attn, cfg, rope, window),
+                                   RMSNorm.of(layer.post_attention_layernorm), GatedMLP.of(layer.mlp, act)))
+    return DecoderModel(base.embed_tokens.weight.detach(), layers, RMSNorm.of(base.norm), output_head(model),
+                        max_positions=max_positions)

@@ -1,0 +1,138 @@
+"""`qmigrate serve MODEL`: the OpenAI-compatible server on this machine, in one command.
+
+Every role runs here, started and supervised by the same launcher as `sim` and `node`: the
+router, ingest with the HTTP API, the detokenizer, one worker per visible GPU (CPU workers
+where there is none) and, on a GPU machine, the VRAM monitor. The topology is built in
+memory from the flags (or taken from --config and put on this one machine), written to a
+private temporary directory with the ipc:// sockets, and removed on exit.
+"""
+
+from __future__ import annotations
+
+import http.client
+import shutil
+import signal
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from .config import Topology, dump_topology, local_topology, parse_topology
+from .launch import Interrupted, catch_signals, ignore_signals, run_node, single_node
+
+READY_POLL_S = 0.5
+
+
+@dataclass(slots=True)
+class ServeOptions:
+    """The flags of `qmigrate serve`; None leaves the topology's (or the default) setting."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    served_model_name: str | None = None
+    gpu_memory_utilization: float | None = None
+    max_num_seqs: int | None = None
+    api_key: str | None = None
+    cpu_workers: int = 2
+
+
+def visible_gpus() -> int:
+    """CUDA devices this process may use (CUDA_VISIBLE_DEVICES applies)."""
+    try:
+        import torch
+    except ImportError:
+        return 0
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def serve_topology(opts: ServeOptions, base: Topology | None = None, num_gpus: int = 0) -> Topology:
+    """The topology `serve` runs: `base` (a --config) or a default one with a worker per GPU
+    (`cpu_workers` CPU workers if num_gpus is 0), the HTTP API on host:port, and the flags'
+    settings on every worker."""
+    if base is None:
+        device = "cuda" if num_gpus else "cpu"
+        base = local_topology(num_gpus or opts.cpu_workers, device=device)
+        data = base.to_dict()
+        if num_gpus:
+            for i, w in enumerate(data["workers"]):
+                w["name"], w["device"] = f"gpu{i}", f"cuda:{i}"
+    else:
+        data = base.to_dict()
+    ingest = data["ingest"]
+    ingest["http_host"], ingest["http_port"] = opts.host, opts.port
+    if opts.served_model_name is not None:
+        ingest["model_name"] = opts.served_model_name
+    if opts.api_key is not None:
+        ingest["api_key"] = opts.api_key
+    for w in data["workers"]:
+        if opts.gpu_memory_utilization is not None:
+            w["gpu_memory_utilization"] = opts.gpu_memory_utilization
+        if opts.max_num_seqs is not None:
+            w["max_seqs"] = opts.max_num_seqs
+    return parse_topology(data, source="serve options")
+
+
+def _loopback(host: str) -> str:
+    """Where this machine reaches a server that listens on host (a wildcard: the loopback)."""
+    return {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}.get(host, host)
+
+
+def local_url(host: str, port: int) -> str:
+    host = _loopback(host)
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+class ReadyNotice:
+    """Polls /health from the supervisor's loop; prints the URL once it answers 200."""
+
+    def __init__(self, host: str, port: int, out=None):
+        self.host, self.port, self.url = _loopback(host), port, local_url(host, port)
+        self.out = out or sys.stdout
+        self.is_ready = False
+        self.checked_at = 0.0
+
+    def __call__(self) -> None:
+        if self.is_ready or (now := time.monotonic()) - self.checked_at < READY_POLL_S:
+            return
+        self.checked_at = now
+        if health_status(self.host, self.port) == 200:
+            self.is_ready = True
+            print(f"ready: {self.url} (OpenAI API at {self.url}/v1)", file=self.out, flush=True)
+
+
+def health_status(host: str, port: int, timeout_s: float = 0.3) -> int | None:
+    conn = http.client.HTTPConnection(host, port, timeout=timeout_s)
+    try:
+        conn.request("GET", "/health")
+        return conn.getresponse().status
+    except (OSError, http.client.HTTPException):
+        return None
+    finally:
+        conn.close()
+
+
+def run_serve(topo: Topology, model_path: str, log_level: str = "warning") -> int:
+    """Serve until SIGINT or SIGTERM; every role stops with it."""
+    old = catch_signals()  # before the temp directory exists, so a signal never leaves it behind
+    tmp = None
+    try:
+        tmp = tempfile.mkdtemp(prefix="qm-serve-")
+        local = single_node(topo, tmp, model_path)
+        path = Path(tmp) / "topology.yaml"
+        dump_topology(local, path)
+        devices = sorted({w.device for w in local.workers})
+        print(f"qmigrate: serving {model_path} with {len(local.workers)} worker"
+              f"{'s' if len(local.workers) != 1 else ''} ({', '.join(devices)}); live view: "
+              f"qmigrate status {path}", file=sys.stderr, flush=True)
+        notice = ReadyNotice(local.ingest.http_host, local.ingest.http_port)
+        return run_node(local, path, "local", read_stdin=False, log_level=log_level, tick=notice)
+    except Interrupted as exc:
+        print(f"qmigrate: stopped by signal {exc.signum}", file=sys.stderr)
+        return 128 + exc.signum
+    finally:
+        ignore_signals()
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+        for s, h in old.items():
+            signal.signal(s, h)

@@ -1,0 +1,164 @@
+"""The ranks of a tensor-parallel worker (`tensor_parallel: N` in its topology section).
+
+Rank 0 is the worker process the router knows. It spawns ranks 1..N-1 as child processes
+(`python -m qmigrate.worker.ranks`), which join it through torch.distributed with a file://
+rendezvous in a private temporary directory. Every rank loads the checkpoint on the CPU,
+keeps its shard on its own device (rank r of a worker on cuda:K uses cuda:K+r) and builds
+the same engine; then the followers do what rank 0 sends them (engine/lockstep.py).
+
+Failure: rank 0 polls its followers; when one exits, it says which and why, stops the
+others and exits, so the router sees a dead worker and moves its sequences. A follower
+dies with rank 0 (the parent-death signal, and its wait for rank 0's next command fails
+once rank 0's connections close).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+from pathlib import Path
+
+import torch
+
+from qmigrate.config import dump_topology, load_topology
+from qmigrate.engine.parallel import TensorParallel
+
+log = logging.getLogger("qmigrate.worker")
+
+POLL_S = 0.5
+STOP_WAIT_S = 10.0
+
+
+def rank_device(device: str, rank: int) -> str:
+    """The device of rank `rank` of a worker whose topology device is `device`."""
+    if not device.startswith("cuda"):
+        return device
+    return f"cuda:{int(device.partition(':')[2] or 0) + rank}"
+
+
+def load_dtype(dtype: str, device: str) -> str:
+    """The dtype to load the checkpoint in on the CPU: the one the device would run ("auto":
+    bfloat16 on a GPU, float32 on the CPU)."""
+    if dtype != "auto":
+        return dtype
+    return "bfloat16" if device.startswith("cuda") else "float32"
+
+
+def build_engine(topo, name: str, model_path: str, tp: TensorParallel):
+    """This rank's engine: the checkpoint loaded on the CPU, sharded onto tp.device."""
+    from qmigrate.engine.loading import load_model
+    from qmigrate.engine.runner import Engine
+    cfg = topo.worker(name)
+    model, _ = load_model(model_path, "cpu", load_dtype(topo.model.dtype, cfg.device),
+                          trust_remote_code=topo.model.trust_remote_code)
+    return Engine(model, cfg.engine_config(), tp=tp)
+
+
+def check_model(name: str, model_path: str, world: int, trust_remote_code: bool = False) -> None:
+    """Before any rank starts: the model's heads and MLP width must divide by the world size."""
+    from transformers import AutoConfig
+    from qmigrate.engine.parallel import LayoutError, check_layout
+    cfg = AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code)
+    cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+    heads = cfg.num_attention_heads
+    try:
+        check_layout(world, heads, getattr(cfg, "num_key_value_heads", None) or heads,
+                     getattr(cfg, "intermediate_size", None) or world)
+    except LayoutError as exc:
+        raise SystemExit(f"worker {name}: {exc}") from None
+
+
+class Ranks:
+    """Rank 0's side: the followers it spawned, and the group they share."""
+
+    def __init__(self, topo, name: str, model_path: str):
+        cfg = topo.worker(name)
+        self.name, self.world = name, cfg.tensor_parallel
+        self.dir = Path(tempfile.mkdtemp(prefix=f"qm-tp-{name}-"))
+        self.is_stopping = False
+        self.procs: list[subprocess.Popen] = []
+        try:
+            topo_path = self.dir / "topology.yaml"
+            dump_topology(topo, topo_path)
+            init = f"file://{self.dir}/rendezvous"
+            parent = os.getpid()
+            for rank in range(1, self.world):
+                self.procs.append(subprocess.Popen(
+                    [sys.executable, "-m", "qmigrate.worker.ranks", str(topo_path), name, model_path, str(rank),
+                     init], preexec_fn=lambda: _die_with(parent)))
+            self.watcher = threading.Thread(target=self._watch, name="tp-ranks", daemon=True)
+            self.watcher.start()
+            self.tp = TensorParallel.init(0, self.world, init, rank_device(cfg.device, 0))
+        except BaseException:
+            self.stop()
+            raise
+
+    def _watch(self) -> None:
+        """A follower that exits takes the worker down: rank 0 may be waiting on it inside a
+        collective that would never end, so this exits the process from here."""
+        while not self.is_stopping:
+            for rank, proc in enumerate(self.procs, start=1):
+                code = proc.poll()
+                if code is not None and not self.is_stopping:
+                    print(f"worker {self.name}: tensor-parallel rank {rank} exited (code {code}); "
+                          f"stopping the worker", file=sys.stderr, flush=True)
+                    self._kill_all()
+                    os._exit(1)
+            threading.Event().wait(POLL_S)
+
+    def stop(self, leader=None) -> None:
+        """Leaving on purpose: tell the followers to stop (when they are following), then wait."""
+        self.is_stopping = True
+        if leader is not None:
+            try:
+                leader.stop()
+            except RuntimeError as exc:   # a follower already gone
+                log.warning("tensor-parallel stop: %s", exc)
+        for proc in self.procs:
+            try:
+                proc.wait(STOP_WAIT_S)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+    def _kill_all(self) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.kill()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def _die_with(parent: int) -> None:
+    """In a follower before exec: SIGTERM when rank 0 dies, even by SIGKILL."""
+    from qmigrate.launch import PR_SET_PDEATHSIG, _LIBC
+    if _LIBC is not None:
+        _LIBC.prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+    if os.getppid() != parent:
+        os._exit(1)
+
+
+def follow(topo_path: str, name: str, model_path: str, rank: int, init_method: str) -> int:
+    """A follower rank's whole life: join, build the same engine as rank 0, follow it."""
+    from qmigrate.engine import lockstep
+    topo = load_topology(topo_path)
+    cfg = topo.worker(name)
+    logging.basicConfig(level=logging.WARNING, format=f"%(asctime)s worker {name} rank {rank}: %(message)s")
+    from qmigrate.worker.loop import _share_cpu_threads
+    _share_cpu_threads(topo, cfg)
+    tp = TensorParallel.init(rank, cfg.tensor_parallel, init_method, rank_device(cfg.device, rank))
+    engine = build_engine(topo, name, model_path, tp)
+    lockstep.follow(engine)
+    tp.close()
+    return 0
+
+
+if __name__ == "__main__":
+    topo_path, worker_name, path, rank_text, init = sys.argv[1:6]
+    sys.exit(follow(topo_path, worker_name, path, int(rank_text), init))

@@ -1,0 +1,173 @@
+"""`qmigrate serve`: the topology it builds from its flags, and the real command on the CPU
+with the tiny model (health 503 then 200, a completion, SIGTERM stops every process)."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import free_ports  # noqa: E402
+from qmigrate.config import local_topology
+from qmigrate.serve import ServeOptions, local_url, serve_topology
+from test_fleet import _roles_of
+from test_signals import _alive, _kill_session, _wait
+
+
+# --- the topology -------------------------------------------------------------------------
+
+def test_one_worker_per_visible_gpu_with_the_monitor_and_the_flags():
+    opts = ServeOptions(host="0.0.0.0", port=9001, served_model_name="m", gpu_memory_utilization=0.8,
+                        max_num_seqs=256, api_key="k")
+    topo = serve_topology(opts, num_gpus=3)
+    assert [(w.name, w.device, w.max_seqs, w.gpu_memory_utilization) for w in topo.workers] == [
+        (f"gpu{i}", f"cuda:{i}", 256, 0.8) for i in range(3)]
+    assert topo.node("local").monitor
+    i = topo.ingest
+    assert (i.http_host, i.http_port, i.model_name, i.api_key) == ("0.0.0.0", 9001, "m", "k")
+
+
+def test_cpu_workers_when_there_is_no_gpu_and_defaults_where_no_flag_is_given():
+    topo = serve_topology(ServeOptions(cpu_workers=3), num_gpus=0)
+    assert [w.device for w in topo.workers] == ["cpu"] * 3
+    assert not topo.node("local").monitor
+    defaults = local_topology(1).workers[0]
+    assert topo.workers[0].max_seqs == defaults.max_seqs
+    assert (topo.ingest.http_host, topo.ingest.http_port, topo.ingest.api_key) == ("127.0.0.1", 8000, None)
+
+
+def test_a_config_keeps_its_workers_and_takes_the_flags():
+    base = local_topology(2, device="cuda")
+    topo = serve_topology(ServeOptions(port=8123, max_num_seqs=32), base, num_gpus=8)
+    assert [(w.name, w.device, w.max_seqs) for w in topo.workers] == [("w1", "cuda", 32), ("w2", "cuda", 32)]
+    assert topo.ingest.http_port == 8123
+
+
+def test_a_wildcard_host_is_reached_on_the_loopback():
+    assert local_url("0.0.0.0", 80) == "http://127.0.0.1:80"
+    assert local_url("::", 80) == "http://[::1]:80"
+    assert local_url("10.0.0.5", 80) == "http://10.0.0.5:80"
+
+
+def test_serve_without_a_model_or_config_says_what_it_needs(qmigrate):
+    run = qmigrate("serve", timeout=60)
+    assert run.returncode == 2 and "give a MODEL" in run.stderr
+
+
+# --- the real command -----------------------------------------------------------------------
+
+def _get(port: int, path: str, timeout_s: float = 2.0) -> tuple[int | None, dict]:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout_s)
+    try:
+        conn.request("GET", path)
+        resp = conn.getresponse()
+        return resp.status, json.loads(resp.read() or b"{}")
+    except (OSError, http.client.HTTPException):
+        return None, {}
+    finally:
+        conn.close()
+
+
+def _complete(port: int, body: dict, headers: dict | None = None) -> tuple[int, dict]:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    try:
+        conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json", **(headers or {})})
+        resp = conn.getresponse()
+        return resp.status, json.loads(resp.read())
+    finally:
+        conn.close()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_serve_on_the_cpu_answers_once_ready_and_sigterm_stops_everything(tiny_model_dir, tmp_path):
+    (port,) = free_ports(1)
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    proc = subprocess.Popen([sys.executable, "-m", "qmigrate", "serve", str(tiny_model_dir), "--port", str(port),
+                             "--cpu-workers", "1", "--served-model-name", "tiny", "--api-key", "k"],
+                            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "TMPDIR": str(tmp)}, start_new_session=True)
+    try:
+        seen = []
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and proc.poll() is None:
+            status, body = _get(port, "/health")
+            seen.append(status)
+            if status == 200:
+                break
+            if status == 503:
+                assert body["status"] == "starting" and body["workers"] == 0
+            time.sleep(0.1)
+        assert seen[-1] == 200, f"never healthy: {seen[-5:]}, exit {proc.poll()}"
+        assert set(seen) <= {None, 503, 200}
+        assert proc.stdout.readline().startswith(f"ready: http://127.0.0.1:{port}")
+        status, body = _complete(port, {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 4})
+        assert status == 401  # --api-key
+        status, body = _complete(port, {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 4},
+                                 {"Authorization": "Bearer k"})
+        assert status == 200 and body["usage"]["completion_tokens"] == 4, body
+        roles = [pid for pid in _roles_of(proc).values() if pid != proc.pid]
+        assert len(roles) >= 4, _roles_of(proc)  # router, ingest, detokenizer, the worker
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=30)
+        assert proc.returncode == 128 + signal.SIGTERM, err
+        assert "Traceback" not in err, err
+        assert _wait(lambda: not _alive(roles), 10), f"roles left running: {_alive(roles)}"
+        assert list(tmp.iterdir()) == [], "the temp directory was left behind"
+    finally:
+        _kill_session(proc)
+
+
+def _has_cuda() -> bool:
+    import torch
+    return torch.cuda.is_available()
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(600)
+@pytest.mark.skipif(not _has_cuda(), reason="needs a CUDA GPU")
+def test_serve_on_the_gpus_with_defaults_answers_with_the_monitor_on(tiny_model_dir, tmp_path):
+    """No flag but the port: a worker per GPU whose KV pool fills it, the VRAM monitor's reports
+    at the router, and still a completion (the fleet's own memory is not pressure)."""
+    from qmigrate.config import load_topology
+    from qmigrate.wire import protocol as P
+    from qmigrate.wire import transport
+    (port,) = free_ports(1)
+    err_path = tmp_path / "serve.err"
+    with open(err_path, "w") as err_file:  # a file: nothing blocks on a full pipe while it serves
+        proc = subprocess.Popen([sys.executable, "-m", "qmigrate", "serve", str(tiny_model_dir), "--port", str(port)],
+                                stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=err_file, text=True,
+                                start_new_session=True)
+    try:
+        assert _wait(lambda: (re.search(r"qmigrate status (\S+)", err_path.read_text())), 120), \
+            err_path.read_text()
+        topology = re.search(r"qmigrate status (\S+)", err_path.read_text()).group(1)
+        assert proc.stdout.readline().startswith(f"ready: http://127.0.0.1:{port}")
+        router = load_topology(topology).endpoint("router").connect
+
+        def stats():
+            return transport.request(router, P.StatsRequest(), timeout_s=5, expect=P.Stats)
+        assert _wait(lambda: stats().gpus, 30), "no VRAM report reached the router"
+        time.sleep(2.0)  # a few more reports, each applied to the workers' admission
+        status, body = _complete(port, {"model": tiny_model_dir.name, "prompt": [5, 6, 7], "max_tokens": 8})
+        assert status == 200 and body["usage"]["completion_tokens"] == 8, body
+        import torch
+        from qmigrate.ops.observe import WORKER_COLUMNS, as_dicts
+        reply = stats()
+        assert reply.counters["workers"] == torch.cuda.device_count()
+        workers = as_dicts(WORKER_COLUMNS, reply.workers)
+        assert all(w["state"] == "up" for w in workers), workers  # not memory-short, may take prompts
+        proc.send_signal(signal.SIGINT)  # Ctrl-C
+        proc.communicate(timeout=60)
+        err = err_path.read_text()
+        assert proc.returncode == 128 + signal.SIGINT and "Traceback" not in err, err
+    finally:
+        _kill_session(proc)

@@ -1,0 +1,135 @@
+"""What each rank of the in-process tensor-parallel tests runs (a spawned process per rank).
+
+Rank 0 runs every case on a tensor-parallel engine and on a one-rank engine of the same
+model, and checks them against each other and against transformers' generate(); the other
+ranks follow it. Rank 0 writes what it found to `out` as JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import traceback
+
+import torch
+
+from qmigrate.engine import lockstep
+from qmigrate.engine.parallel import TensorParallel
+from qmigrate.engine.runner import Engine, StepRow
+
+NUM_NEW = 6
+MORE = 4     # tokens decoded after a KV move
+FAMILIES = {
+    "llama": dict(hidden_size=64, intermediate_size=96, num_attention_heads=8, num_key_value_heads=2,
+                  attention_bias=True, mlp_bias=True),
+    "mistral": dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=4,
+                    sliding_window=None),
+    "qwen2": dict(hidden_size=64, intermediate_size=64, num_attention_heads=4, num_key_value_heads=1),
+    "qwen3": dict(hidden_size=64, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=32),
+}
+
+
+def random_model(family: str):
+    """A random model of the family, the same on every rank (seeded)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    cfg = AutoConfig.for_model(family, vocab_size=101, num_hidden_layers=2, max_position_embeddings=128,
+                               tie_word_embeddings=False, **FAMILIES[family])
+    torch.manual_seed(11)
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa").float().eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.5 if p.dim() > 1 else 0.1)
+            if p.dim() == 1 and p.shape[0] == cfg.hidden_size:
+                p.add_(1.0)   # norms near one
+    return model
+
+
+def prompts_for(vocab: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(3)
+    return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in (5, 17, 9)]
+
+
+def greedy(engine: Engine, prompts, num_new: int, first_id: int = 0, starts=None) -> list[list[int]]:
+    """Greedy tokens of each prompt: a prefill (from `starts` when KV is already there), then
+    decode steps whose input is fed on the device from the step before."""
+    starts = list(starts or [0] * len(prompts))
+    rows = [StepRow(first_id + i, list(p[s:]), s, 0) for i, (p, s) in enumerate(zip(prompts, starts))]
+    pending, out = engine.launch(rows), [[] for _ in prompts]
+    pos = [len(p) for p in prompts]
+    for step in range(1, num_new):
+        rows = [StepRow(first_id + i, [], pos[i] + step - 1, step) for i in range(len(prompts))]
+        nxt = engine.launch(rows, after=pending)
+        for o, t in zip(out, engine.collect(pending)):
+            o.append(t)
+        pending = nxt
+    for o, t in zip(out, engine.collect(pending)):
+        o.append(t)
+    return out
+
+
+def generate(model, prompt, n):
+    from transformers import GenerationConfig
+    ids = torch.tensor([prompt])
+    cfg = GenerationConfig(max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0)
+    return model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=cfg)[0, len(prompt):].tolist()
+
+
+def recorded(engine: Engine) -> list[torch.Tensor]:
+    logits, forward = [], engine.runner.forward
+
+    def spy(batch, feed=None):
+        out = forward(batch) if feed is None else forward(batch, feed=feed)
+        logits.append(out.clone())
+        return out
+    engine.runner.forward = spy
+    return logits
+
+
+def check_case(model, tp: TensorParallel) -> dict:
+    kw = dict(runner="fast", max_len=64, max_kv_tokens=512)
+    sharded = Engine(model, tp=tp, **kw)
+    if not tp.is_leader:
+        lockstep.follow(sharded)
+        return {}
+    one = Engine(model, **kw)
+    prompts = prompts_for(model.config.vocab_size)
+    got_logits, ref_logits = recorded(sharded), recorded(one)
+    got, ref = greedy(sharded, prompts, NUM_NEW), greedy(one, prompts, NUM_NEW)
+    expected = [generate(model, p, NUM_NEW + MORE) for p in prompts]
+    diff = max(float((a - b).abs().max()) for a, b in zip(got_logits, ref_logits))
+    steps = len(got_logits)
+    scale = max(float(b.abs().max()) for b in ref_logits)
+    # KV moves both ways: ranks -> one, then one -> ranks
+    p = prompts[1]
+    n = len(p) + NUM_NEW - 1          # the last sampled token is not in the KV yet
+    kv = sharded.export_kv(1)
+    one_kv = one.export_kv(1)
+    moved = {"kv_diff": float((kv - one_kv).abs().max()), "kv_scale": float(one_kv.abs().max())}
+    sharded.release(1)
+    one.release(1)
+    cont = p + got[1]
+    assert one.import_kv(50, kv)
+    moved["to_one"] = greedy(one, [cont], MORE, first_id=50, starts=[n])[0]
+    assert sharded.import_kv(60, one_kv)
+    moved["to_ranks"] = greedy(sharded, [cont], MORE, first_id=60, starts=[n])[0]
+    sharded.runner.stop()
+    return {"got": got, "ref": ref, "expected": [e[:NUM_NEW] for e in expected], "max_logit_diff": diff, "logit_scale": scale,
+            "steps": steps, "moved": moved, "moved_expected": expected[1][NUM_NEW:],
+            "kv_shape": list(kv.shape)}
+
+
+def run_rank(rank: int, world: int, init_method: str, tiny_dir: str, out: str) -> None:
+    torch.set_num_threads(1)
+    result = {}
+    try:
+        tp = TensorParallel.init(rank, world, init_method, "cpu")
+        from qmigrate.engine.loading import load_model
+        cases = {"tiny": lambda: load_model(tiny_dir, "cpu")[0]}
+        cases.update({f: (lambda f=f: random_model(f)) for f in FAMILIES})
+        for name, make in cases.items():
+            result[name] = check_case(make(), tp)
+        tp.close()
+    except Exception:  # noqa: BLE001 -- the test reads the traceback
+        result["error"] = traceback.format_exc()
+    if rank == 0:
+        with open(out, "w") as f:
+            json.dump(result, f)
