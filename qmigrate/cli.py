@@ -192,9 +192,11 @@ def serve(
     visible GPU (CUDA_VISIBLE_DEVICES applies), CPU workers when there is none, the VRAM
     monitor on a GPU machine. Prints "ready: URL" once a worker can serve."""
     from .config import ConfigError
-    from .serve import ServeOptions, run_serve, serve_topology, visible_gpus
+    from .serve import ServeOptions, port_problem, run_serve, serve_topology, visible_gpus
     if model is None and config is None:
         _fail("give a MODEL (a directory, smollm2 or a hub name) or --config TOPOLOGY")
+    if (problem := port_problem(host, port)) is not None:
+        _fail(problem, 1)
     base = _load(config) if config is not None else None
     opts = ServeOptions(host, port, served_model_name, gpu_memory_utilization, max_num_seqs, api_key, cpu_workers)
     try:

@@ -157,6 +157,7 @@ class WorkerConfig(_Section):
     cpu_kv_gib: float = _f(2.0, _positive)
     cuda_graphs: bool = _f(True, _boolean)
     prefill_chunk: int = _f(512, _non_negative)   # 0: a prompt fills its KV in one forward
+    prefix_cache: bool = _f(True, _boolean)      # reuse cached KV of shared prompt prefixes
     transfer_wait_s: float = _f(2.0, _positive)   # a lease waits this long for KV shipments, then recomputes
     # a lone lease on the device waits this long for the next one before it is collected
     chain_wait_s: float = _f(0.002, _number("a number >= 0", lambda x: x >= 0))
@@ -170,7 +171,7 @@ class WorkerConfig(_Section):
                             gpu_memory_utilization=self.gpu_memory_utilization,
                             cpu_kv_bytes=int(self.cpu_kv_gib * 2**30), max_batch=self.max_seqs,
                             max_batch_tokens=self.max_tokens, cuda_graphs=self.cuda_graphs,
-                            prefill_chunk=self.prefill_chunk)
+                            prefill_chunk=self.prefill_chunk, prefix_cache=self.prefix_cache)
 
 
 @dataclass(frozen=True, slots=True)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import http.client
 import shutil
 import signal
+import socket
 import sys
 import tempfile
 import time
@@ -99,6 +100,19 @@ class ReadyNotice:
         if health_status(self.host, self.port) == 200:
             self.is_ready = True
             print(f"ready: {self.url} (OpenAI API at {self.url}/v1)", file=self.out, flush=True)
+
+
+def port_problem(host: str, port: int) -> str | None:
+    """Why the API could not listen on host:port (taken, or no such address); None if it can.
+    Checked before any role starts, so a taken port costs no model load."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the server sets it
+            probe.bind(address)
+    except OSError as exc:
+        return f"cannot serve on {host}:{port}: {exc.strerror or exc}"
+    return None
 
 
 def health_status(host: str, port: int, timeout_s: float = 0.3) -> int | None:

@@ -77,13 +77,15 @@ def test_sim_jsonl_past_the_wire_bounds(tmp_path, tiny_model_dir):
         "deep": '{"id": "deep", "prompt": "x", "stop": ' + "[" * 1000 + "]" * 1000 + "}",
     }
     good = [json.dumps({"id": f"g{i}", "prompt_ids": [1, 7 + i, 9], "max_new_tokens": 3}) for i in range(3)]
-    lines = [good[0], *bad.values(), good[1], "\\xff", good[2]]
+    dup = '{"id": "dup", "prompt": " "}'  # two errors under one id: before, the second was lost and sim never ended
+    lines = [good[0], *bad.values(), good[1], "\\xff", good[2], dup, dup]
     rc, records, err = _sim(_topology(tmp_path, tiny_model_dir, "jsonl"), ("\n".join(lines) + "\n").encode())
     assert rc == 0 and "Traceback" not in err, err[-3000:]
     finals = {r["id"]: r for r in records if r.get("done")}
     for i in range(3):
         assert "error" not in finals[f"g{i}"] and len(finals[f"g{i}"]["token_ids"]) == 3, finals
     errors = {r["id"]: r["error"] for r in records if "error" in r}
+    assert [r["id"] for r in records if "error" in r].count("dup") == 2
     # "sur" and "deep" are refused before their id is read: named by their line number
     assert {"topk", "topk64", "stops", "stoplen", "6", "7", "9"} <= set(errors), errors
     assert "top_k" in errors["topk"] and "top_k" in errors["topk64"] and "surrogate" in errors["6"]
@@ -151,7 +153,8 @@ def test_ingest_splits_a_refused_submit_and_the_rest_go_on(topo):
                 break
         admitted = {router.outputs.req_ids[s] for s in router.sched.seqs}
         assert admitted == {f"r{i}" for i in range(12)} - {"r7"}, admitted
-        assert list(router.outputs.errors) == ["r7"] and "top_k" in router.outputs.errors["r7"]
+        (req_id, message), = router.outputs.errors.values()
+        assert req_id == "r7" and "top_k" in message
     finally:
         _close(ingest.router, ingest.feed, ingest.replies, router.work, router.telemetry, router.detok)
 

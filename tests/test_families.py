@@ -53,6 +53,20 @@ def test_every_family_is_supported_with_a_reason_when_not(family):
         model.config.model_type = saved
 
 
+def test_an_unsupported_rope_type_is_named_and_fast_refuses_it():
+    """Dynamic NTK scaling changes every frequency with the length: `auto` falls back with
+    that reason, `fast` refuses the model with it."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from families import SMALL
+    cfg = LlamaConfig(**SMALL, rope_parameters={"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0})
+    model = LlamaForCausalLM(cfg).eval()
+    reason = models.unsupported(model, torch.device("cpu"))
+    assert reason is not None and "'dynamic'" in reason
+    with pytest.raises(ValueError, match="dynamic"):
+        Engine(model, runner="fast", max_kv_tokens=256)
+    assert Engine(model, runner="auto", max_kv_tokens=256).runner.name == "hf"
+
+
 @torch.inference_mode()
 def test_logits_equal_the_transformers_forward(family):
     """A prompt's prefill, then decode steps fed the next ids: each step's logits against the

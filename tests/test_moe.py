@@ -4,11 +4,13 @@ interpreter on the CPU) against the per-expert reference, and the active-weight 
 from __future__ import annotations
 
 import os
+import sys
 
 import pytest
 import torch
 
-if not torch.cuda.is_available():
+if not torch.cuda.is_available() and "triton" not in sys.modules:
+    # must precede the first import of triton (and of our kernels) in this process
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from qmigrate.engine.layers import moe as M  # noqa: E402
@@ -55,7 +57,6 @@ def test_grouped_gemm_equals_the_per_expert_reference(num_tokens):
 
 
 def test_active_weight_bytes_count_the_experts_a_batch_hits(tmp_path):
-    import sys
     sys.path.insert(0, os.path.dirname(__file__))
     from families import build_family_model
     from qmigrate.engine import models
@@ -84,3 +85,22 @@ def test_bench_moe_model_runs_on_the_fast_runner_and_its_floor_counts_active_exp
     assert len(engine.step([StepRow(1, [1, 5, 9, 12], 0, 0)])) == 1
     floor = _step_bytes(engine, weight_bytes)
     assert floor(1) < floor(8) < weight_bytes
+
+
+@pytest.mark.skipif(torch.cuda.is_available() or not KERNELS, reason="the interpreter's run of the GPU path")
+@pytest.mark.parametrize("name", ["qwen2_moe", "gemma2"])
+def test_families_through_the_kernels_under_the_interpreter(name, monkeypatch):
+    """The path a GPU runs (the grouped GEMM; attention kernels with windows and soft-capping)
+    against transformers in fp32, under triton's interpreter."""
+    sys.path.insert(0, os.path.dirname(__file__))
+    from families import build_family_model
+    from test_families import test_logits_equal_the_transformers_forward
+    calls = []
+    for fn in ("prefill_attention", "decode_attention"):
+        real = getattr(pa, fn)
+        monkeypatch.setattr(pa, fn, lambda *a, _real=real, _fn=fn, **k: calls.append(_fn) or _real(*a, **k))
+    real_gemm = M.grouped_gemm
+    monkeypatch.setattr(M, "grouped_gemm", lambda *a, **k: calls.append("grouped") or real_gemm(*a, **k))
+    test_logits_equal_the_transformers_forward((name, build_family_model(name)))
+    assert {"prefill_attention", "decode_attention"} <= set(calls)
+    assert ("grouped" in calls) == (name == "qwen2_moe")

@@ -63,6 +63,17 @@ def test_serve_without_a_model_or_config_says_what_it_needs(qmigrate):
     assert run.returncode == 2 and "give a MODEL" in run.stderr
 
 
+def test_a_taken_port_is_one_line_before_anything_starts(qmigrate, tiny_model_dir):
+    import socket
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        run = qmigrate("serve", str(tiny_model_dir), "--port", str(port), timeout=60)
+    assert run.returncode == 1 and run.stderr.startswith(f"error: cannot serve on 127.0.0.1:{port}"), run.stderr
+    assert "serving" not in run.stderr
+
+
 # --- the real command -----------------------------------------------------------------------
 
 def _get(port: int, path: str, timeout_s: float = 2.0) -> tuple[int | None, dict]:

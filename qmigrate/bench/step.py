@@ -131,9 +131,11 @@ def run_decode_steps(model_path: str, device: str, batches: list[int], context: 
                         "gpu_x_floor": gpu_ms / floor_ms, "mixed_ms": mixed_ms, "prefill_ms": prefill_ms,
                         "mixed_gpu_ms": mixed_gpu_ms,
                         "mixed_prompt": MIXED_PROMPT})
-    lines = [f"{'batch':>5} {'floor ms':>8} {'step ms':>8} {'x floor':>8} {'overlap':>8} {'x floor':>8} {'gpu ms':>8} {'x floor':>8}"
+    lines = [f"{'batch':>5} {'floor ms':>8} {'step ms':>8} {'x floor':>8} {'overlap':>8} {'x floor':>8}"
+             f" {'gpu ms':>8} {'x floor':>8}"
              f" {'mixed':>8} {'mix gpu':>8} {'prefill':>8}"]
-    lines += [f"{x['batch']:5d} {x['floor_ms']:8.3f} {x['step_ms']:8.2f} {x['step_x_floor']:8.1f} {x['overlap_ms']:8.2f} "
+    lines += [f"{x['batch']:5d} {x['floor_ms']:8.3f} {x['step_ms']:8.2f} {x['step_x_floor']:8.1f} "
+              f"{x['overlap_ms']:8.2f} "
               f"{x['overlap_x_floor']:8.1f} {x['gpu_ms']:8.2f} {x['gpu_x_floor']:8.1f} "
               f"{x['mixed_ms']:8.2f} {x['mixed_gpu_ms']:8.2f} {x['prefill_ms']:8.2f}" for x in results]
     floors = sorted({round(x["floor_ms"], 3) for x in results})

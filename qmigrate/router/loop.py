@@ -32,7 +32,10 @@ POLL_S = 0.02
 MAX_BURST = 512
 METRICS_INTERVAL_S = 1.0
 STRANDED_NOTICE_S = 5.0  # requests waiting this long with no worker get one line on stderr
-MAX_BACKLOG = 100_000  # messages for the detokenizer held here while it does not read
+# Messages for the detokenizer held here while it does not read: past either bound, no new
+# request is admitted (a Submit is deferred) until it reads again. Nothing is ever dropped.
+MAX_BACKLOG = 100_000
+MAX_BACKLOG_BYTES = 256 << 20
 
 
 class Router:
@@ -48,6 +51,7 @@ class Router:
         self.telemetry.setsockopt(zmq.SUBSCRIBE, b"")
         self.detok = transport.socket(zmq.PUSH, connect=topo.endpoint("detokenizer").connect, hwm=100_000)
         self.backlog: deque[bytes] = deque()
+        self.backlog_bytes = 0
         self.outputs = OutputLog()
         self.journal = Journal(rc.journal) if rc.journal else None
         self.identity: dict[str, bytes] = {}
@@ -197,12 +201,15 @@ class Router:
         transport.send(self.work, msg, to=to)  # dropped if that peer does not read
 
     def forward(self, frame: bytes) -> None:
-        """To the detokenizer, in order; held here while it does not read (never dropped)."""
+        """To the detokenizer, in order; held here while it does not read (never dropped: a
+        full backlog stops admission instead, see on_submit)."""
         if self.backlog or not transport.send_frame(self.detok, frame, what="detokenizer message"):
-            if len(self.backlog) >= MAX_BACKLOG:
-                self.backlog.popleft()  # only results of leases already out can get here
-                self.sched.counters["output_dropped"] += 1
             self.backlog.append(frame)
+            self.backlog_bytes += len(frame)
+
+    @property
+    def is_backlog_full(self) -> bool:
+        return len(self.backlog) >= MAX_BACKLOG or self.backlog_bytes >= MAX_BACKLOG_BYTES
 
     def flush_backlog(self) -> None:
         while self.backlog:
@@ -210,7 +217,7 @@ class Router:
                 self.detok.send(self.backlog[0], zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
-            self.backlog.popleft()
+            self.backlog_bytes -= len(self.backlog.popleft())
 
     def resend_outputs(self) -> None:
         """Everything the detokenizer may lack (it restarted, or this router did); what it
@@ -224,8 +231,8 @@ class Router:
                 made = seq.token_ids[seq.spec.prompt_len:]
                 self.forward(P.encode(P.Tokens(P.pack_i64([sid]), P.pack_i32([0]), P.pack_i32([len(made)]),
                                                P.pack_i32(made), P.pack_u8([0]))))
-        for req_id, message in self.outputs.errors.items():
-            self.forward(P.encode(P.RequestError(req_id, message)))
+        for error in self.outputs.error_messages():
+            self.forward(P.encode(error))
         if self.outputs.num_requests >= 0:
             self.forward(P.encode(P.InputClosed(self.outputs.num_requests)))
 
@@ -321,6 +328,12 @@ class Router:
                                            P.pack_u8(P.unpack_u8(msg.finish)[keep]))))
 
     def on_submit(self, sender: bytes, msg: P.Submit) -> None:
+        if self.is_backlog_full:
+            # The detokenizer is not reading: admit nothing (its names, errors and end would
+            # only add to what waits for it); ingest keeps the Submit and sends it later.
+            self.sched.counters["submits_deferred"] += 1
+            self.reply(sender, P.SubmitAck(0, 0, is_deferred=True))
+            return
         offered = msg.seqs[:self.sched.num_free]
         for spec in offered:
             spec.ids  # validates the packed ids
@@ -339,8 +352,9 @@ class Router:
                 self.serve_parked(time.monotonic())
             for spec in new.seqs:
                 self.forward(P.encode(self.outputs.meta(spec.seq_id)))
-            for req_id, message in new.errors:
-                self.forward(P.encode(P.RequestError(req_id, message)))
+            numbers = P.unpack_i64(new.error_ids).tolist()
+            for (req_id, message), number in zip(new.errors, numbers):
+                self.forward(P.encode(P.RequestError(req_id, message, number)))
             if new.num_requests >= 0:
                 self.forward(P.encode(P.InputClosed(new.num_requests)))
         self.reply(sender, P.SubmitAck(taken, self.sched.num_free))
@@ -352,6 +366,7 @@ class Router:
     def on_resync(self, sender: bytes, msg: P.Resync) -> None:
         log.info("the detokenizer (pid %d) asks for everything not yet printed", msg.pid)
         self.backlog.clear()  # it is all sent again below
+        self.backlog_bytes = 0
         self.resend_outputs()
 
     def on_printed(self, sender: bytes, msg: P.Printed) -> None:

@@ -91,6 +91,7 @@ _RANGES: dict[str, dict[str, tuple]] = {
     "Submit": {"num_requests": (-1, _I64[1])},
     "SubmitAck": {"num_accepted": _I64, "num_free": _I64},
     "RequestMeta": {"seq_id": _I64},
+    "RequestError": {"seq_id": (-1, _I64[1])},
     "InputClosed": {"num_requests": _I64},
     "ShipKV": {"seq_id": _I64, "transfer_id": _I64, "num_tokens": (0, MAX_ARRAY_LEN)},
     "KVHeader": {"transfer_id": _I64, "seq_id": _I64, "num_tokens": (0, MAX_ARRAY_LEN)},
@@ -103,7 +104,8 @@ _ARRAYS = {"seq_ids": ("<i8", True), "drop_ids": ("<i8", True), "evicted_ids": (
            "lease_ids": ("<i8", True), "token_ids": ("<i4", True), "prompt_ids": ("<i4", True),
            "tokens": ("<i4", True), "counts": ("<i4", True), "start": ("<i4", True),
            "lengths": ("<i4", False), "last_tokens": ("<i4", False), "status": ("u1", False),
-           "finish": ("u1", False), "routes": ("u1", False)}
+           "finish": ("u1", False), "routes": ("u1", False),
+           "error_ids": ("<i8", False)}
 _NAMES = {"name": 256, "role": 64, "node": 256, "kv_from": 512, "dest": 512, "worker": 256, "dtype": 32}
 
 
