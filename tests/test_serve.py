@@ -16,10 +16,10 @@ import time
 
 import pytest
 
-from conftest import free_ports  # noqa: E402
+from conftest import reserve_ports  # noqa: E402
 from qmigrate.config import local_topology
 from qmigrate.serve import ServeOptions, local_url, serve_topology
-from test_fleet import _roles_of
+import helpers as H  # noqa: E402
 from test_signals import _alive, _kill_session, _wait
 
 
@@ -128,7 +128,7 @@ def _stream(port: int, results: list, started: threading.Event) -> None:
 @pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_serve_on_the_cpu_answers_once_ready_and_sigterm_stops_everything(tiny_model_dir, tmp_path):
-    (port,) = free_ports(1)
+    (port,) = reserve_ports(1)
     tmp = tmp_path / "tmp"
     tmp.mkdir()
     proc = subprocess.Popen([sys.executable, "-m", "qmigrate", "serve", str(tiny_model_dir), "--port", str(port),
@@ -154,8 +154,8 @@ def test_serve_on_the_cpu_answers_once_ready_and_sigterm_stops_everything(tiny_m
         status, body = _complete(port, {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 4},
                                  {"Authorization": "Bearer k"})
         assert status == 200 and body["usage"]["completion_tokens"] == 4, body
-        roles = [pid for pid in _roles_of(proc).values() if pid != proc.pid]
-        assert len(roles) >= 4, _roles_of(proc)  # router, ingest, detokenizer, the worker
+        roles = [pid for pid in H.roles_of(proc).values() if pid != proc.pid]
+        assert len(roles) >= 4, H.roles_of(proc)  # router, ingest, detokenizer, the worker
         results: list = []
         started = [threading.Event() for _ in range(16)]  # 8,000 tokens: still running at the signal
         clients = [threading.Thread(target=_stream, args=(port, results, e)) for e in started]
@@ -192,7 +192,7 @@ def test_serve_on_the_gpus_with_defaults_answers_with_the_monitor_on(tiny_model_
     from qmigrate.config import load_topology
     from qmigrate.wire import protocol as P
     from qmigrate.wire import transport
-    (port,) = free_ports(1)
+    (port,) = reserve_ports(1)
     err_path = tmp_path / "serve.err"
     with open(err_path, "w") as err_file:  # a file: nothing blocks on a full pipe while it serves
         proc = subprocess.Popen([sys.executable, "-m", "qmigrate", "serve", str(tiny_model_dir), "--port", str(port)],

@@ -96,6 +96,7 @@ class WorkerCore:
         self.seqs: dict[int, SeqState] = {}
         self.transfers: dict[int, Transfer] = {}
         self.num_steps = 0
+        self.num_kv_imported = 0   # sequences resumed from shipped KV (a failed import recomputes)
         self.trace = OFF   # the worker's step timeline (`trace.py`), when it keeps one
 
     @property
@@ -264,6 +265,7 @@ class WorkerCore:
                                    salt=spec.cache_salt):
             e.release(spec.seq_id)
             return 0
+        self.num_kv_imported += 1
         return length - 1
 
     def _advance(self, run: "Started", rows: list[StepRow], tokens: list[int]) -> None:
