@@ -161,6 +161,9 @@ class WorkerConfig(_Section):
     cpu_kv_gib: float = _f(2.0, _positive)
     cuda_graphs: bool = _f(True, _boolean)
     prefill_chunk: int = _f(512, _non_negative)   # 0: a prompt fills its KV in one forward
+    # prompt tokens one step carries: a longer prompt (or several) is spread over the following
+    # steps, each with the decode rows, so no step stalls them for a whole prompt (0: no limit)
+    prefill_tokens_per_step: int = _f(512, _non_negative)
     prefix_cache: bool = _f(True, _boolean)      # reuse cached KV of shared prompt prefixes
     transfer_wait_s: float = _f(2.0, _positive)   # a lease waits this long for KV shipments, then recomputes
     # a lone lease on the device waits this long for the next one before it is collected
@@ -175,7 +178,8 @@ class WorkerConfig(_Section):
                             gpu_memory_utilization=self.gpu_memory_utilization,
                             cpu_kv_bytes=int(self.cpu_kv_gib * 2**30), max_batch=self.max_seqs,
                             max_batch_tokens=self.max_tokens, cuda_graphs=self.cuda_graphs,
-                            prefill_chunk=self.prefill_chunk, prefix_cache=self.prefix_cache)
+                            prefill_chunk=self.prefill_chunk, prefix_cache=self.prefix_cache,
+                            prefill_tokens_per_step=self.prefill_tokens_per_step)
 
 
 @dataclass(frozen=True, slots=True)
