@@ -66,6 +66,7 @@ class StepRow:
     top_p: float = 1.0
     top_k: int = 0
     seed: int = 0
+    cache_salt: str = ""    # prefixes are shared only among rows of the same salt
 
 
 @dataclass(slots=True)
@@ -81,6 +82,7 @@ class EngineConfig:
     max_padding: float = 0.25             # HF runner: padding allowed when grouping prefills
     prefill_chunk: int = 512              # longer prompts fill their KV in chunks (0: never)
     cuda_graphs: bool = True
+    prefix_cache: bool = True             # full blocks of known ids are kept and shared by prefix
 
     def __post_init__(self):
         if self.runner not in RUNNERS:
@@ -111,7 +113,9 @@ class Engine:
         # the pool holds this rank's KV heads (all of them without tensor parallelism)
         self.pool_kv_heads = self.num_kv_heads if tp is None else tp.layout.kv_heads_per_rank
         self.pool = BlockPool(self.num_layers, self.pool_kv_heads, self.head_dim,
-                              self._num_blocks(), cfg.block_size, self.dtype, self.device)
+                              self._num_blocks(), cfg.block_size, self.dtype, self.device,
+                              prefix_cache=cfg.prefix_cache)
+        self.pool.can_copy = tp is None or tp.world == 1
         self.runner.attach(self.pool)
         self.num_continued = 0   # steps built the array way (`_continue`)
         if tp is not None and tp.world > 1 and tp.is_leader:
@@ -155,7 +159,7 @@ class Engine:
         per_row = max(1, min(self.max_len, cfg.max_batch_tokens // num_rows))
         blocks = num_rows * (-(-per_row // cfg.block_size)) + 1
         scratch = BlockPool(self.num_layers, self.pool_kv_heads, self.head_dim, blocks, cfg.block_size,
-                            self.dtype, self.device)
+                            self.dtype, self.device, prefix_cache=False)
         self.runner.attach(scratch, capture=False)
         seq_ids = list(range(num_rows))
         for sid in seq_ids:
@@ -208,10 +212,29 @@ class Engine:
             return self.runner.export_kv(seq_id, num_tokens), None   # every rank's heads, gathered here
         return self.pool.export_started(seq_id, num_tokens)
 
-    def import_kv(self, seq_id: int, kv: torch.Tensor, protect=frozenset()) -> bool:
+    def import_kv(self, seq_id: int, kv: torch.Tensor, protect=frozenset(), start: int = 0, ids=None,
+                  salt: str = "") -> bool:
         if self.tp is not None and self.tp.world > 1:
+            if start:
+                raise ValueError("a tensor-parallel worker takes shipped KV from position 0 only")
             return self.runner.import_kv(seq_id, kv, protect)        # each rank keeps its heads
-        return self.pool.load(seq_id, kv, protect)
+        return self.pool.load(seq_id, kv, protect, start, ids, salt)
+
+    def admit(self, seq_id: int, ids, salt: str = "") -> int:
+        """Start seq_id on the longest cached prefix of `ids`; the positions it starts with."""
+        return self.pool.admit(seq_id, ids, salt)
+
+    def prefix_stats(self) -> dict[str, int]:
+        """Prompt tokens admitted and the part of them found cached, and blocks cached now."""
+        p = self.pool.prefix
+        if p is None:
+            return {"prompt_tokens": 0, "cached_tokens": 0, "cached_blocks": 0}
+        return {"prompt_tokens": p.num_prompt_tokens, "cached_tokens": p.num_cached_tokens,
+                "cached_blocks": p.num_cached_blocks}
+
+    def take_prefix_events(self) -> list[int]:
+        """Keys of blocks cached (key) and evicted (~key) since the last call."""
+        return self.pool.prefix.take_events() if self.pool.prefix is not None else []
 
     # --- a step -------------------------------------------------------------------------
     @torch.inference_mode()
@@ -278,10 +301,11 @@ class Engine:
         bad = [i for i in feed if after.row_of.get(rows[i].seq_id) is None]
         if bad or any(r.new_ids and r.new_ids[0] == REFUSED for r in rows):
             raise ValueError("a row feeds a token its previous step did not sample")
+        rows, cached = self._admit(rows)
         rows, refused = self._prefill_chunks(rows, between)
         kept = [i for i in range(len(rows)) if i not in refused]
         placed = [kept[k] for k in self.place([rows[i] for i in kept], {r.seq_id for r in rows})]
-        pending = Pending(rows, placed, {rows[i].seq_id: k for k, i in enumerate(placed)})
+        pending = Pending(rows, placed, {rows[i].seq_id: k for k, i in enumerate(placed)}, cached=cached)
         if not placed:
             return pending
         run = [rows[i] for i in placed]
@@ -345,8 +369,32 @@ class Engine:
             pending.host.copy_(pending.tokens, non_blocking=True)
             pending.event = torch.cuda.Event()
             pending.event.record()
-        self.pool.length.update(zip(batch.seq_ids, batch.seq_lens.tolist()))
+        pool = self.pool
+        pool.length.update(zip(batch.seq_ids, batch.seq_lens.tolist()))
+        if pool.is_caching:
+            if feed is None or len(feed[0]) < batch.num_rows:
+                for i in pending.placed:
+                    r = pending.rows[i]
+                    if r.new_ids:
+                        pool.note_ids(r.seq_id, r.start, r.new_ids)
+                    pool.commit(r.seq_id)
+            else:   # every row decodes a token not yet known here: only rows that fill a block
+                for k in np.flatnonzero(batch.seq_lens % pool.block_size == 0).tolist():
+                    pool.commit(batch.seq_ids[k])
         return pending
+
+    def _admit(self, rows: list[StepRow]) -> tuple[list[StepRow], dict[int, int]]:
+        """Prompts (rows from position 0) start on their longest cached prefix; the rows to
+        run, and the positions each prompt found cached."""
+        if not self.pool.is_caching:
+            return rows, {}
+        cached, out = {}, list(rows)
+        for i, r in enumerate(rows):
+            if r.start == 0 and r.new_ids:
+                n = cached[r.seq_id] = self.pool.admit(r.seq_id, r.new_ids, r.cache_salt)
+                if n:
+                    out[i] = dataclasses.replace(r, new_ids=r.new_ids[n:], start=n)
+        return out, cached
 
     def _prefill_chunks(self, rows: list[StepRow], between) -> tuple[list[StepRow], set[int]]:
         """Fill all but the last chunk of long prompts; the rows left for the step proper,
@@ -364,6 +412,9 @@ class Engine:
                     break
                 self.runner.forward(StepBatch.build(self.pool, [r.seq_id], [piece.new_ids], [start]))
                 self.pool.length[r.seq_id] = start + chunk
+                if self.pool.is_caching:
+                    self.pool.note_ids(r.seq_id, start, piece.new_ids)
+                    self.pool.commit(r.seq_id)
                 start, new = start + chunk, new[chunk:]
                 if between is not None:
                     between()
@@ -373,20 +424,20 @@ class Engine:
     def place(self, rows: list[StepRow], protect=()) -> list[int]:
         """Blocks for every row that can have them; the indices of the rows that run.
         Sequences in `protect` (and the rows') are never evicted for room."""
-        pool = self.pool
-        for r in rows:
+        pool, lost = self.pool, set()
+        for i, r in enumerate(rows):
             cached = pool.cached_len(r.seq_id)
             if r.start > 0 and cached < r.start:
                 raise ValueError(f"sequence {r.seq_id}: KV for {r.start} positions is not here")
             if r.start + _num_new(r) > self.max_len:
                 raise ValueError(f"sequence {r.seq_id}: {r.start + _num_new(r)} positions exceed {self.max_len}")
-            if r.start == 0 and cached >= 0:
+            if r.start == 0 and cached > 0:
                 pool.release(r.seq_id)
-            elif cached >= 0:
-                pool.truncate(r.seq_id, r.start)
-        need = {i: self._blocks_needed(r) for i, r in enumerate(rows)}
+            elif cached >= 0 and not pool.truncate(r.seq_id, r.start):
+                lost.add(i)   # no block for a copy of its shared last block
+        need = {i: self._blocks_needed(r) for i, r in enumerate(rows) if i not in lost}
         protect = {r.seq_id for r in rows} | set(protect)
-        running = list(range(len(rows)))
+        running = [i for i in range(len(rows)) if i not in lost]
         if not pool.make_room(sum(need.values()), protect):
             running = self._refuse(rows, need, running)
         for i in running:
@@ -421,6 +472,8 @@ class Engine:
                 values = (pending.host if pending.host is not None else pending.tokens).tolist()
                 for i, token in zip(pending.placed, values):
                     tokens[i] = token
+                if self.pool.is_caching and pending.batch is not None:
+                    self.pool.note_sampled(pending.batch.seq_ids, pending.batch.seq_lens.tolist(), values)
             pending.result = tokens
         return pending.result
 
@@ -442,6 +495,7 @@ class Pending:
     host: torch.Tensor | None = None        # pinned copy, ready once `event` has passed
     event: object = None
     result: list[int] | None = None
+    cached: dict[int, int] = dataclasses.field(default_factory=dict)   # seq_id -> prompt positions found cached
 
 
 def _make_runner(model, cfg: EngineConfig, device: torch.device, tp=None) -> tuple[Runner, str]:

@@ -58,6 +58,7 @@ class Router:
         self.guard = Guard.for_topology(topo, "router")
         self.parked: dict[str, deque] = {}
         self.worker_times: dict[str, tuple[int, int]] = {}
+        self.kv_imported: dict[str, int] = {}   # per worker, as its heartbeats report
         self.nodes = {w.name: w.node for w in topo.workers}
         self.observer = FleetObserver()
         self.errors: Counter[str] = Counter()
@@ -279,6 +280,7 @@ class Router:
             self.sched.renew(name, P.unpack_i64(msg.lease_ids, "lease_ids").tolist(), now)
             self.sched.set_held(name, msg.held_bytes, now)
             self.worker_times[name] = (msg.busy_ms, msg.idle_ms)
+            self.kv_imported[name] = msg.num_kv_imported
 
     def on_work_request(self, sender: bytes, msg: P.WorkRequest) -> None:
         if (name := self._worker(sender)) is None:
@@ -394,6 +396,10 @@ class Router:
                         dropped_sends=transport.num_dropped)
         for name, w in self.sched.workers.items():
             counters[f"owned_{name}"] = len(w.owned)
+            counters[f"leased_{name}"] = w.num_leased
+            counters[f"asking_{name}"] = len(self.parked.get(name, ()))
+        counters.update({f"kv_imported_{name}": n for name, n in self.kv_imported.items()},
+                        kv_imported=sum(self.kv_imported.values()))
         delays: dict[str, list[float]] = {}
         for cause, seconds in self.sched.move_delays:
             delays.setdefault(cause, []).append(seconds)

@@ -159,6 +159,7 @@ class SeqSpec:
     transfer_id: int = 0
     resend_from: int = -1     # >= 0: send the detokenizer generated tokens from this index on
     min_new_tokens: int = 0   # neither EOS nor a stop sequence ends it before this many tokens
+    cache_salt: str = ""      # its KV prefix is shared only with sequences of the same salt
 
     @property
     def ids(self) -> np.ndarray:
@@ -225,6 +226,7 @@ class Heartbeat:
     idle_ms: int = 0          # cumulative time spent with no batch to run
     lease_ids: bytes = b""    # int64: leases received and not yet answered; the router renews them
     held_bytes: int = -1      # device memory this worker holds (weights, KV pool, graphs); -1: unknown
+    num_kv_imported: int = 0  # sequences that resumed here from KV shipped by another worker
 
 
 @message(MsgType.WORK_REQUEST)

@@ -96,6 +96,7 @@ class WorkerCore:
         self.seqs: dict[int, SeqState] = {}
         self.transfers: dict[int, Transfer] = {}
         self.num_steps = 0
+        self.num_kv_imported = 0   # sequences resumed from shipped KV (a failed import recomputes)
         self.trace = OFF   # the worker's step timeline (`trace.py`), when it keeps one
 
     @property
@@ -248,7 +249,7 @@ class WorkerCore:
                 return Finish.NEED_IDS
             start, new = length - 1, [token]
         return StepRow(sid, new, start, length - state.prompt_len, state.temperature,
-                       state.top_p, state.top_k, state.seed)
+                       state.top_p, state.top_k, state.seed, spec.cache_salt if spec is not None else "")
 
     def _take_transfer(self, spec: P.SeqSpec, length: int, protect: set[int]) -> int:
         """Positions whose KV arrived by transfer (0 when it did not: recompute)."""
@@ -260,9 +261,11 @@ class WorkerCore:
         expected = (e.num_layers, 2, length - 1, e.num_kv_heads, e.head_dim)
         if transfer is None or transfer.kv is None or transfer.seq_id != spec.seq_id \
                 or tuple(transfer.kv.shape) != expected \
-                or not e.import_kv(spec.seq_id, transfer.kv, protect):
+                or not e.import_kv(spec.seq_id, transfer.kv, protect, ids=spec.ids[:length - 1],
+                                   salt=spec.cache_salt):
             e.release(spec.seq_id)
             return 0
+        self.num_kv_imported += 1
         return length - 1
 
     def _advance(self, run: "Started", rows: list[StepRow], tokens: list[int]) -> None:
