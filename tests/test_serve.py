@@ -45,10 +45,24 @@ def test_cpu_workers_when_there_is_no_gpu_and_defaults_where_no_flag_is_given():
     assert (topo.ingest.http_host, topo.ingest.http_port, topo.ingest.api_key) == ("127.0.0.1", 8000, None)
 
 
+def test_gpu_workers_default_to_a_serving_engines_batch_and_the_flag_overrides_it():
+    from qmigrate.config import GPU_SERVE_MAX_SEQS, GPU_SERVE_MAX_TOKENS
+    topo = serve_topology(ServeOptions(), num_gpus=2)
+    assert [(w.max_seqs, w.max_tokens) for w in topo.workers] == [(256, GPU_SERVE_MAX_TOKENS)] * 2
+    assert GPU_SERVE_MAX_SEQS == 256   # vLLM's max_num_seqs
+    topo = serve_topology(ServeOptions(max_num_seqs=48), num_gpus=1)
+    assert (topo.workers[0].max_seqs, topo.workers[0].max_tokens) == (48, GPU_SERVE_MAX_TOKENS)
+    cpu = serve_topology(ServeOptions(), num_gpus=0).workers[0]
+    defaults = local_topology(1).workers[0]
+    assert (cpu.max_seqs, cpu.max_tokens) == (defaults.max_seqs, defaults.max_tokens) != (256, GPU_SERVE_MAX_TOKENS)
+
+
 def test_a_config_keeps_its_workers_and_takes_the_flags():
     base = local_topology(2, device="cuda")
     topo = serve_topology(ServeOptions(port=8123, max_num_seqs=32), base, num_gpus=8)
     assert [(w.name, w.device, w.max_seqs) for w in topo.workers] == [("w1", "cuda", 32), ("w2", "cuda", 32)]
+    kept = serve_topology(ServeOptions(), base, num_gpus=8).workers[0]   # its own settings, not serve's
+    assert (kept.max_seqs, kept.max_tokens) == (base.workers[0].max_seqs, base.workers[0].max_tokens)
     assert topo.ingest.http_port == 8123
 
 
