@@ -26,7 +26,6 @@ from qmigrate.ops.trace import tracer
 from qmigrate.ops.process import freeze_heap
 
 log = logging.getLogger("qmigrate.router")
-dropped_log = Throttled(log)
 
 POLL_S = 0.02
 MAX_BURST = 512
@@ -52,6 +51,7 @@ class Router:
         self.detok = transport.socket(zmq.PUSH, connect=topo.endpoint("detokenizer").connect, hwm=100_000)
         self.backlog: deque[bytes] = deque()
         self.backlog_bytes = 0
+        self.dropped_log = Throttled(log)  # what peers send that is dropped: they can send it at will
         self.outputs = OutputLog()
         self.journal = Journal(rc.journal) if rc.journal else None
         self.identity: dict[str, bytes] = {}
@@ -132,7 +132,7 @@ class Router:
             except zmq.Again:
                 return
             if len(frames) != 2:
-                dropped_log.warning("dropped a message of %d frames", len(frames))
+                self.dropped_log.warning("dropped a message of %d frames", len(frames))
                 self.errors["malformed"] += 1
                 continue
             sender, frame = frames
@@ -141,7 +141,7 @@ class Router:
                 msg = P.decode(frame)
             except P.ProtocolError as exc:
                 msg = None
-                dropped_log.warning("dropped malformed message from %r: %s", sender[:64], exc)
+                self.dropped_log.warning("dropped malformed message from %r: %s", sender[:64], exc)
                 if exc.msg_type == P.MsgType.SUBMIT:  # answered, or ingest would send it again
                     self.refuse_submit(sender, str(exc))
             if msg is not None and (refusal := self.guard.check(peer, msg, sender)) is not None:
@@ -159,12 +159,12 @@ class Router:
                     handler(sender, msg)
                 except P.ProtocolError as exc:
                     self.errors["malformed"] += 1
-                    dropped_log.warning("dropped %s from %r: %s", type(msg).__name__, sender[:64], exc)
+                    self.dropped_log.warning("dropped %s from %r: %s", type(msg).__name__, sender[:64], exc)
                     if isinstance(msg, P.Submit):
                         self.refuse_submit(sender, str(exc))
                 except Exception as exc:  # noqa: BLE001 -- one bad message must not stop the router
                     self.errors["handler"] += 1
-                    dropped_log.warning("dropped %s from %r: %s: %s", type(msg).__name__, sender[:64],
+                    self.dropped_log.warning("dropped %s from %r: %s: %s", type(msg).__name__, sender[:64],
                                         type(exc).__name__, exc)
                     if isinstance(msg, P.Submit):
                         self.refuse_submit(sender, f"{type(exc).__name__}: {exc}")
@@ -195,7 +195,7 @@ class Router:
                                    util if type(util) is int else -1)
             else:
                 self.errors["malformed"] += 1
-                dropped_log.warning("dropped a malformed VRAM report entry from %s", msg.node[:64])
+                self.dropped_log.warning("dropped a malformed VRAM report entry from %s", msg.node[:64])
 
     def reply(self, to: bytes, msg) -> None:
         transport.send(self.work, msg, to=to)  # dropped if that peer does not read
@@ -318,7 +318,7 @@ class Router:
             return
         num_refused = len(mine) - sum(mine)
         self.errors["tokens_not_leased"] += num_refused
-        dropped_log.warning("dropped tokens of %d sequences not leased to worker %s", num_refused, name)
+        self.dropped_log.warning("dropped tokens of %d sequences not leased to worker %s", num_refused, name)
         if any(mine):
             keep = np.array(mine)
             counts = P.unpack_i32(msg.counts)
