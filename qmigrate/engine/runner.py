@@ -267,8 +267,8 @@ class Engine:
             self.release(r.seq_id)
         # A burst of prompts arrives as steps past the CUDA graphs, which the runner pads to a
         # few token counts: one step of each, so that no request waits on a matmul's first
-        # run at a new shape (on an H100 the first launch of such a step took 62-110 ms,
-        # later ones 13-26 ms).
+        # run at a new shape (a first launch took several times as long as the later ones:
+        # docs/benchmarks-history.md).
         n = max(2, min(self.config.prefill_chunk or 512, self.max_len - 4))
         for size in self.runner.eager_sizes():
             if -(-size // n) > self.config.max_batch:
