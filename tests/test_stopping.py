@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from test_fleet import _roles_of
+import helpers as H  # noqa: E402
 from test_signals import _alive, _kill_session, _wait
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
@@ -30,8 +30,8 @@ def test_sigterm_to_bench_stops_its_roles_and_removes_its_temp_dirs(tmp_path, ti
                     "--output-len", "400:400"], tmp, stdin=subprocess.DEVNULL)
     try:
         assert _wait(lambda: any(d.name.startswith("qm-bench-") for d in tmp.iterdir())), "no run started"
-        assert _wait(lambda: len(_roles_of(bench)) >= 3), _roles_of(bench)  # bench, router, a worker
-        roles = [pid for pid in _roles_of(bench).values() if pid != bench.pid]
+        assert _wait(lambda: len(H.roles_of(bench)) >= 3), H.roles_of(bench)  # bench, router, a worker
+        roles = [pid for pid in H.roles_of(bench).values() if pid != bench.pid]
         bench.send_signal(signal.SIGTERM)
         _, err = bench.communicate(timeout=60)
         assert bench.returncode == 128 + signal.SIGTERM, err
@@ -48,8 +48,8 @@ def test_ctrl_c_while_roles_import_prints_no_traceback(tmp_path, tiny_model_dir)
     tmp.mkdir()
     sim = _spawn(["sim", "--workers", "2", "--model", str(tiny_model_dir)], tmp, stdin=subprocess.PIPE)
     try:
-        assert _wait(lambda: len(_roles_of(sim)) >= 4), _roles_of(sim)  # started, still importing
-        roles = [pid for pid in _roles_of(sim).values() if pid != sim.pid]
+        assert _wait(lambda: len(H.roles_of(sim)) >= 4), H.roles_of(sim)  # started, still importing
+        roles = [pid for pid in H.roles_of(sim).values() if pid != sim.pid]
         os.killpg(sim.pid, signal.SIGINT)  # the group: this test's own session
         _, err = sim.communicate(timeout=60)
         assert sim.returncode == 128 + signal.SIGINT, err

@@ -258,7 +258,8 @@ class Ingest:
             # Lost ack (a router restart, say): send again, the router ignores what it has
             # already; in a smaller Submit, so a message it cannot read is not sent as is.
             self.awaiting_ack = False
-            self.max_batch = max(1, self.in_flight // 2)
+            if self.in_flight > 1:
+                self.max_batch = self.in_flight // 2
         closing = (self.read_stdin and self.stdin_done and not self.closed_sent and not self.pending
                    and self.lines.empty() and len(self.errors) <= P.SUBMIT_MAX_SEQS)
         if self.awaiting_ack or now < self.retry_at or not (self.pending or self.errors or closing):

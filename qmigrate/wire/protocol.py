@@ -226,6 +226,7 @@ class Heartbeat:
     idle_ms: int = 0          # cumulative time spent with no batch to run
     lease_ids: bytes = b""    # int64: leases received and not yet answered; the router renews them
     held_bytes: int = -1      # device memory this worker holds (weights, KV pool, graphs); -1: unknown
+    num_kv_imported: int = 0  # sequences that resumed here from KV shipped by another worker
 
 
 @message(MsgType.WORK_REQUEST)

@@ -73,6 +73,7 @@ class Worker:
         self.deferred: deque = deque()  # router messages that came during a multi-step lease
         self.outbox = KVOutbox()
         self.busy_s = self.idle_s = 0.0
+        self.num_kv_imported_sent = 0
         self.gpu_memory = None  # this process's memory on its GPU as NVML reports it
         self.nvml_at, self.nvml_bytes = -NVML_EVERY_S, 0
         if device.startswith("cuda"):
@@ -206,6 +207,7 @@ class Worker:
             if count_busy:
                 self.busy_s += time.monotonic() - t0
             self.loop.started(lease, handle, time.monotonic())
+        self.keep_alive()
 
     def finish_lease(self, started) -> None:
         t0 = time.monotonic()
@@ -297,11 +299,15 @@ class Worker:
 
     def keep_alive(self) -> None:
         # Sent on schedule even while results flow: it also carries the busy/idle counters.
-        if self.loop.heartbeat_due(time.monotonic()):
+        # After a KV import it goes at once, so the router counts the import before it sees
+        # any token that used it.
+        imported = self.core.num_kv_imported
+        if self.loop.heartbeat_due(time.monotonic()) or imported != self.num_kv_imported_sent:
             self.trace.flush()
+            self.num_kv_imported_sent = imported
             self.send_router(P.Heartbeat(self.name, len(self.core.seqs), self.core.free_tokens,
                                          int(self.busy_s * 1000), int(self.idle_s * 1000),
-                                         P.pack_i64(self.loop.held_lease_ids()), self.held_bytes()))
+                                         P.pack_i64(self.loop.held_lease_ids()), self.held_bytes(), imported))
 
     def held_bytes(self) -> int:
         """Device memory this process holds: weights, KV pool, graphs and activations, and its
