@@ -152,6 +152,7 @@ def serve(
     api_key: Annotated[Optional[str], typer.Option("--api-key", help="Requests to /v1 must send 'Authorization: Bearer KEY'.")] = None,
     config: Annotated[Optional[Path], typer.Option("--config", help="A topology to run on this machine instead of one worker per GPU (its workers, settings and model).")] = None,
     cpu_workers: Annotated[int, typer.Option("--cpu-workers", min=1, help="Workers on the CPU when no GPU is visible.")] = 2,
+    tensor_parallel_size: Annotated[int, typer.Option("--tensor-parallel-size", "-tp", min=1, help="GPUs each worker spans (a model larger than one GPU): the visible GPUs make len/N workers of N ranks each.")] = 1,
     log_level: LogLevel = "warning",
 ):
     """Start every role on this machine and serve the OpenAI-compatible API (/v1/completions,
@@ -163,7 +164,8 @@ def serve(
     if model is None and config is None:
         _fail("give a MODEL (a directory, smollm2 or a hub name) or --config TOPOLOGY")
     base = _load(config) if config is not None else None
-    opts = ServeOptions(host, port, served_model_name, gpu_memory_utilization, max_num_seqs, api_key, cpu_workers)
+    opts = ServeOptions(host, port, served_model_name, gpu_memory_utilization, max_num_seqs, api_key, cpu_workers,
+                        tensor_parallel_size)
     try:
         topo = serve_topology(opts, base, num_gpus=0 if base is not None else visible_gpus())
     except ConfigError as exc:

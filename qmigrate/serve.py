@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from .config import Topology, dump_topology, local_topology, parse_topology
+from .config import ConfigError, Topology, dump_topology, local_topology, parse_topology
 from .launch import Interrupted, catch_signals, ignore_signals, run_node, single_node
 
 READY_POLL_S = 0.5
@@ -35,6 +35,7 @@ class ServeOptions:
     max_num_seqs: int | None = None
     api_key: str | None = None
     cpu_workers: int = 2
+    tensor_parallel_size: int = 1   # GPUs (processes) per worker
 
 
 def visible_gpus() -> int:
@@ -50,13 +51,17 @@ def serve_topology(opts: ServeOptions, base: Topology | None = None, num_gpus: i
     """The topology `serve` runs: `base` (a --config) or a default one with a worker per GPU
     (`cpu_workers` CPU workers if num_gpus is 0), the HTTP API on host:port, and the flags'
     settings on every worker."""
+    tp = opts.tensor_parallel_size
     if base is None:
         device = "cuda" if num_gpus else "cpu"
-        base = local_topology(num_gpus or opts.cpu_workers, device=device)
+        if num_gpus and (tp > num_gpus or num_gpus % tp):
+            raise ConfigError("tensor_parallel_size", f"{tp} does not divide the {num_gpus} visible GPUs "
+                              "(set CUDA_VISIBLE_DEVICES to a multiple of it)")
+        base = local_topology(num_gpus // tp if num_gpus else opts.cpu_workers, device=device)
         data = base.to_dict()
         if num_gpus:
             for i, w in enumerate(data["workers"]):
-                w["name"], w["device"] = f"gpu{i}", f"cuda:{i}"
+                w["name"], w["device"] = f"gpu{i * tp}", f"cuda:{i * tp}"
     else:
         data = base.to_dict()
     ingest = data["ingest"]
@@ -70,6 +75,8 @@ def serve_topology(opts: ServeOptions, base: Topology | None = None, num_gpus: i
             w["gpu_memory_utilization"] = opts.gpu_memory_utilization
         if opts.max_num_seqs is not None:
             w["max_seqs"] = opts.max_num_seqs
+        if tp > 1:
+            w["tensor_parallel"] = tp
     return parse_topology(data, source="serve options")
 
 
