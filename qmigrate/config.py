@@ -17,6 +17,10 @@ from .config_rules import (_boolean, _count, _device, _f, _host, _is_int, _metri
                            _rule, _Section, _text)
 
 DEFAULT_KV_PORT = 5560
+# A GPU worker of `qmigrate serve` (and the pipeline bench): sequences and new tokens per step
+# as a serving engine runs them (vLLM's default max_num_seqs), not the topology's modest defaults.
+GPU_SERVE_MAX_SEQS = 256
+GPU_SERVE_MAX_TOKENS = 16384
 # sun_path is 108 bytes on Linux, including the terminating NUL.
 MAX_IPC_PATH = 107
 
@@ -157,6 +161,10 @@ class WorkerConfig(_Section):
     cpu_kv_gib: float = _f(2.0, _positive)
     cuda_graphs: bool = _f(True, _boolean)
     prefill_chunk: int = _f(512, _non_negative)   # 0: a prompt fills its KV in one forward
+    # prompt tokens one step carries: a longer prompt (or several) is spread over the following
+    # steps, each with the decode rows, so no step stalls them for a whole prompt (0: no limit)
+    prefill_tokens_per_step: int = _f(512, _non_negative)
+    prefix_cache: bool = _f(True, _boolean)      # reuse cached KV of shared prompt prefixes
     transfer_wait_s: float = _f(2.0, _positive)   # a lease waits this long for KV shipments, then recomputes
     # a lone lease on the device waits this long for the next one before it is collected
     chain_wait_s: float = _f(0.002, _number("a number >= 0", lambda x: x >= 0))
@@ -170,7 +178,8 @@ class WorkerConfig(_Section):
                             gpu_memory_utilization=self.gpu_memory_utilization,
                             cpu_kv_bytes=int(self.cpu_kv_gib * 2**30), max_batch=self.max_seqs,
                             max_batch_tokens=self.max_tokens, cuda_graphs=self.cuda_graphs,
-                            prefill_chunk=self.prefill_chunk)
+                            prefill_chunk=self.prefill_chunk, prefix_cache=self.prefix_cache,
+                            prefill_tokens_per_step=self.prefill_tokens_per_step)
 
 
 @dataclass(frozen=True, slots=True)

@@ -12,13 +12,15 @@ from __future__ import annotations
 import http.client
 import shutil
 import signal
+import socket
 import sys
 import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from .config import ConfigError, Topology, dump_topology, local_topology, parse_topology
+from .config import (GPU_SERVE_MAX_SEQS, GPU_SERVE_MAX_TOKENS, ConfigError, Topology, dump_topology, local_topology,
+                     parse_topology)
 from .launch import Interrupted, catch_signals, ignore_signals, run_node, single_node
 
 READY_POLL_S = 0.5
@@ -50,7 +52,8 @@ def visible_gpus() -> int:
 def serve_topology(opts: ServeOptions, base: Topology | None = None, num_gpus: int = 0) -> Topology:
     """The topology `serve` runs: `base` (a --config) or a default one with a worker per GPU
     (`cpu_workers` CPU workers if num_gpus is 0), the HTTP API on host:port, and the flags'
-    settings on every worker."""
+    settings on every worker. The default topology's GPU workers run GPU_SERVE_MAX_SEQS
+    sequences and GPU_SERVE_MAX_TOKENS new tokens a step; a --config keeps its own."""
     tp = opts.tensor_parallel_size
     if base is None:
         device = "cuda" if num_gpus else "cpu"
@@ -62,6 +65,7 @@ def serve_topology(opts: ServeOptions, base: Topology | None = None, num_gpus: i
         if num_gpus:
             for i, w in enumerate(data["workers"]):
                 w["name"], w["device"] = f"gpu{i * tp}", f"cuda:{i * tp}"
+                w["max_seqs"], w["max_tokens"] = GPU_SERVE_MAX_SEQS, GPU_SERVE_MAX_TOKENS
     else:
         data = base.to_dict()
     ingest = data["ingest"]
@@ -106,6 +110,19 @@ class ReadyNotice:
         if health_status(self.host, self.port) == 200:
             self.is_ready = True
             print(f"ready: {self.url} (OpenAI API at {self.url}/v1)", file=self.out, flush=True)
+
+
+def port_problem(host: str, port: int) -> str | None:
+    """Why the API could not listen on host:port (taken, or no such address); None if it can.
+    Checked before any role starts, so a taken port costs no model load."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the server sets it
+            probe.bind(address)
+    except OSError as exc:
+        return f"cannot serve on {host}:{port}: {exc.strerror or exc}"
+    return None
 
 
 def health_status(host: str, port: int, timeout_s: float = 0.3) -> int | None:

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import fcntl
 import functools
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -89,6 +92,19 @@ def _reference_model(model_dir: str):
     return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
 
 
+def greedy_tokens(model_dir, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+    """transformers' greedy generate() for one prompt (each is generated once a session)."""
+    import torch
+    generated = _REFERENCE_TOKENS.setdefault(str(model_dir), {})
+    key = (tuple(prompt_ids), max_new_tokens)
+    if key not in generated:
+        with torch.no_grad():
+            out = _reference_model(str(model_dir)).generate(torch.tensor([prompt_ids]),
+                                                            max_new_tokens=max_new_tokens, do_sample=False)
+        generated[key] = out[0, len(prompt_ids):].tolist()
+    return generated[key]
+
+
 def greedy_reference(model_dir):
     """A checker of pipeline output against transformers' own greedy generate().
 
@@ -98,15 +114,9 @@ def greedy_reference(model_dir):
     two continuations are different texts, so nothing later is compared)."""
     import torch
     model = _reference_model(str(model_dir))
-    generated = _REFERENCE_TOKENS.setdefault(str(model_dir), {})
 
     def check(prompt_ids: list[int], max_new_tokens: int, got: list[int], label: str = "") -> None:
-        key = (tuple(prompt_ids), max_new_tokens)
-        if key not in generated:  # tests share prompts: each is generated once a session
-            with torch.no_grad():
-                out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=max_new_tokens, do_sample=False)
-            generated[key] = out[0, len(prompt_ids):].tolist()
-        expected = generated[key]
+        expected = greedy_tokens(model_dir, prompt_ids, max_new_tokens)
         if got == expected:
             return
         i = next((k for k, (a, b) in enumerate(zip(got, expected)) if a != b), min(len(got), len(expected)))
@@ -135,15 +145,53 @@ def tiny_chat_model_dir(tiny_model_dir, tmp_path_factory) -> Path:
     return out
 
 
-def free_ports(n: int) -> list[int]:
-    """n free TCP ports on 127.0.0.1 (free when asked; a test binds them right after)."""
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
+_PORT_LOCKS = Path(tempfile.gettempdir()) / "qmigrate-test-ports"
+_held_ports: dict[int, int] = {}   # port -> the open lock file that reserves it
+
+
+def _port_range() -> range:
+    """Ports below the kernel's ephemeral range: it hands none of them out on its own, so a
+    port reserved here stays free until the node the test starts binds it."""
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    return range(max(1024, low - 12000), low)
+
+
+def reserve_ports(n: int) -> list[int]:
+    """n TCP ports on 127.0.0.1 reserved for this test process: each is held by an exclusive
+    lock file that every test run on this machine takes before using a port (released when
+    this process exits), outside the ephemeral range, and free to bind when reserved."""
+    _PORT_LOCKS.mkdir(exist_ok=True)
+    candidates = list(_port_range())
+    random.Random(os.getpid()).shuffle(candidates)
+    ports = []
+    for port in candidates:
+        if len(ports) == n:
+            return ports
+        if port in _held_ports:
+            continue
+        fd = os.open(_PORT_LOCKS / str(port), os.O_CREAT | os.O_RDWR, 0o666)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            with socket.socket() as probe:
+                probe.bind(("127.0.0.1", port))
+        except OSError:
+            os.close(fd)
+            continue
+        _held_ports[port] = fd
+        ports.append(port)
+    raise RuntimeError(f"could not reserve {n} ports")
+
+
+@pytest.fixture
+def ipc_dir():
+    """A short directory for ipc:// sockets (a socket path is at most 107 bytes)."""
+    import shutil
+    path = Path(tempfile.mkdtemp(prefix="qm-"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
 
 
 def check_outputs(jsonl: str, prompts: list[dict], model_dir) -> dict[str, dict]:

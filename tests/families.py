@@ -12,8 +12,8 @@ SMALL = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_l
 
 
 def _configs() -> dict:
-    from transformers import (Gemma2Config, Gemma3TextConfig, LlamaConfig, MistralConfig, Phi3Config,
-                              Qwen2Config, Qwen3Config)
+    from transformers import (Gemma2Config, Gemma3TextConfig, LlamaConfig, MistralConfig, MixtralConfig,
+                              Phi3Config, Qwen2Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig)
     llama3 = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
               "high_freq_factor": 4.0, "original_max_position_embeddings": 32}
     gemma = dict(SMALL, head_dim=16, query_pre_attn_scalar=24, sliding_window=WINDOW,
@@ -35,10 +35,20 @@ def _configs() -> dict:
                                                "full_attention": {"rope_type": "default", "rope_theta": 1e6}}),
         "phi3": lambda: Phi3Config(**SMALL, rope_parameters=longrope, partial_rotary_factor=0.5,
                                    tie_word_embeddings=False),
+        "mixtral": lambda: MixtralConfig(**SMALL, num_local_experts=8, num_experts_per_tok=2,
+                                         sliding_window=None, tie_word_embeddings=False),
+        # the second layer dense (decoder_sparse_step 2 makes only every second layer sparse)
+        "qwen2_moe": lambda: Qwen2MoeConfig(**dict(SMALL, num_hidden_layers=3), num_experts=8, num_experts_per_tok=2,
+                                            moe_intermediate_size=32, shared_expert_intermediate_size=64,
+                                            norm_topk_prob=False, mlp_only_layers=[1], tie_word_embeddings=False),
+        "qwen3_moe": lambda: Qwen3MoeConfig(**SMALL, head_dim=32, num_experts=8, num_experts_per_tok=2,
+                                            moe_intermediate_size=32, norm_topk_prob=True,
+                                            tie_word_embeddings=False),
     }
 
 
-FAMILY_NAMES = ("llama3", "qwen2", "qwen3", "mistral", "gemma2", "gemma3", "phi3")
+FAMILY_NAMES = ("llama3", "qwen2", "qwen3", "mistral", "gemma2", "gemma3", "phi3", "mixtral", "qwen2_moe",
+                "qwen3_moe")
 
 
 def build_family_model(name: str, dtype=torch.float32, device="cpu", seed: int = 0):
@@ -59,6 +69,7 @@ def build_family_model(name: str, dtype=torch.float32, device="cpu", seed: int =
             elif "embed" in key:
                 p.copy_(torch.randn(p.shape, generator=gen) * 0.5)
             else:
-                std = (3.0 if "lm_head" in key else 0.6) / p.shape[-1] ** 0.5
+                sharp = "lm_head" in key or key.endswith("mlp.gate.weight")  # decisive logits and routing
+                std = (3.0 if sharp else 0.6) / p.shape[-1] ** 0.5
                 p.copy_(torch.randn(p.shape, generator=gen) * std)
     return model.to(device=device, dtype=dtype).eval()

@@ -52,7 +52,7 @@ def _sim(config: str, stdin: bytes, timeout: float = 180) -> tuple[int, list[dic
 def test_sim_survives_bytes_that_are_not_utf8(tmp_path, tiny_model_dir):
     """`printf 'hello \\xff world\\n' | qmigrate sim` ended in a traceback and no output; now
     that line is an error record and the others answer. Random bytes likewise."""
-    junk = random.Random(7).randbytes(3000)
+    junk = random.Random(7).randbytes(1500)
     lines = [b"Hello there", b"hello \xff world", b"\xc3\x28", b"Good morning"] + junk.split(b"\n") + [b"The end"]
     stdin = b"\n".join(lines) + b"\n"
     rc, records, err = _sim(_topology(tmp_path, tiny_model_dir, "text"), stdin)
@@ -67,7 +67,8 @@ def test_sim_survives_bytes_that_are_not_utf8(tmp_path, tiny_model_dir):
 def test_sim_jsonl_past_the_wire_bounds(tmp_path, tiny_model_dir):
     """Each of these passed ingest before, and then was dropped by the router (resent forever,
     holding back everything), crashed ingest (OverflowError, a surrogate) or raised a
-    RecursionError. Each is now its request's error; the requests around them answer."""
+    RecursionError. Each is now its request's error; the requests around them answer. Then
+    fuzzed lines and random bytes: the node runs to the end and every line has its record."""
     bad = {
         "topk": '{"id": "topk", "prompt": "x", "top_k": 2147483648}',
         "topk64": '{"id": "topk64", "prompt": "x", "top_k": 18446744073709551616}',
@@ -77,17 +78,30 @@ def test_sim_jsonl_past_the_wire_bounds(tmp_path, tiny_model_dir):
         "deep": '{"id": "deep", "prompt": "x", "stop": ' + "[" * 1000 + "]" * 1000 + "}",
     }
     good = [json.dumps({"id": f"g{i}", "prompt_ids": [1, 7 + i, 9], "max_new_tokens": 3}) for i in range(3)]
-    lines = [good[0], *bad.values(), good[1], "\\xff", good[2]]
-    rc, records, err = _sim(_topology(tmp_path, tiny_model_dir, "jsonl"), ("\n".join(lines) + "\n").encode())
+    dup = '{"id": "dup", "prompt": " "}'  # two errors under one id: before, the second was lost and sim never ended
+    lines = [line.encode() for line in (good[0], *bad.values(), good[1], "\\xff", good[2], dup, dup)]
+    r = random.Random(21)
+    for _ in range(50):
+        if r.random() < 0.2:
+            lines.append(r.randbytes(r.randrange(1, 40)).replace(b"\n", b"\xff"))
+        else:
+            lines.append(_fuzz_line(r).encode("utf-8", "surrogatepass"))
+    lines.append(json.dumps({"id": "last", "prompt_ids": [1, 4, 8], "max_new_tokens": 2}).encode())
+    rc, records, err = _sim(_topology(tmp_path, tiny_model_dir, "jsonl"), b"\n".join(lines) + b"\n")
     assert rc == 0 and "Traceback" not in err, err[-3000:]
     finals = {r["id"]: r for r in records if r.get("done")}
     for i in range(3):
         assert "error" not in finals[f"g{i}"] and len(finals[f"g{i}"]["token_ids"]) == 3, finals
     errors = {r["id"]: r["error"] for r in records if "error" in r}
+    assert [r["id"] for r in records if "error" in r].count("dup") == 2
     # "sur" and "deep" are refused before their id is read: named by their line number
     assert {"topk", "topk64", "stops", "stoplen", "6", "7", "9"} <= set(errors), errors
     assert "top_k" in errors["topk"] and "top_k" in errors["topk64"] and "surrogate" in errors["6"]
     assert "nested" in errors["7"] and "at most 64" in errors["stops"] and "at most 64" in errors["stoplen"]
+    assert len(finals["last"]["token_ids"]) == 2
+    # a cancel line ends no request and is no record of its own; every other line has one
+    num_finals = sum(1 for rec in records if rec.get("done"))
+    assert num_finals >= len(lines) - sum(b'"cancel"' in line for line in lines), num_finals
 
 
 @pytest.fixture
@@ -151,7 +165,8 @@ def test_ingest_splits_a_refused_submit_and_the_rest_go_on(topo):
                 break
         admitted = {router.outputs.req_ids[s] for s in router.sched.seqs}
         assert admitted == {f"r{i}" for i in range(12)} - {"r7"}, admitted
-        assert list(router.outputs.errors) == ["r7"] and "top_k" in router.outputs.errors["r7"]
+        (req_id, message), = router.outputs.errors.values()
+        assert req_id == "r7" and "top_k" in message
     finally:
         _close(ingest.router, ingest.feed, ingest.replies, router.work, router.telemetry, router.detok)
 
@@ -224,27 +239,6 @@ def test_fuzzed_lines_are_a_prompt_or_an_error_and_every_prompt_fits_the_wire(ti
     assert kinds["prompt"] > 100 and kinds["error"] > 100, kinds
 
 
-def test_fuzzed_jsonl_and_bytes_into_a_live_node(tmp_path, tiny_model_dir):
-    """Random lines and random bytes on a real node's stdin: it runs to the end, every
-    request gets its final record, and the good ones answer."""
-    r = random.Random(21)
-    lines: list[bytes] = []
-    for i in range(60):
-        if i % 25 == 0:
-            lines.append(json.dumps({"id": f"good{i}", "prompt_ids": [1, 4, 8], "max_new_tokens": 2}).encode())
-        elif r.random() < 0.2:
-            lines.append(r.randbytes(r.randrange(1, 40)).replace(b"\n", b"\xff"))
-        else:
-            lines.append(_fuzz_line(r).encode("utf-8", "surrogatepass"))
-    rc, records, err = _sim(_topology(tmp_path, tiny_model_dir, "jsonl"), b"\n".join(lines) + b"\n")
-    assert rc == 0 and "Traceback" not in err, err[-3000:]
-    finals = [rec for rec in records if rec.get("done")]
-    good = {rec["id"]: rec for rec in finals if str(rec["id"]).startswith("good")}
-    assert set(good) == {"good0", "good25", "good50"} and all(len(g["token_ids"]) == 2 for g in good.values())
-    # a cancel line ends no request and is no record of its own; every other line has one
-    assert len(finals) >= len(lines) - sum(b'"cancel"' in line for line in lines), len(finals)
-
-
 def test_http_bad_input_is_a_400_and_the_server_goes_on(make_server):
     """A lone surrogate was a 500 with a traceback, JSON 1,000 deep a 500 (RecursionError),
     top_k past 2**30 or 2**64 passed and then wedged ingest. Each is now a 400 naming it."""
@@ -285,3 +279,41 @@ def test_fuzzed_bodies_into_the_http_api(make_server):
         assert status < 500, (raw[:200], status, reply)
         if i % 30 == 0:
             assert post(server, "/v1/completions", GOOD)[0] == 200
+
+
+def test_warnings_for_malformed_frames_are_rate_limited(topo, caplog):
+    """Each dropped frame logged one warning: 200,000 fuzzed frames made 16 MB of stderr.
+    Now the first ten are logged, then one line an interval with the count left out."""
+    import logging
+
+    from qmigrate.router.loop import Router
+    router = Router(topo)
+    client = transport.socket(zmq.DEALER, connect=topo.endpoint("router").connect, identity="fuzz")
+    try:
+        with caplog.at_level(logging.WARNING):
+            for i in range(3000):
+                client.send(b"\xc1junk" + bytes([i % 256]))
+                if i % 500 == 499:
+                    while router.work.poll(20):
+                        router.drain_socket()
+        lines = [r for r in caplog.records if "malformed" in r.getMessage()]
+        assert router.errors["malformed"] == 3000
+        assert 10 <= len(lines) <= 12, len(lines)
+    finally:
+        _close(client, router.work, router.telemetry, router.detok)
+
+
+def test_throttled_logs_the_first_then_one_an_interval():
+    import logging
+
+    from qmigrate.ops.logs import Throttled
+    now = [0.0]
+    seen = []
+    logger = logging.getLogger("throttle-test")
+    logger.warning = lambda fmt, *args: seen.append(fmt % args)  # noqa: E731
+    warn = Throttled(logger, first=3, interval_s=10.0, clock=lambda: now[0])
+    for i in range(1000):
+        now[0] = i * 0.1  # 100 s in all
+        warn.warning("dropped %d", i)
+    assert seen[:3] == ["dropped 0", "dropped 1", "dropped 2"] and 12 <= len(seen) <= 14
+    assert seen[4].endswith("(and 99 more like it not logged)"), seen[4]

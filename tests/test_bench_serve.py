@@ -251,8 +251,8 @@ def node(tmp_path, tiny_chat_model_dir):
     import time
     import urllib.request
     import yaml
-    from conftest import free_ports, stop_group
-    [port] = free_ports(1)
+    from conftest import reserve_ports, stop_group
+    [port] = reserve_ports(1)
     topo = {"transport": "ipc", "ipc_dir": str(tmp_path / "s"), "model": {"path": str(tiny_chat_model_dir)},
             "nodes": [{"name": "local"}], "router": {"node": "local"},
             "detokenizer": {"node": "local", "output": "jsonl"},

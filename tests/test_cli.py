@@ -61,7 +61,13 @@ def test_unreachable_router_names_the_address(tmp_path, qmigrate):
     assert feed.returncode == 1 and "ingest unreachable at tcp://127.0.0.1:" in feed.stderr
 
 
-@pytest.mark.parametrize("args", [[], ["sim"], ["node"], ["feed"], ["drain"], ["stats"], ["bench"],
+def test_version(qmigrate):
+    from qmigrate import __version__
+    run = qmigrate("--version")
+    assert (run.returncode, run.stdout) == (0, f"qmigrate {__version__}\n"), run.stderr
+
+
+@pytest.mark.parametrize("args", [[], ["serve"], ["sim"], ["node"], ["feed"], ["drain"], ["stats"], ["bench"],
                                   ["model"], ["model", "tiny"], ["model", "bench"], ["model", "smollm2"]])
 def test_help_at_every_level(qmigrate, args):
     run = qmigrate(*args, "--help")

@@ -789,6 +789,7 @@ def test_kv_transfer_is_used_instead_of_recompute(model, prompts, greedy):
     ran = run(dst, lease)
     assert calls == [[(1, len(ids) - 1, 1)]]  # a decode row: nothing was prefilled
     assert ran.emitted == {1: (4, [ref[4]], Finish.NONE)}
+    assert dst.num_kv_imported == 1
     ids += ran.tokens[1]
     for k in range(5, 10):
         ran = run(dst, make_lease({1: ids}, lease_id=k))
@@ -811,6 +812,7 @@ def test_unusable_transfer_falls_back_to_recompute(model, prompts, greedy, damag
     assert calls == [[(1, 0, len(ids))]]  # prefilled from the ids
     assert ran.emitted == {1: (3, [greedy(a, 4)[3]], Finish.NONE)}
     assert 5 not in dst.transfers
+    assert dst.num_kv_imported == 0
 
 
 def test_transfer_of_the_wrong_shape_falls_back_to_recompute(model, prompts, greedy):
@@ -822,6 +824,7 @@ def test_transfer_of_the_wrong_shape_falls_back_to_recompute(model, prompts, gre
     dst.receive_transfer(5, 1, torch.cat([kv, kv], dim=3))  # twice the KV heads, right length
     ran = run(dst, make_lease({1: ids}, full=[moved_spec(ids, len(a), 5)]))
     assert ran.emitted == {1: (3, [greedy(a, 4)[3]], Finish.NONE)}
+    assert dst.num_kv_imported == 0
 
 
 def test_importing_a_transfer_never_evicts_a_row_of_the_same_lease(model, prompts, greedy):

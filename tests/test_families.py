@@ -17,7 +17,7 @@ from qmigrate.engine import models
 from qmigrate.engine.batch import StepBatch
 from qmigrate.engine.runner import Engine, StepRow
 
-NUM_NEW = 12
+NUM_NEW = 10
 
 
 @pytest.fixture(scope="module", params=FAMILY_NAMES)
@@ -33,7 +33,7 @@ def fast_engine(model) -> Engine:
 
 def prompts(n: int, seed: int) -> list[list[int]]:
     rng = random.Random(seed)
-    return [[1] + [rng.randrange(3, 256) for _ in range(k - 1)] for k in (3 * WINDOW + 5, WINDOW - 3, 2 * WINDOW)][:n]
+    return [[1] + [rng.randrange(3, 256) for _ in range(k - 1)] for k in (2 * WINDOW + 5, WINDOW - 3, 2 * WINDOW)][:n]
 
 
 def reference_greedy(model, prompt: list[int], n: int) -> list[int]:
@@ -51,6 +51,20 @@ def test_every_family_is_supported_with_a_reason_when_not(family):
         assert "gpt2" in models.unsupported(model, torch.device("cpu"))
     finally:
         model.config.model_type = saved
+
+
+def test_an_unsupported_rope_type_is_named_and_fast_refuses_it():
+    """Dynamic NTK scaling changes every frequency with the length: `auto` falls back with
+    that reason, `fast` refuses the model with it."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from families import SMALL
+    cfg = LlamaConfig(**SMALL, rope_parameters={"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0})
+    model = LlamaForCausalLM(cfg).eval()
+    reason = models.unsupported(model, torch.device("cpu"))
+    assert reason is not None and "'dynamic'" in reason
+    with pytest.raises(ValueError, match="dynamic"):
+        Engine(model, runner="fast", max_kv_tokens=256)
+    assert Engine(model, runner="auto", max_kv_tokens=256).runner.name == "hf"
 
 
 @torch.inference_mode()

@@ -22,8 +22,8 @@ from hypothesis import strategies as st  # noqa: E402
 
 from qmigrate.wire import protocol as P  # noqa: E402
 from qmigrate.wire import transport  # noqa: E402
-from conftest import free_ports  # noqa: E402
-from test_fleet import _pid_of, _prompts, _stats  # noqa: E402
+from conftest import reserve_ports  # noqa: E402
+import helpers as H  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -112,11 +112,11 @@ def _feed(endpoint: str, prompts) -> None:
 
 def test_a_fuzzed_fleet_serves_every_request_exactly(tmp_path, tiny_model_dir):
     from conftest import check_outputs
-    ports = free_ports(6)
+    ports = reserve_ports(7)
     data = {"transport": "tcp", "model": {"path": str(tiny_model_dir)},
             "nodes": [{"name": "head", "address": "127.0.0.1", "bind": "127.0.0.1", "max_restarts": 0}],
             "router": {"node": "head", "port": ports[0], "telemetry_port": ports[1]},
-            "ingest": {"node": "head", "port": ports[2], "input": "jsonl"},
+            "ingest": {"node": "head", "port": ports[2], "reply_port": ports[6], "input": "jsonl"},
             "detokenizer": {"node": "head", "port": ports[3], "output": "jsonl"},
             "workers": [{"name": f"w{i}", "node": "head", "kv_port": ports[3 + i], "max_seqs": 2} for i in (1, 2)]}
     path = tmp_path / "topo.yaml"
@@ -129,13 +129,13 @@ def test_a_fuzzed_fleet_serves_every_request_exactly(tmp_path, tiny_model_dir):
     socks = []
     try:
         deadline = time.monotonic() + 120
-        while _stats(router).get("workers") != 2:
+        while H.stats(router).get("workers") != 2:
             assert time.monotonic() < deadline and node.poll() is None, "the fleet did not start"
             time.sleep(0.1)
-        roles = {t: _pid_of(node, t) for t in ("qmigrate router", "qmigrate detokenizer", "qmigrate ingest",
+        roles = {t: H.pid_of(node, t) for t in ("qmigrate router", "qmigrate detokenizer", "qmigrate ingest",
                                                  "qmigrate worker w1", "qmigrate worker w2")}
-        waves = [_prompts(21 + k, f"f{k}-", n=3, new_tokens=120) for k in range(4)]
-        second = _prompts(29, "g", n=3, new_tokens=20)
+        waves = [H.prompts(21 + k, f"f{k}-", n=3, new_tokens=120) for k in range(4)]
+        second = H.prompts(29, "g", n=3, new_tokens=20)
         started = time.monotonic()
 
         def sender(kind, endpoint, options=()):
@@ -164,7 +164,7 @@ def test_a_fuzzed_fleet_serves_every_request_exactly(tmp_path, tiny_model_dir):
             _feed(ingest, wave)  # each port is fuzzed while requests run
             sent += _fuzz(frames_for(examples, types), sender(kind, endpoint, options))
         assert sent >= 5_000, sent
-        print(f"fuzzed with {sent} messages in {time.monotonic() - started:.1f} s; router stats {_stats(router)}")
+        print(f"fuzzed with {sent} messages in {time.monotonic() - started:.1f} s; router stats {H.stats(router)}")
 
         _feed(ingest, second)
         everything = [p for wave in waves for p in wave] + second
@@ -176,7 +176,7 @@ def test_a_fuzzed_fleet_serves_every_request_exactly(tmp_path, tiny_model_dir):
                 break
             assert time.monotonic() < deadline and node.poll() is None, f"unfinished\n{text[-2000:]}"
             time.sleep(0.2)
-        assert {t: _pid_of(node, t) for t in roles} == roles, "a role died or was started again"
+        assert {t: H.pid_of(node, t) for t in roles} == roles, "a role died or was started again"
     finally:
         for sock in socks:
             sock.close(linger=0)

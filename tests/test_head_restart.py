@@ -13,8 +13,8 @@ import time
 import pytest
 import yaml
 
-from conftest import check_outputs, free_ports, stop_group
-from test_fleet import _feed, _pid_of, _prompts, _stats, _wait_for_output
+from conftest import check_outputs, reserve_ports, stop_group
+import helpers as H
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -29,14 +29,14 @@ def _wait(what: str, predicate, timeout: float = 120.0):
 
 
 def test_a_restarted_head_node_is_rejoined_by_the_running_workers(tmp_path, tiny_model_dir):
-    ports = free_ports(5)
+    ports = reserve_ports(6)
     path = tmp_path / "topo.yaml"
     path.write_text(yaml.safe_dump({
         "transport": "tcp", "model": {"path": str(tiny_model_dir)},
         "nodes": [{"name": "head", "address": "127.0.0.1", "bind": "127.0.0.1"},
                   {"name": "gpu", "address": "127.0.0.1", "bind": "127.0.0.1"}],
         "router": {"node": "head", "port": ports[0], "telemetry_port": ports[1], "heartbeat_interval_s": 0.2},
-        "ingest": {"node": "head", "port": ports[2], "input": "jsonl"},
+        "ingest": {"node": "head", "port": ports[2], "reply_port": ports[5], "input": "jsonl"},
         "detokenizer": {"node": "head", "port": ports[3], "output": "jsonl"},
         "workers": [{"name": "w1", "node": "gpu", "device": "cpu", "kv_port": ports[4]}],
     }))
@@ -55,23 +55,23 @@ def test_a_restarted_head_node_is_rejoined_by_the_running_workers(tmp_path, tiny
     try:
         gpu = start("gpu", 1)
         head = start("head", 1)
-        _wait("w1 to join", lambda: _stats(router).get("workers") == 1)
-        worker = _pid_of(gpu, "qmigrate worker w1")
-        first = _prompts(21, "a", n=4, new_tokens=20)
-        _feed(path, first)
-        check_outputs(_wait_for_output(head, len(first)), first, tiny_model_dir)
+        _wait("w1 to join", lambda: H.stats(router).get("workers") == 1)
+        worker = H.pid_of(gpu, "qmigrate worker w1")
+        first = H.prompts(21, "a", n=4, new_tokens=20)
+        H.feed(path, first)
+        check_outputs(H.wait_for_output(head, len(first)), first, tiny_model_dir)
 
         os.killpg(head.pid, signal.SIGTERM)  # the whole head node stops, as an operator's restart does
         head.wait(30)
-        assert _stats(router) == {}, "the old router still answers"
+        assert H.stats(router) == {}, "the old router still answers"
         head = start("head", 2)
-        _wait("w1 to join the new router", lambda: _stats(router).get("workers") == 1)
-        second = _prompts(22, "b", n=4, new_tokens=20)
-        _feed(path, second)
-        check_outputs(_wait_for_output(head, len(second)), second, tiny_model_dir)
+        _wait("w1 to join the new router", lambda: H.stats(router).get("workers") == 1)
+        second = H.prompts(22, "b", n=4, new_tokens=20)
+        H.feed(path, second)
+        check_outputs(H.wait_for_output(head, len(second)), second, tiny_model_dir)
 
         assert gpu.poll() is None, "the worker node exited"
-        assert _pid_of(gpu, "qmigrate worker w1") == worker, "the worker was restarted instead of rejoining"
+        assert H.pid_of(gpu, "qmigrate worker w1") == worker, "the worker was restarted instead of rejoining"
         gpu.err.seek(0)
         assert "Traceback" not in gpu.err.read()
     finally:

@@ -181,3 +181,26 @@ def test_a_port_in_use_is_one_clear_line(tiny_chat_model_dir):
         cfg = IngestConfig(node="local", http_port=taken.getsockname()[1], model_name="tiny")
         with pytest.raises(SystemExit, match=f"cannot serve HTTP on http://127.0.0.1:{cfg.http_port}"):
             HttpServer(cfg, str(tiny_chat_model_dir), Defaults()).start()
+
+
+def test_a_stream_cut_by_shutdown_ends_with_an_error_event_and_done(make_server):
+    server, fake = make_server(["a", "b"])
+    conn = http.client.HTTPConnection("127.0.0.1", server.cfg.http_port, timeout=30)
+    conn.request("POST", "/v1/completions", json.dumps({**GOOD, "max_tokens": LONG, "stream": True}))
+    resp = conn.getresponse()
+    assert resp.readline().startswith(b"data: {")  # running, and would never end
+    waiting = []
+    plain = threading.Thread(target=lambda: waiting.append(post(server, "/v1/completions", {**GOOD, "max_tokens": LONG})))
+    plain.start()
+    while len(server.streams) < 2:
+        plain.join(0.01)
+    server.shutdown()
+    events = [line for line in resp.read().split(b"\n") if line.startswith(b"data: ")]
+    conn.close()
+    assert events[-1] == b"data: [DONE]"
+    error = json.loads(events[-2].removeprefix(b"data: "))["error"]
+    assert error["code"] == "shutdown" and "shutting down" in error["message"]
+    plain.join(10)
+    status, body = waiting[0]
+    assert status == 503 and body["error"]["code"] == "shutdown"
+    assert not server.streams

@@ -43,6 +43,23 @@ def test_output_log_keeps_each_request_once_until_printed():
     assert bad.seqs == [] and bad.errors == [["z", "invalid request"]]
 
 
+def test_output_log_keeps_errors_apart_by_number_until_printed():
+    """Two requests refused under one request id are two records (before, the second was
+    lost, and a run waiting for every request's end never ended); a resend of either is not."""
+    log = OutputLog()
+    first = log.add(P.Submit([], [], [["x", "empty prompt"]], error_ids=P.pack_i64([11])), 0)
+    second = log.add(P.Submit([], [], [["x", "empty prompt"], ["x", "empty prompt"]],
+                              error_ids=P.pack_i64([11, 12])), 0)
+    assert P.unpack_i64(first.error_ids).tolist() == [11] and P.unpack_i64(second.error_ids).tolist() == [12]
+    assert [e.seq_id for e in log.error_messages()] == [11, 12]
+    records = [P.encode(log.snapshot())]
+    assert log.printed([11]) and list(log.errors) == [12]
+    assert log.add(P.Submit([], [], [["y", "bad"]]), 0).errors == [["y", "bad"]]  # no number: by req_id
+    again = OutputLog()
+    again.replay(records)
+    assert again.errors == {11: ["x", "empty prompt"], 12: ["x", "empty prompt"]}
+
+
 def test_the_scheduler_readmits_past_its_limit_and_only_once():
     from qmigrate.config import RouterConfig
     from qmigrate.router.scheduler import Scheduler, WorkerState
@@ -75,7 +92,7 @@ def test_output_log_replays_its_records_and_its_snapshot():
         again = OutputLog()
         again.replay(source)
         assert again.specs == log.specs and again.req_ids == log.req_ids
-        assert again.errors == {"e": "bad"} and again.num_requests == 3
+        assert again.errors == {"e": ["e", "bad"]} and again.num_requests == 3
 
 
 @pytest.fixture

@@ -89,3 +89,180 @@ def test_tokens_count_only_for_the_senders_leases(topo):
         assert router.errors["tokens_not_leased"] == 2 + len(queued) + 1 + 2
     finally:
         _close(detok, ingest, w1, w2, router.work, router.telemetry, router.detok)
+
+
+def test_a_detokenizer_that_does_not_read_stops_admission_and_loses_nothing(topo, monkeypatch):
+    """Before, the router's backlog to the detokenizer dropped its oldest message past 100k
+    held, while ingest's requests, errors and end of input kept coming: a dropped Tokens left
+    a gap for good, a dropped InputClosed kept `sim` from ending. Now a full backlog defers
+    every Submit (errors and end included) and each message held reaches the detokenizer,
+    in order, once it reads."""
+    from qmigrate.router import loop
+    from qmigrate.router.loop import Router
+    monkeypatch.setattr(loop, "MAX_BACKLOG", 50)
+    router = Router(topo)
+    router.detok.close(linger=0)  # a queue of one message to the detokenizer, so the backlog fills
+    router.detok = transport.socket(zmq.PUSH, connect=topo.endpoint("detokenizer").connect, hwm=1)
+    ingest = transport.socket(zmq.DEALER, connect=topo.endpoint("router").connect, identity="ingest-1")
+    detok = None
+    try:
+        acks, seq_id = [], 0
+        for n in range(12):  # 10 requests and 2 errors each; the last says the input ends
+            specs = [P.SeqSpec(seq_id + i + 1, P.pack_i32([1, 2]), 2, 4) for i in range(10)]
+            seq_id += 10
+            transport.send(ingest, P.Submit(specs, [f"r{s.seq_id}" for s in specs],
+                                            [[f"e{n}a", "bad"], [f"e{n}b", "bad"]], 144 if n == 11 else -1))
+            acks.append(_pump(router, ingest, lambda m: isinstance(m, P.SubmitAck)))
+        taken = [a.num_accepted for a in acks]
+        deferred = [a.is_deferred for a in acks]
+        # 12 messages a Submit: once 50 are held past the socket's queue, no Submit is taken
+        num = taken.index(0)
+        assert taken == [10] * num + [0] * (12 - num) and deferred == [False] * num + [True] * (12 - num)
+        assert router.sched.counters["submits_deferred"] == 12 - num >= 5 and 50 <= len(router.backlog) < 62
+        assert router.outputs.num_requests == -1  # the deferred end of input is ingest's to send again
+        held = list(router.backlog)
+        detok = transport.socket(zmq.PULL, bind=topo.endpoint("detokenizer").bind)
+        got = []
+        for _ in range(200):
+            router.flush_backlog()
+            while detok.poll(5):
+                got.append(detok.recv())
+            if len(got) >= len(held) and not router.backlog:
+                break
+        assert got[-len(held):] == held and router.backlog_bytes == 0
+        kinds = [type(P.decode(f)).__name__ for f in got]
+        assert kinds.count("RequestMeta") == 10 * num and kinds.count("RequestError") == 2 * num
+        assert len(got) == 12 * num
+        transport.send(ingest, P.Submit([], [], [], 144))  # admitted again now that it reads
+        assert not _pump(router, ingest, lambda m: isinstance(m, P.SubmitAck)).is_deferred
+    finally:
+        _close(ingest, router.work, router.telemetry, router.detok, *([detok] if detok else []))
+
+
+def test_an_id_past_the_tokenizer_is_output_and_its_batch_prints(topo, capsys):
+    """A model's vocabulary may be larger than its tokenizer's (Qwen2: 151,936 against
+    151,665). Before, one such id dropped the whole multi-row Tokens message, and every
+    sequence of that batch waited forever. Now it decodes as no text, and every row prints."""
+    from qmigrate.detokenizer.loop import Detokenizer
+    detok = Detokenizer(topo)
+    push = transport.socket(zmq.PUSH, connect=topo.endpoint("detokenizer").connect)
+    ids = P.pack_i32
+    past = detok.vocab_size + 5  # the tiny model's tokenizer has fewer ids than this
+    try:
+        for sid in (1, 2, 3):
+            transport.send(push, P.RequestMeta(sid, f"r{sid}", ids([1, 42])))
+        transport.send(push, P.Tokens(P.pack_i64([1, 2, 3]), ids([0, 0, 0]), ids([2, 2, 2]),
+                                      ids([71, 78, 71, past, past, 78]), P.pack_u8([2, 2, 2])))
+        transport.send(push, P.InputClosed(3))
+        detok.serve_forever(exit_when_done=True)  # returns once all three are done
+    finally:
+        _close(push, detok.pull, detok.router, detok.replies)
+    finals = {r["id"]: r for r in map(__import__("json").loads, capsys.readouterr().out.splitlines())
+              if r.get("done")}
+    assert {k: v["token_ids"] for k, v in finals.items()} == {"r1": [71, 78], "r2": [71, past], "r3": [past, 78]}
+    from qmigrate.detokenizer.decoder import IncrementalDecoder
+    decode = lambda xs: "".join(IncrementalDecoder(detok.sink._tokenizer).push([x]) for x in xs)  # noqa: E731
+    assert finals["r2"]["text"] == decode([71]) and finals["r3"]["text"] == decode([78])
+
+
+def test_many_thousands_of_requests_leave_every_structure_bounded(tmp_path):
+    """The detokenizer's sink remembered every finished and errored request for good, its
+    latency table every cancelled one, the router every error record: each grew with the
+    number of requests served. 30,000 requests (finished, errored, cancelled, and tokens for
+    requests that never start) through the pure cores: every size stays under its bound."""
+    from qmigrate.detokenizer.decoder import MAX_UNSTARTED, JsonlSink
+    from qmigrate.router.journal import OutputLog
+    from tokenizer_util import build_tokenizer
+    tok = build_tokenizer()
+    out = []
+    sink = JsonlSink(tok, out.append, max_done=1000)
+    log = OutputLog()
+    max_kept = 500
+    for n in range(30_000):
+        sid = n + 1
+        kind = n % 4
+        if kind == 3:  # refused at ingest
+            sink.error(f"e{n % 7}", "bad", sid)  # request ids may repeat: each error is its own
+            log.add(P.Submit([], [], [[f"e{n % 7}", "bad"]], error_ids=P.pack_i64([sid])), 0)
+            if n % 8 == 3:  # confirmed printed by the detokenizer: forgotten at once
+                log.printed([sid])
+        else:
+            spec = P.SeqSpec(sid, P.pack_i32([5, 6]), 2, 2)
+            log.add(P.Submit([spec], [f"r{n}"]), 1)
+            sink.start(sid, f"r{n}", [5, 6])
+            sink.tokens(sid, 0, [7])
+            if kind == 0:
+                sink.tokens(sid, 1, [8])
+                sink.finish(sid, "length", 2)
+            elif kind == 1:
+                sink.cancel(sid)
+            else:
+                sink.tokens(10**9 + n, 0, [7])  # tokens of a request whose start never comes
+                sink.finish(sid, "eos", 1)
+            log.printed([sid])
+        sink.newly_done.clear()  # taken by report_printed every 0.2 s
+        log.trim(max_kept, live=())
+        if n % 1000 == 999:
+            sizes = sink.sizes
+            assert sizes["finished"] <= 1000 and sizes["errored"] <= 1000, sizes
+            assert sizes["unstarted"] <= MAX_UNSTARTED and sizes["active"] <= MAX_UNSTARTED, sizes
+            assert len(log) == 0 and len(log.errors) <= max_kept, len(log.errors)
+        out.clear()
+    assert sink.num_done == 30_000 and sink.num_errors == 7_500  # errors under one request id: each counted
+    # a request that ended recently is still known: sent again (a router restart), it prints nothing
+    sink.start(29_999, "r29998", [5, 6])
+    sink.tokens(29_999, 0, [7, 8])
+    assert not out and sink.is_done(29_999)
+
+
+def test_the_detokenizer_forgets_the_latency_of_cancelled_requests(topo):
+    from qmigrate.detokenizer import loop
+    detok = loop.Detokenizer(topo)
+    try:
+        detok.latency = object()  # timing on: on_meta starts a record, which nothing reads here
+        for sid in range(1, 3001):
+            detok.on_meta(P.RequestMeta(sid, f"r{sid}", P.pack_i32([1, 2])))
+            detok.on_cancel(P.Cancel(P.pack_i64([sid])))
+        assert not detok.times
+        for sid in range(5001, 5001 + loop.MAX_TIMED + 100):  # never ended here at all
+            detok.times[sid] = [0.0, None]
+        detok.on_meta(P.RequestMeta(1, "r1", P.pack_i32([1, 2])))
+        assert len(detok.times) <= loop.MAX_TIMED
+    finally:
+        _close(detok.pull, detok.router, detok.replies)
+
+
+def test_ingest_keeps_a_deferred_submit_whole_and_sends_it_later(topo, monkeypatch):
+    """A Submit the router defers (its output to the detokenizer is backed up) is kept by
+    ingest as it was: requests, error records and the end of input all go later."""
+    from qmigrate.ingest.loop import Ingest
+    from qmigrate.ingest.prompts import Prompt
+    from qmigrate.router.loop import Router
+    router = Router(topo)
+    ingest = Ingest(topo, read_stdin=True)
+    full = [True]
+    monkeypatch.setattr(Router, "is_backlog_full", property(lambda self: full[0]))
+    try:
+        ingest.enqueue(ingest.id_base | 1, Prompt("a", [1, 2, 3], 2, 0.0, 1.0, 0, 1, []), P.ROUTE_STDOUT)
+        ingest.errors.append(("b", "bad", ingest.id_base | 2))
+        ingest.num_requests, ingest.stdin_done = 2, True
+        ingest.lines.get_nowait = lambda: (_ for _ in ()).throw(__import__("queue").Empty)
+
+        def turn():
+            ingest.submit()
+            if router.work.poll(5):
+                router.drain_socket()
+            if ingest.router.poll(5):
+                ingest.on_router()
+        for _ in range(20):
+            turn()
+        assert router.sched.counters["submits_deferred"] >= 1 and not router.sched.seqs
+        assert len(ingest.pending) == 1 and len(ingest.errors) == 1 and not ingest.closed_sent
+        full[0] = False
+        for _ in range(200):
+            turn()
+            if ingest.closed_sent:
+                break
+        assert len(router.sched.seqs) == 1 and len(router.outputs.errors) == 1 and router.outputs.num_requests == 2
+    finally:
+        _close(ingest.router, ingest.feed, ingest.replies, router.work, router.telemetry, router.detok)

@@ -15,7 +15,7 @@ import time
 import pytest
 import yaml
 
-from test_fleet import _prompts
+import helpers as H
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -69,7 +69,7 @@ def test_a_cut_link_between_hosts_loses_nothing(hosts, tmp_path, tiny_model_dir)
             "workers": [{"name": "w1", "node": "n1", "max_seqs": 2}, {"name": "w2", "node": "n2", "max_seqs": 2}]}
     path = tmp_path / "hosts.yaml"
     path.write_text(yaml.safe_dump(data))
-    prompts = _prompts(31, "h", n=6, new_tokens=150)
+    prompts = H.prompts(31, "h", n=6, new_tokens=150)
     out = open(tmp_path / "out", "a+")
     err = open(tmp_path / "err", "a+")
     nodes = []

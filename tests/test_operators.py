@@ -17,7 +17,7 @@ import yaml
 from typer.testing import CliRunner
 
 from qmigrate.cli import app
-from conftest import free_ports, stop_group
+from conftest import reserve_ports, stop_group
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -68,7 +68,7 @@ class FakeMonitor:
 @pytest.fixture
 def node(tmp_path, tiny_model_dir):
     """A one-node fleet of two CPU workers reading prompts from a pipe; stopped afterwards."""
-    router_metrics, detok_metrics = free_ports(2)
+    router_metrics, detok_metrics = reserve_ports(2)
     topo = {"transport": "ipc", "ipc_dir": str(tmp_path / "ipc"), "model": {"path": str(tiny_model_dir)},
             "nodes": [{"name": "local"}],
             "router": {"node": "local", "metrics_port": router_metrics, "migration": "recompute",

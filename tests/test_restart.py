@@ -14,8 +14,8 @@ import time
 import pytest
 import yaml
 
-from conftest import free_ports  # noqa: E402
-from test_fleet import _pid_of, _prompts, _roles_of, _stats
+from conftest import reserve_ports  # noqa: E402
+import helpers as H
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -26,7 +26,7 @@ def _topology(tmp_path, model_dir, ports) -> dict:
         "nodes": [{"name": "head", "address": "127.0.0.1", "bind": "127.0.0.1", "max_restarts": 2}],
         "router": {"node": "head", "port": ports[0], "telemetry_port": ports[1], "heartbeat_interval_s": 0.2,
                    "heartbeat_timeout_s": 1.5, "lease_timeout_s": 3.0, "journal": str(tmp_path / "router.journal")},
-        "ingest": {"node": "head", "port": ports[2], "input": "jsonl"},
+        "ingest": {"node": "head", "port": ports[2], "reply_port": ports[6], "input": "jsonl"},
         "detokenizer": {"node": "head", "port": ports[3], "output": "jsonl",
                         "journal": str(tmp_path / "detok.journal")},
         "workers": [{"name": f"w{i}", "node": "head", "device": "cpu", "kv_port": ports[3 + i], "max_seqs": 2}
@@ -49,11 +49,11 @@ def _wait(what: str, predicate, timeout: float = 120.0, err=None):
 
 def test_router_detokenizer_and_worker_restarts_lose_nothing(tmp_path, tiny_model_dir):
     from conftest import greedy_reference
-    ports = free_ports(6)
+    ports = reserve_ports(7)
     path = tmp_path / "topo.yaml"
     path.write_text(yaml.safe_dump(_topology(tmp_path, tiny_model_dir, ports)))
     router = f"tcp://127.0.0.1:{ports[0]}"
-    prompts = _prompts(5, "r", n=12, new_tokens=300)  # long enough to outlast three restarts
+    prompts = H.prompts(5, "r", n=12, new_tokens=300)  # long enough to outlast three restarts
     # Append mode: the test reads with seek(), which must not move where the node writes.
     out, err = open(tmp_path / "out", "a+"), open(tmp_path / "err", "a+")
     node = subprocess.Popen([sys.executable, "-m", "qmigrate", "node", str(path), "--node", "head", "--stdin"],
@@ -71,21 +71,21 @@ def test_router_detokenizer_and_worker_restarts_lose_nothing(tmp_path, tiny_mode
 
     try:
         _wait("output to start", lambda: printed().count('"delta"') >= 3, err=err)
-        os.kill(_pid_of(node, "qmigrate router"), signal.SIGKILL)
+        os.kill(H.pid_of(node, "qmigrate router"), signal.SIGKILL)
         _wait("the router to be started again", lambda: "router exited with status -9; starting" in stderr())
-        _wait("both workers to rejoin the new router", lambda: _stats(router).get("workers") == 2)
-        assert _stats(router).get("unprinted", 0) > 0, "the run ended before the kill; the test proves nothing"
+        _wait("both workers to rejoin the new router", lambda: H.stats(router).get("workers") == 2)
+        assert H.stats(router).get("unprinted", 0) > 0, "the run ended before the kill; the test proves nothing"
 
-        w2 = _pid_of(node, "qmigrate worker w2")
+        w2 = H.pid_of(node, "qmigrate worker w2")
         os.kill(w2, signal.SIGSTOP)
         try:  # the router's log, not its stats: those go when the run ends
             _wait("the router to notice the frozen worker", lambda: "worker w2 lost: silent for" in stderr(), err=err)
         finally:
             os.kill(w2, signal.SIGCONT)
-        _wait("the frozen worker to rejoin", lambda: _stats(router).get("workers") == 2)
+        _wait("the frozen worker to rejoin", lambda: H.stats(router).get("workers") == 2)
 
         before = printed().count('"done": true')
-        os.kill(_pid_of(node, "qmigrate detokenizer"), signal.SIGKILL)
+        os.kill(H.pid_of(node, "qmigrate detokenizer"), signal.SIGKILL)
         _wait("the detokenizer to be started again", lambda: "detokenizer exited with status -9; starting" in stderr())
         assert before < len(prompts), "the run ended before the kill; the test proves nothing"
         node.wait(timeout=180)
@@ -94,7 +94,7 @@ def test_router_detokenizer_and_worker_restarts_lose_nothing(tmp_path, tiny_mode
             os.killpg(node.pid, signal.SIGKILL)
             node.wait()
     assert node.returncode == 0, stderr()[-3000:]
-    assert not [t for t in _roles_of(node).values()], "a role outlived its node"
+    assert not [t for t in H.roles_of(node).values()], "a role outlived its node"
     finals, deltas = {}, {}
     for line in printed().splitlines():
         record = json.loads(line)

@@ -96,7 +96,7 @@ def test_a_live_detokenizer_drops_bad_tokens_and_finishes_the_rest(topo, capsys)
     ids = lambda xs: P.pack_i32(xs)
     try:
         transport.send(push, P.RequestMeta(1, "r1", ids([1, 42])))
-        for tokens in ([-1], [detok.vocab_size], [10 ** 9]):  # outside the vocabulary
+        for tokens in ([-1], [-(2 ** 31)]):  # not token ids (an id past the tokenizer is: test_detok)
             transport.send(push, P.Tokens(P.pack_i64([1]), ids([0]), ids([1]), ids(tokens), P.pack_u8([0])))
         transport.send(push, P.Tokens(P.pack_i64([1]), ids([-3]), ids([1]), ids([5]), P.pack_u8([0])))
         transport.send(push, P.Tokens(P.pack_i64([1]), ids([0]), ids([2]), ids([5]), P.pack_u8([0])))  # counts

@@ -25,7 +25,7 @@ from zmq.utils.monitor import recv_monitor_message
 from qmigrate.wire import protocol as P
 from qmigrate.wire import security, transport
 from qmigrate.config import parse_topology
-from conftest import free_ports, stop_group
+from conftest import reserve_ports, stop_group
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -33,7 +33,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _topology(tmp_path, model_dir=None, enabled="on", **extra):
-    ports = free_ports(7)
+    ports = reserve_ports(7)
     keys = tmp_path / "keys"
     for node in ("head", "gpu1", "gpu2"):
         if not (keys / f"{node}.key").exists():

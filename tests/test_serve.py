@@ -1,5 +1,6 @@
 """`qmigrate serve`: the topology it builds from its flags, and the real command on the CPU
-with the tiny model (health 503 then 200, a completion, SIGTERM stops every process)."""
+with the tiny model (health 503 then 200, a completion, SIGTERM stops every process and ends
+open streams with an error event and [DONE])."""
 
 from __future__ import annotations
 
@@ -10,14 +11,15 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
 
-from conftest import free_ports  # noqa: E402
+from conftest import reserve_ports  # noqa: E402
 from qmigrate.config import local_topology
 from qmigrate.serve import ServeOptions, local_url, serve_topology
-from test_fleet import _roles_of
+import helpers as H  # noqa: E402
 from test_signals import _alive, _kill_session, _wait
 
 
@@ -43,10 +45,24 @@ def test_cpu_workers_when_there_is_no_gpu_and_defaults_where_no_flag_is_given():
     assert (topo.ingest.http_host, topo.ingest.http_port, topo.ingest.api_key) == ("127.0.0.1", 8000, None)
 
 
+def test_gpu_workers_default_to_a_serving_engines_batch_and_the_flag_overrides_it():
+    from qmigrate.config import GPU_SERVE_MAX_SEQS, GPU_SERVE_MAX_TOKENS
+    topo = serve_topology(ServeOptions(), num_gpus=2)
+    assert [(w.max_seqs, w.max_tokens) for w in topo.workers] == [(256, GPU_SERVE_MAX_TOKENS)] * 2
+    assert GPU_SERVE_MAX_SEQS == 256   # vLLM's max_num_seqs
+    topo = serve_topology(ServeOptions(max_num_seqs=48), num_gpus=1)
+    assert (topo.workers[0].max_seqs, topo.workers[0].max_tokens) == (48, GPU_SERVE_MAX_TOKENS)
+    cpu = serve_topology(ServeOptions(), num_gpus=0).workers[0]
+    defaults = local_topology(1).workers[0]
+    assert (cpu.max_seqs, cpu.max_tokens) == (defaults.max_seqs, defaults.max_tokens) != (256, GPU_SERVE_MAX_TOKENS)
+
+
 def test_a_config_keeps_its_workers_and_takes_the_flags():
     base = local_topology(2, device="cuda")
     topo = serve_topology(ServeOptions(port=8123, max_num_seqs=32), base, num_gpus=8)
     assert [(w.name, w.device, w.max_seqs) for w in topo.workers] == [("w1", "cuda", 32), ("w2", "cuda", 32)]
+    kept = serve_topology(ServeOptions(), base, num_gpus=8).workers[0]   # its own settings, not serve's
+    assert (kept.max_seqs, kept.max_tokens) == (base.workers[0].max_seqs, base.workers[0].max_tokens)
     assert topo.ingest.http_port == 8123
 
 
@@ -59,6 +75,17 @@ def test_a_wildcard_host_is_reached_on_the_loopback():
 def test_serve_without_a_model_or_config_says_what_it_needs(qmigrate):
     run = qmigrate("serve", timeout=60)
     assert run.returncode == 2 and "give a MODEL" in run.stderr
+
+
+def test_a_taken_port_is_one_line_before_anything_starts(qmigrate, tiny_model_dir):
+    import socket
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        run = qmigrate("serve", str(tiny_model_dir), "--port", str(port), timeout=60)
+    assert run.returncode == 1 and run.stderr.startswith(f"error: cannot serve on 127.0.0.1:{port}"), run.stderr
+    assert "serving" not in run.stderr
 
 
 # --- the real command -----------------------------------------------------------------------
@@ -85,10 +112,23 @@ def _complete(port: int, body: dict, headers: dict | None = None) -> tuple[int, 
         conn.close()
 
 
+def _stream(port: int, results: list, started: threading.Event) -> None:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    body = {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 500, "ignore_eos": True, "stream": True}
+    conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json",
+                                                               "Authorization": "Bearer k"})
+    resp = conn.getresponse()
+    events = [resp.readline()]
+    started.set()
+    events += resp.read().split(b"\n")
+    conn.close()
+    results.append([e for e in events if e.startswith(b"data: ")])
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_serve_on_the_cpu_answers_once_ready_and_sigterm_stops_everything(tiny_model_dir, tmp_path):
-    (port,) = free_ports(1)
+    (port,) = reserve_ports(1)
     tmp = tmp_path / "tmp"
     tmp.mkdir()
     proc = subprocess.Popen([sys.executable, "-m", "qmigrate", "serve", str(tiny_model_dir), "--port", str(port),
@@ -114,12 +154,24 @@ def test_serve_on_the_cpu_answers_once_ready_and_sigterm_stops_everything(tiny_m
         status, body = _complete(port, {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 4},
                                  {"Authorization": "Bearer k"})
         assert status == 200 and body["usage"]["completion_tokens"] == 4, body
-        roles = [pid for pid in _roles_of(proc).values() if pid != proc.pid]
-        assert len(roles) >= 4, _roles_of(proc)  # router, ingest, detokenizer, the worker
+        roles = [pid for pid in H.roles_of(proc).values() if pid != proc.pid]
+        assert len(roles) >= 4, H.roles_of(proc)  # router, ingest, detokenizer, the worker
+        results: list = []
+        started = [threading.Event() for _ in range(16)]  # 8,000 tokens: still running at the signal
+        clients = [threading.Thread(target=_stream, args=(port, results, e)) for e in started]
+        for c in clients:
+            c.start()
+        assert all(e.wait(60) for e in started)
         proc.send_signal(signal.SIGTERM)
+        for c in clients:
+            c.join(60)
         _, err = proc.communicate(timeout=30)
         assert proc.returncode == 128 + signal.SIGTERM, err
         assert "Traceback" not in err, err
+        # Streams cut by the shutdown end with an error event and [DONE], as finished ones do.
+        assert len(results) == 16 and all(r[-1] == b"data: [DONE]" for r in results), results
+        cut = [json.loads(r[-2].removeprefix(b"data: ")) for r in results if b'"error"' in r[-2]]
+        assert cut and all(e["error"]["code"] == "shutdown" for e in cut), results
         assert _wait(lambda: not _alive(roles), 10), f"roles left running: {_alive(roles)}"
         assert list(tmp.iterdir()) == [], "the temp directory was left behind"
     finally:
@@ -140,23 +192,34 @@ def test_serve_on_the_gpus_with_defaults_answers_with_the_monitor_on(tiny_model_
     from qmigrate.config import load_topology
     from qmigrate.wire import protocol as P
     from qmigrate.wire import transport
-    (port,) = free_ports(1)
-    proc = subprocess.Popen([sys.executable, "-m", "qmigrate", "serve", str(tiny_model_dir), "--port", str(port)],
-                            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+    (port,) = reserve_ports(1)
+    err_path = tmp_path / "serve.err"
+    with open(err_path, "w") as err_file:  # a file: nothing blocks on a full pipe while it serves
+        proc = subprocess.Popen([sys.executable, "-m", "qmigrate", "serve", str(tiny_model_dir), "--port", str(port)],
+                                stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=err_file, text=True,
+                                start_new_session=True)
     try:
-        line = proc.stderr.readline()
-        topology = re.search(r"qmigrate status (\S+)", line).group(1)
+        assert _wait(lambda: (re.search(r"qmigrate status (\S+)", err_path.read_text())), 120), \
+            err_path.read_text()
+        topology = re.search(r"qmigrate status (\S+)", err_path.read_text()).group(1)
         assert proc.stdout.readline().startswith(f"ready: http://127.0.0.1:{port}")
         router = load_topology(topology).endpoint("router").connect
-        assert _wait(lambda: transport.request(router, P.StatsRequest(), timeout_s=5, expect=P.Stats).gpus, 30)
+
+        def stats():
+            return transport.request(router, P.StatsRequest(), timeout_s=5, expect=P.Stats)
+        assert _wait(lambda: stats().gpus, 30), "no VRAM report reached the router"
+        time.sleep(2.0)  # a few more reports, each applied to the workers' admission
         status, body = _complete(port, {"model": tiny_model_dir.name, "prompt": [5, 6, 7], "max_tokens": 8})
         assert status == 200 and body["usage"]["completion_tokens"] == 8, body
-        stats = transport.request(router, P.StatsRequest(), timeout_s=5, expect=P.Stats)
         import torch
-        assert stats.counters["workers"] == torch.cuda.device_count()
+        from qmigrate.ops.observe import WORKER_COLUMNS, as_dicts
+        reply = stats()
+        assert reply.counters["workers"] == torch.cuda.device_count()
+        workers = as_dicts(WORKER_COLUMNS, reply.workers)
+        assert all(w["state"] == "up" for w in workers), workers  # not memory-short, may take prompts
         proc.send_signal(signal.SIGINT)  # Ctrl-C
-        _, err = proc.communicate(timeout=60)
+        proc.communicate(timeout=60)
+        err = err_path.read_text()
         assert proc.returncode == 128 + signal.SIGINT and "Traceback" not in err, err
     finally:
         _kill_session(proc)

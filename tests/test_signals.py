@@ -12,8 +12,8 @@ import time
 import pytest
 import yaml
 
-from conftest import free_ports  # noqa: E402
-from test_fleet import _roles_of
+from conftest import reserve_ports  # noqa: E402
+import helpers as H
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 
@@ -43,7 +43,7 @@ def _kill_session(proc) -> None:
     if proc.poll() is None:
         os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
-    for pid in _roles_of(proc).values():  # roles left behind by a failed test
+    for pid in H.roles_of(proc).values():  # roles left behind by a failed test
         os.kill(pid, signal.SIGKILL)
 
 
@@ -55,8 +55,8 @@ def test_sigterm_during_startup_stops_every_role_and_leaves_no_temp_dir(tmp_path
                            env={**os.environ, "TMPDIR": str(tmp)}, start_new_session=True)
     try:
         # Roles started, workers still loading: the supervisor waits for the fleet.
-        assert _wait(lambda: any(t.startswith("qmigrate worker") for t in _roles_of(sim))), "no role started"
-        roles = list(_roles_of(sim).values())
+        assert _wait(lambda: any(t.startswith("qmigrate worker") for t in H.roles_of(sim))), "no role started"
+        roles = list(H.roles_of(sim).values())
         sim.send_signal(signal.SIGTERM)
         _, err = sim.communicate(timeout=30)
         assert sim.returncode == 128 + signal.SIGTERM, err
@@ -67,11 +67,11 @@ def test_sigterm_during_startup_stops_every_role_and_leaves_no_temp_dir(tmp_path
 
 
 def test_roles_exit_when_their_supervisor_is_killed(tmp_path, tiny_model_dir):
-    ports = free_ports(6)
+    ports = reserve_ports(6)
     data = {"transport": "tcp", "model": {"path": str(tiny_model_dir)},
             "nodes": [{"name": "head", "address": "127.0.0.1", "bind": "127.0.0.1"}],
             "router": {"node": "head", "port": ports[0], "telemetry_port": ports[1]},
-            "ingest": {"node": "head", "port": ports[2]}, "detokenizer": {"node": "head", "port": ports[3]},
+            "ingest": {"node": "head", "port": ports[2], "reply_port": ports[5]}, "detokenizer": {"node": "head", "port": ports[3]},
             "workers": [{"name": "w1", "node": "head", "kv_port": ports[4]}]}
     path = tmp_path / "topo.yaml"
     path.write_text(yaml.safe_dump(data))
@@ -79,8 +79,8 @@ def test_roles_exit_when_their_supervisor_is_killed(tmp_path, tiny_model_dir):
                             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             start_new_session=True)
     try:
-        assert _wait(lambda: len(_roles_of(node)) >= 5), _roles_of(node)  # the node and its 4 roles
-        roles = [pid for pid in _roles_of(node).values() if pid != node.pid]
+        assert _wait(lambda: len(H.roles_of(node)) >= 5), H.roles_of(node)  # the node and its 4 roles
+        roles = [pid for pid in H.roles_of(node).values() if pid != node.pid]
         os.kill(node.pid, signal.SIGKILL)
         node.wait()
         assert _wait(lambda: not _alive(roles), 15), f"roles outlived their supervisor: {_alive(roles)}"

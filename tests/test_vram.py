@@ -162,3 +162,29 @@ def test_real_gpu_uuid_matches_nvml():
     for index in range(torch.cuda.device_count()):
         gpu = by_uuid[torch_device_uuid(index)]
         assert gpu.total > 0 and 0 <= gpu.free <= gpu.total
+
+
+def test_a_process_memory_on_its_gpu_as_nvml_reports_it(monkeypatch):
+    from qmigrate.monitor.vram import ProcessMemory
+    procs = [SimpleNamespace(pid=11, usedGpuMemory=3 * GiB), SimpleNamespace(pid=42, usedGpuMemory=70 * GiB)]
+    failing = {"by_uuid": False, "procs": False}
+
+    def by_uuid(uuid):
+        if failing["by_uuid"] or uuid != "GPU-aaaa":
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_NOT_FOUND)
+        return "handle"
+
+    def running(handle):
+        if failing["procs"]:
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        return procs
+    monkeypatch.setattr(pynvml, "nvmlInit", lambda: None)
+    monkeypatch.setattr(pynvml, "nvmlDeviceGetHandleByUUID", by_uuid)
+    monkeypatch.setattr(pynvml, "nvmlDeviceGetComputeRunningProcesses", running)
+    assert ProcessMemory("GPU-aaaa", 42).held_bytes() == 70 * GiB
+    assert ProcessMemory("GPU-aaaa", 7).held_bytes() is None       # not listed: a PID namespace, say
+    assert ProcessMemory("GPU-zzzz", 42).held_bytes() is None      # no such GPU
+    procs[1] = SimpleNamespace(pid=42, usedGpuMemory=None)          # the driver does not say
+    assert ProcessMemory("GPU-aaaa", 42).held_bytes() is None
+    failing["procs"] = True
+    assert ProcessMemory("GPU-aaaa", 11).held_bytes() is None

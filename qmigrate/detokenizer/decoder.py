@@ -39,7 +39,8 @@ from qmigrate.wire.protocol import Finish
 REPLACEMENT = "\ufffd"
 NUM_PRIME_IDS = 5
 MAX_OUT_OF_ORDER = 1 << 16
-MAX_UNSTARTED = 256          # sequences with tokens but no start yet (normally none)
+MAX_UNSTARTED = 256          # sequences with tokens but no start yet (normally none): the oldest go
+MAX_DONE_KEPT = 1 << 17      # ended requests remembered, so one sent again prints nothing
 MAX_UNSTARTED_TOKENS = 4096  # tokens held for each of them
 
 
@@ -58,7 +59,11 @@ class IncrementalDecoder:
 
     def __init__(self, tokenizer, prompt_ids: Sequence[int] | None = None) -> None:
         self._tokenizer = tokenizer
-        self._ids = self._prime_ids([] if prompt_ids is None else [int(t) for t in prompt_ids])
+        # A model's vocabulary may be larger than its tokenizer's (Qwen2: 151,936 against
+        # 151,665): an id past the tokenizer is valid output and decodes as no text.
+        self._vocab_size = len(tokenizer)
+        self._ids = self._prime_ids([] if prompt_ids is None else [int(t) for t in prompt_ids
+                                                                   if int(t) < self._vocab_size])
         self._prefix_offset = 0
         self._read_offset = len(self._ids)
 
@@ -85,9 +90,11 @@ class IncrementalDecoder:
 
     def push(self, token_ids: Sequence[int]) -> str:
         """Append generated ids; return the newly printable text (may be "")."""
-        if len(token_ids) == 0:
+        vocab_size = self._vocab_size
+        token_ids = [t for t in map(int, token_ids) if t < vocab_size]  # int32 arrays come off the wire
+        if not token_ids:
             return ""
-        self._ids.extend(map(int, token_ids))  # int32 arrays come off the wire
+        self._ids.extend(token_ids)
         prefix_text = self._decode(self._ids[self._prefix_offset : self._read_offset])
         new_text = self._decode(self._ids[self._prefix_offset :])
         if len(new_text) <= len(prefix_text) or new_text.endswith(REPLACEMENT):
@@ -104,6 +111,26 @@ class IncrementalDecoder:
         new_text = self._decode(self._ids[self._prefix_offset :])
         self._prefix_offset = self._read_offset = len(self._ids)
         return new_text[len(prefix_text) :]
+
+
+class Recent:
+    """A set that keeps only its `max_len` most recently added members (oldest leave first):
+    what a long-lived role remembers of ended requests."""
+
+    def __init__(self, max_len: int) -> None:
+        self.max_len = max_len
+        self._items: dict = {}
+
+    def add(self, item) -> None:
+        self._items[item] = None
+        if len(self._items) > self.max_len:
+            del self._items[next(iter(self._items))]
+
+    def __contains__(self, item) -> bool:
+        return item in self._items
+
+    def __len__(self) -> int:
+        return len(self._items)
 
 
 Reply = Callable[[int, str, int, int], None]  # (seq_id, new text, finish code or 0, tokens so far)
@@ -135,15 +162,16 @@ class _Sink:
     """
 
     def __init__(self, tokenizer, write: Callable[[str], None],
-                 clock: Callable[[], float] = time.monotonic, reply: Reply | None = None) -> None:
+                 clock: Callable[[], float] = time.monotonic, reply: Reply | None = None,
+                 max_done: int = MAX_DONE_KEPT) -> None:
         self._tokenizer = tokenizer
         self._write = write
         self._clock = clock
         self._reply = reply
         self._seqs: dict[int, _Seq] = {}
-        self._finished: set[int] = set()
-        self._errored: set[str] = set()
-        self._num_unstarted = 0
+        self._finished = Recent(max_done)
+        self._errored = Recent(max_done)
+        self._unstarted: dict[int, None] = {}  # seq ids with tokens and no start, oldest first
         self.newly_done: list[int] = []  # finished (or seen again after finishing) since taken
         self.num_done = 0         # requests this sink printed the end of
         self.num_replied = 0      # requests routed elsewhere that ended
@@ -157,15 +185,23 @@ class _Sink:
     @property
     def num_started(self) -> int:
         """Requests started and not yet finished."""
-        return len(self._seqs) - self._num_unstarted
+        return len(self._seqs) - len(self._unstarted)
+
+    @property
+    def sizes(self) -> dict[str, int]:
+        """What this sink holds, per structure (bounded: see MAX_DONE_KEPT, MAX_UNSTARTED)."""
+        return {"active": len(self._seqs), "finished": len(self._finished), "errored": len(self._errored),
+                "unstarted": len(self._unstarted), "newly_done": len(self.newly_done)}
 
     def _seq(self, seq_id: int) -> _Seq | None:
         seq = self._seqs.get(seq_id)
         if seq is None:
-            if self._num_unstarted >= MAX_UNSTARTED:
-                return None
+            if len(self._unstarted) >= MAX_UNSTARTED:  # the oldest never got its start: forget it
+                oldest = next(iter(self._unstarted))
+                del self._unstarted[oldest]
+                self.num_dropped_tokens += len(self._seqs.pop(oldest).waiting)
             seq = self._seqs[seq_id] = _Seq(req_id=None)
-            self._num_unstarted += 1
+            self._unstarted[seq_id] = None
         return seq
 
     def is_done(self, seq_id: int) -> bool:
@@ -184,7 +220,7 @@ class _Sink:
         elif seq.decoder is not None:
             return
         else:
-            self._num_unstarted -= 1
+            del self._unstarted[seq_id]
         seq.req_id, seq.seq_id, seq.route, seq.note = req_id, seq_id, route, note
         seq.decoder = IncrementalDecoder(self._tokenizer, prompt_ids)
         self._advance(seq_id, seq)
@@ -232,10 +268,15 @@ class _Sink:
         seq.waiting.clear()
         self._advance(seq_id, seq)
 
-    def error(self, req_id: str, message: str) -> None:
-        if req_id in self._errored:
+    def error(self, req_id: str, message: str, number: int = -1) -> None:
+        """A request refused before it ran. `number` (>= 0) tells it from other errors under
+        the same request id; it is confirmed in `newly_done` as a finished request is."""
+        key = number if number >= 0 else req_id
+        if number >= 0:
+            self.newly_done.append(number)
+        if key in self._errored:
             return  # sent again after a restart
-        self._errored.add(req_id)
+        self._errored.add(key)
         self.num_done += 1
         self.num_errors += 1
         self._on_error(req_id, message)

@@ -38,6 +38,14 @@ BENCH_SHAPE = dict(
 )
 BENCH_INIT_STD = 0.02
 
+# The mixture-of-experts benchmark model: Mixtral's layout, 8 experts of which 2 run per
+# token, about 1.4B parameters of which about 0.45B are read per token.
+BENCH_MOE_SHAPE = dict(
+    hidden_size=2048, intermediate_size=1408, num_hidden_layers=16, num_attention_heads=16,
+    num_key_value_heads=4, max_position_embeddings=2048, rms_norm_eps=1e-5,
+    num_local_experts=8, num_experts_per_tok=2,
+)
+
 
 # ---------------------------------------------------------------- corpus and tokenizer
 
@@ -168,10 +176,10 @@ def _llama_config(vocab_size: int, shape: dict, dtype: torch.dtype, init_std: fl
 def _random_state_dict(config, seed: int, dtype: torch.dtype, std: float) -> dict[str, torch.Tensor]:
     """Weights ~ N(0, std), norms = 1; each tensor seeded by (seed, name) so tensors fill in parallel."""
     import torch
-    from transformers import LlamaForCausalLM
+    from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):
-        shapes = {k: v.shape for k, v in LlamaForCausalLM(config).state_dict().items()}
+        shapes = {k: v.shape for k, v in AutoModelForCausalLM.from_config(config).state_dict().items()}
 
     def fill(name: str) -> torch.Tensor:
         if name.endswith("norm.weight"):
@@ -224,6 +232,31 @@ def build_bench_model(
     def write(tmp: Path) -> None:
         tok = _pad_tokenizer(_train_tokenizer(min(vocab_size, TINY_VOCAB_SIZE)), vocab_size)
         config = _llama_config(vocab_size, shape, torch_dtype, BENCH_INIT_STD)
+        _save_model(config, _random_state_dict(config, seed, torch_dtype, BENCH_INIT_STD), tmp)
+        _save_tokenizer(tok, tmp, shape["max_position_embeddings"])
+
+    return _build_atomically(out_dir, identity, write)
+
+
+def build_bench_moe_model(
+    out_dir: str | os.PathLike, *, seed: int = 0, dtype: str = "bfloat16",
+    shape_overrides: dict | None = None,
+) -> Path:
+    """The MoE benchmark model (BENCH_MOE_SHAPE, Mixtral's layout), random weights."""
+    from transformers import MixtralConfig
+
+    shape = {**BENCH_MOE_SHAPE, **(shape_overrides or {})}
+    vocab_size = shape.pop("vocab_size", BENCH_VOCAB_SIZE)
+    torch_dtype = _parse_dtype(dtype)
+    identity = {"builder": "bench-moe-mixtral-8x2", "seed": seed, "dtype": str(torch_dtype),
+                "shape": shape, "vocab_size": vocab_size}
+
+    def write(tmp: Path) -> None:
+        tok = _pad_tokenizer(_train_tokenizer(min(vocab_size, TINY_VOCAB_SIZE)), vocab_size)
+        config = MixtralConfig(vocab_size=vocab_size, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False,
+                               initializer_range=BENCH_INIT_STD, sliding_window=None, **shape)
+        config.dtype = torch_dtype
+        config.architectures = ["MixtralForCausalLM"]
         _save_model(config, _random_state_dict(config, seed, torch_dtype, BENCH_INIT_STD), tmp)
         _save_tokenizer(tok, tmp, shape["max_position_embeddings"])
 

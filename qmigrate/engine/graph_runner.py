@@ -6,8 +6,8 @@ A step is one varlen forward over every row's new tokens (no padding) through th
 the next batch-size bucket. Steps that carry prompt tokens (a prefill, or decode rows with
 new prompts among them, as continuous batching runs whenever a request ends while others
 wait) replay a graph captured for the next bucket of tokens, with the rows padded to
-max_batch: run eagerly, such a step's ~250 launches took 13-22 ms of host time on an H100
-whatever its size, several times what the device needed.
+max_batch: run eagerly, such a step's ~250 launches cost more host time than the device
+needs for the step, whatever its size.
 """
 
 from __future__ import annotations
@@ -29,9 +29,9 @@ GRAPH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 80, 96, 128, 160, 192, 224, 256
 TOKEN_BUCKETS = (64, 128, 192, 256, 320, 384, 512, 640, 768, 1024, 1280, 1536, 2048, 3072, 4096)
 # Where there are graphs, an eager step with prompts (past the last token bucket) is padded
 # to a multiple of this many tokens and its rows to max_batch, so that its matmuls come in a
-# few shapes that the warm-up has run. A matmul of a new shape took tens of ms of host time
-# on an H100 the first time (cuBLAS chose and loaded a kernel for it), and every burst of
-# prompts is a run of steps of new token counts.
+# few shapes that the warm-up has run. A matmul of a new shape costs far more host time the
+# first time (cuBLAS chooses and loads a kernel for it), and every burst of prompts is a run
+# of steps of new token counts.
 EAGER_TOKEN_STEP = 512
 
 

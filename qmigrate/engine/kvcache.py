@@ -10,6 +10,11 @@ data that might be NaN.
 When a step needs more blocks than are free, whole sequences that are not in the step are
 evicted, least recently used first. Their ids are kept in `evicted` until the worker
 reports them to the router, which then recomputes them wherever they run next.
+
+With the prefix cache on (`prefix_cache.py`) blocks are shared: a full block whose ids are
+known is cached under a key of its prefix, and outlives its sequences until a new block is
+needed and it is the least recently used one nobody holds. A sequence never writes a block
+that others share or that is cached (`truncate` copies it first).
 """
 
 from __future__ import annotations
@@ -20,6 +25,10 @@ from collections import OrderedDict
 
 import numpy as np
 import torch
+
+from qmigrate.wire.prefix_keys import seed_key
+
+from .prefix_cache import PrefixCache
 
 
 def write_kv(k_cache, v_cache, slot_mapping, k, v) -> None:
@@ -48,7 +57,7 @@ class OutOfBlocks(RuntimeError):
 
 class BlockPool:
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, num_blocks: int,
-                 block_size: int, dtype: torch.dtype, device: torch.device):
+                 block_size: int, dtype: torch.dtype, device: torch.device, prefix_cache: bool = True):
         if num_blocks < 2:
             raise ValueError(f"a KV pool needs at least 2 blocks, got {num_blocks}")
         shape = (num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim)
@@ -63,10 +72,16 @@ class BlockPool:
         self.num_blocks, self.block_size = num_blocks, block_size
         self.num_layers, self.num_kv_heads, self.head_dim = num_layers, num_kv_heads, head_dim
         self.dtype, self.device = dtype, device
-        self.free = list(range(num_blocks - 1, 0, -1))
+        self.free = list(range(num_blocks - 1, 0, -1))             # unreferenced, not cached
         self.blocks: OrderedDict[int, list[int]] = OrderedDict()   # seq_id -> blocks, LRU order
         self.length: dict[int, int] = {}                            # seq_id -> cached positions
         self.evicted: list[int] = []
+        self.prefix = PrefixCache(num_blocks, block_size) if prefix_cache else None
+        self.can_copy = True   # False: blocks are mirrored elsewhere (tensor parallel ranks), never copied here
+
+    @property
+    def is_caching(self) -> bool:
+        return self.prefix is not None
 
     # --- capacity --------------------------------------------------------------------------
     @property
@@ -75,11 +90,12 @@ class BlockPool:
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self.free)
+        """Blocks a sequence can have now: free ones and cached ones no sequence references."""
+        return len(self.free) + (len(self.prefix.idle) if self.prefix else 0)
 
     @property
     def free_tokens(self) -> int:
-        return len(self.free) * self.block_size
+        return self.num_free_blocks * self.block_size
 
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -94,21 +110,53 @@ class BlockPool:
     def release(self, seq_id: int) -> None:
         blocks = self.blocks.pop(seq_id, None)
         if blocks is not None:
-            self.free.extend(reversed(blocks))
             del self.length[seq_id]
+            self._unref(blocks)
+            if self.prefix:
+                self.prefix.forget(seq_id)
 
-    def truncate(self, seq_id: int, length: int) -> None:
-        """Keep positions [0, length): the tail past it will be written again."""
-        self.length[seq_id] = min(self.length[seq_id], length)
+    def _unref(self, blocks: list[int]) -> None:
+        """Drop one reference to each block; cached ones stay cached (the last block first in
+        the eviction order, since a block is of no use without its parents)."""
+        if self.prefix is None:
+            self.free.extend(reversed(blocks))
+            return
+        for b in reversed(blocks):
+            if self.prefix.unref(b):
+                self.free.append(b)
+
+    def truncate(self, seq_id: int, length: int) -> bool:
+        """Keep positions [0, length): the tail past it will be written again. A block the
+        tail is cut out of is the sequence's own from here on (copied when others share it);
+        False when no block could be had for that copy (the sequence is then released)."""
+        length = min(self.length[seq_id], length)
+        self.length[seq_id] = length
+        prefix = self.prefix
+        if prefix is None:
+            return True
+        blocks = self.blocks[seq_id]
+        keep = self.blocks_for(length)
+        self._unref(blocks[keep:])
+        del blocks[keep:]
+        prefix.cut(seq_id, length)
+        if length % self.block_size and blocks and prefix.is_shared(blocks[-1]):
+            if not self.num_free_blocks or not self.can_copy:
+                self.release(seq_id)
+                return False
+            old, new = blocks[-1], self._take(1)[0]
+            self.kv[:, :, new] = self.kv[:, :, old]
+            self._unref([old])
+            blocks[-1] = new
+        return True
 
     def make_room(self, num_blocks: int, protect) -> bool:
         """Free blocks until `num_blocks` are free, evicting LRU sequences outside `protect`."""
-        if len(self.free) >= num_blocks:
+        if self.num_free_blocks >= num_blocks:
             return True
         for victim in [s for s in self.blocks if s not in protect]:
             self.release(victim)
             self.evicted.append(victim)
-            if len(self.free) >= num_blocks:
+            if self.num_free_blocks >= num_blocks:
                 return True
         return False
 
@@ -117,12 +165,21 @@ class BlockPool:
         blocks = self.blocks.setdefault(seq_id, [])
         self.length.setdefault(seq_id, 0)
         need = self.blocks_for(num_tokens) - len(blocks)
-        if need > len(self.free):
-            raise OutOfBlocks(f"sequence {seq_id} needs {need} more KV blocks, {len(self.free)} are free")
-        new = [self.free.pop() for _ in range(need)]
-        blocks += new
+        if need > self.num_free_blocks:
+            raise OutOfBlocks(f"sequence {seq_id} needs {need} more KV blocks, {self.num_free_blocks} are free")
+        if need > 0:
+            blocks += self._take(need)
+
+    def _take(self, n: int) -> list[int]:
+        """n unreferenced blocks, free ones first, then cached ones least recently used first."""
+        new = [self.free.pop() for _ in range(min(n, len(self.free)))]
+        if len(new) < n:
+            new += self.prefix.evict(n - len(new))
+        if self.prefix:
+            self.prefix.ref(new)
         if self.is_lazy:
             self._zero([b for b in new if not self.is_clean[b]])
+        return new
 
     def _zero(self, blocks: list[int]) -> None:
         if blocks:
@@ -132,6 +189,58 @@ class BlockPool:
     def take_evicted(self) -> list[int]:
         out, self.evicted = self.evicted, []
         return out
+
+    # --- the prefix cache ----------------------------------------------------------------------
+    def admit(self, seq_id: int, ids, salt: str = "") -> int:
+        """Start seq_id (a prompt of `ids`) on the longest cached prefix of it, leaving at
+        least its last token to compute; the number of positions it starts with."""
+        self.release(seq_id)
+        if self.prefix is None:
+            return 0
+        blocks = self.prefix.match(seq_id, ids, salt, max_blocks=(len(ids) - 1) // self.block_size)
+        self.blocks[seq_id] = blocks
+        self.length[seq_id] = n = len(blocks) * self.block_size
+        self.prefix.count_admission(len(ids), n)
+        return n
+
+    def note_ids(self, seq_id: int, start: int, new_ids) -> None:
+        """Positions [start, start + len(new_ids)) of seq_id hold (or are about to hold) these ids."""
+        if self.prefix is not None:
+            self.prefix.note_ids(seq_id, start, new_ids)
+
+    def commit(self, seq_id: int) -> None:
+        """Cache every full block of seq_id whose ids are known and whose KV is written."""
+        if self.prefix is not None and seq_id in self.blocks:
+            self.prefix.commit(seq_id, self.blocks[seq_id], self.length[seq_id])
+
+    def note_sampled(self, seq_ids, seq_lens, tokens) -> None:
+        """Tokens sampled for rows of sequences at lengths seq_lens: each is the id at that
+        position once the next step writes it."""
+        prefix = self.prefix
+        if prefix is None:
+            return
+        bs, known, length = self.block_size, prefix.ids, self.length
+        for sid, n, token in zip(seq_ids, seq_lens, tokens):
+            ids = known.get(sid)
+            if ids is not None and len(ids) == n:
+                ids.append(token)
+                if (n + 1) % bs == 0 and length.get(sid, 0) > n:
+                    self.commit(sid)
+
+    def check(self) -> None:
+        """Assert the allocator's invariants (for tests): every block is free, cached and
+        idle, or referenced as often as sequences hold it; a referenced cached block's key is
+        the key of its sequence's ids."""
+        held = np.zeros(self.num_blocks, dtype=np.int64)
+        for blocks in self.blocks.values():
+            np.add.at(held, np.asarray(blocks, dtype=np.int64), 1)
+        assert held[0] == 0 and 0 not in self.free
+        assert len(set(self.free)) == len(self.free)
+        if self.prefix is None:
+            assert len(self.free) + int((held > 0).sum()) == self.num_blocks - 1
+            assert not (held[self.free] > 0).any()
+            return
+        self.prefix.check(held, self.free, self.blocks, self.length)
 
     # --- addressing ----------------------------------------------------------------------------
     def slot(self, seq_id: int, pos: int) -> int:
@@ -178,19 +287,37 @@ class BlockPool:
         copied.record()
         return host, copied
 
-    def load(self, seq_id: int, kv: torch.Tensor, protect) -> bool:
-        """Place shipped KV in any free blocks; False when there is no room for it."""
+    def load(self, seq_id: int, kv: torch.Tensor, protect, start: int = 0, ids=None,
+             salt: str = "") -> bool:
+        """Place shipped KV of positions [start, start + n) in free blocks; False when there
+        is no room for it. With start > 0 the sequence holds [0, start) here already (from
+        the cache). `ids`, when given, are the sequence's ids at its first start + n
+        positions: its full blocks then join the cache."""
         n = kv.shape[2]
-        self.release(seq_id)
-        if not self.make_room(self.blocks_for(n), protect):
+        if start:
+            if self.cached_len(seq_id) < start:
+                raise ValueError(f"sequence {seq_id}: KV shipped from {start} but {self.cached_len(seq_id)} held")
+            self.truncate(seq_id, start)
+        else:
+            self.release(seq_id)
+        if not self.make_room(self.blocks_for(start + n) - len(self.blocks.get(seq_id, ())), protect | {seq_id}):
+            self.release(seq_id)
             return False
-        self.grow(seq_id, n)
+        self.grow(seq_id, start + n)
         # Through pinned memory and without waiting: a copy from pageable memory waits for the
         # step in flight, and the worker could not queue the next one meanwhile.
-        slots, kv = torch.from_numpy(self.slots(seq_id, 0, n)), kv.to(self.dtype)
+        slots, kv = torch.from_numpy(self.slots(seq_id, start, start + n)), kv.to(self.dtype)
         if self.kv.is_cuda:
             slots, kv = slots.pin_memory(), kv.pin_memory()
         flat = self.kv.view(self.num_layers, 2, -1, self.num_kv_heads, self.head_dim)
         flat.index_copy_(2, slots.to(self.device, non_blocking=True), kv.to(self.device, non_blocking=True))
-        self.length[seq_id] = n
+        self.length[seq_id] = start + n
+        if self.prefix is not None:
+            if ids is None:
+                self.prefix.ids[seq_id] = None   # KV of unknown ids: never cached
+            else:
+                if not start:
+                    self.prefix.seeds[seq_id] = seed_key(salt)
+                self.prefix.note_ids(seq_id, start, ids[start:start + n])
+                self.commit(seq_id)
         return True

@@ -149,11 +149,10 @@ def decode_splits(batch: int, num_kv_heads: int, max_context: int, device) -> in
 def decode_tiles(head_dim: int) -> tuple[int, int, int]:
     """(keys per tile, warps, pipeline stages) of the decode kernel.
 
-    One choice for every batch: on an H100, with rows of varied lengths and contexts of
-    300-1600 keys, it was the best of 11 choices or within 1% of it from 32 to 192 rows, and
-    5-6% behind 64 keys in two warps at 256 (`python -m qmigrate.engine.paged_attention
-    --tiles`; at 16 rows the timings were too noisy to rank). Narrower tiles won clearly only
-    with rows of one length."""
+    One choice for every batch: with rows of varied lengths and contexts of 300-1600 keys it
+    measured best or near best of 11 choices at most batch sizes (`python -m
+    qmigrate.engine.paged_attention --tiles`; figures in docs/benchmarks-history.md).
+    Narrower tiles won clearly only with rows of one length."""
     return (64 if head_dim <= 128 else 32), 4, 3
 
 

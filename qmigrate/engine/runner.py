@@ -66,6 +66,7 @@ class StepRow:
     top_p: float = 1.0
     top_k: int = 0
     seed: int = 0
+    cache_salt: str = ""    # prefixes are shared only among rows of the same salt
 
 
 @dataclass(slots=True)
@@ -80,7 +81,10 @@ class EngineConfig:
     max_batch_tokens: int = 8192          # new tokens of a step
     max_padding: float = 0.25             # HF runner: padding allowed when grouping prefills
     prefill_chunk: int = 512              # longer prompts fill their KV in chunks (0: never)
+    # prompt tokens a step carries; the rest of a prompt waits for later steps (0: no limit)
+    prefill_tokens_per_step: int = 0
     cuda_graphs: bool = True
+    prefix_cache: bool = True             # full blocks of known ids are kept and shared by prefix
 
     def __post_init__(self):
         if self.runner not in RUNNERS:
@@ -111,7 +115,9 @@ class Engine:
         # the pool holds this rank's KV heads (all of them without tensor parallelism)
         self.pool_kv_heads = self.num_kv_heads if tp is None else tp.layout.kv_heads_per_rank
         self.pool = BlockPool(self.num_layers, self.pool_kv_heads, self.head_dim,
-                              self._num_blocks(), cfg.block_size, self.dtype, self.device)
+                              self._num_blocks(), cfg.block_size, self.dtype, self.device,
+                              prefix_cache=cfg.prefix_cache)
+        self.pool.can_copy = tp is None or tp.world == 1
         self.runner.attach(self.pool)
         self.num_continued = 0   # steps built the array way (`_continue`)
         if tp is not None and tp.world > 1 and tp.is_leader:
@@ -155,7 +161,7 @@ class Engine:
         per_row = max(1, min(self.max_len, cfg.max_batch_tokens // num_rows))
         blocks = num_rows * (-(-per_row // cfg.block_size)) + 1
         scratch = BlockPool(self.num_layers, self.pool_kv_heads, self.head_dim, blocks, cfg.block_size,
-                            self.dtype, self.device)
+                            self.dtype, self.device, prefix_cache=False)
         self.runner.attach(scratch, capture=False)
         seq_ids = list(range(num_rows))
         for sid in seq_ids:
@@ -208,10 +214,29 @@ class Engine:
             return self.runner.export_kv(seq_id, num_tokens), None   # every rank's heads, gathered here
         return self.pool.export_started(seq_id, num_tokens)
 
-    def import_kv(self, seq_id: int, kv: torch.Tensor, protect=frozenset()) -> bool:
+    def import_kv(self, seq_id: int, kv: torch.Tensor, protect=frozenset(), start: int = 0, ids=None,
+                  salt: str = "") -> bool:
         if self.tp is not None and self.tp.world > 1:
+            if start:
+                raise ValueError("a tensor-parallel worker takes shipped KV from position 0 only")
             return self.runner.import_kv(seq_id, kv, protect)        # each rank keeps its heads
-        return self.pool.load(seq_id, kv, protect)
+        return self.pool.load(seq_id, kv, protect, start, ids, salt)
+
+    def admit(self, seq_id: int, ids, salt: str = "") -> int:
+        """Start seq_id on the longest cached prefix of `ids`; the positions it starts with."""
+        return self.pool.admit(seq_id, ids, salt)
+
+    def prefix_stats(self) -> dict[str, int]:
+        """Prompt tokens admitted and the part of them found cached, and blocks cached now."""
+        p = self.pool.prefix
+        if p is None:
+            return {"prompt_tokens": 0, "cached_tokens": 0, "cached_blocks": 0}
+        return {"prompt_tokens": p.num_prompt_tokens, "cached_tokens": p.num_cached_tokens,
+                "cached_blocks": p.num_cached_blocks}
+
+    def take_prefix_events(self) -> list[int]:
+        """Keys of blocks cached (key) and evicted (~key) since the last call."""
+        return self.pool.prefix.take_events() if self.pool.prefix is not None else []
 
     # --- a step -------------------------------------------------------------------------
     @torch.inference_mode()
@@ -221,6 +246,13 @@ class Engine:
         the CPU runs no compiled kernels, and there it would only cost time."""
         if self.device.type != "cuda":
             return
+        budget, self.config.prefill_tokens_per_step = self.config.prefill_tokens_per_step, 0
+        try:
+            self._warm_up()
+        finally:
+            self.config.prefill_tokens_per_step = budget
+
+    def _warm_up(self) -> None:
         # Prompt lengths of several kinds (one token, odd, a multiple of 16, over a chunk):
         # compiled kernels are specialised on such properties of their sizes.
         lengths = [1, 17, 96, max(600, self.config.prefill_chunk + 88)]
@@ -235,8 +267,8 @@ class Engine:
             self.release(r.seq_id)
         # A burst of prompts arrives as steps past the CUDA graphs, which the runner pads to a
         # few token counts: one step of each, so that no request waits on a matmul's first
-        # run at a new shape (on an H100 the first launch of such a step took 62-110 ms,
-        # later ones 13-26 ms).
+        # run at a new shape (a first launch took several times as long as the later ones:
+        # docs/benchmarks-history.md).
         n = max(2, min(self.config.prefill_chunk or 512, self.max_len - 4))
         for size in self.runner.eager_sizes():
             if -(-size // n) > self.config.max_batch:
@@ -264,7 +296,12 @@ class Engine:
 
         A prompt longer than `prefill_chunk` fills its KV a chunk at a time before the step
         proper, with `between()` called after each chunk (a worker's heartbeat), so no single
-        forward pass grows with the prompt."""
+        forward pass grows with the prompt.
+
+        With `prefill_tokens_per_step`, the step's prompt rows (several new ids) share that
+        many tokens in row order: a row past the budget runs only its first part, or none of
+        it. Such a row's sequence is in `Pending.partial`: its token is no sample (the KV of
+        the part that ran is kept), and a later step carries the rest from cached_len on."""
         if after is not None and after.batch is not None and rows and not any(r.new_ids for r in rows):
             pending = self._continue(rows, after)
             if pending is not None:
@@ -278,10 +315,15 @@ class Engine:
         bad = [i for i in feed if after.row_of.get(rows[i].seq_id) is None]
         if bad or any(r.new_ids and r.new_ids[0] == REFUSED for r in rows):
             raise ValueError("a row feeds a token its previous step did not sample")
-        rows, refused = self._prefill_chunks(rows, between)
-        kept = [i for i in range(len(rows)) if i not in refused]
+        rows, cached = self._admit(rows)
+        rows, cut, deferred = _share_prompt_budget(rows, self.config.prefill_tokens_per_step)
+        rows, refused = self._prefill_chunks(rows, between, skip=deferred)
+        kept = [i for i in range(len(rows)) if i not in refused and i not in deferred]
         placed = [kept[k] for k in self.place([rows[i] for i in kept], {r.seq_id for r in rows})]
-        pending = Pending(rows, placed, {rows[i].seq_id: k for k, i in enumerate(placed)})
+        pending = Pending(rows, placed, {rows[i].seq_id: k for k, i in enumerate(placed)}, cached=cached)
+        if cut or deferred:
+            pending.partial = {rows[i].seq_id for i in deferred} | {rows[i].seq_id for i in cut
+                                                                   if rows[i].seq_id in pending.row_of}
         if not placed:
             return pending
         run = [rows[i] for i in placed]
@@ -345,17 +387,43 @@ class Engine:
             pending.host.copy_(pending.tokens, non_blocking=True)
             pending.event = torch.cuda.Event()
             pending.event.record()
-        self.pool.length.update(zip(batch.seq_ids, batch.seq_lens.tolist()))
+        pool = self.pool
+        pool.length.update(zip(batch.seq_ids, batch.seq_lens.tolist()))
+        if pool.is_caching:
+            if feed is None or len(feed[0]) < batch.num_rows:
+                for i in pending.placed:
+                    r = pending.rows[i]
+                    if r.new_ids:
+                        pool.note_ids(r.seq_id, r.start, r.new_ids)
+                    pool.commit(r.seq_id)
+            else:   # every row decodes a token not yet known here: only rows that fill a block
+                for k in np.flatnonzero(batch.seq_lens % pool.block_size == 0).tolist():
+                    pool.commit(batch.seq_ids[k])
         return pending
 
-    def _prefill_chunks(self, rows: list[StepRow], between) -> tuple[list[StepRow], set[int]]:
-        """Fill all but the last chunk of long prompts; the rows left for the step proper,
-        and the indices of rows the pool had no room for."""
+    def _admit(self, rows: list[StepRow]) -> tuple[list[StepRow], dict[int, int]]:
+        """Prompts (rows from position 0) start on their longest cached prefix; the rows to
+        run, and the positions each prompt found cached."""
+        if not self.pool.is_caching:
+            return rows, {}
+        cached, out = {}, list(rows)
+        for i, r in enumerate(rows):
+            if r.start == 0 and r.new_ids:
+                n = cached[r.seq_id] = self.pool.admit(r.seq_id, r.new_ids, r.cache_salt)
+                if n:
+                    out[i] = dataclasses.replace(r, new_ids=r.new_ids[n:], start=n)
+        return out, cached
+
+    def _prefill_chunks(self, rows: list[StepRow], between, skip=frozenset()) -> tuple[list[StepRow], set[int]]:
+        """Fill all but the last chunk of long prompts (but rows in `skip`); the rows left for
+        the step proper, and the indices of rows the pool had no room for."""
         chunk = self.config.prefill_chunk
         if not chunk or all(len(r.new_ids) <= chunk for r in rows):
             return rows, set()
         rows, refused, protect = list(rows), set(), {r.seq_id for r in rows}
         for i, r in enumerate(rows):
+            if i in skip:
+                continue
             start, new = r.start, r.new_ids
             while len(new) > chunk:
                 piece = StepRow(r.seq_id, new[:chunk], start, r.index)
@@ -364,6 +432,9 @@ class Engine:
                     break
                 self.runner.forward(StepBatch.build(self.pool, [r.seq_id], [piece.new_ids], [start]))
                 self.pool.length[r.seq_id] = start + chunk
+                if self.pool.is_caching:
+                    self.pool.note_ids(r.seq_id, start, piece.new_ids)
+                    self.pool.commit(r.seq_id)
                 start, new = start + chunk, new[chunk:]
                 if between is not None:
                     between()
@@ -373,20 +444,20 @@ class Engine:
     def place(self, rows: list[StepRow], protect=()) -> list[int]:
         """Blocks for every row that can have them; the indices of the rows that run.
         Sequences in `protect` (and the rows') are never evicted for room."""
-        pool = self.pool
-        for r in rows:
+        pool, lost = self.pool, set()
+        for i, r in enumerate(rows):
             cached = pool.cached_len(r.seq_id)
             if r.start > 0 and cached < r.start:
                 raise ValueError(f"sequence {r.seq_id}: KV for {r.start} positions is not here")
             if r.start + _num_new(r) > self.max_len:
                 raise ValueError(f"sequence {r.seq_id}: {r.start + _num_new(r)} positions exceed {self.max_len}")
-            if r.start == 0 and cached >= 0:
+            if r.start == 0 and cached > 0:
                 pool.release(r.seq_id)
-            elif cached >= 0:
-                pool.truncate(r.seq_id, r.start)
-        need = {i: self._blocks_needed(r) for i, r in enumerate(rows)}
+            elif cached >= 0 and not pool.truncate(r.seq_id, r.start):
+                lost.add(i)   # no block for a copy of its shared last block
+        need = {i: self._blocks_needed(r) for i, r in enumerate(rows) if i not in lost}
         protect = {r.seq_id for r in rows} | set(protect)
-        running = list(range(len(rows)))
+        running = [i for i in range(len(rows)) if i not in lost]
         if not pool.make_room(sum(need.values()), protect):
             running = self._refuse(rows, need, running)
         for i in running:
@@ -421,8 +492,34 @@ class Engine:
                 values = (pending.host if pending.host is not None else pending.tokens).tolist()
                 for i, token in zip(pending.placed, values):
                     tokens[i] = token
+                if self.pool.is_caching and pending.batch is not None:
+                    seq_ids, seq_lens = pending.batch.seq_ids, pending.batch.seq_lens.tolist()
+                    if pending.partial:   # a row cut short sampled no token of its sequence
+                        keep = [k for k, s in enumerate(seq_ids) if s not in pending.partial]
+                        seq_ids, seq_lens, values = ([a[k] for k in keep] for a in (seq_ids, seq_lens, values))
+                    self.pool.note_sampled(seq_ids, seq_lens, values)
             pending.result = tokens
         return pending.result
+
+
+def _share_prompt_budget(rows: list[StepRow], budget: int) -> tuple[list[StepRow], set[int], set[int]]:
+    """Rows whose new ids are a prompt (more than one) take `budget` tokens in row order (0:
+    no limit): (rows, indices of rows cut to their first part, indices of rows left out)."""
+    cut, deferred = set(), set()
+    if budget <= 0 or sum(len(r.new_ids) for r in rows if len(r.new_ids) > 1) <= budget:
+        return rows, cut, deferred
+    rows = list(rows)
+    for i, r in enumerate(rows):
+        n = len(r.new_ids)
+        if n <= 1:
+            continue
+        if budget <= 0:
+            deferred.add(i)
+        elif n > budget:
+            rows[i] = dataclasses.replace(r, new_ids=r.new_ids[:budget])
+            cut.add(i)
+        budget -= n
+    return rows, cut, deferred
 
 
 def _num_new(r: StepRow) -> int:
@@ -442,6 +539,8 @@ class Pending:
     host: torch.Tensor | None = None        # pinned copy, ready once `event` has passed
     event: object = None
     result: list[int] | None = None
+    cached: dict[int, int] = dataclasses.field(default_factory=dict)   # seq_id -> prompt positions found cached
+    partial: set[int] = dataclasses.field(default_factory=set)   # sequences whose prompt goes on in a later step
 
 
 def _make_runner(model, cfg: EngineConfig, device: torch.device, tp=None) -> tuple[Runner, str]:

@@ -51,6 +51,7 @@ def _sse(obj: dict) -> bytes:
 
 
 _timeout = getattr(asyncio, "timeout", None)
+_SHUTDOWN = (None, -1, 0)  # put on every open request's queue when the server stops
 _MARK = "\ue000text\ue000"  # where the text goes in a frame's template; private-use characters
 
 
@@ -101,6 +102,29 @@ class HttpServer:
         threading.Thread(target=self._run, daemon=True, name="http").start()
         if not self.ready.wait(STARTUP_TIMEOUT_S) or self.failure:
             raise SystemExit(f"ingest: cannot serve HTTP on {self.url}: {self.failure or 'no start'}")
+
+    def shutdown(self, timeout_s: float = 2.0) -> None:
+        """End every open request before the process exits: a stream gets an error event and
+        `data: [DONE]`, a plain request a 503. Returns when they are answered or at timeout_s."""
+        if self.loop is None or not self.streams:
+            return
+        done = threading.Event()
+
+        def end_all() -> None:
+            for events in self.streams.values():
+                events.put_nowait(_SHUTDOWN)
+            self.loop.create_task(self._answered(done, time.monotonic() + timeout_s))
+        try:
+            self.loop.call_soon_threadsafe(end_all)
+        except RuntimeError:  # the loop has already stopped
+            return
+        done.wait(timeout_s)
+
+    async def _answered(self, done: threading.Event, deadline: float) -> None:
+        while self.streams and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.05)  # the last writes leave the socket
+        done.set()
 
     def deliver(self, rows: list[tuple[int, str, int, int]]) -> None:
         """(seq_id, text, finish code, tokens so far) rows from the detokenizer."""
@@ -225,16 +249,21 @@ class HttpServer:
                 self._wake()
 
     async def _next(self, events: asyncio.Queue):
-        if events.empty():
-            try:  # asyncio.timeout where there is one (3.11): wait_for makes a task per token
-                if _timeout is None:
-                    return await asyncio.wait_for(events.get(), self.cfg.http_timeout_s)
-                async with _timeout(self.cfg.http_timeout_s):
-                    return await events.get()
-            except (TimeoutError, asyncio.TimeoutError):
-                raise ApiError(503, f"no output within {self.cfg.http_timeout_s:g} s: the workers are "
-                               "overloaded or down; retry later", type="server_error", code="timeout") from None
-        return events.get_nowait()
+        item = await self._wait(events) if events.empty() else events.get_nowait()
+        if item is _SHUTDOWN:
+            raise ApiError(503, "the server is shutting down; retry on another server or later",
+                           type="server_error", code="shutdown")
+        return item
+
+    async def _wait(self, events: asyncio.Queue):
+        try:  # asyncio.timeout where there is one (3.11): wait_for makes a task per token
+            if _timeout is None:
+                return await asyncio.wait_for(events.get(), self.cfg.http_timeout_s)
+            async with _timeout(self.cfg.http_timeout_s):
+                return await events.get()
+        except (TimeoutError, asyncio.TimeoutError):
+            raise ApiError(503, f"no output within {self.cfg.http_timeout_s:g} s: the workers are "
+                           "overloaded or down; retry later", type="server_error", code="timeout") from None
 
     async def _next_all(self, events: asyncio.Queue) -> tuple[str, int, int]:
         """The text of every update waiting (at least one): what arrived together leaves
@@ -244,7 +273,11 @@ class HttpServer:
             return text, code, num_tokens
         parts = [text]
         while not code and not events.empty():
-            text, code, num_tokens = events.get_nowait()
+            item = events.get_nowait()
+            if item is _SHUTDOWN:
+                events.put_nowait(item)  # the next call ends the stream, after this text
+                break
+            text, code, num_tokens = item
             parts.append(text)
         return "".join(parts), code, num_tokens
 

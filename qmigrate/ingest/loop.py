@@ -21,6 +21,7 @@ import logging
 import os
 import queue
 import random
+import signal
 import sys
 import threading
 import time
@@ -41,6 +42,7 @@ log = logging.getLogger("qmigrate.ingest")
 ACK_TIMEOUT_S = 5.0
 STARTUP_TIMEOUT_S = 30.0
 WORKERS_POLL_S = 0.2
+DEFERRED_RETRY_S = 0.2  # a Submit the router deferred (its output backlog is full) goes again after this
 HEALTH_POLL_S = 0.5  # how often the router is asked whether a worker can serve
 
 
@@ -48,11 +50,12 @@ class BadLine(str):
     """A stdin line that could not be read as text: admitted as an error record."""
 
 
-def error_record(req_id: str, message: str) -> list[str]:
-    """[req_id, message] within the wire's bounds, whatever the user sent."""
+def error_record(req_id: str, message: str, number: int) -> tuple[str, str, int]:
+    """(req_id, message, the error's unique number) within the wire's bounds, whatever the
+    user sent. The number is the sequence id the request would have had."""
     def clean(text: str, limit: int) -> str:
         return text[:limit].encode("utf-8", "replace").decode("utf-8")
-    return [clean(req_id, P.MAX_REQ_ID), clean(message, P.MAX_NOTE)]
+    return clean(req_id, P.MAX_REQ_ID), clean(message, P.MAX_NOTE), number
 
 
 class Ingest:
@@ -84,7 +87,7 @@ class Ingest:
         self.read_stdin = read_stdin
         self.stdin_done = not read_stdin
         self.pending: deque[tuple[P.SeqSpec, str, int, str]] = deque()  # spec, req_id, route, note
-        self.errors: list[list[str]] = []   # [req_id, message] not yet acknowledged
+        self.errors: list[tuple[str, str, int]] = []  # error records not yet acknowledged
         self.cancel_after_ack: set[int] = set()  # cancelled before their Submit was sent
         self.in_flight = 0            # specs sent in the Submit awaiting its ack
         self.max_batch = P.SUBMIT_MAX_SEQS  # halved when a Submit is refused or unanswered
@@ -112,6 +115,14 @@ class Ingest:
             raise SystemExit(f"ingest: router refused: {got[1].reason}")
 
     def serve_forever(self, exit_on_eof: bool) -> None:
+        signal.signal(signal.SIGTERM, _stop)
+        try:
+            self._serve(exit_on_eof)
+        finally:
+            if self.http is not None:
+                self.http.shutdown()  # open HTTP requests end with an error, streams with [DONE]
+
+    def _serve(self, exit_on_eof: bool) -> None:
         self.hello()
         freeze_heap()
         if self.http is not None:
@@ -157,7 +168,7 @@ class Ingest:
         self.lines.put(None)
 
     def take_lines(self) -> None:
-        while len(self.pending) < self.max_pending:
+        while len(self.pending) + len(self.errors) < self.max_pending:  # errors wait for the router too
             try:
                 line = self.lines.get_nowait()
             except queue.Empty:
@@ -187,7 +198,7 @@ class Ingest:
                 raise PromptError(prompt.req_id, f"duplicate id {prompt.req_id!r}: a request with this "
                                   "id is still running; this one is refused")
         except PromptError as exc:
-            self.errors.append(error_record(exc.req_id, exc.message))
+            self.errors.append(error_record(exc.req_id, exc.message, self.id_base | self.num_requests))
             return
         seq_id = self.id_base | self.num_requests
         self.live[prompt.req_id], self.live_ids[seq_id] = seq_id, prompt.req_id
@@ -247,7 +258,8 @@ class Ingest:
             # Lost ack (a router restart, say): send again, the router ignores what it has
             # already; in a smaller Submit, so a message it cannot read is not sent as is.
             self.awaiting_ack = False
-            self.max_batch = max(1, self.in_flight // 2)
+            if self.in_flight > 1:
+                self.max_batch = self.in_flight // 2
         closing = (self.read_stdin and self.stdin_done and not self.closed_sent and not self.pending
                    and self.lines.empty() and len(self.errors) <= P.SUBMIT_MAX_SEQS)
         if self.awaiting_ack or now < self.retry_at or not (self.pending or self.errors or closing):
@@ -255,10 +267,12 @@ class Ingest:
         batch = [self.pending[i] for i in range(min(self.max_batch, P.submit_count(b[0] for b in self.pending)))]
         self.errors_in_flight = min(len(self.errors), P.SUBMIT_MAX_SEQS)
         self.closing_in_flight = closing
+        errors = self.errors[:self.errors_in_flight]
         transport.send(self.router, P.Submit([b[0] for b in batch], [b[1] for b in batch],
-                                             self.errors[:self.errors_in_flight],
+                                             [[r, m] for r, m, _ in errors],
                                              self.num_requests if closing else -1,
-                                             P.pack_u8([b[2] for b in batch]), [b[3] for b in batch]))
+                                             P.pack_u8([b[2] for b in batch]), [b[3] for b in batch],
+                                             P.pack_i64([n for _, _, n in errors])))
         self.in_flight, self.sent_at, self.awaiting_ack = len(batch), now, True
 
     def ask_for_workers(self, every_s: float = WORKERS_POLL_S) -> None:
@@ -277,6 +291,11 @@ class Ingest:
                     self.http.num_serving = serving if type(serving) is int else 0
             if isinstance(msg, P.Reject) and self.awaiting_ack and not msg.is_unknown_peer:
                 self.on_refused(msg.reason)
+            if isinstance(msg, P.SubmitAck) and self.awaiting_ack and msg.is_deferred:
+                self.awaiting_ack, self.in_flight, self.errors_in_flight = False, 0, 0
+                self.closing_in_flight = False
+                self.retry_at = time.monotonic() + DEFERRED_RETRY_S  # the output is behind: all of it later
+                continue
             if isinstance(msg, P.SubmitAck) and self.awaiting_ack:
                 taken = max(0, min(msg.num_accepted, self.in_flight))
                 cancel = []
@@ -306,10 +325,10 @@ class Ingest:
             if route == P.ROUTE_INGEST and self.http is not None:
                 self.http.deliver([(spec.seq_id, "", int(P.Finish.ERROR), 0)])
             else:
-                self.errors.insert(0, error_record(req_id, f"refused by the router: {reason}"))
+                self.errors.insert(0, error_record(req_id, f"refused by the router: {reason}", spec.seq_id))
         elif self.in_flight == 0:  # errors alone (each within bounds already): keep them in bounds again
             for i in range(self.errors_in_flight):
-                self.errors[i] = error_record(self.errors[i][0][:64], "invalid request")
+                self.errors[i] = error_record(self.errors[i][0][:64], "invalid request", self.errors[i][2])
         self.max_batch = max(1, self.in_flight // 2)
         self.in_flight = self.errors_in_flight = 0
         self.awaiting_ack = self.closing_in_flight = False
@@ -327,6 +346,12 @@ class Ingest:
                     break
                 accepted += 1
             transport.send(self.feed, P.FeedAck(accepted), to=sender)
+
+
+def _stop(signum, frame):
+    """SIGTERM: unwind the loop, so that open HTTP requests are answered before the exit."""
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a second one ends the process at once
+    raise SystemExit(128 + signum)
 
 
 def run(topo, name: str, read_stdin: bool = False, exit_when_done: bool = False, wait_for_workers: int = 0) -> int:

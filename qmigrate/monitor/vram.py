@@ -101,6 +101,36 @@ class VramPoller:
         self.close()
 
 
+class ProcessMemory:
+    """What NVML says one process holds on one GPU: its allocations and its CUDA context, which
+    the process's own allocator does not count. None where NVML cannot say (no NVML, a driver
+    that does not report per process, or a PID namespace that hides the host's PIDs)."""
+
+    def __init__(self, gpu_uuid: str, pid: int) -> None:
+        self.pid = pid
+        self.handle = None
+        if pynvml is None:
+            return
+        try:
+            pynvml.nvmlInit()
+            self.handle = pynvml.nvmlDeviceGetHandleByUUID(gpu_uuid)
+        except pynvml.NVMLError as exc:
+            log.info("no per-process GPU memory from NVML: %s", exc)
+
+    def held_bytes(self) -> int | None:
+        if self.handle is None:
+            return None
+        try:
+            procs = pynvml.nvmlDeviceGetComputeRunningProcesses(self.handle)
+        except pynvml.NVMLError:
+            return None
+        for proc in procs:
+            used = getattr(proc, "usedGpuMemory", None)
+            if proc.pid == self.pid and isinstance(used, int) and used >= 0:
+                return used
+        return None
+
+
 def torch_device_uuid(index: int) -> str | None:
     """The UUID of CUDA device `index` as NVML prints it ("GPU-..."), or None without CUDA."""
     import torch

@@ -7,6 +7,9 @@ once `append` returns, and a record torn by a kill mid-write is ignored when rea
 `OutputLog` is the router's record of every accepted request whose output the detokenizer
 has not yet confirmed printed to its end: its full form (to run it again from the prompt),
 its name, the requests refused at ingest and the input's end. Plain data, no sockets.
+An error is known by its number (the sequence id its request would have had), so two errors
+under one request id are two records; the detokenizer confirms errors printed as it does
+requests, and the oldest are forgotten past a bound as finished requests are.
 """
 
 from __future__ import annotations
@@ -59,7 +62,7 @@ class OutputLog:
         self.specs: dict[int, P.SeqSpec] = {}
         self.req_ids: dict[int, str] = {}
         self.extras: dict[int, tuple[int, str]] = {}  # seq_id -> (route, note), when not the defaults
-        self.errors: dict[str, str] = {}
+        self.errors: dict[int | str, list[str]] = {}  # error id (or req_id) -> [req_id, message]
         self.num_requests = -1
 
     def __len__(self) -> int:
@@ -68,17 +71,19 @@ class OutputLog:
     def add(self, msg: P.Submit, num_taken: int) -> P.Submit | None:
         """Take the first num_taken requests, the errors and the end of input of a Submit;
         returns what was new in it (to journal and forward), or None."""
-        seqs, req_ids, errors, extras = [], [], [], []
+        seqs, req_ids, errors, error_ids, extras = [], [], [], [], []
         routes = P.unpack_u8(msg.routes, "routes").tolist()
+        numbers = P.unpack_i64(msg.error_ids, "error_ids").tolist()
         for i, spec in enumerate(msg.seqs[:num_taken]):
             req_id = msg.req_ids[i] if i < len(msg.req_ids) else str(spec.seq_id)
             extra = (routes[i] if i < len(routes) else P.ROUTE_STDOUT, msg.notes[i] if i < len(msg.notes) else "")
             if spec.seq_id in self.specs:
                 continue
             if not spec.is_valid:
-                if req_id not in self.errors:  # the scheduler refused it too: say so
-                    self.errors[req_id] = "invalid request"
+                if spec.seq_id not in self.errors:  # the scheduler refused it too: say so
+                    self.errors[spec.seq_id] = [req_id, "invalid request"]
                     errors.append([req_id, "invalid request"])
+                    error_ids.append(spec.seq_id)
                 continue
             self.specs[spec.seq_id], self.req_ids[spec.seq_id] = spec, req_id
             if extra != (P.ROUTE_STDOUT, ""):
@@ -86,30 +91,38 @@ class OutputLog:
             seqs.append(spec)
             req_ids.append(req_id)
             extras.append(extra)
-        for pair in msg.errors:
-            if len(pair) == 2 and pair[0] not in self.errors:
-                self.errors[pair[0]] = pair[1]
+        for i, pair in enumerate(msg.errors):
+            number = numbers[i] if i < len(numbers) else -1
+            key = number if number >= 0 else pair[0]
+            if len(pair) == 2 and key not in self.errors:
+                self.errors[key] = pair
                 errors.append(pair)
+                error_ids.append(number)
         closed = msg.num_requests if msg.num_requests >= 0 and self.num_requests < 0 else -1
         if closed >= 0:
             self.num_requests = closed
         if not (seqs or errors or closed >= 0):
             return None
         return P.Submit(seqs, req_ids, errors, closed, P.pack_u8([r for r, _ in extras]),
-                        [n for _, n in extras])
+                        [n for _, n in extras], P.pack_i64(error_ids))
 
     def printed(self, seq_ids) -> bool:
         """Forget sequences printed to their end; True if any was known."""
         known = False
         for sid in seq_ids:
             known |= self.specs.pop(int(sid), None) is not None
+            known |= self.errors.pop(int(sid), None) is not None
             self.req_ids.pop(int(sid), None)
             self.extras.pop(int(sid), None)
         return known
 
     def trim(self, max_kept: int, live) -> int:
-        """Forget the oldest requests not in `live` while more than max_kept are kept."""
+        """Forget the oldest requests not in `live` while more than max_kept are kept, and the
+        oldest errors past max_kept (only a detokenizer restart needs any of them)."""
         num = 0
+        while len(self.errors) > max_kept:
+            del self.errors[next(iter(self.errors))]
+            num += 1
         for sid in list(self.specs):
             if len(self.specs) <= max_kept:
                 break
@@ -123,12 +136,17 @@ class OutputLog:
         route, note = self.extras.get(seq_id, (P.ROUTE_STDOUT, ""))
         return P.RequestMeta(seq_id, self.req_ids[seq_id], P.pack_i32(spec.ids[:spec.prompt_len]), route, note)
 
+    def error_messages(self) -> list[P.RequestError]:
+        """Every error still owed to the detokenizer."""
+        return [P.RequestError(r, m, key if type(key) is int else -1) for key, (r, m) in self.errors.items()]
+
     def snapshot(self) -> P.Submit:
         """Everything still owed, as one record: what a compacted journal holds."""
         extras = [self.extras.get(s, (P.ROUTE_STDOUT, "")) for s in self.specs]
         return P.Submit(list(self.specs.values()), [self.req_ids[s] for s in self.specs],
-                        [[r, m] for r, m in self.errors.items()], self.num_requests,
-                        P.pack_u8([r for r, _ in extras]), [n for _, n in extras])
+                        list(self.errors.values()), self.num_requests,
+                        P.pack_u8([r for r, _ in extras]), [n for _, n in extras],
+                        P.pack_i64([key if type(key) is int else -1 for key in self.errors]))
 
     def replay(self, records: list[bytes]) -> None:
         for record in records:

@@ -26,13 +26,16 @@ from qmigrate.ops.trace import tracer
 from qmigrate.ops.process import freeze_heap
 
 log = logging.getLogger("qmigrate.router")
-dropped_log = Throttled(log)
 
 POLL_S = 0.02
 MAX_BURST = 512
 METRICS_INTERVAL_S = 1.0
 STRANDED_NOTICE_S = 5.0  # requests waiting this long with no worker get one line on stderr
-MAX_BACKLOG = 100_000  # messages for the detokenizer held here while it does not read
+# Messages for the detokenizer held here while it does not read: past either bound, no new
+# request is admitted (a Submit is deferred) until it reads again. Nothing is ever dropped.
+FORWARDED_AS_SENT = (P.Tokens, P.Cancel)  # their handlers forward the received frame itself
+MAX_BACKLOG = 100_000
+MAX_BACKLOG_BYTES = 256 << 20
 
 
 class Router:
@@ -48,18 +51,22 @@ class Router:
         self.telemetry.setsockopt(zmq.SUBSCRIBE, b"")
         self.detok = transport.socket(zmq.PUSH, connect=topo.endpoint("detokenizer").connect, hwm=100_000)
         self.backlog: deque[bytes] = deque()
+        self.backlog_bytes = 0
+        self.dropped_log = Throttled(log)  # what peers send that is dropped: they can send it at will
         self.outputs = OutputLog()
         self.journal = Journal(rc.journal) if rc.journal else None
         self.identity: dict[str, bytes] = {}
         self.guard = Guard.for_topology(topo, "router")
         self.parked: dict[str, deque] = {}
         self.worker_times: dict[str, tuple[int, int]] = {}
+        self.kv_imported: dict[str, int] = {}   # per worker, as its heartbeats report
         self.nodes = {w.name: w.node for w in topo.workers}
         self.observer = FleetObserver()
         self.errors: Counter[str] = Counter()
         self.metrics = None
         self.stranded_since: float | None = None
         self.told_stranded = False
+        self.turn = 0   # which waiting worker serve_parked asks first
         if rc.metrics_port:
             from qmigrate.ops.metrics import RouterMetrics, serve
             self.metrics = RouterMetrics()
@@ -127,16 +134,15 @@ class Router:
             except zmq.Again:
                 return
             if len(frames) != 2:
-                dropped_log.warning("dropped a message of %d frames", len(frames))
+                self.dropped_log.warning("dropped a message of %d frames", len(frames))
                 self.errors["malformed"] += 1
                 continue
             sender, frame = frames
-            self.frame = frame  # forwarded as is by on_tokens
             try:
                 msg = P.decode(frame)
             except P.ProtocolError as exc:
                 msg = None
-                dropped_log.warning("dropped malformed message from %r: %s", sender[:64], exc)
+                self.dropped_log.warning("dropped malformed message from %r: %s", sender[:64], exc)
                 if exc.msg_type == P.MsgType.SUBMIT:  # answered, or ingest would send it again
                     self.refuse_submit(sender, str(exc))
             if msg is not None and (refusal := self.guard.check(peer, msg, sender)) is not None:
@@ -151,15 +157,18 @@ class Router:
                 log.warning("no handler for %s from %r", type(msg).__name__, sender)
             if handler is not None:
                 try:
-                    handler(sender, msg)
+                    if isinstance(msg, FORWARDED_AS_SENT):
+                        handler(sender, msg, frame)
+                    else:
+                        handler(sender, msg)
                 except P.ProtocolError as exc:
                     self.errors["malformed"] += 1
-                    dropped_log.warning("dropped %s from %r: %s", type(msg).__name__, sender[:64], exc)
+                    self.dropped_log.warning("dropped %s from %r: %s", type(msg).__name__, sender[:64], exc)
                     if isinstance(msg, P.Submit):
                         self.refuse_submit(sender, str(exc))
                 except Exception as exc:  # noqa: BLE001 -- one bad message must not stop the router
                     self.errors["handler"] += 1
-                    dropped_log.warning("dropped %s from %r: %s: %s", type(msg).__name__, sender[:64],
+                    self.dropped_log.warning("dropped %s from %r: %s: %s", type(msg).__name__, sender[:64],
                                         type(exc).__name__, exc)
                     if isinstance(msg, P.Submit):
                         self.refuse_submit(sender, f"{type(exc).__name__}: {exc}")
@@ -190,18 +199,21 @@ class Router:
                                    util if type(util) is int else -1)
             else:
                 self.errors["malformed"] += 1
-                dropped_log.warning("dropped a malformed VRAM report entry from %s", msg.node[:64])
+                self.dropped_log.warning("dropped a malformed VRAM report entry from %s", msg.node[:64])
 
     def reply(self, to: bytes, msg) -> None:
         transport.send(self.work, msg, to=to)  # dropped if that peer does not read
 
     def forward(self, frame: bytes) -> None:
-        """To the detokenizer, in order; held here while it does not read (never dropped)."""
+        """To the detokenizer, in order; held here while it does not read (never dropped: a
+        full backlog stops admission instead, see on_submit)."""
         if self.backlog or not transport.send_frame(self.detok, frame, what="detokenizer message"):
-            if len(self.backlog) >= MAX_BACKLOG:
-                self.backlog.popleft()  # only results of leases already out can get here
-                self.sched.counters["output_dropped"] += 1
             self.backlog.append(frame)
+            self.backlog_bytes += len(frame)
+
+    @property
+    def is_backlog_full(self) -> bool:
+        return len(self.backlog) >= MAX_BACKLOG or self.backlog_bytes >= MAX_BACKLOG_BYTES
 
     def flush_backlog(self) -> None:
         while self.backlog:
@@ -209,7 +221,7 @@ class Router:
                 self.detok.send(self.backlog[0], zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
-            self.backlog.popleft()
+            self.backlog_bytes -= len(self.backlog.popleft())
 
     def resend_outputs(self) -> None:
         """Everything the detokenizer may lack (it restarted, or this router did); what it
@@ -223,8 +235,8 @@ class Router:
                 made = seq.token_ids[seq.spec.prompt_len:]
                 self.forward(P.encode(P.Tokens(P.pack_i64([sid]), P.pack_i32([0]), P.pack_i32([len(made)]),
                                                P.pack_i32(made), P.pack_u8([0]))))
-        for req_id, message in self.outputs.errors.items():
-            self.forward(P.encode(P.RequestError(req_id, message)))
+        for error in self.outputs.error_messages():
+            self.forward(P.encode(error))
         if self.outputs.num_requests >= 0:
             self.forward(P.encode(P.InputClosed(self.outputs.num_requests)))
 
@@ -272,6 +284,7 @@ class Router:
             self.sched.renew(name, P.unpack_i64(msg.lease_ids, "lease_ids").tolist(), now)
             self.sched.set_held(name, msg.held_bytes, now)
             self.worker_times[name] = (msg.busy_ms, msg.idle_ms)
+            self.kv_imported[name] = msg.num_kv_imported
 
     def on_work_request(self, sender: bytes, msg: P.WorkRequest) -> None:
         if (name := self._worker(sender)) is None:
@@ -295,7 +308,7 @@ class Router:
         if len(evicted):
             self.sched.evicted(name, evicted.tolist())
 
-    def on_tokens(self, sender: bytes, msg: P.Tokens) -> None:
+    def on_tokens(self, sender: bytes, msg: P.Tokens, frame: bytes) -> None:
         """A worker's new tokens, sent on the socket of its results and before them: the
         detokenizer gets them in that order, so no result arrives here without its tokens.
         Only rows of sequences leased to the sender go on: a worker (or a stolen worker key)
@@ -305,11 +318,11 @@ class Router:
         seq_ids = P.unpack_i64(msg.seq_ids)
         mine = self.sched.leased_to(name, seq_ids.tolist())
         if all(mine):
-            self.forward(self.frame)
+            self.forward(frame)
             return
         num_refused = len(mine) - sum(mine)
         self.errors["tokens_not_leased"] += num_refused
-        dropped_log.warning("dropped tokens of %d sequences not leased to worker %s", num_refused, name)
+        self.dropped_log.warning("dropped tokens of %d sequences not leased to worker %s", num_refused, name)
         if any(mine):
             keep = np.array(mine)
             counts = P.unpack_i32(msg.counts)
@@ -319,6 +332,12 @@ class Router:
                                            P.pack_u8(P.unpack_u8(msg.finish)[keep]))))
 
     def on_submit(self, sender: bytes, msg: P.Submit) -> None:
+        if self.is_backlog_full:
+            # The detokenizer is not reading: admit nothing (its names, errors and end would
+            # only add to what waits for it); ingest keeps the Submit and sends it later.
+            self.sched.counters["submits_deferred"] += 1
+            self.reply(sender, P.SubmitAck(0, 0, is_deferred=True))
+            return
         offered = msg.seqs[:self.sched.num_free]
         for spec in offered:
             spec.ids  # validates the packed ids
@@ -337,19 +356,21 @@ class Router:
                 self.serve_parked(time.monotonic())
             for spec in new.seqs:
                 self.forward(P.encode(self.outputs.meta(spec.seq_id)))
-            for req_id, message in new.errors:
-                self.forward(P.encode(P.RequestError(req_id, message)))
+            numbers = P.unpack_i64(new.error_ids).tolist()
+            for (req_id, message), number in zip(new.errors, numbers):
+                self.forward(P.encode(P.RequestError(req_id, message, number)))
             if new.num_requests >= 0:
                 self.forward(P.encode(P.InputClosed(new.num_requests)))
         self.reply(sender, P.SubmitAck(taken, self.sched.num_free))
 
-    def on_cancel(self, sender: bytes, msg: P.Cancel) -> None:
+    def on_cancel(self, sender: bytes, msg: P.Cancel, frame: bytes) -> None:
         self.sched.cancel(P.unpack_i64(msg.seq_ids, "seq_ids").tolist())
-        self.forward(self.frame)  # the detokenizer ends their output
+        self.forward(frame)  # the detokenizer ends their output
 
     def on_resync(self, sender: bytes, msg: P.Resync) -> None:
         log.info("the detokenizer (pid %d) asks for everything not yet printed", msg.pid)
         self.backlog.clear()  # it is all sent again below
+        self.backlog_bytes = 0
         self.resend_outputs()
 
     def on_printed(self, sender: bytes, msg: P.Printed) -> None:
@@ -379,6 +400,10 @@ class Router:
                         dropped_sends=transport.num_dropped)
         for name, w in self.sched.workers.items():
             counters[f"owned_{name}"] = len(w.owned)
+            counters[f"leased_{name}"] = w.num_leased
+            counters[f"asking_{name}"] = len(self.parked.get(name, ()))
+        counters.update({f"kv_imported_{name}": n for name, n in self.kv_imported.items()},
+                        kv_imported=sum(self.kv_imported.values()))
         delays: dict[str, list[float]] = {}
         for cause, seconds in self.sched.move_delays:
             delays.setdefault(cause, []).append(seconds)
@@ -411,7 +436,7 @@ class Router:
         names = [n for n, waiting in self.parked.items() if waiting]
         if not names or not (self.sched.queue or self.sched.leases):
             return
-        self.turn = (getattr(self, "turn", 0) + 1) % len(names)
+        self.turn = (self.turn + 1) % len(names)
         names = names[self.turn:] + names[:self.turn]
         progress = True
         while progress:

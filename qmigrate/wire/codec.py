@@ -83,7 +83,7 @@ _RANGES: dict[str, dict[str, tuple]] = {
     "Hello": {"version": (0, 1 << 16)},
     "Welcome": {"version": (0, 1 << 16), "heartbeat_interval_s": (1e-3, 3600.0), "lease_timeout_s": (1e-3, 86400.0)},
     "Heartbeat": {"num_cached_seqs": _I64, "free_kv_tokens": (-1, _I64[1]), "busy_ms": _I64, "idle_ms": _I64,
-                  "held_bytes": (-1, _I64[1])},
+                  "held_bytes": (-1, _I64[1]), "num_kv_imported": _I64},
     "WorkRequest": {"request_no": _I64, "max_seqs": (1, 1 << 20), "max_tokens": (1, 1 << 30),
                     "free_kv_tokens": (-1, _I64[1])},
     "Lease": {"lease_id": _I64, "request_no": _I64, "timeout_s": (1e-3, 86400.0), "num_steps": (1, 1 << 16)},
@@ -91,6 +91,7 @@ _RANGES: dict[str, dict[str, tuple]] = {
     "Submit": {"num_requests": (-1, _I64[1])},
     "SubmitAck": {"num_accepted": _I64, "num_free": _I64},
     "RequestMeta": {"seq_id": _I64},
+    "RequestError": {"seq_id": (-1, _I64[1])},
     "InputClosed": {"num_requests": _I64},
     "ShipKV": {"seq_id": _I64, "transfer_id": _I64, "num_tokens": (0, MAX_ARRAY_LEN)},
     "KVHeader": {"transfer_id": _I64, "seq_id": _I64, "num_tokens": (0, MAX_ARRAY_LEN)},
@@ -103,7 +104,8 @@ _ARRAYS = {"seq_ids": ("<i8", True), "drop_ids": ("<i8", True), "evicted_ids": (
            "lease_ids": ("<i8", True), "token_ids": ("<i4", True), "prompt_ids": ("<i4", True),
            "tokens": ("<i4", True), "counts": ("<i4", True), "start": ("<i4", True),
            "lengths": ("<i4", False), "last_tokens": ("<i4", False), "status": ("u1", False),
-           "finish": ("u1", False), "routes": ("u1", False)}
+           "finish": ("u1", False), "routes": ("u1", False),
+           "error_ids": ("<i8", False)}
 _NAMES = {"name": 256, "role": 64, "node": 256, "kv_from": 512, "dest": 512, "worker": 256, "dtype": 32}
 
 

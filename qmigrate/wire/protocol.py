@@ -159,6 +159,7 @@ class SeqSpec:
     transfer_id: int = 0
     resend_from: int = -1     # >= 0: send the detokenizer generated tokens from this index on
     min_new_tokens: int = 0   # neither EOS nor a stop sequence ends it before this many tokens
+    cache_salt: str = ""      # its KV prefix is shared only with sequences of the same salt
 
     @property
     def ids(self) -> np.ndarray:
@@ -225,6 +226,7 @@ class Heartbeat:
     idle_ms: int = 0          # cumulative time spent with no batch to run
     lease_ids: bytes = b""    # int64: leases received and not yet answered; the router renews them
     held_bytes: int = -1      # device memory this worker holds (weights, KV pool, graphs); -1: unknown
+    num_kv_imported: int = 0  # sequences that resumed here from KV shipped by another worker
 
 
 @message(MsgType.WORK_REQUEST)
@@ -294,8 +296,10 @@ class Tokens:
 @message(MsgType.SUBMIT)
 class Submit:
     """Ingest to router, resent until acknowledged. req_ids[i] names seqs[i] in the output;
-    `errors` are [req_id, message] pairs of requests refused at ingest; num_requests >= 0
-    says the input is closed after that many requests (the detokenizer's end condition)."""
+    `errors` are [req_id, message] pairs of requests refused at ingest, error_ids[i] the
+    unique number of errors[i] (-1 or absent: known by its req_id, which may repeat);
+    num_requests >= 0 says the input is closed after that many requests (the detokenizer's
+    end condition)."""
 
     seqs: list[SeqSpec]
     req_ids: list[str] = field(default_factory=list)
@@ -303,8 +307,11 @@ class Submit:
     num_requests: int = -1
     routes: bytes = b""       # uint8: RequestMeta.route of seqs[i] (none: stdout)
     notes: list[str] = field(default_factory=list)   # RequestMeta.note of seqs[i]
+    error_ids: bytes = b""    # int64: error_ids[i] numbers errors[i]
 
     def validate(self) -> None:
+        if len(self.error_ids) // 8 > len(self.errors):
+            raise ProtocolError("error_ids: more than errors")
         if any(len(pair) != 2 for pair in self.errors):
             raise ProtocolError("errors: expected [req_id, message] pairs")
         if any(len(r) > MAX_REQ_ID for r in self.req_ids) or any(len(n) > MAX_NOTE for n in self.notes) \
@@ -316,6 +323,7 @@ class Submit:
 class SubmitAck:
     num_accepted: int
     num_free: int
+    is_deferred: bool = False  # nothing of the Submit was taken, errors and end included: send it later
 
 
 @message(MsgType.REQUEST_META)
@@ -335,6 +343,7 @@ class RequestMeta:
 class RequestError:
     req_id: str
     message: str
+    seq_id: int = -1          # the error's unique number (-1: none; known by req_id)
 
 
 @message(MsgType.INPUT_CLOSED)

@@ -36,6 +36,7 @@ log = logging.getLogger("qmigrate.worker")
 KV_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 STARTUP_TIMEOUT_S = 60.0
 HELLO_RESEND_S = 2.0
+NVML_EVERY_S = 5.0  # how often NVML is asked what this process holds on its GPU
 
 
 class Worker:
@@ -72,6 +73,13 @@ class Worker:
         self.deferred: deque = deque()  # router messages that came during a multi-step lease
         self.outbox = KVOutbox()
         self.busy_s = self.idle_s = 0.0
+        self.num_kv_imported_sent = 0
+        self.gpu_memory = None  # this process's memory on its GPU as NVML reports it
+        self.nvml_at, self.nvml_bytes = -NVML_EVERY_S, 0
+        if device.startswith("cuda"):
+            from qmigrate.monitor.vram import ProcessMemory, torch_device_uuid
+            uuid = torch_device_uuid(torch.device(device).index or 0)
+            self.gpu_memory = ProcessMemory(uuid, os.getpid()) if uuid else None
 
     @property
     def heartbeat_s(self) -> float:
@@ -199,6 +207,7 @@ class Worker:
             if count_busy:
                 self.busy_s += time.monotonic() - t0
             self.loop.started(lease, handle, time.monotonic())
+        self.keep_alive()
 
     def finish_lease(self, started) -> None:
         t0 = time.monotonic()
@@ -288,18 +297,27 @@ class Worker:
 
     def keep_alive(self) -> None:
         # Sent on schedule even while results flow: it also carries the busy/idle counters.
-        if self.loop.heartbeat_due(time.monotonic()):
+        # After a KV import it goes at once, so the router counts the import before it sees
+        # any token that used it.
+        imported = self.core.num_kv_imported
+        if self.loop.heartbeat_due(time.monotonic()) or imported != self.num_kv_imported_sent:
             self.trace.flush()
+            self.num_kv_imported_sent = imported
             self.send_router(P.Heartbeat(self.name, len(self.core.seqs), self.core.free_tokens,
                                          int(self.busy_s * 1000), int(self.idle_s * 1000),
-                                         P.pack_i64(self.loop.held_lease_ids()), self.held_bytes()))
+                                         P.pack_i64(self.loop.held_lease_ids()), self.held_bytes(), imported))
 
     def held_bytes(self) -> int:
-        """Device memory this process holds: weights, KV pool, graphs and activations (the
-        router does not count it as memory pressure). A CPU worker holds no device memory."""
+        """Device memory this process holds: weights, KV pool, graphs and activations, and its
+        CUDA context where NVML reports it per process (the router does not count any of it as
+        memory pressure). A CPU worker holds no device memory."""
         if not self.device.startswith("cuda"):
             return 0
-        return int(torch.cuda.memory_reserved(torch.device(self.device)))
+        reserved = int(torch.cuda.memory_reserved(torch.device(self.device)))
+        now = time.monotonic()
+        if self.gpu_memory is not None and now - self.nvml_at >= NVML_EVERY_S:
+            self.nvml_at, self.nvml_bytes = now, self.gpu_memory.held_bytes() or 0
+        return max(reserved, self.nvml_bytes)
 
 
 def _share_cpu_threads(topo, cfg) -> None:

@@ -75,4 +75,7 @@ def tables_for(model, max_positions: int) -> dict[str | None, tuple[torch.Tensor
     rotary = base.rotary_emb
     if types and "layer_type" in inspect.signature(rotary.forward).parameters:
         return {t: rope_tables(rotary, max_positions, t, original) for t in sorted(set(types))}
+    local = getattr(base, "rotary_emb_local", None)   # Gemma 3 before rope per layer type
+    if types and local is not None:
+        return {"sliding_attention": rope_tables(local, max_positions), "full_attention": rope_tables(rotary, max_positions)}
     return {None: rope_tables(rotary, max_positions, None, original)}

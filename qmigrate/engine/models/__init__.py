@@ -16,6 +16,7 @@ FAMILIES = {
     "llama": "llama", "mistral": "llama", "qwen2": "llama", "qwen3": "llama",
     "gemma2": "gemma", "gemma3_text": "gemma",
     "phi3": "phi3",
+    "mixtral": "moe", "qwen2_moe": "moe", "qwen3_moe": "moe",
 }
 
 

@@ -1,0 +1,305 @@
+"""The prefix cache of a worker's pool, on the CPU in fp32.
+
+Greedy output with the cache on must equal `generate()` for each prompt alone through full
+and partial hits, evictions, salts, and migration by KV transfer or recompute; the
+allocator's invariants hold under random operations.
+"""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from qmigrate.engine.kvcache import BlockPool
+from qmigrate.engine.runner import Engine, StepRow
+from qmigrate.wire import protocol as P
+from qmigrate.wire.prefix_keys import block_key, block_keys, seed_key
+from qmigrate.worker.core import WorkerCore
+
+from test_engine import make_engine, make_lease, run, spec_of  # noqa: F401 (fixtures below)
+from test_engine import greedy, model, tiny  # noqa: F401
+
+BS = 16
+rng = random.Random(11)
+SYSTEM = [1] + [rng.randrange(3, 1500) for _ in range(40)]           # 2 full blocks and a bit
+QUESTIONS = [[rng.randrange(3, 1500) for _ in range(n)] for n in (5, 9, 23)]
+
+
+def generate(engine: Engine, seq_id: int, prompt: list[int], n: int, salt: str = "") -> tuple[list[int], int]:
+    """n greedy tokens of `prompt` run alone on the engine; and the positions found cached."""
+    pending = engine.launch([StepRow(seq_id, list(prompt), 0, 0, cache_salt=salt)])
+    out = [engine.collect(pending)[0]]
+    cached = pending.cached.get(seq_id, 0)
+    while len(out) < n:
+        out.append(engine.step([StepRow(seq_id, [out[-1]], len(prompt) + len(out) - 1, len(out))])[0])
+    engine.pool.check()
+    return out, cached
+
+
+@pytest.mark.parametrize("runner", ["hf", "fast"])
+def test_full_and_partial_hits_give_generate_output(model, greedy, runner):
+    engine = make_engine(model, runner=runner)
+    first = SYSTEM + QUESTIONS[0]
+    out, cached = generate(engine, 1, first, 8)
+    assert (out, cached) == (greedy(first, 8), 0)
+    engine.release(1)
+    # the same prompt: every full block but the one holding its last token is reused
+    out, cached = generate(engine, 2, first, 8)
+    assert (out, cached) == (greedy(first, 8), (len(first) - 1) // BS * BS)
+    # the same system prompt, another question: the system prompt's full blocks
+    for sid, q in enumerate(QUESTIONS[1:], start=3):
+        prompt = SYSTEM + q
+        out, cached = generate(engine, sid, prompt, 8)
+        assert out == greedy(prompt, 8)
+        assert cached == len(SYSTEM) // BS * BS
+    stats = engine.prefix_stats()
+    assert stats["cached_tokens"] == 32 + 32 + 32 and stats["prompt_tokens"] > 3 * len(SYSTEM)
+    for sid in (2, 3, 4):
+        engine.release(sid)
+    engine.pool.check()
+    assert not engine.pool.prefix.refs.any()   # every count back to zero
+
+
+@pytest.mark.parametrize("runner", ["hf", "fast"])
+def test_a_second_turn_reuses_the_blocks_the_first_decoded(model, greedy, runner):
+    engine = make_engine(model, runner=runner)
+    prompt = SYSTEM[:20]
+    out, _ = generate(engine, 1, prompt, 24)
+    assert out == greedy(prompt, 24)
+    engine.release(1)
+    # the next turn: the conversation so far and a new message
+    turn = prompt + out + QUESTIONS[0]
+    out2, cached = generate(engine, 2, turn, 10)
+    assert cached == (len(prompt) + len(out) - 1) // BS * BS == 32   # a block written by decode
+    assert out2 == greedy(turn, 10)
+
+
+def test_a_salt_shares_only_with_its_own_salt(model, greedy):
+    engine = make_engine(model)
+    prompt = SYSTEM + QUESTIONS[1]
+    assert generate(engine, 1, prompt, 4, salt="tenant-a") == (greedy(prompt, 4), 0)
+    assert generate(engine, 2, prompt, 4, salt="tenant-b")[1] == 0
+    assert generate(engine, 3, prompt, 4)[1] == 0
+    out, cached = generate(engine, 4, prompt, 4, salt="tenant-a")
+    assert (out, cached) == (greedy(prompt, 4), 48)
+
+
+def test_the_cache_can_be_turned_off(model, greedy):
+    engine = make_engine(model, prefix_cache=False)
+    prompt = SYSTEM + QUESTIONS[2]
+    for sid in (1, 2):
+        assert generate(engine, sid, prompt, 4) == (greedy(prompt, 4), 0)
+    assert engine.prefix_stats()["cached_blocks"] == 0 and engine.take_prefix_events() == []
+
+
+@pytest.mark.parametrize("runner", ["hf", "fast"])
+def test_evictions_keep_outputs_exact(model, greedy, runner):
+    """A pool of 8 blocks: prompts of 3-4 blocks each evict cached blocks (least recently used
+    first) and whole idle sequences, and still give generate()'s tokens."""
+    engine = make_engine(model, kv_tokens=8 * BS, max_len=96, runner=runner)
+    prompts = [SYSTEM + q for q in QUESTIONS] + [[1] + [rng.randrange(3, 1500) for _ in range(50)]]
+    seen_evictions = 0
+    for round_ in range(2):
+        for i, prompt in enumerate(prompts):
+            sid = 10 * round_ + i
+            out, cached = generate(engine, sid, prompt, 6)
+            assert out == greedy(prompt, 6)
+            seen_evictions += sum(1 for k in engine.take_prefix_events() if k < 0)
+            if i % 2:
+                engine.release(sid)   # the others stay until evicted for room
+    assert seen_evictions > 0
+    engine.pool.check()
+
+
+def test_shared_last_block_is_copied_before_it_is_written(model, greedy):
+    """A sequence cut back into a block that is cached (a rollback) writes a copy of it."""
+    engine = make_engine(model)
+    prompt = SYSTEM + QUESTIONS[2]          # 64 tokens: 3 blocks cached after the prompt
+    out, _ = generate(engine, 1, prompt, 3)
+    block = engine.pool.blocks[1][1]
+    assert block in engine.pool.prefix.key_of
+    kv_before = engine.pool.kv[:, :, block].clone()
+    # run it again from position 20 with other ids: positions 20.. of block 1 are rewritten
+    other = [7] * 12
+    engine.step([StepRow(1, other, 20, 0)])
+    assert engine.pool.blocks[1][1] != block
+    assert torch.equal(engine.pool.kv[:, :, block], kv_before)
+    engine.pool.check()
+    engine.release(1)
+    assert generate(engine, 2, prompt, 3) == (greedy(prompt, 3), 48)
+
+
+# --- migration -----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("runner", ["hf", "fast"])
+def test_kv_transfer_ships_only_what_the_receiver_lacks(model, greedy, runner):
+    prompt = SYSTEM + QUESTIONS[1]
+    src, dst = make_engine(model, runner=runner), make_engine(model, runner="hf" if runner == "fast" else "fast")
+    out, _ = generate(src, 1, prompt, 5)
+    # the receiver has the system prompt cached (another request ran there)
+    generate(dst, 9, SYSTEM + QUESTIONS[0], 2)
+    dst.release(9)
+    ids = prompt + out[:-1]                      # the KV the source holds (the last token is unfed)
+    start = dst.admit(1, ids)
+    assert start == len(SYSTEM) // BS * BS
+    kv = src.export_kv(1)
+    assert dst.import_kv(1, kv[:, :, start:].clone(), set(), start=start, ids=ids)
+    assert dst.cached_len(1) == len(ids)
+    rest = [out[-1]]
+    for i in range(5, 12):
+        rest.append(dst.step([StepRow(1, [rest[-1]], len(prompt) + i - 1, i)])[0])
+    assert out + rest[1:] == greedy(prompt, 12)
+    dst.pool.check()
+    # the shipped blocks joined the receiver's cache
+    dst.release(1)
+    assert generate(dst, 2, ids + [5], 1)[1] == len(ids) // BS * BS
+
+
+def test_recompute_reuses_the_receivers_cache(model, greedy):
+    prompt = SYSTEM + QUESTIONS[0]
+    src, dst = make_engine(model), make_engine(model)
+    out, _ = generate(src, 1, prompt, 6)
+    generate(dst, 7, SYSTEM + QUESTIONS[2], 2)     # the receiver holds the system prompt
+    # the full form (prompt and tokens so far) prefills only past the cached blocks
+    full = prompt + out[:-1]
+    rest, cached = generate(dst, 1, full, 8)
+    assert cached == 32
+    assert out[:-1] + rest == greedy(prompt, 13)
+
+
+def test_worker_core_recompute_and_transfer_with_the_cache(model, greedy):
+    """Through WorkerCore (the leases a router sends): a sequence moved to a worker that holds
+    its prefix, by recompute (full form) and by KV transfer, continues as generate() does."""
+    a, b = WorkerCore(make_engine(model)), WorkerCore(make_engine(model, runner="fast"))
+    prompt = SYSTEM + QUESTIONS[1]
+    ref = greedy(prompt, 12)
+    ids = {1: list(prompt)}
+    ran = run(a, make_lease(ids, [spec_of(1, prompt, len(prompt))], num_steps=4))
+    assert ran.tokens[1] == ref[:4]
+    ids[1] += ran.tokens[1]
+    # b runs another request with the same system prompt first
+    other = SYSTEM + QUESTIONS[0]
+    run(b, make_lease({2: other}, [spec_of(2, other, len(other), max_new_tokens=1)], lease_id=2))
+    # recompute on b: the full form; the system prompt's blocks are b's already
+    ran = run(b, make_lease(ids, [spec_of(1, ids[1], len(prompt))], lease_id=3, num_steps=4))
+    assert ran.tokens[1] == ref[4:8]
+    assert b.engine.prefix_stats()["cached_tokens"] >= 32
+    ids[1] += ran.tokens[1]
+    # and by KV transfer back to a (whose cache holds the first blocks)
+    kv = b.export(1, len(ids[1]) - 1)
+    a.receive_transfer(5, 1, kv)
+    spec = spec_of(1, ids[1], len(prompt), kv_from="tcp://b", transfer_id=5)
+    ran = run(a, make_lease(ids, [spec], lease_id=4, num_steps=4))
+    assert ran.tokens[1] == ref[8:12]
+    a.engine.pool.check()
+    b.engine.pool.check()
+
+
+# --- the allocator under random operations ---------------------------------------------------
+
+def test_allocator_invariants_under_random_operations():
+    """A pool whose 'KV' is the token id itself (one layer, one head of width one): after any
+    mix of admissions, prefills, decodes, rollbacks, releases and evictions, every sequence
+    reads its own ids back, every cached block holds the ids its key was made from, and every
+    reference count returns to zero."""
+    r = random.Random(3)
+    bs, num_blocks = 4, 24
+    pool = BlockPool(1, 1, 1, num_blocks, bs, torch.float32, torch.device("cpu"))
+    made: dict[int, tuple] = {}                    # key -> the ids it was made from
+    stems = [[r.randrange(1, 9) for _ in range(12)] for _ in range(3)]
+    live: dict[int, list[int]] = {}                # seq_id -> ids written
+
+    def write(sid, start, new):
+        slots = torch.from_numpy(pool.slots(sid, start, start + len(new)))
+        pool.kv.view(-1)[slots] = torch.tensor(new, dtype=torch.float32)
+        pool.length[sid] = start + len(new)
+        pool.note_ids(sid, start, new)
+        pool.commit(sid)
+
+    def check():
+        pool.check()
+        for sid, ids in live.items():
+            got = pool.kv.view(-1)[torch.from_numpy(pool.slots(sid, 0, len(ids)))]
+            assert got.tolist() == [float(t) for t in ids], f"sequence {sid} was overwritten"
+        for sid, keys in pool.prefix.keys.items():
+            ids = live[sid]
+            for b, key in enumerate(keys):
+                made.setdefault(key, tuple(ids[:(b + 1) * bs]))
+                assert made[key] == tuple(ids[:(b + 1) * bs]), "one key for two prefixes"
+        for block, key in pool.prefix.key_of.items():
+            parent_ids = made.get(key)
+            assert parent_ids is not None
+            assert pool.kv.view(-1)[block * bs:(block + 1) * bs].tolist() == [float(t) for t in parent_ids[-bs:]]
+
+    next_id = 0
+    for _ in range(600):
+        op = r.random()
+        if op < 0.3 or not live:
+            next_id += 1
+            sid = next_id
+            ids = r.choice(stems)[:r.randrange(1, 13)] + [r.randrange(1, 9) for _ in range(r.randrange(0, 10))]
+            start = pool.admit(sid, ids, salt=r.choice(["", "", "s"]))
+            assert start % bs == 0 and start < len(ids)
+            assert pool.make_room(pool.blocks_for(len(ids)) - len(pool.blocks[sid]), set(live) | {sid}) or True
+            if pool.num_free_blocks < pool.blocks_for(len(ids)) - len(pool.blocks[sid]):
+                pool.release(sid)
+            else:
+                pool.grow(sid, len(ids))
+                live[sid] = list(ids)
+                write(sid, start, ids[start:])
+        elif op < 0.7:
+            sid = r.choice(list(live))
+            ids = live[sid]
+            if not pool.make_room(1, set(live)):
+                continue
+            pool.grow(sid, len(ids) + 1)
+            token = r.randrange(1, 9)
+            write(sid, len(ids), [token])
+            ids.append(token)
+        elif op < 0.8:
+            sid = r.choice(list(live))
+            cut = r.randrange(1, len(live[sid]) + 1)
+            if not pool.truncate(sid, cut):
+                del live[sid]
+                continue
+            new = [r.randrange(1, 9) for _ in range(r.randrange(1, 4))]
+            if not pool.make_room(pool.blocks_for(cut + len(new)) - len(pool.blocks[sid]), set(live)):
+                continue
+            pool.grow(sid, cut + len(new))
+            live[sid] = live[sid][:cut] + new
+            write(sid, cut, new)
+        else:
+            sid = r.choice(list(live))
+            pool.release(sid)
+            del live[sid]
+        live = {s: ids for s, ids in live.items() if s in pool.blocks}   # evicted for room
+        check()
+    for sid in list(live):
+        pool.release(sid)
+    pool.check()
+    assert not pool.prefix.refs.any()
+    events = pool.prefix.take_events()
+    assert any(k < 0 for k in events) and any(k >= 0 for k in events)
+
+
+def test_keys_chain_and_salt():
+    ids = list(range(40))
+    keys = block_keys(ids, 16)
+    assert len(keys) == 2 and all(0 <= k < 1 << 63 for k in keys)
+    assert keys[1] == block_key(keys[0], ids[16:32])
+    assert block_keys(ids, 16, "x") != keys and block_keys(ids, 16, "x")[0] == block_key(seed_key("x"), ids[:16])
+    assert block_keys(ids[:32] + [0] * 8, 16) == keys
+    assert block_keys([7] + ids[1:], 16)[1] != keys[1]   # a different first block changes every key after it
+    assert block_keys(np.asarray(ids, dtype=np.int64), 16) == keys
+    assert P.SeqSpec(1, P.pack_i32(ids), 40, 4, cache_salt="t").cache_salt == "t"
+
+
+def test_the_worker_section_sets_the_cache():
+    from qmigrate.config import ConfigError, WorkerConfig
+    assert WorkerConfig().engine_config().prefix_cache is True
+    assert WorkerConfig(prefix_cache=False).engine_config().prefix_cache is False
+    with pytest.raises(ConfigError):
+        WorkerConfig(prefix_cache="maybe")
