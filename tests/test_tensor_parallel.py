@@ -19,7 +19,7 @@ import torch
 import yaml
 from typer.testing import CliRunner
 
-from conftest import check_outputs, free_ports, stop_group
+from conftest import check_outputs, reserve_ports, stop_group
 from qmigrate.cli import app
 from qmigrate.wire import protocol as P
 from qmigrate.wire import transport
@@ -144,7 +144,7 @@ def fleet(tmp_path, tiny_model_dir):
     procs = []
 
     def start(migration: str, prompts: list[dict]):
-        ports = free_ports(7)
+        ports = reserve_ports(7)
         data = {
             "transport": "tcp", "model": {"path": str(tiny_model_dir)},
             "nodes": [{"name": "head", "address": "127.0.0.1", "bind": "127.0.0.1"}],
