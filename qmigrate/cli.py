@@ -225,6 +225,9 @@ def serve(
     cpu_workers: Annotated[int, typer.Option(
         "--cpu-workers", min=1,
         help="Workers on the CPU when no GPU is visible.")] = 2,
+    tensor_parallel_size: Annotated[int, typer.Option(
+        "--tensor-parallel-size", "-tp", min=1,
+        help="GPUs each worker spans (a model larger than one GPU): N visible GPUs make N/TP workers.")] = 1,
     worker_setting: Annotated[Optional[list[str]], typer.Option(
         "--worker-setting",
         help="KEY=VALUE for every worker (repeatable), e.g. prefill_tokens_per_step=1024.")] = None,
@@ -241,7 +244,8 @@ def serve(
     if (problem := port_problem(host, port)) is not None:
         _fail(problem, 1)
     base = _load(config) if config is not None else None
-    opts = ServeOptions(host, port, served_model_name, gpu_memory_utilization, max_num_seqs, api_key, cpu_workers)
+    opts = ServeOptions(host, port, served_model_name, gpu_memory_utilization, max_num_seqs, api_key, cpu_workers,
+                        tensor_parallel_size)
     try:
         opts.worker_settings = worker_settings(worker_setting or [])
         topo = serve_topology(opts, base, num_gpus=0 if base is not None else visible_gpus())
