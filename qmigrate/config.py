@@ -445,14 +445,23 @@ def local_topology(num_workers: int = 2, model_path: str | None = None, ipc_dir:
 
 def router_settings(items: list[str]) -> dict[str, Any]:
     """KEY=VALUE texts (VALUE read as a YAML scalar) -> fields of the router section, checked."""
+    return _settings(RouterConfig, "router", items)
+
+
+def worker_settings(items: list[str]) -> dict[str, Any]:
+    """KEY=VALUE texts -> fields of a worker, checked (as router_settings)."""
+    return _settings(WorkerConfig, "workers", items)
+
+
+def _settings(cls: type, section: str, items: list[str]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for item in items:
         key, sep, text = item.partition("=")
         if not sep or not key.strip():
-            raise ConfigError("router", f"expected KEY=VALUE, got {item!r}")
+            raise ConfigError(section, f"expected KEY=VALUE, got {item!r}")
         try:
             out[key.strip()] = yaml.safe_load(text) if text.strip() else None
         except yaml.YAMLError:
-            raise ConfigError(f"router.{key.strip()}", f"unreadable value {text!r}") from None
-    _build(RouterConfig, out, "router")
+            raise ConfigError(f"{section}.{key.strip()}", f"unreadable value {text!r}") from None
+    _build(cls, out, section)
     return out

@@ -350,4 +350,14 @@ def _kv_tensor(header: P.KVHeader, data: bytes) -> torch.Tensor | None:
 
 
 def run(topo, name: str) -> int:
-    return run_until_fatal(lambda: Worker(topo, name).serve_forever())
+    return run_until_fatal(lambda: _serve(topo, name))
+
+
+def _serve(topo, name: str) -> None:
+    worker = Worker(topo, name)
+    try:
+        worker.serve_forever()
+    except RuntimeError as exc:   # a collective of a tensor-parallel worker whose other rank died
+        if worker.ranks is None:
+            raise
+        raise worker.ranks.failed(exc) from None
