@@ -309,7 +309,6 @@ class Router:
         if len(evicted):
             self.sched.evicted(name, evicted.tolist())
 
-<<<<<<< HEAD
     def _cache_report(self, name: str, msg: P.StepResult) -> None:
         """The prefix cache's events, and the cached part of the prompts that started there."""
         num_prompt = num_cached = 0
@@ -321,10 +320,7 @@ class Router:
         if msg.prefix_events or num_prompt:
             self.sched.cache_report(name, P.unpack_i64(msg.prefix_events).tolist(), num_prompt, num_cached)
 
-    def on_tokens(self, sender: bytes, msg: P.Tokens) -> None:
-=======
     def on_tokens(self, sender: bytes, msg: P.Tokens, frame: bytes) -> None:
->>>>>>> main
         """A worker's new tokens, sent on the socket of its results and before them: the
         detokenizer gets them in that order, so no result arrives here without its tokens.
         Only rows of sequences leased to the sender go on: a worker (or a stolen worker key)
