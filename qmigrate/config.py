@@ -105,6 +105,10 @@ class RouterConfig(_Section):
     max_lease_steps: int = _f(16, _rule("an integer 1..1024", lambda v: _is_int(v) and 1 <= v <= 1024))
     metrics_port: int | None = _f(None, _metrics_port)  # Prometheus /metrics; 0 or null: none
     journal: str = _f("", _rule("a file path, or '' for none", lambda v: isinstance(v, str)))
+    # new sequences start where their prefix is cached (workers' reports), load permitting
+    prefix_aware: bool = _f(True, _boolean)
+    # how long a new sequence may wait for a busy worker that holds more of its prefix
+    prefix_wait_s: float = _f(0.5, _number("a number >= 0", lambda x: x >= 0))
 
     def validate(self) -> None:
         if self.heartbeat_timeout_s <= self.heartbeat_interval_s:
