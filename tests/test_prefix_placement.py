@@ -175,3 +175,23 @@ def test_results_carry_cache_events_and_cached_counts():
     import pytest
     with pytest.raises(P.ProtocolError):
         P.decode(P.encode(bad))
+
+
+def test_hit_rates_per_worker_and_for_the_fleet_in_prometheus_and_stats():
+    from prometheus_client import generate_latest
+
+    from qmigrate.ops.metrics import RouterMetrics
+    from qmigrate.ops.observe import WORKER_COLUMNS, FleetObserver, as_dicts
+    s = make_sched()
+    join(s, "a")
+    join(s, "b")
+    s.cache_report("a", [], 100, 75)
+    s.cache_report("b", [], 300, 0)
+    obs, m = FleetObserver(), RouterMetrics()
+    m.update(s, obs, {})
+    text = generate_latest(m.registry).decode()
+    assert 'qmigrate_prefix_cache_hit_rate{worker="a"} 0.75' in text
+    assert 'qmigrate_prefix_cache_hit_rate{worker="fleet"} 0.1875' in text
+    assert 'qmigrate_prefix_cached_tokens_total{worker="a"} 75.0' in text
+    rows = {w["name"]: w for w in as_dicts(WORKER_COLUMNS, obs.snapshot(s)[0])}
+    assert (rows["a"]["prompt_tokens"], rows["a"]["cached_tokens"]) == (100, 75)

@@ -513,6 +513,8 @@ class Scheduler:
             self.prefix.apply(name, events)
             self.cache_queries[name] += num_prompt
             self.cache_hits[name] += num_cached
+            self.counters["prefix_prompt_tokens"] += num_prompt
+            self.counters["prefix_cached_tokens"] += num_cached
 
     def _forget_worker(self, w: WorkerState, cause: str, now: float = 0.0) -> None:
         if cause == "dead":
