@@ -322,3 +322,29 @@ def test_the_worker_section_sets_the_cache():
     assert WorkerConfig(prefix_cache=False).engine_config().prefix_cache is False
     with pytest.raises(ConfigError):
         WorkerConfig(prefix_cache="maybe")
+
+
+def test_a_fleet_reports_cached_tokens_per_request(tmp_path, tiny_model_dir, qmigrate):
+    """Real processes: one worker taking one sequence at a time, three prompts of one 50-token
+    system prompt. The first prefills it all, the others find its 3 full blocks cached; the
+    JSONL output says so, and the tokens are generate()'s."""
+    import json
+
+    import yaml
+
+    from conftest import greedy_reference
+    system = SYSTEM + [5] * 9
+    prompts = [{"id": f"p{i}", "prompt_ids": system + q, "max_new_tokens": 5} for i, q in enumerate(QUESTIONS)]
+    topo = tmp_path / "topo.yaml"
+    topo.write_text(yaml.safe_dump({
+        "transport": "ipc", "model": {"path": str(tiny_model_dir)}, "nodes": [{"name": "local"}],
+        "router": {"node": "local"}, "ingest": {"node": "local", "input": "jsonl"},
+        "detokenizer": {"node": "local", "output": "jsonl"},
+        "workers": [{"name": "w1", "node": "local", "device": "cpu", "max_seqs": 1}]}))
+    run = qmigrate("sim", str(topo), stdin="".join(json.dumps(p) + "\n" for p in prompts))
+    assert run.returncode == 0, run.stderr[-3000:]
+    finals = run.finals()
+    assert sorted(f["cached_tokens"] for f in finals.values()) == [0, 48, 48]
+    check = greedy_reference(tiny_model_dir)
+    for p in prompts:
+        check(p["prompt_ids"], 5, finals[p["id"]]["token_ids"], p["id"])

@@ -150,6 +150,7 @@ class _Seq:
     finish_reason: str | None = None
     num_tokens_expected: int | None = None
     note: str = ""
+    cached_tokens: int = -1   # prompt positions found in a prefix cache where it first started (-1: none said)
 
 
 class _Sink:
@@ -224,6 +225,12 @@ class _Sink:
         seq.req_id, seq.seq_id, seq.route, seq.note = req_id, seq_id, route, note
         seq.decoder = IncrementalDecoder(self._tokenizer, prompt_ids)
         self._advance(seq_id, seq)
+
+    def cached(self, seq_id: int, num_tokens: int) -> None:
+        """Where seq_id first started, num_tokens of its prompt were found cached."""
+        seq = self._seqs.get(seq_id)
+        if seq is not None and seq.cached_tokens < 0:
+            seq.cached_tokens = num_tokens
 
     def tokens(self, seq_id: int, start_index: int, token_ids: Sequence[int]) -> None:
         if seq_id in self._finished:
@@ -355,6 +362,8 @@ class JsonlSink(_Sink):
         }
         if seq.note:
             record["note"] = seq.note
+        if seq.cached_tokens >= 0:
+            record["cached_tokens"] = seq.cached_tokens
         self._put(record)
 
     def _on_error(self, req_id: str, message: str) -> None:

@@ -174,6 +174,10 @@ class Detokenizer:
         counts = P.unpack_i32(msg.counts).tolist()
         tokens = P.unpack_i32(msg.tokens).tolist()
         finish = P.unpack_u8(msg.finish).tolist()
+        if msg.cached_tokens:
+            for sid, n in zip(seq_ids, P.unpack_i32(msg.cached_tokens).tolist()):
+                if n >= 0:
+                    self.sink.cached(sid, n)
         # Lengths and signs were checked at decode (Tokens.validate). An id past the tokenizer
         # is valid output of a model whose vocabulary is larger: it decodes as no text.
         pos = 0

@@ -341,7 +341,9 @@ class Router:
             tokens = P.unpack_i32(msg.tokens)[np.repeat(keep, counts)]
             self.forward(P.encode(P.Tokens(P.pack_i64(seq_ids[keep]), P.pack_i32(P.unpack_i32(msg.start)[keep]),
                                            P.pack_i32(counts[keep]), P.pack_i32(tokens),
-                                           P.pack_u8(P.unpack_u8(msg.finish)[keep]))))
+                                           P.pack_u8(P.unpack_u8(msg.finish)[keep]),
+                                           P.pack_i32(P.unpack_i32(msg.cached_tokens)[keep])
+                                           if msg.cached_tokens else b"")))
 
     def on_submit(self, sender: bytes, msg: P.Submit) -> None:
         if self.is_backlog_full:

@@ -291,8 +291,11 @@ class Tokens:
     counts: bytes             # int32
     tokens: bytes             # int32
     finish: bytes             # uint8
+    cached_tokens: bytes = b""   # int32 per row: prompt positions found cached where it started (-1: unknown)
 
     def validate(self) -> None:
+        if self.cached_tokens and len(self.cached_tokens) != len(self.seq_ids) // 2:
+            raise ProtocolError("Tokens.cached_tokens: one count per row")
         _rows_agree("Tokens", self.seq_ids, self.counts, self.finish, self.tokens, self.start)
         finish = unpack_u8(self.finish, "Tokens.finish")
         if len(finish) and not set(np.unique(finish).tolist()) <= _STEP_CODES:

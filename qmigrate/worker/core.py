@@ -379,4 +379,5 @@ class WorkerCore:
                 announced.add(sid)
         return P.Tokens(P.pack_i64([x[0] for x in shown]), P.pack_i32([x[1] for x in shown]),
                         P.pack_i32([len(x[2]) for x in shown]), P.pack_i32([t for x in shown for t in x[2]]),
-                        P.pack_u8([x[3] for x in shown]))
+                        P.pack_u8([x[3] for x in shown]),
+                        P.pack_i32([run.cached.get(x[0], -1) for x in shown]) if run.cached else b"")
