@@ -38,6 +38,7 @@ class ServeOptions:
     api_key: str | None = None
     cpu_workers: int = 2
     tensor_parallel_size: int = 1   # GPUs (processes) per worker
+    worker_settings: dict | None = None   # fields set on every worker (config.worker_settings)
 
 
 def visible_gpus() -> int:
@@ -75,6 +76,7 @@ def serve_topology(opts: ServeOptions, base: Topology | None = None, num_gpus: i
     if opts.api_key is not None:
         ingest["api_key"] = opts.api_key
     for w in data["workers"]:
+        w.update(opts.worker_settings or {})
         if opts.gpu_memory_utilization is not None:
             w["gpu_memory_utilization"] = opts.gpu_memory_utilization
         if opts.max_num_seqs is not None:

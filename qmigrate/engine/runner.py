@@ -206,13 +206,16 @@ class Engine:
     def free_tokens(self) -> int:
         return self.pool.free_tokens
 
-    def export_kv(self, seq_id: int, num_tokens: int | None = None) -> torch.Tensor:
-        return landed(*self.export_kv_started(seq_id, num_tokens))
+    def export_kv(self, seq_id: int, num_tokens: int | None = None, start: int = 0) -> torch.Tensor:
+        return landed(*self.export_kv_started(seq_id, num_tokens, start))
 
-    def export_kv_started(self, seq_id: int, num_tokens: int | None = None) -> tuple[torch.Tensor, object]:
+    def export_kv_started(self, seq_id: int, num_tokens: int | None = None,
+                          start: int = 0) -> tuple[torch.Tensor, object]:
+        """The KV of positions [start, num_tokens) (all it holds by default)."""
         if self.tp is not None and self.tp.world > 1:
-            return self.runner.export_kv(seq_id, num_tokens), None   # every rank's heads, gathered here
-        return self.pool.export_started(seq_id, num_tokens)
+            kv = self.runner.export_kv(seq_id, num_tokens)   # every rank's heads, gathered here
+            return (kv[:, :, start:].contiguous() if start else kv), None
+        return self.pool.export_started(seq_id, num_tokens, start)
 
     def import_kv(self, seq_id: int, kv: torch.Tensor, protect=frozenset(), start: int = 0, ids=None,
                   salt: str = "") -> bool:
@@ -221,6 +224,11 @@ class Engine:
                 raise ValueError("a tensor-parallel worker takes shipped KV from position 0 only")
             return self.runner.import_kv(seq_id, kv, protect)        # each rank keeps its heads
         return self.pool.load(seq_id, kv, protect, start, ids, salt)
+
+    @property
+    def can_import_from(self) -> bool:
+        """Shipped KV may start past position 0 (on its cached prefix): not across tensor-parallel ranks."""
+        return self.pool.is_caching and (self.tp is None or self.tp.world == 1)
 
     def admit(self, seq_id: int, ids, salt: str = "") -> int:
         """Start seq_id on the longest cached prefix of `ids`; the positions it starts with."""

@@ -88,6 +88,7 @@ class Started:
     announced: set[int] = field(default_factory=set)      # rows whose end it has been sent
     ended: set[int] = field(default_factory=set)          # rows whose status is a finish (cheap to test)
     lost: list[int] = field(default_factory=list)         # rows cut short with their KV dropped
+    cached: dict[int, int] = field(default_factory=dict)  # rows started here: positions found cached
 
 
 @dataclass(slots=True)
@@ -95,6 +96,7 @@ class Transfer:
     seq_id: int
     kv: torch.Tensor | None   # None: the owner had nothing to send
     arrived: float
+    start: int = 0            # kv holds positions [start, start + n)
 
 
 class WorkerCore:
@@ -118,22 +120,23 @@ class WorkerCore:
             self.filling.pop(int(sid), None)
             self.engine.release(int(sid))
 
-    def receive_transfer(self, transfer_id: int, seq_id: int, kv: torch.Tensor | None) -> None:
-        self.transfers[transfer_id] = Transfer(seq_id, kv, time.monotonic())
+    def receive_transfer(self, transfer_id: int, seq_id: int, kv: torch.Tensor | None, start: int = 0) -> None:
+        self.transfers[transfer_id] = Transfer(seq_id, kv, time.monotonic(), start)
         if len(self.transfers) > MAX_TRANSFERS:
             oldest = min(self.transfers, key=lambda t: self.transfers[t].arrived)
             del self.transfers[oldest]
 
-    def export(self, seq_id: int, num_tokens: int) -> torch.Tensor | None:
-        """The KV to ship for seq_id, then forget it here; None if it is not held."""
-        return landed(*self.export_started(seq_id, num_tokens))
+    def export(self, seq_id: int, num_tokens: int, start: int = 0) -> torch.Tensor | None:
+        """The KV of positions [start, num_tokens) to ship for seq_id, then forget it here;
+        None if it is not held."""
+        return landed(*self.export_started(seq_id, num_tokens, start))
 
-    def export_started(self, seq_id: int, num_tokens: int) -> tuple[torch.Tensor | None, object]:
+    def export_started(self, seq_id: int, num_tokens: int, start: int = 0) -> tuple[torch.Tensor | None, object]:
         """As `export`, without waiting for the device: the KV is in the tensor once the
         returned event has passed (None: now)."""
         kv = copied = None
-        if self.engine.cached_len(seq_id) >= num_tokens > 0:
-            kv, copied = self.engine.export_kv_started(seq_id, num_tokens)
+        if self.engine.cached_len(seq_id) >= num_tokens > start >= 0:
+            kv, copied = self.engine.export_kv_started(seq_id, num_tokens, start)
         self.drop([seq_id])
         return kv, copied
 
@@ -175,6 +178,7 @@ class WorkerCore:
             if self.filling:   # prompts under way take the step's prompt budget before new ones
                 run.rows.sort(key=lambda r: r.seq_id not in self.filling)
             run.pending = self.engine.launch(run.rows, after=after.pending if after else None, between=between)
+            run.cached = run.pending.cached
             self._track_filling(run.pending, full)
         return run
 
@@ -302,10 +306,14 @@ class WorkerCore:
             return 0
         transfer = self.transfers.pop(spec.transfer_id, None)
         e = self.engine
-        expected = (e.num_layers, 2, length - 1, e.num_kv_heads, e.head_dim)
+        start = 0 if transfer is None else transfer.start
+        expected = (e.num_layers, 2, length - 1 - start, e.num_kv_heads, e.head_dim)
+        if start and (not e.can_import_from or start % e.pool.block_size
+                      or e.admit(spec.seq_id, spec.ids[:length], spec.cache_salt) < start):
+            transfer = None   # what was not shipped is not cached here (any more): recompute
         if transfer is None or transfer.kv is None or transfer.seq_id != spec.seq_id \
                 or tuple(transfer.kv.shape) != expected \
-                or not e.import_kv(spec.seq_id, transfer.kv, protect, ids=spec.ids[:length - 1],
+                or not e.import_kv(spec.seq_id, transfer.kv, protect, start, ids=spec.ids[:length - 1],
                                    salt=spec.cache_salt):
             e.release(spec.seq_id)
             return 0
@@ -345,7 +353,9 @@ class WorkerCore:
         return P.StepResult(run.lease.lease_id, P.pack_i64(sids), P.pack_i32([len(run.out[s]) for s in sids]),
                             P.pack_i32([t for s in sids for t in run.out[s]]),
                             P.pack_u8([int(run.status[s]) for s in sids]), self.free_tokens,
-                            P.pack_i64(self.engine.take_evicted() + run.lost))
+                            P.pack_i64(self.engine.take_evicted() + run.lost),
+                            P.pack_i64(self.engine.take_prefix_events()),
+                            P.pack_i32([run.cached.get(s, -1) for s in sids]))
 
     def _tokens(self, run: "Started", final: bool) -> P.Tokens:
         """For the detokenizer: tokens not sent yet (after any it may have missed), and the
