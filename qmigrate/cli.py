@@ -225,21 +225,29 @@ def serve(
     cpu_workers: Annotated[int, typer.Option(
         "--cpu-workers", min=1,
         help="Workers on the CPU when no GPU is visible.")] = 2,
+    tensor_parallel_size: Annotated[int, typer.Option(
+        "--tensor-parallel-size", "-tp", min=1,
+        help="GPUs each worker spans (a model larger than one GPU): N visible GPUs make N/TP workers.")] = 1,
+    worker_setting: Annotated[Optional[list[str]], typer.Option(
+        "--worker-setting",
+        help="KEY=VALUE for every worker (repeatable), e.g. prefill_tokens_per_step=1024.")] = None,
     log_level: LogLevel = "warning",
 ):
     """Start every role on this machine and serve the OpenAI-compatible API (/v1/completions,
     /v1/chat/completions, /v1/models, /health) until Ctrl-C or SIGTERM: one worker per
     visible GPU (CUDA_VISIBLE_DEVICES applies), CPU workers when there is none, the VRAM
     monitor on a GPU machine. Prints "ready: URL" once a worker can serve."""
-    from .config import ConfigError
+    from .config import ConfigError, worker_settings
     from .serve import ServeOptions, port_problem, run_serve, serve_topology, visible_gpus
     if model is None and config is None:
         _fail("give a MODEL (a directory, smollm2 or a hub name) or --config TOPOLOGY")
     if (problem := port_problem(host, port)) is not None:
         _fail(problem, 1)
     base = _load(config) if config is not None else None
-    opts = ServeOptions(host, port, served_model_name, gpu_memory_utilization, max_num_seqs, api_key, cpu_workers)
+    opts = ServeOptions(host, port, served_model_name, gpu_memory_utilization, max_num_seqs, api_key, cpu_workers,
+                        tensor_parallel_size)
     try:
+        opts.worker_settings = worker_settings(worker_setting or [])
         topo = serve_topology(opts, base, num_gpus=0 if base is not None else visible_gpus())
     except ConfigError as exc:
         _fail(str(exc))
@@ -386,6 +394,9 @@ def bench(
     router_setting: Annotated[Optional[list[str]], typer.Option(
         "--router-setting",
         help="KEY=VALUE for the router section of the run's topology (repeatable), e.g. chain_leases=false.")] = None,
+    worker_setting: Annotated[Optional[list[str]], typer.Option(
+        "--worker-setting",
+        help="KEY=VALUE for every pipeline worker (repeatable), e.g. prefill_tokens_per_step=0.")] = None,
     json_out: Annotated[Optional[Path], typer.Option("--json", help="Write the results as JSON here.")] = None,
     profile: Annotated[bool, typer.Option(help="Print a torch profiler table of one in-process decode step.")] = False,
     runner: Annotated[str, typer.Option(
@@ -427,12 +438,13 @@ def bench(
     `qmigrate bench serve` loads an OpenAI-compatible server instead."""
     if ctx.invoked_subcommand is not None:
         return
-    from .config import ConfigError, router_settings
+    from .config import ConfigError, router_settings, worker_settings
     overrides = {"policy": policy, "migration": migration}
     if lease_steps is not None:
         overrides["max_lease_steps"] = lease_steps
     try:
         overrides.update(router_settings(router_setting or []))
+        for_workers = worker_settings(worker_setting or [])
     except ConfigError as exc:
         _fail(str(exc))
     if faults and workers < 4:
@@ -474,7 +486,7 @@ def bench(
         run_bench(model_path=model_path, devices=devices, dtype="auto", workload=workload,
                   paths=[p.strip() for p in paths.split(",") if p.strip()], max_seqs=max_seqs,
                   max_tokens=max_tokens, hf_batch=hf_batch,
-                  router_overrides=overrides, json_path=json_out,
+                  router_overrides=overrides, worker_overrides=for_workers, json_path=json_out,
                   log_level=log_level, profile=profile, steps_per_dispatch=steps_per_dispatch, repeat=repeat,
                   runner=runner, faults=faults, trace_dir=trace)
 

@@ -105,6 +105,10 @@ class RouterConfig(_Section):
     max_lease_steps: int = _f(16, _rule("an integer 1..1024", lambda v: _is_int(v) and 1 <= v <= 1024))
     metrics_port: int | None = _f(None, _metrics_port)  # Prometheus /metrics; 0 or null: none
     journal: str = _f("", _rule("a file path, or '' for none", lambda v: isinstance(v, str)))
+    # new sequences start where their prefix is cached (workers' reports), load permitting
+    prefix_aware: bool = _f(True, _boolean)
+    # how long a new sequence may wait for a busy worker that holds more of its prefix
+    prefix_wait_s: float = _f(0.5, _number("a number >= 0", lambda x: x >= 0))
 
     def validate(self) -> None:
         if self.heartbeat_timeout_s <= self.heartbeat_interval_s:
@@ -161,6 +165,9 @@ class WorkerConfig(_Section):
     cpu_kv_gib: float = _f(2.0, _positive)
     cuda_graphs: bool = _f(True, _boolean)
     prefill_chunk: int = _f(512, _non_negative)   # 0: a prompt fills its KV in one forward
+    # prompt tokens one step carries: a longer prompt (or several) is spread over the following
+    # steps, each with the decode rows, so no step stalls them for a whole prompt (0: no limit)
+    prefill_tokens_per_step: int = _f(512, _non_negative)
     prefix_cache: bool = _f(True, _boolean)      # reuse cached KV of shared prompt prefixes
     transfer_wait_s: float = _f(2.0, _positive)   # a lease waits this long for KV shipments, then recomputes
     # a lone lease on the device waits this long for the next one before it is collected
@@ -175,7 +182,8 @@ class WorkerConfig(_Section):
                             gpu_memory_utilization=self.gpu_memory_utilization,
                             cpu_kv_bytes=int(self.cpu_kv_gib * 2**30), max_batch=self.max_seqs,
                             max_batch_tokens=self.max_tokens, cuda_graphs=self.cuda_graphs,
-                            prefill_chunk=self.prefill_chunk, prefix_cache=self.prefix_cache)
+                            prefill_chunk=self.prefill_chunk, prefix_cache=self.prefix_cache,
+                            prefill_tokens_per_step=self.prefill_tokens_per_step)
 
 
 @dataclass(frozen=True, slots=True)
@@ -437,14 +445,23 @@ def local_topology(num_workers: int = 2, model_path: str | None = None, ipc_dir:
 
 def router_settings(items: list[str]) -> dict[str, Any]:
     """KEY=VALUE texts (VALUE read as a YAML scalar) -> fields of the router section, checked."""
+    return _settings(RouterConfig, "router", items)
+
+
+def worker_settings(items: list[str]) -> dict[str, Any]:
+    """KEY=VALUE texts -> fields of a worker, checked (as router_settings)."""
+    return _settings(WorkerConfig, "workers", items)
+
+
+def _settings(cls: type, section: str, items: list[str]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for item in items:
         key, sep, text = item.partition("=")
         if not sep or not key.strip():
-            raise ConfigError("router", f"expected KEY=VALUE, got {item!r}")
+            raise ConfigError(section, f"expected KEY=VALUE, got {item!r}")
         try:
             out[key.strip()] = yaml.safe_load(text) if text.strip() else None
         except yaml.YAMLError:
-            raise ConfigError(f"router.{key.strip()}", f"unreadable value {text!r}") from None
-    _build(RouterConfig, out, "router")
+            raise ConfigError(f"{section}.{key.strip()}", f"unreadable value {text!r}") from None
+    _build(cls, out, section)
     return out

@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from .config import (GPU_SERVE_MAX_SEQS, GPU_SERVE_MAX_TOKENS, Topology, dump_topology, local_topology,
+from .config import (GPU_SERVE_MAX_SEQS, GPU_SERVE_MAX_TOKENS, ConfigError, Topology, dump_topology, local_topology,
                      parse_topology)
 from .launch import Interrupted, catch_signals, ignore_signals, run_node, single_node
 
@@ -37,6 +37,8 @@ class ServeOptions:
     max_num_seqs: int | None = None
     api_key: str | None = None
     cpu_workers: int = 2
+    tensor_parallel_size: int = 1   # GPUs (processes) per worker
+    worker_settings: dict | None = None   # fields set on every worker (config.worker_settings)
 
 
 def visible_gpus() -> int:
@@ -53,13 +55,17 @@ def serve_topology(opts: ServeOptions, base: Topology | None = None, num_gpus: i
     (`cpu_workers` CPU workers if num_gpus is 0), the HTTP API on host:port, and the flags'
     settings on every worker. The default topology's GPU workers run GPU_SERVE_MAX_SEQS
     sequences and GPU_SERVE_MAX_TOKENS new tokens a step; a --config keeps its own."""
+    tp = opts.tensor_parallel_size
     if base is None:
         device = "cuda" if num_gpus else "cpu"
-        base = local_topology(num_gpus or opts.cpu_workers, device=device)
+        if num_gpus and (tp > num_gpus or num_gpus % tp):
+            raise ConfigError("tensor_parallel_size", f"{tp} does not divide the {num_gpus} visible GPUs "
+                              "(set CUDA_VISIBLE_DEVICES to a multiple of it)")
+        base = local_topology(num_gpus // tp if num_gpus else opts.cpu_workers, device=device)
         data = base.to_dict()
         if num_gpus:
             for i, w in enumerate(data["workers"]):
-                w["name"], w["device"] = f"gpu{i}", f"cuda:{i}"
+                w["name"], w["device"] = f"gpu{i * tp}", f"cuda:{i * tp}"
                 w["max_seqs"], w["max_tokens"] = GPU_SERVE_MAX_SEQS, GPU_SERVE_MAX_TOKENS
     else:
         data = base.to_dict()
@@ -70,10 +76,13 @@ def serve_topology(opts: ServeOptions, base: Topology | None = None, num_gpus: i
     if opts.api_key is not None:
         ingest["api_key"] = opts.api_key
     for w in data["workers"]:
+        w.update(opts.worker_settings or {})
         if opts.gpu_memory_utilization is not None:
             w["gpu_memory_utilization"] = opts.gpu_memory_utilization
         if opts.max_num_seqs is not None:
             w["max_seqs"] = opts.max_num_seqs
+        if tp > 1:
+            w["tensor_parallel"] = tp
     return parse_topology(data, source="serve options")
 
 

@@ -175,6 +175,12 @@ def test_status_fits_80_columns_without_cutting_a_word():
     for word in ("worker", "device", "state", "GPU GiB", "memory-short", "owned", "leased", "batch", "tok/s",
                  "123,457", "53% 2.3M", "130/141", "util %"):
         assert word in text, (word, text)
+    assert "prefix hits -" in text and "prefix cache hits" not in text
+    snap["router"].update(prefix_prompt_tokens=1000, prefix_cached_tokens=750)
+    row.update(prompt_tokens=400, cached_tokens=100)
+    out = io.StringIO()
+    Console(file=out, width=80).print(render(snap, "tcp://192.168.100.200:5550"))
+    assert "prefix hits 75%" in out.getvalue() and "prefix cache hits: gpu12 25%" in out.getvalue()
 
 
 # --- CLI, logs, progress -------------------------------------------------------------------

@@ -44,12 +44,13 @@ def _summary(stderr: str) -> dict[str, int]:
     return {"kv_imported": int(line.group(1)), **{k: int(v) for k, v in re.findall(r"(\w+) (\d+)", line.group(2))}}
 
 
-def _run_with_a_drain(tmp_path, ipc_dir, model_dir, num_workers: int, prompts: list[dict], **router) -> tuple:
+def _run_with_a_drain(tmp_path, ipc_dir, model_dir, num_workers: int, prompts: list[dict], worker=None,
+                      **router) -> tuple:
     """A node over ipc:// with its prompts on stdin; w1 is drained holding sequences it has
     not run (see helpers.migrate_by_drain). Returns (final records, summary)."""
     path = tmp_path / "topo.yaml"
     address = H.fleet_topology(path, model_dir, num_workers, ipc_dir=ipc_dir, worker={
-        "max_seqs": 4, "transfer_wait_s": 60.0}, router={
+        "max_seqs": 4, "transfer_wait_s": 60.0, **(worker or {})}, router={
         "heartbeat_timeout_s": 30.0, "lease_timeout_s": 60.0, "max_lease_steps": MAX_LEASE_STEPS, **router})
     nodes = H.Nodes(tmp_path)
     try:

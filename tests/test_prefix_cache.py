@@ -145,8 +145,9 @@ def test_kv_transfer_ships_only_what_the_receiver_lacks(model, greedy, runner):
     ids = prompt + out[:-1]                      # the KV the source holds (the last token is unfed)
     start = dst.admit(1, ids)
     assert start == len(SYSTEM) // BS * BS
-    kv = src.export_kv(1)
-    assert dst.import_kv(1, kv[:, :, start:].clone(), set(), start=start, ids=ids)
+    kv = src.export_kv(1, None, start)
+    assert kv.shape[2] == len(ids) - start
+    assert dst.import_kv(1, kv.clone(), set(), start=start, ids=ids)
     assert dst.cached_len(1) == len(ids)
     rest = [out[-1]]
     for i in range(5, 12):
@@ -188,13 +189,31 @@ def test_worker_core_recompute_and_transfer_with_the_cache(model, greedy):
     assert ran.tokens[1] == ref[4:8]
     assert b.engine.prefix_stats()["cached_tokens"] >= 32
     ids[1] += ran.tokens[1]
-    # and by KV transfer back to a (whose cache holds the first blocks)
-    kv = b.export(1, len(ids[1]) - 1)
-    a.receive_transfer(5, 1, kv)
+    # and by KV transfer back to a, only what a lacks (its cache holds the first 3 blocks)
+    kv = b.export(1, len(ids[1]) - 1, start=48)
+    assert kv.shape[2] == len(ids[1]) - 1 - 48
+    a.receive_transfer(5, 1, kv, start=48)
     spec = spec_of(1, ids[1], len(prompt), kv_from="tcp://b", transfer_id=5)
     ran = run(a, make_lease(ids, [spec], lease_id=4, num_steps=4))
     assert ran.tokens[1] == ref[8:12]
+    assert a.engine.cached_len(1) == len(ids[1]) + 3
     a.engine.pool.check()
+    b.engine.pool.check()
+
+
+def test_a_partial_shipment_to_a_worker_that_lost_the_prefix_is_recomputed(model, greedy):
+    a, b = WorkerCore(make_engine(model)), WorkerCore(make_engine(model))
+    prompt = SYSTEM + QUESTIONS[1]
+    ref = greedy(prompt, 8)
+    ids = {1: list(prompt)}
+    ran = run(a, make_lease(ids, [spec_of(1, prompt, len(prompt))], num_steps=4))
+    ids[1] += ran.tokens[1]
+    a.receive_transfer(1, 1, None)   # (nothing)
+    kv = a.export(1, len(ids[1]) - 1, start=32)     # the router believed b held 2 blocks
+    b.receive_transfer(7, 1, kv, start=32)
+    spec = spec_of(1, ids[1], len(prompt), kv_from="tcp://a", transfer_id=7)
+    ran = run(b, make_lease(ids, [spec], lease_id=2, num_steps=4))
+    assert ids[1][len(prompt):] + ran.tokens[1] == ref
     b.engine.pool.check()
 
 

@@ -57,6 +57,17 @@ def test_gpu_workers_default_to_a_serving_engines_batch_and_the_flag_overrides_i
     assert (cpu.max_seqs, cpu.max_tokens) == (defaults.max_seqs, defaults.max_tokens) != (256, GPU_SERVE_MAX_TOKENS)
 
 
+def test_worker_settings_reach_every_worker_and_bad_ones_are_refused():
+    from qmigrate.config import ConfigError, worker_settings
+    opts = ServeOptions(worker_settings=worker_settings(["prefill_tokens_per_step=1024", "max_seqs=32"]))
+    topo = serve_topology(opts, num_gpus=2)
+    assert [(w.prefill_tokens_per_step, w.max_seqs) for w in topo.workers] == [(1024, 32)] * 2
+    with pytest.raises(ConfigError, match="prefill_tokens_per_step"):
+        worker_settings(["prefill_tokens_per_step=-1"])
+    with pytest.raises(ConfigError, match="no_such"):
+        worker_settings(["no_such=1"])
+
+
 def test_a_config_keeps_its_workers_and_takes_the_flags():
     base = local_topology(2, device="cuda")
     topo = serve_topology(ServeOptions(port=8123, max_num_seqs=32), base, num_gpus=8)

@@ -7,6 +7,7 @@ ranks follow it. Rank 0 writes what it found to `out` as JSON.
 
 from __future__ import annotations
 
+import copy
 import json
 import traceback
 
@@ -90,7 +91,7 @@ def check_case(model, tp: TensorParallel) -> dict:
     if not tp.is_leader:
         lockstep.follow(sharded)
         return {}
-    one = Engine(model, **kw)
+    one = Engine(model if tp.device.type == "cpu" else copy.deepcopy(model).to(tp.device), **kw)
     prompts = prompts_for(model.config.vocab_size)
     got_logits, ref_logits = recorded(sharded), recorded(one)
     got, ref = greedy(sharded, prompts, NUM_NEW), greedy(one, prompts, NUM_NEW)
@@ -117,11 +118,11 @@ def check_case(model, tp: TensorParallel) -> dict:
             "kv_shape": list(kv.shape)}
 
 
-def run_rank(rank: int, world: int, init_method: str, tiny_dir: str, out: str) -> None:
+def run_rank(rank: int, world: int, init_method: str, tiny_dir: str, out: str, device: str = "cpu") -> None:
     torch.set_num_threads(1)
     result = {}
     try:
-        tp = TensorParallel.init(rank, world, init_method, "cpu")
+        tp = TensorParallel.init(rank, world, init_method, f"cuda:{rank}" if device == "cuda" else device)
         from qmigrate.engine.loading import load_model
         cases = {"tiny": lambda: load_model(tiny_dir, "cpu")[0]}
         cases.update({f: (lambda f=f: random_model(f)) for f in FAMILIES})

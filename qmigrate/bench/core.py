@@ -317,7 +317,8 @@ def run_bench(*, model_path: str, devices: list[str], dtype: str, workload: Work
               max_seqs: int, max_tokens: int, hf_batch: int, router_overrides: dict,
               json_path: Path | None, log_level: str = "warning", profile: bool = False,
               steps_per_dispatch: int = 1, repeat: int = 1, runner: str = "auto",
-              faults: bool = False, trace_dir: Path | None = None) -> list[PathResult]:
+              faults: bool = False, trace_dir: Path | None = None,
+              worker_overrides: dict | None = None) -> list[PathResult]:
     requests = workload.requests()
     total = sum(n for _, n in requests)
     print(f"workload: {workload.num_requests} requests, prompts {workload.prompt_len}, outputs "
@@ -336,7 +337,7 @@ def run_bench(*, model_path: str, devices: list[str], dtype: str, workload: Work
                 trace = trace_dir / f"{name}-{attempt + 1}" if trace_dir is not None else None
                 results.append(run_pipeline(model_path, devices, dtype, requests, max_seqs, max_tokens,
                                             router_overrides, log_level, steps_per_dispatch, runner, name,
-                                            faults=faults, trace_dir=trace))
+                                            faults=faults, trace_dir=trace, worker_overrides=worker_overrides))
         if "in-process" in paths:
             results.append(run_inprocess(model_path, devices[0], dtype, requests, max_seqs, max_tokens,
                                          profile and attempt == 0, runner))
@@ -348,7 +349,7 @@ def run_bench(*, model_path: str, devices: list[str], dtype: str, workload: Work
         report = {"workload": dataclasses.asdict(workload) | {"output_tokens": total},
                   "machine": machine_info(devices[0]), "workers": devices, "max_seqs": max_seqs,
                   "max_tokens": max_tokens, "model": model_path, "steps_per_dispatch": steps_per_dispatch,
-                  "runs": [{"path": r.name, **r.summary()} for r in results], "table": table}
+                  "worker_settings": worker_overrides or {}, "runs": [{"path": r.name, **r.summary()} for r in results], "table": table}
         if link is not None:
             report.update(link_round_trips=link[1], link_table=link[0])
         json_path.write_text(json.dumps(report, indent=2))

@@ -40,7 +40,8 @@ def _over_tcp(data: dict, tmp: str, curve: bool) -> None:
 def run_pipeline(model_path: str, devices: list[str], dtype: str, requests, max_seqs: int,
                  max_tokens: int, router_overrides: dict, log_level: str,
                  steps_per_dispatch: int = 1, runner: str = "auto", name: str = "pipeline",
-                 faults: bool = False, trace_dir: Path | None = None) -> PathResult:
+                 faults: bool = False, trace_dir: Path | None = None,
+                 worker_overrides: dict | None = None) -> PathResult:
     import zmq
     from qmigrate.wire import security, transport
     from qmigrate.config import dump_topology, parse_topology
@@ -55,7 +56,7 @@ def run_pipeline(model_path: str, devices: list[str], dtype: str, requests, max_
             "ingest": {"node": "local"}, "detokenizer": {"node": "local"},
             "workers": [{"name": f"w{i}", "node": "local", "device": d, "max_seqs": max_seqs,
                          "max_tokens": max_tokens, "steps_per_dispatch": steps_per_dispatch, "runner": runner,
-                         "gpu_memory_utilization": 0.9 / devices.count(d)}
+                         "gpu_memory_utilization": 0.9 / devices.count(d), **(worker_overrides or {})}
                         for i, d in enumerate(devices, 1)],
         }
         if link != "ipc":

@@ -264,19 +264,20 @@ class BlockPool:
         return table
 
     # --- shipping ----------------------------------------------------------------------------
-    def export(self, seq_id: int, num_tokens: int | None = None) -> torch.Tensor:
-        """[num_layers, 2, n, kv_heads, head_dim] on the CPU, contiguous, for shipping."""
-        return landed(*self.export_started(seq_id, num_tokens))
+    def export(self, seq_id: int, num_tokens: int | None = None, start: int = 0) -> torch.Tensor:
+        """[num_layers, 2, n, kv_heads, head_dim] of positions [start, num_tokens) on the CPU,
+        contiguous, for shipping."""
+        return landed(*self.export_started(seq_id, num_tokens, start))
 
-    def export_started(self, seq_id: int, num_tokens: int | None = None) -> tuple[torch.Tensor, object]:
+    def export_started(self, seq_id: int, num_tokens: int | None = None, start: int = 0) -> tuple[torch.Tensor, object]:
         """The same, without waiting: on a GPU the copy to (pinned) host memory is queued
         behind the steps already launched, and the tensor holds the KV once the returned CUDA
         event has passed (None: it holds it now). The blocks may be freed at once: any step
         that writes them again is queued after the copy."""
         n = self.length[seq_id] if num_tokens is None else num_tokens
-        if not 0 < n <= self.length[seq_id]:
-            raise ValueError(f"sequence {seq_id}: cannot export {n} of {self.length[seq_id]} positions")
-        slots = torch.from_numpy(self.slots(seq_id, 0, n))
+        if not 0 <= start < n <= self.length[seq_id]:
+            raise ValueError(f"sequence {seq_id}: cannot export [{start}, {n}) of {self.length[seq_id]} positions")
+        slots = torch.from_numpy(self.slots(seq_id, start, n))
         flat = self.kv.view(self.num_layers, 2, -1, self.num_kv_heads, self.head_dim)
         if not self.kv.is_cuda:
             return flat.index_select(2, slots).contiguous(), None

@@ -81,6 +81,8 @@ class EngineConfig:
     max_batch_tokens: int = 8192          # new tokens of a step
     max_padding: float = 0.25             # HF runner: padding allowed when grouping prefills
     prefill_chunk: int = 512              # longer prompts fill their KV in chunks (0: never)
+    # prompt tokens a step carries; the rest of a prompt waits for later steps (0: no limit)
+    prefill_tokens_per_step: int = 0
     cuda_graphs: bool = True
     prefix_cache: bool = True             # full blocks of known ids are kept and shared by prefix
 
@@ -204,13 +206,16 @@ class Engine:
     def free_tokens(self) -> int:
         return self.pool.free_tokens
 
-    def export_kv(self, seq_id: int, num_tokens: int | None = None) -> torch.Tensor:
-        return landed(*self.export_kv_started(seq_id, num_tokens))
+    def export_kv(self, seq_id: int, num_tokens: int | None = None, start: int = 0) -> torch.Tensor:
+        return landed(*self.export_kv_started(seq_id, num_tokens, start))
 
-    def export_kv_started(self, seq_id: int, num_tokens: int | None = None) -> tuple[torch.Tensor, object]:
+    def export_kv_started(self, seq_id: int, num_tokens: int | None = None,
+                          start: int = 0) -> tuple[torch.Tensor, object]:
+        """The KV of positions [start, num_tokens) (all it holds by default)."""
         if self.tp is not None and self.tp.world > 1:
-            return self.runner.export_kv(seq_id, num_tokens), None   # every rank's heads, gathered here
-        return self.pool.export_started(seq_id, num_tokens)
+            kv = self.runner.export_kv(seq_id, num_tokens)   # every rank's heads, gathered here
+            return (kv[:, :, start:].contiguous() if start else kv), None
+        return self.pool.export_started(seq_id, num_tokens, start)
 
     def import_kv(self, seq_id: int, kv: torch.Tensor, protect=frozenset(), start: int = 0, ids=None,
                   salt: str = "") -> bool:
@@ -219,6 +224,11 @@ class Engine:
                 raise ValueError("a tensor-parallel worker takes shipped KV from position 0 only")
             return self.runner.import_kv(seq_id, kv, protect)        # each rank keeps its heads
         return self.pool.load(seq_id, kv, protect, start, ids, salt)
+
+    @property
+    def can_import_from(self) -> bool:
+        """Shipped KV may start past position 0 (on its cached prefix): not across tensor-parallel ranks."""
+        return self.pool.is_caching and (self.tp is None or self.tp.world == 1)
 
     def admit(self, seq_id: int, ids, salt: str = "") -> int:
         """Start seq_id on the longest cached prefix of `ids`; the positions it starts with."""
@@ -244,6 +254,13 @@ class Engine:
         the CPU runs no compiled kernels, and there it would only cost time."""
         if self.device.type != "cuda":
             return
+        budget, self.config.prefill_tokens_per_step = self.config.prefill_tokens_per_step, 0
+        try:
+            self._warm_up()
+        finally:
+            self.config.prefill_tokens_per_step = budget
+
+    def _warm_up(self) -> None:
         # Prompt lengths of several kinds (one token, odd, a multiple of 16, over a chunk):
         # compiled kernels are specialised on such properties of their sizes.
         lengths = [1, 17, 96, max(600, self.config.prefill_chunk + 88)]
@@ -287,7 +304,12 @@ class Engine:
 
         A prompt longer than `prefill_chunk` fills its KV a chunk at a time before the step
         proper, with `between()` called after each chunk (a worker's heartbeat), so no single
-        forward pass grows with the prompt."""
+        forward pass grows with the prompt.
+
+        With `prefill_tokens_per_step`, the step's prompt rows (several new ids) share that
+        many tokens in row order: a row past the budget runs only its first part, or none of
+        it. Such a row's sequence is in `Pending.partial`: its token is no sample (the KV of
+        the part that ran is kept), and a later step carries the rest from cached_len on."""
         if after is not None and after.batch is not None and rows and not any(r.new_ids for r in rows):
             pending = self._continue(rows, after)
             if pending is not None:
@@ -302,10 +324,14 @@ class Engine:
         if bad or any(r.new_ids and r.new_ids[0] == REFUSED for r in rows):
             raise ValueError("a row feeds a token its previous step did not sample")
         rows, cached = self._admit(rows)
-        rows, refused = self._prefill_chunks(rows, between)
-        kept = [i for i in range(len(rows)) if i not in refused]
+        rows, cut, deferred = _share_prompt_budget(rows, self.config.prefill_tokens_per_step)
+        rows, refused = self._prefill_chunks(rows, between, skip=deferred)
+        kept = [i for i in range(len(rows)) if i not in refused and i not in deferred]
         placed = [kept[k] for k in self.place([rows[i] for i in kept], {r.seq_id for r in rows})]
         pending = Pending(rows, placed, {rows[i].seq_id: k for k, i in enumerate(placed)}, cached=cached)
+        if cut or deferred:
+            pending.partial = {rows[i].seq_id for i in deferred} | {rows[i].seq_id for i in cut
+                                                                   if rows[i].seq_id in pending.row_of}
         if not placed:
             return pending
         run = [rows[i] for i in placed]
@@ -396,14 +422,16 @@ class Engine:
                     out[i] = dataclasses.replace(r, new_ids=r.new_ids[n:], start=n)
         return out, cached
 
-    def _prefill_chunks(self, rows: list[StepRow], between) -> tuple[list[StepRow], set[int]]:
-        """Fill all but the last chunk of long prompts; the rows left for the step proper,
-        and the indices of rows the pool had no room for."""
+    def _prefill_chunks(self, rows: list[StepRow], between, skip=frozenset()) -> tuple[list[StepRow], set[int]]:
+        """Fill all but the last chunk of long prompts (but rows in `skip`); the rows left for
+        the step proper, and the indices of rows the pool had no room for."""
         chunk = self.config.prefill_chunk
         if not chunk or all(len(r.new_ids) <= chunk for r in rows):
             return rows, set()
         rows, refused, protect = list(rows), set(), {r.seq_id for r in rows}
         for i, r in enumerate(rows):
+            if i in skip:
+                continue
             start, new = r.start, r.new_ids
             while len(new) > chunk:
                 piece = StepRow(r.seq_id, new[:chunk], start, r.index)
@@ -473,9 +501,33 @@ class Engine:
                 for i, token in zip(pending.placed, values):
                     tokens[i] = token
                 if self.pool.is_caching and pending.batch is not None:
-                    self.pool.note_sampled(pending.batch.seq_ids, pending.batch.seq_lens.tolist(), values)
+                    seq_ids, seq_lens = pending.batch.seq_ids, pending.batch.seq_lens.tolist()
+                    if pending.partial:   # a row cut short sampled no token of its sequence
+                        keep = [k for k, s in enumerate(seq_ids) if s not in pending.partial]
+                        seq_ids, seq_lens, values = ([a[k] for k in keep] for a in (seq_ids, seq_lens, values))
+                    self.pool.note_sampled(seq_ids, seq_lens, values)
             pending.result = tokens
         return pending.result
+
+
+def _share_prompt_budget(rows: list[StepRow], budget: int) -> tuple[list[StepRow], set[int], set[int]]:
+    """Rows whose new ids are a prompt (more than one) take `budget` tokens in row order (0:
+    no limit): (rows, indices of rows cut to their first part, indices of rows left out)."""
+    cut, deferred = set(), set()
+    if budget <= 0 or sum(len(r.new_ids) for r in rows if len(r.new_ids) > 1) <= budget:
+        return rows, cut, deferred
+    rows = list(rows)
+    for i, r in enumerate(rows):
+        n = len(r.new_ids)
+        if n <= 1:
+            continue
+        if budget <= 0:
+            deferred.add(i)
+        elif n > budget:
+            rows[i] = dataclasses.replace(r, new_ids=r.new_ids[:budget])
+            cut.add(i)
+        budget -= n
+    return rows, cut, deferred
 
 
 def _num_new(r: StepRow) -> int:
@@ -496,6 +548,7 @@ class Pending:
     event: object = None
     result: list[int] | None = None
     cached: dict[int, int] = dataclasses.field(default_factory=dict)   # seq_id -> prompt positions found cached
+    partial: set[int] = dataclasses.field(default_factory=set)   # sequences whose prompt goes on in a later step
 
 
 def _make_runner(model, cfg: EngineConfig, device: torch.device, tp=None) -> tuple[Runner, str]:

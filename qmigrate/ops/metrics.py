@@ -62,6 +62,12 @@ class RouterMetrics:
         self.kv_used = Gauge("qmigrate_kv_blocks_used", "KV blocks in use", ["worker"], registry=r)
         self.kv_free = Gauge("qmigrate_kv_blocks_free", "KV blocks free", ["worker"], registry=r)
         self.tokens = Counter("qmigrate_generated_tokens_total", "Tokens generated", ["worker"], registry=r)
+        self.prompt_tokens = Counter("qmigrate_prefix_prompt_tokens_total", "Prompt tokens a worker started "
+                                     "sequences from", ["worker"], registry=r)
+        self.cached_tokens = Counter("qmigrate_prefix_cached_tokens_total", "Prompt tokens found in a worker's "
+                                     "prefix cache", ["worker"], registry=r)
+        self.hit_rate = Gauge("qmigrate_prefix_cache_hit_rate", "Share of prompt tokens found cached (worker "
+                              "'fleet': all workers)", ["worker"], registry=r)
         self.finished = Counter("qmigrate_requests_finished_total", "Sequences finished", registry=r)
         self.leases = Counter("qmigrate_leases_total", "Batches leased", registry=r)
         self.migrations = Counter("qmigrate_migrations_total", "Sequences moved between workers", ["cause"], registry=r)
@@ -85,7 +91,11 @@ class RouterMetrics:
         states = {"up": 0, "draining": 0, "dead": 0}
         workers, _ = observer.snapshot(sched)
         for (name, _node, _dev, _uuid, state, owned, _leased, batch, rate, kv_used, kv_total, block,
-             tokens, _free) in workers:
+             tokens, _free, prompt_tokens, cached_tokens) in workers:
+            d.add(self.prompt_tokens.labels(name), ("prompt", name), prompt_tokens)
+            d.add(self.cached_tokens.labels(name), ("cached", name), cached_tokens)
+            if prompt_tokens:
+                self.hit_rate.labels(name).set(cached_tokens / prompt_tokens)
             states[state if state in states else "up"] += 1
             if state == "dead":
                 continue
@@ -98,6 +108,8 @@ class RouterMetrics:
             d.add(self.tokens.labels(name), ("tokens", name), tokens)
         for state, n in states.items():
             self.workers.labels(state).set(n)
+        if c.get("prefix_prompt_tokens"):
+            self.hit_rate.labels("fleet").set(c.get("prefix_cached_tokens", 0) / c["prefix_prompt_tokens"])
         d.add(self.finished, "finished", c.get("finished", 0))
         d.add(self.leases, "leases", c.get("leases", 0))
         for key, value in list(c.items()):

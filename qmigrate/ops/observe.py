@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 # Stats.workers rows and Stats.gpus rows, in this column order on the wire.
 WORKER_COLUMNS = ("name", "node", "device", "gpu_uuid", "state", "owned", "leased", "batch_size",
                   "tokens_per_s", "kv_used_tokens", "kv_total_tokens", "block_size", "tokens_total",
-                  "vram_free_fraction")
+                  "vram_free_fraction", "prompt_tokens", "cached_tokens")
 GPU_COLUMNS = ("node", "uuid", "index", "total_bytes", "used_bytes", "free_bytes", "util_percent")
 
 RATE_WINDOW_S = 5.0  # tokens/s is measured over about this long
@@ -86,8 +86,14 @@ class FleetObserver:
             kv_used = max(0, w.kv_tokens - t.free_kv_tokens) if t.free_kv_tokens >= 0 and w.kv_tokens else -1
             rows.append([name, t.node, t.device, w.gpu_uuid, state, len(w.owned), w.num_leased,
                          t.batch_size, round(t.tokens_per_s, 1), kv_used, w.kv_tokens, w.block_size,
-                         t.tokens_total, -1.0 if w.free_vram_fraction is None else round(w.free_vram_fraction, 4)])
+                         t.tokens_total, -1.0 if w.free_vram_fraction is None else round(w.free_vram_fraction, 4),
+                         sched.cache_queries[name], sched.cache_hits[name]])
         return rows, list(self.gpus.values())
+
+
+def hit_rate(prompt_tokens: int, cached_tokens: int) -> float | None:
+    """The share of prompt tokens found in a prefix cache (None: no prompts yet)."""
+    return cached_tokens / prompt_tokens if prompt_tokens > 0 else None
 
 
 def as_dicts(columns: tuple[str, ...], rows: list[list]) -> list[dict]:

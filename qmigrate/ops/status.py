@@ -8,7 +8,7 @@ import time
 
 from qmigrate.wire import protocol as P
 from qmigrate.wire import transport
-from qmigrate.ops.observe import GPU_COLUMNS, WORKER_COLUMNS, as_dicts
+from qmigrate.ops.observe import GPU_COLUMNS, WORKER_COLUMNS, as_dicts, hit_rate
 
 GIB = 2**30
 
@@ -36,6 +36,10 @@ def _count(n: int) -> str:
     return f"{n / 1e6:.1f}M" if n >= 1_000_000 else f"{n / 1e3:.0f}k" if n >= 10_000 else str(n)
 
 
+def _percent(x: float | None) -> str:
+    return "-" if x is None else f"{100 * x:.0f}%"
+
+
 def _kv(w: dict) -> str:
     used, total = w["kv_used_tokens"], w["kv_total_tokens"]
     if not total:
@@ -52,8 +56,11 @@ def render(snap: dict, endpoint: str):
     c = snap["router"]
     moves = ", ".join(f"{k.removeprefix('migrations_')} {v}" for k, v in c.items()
                       if k.startswith("migrations_") and v) or "none"
+    rate = hit_rate(c.get("prefix_prompt_tokens", 0), c.get("prefix_cached_tokens", 0))
+    cache = "-" if rate is None else f"{100 * rate:.0f}%"
     head = Text(f"router {endpoint}\nqueue {c.get('queued', 0)}   live {c.get('live', 0)}   "
-                f"finished {c.get('finished', 0)}   workers {c.get('workers', 0)}\nmigrations: {moves}")
+                f"finished {c.get('finished', 0)}   workers {c.get('workers', 0)}   prefix hits {cache}\n"
+                f"migrations: {moves}")
     gpus = {g["uuid"]: g for g in snap["gpus"]}
     # No vertical rules and one space between columns: a whole row fits in 80 columns.
     compact = dict(title_justify="left", box=box.SIMPLE_HEAD, padding=0, show_edge=False)
@@ -68,6 +75,10 @@ def render(snap: dict, endpoint: str):
         workers.add_row(w["node"], w["name"], w["device"], w["state"], mem, _kv(w), str(w["owned"]),
                         str(w["leased"]), str(w["batch_size"]), f"{w['tokens_per_s']:,.0f}", style=style)
     parts = [head, workers]
+    hits = [f"{w['name']} {_percent(hit_rate(w.get('prompt_tokens', 0), w.get('cached_tokens', 0)))}"
+            for w in sorted(snap["workers"], key=lambda w: (w["node"], w["name"])) if w.get("prompt_tokens")]
+    if hits:
+        parts.append(Text("prefix cache hits: " + ", ".join(hits)))
     if gpus:
         table = Table(title="GPUs (GiB)", **compact)
         for col in ("node", "index", "uuid", "used", "free", "total", "util %"):

@@ -302,11 +302,23 @@ class Router:
         self.trace("result", name, msg.lease_id)
         evicted = P.unpack_i64(msg.evicted_ids)
         now = time.monotonic()
+        self._cache_report(name, msg)
         self.sched.complete(msg.lease_id, name, P.unpack_i64(msg.seq_ids).tolist(),
                             P.unpack_i32(msg.counts).tolist(), tokens, P.unpack_u8(msg.status).tolist(), now)
         self.observer.reported(name, len(tokens), msg.free_kv_tokens, now)
         if len(evicted):
             self.sched.evicted(name, evicted.tolist())
+
+    def _cache_report(self, name: str, msg: P.StepResult) -> None:
+        """The prefix cache's events, and the cached part of the prompts that started there."""
+        num_prompt = num_cached = 0
+        if msg.cached_tokens:
+            for sid, n in zip(P.unpack_i64(msg.seq_ids).tolist(), P.unpack_i32(msg.cached_tokens).tolist()):
+                if n >= 0 and (seq := self.sched.seqs.get(sid)) is not None and seq.lease_id == msg.lease_id:
+                    num_prompt += len(seq.token_ids)
+                    num_cached += min(n, len(seq.token_ids))
+        if msg.prefix_events or num_prompt:
+            self.sched.cache_report(name, P.unpack_i64(msg.prefix_events).tolist(), num_prompt, num_cached)
 
     def on_tokens(self, sender: bytes, msg: P.Tokens, frame: bytes) -> None:
         """A worker's new tokens, sent on the socket of its results and before them: the
@@ -456,10 +468,10 @@ class Router:
                     progress = True
 
     def send_grant(self, grant, request_no: int) -> None:
-        for owner, seq_id, dest, transfer_id, num_tokens in grant.shipments:
+        for owner, seq_id, dest, transfer_id, num_tokens, start in grant.shipments:
             if owner in self.identity:
-                self.reply(self.identity[owner], P.ShipKV(seq_id, dest, transfer_id, num_tokens))
-                self.observer.shipped(num_tokens, self.sched.workers[owner].kv_bytes_per_token)
+                self.reply(self.identity[owner], P.ShipKV(seq_id, dest, transfer_id, num_tokens, start))
+                self.observer.shipped(num_tokens - start, self.sched.workers[owner].kv_bytes_per_token)
         rows = grant.rows
         self.trace("grant", grant.worker, grant.lease_id, len(rows), grant.num_steps, request_no)
         self.observer.leased(grant.worker, len(rows))

@@ -24,6 +24,8 @@ class Seq:
     # Set when a worker vanished holding this sequence: tokens it reported here may never
     # have reached the detokenizer, so the next worker sends them again.
     resync: bool = False
+    prefix_keys: tuple | None = None   # (block size, length, keys of its full blocks): prefix_index.seq_keys
+    offered_at: float | None = None    # when a worker was first offered it (cache-aware placement)
 
     @property
     def seq_id(self) -> int:
@@ -37,7 +39,7 @@ class Seq:
         s = self.spec
         return SeqSpec(s.seq_id, pack_i32(self.token_ids), s.prompt_len, s.max_new_tokens,
                        s.temperature, s.top_p, s.top_k, s.seed, s.stop_ids, s.eos_ids, kv_from,
-                       transfer_id, 0 if self.resync else -1, s.min_new_tokens)
+                       transfer_id, 0 if self.resync else -1, s.min_new_tokens, s.cache_salt)
 
 
 @dataclass(slots=True)
@@ -94,7 +96,8 @@ class Grant:
     worker: str
     rows: list[Row]
     drop_ids: list[int]
-    shipments: list[tuple[str, int, str, int, int]]  # (owner, seq_id, dest, transfer_id, num_tokens)
+    # (owner, seq_id, dest, transfer_id, num_tokens, start): the KV of positions [start, num_tokens)
+    shipments: list[tuple[str, int, str, int, int, int]]
     num_steps: int = 1
 
 

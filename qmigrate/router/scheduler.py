@@ -40,6 +40,7 @@ from qmigrate.router.records import (
     choose_mechanism,
 )
 from qmigrate.router.migration import MovePolicy
+from qmigrate.router.prefix_index import PrefixIndex, place_new, seq_keys
 from qmigrate.wire.protocol import CONTINUE, Finish, SeqSpec
 
 __all__ = ["Grant", "Outcome", "Row", "Scheduler", "Seq", "WorkerState",
@@ -66,6 +67,9 @@ class Scheduler:
         # (cause, seconds from the decision to move to the lease on the new worker)
         self.move_delays: deque[tuple[str, float]] = deque(maxlen=4096)
         self.vram: dict[str, tuple[int, int]] = {}  # GPU uuid -> (total, free) bytes, as last reported
+        self.prefix = PrefixIndex()
+        self.cache_hits: Counter[str] = Counter()     # per worker: prompt tokens admitted, found cached
+        self.cache_queries: Counter[str] = Counter()
 
     def take_revokes(self) -> list[tuple[str, int, list[int]]]:
         revokes, self.revokes = self.revokes, []
@@ -90,6 +94,7 @@ class Scheduler:
         old = self.workers.get(worker.name)
         if old is not None and old.alive:
             self._forget_worker(old, "dead", now)  # a restarted worker holds nothing
+        self.prefix.forget(worker.name)
         worker.last_seen = worker.joined_at = now
         self.workers[worker.name] = worker
         self.counters["workers_joined"] += 1
@@ -225,6 +230,9 @@ class Scheduler:
         quota = self.moves.steal_quota(w)
         # Look at a bounded stretch of the queue: a request costs what it can return.
         candidates = self.moves.candidates(w, self.queue, quota, max_seqs + 64)
+        if self.config.prefix_aware:
+            candidates = place_new(self.prefix, w, self.workers, candidates, now, self.config.prefix_wait_s,
+                                   self.counters)
         if ahead and w.num_leased and not chainable and len(candidates) < max_seqs:
             return None
         # The batch in flight goes on at a token a row: those tokens are kept from the budget
@@ -373,13 +381,22 @@ class Scheduler:
                 transfer_id = next(self._transfer_ids)
                 kv_from = owner.kv_endpoint
                 shipments.append((owner.name, seq.seq_id, w.kv_endpoint, transfer_id,
-                                  len(seq.token_ids) - 1))
+                                  len(seq.token_ids) - 1, self._cached_start(seq, w)))
             elif owner.alive:
                 owner.pending_drops.append(seq.seq_id)
         seq.owner = None
         spec = seq.respec(kv_from, transfer_id)
         seq.resync = False
         return Row(seq.seq_id, len(seq.token_ids), seq.token_ids[-1], spec)
+
+    def _cached_start(self, seq: Seq, w: WorkerState) -> int:
+        """Leading positions of seq's KV that w holds cached (as it reported): a shipment to
+        it starts there. Whole blocks, and never all of the KV."""
+        if not self.config.prefix_aware or not len(self.prefix):
+            return 0
+        num_kv = len(seq.token_ids) - 1
+        blocks = self.prefix.match(seq_keys(seq, w.block_size)).get(w.name, 0)
+        return min(blocks, (num_kv - 1) // w.block_size) * w.block_size if num_kv > 0 else 0
 
     def cancel(self, seq_ids) -> int:
         """Forget these sequences; returns how many were live. A queued one is dropped; a
@@ -489,7 +506,19 @@ class Scheduler:
                 w.pending_drops.append(sid)
                 self._requeue(seq, front=True)
 
+    def cache_report(self, name: str, events, num_prompt: int = 0, num_cached: int = 0) -> None:
+        """A worker's prefix cache events (keys cached, ~keys evicted), and prompt tokens it
+        admitted and found cached."""
+        if name in self.workers:
+            self.prefix.apply(name, events)
+            self.cache_queries[name] += num_prompt
+            self.cache_hits[name] += num_cached
+            self.counters["prefix_prompt_tokens"] += num_prompt
+            self.counters["prefix_cached_tokens"] += num_cached
+
     def _forget_worker(self, w: WorkerState, cause: str, now: float = 0.0) -> None:
+        if cause == "dead":
+            self.prefix.forget(w.name)
         lost = set(w.owned)
         for lease_id in list(w.lease_ids):
             lost.update(self.leases[lease_id].seq_ids)

@@ -267,8 +267,14 @@ class StepResult:
     status: bytes             # uint8 Finish
     free_kv_tokens: int = -1
     evicted_ids: bytes = b""  # int64: sequences whose KV this worker evicted to make room
+    prefix_events: bytes = b""   # int64: keys of KV blocks cached (key) or evicted (~key), in order
+    cached_tokens: bytes = b""   # int32 per row: positions found cached when it started here (-1: it did not)
 
     def validate(self) -> None:
+        if self.cached_tokens and (len(self.cached_tokens) != len(self.seq_ids) // 2
+                                   or unpack_i32(self.cached_tokens, "StepResult.cached_tokens").min() < -1):
+            raise ProtocolError("StepResult.cached_tokens: one count (>= -1) per row")
+        unpack_i64(self.prefix_events, "StepResult.prefix_events")
         _rows_agree("StepResult", self.seq_ids, self.counts, self.status, self.tokens)
         status = unpack_u8(self.status, "StepResult.status")
         if len(status) and not set(np.unique(status).tolist()) <= _STEP_CODES:
@@ -357,6 +363,7 @@ class ShipKV:
     dest: str                 # KV endpoint of the receiving worker
     transfer_id: int
     num_tokens: int
+    start: int = 0            # ship positions [start, num_tokens): the receiver has the rest cached
 
 
 @message(MsgType.KV_HEADER)
@@ -365,9 +372,10 @@ class KVHeader:
 
     transfer_id: int
     seq_id: int
-    num_tokens: int
+    num_tokens: int           # positions in the frame
     dtype: str
     shape: list[int]
+    start: int = 0            # the first one's position (the receiver holds [0, start) cached)
 
     def validate(self) -> None:
         if len(self.shape) > 8 or any(not 0 <= d <= MAX_ID for d in self.shape):

@@ -4,10 +4,17 @@ The worker keeps, per sequence it holds KV for, the sampling parameters from the
 form it first received; after that only diffs arrive (length and last token). A diff
 for a sequence whose KV is not here (evicted, worker restarted) is answered NEED_IDS,
 and the router resends the full form.
+
+A prompt longer than the engine's `prefill_tokens_per_step` fills its KV over several steps
+that also carry the decode rows. Until its last part has run, the sequence's ids stay here
+(`filling`) and each lease reports it with no token; the router leases it on as any
+sequence whose KV is here (a diff or a chained row), and the worker feeds it its next part.
+Its first token is sampled in the step of its last part.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass, field
@@ -81,6 +88,7 @@ class Started:
     announced: set[int] = field(default_factory=set)      # rows whose end it has been sent
     ended: set[int] = field(default_factory=set)          # rows whose status is a finish (cheap to test)
     lost: list[int] = field(default_factory=list)         # rows cut short with their KV dropped
+    cached: dict[int, int] = field(default_factory=dict)  # rows started here: positions found cached
 
 
 @dataclass(slots=True)
@@ -88,6 +96,7 @@ class Transfer:
     seq_id: int
     kv: torch.Tensor | None   # None: the owner had nothing to send
     arrived: float
+    start: int = 0            # kv holds positions [start, start + n)
 
 
 class WorkerCore:
@@ -95,6 +104,8 @@ class WorkerCore:
         self.engine = engine
         self.seqs: dict[int, SeqState] = {}
         self.transfers: dict[int, Transfer] = {}
+        # seq_id -> (ids, cache salt) of a prompt not all in the KV yet
+        self.filling: dict[int, tuple[np.ndarray, str]] = {}
         self.num_steps = 0
         self.num_kv_imported = 0   # sequences resumed from shipped KV (a failed import recomputes)
         self.trace = OFF   # the worker's step timeline (`trace.py`), when it keeps one
@@ -106,24 +117,26 @@ class WorkerCore:
     def drop(self, seq_ids) -> None:
         for sid in seq_ids:
             self.seqs.pop(int(sid), None)
+            self.filling.pop(int(sid), None)
             self.engine.release(int(sid))
 
-    def receive_transfer(self, transfer_id: int, seq_id: int, kv: torch.Tensor | None) -> None:
-        self.transfers[transfer_id] = Transfer(seq_id, kv, time.monotonic())
+    def receive_transfer(self, transfer_id: int, seq_id: int, kv: torch.Tensor | None, start: int = 0) -> None:
+        self.transfers[transfer_id] = Transfer(seq_id, kv, time.monotonic(), start)
         if len(self.transfers) > MAX_TRANSFERS:
             oldest = min(self.transfers, key=lambda t: self.transfers[t].arrived)
             del self.transfers[oldest]
 
-    def export(self, seq_id: int, num_tokens: int) -> torch.Tensor | None:
-        """The KV to ship for seq_id, then forget it here; None if it is not held."""
-        return landed(*self.export_started(seq_id, num_tokens))
+    def export(self, seq_id: int, num_tokens: int, start: int = 0) -> torch.Tensor | None:
+        """The KV of positions [start, num_tokens) to ship for seq_id, then forget it here;
+        None if it is not held."""
+        return landed(*self.export_started(seq_id, num_tokens, start))
 
-    def export_started(self, seq_id: int, num_tokens: int) -> tuple[torch.Tensor | None, object]:
+    def export_started(self, seq_id: int, num_tokens: int, start: int = 0) -> tuple[torch.Tensor | None, object]:
         """As `export`, without waiting for the device: the KV is in the tensor once the
         returned event has passed (None: now)."""
         kv = copied = None
-        if self.engine.cached_len(seq_id) >= num_tokens > 0:
-            kv, copied = self.engine.export_kv_started(seq_id, num_tokens)
+        if self.engine.cached_len(seq_id) >= num_tokens > start >= 0:
+            kv, copied = self.engine.export_kv_started(seq_id, num_tokens, start)
         self.drop([seq_id])
         return kv, copied
 
@@ -162,8 +175,25 @@ class WorkerCore:
                 if spec is not None:  # tokens before this point came from other workers
                     run.first_index[sid] = max(0, length - spec.prompt_len)
         if run.rows:
+            if self.filling:   # prompts under way take the step's prompt budget before new ones
+                run.rows.sort(key=lambda r: r.seq_id not in self.filling)
             run.pending = self.engine.launch(run.rows, after=after.pending if after else None, between=between)
+            run.cached = run.pending.cached
+            self._track_filling(run.pending, full)
         return run
+
+    def _track_filling(self, pending, full: dict[int, P.SeqSpec]) -> None:
+        """Keep the ids of prompts the step ran only part of; forget those it finished."""
+        partial, filling = pending.partial, self.filling
+        if not (partial or filling):
+            return
+        for r in pending.rows:
+            sid = r.seq_id
+            if sid in partial:
+                if sid not in filling and sid in full:
+                    filling[sid] = full[sid].ids, full[sid].cache_salt
+            elif r.new_ids:
+                filling.pop(sid, None)
 
     def finish(self, run: "Started", on_step=None, revoked: frozenset[int] | None = frozenset(),
                on_last_launch=None) -> tuple[P.StepResult, P.Tokens]:
@@ -184,6 +214,8 @@ class WorkerCore:
             if more and launched < max(1, run.lease.num_steps):
                 rows = self._continuing(run, pending, revoked)
                 nxt = self.engine.launch(rows, after=pending) if rows else None
+                if nxt is not None:
+                    self._track_filling(nxt, {})
                 self.trace("launch", len(rows))
                 launched += 1
             if more and (nxt is None or launched >= run.lease.num_steps):
@@ -195,7 +227,7 @@ class WorkerCore:
             tokens = self.engine.collect(pending)
             self.trace("collect_end")
             self.num_steps += 1
-            self._advance(run, pending.rows, tokens)
+            self._advance(run, pending.rows, tokens, pending.partial)
             pending = nxt
             if pending is not None and on_step is not None:
                 revoked = on_step(self._tokens(run, final=False))
@@ -207,16 +239,24 @@ class WorkerCore:
         if revoked is None:
             return []
         seqs, ended, max_len, rows = self.seqs, run.ended, self.engine.max_len, []
+        if pending.partial:
+            rows = [self._next_part(r) for r in pending.rows
+                    if r.seq_id in pending.partial and r.seq_id not in revoked and r.seq_id in seqs]
         for i in pending.placed:
             r = pending.rows[i]
             sid = r.seq_id
-            if sid in ended or sid in revoked or (state := seqs.get(sid)) is None:
+            if sid in ended or sid in revoked or sid in pending.partial or (state := seqs.get(sid)) is None:
                 continue
             start = r.start + (len(r.new_ids) or 1)
             if r.index + 1 >= state.max_new_tokens or start + 1 >= max_len:
                 continue  # ends with the step in flight (a length limit is known in advance)
             rows.append(StepRow(sid, [], start, r.index + 1, r.temperature, r.top_p, r.top_k, r.seed))
         return rows
+
+    def _next_part(self, r: StepRow) -> StepRow:
+        """The row that carries the rest of a prompt the step of `r` ran only part of."""
+        ids, start = self.filling[r.seq_id][0], max(0, self.engine.cached_len(r.seq_id))
+        return dataclasses.replace(r, new_ids=ids[start:].tolist(), start=start)
 
     def _row(self, sid: int, length: int, token: int, spec: P.SeqSpec | None, protect: set[int],
              after: "Started | None" = None):
@@ -229,8 +269,16 @@ class WorkerCore:
             if length > self.engine.max_len:
                 return ERROR
             state = self.seqs[sid] = SeqState.from_spec(spec, ids)
+            self.filling.pop(sid, None)
             start = self._take_transfer(spec, length, protect)
             new = ids[start:].tolist()
+        elif sid in self.filling and (state := self.seqs.get(sid)) is not None \
+                and length in (P.CONTINUE, len(self.filling[sid][0])):
+            ids, salt = self.filling[sid]
+            start = max(0, self.engine.cached_len(sid))
+            new, length = ids[start:].tolist(), len(ids)
+            return StepRow(sid, new, start, length - state.prompt_len, state.temperature,
+                           state.top_p, state.top_k, state.seed, salt)
         elif length == P.CONTINUE:
             state = self.seqs.get(sid)
             if state is None:  # dropped here meanwhile (the router took it back): resend it whole
@@ -258,22 +306,26 @@ class WorkerCore:
             return 0
         transfer = self.transfers.pop(spec.transfer_id, None)
         e = self.engine
-        expected = (e.num_layers, 2, length - 1, e.num_kv_heads, e.head_dim)
+        start = 0 if transfer is None else transfer.start
+        expected = (e.num_layers, 2, length - 1 - start, e.num_kv_heads, e.head_dim)
+        if start and (not e.can_import_from or start % e.pool.block_size
+                      or e.admit(spec.seq_id, spec.ids[:length], spec.cache_salt) < start):
+            transfer = None   # what was not shipped is not cached here (any more): recompute
         if transfer is None or transfer.kv is None or transfer.seq_id != spec.seq_id \
                 or tuple(transfer.kv.shape) != expected \
-                or not e.import_kv(spec.seq_id, transfer.kv, protect, ids=spec.ids[:length - 1],
+                or not e.import_kv(spec.seq_id, transfer.kv, protect, start, ids=spec.ids[:length - 1],
                                    salt=spec.cache_salt):
             e.release(spec.seq_id)
             return 0
         self.num_kv_imported += 1
         return length - 1
 
-    def _advance(self, run: "Started", rows: list[StepRow], tokens: list[int]) -> None:
+    def _advance(self, run: "Started", rows: list[StepRow], tokens: list[int], partial=frozenset()) -> None:
         status, out, ended, seqs, max_len = run.status, run.out, run.ended, self.seqs, self.engine.max_len
         for row, token in zip(rows, tokens):
             sid = row.seq_id
-            if sid in ended:
-                continue  # a step launched before the one that ended the row was collected
+            if sid in ended or sid in partial:
+                continue  # ended by an earlier step, or its prompt goes on in a later step
             state = seqs.get(sid)
             if token == REFUSED or state is None:
                 # no room in the pool (the router places it again), or a step queued behind
@@ -301,7 +353,9 @@ class WorkerCore:
         return P.StepResult(run.lease.lease_id, P.pack_i64(sids), P.pack_i32([len(run.out[s]) for s in sids]),
                             P.pack_i32([t for s in sids for t in run.out[s]]),
                             P.pack_u8([int(run.status[s]) for s in sids]), self.free_tokens,
-                            P.pack_i64(self.engine.take_evicted() + run.lost))
+                            P.pack_i64(self.engine.take_evicted() + run.lost),
+                            P.pack_i64(self.engine.take_prefix_events()),
+                            P.pack_i32([run.cached.get(s, -1) for s in sids]))
 
     def _tokens(self, run: "Started", final: bool) -> P.Tokens:
         """For the detokenizer: tokens not sent yet (after any it may have missed), and the

@@ -245,7 +245,7 @@ class Worker:
     def ship(self, msg: P.ShipKV) -> None:
         """Export the KV (queued on the device behind the steps in flight) and send it once
         it has reached host memory: the worker goes on stepping meanwhile."""
-        kv, copied = self.core.export_started(msg.seq_id, msg.num_tokens)
+        kv, copied = self.core.export_started(msg.seq_id, msg.num_tokens, msg.start)
         self.outbox.add(copied, lambda: self.send_kv(msg, kv))
 
     def send_kv(self, msg: P.ShipKV, kv: torch.Tensor | None) -> None:
@@ -263,8 +263,9 @@ class Worker:
             header = P.KVHeader(msg.transfer_id, msg.seq_id, 0, "float32", [0])
             payload = b""
         else:
-            header = P.KVHeader(msg.transfer_id, msg.seq_id, msg.num_tokens,
-                                str(kv.dtype).removeprefix("torch."), list(kv.shape))  # [L, 2, n, H, D]
+            header = P.KVHeader(msg.transfer_id, msg.seq_id, kv.shape[2],
+                                str(kv.dtype).removeprefix("torch."), list(kv.shape),  # [L, 2, n, H, D]
+                                msg.start)
             payload = kv.view(torch.uint8).numpy() if kv.dtype != torch.uint8 else kv.numpy()
         try:
             sock.send_multipart([P.encode(header), payload], copy=False)
@@ -281,7 +282,8 @@ class Worker:
             if not isinstance(header, P.KVHeader) or len(frames) != 2:
                 transport.dropped_log.warning("dropped a malformed KV shipment")
                 continue
-            self.core.receive_transfer(header.transfer_id, header.seq_id, _kv_tensor(header, frames[1]))
+            self.core.receive_transfer(header.transfer_id, header.seq_id, _kv_tensor(header, frames[1]),
+                                       header.start)
 
     def close(self) -> None:
         """Leaving on purpose: let queued tokens, results and KV reach their peers first."""
@@ -348,4 +350,14 @@ def _kv_tensor(header: P.KVHeader, data: bytes) -> torch.Tensor | None:
 
 
 def run(topo, name: str) -> int:
-    return run_until_fatal(lambda: Worker(topo, name).serve_forever())
+    return run_until_fatal(lambda: _serve(topo, name))
+
+
+def _serve(topo, name: str) -> None:
+    worker = Worker(topo, name)
+    try:
+        worker.serve_forever()
+    except RuntimeError as exc:   # a collective of a tensor-parallel worker whose other rank died
+        if worker.ranks is None:
+            raise
+        raise worker.ranks.failed(exc) from None

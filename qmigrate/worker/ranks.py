@@ -128,6 +128,19 @@ class Ranks:
                 proc.wait()
         shutil.rmtree(self.dir, ignore_errors=True)
 
+    def failed(self, exc: Exception) -> SystemExit:
+        """A collective failed (a peer's connection closed): the other ranks are stopped, and
+        what the worker exits with says which rank went first, when one did."""
+        self.is_stopping = True
+        gone = [(r, p.poll()) for r, p in enumerate(self.procs, start=1) if p.poll() is not None]
+        self._kill_all()
+        if gone:
+            rank, code = gone[0]
+            return SystemExit(f"worker {self.name}: tensor-parallel rank {rank} exited (code {code}); "
+                              f"stopping the worker")
+        reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        return SystemExit(f"worker {self.name}: a tensor-parallel collective failed: {reason}")
+
     def _kill_all(self) -> None:
         for proc in self.procs:
             if proc.poll() is None:
@@ -147,6 +160,8 @@ def _die_with(parent: int) -> None:
 def follow(topo_path: str, name: str, model_path: str, rank: int, init_method: str) -> int:
     """A follower rank's whole life: join, build the same engine as rank 0, follow it."""
     from qmigrate.engine import lockstep
+    from qmigrate.launch import set_title
+    set_title("rank", f"{rank} of {name}")
     topo = load_topology(topo_path)
     cfg = topo.worker(name)
     logging.basicConfig(level=logging.WARNING, format=f"%(asctime)s worker {name} rank {rank}: %(message)s")

@@ -1,0 +1,129 @@
+"""The router's view of every worker's prefix cache, and where new sequences should start.
+
+Workers report the keys of blocks they cache and evict (`StepResult.prefix_events`: a key,
+or ~key when evicted); the index keeps, per key, the workers that hold it, for at most
+`max_keys` keys (least recently seen dropped first). A sequence's keys are those of its
+full blocks (`wire/prefix_keys.py`), so the number of its leading keys a worker holds is the
+number of its prompt's blocks that worker would not prefill.
+
+Placement is by score: the prompt tokens a worker would not prefill, less a load penalty
+(its prompt times the share of the worker's batch places taken). A worker asking for work
+takes its hits first, and leaves a sequence that scores better on another worker, for up to
+`prefix_wait_s` after it was first offered, while that worker has room (batch places and KV
+blocks): a hit never piles work onto a worker that is full. A conversation's next turn is a
+new sequence whose prefix the last turn's worker holds, so it goes back there the same way.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+from qmigrate.router.records import Seq, WorkerState
+from qmigrate.wire.prefix_keys import block_keys
+
+MAX_KEYS = 1 << 20
+
+
+class PrefixIndex:
+    def __init__(self, max_keys: int = MAX_KEYS):
+        self.max_keys = max_keys
+        self.holders: OrderedDict[int, set[str]] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self.holders)
+
+    def apply(self, worker: str, events) -> None:
+        """A worker's cache events, in the order they happened."""
+        holders = self.holders
+        for key in events:
+            key = int(key)
+            if key >= 0:
+                holders.setdefault(key, set()).add(worker)
+                holders.move_to_end(key)
+            elif (held := holders.get(~key)) is not None:
+                held.discard(worker)
+                if not held:
+                    del holders[~key]
+        while len(holders) > self.max_keys:
+            holders.popitem(last=False)
+
+    def forget(self, worker: str) -> None:
+        """A worker that died or restarted holds nothing."""
+        for key in [k for k, held in self.holders.items() if worker in held]:
+            held = self.holders[key]
+            held.discard(worker)
+            if not held:
+                del self.holders[key]
+
+    def match(self, keys: list[int]) -> dict[str, int]:
+        """Per worker, how many of the leading keys it holds (workers holding none are absent)."""
+        counts: dict[str, int] = {}
+        for i, key in enumerate(keys):
+            held = self.holders.get(key)
+            if not held:
+                break
+            self.holders.move_to_end(key)
+            grew = False
+            for name in held:
+                if counts.get(name, 0) == i:
+                    counts[name] = i + 1
+                    grew = True
+            if not grew:
+                break
+        return counts
+
+
+def seq_keys(seq: Seq, block_size: int) -> list[int]:
+    """Keys of the blocks a worker could reuse for seq (all full blocks but the one holding
+    its last token), computed once per block size."""
+    cached = seq.prefix_keys
+    if cached is None or cached[0] != block_size or cached[1] != len(seq.token_ids):
+        n = len(seq.token_ids)
+        keys = block_keys(seq.token_ids, block_size, seq.spec.cache_salt, max_blocks=(n - 1) // block_size)
+        seq.prefix_keys = cached = (block_size, n, keys)
+    return cached[2]
+
+
+def has_room(w: WorkerState) -> bool:
+    """A worker a new sequence may wait for: alive, taking prefills, with batch places and KV
+    blocks free as it last reported."""
+    if not w.alive or w.draining or not w.may_prefill or w.load >= w.capacity:
+        return False
+    if w.free_kv_tokens is None or not w.kv_tokens:
+        return True
+    return w.free_kv_tokens - w.block_size * (len(w.owned) + w.num_arriving + 1) > 0
+
+
+def score(seq: Seq, w: WorkerState, hits: dict[str, int]) -> float:
+    """Prompt tokens w would not prefill, less its load penalty."""
+    n = len(seq.token_ids)
+    return hits.get(w.name, 0) * w.block_size - n * min(1.0, w.load / max(1, w.capacity))
+
+
+def place_new(index: PrefixIndex, w: WorkerState, workers: dict[str, WorkerState], candidates: list,
+              now: float, wait_s: float, counters) -> list:
+    """The candidates for w with sequences nobody holds reordered by w's hits (best first,
+    in their queue positions otherwise kept) and those better started elsewhere left out."""
+    new = [i for i, (seq, cause) in enumerate(candidates) if seq.owner is None and cause is None]
+    if not new or not len(index):
+        return candidates
+    others = [o for o in workers.values() if o is not w and has_room(o)]
+    kept, gains = [], {}
+    for i in new:
+        seq = candidates[i][0]
+        hits = index.match(seq_keys(seq, w.block_size))
+        if seq.offered_at is None:
+            seq.offered_at = now
+        mine = score(seq, w, hits)
+        if hits and now - seq.offered_at < wait_s and any(score(seq, o, hits) > mine for o in others):
+            counters["prefix_held_back"] += 1
+            continue   # another worker with room holds more of it: leave it for that one
+        kept.append(i)
+        gains[i] = hits.get(w.name, 0)
+    order = sorted(kept, key=lambda i: -gains[i])
+    out, it, skipped = [], iter(order), set(new) - set(kept)
+    for i, entry in enumerate(candidates):
+        if i in skipped:
+            continue
+        out.append(candidates[next(it)] if i in gains or i in new else entry)
+    return out

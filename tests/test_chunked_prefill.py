@@ -1,0 +1,167 @@
+"""Chunked prefill across steps: a prompt longer than `prefill_tokens_per_step` fills its KV
+over several steps that also carry the decode rows, and its first token comes from the step
+of its last part. Greedy output must still equal `generate()` (CPU, fp32), with neighbours
+decoding, through chained and multi-step leases, and when the sequence moves mid-prompt."""
+
+from __future__ import annotations
+
+import pytest
+
+from qmigrate.engine.runner import StepRow, _share_prompt_budget
+from qmigrate.wire import protocol as P
+from qmigrate.wire.protocol import Finish
+from qmigrate.worker.core import WorkerCore
+from conftest import greedy_tokens
+from test_engine import greedy, make_engine, make_lease, model, prompts, run, spec_of, tiny  # noqa: F401
+
+BUDGET = 8
+
+
+def record_placed(engine) -> list[list[tuple[int, int, int]]]:
+    """Spy on engine.place (every forward's rows go through it): (seq_id, start, new ids) per row."""
+    calls, real = [], engine.place
+
+    def place(rows, protect=()):
+        calls.append([(r.seq_id, r.start, len(r.new_ids)) for r in rows])
+        return real(rows, protect)
+    engine.place = place
+    return calls
+
+
+def long_prompt(prompts, n: int) -> list[int]:
+    out = []
+    while len(out) < n:
+        out += prompts[(len(out) // 7) % len(prompts)]
+    return out[:n]
+
+
+def test_the_budget_is_shared_in_row_order_and_decode_rows_do_not_count():
+    rows = [StepRow(1, [5], 9, 1), StepRow(2, list(range(6)), 0, 0), StepRow(3, list(range(5)), 0, 0),
+            StepRow(4, list(range(4)), 0, 0), StepRow(5, [7], 3, 2)]
+    out, cut, deferred = _share_prompt_budget(rows, BUDGET)
+    assert [len(r.new_ids) for r in out] == [1, 6, 2, 4, 1]
+    assert (cut, deferred) == ({2}, {3})
+    assert _share_prompt_budget(rows, 0) == (rows, set(), set())       # no limit
+    assert _share_prompt_budget(rows, 15) == (rows, set(), set())      # everything fits
+
+
+class Router:
+    """The router's bookkeeping for one or more cores: full forms to a core that does not hold
+    a sequence, diffs after that; a result's tokens appended, finished sequences forgotten."""
+
+    def __init__(self, prompts: dict[int, list[int]], max_new_tokens: int):
+        self.ids = {sid: list(p) for sid, p in prompts.items()}
+        self.prompt_len = {sid: len(p) for sid, p in prompts.items()}
+        self.max_new = max_new_tokens
+        self.owner: dict[int, WorkerCore] = {}
+        self.done: dict[int, list[int]] = {}     # finished: the generated tokens
+        self.lease_no = 0
+
+    def step(self, core: WorkerCore, sids, num_steps: int = 1, drop=()) -> dict[int, list[int]]:
+        self.lease_no += 1
+        here = {s: self.ids[s] for s in sids}
+        full = [spec_of(s, self.ids[s], self.prompt_len[s], self.max_new) for s in sids if self.owner.get(s) is not core]
+        ran = run(core, make_lease(here, full=full, lease_id=self.lease_no, num_steps=num_steps if not full else 1,
+                                   drop_ids=list(drop)))
+        for s in sids:
+            assert ran.status[s] in (Finish.NONE, Finish.LENGTH), (s, ran.status[s])
+            self.owner[s] = core
+            self.ids[s] += ran.tokens[s]
+            if ran.status[s].is_finished:
+                self.done[s] = self.ids.pop(s)[self.prompt_len[s]:]
+        return ran.tokens
+
+    def run_all(self, core: WorkerCore, max_leases: int = 50) -> dict[int, int]:
+        """Lease every live sequence to core until all finish; the lease of each one's first token."""
+        first_at = {}
+        for k in range(1, max_leases + 1):
+            if not self.ids:
+                return first_at
+            for s, toks in self.step(core, list(self.ids)).items():
+                if toks and s not in first_at:
+                    first_at[s] = k
+        raise AssertionError(f"unfinished after {max_leases} leases: {sorted(self.ids)}")
+
+
+def test_long_prompts_spread_over_steps_beside_a_decoding_sequence(model, prompts, greedy):
+    engine = make_engine(model, prefill_tokens_per_step=BUDGET)
+    core, steps = WorkerCore(engine), record_placed(engine)
+    ps = {1: list(prompts[0]), 2: long_prompt(prompts, 27), 3: long_prompt(prompts[1:], 13)}
+    router = Router(ps, max_new_tokens=6)
+    router.step(core, [1])                      # 1 is decoding before the others arrive
+    first_at = router.run_all(core)
+    for sid, p in ps.items():
+        assert router.done[sid] == greedy(p, 6), sid
+    # no step carries more than the budget of prompt tokens, and sequence 1 decodes in each
+    assert all(sum(n for _, _, n in step if n > 1) <= BUDGET for step in steps[1:])
+    assert all(any(s == 1 and n == 1 for s, _, n in step) for step in steps[1:6])
+    # 27 + 13 prompt tokens at 8 a step: the first token of 2 comes in lease 4, of 3 in lease 5
+    assert (first_at[2], first_at[3]) == (4, 5)
+    assert core.filling == {}
+
+
+def test_chained_and_multi_step_leases_feed_the_next_part(model, prompts, greedy):
+    core = WorkerCore(make_engine(model, prefill_tokens_per_step=BUDGET))
+    p, q = long_prompt(prompts, 30), list(prompts[3])
+    first = core.start(make_lease({1: p, 2: q}, full=[spec_of(1, p, len(p)), spec_of(2, q, len(q))]))
+    chained = P.Lease(2, 2, 10.0, P.pack_i64([1, 2]), P.pack_i32([P.CONTINUE] * 2),
+                      P.pack_i32([P.CONTINUE] * 2), [], b"", 1)
+    second = core.start(chained, after=first)
+    got = {1: [], 2: []}
+    for started in (first, second):
+        result, _ = core.finish(started)
+        counts = dict(zip(P.unpack_i64(result.seq_ids).tolist(), P.unpack_i32(result.counts).tolist()))
+        assert counts[1] == 0                    # still filling: no token yet
+        flat = P.unpack_i32(result.tokens).tolist()
+        got[2] += flat[:counts[2]]
+    assert 1 in core.filling and core.engine.cached_len(1) > 0
+    # a multi-step lease of diffs: the remaining parts, then decode steps
+    lease = make_lease({1: p, 2: q + got[2]}, lease_id=3, num_steps=8)
+    ran = run(core, lease)
+    assert ran.tokens[1] == greedy(p, len(ran.tokens[1])) and len(ran.tokens[1]) >= 4
+    assert got[2] + ran.tokens[2] == greedy(q, len(got[2]) + len(ran.tokens[2]))
+    assert ran.emitted[1][0] == 0               # the detokenizer sees token 0 first
+    assert 1 not in core.filling
+
+
+def test_a_sequence_moved_mid_prompt_is_recomputed_elsewhere(model, prompts, greedy):
+    a, b = (WorkerCore(make_engine(model, prefill_tokens_per_step=BUDGET)) for _ in range(2))
+    p = long_prompt(prompts, 35)
+    router = Router({1: p, 2: list(prompts[2])}, max_new_tokens=5)
+    router.step(a, [1, 2])
+    router.step(a, [1, 2])
+    assert 1 in a.filling and len(router.ids[1]) == len(p)       # partly filled, no token yet
+    router.step(b, [1])                                            # moved: b gets the full form
+    router.step(a, [2], drop=[1])                                  # and a frees it
+    assert 1 not in a.filling and a.engine.cached_len(1) < 0
+    router.run_all(b)
+    assert router.done[1] == greedy(p, 5) and router.done[2] == greedy(prompts[2], 5)
+    assert a.filling == b.filling == {}
+
+
+@pytest.mark.parametrize("budget", [0, 5, 64])
+def test_the_output_does_not_depend_on_the_budget(model, prompts, greedy, budget):
+    core = WorkerCore(make_engine(model, prefill_tokens_per_step=budget))
+    ps = {i: long_prompt(prompts[i:], 17 + 5 * i) for i in range(3)}
+    router = Router(ps, max_new_tokens=4)
+    router.run_all(core)
+    for sid, p in ps.items():
+        assert router.done[sid] == greedy(p, 4), sid
+
+
+@pytest.mark.timeout(300)
+def test_the_pipeline_with_a_small_budget_equals_generate_through_a_drain(tmp_path, ipc_dir, tiny_model_dir):
+    """Real processes: prompts of up to 61 tokens at 16 prompt tokens a step on each worker,
+    while w1 is drained (its sequences move, some of them mid-prompt: a KV shipment of a
+    prompt not all filled has nothing to send, and the receiver recomputes)."""
+    from conftest import greedy_reference
+    from test_pipeline import MAX_LEASE_STEPS, _prompts, _run_with_a_drain
+    reference = greedy_reference(tiny_model_dir)
+    prompts = [p for p in _prompts(16, seed=7)
+               if len(greedy_tokens(tiny_model_dir, p["prompt_ids"], p["max_new_tokens"])) > MAX_LEASE_STEPS]
+    assert sum(len(p["prompt_ids"]) > 32 for p in prompts) >= 4
+    finals, moves = _run_with_a_drain(tmp_path, ipc_dir, tiny_model_dir, 2, prompts,
+                                      worker={"prefill_tokens_per_step": 16}, migration="transfer")
+    for p in prompts:
+        reference(p["prompt_ids"], p["max_new_tokens"], finals[p["id"]]["token_ids"], p["id"])
+    assert moves.get("drain", 0) > 0, moves
