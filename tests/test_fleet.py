@@ -86,7 +86,7 @@ def test_join_and_drain_under_load_lose_nothing(fleet, tiny_model_dir):
 
 def test_a_killed_worker_loses_nothing(fleet, tiny_model_dir):
     path, nodes, router = fleet
-    prompts = H.prompts(new_tokens=60)
+    prompts = H.prompts(n=8, new_tokens=30)
     head = nodes.start(path, "head", keep_stdin=True)
 
     def write():
