@@ -212,3 +212,12 @@ def test_a_jsonl_cancel_line_ends_a_request(node):
     node.feed(json.dumps({"id": "long", "prompt": "Hello", "max_new_tokens": 400}), json.dumps({"cancel": "long"}))
     final = [r for r in node.records({"long"}) if r["id"] == "long" and r.get("done")]
     assert final[0]["finish_reason"] == "cancelled"
+
+
+def test_usage_says_how_much_of_the_prompt_was_cached(node):
+    prompt = "the river forgot a lost key because the night train whispered to the orchestra " * 3
+    first = node.client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0)
+    again = node.client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0)
+    n = first.usage.prompt_tokens
+    assert n > 32
+    assert again.usage.prompt_tokens_details.cached_tokens == (n - 1) // 16 * 16

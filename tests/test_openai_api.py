@@ -135,12 +135,14 @@ def test_the_detokenizer_routes_text_back_and_reports_every_end():
     ids = tok.encode(" hello world", add_special_tokens=False)
     sink.start(1, "http-1", [0], route=1)
     sink.start(2, "q2", [0])
+    sink.cached(1, 3)
+    sink.cached(1, 7)   # only the first start counts
     sink.tokens(1, 0, ids)
     sink.tokens(2, 0, ids)
     sink.finish(1, "length", len(ids))
     sink.finish(2, "eos", len(ids))
     assert "".join(r[1] for r in replies if r[0] == 1) == tok.decode(ids)
-    assert [r for r in replies if r[2]] == [(1, "", 2, len(ids)), (2, "", 1, len(ids))]
+    assert [r for r in replies if r[2]] == [(1, "", 2, len(ids), 3), (2, "", 1, len(ids), -1)]
     assert all('"http-1"' not in line for line in printed)  # routed text is never printed
     assert (sink.num_done, sink.num_replied) == (1, 1)
 
@@ -157,5 +159,12 @@ def test_cancel_ends_a_request_once_and_drops_later_tokens():
     sink.tokens(3, 1, ids[1:])
     final = [line for line in printed if '"done": true' in line]
     assert len(final) == 1 and '"finish_reason": "cancelled"' in final[0]
-    assert replies[-1] == (3, "", 100, 1)
+    assert replies[-1] == (3, "", 100, 1, -1)
     assert sink.num_done == 1 and sink.num_dropped_tokens == len(ids) - 1
+
+
+def test_usage_carries_cached_prompt_tokens_when_known():
+    from qmigrate.ingest.openai_api import usage
+    assert usage(10, 4) == {"prompt_tokens": 10, "completion_tokens": 4, "total_tokens": 14}
+    assert usage(10, 4, 8)["prompt_tokens_details"] == {"cached_tokens": 8}
+    assert usage(10, 4, 0)["prompt_tokens_details"] == {"cached_tokens": 0}

@@ -322,7 +322,7 @@ class _Sink:
             self.num_done += 1
             self._on_finish(seq)
         if self._reply is not None:  # for a printed request: "it ended", so its id is free again
-            self._reply(seq_id, "", Finish.from_reason(seq.finish_reason), len(seq.token_ids))
+            self._reply(seq_id, "", Finish.from_reason(seq.finish_reason), len(seq.token_ids), seq.cached_tokens)
 
     def _emit(self, seq: _Seq, delta: str) -> None:
         if not delta:

@@ -70,16 +70,16 @@ class Detokenizer:
         if not self.replaying:
             self.out(text)
 
-    def reply(self, seq_id: int, text: str, finish: int, num_tokens: int) -> None:
+    def reply(self, seq_id: int, text: str, finish: int, num_tokens: int, cached_tokens: int = -1) -> None:
         if not self.replaying:
-            self.outbox.append((seq_id, text, finish, num_tokens))
+            self.outbox.append((seq_id, text, finish, num_tokens, cached_tokens))
 
     def send_replies(self) -> None:
         if not self.outbox:
             return
-        seq_ids, texts, finish, counts = zip(*self.outbox)
+        seq_ids, texts, finish, counts, cached = zip(*self.outbox)
         self.outbox = []
-        msg = P.Replies(P.pack_i64(seq_ids), P.pack_u8(finish), P.pack_i32(counts), list(texts))
+        msg = P.Replies(P.pack_i64(seq_ids), P.pack_u8(finish), P.pack_i32(counts), list(texts), P.pack_i32(cached))
         if not transport.send(self.replies, msg, flags=zmq.NOBLOCK):
             # Ingest gone or far behind: its HTTP clients time out rather than this loop stall.
             log.warning("ingest is not taking replies; dropped %d", len(seq_ids))

@@ -126,8 +126,9 @@ class HttpServer:
         await asyncio.sleep(0.05)  # the last writes leave the socket
         done.set()
 
-    def deliver(self, rows: list[tuple[int, str, int, int]]) -> None:
-        """(seq_id, text, finish code, tokens so far) rows from the detokenizer."""
+    def deliver(self, rows: list[tuple]) -> None:
+        """(seq_id, text, finish code, tokens so far[, prompt tokens found cached]) rows from
+        the detokenizer."""
         mine = [row for row in rows if row[0] in self.streams]
         if mine and self.loop is not None:
             self.loop.call_soon_threadsafe(self._dispatch, mine)
@@ -156,9 +157,9 @@ class HttpServer:
         await asyncio.Event().wait()
 
     def _dispatch(self, rows) -> None:
-        for seq_id, text, code, num_tokens in rows:
+        for seq_id, text, code, num_tokens, *more in rows:
             if (events := self.streams.get(seq_id)) is not None:
-                events.put_nowait((text, code, num_tokens))
+                events.put_nowait((text, code, num_tokens, more[0] if more else -1))
 
     def _wake(self) -> None:
         try:
@@ -265,26 +266,26 @@ class HttpServer:
             raise ApiError(503, f"no output within {self.cfg.http_timeout_s:g} s: the workers are "
                            "overloaded or down; retry later", type="server_error", code="timeout") from None
 
-    async def _next_all(self, events: asyncio.Queue) -> tuple[str, int, int]:
+    async def _next_all(self, events: asyncio.Queue) -> tuple[str, int, int, int]:
         """The text of every update waiting (at least one): what arrived together leaves
         together, in one event. Stops at a finish, which ends the stream."""
-        text, code, num_tokens = await self._next(events)
+        text, code, num_tokens, cached = await self._next(events)
         if code or events.empty():
-            return text, code, num_tokens
+            return text, code, num_tokens, cached
         parts = [text]
         while not code and not events.empty():
             item = events.get_nowait()
             if item is _SHUTDOWN:
                 events.put_nowait(item)  # the next call ends the stream, after this text
                 break
-            text, code, num_tokens = item
+            text, code, num_tokens, cached = item
             parts.append(text)
-        return "".join(parts), code, num_tokens
+        return "".join(parts), code, num_tokens, cached
 
     async def _collect(self, req, rid: str, events: asyncio.Queue):
         trim, parts, created = StopTrimmer(req.stop), [], int(time.time())
         while True:
-            text, code, num_tokens = await self._next(events)
+            text, code, num_tokens, cached = await self._next(events)
             parts.append(trim.push(text))
             if code:
                 break
@@ -292,7 +293,7 @@ class HttpServer:
         if reason is None:
             raise ApiError(500, "the worker could not run this request", type="server_error")
         parts.append(trim.finish(code == P.Finish.STOP))
-        return web.json_response(reply(req, rid, created, "".join(parts), reason, num_tokens))
+        return web.json_response(reply(req, rid, created, "".join(parts), reason, num_tokens, cached))
 
     async def _stream(self, request, req, rid: str, events: asyncio.Queue):
         """SSE; returns (response, whether the request ended)."""
@@ -303,7 +304,7 @@ class HttpServer:
         try:
             while True:
                 try:
-                    text, code, num_tokens = await self._next_all(events)
+                    text, code, num_tokens, cached = await self._next_all(events)
                 except ApiError as exc:
                     await response.write(_sse(exc.body()) + DONE)
                     return response, False
@@ -321,7 +322,7 @@ class HttpServer:
                 if code:
                     tail = _sse(chunk(req, rid, created, None, reason))
                     if req.include_usage:
-                        tail += _sse(usage_chunk(req, rid, created, num_tokens))
+                        tail += _sse(usage_chunk(req, rid, created, num_tokens, cached))
                     await response.write(tail + DONE)
                     await response.write_eof()
                     return response, True

@@ -250,7 +250,9 @@ class Ingest:
                 if code and seq_id in self.live_ids:
                     self.live.pop(self.live_ids.pop(seq_id), None)
             if self.http is not None:
-                self.http.deliver(list(zip(seq_ids, msg.texts, finish, P.unpack_i32(msg.num_tokens).tolist())))
+                cached = P.unpack_i32(msg.cached_tokens).tolist() if msg.cached_tokens else [-1] * len(seq_ids)
+                self.http.deliver(list(zip(seq_ids, msg.texts, finish, P.unpack_i32(msg.num_tokens).tolist(),
+                                           cached)))
 
     def submit(self) -> None:
         now = time.monotonic()

@@ -183,12 +183,18 @@ class StopTrimmer:
         return held
 
 
-def usage(num_prompt: int, num_completion: int) -> dict:
-    return {"prompt_tokens": num_prompt, "completion_tokens": num_completion,
-            "total_tokens": num_prompt + num_completion}
+def usage(num_prompt: int, num_completion: int, num_cached: int = -1) -> dict:
+    """OpenAI's usage object; prompt_tokens_details.cached_tokens when the worker said how
+    much of the prompt it found in its prefix cache (num_cached >= 0)."""
+    out = {"prompt_tokens": num_prompt, "completion_tokens": num_completion,
+           "total_tokens": num_prompt + num_completion}
+    if num_cached >= 0:
+        out["prompt_tokens_details"] = {"cached_tokens": min(num_cached, num_prompt)}
+    return out
 
 
-def reply(req: ApiRequest, rid: str, created: int, text: str, finish: str, num_tokens: int) -> dict:
+def reply(req: ApiRequest, rid: str, created: int, text: str, finish: str, num_tokens: int,
+          num_cached: int = -1) -> dict:
     """The whole answer of a request that did not stream."""
     if req.kind == "chat":
         choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
@@ -197,7 +203,7 @@ def reply(req: ApiRequest, rid: str, created: int, text: str, finish: str, num_t
         choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
     return {"id": rid, "object": "chat.completion" if req.kind == "chat" else "text_completion",
             "created": created, "model": req.model, "choices": [choice],
-            "usage": usage(len(req.prompt.prompt_ids), num_tokens)}
+            "usage": usage(len(req.prompt.prompt_ids), num_tokens, num_cached)}
 
 
 def chunk(req: ApiRequest, rid: str, created: int, text: str | None, finish: str | None = None,
@@ -217,10 +223,10 @@ def chunk(req: ApiRequest, rid: str, created: int, text: str | None, finish: str
     return out
 
 
-def usage_chunk(req: ApiRequest, rid: str, created: int, num_tokens: int) -> dict:
+def usage_chunk(req: ApiRequest, rid: str, created: int, num_tokens: int, num_cached: int = -1) -> dict:
     return {"id": rid, "object": "chat.completion.chunk" if req.kind == "chat" else "text_completion",
             "created": created, "model": req.model, "choices": [],
-            "usage": usage(len(req.prompt.prompt_ids), num_tokens)}
+            "usage": usage(len(req.prompt.prompt_ids), num_tokens, num_cached)}
 
 
 def models_list(names: list[str], max_context: int) -> dict:

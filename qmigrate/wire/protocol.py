@@ -468,9 +468,12 @@ class Replies:
     finish: bytes             # uint8
     num_tokens: bytes         # int32
     texts: list[str]
+    cached_tokens: bytes = b""   # int32 per row: prompt tokens found cached (-1: not said), on a finish row
 
     def validate(self) -> None:
         n = len(unpack_i64(self.seq_ids, "Replies.seq_ids"))
+        if self.cached_tokens and len(self.cached_tokens) != 4 * n:
+            raise ProtocolError("Replies.cached_tokens: one count per row")
         finish, counts = unpack_u8(self.finish, "Replies.finish"), unpack_i32(self.num_tokens, "Replies.num_tokens")
         if not n == len(finish) == len(counts) == len(self.texts):
             raise ProtocolError("Replies: arrays differ in length")
