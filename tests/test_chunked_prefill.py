@@ -165,3 +165,21 @@ def test_the_pipeline_with_a_small_budget_equals_generate_through_a_drain(tmp_pa
     for p in prompts:
         reference(p["prompt_ids"], p["max_new_tokens"], finals[p["id"]]["token_ids"], p["id"])
     assert moves.get("drain", 0) > 0, moves
+
+
+def test_a_prompt_on_a_cached_prefix_reports_its_cached_positions_with_its_first_token(model, prompts):
+    core = WorkerCore(make_engine(model, prefill_tokens_per_step=BUDGET))
+    p = long_prompt(prompts, 40)
+    Router({1: p}, max_new_tokens=2).run_all(core)        # its first 32 positions are now cached
+    q = p[:32] + long_prompt(prompts[2:], 13)
+    ids, reported = {2: list(q)}, []
+    for k in range(1, 5):
+        full = [spec_of(2, q, len(q), 4)] if k == 1 else []
+        result, tokens = core.run(make_lease(ids, full=full, lease_id=10 + k))
+        counts = P.unpack_i32(result.counts).tolist()
+        shown = P.unpack_i32(tokens.cached_tokens).tolist() if tokens.cached_tokens else []
+        reported.append((counts[0], P.unpack_i32(result.cached_tokens).tolist()[0], shown))
+        ids[2] += P.unpack_i32(result.tokens).tolist()
+    # 13 positions left at 8 a step: no token in the first lease, then the first with 32 cached
+    assert reported[:2] == [(0, -1, []), (1, 32, [32])]
+    assert [r[1] for r in reported[2:]] == [-1, -1]

@@ -104,8 +104,8 @@ class WorkerCore:
         self.engine = engine
         self.seqs: dict[int, SeqState] = {}
         self.transfers: dict[int, Transfer] = {}
-        # seq_id -> (ids, cache salt) of a prompt not all in the KV yet
-        self.filling: dict[int, tuple[np.ndarray, str]] = {}
+        # seq_id -> (ids, cache salt, positions found cached) of a prompt not all in the KV yet
+        self.filling: dict[int, tuple[np.ndarray, str, int]] = {}
         self.num_steps = 0
         self.num_kv_imported = 0   # sequences resumed from shipped KV (a failed import recomputes)
         self.trace = OFF   # the worker's step timeline (`trace.py`), when it keeps one
@@ -179,11 +179,12 @@ class WorkerCore:
                 run.rows.sort(key=lambda r: r.seq_id not in self.filling)
             run.pending = self.engine.launch(run.rows, after=after.pending if after else None, between=between)
             run.cached = run.pending.cached
-            self._track_filling(run.pending, full)
+            self._track_filling(run, run.pending, full)
         return run
 
-    def _track_filling(self, pending, full: dict[int, P.SeqSpec]) -> None:
-        """Keep the ids of prompts the step ran only part of; forget those it finished."""
+    def _track_filling(self, run: "Started", pending, full: dict[int, P.SeqSpec]) -> None:
+        """Keep the ids of prompts the step ran only part of; forget those it finished. A
+        prompt's cached positions are reported with its first token (once)."""
         partial, filling = pending.partial, self.filling
         if not (partial or filling):
             return
@@ -191,9 +192,13 @@ class WorkerCore:
             sid = r.seq_id
             if sid in partial:
                 if sid not in filling and sid in full:
-                    filling[sid] = full[sid].ids, full[sid].cache_salt
-            elif r.new_ids:
-                filling.pop(sid, None)
+                    filling[sid] = full[sid].ids, full[sid].cache_salt, pending.cached.get(sid, -1)
+                run.cached.pop(sid, None)
+            elif r.new_ids and (entry := filling.pop(sid, None)) is not None:
+                if entry[2] >= 0:
+                    run.cached[sid] = entry[2]
+                else:
+                    run.cached.pop(sid, None)
 
     def finish(self, run: "Started", on_step=None, revoked: frozenset[int] | None = frozenset(),
                on_last_launch=None) -> tuple[P.StepResult, P.Tokens]:
@@ -215,7 +220,7 @@ class WorkerCore:
                 rows = self._continuing(run, pending, revoked)
                 nxt = self.engine.launch(rows, after=pending) if rows else None
                 if nxt is not None:
-                    self._track_filling(nxt, {})
+                    self._track_filling(run, nxt, {})
                 self.trace("launch", len(rows))
                 launched += 1
             if more and (nxt is None or launched >= run.lease.num_steps):
@@ -274,7 +279,7 @@ class WorkerCore:
             new = ids[start:].tolist()
         elif sid in self.filling and (state := self.seqs.get(sid)) is not None \
                 and length in (P.CONTINUE, len(self.filling[sid][0])):
-            ids, salt = self.filling[sid]
+            ids, salt, _ = self.filling[sid]
             start = max(0, self.engine.cached_len(sid))
             new, length = ids[start:].tolist(), len(ids)
             return StepRow(sid, new, start, length - state.prompt_len, state.temperature,
