@@ -327,7 +327,7 @@ def test_what_arrived_together_leaves_together():
         server = HttpServer.__new__(HttpServer)
         server.cfg = SimpleNamespace(http_timeout_s=5.0)
         events = asyncio.Queue()
-        for item in [("a", 0, 1), ("b", 0, 2), ("c", 2, 3), ("late", 0, 4)]:
+        for item in [("a", 0, 1, 0), ("b", 0, 2, 0), ("c", 2, 3, 5), ("late", 0, 4, 0)]:
             events.put_nowait(item)
         got = [await server._next_all(events)]
         got.append(await server._next_all(events))
@@ -336,7 +336,7 @@ def test_what_arrived_together_leaves_together():
             await server._next_all(events)
         return got
 
-    assert asyncio.run(main()) == [("abc", 2, 3), ("late", 0, 4)]
+    assert asyncio.run(main()) == [("abc", 2, 3, 5), ("late", 0, 4, 0)]
 
 
 def test_the_pipeline_figure_is_read_for_the_same_workload_only(tmp_path):
