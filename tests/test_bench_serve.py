@@ -327,7 +327,7 @@ def test_what_arrived_together_leaves_together():
         server = HttpServer.__new__(HttpServer)
         server.cfg = SimpleNamespace(http_timeout_s=5.0)
         events = asyncio.Queue()
-        for item in [("a", 0, 1, 0), ("b", 0, 2, 0), ("c", 2, 3, 5), ("late", 0, 4, 0)]:
+        for item in [("a", 0, 1, -1), ("b", 0, 2, -1), ("c", 2, 3, 16), ("late", 0, 4, -1)]:
             events.put_nowait(item)
         got = [await server._next_all(events)]
         got.append(await server._next_all(events))
@@ -336,7 +336,7 @@ def test_what_arrived_together_leaves_together():
             await server._next_all(events)
         return got
 
-    assert asyncio.run(main()) == [("abc", 2, 3, 5), ("late", 0, 4, 0)]
+    assert asyncio.run(main()) == [("abc", 2, 3, 16), ("late", 0, 4, -1)]
 
 
 def test_the_pipeline_figure_is_read_for_the_same_workload_only(tmp_path):
@@ -346,3 +346,12 @@ def test_the_pipeline_figure_is_read_for_the_same_workload_only(tmp_path):
     path.write_text(json.dumps({"workload": {"output_tokens": 500}, "runs": runs}))
     assert _pipeline_figure(path, 500) == 20.0
     assert _pipeline_figure(path, 501) is None
+
+
+def test_the_prefix_hit_rate_is_read_from_usage():
+    from qmigrate.bench.serve_stats import CallRecord, format_rows, summarize
+    recs = [CallRecord(0.0, [0.1, 0.2], 2, 2, prompt_tokens=100, cached_tokens=c) for c in (0, 96, -1)]
+    s = summarize(recs, 0.0, 1.0)
+    assert s["prefix_hit_rate"] == 96 / 200
+    assert format_rows([("inf", s)]).splitlines()[1].endswith("48%")
+    assert summarize(recs[2:], 0.0, 1.0)["prefix_hit_rate"] is None

@@ -348,3 +348,24 @@ def test_a_fleet_reports_cached_tokens_per_request(tmp_path, tiny_model_dir, qmi
     check = greedy_reference(tiny_model_dir)
     for p in prompts:
         check(p["prompt_ids"], 5, finals[p["id"]]["token_ids"], p["id"])
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(600)
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("runner", ["hf", "fast"])
+def test_hits_on_a_gpu_give_generate_output(tiny_model_dir, runner):
+    """On a GPU in fp32: prompts of one system prompt, run one after another, reuse its blocks
+    and give generate()'s tokens (a numerical tie may part them, as conftest allows)."""
+    from conftest import greedy_reference
+    from qmigrate.engine.loading import load_model
+    model, _ = load_model(tiny_model_dir, "cuda:0", "float32")
+    engine = Engine(model, runner=runner, max_kv_tokens=1 << 14, max_batch=16)
+    check = greedy_reference(tiny_model_dir)
+    for sid, q in enumerate(QUESTIONS):
+        prompt = SYSTEM + q
+        out, cached = generate(engine, sid, prompt, 8)
+        assert cached == (0 if sid == 0 else len(SYSTEM) // BS * BS)
+        check(prompt, 8, out, f"{runner} {sid}")
+        engine.release(sid)
+    engine.pool.check()

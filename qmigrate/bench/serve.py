@@ -123,6 +123,9 @@ class Client:
                         if usage:
                             rec.output_tokens = usage.get("completion_tokens", 0)
                             rec.prompt_tokens = usage.get("prompt_tokens", 0)
+                            details = usage.get("prompt_tokens_details") or {}
+                            if isinstance(details.get("cached_tokens"), int):
+                                rec.cached_tokens = details["cached_tokens"]
                     if done:
                         break
         except (aiohttp.ClientError, OSError, asyncio.TimeoutError, ValueError) as exc:

@@ -22,6 +22,7 @@ class CallRecord:
     output_tokens: int = 0               # as the server's usage says, else the chunks counted
     expected_tokens: int = 0
     prompt_tokens: int = 0
+    cached_tokens: int = -1              # usage.prompt_tokens_details.cached_tokens (-1: not said)
     error: str = ""
 
     @property
@@ -88,6 +89,7 @@ def summarize(records: list[CallRecord], t0: float, end: float, slos: dict[str, 
         "failed": len(records) - len(done),
         "errors": sorted({r.error for r in records if r.error})[:5],
         "output_tokens": out_tokens, "prompt_tokens": sum(r.prompt_tokens for r in done),
+        "prefix_hit_rate": _hit_rate(done),
         "output_tok_per_s": out_tokens / duration, "requests_per_s": len(done) / duration,
         "short_calls": sum(1 for r in done if r.expected_tokens and r.output_tokens != r.expected_tokens),
         "ttft_ms": _dist([r.ttft for r in done]),
@@ -102,10 +104,17 @@ def summarize(records: list[CallRecord], t0: float, end: float, slos: dict[str, 
     return out
 
 
+def _hit_rate(done: list[CallRecord]) -> float | None:
+    """Prompt tokens the server found cached, of those of the calls that said (None: none did)."""
+    said = [r for r in done if r.cached_tokens >= 0]
+    prompt = sum(r.prompt_tokens for r in said)
+    return sum(r.cached_tokens for r in said) / prompt if said and prompt else None
+
+
 def format_rows(runs: list[tuple[str, dict]]) -> str:
     """One line per run (a rate of a sweep): throughput, then p50/p99 of each latency."""
     head = (f"{'rate':>8} {'tok/s':>9} {'req/s':>7} {'TTFT p50/p90/p99 ms':>22} {'TPOT p50/p99 ms':>16} "
-            f"{'ITL p50/p99 ms':>16} {'E2E p50/p99 s':>14} {'good/s':>7} {'failed':>6}")
+            f"{'ITL p50/p99 ms':>16} {'E2E p50/p99 s':>14} {'good/s':>7} {'failed':>6} {'hits':>5}")
     lines = [head]
     for rate, s in runs:
         f = lambda d, q: "-" if d[f"p{q}"] is None else f"{d[f'p{q}']:.1f}"
@@ -115,5 +124,9 @@ def format_rows(runs: list[tuple[str, dict]]) -> str:
         lines.append(f"{rate:>8} {s['output_tok_per_s']:9,.0f} {s['requests_per_s']:7.2f} {ttft:>22} "
                      f"{f(s['tpot_ms'], 50) + '/' + f(s['tpot_ms'], 99):>16} "
                      f"{f(s['itl_ms'], 50) + '/' + f(s['itl_ms'], 99):>16} {e(50) + '/' + e(99):>14} "
-                     f"{good:>7} {s['failed']:>6}")
+                     f"{good:>7} {s['failed']:>6} {_percent(s.get('prefix_hit_rate')):>5}")
     return "\n".join(lines)
+
+
+def _percent(x: float | None) -> str:
+    return "-" if x is None else f"{100 * x:.0f}%"
