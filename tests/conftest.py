@@ -16,6 +16,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import torch
+
+if not torch.cuda.is_available():
+    # Triton picks the interpreter when it is first imported, for every kernel of the process
+    # (its own library included): decide it here, before any test module imports it, so kernel
+    # tests run on the CPU and no kernel is ever defined half interpreted
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def _interrupted(signum, frame):

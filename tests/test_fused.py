@@ -12,7 +12,7 @@ import pytest
 import torch
 
 if not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"
+    os.environ.setdefault("TRITON_INTERPRET", "1")   # conftest.py sets it first; kept for runs without it
 
 from transformers import LlamaConfig  # noqa: E402
 from transformers.models.llama.modeling_llama import (LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding,  # noqa: E402
