@@ -96,7 +96,8 @@ def test_smollm2_runs_on_the_fast_runner():
     assert engine.runner.name == "fast", engine.runner_reason
     prompt = tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
                                            add_generation_prompt=True)
-    prompt = list(prompt["input_ids"] if isinstance(prompt, dict) else prompt)
+    # transformers 5 returns a BatchEncoding (a mapping, not a dict)
+    prompt = list(prompt["input_ids"] if hasattr(prompt, "keys") else prompt)
     out, row = [], StepRow(1, prompt, 0, 0)
     for i in range(24):
         (token,) = engine.step([row])
