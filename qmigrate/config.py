@@ -167,7 +167,7 @@ class WorkerConfig(_Section):
     prefill_chunk: int = _f(512, _non_negative)   # 0: a prompt fills its KV in one forward
     # prompt tokens one step carries: a longer prompt (or several) is spread over the following
     # steps, each with the decode rows, so no step stalls them for a whole prompt (0: no limit)
-    prefill_tokens_per_step: int = _f(512, _non_negative)
+    prefill_tokens_per_step: int = _f(0, _non_negative)
     prefix_cache: bool = _f(True, _boolean)      # reuse cached KV of shared prompt prefixes
     transfer_wait_s: float = _f(2.0, _positive)   # a lease waits this long for KV shipments, then recomputes
     # a lone lease on the device waits this long for the next one before it is collected

@@ -115,8 +115,8 @@ class PrefixCache:
         if num_full <= len(keys):
             return
         parent = keys[-1] if keys else self.seeds[seq_id]
-        for b, key in enumerate(block_keys(ids, bs, max_blocks=num_full, parent=parent, first=len(keys)),
-                                start=len(keys)):
+        done = len(keys)   # hash only the blocks not keyed yet: a decode step fills one block of a row
+        for b, key in enumerate(block_keys(ids[done * bs:num_full * bs], bs, parent=parent), start=done):
             block = blocks[b]
             if block not in self.key_of and key not in self.by_key:
                 self.key_of[block] = key
