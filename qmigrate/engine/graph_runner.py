@@ -84,7 +84,8 @@ class GraphRunner:
         self.max_positions = model.max_positions
         self.vocab_size = model.vocab_size
         self.max_batch = max_batch
-        self.use_kernels = attn.can_use_triton(model.embed)
+        self.use_kernels = attn.can_use_triton(model.embed) and all(
+            attn.supports_head_dim(layer.attn.head_dim) for layer in model.layers)
         self.use_graphs = cuda_graphs and self.device.type == "cuda"
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}         # decode steps, by rows
         self.token_graphs: dict[int, torch.cuda.CUDAGraph] = {}   # steps with prompts, by tokens

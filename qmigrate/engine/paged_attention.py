@@ -86,6 +86,11 @@ def can_use_triton(q) -> bool:
     return q.is_cuda or is_interpreted()
 
 
+def supports_head_dim(head_dim: int) -> bool:
+    """The kernels' tiles: a power of two from 16 to 256 (other widths take the reference)."""
+    return head_dim & (head_dim - 1) == 0 and 16 <= head_dim <= 256
+
+
 def is_interpreted() -> bool:
     # the interpreter is chosen when triton is first imported, so ask a kernel, not the environment
     from triton.runtime.interpreter import InterpretedFunction
