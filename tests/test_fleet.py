@@ -42,8 +42,10 @@ def _keep_busy_until_w3_joins(path, router, timeout: float = 120.0) -> list[dict
         if stats.get("workers") == 3:
             assert stats.get("live", 0) > 0, f"w3 joined an idle fleet: {stats}"
             return fed
-        if stats and stats.get("live", 0) < 8:
-            wave = H.prompts(100 + len(fed), f"a{len(fed)}-", n=8, new_tokens=120)
+        # refilled well before it runs dry: between two polls the fleet must not finish
+        # everything it holds, or w3 could join an idle fleet
+        if stats and stats.get("live", 0) < 16:
+            wave = H.prompts(100 + len(fed), f"a{len(fed)}-", n=16, new_tokens=200)
             H.feed(path, wave)
             fed += wave
         time.sleep(0.1)
