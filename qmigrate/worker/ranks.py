@@ -24,8 +24,6 @@ import tempfile
 import threading
 from pathlib import Path
 
-import torch
-
 from qmigrate.config import dump_topology, load_topology
 from qmigrate.engine.parallel import TensorParallel
 
