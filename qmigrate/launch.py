@@ -323,17 +323,18 @@ def single_node(topo: Topology, ipc_dir: str, model_path: str) -> Topology:
     return parse_topology(data, source="simulation")
 
 
-def run_sim(topo: Topology, model_path: str, log_level: str = "warning") -> int:
+def run_local(topo: Topology, model_path: str, start, prefix: str = "qm-") -> int:
+    """Run `topo` as one node in a temp directory of its own: `start(local, path)` runs it
+    (the single-node topology and the file it is written to). Signals stop it with status
+    128 + the signal, and the directory goes whatever happens."""
     old = catch_signals()  # before the temp directory exists, so a signal never leaves it behind
     tmp = None
     try:
-        tmp = tempfile.mkdtemp(prefix="qm-")
+        tmp = tempfile.mkdtemp(prefix=prefix)
         local = single_node(topo, tmp, model_path)
         path = Path(tmp) / "topology.yaml"
         dump_topology(local, path)
-        if sys.stderr.isatty():  # an operator at a terminal may want to look inside
-            print(f"qmigrate: live view: qmigrate status {path}", file=sys.stderr)
-        return run_node(local, path, "local", read_stdin=True, log_level=log_level, wait_for_workers=True)
+        return start(local, path)
     except Interrupted as exc:
         print(f"qmigrate: stopped by signal {exc.signum}", file=sys.stderr)
         return 128 + exc.signum
@@ -343,6 +344,15 @@ def run_sim(topo: Topology, model_path: str, log_level: str = "warning") -> int:
             shutil.rmtree(tmp, ignore_errors=True)
         for s, h in old.items():
             signal.signal(s, h)
+
+
+def run_sim(topo: Topology, model_path: str, log_level: str = "warning") -> int:
+    def start(local: Topology, path: Path) -> int:
+        if sys.stderr.isatty():  # an operator at a terminal may want to look inside
+            print(f"qmigrate: live view: qmigrate status {path}", file=sys.stderr)
+        return run_node(local, path, "local", read_stdin=True, log_level=log_level, wait_for_workers=True)
+
+    return run_local(topo, model_path, start)
 
 
 def set_title(role: str, name: str) -> None:

@@ -10,18 +10,15 @@ private temporary directory with the ipc:// sockets, and removed on exit.
 from __future__ import annotations
 
 import http.client
-import shutil
-import signal
 import socket
 import sys
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from .config import (GPU_SERVE_MAX_SEQS, GPU_SERVE_MAX_TOKENS, ConfigError, Topology, dump_topology, local_topology,
+from .config import (GPU_SERVE_MAX_SEQS, GPU_SERVE_MAX_TOKENS, ConfigError, Topology, local_topology,
                      parse_topology)
-from .launch import Interrupted, catch_signals, ignore_signals, run_node, single_node
+from .launch import run_local, run_node
 
 READY_POLL_S = 0.5
 
@@ -140,25 +137,12 @@ def health_status(host: str, port: int, timeout_s: float = 0.3) -> int | None:
 
 def run_serve(topo: Topology, model_path: str, log_level: str = "warning") -> int:
     """Serve until SIGINT or SIGTERM; every role stops with it."""
-    old = catch_signals()  # before the temp directory exists, so a signal never leaves it behind
-    tmp = None
-    try:
-        tmp = tempfile.mkdtemp(prefix="qm-serve-")
-        local = single_node(topo, tmp, model_path)
-        path = Path(tmp) / "topology.yaml"
-        dump_topology(local, path)
+    def start(local: Topology, path: Path) -> int:
         devices = sorted({w.device for w in local.workers})
         print(f"qmigrate: serving {model_path} with {len(local.workers)} worker"
               f"{'s' if len(local.workers) != 1 else ''} ({', '.join(devices)}); live view: "
               f"qmigrate status {path}", file=sys.stderr, flush=True)
         notice = ReadyNotice(local.ingest.http_host, local.ingest.http_port)
         return run_node(local, path, "local", read_stdin=False, log_level=log_level, tick=notice)
-    except Interrupted as exc:
-        print(f"qmigrate: stopped by signal {exc.signum}", file=sys.stderr)
-        return 128 + exc.signum
-    finally:
-        ignore_signals()
-        if tmp is not None:
-            shutil.rmtree(tmp, ignore_errors=True)
-        for s, h in old.items():
-            signal.signal(s, h)
+
+    return run_local(topo, model_path, start, prefix="qm-serve-")
