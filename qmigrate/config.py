@@ -168,6 +168,9 @@ class WorkerConfig(_Section):
     # prompt tokens one step carries: a longer prompt (or several) is spread over the following
     # steps, each with the decode rows, so no step stalls them for a whole prompt (0: no limit)
     prefill_tokens_per_step: int = _f(0, _non_negative)
+    # prompt tokens a step carries while it also runs decode rows, whose streams all wait for
+    # it; a step of prompts alone takes what its lease brings (0: no limit; docs/design.md)
+    prefill_tokens_with_decode: int = _f(512, _non_negative)
     prefix_cache: bool = _f(True, _boolean)      # reuse cached KV of shared prompt prefixes
     transfer_wait_s: float = _f(2.0, _positive)   # a lease waits this long for KV shipments, then recomputes
     # a lone lease on the device waits this long for the next one before it is collected
@@ -183,7 +186,8 @@ class WorkerConfig(_Section):
                             cpu_kv_bytes=int(self.cpu_kv_gib * 2**30), max_batch=self.max_seqs,
                             max_batch_tokens=self.max_tokens, cuda_graphs=self.cuda_graphs,
                             prefill_chunk=self.prefill_chunk, prefix_cache=self.prefix_cache,
-                            prefill_tokens_per_step=self.prefill_tokens_per_step)
+                            prefill_tokens_per_step=self.prefill_tokens_per_step,
+                            prefill_tokens_with_decode=self.prefill_tokens_with_decode)
 
 
 @dataclass(frozen=True, slots=True)
