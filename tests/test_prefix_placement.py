@@ -32,7 +32,7 @@ def make_sched(**config) -> Scheduler:
 
 
 def join(s: Scheduler, name: str, **kw) -> WorkerState:
-    w = WorkerState(name, **{"max_seqs": 8, "max_tokens": 1 << 16, "block_size": BS, **kw})
+    w = WorkerState(name, **{"max_seqs": 8, "max_tokens": 1 << 16, "block_size": BS, "is_caching": True, **kw})
     s.register(w, 0.0)
     return w
 
@@ -91,7 +91,7 @@ def test_new_sequences_go_where_their_prefix_is_cached():
 
 def test_cache_blind_placement_takes_whatever_is_queued():
     s = make_sched(spread_new_work=False, prefix_aware=False)
-    join(s, "a")
+    join(s, "a", is_caching=False)   # no cache of its own: it holds nothing back for one
     join(s, "b")
     cached_on(s, "b", SYSTEMS[1])
     s.admit([spec(i, prompt(i % 2, i)) for i in range(8)])
@@ -103,11 +103,13 @@ def test_a_hit_does_not_pile_onto_a_full_worker():
     join(s, "a")
     b = join(s, "b", max_seqs=2, inflight=1)
     cached_on(s, "b", SYSTEMS[1])
-    s.admit([spec(100 + i, prompt(0, i)) for i in range(2)])
+    s.admit([spec(100 + i, [200 + i] * 40) for i in range(2)])
     assert len(ids_of(ask(s, "b"))) == 2          # b is full now
     assert b.load >= b.capacity
     s.admit([spec(i, prompt(1, i)) for i in range(4)])
-    assert sorted(ids_of(ask(s, "a"))) == [0, 1, 2, 3]   # b holds the prefix but has no room
+    # b holds the prefix but has no room: a takes them, the rest on the blocks 0 computes
+    assert ids_of(ask(s, "a")) == [0]
+    assert sorted(ids_of(ask(s, "a"))) == [1, 2, 3]
 
 
 def test_a_sequence_waits_for_its_cache_no_longer_than_prefix_wait_s():
@@ -195,3 +197,82 @@ def test_hit_rates_per_worker_and_for_the_fleet_in_prometheus_and_stats():
     assert 'qmigrate_prefix_cached_tokens_total{worker="a"} 75.0' in text
     rows = {w["name"]: w for w in as_dicts(WORKER_COLUMNS, obs.snapshot(s)[0])}
     assert (rows["a"]["prompt_tokens"], rows["a"]["cached_tokens"]) == (100, 75)
+
+
+# --- the prefill a lease is charged ---------------------------------------------------------
+
+SHARED = [1] + [r.randrange(3, 1500) for _ in range(1023)]     # 64 blocks
+
+
+def question(i: int) -> list[int]:
+    return SHARED + [3 + (11 * i + j) % 1400 for j in range(128)]
+
+
+def serve(s: Scheduler, name: str, max_tokens: int) -> tuple[int, int]:
+    """Run name's leases a step each, as a worker whose cache holds every block it computed
+    (reported with the step's result) and whose sequences end after one token: (steps,
+    prompts that found none of the shared prefix cached, so computed it)."""
+    cache: set[int] = set()
+    steps = misses = 0
+    while (grant := s.schedule(name, 64, max_tokens, 0.0, None)) is not None:
+        steps += 1
+        events = []
+        for row in grant.rows:
+            ids = P.unpack_i32(row.spec.token_ids).tolist()
+            keys = block_keys(ids, BS, max_blocks=(len(ids) - 1) // BS)
+            misses += keys[0] not in cache
+            events += [k for k in keys if k not in cache and k not in events]
+        cache.update(events)
+        s.cache_report(name, events)
+        n = len(grant.rows)
+        s.complete(grant.lease_id, name, [row.seq_id for row in grant.rows], [1] * n, [7] * n,
+                   [int(P.Finish.LENGTH)] * n, 0.0)
+    return steps, misses
+
+
+def test_prompts_sharing_a_prefix_are_charged_what_they_miss_and_wait_for_its_first_computation():
+    # 16 prompts of 1,152 tokens sharing 1,024, a budget of 4,096 tokens a step. Charged in
+    # full, 3 fit a step: 6 steps, and the 3 of the first all compute the prefix. Charged
+    # what they miss, with the others waiting a step for the first: 1 then 15 (128 each).
+    s = make_sched(spread_new_work=False)
+    join(s, "a", max_seqs=64)
+    s.admit([spec(i, question(i)) for i in range(16)])
+    assert serve(s, "a", 4096) == (2, 1)
+    assert s.counters["prefix_held_in_lease"] == 15
+
+
+def test_without_a_wait_prompts_of_one_step_all_compute_their_shared_prefix():
+    s = make_sched(spread_new_work=False, prefix_wait_s=0.0)
+    join(s, "a", max_seqs=64)
+    s.admit([spec(i, question(i)) for i in range(16)])
+    assert serve(s, "a", 4096) == (2, 3)
+
+
+def test_a_worker_without_a_cache_is_charged_whole_prompts():
+    s = make_sched(spread_new_work=False)
+    join(s, "a", max_seqs=64, is_caching=False)
+    s.admit([spec(i, question(i)) for i in range(16)])
+    assert serve(s, "a", 4096) == (6, 3)
+
+
+def test_a_prompt_starting_on_blocks_on_their_way_is_charged_only_its_own_kv():
+    s = make_sched(spread_new_work=False)
+    join(s, "a", max_seqs=64, kv_tokens=1 << 20)
+    s.admit([spec(i, question(i)) for i in range(2)])
+    own = 1152 + BS                                         # a prompt's KV, as charged
+    assert ids_of(s.schedule("a", 64, 1 << 20, 0.0, 10 * own)) == [0]
+    # Its first 64 blocks are 0's, which a holds by the time 1 starts (0 is charged them).
+    assert s.schedule("a", 64, 1 << 20, 0.0, own + own - 1024 - 1) is None
+    assert ids_of(s.schedule("a", 64, 1 << 20, 0.0, own + own - 1024)) == [1]
+
+
+def test_a_prompt_waits_for_a_shared_prefix_no_longer_than_prefix_wait_s():
+    s = make_sched(spread_new_work=False, prefix_wait_s=1.0)
+    join(s, "a", max_seqs=64)
+    s.admit([spec(i, question(i)) for i in range(2)])
+    for now in (0.0, 0.5):
+        grant = s.schedule("a", 64, 1 << 20, now, None)
+        assert ids_of(grant) == [0]
+        # 0 comes back unrun (the worker asked for its ids): the prefix is still nowhere
+        s.complete(grant.lease_id, "a", [0], [0], [], [int(P.Finish.NEED_IDS)], now)
+    assert ids_of(s.schedule("a", 64, 1 << 20, 1.0, None)) == [0, 1]   # 1 has waited since 0.0

@@ -12,6 +12,14 @@ takes its hits first, and leaves a sequence that scores better on another worker
 `prefix_wait_s` after it was first offered, while that worker has room (batch places and KV
 blocks): a hit never piles work onto a worker that is full. A conversation's next turn is a
 new sequence whose prefix the last turn's worker holds, so it goes back there the same way.
+
+A lease is charged the prefill its worker will do (`LeasePrefill`): a prompt less the blocks
+that worker will find cached when it runs, those the index says it holds and those that
+sequences already on their way to it compute first (a worker launches its leases in order,
+and caches a block as soon as its step is launched). Blocks that rows of the same step
+compute are not cached yet when the others start, so a new sequence sharing them with an
+earlier row waits for a later step (in-batch prefix caching), within the same
+`prefix_wait_s` from when it was first offered.
 """
 
 from __future__ import annotations
@@ -22,6 +30,9 @@ from qmigrate.router.records import Seq, WorkerState
 from qmigrate.wire.prefix_keys import block_keys
 
 MAX_KEYS = 1 << 20
+# A run of blocks shared with a row of the same lease is worth a step's wait from this long
+# (SGLang's in-batch prefix caching waits from 32 tokens).
+MIN_SHARED_TOKENS = 32
 
 
 class PrefixIndex:
@@ -127,3 +138,46 @@ def place_new(index: PrefixIndex, w: WorkerState, workers: dict[str, WorkerState
             continue
         out.append(candidates[next(it)] if i in gains or i in new else entry)
     return out
+
+
+class LeasePrefill:
+    """The prefill one lease to a worker with a prefix cache costs, row by row.
+
+    `arriving`: sequences leased to w whose KV it does not hold yet. Their blocks are cached
+    there before this lease's rows start, and their pool blocks are already charged to w's
+    KV room (at their full length), so a row that starts on them is charged neither the
+    tokens nor the KV again. Blocks the index says w holds cost no prefill but are charged
+    KV: an idle cached block counts as free in w's report and leaves it when taken."""
+
+    def __init__(self, index: PrefixIndex, w: WorkerState, arriving):
+        self.index, self.w = index, w
+        self.coming = {key for seq in arriving for key in seq_keys(seq, w.block_size)}
+        self.in_lease: set[int] = set()   # keys of blocks this lease's rows compute
+
+    def cost(self, seq: Seq) -> tuple[int, int, int]:
+        """(prompt tokens w will compute for seq, KV tokens to charge, tokens of the blocks
+        after its cached ones that an earlier row of this lease computes)."""
+        bs, keys = self.w.block_size, seq_keys(seq, self.w.block_size)
+        held = self.index.match(keys).get(self.w.name, 0) if len(self.index) else 0
+        ready = held
+        while ready < len(keys) and keys[ready] in self.coming:
+            ready += 1
+        shared = ready
+        while shared < len(keys) and keys[shared] in self.in_lease:
+            shared += 1
+        n = len(seq.token_ids)
+        return n - ready * bs, n + bs - (ready - held) * bs, (shared - ready) * bs
+
+    def take(self, seq: Seq, num_computed: int) -> None:
+        """seq is a row of this lease and computes its last num_computed prompt tokens."""
+        keys = seq_keys(seq, self.w.block_size)
+        first = (len(seq.token_ids) - num_computed) // self.w.block_size
+        self.in_lease.update(keys[first:])
+
+    def should_wait(self, seq: Seq, shared_tokens: int, now: float, wait_s: float) -> bool:
+        """Hold a new sequence back for a later step, where the blocks it shares with an
+        earlier row of this lease are cached: from MIN_SHARED_TOKENS, and only within
+        wait_s of its first offer."""
+        if seq.offered_at is None:
+            seq.offered_at = now
+        return shared_tokens >= MIN_SHARED_TOKENS and now - seq.offered_at < wait_s
