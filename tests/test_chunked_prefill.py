@@ -257,3 +257,26 @@ def test_the_admission_bench_times_every_step_of_a_prompt_under_the_limit(tiny_m
     assert (tmp_path / "out.json").exists()
     with pytest.raises(ValueError, match="positions"):
         run_admission_steps(str(tiny_model_dir), "cpu", [3], 16, 4000, {})
+
+
+def test_the_in_process_bench_spreads_prompts_beside_decode_rows_and_stays_exact(model, prompts, greedy):
+    from qmigrate.bench.core import _inprocess_loop
+    engine = make_engine(model, prefill_tokens_with_decode=BUDGET)
+    steps, got, seen, real = record_placed(engine), {}, {}, engine.collect   # seen keeps ids unique
+
+    def collect(pending):
+        tokens = real(pending)
+        if id(pending) not in seen:
+            seen[id(pending)] = pending
+            for r, t in zip(pending.rows, tokens):
+                if r.seq_id not in pending.partial:
+                    got.setdefault(r.seq_id, []).append(t)
+        return tokens
+    engine.collect = collect
+    requests = [(long_prompt(prompts[i:], 20 + 3 * i), 5) for i in range(5)]
+    result = _inprocess_loop(engine, requests, max_seqs=8, max_tokens=48, profile=False, device="cpu")
+    assert result.useful_tokens == 25
+    assert got == {i: greedy(p, 5) for i, (p, _) in enumerate(requests)}
+    # the first step takes 2 prompts whole (43 tokens); the others come 8 tokens a step
+    assert sum(n for _, _, n in steps[0]) == 43
+    assert all(sum(n for _, _, n in step if n > 1) <= BUDGET for step in steps[1:])
