@@ -245,3 +245,15 @@ def test_a_multi_step_lease_feeds_the_next_parts_beside_its_decode_rows(model, p
     assert all(sum(n for _, _, n in step if n > 1) <= BUDGET for step in steps[1:])
     router.run_all(core)
     assert router.done[1] == greedy(prompts[3], 10) and router.done[2] == greedy(p, 10)
+
+
+def test_the_admission_bench_times_every_step_of_a_prompt_under_the_limit(tiny_model_dir, capsys, tmp_path):
+    from qmigrate.bench.admission import run_admission_steps
+    (x,) = run_admission_steps(str(tiny_model_dir), "cpu", [3], 16, 40,
+                               {"prefill_tokens_with_decode": 8, "runner": "hf"}, tmp_path / "out.json")
+    assert (x["batch"], x["limit"], x["limited_steps"]) == (3, 8, 5)    # 40 tokens at 8 a step
+    assert min(x["decode_ms"], x["whole_ms"], x["limited_max_ms"]) > 0
+    assert "prefill_tokens_with_decode=8" in capsys.readouterr().out
+    assert (tmp_path / "out.json").exists()
+    with pytest.raises(ValueError, match="positions"):
+        run_admission_steps(str(tiny_model_dir), "cpu", [3], 16, 4000, {})
