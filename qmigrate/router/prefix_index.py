@@ -14,12 +14,9 @@ blocks): a hit never piles work onto a worker that is full. A conversation's nex
 new sequence whose prefix the last turn's worker holds, so it goes back there the same way.
 
 A lease is charged the prefill its worker will do (`LeasePrefill`): a prompt less the blocks
-that worker will find cached when it runs, those the index says it holds and those that
-sequences already on their way to it compute first (a worker launches its leases in order,
-and caches a block as soon as its step is launched). Blocks that rows of the same step
-compute are not cached yet when the others start, so a new sequence sharing them with an
-earlier row waits for a later step (in-batch prefix caching), within the same
-`prefix_wait_s` from when it was first offered.
+the index says that worker holds. A new sequence whose next blocks another sequence at that
+worker computes now, or an earlier row of the same lease, waits for a later lease, when they
+are cached, instead of computing them again (in-batch prefix caching).
 """
 
 from __future__ import annotations
@@ -30,9 +27,11 @@ from qmigrate.router.records import Seq, WorkerState
 from qmigrate.wire.prefix_keys import block_keys
 
 MAX_KEYS = 1 << 20
-# A run of blocks shared with a row of the same lease is worth a step's wait from this long
-# (SGLang's in-batch prefix caching waits from 32 tokens).
+# Blocks another sequence computes are worth waiting for from this many tokens (SGLang's
+# in-batch prefix caching waits from 32), for at most this many leases of the worker: a
+# prompt fills over a few steps at most, so a longer wait means its computation stopped.
 MIN_SHARED_TOKENS = 32
+MAX_WAIT_LEASES = 8
 
 
 class PrefixIndex:
@@ -141,43 +140,47 @@ def place_new(index: PrefixIndex, w: WorkerState, workers: dict[str, WorkerState
 
 
 class LeasePrefill:
-    """The prefill one lease to a worker with a prefix cache costs, row by row.
+    """What one lease to a worker with a prefix cache costs, row by row, and which new
+    sequences should wait for blocks that others compute first.
 
-    `arriving`: sequences leased to w whose KV it does not hold yet. Their blocks are cached
-    there before this lease's rows start, and their pool blocks are already charged to w's
-    KV room (at their full length), so a row that starts on them is charged neither the
-    tokens nor the KV again. Blocks the index says w holds cost no prefill but are charged
-    KV: an idle cached block counts as free in w's report and leaves it when taken."""
+    A prompt is charged its tokens less the blocks the index says w holds: a worker reports
+    the blocks it cached with each step's result, so the index misses only what steps in
+    flight compute. Those blocks, and those that earlier rows of this lease compute, are not
+    cached when this lease's prompts start (a worker caches a block once the step writing it
+    is launched, and may spread a prompt over several steps): a new sequence whose next
+    uncached blocks are among them waits for a later lease, for at most MAX_WAIT_LEASES of
+    w's leases. Its KV is charged in full: an idle cached block counts as free in w's report
+    and leaves it when a sequence takes it."""
 
-    def __init__(self, index: PrefixIndex, w: WorkerState, arriving):
+    def __init__(self, index: PrefixIndex, w: WorkerState, held):
         self.index, self.w = index, w
-        self.coming = {key for seq in arriving for key in seq_keys(seq, w.block_size)}
-        self.in_lease: set[int] = set()   # keys of blocks this lease's rows compute
+        # keys of prompts that steps in flight at w compute (no token of theirs back yet)
+        self.computing = {key for seq in held if len(seq.token_ids) <= seq.spec.prompt_len
+                          for key in seq_keys(seq, w.block_size)}
+        self.waiting: list[Seq] = []
 
-    def cost(self, seq: Seq) -> tuple[int, int, int]:
-        """(prompt tokens w will compute for seq, KV tokens to charge, tokens of the blocks
-        after its cached ones that an earlier row of this lease computes)."""
+    def cost(self, seq: Seq) -> tuple[int, int]:
+        """(prompt tokens w will compute for seq, tokens of its blocks right after those
+        that others compute first)."""
         bs, keys = self.w.block_size, seq_keys(seq, self.w.block_size)
         held = self.index.match(keys).get(self.w.name, 0) if len(self.index) else 0
-        ready = held
-        while ready < len(keys) and keys[ready] in self.coming:
-            ready += 1
-        shared = ready
-        while shared < len(keys) and keys[shared] in self.in_lease:
+        shared = held
+        while shared < len(keys) and keys[shared] in self.computing:
             shared += 1
-        n = len(seq.token_ids)
-        return n - ready * bs, n + bs - (ready - held) * bs, (shared - ready) * bs
+        return len(seq.token_ids) - held * bs, (shared - held) * bs
 
-    def take(self, seq: Seq, num_computed: int) -> None:
-        """seq is a row of this lease and computes its last num_computed prompt tokens."""
-        keys = seq_keys(seq, self.w.block_size)
-        first = (len(seq.token_ids) - num_computed) // self.w.block_size
-        self.in_lease.update(keys[first:])
+    def take(self, seq: Seq) -> None:
+        """seq is a row of this lease: its prompt's blocks are computed from now on."""
+        if len(seq.token_ids) <= seq.spec.prompt_len:
+            self.computing.update(seq_keys(seq, self.w.block_size))
 
-    def should_wait(self, seq: Seq, shared_tokens: int, now: float, wait_s: float) -> bool:
-        """Hold a new sequence back for a later step, where the blocks it shares with an
-        earlier row of this lease are cached: from MIN_SHARED_TOKENS, and only within
-        wait_s of its first offer."""
-        if seq.offered_at is None:
-            seq.offered_at = now
-        return shared_tokens >= MIN_SHARED_TOKENS and now - seq.offered_at < wait_s
+    def should_wait(self, seq: Seq, shared_tokens: int) -> bool:
+        if shared_tokens >= MIN_SHARED_TOKENS and seq.num_waits < MAX_WAIT_LEASES:
+            self.waiting.append(seq)
+            return True
+        return False
+
+    def granted(self) -> None:
+        """The lease goes out: those that waited for it have waited one lease more."""
+        for seq in self.waiting:
+            seq.num_waits += 1

@@ -26,6 +26,7 @@ class Seq:
     resync: bool = False
     prefix_keys: tuple | None = None   # (block size, length, keys of its full blocks): prefix_index.seq_keys
     offered_at: float | None = None    # when a worker was first offered it (cache-aware placement)
+    num_waits: int = 0                 # leases it sat out for prefix blocks others computed (prefix_index)
 
     @property
     def seq_id(self) -> int:

@@ -242,7 +242,7 @@ class Scheduler:
         budget -= reserved
         room = self.moves.kv_room(w, held)
         new_room = self.moves.admission_room(w)
-        prefill = LeasePrefill(self.prefix, w, [seq for seq in held if seq.owner != name]) if w.is_caching else None
+        prefill = LeasePrefill(self.prefix, w, held) if w.is_caching else None
         rows: list[Row] = []
         shipments = []
         num_passed = num_arriving = 0
@@ -261,16 +261,16 @@ class Scheduler:
             is_prompt = not is_diff and mechanism != "transfer"   # w computes its KV from its ids
             cost = len(seq.token_ids) if is_prompt else 1
             if is_prompt and prefill is not None:
-                cost, kv_cost, shared = prefill.cost(seq)
-                if is_new and prefill.should_wait(seq, shared, now, self.config.prefix_wait_s):
-                    self.counters["prefix_held_in_lease"] += 1
-                    continue   # it starts on this lease's blocks once they are cached
+                cost, shared = prefill.cost(seq)
+                if is_new and prefill.should_wait(seq, shared):
+                    self.counters["prefix_waits"] += 1
+                    continue   # it starts on those blocks once they are cached
             if kv_cost and kv_cost > room:
                 continue
             if rows and cost > budget:
                 continue
-            if is_prompt and prefill is not None:
-                prefill.take(seq, cost)
+            if prefill is not None:
+                prefill.take(seq)
             budget -= cost
             room -= kv_cost
             num_passed -= 1
@@ -287,6 +287,8 @@ class Scheduler:
             self._feed_from_leases(w, quota, max_seqs - len(rows), now)
         if not rows:
             return None
+        if prefill is not None:
+            prefill.granted()
         lease_id = next(self._lease_ids)
         seq_ids = [r.seq_id for r in rows]
         for row in rows[:queued]:
