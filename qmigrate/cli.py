@@ -405,8 +405,17 @@ def bench(
         "--decode-step",
         help="Instead of the workload: time one decode step per batch size against the weight-read floor "
              "(CUDA).")] = False,
-    batches: Annotated[str, typer.Option(help="With --decode-step: comma-separated batch sizes.")] = "1,16,64,128,256",
-    context: Annotated[int, typer.Option(min=2, help="With --decode-step: tokens of context per row.")] = 512,
+    admission_step: Annotated[bool, typer.Option(
+        "--admission-step",
+        help="Instead of the workload: per batch size, the decode step, and the steps that admit a prompt of "
+             "--admit-tokens beside it, whole and under the workers' prefill_tokens_with_decode (set it with "
+             "--worker-setting); prints the longest step and how many it takes.")] = False,
+    admit_tokens: Annotated[int, typer.Option(
+        min=2, help="With --admission-step: tokens of the prompt admitted.")] = 1024,
+    batches: Annotated[str, typer.Option(
+        help="With --decode-step or --admission-step: comma-separated batch sizes.")] = "1,16,64,128,256",
+    context: Annotated[int, typer.Option(
+        min=2, help="With --decode-step or --admission-step: tokens of context per row.")] = 512,
     faults: Annotated[bool, typer.Option(
         "--faults",
         help="During the pipeline run, drain w1 at 20% of the tokens, kill w2 at 40% and report w3 short "
@@ -466,6 +475,15 @@ def bench(
         if model is None and is_cuda:
             model = str(build_bench_model(model_dir)) if not (model_dir / "config.json").exists() else str(model_dir)
         model_path = _resolve_model(model)
+        if admission_step:
+            from qmigrate.bench.admission import run_admission_steps
+            worker = {"runner": runner, "max_tokens": max_tokens, **for_workers}
+            try:
+                run_admission_steps(model_path, device if device != "cuda" else "cuda:0",
+                                    [int(b) for b in batches.split(",")], context, admit_tokens, worker, json_out)
+            except ValueError as exc:
+                _fail(str(exc))
+            return
         if decode_step:
             from qmigrate.bench.step import run_decode_steps
             run_decode_steps(model_path, device if device != "cuda" else "cuda:0",
