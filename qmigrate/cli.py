@@ -542,6 +542,10 @@ def bench_serve(
         help="shared-prefix and multi-turn: output tokens per call.")] = 256,
     sessions: Annotated[int, typer.Option(min=1, help="multi-turn: sessions.")] = 64,
     turns: Annotated[int, typer.Option(min=1, help="multi-turn: turns per session.")] = 4,
+    sessions_as: Annotated[str, typer.Option(
+        help="multi-turn: chat (messages to /v1/chat/completions), text (the earlier turns and answers "
+             "as one plain-text prompt to /v1/completions, for models without a chat template), or auto "
+             "(chat unless the server refuses it for want of a chat template).")] = "auto",
     request_rate: Annotated[str, typer.Option(
         help="Requests (sessions) per second, or inf for all at once; a comma-separated list sweeps, e.g. "
              "4,8,16,inf.")] = "inf",
@@ -571,12 +575,14 @@ def bench_serve(
     one line per request rate."""
     from qmigrate.bench import serve_data as D
     from qmigrate.bench.core import Workload
-    from qmigrate.bench.serve import parse_rates, run_serve
+    from qmigrate.bench.serve import SESSIONS_AS, parse_rates, run_serve
     from qmigrate.bench.serve_stats import parse_slos
     try:
         rates, slos = parse_rates(request_rate), parse_slos(goodput or [])
         if prompt_format not in ("ids", "text"):
             raise ValueError("--prompt-format must be ids or text")
+        if sessions_as not in SESSIONS_AS:
+            raise ValueError(f"--sessions-as must be one of {', '.join(SESSIONS_AS)}")
         tok = None
         if tokenizer is not None:
             from transformers import AutoTokenizer
@@ -607,7 +613,7 @@ def bench_serve(
     try:
         run_serve(base_url=base_url, model=model_name, requests=reqs, rates=rates, burstiness=burstiness,
                   max_concurrency=max_concurrency, slos=slos, seed=seed, warmup=warmup, extensions=ignore_eos,
-                  json_path=json_out, dataset=described, pipeline_json=pipeline_json)
+                  json_path=json_out, dataset=described, pipeline_json=pipeline_json, sessions_as=sessions_as)
     except (RuntimeError, OSError) as exc:
         _fail(str(exc), 1)
 

@@ -290,3 +290,17 @@ def test_a_prompt_waits_for_a_prefix_computed_elsewhere_a_bounded_number_of_leas
         leases += 1
         step_done(s, grant, False, [])          # 0 never gets on (as if stuck)
     assert ids_of(grant) == [0, 1] and leases == MAX_WAIT_LEASES
+
+
+def test_hits_are_charged_the_tokens_they_compute_and_their_whole_kv():
+    # A cached block nobody references counts as free in the worker's report and leaves it
+    # when a sequence takes it: the blocks a hit starts on are charged KV like any others.
+    s = make_sched(spread_new_work=False)
+    join(s, "a", max_seqs=64, kv_tokens=1 << 20)
+    cached_on(s, "a", SHARED)
+    s.admit([spec(i, question(i)) for i in range(2)])
+    kv = 1152 + BS
+    assert ids_of(s.schedule("a", 64, 256, 0.0, 2 * kv - 1)) == [0]
+    s.admit([spec(2, question(2))])
+    # 0 is on its way (charged in full), and 1 and 2 compute 128 tokens each
+    assert ids_of(s.schedule("a", 64, 256, 0.0, 3 * kv)) == [1, 2]
