@@ -179,9 +179,10 @@ def test_the_output_does_not_depend_on_the_budget(model, prompts, greedy, budget
 
 @pytest.mark.timeout(300)
 def test_the_pipeline_with_a_small_budget_equals_generate_through_a_drain(tmp_path, ipc_dir, tiny_model_dir):
-    """Real processes: prompts of up to 61 tokens at 16 prompt tokens a step on each worker,
-    while w1 is drained (its sequences move, some of them mid-prompt: a KV shipment of a
-    prompt not all filled has nothing to send, and the receiver recomputes)."""
+    """Real processes: prompts of up to 61 tokens at 16 prompt tokens a step on each worker (12
+    in steps that also decode), while w1 is drained (its sequences move, some of them
+    mid-prompt: a KV shipment of a prompt not all filled has nothing to send, and the
+    receiver recomputes)."""
     from conftest import greedy_reference
     from test_pipeline import MAX_LEASE_STEPS, _prompts, _run_with_a_drain
     reference = greedy_reference(tiny_model_dir)
@@ -189,7 +190,8 @@ def test_the_pipeline_with_a_small_budget_equals_generate_through_a_drain(tmp_pa
                if len(greedy_tokens(tiny_model_dir, p["prompt_ids"], p["max_new_tokens"])) > MAX_LEASE_STEPS]
     assert sum(len(p["prompt_ids"]) > 32 for p in prompts) >= 4
     finals, moves = _run_with_a_drain(tmp_path, ipc_dir, tiny_model_dir, 2, prompts,
-                                      worker={"prefill_tokens_per_step": 16}, migration="transfer")
+                                      worker={"prefill_tokens_per_step": 16, "prefill_tokens_with_decode": 12},
+                                      migration="transfer")
     for p in prompts:
         reference(p["prompt_ids"], p["max_new_tokens"], finals[p["id"]]["token_ids"], p["id"])
     assert moves.get("drain", 0) > 0, moves
