@@ -13,6 +13,7 @@ import traceback
 
 import torch
 
+import families
 from qmigrate.engine import lockstep
 from qmigrate.engine.parallel import TensorParallel
 from qmigrate.engine.runner import Engine, StepRow
@@ -27,6 +28,9 @@ FAMILIES = {
     "qwen2": dict(hidden_size=64, intermediate_size=64, num_attention_heads=4, num_key_value_heads=1),
     "qwen3": dict(hidden_size=64, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=32),
 }
+# the other fast-runner families, as tests/families.py builds them (4 heads, 2 KV heads: split
+# on 2 ranks, replicated on 4): soft-capping and windows, fused q/k/v and gate/up, experts
+SHARED_FAMILIES = ("gemma2", "gemma3", "phi3", "mixtral", "qwen2_moe", "qwen3_moe")
 
 
 def random_model(family: str):
@@ -126,6 +130,7 @@ def run_rank(rank: int, world: int, init_method: str, tiny_dir: str, out: str, d
         from qmigrate.engine.loading import load_model
         cases = {"tiny": lambda: load_model(tiny_dir, "cpu")[0]}
         cases.update({f: (lambda f=f: random_model(f)) for f in FAMILIES})
+        cases.update({f: (lambda f=f: families.build_family_model(f, seed=5)) for f in SHARED_FAMILIES})
         for name, make in cases.items():
             result[name] = check_case(make(), tp)
         tp.close()
