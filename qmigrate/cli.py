@@ -405,8 +405,17 @@ def bench(
         "--decode-step",
         help="Instead of the workload: time one decode step per batch size against the weight-read floor "
              "(CUDA).")] = False,
-    batches: Annotated[str, typer.Option(help="With --decode-step: comma-separated batch sizes.")] = "1,16,64,128,256",
-    context: Annotated[int, typer.Option(min=2, help="With --decode-step: tokens of context per row.")] = 512,
+    admission_step: Annotated[bool, typer.Option(
+        "--admission-step",
+        help="Instead of the workload: per batch size, the decode step, and the steps that admit a prompt of "
+             "--admit-tokens beside it, whole and under the workers' prefill_tokens_with_decode (set it with "
+             "--worker-setting); prints the longest step and how many it takes.")] = False,
+    admit_tokens: Annotated[int, typer.Option(
+        min=2, help="With --admission-step: tokens of the prompt admitted.")] = 1024,
+    batches: Annotated[str, typer.Option(
+        help="With --decode-step or --admission-step: comma-separated batch sizes.")] = "1,16,64,128,256",
+    context: Annotated[int, typer.Option(
+        min=2, help="With --decode-step or --admission-step: tokens of context per row.")] = 512,
     faults: Annotated[bool, typer.Option(
         "--faults",
         help="During the pipeline run, drain w1 at 20% of the tokens, kill w2 at 40% and report w3 short "
@@ -466,6 +475,15 @@ def bench(
         if model is None and is_cuda:
             model = str(build_bench_model(model_dir)) if not (model_dir / "config.json").exists() else str(model_dir)
         model_path = _resolve_model(model)
+        if admission_step:
+            from qmigrate.bench.admission import run_admission_steps
+            worker = {"runner": runner, "max_tokens": max_tokens, **for_workers}
+            try:
+                run_admission_steps(model_path, device if device != "cuda" else "cuda:0",
+                                    [int(b) for b in batches.split(",")], context, admit_tokens, worker, json_out)
+            except ValueError as exc:
+                _fail(str(exc))
+            return
         if decode_step:
             from qmigrate.bench.step import run_decode_steps
             run_decode_steps(model_path, device if device != "cuda" else "cuda:0",
@@ -524,6 +542,10 @@ def bench_serve(
         help="shared-prefix and multi-turn: output tokens per call.")] = 256,
     sessions: Annotated[int, typer.Option(min=1, help="multi-turn: sessions.")] = 64,
     turns: Annotated[int, typer.Option(min=1, help="multi-turn: turns per session.")] = 4,
+    sessions_as: Annotated[str, typer.Option(
+        help="multi-turn: chat (messages to /v1/chat/completions), text (the earlier turns and answers "
+             "as one plain-text prompt to /v1/completions, for models without a chat template), or auto "
+             "(chat unless the server refuses it for want of a chat template).")] = "auto",
     request_rate: Annotated[str, typer.Option(
         help="Requests (sessions) per second, or inf for all at once; a comma-separated list sweeps, e.g. "
              "4,8,16,inf.")] = "inf",
@@ -553,12 +575,14 @@ def bench_serve(
     one line per request rate."""
     from qmigrate.bench import serve_data as D
     from qmigrate.bench.core import Workload
-    from qmigrate.bench.serve import parse_rates, run_serve
+    from qmigrate.bench.serve import SESSIONS_AS, parse_rates, run_serve
     from qmigrate.bench.serve_stats import parse_slos
     try:
         rates, slos = parse_rates(request_rate), parse_slos(goodput or [])
         if prompt_format not in ("ids", "text"):
             raise ValueError("--prompt-format must be ids or text")
+        if sessions_as not in SESSIONS_AS:
+            raise ValueError(f"--sessions-as must be one of {', '.join(SESSIONS_AS)}")
         tok = None
         if tokenizer is not None:
             from transformers import AutoTokenizer
@@ -589,7 +613,7 @@ def bench_serve(
     try:
         run_serve(base_url=base_url, model=model_name, requests=reqs, rates=rates, burstiness=burstiness,
                   max_concurrency=max_concurrency, slos=slos, seed=seed, warmup=warmup, extensions=ignore_eos,
-                  json_path=json_out, dataset=described, pipeline_json=pipeline_json)
+                  json_path=json_out, dataset=described, pipeline_json=pipeline_json, sessions_as=sessions_as)
     except (RuntimeError, OSError) as exc:
         _fail(str(exc), 1)
 

@@ -107,8 +107,9 @@ class RouterConfig(_Section):
     journal: str = _f("", _rule("a file path, or '' for none", lambda v: isinstance(v, str)))
     # new sequences start where their prefix is cached (workers' reports), load permitting
     prefix_aware: bool = _f(True, _boolean)
-    # how long a new sequence may wait for a busy worker that holds more of its prefix
-    prefix_wait_s: float = _f(0.5, _number("a number >= 0", lambda x: x >= 0))
+    # how long a new sequence may wait for a busy worker that holds more of its prefix: a few
+    # steps (its next request for work); at 0.5 s the wait was most of a TTFT tail at 32 req/s
+    prefix_wait_s: float = _f(0.02, _number("a number >= 0", lambda x: x >= 0))
 
     def validate(self) -> None:
         if self.heartbeat_timeout_s <= self.heartbeat_interval_s:
@@ -168,6 +169,9 @@ class WorkerConfig(_Section):
     # prompt tokens one step carries: a longer prompt (or several) is spread over the following
     # steps, each with the decode rows, so no step stalls them for a whole prompt (0: no limit)
     prefill_tokens_per_step: int = _f(0, _non_negative)
+    # prompt tokens a step carries while it also runs decode rows, whose streams all wait for
+    # it; a step of prompts alone takes what its lease brings (0: no limit; docs/design.md)
+    prefill_tokens_with_decode: int = _f(512, _non_negative)
     prefix_cache: bool = _f(True, _boolean)      # reuse cached KV of shared prompt prefixes
     transfer_wait_s: float = _f(2.0, _positive)   # a lease waits this long for KV shipments, then recomputes
     # a lone lease on the device waits this long for the next one before it is collected
@@ -183,7 +187,8 @@ class WorkerConfig(_Section):
                             cpu_kv_bytes=int(self.cpu_kv_gib * 2**30), max_batch=self.max_seqs,
                             max_batch_tokens=self.max_tokens, cuda_graphs=self.cuda_graphs,
                             prefill_chunk=self.prefill_chunk, prefix_cache=self.prefix_cache,
-                            prefill_tokens_per_step=self.prefill_tokens_per_step)
+                            prefill_tokens_per_step=self.prefill_tokens_per_step,
+                            prefill_tokens_with_decode=self.prefill_tokens_with_decode)
 
 
 @dataclass(frozen=True, slots=True)

@@ -107,7 +107,8 @@ def test_jsonl_dataset(tmp_path):
 class FakeServer:
     """A minimal OpenAI server on a thread: one SSE event per token, usage at the end."""
 
-    def __init__(self):
+    def __init__(self, has_chat_template: bool = True):
+        self.has_chat_template = has_chat_template
         self.bodies, self.in_flight, self.most_in_flight = [], 0, 0
         self.loop = asyncio.new_event_loop()
         self.started = threading.Event()
@@ -138,6 +139,9 @@ class FakeServer:
         self.in_flight += 1
         self.most_in_flight = max(self.most_in_flight, self.in_flight)
         chat = "messages" in body
+        if chat and not self.has_chat_template:   # as qmigrate's ingest answers
+            return web.json_response({"error": {"message": "this model has no chat template; send a plain "
+                                                           "prompt instead of messages"}}, status=400)
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
         n = body["max_tokens"] if body.get("ignore_eos") else max(1, body["max_tokens"] // 2)
@@ -197,6 +201,30 @@ def test_multi_turn_carries_earlier_turns(fake_server):
         last = mine[-1]
         assert [m["content"] for m in last if m["role"] == "user"] == session.turns
         assert [m["content"] for m in last if m["role"] == "assistant"] == ["t0 t1 ", "t0 t1 "]
+
+
+@pytest.mark.parametrize("has_chat_template,sessions_as", [(False, "auto"), (True, "text")])
+def test_sessions_go_as_plain_text_completions_without_a_chat_template(has_chat_template, sessions_as, tmp_path):
+    server = FakeServer(has_chat_template)
+    try:
+        sessions = D.multi_turn_dataset(sessions=2, turns=3, turn_len=4, output_len=2)
+        out = tmp_path / "r.json"
+        [(_, s)] = run_serve(base_url=server.url, model="fake", requests=sessions, rates=[math.inf], warmup=1,
+                             sessions_as=sessions_as, json_path=out)
+    finally:
+        server.close()
+    assert s["completed"] == 6 and s["failed"] == 0
+    assert json.loads(out.read_text())["sessions_as"] == "text"
+    prompts = [b["prompt"] for b in server.bodies if "prompt" in b]
+    answer = "t0 t1 "   # what the fake server says to every call of 2 tokens
+    for session in sessions:
+        t = session.turns
+        assert {p for p in prompts if p.startswith(f"User: {t[0]}\n")} == {
+            f"User: {t[0]}\nAssistant:",
+            f"User: {t[0]}\nAssistant:{answer}\nUser: {t[1]}\nAssistant:",
+            f"User: {t[0]}\nAssistant:{answer}\nUser: {t[1]}\nAssistant:{answer}\nUser: {t[2]}\nAssistant:"}
+    with pytest.raises(ValueError):
+        run_serve(base_url="http://127.0.0.1:9", model="fake", requests=sessions, rates=[1.0], sessions_as="xml")
 
 
 # --- ignore_eos and min_tokens, from the request to the worker's stopping rule ---------------

@@ -1,13 +1,19 @@
 """Chunked prefill across steps: a prompt longer than `prefill_tokens_per_step` fills its KV
 over several steps that also carry the decode rows, and its first token comes from the step
 of its last part. Greedy output must still equal `generate()` (CPU, fp32), with neighbours
-decoding, through chained and multi-step leases, and when the sequence moves mid-prompt."""
+decoding, through chained and multi-step leases, and when the sequence moves mid-prompt.
+`prefill_tokens_with_decode` limits only steps that have decode rows: a step of prompts alone
+takes them whole."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
-from qmigrate.engine.runner import StepRow, _share_prompt_budget
+from qmigrate.config import ConfigError, WorkerConfig, worker_settings
+
+from qmigrate.engine.runner import EngineConfig, StepRow, _prompt_budget, _share_prompt_budget
 from qmigrate.wire import protocol as P
 from qmigrate.wire.protocol import Finish
 from qmigrate.worker.core import WorkerCore
@@ -43,6 +49,28 @@ def test_the_budget_is_shared_in_row_order_and_decode_rows_do_not_count():
     assert (cut, deferred) == ({2}, {3})
     assert _share_prompt_budget(rows, 0) == (rows, set(), set())       # no limit
     assert _share_prompt_budget(rows, 15) == (rows, set(), set())      # everything fits
+
+
+def test_the_budget_while_decoding_holds_only_for_steps_with_decode_rows():
+    decode, fed, prompt = StepRow(1, [5], 9, 1), StepRow(2, [], 9, 1), StepRow(3, list(range(40)), 0, 0)
+    capped = EngineConfig(prefill_tokens_with_decode=16)
+    assert _prompt_budget([decode, prompt], capped) == 16
+    assert _prompt_budget([fed, prompt], capped) == 16          # a row fed on the device decodes too
+    assert _prompt_budget([prompt], capped) == 0                 # prompts alone: no limit
+    assert _prompt_budget([prompt, StepRow(4, [7], 0, 0)], capped) == 0   # a one-token prompt is no decode row
+    both = EngineConfig(prefill_tokens_per_step=64, prefill_tokens_with_decode=16)
+    assert (_prompt_budget([decode, prompt], both), _prompt_budget([prompt], both)) == (16, 64)
+    assert _prompt_budget([decode, prompt], dataclasses.replace(both, prefill_tokens_per_step=8)) == 8
+    assert _prompt_budget([decode, prompt], EngineConfig()) == 0
+
+
+def test_the_worker_setting_reaches_the_engine_and_bad_values_are_refused():
+    assert WorkerConfig().engine_config().prefill_tokens_with_decode == 512
+    settings = worker_settings(["prefill_tokens_with_decode=256"])
+    assert WorkerConfig(**settings).engine_config().prefill_tokens_with_decode == 256
+    for bad in ("-1", "lots"):
+        with pytest.raises(ConfigError, match="prefill_tokens_with_decode"):
+            worker_settings([f"prefill_tokens_with_decode={bad}"])
 
 
 class Router:
@@ -151,9 +179,10 @@ def test_the_output_does_not_depend_on_the_budget(model, prompts, greedy, budget
 
 @pytest.mark.timeout(300)
 def test_the_pipeline_with_a_small_budget_equals_generate_through_a_drain(tmp_path, ipc_dir, tiny_model_dir):
-    """Real processes: prompts of up to 61 tokens at 16 prompt tokens a step on each worker,
-    while w1 is drained (its sequences move, some of them mid-prompt: a KV shipment of a
-    prompt not all filled has nothing to send, and the receiver recomputes)."""
+    """Real processes: prompts of up to 61 tokens at 16 prompt tokens a step on each worker (12
+    in steps that also decode), while w1 is drained (its sequences move, some of them
+    mid-prompt: a KV shipment of a prompt not all filled has nothing to send, and the
+    receiver recomputes)."""
     from conftest import greedy_reference
     from test_pipeline import MAX_LEASE_STEPS, _prompts, _run_with_a_drain
     reference = greedy_reference(tiny_model_dir)
@@ -161,7 +190,8 @@ def test_the_pipeline_with_a_small_budget_equals_generate_through_a_drain(tmp_pa
                if len(greedy_tokens(tiny_model_dir, p["prompt_ids"], p["max_new_tokens"])) > MAX_LEASE_STEPS]
     assert sum(len(p["prompt_ids"]) > 32 for p in prompts) >= 4
     finals, moves = _run_with_a_drain(tmp_path, ipc_dir, tiny_model_dir, 2, prompts,
-                                      worker={"prefill_tokens_per_step": 16}, migration="transfer")
+                                      worker={"prefill_tokens_per_step": 16, "prefill_tokens_with_decode": 12},
+                                      migration="transfer")
     for p in prompts:
         reference(p["prompt_ids"], p["max_new_tokens"], finals[p["id"]]["token_ids"], p["id"])
     assert moves.get("drain", 0) > 0, moves
@@ -183,3 +213,72 @@ def test_a_prompt_on_a_cached_prefix_reports_its_cached_positions_with_its_first
     # 13 positions left at 8 a step: no token in the first lease, then the first with 32 cached
     assert reported[:2] == [(0, -1, []), (1, 32, [32])]
     assert [r[1] for r in reported[2:]] == [-1, -1]
+
+
+def test_prompts_beside_decode_rows_take_the_decode_budget_and_alone_go_whole(model, prompts, greedy):
+    engine = make_engine(model, prefill_tokens_with_decode=BUDGET)
+    core, steps = WorkerCore(engine), record_placed(engine)
+    ps = {1: list(prompts[0]), 2: long_prompt(prompts[2:], 30), 3: long_prompt(prompts, 45),
+          4: long_prompt(prompts[1:], 13)}
+    router = Router(ps, max_new_tokens=12)
+    router.step(core, [1, 2])                  # no decode rows yet: both prompts in one step
+    assert sorted(steps[0]) == [(1, 0, len(ps[1])), (2, 0, 30)]
+    first_at = router.run_all(core)
+    for sid, p in ps.items():
+        assert router.done[sid] == greedy(p, 12), sid
+    # while 1 and 2 decode (every step), 3 and 4 share BUDGET prompt tokens a step, 3 first:
+    # 45 + 13 tokens at 8 a step, so neither waits behind the other for long
+    assert all(sum(n for _, _, n in step if n > 1) <= BUDGET for step in steps[1:9])
+    assert all({(s, n) for s, _, n in step} >= {(1, 1), (2, 1)} for step in steps[1:9])
+    assert (first_at[3], first_at[4]) == (6, 8)
+    assert core.filling == {}
+
+
+def test_a_multi_step_lease_feeds_the_next_parts_beside_its_decode_rows(model, prompts, greedy):
+    engine = make_engine(model, prefill_tokens_with_decode=BUDGET)
+    core, steps = WorkerCore(engine), record_placed(engine)
+    p = long_prompt(prompts[1:], 33)
+    router = Router({1: list(prompts[3]), 2: p}, max_new_tokens=10)
+    router.step(core, [1])
+    router.step(core, [1, 2])                  # 2 arrives beside a decode row: 8 of its 33
+    assert 2 in core.filling
+    tokens = router.step(core, [1, 2], num_steps=6)   # the rest in 4 steps, its first token in the 4th
+    assert len(tokens[2]) == 3 and len(tokens[1]) == 6
+    assert all(sum(n for _, _, n in step if n > 1) <= BUDGET for step in steps[1:])
+    router.run_all(core)
+    assert router.done[1] == greedy(prompts[3], 10) and router.done[2] == greedy(p, 10)
+
+
+def test_the_admission_bench_times_every_step_of_a_prompt_under_the_limit(tiny_model_dir, capsys, tmp_path):
+    from qmigrate.bench.admission import run_admission_steps
+    (x,) = run_admission_steps(str(tiny_model_dir), "cpu", [3], 16, 40,
+                               {"prefill_tokens_with_decode": 8, "runner": "hf"}, tmp_path / "out.json")
+    assert (x["batch"], x["limit"], x["limited_steps"]) == (3, 8, 5)    # 40 tokens at 8 a step
+    assert min(x["decode_ms"], x["whole_ms"], x["limited_max_ms"]) > 0
+    assert "prefill_tokens_with_decode=8" in capsys.readouterr().out
+    assert (tmp_path / "out.json").exists()
+    with pytest.raises(ValueError, match="positions"):
+        run_admission_steps(str(tiny_model_dir), "cpu", [3], 16, 4000, {})
+
+
+def test_the_in_process_bench_spreads_prompts_beside_decode_rows_and_stays_exact(model, prompts, greedy):
+    from qmigrate.bench.core import _inprocess_loop
+    engine = make_engine(model, prefill_tokens_with_decode=BUDGET)
+    steps, got, seen, real = record_placed(engine), {}, {}, engine.collect   # seen keeps ids unique
+
+    def collect(pending):
+        tokens = real(pending)
+        if id(pending) not in seen:
+            seen[id(pending)] = pending
+            for r, t in zip(pending.rows, tokens):
+                if r.seq_id not in pending.partial:
+                    got.setdefault(r.seq_id, []).append(t)
+        return tokens
+    engine.collect = collect
+    requests = [(long_prompt(prompts[i:], 20 + 3 * i), 5) for i in range(5)]
+    result = _inprocess_loop(engine, requests, max_seqs=8, max_tokens=48, profile=False, device="cpu")
+    assert result.useful_tokens == 25
+    assert got == {i: greedy(p, 5) for i, (p, _) in enumerate(requests)}
+    # the first step takes 2 prompts whole (43 tokens); the others come 8 tokens a step
+    assert sum(n for _, _, n in steps[0]) == 43
+    assert all(sum(n for _, _, n in step if n > 1) <= BUDGET for step in steps[1:])

@@ -83,6 +83,12 @@ def test_defaults():
     assert topo.workers[0].max_seqs == 64 and topo.workers[0].inflight == 2
 
 
+def test_the_wait_for_a_better_placed_worker_is_a_few_steps_and_set_from_yaml():
+    assert 0 < RouterConfig().prefix_wait_s <= 0.05
+    assert parse_topology(base(router={"node": "head", "prefix_wait_s": 0.1})).router.prefix_wait_s == 0.1
+    assert "router.prefix_wait_s: expected a number >= 0" in error_of(base(router={"node": "head", "prefix_wait_s": -1}))
+
+
 def test_ints_become_floats_for_float_fields():
     topo = parse_topology(base(router={"node": "head", "lease_timeout_s": 3, "link_gbps": 25}))
     assert isinstance(topo.router.lease_timeout_s, float) and topo.router.link_gbps == 25.0

@@ -32,7 +32,7 @@ def make_sched(**config) -> Scheduler:
 
 
 def join(s: Scheduler, name: str, **kw) -> WorkerState:
-    w = WorkerState(name, **{"max_seqs": 8, "max_tokens": 1 << 16, "block_size": BS, **kw})
+    w = WorkerState(name, **{"max_seqs": 8, "max_tokens": 1 << 16, "block_size": BS, "is_caching": True, **kw})
     s.register(w, 0.0)
     return w
 
@@ -91,7 +91,7 @@ def test_new_sequences_go_where_their_prefix_is_cached():
 
 def test_cache_blind_placement_takes_whatever_is_queued():
     s = make_sched(spread_new_work=False, prefix_aware=False)
-    join(s, "a")
+    join(s, "a", is_caching=False)   # no cache of its own: it holds nothing back for one
     join(s, "b")
     cached_on(s, "b", SYSTEMS[1])
     s.admit([spec(i, prompt(i % 2, i)) for i in range(8)])
@@ -103,11 +103,13 @@ def test_a_hit_does_not_pile_onto_a_full_worker():
     join(s, "a")
     b = join(s, "b", max_seqs=2, inflight=1)
     cached_on(s, "b", SYSTEMS[1])
-    s.admit([spec(100 + i, prompt(0, i)) for i in range(2)])
+    s.admit([spec(100 + i, [200 + i] * 40) for i in range(2)])
     assert len(ids_of(ask(s, "b"))) == 2          # b is full now
     assert b.load >= b.capacity
     s.admit([spec(i, prompt(1, i)) for i in range(4)])
-    assert sorted(ids_of(ask(s, "a"))) == [0, 1, 2, 3]   # b holds the prefix but has no room
+    # b holds the prefix but has no room: a takes them, the rest once 0 computed it there
+    assert ids_of(ask(s, "a")) == [0]
+    assert ask(s, "a") is None
 
 
 def test_a_sequence_waits_for_its_cache_no_longer_than_prefix_wait_s():
@@ -195,3 +197,110 @@ def test_hit_rates_per_worker_and_for_the_fleet_in_prometheus_and_stats():
     assert 'qmigrate_prefix_cached_tokens_total{worker="a"} 75.0' in text
     rows = {w["name"]: w for w in as_dicts(WORKER_COLUMNS, obs.snapshot(s)[0])}
     assert (rows["a"]["prompt_tokens"], rows["a"]["cached_tokens"]) == (100, 75)
+
+
+# --- the prefill a lease is charged ---------------------------------------------------------
+
+SHARED = [1] + [r.randrange(3, 1500) for _ in range(1023)]     # 64 blocks
+
+
+def question(i: int) -> list[int]:
+    return SHARED + [3 + (11 * i + j) % 1400 for j in range(128)]
+
+
+def serve(s: Scheduler, name: str, max_tokens: int) -> tuple[int, int]:
+    """Run name's leases a step each, as a worker whose cache holds every block it computed
+    (reported with the step's result) and whose sequences end after one token: (steps,
+    prompts that found none of the shared prefix cached, so computed it)."""
+    cache: set[int] = set()
+    steps = misses = 0
+    while (grant := s.schedule(name, 64, max_tokens, 0.0, None)) is not None:
+        steps += 1
+        events = []
+        for row in grant.rows:
+            ids = P.unpack_i32(row.spec.token_ids).tolist()
+            keys = block_keys(ids, BS, max_blocks=(len(ids) - 1) // BS)
+            misses += keys[0] not in cache
+            events += [k for k in keys if k not in cache and k not in events]
+        cache.update(events)
+        s.cache_report(name, events)
+        n = len(grant.rows)
+        s.complete(grant.lease_id, name, [row.seq_id for row in grant.rows], [1] * n, [7] * n,
+                   [int(P.Finish.LENGTH)] * n, 0.0)
+    return steps, misses
+
+
+def test_prompts_sharing_a_prefix_are_charged_what_they_miss_and_wait_for_its_first_computation():
+    # 16 prompts of 1,152 tokens sharing 1,024, a budget of 4,096 tokens a step. Charged in
+    # full, 3 fit a step: 6 steps, and the 3 of the first all compute the prefix. Charged
+    # what they miss, with the others waiting a step for the first: 1 then 15 (128 each).
+    s = make_sched(spread_new_work=False)
+    join(s, "a", max_seqs=64)
+    s.admit([spec(i, question(i)) for i in range(16)])
+    assert serve(s, "a", 4096) == (2, 1)
+    assert s.counters["prefix_waits"] == 15
+
+
+def test_a_worker_without_a_cache_is_charged_whole_prompts_and_nothing_waits():
+    s = make_sched(spread_new_work=False)
+    join(s, "a", max_seqs=64, is_caching=False)
+    s.admit([spec(i, question(i)) for i in range(16)])
+    assert serve(s, "a", 4096) == (6, 3)
+
+
+def test_prompts_sharing_less_than_two_blocks_do_not_wait():
+    s = make_sched(spread_new_work=False)
+    join(s, "a", max_seqs=64)
+    s.admit([spec(i, SHARED[:BS] + question(i)[-128:]) for i in range(4)])
+    assert ids_of(ask(s, "a")) == [0, 1, 2, 3]
+
+
+def step_done(s: Scheduler, grant, ids_done: bool, keys: list[int]) -> None:
+    """a reports grant's rows: a token each (ids_done) or none (prompts still filling), and
+    the blocks it cached."""
+    n = len(grant.rows)
+    s.cache_report("a", keys)
+    s.complete(grant.lease_id, "a", [r.seq_id for r in grant.rows], [int(ids_done)] * n,
+               [7] * (n if ids_done else 0), [0] * n, 0.0)
+
+
+def test_a_prompt_waits_while_a_step_in_flight_or_a_prompt_filling_over_steps_computes_its_prefix():
+    s = make_sched(spread_new_work=False)
+    join(s, "a", max_seqs=64)
+    s.admit([spec(i, question(i)) for i in range(2)])
+    first = ask(s, "a")
+    assert ids_of(first) == [0]
+    assert ask(s, "a") is None                  # 0's step is in flight: 1 waits for it
+    keys = block_keys(question(0), BS, max_blocks=71)
+    step_done(s, first, False, keys[:32])       # 0 ran its first 512 tokens only
+    second = ask(s, "a")
+    assert ids_of(second) == [0]                # 0 goes on; 1 still waits for the rest
+    step_done(s, second, True, keys[32:])
+    assert ids_of(ask(s, "a")) == [0, 1]         # 0 decodes; 1 starts on the cached prefix
+    assert s.seqs[1].num_waits == 2             # leases it sat out (the None was none)
+
+
+def test_a_prompt_waits_for_a_prefix_computed_elsewhere_a_bounded_number_of_leases():
+    from qmigrate.router.prefix_index import MAX_WAIT_LEASES
+    s = make_sched(spread_new_work=False)
+    join(s, "a", max_seqs=64)
+    s.admit([spec(i, question(i)) for i in range(2)])
+    leases = 0
+    while ids_of(grant := ask(s, "a")) == [0]:
+        leases += 1
+        step_done(s, grant, False, [])          # 0 never gets on (as if stuck)
+    assert ids_of(grant) == [0, 1] and leases == MAX_WAIT_LEASES
+
+
+def test_hits_are_charged_the_tokens_they_compute_and_their_whole_kv():
+    # A cached block nobody references counts as free in the worker's report and leaves it
+    # when a sequence takes it: the blocks a hit starts on are charged KV like any others.
+    s = make_sched(spread_new_work=False)
+    join(s, "a", max_seqs=64, kv_tokens=1 << 20)
+    cached_on(s, "a", SHARED)
+    s.admit([spec(i, question(i)) for i in range(2)])
+    kv = 1152 + BS
+    assert ids_of(s.schedule("a", 64, 256, 0.0, 2 * kv - 1)) == [0]
+    s.admit([spec(2, question(2))])
+    # 0 is on its way (charged in full), and 1 and 2 compute 128 tokens each
+    assert ids_of(s.schedule("a", 64, 256, 0.0, 3 * kv)) == [1, 2]

@@ -2,6 +2,8 @@
 
 Every call streams (SSE) from /v1/completions, or /v1/chat/completions for multi-turn sessions,
 and is timestamped chunk by chunk as it arrives; serve_stats.py turns that into the figures.
+Sessions go as plain-text completions (`serve_data.transcript`) when asked, or when the server
+refuses chat messages for want of a chat template.
 Calls arrive all at once, or at a Poisson or gamma rate, optionally under a concurrency cap;
 a list of rates is a sweep. `ignore_eos` and `min_tokens` (vLLM's extensions, which qmigrate
 accepts) make every output exactly as long as asked.
@@ -19,10 +21,11 @@ from pathlib import Path
 
 import aiohttp
 
-from qmigrate.bench.serve_data import ServeRequest
+from qmigrate.bench.serve_data import ServeRequest, transcript
 from qmigrate.bench.serve_stats import CallRecord, format_rows, summarize
 
 READ_TIMEOUT_S = 600.0
+SESSIONS_AS = ("auto", "chat", "text")
 
 
 def arrival_offsets(n: int, rate: float, burstiness: float = 1.0, seed: int = 0) -> list[float]:
@@ -59,9 +62,11 @@ def parse_rates(text: str) -> list[float]:
 
 
 class Client:
-    def __init__(self, base_url: str, model: str, *, extensions: bool = True, temperature: float = 0.0):
+    def __init__(self, base_url: str, model: str, *, extensions: bool = True, temperature: float = 0.0,
+                 sessions_as: str = "chat"):
         self.base_url, self.model = base_url.rstrip("/"), model
         self.extensions, self.temperature = extensions, temperature
+        self.sessions_as = sessions_as   # chat, or text: plain-text completions
         self.session = None
 
     async def __aenter__(self):
@@ -136,6 +141,26 @@ class Client:
             rec.error = "no text"
         return "".join(parts)
 
+    async def session_call(self, turns: list[str], answers: list[str], output_len: int, rec: CallRecord) -> str:
+        """The call for the last of `turns`, after the earlier ones were answered so."""
+        if self.sessions_as == "text":
+            return await self.complete(transcript(turns, answers), output_len, rec)
+        messages = []
+        for turn, answer in zip(turns, [*answers, None]):
+            messages.append({"role": "user", "content": turn})
+            if answer is not None:
+                messages.append({"role": "assistant", "content": answer})
+        return await self.chat(messages, output_len, rec)
+
+    async def takes_chat(self) -> bool:
+        """False when the server refuses chat messages for want of a chat template (an HTTP 400
+        that says so, as qmigrate and vLLM answer)."""
+        body = self._payload(1) | {"messages": [{"role": "user", "content": "hello"}]}
+        async with self.session.post(self.base_url + "/v1/chat/completions", json=body) as resp:
+            if resp.status != 400:
+                return True
+            return "template" not in (await resp.text()).lower()
+
     async def first_model(self) -> str:
         async with self.session.get(self.base_url + "/v1/models") as resp:
             if resp.status != 200:
@@ -175,16 +200,14 @@ async def run_load(client: Client, requests: list[ServeRequest], rate: float, *,
                 await client.complete(req.prompt, req.output_len, rec)
                 show()
                 return
-            messages = []
-            for turn in req.turns:  # each turn carries the earlier turns and their answers
-                messages.append({"role": "user", "content": turn})
+            answers = []
+            for i in range(len(req.turns)):  # each turn carries the earlier turns and their answers
                 rec = CallRecord(0.0, expected_tokens=req.output_len)
                 records.append(rec)
-                answer = await client.chat(list(messages), req.output_len, rec)
+                answers.append(await client.session_call(req.turns[:i + 1], answers, req.output_len, rec))
                 show()
                 if not rec.ok:
                     return
-                messages.append({"role": "assistant", "content": answer})
         finally:
             if gate is not None:
                 gate.release()
@@ -202,11 +225,23 @@ def rate_label(rate: float) -> str:
 def run_serve(*, base_url: str, model: str | None, requests: list[ServeRequest], rates: list[float],
               burstiness: float = 1.0, max_concurrency: int | None = None, slos: dict | None = None,
               seed: int = 0, warmup: int = 2, extensions: bool = True, json_path: Path | None = None,
-              dataset: dict | None = None, pipeline_json: Path | None = None) -> list[tuple[str, dict]]:
+              dataset: dict | None = None, pipeline_json: Path | None = None,
+              sessions_as: str = "auto") -> list[tuple[str, dict]]:
+    """sessions_as: chat (chat messages), text (plain-text completions), or auto (chat unless
+    the server has no chat template for its model)."""
+    if sessions_as not in SESSIONS_AS:
+        raise ValueError(f"sessions go as {' or '.join(SESSIONS_AS)}, not {sessions_as!r}")
+
     async def main():
         runs = []
-        async with Client(base_url, model or "", extensions=extensions) as client:
+        async with Client(base_url, model or "", extensions=extensions, sessions_as=sessions_as) as client:
             client.model = model or await client.first_model()
+            if sessions_as == "auto":
+                client.sessions_as = "chat"
+                if any(r.is_session for r in requests) and not await client.takes_chat():
+                    client.sessions_as = "text"
+                    print("bench serve: the server's model has no chat template: sessions go as plain-text "
+                          "completions", file=sys.stderr)
             if warmup:
                 warm = [ServeRequest(r.prompt, min(r.output_len, 8), r.turns[:1], r.prompt_len)
                         for r in requests[:warmup]]
@@ -216,12 +251,12 @@ def run_serve(*, base_url: str, model: str | None, requests: list[ServeRequest],
                                                   max_concurrency=max_concurrency, seed=seed + i,
                                                   name=f"rate {rate_label(rate)}")
                 runs.append((rate_label(rate), summarize(records, t0, end, slos)))
-        return runs, client.model
+        return runs, client.model, client.sessions_as
 
     total = sum(r.output_len * r.num_calls for r in requests)
     print(f"bench serve: {base_url}, {len(requests)} requests ({sum(r.num_calls for r in requests)} calls), "
           f"{total:,} output tokens asked", file=sys.stderr)
-    runs, served = asyncio.run(main())
+    runs, served, sent_as = asyncio.run(main())
     table = format_rows(runs)
     print(table)
     for rate, s in runs:
@@ -237,6 +272,7 @@ def run_serve(*, base_url: str, model: str | None, requests: list[ServeRequest],
     if json_path is not None:
         report = {"base_url": base_url, "model": served, "dataset": dataset or {}, "output_tokens_asked": total,
                   "burstiness": burstiness, "max_concurrency": max_concurrency, "ignore_eos": extensions,
+                  "sessions_as": sent_as if any(r.is_session for r in requests) else None,
                   "runs": [{"rate": rate, **s} for rate, s in runs], "table": table}
         if pipeline:
             report["pipeline_tok_per_s"] = pipeline

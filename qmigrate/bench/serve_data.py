@@ -2,7 +2,8 @@
 
 A request is a completion (a prompt of token ids or text, and an exact output length), or, in
 the multi-turn dataset, a session: user turns sent one after another on /v1/chat/completions,
-each carrying every earlier turn and the server's answers to them.
+each carrying every earlier turn and the server's answers to them. For a model without a chat
+template a session goes to /v1/completions instead, as one plain-text prompt (`transcript`).
 """
 
 from __future__ import annotations
@@ -76,6 +77,14 @@ def multi_turn_dataset(sessions: int = 64, turns: int = 4, turn_len: int = 128, 
     r = random.Random(seed)
     return [ServeRequest("", output_len, turns=[words(r, turn_len) for _ in range(turns)])
             for _ in range(sessions)]
+
+
+def transcript(turns: list[str], answers: list[str]) -> str:
+    """A session so far as one plain-text prompt: each user turn and the answer to it, ending
+    where the answer to the last turn starts. Each call's prompt begins with the text of the
+    one before and its answer, so a prefix cache finds the conversation as with chat."""
+    return "".join(f"User: {turn}\nAssistant:" + (f"{answers[i]}\n" if i < len(answers) else "")
+                   for i, turn in enumerate(turns))
 
 
 def jsonl_dataset(path: Path, default_output_len: int = 128) -> list[ServeRequest]:

@@ -83,6 +83,8 @@ class EngineConfig:
     prefill_chunk: int = 512              # longer prompts fill their KV in chunks (0: never)
     # prompt tokens a step carries; the rest of a prompt waits for later steps (0: no limit)
     prefill_tokens_per_step: int = 0
+    # the same while the step has decode rows (0: no limit; the worker's default is set in config.py)
+    prefill_tokens_with_decode: int = 0
     cuda_graphs: bool = True
     prefix_cache: bool = True             # full blocks of known ids are kept and shared by prefix
 
@@ -254,11 +256,12 @@ class Engine:
         the CPU runs no compiled kernels, and there it would only cost time."""
         if self.device.type != "cuda":
             return
-        budget, self.config.prefill_tokens_per_step = self.config.prefill_tokens_per_step, 0
+        config = self.config
+        self.config = dataclasses.replace(config, prefill_tokens_per_step=0, prefill_tokens_with_decode=0)
         try:
             self._warm_up()
         finally:
-            self.config.prefill_tokens_per_step = budget
+            self.config = config
 
     def _warm_up(self) -> None:
         # Prompt lengths of several kinds (one token, odd, a multiple of 16, over a chunk):
@@ -306,9 +309,9 @@ class Engine:
         proper, with `between()` called after each chunk (a worker's heartbeat), so no single
         forward pass grows with the prompt.
 
-        With `prefill_tokens_per_step`, the step's prompt rows (several new ids) share that
-        many tokens in row order: a row past the budget runs only its first part, or none of
-        it. Such a row's sequence is in `Pending.partial`: its token is no sample (the KV of
+        With `prefill_tokens_per_step` (or `prefill_tokens_with_decode` while a row decodes),
+        the step's prompt rows (several new ids) share that many tokens in row order: a row
+        past the budget runs only its first part, or none of it. Such a row's sequence is in `Pending.partial`: its token is no sample (the KV of
         the part that ran is kept), and a later step carries the rest from cached_len on."""
         if after is not None and after.batch is not None and rows and not any(r.new_ids for r in rows):
             pending = self._continue(rows, after)
@@ -324,7 +327,7 @@ class Engine:
         if bad or any(r.new_ids and r.new_ids[0] == REFUSED for r in rows):
             raise ValueError("a row feeds a token its previous step did not sample")
         rows, cached = self._admit(rows)
-        rows, cut, deferred = _share_prompt_budget(rows, self.config.prefill_tokens_per_step)
+        rows, cut, deferred = _share_prompt_budget(rows, _prompt_budget(rows, self.config))
         rows, refused = self._prefill_chunks(rows, between, skip=deferred)
         kept = [i for i in range(len(rows)) if i not in refused and i not in deferred]
         placed = [kept[k] for k in self.place([rows[i] for i in kept], {r.seq_id for r in rows})]
@@ -508,6 +511,15 @@ class Engine:
                     self.pool.note_sampled(seq_ids, seq_lens, values)
             pending.result = tokens
         return pending.result
+
+
+def _prompt_budget(rows: list[StepRow], cfg: EngineConfig) -> int:
+    """Prompt tokens this step may carry (0: no limit). Every decode row's stream waits for
+    the whole step, so while there are some, prompts get `prefill_tokens_with_decode`."""
+    budget, capped = cfg.prefill_tokens_per_step, cfg.prefill_tokens_with_decode
+    if capped <= 0 or not any(r.start > 0 and len(r.new_ids) <= 1 for r in rows):
+        return budget
+    return min(budget, capped) if budget > 0 else capped
 
 
 def _share_prompt_budget(rows: list[StepRow], budget: int) -> tuple[list[StepRow], set[int], set[int]]:

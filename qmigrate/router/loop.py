@@ -261,6 +261,7 @@ class Router:
                 kv_bytes_per_token=P.info_int(info, "kv_bytes_per_token", 0),
                 num_params=P.info_int(info, "num_params", 0), kv_tokens=P.info_int(info, "kv_tokens", 0),
                 block_size=P.info_int(info, "block_size", 16, 1, 1 << 16),
+                is_caching=bool(P.info_int(info, "prefix_cache", 0, 0, 1)),
                 held_bytes=P.info_int(info, "held_bytes", 0))
             self.identity[msg.name] = sender
             self.parked[msg.name] = deque(maxlen=inflight)

@@ -12,6 +12,11 @@ takes its hits first, and leaves a sequence that scores better on another worker
 `prefix_wait_s` after it was first offered, while that worker has room (batch places and KV
 blocks): a hit never piles work onto a worker that is full. A conversation's next turn is a
 new sequence whose prefix the last turn's worker holds, so it goes back there the same way.
+
+A lease is charged the prefill its worker will do (`LeasePrefill`): a prompt less the blocks
+the index says that worker holds. A new sequence whose next blocks another sequence at that
+worker computes now, or an earlier row of the same lease, waits for a later lease, when they
+are cached, instead of computing them again (in-batch prefix caching).
 """
 
 from __future__ import annotations
@@ -22,6 +27,11 @@ from qmigrate.router.records import Seq, WorkerState
 from qmigrate.wire.prefix_keys import block_keys
 
 MAX_KEYS = 1 << 20
+# Blocks another sequence computes are worth waiting for from this many tokens (SGLang's
+# in-batch prefix caching waits from 32), for at most this many leases of the worker: a
+# prompt fills over a few steps at most, so a longer wait means its computation stopped.
+MIN_SHARED_TOKENS = 32
+MAX_WAIT_LEASES = 8
 
 
 class PrefixIndex:
@@ -127,3 +137,50 @@ def place_new(index: PrefixIndex, w: WorkerState, workers: dict[str, WorkerState
             continue
         out.append(candidates[next(it)] if i in gains or i in new else entry)
     return out
+
+
+class LeasePrefill:
+    """What one lease to a worker with a prefix cache costs, row by row, and which new
+    sequences should wait for blocks that others compute first.
+
+    A prompt is charged its tokens less the blocks the index says w holds: a worker reports
+    the blocks it cached with each step's result, so the index misses only what steps in
+    flight compute. Those blocks, and those that earlier rows of this lease compute, are not
+    cached when this lease's prompts start (a worker caches a block once the step writing it
+    is launched, and may spread a prompt over several steps): a new sequence whose next
+    uncached blocks are among them waits for a later lease, for at most MAX_WAIT_LEASES of
+    w's leases. Its KV is charged in full: an idle cached block counts as free in w's report
+    and leaves it when a sequence takes it."""
+
+    def __init__(self, index: PrefixIndex, w: WorkerState, held):
+        self.index, self.w = index, w
+        # keys of prompts that steps in flight at w compute (no token of theirs back yet)
+        self.computing = {key for seq in held if len(seq.token_ids) <= seq.spec.prompt_len
+                          for key in seq_keys(seq, w.block_size)}
+        self.waiting: list[Seq] = []
+
+    def cost(self, seq: Seq) -> tuple[int, int]:
+        """(prompt tokens w will compute for seq, tokens of its blocks right after those
+        that others compute first)."""
+        bs, keys = self.w.block_size, seq_keys(seq, self.w.block_size)
+        held = self.index.match(keys).get(self.w.name, 0) if len(self.index) else 0
+        shared = held
+        while shared < len(keys) and keys[shared] in self.computing:
+            shared += 1
+        return len(seq.token_ids) - held * bs, (shared - held) * bs
+
+    def take(self, seq: Seq) -> None:
+        """seq is a row of this lease: its prompt's blocks are computed from now on."""
+        if len(seq.token_ids) <= seq.spec.prompt_len:
+            self.computing.update(seq_keys(seq, self.w.block_size))
+
+    def should_wait(self, seq: Seq, shared_tokens: int) -> bool:
+        if shared_tokens >= MIN_SHARED_TOKENS and seq.num_waits < MAX_WAIT_LEASES:
+            self.waiting.append(seq)
+            return True
+        return False
+
+    def granted(self) -> None:
+        """The lease goes out: those that waited for it have waited one lease more."""
+        for seq in self.waiting:
+            seq.num_waits += 1

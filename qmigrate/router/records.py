@@ -26,6 +26,7 @@ class Seq:
     resync: bool = False
     prefix_keys: tuple | None = None   # (block size, length, keys of its full blocks): prefix_index.seq_keys
     offered_at: float | None = None    # when a worker was first offered it (cache-aware placement)
+    num_waits: int = 0                 # leases it sat out for prefix blocks others computed (prefix_index)
 
     @property
     def seq_id(self) -> int:
@@ -54,6 +55,7 @@ class WorkerState:
     num_params: int = 0
     kv_tokens: int = 0        # KV pool capacity in tokens; 0: unknown
     block_size: int = 16      # KV block size: a new sequence takes whole blocks
+    is_caching: bool = False  # its pool keeps a prefix cache (a prompt prefills only what it misses)
     held_bytes: int = 0       # device memory it holds (weights, KV pool, graphs): not pressure
     last_seen: float = 0.0
     joined_at: float = 0.0

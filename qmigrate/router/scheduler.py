@@ -40,7 +40,7 @@ from qmigrate.router.records import (
     choose_mechanism,
 )
 from qmigrate.router.migration import MovePolicy
-from qmigrate.router.prefix_index import PrefixIndex, place_new, seq_keys
+from qmigrate.router.prefix_index import LeasePrefill, PrefixIndex, place_new, seq_keys
 from qmigrate.wire.protocol import CONTINUE, Finish, SeqSpec
 
 __all__ = ["Grant", "Outcome", "Row", "Scheduler", "Seq", "WorkerState",
@@ -242,6 +242,7 @@ class Scheduler:
         budget -= reserved
         room = self.moves.kv_room(w, held)
         new_room = self.moves.admission_room(w)
+        prefill = LeasePrefill(self.prefix, w, held) if w.is_caching else None
         rows: list[Row] = []
         shipments = []
         num_passed = num_arriving = 0
@@ -255,13 +256,21 @@ class Scheduler:
             is_new = seq.owner is None
             if is_new and new_room is not None and new_room <= 0:
                 continue  # its share of new work is taken: the rest is for the others
+            mechanism = None if cause is None else self.moves.mechanism(seq, w)
             kv_cost = 0 if is_diff else len(seq.token_ids) + w.block_size
+            is_prompt = not is_diff and mechanism != "transfer"   # w computes its KV from its ids
+            cost = len(seq.token_ids) if is_prompt else 1
+            if is_prompt and prefill is not None:
+                cost, shared = prefill.cost(seq)
+                if is_new and prefill.should_wait(seq, shared):
+                    self.counters["prefix_waits"] += 1
+                    continue   # it starts on those blocks once they are cached
             if kv_cost and kv_cost > room:
                 continue
-            mechanism = None if cause is None else self.moves.mechanism(seq, w)
-            cost = 1 if is_diff or mechanism == "transfer" else len(seq.token_ids)
             if rows and cost > budget:
                 continue
+            if prefill is not None:
+                prefill.take(seq)
             budget -= cost
             room -= kv_cost
             num_passed -= 1
@@ -278,6 +287,8 @@ class Scheduler:
             self._feed_from_leases(w, quota, max_seqs - len(rows), now)
         if not rows:
             return None
+        if prefill is not None:
+            prefill.granted()
         lease_id = next(self._lease_ids)
         seq_ids = [r.seq_id for r in rows]
         for row in rows[:queued]:

@@ -98,6 +98,7 @@ class Worker:
                 "inflight": self.cfg.inflight, "kv_bytes_per_token": engine.kv_bytes_per_token,
                 "num_params": engine.num_params, "gpu_uuid": uuid or "",
                 "kv_tokens": engine.pool.capacity_tokens, "block_size": engine.pool.block_size,
+                "prefix_cache": int(engine.pool.is_caching),
                 "held_bytes": self.held_bytes()}
         hello = P.Hello("worker", self.name, info=info)
         transport.send(self.router, hello)
