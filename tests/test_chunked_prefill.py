@@ -10,9 +10,9 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+import yaml
 
-from qmigrate.config import ConfigError, WorkerConfig, worker_settings
-
+from qmigrate.config import ConfigError, WorkerConfig, local_topology, parse_topology, worker_settings
 from qmigrate.engine.runner import EngineConfig, StepRow, _prompt_budget, _share_prompt_budget
 from qmigrate.wire import protocol as P
 from qmigrate.wire.protocol import Finish
@@ -68,6 +68,9 @@ def test_the_worker_setting_reaches_the_engine_and_bad_values_are_refused():
     assert WorkerConfig().engine_config().prefill_tokens_with_decode == 512
     settings = worker_settings(["prefill_tokens_with_decode=256"])
     assert WorkerConfig(**settings).engine_config().prefill_tokens_with_decode == 256
+    data = yaml.safe_load(yaml.safe_dump(local_topology(1).to_dict()))     # as a YAML file gives it
+    data["workers"][0]["prefill_tokens_with_decode"] = 0
+    assert parse_topology(data).workers[0].engine_config().prefill_tokens_with_decode == 0
     for bad in ("-1", "lots"):
         with pytest.raises(ConfigError, match="prefill_tokens_with_decode"):
             worker_settings([f"prefill_tokens_with_decode={bad}"])
