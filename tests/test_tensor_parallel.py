@@ -1,5 +1,6 @@
-"""Tensor parallelism on the CPU (gloo): layouts, a sharded engine against one rank, KV moves
-between world sizes, and a migration between a 2-rank worker and a 1-rank worker."""
+"""Tensor parallelism on the CPU (gloo): layouts, a sharded engine against one rank, sequences
+moved both ways between world sizes (KV transferred or recomputed), and a migration from a
+2-rank worker to a 1-rank worker in a fleet."""
 
 from __future__ import annotations
 
@@ -140,6 +141,7 @@ def test_sharded_engine_matches_one_rank_and_generate(world, tiny_model_dir, tmp
         moved = case["moved"]
         assert moved["kv_diff"] <= 1e-5 * max(1.0, moved["kv_scale"]), name   # gathered: the one-rank KV
         assert moved["to_one"] == moved["to_ranks"] == case["moved_expected"], name
+        assert moved["recomputed_to_one"] == moved["recomputed_to_ranks"] == case["moved_expected"], name
 
 
 @pytest.mark.gpu
@@ -153,6 +155,7 @@ def test_two_gpus_over_nccl_match_one_gpu(tiny_model_dir, tmp_path):
         assert case["max_logit_diff"] <= 1e-4 * max(1.0, case["logit_scale"]), (name, case)
         assert case["got"] == case["ref"], name
         assert case["moved"]["to_one"] == case["moved"]["to_ranks"], name
+        assert case["moved"]["recomputed_to_one"] == case["moved"]["recomputed_to_ranks"], name
 
 
 # --- a 2-rank worker in a fleet: real role processes --------------------------------------------

@@ -103,7 +103,7 @@ def check_case(model, tp: TensorParallel) -> dict:
     diff = max(float((a - b).abs().max()) for a, b in zip(got_logits, ref_logits))
     steps = len(got_logits)
     scale = max(float(b.abs().max()) for b in ref_logits)
-    # KV moves both ways: ranks -> one, then one -> ranks
+    # a sequence moves both ways, ranks -> one and one -> ranks, its KV transferred
     p = prompts[1]
     n = len(p) + NUM_NEW - 1          # the last sampled token is not in the KV yet
     kv = sharded.export_kv(1)
@@ -116,6 +116,9 @@ def check_case(model, tp: TensorParallel) -> dict:
     moved["to_one"] = greedy(one, [cont], MORE, first_id=50, starts=[n])[0]
     assert sharded.import_kv(60, one_kv)
     moved["to_ranks"] = greedy(sharded, [cont], MORE, first_id=60, starts=[n])[0]
+    # or by recompute: the sequence so far prefilled again, on either side
+    moved["recomputed_to_one"] = greedy(one, [cont], MORE, first_id=70)[0]
+    moved["recomputed_to_ranks"] = greedy(sharded, [cont], MORE, first_id=80)[0]
     sharded.runner.stop()
     return {"got": got, "ref": ref, "expected": [e[:NUM_NEW] for e in expected], "max_logit_diff": diff, "logit_scale": scale,
             "steps": steps, "moved": moved, "moved_expected": expected[1][NUM_NEW:],
