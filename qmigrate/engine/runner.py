@@ -516,10 +516,14 @@ class Engine:
 
 def _prompt_budget(rows: list[StepRow], cfg: EngineConfig) -> int:
     """Prompt tokens this step may carry (0: no limit). Every decode row's stream waits for
-    the whole step, so while there are some, prompts get `prefill_tokens_with_decode`."""
+    the whole step, so while there are some, prompts get `prefill_tokens_with_decode`; a
+    step of prompts alone gets `max_batch_tokens`, since prompts held back by that limit
+    (which the router leased as one-token rows) join its lease's own prompts."""
     budget, capped = cfg.prefill_tokens_per_step, cfg.prefill_tokens_with_decode
-    if capped <= 0 or not any(r.start > 0 and len(r.new_ids) <= 1 for r in rows):
+    if capped <= 0:
         return budget
+    if not any(r.start > 0 and len(r.new_ids) <= 1 for r in rows):
+        capped = cfg.max_batch_tokens
     return min(budget, capped) if budget > 0 else capped
 
 
