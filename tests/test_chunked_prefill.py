@@ -10,9 +10,9 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+import yaml
 
-from qmigrate.config import ConfigError, WorkerConfig, worker_settings
-
+from qmigrate.config import ConfigError, WorkerConfig, local_topology, parse_topology, worker_settings
 from qmigrate.engine.runner import EngineConfig, StepRow, _prompt_budget, _share_prompt_budget
 from qmigrate.wire import protocol as P
 from qmigrate.wire.protocol import Finish
@@ -68,6 +68,9 @@ def test_the_worker_setting_reaches_the_engine_and_bad_values_are_refused():
     assert WorkerConfig().engine_config().prefill_tokens_with_decode == 512
     settings = worker_settings(["prefill_tokens_with_decode=256"])
     assert WorkerConfig(**settings).engine_config().prefill_tokens_with_decode == 256
+    data = yaml.safe_load(yaml.safe_dump(local_topology(1).to_dict()))     # as a YAML file gives it
+    data["workers"][0]["prefill_tokens_with_decode"] = 0
+    assert parse_topology(data).workers[0].engine_config().prefill_tokens_with_decode == 0
     for bad in ("-1", "lots"):
         with pytest.raises(ConfigError, match="prefill_tokens_with_decode"):
             worker_settings([f"prefill_tokens_with_decode={bad}"])
@@ -179,9 +182,10 @@ def test_the_output_does_not_depend_on_the_budget(model, prompts, greedy, budget
 
 @pytest.mark.timeout(300)
 def test_the_pipeline_with_a_small_budget_equals_generate_through_a_drain(tmp_path, ipc_dir, tiny_model_dir):
-    """Real processes: prompts of up to 61 tokens at 16 prompt tokens a step on each worker,
-    while w1 is drained (its sequences move, some of them mid-prompt: a KV shipment of a
-    prompt not all filled has nothing to send, and the receiver recomputes)."""
+    """Real processes: prompts of up to 61 tokens at 16 prompt tokens a step on each worker (12
+    in steps that also decode), while w1 is drained (its sequences move, some of them
+    mid-prompt: a KV shipment of a prompt not all filled has nothing to send, and the
+    receiver recomputes)."""
     from conftest import greedy_reference
     from test_pipeline import MAX_LEASE_STEPS, _prompts, _run_with_a_drain
     reference = greedy_reference(tiny_model_dir)
@@ -189,7 +193,8 @@ def test_the_pipeline_with_a_small_budget_equals_generate_through_a_drain(tmp_pa
                if len(greedy_tokens(tiny_model_dir, p["prompt_ids"], p["max_new_tokens"])) > MAX_LEASE_STEPS]
     assert sum(len(p["prompt_ids"]) > 32 for p in prompts) >= 4
     finals, moves = _run_with_a_drain(tmp_path, ipc_dir, tiny_model_dir, 2, prompts,
-                                      worker={"prefill_tokens_per_step": 16}, migration="transfer")
+                                      worker={"prefill_tokens_per_step": 16, "prefill_tokens_with_decode": 12},
+                                      migration="transfer")
     for p in prompts:
         reference(p["prompt_ids"], p["max_new_tokens"], finals[p["id"]]["token_ids"], p["id"])
     assert moves.get("drain", 0) > 0, moves
@@ -257,3 +262,26 @@ def test_the_admission_bench_times_every_step_of_a_prompt_under_the_limit(tiny_m
     assert (tmp_path / "out.json").exists()
     with pytest.raises(ValueError, match="positions"):
         run_admission_steps(str(tiny_model_dir), "cpu", [3], 16, 4000, {})
+
+
+def test_the_in_process_bench_spreads_prompts_beside_decode_rows_and_stays_exact(model, prompts, greedy):
+    from qmigrate.bench.core import _inprocess_loop
+    engine = make_engine(model, prefill_tokens_with_decode=BUDGET)
+    steps, got, seen, real = record_placed(engine), {}, {}, engine.collect   # seen keeps ids unique
+
+    def collect(pending):
+        tokens = real(pending)
+        if id(pending) not in seen:
+            seen[id(pending)] = pending
+            for r, t in zip(pending.rows, tokens):
+                if r.seq_id not in pending.partial:
+                    got.setdefault(r.seq_id, []).append(t)
+        return tokens
+    engine.collect = collect
+    requests = [(long_prompt(prompts[i:], 20 + 3 * i), 5) for i in range(5)]
+    result = _inprocess_loop(engine, requests, max_seqs=8, max_tokens=48, profile=False, device="cpu")
+    assert result.useful_tokens == 25
+    assert got == {i: greedy(p, 5) for i, (p, _) in enumerate(requests)}
+    # the first step takes 2 prompts whole (43 tokens); the others come 8 tokens a step
+    assert sum(n for _, _, n in steps[0]) == 43
+    assert all(sum(n for _, _, n in step if n > 1) <= BUDGET for step in steps[1:])

@@ -7,7 +7,7 @@ import copy
 import pytest
 
 from conftest import CHAT_TEMPLATE
-from qmigrate.detokenizer.decoder import make_sink
+from qmigrate.detokenizer.sinks import make_sink
 from qmigrate.ingest.openai_api import ApiError, StopTrimmer, chunk, parse_body, reply, usage_chunk
 from tokenizer_util import build_tokenizer
 

@@ -1,5 +1,6 @@
-"""Tensor parallelism on the CPU (gloo): layouts, a sharded engine against one rank, KV moves
-between world sizes, and a migration between a 2-rank worker and a 1-rank worker."""
+"""Tensor parallelism on the CPU (gloo): layouts, a sharded engine against one rank, sequences
+moved both ways between world sizes (KV transferred or recomputed), and a migration from a
+2-rank worker to a 1-rank worker in a fleet."""
 
 from __future__ import annotations
 
@@ -48,10 +49,17 @@ def test_kv_heads_split_or_replicated():
 
 @pytest.mark.parametrize("world,heads,kv,inter,words", [
     (3, 4, 2, 64, "4 attention heads"), (4, 8, 6, 64, "6 KV heads"), (4, 8, 3, 64, "3 KV heads"),
-    (2, 4, 2, 63, "MLP width of 63"), (0, 4, 2, 64, ">= 1")])
+    (2, 4, 2, 63, "MLP width of 63"), (4, 8, 2, (128, 64, 30), "MLP width of 30"), (0, 4, 2, 64, ">= 1")])
 def test_a_layout_that_does_not_divide_says_what(world, heads, kv, inter, words):
     with pytest.raises(LayoutError, match=words):
         check_layout(world, heads, kv, inter)
+
+
+def test_every_mlp_width_of_a_mixture_of_experts_is_checked():
+    from transformers import MixtralConfig, Qwen2MoeConfig
+    qwen = Qwen2MoeConfig(intermediate_size=5632, moe_intermediate_size=1408, shared_expert_intermediate_size=5632)
+    assert parallel.mlp_widths(qwen) == (1408, 5632)
+    assert parallel.mlp_widths(MixtralConfig(intermediate_size=14336)) == (14336,)
 
 
 def test_shards_put_back_together_are_the_weight():
@@ -124,7 +132,7 @@ def run_world(world: int, tiny_dir, tmp_path, device: str = "cpu") -> dict:
 @pytest.mark.parametrize("world", [2, 4])
 def test_sharded_engine_matches_one_rank_and_generate(world, tiny_model_dir, tmp_path):
     result = run_world(world, tiny_model_dir, tmp_path)
-    assert set(result) == {"tiny", *tp_ranks.FAMILIES}
+    assert set(result) == {"tiny", *tp_ranks.FAMILIES, *tp_ranks.SHARED_FAMILIES}
     for name, case in result.items():
         assert case["steps"] == tp_ranks.NUM_NEW, name
         # fp32 sums in another order (row-parallel partial sums): within 1e-5 of the logits' scale
@@ -133,6 +141,7 @@ def test_sharded_engine_matches_one_rank_and_generate(world, tiny_model_dir, tmp
         moved = case["moved"]
         assert moved["kv_diff"] <= 1e-5 * max(1.0, moved["kv_scale"]), name   # gathered: the one-rank KV
         assert moved["to_one"] == moved["to_ranks"] == case["moved_expected"], name
+        assert moved["recomputed_to_one"] == moved["recomputed_to_ranks"] == case["moved_expected"], name
 
 
 @pytest.mark.gpu
@@ -146,6 +155,7 @@ def test_two_gpus_over_nccl_match_one_gpu(tiny_model_dir, tmp_path):
         assert case["max_logit_diff"] <= 1e-4 * max(1.0, case["logit_scale"]), (name, case)
         assert case["got"] == case["ref"], name
         assert case["moved"]["to_one"] == case["moved"]["to_ranks"], name
+        assert case["moved"]["recomputed_to_one"] == case["moved"]["recomputed_to_ranks"], name
 
 
 # --- a 2-rank worker in a fleet: real role processes --------------------------------------------

@@ -13,6 +13,7 @@ import traceback
 
 import torch
 
+import families
 from qmigrate.engine import lockstep
 from qmigrate.engine.parallel import TensorParallel
 from qmigrate.engine.runner import Engine, StepRow
@@ -27,6 +28,9 @@ FAMILIES = {
     "qwen2": dict(hidden_size=64, intermediate_size=64, num_attention_heads=4, num_key_value_heads=1),
     "qwen3": dict(hidden_size=64, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=32),
 }
+# the other fast-runner families, as tests/families.py builds them (4 heads, 2 KV heads: split
+# on 2 ranks, replicated on 4): soft-capping and windows, fused q/k/v and gate/up, experts
+SHARED_FAMILIES = ("gemma2", "gemma3", "phi3", "mixtral", "qwen2_moe", "qwen3_moe")
 
 
 def random_model(family: str):
@@ -99,7 +103,7 @@ def check_case(model, tp: TensorParallel) -> dict:
     diff = max(float((a - b).abs().max()) for a, b in zip(got_logits, ref_logits))
     steps = len(got_logits)
     scale = max(float(b.abs().max()) for b in ref_logits)
-    # KV moves both ways: ranks -> one, then one -> ranks
+    # a sequence moves both ways, ranks -> one and one -> ranks, its KV transferred
     p = prompts[1]
     n = len(p) + NUM_NEW - 1          # the last sampled token is not in the KV yet
     kv = sharded.export_kv(1)
@@ -112,6 +116,9 @@ def check_case(model, tp: TensorParallel) -> dict:
     moved["to_one"] = greedy(one, [cont], MORE, first_id=50, starts=[n])[0]
     assert sharded.import_kv(60, one_kv)
     moved["to_ranks"] = greedy(sharded, [cont], MORE, first_id=60, starts=[n])[0]
+    # or by recompute: the sequence so far prefilled again, on either side
+    moved["recomputed_to_one"] = greedy(one, [cont], MORE, first_id=70)[0]
+    moved["recomputed_to_ranks"] = greedy(sharded, [cont], MORE, first_id=80)[0]
     sharded.runner.stop()
     return {"got": got, "ref": ref, "expected": [e[:NUM_NEW] for e in expected], "max_logit_diff": diff, "logit_scale": scale,
             "steps": steps, "moved": moved, "moved_expected": expected[1][NUM_NEW:],
@@ -126,6 +133,7 @@ def run_rank(rank: int, world: int, init_method: str, tiny_dir: str, out: str, d
         from qmigrate.engine.loading import load_model
         cases = {"tiny": lambda: load_model(tiny_dir, "cpu")[0]}
         cases.update({f: (lambda f=f: random_model(f)) for f in FAMILIES})
+        cases.update({f: (lambda f=f: families.build_family_model(f, seed=5)) for f in SHARED_FAMILIES})
         for name, make in cases.items():
             result[name] = check_case(make(), tp)
         tp.close()

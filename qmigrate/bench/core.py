@@ -125,11 +125,18 @@ class Progress:
 # --- the engine alone ------------------------------------------------------------------
 
 def run_inprocess(model_path: str, device: str, dtype: str, requests, max_seqs: int,
-                  max_tokens: int, profile: bool = False, runner: str = "auto") -> PathResult:
+                  max_tokens: int, profile: bool = False, runner: str = "auto",
+                  worker_overrides: dict | None = None) -> PathResult:
+    """The engine alone, with the pipeline workers' limits on the prompt tokens of a step (so
+    the two paths schedule prefill alike)."""
+    from qmigrate.config import WorkerConfig
     from qmigrate.engine.loading import load_model
     from qmigrate.engine.runner import Engine
+    worker = WorkerConfig(**(worker_overrides or {}))
     model, _ = load_model(model_path, device, dtype)
-    engine = Engine(model, max_batch=max_seqs, max_batch_tokens=max_tokens, runner=runner)
+    engine = Engine(model, max_batch=max_seqs, max_batch_tokens=max_tokens, runner=runner,
+                    prefill_tokens_per_step=worker.prefill_tokens_per_step,
+                    prefill_tokens_with_decode=worker.prefill_tokens_with_decode)
     del model
     print(f"  in-process: {engine.describe()}", file=sys.stderr)
     engine.warm_up()
@@ -154,7 +161,7 @@ def _inprocess_loop(engine, requests, max_seqs: int, max_tokens: int, profile: b
     num_steps = 0
     while waiting or running or pending is not None:
         rows = list(running.values())
-        budget = max_tokens - len(rows)
+        budget = max_tokens - sum(max(1, len(r.new_ids)) for r in rows)
         while waiting and len(rows) < max_seqs and (len(requests[waiting[0]][0]) <= budget or not rows):
             i = waiting.popleft()
             budget -= len(requests[i][0])
@@ -167,17 +174,21 @@ def _inprocess_loop(engine, requests, max_seqs: int, max_tokens: int, profile: b
         nxt = engine.launch(rows, after=pending) if rows else None
         running = {}
         for row in rows:
-            if row.index + 1 < lengths[row.seq_id]:
+            if row.seq_id in nxt.partial:   # its prompt goes on in the next step
+                start = max(0, engine.cached_len(row.seq_id))
+                running[row.seq_id] = StepRow(row.seq_id, requests[row.seq_id][0][start:], start, 0)
+            elif row.index + 1 < lengths[row.seq_id]:
                 running[row.seq_id] = StepRow(row.seq_id, [], row.start + max(1, len(row.new_ids)), row.index + 1)
             else:
                 engine.release(row.seq_id)  # its last step is queued on the device before any reuse
         if pending is not None:
             tokens = engine.collect(pending)
-            if REFUSED in tokens:
+            if any(t == REFUSED and r.seq_id not in pending.partial for r, t in zip(pending.rows, tokens)):
                 raise RuntimeError("the in-process benchmark ran out of KV blocks")
             now = time.monotonic()
             for row in pending.rows:
-                timeline.add(row.seq_id, 1, now)
+                if row.seq_id not in pending.partial:
+                    timeline.add(row.seq_id, 1, now)
             progress.update(sum(timeline.count))
         pending = nxt
     _sync(device)
@@ -340,7 +351,7 @@ def run_bench(*, model_path: str, devices: list[str], dtype: str, workload: Work
                                             faults=faults, trace_dir=trace, worker_overrides=worker_overrides))
         if "in-process" in paths:
             results.append(run_inprocess(model_path, devices[0], dtype, requests, max_seqs, max_tokens,
-                                         profile and attempt == 0, runner))
+                                         profile and attempt == 0, runner, worker_overrides))
     if "hf-static" in paths:
         results.append(run_hf_static(model_path, devices[0], dtype, requests, hf_batch))
     table = format_table(results)

@@ -1,1 +1,1 @@
-"""The detokenizer role: loop.py around the pure incremental decoder and output sinks (decoder.py)."""
+"""The detokenizer role: loop.py around the pure incremental decoder (decoder.py) and output sinks (sinks.py)."""

@@ -20,7 +20,7 @@ import zmq
 
 from qmigrate.wire import protocol as P
 from qmigrate.wire import transport
-from qmigrate.detokenizer.decoder import make_sink
+from qmigrate.detokenizer.sinks import make_sink
 from qmigrate.engine.loading import resolve_model
 from qmigrate.engine.tokenizer_info import load_tokenizer_info
 from qmigrate.router.journal import Journal

@@ -13,7 +13,11 @@ The layout (Megatron's, as in vLLM and nano-vllm):
   others, and an all-reduce sums; the LM head is split by vocabulary too and the logits are
   all-gathered;
 - attention heads are split evenly; KV heads too when there are at least as many as ranks,
-  otherwise each KV head is replicated on world / num_kv_heads ranks.
+  otherwise each KV head is replicated on world / num_kv_heads ranks;
+- a mixture-of-experts layer keeps every expert on every rank and splits each expert's
+  intermediate dim (gate/up by rows, down by columns), as its shared expert's: routing is
+  the same on all ranks, and the routed and shared partial outputs are summed by one
+  all-reduce, as a dense MLP's.
 """
 
 from __future__ import annotations
@@ -70,8 +74,9 @@ class HeadLayout:
         return head * self.world // self.num_kv_heads
 
 
-def check_layout(world: int, num_heads: int, num_kv_heads: int, intermediate_size: int) -> HeadLayout:
-    """The head layout for `world` ranks, or a LayoutError that says what does not divide."""
+def check_layout(world: int, num_heads: int, num_kv_heads: int, intermediate_size: int | tuple[int, ...]) -> HeadLayout:
+    """The head layout for `world` ranks, or a LayoutError that says what does not divide.
+    `intermediate_size`: the MLP width, or every width the model's MLPs have (mlp_widths)."""
     if world < 1:
         raise LayoutError(f"tensor_parallel must be >= 1, got {world}")
     problems = []
@@ -81,11 +86,17 @@ def check_layout(world: int, num_heads: int, num_kv_heads: int, intermediate_siz
         problems.append(f"{num_kv_heads} KV heads")
     if num_kv_heads < world and world % num_kv_heads:
         problems.append(f"{num_kv_heads} KV heads (fewer than the ranks, so they must divide {world})")
-    if intermediate_size % world:
-        problems.append(f"an MLP width of {intermediate_size}")
+    widths = (intermediate_size,) if isinstance(intermediate_size, int) else intermediate_size
+    problems += [f"an MLP width of {w}" for w in widths if w % world]
     if problems:
         raise LayoutError(f"tensor_parallel {world} does not divide the model's {', '.join(problems)}")
     return HeadLayout(world, num_heads, num_kv_heads)
+
+
+def mlp_widths(cfg) -> tuple[int, ...]:
+    """Every MLP width a transformers config gives: dense, each expert's, the shared expert's."""
+    names = ("intermediate_size", "moe_intermediate_size", "shared_expert_intermediate_size")
+    return tuple(sorted({int(w) for w in (getattr(cfg, n, None) for n in names) if w}))
 
 
 # --- weight shards ------------------------------------------------------------------------
@@ -265,9 +276,10 @@ def shard_model(model, tp: TensorParallel):
     """A DecoderModel built on the CPU -> this rank's shard on tp.device, in place. Every
     layer is cut by its `parallel` kind; attention by heads (layout: check_layout)."""
     from .layers.attention import Attention
+    from .layers.moe import MoE
     first = next(layer.attn for layer in model.layers)
-    mlp_width = _mlp_width(model.layers[0].mlp)
-    tp.layout = check_layout(tp.world, first.num_heads, first.num_kv_heads, mlp_width)
+    widths = tuple(sorted({w for layer in model.layers for w in _mlp_widths(layer.mlp)}))
+    tp.layout = check_layout(tp.world, first.num_heads, first.num_kv_heads, widths)
     moved: dict[int, torch.Tensor] = {}   # tensors shared by layers (rotary tables) move once
 
     def to(t):
@@ -278,6 +290,9 @@ def shard_model(model, tp: TensorParallel):
     def walk(obj):
         if isinstance(obj, Attention):
             _shard_attention(obj, tp, to)
+            return obj
+        if isinstance(obj, MoE):
+            _shard_moe(obj, tp)
             return obj
         if isinstance(obj, Linear):
             return shard_linear(obj, tp)
@@ -295,6 +310,8 @@ def shard_model(model, tp: TensorParallel):
     model.layers = [walk(layer) for layer in model.layers]
     model.norm = walk(model.norm)
     model.lm_head = shard_linear(model.lm_head, tp)
+    if model.embed_scale is not None:
+        model.embed_scale = to(model.embed_scale)
     model.tp = tp
     model.device, model.vocab_size = tp.device, vocab
     return model
@@ -311,16 +328,39 @@ def _shard_attention(a, tp: TensorParallel, to) -> None:
             norm.weight = to(norm.weight)
 
 
+def _shard_moe(m, tp: TensorParallel) -> None:
+    """Each expert's intermediate dim split (and the shared expert's), the router replicated;
+    the layer all-reduces once the routed and shared partial outputs are added."""
+    r, n = tp.rank, tp.world
+    to = lambda t: None if t is None else t.detach().contiguous().to(tp.device)
+    width = m.gate_up.shape[1] // 2
+    rows = even_ranges([width, width], r, n)
+    m.gate_up = to(torch.cat([m.gate_up[:, width * i + s.start:width * i + s.stop] for i, s in enumerate(rows)], 1))
+    m.down = to(m.down[:, :, rows[0].start:rows[0].stop])
+    m.router = shard_linear(m.router, tp)
+    if m.shared is not None:
+        down = m.shared.down
+        m.shared.gate_up = shard_linear(m.shared.gate_up, tp)
+        # a partial sum, reduced with the routed experts' (the sigmoid gate scales it per token)
+        m.shared.down = Linear(to(split_cols(down.weight, r, n)), to(down.bias) if r == 0 else None, "row")
+        m.shared_gate = shard_linear(m.shared_gate, tp)
+    m.tp = tp
+
+
 def _fields(obj) -> list[str]:
     if dataclasses.is_dataclass(obj):
         return [f.name for f in dataclasses.fields(obj)]
     raise LayoutError(f"cannot shard a {type(obj).__name__}: not a layer of engine/layers/")
 
 
-def _mlp_width(mlp) -> int:
-    """The width the MLP's column-parallel layers split (their first part)."""
+def _mlp_widths(mlp) -> list[int]:
+    """The widths the MLP's column-parallel layers split (their first part); a mixture of
+    experts': each expert's, and its shared expert's."""
+    from .layers.moe import MoE
+    if isinstance(mlp, MoE):
+        return [mlp.gate_up.shape[1] // 2] + (_mlp_widths(mlp.shared) if mlp.shared is not None else [])
     for name in _fields(mlp):
         value = getattr(mlp, name)
         if isinstance(value, Linear) and value.parallel == "column":
-            return (value.parts or value.weight.shape)[0]
+            return [(value.parts or value.weight.shape)[0]]
     raise LayoutError(f"{type(mlp).__name__} has no column-parallel layer")

@@ -311,8 +311,9 @@ class Engine:
 
         With `prefill_tokens_per_step` (or `prefill_tokens_with_decode` while a row decodes),
         the step's prompt rows (several new ids) share that many tokens in row order: a row
-        past the budget runs only its first part, or none of it. Such a row's sequence is in `Pending.partial`: its token is no sample (the KV of
-        the part that ran is kept), and a later step carries the rest from cached_len on."""
+        past the budget runs only its first part, or none of it. Such a row's sequence is in
+        `Pending.partial`: its token is no sample (the KV of the part that ran is kept), and a
+        later step carries the rest from cached_len on."""
         if after is not None and after.batch is not None and rows and not any(r.new_ids for r in rows):
             pending = self._continue(rows, after)
             if pending is not None:

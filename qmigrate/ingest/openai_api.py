@@ -15,7 +15,7 @@ from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Literal
 
-from qmigrate.ingest.prompts import Defaults, Prompt, PromptError, parse_request
+from qmigrate.ingest.prompts import Defaults, Prompt, PromptError, is_int_list, parse_request
 
 Kind = Literal["completion", "chat"]
 MAX_STOPS = 4
@@ -142,7 +142,7 @@ def _completion_prompt(prompt) -> dict:
         prompt = prompt[0]  # a batch of one
     if isinstance(prompt, str):
         return {"prompt": prompt}
-    if isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
+    if isinstance(prompt, list) and prompt and is_int_list(prompt):
         return {"prompt_ids": prompt}
     if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
         raise ApiError(400, "one prompt per request: this server does not batch prompts", "prompt")

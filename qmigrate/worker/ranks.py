@@ -59,15 +59,14 @@ def build_engine(topo, name: str, model_path: str, tp: TensorParallel):
 
 
 def check_model(name: str, model_path: str, world: int, trust_remote_code: bool = False) -> None:
-    """Before any rank starts: the model's heads and MLP width must divide by the world size."""
+    """Before any rank starts: the model's heads and MLP widths must divide by the world size."""
     from transformers import AutoConfig
-    from qmigrate.engine.parallel import LayoutError, check_layout
+    from qmigrate.engine.parallel import LayoutError, check_layout, mlp_widths
     cfg = AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code)
     cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
     heads = cfg.num_attention_heads
     try:
-        check_layout(world, heads, getattr(cfg, "num_key_value_heads", None) or heads,
-                     getattr(cfg, "intermediate_size", None) or world)
+        check_layout(world, heads, getattr(cfg, "num_key_value_heads", None) or heads, mlp_widths(cfg))
     except LayoutError as exc:
         raise SystemExit(f"worker {name}: {exc}") from None
 

@@ -38,7 +38,7 @@ class MoE:
     act: str = "silu"
     shared: GatedMLP | None = None
     shared_gate: Linear | None = None   # [1, H]
-    parallel: str = "expert"     # the experts are split whole; gate_up/down as column/row within one
+    tp: object = None            # a tensor-parallel shard's group: the output is a partial sum (parallel.py)
 
     @property
     def num_experts(self) -> int:
@@ -53,7 +53,7 @@ class MoE:
             out = self._per_expert(x, weights, experts)
         if self.shared is not None:
             out = out + torch.sigmoid(self.shared_gate(x)) * self.shared(x)
-        return out
+        return out if self.tp is None else self.tp.all_reduce(out)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights [T, k], experts [T, k] int64) as transformers' top-k routers give them."""
