@@ -236,6 +236,10 @@ def bench_serve(
         help="A `qmigrate bench --json` report of the same workload: print HTTP / pipeline for the "
              "all-at-once run.")] = None,
     json_out: Annotated[Optional[Path], typer.Option("--json", help="Write the results as JSON here.")] = None,
+    calls_out: Annotated[Optional[Path], typer.Option(
+        "--calls-jsonl",
+        help="Write every timed call here, a line each: its rate, when it was sent and when each chunk "
+             "of text came (seconds from the run's start), tokens and cached tokens.")] = None,
 ):
     """Send a dataset to an OpenAI-compatible server over streamed HTTP and print output tok/s,
     requests/s, TTFT, TPOT, ITL and end-to-end latency at p50/p90/p99 (and goodput under SLOs),
@@ -280,7 +284,8 @@ def bench_serve(
     try:
         run_serve(base_url=base_url, model=model_name, requests=reqs, rates=rates, burstiness=burstiness,
                   max_concurrency=max_concurrency, slos=slos, seed=seed, warmup=warmup, extensions=ignore_eos,
-                  json_path=json_out, dataset=described, pipeline_json=pipeline_json, sessions_as=sessions_as)
+                  json_path=json_out, dataset=described, pipeline_json=pipeline_json, sessions_as=sessions_as,
+                  calls_path=calls_out)
     except (RuntimeError, OSError) as exc:
         fail(str(exc), 1)
 
