@@ -65,7 +65,7 @@ def test_the_budget_while_decoding_holds_only_for_steps_with_decode_rows():
 
 
 def test_the_worker_setting_reaches_the_engine_and_bad_values_are_refused():
-    assert WorkerConfig().engine_config().prefill_tokens_with_decode == 512
+    assert WorkerConfig().engine_config().prefill_tokens_with_decode == 0
     settings = worker_settings(["prefill_tokens_with_decode=256"])
     assert WorkerConfig(**settings).engine_config().prefill_tokens_with_decode == 256
     data = yaml.safe_load(yaml.safe_dump(local_topology(1).to_dict()))     # as a YAML file gives it
