@@ -171,7 +171,8 @@ def test_against_a_fake_server(fake_server, tmp_path):
     reqs = D.random_dataset(Workload(12, (4, 8), (3, 9), vocab=(10, 100)))
     out = tmp_path / "r.json"
     runs = run_serve(base_url=fake_server.url, model=None, requests=reqs, rates=[200.0, math.inf],
-                     max_concurrency=3, slos={"e2e": 60.0}, warmup=0, json_path=out)
+                     max_concurrency=3, slos={"e2e": 60.0}, warmup=0, json_path=out,
+                     calls_path=tmp_path / "calls.jsonl")
     asked = sum(r.output_len for r in reqs)
     for _, s in runs:
         assert (s["completed"], s["failed"], s["short_calls"], s["output_tokens"]) == (12, 0, 0, asked)
@@ -182,6 +183,11 @@ def test_against_a_fake_server(fake_server, tmp_path):
     assert body["min_tokens"] == body["max_tokens"] == reqs[0].output_len
     report = json.loads(out.read_text())
     assert [r["rate"] for r in report["runs"]] == ["200", "inf"] and report["model"] == "fake"
+    calls = [json.loads(line) for line in (tmp_path / "calls.jsonl").read_text().splitlines()]
+    assert [c["rate"] for c in calls] == ["200"] * 12 + ["inf"] * 12
+    for c in calls:
+        assert c["error"] == "" and 0 <= c["start"] <= c["chunks"][0] and c["chunks"] == sorted(c["chunks"])
+    assert sum(c["output_tokens"] for c in calls) == 2 * asked
 
 
 def test_without_ignore_eos_short_outputs_are_reported(fake_server):

@@ -286,6 +286,15 @@ async def run_load(client: Client, requests: list[ServeRequest], rate: float, *,
     return records, t0, end
 
 
+def write_calls(out, rate: str, records: list[CallRecord], t0: float) -> None:
+    """One JSON line per call: what the summary is computed from, to look at a tail call by call."""
+    for rec in records:
+        out.write(json.dumps({"rate": rate, "start": round(rec.start - t0, 6),
+                              "chunks": [round(t - t0, 6) for t in rec.chunks],
+                              "output_tokens": rec.output_tokens, "cached_tokens": rec.cached_tokens,
+                              "error": rec.error}) + "\n")
+
+
 def rate_label(rate: float) -> str:
     return "inf" if math.isinf(rate) else f"{rate:g}"
 
@@ -294,11 +303,13 @@ def run_serve(*, base_url: str, model: str | None, requests: list[ServeRequest],
               burstiness: float = 1.0, max_concurrency: int | None = None, slos: dict | None = None,
               seed: int = 0, warmup: int = 2, extensions: bool = True, json_path: Path | None = None,
               dataset: dict | None = None, pipeline_json: Path | None = None,
-              sessions_as: str = "auto") -> list[tuple[str, dict]]:
+              sessions_as: str = "auto", calls_path: Path | None = None) -> list[tuple[str, dict]]:
     """sessions_as: chat (chat messages), text (plain-text completions), or auto (chat unless
     the server has no chat template for its model)."""
     if sessions_as not in SESSIONS_AS:
         raise ValueError(f"sessions go as {' or '.join(SESSIONS_AS)}, not {sessions_as!r}")
+
+    calls = open(calls_path, "w") if calls_path is not None else None
 
     async def main():
         runs = []
@@ -319,12 +330,18 @@ def run_serve(*, base_url: str, model: str | None, requests: list[ServeRequest],
                                                   max_concurrency=max_concurrency, seed=seed + i,
                                                   name=f"rate {rate_label(rate)}")
                 runs.append((rate_label(rate), summarize(records, t0, end, slos)))
+                if calls is not None:
+                    write_calls(calls, rate_label(rate), records, t0)
         return runs, client.model, client.sessions_as
 
     total = sum(r.output_len * r.num_calls for r in requests)
     print(f"bench serve: {base_url}, {len(requests)} requests ({sum(r.num_calls for r in requests)} calls), "
           f"{total:,} output tokens asked", file=sys.stderr)
-    runs, served, sent_as = asyncio.run(main())
+    try:
+        runs, served, sent_as = asyncio.run(main())
+    finally:
+        if calls is not None:
+            calls.close()
     table = format_rows(runs)
     print(table)
     for rate, s in runs:
