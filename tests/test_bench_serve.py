@@ -399,3 +399,29 @@ def test_the_prefix_hit_rate_is_read_from_usage():
     assert s["prefix_hit_rate"] == 96 / 200
     assert format_rows([("inf", s)]).splitlines()[1].endswith("48%")
     assert summarize(recs[2:], 0.0, 1.0)["prefix_hit_rate"] is None
+
+
+def test_middle_events_are_read_as_json_would_read_them():
+    from qmigrate.bench.serve import EventTexts
+
+    def event(text, finish=None, **style):
+        return b"data: " + json.dumps({"id": "cmpl-1", "choices": [{"index": 0, "text": text, "finish_reason": finish}],
+                                       "usage": None}, **style).encode()
+
+    for style in ({"ensure_ascii": False}, {"separators": (",", ":")}):  # ours; compact and ASCII, as others send
+        texts, got, sliced = EventTexts(), [], 0
+        words = ["a", "b", ' "q" ', "\\", "\u00e9\U0001f600", "", "x\ny", "cmpl-1", "c"]
+        words += ["\ud800", "d"] if "separators" in style else []  # a lone surrogate, where it can be sent
+        for text in words:
+            raw = event(text, **style)
+            if (seen := texts.text_of(raw)) is not None:
+                sliced += 1
+            else:
+                seen = json.loads(raw[6:])["choices"][0]["text"]
+                if seen:
+                    texts.learn(raw, seen)
+            got.append(seen)
+        assert got == words and sliced >= len(words) - 3, (style, sliced)
+        for other in (event("", "length", **style), event("a", **style)[:-1] + b', "more": 1}',
+                      event("a", **style).replace(b'"a"', b'"a", "text": "b"'), b"data: [DONE]"):
+            assert texts.text_of(other) is None, other
