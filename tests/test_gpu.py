@@ -160,16 +160,17 @@ def test_fast_runner_in_fp32_matches_generate(tiny_model_dir):
     assert same >= 7, same  # fp32 kernels on the GPU round differently from cuBLAS: ties may flip
 
 
-def test_fast_runner_with_chunked_prefill_across_steps_matches_generate(tiny_model_dir):
-    """Prompts of up to 120 tokens at 32 prompt tokens a step, beside decoding rows, on the
-    fast runner (CUDA graphs for the mixed steps) in fp32."""
+@pytest.mark.parametrize("limit", ["prefill_tokens_per_step", "prefill_tokens_with_decode"])
+def test_fast_runner_with_chunked_prefill_across_steps_matches_generate(tiny_model_dir, limit):
+    """Prompts of up to 120 tokens at 32 prompt tokens a step (every step, or steps that also
+    decode), beside decoding rows, on the fast runner (CUDA graphs for the mixed steps) in fp32."""
     from qmigrate.engine.loading import load_model
     from qmigrate.engine.runner import Engine
     from qmigrate.worker.core import WorkerCore
     from test_chunked_prefill import Router
     model, _ = load_model(tiny_model_dir, "cuda:0", "float32")
     core = WorkerCore(Engine(model, runner="fast", max_batch=16, max_kv_tokens=1 << 14, max_len=256,
-                             prefill_tokens_per_step=32))
+                             **{limit: 32}))
     r = random.Random(12)
     prompts = {i: [1] + [r.randint(3, 1400) for _ in range(r.randint(20, 120))] for i in range(8)}
     router = Router(prompts, max_new_tokens=12)

@@ -215,6 +215,30 @@ def test_jsonl_text_the_wire_cannot_carry(tok, line, message):
     assert (str(err), err.req_id) == (message, "3")
 
 
+def test_check_json_looks_into_lists_of_numbers_only_for_depth():
+    from qmigrate.ingest.prompts import MAX_JSON_DEPTH, check_json
+    deep, empty = [1, 2], []
+    for _ in range(MAX_JSON_DEPTH - 2):
+        deep = [deep]
+    for _ in range(MAX_JSON_DEPTH - 1):
+        empty = [empty]
+    check_json(deep)  # the numbers sit at the limit
+    check_json(empty)
+    for bad, why in [([deep], "nested"), ([1, 2.5, None, True, "a\ud800"], "surrogate"),
+                     ({"k": [3] * 100 + [{"\udfff": 1}]}, "surrogate")]:
+        with pytest.raises(ValueError, match=why):
+            check_json(bad)
+
+
+def test_ids_are_checked_whole_and_the_first_bad_one_named(tok):
+    ok = jsonl(tok, {"prompt_ids": [5, 6, 7]})
+    assert ok.prompt_ids == [5, 6, 7]
+    for ids, message in [([5, True, 7], "prompt_ids[1] must be an integer token id, got true"),
+                         ([5, 6, -1, 10**6], "prompt_ids[2] = -1 is out of range"),
+                         ([5, 2.0], "prompt_ids[1] must be an integer token id, got 2.0")]:
+        assert str(error_of(jsonl, tok, {"prompt_ids": ids})).startswith(message)
+
+
 def test_a_pair_of_surrogates_is_one_character(tok):
     assert jsonl(tok, '{"prompt": "a\\ud83d\\ude00"}').prompt_ids == tok.encode("a\U0001f600")
 

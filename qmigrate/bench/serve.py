@@ -15,6 +15,7 @@ import asyncio
 import json
 import math
 import random
+import re
 import sys
 import time
 from pathlib import Path
@@ -61,6 +62,64 @@ def parse_rates(text: str) -> list[float]:
     return rates
 
 
+# What a JSON string's bytes may hold for them to be its text as they stand.
+_NEEDS_DECODING = re.compile(rb'["\\\x00-\x1f]')
+
+
+def _json_string(literal: bytes) -> str | None:
+    """The str a JSON string literal stands for, or None where `literal` is not one."""
+    if len(literal) < 2 or literal[:1] != b'"' or literal[-1:] != b'"':
+        return None
+    body = literal[1:-1]
+    if _NEEDS_DECODING.search(body) is None:
+        try:
+            return body.decode()
+        except UnicodeDecodeError:
+            return None
+    try:
+        value = json.loads(literal)
+    except ValueError:
+        return None
+    return value if isinstance(value, str) else None
+
+
+class EventTexts:
+    """Reads a stream's middle events without json.loads. A server sends them as the same
+    bytes but for the JSON string of their text; once two parsed events have shown the bytes
+    around it, an event with those bytes is its text's string, sliced out. Any other event
+    (the first, the finish, usage, an error, another server's other shape) is parsed in full."""
+
+    __slots__ = ("head", "tail", "guess")
+
+    def __init__(self) -> None:
+        self.head = self.tail = None   # the bytes around the text, once confirmed
+        self.guess = None              # (head, tail) seen once, to be confirmed
+
+    def text_of(self, raw: bytes) -> str | None:
+        """The text of `raw` where it has the learned shape, else None (parse it)."""
+        head, tail = self.head, self.tail
+        if head is None or not raw.startswith(head) or not raw.endswith(tail) \
+                or len(raw) < len(head) + len(tail):
+            return None
+        return _json_string(raw[len(head):len(raw) - len(tail)])
+
+    def learn(self, raw: bytes, text: str) -> None:
+        """`raw` parsed in full to a middle event (one choice, this text, no finish, usage
+        or error): where its text's string sits, if it sits there just once."""
+        if self.guess is not None:
+            head, tail = self.guess
+            if raw.startswith(head) and raw.endswith(tail) and len(raw) >= len(head) + len(tail) \
+                    and _json_string(raw[len(head):len(raw) - len(tail)]) == text:
+                self.head, self.tail = head, tail
+                return
+        self.guess = None
+        for literal in {json.dumps(text, ensure_ascii=False).encode(), json.dumps(text).encode()}:
+            at = raw.find(literal)
+            if at >= 0 and raw.find(literal, at + 1) < 0:
+                self.guess = raw[:at], raw[at + len(literal):]
+                return
+
+
 class Client:
     def __init__(self, base_url: str, model: str, *, extensions: bool = True, temperature: float = 0.0,
                  sessions_as: str = "chat"):
@@ -101,13 +160,19 @@ class Client:
                 if resp.status != 200:
                     rec.error = f"HTTP {resp.status}: {(await resp.text())[:200]}"
                     return ""
-                buf, done = b"", False
+                buf, done, texts = b"", False, EventTexts()
                 # Whole reads, split into events here: one await per read, not one per line;
                 # events that arrived in one read share its timestamp.
                 async for data in resp.content.iter_any():
                     now = time.perf_counter()
                     *events, buf = (buf + data).split(b"\n\n")
                     for raw in events:
+                        if (text := texts.text_of(raw)) is not None:
+                            if text:
+                                rec.chunks.append(now)
+                                parts.append(text)
+                                chunks += 1
+                            continue
                         if not raw.startswith(b"data: "):
                             continue
                         if raw[6:].strip() == b"[DONE]":
@@ -118,13 +183,16 @@ class Client:
                             rec.error = str(event["error"].get("message", event["error"]))[:200]
                             done = True
                             break
-                        for choice in event.get("choices") or ():
+                        choices = event.get("choices") or ()
+                        for choice in choices:
                             text = (choice.get("delta") or {}).get("content") if chat else choice.get("text")
                             if text:
                                 rec.chunks.append(now)
                                 parts.append(text)
                                 chunks += 1
                         usage = event.get("usage")
+                        if text and len(choices) == 1 and not usage and choices[0].get("finish_reason") is None:
+                            texts.learn(raw, text)
                         if usage:
                             rec.output_tokens = usage.get("completion_tokens", 0)
                             rec.prompt_tokens = usage.get("prompt_tokens", 0)
@@ -218,6 +286,15 @@ async def run_load(client: Client, requests: list[ServeRequest], rate: float, *,
     return records, t0, end
 
 
+def write_calls(out, rate: str, records: list[CallRecord], t0: float) -> None:
+    """One JSON line per call: what the summary is computed from, to look at a tail call by call."""
+    for rec in records:
+        out.write(json.dumps({"rate": rate, "start": round(rec.start - t0, 6),
+                              "chunks": [round(t - t0, 6) for t in rec.chunks],
+                              "output_tokens": rec.output_tokens, "cached_tokens": rec.cached_tokens,
+                              "error": rec.error}) + "\n")
+
+
 def rate_label(rate: float) -> str:
     return "inf" if math.isinf(rate) else f"{rate:g}"
 
@@ -226,11 +303,13 @@ def run_serve(*, base_url: str, model: str | None, requests: list[ServeRequest],
               burstiness: float = 1.0, max_concurrency: int | None = None, slos: dict | None = None,
               seed: int = 0, warmup: int = 2, extensions: bool = True, json_path: Path | None = None,
               dataset: dict | None = None, pipeline_json: Path | None = None,
-              sessions_as: str = "auto") -> list[tuple[str, dict]]:
+              sessions_as: str = "auto", calls_path: Path | None = None) -> list[tuple[str, dict]]:
     """sessions_as: chat (chat messages), text (plain-text completions), or auto (chat unless
     the server has no chat template for its model)."""
     if sessions_as not in SESSIONS_AS:
         raise ValueError(f"sessions go as {' or '.join(SESSIONS_AS)}, not {sessions_as!r}")
+
+    calls = open(calls_path, "w") if calls_path is not None else None
 
     async def main():
         runs = []
@@ -251,12 +330,18 @@ def run_serve(*, base_url: str, model: str | None, requests: list[ServeRequest],
                                                   max_concurrency=max_concurrency, seed=seed + i,
                                                   name=f"rate {rate_label(rate)}")
                 runs.append((rate_label(rate), summarize(records, t0, end, slos)))
+                if calls is not None:
+                    write_calls(calls, rate_label(rate), records, t0)
         return runs, client.model, client.sessions_as
 
     total = sum(r.output_len * r.num_calls for r in requests)
     print(f"bench serve: {base_url}, {len(requests)} requests ({sum(r.num_calls for r in requests)} calls), "
           f"{total:,} output tokens asked", file=sys.stderr)
-    runs, served, sent_as = asyncio.run(main())
+    try:
+        runs, served, sent_as = asyncio.run(main())
+    finally:
+        if calls is not None:
+            calls.close()
     table = format_rows(runs)
     print(table)
     for rate, s in runs:

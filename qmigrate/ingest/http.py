@@ -6,6 +6,10 @@ queue (`submissions`; full means the router is full: 429) and a wake-up message 
 inproc socket; its text comes back from the detokenizer through the ingest loop, which calls
 `deliver`, and `deliver` hands it to this loop with call_soon_threadsafe. A request that ends
 early (the client went away, or no text for `http_timeout_s`) is put on `cancels`.
+
+A token costs this thread little: its row is appended to its request's `_Updates` and the
+handler's future is woken, and one watchdog, not a timer per wait, ends the waits that last
+past `http_timeout_s`.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import queue
 import random
 import threading
 import time
+from collections import deque
 from pathlib import Path
 
 import zmq
@@ -50,8 +55,7 @@ def _sse(obj: dict) -> bytes:
     return b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n"
 
 
-_timeout = getattr(asyncio, "timeout", None)
-_SHUTDOWN = (None, -1, 0)  # put on every open request's queue when the server stops
+_SHUTDOWN = (0, "", 0, 0, -1)  # put on every open request's updates when the server stops
 _MARK = "\ue000text\ue000"  # where the text goes in a frame's template; private-use characters
 
 
@@ -65,6 +69,24 @@ class _Frame:
 
     def __call__(self, text: str) -> bytes:
         return self.head + json.dumps(text, ensure_ascii=False).encode() + self.tail
+
+
+class _Updates:
+    """One request's rows from the detokenizer, (seq_id, text, finish code, tokens so far[,
+    prompt tokens found cached]), in order, and the future its handler waits on while there
+    are none (`since`: when that wait began)."""
+
+    __slots__ = ("rows", "waiter", "since")
+
+    def __init__(self) -> None:
+        self.rows: deque = deque()
+        self.waiter: asyncio.Future | None = None
+        self.since = 0.0
+
+    def push(self, row) -> None:
+        self.rows.append(row)
+        if self.waiter is not None and not self.waiter.done():
+            self.waiter.set_result(None)
 
 
 def _reject_constant(name: str):
@@ -82,7 +104,7 @@ class HttpServer:
         self.model_names = [cfg.model_name or Path(model_path).name]
         self.submissions: queue.Queue = queue.Queue(maxsize=cfg.max_pending)
         self.cancels: queue.SimpleQueue = queue.SimpleQueue()
-        self.streams: dict[int, asyncio.Queue] = {}
+        self.streams: dict[int, _Updates] = {}
         # Sequence ids: ingest's random high part with bit 39 set, so never one of its own.
         self.id_base = (id_base or random.SystemRandom().randrange(1, 1 << 22) << 40) | 1 << 39
         self.counter = itertools.count(1)
@@ -111,8 +133,8 @@ class HttpServer:
         done = threading.Event()
 
         def end_all() -> None:
-            for events in self.streams.values():
-                events.put_nowait(_SHUTDOWN)
+            for updates in self.streams.values():
+                updates.push(_SHUTDOWN)
             self.loop.create_task(self._answered(done, time.monotonic() + timeout_s))
         try:
             self.loop.call_soon_threadsafe(end_all)
@@ -154,12 +176,27 @@ class HttpServer:
         await runner.setup()
         await web.TCPSite(runner, self.cfg.http_host, self.cfg.http_port).start()
         self.ready.set()
-        await asyncio.Event().wait()
+        await self._watch()
+
+    async def _watch(self) -> None:
+        """Ends every wait for text that has lasted `http_timeout_s`, checked a few times in
+        each such span (so a wait ends at most a quarter of it, or a second, late)."""
+        limit = self.cfg.http_timeout_s
+        while True:
+            await asyncio.sleep(min(1.0, limit / 4))
+            now = self.loop.time()
+            for updates in self.streams.values():
+                waiter = updates.waiter
+                if waiter is not None and not waiter.done() and now - updates.since >= limit:
+                    waiter.set_exception(ApiError(
+                        503, f"no output within {limit:g} s: the workers are overloaded or down; retry later",
+                        type="server_error", code="timeout"))
 
     def _dispatch(self, rows) -> None:
-        for seq_id, text, code, num_tokens, *more in rows:
-            if (events := self.streams.get(seq_id)) is not None:
-                events.put_nowait((text, code, num_tokens, more[0] if more else -1))
+        streams = self.streams
+        for row in rows:
+            if (updates := streams.get(row[0])) is not None:
+                updates.push(row)
 
     def _wake(self) -> None:
         try:
@@ -227,8 +264,7 @@ class HttpServer:
         seq_id = self.id_base | next(self.counter)
         rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{seq_id:016x}"
         req.prompt.req_id = rid
-        events: asyncio.Queue = asyncio.Queue()
-        self.streams[seq_id] = events
+        updates = self.streams[seq_id] = _Updates()
         try:
             self.submissions.put_nowait((seq_id, req.prompt))
         except queue.Full:
@@ -239,9 +275,9 @@ class HttpServer:
         ended = False
         try:
             if req.stream:
-                response, ended = await self._stream(request, req, rid, events)
+                response, ended = await self._stream(request, req, rid, updates)
             else:
-                response, ended = await self._collect(req, rid, events), True
+                response, ended = await self._collect(req, rid, updates), True
             return response
         finally:
             del self.streams[seq_id]
@@ -249,43 +285,37 @@ class HttpServer:
                 self.cancels.put(seq_id)
                 self._wake()
 
-    async def _next(self, events: asyncio.Queue):
-        item = await self._wait(events) if events.empty() else events.get_nowait()
-        if item is _SHUTDOWN:
+    async def _next(self, updates: _Updates) -> tuple:
+        if not updates.rows:
+            updates.since = self.loop.time()
+            updates.waiter = self.loop.create_future()
+            try:
+                await updates.waiter  # woken by a row, or failed by the watchdog
+            finally:
+                updates.waiter = None
+        row = updates.rows.popleft()
+        if row is _SHUTDOWN:
             raise ApiError(503, "the server is shutting down; retry on another server or later",
                            type="server_error", code="shutdown")
-        return item
+        return row
 
-    async def _wait(self, events: asyncio.Queue):
-        try:  # asyncio.timeout where there is one (3.11): wait_for makes a task per token
-            if _timeout is None:
-                return await asyncio.wait_for(events.get(), self.cfg.http_timeout_s)
-            async with _timeout(self.cfg.http_timeout_s):
-                return await events.get()
-        except (TimeoutError, asyncio.TimeoutError):
-            raise ApiError(503, f"no output within {self.cfg.http_timeout_s:g} s: the workers are "
-                           "overloaded or down; retry later", type="server_error", code="timeout") from None
+    async def _next_all(self, updates: _Updates) -> tuple[str, int, int, int]:
+        """(text, finish code, tokens so far, cached) of every row waiting (at least one): what
+        arrived together leaves together, in one event. Stops at a finish, which ends the stream."""
+        row = await self._next(updates)
+        rows = updates.rows
+        if rows and not row[2]:
+            parts = [row[1]]
+            while rows and not row[2] and rows[0] is not _SHUTDOWN:  # a shutdown ends the stream next call
+                row = rows.popleft()
+                parts.append(row[1])
+            return "".join(parts), row[2], row[3], row[4] if len(row) > 4 else -1
+        return row[1], row[2], row[3], row[4] if len(row) > 4 else -1
 
-    async def _next_all(self, events: asyncio.Queue) -> tuple[str, int, int, int]:
-        """The text of every update waiting (at least one): what arrived together leaves
-        together, in one event. Stops at a finish, which ends the stream."""
-        text, code, num_tokens, cached = await self._next(events)
-        if code or events.empty():
-            return text, code, num_tokens, cached
-        parts = [text]
-        while not code and not events.empty():
-            item = events.get_nowait()
-            if item is _SHUTDOWN:
-                events.put_nowait(item)  # the next call ends the stream, after this text
-                break
-            text, code, num_tokens, cached = item
-            parts.append(text)
-        return "".join(parts), code, num_tokens, cached
-
-    async def _collect(self, req, rid: str, events: asyncio.Queue):
+    async def _collect(self, req, rid: str, updates: _Updates):
         trim, parts, created = StopTrimmer(req.stop), [], int(time.time())
         while True:
-            text, code, num_tokens, cached = await self._next(events)
+            text, code, num_tokens, cached = await self._next_all(updates)
             parts.append(trim.push(text))
             if code:
                 break
@@ -295,7 +325,7 @@ class HttpServer:
         parts.append(trim.finish(code == P.Finish.STOP))
         return web.json_response(reply(req, rid, created, "".join(parts), reason, num_tokens, cached))
 
-    async def _stream(self, request, req, rid: str, events: asyncio.Queue):
+    async def _stream(self, request, req, rid: str, updates: _Updates):
         """SSE; returns (response, whether the request ended)."""
         response = web.StreamResponse(headers=SSE_HEADERS)
         await response.prepare(request)
@@ -304,17 +334,17 @@ class HttpServer:
         try:
             while True:
                 try:
-                    text, code, num_tokens, cached = await self._next_all(events)
+                    text, code, num_tokens, cached = await self._next_all(updates)
                 except ApiError as exc:
                     await response.write(_sse(exc.body()) + DONE)
                     return response, False
                 out = trim.push(text)
-                reason = P.Finish(code).openai_reason
-                if code and reason is None:
-                    await response.write(_sse(ApiError(500, "the worker could not run this request",
-                                                       type="server_error").body()) + DONE)
-                    return response, True
                 if code:
+                    reason = P.Finish(code).openai_reason
+                    if reason is None:
+                        await response.write(_sse(ApiError(500, "the worker could not run this request",
+                                                           type="server_error").body()) + DONE)
+                        return response, True
                     out += trim.finish(code == P.Finish.STOP)
                 if out or (first and req.kind == "chat"):
                     await response.write(_sse(chunk(req, rid, created, out, first=True)) if first else frame(out))

@@ -46,7 +46,7 @@ MAX_SEED = P.MAX_SEED + 1  # exclusive: seeds are in [0, 2**63)
 MAX_JSON_DEPTH = 32
 KEYS = frozenset(
     ["id", "prompt", "prompt_ids", "messages", "max_new_tokens", "temperature", "top_p",
-     "top_k", "seed", "stop", "ignore_eos", "min_tokens"]
+     "top_k", "seed", "stop", "ignore_eos", "min_tokens", "cache_salt"]
 )
 CHAT_ROLES = frozenset(["system", "user", "assistant", "developer", "tool"])
 MESSAGE_KEYS = frozenset(["role", "content", "name"])
@@ -65,6 +65,7 @@ class Prompt:
     note: str = ""            # said in the request's final record (a clamped max_new_tokens)
     ignore_eos: bool = False  # run on past EOS (synthetic loads of exact lengths)
     min_tokens: int = 0       # neither EOS nor a stop sequence ends it before this many tokens
+    cache_salt: str = ""      # shares cached prompt prefixes only with requests of the same salt
 
 
 @dataclass(slots=True, frozen=True)
@@ -104,7 +105,8 @@ def _reject_constant(name: str):
 def check_json(obj) -> None:
     """Raise ValueError for a decoded JSON value nested deeper than MAX_JSON_DEPTH or holding
     a string that is not valid Unicode (a lone surrogate from a \\ud800 escape). Iterative:
-    a deep value cannot exhaust the stack here."""
+    a deep value cannot exhaust the stack here. A list's numbers are skipped by type in C: a
+    prompt of token ids costs no Python step per id."""
     stack = [(obj, 1)]
     while stack:
         value, depth = stack.pop()
@@ -118,15 +120,28 @@ def check_json(obj) -> None:
         elif isinstance(value, dict):
             stack.extend((k, depth + 1) for k in value)
             stack.extend((v, depth + 1) for v in value.values())
-        elif isinstance(value, list):
-            stack.extend((v, depth + 1) for v in value)
+        elif isinstance(value, list) and value:
+            if depth >= MAX_JSON_DEPTH:
+                raise ValueError(f"nested deeper than {MAX_JSON_DEPTH} levels")
+            if not _SCALARS.issuperset(map(type, value)):
+                stack.extend((v, depth + 1) for v in value if type(v) not in _SCALARS)
+
+
+_SCALARS = frozenset((int, float, bool, type(None)))
+_INT = frozenset((int,))
+
+
+def is_int_list(value: list) -> bool:
+    """Every item an int and none a bool (an id list), checked in C."""
+    return _INT.issuperset(map(type, value))
 
 
 def to_spec(prompt: Prompt, seq_id: int, seed: int, eos_ids: Collection[int]) -> P.SeqSpec:
     """The request's full form as the router and the workers take it."""
     return P.SeqSpec(seq_id, P.pack_i32(prompt.prompt_ids), len(prompt.prompt_ids), prompt.max_new_tokens,
                      prompt.temperature, prompt.top_p, prompt.top_k, seed, prompt.stop_ids,
-                     [] if prompt.ignore_eos else sorted(eos_ids), min_new_tokens=prompt.min_tokens)
+                     [] if prompt.ignore_eos else sorted(eos_ids), min_new_tokens=prompt.min_tokens,
+                     cache_salt=prompt.cache_salt)
 
 
 def check_prompt(prompt: Prompt, eos_ids: Collection[int] = ()) -> Prompt:
@@ -270,9 +285,13 @@ def parse_request(
     min_tokens = obj.get("min_tokens", 0)
     if not _is_int(min_tokens) or not 0 <= min_tokens <= max_new_tokens:
         fail("min_tokens must be an integer from 0 to max_new_tokens")
+    cache_salt = obj.get("cache_salt", "")
+    if not isinstance(cache_salt, str) or len(cache_salt) > P.MAX_CACHE_SALT:
+        fail(f"cache_salt must be a string of at most {P.MAX_CACHE_SALT} characters")
 
     prompt = _fit(Prompt(req_id, prompt_ids, max_new_tokens, float(temperature), float(top_p),
-                         top_k, seed, stop_ids, ignore_eos=ignore_eos, min_tokens=min_tokens), max_context)
+                         top_k, seed, stop_ids, ignore_eos=ignore_eos, min_tokens=min_tokens,
+                         cache_salt=cache_salt), max_context)
     prompt.min_tokens = min(prompt.min_tokens, prompt.max_new_tokens)  # after a clamp to the context
     return check_prompt(prompt, eos_ids)
 
@@ -323,6 +342,8 @@ def _encode_prompt(text: str, tokenizer, eos_ids: Collection[int]) -> list[int]:
 def _check_ids(value, name: str, vocab_size: int, fail) -> list[int]:
     if not isinstance(value, list) or not value:
         fail(f"{name} must be a non-empty list of token ids")
+    if is_int_list(value) and 0 <= min(value) and max(value) < vocab_size:
+        return list(value)  # checked in C; the loop below finds what is wrong, and says where
     for i, token_id in enumerate(value):
         if not _is_int(token_id):
             fail(f"{name}[{i}] must be an integer token id, got {json.dumps(token_id)}")

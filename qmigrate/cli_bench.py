@@ -1,0 +1,300 @@
+"""`qmigrate bench`: the pipeline against in-process and HF, and `bench serve`, the load
+generator for any OpenAI-compatible server."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from .cli_common import LogLevel, fail, find_model, interruptible
+from .config import GPU_SERVE_MAX_SEQS, GPU_SERVE_MAX_TOKENS
+
+bench_app = typer.Typer(rich_markup_mode=None, short_help="Benchmark the pipeline against in-process and HF.")
+
+
+@bench_app.callback(invoke_without_command=True)
+def bench(
+    ctx: typer.Context,
+    model: Annotated[Optional[str], typer.Option(
+        "--model", "-m",
+        help="Model directory. Default: the tiny model on CPU; on CUDA the benchmark model, built into "
+             "--model-dir if missing.")] = None,
+    model_dir: Annotated[Path, typer.Option(
+        help="Where the benchmark model is built when --model is not given on CUDA.")] = Path(".bench/bench-model"),
+    device: Annotated[str, typer.Option(help="cpu or cuda.")] = "cpu",
+    workers: Annotated[int, typer.Option(
+        "--workers", "-w", min=1,
+        help="Pipeline workers; on CUDA worker i uses GPU i mod the GPU count.")] = 1,
+    requests: Annotated[Optional[int], typer.Option(min=1, help="Requests (default: 256 on CUDA, 32 on CPU).")] = None,
+    prompt_len: Annotated[Optional[str], typer.Option(
+        help="Prompt length range MIN:MAX (default 64:512 on CUDA, 8:64 on CPU).")] = None,
+    output_len: Annotated[Optional[str], typer.Option(
+        help="Output length range MIN:MAX (default 32:512 on CUDA, 8:64 on CPU).")] = None,
+    seed: Annotated[int, typer.Option(help="Workload seed.")] = 0,
+    paths: Annotated[str, typer.Option(
+        help="Comma-separated: pipeline (ipc), pipeline-tcp, pipeline-curve "
+             "(tcp on 127.0.0.1 without and with CURVE), in-process, hf-static.")] = "pipeline,in-process,hf-static",
+    curve: Annotated[bool, typer.Option(
+        "--curve",
+        help="Measure what CURVE costs: run the pipeline over tcp on 127.0.0.1 without and with CURVE, "
+             "same workload (replaces --paths).")] = False,
+    max_seqs: Annotated[int, typer.Option(
+        min=1,
+        help="Sequences per step (pipeline workers and in-process).")] = GPU_SERVE_MAX_SEQS,
+    max_tokens: Annotated[int, typer.Option(
+        min=1,
+        help="New tokens per step (prefill budget).")] = GPU_SERVE_MAX_TOKENS,
+    hf_batch: Annotated[int, typer.Option(min=1, help="Static batch size of the HF baseline.")] = 64,
+    steps_per_dispatch: Annotated[int, typer.Option(
+        min=1,
+        help="Decode steps a pipeline worker runs per batch it is given.")] = 1,
+    repeat: Annotated[int, typer.Option(
+        min=1,
+        help="Run the pipeline and in-process paths this many times, interleaved.")] = 1,
+    policy: Annotated[str, typer.Option(help="Router policy: affinity or any.")] = "affinity",
+    migration: Annotated[str, typer.Option(help="auto, recompute or transfer.")] = "auto",
+    lease_steps: Annotated[Optional[int], typer.Option(
+        min=1, max=1024,
+        help="Router max_lease_steps: decode steps a lease may cover (default: the topology's, 16).")] = None,
+    router_setting: Annotated[Optional[list[str]], typer.Option(
+        "--router-setting",
+        help="KEY=VALUE for the router section of the run's topology (repeatable), e.g. chain_leases=false.")] = None,
+    worker_setting: Annotated[Optional[list[str]], typer.Option(
+        "--worker-setting",
+        help="KEY=VALUE for every pipeline worker (repeatable), e.g. prefill_tokens_per_step=0.")] = None,
+    json_out: Annotated[Optional[Path], typer.Option("--json", help="Write the results as JSON here.")] = None,
+    profile: Annotated[bool, typer.Option(help="Print a torch profiler table of one in-process decode step.")] = False,
+    runner: Annotated[str, typer.Option(
+        help="Engine runner: auto (fast on a GPU for the Llama family), fast or hf.")] = "auto",
+    decode_step: Annotated[bool, typer.Option(
+        "--decode-step",
+        help="Instead of the workload: time one decode step per batch size against the weight-read floor "
+             "(CUDA).")] = False,
+    admission_step: Annotated[bool, typer.Option(
+        "--admission-step",
+        help="Instead of the workload: per batch size, the decode step, and the steps that admit a prompt of "
+             "--admit-tokens beside it, whole and under the workers' prefill_tokens_with_decode (set it with "
+             "--worker-setting); prints the longest step and how many it takes.")] = False,
+    admit_tokens: Annotated[int, typer.Option(
+        min=2, help="With --admission-step: tokens of the prompt admitted.")] = 1024,
+    batches: Annotated[str, typer.Option(
+        help="With --decode-step or --admission-step: comma-separated batch sizes.")] = "1,16,64,128,256",
+    context: Annotated[int, typer.Option(
+        min=2, help="With --decode-step or --admission-step: tokens of context per row.")] = 512,
+    faults: Annotated[bool, typer.Option(
+        "--faults",
+        help="During the pipeline run, drain w1 at 20% of the tokens, kill w2 at 40% and report w3 short "
+             "of memory at 60%; print how long sequences took to move (needs 4 or more workers).")] = False,
+    trace: Annotated[Optional[Path], typer.Option(
+        "--trace",
+        help="Keep a step timeline of the router and every pipeline worker under this folder (one folder "
+             "per run) and print what it shows.")] = None,
+    fake_workers: Annotated[Optional[str], typer.Option(
+        "--fake-workers",
+        help="Instead of the workload: the router alone with fake workers that skip the model. N sweeps "
+             "1,2,4,... up to N; or a list such as 1,2,4,8,16,32.")] = None,
+    fake_step_ms: Annotated[float, typer.Option(
+        min=0.01,
+        help="With --fake-workers: milliseconds a fake step takes.")] = 2.0,
+    fake_batch: Annotated[int, typer.Option(
+        min=1,
+        help="With --fake-workers: rows per fake step (the workers' max_seqs).")] = 256,
+    fake_window_s: Annotated[float, typer.Option(
+        min=0.1,
+        help="With --fake-workers: seconds measured per fleet size, after the warm-up.")] = 3.0,
+    fake_warmup_s: Annotated[float, typer.Option(
+        min=0.0,
+        help="With --fake-workers: seconds of warm-up per fleet size.")] = 1.0,
+    log_level: LogLevel = "warning",
+):
+    """Run a workload through the full pipeline, the engine in-process and HF static
+    generate; print tok/s, the ratios, TTFT/TPOT p50/p99 and migrations by cause.
+    `qmigrate bench serve` loads an OpenAI-compatible server instead."""
+    if ctx.invoked_subcommand is not None:
+        return
+    from .config import ConfigError, router_settings, worker_settings
+    overrides = {"policy": policy, "migration": migration}
+    if lease_steps is not None:
+        overrides["max_lease_steps"] = lease_steps
+    try:
+        overrides.update(router_settings(router_setting or []))
+        for_workers = worker_settings(worker_setting or [])
+    except ConfigError as exc:
+        fail(str(exc))
+    if faults and workers < 4:
+        fail("--faults needs --workers 4 or more: one drained, one killed, one short of memory, one left")
+    with interruptible():  # SIGTERM too unwinds: the roles stop, the temp directories go
+        if fake_workers is not None:
+            from qmigrate.bench.router import run_router_bench, sweep_sizes
+            try:
+                sizes = sweep_sizes(fake_workers)
+            except ValueError as exc:
+                fail(str(exc))
+            run_router_bench(sizes=sizes, step_ms=fake_step_ms, batch=fake_batch, warmup_s=fake_warmup_s,
+                             window_s=fake_window_s, router_overrides=overrides,
+                             json_path=json_out, log_level=log_level)
+            return
+        from qmigrate.bench.core import Workload, run_bench
+        from qmigrate.engine.builders import build_bench_model
+        is_cuda = device.startswith("cuda")
+        if model is None and is_cuda:
+            model = str(build_bench_model(model_dir)) if not (model_dir / "config.json").exists() else str(model_dir)
+        model_path = find_model(model)
+        if admission_step:
+            from qmigrate.bench.admission import run_admission_steps
+            worker = {"runner": runner, "max_tokens": max_tokens, **for_workers}
+            try:
+                run_admission_steps(model_path, device if device != "cuda" else "cuda:0",
+                                    [int(b) for b in batches.split(",")], context, admit_tokens, worker, json_out)
+            except ValueError as exc:
+                fail(str(exc))
+            return
+        if decode_step:
+            from qmigrate.bench.step import run_decode_steps
+            run_decode_steps(model_path, device if device != "cuda" else "cuda:0",
+                             [int(b) for b in batches.split(",")], context, runner, json_out, profile)
+            return
+        if curve:
+            paths = "pipeline-tcp,pipeline-curve"
+        span = lambda text, default: tuple(int(x) for x in text.split(":")) if text else default
+        workload = Workload(requests or (256 if is_cuda else 32), span(prompt_len, (64, 512) if is_cuda else (8, 64)),
+                            span(output_len, (32, 512) if is_cuda else (8, 64)), seed=seed)
+        if not is_cuda:
+            workload.vocab = (10, 1000)
+        devices = ["cpu"] * workers
+        if is_cuda:
+            import torch
+            count = max(1, torch.cuda.device_count())
+            devices = [f"cuda:{i % count}" for i in range(workers)]
+        run_bench(model_path=model_path, devices=devices, dtype="auto", workload=workload,
+                  paths=[p.strip() for p in paths.split(",") if p.strip()], max_seqs=max_seqs,
+                  max_tokens=max_tokens, hf_batch=hf_batch,
+                  router_overrides=overrides, worker_overrides=for_workers, json_path=json_out,
+                  log_level=log_level, profile=profile, steps_per_dispatch=steps_per_dispatch, repeat=repeat,
+                  runner=runner, faults=faults, trace_dir=trace)
+
+
+@bench_app.command("serve", short_help="Load any OpenAI-compatible server: throughput, TTFT, TPOT, ITL.")
+def bench_serve(
+    base_url: Annotated[str, typer.Option(
+        "--base-url",
+        help="The server, e.g. http://127.0.0.1:8000 (qmigrate, vLLM, SGLang).")],
+    model_name: Annotated[Optional[str], typer.Option(
+        "--model-name",
+        help="Model name sent in requests (default: the first of /v1/models).")] = None,
+    dataset: Annotated[str, typer.Option(
+        help="random (mixed-256's shape), shared-prefix, multi-turn or jsonl.")] = "random",
+    dataset_path: Annotated[Optional[Path], typer.Option(
+        help="With --dataset jsonl: one object a line, {\"prompt\": text or [ids], \"output_len\": N} or "
+             "{\"turns\": [...]}.")] = None,
+    prompt_format: Annotated[str, typer.Option(
+        help="ids (token-id prompts) or text (decoded by --tokenizer, else filler words).")] = "ids",
+    tokenizer: Annotated[Optional[str], typer.Option(help="Tokenizer directory for text prompts.")] = None,
+    requests: Annotated[int, typer.Option(min=1, help="random: requests.")] = 256,
+    prompt_len: Annotated[str, typer.Option(help="random: prompt length range MIN:MAX.")] = "64:512",
+    output_len: Annotated[str, typer.Option(help="random: output length range MIN:MAX.")] = "32:512",
+    vocab: Annotated[str, typer.Option(help="Token ids drawn from MIN:MAX (the tiny model: 10:1000).")] = "10:31000",
+    seed: Annotated[int, typer.Option(
+        help="random: the workload seed (that of `qmigrate bench`); also the arrivals' seed.")] = 0,
+    groups: Annotated[int, typer.Option(min=1, help="shared-prefix: groups (one system prompt each).")] = 64,
+    prompts_per_group: Annotated[int, typer.Option(min=1, help="shared-prefix: prompts per group.")] = 16,
+    system_len: Annotated[int, typer.Option(min=1, help="shared-prefix: system prompt tokens.")] = 1024,
+    question_len: Annotated[int, typer.Option(
+        min=1,
+        help="shared-prefix: question tokens; multi-turn: words per turn.")] = 128,
+    shared_output_len: Annotated[int, typer.Option(
+        "--answer-len", min=1,
+        help="shared-prefix and multi-turn: output tokens per call.")] = 256,
+    sessions: Annotated[int, typer.Option(min=1, help="multi-turn: sessions.")] = 64,
+    turns: Annotated[int, typer.Option(min=1, help="multi-turn: turns per session.")] = 4,
+    sessions_as: Annotated[str, typer.Option(
+        help="multi-turn: chat (messages to /v1/chat/completions), text (the earlier turns and answers "
+             "as one plain-text prompt to /v1/completions, for models without a chat template), or auto "
+             "(chat unless the server refuses it for want of a chat template).")] = "auto",
+    request_rate: Annotated[str, typer.Option(
+        help="Requests (sessions) per second, or inf for all at once; a comma-separated list sweeps, e.g. "
+             "4,8,16,inf.")] = "inf",
+    burstiness: Annotated[float, typer.Option(
+        min=0.001,
+        help="Gamma shape of the gaps between arrivals: 1 is Poisson, below 1 burstier.")] = 1.0,
+    max_concurrency: Annotated[Optional[int], typer.Option(
+        min=1,
+        help="At most this many calls (sessions) in flight.")] = None,
+    goodput: Annotated[Optional[list[str]], typer.Option(
+        "--goodput",
+        help="SLOs NAME:MS (ttft, tpot, e2e), e.g. --goodput ttft:500 --goodput tpot:50; goodput counts "
+             "the calls that meet all.")] = None,
+    ignore_eos: Annotated[bool, typer.Option(
+        "--ignore-eos/--no-ignore-eos",
+        help="Send ignore_eos and min_tokens (vLLM's extensions) so outputs have exact lengths; off for "
+             "servers that refuse them.")] = True,
+    warmup: Annotated[int, typer.Option(min=0, help="Short calls sent before the timed runs.")] = 2,
+    pipeline_json: Annotated[Optional[Path], typer.Option(
+        "--pipeline-json",
+        help="A `qmigrate bench --json` report of the same workload: print HTTP / pipeline for the "
+             "all-at-once run.")] = None,
+    json_out: Annotated[Optional[Path], typer.Option("--json", help="Write the results as JSON here.")] = None,
+    calls_out: Annotated[Optional[Path], typer.Option(
+        "--calls-jsonl",
+        help="Write every timed call here, a line each: its rate, when it was sent and when each chunk "
+             "of text came (seconds from the run's start), tokens and cached tokens.")] = None,
+):
+    """Send a dataset to an OpenAI-compatible server over streamed HTTP and print output tok/s,
+    requests/s, TTFT, TPOT, ITL and end-to-end latency at p50/p90/p99 (and goodput under SLOs),
+    one line per request rate."""
+    from qmigrate.bench import serve_data as D
+    from qmigrate.bench.core import Workload
+    from qmigrate.bench.serve import SESSIONS_AS, parse_rates, run_serve
+    from qmigrate.bench.serve_stats import parse_slos
+    try:
+        rates, slos = parse_rates(request_rate), parse_slos(goodput or [])
+        if prompt_format not in ("ids", "text"):
+            raise ValueError("--prompt-format must be ids or text")
+        if sessions_as not in SESSIONS_AS:
+            raise ValueError(f"--sessions-as must be one of {', '.join(SESSIONS_AS)}")
+        tok = None
+        if tokenizer is not None:
+            from transformers import AutoTokenizer
+            tok = AutoTokenizer.from_pretrained(tokenizer)
+        described = {"name": dataset, "prompt_format": prompt_format}
+        if dataset == "random":
+            workload = Workload(requests, _span(prompt_len, "--prompt-len"), _span(output_len, "--output-len"),
+                                _span(vocab, "--vocab"), seed)
+            reqs = D.random_dataset(workload, prompt_format, tok)
+            described.update(requests=requests, prompt_len=prompt_len, output_len=output_len, seed=seed)
+        elif dataset == "shared-prefix":
+            reqs = D.shared_prefix_dataset(groups, prompts_per_group, system_len, question_len, shared_output_len,
+                                           _span(vocab, "--vocab"), fmt=prompt_format, tokenizer=tok)
+            described.update(groups=groups, prompts_per_group=prompts_per_group, system_len=system_len,
+                             question_len=question_len, output_len=shared_output_len)
+        elif dataset == "multi-turn":
+            reqs = D.multi_turn_dataset(sessions, turns, question_len, shared_output_len)
+            described.update(sessions=sessions, turns=turns, turn_words=question_len, output_len=shared_output_len)
+        elif dataset == "jsonl":
+            if dataset_path is None:
+                raise ValueError("--dataset jsonl needs --dataset-path")
+            reqs = D.jsonl_dataset(dataset_path)
+            described.update(path=str(dataset_path))
+        else:
+            raise ValueError("--dataset must be random, shared-prefix, multi-turn or jsonl")
+    except (ValueError, OSError) as exc:
+        fail(str(exc))
+    try:
+        run_serve(base_url=base_url, model=model_name, requests=reqs, rates=rates, burstiness=burstiness,
+                  max_concurrency=max_concurrency, slos=slos, seed=seed, warmup=warmup, extensions=ignore_eos,
+                  json_path=json_out, dataset=described, pipeline_json=pipeline_json, sessions_as=sessions_as,
+                  calls_path=calls_out)
+    except (RuntimeError, OSError) as exc:
+        fail(str(exc), 1)
+
+
+def _span(text: str, name: str) -> tuple[int, int]:
+    try:
+        lo, hi = (int(x) for x in text.split(":"))
+    except ValueError:
+        raise ValueError(f"{name} takes MIN:MAX, e.g. 64:512") from None
+    if not 0 < lo <= hi:
+        raise ValueError(f"{name} {text}: need 0 < MIN <= MAX")
+    return lo, hi
