@@ -231,11 +231,20 @@ def bench_serve(
         help="Send ignore_eos and min_tokens (vLLM's extensions) so outputs have exact lengths; off for "
              "servers that refuse them.")] = True,
     warmup: Annotated[int, typer.Option(min=0, help="Short calls sent before the timed runs.")] = 2,
+    salt_runs: Annotated[bool, typer.Option(
+        "--cache-salt-per-run/--no-cache-salt-per-run",
+        help="Each timed run (and the warm-up) sends a cache_salt of its own (an extension, as vLLM's), so "
+             "that no run is served from prompts an earlier run left in the server's prefix cache; off "
+             "for servers that refuse it, or to measure a cache warmed by the run before.")] = True,
     pipeline_json: Annotated[Optional[Path], typer.Option(
         "--pipeline-json",
         help="A `qmigrate bench --json` report of the same workload: print HTTP / pipeline for the "
              "all-at-once run.")] = None,
     json_out: Annotated[Optional[Path], typer.Option("--json", help="Write the results as JSON here.")] = None,
+    calls_out: Annotated[Optional[Path], typer.Option(
+        "--calls-jsonl",
+        help="Write every timed call here, a line each: its rate, when it was sent and when each chunk "
+             "of text came (seconds from the run's start), tokens and cached tokens.")] = None,
 ):
     """Send a dataset to an OpenAI-compatible server over streamed HTTP and print output tok/s,
     requests/s, TTFT, TPOT, ITL and end-to-end latency at p50/p90/p99 (and goodput under SLOs),
@@ -280,7 +289,8 @@ def bench_serve(
     try:
         run_serve(base_url=base_url, model=model_name, requests=reqs, rates=rates, burstiness=burstiness,
                   max_concurrency=max_concurrency, slos=slos, seed=seed, warmup=warmup, extensions=ignore_eos,
-                  json_path=json_out, dataset=described, pipeline_json=pipeline_json, sessions_as=sessions_as)
+                  json_path=json_out, dataset=described, pipeline_json=pipeline_json, sessions_as=sessions_as,
+                  calls_path=calls_out, salt_runs=salt_runs)
     except (RuntimeError, OSError) as exc:
         fail(str(exc), 1)
 

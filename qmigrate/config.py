@@ -170,8 +170,8 @@ class WorkerConfig(_Section):
     # steps, each with the decode rows, so no step stalls them for a whole prompt (0: no limit)
     prefill_tokens_per_step: int = _f(0, _non_negative)
     # prompt tokens a step carries while it also runs decode rows, whose streams all wait for
-    # it; a step of prompts alone takes what its lease brings (0: no limit; docs/design.md)
-    prefill_tokens_with_decode: int = _f(512, _non_negative)
+    # it; a step of prompts alone takes up to max_tokens (0: no limit; docs/design.md)
+    prefill_tokens_with_decode: int = _f(0, _non_negative)
     prefix_cache: bool = _f(True, _boolean)      # reuse cached KV of shared prompt prefixes
     transfer_wait_s: float = _f(2.0, _positive)   # a lease waits this long for KV shipments, then recomputes
     # a lone lease on the device waits this long for the next one before it is collected

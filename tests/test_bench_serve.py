@@ -171,7 +171,8 @@ def test_against_a_fake_server(fake_server, tmp_path):
     reqs = D.random_dataset(Workload(12, (4, 8), (3, 9), vocab=(10, 100)))
     out = tmp_path / "r.json"
     runs = run_serve(base_url=fake_server.url, model=None, requests=reqs, rates=[200.0, math.inf],
-                     max_concurrency=3, slos={"e2e": 60.0}, warmup=0, json_path=out)
+                     max_concurrency=3, slos={"e2e": 60.0}, warmup=0, json_path=out,
+                     calls_path=tmp_path / "calls.jsonl")
     asked = sum(r.output_len for r in reqs)
     for _, s in runs:
         assert (s["completed"], s["failed"], s["short_calls"], s["output_tokens"]) == (12, 0, 0, asked)
@@ -182,13 +183,22 @@ def test_against_a_fake_server(fake_server, tmp_path):
     assert body["min_tokens"] == body["max_tokens"] == reqs[0].output_len
     report = json.loads(out.read_text())
     assert [r["rate"] for r in report["runs"]] == ["200", "inf"] and report["model"] == "fake"
+    calls = [json.loads(line) for line in (tmp_path / "calls.jsonl").read_text().splitlines()]
+    assert [c["rate"] for c in calls] == ["200"] * 12 + ["inf"] * 12
+    for c in calls:
+        assert c["error"] == "" and 0 <= c["start"] <= c["chunks"][0] and c["chunks"] == sorted(c["chunks"])
+    assert sum(c["output_tokens"] for c in calls) == 2 * asked
+    # each run its own cache_salt: the second run finds nothing the first cached
+    salts = [b["cache_salt"] for b in fake_server.bodies]
+    assert len(set(salts[:12])) == len(set(salts[12:])) == 1 and salts[0] != salts[12]
 
 
 def test_without_ignore_eos_short_outputs_are_reported(fake_server):
     reqs = D.random_dataset(Workload(4, (4, 8), (4, 9), vocab=(10, 100)))
     [(_, s)] = run_serve(base_url=fake_server.url, model="fake", requests=reqs, rates=[math.inf],
-                         warmup=0, extensions=False)
+                         warmup=0, extensions=False, salt_runs=False)
     assert s["short_calls"] == 4 and "ignore_eos" not in fake_server.bodies[0]
+    assert "cache_salt" not in fake_server.bodies[0]
 
 
 def test_multi_turn_carries_earlier_turns(fake_server):
@@ -393,3 +403,29 @@ def test_the_prefix_hit_rate_is_read_from_usage():
     assert s["prefix_hit_rate"] == 96 / 200
     assert format_rows([("inf", s)]).splitlines()[1].endswith("48%")
     assert summarize(recs[2:], 0.0, 1.0)["prefix_hit_rate"] is None
+
+
+def test_middle_events_are_read_as_json_would_read_them():
+    from qmigrate.bench.serve import EventTexts
+
+    def event(text, finish=None, **style):
+        return b"data: " + json.dumps({"id": "cmpl-1", "choices": [{"index": 0, "text": text, "finish_reason": finish}],
+                                       "usage": None}, **style).encode()
+
+    for style in ({"ensure_ascii": False}, {"separators": (",", ":")}):  # ours; compact and ASCII, as others send
+        texts, got, sliced = EventTexts(), [], 0
+        words = ["a", "b", ' "q" ', "\\", "\u00e9\U0001f600", "", "x\ny", "cmpl-1", "c"]
+        words += ["\ud800", "d"] if "separators" in style else []  # a lone surrogate, where it can be sent
+        for text in words:
+            raw = event(text, **style)
+            if (seen := texts.text_of(raw)) is not None:
+                sliced += 1
+            else:
+                seen = json.loads(raw[6:])["choices"][0]["text"]
+                if seen:
+                    texts.learn(raw, seen)
+            got.append(seen)
+        assert got == words and sliced >= len(words) - 3, (style, sliced)
+        for other in (event("", "length", **style), event("a", **style)[:-1] + b', "more": 1}',
+                      event("a", **style).replace(b'"a"', b'"a", "text": "b"'), b"data: [DONE]"):
+            assert texts.text_of(other) is None, other

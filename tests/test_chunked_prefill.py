@@ -10,9 +10,9 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+import yaml
 
-from qmigrate.config import ConfigError, WorkerConfig, worker_settings
-
+from qmigrate.config import ConfigError, WorkerConfig, local_topology, parse_topology, worker_settings
 from qmigrate.engine.runner import EngineConfig, StepRow, _prompt_budget, _share_prompt_budget
 from qmigrate.wire import protocol as P
 from qmigrate.wire.protocol import Finish
@@ -53,21 +53,24 @@ def test_the_budget_is_shared_in_row_order_and_decode_rows_do_not_count():
 
 def test_the_budget_while_decoding_holds_only_for_steps_with_decode_rows():
     decode, fed, prompt = StepRow(1, [5], 9, 1), StepRow(2, [], 9, 1), StepRow(3, list(range(40)), 0, 0)
-    capped = EngineConfig(prefill_tokens_with_decode=16)
+    capped = EngineConfig(prefill_tokens_with_decode=16, max_batch_tokens=1000)
     assert _prompt_budget([decode, prompt], capped) == 16
     assert _prompt_budget([fed, prompt], capped) == 16          # a row fed on the device decodes too
-    assert _prompt_budget([prompt], capped) == 0                 # prompts alone: no limit
-    assert _prompt_budget([prompt, StepRow(4, [7], 0, 0)], capped) == 0   # a one-token prompt is no decode row
-    both = EngineConfig(prefill_tokens_per_step=64, prefill_tokens_with_decode=16)
+    assert _prompt_budget([prompt], capped) == 1000              # prompts alone: a step's tokens
+    assert _prompt_budget([prompt, StepRow(4, [7], 0, 0)], capped) == 1000   # a one-token prompt is no decode row
+    both = EngineConfig(prefill_tokens_per_step=64, prefill_tokens_with_decode=16, max_batch_tokens=1000)
     assert (_prompt_budget([decode, prompt], both), _prompt_budget([prompt], both)) == (16, 64)
     assert _prompt_budget([decode, prompt], dataclasses.replace(both, prefill_tokens_per_step=8)) == 8
-    assert _prompt_budget([decode, prompt], EngineConfig()) == 0
+    assert _prompt_budget([decode, prompt], EngineConfig()) == _prompt_budget([prompt], EngineConfig()) == 0
 
 
 def test_the_worker_setting_reaches_the_engine_and_bad_values_are_refused():
-    assert WorkerConfig().engine_config().prefill_tokens_with_decode == 512
+    assert WorkerConfig().engine_config().prefill_tokens_with_decode == 0
     settings = worker_settings(["prefill_tokens_with_decode=256"])
     assert WorkerConfig(**settings).engine_config().prefill_tokens_with_decode == 256
+    data = yaml.safe_load(yaml.safe_dump(local_topology(1).to_dict()))     # as a YAML file gives it
+    data["workers"][0]["prefill_tokens_with_decode"] = 0
+    assert parse_topology(data).workers[0].engine_config().prefill_tokens_with_decode == 0
     for bad in ("-1", "lots"):
         with pytest.raises(ConfigError, match="prefill_tokens_with_decode"):
             worker_settings([f"prefill_tokens_with_decode={bad}"])
@@ -282,3 +285,17 @@ def test_the_in_process_bench_spreads_prompts_beside_decode_rows_and_stays_exact
     # the first step takes 2 prompts whole (43 tokens); the others come 8 tokens a step
     assert sum(n for _, _, n in steps[0]) == 43
     assert all(sum(n for _, _, n in step if n > 1) <= BUDGET for step in steps[1:])
+
+
+def test_prompts_held_back_join_a_step_without_decode_rows_up_to_its_token_budget(model, prompts, greedy):
+    engine = make_engine(model, prefill_tokens_with_decode=BUDGET, max_batch_tokens=32)
+    core, steps = WorkerCore(engine), record_placed(engine)
+    ps = {1: list(prompts[0]), 2: long_prompt(prompts[2:], 30), 3: long_prompt(prompts, 35)}
+    router = Router(ps, max_new_tokens=3)
+    router.step(core, [1])
+    router.run_all(core)
+    for sid, p in ps.items():
+        assert router.done[sid] == greedy(p, 3), sid
+    # 1 decodes in leases 1-2 (2 gets 8 + 8), then the held-back rest of 2 and 3 run 32 together
+    prompt_tokens = [sum(n for _, _, n in step if n > 1) for step in steps[1:]]
+    assert prompt_tokens[:4] == [BUDGET, BUDGET, 32, BUDGET] and max(prompt_tokens) == 32

@@ -16,11 +16,13 @@ Run: `python -m qmigrate.bench.http_thread --streams 256 --tokens 256 [--step-ms
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import math
 import queue
 import shutil
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -37,9 +39,9 @@ WARMUP = 2  # the client's warm-up calls, before the timed ones
 
 
 def fake_ingest(server, step_s: float, stop: threading.Event, taken: list[float], hold: int = 0) -> None:
-    """Takes submissions and emits one token per running request per step; with `hold`, none
-    once the warm-up's calls are done until that many requests have been taken. `taken` gets
-    the time of each take."""
+    """Takes submissions and emits one token per running request per step; with `hold` (a
+    run's requests), none while a run's requests are not all in. `taken` gets the time of each
+    take."""
     wake = transport.socket(zmq.PULL, bind="inproc://ingest-http-wake")
     running: dict[int, list[int]] = {}   # seq_id -> [tokens sent, tokens asked]
     while not stop.is_set():
@@ -54,7 +56,7 @@ def fake_ingest(server, step_s: float, stop: threading.Event, taken: list[float]
             running[seq_id] = [0, prompt.max_new_tokens]
         while not server.cancels.empty():
             running.pop(server.cancels.get(), None)
-        if not running or WARMUP < len(taken) < hold:
+        if not running or (hold and len(taken) % (WARMUP + hold) > WARMUP):
             wake.poll(5)
             continue
         rows = []
@@ -70,18 +72,25 @@ def fake_ingest(server, step_s: float, stop: threading.Event, taken: list[float]
 
 
 def run_client(url: str, streams: int, prompt_len: tuple[int, int], output_len: tuple[int, int],
-               out: Path) -> None:
-    """`qmigrate bench serve`'s load, all at once; its process CPU (imports left out) goes in
-    `out` beside the report."""
+               runs: int, out: Path) -> None:
+    """`qmigrate bench serve`'s client, `runs` times: a warm-up, then `streams` calls sent at
+    once; the figures of each, with the process's CPU time over it, go in `out`."""
     from qmigrate.bench import serve_data as D
     from qmigrate.bench.core import Workload
-    from qmigrate.bench.serve import run_serve
+    from qmigrate.bench.serve import Client, run_load
+    from qmigrate.bench.serve_stats import summarize
     reqs = D.random_dataset(Workload(streams, prompt_len, output_len, (10, 1000), 0))
-    cpu = time.process_time()
-    run_serve(base_url=url, model=None, requests=reqs, rates=[math.inf], warmup=WARMUP, json_path=out)
-    report = json.loads(out.read_text())
-    report["client_cpu_s"] = time.process_time() - cpu
-    out.write_text(json.dumps(report))
+
+    async def main() -> list[dict]:
+        report = []
+        for _ in range(runs):  # each as `bench serve` runs: new connections, after its warm-up
+            async with Client(url, "m") as client:
+                await run_load(client, [D.ServeRequest(r.prompt, 8) for r in reqs[:WARMUP]], math.inf, name="warm-up")
+                cpu = time.process_time()
+                records, t0, end = await run_load(client, reqs, math.inf)
+                report.append({**summarize(records, t0, end), "client_cpu_s": time.process_time() - cpu})
+        return report
+    out.write_text(json.dumps(asyncio.run(main())))
 
 
 def _span(text: str) -> tuple[int, int]:
@@ -99,10 +108,13 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--streams", type=int, default=256)
     ap.add_argument("--tokens", type=int, default=256, help="Output tokens of every request.")
+    ap.add_argument("--prompt-len", default="4:4", help="Prompt ids, MIN:MAX.")
+    ap.add_argument("--output-len", default=None, help="Output tokens, MIN:MAX (default: --tokens).")
     ap.add_argument("--mixed", action="store_true",
-                    help="mixed-256's shape instead: prompts of 64-512 ids, outputs of 32-512 tokens.")
+                    help="mixed-256's shape: prompts of 64-512 ids, outputs of 32-512 tokens.")
     ap.add_argument("--step-ms", type=float, default=0.0)
     ap.add_argument("--hold", action="store_true", help="No token until every request is in.")
+    ap.add_argument("--runs", type=int, default=3, help="Loads one after another; the medians are printed.")
     ap.add_argument("--model", default=None, help="Tokenizer directory (default: the tiny model).")
     ap.add_argument("--profile", action="store_true",
                     help="Print where the HTTP thread's CPU time goes (cProfile on the thread's clock).")
@@ -111,8 +123,9 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
     if args.client:
         url, streams, prompt, output = args.client
-        return run_client(url, int(streams), _span(prompt), _span(output), args.client_json)
-    prompt_len, output_len = ("64:512", "32:512") if args.mixed else ("4:4", f"{args.tokens}:{args.tokens}")
+        return run_client(url, int(streams), _span(prompt), _span(output), args.runs, args.client_json)
+    prompt_len, output_len = ("64:512", "32:512") if args.mixed else \
+        (args.prompt_len, args.output_len or f"{args.tokens}:{args.tokens}")
     tmp = Path(tempfile.mkdtemp(prefix="qm-http-"))
     try:
         report = _measure(args, tmp, prompt_len, output_len)
@@ -146,16 +159,16 @@ def _measure(args, tmp: Path, prompt_len: str, output_len: str) -> dict:
     freeze_heap()  # as ingest does before it serves
     server.start()
     stop, taken = threading.Event(), []
-    hold = WARMUP + args.streams if args.hold else 0
-    feeder = threading.Thread(target=fake_ingest, args=(server, args.step_ms / 1000, stop, taken, hold), daemon=True)
+    feeder = threading.Thread(target=fake_ingest, daemon=True,
+                              args=(server, args.step_ms / 1000, stop, taken, args.streams if args.hold else 0))
     feeder.start()
-    out = tmp / "serve.json"
+    out = tmp / "client.json"
     http = next(t for t in threading.enumerate() if t.name == "http")
     clock = time.pthread_getcpuclockid(http.ident)
-    cpu0 = time.clock_gettime(clock)
     run = subprocess.run([sys.executable, "-m", "qmigrate.bench.http_thread", "--client", server.url,
-                          str(args.streams), prompt_len, output_len, "--client-json", str(out)], check=False)
-    http_cpu = time.clock_gettime(clock) - cpu0  # while the thread lives
+                          str(args.streams), prompt_len, output_len, "--runs", str(args.runs),
+                          "--client-json", str(out)], check=False)
+    http_end = time.clock_gettime(clock)  # while the thread lives
     stop.set()
     feeder.join(2.0)
     if prof is not None:
@@ -165,20 +178,30 @@ def _measure(args, tmp: Path, prompt_len: str, output_len: str) -> dict:
         pstats.Stats(prof, stream=sys.stderr).sort_stats("tottime").print_stats(30)
     if run.returncode:
         raise SystemExit(run.returncode)
-    full = json.loads(out.read_text())
-    report = full["runs"][0]
-    per_k = 1000 / max(report["output_tokens"], 1)
-    timed, taken = arrived[-args.streams:], taken[-args.streams:]
-    return {"streams": args.streams, "prompt_len": prompt_len, "output_len": output_len, "step_ms": args.step_ms,
-            "hold": args.hold, "tok_per_s": round(report["output_tok_per_s"]),
-            "seconds": round(report["duration_s"], 3),
-            "admission_ms": round(1000 * (taken[-1] - timed[0][0]), 1),
-            "http_cpu_us_per_admission": round(1e6 * (timed[-1][1] - timed[0][1]) / max(len(timed) - 1, 1), 1),
-            "ttft_ms": {k: round(v, 1) for k, v in report["ttft_ms"].items()},
-            "http_thread_cpu_ms_per_1k_tokens": round(http_cpu * per_k * 1000, 1),
-            "client_cpu_ms_per_1k_tokens": round(full["client_cpu_s"] * per_k * 1000, 1),
-            "itl_ms": {k: round(v, 2) for k, v in report["itl_ms"].items()},
-            "failed": report["failed"]}
+    return _figures(args, prompt_len, output_len, json.loads(out.read_text()), arrived, taken, http_end)
+
+
+def _figures(args, prompt_len: str, output_len: str, runs: list[dict], arrived: list, taken: list,
+             http_end: float) -> dict:
+    """Each figure's median over the runs. A run's HTTP CPU: from its first request's arrival
+    to the next run's warm-up (which the client starts at once)."""
+    n, rows = args.streams, []
+    for i, run in enumerate(runs):
+        first = WARMUP + i * (WARMUP + n)
+        timed, took = arrived[first:first + n], taken[first:first + n]
+        cpu_end = arrived[first + n][1] if i + 1 < len(runs) else http_end
+        per_k = 1000 / max(run["output_tokens"], 1)
+        rows.append({"tok_per_s": run["output_tok_per_s"], "seconds": run["duration_s"],
+                     "admission_ms": 1000 * (max(took) - timed[0][0]),
+                     "http_cpu_us_per_admission": 1e6 * (timed[-1][1] - timed[0][1]) / max(n - 1, 1),
+                     "ttft_p50_ms": run["ttft_ms"]["p50"] or 0.0, "tpot_p50_ms": run["tpot_ms"]["p50"] or 0.0,
+                     "http_thread_cpu_ms_per_1k_tokens": (cpu_end - timed[0][1]) * per_k * 1000,
+                     "client_cpu_ms_per_1k_tokens": run["client_cpu_s"] * per_k * 1000,
+                     "failed": run["failed"]})
+    median = {k: round(statistics.median(r[k] for r in rows), 3 if k == "seconds" else 1) for k in rows[0]}
+    median["failed"] = sum(r["failed"] for r in rows)
+    return {"streams": n, "prompt_len": prompt_len, "output_len": output_len, "step_ms": args.step_ms,
+            "hold": args.hold, "runs": len(rows), **median}
 
 
 if __name__ == "__main__":

@@ -6,7 +6,8 @@ Sessions go as plain-text completions (`serve_data.transcript`) when asked, or w
 refuses chat messages for want of a chat template.
 Calls arrive all at once, or at a Poisson or gamma rate, optionally under a concurrency cap;
 a list of rates is a sweep. `ignore_eos` and `min_tokens` (vLLM's extensions, which qmigrate
-accepts) make every output exactly as long as asked.
+accepts) make every output exactly as long as asked, and a `cache_salt` of its own for each run
+(and the warm-up) keeps a run from being served out of the prefix cache an earlier one filled.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import asyncio
 import json
 import math
 import random
+import re
 import sys
 import time
 from pathlib import Path
@@ -61,12 +63,71 @@ def parse_rates(text: str) -> list[float]:
     return rates
 
 
+# What a JSON string's bytes may hold for them to be its text as they stand.
+_NEEDS_DECODING = re.compile(rb'["\\\x00-\x1f]')
+
+
+def _json_string(literal: bytes) -> str | None:
+    """The str a JSON string literal stands for, or None where `literal` is not one."""
+    if len(literal) < 2 or literal[:1] != b'"' or literal[-1:] != b'"':
+        return None
+    body = literal[1:-1]
+    if _NEEDS_DECODING.search(body) is None:
+        try:
+            return body.decode()
+        except UnicodeDecodeError:
+            return None
+    try:
+        value = json.loads(literal)
+    except ValueError:
+        return None
+    return value if isinstance(value, str) else None
+
+
+class EventTexts:
+    """Reads a stream's middle events without json.loads. A server sends them as the same
+    bytes but for the JSON string of their text; once two parsed events have shown the bytes
+    around it, an event with those bytes is its text's string, sliced out. Any other event
+    (the first, the finish, usage, an error, another server's other shape) is parsed in full."""
+
+    __slots__ = ("head", "tail", "guess")
+
+    def __init__(self) -> None:
+        self.head = self.tail = None   # the bytes around the text, once confirmed
+        self.guess = None              # (head, tail) seen once, to be confirmed
+
+    def text_of(self, raw: bytes) -> str | None:
+        """The text of `raw` where it has the learned shape, else None (parse it)."""
+        head, tail = self.head, self.tail
+        if head is None or not raw.startswith(head) or not raw.endswith(tail) \
+                or len(raw) < len(head) + len(tail):
+            return None
+        return _json_string(raw[len(head):len(raw) - len(tail)])
+
+    def learn(self, raw: bytes, text: str) -> None:
+        """`raw` parsed in full to a middle event (one choice, this text, no finish, usage
+        or error): where its text's string sits, if it sits there just once."""
+        if self.guess is not None:
+            head, tail = self.guess
+            if raw.startswith(head) and raw.endswith(tail) and len(raw) >= len(head) + len(tail) \
+                    and _json_string(raw[len(head):len(raw) - len(tail)]) == text:
+                self.head, self.tail = head, tail
+                return
+        self.guess = None
+        for literal in {json.dumps(text, ensure_ascii=False).encode(), json.dumps(text).encode()}:
+            at = raw.find(literal)
+            if at >= 0 and raw.find(literal, at + 1) < 0:
+                self.guess = raw[:at], raw[at + len(literal):]
+                return
+
+
 class Client:
     def __init__(self, base_url: str, model: str, *, extensions: bool = True, temperature: float = 0.0,
                  sessions_as: str = "chat"):
         self.base_url, self.model = base_url.rstrip("/"), model
         self.extensions, self.temperature = extensions, temperature
         self.sessions_as = sessions_as   # chat, or text: plain-text completions
+        self.salt: str | None = None     # the cache_salt every call sends, if any
         self.session = None
 
     async def __aenter__(self):
@@ -82,6 +143,8 @@ class Client:
                 "stream_options": {"include_usage": True}}
         if self.extensions:
             body.update(ignore_eos=True, min_tokens=output_len)
+        if self.salt is not None:
+            body["cache_salt"] = self.salt
         return body
 
     async def complete(self, prompt, output_len: int, rec: CallRecord) -> str:
@@ -101,13 +164,19 @@ class Client:
                 if resp.status != 200:
                     rec.error = f"HTTP {resp.status}: {(await resp.text())[:200]}"
                     return ""
-                buf, done = b"", False
+                buf, done, texts = b"", False, EventTexts()
                 # Whole reads, split into events here: one await per read, not one per line;
                 # events that arrived in one read share its timestamp.
                 async for data in resp.content.iter_any():
                     now = time.perf_counter()
                     *events, buf = (buf + data).split(b"\n\n")
                     for raw in events:
+                        if (text := texts.text_of(raw)) is not None:
+                            if text:
+                                rec.chunks.append(now)
+                                parts.append(text)
+                                chunks += 1
+                            continue
                         if not raw.startswith(b"data: "):
                             continue
                         if raw[6:].strip() == b"[DONE]":
@@ -118,13 +187,16 @@ class Client:
                             rec.error = str(event["error"].get("message", event["error"]))[:200]
                             done = True
                             break
-                        for choice in event.get("choices") or ():
+                        choices = event.get("choices") or ()
+                        for choice in choices:
                             text = (choice.get("delta") or {}).get("content") if chat else choice.get("text")
                             if text:
                                 rec.chunks.append(now)
                                 parts.append(text)
                                 chunks += 1
                         usage = event.get("usage")
+                        if text and len(choices) == 1 and not usage and choices[0].get("finish_reason") is None:
+                            texts.learn(raw, text)
                         if usage:
                             rec.output_tokens = usage.get("completion_tokens", 0)
                             rec.prompt_tokens = usage.get("prompt_tokens", 0)
@@ -218,6 +290,15 @@ async def run_load(client: Client, requests: list[ServeRequest], rate: float, *,
     return records, t0, end
 
 
+def write_calls(out, rate: str, records: list[CallRecord], t0: float) -> None:
+    """One JSON line per call: what the summary is computed from, to look at a tail call by call."""
+    for rec in records:
+        out.write(json.dumps({"rate": rate, "start": round(rec.start - t0, 6),
+                              "chunks": [round(t - t0, 6) for t in rec.chunks],
+                              "output_tokens": rec.output_tokens, "cached_tokens": rec.cached_tokens,
+                              "error": rec.error}) + "\n")
+
+
 def rate_label(rate: float) -> str:
     return "inf" if math.isinf(rate) else f"{rate:g}"
 
@@ -226,11 +307,16 @@ def run_serve(*, base_url: str, model: str | None, requests: list[ServeRequest],
               burstiness: float = 1.0, max_concurrency: int | None = None, slos: dict | None = None,
               seed: int = 0, warmup: int = 2, extensions: bool = True, json_path: Path | None = None,
               dataset: dict | None = None, pipeline_json: Path | None = None,
-              sessions_as: str = "auto") -> list[tuple[str, dict]]:
+              sessions_as: str = "auto", calls_path: Path | None = None,
+              salt_runs: bool = True) -> list[tuple[str, dict]]:
     """sessions_as: chat (chat messages), text (plain-text completions), or auto (chat unless
-    the server has no chat template for its model)."""
+    the server has no chat template for its model). salt_runs: each run and the warm-up send a
+    cache_salt of their own, so that no run starts on prefixes an earlier one cached."""
     if sessions_as not in SESSIONS_AS:
         raise ValueError(f"sessions go as {' or '.join(SESSIONS_AS)}, not {sessions_as!r}")
+
+    calls = open(calls_path, "w") if calls_path is not None else None
+    salt_base = f"bench-{random.SystemRandom().getrandbits(48):012x}"
 
     async def main():
         runs = []
@@ -243,20 +329,28 @@ def run_serve(*, base_url: str, model: str | None, requests: list[ServeRequest],
                     print("bench serve: the server's model has no chat template: sessions go as plain-text "
                           "completions", file=sys.stderr)
             if warmup:
+                client.salt = f"{salt_base}-warm-up" if salt_runs else None
                 warm = [ServeRequest(r.prompt, min(r.output_len, 8), r.turns[:1], r.prompt_len)
                         for r in requests[:warmup]]
                 await run_load(client, warm, math.inf, name="warm-up")
             for i, rate in enumerate(rates):
+                client.salt = f"{salt_base}-run-{i}" if salt_runs else None
                 records, t0, end = await run_load(client, requests, rate, burstiness=burstiness,
                                                   max_concurrency=max_concurrency, seed=seed + i,
                                                   name=f"rate {rate_label(rate)}")
                 runs.append((rate_label(rate), summarize(records, t0, end, slos)))
+                if calls is not None:
+                    write_calls(calls, rate_label(rate), records, t0)
         return runs, client.model, client.sessions_as
 
     total = sum(r.output_len * r.num_calls for r in requests)
     print(f"bench serve: {base_url}, {len(requests)} requests ({sum(r.num_calls for r in requests)} calls), "
           f"{total:,} output tokens asked", file=sys.stderr)
-    runs, served, sent_as = asyncio.run(main())
+    try:
+        runs, served, sent_as = asyncio.run(main())
+    finally:
+        if calls is not None:
+            calls.close()
     table = format_rows(runs)
     print(table)
     for rate, s in runs:
@@ -272,6 +366,7 @@ def run_serve(*, base_url: str, model: str | None, requests: list[ServeRequest],
     if json_path is not None:
         report = {"base_url": base_url, "model": served, "dataset": dataset or {}, "output_tokens_asked": total,
                   "burstiness": burstiness, "max_concurrency": max_concurrency, "ignore_eos": extensions,
+                  "cache_salt_per_run": salt_runs,
                   "sessions_as": sent_as if any(r.is_session for r in requests) else None,
                   "runs": [{"rate": rate, **s} for rate, s in runs], "table": table}
         if pipeline:

@@ -311,8 +311,9 @@ class Engine:
 
         With `prefill_tokens_per_step` (or `prefill_tokens_with_decode` while a row decodes),
         the step's prompt rows (several new ids) share that many tokens in row order: a row
-        past the budget runs only its first part, or none of it. Such a row's sequence is in `Pending.partial`: its token is no sample (the KV of
-        the part that ran is kept), and a later step carries the rest from cached_len on."""
+        past the budget runs only its first part, or none of it. Such a row's sequence is in
+        `Pending.partial`: its token is no sample (the KV of the part that ran is kept), and a
+        later step carries the rest from cached_len on."""
         if after is not None and after.batch is not None and rows and not any(r.new_ids for r in rows):
             pending = self._continue(rows, after)
             if pending is not None:
@@ -515,10 +516,14 @@ class Engine:
 
 def _prompt_budget(rows: list[StepRow], cfg: EngineConfig) -> int:
     """Prompt tokens this step may carry (0: no limit). Every decode row's stream waits for
-    the whole step, so while there are some, prompts get `prefill_tokens_with_decode`."""
+    the whole step, so while there are some, prompts get `prefill_tokens_with_decode`; a
+    step of prompts alone gets `max_batch_tokens`, since prompts held back by that limit
+    (which the router leased as one-token rows) join its lease's own prompts."""
     budget, capped = cfg.prefill_tokens_per_step, cfg.prefill_tokens_with_decode
-    if capped <= 0 or not any(r.start > 0 and len(r.new_ids) <= 1 for r in rows):
+    if capped <= 0:
         return budget
+    if not any(r.start > 0 and len(r.new_ids) <= 1 for r in rows):
+        capped = cfg.max_batch_tokens
     return min(budget, capped) if budget > 0 else capped
 
 

@@ -152,11 +152,10 @@ class LeasePrefill:
     w's leases. Its KV is charged in full: an idle cached block counts as free in w's report
     and leaves it when a sequence takes it."""
 
-    def __init__(self, index: PrefixIndex, w: WorkerState, held):
-        self.index, self.w = index, w
-        # keys of prompts that steps in flight at w compute (no token of theirs back yet)
-        self.computing = {key for seq in held if len(seq.token_ids) <= seq.spec.prompt_len
-                          for key in seq_keys(seq, w.block_size)}
+    def __init__(self, index: PrefixIndex, w: WorkerState, held: list[Seq]):
+        self.index, self.w, self.held = index, w, held
+        self.computing: set[int] | None = None   # keys of prompts under way at w, once asked
+        self.taken: list[Seq] = []
         self.waiting: list[Seq] = []
 
     def cost(self, seq: Seq) -> tuple[int, int]:
@@ -164,14 +163,23 @@ class LeasePrefill:
         that others compute first)."""
         bs, keys = self.w.block_size, seq_keys(seq, self.w.block_size)
         held = self.index.match(keys).get(self.w.name, 0) if len(self.index) else 0
+        if self.computing is None:   # most leases carry no prompt: built only when one comes
+            self.computing = set()
+            for other in (*self.held, *self.taken):
+                self.take(other)
         shared = held
         while shared < len(keys) and keys[shared] in self.computing:
             shared += 1
         return len(seq.token_ids) - held * bs, (shared - held) * bs
 
     def take(self, seq: Seq) -> None:
-        """seq is a row of this lease: its prompt's blocks are computed from now on."""
-        if len(seq.token_ids) <= seq.spec.prompt_len:
+        """seq is at w (a row of this lease, or in flight): while no token of it is back,
+        its prompt's blocks are being computed."""
+        if len(seq.token_ids) > seq.spec.prompt_len:
+            return
+        if self.computing is None:
+            self.taken.append(seq)
+        else:
             self.computing.update(seq_keys(seq, self.w.block_size))
 
     def should_wait(self, seq: Seq, shared_tokens: int) -> bool:
