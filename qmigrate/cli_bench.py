@@ -231,6 +231,11 @@ def bench_serve(
         help="Send ignore_eos and min_tokens (vLLM's extensions) so outputs have exact lengths; off for "
              "servers that refuse them.")] = True,
     warmup: Annotated[int, typer.Option(min=0, help="Short calls sent before the timed runs.")] = 2,
+    salt_runs: Annotated[bool, typer.Option(
+        "--cache-salt-per-run/--no-cache-salt-per-run",
+        help="Each timed run (and the warm-up) sends a cache_salt of its own (an extension, as vLLM's), so "
+             "that no run is served from prompts an earlier run left in the server's prefix cache; off "
+             "for servers that refuse it, or to measure a cache warmed by the run before.")] = True,
     pipeline_json: Annotated[Optional[Path], typer.Option(
         "--pipeline-json",
         help="A `qmigrate bench --json` report of the same workload: print HTTP / pipeline for the "
@@ -285,7 +290,7 @@ def bench_serve(
         run_serve(base_url=base_url, model=model_name, requests=reqs, rates=rates, burstiness=burstiness,
                   max_concurrency=max_concurrency, slos=slos, seed=seed, warmup=warmup, extensions=ignore_eos,
                   json_path=json_out, dataset=described, pipeline_json=pipeline_json, sessions_as=sessions_as,
-                  calls_path=calls_out)
+                  calls_path=calls_out, salt_runs=salt_runs)
     except (RuntimeError, OSError) as exc:
         fail(str(exc), 1)
 

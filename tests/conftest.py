@@ -101,15 +101,38 @@ def _reference_model(model_dir: str):
 
 def greedy_tokens(model_dir, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
     """transformers' greedy generate() for one prompt (each is generated once a session)."""
+    return greedy_tokens_many(model_dir, [(prompt_ids, max_new_tokens)])[0]
+
+
+def greedy_tokens_many(model_dir, rows: list[tuple[list[int], int]], max_batch: int = 32) -> list[list[int]]:
+    """greedy_tokens for each (prompt_ids, max_new_tokens), the ones not generated yet in
+    left-padded batches: a batch costs about what one prompt does. A row's first n greedy
+    tokens do not depend on how many more are generated, so a batch runs to its longest
+    row's length and each row is cut to its own. Padding may change the last bits of a
+    logit; the checker of greedy_reference allows for exactly that (a numerical tie)."""
     import torch
     generated = _REFERENCE_TOKENS.setdefault(str(model_dir), {})
-    key = (tuple(prompt_ids), max_new_tokens)
-    if key not in generated:
+    keys = [(tuple(ids), n) for ids, n in rows]
+    pending = sorted((key for key in dict.fromkeys(keys) if key not in generated), key=lambda key: key[1])
+    model = _reference_model(str(model_dir))
+    eos = model.generation_config.eos_token_id
+    eos_ids = set([eos] if isinstance(eos, int) else eos or [])
+    for start in range(0, len(pending), max_batch):
+        batch = pending[start:start + max_batch]
+        width = max(len(ids) for ids, _ in batch)
+        input_ids = torch.zeros(len(batch), width, dtype=torch.long)
+        mask = torch.zeros_like(input_ids)
+        for row, (ids, _) in enumerate(batch):
+            input_ids[row, width - len(ids):] = torch.tensor(ids)
+            mask[row, width - len(ids):] = 1
         with torch.no_grad():
-            out = _reference_model(str(model_dir)).generate(torch.tensor([prompt_ids]),
-                                                            max_new_tokens=max_new_tokens, do_sample=False)
-        generated[key] = out[0, len(prompt_ids):].tolist()
-    return generated[key]
+            out = model.generate(input_ids=input_ids, attention_mask=mask, max_new_tokens=batch[-1][1],
+                                 do_sample=False)
+        for row, key in enumerate(batch):
+            tokens = out[row, width:width + key[1]].tolist()
+            end = next((i + 1 for i, t in enumerate(tokens) if t in eos_ids), len(tokens))
+            generated[key] = tokens[:end]  # a row that ended early is padded past its eos
+    return [generated[key] for key in keys]
 
 
 def greedy_reference(model_dir):
@@ -210,6 +233,7 @@ def check_outputs(jsonl: str, prompts: list[dict], model_dir) -> dict[str, dict]
             assert record["id"] not in finals, f"{record['id']} finished twice"
             finals[record["id"]] = record
     assert sorted(finals) == sorted(p["id"] for p in prompts)
+    greedy_tokens_many(model_dir, [(p["prompt_ids"], p["max_new_tokens"]) for p in prompts])
     check = greedy_reference(model_dir)
     for p in prompts:
         check(p["prompt_ids"], p["max_new_tokens"], finals[p["id"]]["token_ids"], p["id"])

@@ -188,13 +188,17 @@ def test_against_a_fake_server(fake_server, tmp_path):
     for c in calls:
         assert c["error"] == "" and 0 <= c["start"] <= c["chunks"][0] and c["chunks"] == sorted(c["chunks"])
     assert sum(c["output_tokens"] for c in calls) == 2 * asked
+    # each run its own cache_salt: the second run finds nothing the first cached
+    salts = [b["cache_salt"] for b in fake_server.bodies]
+    assert len(set(salts[:12])) == len(set(salts[12:])) == 1 and salts[0] != salts[12]
 
 
 def test_without_ignore_eos_short_outputs_are_reported(fake_server):
     reqs = D.random_dataset(Workload(4, (4, 8), (4, 9), vocab=(10, 100)))
     [(_, s)] = run_serve(base_url=fake_server.url, model="fake", requests=reqs, rates=[math.inf],
-                         warmup=0, extensions=False)
+                         warmup=0, extensions=False, salt_runs=False)
     assert s["short_calls"] == 4 and "ignore_eos" not in fake_server.bodies[0]
+    assert "cache_salt" not in fake_server.bodies[0]
 
 
 def test_multi_turn_carries_earlier_turns(fake_server):

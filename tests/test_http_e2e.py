@@ -221,3 +221,8 @@ def test_usage_says_how_much_of_the_prompt_was_cached(node):
     n = first.usage.prompt_tokens
     assert n > 32
     assert again.usage.prompt_tokens_details.cached_tokens == (n - 1) // 16 * 16
+    # another tenant's salt shares nothing; the same salt again shares the prefix
+    salted = [node.client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0,
+                                             extra_body={"cache_salt": "tenant-b"}) for _ in range(2)]
+    assert [r.usage.prompt_tokens_details.cached_tokens for r in salted] == [0, (n - 1) // 16 * 16]
+    assert salted[0].choices[0].text == first.choices[0].text

@@ -9,6 +9,7 @@ import pytest
 from conftest import CHAT_TEMPLATE
 from qmigrate.detokenizer.sinks import make_sink
 from qmigrate.ingest.openai_api import ApiError, StopTrimmer, chunk, parse_body, reply, usage_chunk
+from qmigrate.ingest.prompts import to_spec
 from tokenizer_util import build_tokenizer
 
 MODEL = "tiny"
@@ -42,6 +43,9 @@ def test_a_completion_request_maps_onto_intake(tok):
     assert p.stop_ids == [tok.encode("\n", add_special_tokens=False)]
     assert parse(tok, {"model": MODEL, "prompt": [5, 6, 7]}).prompt.prompt_ids == [5, 6, 7]
     assert parse(tok, {"model": MODEL, "prompt": ["Hi"]}).prompt.prompt_ids == tok.encode("Hi")
+    assert p.cache_salt == ""
+    salted = parse(tok, {"model": MODEL, "prompt": "Hi", "cache_salt": "tenant-7"}).prompt
+    assert salted.cache_salt == "tenant-7" and to_spec(salted, 1, 0, ()).cache_salt == "tenant-7"
 
 
 def test_a_chat_request_uses_the_template(tok):
@@ -70,6 +74,8 @@ def test_a_chat_request_uses_the_template(tok):
     ({"model": MODEL, "prompt": "x", "echo": True}, 400, "echo", "'echo'"),
     ({"model": MODEL, "prompt": "x", "presence_penalty": 0.5}, 400, "presence_penalty", "not supported"),
     ({"model": MODEL, "prompt": "x", "frobnicate": 1}, 400, "frobnicate", "unrecognized request argument"),
+    ({"model": MODEL, "prompt": "x", "cache_salt": 7}, 400, "cache_salt", "cache_salt must be a string"),
+    ({"model": MODEL, "prompt": "x", "cache_salt": "s" * 257}, 400, "cache_salt", "at most 256"),
     ({"model": MODEL, "prompt": ["a", "b"]}, 400, "prompt", "one prompt per request"),
     ({"model": MODEL, "prompt": 5}, 400, "prompt", "string or a list of token ids"),
     ({"model": MODEL, "prompt": "   "}, 400, "prompt", "empty prompt"),

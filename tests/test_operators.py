@@ -102,7 +102,7 @@ def _wait_for(what: str, check, proc, timeout_s: float = 60.0):
 
 @pytest.mark.slow
 def test_memory_reports_steer_work_and_operators_see_it(node, tiny_model_dir):
-    from conftest import greedy_reference
+    from conftest import greedy_reference, greedy_tokens_many
     from qmigrate.config import load_topology
     from qmigrate.ops.status import fetch
     from qmigrate.wire.transport import Unreachable
@@ -153,6 +153,7 @@ def test_memory_reports_steer_work_and_operators_see_it(node, tiny_model_dir):
 
     finals = {rec["id"]: rec for rec in map(json.loads, out.splitlines()) if rec.get("done")}
     assert sorted(finals) == sorted(p["id"] for p in prompts)
+    greedy_tokens_many(tiny_model_dir, [(p["prompt_ids"], p["max_new_tokens"]) for p in prompts])
     check = greedy_reference(tiny_model_dir)
     for p in prompts:
         check(p["prompt_ids"], p["max_new_tokens"], finals[p["id"]]["token_ids"], p["id"])

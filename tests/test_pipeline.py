@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 import helpers as H
-from conftest import greedy_tokens
+from conftest import greedy_tokens_many
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -88,8 +88,9 @@ def test_greedy_equals_generate_while_sequences_migrate(tmp_path, ipc_dir, tiny_
                                                          num_workers, router):
     # Each sequence outlasts a lease (generate() runs each to its end), so the ones w1
     # holds when it is drained must move.
-    prompts = [p for p in _prompts(12, seed=num_workers)
-               if len(greedy_tokens(tiny_model_dir, p["prompt_ids"], p["max_new_tokens"])) > MAX_LEASE_STEPS]
+    candidates = _prompts(12, seed=num_workers)
+    expected = greedy_tokens_many(tiny_model_dir, [(p["prompt_ids"], p["max_new_tokens"]) for p in candidates])
+    prompts = [p for p, tokens in zip(candidates, expected) if len(tokens) > MAX_LEASE_STEPS]
     assert len(prompts) >= 8
     finals, moves = _run_with_a_drain(tmp_path, ipc_dir, tiny_model_dir, num_workers, prompts, **router)
     for p in prompts:
@@ -117,8 +118,8 @@ def test_seeded_sampling_is_the_same_on_one_and_three_workers(tmp_path, ipc_dir,
     b, moves = _run_with_a_drain(tmp_path, ipc_dir, tiny_model_dir, 3, long, migration="recompute")
     assert moves.get("drain", 0) > 0, moves
     assert {p["id"]: a[p["id"]]["token_ids"] for p in long} == {k: v["token_ids"] for k, v in b.items()}
-    differs = [p["id"] for p in prompts
-               if greedy_tokens(tiny_model_dir, p["prompt_ids"], p["max_new_tokens"]) != a[p["id"]]["token_ids"]]
+    expected = greedy_tokens_many(tiny_model_dir, [(p["prompt_ids"], p["max_new_tokens"]) for p in prompts])
+    differs = [p["id"] for p, tokens in zip(prompts, expected) if tokens != a[p["id"]]["token_ids"]]
     assert differs, "sampling at temperature 0.9 gave exactly the greedy output everywhere"
 
 

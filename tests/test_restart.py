@@ -48,7 +48,7 @@ def _wait(what: str, predicate, timeout: float = 120.0, err=None):
 
 
 def test_router_detokenizer_and_worker_restarts_lose_nothing(tmp_path, tiny_model_dir):
-    from conftest import greedy_reference
+    from conftest import greedy_reference, greedy_tokens_many
     ports = reserve_ports(7)
     path = tmp_path / "topo.yaml"
     path.write_text(yaml.safe_dump(_topology(tmp_path, tiny_model_dir, ports)))
@@ -106,6 +106,7 @@ def test_router_detokenizer_and_worker_restarts_lose_nothing(tmp_path, tiny_mode
     assert sorted(finals) == sorted(p["id"] for p in prompts)
     for rid, final in finals.items():
         assert deltas.get(rid, "") == final["text"], f"{rid}: a delta printed twice or lost"
+    greedy_tokens_many(tiny_model_dir, [(p["prompt_ids"], p["max_new_tokens"]) for p in prompts])
     check = greedy_reference(tiny_model_dir)
     for p in prompts:
         check(p["prompt_ids"], p["max_new_tokens"], finals[p["id"]]["token_ids"], p["id"])

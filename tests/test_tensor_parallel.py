@@ -130,9 +130,17 @@ def run_world(world: int, tiny_dir, tmp_path, device: str = "cpu") -> dict:
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("world", [2, 4])
-def test_sharded_engine_matches_one_rank_and_generate(world, tiny_model_dir, tmp_path):
+def test_sharded_engine_matches_one_rank_and_generate(world, tiny_model_dir, tmp_path, monkeypatch):
+    """2 ranks run the Triton kernels where the CPU has the interpreter (a rank's share of the
+    heads, the experts' thinner matrices); 4 ranks, the torch reference path: the same layouts
+    with KV heads replicated, at a fraction of the interpreter's time."""
+    kernels = world == 2 and os.environ.get("TRITON_INTERPRET") == "1"
+    if world == 4:
+        monkeypatch.delenv("TRITON_INTERPRET", raising=False)   # read by each rank's import of triton
     result = run_world(world, tiny_model_dir, tmp_path)
     assert set(result) == {"tiny", *tp_ranks.FAMILIES, *tp_ranks.SHARED_FAMILIES}
+    # the llama case's heads of 8 are too narrow for the kernels' tiles: the reference there
+    assert {n for n, case in result.items() if case["kernels"]} == (set(result) - {"llama"} if kernels else set())
     for name, case in result.items():
         assert case["steps"] == tp_ranks.NUM_NEW, name
         # fp32 sums in another order (row-parallel partial sums): within 1e-5 of the logits' scale
@@ -141,7 +149,7 @@ def test_sharded_engine_matches_one_rank_and_generate(world, tiny_model_dir, tmp
         moved = case["moved"]
         assert moved["kv_diff"] <= 1e-5 * max(1.0, moved["kv_scale"]), name   # gathered: the one-rank KV
         assert moved["to_one"] == moved["to_ranks"] == case["moved_expected"], name
-        assert moved["recomputed_to_one"] == moved["recomputed_to_ranks"] == case["moved_expected"], name
+        assert moved["recomputed_to_one"] == moved["recomputed_to_ranks"] == case["moved_expected"][:1], name
 
 
 @pytest.mark.gpu

@@ -116,13 +116,14 @@ def check_case(model, tp: TensorParallel) -> dict:
     moved["to_one"] = greedy(one, [cont], MORE, first_id=50, starts=[n])[0]
     assert sharded.import_kv(60, one_kv)
     moved["to_ranks"] = greedy(sharded, [cont], MORE, first_id=60, starts=[n])[0]
-    # or by recompute: the sequence so far prefilled again, on either side
-    moved["recomputed_to_one"] = greedy(one, [cont], MORE, first_id=70)[0]
-    moved["recomputed_to_ranks"] = greedy(sharded, [cont], MORE, first_id=80)[0]
+    # or by recompute: the sequence so far prefilled again, on either side (the token that
+    # prefill samples; the decode steps after it are any decode's)
+    moved["recomputed_to_one"] = greedy(one, [cont], 1, first_id=70)[0]
+    moved["recomputed_to_ranks"] = greedy(sharded, [cont], 1, first_id=80)[0]
     sharded.runner.stop()
     return {"got": got, "ref": ref, "expected": [e[:NUM_NEW] for e in expected], "max_logit_diff": diff, "logit_scale": scale,
             "steps": steps, "moved": moved, "moved_expected": expected[1][NUM_NEW:],
-            "kv_shape": list(kv.shape)}
+            "kv_shape": list(kv.shape), "kernels": getattr(sharded.runner, "inner", sharded.runner).use_kernels}
 
 
 def run_rank(rank: int, world: int, init_method: str, tiny_dir: str, out: str, device: str = "cpu") -> None:

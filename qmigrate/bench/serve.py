@@ -6,7 +6,8 @@ Sessions go as plain-text completions (`serve_data.transcript`) when asked, or w
 refuses chat messages for want of a chat template.
 Calls arrive all at once, or at a Poisson or gamma rate, optionally under a concurrency cap;
 a list of rates is a sweep. `ignore_eos` and `min_tokens` (vLLM's extensions, which qmigrate
-accepts) make every output exactly as long as asked.
+accepts) make every output exactly as long as asked, and a `cache_salt` of its own for each run
+(and the warm-up) keeps a run from being served out of the prefix cache an earlier one filled.
 """
 
 from __future__ import annotations
@@ -126,6 +127,7 @@ class Client:
         self.base_url, self.model = base_url.rstrip("/"), model
         self.extensions, self.temperature = extensions, temperature
         self.sessions_as = sessions_as   # chat, or text: plain-text completions
+        self.salt: str | None = None     # the cache_salt every call sends, if any
         self.session = None
 
     async def __aenter__(self):
@@ -141,6 +143,8 @@ class Client:
                 "stream_options": {"include_usage": True}}
         if self.extensions:
             body.update(ignore_eos=True, min_tokens=output_len)
+        if self.salt is not None:
+            body["cache_salt"] = self.salt
         return body
 
     async def complete(self, prompt, output_len: int, rec: CallRecord) -> str:
@@ -303,13 +307,16 @@ def run_serve(*, base_url: str, model: str | None, requests: list[ServeRequest],
               burstiness: float = 1.0, max_concurrency: int | None = None, slos: dict | None = None,
               seed: int = 0, warmup: int = 2, extensions: bool = True, json_path: Path | None = None,
               dataset: dict | None = None, pipeline_json: Path | None = None,
-              sessions_as: str = "auto", calls_path: Path | None = None) -> list[tuple[str, dict]]:
+              sessions_as: str = "auto", calls_path: Path | None = None,
+              salt_runs: bool = True) -> list[tuple[str, dict]]:
     """sessions_as: chat (chat messages), text (plain-text completions), or auto (chat unless
-    the server has no chat template for its model)."""
+    the server has no chat template for its model). salt_runs: each run and the warm-up send a
+    cache_salt of their own, so that no run starts on prefixes an earlier one cached."""
     if sessions_as not in SESSIONS_AS:
         raise ValueError(f"sessions go as {' or '.join(SESSIONS_AS)}, not {sessions_as!r}")
 
     calls = open(calls_path, "w") if calls_path is not None else None
+    salt_base = f"bench-{random.SystemRandom().getrandbits(48):012x}"
 
     async def main():
         runs = []
@@ -322,10 +329,12 @@ def run_serve(*, base_url: str, model: str | None, requests: list[ServeRequest],
                     print("bench serve: the server's model has no chat template: sessions go as plain-text "
                           "completions", file=sys.stderr)
             if warmup:
+                client.salt = f"{salt_base}-warm-up" if salt_runs else None
                 warm = [ServeRequest(r.prompt, min(r.output_len, 8), r.turns[:1], r.prompt_len)
                         for r in requests[:warmup]]
                 await run_load(client, warm, math.inf, name="warm-up")
             for i, rate in enumerate(rates):
+                client.salt = f"{salt_base}-run-{i}" if salt_runs else None
                 records, t0, end = await run_load(client, requests, rate, burstiness=burstiness,
                                                   max_concurrency=max_concurrency, seed=seed + i,
                                                   name=f"rate {rate_label(rate)}")
@@ -357,6 +366,7 @@ def run_serve(*, base_url: str, model: str | None, requests: list[ServeRequest],
     if json_path is not None:
         report = {"base_url": base_url, "model": served, "dataset": dataset or {}, "output_tokens_asked": total,
                   "burstiness": burstiness, "max_concurrency": max_concurrency, "ignore_eos": extensions,
+                  "cache_salt_per_run": salt_runs,
                   "sessions_as": sent_as if any(r.is_session for r in requests) else None,
                   "runs": [{"rate": rate, **s} for rate, s in runs], "table": table}
         if pipeline:

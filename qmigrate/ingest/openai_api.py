@@ -24,7 +24,7 @@ MAX_TEMPERATURE = 2.0
 COMMON_FIELDS = frozenset(["model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop",
                            "stream", "stream_options", "n", "user", "presence_penalty",
                            "frequency_penalty", "logit_bias", "logprobs",
-                           "ignore_eos", "min_tokens"])  # the last two: extensions, as vLLM's
+                           "ignore_eos", "min_tokens", "cache_salt"])  # the last three: extensions, as vLLM's
 ONLY_FIELDS = {"completion": frozenset(["prompt", "echo", "best_of", "suffix"]),
                "chat": frozenset(["messages", "max_completion_tokens", "top_logprobs", "response_format",
                                   "tools", "tool_choice", "functions", "function_call",
@@ -109,7 +109,7 @@ def parse_body(body, kind: Kind, *, model_names: Collection[str], tokenizer, max
     temperature = body.get("temperature")
     if temperature is not None and (not _is_number(temperature) or not 0 <= temperature <= MAX_TEMPERATURE):
         raise ApiError(400, f"'temperature' must be a number from 0 to {MAX_TEMPERATURE:g}", "temperature")
-    for name in ("temperature", "top_p", "top_k", "seed", "ignore_eos", "min_tokens"):
+    for name in ("temperature", "top_p", "top_k", "seed", "ignore_eos", "min_tokens", "cache_salt"):
         if name in body:
             request[name] = body[name]
     stop = _parse_stop(body.get("stop", []))
@@ -151,7 +151,7 @@ def _completion_prompt(prompt) -> dict:
 
 def _param_of(message: str, kind: Kind) -> str | None:
     for key, param in (("messages", "messages"), ("prompt", "prompt" if kind == "completion" else "messages"),
-                       ("min_tokens", "min_tokens"), ("ignore_eos", "ignore_eos"),
+                       ("min_tokens", "min_tokens"), ("ignore_eos", "ignore_eos"), ("cache_salt", "cache_salt"),
                        ("max_new_tokens", "max_tokens"), ("temperature", "temperature"),
                        ("top_p", "top_p"), ("top_k", "top_k"), ("seed", "seed"), ("stop", "stop")):
         if key in message:

@@ -46,7 +46,7 @@ MAX_SEED = P.MAX_SEED + 1  # exclusive: seeds are in [0, 2**63)
 MAX_JSON_DEPTH = 32
 KEYS = frozenset(
     ["id", "prompt", "prompt_ids", "messages", "max_new_tokens", "temperature", "top_p",
-     "top_k", "seed", "stop", "ignore_eos", "min_tokens"]
+     "top_k", "seed", "stop", "ignore_eos", "min_tokens", "cache_salt"]
 )
 CHAT_ROLES = frozenset(["system", "user", "assistant", "developer", "tool"])
 MESSAGE_KEYS = frozenset(["role", "content", "name"])
@@ -65,6 +65,7 @@ class Prompt:
     note: str = ""            # said in the request's final record (a clamped max_new_tokens)
     ignore_eos: bool = False  # run on past EOS (synthetic loads of exact lengths)
     min_tokens: int = 0       # neither EOS nor a stop sequence ends it before this many tokens
+    cache_salt: str = ""      # shares cached prompt prefixes only with requests of the same salt
 
 
 @dataclass(slots=True, frozen=True)
@@ -139,7 +140,8 @@ def to_spec(prompt: Prompt, seq_id: int, seed: int, eos_ids: Collection[int]) ->
     """The request's full form as the router and the workers take it."""
     return P.SeqSpec(seq_id, P.pack_i32(prompt.prompt_ids), len(prompt.prompt_ids), prompt.max_new_tokens,
                      prompt.temperature, prompt.top_p, prompt.top_k, seed, prompt.stop_ids,
-                     [] if prompt.ignore_eos else sorted(eos_ids), min_new_tokens=prompt.min_tokens)
+                     [] if prompt.ignore_eos else sorted(eos_ids), min_new_tokens=prompt.min_tokens,
+                     cache_salt=prompt.cache_salt)
 
 
 def check_prompt(prompt: Prompt, eos_ids: Collection[int] = ()) -> Prompt:
@@ -283,9 +285,13 @@ def parse_request(
     min_tokens = obj.get("min_tokens", 0)
     if not _is_int(min_tokens) or not 0 <= min_tokens <= max_new_tokens:
         fail("min_tokens must be an integer from 0 to max_new_tokens")
+    cache_salt = obj.get("cache_salt", "")
+    if not isinstance(cache_salt, str) or len(cache_salt) > P.MAX_CACHE_SALT:
+        fail(f"cache_salt must be a string of at most {P.MAX_CACHE_SALT} characters")
 
     prompt = _fit(Prompt(req_id, prompt_ids, max_new_tokens, float(temperature), float(top_p),
-                         top_k, seed, stop_ids, ignore_eos=ignore_eos, min_tokens=min_tokens), max_context)
+                         top_k, seed, stop_ids, ignore_eos=ignore_eos, min_tokens=min_tokens,
+                         cache_salt=cache_salt), max_context)
     prompt.min_tokens = min(prompt.min_tokens, prompt.max_new_tokens)  # after a clamp to the context
     return check_prompt(prompt, eos_ids)
 

@@ -17,6 +17,7 @@ import msgpack
 from qmigrate.wire.protocol import (
     _BY_TYPE,
     MAX_ARRAY_LEN,
+    MAX_CACHE_SALT,
     MAX_MESSAGE_BYTES,
     MAX_NEW_TOKENS,
     MAX_SEED,
@@ -106,7 +107,8 @@ _ARRAYS = {"seq_ids": ("<i8", True), "drop_ids": ("<i8", True), "evicted_ids": (
            "lengths": ("<i4", False), "last_tokens": ("<i4", False), "status": ("u1", False),
            "finish": ("u1", False), "routes": ("u1", False),
            "error_ids": ("<i8", False)}
-_NAMES = {"name": 256, "role": 64, "node": 256, "kv_from": 512, "dest": 512, "worker": 256, "dtype": 32}
+_NAMES = {"name": 256, "role": 64, "node": 256, "kv_from": 512, "dest": 512, "worker": 256, "dtype": 32,
+          "cache_salt": MAX_CACHE_SALT}
 
 
 def _build(cls, values: list, where: str):

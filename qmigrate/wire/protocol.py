@@ -45,6 +45,7 @@ MAX_SEED = (1 << 63) - 1
 MAX_STOP_SEQS = 64         # stop sequences of one request
 MAX_STOP_LEN = 64          # token ids of one stop sequence (and of the EOS list)
 MAX_REQ_ID = 256           # characters of a request id
+MAX_CACHE_SALT = 256       # characters of a request's cache_salt
 MAX_NOTE = 1024            # characters of a request's note and of an error message
 
 class MsgType(enum.IntEnum):
