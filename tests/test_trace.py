@@ -53,6 +53,22 @@ def test_the_worker_summary_counts_device_gaps_and_host_waits():
     assert trace.worker_summary("worker-w2", _events((0.0, "ask", 1))) == ["worker-w2: no lease ran"]
 
 
+def test_the_worker_summary_takes_an_admission_apart():
+    # A step ends at 10 ms; the prompt lease 3 arrives 1 ms later, takes 2.5 ms to start, and
+    # lease 4 is started behind it (1.4 ms) before its step is collected at 16 ms.
+    events = _events(
+        (0.008, "start_begin", 2), (0.009, "start_end", 2), (0.009, "finish_begin", 2),
+        (0.009, "collect_begin", 4), (0.010, "collect_end"), (0.0102, "finish_end", 2),
+        (0.011, "lease", 3, 1, 5, 1), (0.0115, "start_begin", 3), (0.014, "start_end", 3),
+        (0.0135, "lease", 4, 16, 5, 0), (0.0141, "start_begin", 4), (0.0155, "start_end", 4),
+        (0.0156, "finish_begin", 3), (0.0157, "collect_begin", 5), (0.016, "collect_end"),
+        (0.0165, "finish_end", 3))
+    lines = trace.worker_summary("worker-w1", events)
+    assert "  step to step p50 6.00 ms, p90 6.00, p99 6.00" in lines
+    assert ("  1 leases with prompts: last step's end to theirs p50 6.00 ms, p90 6.00; parts (p50): waiting "
+            "for the lease 1.00, its start 2.50, leases started behind it first 1.40") in lines
+
+
 def test_the_router_summary_pairs_each_request_with_its_grant():
     events = _events((0.0, "request", "w1", 1), (0.0, "request", "w2", 1), (0.001, "grant", "w1", 7, 4, 1, 1),
                      (0.004, "grant", "w2", 8, 4, 1, 1), (0.005, "request", "w1", 2),

@@ -13,8 +13,9 @@ finish_end (lease id). Router events: request (worker, request no.), grant (work
 id, rows, steps, request no.), result (worker, lease id).
 
 `summarize(DIR)` turns the files into the figures that located this project's gaps: per
-worker, the time with no step on the device, the time the host waited for the device, and
-host time per step; for the router, how long a request waited for its lease.
+worker, the time with no step on the device, the time the host waited for the device, host
+time per step, step-to-step times, and what an admission (a lease with prompts) costs the
+running streams, part by part; for the router, how long a request waited for its lease.
 """
 
 from __future__ import annotations
@@ -115,7 +116,51 @@ def worker_summary(label: str, events: list) -> list[str]:
             f"  no step on the device {idle * 1000:.0f} ms ({idle / span:.1%}); "
             f"{len(gaps)} stretches over {GAP_S * 1000:g} ms, longest {max(gaps, default=0) * 1000:.1f} ms",
             f"  host waited for the device {blocked * 1000:.0f} ms ({blocked / span:.1%}); "
-            f"host time {(span - blocked) / max(1, steps) * 1000:.2f} ms a step"]
+            f"host time {(span - blocked) / max(1, steps) * 1000:.2f} ms a step"] + _step_lines(events)
+
+
+def _ms(values: list[float], q: float) -> str:
+    values = sorted(values)
+    return f"{values[min(len(values) - 1, int(len(values) * q))] * 1000:.2f}"
+
+
+def _step_lines(events: list) -> list[str]:
+    """Step to step (collect to collect), and what an admission costs the streams: for each
+    lease with prompts, from the end of the last step before it started to the end of its
+    own step, with the parts of that stretch: the wait for the lease to come, its start, and
+    the starts of leases launched behind it before it was collected."""
+    ends = [e[0] for e in events if e[1] == "collect_end"]
+    lines = []
+    if len(ends) > 1:
+        gaps = [b - a for a, b in zip(ends, ends[1:])]
+        lines.append(f"  step to step p50 {_ms(gaps, 0.5)} ms, p90 {_ms(gaps, 0.9)}, p99 {_ms(gaps, 0.99)}")
+    arrived, prompts, open_ = {}, [], {}   # open_: prompt leases started, their step not collected
+    last_end = begun = finishing = None
+    for t, kind, *fields in events:
+        if kind == "lease":
+            arrived[fields[0]] = (t, fields[3] > 0)
+        elif kind == "start_begin":
+            begun = t
+        elif kind == "start_end" and begun is not None:
+            for other in open_.values():
+                other["behind"] += t - begun
+            t0, has_prompts = arrived.pop(fields[0], (begun, False))
+            if has_prompts and last_end is not None:
+                open_[fields[0]] = {"from": last_end, "wait": max(0.0, t0 - last_end), "start": t - begun,
+                                    "behind": 0.0}
+        elif kind == "finish_begin":
+            finishing = fields[0]
+        elif kind == "collect_end":
+            last_end = t
+            if (got := open_.pop(finishing, None)) is not None:
+                got["gap"] = t - got["from"]
+                prompts.append(got)
+    if prompts:
+        part = lambda key: _ms([p[key] for p in prompts], 0.5)   # noqa: E731
+        lines.append(f"  {len(prompts)} leases with prompts: last step's end to theirs p50 {part('gap')} ms, "
+                     f"p90 {_ms([p['gap'] for p in prompts], 0.9)}; parts (p50): waiting for the lease "
+                     f"{part('wait')}, its start {part('start')}, leases started behind it first {part('behind')}")
+    return lines
 
 
 def router_summary(label: str, events: list) -> list[str]:
