@@ -60,6 +60,7 @@ class WorkerLoop:
     revoked: dict[int, frozenset[int] | None] = field(default_factory=dict)  # None: every row
     num_expired: int = 0
     num_revokes_ignored: int = 0
+    ask_ahead: bool = False           # a held lease was revoked: ask now for what follows it
 
     # --- the router side -----------------------------------------------------------------
     def requests(self, now: float, free_tokens: int) -> list[P.WorkRequest]:
@@ -68,10 +69,10 @@ class WorkerLoop:
         if self.outstanding and now - self.last_lease > FORGET_AFTER_HEARTBEATS * self.heartbeat_s:
             self.outstanding = 0  # the router may have restarted and forgotten our requests
             self.last_lease = now
-        # While a revoked lease is held, one request more than `inflight`: the router answers
-        # it with the queued prompts at once, and they start behind the revoked lease's last
-        # step; the request after it, sent with the revoked lease's result, chains its rows.
-        limit = cfg.inflight + bool(self.revoked)
+        # After a revoke, one request more than `inflight`: the router answers it with the
+        # queued prompts at once, and they start behind the revoked lease's last step.
+        limit = cfg.inflight + (self.ask_ahead and not self.outstanding)
+        self.ask_ahead = False
         out = []
         while self.outstanding + len(self.queued) + len(self.on_device) < limit:
             self.request_no += 1
@@ -93,6 +94,7 @@ class WorkerLoop:
             self.num_revokes_ignored += 1
             return False
         P.unpack_i64(msg.seq_ids, "seq_ids")
+        self.ask_ahead = self.ask_ahead or msg.lease_id not in self.revoked
         self.revoked[msg.lease_id] = None
         return True
 
