@@ -1046,35 +1046,6 @@ def test_a_request_sent_ahead_gets_a_chain_or_a_full_batch_never_a_part():
     assert sorted(row_ids(g)) == [1, 2] and all(r.length == CONTINUE for r in g.rows)
 
 
-def test_a_prompt_admitted_while_the_batch_runs_a_chained_multi_step_lease_goes_ahead_alone():
-    """A new prompt ends the worker's multi-step lease and its chained successor. The worker
-    asks ahead at once: the prompt is leased then, alone, to start behind the last step,
-    not after that lease's result and a round trip; the batch's rows follow chained."""
-    s = make_sched(chain_leases=True, max_lease_steps=8)
-    join(s, "w0")
-    give(s, "w0", [1, 2])
-    running = ask(s, "w0")
-    chain = s.schedule("w0", 8, 1 << 20, 0.0, ahead=True)
-    assert running.num_steps == chain.num_steps == 8 and all(r.length == CONTINUE for r in chain.rows)
-    s.admit([spec(3)])
-    assert revoked(s) == {running.lease_id: [], chain.lease_id: []}
-    prompt = s.schedule("w0", 8, 1 << 20, 0.0, ahead=True)
-    assert prompt is not None and full_ids(prompt) == [3] and row_ids(prompt) == [3] and prompt.num_steps == 1
-    check_invariants(s)
-    assert report(s, running).accepted                 # ended after one more step
-    after = s.schedule("w0", 8, 1 << 20, 0.0, ahead=True)
-    assert sorted(row_ids(after)) == [1, 2, 3] and all(r.length == CONTINUE for r in after.rows)
-    check_invariants(s)
-    for grant in (chain, prompt, after):
-        assert report(s, grant).accepted
-        check_invariants(s)
-    assert [len(s.seqs[i].token_ids) for i in (1, 2, 3)] == [4 + 2 + 3, 4 + 2 + 3, 4 + 2]
-    # Without a revoke, a request sent ahead still never gets part of the batch.
-    s.admit([spec(4)])
-    assert s.schedule("w0", 8, 1 << 20, 0.0, ahead=True) is not None   # nothing in flight: a plain ask
-    assert s.schedule("w0", 8, 1 << 20, 0.0, ahead=True).rows[0].length == CONTINUE
-
-
 def test_heartbeats_renew_the_leases_a_worker_names_and_no_others():
     s = make_sched(lease_timeout_s=5.0)
     join(s, "w0")

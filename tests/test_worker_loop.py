@@ -42,19 +42,6 @@ def test_requests_keep_inflight_batches_asked_for_here_or_on_the_device():
     assert [r.request_no for r in loop.requests(0.2, 640)] == [3]
 
 
-def test_a_revoke_asks_ahead_once_more_than_inflight():
-    loop = WorkerLoop(WorkerConfig(inflight=2))
-    assert len(loop.requests(0.0, 0)) == 2
-    loop.on_lease(lease(1, num_steps=8), 0.0)
-    start_next(loop, 0.0)
-    loop.on_lease(lease(2, num_steps=8), 0.0)         # the chained lease, queued behind it
-    assert loop.requests(0.0, 0) == []
-    assert loop.on_revoke(P.Revoke(1)) and loop.on_revoke(P.Revoke(2))
-    assert [r.request_no for r in loop.requests(0.0, 0)] == [3]   # one more, once
-    assert loop.requests(0.0, 0) == [] and loop.on_revoke(P.Revoke(1))
-    assert loop.requests(0.0, 0) == []                 # already revoked: nothing new to ask for
-
-
 def test_requests_the_router_forgot_are_sent_again():
     loop = WorkerLoop(WorkerConfig(inflight=2), heartbeat_s=0.5)
     assert len(loop.requests(0.0, 0)) == 2

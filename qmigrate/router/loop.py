@@ -264,8 +264,7 @@ class Router:
                 is_caching=bool(P.info_int(info, "prefix_cache", 0, 0, 1)),
                 held_bytes=P.info_int(info, "held_bytes", 0))
             self.identity[msg.name] = sender
-            # one more than inflight: a worker asks ahead once more when a lease of its is revoked
-            self.parked[msg.name] = deque(maxlen=inflight + 1)
+            self.parked[msg.name] = deque(maxlen=inflight)
             self.sched.register(state, time.monotonic())
             self.observer.joined(msg.name, self.nodes.get(msg.name, ""), device, time.monotonic())
             log.info("worker %s joined (%s)", msg.name, info.get("device", "?"))

@@ -219,9 +219,7 @@ class Scheduler:
         answered with the next step of that batch (a chain), or with a full batch; never
         with part of the sequences, since a step of half of them costs a GPU nearly as much
         as a step of all, and splitting would double the steps. Otherwise it waits for the
-        batch in flight to come back, unless that batch is ending (a revoked multi-step
-        lease): then what is queued goes at once, so that new prompts start behind its
-        last step (the batch's rows follow with the next request, chained)."""
+        batch in flight to come back."""
         w = self.workers.get(name)
         if w is None or not w.alive or w.draining:
             return None
@@ -235,7 +233,7 @@ class Scheduler:
         if self.config.prefix_aware:
             candidates = place_new(self.prefix, w, self.workers, candidates, now, self.config.prefix_wait_s,
                                    self.counters)
-        if ahead and w.num_leased and not chainable and len(candidates) < max_seqs and not self._is_ending(w):
+        if ahead and w.num_leased and not chainable and len(candidates) < max_seqs:
             return None
         # The batch in flight goes on at a token a row: those tokens are kept from the budget
         # that new prompts may fill, so a prefill never makes a running row skip a step.
@@ -369,13 +367,6 @@ class Scheduler:
         """Sequences whose current step is at w (a lease record may list stale ones)."""
         return [seq for lease_id in w.lease_ids for sid in self.leases[lease_id].seq_ids
                 if (seq := self.seqs.get(sid)) is not None and seq.lease_id == lease_id]
-
-    def _is_ending(self, w: WorkerState) -> bool:
-        """A multi-step lease of w is revoked: its batch stops at the next step and comes back
-        whole with its result. Until then the queue's work may go ahead in a lease of its own,
-        which w launches behind that step, rather than after the result's round trip (on one
-        GPU that round trip left the device idle at every admission)."""
-        return any((lease := self.leases[i]).is_revoked and lease.num_steps > 1 for i in w.lease_ids)
 
     def _may_chain(self, w: WorkerState) -> bool:
         return self.config.chain_leases and self.config.policy != "any" and self.moves.may_keep(w)

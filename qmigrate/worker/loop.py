@@ -131,7 +131,9 @@ class Worker:
         self.poller.register(self.kv_in, zmq.POLLIN)
         while True:
             now = time.monotonic()
-            self.ask(now)
+            for req in self.loop.requests(now, self.core.free_tokens):
+                self.trace("ask", req.request_no)
+                self.send_router(req)
             action, arg = self.loop.next_action(now, self.core.awaited_transfers, self.core.is_done)
             if action == START:
                 self.start_lease(arg)
@@ -143,11 +145,6 @@ class Worker:
                 self.close()
                 return
             self.keep_alive()
-
-    def ask(self, now: float) -> None:
-        for req in self.loop.requests(now, self.core.free_tokens):
-            self.trace("ask", req.request_no)
-            self.send_router(req)
 
     def receive(self, timeout_s: float) -> bool:
         """Take what the sockets hold, waiting up to timeout_s; True when told to exit."""
@@ -243,7 +240,6 @@ class Worker:
         self.send_router(tokens)
         self.outbox.flush()
         self.receive_router(mid_lease=True)
-        self.ask(time.monotonic())    # a Revoke just taken asks ahead at once
         self.keep_alive()
         return self.loop.revoked_rows(lease_id)
 

@@ -60,7 +60,6 @@ class WorkerLoop:
     revoked: dict[int, frozenset[int] | None] = field(default_factory=dict)  # None: every row
     num_expired: int = 0
     num_revokes_ignored: int = 0
-    ask_ahead: bool = False           # a held lease was revoked: ask now for what follows it
 
     # --- the router side -----------------------------------------------------------------
     def requests(self, now: float, free_tokens: int) -> list[P.WorkRequest]:
@@ -69,12 +68,8 @@ class WorkerLoop:
         if self.outstanding and now - self.last_lease > FORGET_AFTER_HEARTBEATS * self.heartbeat_s:
             self.outstanding = 0  # the router may have restarted and forgotten our requests
             self.last_lease = now
-        # After a revoke, one request more than `inflight`: the router answers it with the
-        # queued prompts at once, and they start behind the revoked lease's last step.
-        limit = cfg.inflight + (self.ask_ahead and not self.outstanding)
-        self.ask_ahead = False
         out = []
-        while self.outstanding + len(self.queued) + len(self.on_device) < limit:
+        while self.outstanding + len(self.queued) + len(self.on_device) < cfg.inflight:
             self.request_no += 1
             self.outstanding += 1
             out.append(P.WorkRequest(self.request_no, cfg.max_seqs, cfg.max_tokens, free_tokens))
@@ -94,7 +89,6 @@ class WorkerLoop:
             self.num_revokes_ignored += 1
             return False
         P.unpack_i64(msg.seq_ids, "seq_ids")
-        self.ask_ahead = self.ask_ahead or msg.lease_id not in self.revoked
         self.revoked[msg.lease_id] = None
         return True
 
