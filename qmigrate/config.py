@@ -174,8 +174,7 @@ class WorkerConfig(_Section):
     prefill_tokens_with_decode: int = _f(0, _non_negative)
     prefix_cache: bool = _f(True, _boolean)      # reuse cached KV of shared prompt prefixes
     transfer_wait_s: float = _f(2.0, _positive)   # a lease waits this long for KV shipments, then recomputes
-    # a lone lease on the device waits this long for the next one before it is collected,
-    # unless the device has already run its step
+    # a lone lease on the device waits this long for the next one before it is collected
     chain_wait_s: float = _f(0.002, _number("a number >= 0", lambda x: x >= 0))
     # GPUs (processes) one worker spans, from `device` on (cuda:K .. cuda:K+N-1); the model's
     # heads and MLP width must divide by it (checked when the worker loads the model)

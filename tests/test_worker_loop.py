@@ -79,39 +79,6 @@ def test_two_leases_on_the_device_the_older_finished_first():
     assert loop.next_action(0.003, NOTHING) == (WAIT, loop.heartbeat_s)
 
 
-def test_a_step_the_device_has_run_is_finished_before_the_next_start_and_without_the_chain_wait():
-    # An admission: the prompt lease (one step) is on the device and the lease after it has
-    # come. Once the device has run the step, its tokens go out before the next lease's host
-    # time, and a lone such lease is not held for the chain wait.
-    done: set[str] = set()
-    is_done = lambda handle: handle in done        # noqa: E731
-    loop = WorkerLoop(WorkerConfig(chain_wait_s=0.002))
-    loop.on_lease(lease(1), 0.0)
-    start_next(loop, 0.0)
-    loop.on_lease(lease(2), 0.0)
-    action, got = loop.next_action(0.0, NOTHING, is_done)
-    assert action == START and got.lease_id == 2   # still running: the next one queues behind it
-    loop.started(got, "handle-2", 0.0)
-    done.add("handle-1")
-    assert loop.next_action(0.0, NOTHING, is_done) == (FINISH, "handle-1")
-    loop.finished()
-    action, wait = loop.next_action(0.0, NOTHING, is_done)
-    assert action == WAIT and wait == pytest.approx(0.001)  # lease 2 runs: look again within 1 ms
-    done.add("handle-2")
-    assert loop.next_action(0.0001, NOTHING, is_done) == (FINISH, "handle-2")  # not at 0.002
-    loop.finished()
-    loop.on_lease(lease(3), 0.0)
-    loop.on_lease(lease(4), 0.0)
-    start_next(loop, 0.0)
-    done.add("handle-3")
-    assert loop.next_action(0.0, NOTHING, is_done) == (FINISH, "handle-3")   # before lease 4 starts
-    loop.finished()
-    multi = WorkerLoop(WorkerConfig())              # a multi-step lease finishes as before
-    multi.on_lease(lease(5, num_steps=4), 0.0)
-    start_next(multi, 0.0)
-    assert multi.next_action(0.0, NOTHING, lambda handle: False) == (FINISH, "handle-5")
-
-
 def test_a_multi_step_lease_runs_alone_and_steps_per_dispatch_forces_steps():
     loop = WorkerLoop(WorkerConfig())
     loop.on_lease(lease(1, num_steps=4), 0.0)

@@ -494,10 +494,6 @@ class Engine:
             pool.release(rows[i].seq_id)
         return [i for i in running if i not in refused]
 
-    def is_done(self, pending: "Pending") -> bool:
-        """Has the device run this step? (A step off the GPU ran at its launch.)"""
-        return pending.result is not None or pending.event is None or pending.event.query()
-
     def collect(self, pending: "Pending") -> list[int]:
         """Wait for a launched step: its sampled tokens in row order (the step's one host sync)."""
         if pending.result is None:

@@ -200,10 +200,6 @@ class WorkerCore:
                 else:
                     run.cached.pop(sid, None)
 
-    def is_done(self, run: "Started") -> bool:
-        """Has the device run the lease's launched step? (Nothing launched: nothing to wait for.)"""
-        return run.pending is None or self.engine.is_done(run.pending)
-
     def finish(self, run: "Started", on_step=None, revoked: frozenset[int] | None = frozenset(),
                on_last_launch=None) -> tuple[P.StepResult, P.Tokens]:
         """Wait for the lease's first step, run any further steps, and build its messages.

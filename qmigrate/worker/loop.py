@@ -134,7 +134,7 @@ class Worker:
             for req in self.loop.requests(now, self.core.free_tokens):
                 self.trace("ask", req.request_no)
                 self.send_router(req)
-            action, arg = self.loop.next_action(now, self.core.awaited_transfers, self.core.is_done)
+            action, arg = self.loop.next_action(now, self.core.awaited_transfers)
             if action == START:
                 self.start_lease(arg)
             elif action == FINISH:

@@ -6,10 +6,7 @@ shipments have landed (or their wait is over: missing KV is recomputed). A lease
 deadline is dropped unstarted, since the router has already taken its sequences back. At
 most two leases are on the device at once, the newer launched before the older is collected,
 so the device never waits for the host. A multi-step lease runs alone: the steps after its
-first are launched while it is being finished, so nothing may queue behind it. A one-step
-lease whose step the device has already run is finished first, before another lease's host
-time and without the chain wait: its rows' tokens are ready, and the device gains nothing
-from a launch that could only queue behind a step that is over.
+first are launched while it is being finished, so nothing may queue behind it.
 
 The socket loop (`worker/loop.py`) asks `next_action` what to do, does it, and reports
 back with `started` / `finished`. Times are plain floats supplied by the caller.
@@ -27,7 +24,6 @@ from qmigrate.wire import protocol as P
 
 START, FINISH, WAIT = "start", "finish", "wait"
 MAX_ON_DEVICE = 2
-DONE_CHECK_S = 0.001  # while a lone step runs, how often the loop looks whether it is over
 FORGET_AFTER_HEARTBEATS = 10  # no lease for this long: the router forgot our requests
 
 
@@ -114,16 +110,10 @@ class WorkerLoop:
         return False
 
     # --- the device side -----------------------------------------------------------------
-    def next_action(self, now: float, awaited: Callable[[P.Lease], set[int]],
-                    is_done: Callable[[object], bool] = lambda handle: False):
+    def next_action(self, now: float, awaited: Callable[[P.Lease], set[int]]):
         """(START, lease), (FINISH, handle of the oldest lease on the device) or (WAIT, seconds).
-        `awaited(lease)` names the KV shipments the lease still waits for; `is_done(handle)`
-        tells whether the device has run a started lease's step."""
+        `awaited(lease)` names the KV shipments the lease still waits for."""
         self.drop_expired(now)
-        # An admission's prompt lease may be over on the device before the next lease is
-        # started (~1.4 ms of host time) or arrives (the chain wait): its tokens go out first.
-        if self.on_device and self.on_device[0].num_steps == 1 and is_done(self.on_device[0].handle):
-            return FINISH, self.on_device[0].handle
         if self.queued and self.can_start_more:
             head = self.queued[0]
             if head.wait_until is None:
@@ -146,7 +136,7 @@ class WorkerLoop:
         if self.queued and self.can_start_more:
             return 0.0
         if self.on_device:
-            return min(DONE_CHECK_S, max(0.0, self.last_started + self.config.chain_wait_s - now))
+            return max(0.0, self.last_started + self.config.chain_wait_s - now)
         return self.heartbeat_s
 
     def next_behind(self, now: float, awaited: Callable[[P.Lease], set[int]]) -> P.Lease | None:
