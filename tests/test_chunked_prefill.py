@@ -13,7 +13,8 @@ import pytest
 import yaml
 
 from qmigrate.config import ConfigError, WorkerConfig, local_topology, parse_topology, worker_settings
-from qmigrate.engine.runner import EngineConfig, StepRow, _prompt_budget, _share_prompt_budget
+from qmigrate.engine.rows import StepRow, prompt_budget, share_prompt_budget
+from qmigrate.engine.runner import EngineConfig
 from qmigrate.wire import protocol as P
 from qmigrate.wire.protocol import Finish
 from qmigrate.worker.core import WorkerCore
@@ -44,24 +45,24 @@ def long_prompt(prompts, n: int) -> list[int]:
 def test_the_budget_is_shared_in_row_order_and_decode_rows_do_not_count():
     rows = [StepRow(1, [5], 9, 1), StepRow(2, list(range(6)), 0, 0), StepRow(3, list(range(5)), 0, 0),
             StepRow(4, list(range(4)), 0, 0), StepRow(5, [7], 3, 2)]
-    out, cut, deferred = _share_prompt_budget(rows, BUDGET)
+    out, cut, deferred = share_prompt_budget(rows, BUDGET)
     assert [len(r.new_ids) for r in out] == [1, 6, 2, 4, 1]
     assert (cut, deferred) == ({2}, {3})
-    assert _share_prompt_budget(rows, 0) == (rows, set(), set())       # no limit
-    assert _share_prompt_budget(rows, 15) == (rows, set(), set())      # everything fits
+    assert share_prompt_budget(rows, 0) == (rows, set(), set())       # no limit
+    assert share_prompt_budget(rows, 15) == (rows, set(), set())      # everything fits
 
 
 def test_the_budget_while_decoding_holds_only_for_steps_with_decode_rows():
     decode, fed, prompt = StepRow(1, [5], 9, 1), StepRow(2, [], 9, 1), StepRow(3, list(range(40)), 0, 0)
     capped = EngineConfig(prefill_tokens_with_decode=16, max_batch_tokens=1000)
-    assert _prompt_budget([decode, prompt], capped) == 16
-    assert _prompt_budget([fed, prompt], capped) == 16          # a row fed on the device decodes too
-    assert _prompt_budget([prompt], capped) == 1000              # prompts alone: a step's tokens
-    assert _prompt_budget([prompt, StepRow(4, [7], 0, 0)], capped) == 1000   # a one-token prompt is no decode row
+    assert prompt_budget([decode, prompt], capped) == 16
+    assert prompt_budget([fed, prompt], capped) == 16          # a row fed on the device decodes too
+    assert prompt_budget([prompt], capped) == 1000              # prompts alone: a step's tokens
+    assert prompt_budget([prompt, StepRow(4, [7], 0, 0)], capped) == 1000   # a one-token prompt is no decode row
     both = EngineConfig(prefill_tokens_per_step=64, prefill_tokens_with_decode=16, max_batch_tokens=1000)
-    assert (_prompt_budget([decode, prompt], both), _prompt_budget([prompt], both)) == (16, 64)
-    assert _prompt_budget([decode, prompt], dataclasses.replace(both, prefill_tokens_per_step=8)) == 8
-    assert _prompt_budget([decode, prompt], EngineConfig()) == _prompt_budget([prompt], EngineConfig()) == 0
+    assert (prompt_budget([decode, prompt], both), prompt_budget([prompt], both)) == (16, 64)
+    assert prompt_budget([decode, prompt], dataclasses.replace(both, prefill_tokens_per_step=8)) == 8
+    assert prompt_budget([decode, prompt], EngineConfig()) == prompt_budget([prompt], EngineConfig()) == 0
 
 
 def test_the_worker_setting_reaches_the_engine_and_bad_values_are_refused():

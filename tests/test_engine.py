@@ -18,7 +18,8 @@ from qmigrate.wire import protocol as P
 from qmigrate.engine.batch import StepBatch
 from qmigrate.engine.builders import build_tiny_model
 from qmigrate.engine.loading import load_model
-from qmigrate.engine.runner import REFUSED, Engine, StepRow
+from qmigrate.engine.rows import REFUSED, StepRow
+from qmigrate.engine.runner import Engine
 from qmigrate.engine.sampling import SamplingRows, sample, uniforms
 from qmigrate.wire.protocol import Finish
 from qmigrate.worker.core import MAX_TRANSFERS, WorkerCore

@@ -15,7 +15,8 @@ from transformers import GenerationConfig
 from families import FAMILY_NAMES, WINDOW, build_family_model
 from qmigrate.engine import models
 from qmigrate.engine.batch import StepBatch
-from qmigrate.engine.runner import Engine, StepRow
+from qmigrate.engine.rows import StepRow
+from qmigrate.engine.runner import Engine
 
 NUM_NEW = 10
 

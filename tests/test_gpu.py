@@ -31,7 +31,8 @@ def _generate(model, prompt: list[int], n: int) -> list[int]:
 
 def test_engine_on_cuda_matches_generate_in_fp32(tiny_model_dir):
     from qmigrate.engine.loading import load_model
-    from qmigrate.engine.runner import Engine, StepRow
+    from qmigrate.engine.rows import StepRow
+    from qmigrate.engine.runner import Engine
     model, _ = load_model(tiny_model_dir, "cuda:0", "float32")
     engine = Engine(model, max_batch=32, runner="hf", max_kv_tokens=1 << 14)  # exact in fp32: transformers' forward
     r = random.Random(3)
@@ -115,7 +116,8 @@ def test_fast_runner_matches_the_hf_forward_in_bf16(medium_model_dir):
     are drawn with std 0.5 to make its logits sharp, and bf16 rounding alone moves them
     by several percent, in transformers' own forward as much as in ours.)"""
     from qmigrate.engine.loading import load_model
-    from qmigrate.engine.runner import Engine, StepRow
+    from qmigrate.engine.rows import StepRow
+    from qmigrate.engine.runner import Engine
     which, path = "medium", medium_model_dir
     model, _ = load_model(path, "cuda:0", "bfloat16")
     fast = Engine(model, runner="fast", max_batch=32, max_kv_tokens=1 << 16)
@@ -145,7 +147,8 @@ def test_fast_runner_matches_the_hf_forward_in_bf16(medium_model_dir):
 
 def test_fast_runner_in_fp32_matches_generate(tiny_model_dir):
     from qmigrate.engine.loading import load_model
-    from qmigrate.engine.runner import Engine, StepRow
+    from qmigrate.engine.rows import StepRow
+    from qmigrate.engine.runner import Engine
     model, _ = load_model(tiny_model_dir, "cuda:0", "float32")
     engine = Engine(model, runner="fast", max_batch=16, max_kv_tokens=1 << 14)
     r = random.Random(11)
@@ -187,7 +190,8 @@ def test_steps_with_prompts_replay_token_graphs_with_the_eager_results(medium_mo
     and a prompt longer than a chunk. With graphs they replay a token-bucket graph (padded
     tokens and rows); the logits match the eager forward's within bf16 rounding."""
     from qmigrate.engine.loading import load_model
-    from qmigrate.engine.runner import Engine, StepRow
+    from qmigrate.engine.rows import StepRow
+    from qmigrate.engine.runner import Engine
     model, _ = load_model(medium_model_dir, "cuda:0", "bfloat16")
     graphs = Engine(model, runner="fast", max_batch=32, max_batch_tokens=2048, max_kv_tokens=1 << 16)
     eager = Engine(model, runner="fast", max_batch=32, max_batch_tokens=2048, max_kv_tokens=1 << 16,
@@ -228,7 +232,8 @@ def test_eager_steps_with_prompts_are_padded_and_match_the_unpadded_step(medium_
     from qmigrate.engine.batch import StepBatch
     from qmigrate.engine.graph_runner import EAGER_TOKEN_STEP
     from qmigrate.engine.loading import load_model
-    from qmigrate.engine.runner import Engine, StepRow
+    from qmigrate.engine.rows import StepRow
+    from qmigrate.engine.runner import Engine
     model, _ = load_model(medium_model_dir, "cuda:0", "bfloat16")
     kw = dict(runner="fast", max_batch=32, max_batch_tokens=8192, max_kv_tokens=1 << 16)
     graphs, eager = Engine(model, **kw), Engine(model, cuda_graphs=False, **kw)

@@ -74,7 +74,8 @@ def test_bench_moe_model_runs_on_the_fast_runner_and_its_floor_counts_active_exp
     from qmigrate.bench.step import _step_bytes
     from qmigrate.engine.builders import build_bench_moe_model
     from qmigrate.engine.loading import load_model
-    from qmigrate.engine.runner import Engine, StepRow
+    from qmigrate.engine.rows import StepRow
+    from qmigrate.engine.runner import Engine
     small = dict(hidden_size=64, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, max_position_embeddings=128, vocab_size=1500)
     model, _ = load_model(build_bench_moe_model(tmp_path / "moe", dtype="float32", shape_overrides=small), "cpu")

@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from qmigrate.engine.kvcache import BlockPool
-from qmigrate.engine.runner import Engine, StepRow
+from qmigrate.engine.rows import StepRow
+from qmigrate.engine.runner import Engine
 from qmigrate.wire import protocol as P
 from qmigrate.wire.prefix_keys import block_key, block_keys, seed_key
 from qmigrate.worker.core import WorkerCore

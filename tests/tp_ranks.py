@@ -16,7 +16,8 @@ import torch
 import families
 from qmigrate.engine import lockstep
 from qmigrate.engine.parallel import TensorParallel
-from qmigrate.engine.runner import Engine, StepRow
+from qmigrate.engine.rows import StepRow
+from qmigrate.engine.runner import Engine
 
 NUM_NEW = 6
 MORE = 4     # tokens decoded after a KV move

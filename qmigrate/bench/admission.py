@@ -30,7 +30,8 @@ def run_admission_steps(model_path: str, device: str, batches: list[int], contex
     with rows for the largest batch and the new prompt."""
     from qmigrate.config import WorkerConfig
     from qmigrate.engine.loading import load_model
-    from qmigrate.engine.runner import Engine, StepRow
+    from qmigrate.engine.rows import StepRow
+    from qmigrate.engine.runner import Engine
     cfg = WorkerConfig(**{**worker, "max_seqs": max(batches) + 1}).engine_config()
     limit = cfg.prefill_tokens_with_decode
     model, _ = load_model(model_path, device, "auto")
@@ -84,7 +85,7 @@ def run_admission_steps(model_path: str, device: str, batches: list[int], contex
 
 def _admit(engine, device: str, decode: list, row) -> list[float]:
     """Whole-step ms of every step from the prompt row's first part to its last."""
-    from qmigrate.engine.runner import StepRow
+    from qmigrate.engine.rows import StepRow
     times = []
     while True:
         ms, pending = _timed(engine, device, decode + [row])

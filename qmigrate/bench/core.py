@@ -148,7 +148,7 @@ def run_inprocess(model_path: str, device: str, dtype: str, requests, max_seqs: 
 
 
 def _inprocess_loop(engine, requests, max_seqs: int, max_tokens: int, profile: bool, device: str) -> PathResult:
-    from qmigrate.engine.runner import REFUSED, StepRow
+    from qmigrate.engine.rows import REFUSED, StepRow
     lengths = [n for _, n in requests]
     waiting = deque(range(len(requests)))
     # The step in flight, and per sequence the row of its next step. Step N+1 is built and

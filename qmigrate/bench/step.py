@@ -52,7 +52,8 @@ def run_decode_steps(model_path: str, device: str, batches: list[int], context: 
                      json_path: Path | None = None, profile: bool = False) -> list[dict]:
     from qmigrate.engine.batch import StepBatch
     from qmigrate.engine.loading import load_model
-    from qmigrate.engine.runner import Engine, StepRow
+    from qmigrate.engine.rows import StepRow
+    from qmigrate.engine.runner import Engine
     model, _ = load_model(model_path, device, "auto")
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     engine = Engine(model, max_batch=max(batches) + 1, max_batch_tokens=16384, runner=runner)
@@ -167,7 +168,7 @@ def _step_bytes(engine, weight_bytes: int):
 def _admission_steps(engine, device: str, batch: int, rows_now, r: random.Random,
                      num_steps: int = 10) -> tuple[float, float]:
     """(mixed, prefill) step ms: the decode rows plus one new prompt, and the prompt alone."""
-    from qmigrate.engine.runner import StepRow
+    from qmigrate.engine.rows import StepRow
     new_id = batch  # a seq id no decode row uses
     prompt = [r.randint(10, 31000) for _ in range(MIXED_PROMPT)]
     times = {"mixed": [], "prefill": []}
@@ -189,7 +190,7 @@ def _mixed_device_ms(engine, device: str, batch: int, rows_now, r: random.Random
     """Device ms of the mixed step's forward alone: forwards queued with no host sync between
     them (each rewrites the same KV positions), as `gpu` is for the decode step."""
     from qmigrate.engine.batch import StepBatch
-    from qmigrate.engine.runner import StepRow
+    from qmigrate.engine.rows import StepRow
     rows = rows_now() + [StepRow(batch, [r.randint(10, 31000) for _ in range(MIXED_PROMPT)], 0, 0)]
     engine.place(rows)
     mixed = StepBatch.build(engine.pool, [x.seq_id for x in rows], [x.new_ids for x in rows],

@@ -9,7 +9,7 @@ prefills first (largest first), then decode rows from the end of the batch; a re
 loses its KV here and samples nothing (its token is REFUSED). A step never fails for
 want of memory.
 
-The forward pass is a runner's (the `Runner` protocol below): the fast runner
+The forward pass is a runner's (the `Runner` protocol of `runner_choice.py`): the fast runner
 (`graph_runner.py` over a family of `models/`) on a GPU, or the portable transformers
 runner (`hf_runner.py`) for every other model and the CPU.
 """
@@ -19,54 +19,19 @@ from __future__ import annotations
 import dataclasses
 import logging
 from dataclasses import dataclass
-from typing import Protocol
 
 import numpy as np
 import torch
 
 from .batch import StepBatch
-from .hf_runner import HFRunner
 from .kvcache import BlockPool, landed
+from .rows import REFUSED, Pending, StepRow, num_new, prompt_budget, share_prompt_budget
+from .runner_choice import RUNNERS, make_runner
 from .sampling import HostRows, SamplingRows, host_arrays, sample
 
 log = logging.getLogger(__name__)
 
-REFUSED = -1
-RUNNERS = ("auto", "fast", "hf")
 DEFAULT_CPU_KV_BYTES = 2 << 30
-
-
-class Runner(Protocol):
-    """What the engine asks of a runner.
-
-    forward(batch, feed) returns float32 logits [B, V] of each row's last token; `feed` =
-    (rows, src, tokens) says the input of row rows[k] (a decode row) is tokens[src[k]], a
-    tensor on the device that the previous step sampled: only a runner with can_feed takes
-    one (the engine gives the others the ids on the host). attach() hands it the KV pool
-    (None: drop it); with capture it may capture CUDA graphs over the pool. eager_sizes()
-    lists the padded token counts of steps it runs eagerly, for the warm-up to run once."""
-
-    name: str
-    can_feed: bool
-
-    def attach(self, pool: BlockPool | None, capture: bool = True) -> None: ...
-
-    def forward(self, batch: StepBatch, feed=None) -> torch.Tensor: ...
-
-    def eager_sizes(self) -> list[int]: ...
-
-
-@dataclass(slots=True)
-class StepRow:
-    seq_id: int
-    new_ids: list[int]      # this step's input: the whole sequence when start == 0
-    start: int              # position of new_ids[0]; the engine holds KV for [0, start)
-    index: int              # generated-token index of the token this step samples
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int = 0
-    cache_salt: str = ""    # prefixes are shared only among rows of the same salt
 
 
 @dataclass(slots=True)
@@ -113,7 +78,7 @@ class Engine:
             # Triton launches and CUDA graph captures go to the current device: make it ours
             torch.cuda.set_device(self.device)
         self.num_params = sum(p.numel() for p in model.parameters())
-        self.runner, self.runner_reason = _make_runner(model, cfg, self.device, tp)
+        self.runner, self.runner_reason = make_runner(model, cfg, self.device, tp)
         # the pool holds this rank's KV heads (all of them without tensor parallelism)
         self.pool_kv_heads = self.num_kv_heads if tp is None else tp.layout.kv_heads_per_rank
         self.pool = BlockPool(self.num_layers, self.pool_kv_heads, self.head_dim,
@@ -328,7 +293,7 @@ class Engine:
         if bad or any(r.new_ids and r.new_ids[0] == REFUSED for r in rows):
             raise ValueError("a row feeds a token its previous step did not sample")
         rows, cached = self._admit(rows)
-        rows, cut, deferred = _share_prompt_budget(rows, _prompt_budget(rows, self.config))
+        rows, cut, deferred = share_prompt_budget(rows, prompt_budget(rows, self.config))
         rows, refused = self._prefill_chunks(rows, between, skip=deferred)
         kept = [i for i in range(len(rows)) if i not in refused and i not in deferred]
         placed = [kept[k] for k in self.place([rows[i] for i in kept], {r.seq_id for r in rows})]
@@ -461,8 +426,8 @@ class Engine:
             cached = pool.cached_len(r.seq_id)
             if r.start > 0 and cached < r.start:
                 raise ValueError(f"sequence {r.seq_id}: KV for {r.start} positions is not here")
-            if r.start + _num_new(r) > self.max_len:
-                raise ValueError(f"sequence {r.seq_id}: {r.start + _num_new(r)} positions exceed {self.max_len}")
+            if r.start + num_new(r) > self.max_len:
+                raise ValueError(f"sequence {r.seq_id}: {r.start + num_new(r)} positions exceed {self.max_len}")
             if r.start == 0 and cached > 0:
                 pool.release(r.seq_id)
             elif cached >= 0 and not pool.truncate(r.seq_id, r.start):
@@ -474,13 +439,13 @@ class Engine:
             running = self._refuse(rows, need, running)
         for i in running:
             r = rows[i]
-            pool.grow(r.seq_id, r.start + _num_new(r))
+            pool.grow(r.seq_id, r.start + num_new(r))
             pool.touch(r.seq_id)
         return running
 
     def _blocks_needed(self, r: StepRow) -> int:
         held = len(self.pool.blocks.get(r.seq_id, ()))
-        return max(0, self.pool.blocks_for(r.start + _num_new(r)) - held)
+        return max(0, self.pool.blocks_for(r.start + num_new(r)) - held)
 
     def _refuse(self, rows, need, running) -> list[int]:
         pool = self.pool
@@ -512,91 +477,6 @@ class Engine:
                     self.pool.note_sampled(seq_ids, seq_lens, values)
             pending.result = tokens
         return pending.result
-
-
-def _prompt_budget(rows: list[StepRow], cfg: EngineConfig) -> int:
-    """Prompt tokens this step may carry (0: no limit). Every decode row's stream waits for
-    the whole step, so while there are some, prompts get `prefill_tokens_with_decode`; a
-    step of prompts alone gets `max_batch_tokens`, since prompts held back by that limit
-    (which the router leased as one-token rows) join its lease's own prompts."""
-    budget, capped = cfg.prefill_tokens_per_step, cfg.prefill_tokens_with_decode
-    if capped <= 0:
-        return budget
-    if not any(r.start > 0 and len(r.new_ids) <= 1 for r in rows):
-        capped = cfg.max_batch_tokens
-    return min(budget, capped) if budget > 0 else capped
-
-
-def _share_prompt_budget(rows: list[StepRow], budget: int) -> tuple[list[StepRow], set[int], set[int]]:
-    """Rows whose new ids are a prompt (more than one) take `budget` tokens in row order (0:
-    no limit): (rows, indices of rows cut to their first part, indices of rows left out)."""
-    cut, deferred = set(), set()
-    if budget <= 0 or sum(len(r.new_ids) for r in rows if len(r.new_ids) > 1) <= budget:
-        return rows, cut, deferred
-    rows = list(rows)
-    for i, r in enumerate(rows):
-        n = len(r.new_ids)
-        if n <= 1:
-            continue
-        if budget <= 0:
-            deferred.add(i)
-        elif n > budget:
-            rows[i] = dataclasses.replace(r, new_ids=r.new_ids[:budget])
-            cut.add(i)
-        budget -= n
-    return rows, cut, deferred
-
-
-def _num_new(r: StepRow) -> int:
-    return max(1, len(r.new_ids))  # no new_ids: the one token its previous step samples
-
-
-@dataclass(slots=True)
-class Pending:
-    """A launched step: its rows, which of them run, and where their tokens land."""
-
-    rows: list[StepRow]
-    placed: list[int]
-    row_of: dict[int, int]                  # seq_id -> row of `tokens`
-    tokens: torch.Tensor | None = None      # [len(placed)] on the device
-    batch: StepBatch | None = None          # the placed rows' arrays, for the step after
-    params: HostRows | None = None          # their sampling parameters, likewise
-    host: torch.Tensor | None = None        # pinned copy, ready once `event` has passed
-    event: object = None
-    result: list[int] | None = None
-    cached: dict[int, int] = dataclasses.field(default_factory=dict)   # seq_id -> prompt positions found cached
-    partial: set[int] = dataclasses.field(default_factory=set)   # sequences whose prompt goes on in a later step
-
-
-def _make_runner(model, cfg: EngineConfig, device: torch.device, tp=None) -> tuple[Runner, str]:
-    """(runner, why it was chosen): the fast runner on a GPU for every family engine/models/
-    defines, or when forced; the transformers runner otherwise (saying why). Tensor
-    parallelism needs the fast runner: its model is sharded for this rank."""
-    if tp is not None:
-        from . import models
-        from .graph_runner import GraphRunner
-        from .parallel import shard_model
-        reason = models.unsupported(model, device) or ("runner 'hf' was asked for" if cfg.runner == "hf" else None)
-        if reason is not None:
-            raise ValueError(f"tensor parallelism needs the fast runner, which cannot run this model: {reason}")
-        return GraphRunner(shard_model(models.build(model), tp), max_batch=cfg.max_batch,
-                           max_tokens=cfg.max_batch_tokens, cuda_graphs=cfg.cuda_graphs), \
-            f"{models.family(model)} family, tensor parallel rank {tp.rank} of {tp.world}"
-    if cfg.runner == "hf":
-        return HFRunner(model, max_padding=cfg.max_padding), "forced by the runner setting"
-    if cfg.runner == "auto" and device.type != "cuda":
-        return HFRunner(model, max_padding=cfg.max_padding), "the fast runner is for GPUs"
-    from . import models
-    from .graph_runner import GraphRunner
-    reason = models.unsupported(model, device)
-    if reason is None:
-        why = "forced by the runner setting" if cfg.runner == "fast" else f"{models.family(model)} family on a GPU"
-        return GraphRunner(models.build(model), max_batch=cfg.max_batch, max_tokens=cfg.max_batch_tokens,
-                           cuda_graphs=cfg.cuda_graphs), why
-    if cfg.runner == "fast":
-        raise ValueError(f"runner 'fast' cannot run this model: {reason}")
-    log.warning("the fast runner cannot run this model (%s): using the transformers runner", reason)
-    return HFRunner(model, max_padding=cfg.max_padding), reason
 
 
 def _gpu_kv_budget(device: torch.device, utilization: float, activation_bytes: int) -> int:

@@ -24,7 +24,8 @@ import torch
 
 from qmigrate.wire import protocol as P
 from qmigrate.engine.kvcache import landed
-from qmigrate.engine.runner import REFUSED, Engine, StepRow
+from qmigrate.engine.rows import REFUSED, StepRow
+from qmigrate.engine.runner import Engine
 from qmigrate.wire.protocol import Finish
 from qmigrate.ops.trace import OFF
 
