@@ -303,14 +303,14 @@ class HttpServer:
         """(text, finish code, tokens so far, cached) of every row waiting (at least one): what
         arrived together leaves together, in one event. Stops at a finish, which ends the stream."""
         row = await self._next(updates)
-        rows = updates.rows
+        rows, text = updates.rows, row[1]
         if rows and not row[2]:
-            parts = [row[1]]
+            parts = [text]
             while rows and not row[2] and rows[0] is not _SHUTDOWN:  # a shutdown ends the stream next call
                 row = rows.popleft()
                 parts.append(row[1])
-            return "".join(parts), row[2], row[3], row[4] if len(row) > 4 else -1
-        return row[1], row[2], row[3], row[4] if len(row) > 4 else -1
+            text = "".join(parts)
+        return text, row[2], row[3], row[4] if len(row) > 4 else -1
 
     async def _collect(self, req, rid: str, updates: _Updates):
         trim, parts, created = StopTrimmer(req.stop), [], int(time.time())

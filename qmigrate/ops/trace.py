@@ -156,9 +156,10 @@ def _step_lines(events: list) -> list[str]:
                 got["gap"] = t - got["from"]
                 prompts.append(got)
     if prompts:
-        part = lambda key: _ms([p[key] for p in prompts], 0.5)   # noqa: E731
+        def part(key: str, q: float = 0.5) -> str:
+            return _ms([p[key] for p in prompts], q)
         lines.append(f"  {len(prompts)} leases with prompts: last step's end to theirs p50 {part('gap')} ms, "
-                     f"p90 {_ms([p['gap'] for p in prompts], 0.9)}; parts (p50): waiting for the lease "
+                     f"p90 {part('gap', 0.9)}; parts (p50): waiting for the lease "
                      f"{part('wait')}, its start {part('start')}, leases started behind it first {part('behind')}")
     return lines
 
