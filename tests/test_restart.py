@@ -53,7 +53,7 @@ def test_router_detokenizer_and_worker_restarts_lose_nothing(tmp_path, tiny_mode
     path = tmp_path / "topo.yaml"
     path.write_text(yaml.safe_dump(_topology(tmp_path, tiny_model_dir, ports)))
     router = f"tcp://127.0.0.1:{ports[0]}"
-    prompts = H.prompts(5, "r", n=12, new_tokens=300)  # long enough to outlast three restarts
+    prompts = H.prompts(5, "r", n=12, new_tokens=450)  # outlasts three restarts; fits 512 positions
     # Append mode: the test reads with seek(), which must not move where the node writes.
     out, err = open(tmp_path / "out", "a+"), open(tmp_path / "err", "a+")
     node = subprocess.Popen([sys.executable, "-m", "qmigrate", "node", str(path), "--node", "head", "--stdin"],
