@@ -5,6 +5,7 @@ and a client that goes away mid-stream cancels its request."""
 from __future__ import annotations
 
 import http.client
+import itertools
 import json
 import queue
 import socket
@@ -26,12 +27,18 @@ def free_port() -> int:
 LONG = 100
 
 
-class FakeIngest:
-    """Takes requests off the server's handoff and answers each with `words`, one per event."""
+FAIL_ID = 99  # a prompt ending in this id fails, as one a worker cannot run
 
-    def __init__(self, server: HttpServer, words: list[str] | None):
-        self.server, self.words = server, words
+
+class FakeIngest:
+    """Takes requests off the server's handoff and answers each with `words`, one per event,
+    and with `tag`, "<last prompt id>" as a last word. The choices of one request take turns,
+    a word each, one event per turn."""
+
+    def __init__(self, server: HttpServer, words: list[str] | None, tag: bool = False):
+        self.server, self.words, self.tag = server, words, tag
         self.cancelled: queue.Queue = queue.Queue()
+        self.submitted: queue.Queue = queue.Queue()
         self.stopping = threading.Event()
         threading.Thread(target=self.run, daemon=True).start()
 
@@ -43,26 +50,33 @@ class FakeIngest:
                 self.stopping.wait(0.01)
                 continue
             try:
-                seq_id, prompt = self.server.submissions.get(timeout=0.01)
+                choices = self.server.submissions.get(timeout=0.01)
             except queue.Empty:
                 continue
-            n = len(self.words)
-            rows = [(seq_id, w, 0, i + 1) for i, w in enumerate(self.words)]
-            if prompt.max_new_tokens < LONG:  # a long request never ends unless cancelled
-                rows.append((seq_id, "", 2, n))
-            self.server.deliver(rows)
+            self.submitted.put(choices)
+            streams = []
+            for seq_id, prompt in choices:
+                words = self.words + [f"<{prompt.prompt_ids[-1]}>"] if self.tag else self.words
+                rows = [(seq_id, w, 0, i + 1) for i, w in enumerate(words)]
+                if prompt.prompt_ids[-1] == FAIL_ID:
+                    rows.append((seq_id, "", 5, len(words), 0))
+                elif prompt.max_new_tokens < LONG:  # a long request never ends unless cancelled
+                    rows.append((seq_id, "", 2, len(words), 0))
+                streams.append(rows)
+            for turn in itertools.zip_longest(*streams):
+                self.server.deliver([row for row in turn if row is not None])
 
 
 @pytest.fixture(scope="module")
 def make_server(tiny_chat_model_dir):
     started = []
 
-    def make(words, max_pending=8, timeout_s=30.0):
+    def make(words, max_pending=8, timeout_s=30.0, tag=False):
         cfg = IngestConfig(node="local", http_port=free_port(), max_pending=max_pending,
                            http_timeout_s=timeout_s, max_body_bytes=4096, model_name="tiny")
         server = HttpServer(cfg, str(tiny_chat_model_dir), Defaults(max_new_tokens=8))
         server.start()
-        fake = FakeIngest(server, words)
+        fake = FakeIngest(server, words, tag)
         started.append(fake)
         return server, fake
     yield make
@@ -95,7 +109,9 @@ def test_answers_and_bad_input_gets_4xx_while_the_server_keeps_serving(make_serv
         ("/v1/completions", {**GOOD, "max_tokens": "many"}, None, 400),
         ("/v1/completions", {**GOOD, "model": "other"}, None, 404),
         ("/v1/completions", {**GOOD, "max_tokens": 0}, None, 400),
-        ("/v1/completions", {**GOOD, "n": 3}, None, 400),
+        ("/v1/completions", {**GOOD, "n": 129}, None, 400),
+        ("/v1/completions", {**GOOD, "prompt": [[5]] * 3, "n": 200}, None, 400),
+        ("/v1/completions", {**GOOD, "prompt": ["Hello", [5] * 600], "n": 2}, None, 400),
         ("/v1/chat/completions", {**CHAT, "messages": []}, None, 400),
         ("/v1/completions", {**GOOD, "prompt": "x" * 5000}, None, 413),
         ("/v1/nothing", GOOD, None, 404),
@@ -204,3 +220,77 @@ def test_a_stream_cut_by_shutdown_ends_with_an_error_event_and_done(make_server)
     status, body = waiting[0]
     assert status == 503 and body["error"]["code"] == "shutdown"
     assert not server.streams
+
+
+def events(resp) -> list[bytes]:
+    return [line.removeprefix(b"data: ") for line in resp.read().split(b"\n") if line.startswith(b"data: ")]
+
+
+def test_n_and_a_batch_of_prompts_fan_out_into_choices_in_index_order(make_server):
+    server, fake = make_server(["Hel", "lo"], tag=True)
+    status, body = post(server, "/v1/completions", {**GOOD, "prompt": [[5, 6], [7]], "n": 2})
+    assert status == 200, body
+    assert [(c["index"], c["text"], c["finish_reason"]) for c in body["choices"]] == \
+        [(0, "Hello<6>", "length"), (1, "Hello<6>", "length"), (2, "Hello<7>", "length"), (3, "Hello<7>", "length")]
+    assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 12, "total_tokens": 15,
+                             "prompt_tokens_details": {"cached_tokens": 0}}
+    choices = fake.submitted.get(timeout=5)
+    assert len(choices) == 4 and len({seq_id for seq_id, _ in choices}) == 4  # one submission, 4 requests
+    assert not server.streams
+    status, body = post(server, "/v1/chat/completions", {**CHAT, "n": 3})
+    assert status == 200 and [c["index"] for c in body["choices"]] == [0, 1, 2]
+    assert len({c["message"]["content"] for c in body["choices"]}) == 1
+
+
+def test_a_fanned_out_stream_interleaves_choices_each_ending_alone_then_one_usage_and_done(make_server):
+    server, _ = make_server(["a", "b"], tag=True)
+    conn = http.client.HTTPConnection("127.0.0.1", server.cfg.http_port, timeout=30)
+    conn.request("POST", "/v1/completions", json.dumps({**GOOD, "prompt": [[5], [6]], "n": 2, "stream": True,
+                                                        "stream_options": {"include_usage": True}}))
+    got = events(conn.getresponse())
+    conn.close()
+    assert got[-1] == b"[DONE]" and got.count(b"[DONE]") == 1
+    chunks = [json.loads(e) for e in got[:-1]]
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 12
+    assert chunks[-1]["usage"]["prompt_tokens"] == 2
+    texts, ends = {}, {}
+    for c in chunks[:-1]:
+        (choice,) = c["choices"]
+        i = choice["index"]
+        assert i not in ends, "text after its choice's finish chunk"
+        texts[i] = texts.get(i, "") + choice["text"]
+        if choice["finish_reason"]:
+            ends[i] = choice["finish_reason"]
+    assert texts == {0: "ab<5>", 1: "ab<5>", 2: "ab<6>", 3: "ab<6>"} and ends == dict.fromkeys(range(4), "length")
+    order = [c["choices"][0]["index"] for c in chunks[:-1]]
+    assert order[:4] == [0, 1, 2, 3]  # the choices' first words came together: one chunk each, by index
+
+    conn = http.client.HTTPConnection("127.0.0.1", server.cfg.http_port, timeout=30)
+    conn.request("POST", "/v1/chat/completions", json.dumps({**CHAT, "n": 2, "stream": True}))
+    chat = [json.loads(e) for e in events(conn.getresponse())[:-1]]
+    conn.close()
+    assert [c["choices"][0]["delta"] for c in chat[:2]] == [{"role": "assistant", "content": ""}] * 2
+    assert [c["choices"][0]["index"] for c in chat[:2]] == [0, 1]
+    assert sum(1 for c in chat if c["choices"][0]["finish_reason"]) == 2
+
+
+def test_a_client_that_leaves_cancels_every_choice(make_server):
+    server, fake = make_server(["a", "b"])
+    conn = http.client.HTTPConnection("127.0.0.1", server.cfg.http_port, timeout=30)
+    conn.request("POST", "/v1/completions", json.dumps({**GOOD, "max_tokens": LONG, "n": 3, "stream": True}))
+    resp = conn.getresponse()
+    assert resp.readline().startswith(b"data: {")
+    conn.sock.shutdown(socket.SHUT_RDWR)
+    conn.close()
+    submitted = {seq_id for seq_id, _ in fake.submitted.get(timeout=5)}
+    cancelled = {fake.cancelled.get(timeout=10) for _ in range(3)}
+    assert cancelled == submitted and not server.streams
+
+
+def test_a_choice_the_worker_cannot_run_fails_the_request_and_cancels_the_others(make_server):
+    server, fake = make_server(["a"], tag=True)
+    status, body = post(server, "/v1/completions", {**GOOD, "prompt": [[5], [FAIL_ID]], "max_tokens": LONG})
+    assert status == 500 and "choice 1" in body["error"]["message"]
+    (first, _), (failed, _) = fake.submitted.get(timeout=5)
+    assert fake.cancelled.get(timeout=10) == first  # choice 0 would run on: it is cancelled, 1 has ended
+    assert fake.cancelled.empty() and not server.streams

@@ -176,8 +176,12 @@ def test_a_client_that_closes_mid_stream_frees_its_sequence(node):
 def test_bad_input_gets_4xx_and_the_server_keeps_serving(node):
     with pytest.raises(openai.NotFoundError):
         node.client.completions.create(model="no-such-model", prompt="x", max_tokens=2)
-    with pytest.raises(openai.BadRequestError, match="'n'"):
-        node.client.completions.create(model=MODEL, prompt="x", max_tokens=2, n=2)
+    with pytest.raises(openai.BadRequestError, match="'n' must be an integer from 1 to 128"):
+        node.client.completions.create(model=MODEL, prompt="x", max_tokens=2, n=129)
+    with pytest.raises(openai.BadRequestError, match="'best_of'"):
+        node.client.completions.create(model=MODEL, prompt="x", max_tokens=2, best_of=2)
+    with pytest.raises(openai.BadRequestError, match=r"prompt\[1\]: .*context"):  # nothing of it runs
+        node.client.completions.create(model=MODEL, prompt=[[5, 6], [5] * 600], max_tokens=2, n=2)
     with pytest.raises(openai.BadRequestError, match="context"):
         node.client.completions.create(model=MODEL, prompt=[5] * 600, max_tokens=2)
     with pytest.raises(openai.BadRequestError, match="max_tokens"):
@@ -226,3 +230,47 @@ def test_usage_says_how_much_of_the_prompt_was_cached(node):
                                              extra_body={"cache_salt": "tenant-b"}) for _ in range(2)]
     assert [r.usage.prompt_tokens_details.cached_tokens for r in salted] == [0, (n - 1) // 16 * 16]
     assert salted[0].choices[0].text == first.choices[0].text
+
+
+def test_n_greedy_choices_are_equal_and_a_batch_of_ids_maps_each_choice_to_its_prompt(node, expected):
+    ids = expected.tok.encode(PROMPTS[0])
+    text, num = expected(ids, 6)
+    three = node.client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=6, temperature=0, n=3)
+    assert [(c.index, c.text) for c in three.choices] == [(0, text), (1, text), (2, text)]
+    assert (three.usage.prompt_tokens, three.usage.completion_tokens) == (len(ids), 3 * num)
+
+    batch_ids = [expected.tok.encode(p) for p in PROMPTS[1:]]
+    single = [node.client.completions.create(model=MODEL, prompt=p, max_tokens=6, temperature=0).choices[0].text
+              for p in batch_ids]
+    assert single == [expected(p, 6)[0] for p in batch_ids]
+    batch = node.client.completions.create(model=MODEL, prompt=batch_ids, max_tokens=6, temperature=0, n=2)
+    assert [c.index for c in batch.choices] == [0, 1, 2, 3]
+    assert [c.text for c in batch.choices] == [single[0], single[0], single[1], single[1]]  # index = p * n + j
+    assert batch.usage.prompt_tokens == sum(map(len, batch_ids))  # each prompt once, as vLLM counts
+    assert batch.usage.completion_tokens == 2 * sum(expected(p, 6)[1] for p in batch_ids)
+
+    stream = node.client.completions.create(model=MODEL, prompt=batch_ids, max_tokens=6, temperature=0, n=2,
+                                            stream=True, stream_options={"include_usage": True})
+    texts, finishes, chunks = {}, {}, list(stream)
+    for c in chunks[:-1]:
+        (choice,) = c.choices
+        texts[choice.index] = texts.get(choice.index, "") + choice.text
+        if choice.finish_reason:
+            finishes[choice.index] = choice.finish_reason
+    assert texts == {i: single[i // 2] for i in range(4)} and sorted(finishes) == [0, 1, 2, 3]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == batch.usage.completion_tokens
+    assert chunks[-1].usage.prompt_tokens == batch.usage.prompt_tokens
+
+    chat = node.client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}],
+                                               max_tokens=4, temperature=0, n=2)
+    assert [c.index for c in chat.choices] == [0, 1]
+    assert chat.choices[0].message.content == chat.choices[1].message.content
+
+
+def test_seeded_choices_differ_from_each_other_and_repeat_as_requests_of_seed_plus_j(node):
+    args = dict(model=MODEL, prompt="Once upon a time", max_tokens=8, temperature=1.0, seed=7)
+    texts = [c.text for c in node.client.completions.create(n=3, **args).choices]
+    assert len(set(texts)) == 3
+    assert [c.text for c in node.client.completions.create(n=3, **args).choices] == texts
+    alone = [node.client.completions.create(**{**args, "seed": 7 + j}).choices[0].text for j in range(3)]
+    assert alone == texts

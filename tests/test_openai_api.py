@@ -8,7 +8,8 @@ import pytest
 
 from conftest import CHAT_TEMPLATE
 from qmigrate.detokenizer.sinks import make_sink
-from qmigrate.ingest.openai_api import ApiError, StopTrimmer, chunk, parse_body, reply, usage_chunk
+from qmigrate.ingest.openai_api import (ApiError, StopTrimmer, chunk, fan_out, parse_body, reply, total_usage,
+                                        usage_chunk)
 from qmigrate.ingest.prompts import to_spec
 from tokenizer_util import build_tokenizer
 
@@ -68,16 +69,23 @@ def test_a_chat_request_uses_the_template(tok):
     ({"model": MODEL, "prompt": "x", "stream": "yes"}, 400, "stream", "boolean"),
     ({"model": MODEL, "prompt": "x", "stream_options": {"include_usage": True}}, 400, "stream_options", "only"),
     ({"model": MODEL, "prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, 400, "stop", "up to 4"),
-    ({"model": MODEL, "prompt": "x", "n": 2}, 400, "n", "'n' is not supported"),
+    ({"model": MODEL, "prompt": "x", "n": 0}, 400, "n", "'n' must be an integer from 1 to 128"),
+    ({"model": MODEL, "prompt": "x", "n": 129}, 400, "n", "from 1 to 128"),
+    ({"model": MODEL, "prompt": "x", "n": "2"}, 400, "n", "'n' must be an integer"),
+    ({"model": MODEL, "prompt": [[5]] * 5, "n": 128}, 400, "n", "5 prompt(s) with n=128 is 640 choices"),
+    ({"model": MODEL, "prompt": [[5]] * 513}, 400, "prompt", "at most 512 prompts"),
+    ({"model": MODEL, "prompt": ["a", "  "], "n": 2}, 400, "prompt", "prompt[1]: empty prompt"),
+    ({"model": MODEL, "prompt": [[5], [5, 512]]}, 400, "prompt", "prompt[1]: prompt_ids[1] = 512 is out of range"),
+    ({"model": MODEL, "prompt": [[5], []]}, 400, "prompt", "prompt[1]: prompt_ids must be a non-empty list"),
     ({"model": MODEL, "prompt": "x", "logprobs": 2}, 400, "logprobs", "'logprobs'"),
-    ({"model": MODEL, "prompt": "x", "best_of": 3}, 400, "best_of", "'best_of'"),
+    ({"model": MODEL, "prompt": "x", "best_of": 3}, 400, "best_of", "'n' asks for several choices"),
     ({"model": MODEL, "prompt": "x", "echo": True}, 400, "echo", "'echo'"),
     ({"model": MODEL, "prompt": "x", "presence_penalty": 0.5}, 400, "presence_penalty", "not supported"),
     ({"model": MODEL, "prompt": "x", "frobnicate": 1}, 400, "frobnicate", "unrecognized request argument"),
     ({"model": MODEL, "prompt": "x", "cache_salt": 7}, 400, "cache_salt", "cache_salt must be a string"),
     ({"model": MODEL, "prompt": "x", "cache_salt": "s" * 257}, 400, "cache_salt", "at most 256"),
-    ({"model": MODEL, "prompt": ["a", "b"]}, 400, "prompt", "one prompt per request"),
-    ({"model": MODEL, "prompt": 5}, 400, "prompt", "string or a list of token ids"),
+    ({"model": MODEL, "prompt": [5, "b"]}, 400, "prompt", "a list of token ids, or a list of those"),
+    ({"model": MODEL, "prompt": 5}, 400, "prompt", "string, a list of token ids"),
     ({"model": MODEL, "prompt": "   "}, 400, "prompt", "empty prompt"),
     ({"model": MODEL, "prompt": "The quick brown fox " * 20}, 400, "prompt", "context"),
 ])
@@ -90,6 +98,41 @@ def test_bad_completion_requests(tok, body, status, param, words):
 
 def test_a_prompt_over_the_context_has_its_code(tok):
     assert error(tok, {"model": MODEL, "prompt": "The quick brown fox " * 20}).code == "context_length_exceeded"
+    long_second = error(tok, {"model": MODEL, "prompt": ["Hi", "The quick brown fox " * 20], "n": 2})
+    assert long_second.code == "context_length_exceeded" and long_second.message.startswith("prompt[1]: ")
+
+
+def test_a_batch_with_n_fans_out_one_choice_per_prompt_and_n_as_vllm_numbers_them(tok):
+    req = parse(tok, {"model": MODEL, "prompt": ["Hello", [5, 6, 7]], "n": 3, "seed": 10, "max_tokens": 4})
+    assert (req.n, req.num_choices, [p.prompt_ids for p in req.prompts]) == (3, 6, [tok.encode("Hello"), [5, 6, 7]])
+    choices = fan_out(req, "cmpl-1")
+    assert [c.req_id for c in choices] == [f"cmpl-1-{i}" for i in range(6)]
+    assert [c.prompt_ids for c in choices] == [tok.encode("Hello")] * 3 + [[5, 6, 7]] * 3  # index = p * n + j
+    assert [c.seed for c in choices] == [10, 11, 12] * 2  # seed + j, as vLLM's child requests
+    assert all(c.max_new_tokens == 4 for c in choices)
+    assert choices[0].prompt_ids is choices[2].prompt_ids  # shared, not copied per choice
+    unseeded = fan_out(parse(tok, {"model": MODEL, "prompt": "Hi", "n": 2}), "c")
+    assert [c.seed for c in unseeded] == [None, None]  # ingest draws a seed for each
+    top = fan_out(parse(tok, {"model": MODEL, "prompt": "Hi", "n": 2, "seed": 2**63 - 1}), "c")
+    assert [c.seed for c in top] == [2**63 - 1, 0]  # wraps within the wire's range
+    one = parse(tok, {"model": MODEL, "prompt": [[5, 6]]})
+    assert fan_out(one, "c") == [one.prompt] and one.prompt.req_id == "c"  # a batch of one is one request
+    chat = fan_out(parse(tok, {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "n": 2}, "chat"), "r")
+    assert len(chat) == 2 and chat[0].prompt_ids == chat[1].prompt_ids
+
+
+def test_usage_counts_each_prompt_once_and_every_choice(tok):
+    req = parse(tok, {"model": MODEL, "prompt": [[5, 6, 7], [8, 9]], "n": 2})
+    outcomes = [("a", "length", 4, 2), ("b", "stop", 1, 0), ("c", "length", 4, -1), ("d", "length", 3, 1)]
+    whole = reply(req, "r", 1, outcomes)
+    assert [(c["index"], c["text"], c["finish_reason"]) for c in whole["choices"]] == \
+        [(0, "a", "length"), (1, "b", "stop"), (2, "c", "length"), (3, "d", "length")]
+    # prompt tokens once per prompt (3 + 2); cached: the fewest of each prompt's choices (0, then 1)
+    assert whole["usage"] == {"prompt_tokens": 5, "completion_tokens": 12, "total_tokens": 17,
+                              "prompt_tokens_details": {"cached_tokens": 1}}
+    assert usage_chunk(req, "r", 1, [(n, c) for _, _, n, c in outcomes])["usage"] == whole["usage"]
+    assert "prompt_tokens_details" not in total_usage(req, [(1, -1)] * 4)
+    assert chunk(req, "r", 1, "x", index=3)["choices"][0]["index"] == 3
 
 
 @pytest.mark.parametrize("body, param, words", [
@@ -128,8 +171,9 @@ def test_reply_and_chunk_shapes(tok):
     assert first["choices"][0]["delta"] == {"role": "assistant", "content": "He"}
     assert chunk(req, "r", 1, None, "length")["choices"][0] == {"index": 0, "delta": {}, "logprobs": None,
                                                                  "finish_reason": "length"}
-    assert usage_chunk(req, "r", 1, 4)["usage"] == {"prompt_tokens": n, "completion_tokens": 4, "total_tokens": n + 4}
-    whole = reply(req, "r", 1, "Hello", "stop", 2)
+    assert usage_chunk(req, "r", 1, [(4, -1)])["usage"] == {"prompt_tokens": n, "completion_tokens": 4,
+                                                            "total_tokens": n + 4}
+    whole = reply(req, "r", 1, [("Hello", "stop", 2, -1)])
     assert whole["choices"][0]["message"] == {"role": "assistant", "content": "Hello"}
     assert whole["usage"]["completion_tokens"] == 2
 

@@ -49,11 +49,12 @@ def fake_ingest(server, step_s: float, stop: threading.Event, taken: list[float]
             wake.recv()
         while True:
             try:
-                seq_id, prompt = server.submissions.get_nowait()
+                choices = server.submissions.get_nowait()
             except queue.Empty:
                 break
             taken.append(time.perf_counter())
-            running[seq_id] = [0, prompt.max_new_tokens]
+            for seq_id, prompt in choices:
+                running[seq_id] = [0, prompt.max_new_tokens]
         while not server.cancels.empty():
             running.pop(server.cancels.get(), None)
         if not running or (hold and len(taken) % (WARMUP + hold) > WARMUP):

@@ -10,6 +10,12 @@ early (the client went away, or no text for `http_timeout_s`) is put on `cancels
 A token costs this thread little: its row is appended to its request's `_Updates` and the
 handler's future is woken, and one watchdog, not a timer per wait, ends the waits that last
 past `http_timeout_s`.
+
+A request with several prompts or `n` > 1 fans out into one engine request (sequence id) per
+choice, handed over together in one submission; all of them share the request's `_Updates`,
+whose rows say by sequence id which choice they belong to. The request ends when every
+choice has; if it ends sooner, every choice still running is cancelled. A request of one
+choice takes a path of its own, with nothing per token for choices it does not have.
 """
 
 from __future__ import annotations
@@ -35,8 +41,10 @@ from qmigrate.engine.tokenizer_info import load_tokenizer_info
 from qmigrate.ingest.prompts import Defaults, check_json
 from qmigrate.ingest.openai_api import (
     ApiError,
+    Choices,
     StopTrimmer,
     chunk,
+    fan_out,
     models_list,
     parse_body,
     reply,
@@ -102,6 +110,7 @@ class HttpServer:
         # fast tokenizer is not safe to share between threads.
         self.tokenizer, self.max_context, self.eos_ids = load_tokenizer_info(model_path, trust_remote_code)
         self.model_names = [cfg.model_name or Path(model_path).name]
+        # Each item: one HTTP request's [(seq_id, Prompt), ...], one per choice, taken together.
         self.submissions: queue.Queue = queue.Queue(maxsize=cfg.max_pending)
         self.cancels: queue.SimpleQueue = queue.SimpleQueue()
         self.streams: dict[int, _Updates] = {}
@@ -133,7 +142,7 @@ class HttpServer:
         done = threading.Event()
 
         def end_all() -> None:
-            for updates in self.streams.values():
+            for updates in set(self.streams.values()):  # a fanned-out request's choices share one
                 updates.push(_SHUTDOWN)
             self.loop.create_task(self._answered(done, time.monotonic() + timeout_s))
         try:
@@ -263,26 +272,38 @@ class HttpServer:
                          defaults=self.defaults, eos_ids=self.eos_ids)
         seq_id = self.id_base | next(self.counter)
         rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{seq_id:016x}"
-        req.prompt.req_id = rid
-        updates = self.streams[seq_id] = _Updates()
+        prompts = fan_out(req, rid)
+        seq_ids = [seq_id] + [self.id_base | next(self.counter) for _ in prompts[1:]]
+        updates = _Updates()
+        for sid in seq_ids:
+            self.streams[sid] = updates
         try:
-            self.submissions.put_nowait((seq_id, req.prompt))
+            self.submissions.put_nowait(list(zip(seq_ids, prompts)))
         except queue.Full:
-            del self.streams[seq_id]
+            for sid in seq_ids:
+                del self.streams[sid]
             raise ApiError(429, "the server is at capacity: too many requests are waiting for the "
                            "router; retry later", type="rate_limit_error", code="rate_limit_exceeded") from None
         self._wake()
-        ended = False
+        live = dict(zip(seq_ids, range(len(seq_ids))))  # the choices not yet ended: seq_id -> index
         try:
+            if len(seq_ids) > 1:
+                if req.stream:
+                    return await self._stream_choices(request, req, rid, updates, live)
+                return await self._collect_choices(req, rid, updates, live)
             if req.stream:
                 response, ended = await self._stream(request, req, rid, updates)
             else:
                 response, ended = await self._collect(req, rid, updates), True
+            if ended:
+                live.clear()
             return response
         finally:
-            del self.streams[seq_id]
-            if not ended:
-                self.cancels.put(seq_id)
+            for sid in seq_ids:
+                del self.streams[sid]
+            if live:
+                for sid in live:
+                    self.cancels.put(sid)
                 self._wake()
 
     async def _next(self, updates: _Updates) -> tuple:
@@ -312,6 +333,14 @@ class HttpServer:
             text = "".join(parts)
         return text, row[2], row[3], row[4] if len(row) > 4 else -1
 
+    async def _next_rows(self, updates: _Updates) -> list[tuple]:
+        """Every row waiting (at least one), up to a shutdown, which the next call raises."""
+        out = [await self._next(updates)]
+        rows = updates.rows
+        while rows and rows[0] is not _SHUTDOWN:
+            out.append(rows.popleft())
+        return out
+
     async def _collect(self, req, rid: str, updates: _Updates):
         trim, parts, created = StopTrimmer(req.stop), [], int(time.time())
         while True:
@@ -323,7 +352,7 @@ class HttpServer:
         if reason is None:
             raise ApiError(500, "the worker could not run this request", type="server_error")
         parts.append(trim.finish(code == P.Finish.STOP))
-        return web.json_response(reply(req, rid, created, "".join(parts), reason, num_tokens, cached))
+        return web.json_response(reply(req, rid, created, [("".join(parts), reason, num_tokens, cached)]))
 
     async def _stream(self, request, req, rid: str, updates: _Updates):
         """SSE; returns (response, whether the request ended)."""
@@ -352,9 +381,50 @@ class HttpServer:
                 if code:
                     tail = _sse(chunk(req, rid, created, None, reason))
                     if req.include_usage:
-                        tail += _sse(usage_chunk(req, rid, created, num_tokens, cached))
+                        tail += _sse(usage_chunk(req, rid, created, [(num_tokens, cached)]))
                     await response.write(tail + DONE)
                     await response.write_eof()
                     return response, True
         except ConnectionResetError:  # the client went away mid-stream
             return response, False
+
+    # --- requests of several choices --------------------------------------------------------
+    async def _collect_choices(self, req, rid: str, updates: _Updates, live: dict[int, int]):
+        """The whole answer of every choice; `live` loses each choice as it ends."""
+        choices, created = Choices(req, live), int(time.time())
+        parts: list[list[str]] = [[] for _ in choices.ends]
+        while live:
+            texts, _ = choices.take(await self._next_rows(updates))
+            for i, text in texts.items():
+                parts[i].append(text)
+        outcomes = [("".join(p), *end) for p, end in zip(parts, choices.ends)]
+        return web.json_response(reply(req, rid, created, outcomes))
+
+    async def _stream_choices(self, request, req, rid: str, updates: _Updates, live: dict[int, int]):
+        """SSE of every choice, interleaved as their text comes, each chunk naming its choice's
+        index and each choice ending with its own finish chunk; one usage chunk (if asked for)
+        and one `[DONE]` after all. `live` loses each choice as it ends."""
+        response = web.StreamResponse(headers=SSE_HEADERS)
+        await response.prepare(request)
+        choices, created = Choices(req, live), int(time.time())
+        frames = [_Frame(chunk(req, rid, created, _MARK, index=i)) for i in range(len(choices.ends))]
+        try:
+            if req.kind == "chat":  # each choice opens with the assistant's role, as vLLM's do
+                await response.write(b"".join(_sse(chunk(req, rid, created, "", first=True, index=i))
+                                              for i in range(len(frames))))
+            while live:
+                try:
+                    texts, ended = choices.take(await self._next_rows(updates))
+                except ApiError as exc:  # timeout, shutdown, or a choice a worker could not run
+                    await response.write(_sse(exc.body()) + DONE)
+                    return response
+                out = [frames[i](text) for i, text in texts.items() if text]
+                out += [_sse(chunk(req, rid, created, None, choices.ends[i][0], index=i)) for i in ended]
+                if out:
+                    await response.write(b"".join(out))
+            tail = _sse(usage_chunk(req, rid, created, choices.counts())) if req.include_usage else b""
+            await response.write(tail + DONE)
+            await response.write_eof()
+            return response
+        except ConnectionResetError:  # the client went away mid-stream: its choices are cancelled
+            return response

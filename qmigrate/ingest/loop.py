@@ -219,10 +219,13 @@ class Ingest:
             self.cancel(cancelled)
         while len(self.pending) < self.max_pending:
             try:
-                seq_id, prompt = self.http.submissions.get_nowait()
+                # One HTTP request's choices, all together: pending may pass max_pending by
+                # fewer than MAX_CHOICES.
+                choices = self.http.submissions.get_nowait()
             except queue.Empty:
                 return
-            self.enqueue(seq_id, prompt, P.ROUTE_INGEST)
+            for seq_id, prompt in choices:
+                self.enqueue(seq_id, prompt, P.ROUTE_INGEST)
 
     def cancel(self, seq_ids: list[int]) -> None:
         """Forget requests: those not yet sent to the router here, the rest at the router,

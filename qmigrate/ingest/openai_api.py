@@ -1,21 +1,30 @@
 """OpenAI-compatible requests and replies (pure: no sockets, no HTTP server).
 
 `parse_body` turns the JSON body of `POST /v1/completions` or `POST /v1/chat/completions`
-into a validated `ApiRequest` (an intake `Prompt` plus how to answer), or raises `ApiError`
-with OpenAI's status code, type and message. The `*_reply` and `*_chunk` functions build
-the objects the official clients expect; `StopTrimmer` removes a matched stop string from
-the end of the text, as OpenAI does.
+into a validated `ApiRequest` (intake `Prompt`s plus how to answer), or raises `ApiError`
+with OpenAI's status code, type and message. `fan_out` turns a request of several prompts
+and/or `n` choices into one engine request per choice, as vLLM does; `reply`, `chunk` and
+`usage_chunk` build the objects the official clients expect; `StopTrimmer` removes a matched
+stop string from the end of the text, as OpenAI does.
+
+Choices are numbered as in OpenAI's API and vLLM: with P prompts and `n`, choice
+`p * n + j` is prompt p's j-th. With a `seed`, choice j of every prompt samples with
+`seed + j` (mod 2**63), as vLLM's child requests do: the choices differ, and the same
+request gets the same choices again. `usage` counts each prompt's tokens once, however many
+choices it has (as OpenAI and vLLM do), and every choice's completion tokens.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Literal
 
-from qmigrate.ingest.prompts import Defaults, Prompt, PromptError, is_int_list, parse_request
+from qmigrate.wire import protocol as P
+from qmigrate.ingest.prompts import MAX_SEED, Defaults, Prompt, PromptError, is_int_list, parse_request
 
 Kind = Literal["completion", "chat"]
 MAX_STOPS = 4
@@ -30,7 +39,7 @@ ONLY_FIELDS = {"completion": frozenset(["prompt", "echo", "best_of", "suffix"]),
                                   "tools", "tool_choice", "functions", "function_call",
                                   "parallel_tool_calls"])}
 # Fields that would change the output, accepted only at the value that changes nothing.
-NEUTRAL = {"n": (1,), "presence_penalty": (0,), "frequency_penalty": (0,), "logit_bias": ({},),
+NEUTRAL = {"presence_penalty": (0,), "frequency_penalty": (0,), "logit_bias": ({},),
            "logprobs": (False, 0), "top_logprobs": (0,), "echo": (False,), "best_of": (1,),
            "suffix": ("",), "tools": ([],), "tool_choice": ("none",), "functions": ([],),
            "function_call": ("none",), "response_format": ({"type": "text"},)}
@@ -52,10 +61,19 @@ class ApiError(Exception):
 class ApiRequest:
     kind: Kind
     model: str
-    prompt: Prompt
+    prompts: list[Prompt]  # a completion's batch of prompts, in order; chat: one
     stream: bool = False
     include_usage: bool = False
     stop: list[str] = field(default_factory=list)
+    n: int = 1             # choices per prompt
+
+    @property
+    def prompt(self) -> Prompt:
+        return self.prompts[0]
+
+    @property
+    def num_choices(self) -> int:
+        return len(self.prompts) * self.n
 
 
 def _is_int(v) -> bool:
@@ -82,7 +100,11 @@ def parse_body(body, kind: Kind, *, model_names: Collection[str], tokenizer, max
     body = {key: value for key, value in body.items() if value is not None}
     for name, allowed in NEUTRAL.items():
         if name in body and not any(_same(body[name], a) for a in allowed):
-            raise ApiError(400, f"'{name}' is not supported by this server (only {allowed[0]!r})", name)
+            hint = "; 'n' asks for several choices" if name == "best_of" else ""
+            raise ApiError(400, f"'{name}' is not supported by this server (only {allowed[0]!r}){hint}", name)
+    n = body.get("n", 1)
+    if not _is_int(n) or not 1 <= n <= P.MAX_N:
+        raise ApiError(400, f"'n' must be an integer from 1 to {P.MAX_N}", "n")
 
     model = body.get("model")
     if not isinstance(model, str) or not model:
@@ -115,18 +137,35 @@ def parse_body(body, kind: Kind, *, model_names: Collection[str], tokenizer, max
     stop = _parse_stop(body.get("stop", []))
     if stop:
         request["stop"] = stop
-    if kind == "chat":
-        request["messages"] = body.get("messages")
-    else:
-        request.update(_completion_prompt(body.get("prompt")))
-    try:
-        prompt = parse_request(request, "", tokenizer=tokenizer, max_context=max_context,
-                               defaults=defaults, eos_ids=eos_ids)
-    except PromptError as exc:
-        too_long = "the model's context" in exc.message
-        raise ApiError(400, exc.message, _param_of(exc.message, kind),
-                       code="context_length_exceeded" if too_long else None) from None
-    return ApiRequest(kind, model, prompt, stream, bool(options.get("include_usage")), stop)
+    items = [{"messages": body.get("messages")}] if kind == "chat" else _completion_prompts(body.get("prompt"))
+    if len(items) * n > P.MAX_CHOICES:
+        raise ApiError(400, f"{len(items)} prompt(s) with n={n} is {len(items) * n} choices; this server "
+                       f"answers at most {P.MAX_CHOICES} in one request", "n" if n > 1 else "prompt")
+    prompts = []
+    for i, item in enumerate(items):  # every prompt is checked before any is submitted
+        try:
+            prompts.append(parse_request({**request, **item}, "", tokenizer=tokenizer, max_context=max_context,
+                                         defaults=defaults, eos_ids=eos_ids))
+        except PromptError as exc:
+            too_long = "the model's context" in exc.message
+            raise ApiError(400, f"prompt[{i}]: {exc.message}" if len(items) > 1 else exc.message,
+                           _param_of(exc.message, kind),
+                           code="context_length_exceeded" if too_long else None) from None
+    return ApiRequest(kind, model, prompts, stream, bool(options.get("include_usage")), stop, n)
+
+
+def fan_out(req: ApiRequest, rid: str) -> list[Prompt]:
+    """One engine request per choice, choice i at index i (prompt i // n), named `rid` (one
+    choice) or `rid-i`. A seeded choice j samples with seed + j; the prompt's ids are shared."""
+    if req.n == 1 and len(req.prompts) == 1:
+        req.prompt.req_id = rid
+        return [req.prompt]
+    out = []
+    for prompt in req.prompts:
+        for j in range(req.n):
+            seed = None if prompt.seed is None else (prompt.seed + j) % MAX_SEED
+            out.append(dataclasses.replace(prompt, req_id=f"{rid}-{len(out)}", seed=seed))
+    return out
 
 
 def _parse_stop(value) -> list[str]:
@@ -137,16 +176,18 @@ def _parse_stop(value) -> list[str]:
     return list(items)
 
 
-def _completion_prompt(prompt) -> dict:
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]  # a batch of one
+def _completion_prompts(prompt) -> list[dict]:
+    """The intake form of each prompt of a completion request: a string, a list of token ids,
+    or a batch (a list of strings and/or token id lists)."""
     if isinstance(prompt, str):
-        return {"prompt": prompt}
+        return [{"prompt": prompt}]
     if isinstance(prompt, list) and prompt and is_int_list(prompt):
-        return {"prompt_ids": prompt}
+        return [{"prompt_ids": prompt}]
     if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
-        raise ApiError(400, "one prompt per request: this server does not batch prompts", "prompt")
-    raise ApiError(400, "'prompt' must be a string or a list of token ids", "prompt")
+        if len(prompt) > P.MAX_CHOICES:
+            raise ApiError(400, f"at most {P.MAX_CHOICES} prompts in one request", "prompt")
+        return [{"prompt": p} if isinstance(p, str) else {"prompt_ids": p} for p in prompt]
+    raise ApiError(400, "'prompt' must be a string, a list of token ids, or a list of those", "prompt")
 
 
 def _param_of(message: str, kind: Kind) -> str | None:
@@ -183,6 +224,42 @@ class StopTrimmer:
         return held
 
 
+class Choices:
+    """The choices of a fanned-out request as the detokenizer's rows come: (seq_id, text,
+    finish code, tokens so far[, cached prompt tokens]). `live` (seq_id -> choice index) loses
+    each choice as it ends; `ends[i]` is (finish reason, completion tokens, cached or -1) once
+    choice i has ended."""
+
+    def __init__(self, req: ApiRequest, live: dict[int, int]) -> None:
+        self.live, self.index = live, dict(live)
+        self.trims = [StopTrimmer(req.stop) for _ in live]
+        self.ends: list[tuple[str, int, int] | None] = [None] * len(live)
+
+    def take(self, rows) -> tuple[dict[int, str], list[int]]:
+        """The new text of each choice in `rows`, by index in the order they came, and the
+        choices that ended; ApiError (500) for a choice that a worker could not run."""
+        texts: dict[int, str] = {}
+        ended = []
+        for row in rows:
+            if row[0] not in self.live:
+                continue
+            i = self.index[row[0]]
+            text = self.trims[i].push(row[1])
+            if row[2]:
+                del self.live[row[0]]
+                reason = P.Finish(row[2]).openai_reason
+                if reason is None:
+                    raise ApiError(500, f"the worker could not run choice {i} of this request", type="server_error")
+                text += self.trims[i].finish(row[2] == P.Finish.STOP)
+                self.ends[i] = (reason, row[3], row[4] if len(row) > 4 else -1)
+                ended.append(i)
+            texts[i] = texts[i] + text if i in texts else text
+        return texts, ended
+
+    def counts(self) -> list[tuple[int, int]]:
+        return [(end[1], end[2]) for end in self.ends]
+
+
 def usage(num_prompt: int, num_completion: int, num_cached: int = -1) -> dict:
     """OpenAI's usage object; prompt_tokens_details.cached_tokens when the worker said how
     much of the prompt it found in its prefix cache (num_cached >= 0)."""
@@ -193,29 +270,47 @@ def usage(num_prompt: int, num_completion: int, num_cached: int = -1) -> dict:
     return out
 
 
-def reply(req: ApiRequest, rid: str, created: int, text: str, finish: str, num_tokens: int,
-          num_cached: int = -1) -> dict:
-    """The whole answer of a request that did not stream."""
-    if req.kind == "chat":
-        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                  "finish_reason": finish}
-    else:
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+def total_usage(req: ApiRequest, counts: list[tuple[int, int]]) -> dict:
+    """The usage of a request from (completion tokens, prompt tokens found cached or -1) of
+    each choice, by index. Each prompt's tokens count once; its cached tokens are the fewest
+    any of its choices found (the prefix that all of them reused), summed over the prompts,
+    and left out when no worker said."""
+    n, num_prompt, num_cached, known = req.n, 0, 0, False
+    for p, prompt in enumerate(req.prompts):
+        num_prompt += len(prompt.prompt_ids)
+        cached = [c for _, c in counts[p * n:(p + 1) * n] if c >= 0]
+        if cached:
+            num_cached += min(min(cached), len(prompt.prompt_ids))
+            known = True
+    return usage(num_prompt, sum(num for num, _ in counts), num_cached if known else -1)
+
+
+def reply(req: ApiRequest, rid: str, created: int, outcomes: list[tuple[str, str, int, int]]) -> dict:
+    """The whole answer of a request that did not stream, from (text, finish reason,
+    completion tokens, cached prompt tokens or -1) of each choice, by index."""
+    choices = []
+    for i, (text, finish, _, _) in enumerate(outcomes):
+        if req.kind == "chat":
+            choices.append({"index": i, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                            "finish_reason": finish})
+        else:
+            choices.append({"index": i, "text": text, "logprobs": None, "finish_reason": finish})
     return {"id": rid, "object": "chat.completion" if req.kind == "chat" else "text_completion",
-            "created": created, "model": req.model, "choices": [choice],
-            "usage": usage(len(req.prompt.prompt_ids), num_tokens, num_cached)}
+            "created": created, "model": req.model, "choices": choices,
+            "usage": total_usage(req, [(num, cached) for _, _, num, cached in outcomes])}
 
 
 def chunk(req: ApiRequest, rid: str, created: int, text: str | None, finish: str | None = None,
-          first: bool = False) -> dict:
-    """One streamed event: new text (None in the last, which carries the finish reason)."""
+          first: bool = False, index: int = 0) -> dict:
+    """One streamed event of choice `index`: new text (None in its last, which carries the
+    finish reason)."""
     if req.kind == "chat":
         delta = {} if text is None else {"content": text}
         if first:
             delta = {"role": "assistant", **delta}
-        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+        choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}
     else:
-        choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+        choice = {"index": index, "text": text or "", "logprobs": None, "finish_reason": finish}
     out = {"id": rid, "object": "chat.completion.chunk" if req.kind == "chat" else "text_completion",
            "created": created, "model": req.model, "choices": [choice]}
     if req.include_usage:
@@ -223,10 +318,10 @@ def chunk(req: ApiRequest, rid: str, created: int, text: str | None, finish: str
     return out
 
 
-def usage_chunk(req: ApiRequest, rid: str, created: int, num_tokens: int, num_cached: int = -1) -> dict:
+def usage_chunk(req: ApiRequest, rid: str, created: int, counts: list[tuple[int, int]]) -> dict:
+    """The last event of a stream with `include_usage`; counts as for `total_usage`."""
     return {"id": rid, "object": "chat.completion.chunk" if req.kind == "chat" else "text_completion",
-            "created": created, "model": req.model, "choices": [],
-            "usage": usage(len(req.prompt.prompt_ids), num_tokens, num_cached)}
+            "created": created, "model": req.model, "choices": [], "usage": total_usage(req, counts)}
 
 
 def models_list(names: list[str], max_context: int) -> dict:

@@ -47,6 +47,10 @@ MAX_STOP_LEN = 64          # token ids of one stop sequence (and of the EOS list
 MAX_REQ_ID = 256           # characters of a request id
 MAX_CACHE_SALT = 256       # characters of a request's cache_salt
 MAX_NOTE = 1024            # characters of a request's note and of an error message
+# One HTTP request fans out into one engine request per choice: `n` per prompt (at most
+# MAX_N), prompts × n at most MAX_CHOICES (one Submit's worth), checked before any is queued.
+MAX_N = 128
+MAX_CHOICES = SUBMIT_MAX_SEQS
 
 class MsgType(enum.IntEnum):
     HELLO = 1
