@@ -99,6 +99,48 @@ def test_tokens_count_only_for_the_senders_leases(topo):
         _close(detok, ingest, w1, w2, router.work, router.telemetry, router.out.detok)
 
 
+def test_tokens_of_a_cancelled_sequence_from_its_worker_are_no_fault(topo):
+    """A client that disconnects cancels its sequence while a multi-step lease runs it: the
+    worker's tokens for it keep coming until the lease's next step boundary. Before, each
+    counted as a worker writing into a sequence not leased to it, with a warning per message.
+    Now they are dropped quietly (counted apart); another worker's tokens for it still count
+    as a fault, and none reach the detokenizer."""
+    from qmigrate.router.loop import Router
+    router = Router(topo)
+    detok = transport.socket(zmq.PULL, bind=topo.endpoint("detokenizer").bind)
+    ingest = transport.socket(zmq.DEALER, connect=topo.endpoint("router").connect, identity="ingest-1")
+    w1 = transport.socket(zmq.DEALER, connect=topo.endpoint("router").connect, identity="w1")
+    w2 = transport.socket(zmq.DEALER, connect=topo.endpoint("router").connect, identity="w2")
+    try:
+        for w in (w1, w2):
+            transport.send(w, P.Hello("worker", w.getsockopt(zmq.IDENTITY).decode(), info={"max_seqs": 2}))
+            _pump(router, w, lambda m: isinstance(m, P.Welcome))
+        transport.send(ingest, P.Submit([P.SeqSpec(100 + i, P.pack_i32([1 + i, 2, 3]), 3, 8) for i in range(4)],
+                                        ["a", "b", "c", "d"]))
+        _pump(router, ingest, lambda m: isinstance(m, P.SubmitAck))
+        transport.send(w1, P.WorkRequest(1, 2, 64))
+        rows = P.unpack_i64(_pump(router, w1, lambda m: isinstance(m, P.Lease)).seq_ids).tolist()
+        assert rows == [100, 101]
+        transport.send(ingest, P.Cancel(P.pack_i64([100])))
+        deadline = time.monotonic() + 10
+        while router.sched.counters["cancelled"] < 1 and time.monotonic() < deadline:
+            router.drain_socket()
+            time.sleep(0.005)
+        transport.send(w1, _tokens(rows))        # its own lease: 101 goes on, 100 is late
+        transport.send(w2, _tokens([100]))       # never leased to w2: a fault
+        got, deadline = [], time.monotonic() + 10
+        while time.monotonic() < deadline and not (got and router.errors["tokens_not_leased"] >= 1):
+            router.drain_socket()
+            router.flush_backlog()
+            while detok.poll(10):
+                if isinstance(msg := P.decode(detok.recv()), P.Tokens):
+                    got.append(P.unpack_i64(msg.seq_ids).tolist())
+        assert got == [[101]]
+        assert router.sched.counters["tokens_after_cancel"] == 1 and router.errors["tokens_not_leased"] == 1
+    finally:
+        _close(detok, ingest, w1, w2, router.work, router.telemetry, router.detok)
+
+
 def test_a_detokenizer_that_does_not_read_stops_admission_and_loses_nothing(topo, monkeypatch):
     """Before, the router's backlog to the detokenizer dropped its oldest message past 100k
     held, while ingest's requests, errors and end of input kept coming: a dropped Tokens left

@@ -277,9 +277,13 @@ class Router:
         if all(mine):
             self.out.forward(frame)
             return
-        num_refused = len(mine) - sum(mine)
-        self.errors["tokens_not_leased"] += num_refused
-        self.dropped_log.warning("dropped tokens of %d sequences not leased to worker %s", num_refused, name)
+        # a cancelled sequence's tokens from the worker it was leased to are expected (the
+        # lease runs on to its next step boundary); any other refused row is a fault
+        late = sum(not ok and self.sched.was_cancelled_at(name, sid) for sid, ok in zip(seq_ids.tolist(), mine))
+        self.sched.counters["tokens_after_cancel"] += late
+        if num_refused := len(mine) - sum(mine) - late:
+            self.errors["tokens_not_leased"] += num_refused
+            self.dropped_log.warning("dropped tokens of %d sequences not leased to worker %s", num_refused, name)
         if any(mine):
             keep = np.array(mine)
             counts = P.unpack_i32(msg.counts)

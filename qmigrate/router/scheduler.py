@@ -16,7 +16,7 @@ it, so a request for work costs what it returns, not what the whole fleet holds.
 
 from __future__ import annotations
 
-from collections import Counter, deque
+from collections import Counter, OrderedDict, deque
 
 from qmigrate.config import RouterConfig
 from qmigrate.router.leasing import Lessor
@@ -38,6 +38,7 @@ __all__ = ["Grant", "Outcome", "Row", "Scheduler", "Seq", "WorkerState",
            "choose_mechanism"]
 
 MAX_GPUS = 4096  # GPUs whose last memory report is kept
+MAX_CANCELLED = 1 << 14  # cancelled sequences whose late tokens are recognised
 
 _FINISHED = frozenset(int(f) for f in Finish if f.is_finished)
 
@@ -56,6 +57,9 @@ class Scheduler:
         self.prefix = PrefixIndex()
         self.cache_hits: Counter[str] = Counter()     # per worker: prompt tokens admitted, found cached
         self.cache_queries: Counter[str] = Counter()
+        # seq_id -> workers whose leases held it when it was cancelled: their tokens for it
+        # in flight are expected, not a misbehaving worker's (at most MAX_CANCELLED kept)
+        self.cancelled: OrderedDict[int, frozenset[str]] = OrderedDict()
         self.lessor = Lessor(self.config, self.seqs, self.queue, self.workers, self.leases, self.moves, self.prefix,
                              self.counters)
 
@@ -227,15 +231,25 @@ class Scheduler:
             if seq is None:
                 continue
             num += 1
-            holders = {seq.owner} | {lease.worker for lid in (seq.lease_id, seq.next_lease)
-                                     if lid is not None and (lease := self.leases.get(lid))}
+            leased = frozenset(lease.worker for lid in (seq.lease_id, seq.next_lease)
+                               if lid is not None and (lease := self.leases.get(lid)))
+            if leased:
+                self.cancelled[sid] = leased
+            holders = {seq.owner} | leased
             self.queue.pop(seq)
             self._set_owner(seq, None)
             for name in holders - {None}:
                 if (w := self.workers.get(name)) is not None and w.alive:
                     w.pending_drops.append(sid)
+        while len(self.cancelled) > MAX_CANCELLED:
+            self.cancelled.popitem(last=False)
         self.counters["cancelled"] += num
         return num
+
+    def was_cancelled_at(self, name: str, seq_id: int) -> bool:
+        """seq_id was cancelled while a lease of name's held it: its tokens still on the
+        way from there are dropped without counting as a fault."""
+        return name in self.cancelled.get(seq_id, ())
 
     # --- results -----------------------------------------------------------------------
     def complete(self, lease_id: int, name: str, seq_ids: list[int], counts: list[int],
