@@ -131,14 +131,14 @@ def test_tokens_of_a_cancelled_sequence_from_its_worker_are_no_fault(topo):
         got, deadline = [], time.monotonic() + 10
         while time.monotonic() < deadline and not (got and router.errors["tokens_not_leased"] >= 1):
             router.drain_socket()
-            router.flush_backlog()
+            router.out.flush_backlog()
             while detok.poll(10):
                 if isinstance(msg := P.decode(detok.recv()), P.Tokens):
                     got.append(P.unpack_i64(msg.seq_ids).tolist())
         assert got == [[101]]
         assert router.sched.counters["tokens_after_cancel"] == 1 and router.errors["tokens_not_leased"] == 1
     finally:
-        _close(detok, ingest, w1, w2, router.work, router.telemetry, router.detok)
+        _close(detok, ingest, w1, w2, router.work, router.telemetry, router.out.detok)
 
 
 def test_a_detokenizer_that_does_not_read_stops_admission_and_loses_nothing(topo, monkeypatch):
