@@ -136,7 +136,7 @@ def test_the_router_answers_a_submit_it_cannot_decode(topo):
         assert isinstance(reply, P.Reject) and "top_k" in reply.reason and not reply.is_unknown_peer, reply
         assert not router.sched.seqs and router.errors["submit_refused"] == 1
     finally:
-        _close(client, router.work, router.telemetry, router.detok)
+        _close(client, router.work, router.telemetry, router.out.detok)
 
 
 def test_ingest_splits_a_refused_submit_and_the_rest_go_on(topo):
@@ -163,12 +163,12 @@ def test_ingest_splits_a_refused_submit_and_the_rest_go_on(topo):
                 ingest.on_router()
             if not ingest.pending and not ingest.awaiting_ack and not ingest.errors:
                 break
-        admitted = {router.outputs.req_ids[s] for s in router.sched.seqs}
+        admitted = {router.out.outputs.req_ids[s] for s in router.sched.seqs}
         assert admitted == {f"r{i}" for i in range(12)} - {"r7"}, admitted
-        (req_id, message), = router.outputs.errors.values()
+        (req_id, message), = router.out.outputs.errors.values()
         assert req_id == "r7" and "top_k" in message
     finally:
-        _close(ingest.router, ingest.feed, ingest.replies, router.work, router.telemetry, router.detok)
+        _close(ingest.router, ingest.feed, ingest.replies, router.work, router.telemetry, router.out.detok)
 
 
 # --- fuzz: random values for every key, random bytes ---------------------------------------
@@ -300,7 +300,7 @@ def test_warnings_for_malformed_frames_are_rate_limited(topo, caplog):
         assert router.errors["malformed"] == 3000
         assert 10 <= len(lines) <= 12, len(lines)
     finally:
-        _close(client, router.work, router.telemetry, router.detok)
+        _close(client, router.work, router.telemetry, router.out.detok)
 
 
 def test_throttled_logs_the_first_then_one_an_interval():

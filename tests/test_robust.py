@@ -86,7 +86,7 @@ def test_a_live_router_drops_bad_messages_and_goes_on(topo):
         monitor.close(linger=0)
         router.work.close(linger=0)
         router.telemetry.close(linger=0)
-        router.detok.close(linger=0)
+        router.out.detok.close(linger=0)
 
 
 def test_a_live_detokenizer_drops_bad_tokens_and_finishes_the_rest(topo, capsys):
@@ -151,7 +151,7 @@ def test_a_worker_skips_stale_rejects_while_it_says_hello(topo):
 
 
 def _close_router(router) -> None:
-    for sock in (router.work, router.telemetry, router.detok):
+    for sock in (router.work, router.telemetry, router.out.detok):
         sock.close(linger=0)
 
 
@@ -220,8 +220,8 @@ def test_fifty_thousand_prompts_keep_the_router_bounded(topo):
     finally:
         ingest.close(linger=0)
         _close_router(router)
-    assert taken == 64 and len(router.sched.seqs) == 64 and len(router.outputs) == 64
-    assert router.outputs.specs.keys() == router.sched.seqs.keys()
+    assert taken == 64 and len(router.sched.seqs) == 64 and len(router.out.outputs) == 64
+    assert router.out.outputs.specs.keys() == router.sched.seqs.keys()
     assert grown < 16 << 20, f"the process grew by {grown >> 20} MiB while the router refused prompts"
 
 

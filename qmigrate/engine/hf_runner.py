@@ -1,7 +1,7 @@
 """The portable runner: any transformers causal LM, over the paged pool.
 
 Decode rows run together in one forward; prefill rows are grouped by length so padding
-stays small. The model's attention layers call `past_key_values.update(...)` once per
+stays small. The model's attention layers call the cache's `update(...)` once per
 layer: `PagedView` writes the step's keys and values into the pool and hands back each
 row's past gathered from its blocks (a copy; the fast runner reads the pool in place).
 Works for every architecture whose layers take a prepared 4D mask (Llama, Mistral,
@@ -9,6 +9,8 @@ Qwen2, Phi, Gemma, ...), on any device.
 """
 
 from __future__ import annotations
+
+import inspect
 
 import numpy as np
 import torch
@@ -19,7 +21,8 @@ from .kvcache import BlockPool, write_kv
 
 
 class PagedView:
-    """Handed to a transformers model as `past_key_values` for one forward."""
+    """Handed to a transformers model as its cache (`cache`, or `past_key_values` before
+    transformers renamed it) for one forward."""
 
     is_compileable = False
 
@@ -57,6 +60,7 @@ class HFRunner:
         if grouped_attention:
             install_attention(model)
         self.base = getattr(model, model.base_model_prefix)
+        self.cache_arg = cache_argument(self.base)
         self.lm_head = model.get_output_embeddings()
         self.max_padding = max_padding
         self.pool: BlockPool | None = None
@@ -124,6 +128,13 @@ class HFRunner:
         table = t(batch.block_table[group, :self.pool.blocks_for(total)].astype(np.int64))
         view = PagedView(self.pool, table, t(rr), t(cc), t(slots), total, is_decode=width == 1)
         out = self.base(input_ids=t(ids), attention_mask=mask[:, None], position_ids=pos_t,
-                        past_key_values=view, use_cache=True)
+                        use_cache=True, **{self.cache_arg: view})
         last = out.last_hidden_state[torch.arange(g, device=dev), t(lens - 1)]
         return self.lm_head(last).float()
+
+
+def cache_argument(base) -> str:
+    """The name the model's forward takes its cache by: `cache` in newer transformers, which
+    warn on every call that passes `past_key_values`; `past_key_values` before."""
+    params = inspect.signature(base.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
