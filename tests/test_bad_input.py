@@ -16,7 +16,7 @@ import pytest
 import yaml
 import zmq
 
-from qmigrate.config import parse_topology
+from qmigrate.config import local_topology
 from qmigrate.wire import protocol as P
 from qmigrate.wire import transport
 from test_http import CHAT, GOOD, make_server, post  # noqa: F401 (make_server: a fixture)
@@ -106,11 +106,7 @@ def test_sim_jsonl_past_the_wire_bounds(tmp_path, tiny_model_dir):
 
 @pytest.fixture
 def topo(tmp_path, tiny_model_dir):
-    return parse_topology({
-        "transport": "ipc", "ipc_dir": str(tmp_path), "model": {"path": str(tiny_model_dir)},
-        "nodes": [{"name": "local"}], "router": {"node": "local"},
-        "ingest": {"node": "local", "input": "jsonl"}, "detokenizer": {"node": "local", "output": "jsonl"},
-        "workers": [{"name": "w1", "node": "local"}]})
+    return local_topology(1, str(tiny_model_dir), str(tmp_path), input="jsonl", output="jsonl")
 
 
 def _close(*socks) -> None:

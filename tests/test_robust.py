@@ -12,16 +12,12 @@ import zmq
 
 from qmigrate.wire import protocol as P
 from qmigrate.wire import transport
-from qmigrate.config import parse_topology
+from qmigrate.config import local_topology
 
 
 @pytest.fixture
 def topo(tmp_path, tiny_model_dir):
-    return parse_topology({
-        "transport": "ipc", "ipc_dir": str(tmp_path), "model": {"path": str(tiny_model_dir)},
-        "nodes": [{"name": "local"}], "router": {"node": "local"}, "ingest": {"node": "local"},
-        "detokenizer": {"node": "local", "output": "jsonl"},
-        "workers": [{"name": "w1", "node": "local"}]})
+    return local_topology(1, str(tiny_model_dir), str(tmp_path), output="jsonl")
 
 
 def _raw(msg_type: P.MsgType, *fields) -> bytes:
