@@ -1,20 +1,18 @@
-"""YAML topology -> validated dataclasses. The only module that reads YAML."""
+"""The topology as validated dataclasses: every setting once, a role's config is its section."""
 
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import re
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
-
-import yaml
 
 from .config_rules import ConfigError  # noqa: F401 -- the rest of the package imports it from here
 from .config_rules import (_boolean, _count, _device, _f, _host, _is_int, _metrics_port, _name, _non_negative,
                            _number, _one_of, _optional_host, _optional_port, _optional_text, _port, _positive,
                            _rule, _Section, _text)
+from .config_yaml import build_section, check_keys, kind_of, parse_settings, read_yaml, write_yaml
 
 DEFAULT_KV_PORT = 5560
 # A GPU worker of `qmigrate serve` (and the pipeline bench): sequences and new tokens per step
@@ -345,91 +343,30 @@ def _bracket(host: str) -> str:
     return f"[{host}]" if ":" in host and not host.startswith("[") else host
 
 
-def _kind(value: Any) -> str:
-    names = {dict: "a mapping", list: "a list", str: "a string", type(None): "null"}
-    return names.get(type(value), type(value).__name__)
-
-
-def _check_keys(cls: type, data: dict, where: str) -> None:
-    known = [f.name for f in fields(cls)]
-    for key in data:
-        if key not in known:
-            close = difflib.get_close_matches(str(key), known, n=1)
-            hint = f" (did you mean {close[0]!r}?)" if close else f" (fields: {', '.join(known)})"
-            raise ConfigError(None, f"unknown field {key!r} {where}{hint}")
-
-
-def _build(cls: type, data: Any, path: str) -> Any:
-    if data is None:
-        data = {}
-    if not isinstance(data, dict):
-        raise ConfigError(path, f"expected a mapping, got {_kind(data)}")
-    _check_keys(cls, data, f"in {path}")
-    try:
-        return cls(**data)
-    except ConfigError as e:
-        raise e.within(path) from None
-
-
 def parse_topology(data: Mapping[str, Any], source: str = "<dict>") -> Topology:
     """Validate a topology mapping; errors are prefixed with `source` unless it is "<dict>"."""
     try:
         if not isinstance(data, Mapping):
-            raise ConfigError(None, f"expected a mapping at top level, got {_kind(data)}")
-        _check_keys(Topology, data, "at top level")
+            raise ConfigError(None, f"expected a mapping at top level, got {kind_of(data)}")
+        check_keys(Topology, data, "at top level")
         kwargs = {k: v for k, v in data.items() if k not in _SECTIONS and k not in _LISTS}
-        kwargs.update({k: _build(cls, data.get(k), k) for k, cls in _SECTIONS.items()})
+        kwargs.update({k: build_section(cls, data.get(k), k) for k, cls in _SECTIONS.items()})
         for key, cls in _LISTS.items():
             items = data.get(key) or []
             if not isinstance(items, list):
-                raise ConfigError(key, f"expected a list, got {_kind(items)}")
-            kwargs[key] = [_build(cls, item, f"{key}[{i}]") for i, item in enumerate(items)]
+                raise ConfigError(key, f"expected a list, got {kind_of(items)}")
+            kwargs[key] = [build_section(cls, item, f"{key}[{i}]") for i, item in enumerate(items)]
         return Topology(**kwargs)
     except ConfigError as e:
         raise ConfigError(e.field, e.reason, None if source == "<dict>" else source) from None
 
 
-class _StrictLoader(yaml.SafeLoader):
-    """SafeLoader that rejects duplicate keys instead of keeping the last one silently."""
-
-
-def _construct_mapping(loader: _StrictLoader, node: yaml.MappingNode, deep: bool = False) -> dict:
-    seen = set()
-    for key_node, _ in node.value:
-        if key_node.tag == "tag:yaml.org,2002:merge":  # "<<: *anchor" may be overridden by design
-            continue
-        key = loader.construct_object(key_node, deep=deep)
-        if isinstance(key, str):
-            if key in seen:
-                raise yaml.constructor.ConstructorError(None, None, f"duplicate key {key!r}", key_node.start_mark)
-            seen.add(key)
-    return loader.construct_mapping(node, deep=deep)
-
-
-_StrictLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
-
-
 def load_topology(path: str | Path) -> Topology:
-    try:
-        text = Path(path).read_text(encoding="utf-8")
-    except UnicodeDecodeError:
-        raise ConfigError(None, "not UTF-8 text", str(path)) from None
-    except OSError as e:
-        reason = "no such file" if isinstance(e, FileNotFoundError) else f"cannot read: {e.strerror or e}"
-        raise ConfigError(None, reason, str(path)) from None
-    try:
-        data = yaml.load(text, Loader=_StrictLoader)
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        raise ConfigError(None, f"invalid YAML{where}: {getattr(e, 'problem', None) or e}", str(path)) from None
-    if data is None:
-        raise ConfigError(None, "empty file, expected a topology mapping", str(path))
-    return parse_topology(data, source=str(path))
+    return parse_topology(read_yaml(path), source=str(path))
 
 
 def dump_topology(topo: Topology, path: str | Path) -> None:
-    Path(path).write_text(yaml.safe_dump(topo.to_dict(), sort_keys=False), encoding="utf-8")
+    write_yaml(topo.to_dict(), path)
 
 
 def local_topology(num_workers: int = 2, model_path: str | None = None, ipc_dir: str | None = None,
@@ -450,23 +387,9 @@ def local_topology(num_workers: int = 2, model_path: str | None = None, ipc_dir:
 
 def router_settings(items: list[str]) -> dict[str, Any]:
     """KEY=VALUE texts (VALUE read as a YAML scalar) -> fields of the router section, checked."""
-    return _settings(RouterConfig, "router", items)
+    return parse_settings(RouterConfig, "router", items)
 
 
 def worker_settings(items: list[str]) -> dict[str, Any]:
     """KEY=VALUE texts -> fields of a worker, checked (as router_settings)."""
-    return _settings(WorkerConfig, "workers", items)
-
-
-def _settings(cls: type, section: str, items: list[str]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for item in items:
-        key, sep, text = item.partition("=")
-        if not sep or not key.strip():
-            raise ConfigError(section, f"expected KEY=VALUE, got {item!r}")
-        try:
-            out[key.strip()] = yaml.safe_load(text) if text.strip() else None
-        except yaml.YAMLError:
-            raise ConfigError(f"{section}.{key.strip()}", f"unreadable value {text!r}") from None
-    _build(cls, out, section)
-    return out
+    return parse_settings(WorkerConfig, "workers", items)

@@ -51,12 +51,16 @@ FAMILY_NAMES = ("llama3", "qwen2", "qwen3", "mistral", "gemma2", "gemma3", "phi3
                 "qwen3_moe")
 
 
+def family_config(name: str):
+    return _configs()[name]()
+
+
 def build_family_model(name: str, dtype=torch.float32, device="cpu", seed: int = 0):
     """A transformers model of the family with random weights large enough for sharp,
     input-dependent logits (a std of 0.02 gives near-uniform ones); eager attention, the
     implementation every family's soft-capping and windows are defined by."""
     from transformers import AutoModelForCausalLM
-    config = _configs()[name]()
+    config = family_config(name)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, attn_implementation="eager", dtype=torch.float32)
     gen = torch.Generator().manual_seed(seed)

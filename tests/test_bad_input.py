@@ -16,7 +16,7 @@ import pytest
 import yaml
 import zmq
 
-from qmigrate.config import parse_topology
+from qmigrate.config import local_topology
 from qmigrate.wire import protocol as P
 from qmigrate.wire import transport
 from test_http import CHAT, GOOD, make_server, post  # noqa: F401 (make_server: a fixture)
@@ -106,11 +106,7 @@ def test_sim_jsonl_past_the_wire_bounds(tmp_path, tiny_model_dir):
 
 @pytest.fixture
 def topo(tmp_path, tiny_model_dir):
-    return parse_topology({
-        "transport": "ipc", "ipc_dir": str(tmp_path), "model": {"path": str(tiny_model_dir)},
-        "nodes": [{"name": "local"}], "router": {"node": "local"},
-        "ingest": {"node": "local", "input": "jsonl"}, "detokenizer": {"node": "local", "output": "jsonl"},
-        "workers": [{"name": "w1", "node": "local"}]})
+    return local_topology(1, str(tiny_model_dir), str(tmp_path), input="jsonl", output="jsonl")
 
 
 def _close(*socks) -> None:
@@ -136,7 +132,7 @@ def test_the_router_answers_a_submit_it_cannot_decode(topo):
         assert isinstance(reply, P.Reject) and "top_k" in reply.reason and not reply.is_unknown_peer, reply
         assert not router.sched.seqs and router.errors["submit_refused"] == 1
     finally:
-        _close(client, router.work, router.telemetry, router.detok)
+        _close(client, router.work, router.telemetry, router.out.detok)
 
 
 def test_ingest_splits_a_refused_submit_and_the_rest_go_on(topo):
@@ -163,12 +159,12 @@ def test_ingest_splits_a_refused_submit_and_the_rest_go_on(topo):
                 ingest.on_router()
             if not ingest.pending and not ingest.awaiting_ack and not ingest.errors:
                 break
-        admitted = {router.outputs.req_ids[s] for s in router.sched.seqs}
+        admitted = {router.out.outputs.req_ids[s] for s in router.sched.seqs}
         assert admitted == {f"r{i}" for i in range(12)} - {"r7"}, admitted
-        (req_id, message), = router.outputs.errors.values()
+        (req_id, message), = router.out.outputs.errors.values()
         assert req_id == "r7" and "top_k" in message
     finally:
-        _close(ingest.router, ingest.feed, ingest.replies, router.work, router.telemetry, router.detok)
+        _close(ingest.router, ingest.feed, ingest.replies, router.work, router.telemetry, router.out.detok)
 
 
 # --- fuzz: random values for every key, random bytes ---------------------------------------
@@ -300,7 +296,7 @@ def test_warnings_for_malformed_frames_are_rate_limited(topo, caplog):
         assert router.errors["malformed"] == 3000
         assert 10 <= len(lines) <= 12, len(lines)
     finally:
-        _close(client, router.work, router.telemetry, router.detok)
+        _close(client, router.work, router.telemetry, router.out.detok)
 
 
 def test_throttled_logs_the_first_then_one_an_interval():

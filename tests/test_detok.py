@@ -387,3 +387,28 @@ def test_text_to_a_pipe_prints_whole_lines_however_the_tokens_come(tok):
     assert out == ["[r] " + text.split("\n")[0] + "\n"]  # the first line, whole, at its newline
     sink.finish(1, "length")
     assert out[1:] == ["[r] Second line\n", f"[r] <done: length, {len(ids)} tokens>\n"]
+
+
+@pytest.mark.parametrize("which", ["bpe", "sentencepiece"])
+def test_the_rust_stream_gives_the_deltas_of_the_python_method(tok, sp_tok, which):
+    """A fast tokenizer's pushes go through `tokenizers`' DecodeStream, one id at a time; on
+    random ids (split and invalid characters, special tokens, ids past the tokenizer, primed
+    or not, pushed one or a few at a time) every delta and the finish equal those of the
+    method run from Python on the same ids one at a time."""
+    import random
+    t = tok if which == "bpe" else sp_tok
+    assert IncrementalDecoder(t)._stream is not None   # else this compares the Python path with itself
+    r = random.Random(7)
+    specials = sorted(set(t.all_special_ids))
+    for trial in range(60):
+        prompt = [r.randrange(len(t)) for _ in range(r.randint(0, 8))] or None
+        ids = [r.choice(specials) if r.random() < 0.05 else r.randrange(len(t) + 3) for _ in range(r.randint(1, 40))]
+        fast, slow = IncrementalDecoder(t, prompt), IncrementalDecoder(t, prompt, use_stream=False)
+        chunks, i = [], 0
+        while i < len(ids):
+            n = 1 if trial % 2 else r.randint(1, 3)
+            chunks.append(ids[i:i + n])
+            i += n
+        got = [fast.push(c) for c in chunks] + [fast.finish()]
+        want = ["".join(slow.push([i]) for i in c) for c in chunks] + [slow.finish()]
+        assert got == want, (prompt, ids)

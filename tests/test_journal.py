@@ -8,7 +8,7 @@ import json
 import pytest
 
 from qmigrate.wire import protocol as P
-from qmigrate.config import parse_topology
+from qmigrate.config import local_topology
 from qmigrate.router.journal import Journal, OutputLog
 
 
@@ -97,11 +97,9 @@ def test_output_log_replays_its_records_and_its_snapshot():
 
 @pytest.fixture
 def topo(tmp_path, tiny_model_dir):
-    return parse_topology({
-        "transport": "ipc", "ipc_dir": str(tmp_path), "model": {"path": str(tiny_model_dir)},
-        "nodes": [{"name": "local"}], "router": {"node": "local"}, "ingest": {"node": "local"},
-        "detokenizer": {"node": "local", "output": "jsonl", "journal": str(tmp_path / "detok.journal")},
-        "workers": [{"name": "w1", "node": "local"}]})
+    topo = local_topology(1, str(tiny_model_dir), str(tmp_path), output="jsonl")
+    topo.detokenizer.journal = str(tmp_path / "detok.journal")
+    return topo
 
 
 def test_a_restarted_detokenizer_prints_only_what_is_new(topo, capsys):

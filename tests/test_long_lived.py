@@ -9,7 +9,7 @@ import time
 import pytest
 import zmq
 
-from qmigrate.config import parse_topology
+from qmigrate.config import local_topology
 from qmigrate.wire import protocol as P
 from qmigrate.wire import transport
 
@@ -18,11 +18,7 @@ pytestmark = pytest.mark.timeout(120)
 
 @pytest.fixture
 def topo(tmp_path, tiny_model_dir):
-    return parse_topology({
-        "transport": "ipc", "ipc_dir": str(tmp_path), "model": {"path": str(tiny_model_dir)},
-        "nodes": [{"name": "local"}], "router": {"node": "local"}, "ingest": {"node": "local"},
-        "detokenizer": {"node": "local", "output": "jsonl"},
-        "workers": [{"name": "w1", "node": "local"}, {"name": "w2", "node": "local"}]})
+    return local_topology(2, str(tiny_model_dir), str(tmp_path), output="jsonl")
 
 
 def _close(*socks) -> None:
@@ -41,17 +37,9 @@ def _pump(router, sock, until, tries: int = 200):
     raise AssertionError("no such message")
 
 
-def _tokens(seq_ids, start=0, token=7, finish=0) -> P.Tokens:
-    n = len(seq_ids)
-    return P.Tokens(P.pack_i64(seq_ids), P.pack_i32([start] * n), P.pack_i32([2] * n),
-                    P.pack_i32([token] * 2 * n), P.pack_u8([finish] * n))
-
-
-def test_tokens_count_only_for_the_senders_leases(topo):
-    """A listed worker took a lease, then sent tokens for sequences leased to another worker
-    and for ones leased to no one: before, the router forwarded them all and the detokenizer
-    printed them as those requests' output. Now only its own rows reach the detokenizer; the
-    rest are dropped and counted."""
+@pytest.fixture
+def two_workers(topo):
+    """A router, the detokenizer's and ingest's sockets, and workers w1 and w2 joined (max_seqs 2)."""
     from qmigrate.router.loop import Router
     router = Router(topo)
     detok = transport.socket(zmq.PULL, bind=topo.endpoint("detokenizer").bind)
@@ -62,41 +50,87 @@ def test_tokens_count_only_for_the_senders_leases(topo):
         for w in (w1, w2):
             transport.send(w, P.Hello("worker", w.getsockopt(zmq.IDENTITY).decode(), info={"max_seqs": 2}))
             _pump(router, w, lambda m: isinstance(m, P.Welcome))
-        specs = [P.SeqSpec(100 + i, P.pack_i32([1, 2, 3]), 3, 8) for i in range(5)]
-        transport.send(ingest, P.Submit(specs, [f"r{i}" for i in range(5)]))
-        _pump(router, ingest, lambda m: isinstance(m, P.SubmitAck))
-        leases = {}
-        for name, w in (("w1", w1), ("w2", w2)):
-            transport.send(w, P.WorkRequest(1, 2, 64))
-            lease = _pump(router, w, lambda m: isinstance(m, P.Lease))
-            leases[name] = P.unpack_i64(lease.seq_ids).tolist()
-        assert len(leases["w1"]) == len(leases["w2"]) == 2 and not set(leases["w1"]) & set(leases["w2"])
-        queued = sorted({s.seq_id for s in specs} - set(leases["w1"]) - set(leases["w2"]))
-        # w2 writes its own two rows, w1's two, one queued and one nobody has heard of
-        transport.send(w2, _tokens(leases["w2"] + leases["w1"] + queued + [999], finish=int(P.Finish.EOS)))
-        transport.send(w2, _tokens(leases["w1"]))  # all of them someone else's: nothing goes on
-        transport.send(w1, _tokens(leases["w1"], token=9))  # its own: goes on as sent
-        # the three messages come on two sockets, in no set order: run the router until each
-        # has been handled, then a little longer, so that a wrongly forwarded row would show
-        dropped = 2 + len(queued) + 1 + 2
-        got, quiet, deadline = [], 0, time.monotonic() + 10
-        while quiet < 20 and time.monotonic() < deadline:
-            router.drain_socket()
-            router.flush_backlog()
-            if detok.poll(10):
-                if isinstance(msg := P.decode(detok.recv()), P.Tokens):
-                    got.append(msg)
-                quiet = 0
-            elif len(got) >= 2 and router.errors["tokens_not_leased"] >= dropped:
-                quiet += 1
-        by_rows = {tuple(P.unpack_i64(m.seq_ids).tolist()): m for m in got}
-        assert len(got) == 2 and set(by_rows) == {tuple(leases["w2"]), tuple(leases["w1"])}
-        own = by_rows[tuple(leases["w2"])]
-        assert P.unpack_i32(own.tokens).tolist() == [7] * 4 and P.unpack_u8(own.finish).tolist() == [1, 1]
-        assert P.unpack_i32(by_rows[tuple(leases["w1"])].tokens).tolist() == [9] * 4
-        assert router.errors["tokens_not_leased"] == dropped
+        yield router, detok, ingest, w1, w2
     finally:
-        _close(detok, ingest, w1, w2, router.work, router.telemetry, router.detok)
+        _close(detok, ingest, w1, w2, router.work, router.telemetry, router.out.detok)
+
+
+def _tokens(seq_ids, start=0, token=7, finish=0) -> P.Tokens:
+    n = len(seq_ids)
+    return P.Tokens(P.pack_i64(seq_ids), P.pack_i32([start] * n), P.pack_i32([2] * n),
+                    P.pack_i32([token] * 2 * n), P.pack_u8([finish] * n))
+
+
+def test_tokens_count_only_for_the_senders_leases(two_workers):
+    """A listed worker took a lease, then sent tokens for sequences leased to another worker
+    and for ones leased to no one: before, the router forwarded them all and the detokenizer
+    printed them as those requests' output. Now only its own rows reach the detokenizer; the
+    rest are dropped and counted."""
+    router, detok, ingest, w1, w2 = two_workers
+    specs = [P.SeqSpec(100 + i, P.pack_i32([1, 2, 3]), 3, 8) for i in range(5)]
+    transport.send(ingest, P.Submit(specs, [f"r{i}" for i in range(5)]))
+    _pump(router, ingest, lambda m: isinstance(m, P.SubmitAck))
+    leases = {}
+    for name, w in (("w1", w1), ("w2", w2)):
+        transport.send(w, P.WorkRequest(1, 2, 64))
+        lease = _pump(router, w, lambda m: isinstance(m, P.Lease))
+        leases[name] = P.unpack_i64(lease.seq_ids).tolist()
+    assert len(leases["w1"]) == len(leases["w2"]) == 2 and not set(leases["w1"]) & set(leases["w2"])
+    queued = sorted({s.seq_id for s in specs} - set(leases["w1"]) - set(leases["w2"]))
+    # w2 writes its own two rows, w1's two, one queued and one nobody has heard of
+    transport.send(w2, _tokens(leases["w2"] + leases["w1"] + queued + [999], finish=int(P.Finish.EOS)))
+    transport.send(w2, _tokens(leases["w1"]))  # all of them someone else's: nothing goes on
+    transport.send(w1, _tokens(leases["w1"], token=9))  # its own: goes on as sent
+    # the three messages come on two sockets, in no set order: run the router until each
+    # has been handled, then a little longer, so that a wrongly forwarded row would show
+    dropped = 2 + len(queued) + 1 + 2
+    got, quiet, deadline = [], 0, time.monotonic() + 10
+    while quiet < 20 and time.monotonic() < deadline:
+        router.drain_socket()
+        router.out.flush_backlog()
+        if detok.poll(10):
+            if isinstance(msg := P.decode(detok.recv()), P.Tokens):
+                got.append(msg)
+            quiet = 0
+        elif len(got) >= 2 and router.errors["tokens_not_leased"] >= dropped:
+            quiet += 1
+    by_rows = {tuple(P.unpack_i64(m.seq_ids).tolist()): m for m in got}
+    assert len(got) == 2 and set(by_rows) == {tuple(leases["w2"]), tuple(leases["w1"])}
+    own = by_rows[tuple(leases["w2"])]
+    assert P.unpack_i32(own.tokens).tolist() == [7] * 4 and P.unpack_u8(own.finish).tolist() == [1, 1]
+    assert P.unpack_i32(by_rows[tuple(leases["w1"])].tokens).tolist() == [9] * 4
+    assert router.errors["tokens_not_leased"] == dropped
+
+
+def test_tokens_of_a_cancelled_sequence_from_its_worker_are_no_fault(two_workers):
+    """A client that disconnects cancels its sequence while a multi-step lease runs it: the
+    worker's tokens for it keep coming until the lease's next step boundary. Before, each
+    counted as a worker writing into a sequence not leased to it, with a warning per message.
+    Now they are dropped quietly (counted apart); another worker's tokens for it still count
+    as a fault, and none reach the detokenizer."""
+    router, detok, ingest, w1, w2 = two_workers
+    transport.send(ingest, P.Submit([P.SeqSpec(100 + i, P.pack_i32([1 + i, 2, 3]), 3, 8) for i in range(4)],
+                                    ["a", "b", "c", "d"]))
+    _pump(router, ingest, lambda m: isinstance(m, P.SubmitAck))
+    transport.send(w1, P.WorkRequest(1, 2, 64))
+    rows = P.unpack_i64(_pump(router, w1, lambda m: isinstance(m, P.Lease)).seq_ids).tolist()
+    assert rows == [100, 101]
+    transport.send(ingest, P.Cancel(P.pack_i64([100])))
+    deadline = time.monotonic() + 10
+    while router.sched.counters["cancelled"] < 1 and time.monotonic() < deadline:
+        router.drain_socket()
+        time.sleep(0.005)
+    transport.send(w1, _tokens(rows))        # its own lease: 101 goes on, 100 is late
+    transport.send(w2, _tokens([100]))       # never leased to w2: a fault
+    got, deadline = [], time.monotonic() + 10
+    while time.monotonic() < deadline and not (got and router.errors["tokens_not_leased"] >= 1):
+        router.drain_socket()
+        router.out.flush_backlog()
+        while detok.poll(10):
+            if isinstance(msg := P.decode(detok.recv()), P.Tokens):
+                got.append(P.unpack_i64(msg.seq_ids).tolist())
+    assert got == [[101]]
+    assert router.sched.counters["tokens_after_cancel"] == 1 and router.errors["tokens_not_leased"] == 1
 
 
 def test_a_detokenizer_that_does_not_read_stops_admission_and_loses_nothing(topo, monkeypatch):
@@ -105,12 +139,12 @@ def test_a_detokenizer_that_does_not_read_stops_admission_and_loses_nothing(topo
     a gap for good, a dropped InputClosed kept `sim` from ending. Now a full backlog defers
     every Submit (errors and end included) and each message held reaches the detokenizer,
     in order, once it reads."""
-    from qmigrate.router import loop
+    from qmigrate.router import output
     from qmigrate.router.loop import Router
-    monkeypatch.setattr(loop, "MAX_BACKLOG", 50)
+    monkeypatch.setattr(output, "MAX_BACKLOG", 50)
     router = Router(topo)
-    router.detok.close(linger=0)  # a queue of one message to the detokenizer, so the backlog fills
-    router.detok = transport.socket(zmq.PUSH, connect=topo.endpoint("detokenizer").connect, hwm=1)
+    router.out.detok.close(linger=0)  # a queue of one message to the detokenizer, so the backlog fills
+    router.out.detok = transport.socket(zmq.PUSH, connect=topo.endpoint("detokenizer").connect, hwm=1)
     ingest = transport.socket(zmq.DEALER, connect=topo.endpoint("router").connect, identity="ingest-1")
     detok = None
     try:
@@ -126,25 +160,25 @@ def test_a_detokenizer_that_does_not_read_stops_admission_and_loses_nothing(topo
         # 12 messages a Submit: once 50 are held past the socket's queue, no Submit is taken
         num = taken.index(0)
         assert taken == [10] * num + [0] * (12 - num) and deferred == [False] * num + [True] * (12 - num)
-        assert router.sched.counters["submits_deferred"] == 12 - num >= 5 and 50 <= len(router.backlog) < 62
-        assert router.outputs.num_requests == -1  # the deferred end of input is ingest's to send again
-        held = list(router.backlog)
+        assert router.sched.counters["submits_deferred"] == 12 - num >= 5 and 50 <= len(router.out.backlog) < 62
+        assert router.out.outputs.num_requests == -1  # the deferred end of input is ingest's to send again
+        held = list(router.out.backlog)
         detok = transport.socket(zmq.PULL, bind=topo.endpoint("detokenizer").bind)
         got = []
         for _ in range(200):
-            router.flush_backlog()
+            router.out.flush_backlog()
             while detok.poll(5):
                 got.append(detok.recv())
-            if len(got) >= len(held) and not router.backlog:
+            if len(got) >= len(held) and not router.out.backlog:
                 break
-        assert got[-len(held):] == held and router.backlog_bytes == 0
+        assert got[-len(held):] == held and router.out.backlog_bytes == 0
         kinds = [type(P.decode(f)).__name__ for f in got]
         assert kinds.count("RequestMeta") == 10 * num and kinds.count("RequestError") == 2 * num
         assert len(got) == 12 * num
         transport.send(ingest, P.Submit([], [], [], 144))  # admitted again now that it reads
         assert not _pump(router, ingest, lambda m: isinstance(m, P.SubmitAck)).is_deferred
     finally:
-        _close(ingest, router.work, router.telemetry, router.detok, *([detok] if detok else []))
+        _close(ingest, router.work, router.telemetry, router.out.detok, *([detok] if detok else []))
 
 
 def test_an_id_past_the_tokenizer_is_output_and_its_batch_prints(topo, capsys):
@@ -246,10 +280,11 @@ def test_ingest_keeps_a_deferred_submit_whole_and_sends_it_later(topo, monkeypat
     from qmigrate.ingest.loop import Ingest
     from qmigrate.ingest.prompts import Prompt
     from qmigrate.router.loop import Router
+    from qmigrate.router.output import Output
     router = Router(topo)
     ingest = Ingest(topo, read_stdin=True)
     full = [True]
-    monkeypatch.setattr(Router, "is_backlog_full", property(lambda self: full[0]))
+    monkeypatch.setattr(Output, "is_backlog_full", property(lambda self: full[0]))
     try:
         ingest.enqueue(ingest.id_base | 1, Prompt("a", [1, 2, 3], 2, 0.0, 1.0, 0, 1, []), P.ROUTE_STDOUT)
         ingest.errors.append(("b", "bad", ingest.id_base | 2))
@@ -271,6 +306,6 @@ def test_ingest_keeps_a_deferred_submit_whole_and_sends_it_later(topo, monkeypat
             turn()
             if ingest.closed_sent:
                 break
-        assert len(router.sched.seqs) == 1 and len(router.outputs.errors) == 1 and router.outputs.num_requests == 2
+        assert len(router.sched.seqs) == 1 and len(router.out.outputs.errors) == 1 and router.out.outputs.num_requests == 2
     finally:
-        _close(ingest.router, ingest.feed, ingest.replies, router.work, router.telemetry, router.detok)
+        _close(ingest.router, ingest.feed, ingest.replies, router.work, router.telemetry, router.out.detok)

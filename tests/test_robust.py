@@ -12,16 +12,12 @@ import zmq
 
 from qmigrate.wire import protocol as P
 from qmigrate.wire import transport
-from qmigrate.config import parse_topology
+from qmigrate.config import local_topology
 
 
 @pytest.fixture
 def topo(tmp_path, tiny_model_dir):
-    return parse_topology({
-        "transport": "ipc", "ipc_dir": str(tmp_path), "model": {"path": str(tiny_model_dir)},
-        "nodes": [{"name": "local"}], "router": {"node": "local"}, "ingest": {"node": "local"},
-        "detokenizer": {"node": "local", "output": "jsonl"},
-        "workers": [{"name": "w1", "node": "local"}]})
+    return local_topology(1, str(tiny_model_dir), str(tmp_path), output="jsonl")
 
 
 def _raw(msg_type: P.MsgType, *fields) -> bytes:
@@ -86,7 +82,7 @@ def test_a_live_router_drops_bad_messages_and_goes_on(topo):
         monitor.close(linger=0)
         router.work.close(linger=0)
         router.telemetry.close(linger=0)
-        router.detok.close(linger=0)
+        router.out.detok.close(linger=0)
 
 
 def test_a_live_detokenizer_drops_bad_tokens_and_finishes_the_rest(topo, capsys):
@@ -151,7 +147,7 @@ def test_a_worker_skips_stale_rejects_while_it_says_hello(topo):
 
 
 def _close_router(router) -> None:
-    for sock in (router.work, router.telemetry, router.detok):
+    for sock in (router.work, router.telemetry, router.out.detok):
         sock.close(linger=0)
 
 
@@ -220,8 +216,8 @@ def test_fifty_thousand_prompts_keep_the_router_bounded(topo):
     finally:
         ingest.close(linger=0)
         _close_router(router)
-    assert taken == 64 and len(router.sched.seqs) == 64 and len(router.outputs) == 64
-    assert router.outputs.specs.keys() == router.sched.seqs.keys()
+    assert taken == 64 and len(router.sched.seqs) == 64 and len(router.out.outputs) == 64
+    assert router.out.outputs.specs.keys() == router.sched.seqs.keys()
     assert grown < 16 << 20, f"the process grew by {grown >> 20} MiB while the router refused prompts"
 
 

@@ -9,6 +9,7 @@ import json
 import multiprocessing as mp
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -29,6 +30,7 @@ from qmigrate.wire.client import feed_lines
 from qmigrate.engine import parallel
 from qmigrate.engine.parallel import LayoutError, check_layout
 
+import families
 import tp_ranks
 
 # --- layouts -------------------------------------------------------------------------------
@@ -74,6 +76,39 @@ def test_shards_put_back_together_are_the_weight():
     assert halves[1].flatten().tolist() == [4, 5, 6, 7, 10, 11]
 
 
+@pytest.mark.parametrize("name", families.FAMILY_NAMES)
+def test_a_model_without_weights_cuts_into_the_shapes_rank_0_sends(name):
+    """A follower's shard of the model built on the meta device lists the tensors, in order
+    and shape, of the shard that rank 0 cuts for it from the checkpoint; the rotary tables
+    the layers share are listed once, and cutting leaves the model as it was."""
+    from qmigrate.engine import models, scatter
+    from qmigrate.engine.loading import model_structure
+    real = models.build(families.build_family_model(name))
+    meta = models.build(model_structure(families.family_config(name)))
+    before = [t.clone() for t in scatter.shard_tensors(real)]
+    for world in (2, 4):
+        for rank in range(world):
+            cut = parallel.shard_model(real, parallel.TensorParallel(rank, world, "cpu"))
+            empty = parallel.shard_model(meta, parallel.TensorParallel(rank, world, "cpu"), fill=False)
+            listed = scatter.shard_tensors(empty)
+            assert torch.equal(scatter.manifest(scatter.shard_tensors(cut)), scatter.manifest(listed))
+            assert not any(t.is_meta for t in listed)
+            tables = lambda m: {id(layer.attn.cos) for layer in m.layers}   # noqa: E731
+            assert len(tables(empty)) == len(tables(meta)) == (2 if name == "gemma3" else 1)
+    assert all(torch.equal(a, b) for a, b in zip(before, scatter.shard_tensors(real), strict=True))
+
+
+def test_a_shard_list_that_differs_is_found_where_it_first_does():
+    from qmigrate.engine import scatter
+    a = scatter.manifest([torch.zeros(4, 8), torch.zeros(3), torch.zeros(2, 2, dtype=torch.bfloat16)])
+    assert scatter.first_difference(a, a) == -1
+    b = scatter.manifest([torch.zeros(4, 8), torch.zeros(3), torch.zeros(2, 2)])
+    assert scatter.first_difference(a, b) == 2
+    assert scatter.first_difference(a, a[:2]) == 2 and scatter.first_difference(a[:1], a) == 1
+    err = scatter.mismatch(3, 2, 3, 3, a[2], b[2])
+    assert "tensor 2 is bfloat16 [2, 2] from rank 0, float32 [2, 2] on rank 3" in str(err)
+
+
 # --- settings -------------------------------------------------------------------------------
 
 
@@ -106,11 +141,13 @@ def test_a_worker_of_n_gpus_may_not_share_them():
 # --- a sharded engine, ranks in processes --------------------------------------------------
 
 
-def run_world(world: int, tiny_dir, tmp_path, device: str = "cpu") -> dict:
+def run_world(world: int, tiny_dir, tmp_path, device: str = "cpu", weightless_dir=None) -> dict:
+    """What rank 0 found (tp_ranks.run_rank), and under "followers" what any other rank reported."""
     ctx = mp.get_context("spawn")
     out = tmp_path / f"world{world}.json"
     init = f"file://{tmp_path}/rendezvous{world}"
-    procs = [ctx.Process(target=tp_ranks.run_rank, args=(r, world, init, str(tiny_dir), str(out), device),
+    extra = () if weightless_dir is None else (str(weightless_dir),)
+    procs = [ctx.Process(target=tp_ranks.run_rank, args=(r, world, init, str(tiny_dir), str(out), device, *extra),
                          daemon=True)
              for r in range(world)]
     try:
@@ -124,7 +161,12 @@ def run_world(world: int, tiny_dir, tmp_path, device: str = "cpu") -> dict:
                 p.kill()
                 p.join()
     result = json.loads(out.read_text())
-    assert "error" not in result, result["error"]
+    followers = {r: json.loads(f.read_text()) for r in range(1, world)
+                 if (f := tmp_path / f"world{world}.json.rank{r}").exists()}
+    errors = [r["error"] for r in (result, *followers.values()) if "error" in r]
+    assert not errors, errors
+    if followers:
+        result["followers"] = followers
     return result
 
 
@@ -150,6 +192,33 @@ def test_sharded_engine_matches_one_rank_and_generate(world, tiny_model_dir, tmp
         assert moved["kv_diff"] <= 1e-5 * max(1.0, moved["kv_scale"]), name   # gathered: the one-rank KV
         assert moved["to_one"] == moved["to_ranks"] == case["moved_expected"], name
         assert moved["recomputed_to_one"] == moved["recomputed_to_ranks"] == case["moved_expected"][:1], name
+
+
+@pytest.mark.timeout(300)
+def test_followers_never_read_the_weights(tiny_model_dir, tmp_path, monkeypatch):
+    """Rank 1 builds every model from its config alone, its tensors on the meta device (the
+    tiny model's from a directory without its weight files), and may not load a checkpoint:
+    its shard all comes from rank 0, and the sharded engine still matches one rank and
+    generate() for every family. Ranks that built different models stop at startup, both
+    naming the first tensor that differs, rather than filling wrong shapes or waiting."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)   # the torch reference: the kernels are tested above
+    weights = {".safetensors", ".bin", ".pt"}
+    weightless = tmp_path / "weightless"
+    weightless.mkdir()
+    for f in tiny_model_dir.iterdir():
+        if f.suffix not in weights:
+            shutil.copy(f, weightless)
+    assert {f.suffix for f in tiny_model_dir.iterdir()} & weights
+    result = run_world(2, tiny_model_dir, tmp_path, weightless_dir=weightless)
+    mismatch, followers = result.pop("mismatch"), result.pop("followers")
+    assert set(result) == {"tiny", *tp_ranks.FAMILIES, *tp_ranks.SHARED_FAMILIES}
+    for name, case in result.items():
+        assert case["max_logit_diff"] <= 1e-5 * max(1.0, case["logit_scale"]), (name, case)
+        assert case["got"] == case["ref"] == case["expected"], name
+        assert case["moved"]["to_ranks"] == case["moved_expected"], name
+    said = ("tensor-parallel startup: rank 0 sends rank 1 a shard of 21 tensors, rank 1 expects 21; "
+            "tensor 8 is float32 [96, 64] from rank 0, float32 [64, 64] on rank 1 (the ranks built different models)")
+    assert mismatch == followers[1]["mismatch"] == said
 
 
 @pytest.mark.gpu

@@ -34,11 +34,16 @@ FAMILIES = {
 SHARED_FAMILIES = ("gemma2", "gemma3", "phi3", "mixtral", "qwen2_moe", "qwen3_moe")
 
 
+def random_config(family: str):
+    from transformers import AutoConfig
+    return AutoConfig.for_model(family, vocab_size=101, num_hidden_layers=2, max_position_embeddings=128,
+                                tie_word_embeddings=False, **FAMILIES[family])
+
+
 def random_model(family: str):
     """A random model of the family, the same on every rank (seeded)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-    cfg = AutoConfig.for_model(family, vocab_size=101, num_hidden_layers=2, max_position_embeddings=128,
-                               tie_word_embeddings=False, **FAMILIES[family])
+    from transformers import AutoModelForCausalLM
+    cfg = random_config(family)
     torch.manual_seed(11)
     model = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa").float().eval()
     with torch.no_grad():
@@ -127,7 +132,12 @@ def check_case(model, tp: TensorParallel) -> dict:
             "kv_shape": list(kv.shape), "kernels": getattr(sharded.runner, "inner", sharded.runner).use_kernels}
 
 
-def run_rank(rank: int, world: int, init_method: str, tiny_dir: str, out: str, device: str = "cpu") -> None:
+def run_rank(rank: int, world: int, init_method: str, tiny_dir: str, out: str, device: str = "cpu",
+             weightless_dir: str | None = None) -> None:
+    """With `weightless_dir` (the tiny model's config and tokenizer, no weights) the ranks
+    other than 0 build every model without weights, as a tensor-parallel worker's do, and
+    may not load a checkpoint: their shards must all come from rank 0. Then the ranks build
+    models that differ, and each says what it reported ("mismatch")."""
     torch.set_num_threads(1)
     result = {}
     try:
@@ -136,11 +146,51 @@ def run_rank(rank: int, world: int, init_method: str, tiny_dir: str, out: str, d
         cases = {"tiny": lambda: load_model(tiny_dir, "cpu")[0]}
         cases.update({f: (lambda f=f: random_model(f)) for f in FAMILIES})
         cases.update({f: (lambda f=f: families.build_family_model(f, seed=5)) for f in SHARED_FAMILIES})
+        if weightless_dir is not None and rank > 0:
+            cases = followers_without_weights(weightless_dir)
         for name, make in cases.items():
             result[name] = check_case(make(), tp)
+        if weightless_dir is not None:
+            result["mismatch"] = mismatched(tp)
         tp.close()
     except Exception:  # noqa: BLE001 -- the test reads the traceback
         result["error"] = traceback.format_exc()
     if rank == 0:
         with open(out, "w") as f:
             json.dump(result, f)
+    elif "error" in result or "mismatch" in result:
+        with open(f"{out}.rank{rank}", "w") as f:
+            json.dump(result, f)
+
+
+def followers_without_weights(weightless_dir: str) -> dict:
+    """Every case's model as a follower builds it: from a config, every tensor on the meta
+    device; transformers' checkpoint loading refuses to run."""
+    from transformers import AutoModelForCausalLM
+    from qmigrate.engine.loading import load_structure, model_structure
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a follower rank loaded a checkpoint")
+    AutoModelForCausalLM.from_pretrained = refuse
+    cases = {"tiny": lambda: load_structure(weightless_dir)}
+    cases.update({f: (lambda f=f: model_structure(random_config(f))) for f in FAMILIES})
+    cases.update({f: (lambda f=f: model_structure(families.family_config(f))) for f in SHARED_FAMILIES})
+    return cases
+
+
+def mismatched(tp: TensorParallel) -> str:
+    """Rank 0 holds the llama case; the others expect it with a narrower MLP: the error each
+    rank's engine raises at startup."""
+    from qmigrate.engine.loading import model_structure
+    from qmigrate.engine.parallel import LayoutError
+    if tp.is_leader:
+        model = random_model("llama")
+    else:
+        cfg = random_config("llama")
+        cfg.intermediate_size = 64
+        model = model_structure(cfg)
+    try:
+        Engine(model, tp=tp, runner="fast", max_len=64, max_kv_tokens=512)
+    except LayoutError as exc:
+        return str(exc)
+    return "no error"

@@ -50,7 +50,6 @@ def copy_bandwidth(device: str, nbytes: int = 1 << 30) -> float:
 
 def run_decode_steps(model_path: str, device: str, batches: list[int], context: int, runner: str,
                      json_path: Path | None = None, profile: bool = False) -> list[dict]:
-    from qmigrate.engine.batch import StepBatch
     from qmigrate.engine.loading import load_model
     from qmigrate.engine.rows import StepRow
     from qmigrate.engine.runner import Engine
@@ -105,19 +104,7 @@ def run_decode_steps(model_path: str, device: str, batches: list[int], context: 
         for i, token in enumerate(engine.collect(pending)):
             ids[i].append(token)
         # the device alone: the same decode batch, forwards queued without a host sync
-        rows = rows_now()
-        engine.place(rows)
-        decode = StepBatch.build(engine.pool, [x.seq_id for x in rows], [x.new_ids for x in rows],
-                                 [x.start for x in rows])
-        with torch.inference_mode():
-            engine.runner.forward(decode)
-            torch.cuda.synchronize(device)
-            t0 = time.perf_counter()
-            for _ in range(20):
-                logits = engine.runner.forward(decode)
-                logits.argmax(-1)
-            torch.cuda.synchronize(device)
-        gpu_ms = (time.perf_counter() - t0) / 20 * 1000
+        gpu_ms, decode = _device_ms(engine, rows_now(), device, 20)
         if profile and batch == 64:
             _profile_forward(engine, decode, device)
         mixed_ms, prefill_ms = _admission_steps(engine, device, batch, rows_now, r)
@@ -187,26 +174,31 @@ def _admission_steps(engine, device: str, batch: int, rows_now, r: random.Random
 
 def _mixed_device_ms(engine, device: str, batch: int, rows_now, r: random.Random, profile: bool,
                      num_steps: int = 10) -> float:
-    """Device ms of the mixed step's forward alone: forwards queued with no host sync between
-    them (each rewrites the same KV positions), as `gpu` is for the decode step."""
-    from qmigrate.engine.batch import StepBatch
+    """Device ms of the mixed step's forward alone, as `gpu` is for the decode step."""
     from qmigrate.engine.rows import StepRow
     rows = rows_now() + [StepRow(batch, [r.randint(10, 31000) for _ in range(MIXED_PROMPT)], 0, 0)]
-    engine.place(rows)
-    mixed = StepBatch.build(engine.pool, [x.seq_id for x in rows], [x.new_ids for x in rows],
-                            [x.start for x in rows])
-    with torch.inference_mode():
-        engine.runner.forward(mixed)
-        torch.cuda.synchronize(device)
-        t0 = time.perf_counter()
-        for _ in range(num_steps):
-            engine.runner.forward(mixed).argmax(-1)
-        torch.cuda.synchronize(device)
-    ms = (time.perf_counter() - t0) / num_steps * 1000
+    ms, mixed = _device_ms(engine, rows, device, num_steps)
     if profile:
         _profile_forward(engine, mixed, device, "mixed")
     engine.release(batch)
     return ms
+
+
+def _device_ms(engine, rows, device: str, num_steps: int):
+    """Device ms of a step's forward alone: `rows` placed, then forwards queued with no host
+    sync between them (each rewrites the same KV positions). Returns (ms, the step's batch)."""
+    from qmigrate.engine.batch import StepBatch
+    engine.place(rows)
+    batch = StepBatch.build(engine.pool, [x.seq_id for x in rows], [x.new_ids for x in rows],
+                            [x.start for x in rows])
+    with torch.inference_mode():
+        engine.runner.forward(batch)
+        torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        for _ in range(num_steps):
+            engine.runner.forward(batch).argmax(-1)
+        torch.cuda.synchronize(device)
+    return (time.perf_counter() - t0) / num_steps * 1000, batch
 
 
 def _profile_forward(engine, decode, device: str, what: str = "decode") -> None:

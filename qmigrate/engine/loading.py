@@ -138,24 +138,54 @@ def _remote_code_error(path, exc: Exception) -> ModelLoadError | None:
                           "in the topology to run it (only for a model you trust)")
 
 
+def _torch_dtype(dtype: str, device: str):
+    import torch
+    if dtype == "auto":
+        return torch.float32 if torch.device(device).type == "cpu" else torch.bfloat16
+    return _parse_dtype(dtype)
+
+
 def load_model(path: str | os.PathLike, device: str, dtype: str = "auto", *, trust_remote_code: bool = False):
     """Load (model, tokenizer); dtype "auto" means float32 on the CPU and bfloat16 on a GPU."""
-    import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
-    dev = torch.device(device)
-    torch_dtype = (torch.float32 if dev.type == "cpu" else torch.bfloat16) if dtype == "auto" \
-        else _parse_dtype(dtype)
+    torch_dtype = _torch_dtype(dtype, device)
     try:
         model = AutoModelForCausalLM.from_pretrained(
-            str(path), dtype=torch_dtype, attn_implementation="sdpa", trust_remote_code=trust_remote_code)
+            str(path), dtype=torch_dtype, attn_implementation="sdpa",
+            trust_remote_code=trust_remote_code)
         tokenizer = AutoTokenizer.from_pretrained(str(path), trust_remote_code=trust_remote_code)
-        model = model.to(dev).eval()
+        model = model.to(device).eval()
     except Exception as exc:  # noqa: BLE001 -- any failure here means "cannot serve this model"
         if (refused := _remote_code_error(path, exc)) is not None:
             raise refused from None
         reason = (str(exc).strip().splitlines() or [""])[0]
         raise ModelLoadError(f"cannot load model {path} on {device}: {type(exc).__name__}: {reason}") from exc
     return model, tokenizer
+
+
+def model_structure(config, dtype: str = "float32", *, trust_remote_code: bool = False):
+    """The model of a transformers config with no weights: its modules, every tensor on the
+    meta device in `dtype` (a tensor-parallel follower's: its shard comes from rank 0)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=_torch_dtype(dtype, "cpu"),
+                                                 trust_remote_code=trust_remote_code)
+    return model.eval()
+
+
+def load_structure(path: str | os.PathLike, dtype: str = "float32", *, trust_remote_code: bool = False):
+    """model_structure of the checkpoint at `path`: only its config is read."""
+    from transformers import AutoConfig
+    _torch_dtype(dtype, "cpu")   # an unknown dtype is the caller's ValueError, not a load error
+    try:
+        config = AutoConfig.from_pretrained(str(path), trust_remote_code=trust_remote_code)
+        return model_structure(config, dtype, trust_remote_code=trust_remote_code)
+    except Exception as exc:  # noqa: BLE001 -- as load_model
+        if (refused := _remote_code_error(path, exc)) is not None:
+            raise refused from None
+        reason = (str(exc).strip().splitlines() or [""])[0]
+        raise ModelLoadError(f"cannot build model {path} without weights: {type(exc).__name__}: {reason}") from exc

@@ -2,7 +2,7 @@
 
 A `TensorParallel` is a rank's view of its group: its rank, the world size, the group
 that carries activations (NCCL on GPUs, gloo on the CPU) and a gloo group for host data
-(the step's arrays, KV shards, sizes agreed at startup).
+(the step's arrays, KV shards, sizes agreed at startup, the followers' weight shards).
 
 The layout (Megatron's, as in vLLM and nano-vllm):
 - column-parallel linears split their output dim: q/k/v and gate/up (fused matrices are
@@ -22,6 +22,7 @@ The layout (Megatron's, as in vLLM and nano-vllm):
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import datetime
 from dataclasses import dataclass
@@ -156,7 +157,7 @@ def split_vocab(w: torch.Tensor, rank: int, world: int) -> torch.Tensor:
 # --- a rank's group ------------------------------------------------------------------------
 class TensorParallel:
     """A rank of a tensor-parallel group. `group` carries activations on `device`; `host` is a
-    gloo group for CPU tensors (rank 0's commands, KV shards)."""
+    gloo group for CPU tensors (rank 0's commands, KV shards, the weights at startup)."""
 
     def __init__(self, rank: int, world: int, device: torch.device, group=None, host=None):
         self.rank, self.world, self.device = rank, world, torch.device(device)
@@ -249,12 +250,23 @@ def _with(cls, linear: Linear, weight, bias, **extra) -> Linear:
     return out
 
 
-def shard_linear(linear: Linear, tp: TensorParallel, rows: list[range] | None = None) -> Linear:
+def place(t: torch.Tensor | None, device: torch.device, fill: bool = True) -> torch.Tensor | None:
+    """A shard's tensor on `device`: a copy of `t` (no copy when it is already there and
+    contiguous), or with `fill` off a new tensor of t's shape whose values are yet to come
+    (`t` may then be on the meta device)."""
+    if t is None:
+        return None
+    if not fill:
+        return torch.empty(t.shape, dtype=t.dtype, device=device)
+    return t.detach().contiguous().to(device)
+
+
+def shard_linear(linear: Linear, tp: TensorParallel, rows: list[range] | None = None, fill: bool = True) -> Linear:
     """This rank's shard of a layer, by its `parallel` kind: column (each of its `parts`
     split evenly, or `rows` given per part), row (input split, outputs all-reduced, the bias
     added by rank 0), vocab (rows padded to one shape per rank, logits gathered) or replicated."""
     r, n, dev = tp.rank, tp.world, tp.device
-    to = lambda t: None if t is None else t.detach().contiguous().to(dev)
+    to = lambda t: place(t, dev, fill)
     kind = linear.parallel
     if kind == "column":
         parts = list(linear.parts or (linear.weight.shape[0],))
@@ -272,9 +284,12 @@ def shard_linear(linear: Linear, tp: TensorParallel, rows: list[range] | None = 
     return Linear(to(linear.weight), to(linear.bias), kind, linear.parts)
 
 
-def shard_model(model, tp: TensorParallel):
-    """A DecoderModel built on the CPU -> this rank's shard on tp.device, in place. Every
-    layer is cut by its `parallel` kind; attention by heads (layout: check_layout)."""
+def shard_model(model, tp: TensorParallel, fill: bool = True):
+    """Rank tp.rank's shard of a DecoderModel, on tp.device; the model itself is left as it
+    was (its tensors stay shared with the shard where the shard's need no copy). Every layer
+    is cut by its `parallel` kind; attention by heads (layout: check_layout). With `fill`
+    off the shard's tensors are new and their values yet to come (engine/scatter.py), and
+    the model's may be on the meta device."""
     from .layers.attention import Attention
     from .layers.moe import MoE
     first = next(layer.attn for layer in model.layers)
@@ -284,20 +299,19 @@ def shard_model(model, tp: TensorParallel):
 
     def to(t):
         if id(t) not in moved:
-            moved[id(t)] = t.detach().contiguous().to(tp.device)
+            moved[id(t)] = place(t, tp.device, fill)
         return moved[id(t)]
 
     def walk(obj):
         if isinstance(obj, Attention):
-            _shard_attention(obj, tp, to)
-            return obj
+            return _shard_attention(copy.copy(obj), tp, to, fill)
         if isinstance(obj, MoE):
-            _shard_moe(obj, tp)
-            return obj
+            return _shard_moe(copy.copy(obj), tp, fill)
         if isinstance(obj, Linear):
-            return shard_linear(obj, tp)
+            return shard_linear(obj, tp, fill=fill)
         if isinstance(obj, torch.Tensor):
             return to(obj)
+        obj = copy.copy(obj)
         for name in _fields(obj):
             value = getattr(obj, name)
             if value is not None and not isinstance(value, (int, float, str, bool)):
@@ -305,11 +319,12 @@ def shard_model(model, tp: TensorParallel):
         return obj
 
     vocab = model.vocab_size
+    model = copy.copy(model)
     model.vocab_rows = vocab_range(model.embed.shape[0], tp.rank, tp.world)
     model.embed = to(split_vocab(model.embed.detach(), tp.rank, tp.world))
     model.layers = [walk(layer) for layer in model.layers]
     model.norm = walk(model.norm)
-    model.lm_head = shard_linear(model.lm_head, tp)
+    model.lm_head = shard_linear(model.lm_head, tp, fill=fill)
     if model.embed_scale is not None:
         model.embed_scale = to(model.embed_scale)
     model.tp = tp
@@ -317,34 +332,38 @@ def shard_model(model, tp: TensorParallel):
     return model
 
 
-def _shard_attention(a, tp: TensorParallel, to) -> None:
+def _shard_attention(a, tp: TensorParallel, to, fill: bool):
     layout = tp.layout
-    a.qkv = shard_linear(a.qkv, tp, qkv_ranges(layout, tp.rank, a.head_dim))
-    a.o = shard_linear(a.o, tp)
+    a.qkv = shard_linear(a.qkv, tp, qkv_ranges(layout, tp.rank, a.head_dim), fill)
+    a.o = shard_linear(a.o, tp, fill=fill)
     a.num_heads, a.num_kv_heads = layout.heads_per_rank, layout.kv_heads_per_rank
     a.cos, a.sin = to(a.cos), to(a.sin)
-    for norm in (a.q_norm, a.k_norm):   # per head: the same on every rank
+    for name in ("q_norm", "k_norm"):   # per head: the same on every rank
+        norm = getattr(a, name)
         if norm is not None:
-            norm.weight = to(norm.weight)
+            setattr(a, name, dataclasses.replace(norm, weight=to(norm.weight)))
+    return a
 
 
-def _shard_moe(m, tp: TensorParallel) -> None:
+def _shard_moe(m, tp: TensorParallel, fill: bool):
     """Each expert's intermediate dim split (and the shared expert's), the router replicated;
     the layer all-reduces once the routed and shared partial outputs are added."""
     r, n = tp.rank, tp.world
-    to = lambda t: None if t is None else t.detach().contiguous().to(tp.device)
+    to = lambda t: place(t, tp.device, fill)
     width = m.gate_up.shape[1] // 2
     rows = even_ranges([width, width], r, n)
     m.gate_up = to(torch.cat([m.gate_up[:, width * i + s.start:width * i + s.stop] for i, s in enumerate(rows)], 1))
     m.down = to(m.down[:, :, rows[0].start:rows[0].stop])
-    m.router = shard_linear(m.router, tp)
+    m.router = shard_linear(m.router, tp, fill=fill)
     if m.shared is not None:
         down = m.shared.down
-        m.shared.gate_up = shard_linear(m.shared.gate_up, tp)
+        m.shared = copy.copy(m.shared)
+        m.shared.gate_up = shard_linear(m.shared.gate_up, tp, fill=fill)
         # a partial sum, reduced with the routed experts' (the sigmoid gate scales it per token)
         m.shared.down = Linear(to(split_cols(down.weight, r, n)), to(down.bias) if r == 0 else None, "row")
-        m.shared_gate = shard_linear(m.shared_gate, tp)
+        m.shared_gate = shard_linear(m.shared_gate, tp, fill=fill)
     m.tp = tp
+    return m
 
 
 def _fields(obj) -> list[str]:

@@ -9,6 +9,8 @@ prefills first (largest first), then decode rows from the end of the batch; a re
 loses its KV here and samples nothing (its token is REFUSED). A step never fails for
 want of memory.
 
+Sizing the pool from the device's memory and warming the kernels up are startup.py's.
+
 The forward pass is a runner's (the `Runner` protocol of `runner_choice.py`): the fast runner
 (`graph_runner.py` over a family of `models/`) on a GPU, or the portable transformers
 runner (`hf_runner.py`) for every other model and the CPU.
@@ -26,6 +28,7 @@ import torch
 from .batch import StepBatch
 from .kvcache import BlockPool, landed
 from .rows import REFUSED, Pending, StepRow, num_new, prompt_budget, share_prompt_budget
+from . import startup
 from .runner_choice import RUNNERS, make_runner
 from .sampling import HostRows, SamplingRows, host_arrays, sample
 
@@ -61,8 +64,10 @@ class EngineConfig:
 class Engine:
     def __init__(self, model, config: EngineConfig | None = None, *, tp=None, **overrides):
         """`tp`: this process's rank of a tensor-parallel group (parallel.TensorParallel); the
-        model is then the whole checkpoint on the CPU, and the runner keeps this rank's shard
-        on tp.device. Without it (tensor_parallel 1) nothing here differs from one device."""
+        model is then the whole checkpoint on the CPU on rank 0, and on the other ranks may be
+        its structure only (meta tensors: scatter.py sends their shards); the runner keeps
+        this rank's shard on tp.device. Without it (tensor_parallel 1) nothing here differs
+        from one device."""
         cfg = self.config = dataclasses.replace(config or EngineConfig(), **overrides)
         text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
         self.num_layers = text.num_hidden_layers
@@ -98,59 +103,9 @@ class Engine:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * torch.finfo(self.dtype).bits // 8
 
     def _num_blocks(self) -> int:
-        blocks = self._num_blocks_here()
+        blocks = startup.num_blocks_here(self)
         # every rank's pool has as many blocks as the smallest can hold: rank 0 places for all
         return blocks if self.tp is None else self.tp.min_int(blocks)
-
-    def _num_blocks_here(self) -> int:
-        cfg = self.config
-        per_block = self.kv_bytes_per_token * self.pool_kv_heads // self.num_kv_heads * cfg.block_size
-        if self.device.type == "cuda":
-            budget = _gpu_kv_budget(self.device, cfg.gpu_memory_utilization, self._activation_bytes())
-        else:
-            budget = cfg.cpu_kv_bytes
-        blocks = budget // per_block
-        if cfg.max_kv_tokens:
-            blocks = min(blocks, -(-cfg.max_kv_tokens // cfg.block_size))
-        # one sequence at full length must fit, or the pool is useless
-        need = -(-self.max_len // cfg.block_size)
-        if blocks < need:
-            if self.device.type == "cuda" and not cfg.max_kv_tokens:
-                raise MemoryError(f"{budget / 2**30:.2f} GiB left for the KV pool on {self.device}: not enough "
-                                  f"for one sequence of {self.max_len} tokens (raise gpu_memory_utilization)")
-            blocks = need
-        return int(blocks) + 1  # block 0 is the zero block
-
-    def _activation_bytes(self) -> int:
-        """Peak memory of the largest step, measured by running one on a scratch pool."""
-        cfg = self.config
-        num_rows = max(1, min(cfg.max_batch, cfg.max_batch_tokens // 64))
-        per_row = max(1, min(self.max_len, cfg.max_batch_tokens // num_rows))
-        blocks = num_rows * (-(-per_row // cfg.block_size)) + 1
-        scratch = BlockPool(self.num_layers, self.pool_kv_heads, self.head_dim, blocks, cfg.block_size,
-                            self.dtype, self.device, prefix_cache=False)
-        self.runner.attach(scratch, capture=False)
-        seq_ids = list(range(num_rows))
-        for sid in seq_ids:
-            scratch.grow(sid, per_row)
-        batch = StepBatch.build(scratch, seq_ids, [[1] * per_row] * num_rows, [0] * num_rows)
-        torch.cuda.synchronize(self.device)
-        torch.cuda.reset_peak_memory_stats(self.device)
-        before = torch.cuda.memory_allocated(self.device)
-        with torch.inference_mode():
-            logits = self.runner.forward(batch)
-            # one row's logits copied to max_batch rows (the step above may have fewer rows)
-            sample(logits[:1].expand(cfg.max_batch, -1).contiguous(),
-                   SamplingRows.build([1.0] * cfg.max_batch, [0.9] * cfg.max_batch, [50] * cfg.max_batch,
-                                      [0] * cfg.max_batch, [0] * cfg.max_batch, self.device))
-        torch.cuda.synchronize(self.device)
-        peak = torch.cuda.max_memory_allocated(self.device) - before
-        del scratch, batch, logits
-        self.runner.attach(None, capture=False)
-        torch.cuda.empty_cache()
-        # CUDA graphs (those of steps with prompts hold up to 4,096 tokens' activations) and
-        # allocator slack
-        return int(peak * 1.2) + (512 << 20)
 
     def describe(self) -> str:
         p = self.pool
@@ -224,38 +179,9 @@ class Engine:
         config = self.config
         self.config = dataclasses.replace(config, prefill_tokens_per_step=0, prefill_tokens_with_decode=0)
         try:
-            self._warm_up()
+            startup.warm_up(self)
         finally:
             self.config = config
-
-    def _warm_up(self) -> None:
-        # Prompt lengths of several kinds (one token, odd, a multiple of 16, over a chunk):
-        # compiled kernels are specialised on such properties of their sizes.
-        lengths = [1, 17, 96, max(600, self.config.prefill_chunk + 88)]
-        lengths = [max(1, min(n, self.max_len - 4)) for n in lengths]
-        rows = [StepRow(-1 - i, [10 + j % 500 for j in range(n)], 0, 0) for i, n in enumerate(lengths)]
-        for _ in range(3):
-            tokens = self.step(rows)
-            if REFUSED in tokens:
-                break
-            rows = [StepRow(r.seq_id, [t], r.start + len(r.new_ids), r.index + 1) for r, t in zip(rows, tokens)]
-        for r in rows:
-            self.release(r.seq_id)
-        # A burst of prompts arrives as steps past the CUDA graphs, which the runner pads to a
-        # few token counts: one step of each, so that no request waits on a matmul's first
-        # run at a new shape (a first launch took several times as long as the later ones:
-        # docs/benchmarks-history.md).
-        n = max(2, min(self.config.prefill_chunk or 512, self.max_len - 4))
-        for size in self.runner.eager_sizes():
-            if -(-size // n) > self.config.max_batch:
-                break  # no step of so many tokens fits in max_batch rows of a chunk each
-            lengths = [n] * (size // n) + ([size % n] if size % n else [])
-            rows = [StepRow(-100 - i, [10 + j % 500 for j in range(k)], 0, 0) for i, k in enumerate(lengths)]
-            tokens = self.step(rows)
-            for r in rows:
-                self.release(r.seq_id)
-            if REFUSED in tokens:
-                break
 
     def step(self, rows: list[StepRow]) -> list[int]:
         """Run one step for every row; the sampled token of each, in row order (REFUSED
@@ -477,17 +403,3 @@ class Engine:
                     self.pool.note_sampled(seq_ids, seq_lens, values)
             pending.result = tokens
         return pending.result
-
-
-def _gpu_kv_budget(device: torch.device, utilization: float, activation_bytes: int) -> int:
-    """Bytes the pool may take: this process's share of the GPU (`utilization` of its
-    memory), less what this process holds now (weights) and the step's activations, and
-    never more than is free (other processes on the same GPU keep theirs)."""
-    torch.cuda.synchronize(device)
-    free, total = torch.cuda.mem_get_info(device)
-    mine = torch.cuda.memory_reserved(device)
-    budget = min(int(utilization * total) - mine, free - (256 << 20)) - activation_bytes
-    log.info("GPU %s: %.1f of %.1f GiB free, %.2f GiB held here; %.2f GiB kept for activations; "
-             "%.2f GiB for KV", device, free / 2**30, total / 2**30, mine / 2**30, activation_bytes / 2**30,
-             max(budget, 0) / 2**30)
-    return max(budget, 0)

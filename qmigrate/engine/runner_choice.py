@@ -43,15 +43,16 @@ class Runner(Protocol):
 def make_runner(model, cfg: EngineConfig, device: torch.device, tp=None) -> tuple[Runner, str]:
     """(runner, why it was chosen): the fast runner on a GPU for every family engine/models/
     defines, or when forced; the transformers runner otherwise (saying why). Tensor
-    parallelism needs the fast runner: its model is sharded for this rank."""
+    parallelism needs the fast runner: its model is sharded for this rank, the shards of
+    the other ranks sent from rank 0 (scatter.py)."""
     if tp is not None:
         from . import models
         from .graph_runner import GraphRunner
-        from .parallel import shard_model
+        from .scatter import scatter_shards
         reason = models.unsupported(model, device) or ("runner 'hf' was asked for" if cfg.runner == "hf" else None)
         if reason is not None:
             raise ValueError(f"tensor parallelism needs the fast runner, which cannot run this model: {reason}")
-        return GraphRunner(shard_model(models.build(model), tp), max_batch=cfg.max_batch,
+        return GraphRunner(scatter_shards(models.build(model), tp), max_batch=cfg.max_batch,
                            max_tokens=cfg.max_batch_tokens, cuda_graphs=cfg.cuda_graphs), \
             f"{models.family(model)} family, tensor parallel rank {tp.rank} of {tp.world}"
     if cfg.runner == "hf":

@@ -1,10 +1,7 @@
 """Router: the id queue. A poller loop around the pure Scheduler.
 
-It is also the one way into the detokenizer: request names and errors from ingest, and the
-tokens workers send before their step results, are forwarded on one PUSH socket. With a journal, what
-it accepted survives a kill: on start it runs again every request whose output the
-detokenizer has not confirmed (the same tokens: sampling depends only on the request), and
-the detokenizer prints each token once."""
+It is also the one way into the detokenizer, through `Output` (output.py): what it forwards
+there, held while the detokenizer does not read, and kept in a journal until printed."""
 
 from __future__ import annotations
 
@@ -18,8 +15,9 @@ import zmq
 from qmigrate.wire import protocol as P
 from qmigrate.wire import transport
 from qmigrate.ops.observe import FleetObserver
-from qmigrate.router.journal import Journal, OutputLog
+from qmigrate.router.output import Output
 from qmigrate.router.scheduler import Scheduler, WorkerState
+from qmigrate.router.stats import stats_counters
 from qmigrate.wire.security import Guard
 from qmigrate.ops.logs import Throttled
 from qmigrate.ops.trace import tracer
@@ -31,11 +29,7 @@ POLL_S = 0.02
 MAX_BURST = 512
 METRICS_INTERVAL_S = 1.0
 STRANDED_NOTICE_S = 5.0  # requests waiting this long with no worker get one line on stderr
-# Messages for the detokenizer held here while it does not read: past either bound, no new
-# request is admitted (a Submit is deferred) until it reads again. Nothing is ever dropped.
 FORWARDED_AS_SENT = (P.Tokens, P.Cancel)  # their handlers forward the received frame itself
-MAX_BACKLOG = 100_000
-MAX_BACKLOG_BYTES = 256 << 20
 
 
 class Router:
@@ -49,12 +43,8 @@ class Router:
         self.work = transport.socket(zmq.ROUTER, bind=topo.endpoint("router").bind)
         self.telemetry = transport.socket(zmq.SUB, bind=topo.endpoint("telemetry").bind)
         self.telemetry.setsockopt(zmq.SUBSCRIBE, b"")
-        self.detok = transport.socket(zmq.PUSH, connect=topo.endpoint("detokenizer").connect, hwm=100_000)
-        self.backlog: deque[bytes] = deque()
-        self.backlog_bytes = 0
+        self.out = Output(topo.endpoint("detokenizer").connect, rc.journal)
         self.dropped_log = Throttled(log)  # what peers send that is dropped: they can send it at will
-        self.outputs = OutputLog()
-        self.journal = Journal(rc.journal) if rc.journal else None
         self.identity: dict[str, bytes] = {}
         self.guard = Guard.for_topology(topo, "router")
         self.parked: dict[str, deque] = {}
@@ -78,18 +68,8 @@ class Router:
             P.Cancel: self.on_cancel,
             P.Resync: self.on_resync, P.Printed: self.on_printed, P.Tokens: self.on_tokens,
         }
-        if self.journal is not None:
-            self.recover()
-
-    def recover(self) -> None:
-        """Rebuild from the journal: every request not confirmed printed runs again."""
-        self.outputs.replay(self.journal.read())
-        self.journal.rewrite([P.encode(self.outputs.snapshot())])
-        for spec in self.outputs.specs.values():
-            self.sched.readmit(spec)
-        if len(self.outputs) or self.outputs.errors:
-            log.warning("recovered %d unfinished requests from %s", len(self.outputs), self.journal.path)
-        self.resend_outputs()
+        if self.out.journal is not None:
+            self.out.recover(self.sched)
 
     def serve_forever(self) -> None:
         freeze_heap()
@@ -112,9 +92,9 @@ class Router:
                     log.warning("worker %s lost: silent for %.1f s; its %d sequences continue elsewhere",
                                 name, silent_s, held)
                 self.sched.lost.clear()
-            if self.backlog:
-                self.flush_backlog()
-            if (ready or ticked) and not self.backlog:  # no new work while output waits
+            if self.out.backlog:
+                self.out.flush_backlog()
+            if (ready or ticked) and not self.out.backlog:  # no new work while output waits
                 self.serve_parked(now)
                 self.release_drained()
             if self.sched.revokes:
@@ -203,42 +183,6 @@ class Router:
 
     def reply(self, to: bytes, msg) -> None:
         transport.send(self.work, msg, to=to)  # dropped if that peer does not read
-
-    def forward(self, frame: bytes) -> None:
-        """To the detokenizer, in order; held here while it does not read (never dropped: a
-        full backlog stops admission instead, see on_submit)."""
-        if self.backlog or not transport.send_frame(self.detok, frame, what="detokenizer message"):
-            self.backlog.append(frame)
-            self.backlog_bytes += len(frame)
-
-    @property
-    def is_backlog_full(self) -> bool:
-        return len(self.backlog) >= MAX_BACKLOG or self.backlog_bytes >= MAX_BACKLOG_BYTES
-
-    def flush_backlog(self) -> None:
-        while self.backlog:
-            try:
-                self.detok.send(self.backlog[0], zmq.NOBLOCK, copy=False)
-            except zmq.Again:
-                return
-            self.backlog_bytes -= len(self.backlog.popleft())
-
-    def resend_outputs(self) -> None:
-        """Everything the detokenizer may lack (it restarted, or this router did); what it
-        printed already it skips. Requests that finished here but were not confirmed run again."""
-        for sid in self.outputs.specs:
-            self.forward(P.encode(self.outputs.meta(sid)))
-            seq = self.sched.seqs.get(sid)
-            if seq is None:
-                self.sched.readmit(self.outputs.specs[sid])
-            elif len(seq.token_ids) > seq.spec.prompt_len:
-                made = seq.token_ids[seq.spec.prompt_len:]
-                self.forward(P.encode(P.Tokens(P.pack_i64([sid]), P.pack_i32([0]), P.pack_i32([len(made)]),
-                                               P.pack_i32(made), P.pack_u8([0]))))
-        for error in self.outputs.error_messages():
-            self.forward(P.encode(error))
-        if self.outputs.num_requests >= 0:
-            self.forward(P.encode(P.InputClosed(self.outputs.num_requests)))
 
     # --- handlers ------------------------------------------------------------------------
     def on_hello(self, sender: bytes, msg: P.Hello) -> None:
@@ -331,23 +275,27 @@ class Router:
         seq_ids = P.unpack_i64(msg.seq_ids)
         mine = self.sched.leased_to(name, seq_ids.tolist())
         if all(mine):
-            self.forward(frame)
+            self.out.forward(frame)
             return
-        num_refused = len(mine) - sum(mine)
-        self.errors["tokens_not_leased"] += num_refused
-        self.dropped_log.warning("dropped tokens of %d sequences not leased to worker %s", num_refused, name)
+        # a cancelled sequence's tokens from the worker it was leased to are expected (the
+        # lease runs on to its next step boundary); any other refused row is a fault
+        late = sum(not ok and self.sched.was_cancelled_at(name, sid) for sid, ok in zip(seq_ids.tolist(), mine))
+        self.sched.counters["tokens_after_cancel"] += late
+        if num_refused := len(mine) - sum(mine) - late:
+            self.errors["tokens_not_leased"] += num_refused
+            self.dropped_log.warning("dropped tokens of %d sequences not leased to worker %s", num_refused, name)
         if any(mine):
             keep = np.array(mine)
             counts = P.unpack_i32(msg.counts)
             tokens = P.unpack_i32(msg.tokens)[np.repeat(keep, counts)]
-            self.forward(P.encode(P.Tokens(P.pack_i64(seq_ids[keep]), P.pack_i32(P.unpack_i32(msg.start)[keep]),
-                                           P.pack_i32(counts[keep]), P.pack_i32(tokens),
-                                           P.pack_u8(P.unpack_u8(msg.finish)[keep]),
-                                           P.pack_i32(P.unpack_i32(msg.cached_tokens)[keep])
-                                           if msg.cached_tokens else b"")))
+            self.out.forward(P.encode(P.Tokens(P.pack_i64(seq_ids[keep]), P.pack_i32(P.unpack_i32(msg.start)[keep]),
+                                               P.pack_i32(counts[keep]), P.pack_i32(tokens),
+                                               P.pack_u8(P.unpack_u8(msg.finish)[keep]),
+                                               P.pack_i32(P.unpack_i32(msg.cached_tokens)[keep])
+                                               if msg.cached_tokens else b"")))
 
     def on_submit(self, sender: bytes, msg: P.Submit) -> None:
-        if self.is_backlog_full:
+        if self.out.is_backlog_full:
             # The detokenizer is not reading: admit nothing (its names, errors and end would
             # only add to what waits for it); ingest keeps the Submit and sends it later.
             self.sched.counters["submits_deferred"] += 1
@@ -357,41 +305,26 @@ class Router:
         for spec in offered:
             spec.ids  # validates the packed ids
         taken = self.sched.admit(offered)
-        new = self.outputs.add(msg, taken)
-        # Finished requests wait here for the detokenizer's Printed, at most max_queued of
-        # them: past that the oldest are forgotten (only a detokenizer restart needs them).
-        self.outputs.trim(2 * self.config.max_queued, self.sched.seqs)
+        new = self.out.accept(msg, taken, 2 * self.config.max_queued, self.sched.seqs)
         if new is not None:
-            if self.journal is not None:
-                self.journal.append(P.encode(new))  # before the ack: accepted means kept
-            if taken and not self.backlog:
+            if taken and not self.out.backlog:
                 # Workers waiting for work get the new prompts before their metadata goes to
                 # the detokenizer (a burst's metadata takes milliseconds to send); no token of
                 # theirs can reach it before this handler is done.
                 self.serve_parked(time.monotonic())
-            for spec in new.seqs:
-                self.forward(P.encode(self.outputs.meta(spec.seq_id)))
-            numbers = P.unpack_i64(new.error_ids).tolist()
-            for (req_id, message), number in zip(new.errors, numbers):
-                self.forward(P.encode(P.RequestError(req_id, message, number)))
-            if new.num_requests >= 0:
-                self.forward(P.encode(P.InputClosed(new.num_requests)))
+            self.out.announce(new)
         self.reply(sender, P.SubmitAck(taken, self.sched.num_free))
 
     def on_cancel(self, sender: bytes, msg: P.Cancel, frame: bytes) -> None:
         self.sched.cancel(P.unpack_i64(msg.seq_ids, "seq_ids").tolist())
-        self.forward(frame)  # the detokenizer ends their output
+        self.out.forward(frame)  # the detokenizer ends their output
 
     def on_resync(self, sender: bytes, msg: P.Resync) -> None:
         log.info("the detokenizer (pid %d) asks for everything not yet printed", msg.pid)
-        self.backlog.clear()  # it is all sent again below
-        self.backlog_bytes = 0
-        self.resend_outputs()
+        self.out.resync(self.sched)
 
     def on_printed(self, sender: bytes, msg: P.Printed) -> None:
-        seq_ids = P.unpack_i64(msg.seq_ids, "seq_ids").tolist()
-        if self.outputs.printed(seq_ids) and self.journal is not None:
-            self.journal.append(P.encode(msg))
+        self.out.printed(msg)
 
     def on_drain(self, sender: bytes, msg: P.Drain) -> None:
         w = self.sched.workers.get(msg.worker)
@@ -406,29 +339,9 @@ class Router:
 
     def on_stats(self, sender: bytes, msg: P.StatsRequest) -> None:
         self.trace.flush()
-        counters = dict(self.sched.counters)
-        counters.update(queued=len(self.sched.queue), live=len(self.sched.seqs),
-                        open_leases=len(self.sched.leases),
-                        workers=sum(w.alive for w in self.sched.workers.values()),
-                        serving=sum(w.alive and not w.draining for w in self.sched.workers.values()),
-                        unprinted=len(self.outputs), output_backlog=len(self.backlog),
-                        dropped_sends=transport.num_dropped)
-        for name, w in self.sched.workers.items():
-            counters[f"owned_{name}"] = len(w.owned)
-            counters[f"leased_{name}"] = w.num_leased
-            counters[f"asking_{name}"] = len(self.parked.get(name, ()))
-        counters.update({f"kv_imported_{name}": n for name, n in self.kv_imported.items()},
-                        kv_imported=sum(self.kv_imported.values()))
-        delays: dict[str, list[float]] = {}
-        for cause, seconds in self.sched.move_delays:
-            delays.setdefault(cause, []).append(seconds)
-        for cause, values in delays.items():  # from the decision to move to the new worker's lease
-            values.sort()
-            counters[f"move_delay_ms_p50_{cause}"] = round(values[len(values) // 2] * 1000, 3)
-            counters[f"move_delay_ms_max_{cause}"] = round(values[-1] * 1000, 3)
-        for name, (busy, idle) in self.worker_times.items():
-            counters[f"busy_ms_{name}"], counters[f"idle_ms_{name}"] = busy, idle
-        counters.update({f"errors_{kind}": n for kind, n in self.errors.items()})
+        counters = stats_counters(self.sched, unprinted=len(self.out.outputs), output_backlog=len(self.out.backlog),
+                                  dropped_sends=transport.num_dropped, parked=self.parked,
+                                  kv_imported=self.kv_imported, worker_times=self.worker_times, errors=self.errors)
         workers, gpus = self.observer.snapshot(self.sched)
         self.reply(sender, P.Stats(counters, workers, gpus))
 

@@ -2,9 +2,11 @@
 
 Rank 0 is the worker process the router knows. It spawns ranks 1..N-1 as child processes
 (`python -m qmigrate.worker.ranks`), which join it through torch.distributed with a file://
-rendezvous in a private temporary directory. Every rank loads the checkpoint on the CPU,
-keeps its shard on its own device (rank r of a worker on cuda:K uses cuda:K+r) and builds
-the same engine; then the followers do what rank 0 sends them (engine/lockstep.py).
+rendezvous in a private temporary directory. Rank 0 alone loads the checkpoint, on the CPU;
+the followers build the model from its config without weights, and rank 0 sends each its
+shard (engine/scatter.py). Every rank keeps its shard on its own device (rank r of a worker
+on cuda:K uses cuda:K+r) and builds the same engine; then the followers do what rank 0
+sends them (engine/lockstep.py).
 
 Failure: rank 0 polls its followers; when one exits, it says which and why, stops the
 others and exits, so the router sees a dead worker and moves its sequences. A follower
@@ -49,12 +51,16 @@ def load_dtype(dtype: str, device: str) -> str:
 
 
 def build_engine(topo, name: str, model_path: str, tp: TensorParallel):
-    """This rank's engine: the checkpoint loaded on the CPU, sharded onto tp.device."""
-    from qmigrate.engine.loading import load_model
+    """This rank's engine, sharded onto tp.device: on rank 0 from the checkpoint loaded on the
+    CPU; on the others from the model's config, their shards' values sent by rank 0."""
+    from qmigrate.engine.loading import load_model, load_structure
     from qmigrate.engine.runner import Engine
     cfg = topo.worker(name)
-    model, _ = load_model(model_path, "cpu", load_dtype(topo.model.dtype, cfg.device),
-                          trust_remote_code=topo.model.trust_remote_code)
+    dtype, trust = load_dtype(topo.model.dtype, cfg.device), topo.model.trust_remote_code
+    if tp.is_leader:
+        model, _ = load_model(model_path, "cpu", dtype, trust_remote_code=trust)
+    else:
+        model = load_structure(model_path, dtype, trust_remote_code=trust)
     return Engine(model, cfg.engine_config(), tp=tp)
 
 

@@ -1,0 +1,115 @@
+"""What an engine does once, before it serves: size its KV pool from the device's memory
+(after measuring the largest step's activations on a scratch pool), and warm its kernels up
+with throwaway steps."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from .batch import StepBatch
+from .kvcache import BlockPool
+from .rows import REFUSED, StepRow
+from .sampling import SamplingRows, sample
+
+log = logging.getLogger(__name__)
+
+
+def num_blocks_here(engine) -> int:
+    """KV blocks this process's pool can hold: from the device's memory after the weights and
+    a measured step's activations (a GPU), or cpu_kv_bytes, capped by max_kv_tokens."""
+    cfg = engine.config
+    per_block = engine.kv_bytes_per_token * engine.pool_kv_heads // engine.num_kv_heads * cfg.block_size
+    if engine.device.type == "cuda":
+        budget = gpu_kv_budget(engine.device, cfg.gpu_memory_utilization, activation_bytes(engine))
+    else:
+        budget = cfg.cpu_kv_bytes
+    blocks = budget // per_block
+    if cfg.max_kv_tokens:
+        blocks = min(blocks, -(-cfg.max_kv_tokens // cfg.block_size))
+    # one sequence at full length must fit, or the pool is useless
+    need = -(-engine.max_len // cfg.block_size)
+    if blocks < need:
+        if engine.device.type == "cuda" and not cfg.max_kv_tokens:
+            raise MemoryError(f"{budget / 2**30:.2f} GiB left for the KV pool on {engine.device}: not enough "
+                              f"for one sequence of {engine.max_len} tokens (raise gpu_memory_utilization)")
+        blocks = need
+    return int(blocks) + 1  # block 0 is the zero block
+
+
+def activation_bytes(engine) -> int:
+    """Peak memory of the largest step, measured by running one on a scratch pool."""
+    cfg = engine.config
+    num_rows = max(1, min(cfg.max_batch, cfg.max_batch_tokens // 64))
+    per_row = max(1, min(engine.max_len, cfg.max_batch_tokens // num_rows))
+    blocks = num_rows * (-(-per_row // cfg.block_size)) + 1
+    scratch = BlockPool(engine.num_layers, engine.pool_kv_heads, engine.head_dim, blocks, cfg.block_size,
+                        engine.dtype, engine.device, prefix_cache=False)
+    engine.runner.attach(scratch, capture=False)
+    seq_ids = list(range(num_rows))
+    for sid in seq_ids:
+        scratch.grow(sid, per_row)
+    batch = StepBatch.build(scratch, seq_ids, [[1] * per_row] * num_rows, [0] * num_rows)
+    torch.cuda.synchronize(engine.device)
+    torch.cuda.reset_peak_memory_stats(engine.device)
+    before = torch.cuda.memory_allocated(engine.device)
+    with torch.inference_mode():
+        logits = engine.runner.forward(batch)
+        # one row's logits copied to max_batch rows (the step above may have fewer rows)
+        sample(logits[:1].expand(cfg.max_batch, -1).contiguous(),
+               SamplingRows.build([1.0] * cfg.max_batch, [0.9] * cfg.max_batch, [50] * cfg.max_batch,
+                                  [0] * cfg.max_batch, [0] * cfg.max_batch, engine.device))
+    torch.cuda.synchronize(engine.device)
+    peak = torch.cuda.max_memory_allocated(engine.device) - before
+    del scratch, batch, logits
+    engine.runner.attach(None, capture=False)
+    torch.cuda.empty_cache()
+    # CUDA graphs (those of steps with prompts hold up to 4,096 tokens' activations) and
+    # allocator slack
+    return int(peak * 1.2) + (512 << 20)
+
+
+def warm_up(engine) -> None:
+    """The throwaway steps of Engine.warm_up."""
+    # Prompt lengths of several kinds (one token, odd, a multiple of 16, over a chunk):
+    # compiled kernels are specialised on such properties of their sizes.
+    lengths = [1, 17, 96, max(600, engine.config.prefill_chunk + 88)]
+    lengths = [max(1, min(n, engine.max_len - 4)) for n in lengths]
+    rows = [StepRow(-1 - i, [10 + j % 500 for j in range(n)], 0, 0) for i, n in enumerate(lengths)]
+    for _ in range(3):
+        tokens = engine.step(rows)
+        if REFUSED in tokens:
+            break
+        rows = [StepRow(r.seq_id, [t], r.start + len(r.new_ids), r.index + 1) for r, t in zip(rows, tokens)]
+    for r in rows:
+        engine.release(r.seq_id)
+    # A burst of prompts arrives as steps past the CUDA graphs, which the runner pads to a
+    # few token counts: one step of each, so that no request waits on a matmul's first
+    # run at a new shape (a first launch took several times as long as the later ones:
+    # docs/benchmarks-history.md).
+    n = max(2, min(engine.config.prefill_chunk or 512, engine.max_len - 4))
+    for size in engine.runner.eager_sizes():
+        if -(-size // n) > engine.config.max_batch:
+            break  # no step of so many tokens fits in max_batch rows of a chunk each
+        lengths = [n] * (size // n) + ([size % n] if size % n else [])
+        rows = [StepRow(-100 - i, [10 + j % 500 for j in range(k)], 0, 0) for i, k in enumerate(lengths)]
+        tokens = engine.step(rows)
+        for r in rows:
+            engine.release(r.seq_id)
+        if REFUSED in tokens:
+            break
+
+
+def gpu_kv_budget(device: torch.device, utilization: float, activation_bytes: int) -> int:
+    """Bytes the pool may take: this process's share of the GPU (`utilization` of its
+    memory), less what this process holds now (weights) and the step's activations, and
+    never more than is free (other processes on the same GPU keep theirs)."""
+    torch.cuda.synchronize(device)
+    free, total = torch.cuda.mem_get_info(device)
+    mine = torch.cuda.memory_reserved(device)
+    budget = min(int(utilization * total) - mine, free - (256 << 20)) - activation_bytes
+    log.info("GPU %s: %.1f of %.1f GiB free, %.2f GiB held here; %.2f GiB kept for activations; "
+             "%.2f GiB for KV", device, free / 2**30, total / 2**30, mine / 2**30, activation_bytes / 2**30,
+             max(budget, 0) / 2**30)
+    return max(budget, 0)

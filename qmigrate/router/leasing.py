@@ -1,0 +1,243 @@
+"""How a worker's request for work becomes a lease: which queued sequences it takes within
+one step's token and KV budget, the chained next step of its batch in flight, how many steps
+the lease covers, and the revokes that end multi-step leases early.
+
+Chained leases hide the round trip without splitting the batch: a worker that asks for
+work while a batch is in flight may be given the *next* step of that batch's sequences
+(rows of length CONTINUE: "go on from the step you are running"). Such a sequence is
+still in one place, that worker; it is never chained when it ought to move instead.
+
+Multi-step leases take the router off the per-step path: while nothing waits for a worker,
+its lease covers up to `max_lease_steps` steps. When something must move sooner (a drain,
+memory pressure, an idle worker to feed, new requests to admit) the router revokes such a
+lease: it ends at the worker's next step boundary and its rows come back like any result
+(a chained lease not yet begun is revoked too, and then runs one step).
+Revokes to send collect in `revokes`; the router sends them once per loop turn.
+
+Pure bookkeeping over the Scheduler's records, which it shares (the Scheduler owns them).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import Counter, deque
+
+from qmigrate.config import RouterConfig
+from qmigrate.router.migration import MovePolicy
+from qmigrate.router.prefix_index import LeasePrefill, PrefixIndex, place_new, seq_keys
+from qmigrate.router.records import Grant, LeaseRecord, Queue, Row, Seq, WorkerState
+from qmigrate.wire.protocol import CONTINUE
+
+
+class Lessor:
+    def __init__(self, config: RouterConfig, seqs: dict[int, Seq], queue: Queue, workers: dict[str, WorkerState],
+                 leases: dict[int, LeaseRecord], moves: MovePolicy, prefix: PrefixIndex, counters: Counter[str]):
+        self.config, self.seqs, self.queue, self.workers = config, seqs, queue, workers
+        self.leases, self.moves, self.prefix, self.counters = leases, moves, prefix, counters
+        self._lease_ids = itertools.count(1)
+        self._transfer_ids = itertools.count(1)
+        self.revokes: list[tuple[str, int, list[int]]] = []  # (worker, lease_id, seq_ids; [] = all)
+        # (cause, seconds from the decision to move to the lease on the new worker)
+        self.move_delays: deque[tuple[str, float]] = deque(maxlen=4096)
+
+    def start_ids_at(self, base: int) -> None:
+        """Number leases and transfers from base, so a restarted router never reuses the ids
+        of results still travelling from before the restart."""
+        self._lease_ids = itertools.count(base)
+        self._transfer_ids = itertools.count(base)
+
+    def take_revokes(self) -> list[tuple[str, int, list[int]]]:
+        revokes, self.revokes = self.revokes, []
+        return revokes
+
+    def revoke_steps(self, w: WorkerState, seq_ids: list[int] | None = None, *, for_load_at: float | None = None) -> None:
+        """End w's multi-step leases at its next step boundary; with seq_ids, end every lease
+        of w that holds one of them. for_load_at: when load balancing decided it."""
+        for lease_id in w.lease_ids:
+            lease = self.leases[lease_id]
+            if lease.is_revoked:
+                continue
+            rows = [] if seq_ids is None else sorted(set(seq_ids).intersection(lease.seq_ids))
+            if (seq_ids is None and lease.num_steps <= 1) or (seq_ids is not None and not rows):
+                continue
+            lease.is_revoked, lease.revoked_at = True, for_load_at
+            self.revokes.append((w.name, lease_id, rows))
+            self.counters["revokes"] += 1
+
+    def lease(self, name: str, max_seqs: int, max_tokens: int, now: float,
+              free_kv_tokens: int | None = None, *, ahead: bool = False) -> Grant | None:
+        """A batch for `name`, or None (Scheduler.schedule).
+
+        `ahead` marks a request sent while the worker already has a batch in flight. It is
+        answered with the next step of that batch (a chain), or with a full batch; never
+        with part of the sequences, since a step of half of them costs a GPU nearly as much
+        as a step of all, and splitting would double the steps. Otherwise it waits for the
+        batch in flight to come back."""
+        w = self.workers.get(name)
+        if w is None or not w.alive or w.draining:
+            return None
+        max_seqs = min(max_seqs, w.max_seqs)
+        w.free_kv_tokens = free_kv_tokens
+        held = self.held(w)
+        chainable = [seq for seq in held if seq.next_lease is None] if self.may_chain(w) else []
+        quota = self.moves.steal_quota(w)
+        # Look at a bounded stretch of the queue: a request costs what it can return.
+        candidates = self.moves.candidates(w, self.queue, quota, max_seqs + 64)
+        if self.config.prefix_aware:
+            candidates = place_new(self.prefix, w, self.workers, candidates, now, self.config.prefix_wait_s,
+                                   self.counters)
+        if ahead and w.num_leased and not chainable and len(candidates) < max_seqs:
+            return None
+        # The batch in flight goes on at a token a row: those tokens are kept from the budget
+        # that new prompts may fill, so a prefill never makes a running row skip a step.
+        budget = min(max_tokens, w.max_tokens)
+        reserved = min(len(chainable), max_seqs, max(0, budget - 1))
+        budget -= reserved
+        room = self.moves.kv_room(w, held)
+        new_room = self.moves.admission_room(w)
+        prefill = LeasePrefill(self.prefix, w, held) if w.is_caching else None
+        rows: list[Row] = []
+        shipments = []
+        num_passed = num_arriving = 0
+        for seq, cause in candidates:
+            if len(rows) >= max_seqs:
+                break
+            num_passed += 1
+            is_diff = seq.owner == name
+            if not is_diff and not w.may_prefill:
+                break  # short of memory: only sequences whose KV it holds
+            is_new = seq.owner is None
+            if is_new and new_room is not None and new_room <= 0:
+                continue  # its share of new work is taken: the rest is for the others
+            mechanism = None if cause is None else self.moves.mechanism(seq, w)
+            kv_cost = 0 if is_diff else len(seq.token_ids) + w.block_size
+            is_prompt = not is_diff and mechanism != "transfer"   # w computes its KV from its ids
+            cost = len(seq.token_ids) if is_prompt else 1
+            if is_prompt and prefill is not None:
+                cost, shared = prefill.cost(seq)
+                if is_new and prefill.should_wait(seq, shared):
+                    self.counters["prefix_waits"] += 1
+                    continue   # it starts on those blocks once they are cached
+            if kv_cost and kv_cost > room:
+                continue
+            if rows and cost > budget:
+                continue
+            if prefill is not None:
+                prefill.take(seq)
+            budget -= cost
+            room -= kv_cost
+            num_passed -= 1
+            num_arriving += not is_diff
+            if is_new and new_room is not None:
+                new_room -= 1
+            rows.append(self._lease_row(seq, w, cause, mechanism, shipments, now))
+        queued = len(rows)
+        # Queued work takes rows first, so chaining never starves it; the batch in flight fills
+        # the rest, with the tokens kept for it.
+        chained = chainable[: max(0, min(max_seqs - queued, budget + reserved))]
+        rows += [Row(seq.seq_id, CONTINUE, CONTINUE, None) for seq in chained]
+        if len(rows) < max_seqs:
+            self._feed_from_leases(w, quota, max_seqs - len(rows), now)
+        if not rows:
+            return None
+        if prefill is not None:
+            prefill.granted()
+        lease_id = next(self._lease_ids)
+        seq_ids = [r.seq_id for r in rows]
+        for row in rows[:queued]:
+            seq = self.seqs[row.seq_id]
+            seq.lease_id = lease_id
+            self.queue.pop(seq)
+        for seq in chained:
+            seq.next_lease = lease_id
+        num_steps = self._num_steps(w, rows, queued, skipped=num_passed > 0,
+                                    full=len(candidates) > queued and len(rows) >= max_seqs)
+        self.counters["chained_rows"] += len(chained)
+        self.leases[lease_id] = LeaseRecord(name, seq_ids, now + self.config.lease_timeout_s, num_steps,
+                                            num_arriving=num_arriving)
+        w.lease_ids[lease_id] = None
+        w.num_leased += len(rows)
+        w.num_arriving += num_arriving
+        drops, w.pending_drops = w.pending_drops, []
+        self.counters["leases"] += 1
+        self.counters["leased_rows"] += len(rows)
+        return Grant(lease_id, name, rows, drops, shipments, num_steps)
+
+    def _num_steps(self, w: WorkerState, rows: list[Row], queued: int, *, skipped: bool, full: bool) -> int:
+        """Steps the lease may cover: several for a batch of decodes that nothing waits to join.
+
+        Work that did not fit this lease's budget keeps it to one step. Behind a full batch,
+        the lease ends when its first row reaches max_new_tokens, when a place frees."""
+        limit = self.config.max_lease_steps
+        if (limit <= 1 or skipped or self.config.policy == "any" or not self.moves.may_keep(w)
+                or any(r.spec is not None for r in rows)):
+            return 1
+        if full:
+            for r in rows[:queued]:
+                seq = self.seqs[r.seq_id]
+                limit = min(limit, seq.spec.prompt_len + seq.spec.max_new_tokens - len(seq.token_ids))
+        return max(1, limit)
+
+    def _feed_from_leases(self, w: WorkerState, quota: Counter[str], room: int, now: float) -> None:
+        """w has room that the queue cannot fill: revoke rows of other workers' multi-step
+        leases that load balancing would move to it, so they come back at the next step."""
+        for name, n in quota.items():
+            other = self.workers[name]
+            if n <= 0 or room <= 0 or not other.alive or not any(
+                    self.leases[i].num_steps > 1 and not self.leases[i].is_revoked for i in other.lease_ids):
+                continue
+            take = [seq.seq_id for seq in self.held(other)][-min(n, room):]
+            self.revoke_steps(other, take, for_load_at=now)
+            room -= len(take)
+
+    def num_chainable(self, name: str) -> int:
+        w = self.workers.get(name)
+        if w is None or not w.alive or not self.may_chain(w):
+            return 0
+        return sum(1 for seq in self.held(w) if seq.next_lease is None)
+
+    def held(self, w: WorkerState) -> list[Seq]:
+        """Sequences whose current step is at w (a lease record may list stale ones)."""
+        return [seq for lease_id in w.lease_ids for sid in self.leases[lease_id].seq_ids
+                if (seq := self.seqs.get(sid)) is not None and seq.lease_id == lease_id]
+
+    def may_chain(self, w: WorkerState) -> bool:
+        return self.config.chain_leases and self.config.policy != "any" and self.moves.may_keep(w)
+
+    def _lease_row(self, seq: Seq, w: WorkerState, cause, mechanism, shipments, now: float) -> Row:
+        revoked_at, seq.revoked_at = seq.revoked_at, None
+        if seq.owner == w.name:
+            return Row(seq.seq_id, len(seq.token_ids), seq.token_ids[-1], None)
+        if seq.lost_at is not None:
+            self.move_delays.append(("dead", now - seq.lost_at))
+            seq.lost_at = None
+        if cause == "load":  # from the revoke that sent it back; a queued one moves as decided
+            self.move_delays.append(("load", 0.0 if revoked_at is None else now - revoked_at))
+        kv_from, transfer_id = "", 0
+        if cause is not None:
+            owner = self.workers[seq.owner]
+            if owner.moving_since is not None and cause in ("drain", "memory", "dead"):
+                self.move_delays.append((cause, now - owner.moving_since))
+            self.counters[f"migrations_{cause}"] += 1
+            self.counters[f"migrations_by_{mechanism}"] += 1
+            owner.owned.discard(seq.seq_id)
+            if mechanism == "transfer":
+                transfer_id = next(self._transfer_ids)
+                kv_from = owner.kv_endpoint
+                shipments.append((owner.name, seq.seq_id, w.kv_endpoint, transfer_id,
+                                  len(seq.token_ids) - 1, self._cached_start(seq, w)))
+            elif owner.alive:
+                owner.pending_drops.append(seq.seq_id)
+        seq.owner = None
+        spec = seq.respec(kv_from, transfer_id)
+        seq.resync = False
+        return Row(seq.seq_id, len(seq.token_ids), seq.token_ids[-1], spec)
+
+    def _cached_start(self, seq: Seq, w: WorkerState) -> int:
+        """Leading positions of seq's KV that w holds cached (as it reported): a shipment to
+        it starts there. Whole blocks, and never all of the KV."""
+        if not self.config.prefix_aware or not len(self.prefix):
+            return 0
+        num_kv = len(seq.token_ids) - 1
+        blocks = self.prefix.match(seq_keys(seq, w.block_size)).get(w.name, 0)
+        return min(blocks, (num_kv - 1) // w.block_size) * w.block_size if num_kv > 0 else 0
