@@ -48,6 +48,9 @@ class Interrupted(Exception):
         self.signum = signum
 
 
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
 def _interrupt(signum, frame):
     raise Interrupted(signum)
 
@@ -55,12 +58,12 @@ def _interrupt(signum, frame):
 def catch_signals():
     """From here on SIGINT and SIGTERM unwind the supervisor, so its `finally` blocks stop
     the roles and remove the temp directory. Returns the old handlers."""
-    return {s: signal.signal(s, _interrupt) for s in (signal.SIGINT, signal.SIGTERM)}
+    return {s: signal.signal(s, _interrupt) for s in STOP_SIGNALS}
 
 
 def ignore_signals() -> None:
     """While stopping: a second signal must not cut the clean-up short."""
-    for s in (signal.SIGINT, signal.SIGTERM):
+    for s in STOP_SIGNALS:
         signal.signal(s, signal.SIG_IGN)
 
 
@@ -76,16 +79,20 @@ _LIBC = _libc() if sys.platform.startswith("linux") else None
 PR_SET_PDEATHSIG = 1
 
 
-def _die_with(parent: int):
+def _die_with(parent: int, mask=None):
     """Run in the child before exec: SIGTERM it when the supervisor dies, even by SIGKILL.
     SIGINT is ignored from the start (an ignored signal stays ignored across exec, and Python
     then installs no KeyboardInterrupt handler): Ctrl-C at a terminal reaches every process of
     the group, and a role still importing would print a traceback. The supervisor takes the
-    Ctrl-C and stops each role with SIGTERM."""
+    Ctrl-C and stops each role with SIGTERM. `mask`: the signal mask to restore once the
+    child's handlers are set (the spawner blocks the stop signals across the fork)."""
     def prepare():
         signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)   # not the supervisor's handler
         if _LIBC is not None:
             _LIBC.prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+        if mask is not None:
+            signal.pthread_sigmask(signal.SIG_SETMASK, mask)
         if os.getppid() != parent:  # the supervisor died before prctl took effect
             os._exit(1)
     return prepare
@@ -96,7 +103,15 @@ def role_command(config_path: Path, role: str, name: str, *extra: str) -> list[s
 
 
 def _spawn(cmd: list[str], stdin) -> subprocess.Popen:
-    return subprocess.Popen(cmd, stdin=stdin, start_new_session=False, preexec_fn=_die_with(os.getpid()))
+    # A Ctrl-C between the fork and the child's own handlers would run the supervisor's
+    # handler in the child (inside the interpreter's after-fork hooks) and print a traceback:
+    # the stop signals stay blocked across the fork; the parent takes any that came after.
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+    try:
+        return subprocess.Popen(cmd, stdin=stdin, start_new_session=False,
+                                preexec_fn=_die_with(os.getpid(), mask))
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
 
 
 def start_roles(topo: Topology, config_path: Path, roles: list[tuple[str, str]], *,
