@@ -170,16 +170,40 @@ def run_world(world: int, tiny_dir, tmp_path, device: str = "cpu", weightless_di
     return result
 
 
+def _weightless_copy(model_dir, tmp_path):
+    """The model's directory without its weight files: config and tokenizer only."""
+    weights = {".safetensors", ".bin", ".pt"}
+    weightless = tmp_path / "weightless"
+    weightless.mkdir()
+    for f in model_dir.iterdir():
+        if f.suffix not in weights:
+            shutil.copy(f, weightless)
+    assert {f.suffix for f in model_dir.iterdir()} & weights
+    return weightless
+
+
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("world", [2, 4])
 def test_sharded_engine_matches_one_rank_and_generate(world, tiny_model_dir, tmp_path, monkeypatch):
     """2 ranks run the Triton kernels where the CPU has the interpreter (a rank's share of the
     heads, the experts' thinner matrices); 4 ranks, the torch reference path: the same layouts
-    with KV heads replicated, at a fraction of the interpreter's time."""
+    with KV heads replicated, at a fraction of the interpreter's time.
+
+    At 2 ranks rank 1 also builds every model as a follower does in a worker: from its config
+    alone, its tensors on the meta device (the tiny model's from a directory without its
+    weight files), and may not load a checkpoint, so its shard all comes from rank 0. Ranks
+    that built different models stop at startup, both naming the first tensor that differs,
+    rather than filling wrong shapes or waiting."""
     kernels = world == 2 and os.environ.get("TRITON_INTERPRET") == "1"
     if world == 4:
         monkeypatch.delenv("TRITON_INTERPRET", raising=False)   # read by each rank's import of triton
-    result = run_world(world, tiny_model_dir, tmp_path)
+    weightless = _weightless_copy(tiny_model_dir, tmp_path) if world == 2 else None
+    result = run_world(world, tiny_model_dir, tmp_path, weightless_dir=weightless)
+    if weightless is not None:
+        mismatch, followers = result.pop("mismatch"), result.pop("followers")
+        said = ("tensor-parallel startup: rank 0 sends rank 1 a shard of 21 tensors, rank 1 expects 21; "
+                "tensor 8 is float32 [96, 64] from rank 0, float32 [64, 64] on rank 1 (the ranks built different models)")
+        assert mismatch == followers[1]["mismatch"] == said
     assert set(result) == {"tiny", *tp_ranks.FAMILIES, *tp_ranks.SHARED_FAMILIES}
     # the llama case's heads of 8 are too narrow for the kernels' tiles: the reference there
     assert {n for n, case in result.items() if case["kernels"]} == (set(result) - {"llama"} if kernels else set())
@@ -192,33 +216,6 @@ def test_sharded_engine_matches_one_rank_and_generate(world, tiny_model_dir, tmp
         assert moved["kv_diff"] <= 1e-5 * max(1.0, moved["kv_scale"]), name   # gathered: the one-rank KV
         assert moved["to_one"] == moved["to_ranks"] == case["moved_expected"], name
         assert moved["recomputed_to_one"] == moved["recomputed_to_ranks"] == case["moved_expected"][:1], name
-
-
-@pytest.mark.timeout(300)
-def test_followers_never_read_the_weights(tiny_model_dir, tmp_path, monkeypatch):
-    """Rank 1 builds every model from its config alone, its tensors on the meta device (the
-    tiny model's from a directory without its weight files), and may not load a checkpoint:
-    its shard all comes from rank 0, and the sharded engine still matches one rank and
-    generate() for every family. Ranks that built different models stop at startup, both
-    naming the first tensor that differs, rather than filling wrong shapes or waiting."""
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)   # the torch reference: the kernels are tested above
-    weights = {".safetensors", ".bin", ".pt"}
-    weightless = tmp_path / "weightless"
-    weightless.mkdir()
-    for f in tiny_model_dir.iterdir():
-        if f.suffix not in weights:
-            shutil.copy(f, weightless)
-    assert {f.suffix for f in tiny_model_dir.iterdir()} & weights
-    result = run_world(2, tiny_model_dir, tmp_path, weightless_dir=weightless)
-    mismatch, followers = result.pop("mismatch"), result.pop("followers")
-    assert set(result) == {"tiny", *tp_ranks.FAMILIES, *tp_ranks.SHARED_FAMILIES}
-    for name, case in result.items():
-        assert case["max_logit_diff"] <= 1e-5 * max(1.0, case["logit_scale"]), (name, case)
-        assert case["got"] == case["ref"] == case["expected"], name
-        assert case["moved"]["to_ranks"] == case["moved_expected"], name
-    said = ("tensor-parallel startup: rank 0 sends rank 1 a shard of 21 tensors, rank 1 expects 21; "
-            "tensor 8 is float32 [96, 64] from rank 0, float32 [64, 64] on rank 1 (the ranks built different models)")
-    assert mismatch == followers[1]["mismatch"] == said
 
 
 @pytest.mark.gpu
