@@ -309,3 +309,31 @@ def test_ingest_keeps_a_deferred_submit_whole_and_sends_it_later(topo, monkeypat
         assert len(router.sched.seqs) == 1 and len(router.out.outputs.errors) == 1 and router.out.outputs.num_requests == 2
     finally:
         _close(ingest.router, ingest.feed, ingest.replies, router.work, router.telemetry, router.out.detok)
+
+
+def test_a_request_cancelled_in_the_hand_off_queue_never_reaches_the_router(topo):
+    """The HTTP thread queues a request, its client leaves, and the cancel reaches the ingest
+    loop before the request does. Before, the Cancel went to the router (which had never
+    heard of it) and the request then ran to its end for nobody. Now it is dropped when
+    taken; a request cancelled after it was taken is cancelled as before."""
+    import queue
+    from types import SimpleNamespace
+
+    from qmigrate.ingest.loop import Ingest
+    from qmigrate.ingest.prompts import Prompt
+    ingest = Ingest(topo, read_stdin=False)
+    try:
+        ingest.http = SimpleNamespace(submissions=queue.Queue(), cancels=queue.SimpleQueue())
+        ids = [ingest.id_base | n for n in (1, 2, 3)]
+        prompt = Prompt("r", [1, 2, 3], 2, 0.0, 1.0, 0, 1, [])
+        ingest.http.submissions.put([(ids[0], prompt)])
+        ingest.http.submissions.put([(ids[1], prompt), (ids[2], prompt)])   # one request, n=2
+        ingest.http.cancels.put(ids[1])
+        ingest.take_http()
+        assert [spec.seq_id for spec, *_ in ingest.pending] == [ids[0], ids[2]]
+        assert ingest.num_withdrawn == 1 and not ingest.withdrawn
+        ingest.http.cancels.put(ids[0])   # taken, not yet sent: cancelled once its Submit is acked
+        ingest.take_http()
+        assert ingest.cancel_after_ack == {ids[0]} and ingest.num_withdrawn == 1
+    finally:
+        _close(ingest.router, ingest.feed, ingest.replies)

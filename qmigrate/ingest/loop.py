@@ -89,6 +89,11 @@ class Ingest:
         self.pending: deque[tuple[P.SeqSpec, str, int, str]] = deque()  # spec, req_id, route, note
         self.errors: list[tuple[str, str, int]] = []  # error records not yet acknowledged
         self.cancel_after_ack: set[int] = set()  # cancelled before their Submit was sent
+        # HTTP requests cancelled while still in the hand-off queue: dropped when taken. The
+        # server numbers requests as it queues them, so an id past the last taken is not taken.
+        self.withdrawn: set[int] = set()
+        self.last_taken = -1
+        self.num_withdrawn = 0
         self.in_flight = 0            # specs sent in the Submit awaiting its ack
         self.max_batch = P.SUBMIT_MAX_SEQS  # halved when a Submit is refused or unanswered
         self.errors_in_flight = 0
@@ -214,7 +219,11 @@ class Ingest:
             return
         cancelled = []
         while not self.http.cancels.empty():
-            cancelled.append(self.http.cancels.get())
+            seq_id = self.http.cancels.get()
+            if seq_id > self.last_taken:
+                self.withdrawn.add(seq_id)   # not taken yet: it must never reach the router
+            else:
+                cancelled.append(seq_id)
         if cancelled:
             self.cancel(cancelled)
         while len(self.pending) < self.max_pending:
@@ -225,7 +234,12 @@ class Ingest:
             except queue.Empty:
                 return
             for seq_id, prompt in choices:
-                self.enqueue(seq_id, prompt, P.ROUTE_INGEST)
+                self.last_taken = seq_id
+                if seq_id in self.withdrawn:
+                    self.withdrawn.discard(seq_id)
+                    self.num_withdrawn += 1
+                else:
+                    self.enqueue(seq_id, prompt, P.ROUTE_INGEST)
 
     def cancel(self, seq_ids: list[int]) -> None:
         """Forget requests: those not yet sent to the router here, the rest at the router,
