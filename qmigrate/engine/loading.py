@@ -9,7 +9,7 @@ import re
 import shutil
 import tempfile
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NoReturn
 
 if TYPE_CHECKING:
     import torch  # the roles that only tokenize never import it
@@ -159,11 +159,17 @@ def load_model(path: str | os.PathLike, device: str, dtype: str = "auto", *, tru
         tokenizer = AutoTokenizer.from_pretrained(str(path), trust_remote_code=trust_remote_code)
         model = model.to(device).eval()
     except Exception as exc:  # noqa: BLE001 -- any failure here means "cannot serve this model"
-        if (refused := _remote_code_error(path, exc)) is not None:
-            raise refused from None
-        reason = (str(exc).strip().splitlines() or [""])[0]
-        raise ModelLoadError(f"cannot load model {path} on {device}: {type(exc).__name__}: {reason}") from exc
+        _raise_load_error(path, f"load model {path} on {device}", exc)
     return model, tokenizer
+
+
+def _raise_load_error(path, what: str, exc: Exception) -> NoReturn:
+    """For a failure to `what`: ModelLoadError with the first line of its reason, or the
+    remote-code refusal when that is what it was."""
+    if (refused := _remote_code_error(path, exc)) is not None:
+        raise refused from None
+    reason = (str(exc).strip().splitlines() or [""])[0]
+    raise ModelLoadError(f"cannot {what}: {type(exc).__name__}: {reason}") from exc
 
 
 def model_structure(config, dtype: str = "float32", *, trust_remote_code: bool = False):
@@ -185,7 +191,4 @@ def load_structure(path: str | os.PathLike, dtype: str = "float32", *, trust_rem
         config = AutoConfig.from_pretrained(str(path), trust_remote_code=trust_remote_code)
         return model_structure(config, dtype, trust_remote_code=trust_remote_code)
     except Exception as exc:  # noqa: BLE001 -- as load_model
-        if (refused := _remote_code_error(path, exc)) is not None:
-            raise refused from None
-        reason = (str(exc).strip().splitlines() or [""])[0]
-        raise ModelLoadError(f"cannot build model {path} without weights: {type(exc).__name__}: {reason}") from exc
+        _raise_load_error(path, f"build model {path} without weights", exc)
