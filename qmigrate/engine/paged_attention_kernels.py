@@ -60,6 +60,24 @@ def _attend(acc, m_i, l_i, q, k_ptr, v_ptr, table_ptr, n0, key_end, qpos, offs_d
 
 
 @triton.jit
+def _attend_span(acc, m_i, l_i, q, k_ptr, v_ptr, table, kv_head, start, end, offs_d, qk_scale,
+                 stride_kh, stride_kb, stride_ks, stride_vh, stride_vb, stride_vs, cap_log2,
+                 BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                 SOFTCAP: tl.constexpr):
+    """Keys start..end of one block table, no causal mask (every query sees them all), from
+    the online-softmax state given; returns the new state and (output, log2-sum-exp), the
+    output zeros and the weight -inf where there were no keys (never NaN)."""
+    k_head = k_ptr + kv_head * stride_kh
+    v_head = v_ptr + kv_head * stride_vh
+    for n0 in range(start, end, BLOCK_N):
+        acc, m_i, l_i = _attend(acc, m_i, l_i, q, k_head, v_head, table, n0, end, m_i, offs_d,
+                                qk_scale, stride_kb, stride_ks, stride_vb, stride_vs,
+                                BLOCK_SIZE, BLOCK_N, True, False, DOT_PRECISION, m_i, cap_log2, False, SOFTCAP)
+    l_safe = tl.where(l_i > 0, l_i, 1.0)
+    return acc / l_safe[:, None], tl.where(l_i > 0, m_i + tl.log2(l_safe), float("-inf"))
+
+
+@triton.jit
 def _decode_kernel(q_ptr, k_ptr, v_ptr, seq_lens_ptr, tables_ptr, out_ptr, lse_ptr,
                    qk_scale, stride_qt, stride_qh, stride_kb, stride_ks, stride_kh,
                    stride_vb, stride_vs, stride_vh, stride_table,
@@ -119,22 +137,16 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, seq_lens_ptr, tables_ptr, out_ptr, lse_p
             acc = acc * alpha[:, None] + w[:, None] * o_p
             m_i = m_new
     table = tables_ptr + row.to(tl.int64) * stride_table
-    k_head = k_ptr + kv_head * stride_kh
-    v_head = v_ptr + kv_head * stride_vh
-    for n0 in range(start, end, BLOCK_N):
-        acc, m_i, l_i = _attend(acc, m_i, l_i, q, k_head, v_head, table, n0, end, m_i, offs_d,
-                                qk_scale, stride_kb, stride_ks, stride_vb, stride_vs,
-                                BLOCK_SIZE, BLOCK_N, True, False, DOT_PRECISION, m_i, cap_log2, False, SOFTCAP)
-    # no keys (a padding row, or an empty split) -> zeros and a -inf weight, never NaN
-    l_safe = tl.where(l_i > 0, l_i, 1.0)
-    o = acc / l_safe[:, None]
+    # no keys (a padding row, or an empty split): zeros and a -inf weight
+    o, lse = _attend_span(acc, m_i, l_i, q, k_ptr, v_ptr, table, kv_head, start, end, offs_d, qk_scale,
+                          stride_kh, stride_kb, stride_ks, stride_vh, stride_vb, stride_vs, cap_log2,
+                          BLOCK_SIZE, BLOCK_N, DOT_PRECISION, SOFTCAP)
     dst = out_ptr + row * stride_ot + heads[:, None] * stride_oh + split * stride_os + offs_d[None, :]
     g_mask = (offs_g < GROUP)[:, None]
     if NUM_SPLITS == 1:
         tl.store(dst, o.to(out_ptr.dtype.element_ty), mask=g_mask)
     else:
         tl.store(dst, o, mask=g_mask)
-        lse = tl.where(l_i > 0, m_i + tl.log2(l_safe), float("-inf"))
         tl.store(lse_ptr + row * stride_lt + heads * stride_lh + split, lse, mask=offs_g < GROUP)
 
 
@@ -266,16 +278,9 @@ def _shared_prefix_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, group_rows_ptr, group
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     first = tl.load(group_rows_ptr + group * stride_gr).to(tl.int64)      # every row's table starts alike
-    table = tables_ptr + first * stride_table
-    k_head = k_ptr + kv_head * stride_kh
-    v_head = v_ptr + kv_head * stride_vh
-    for n0 in range(start, end, BLOCK_N):
-        acc, m_i, l_i = _attend(acc, m_i, l_i, q, k_head, v_head, table, n0, end, m_i, offs_d,
-                                qk_scale, stride_kb, stride_ks, stride_vb, stride_vs,
-                                BLOCK_SIZE, BLOCK_N, True, False, DOT_PRECISION, m_i, cap_log2, False, SOFTCAP)
-    l_safe = tl.where(l_i > 0, l_i, 1.0)
-    o = acc / l_safe[:, None]
-    lse = tl.where(l_i > 0, m_i + tl.log2(l_safe), float("-inf"))
+    o, lse = _attend_span(acc, m_i, l_i, q, k_ptr, v_ptr, tables_ptr + first * stride_table, kv_head, start, end,
+                          offs_d, qk_scale, stride_kh, stride_kb, stride_ks, stride_vh, stride_vb, stride_vs,
+                          cap_log2, BLOCK_SIZE, BLOCK_N, DOT_PRECISION, SOFTCAP)
     tl.store(out_ptr + row[:, None] * stride_ot + heads[:, None] * stride_oh + split * stride_os + offs_d[None, :],
              o, mask=valid[:, None])
     tl.store(lse_ptr + row * stride_lt + heads * stride_lh + split, lse, mask=valid)
