@@ -151,7 +151,7 @@ def serve(
     visible GPU (CUDA_VISIBLE_DEVICES applies), CPU workers when there is none, the VRAM
     monitor on a GPU machine. Prints "ready: URL" once a worker can serve."""
     from .config import ConfigError, worker_settings
-    from .serve import ServeOptions, port_problem, run_serve, serve_topology, visible_gpus
+    from .serve import ServeOptions, port_problem, run_serve, serve_topology, smallest_gpu_bytes, visible_gpus
     if model is None and config is None:
         fail("give a MODEL (a directory, smollm2 or a hub name) or --config TOPOLOGY")
     if (problem := port_problem(host, port)) is not None:
@@ -161,7 +161,8 @@ def serve(
                         tensor_parallel_size)
     try:
         opts.worker_settings = worker_settings(worker_setting or [])
-        topo = serve_topology(opts, base, num_gpus=0 if base is not None else visible_gpus())
+        num_gpus = 0 if base is not None else visible_gpus()
+        topo = serve_topology(opts, base, num_gpus=num_gpus, gpu_bytes=smallest_gpu_bytes() if num_gpus else 0)
     except ConfigError as exc:
         fail(str(exc))
     model_path = find_model(model if model is not None else topo.model.path)

@@ -19,6 +19,9 @@ DEFAULT_KV_PORT = 5560
 # as a serving engine runs them (vLLM's default max_num_seqs), not the topology's modest defaults.
 GPU_SERVE_MAX_SEQS = 256
 GPU_SERVE_MAX_TOKENS = 16384
+# serve on GPUs of LARGE_GPU_BYTES or more (H100, H200): as many sequences as vLLM runs there
+LARGE_GPU_SERVE_MAX_SEQS = 1024
+LARGE_GPU_BYTES = 70 << 30
 # sun_path is 108 bytes on Linux, including the terminating NUL.
 MAX_IPC_PATH = 107
 
@@ -171,6 +174,9 @@ class WorkerConfig(_Section):
     # it; a step of prompts alone takes up to max_tokens (0: no limit; docs/design.md)
     prefill_tokens_with_decode: int = _f(0, _non_negative)
     prefix_cache: bool = _f(True, _boolean)      # reuse cached KV of shared prompt prefixes
+    # decode steps read a prefix that rows share (the same cached blocks) once per group of
+    # rows, not once per row (fast runner; engine/shared_prefix.py)
+    shared_prefix_attention: bool = _f(True, _boolean)
     transfer_wait_s: float = _f(2.0, _positive)   # a lease waits this long for KV shipments, then recomputes
     # a lone lease on the device waits this long for the next one before it is collected
     chain_wait_s: float = _f(0.002, _number("a number >= 0", lambda x: x >= 0))
@@ -185,6 +191,7 @@ class WorkerConfig(_Section):
                             cpu_kv_bytes=int(self.cpu_kv_gib * 2**30), max_batch=self.max_seqs,
                             max_batch_tokens=self.max_tokens, cuda_graphs=self.cuda_graphs,
                             prefill_chunk=self.prefill_chunk, prefix_cache=self.prefix_cache,
+                            shared_prefix_attention=self.shared_prefix_attention,
                             prefill_tokens_per_step=self.prefill_tokens_per_step,
                             prefill_tokens_with_decode=self.prefill_tokens_with_decode)
 

@@ -16,8 +16,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from .config import (GPU_SERVE_MAX_SEQS, GPU_SERVE_MAX_TOKENS, ConfigError, Topology, local_topology,
-                     parse_topology)
+from .config import (GPU_SERVE_MAX_SEQS, GPU_SERVE_MAX_TOKENS, LARGE_GPU_BYTES, LARGE_GPU_SERVE_MAX_SEQS,
+                     ConfigError, Topology, local_topology, parse_topology)
 from .launch import run_local, run_node
 
 READY_POLL_S = 0.5
@@ -47,10 +47,32 @@ def visible_gpus() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
-def serve_topology(opts: ServeOptions, base: Topology | None = None, num_gpus: int = 0) -> Topology:
+def smallest_gpu_bytes() -> int:
+    """Memory of the machine's smallest GPU, from NVML (which, unlike asking CUDA, leaves this
+    process free to fork the workers); 0 where NVML cannot tell."""
+    try:
+        import pynvml
+        pynvml.nvmlInit()
+        try:
+            count = pynvml.nvmlDeviceGetCount()
+            return min((pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(i)).total
+                        for i in range(count)), default=0)
+        finally:
+            pynvml.nvmlShutdown()
+    except Exception:  # no driver, no library: the smaller default
+        return 0
+
+
+def serve_max_seqs(gpu_bytes: int) -> int:
+    """Sequences a step of the default topology's GPU workers: vLLM's default for the GPU."""
+    return LARGE_GPU_SERVE_MAX_SEQS if gpu_bytes >= LARGE_GPU_BYTES else GPU_SERVE_MAX_SEQS
+
+
+def serve_topology(opts: ServeOptions, base: Topology | None = None, num_gpus: int = 0,
+                   gpu_bytes: int = 0) -> Topology:
     """The topology `serve` runs: `base` (a --config) or a default one with a worker per GPU
     (`cpu_workers` CPU workers if num_gpus is 0), the HTTP API on host:port, and the flags'
-    settings on every worker. The default topology's GPU workers run GPU_SERVE_MAX_SEQS
+    settings on every worker. The default topology's GPU workers run serve_max_seqs(gpu_bytes)
     sequences and GPU_SERVE_MAX_TOKENS new tokens a step; a --config keeps its own."""
     tp = opts.tensor_parallel_size
     if base is None:
@@ -63,7 +85,7 @@ def serve_topology(opts: ServeOptions, base: Topology | None = None, num_gpus: i
         if num_gpus:
             for i, w in enumerate(data["workers"]):
                 w["name"], w["device"] = f"gpu{i * tp}", f"cuda:{i * tp}"
-                w["max_seqs"], w["max_tokens"] = GPU_SERVE_MAX_SEQS, GPU_SERVE_MAX_TOKENS
+                w["max_seqs"], w["max_tokens"] = serve_max_seqs(gpu_bytes), GPU_SERVE_MAX_TOKENS
     else:
         data = base.to_dict()
     ingest = data["ingest"]

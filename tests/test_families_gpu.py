@@ -85,6 +85,8 @@ def test_bf16_with_cuda_graphs_against_fp32_transformers(name):
 
 def test_smollm2_runs_on_the_fast_runner():
     """The real SmolLM2 (a Llama) is picked up by `runner: auto` and answers."""
+    pytest.importorskip("gguf")          # building it from its GGUF wheel needs both (`.[real]`)
+    pytest.importorskip("accelerate")
     from qmigrate.engine.loading import load_model, resolve_model
     from qmigrate.engine.real_models import ModelFetchError
     from qmigrate.engine.rows import StepRow

@@ -78,6 +78,59 @@ def test_a_second_turn_reuses_the_blocks_the_first_decoded(model, greedy, runner
     assert out2 == greedy(turn, 10)
 
 
+def test_rows_sharing_a_prefix_decode_together_reading_it_once(model, greedy):
+    """Four prompts under one 5-block system prompt, decoded in the same steps on the fast
+    runner: the step groups them (the shared blocks are read once per group) and every row
+    still gives generate()'s tokens; a row of another prefix in the same steps is plain."""
+    engine = make_engine(model, runner="fast")
+    if not engine.runner.share_prefixes:
+        pytest.skip("the fast runner has no Triton kernels here")
+
+    def check(prompt, n, out, what):
+        assert out == greedy(prompt, n), what
+    decode_sharing(engine, check)
+
+
+SHARED_SYSTEM = [1] + [rng.randrange(3, 1500) for _ in range(84)]          # 5 full blocks and a bit
+
+
+def decode_sharing(engine: Engine, check, steps: int = 8) -> None:
+    prompts = [SHARED_SYSTEM + q for q in QUESTIONS] + [SHARED_SYSTEM + QUESTIONS[0][::-1]]
+    loner = [1] + [rng.randrange(3, 1500) for _ in range(30)]
+    generate(engine, 1, prompts[0], 1)                                  # fills the cache
+    engine.release(1)
+    runner = engine.runner
+    grouped, real = [], runner._groups
+
+    def spy(batch):
+        out = real(batch)
+        grouped.append(out)
+        return out
+    runner._groups = spy
+    try:
+        seqs = list(range(10, 10 + len(prompts))) + [20]
+        rows = [StepRow(sid, list(p), 0, 0) for sid, p in zip(seqs, prompts + [loner])]
+        pending = engine.launch(rows)
+        outs = [[t] for t in engine.collect(pending)]
+        assert all(pending.cached[sid] == 80 for sid in seqs[:-1])
+        lengths = [len(p) for p in prompts + [loner]]
+        for i in range(1, steps):
+            tokens = engine.step([StepRow(sid, [o[-1]], n + i - 1, i) for sid, o, n in zip(seqs, outs, lengths)])
+            for o, t in zip(outs, tokens):
+                o.append(t)
+    finally:
+        del runner._groups
+    decode = [g for g in grouped if g is not None]
+    assert len(decode) == steps - 1                  # every decode step found the group
+    row_start, group_rows, group_len = decode[-1]
+    assert group_len.tolist() == [80] and row_start.tolist() == [80] * 4 + [0]
+    for i, (o, p) in enumerate(zip(outs, prompts + [loner])):
+        check(p, steps, o, f"row {i}")
+    for sid in seqs:
+        engine.release(sid)
+    engine.pool.check()
+
+
 def test_a_salt_shares_only_with_its_own_salt(model, greedy):
     engine = make_engine(model)
     prompt = SYSTEM + QUESTIONS[1]
@@ -370,3 +423,22 @@ def test_hits_on_a_gpu_give_generate_output(tiny_model_dir, runner):
         check(prompt, 8, out, f"{runner} {sid}")
         engine.release(sid)
     engine.pool.check()
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(600)
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_rows_sharing_a_prefix_on_a_gpu_replay_the_shared_prefix_graph(tiny_model_dir):
+    """The same on a GPU in fp32, decode steps replayed from the CUDA graphs that read the
+    shared prefix once per group."""
+    from conftest import greedy_reference
+    from qmigrate.engine.loading import load_model
+    model, _ = load_model(tiny_model_dir, "cuda:0", "float32")
+    engine = Engine(model, runner="fast", max_kv_tokens=1 << 14, max_batch=16)
+    assert engine.runner.share_prefixes and engine.runner.shared_graphs
+    replayed = []
+    for bucket, graph in engine.runner.shared_graphs.items():
+        real = graph.replay
+        graph.replay = lambda real=real, bucket=bucket: (replayed.append(bucket), real())[1]
+    decode_sharing(engine, greedy_reference(tiny_model_dir), steps=12)
+    assert replayed and set(replayed) == {8}                            # 5 rows: the 8-row bucket

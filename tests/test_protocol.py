@@ -59,6 +59,7 @@ EXAMPLES = [
     P.Revoke(5, P.pack_i64([7])),
     P.Resync(4242),
     P.Printed(P.pack_i64([7, 8])),
+    P.Pulse("w0", 2500),
 ]
 
 

@@ -425,6 +425,49 @@ def test_heartbeats_and_results_keep_a_worker_alive():
     assert s.counters["migrations_dead"] == 1  # seq 1, owned by w1
 
 
+def test_pulses_keep_a_worker_alive_through_a_long_step():
+    """A worker's loop runs a step longer than the heartbeat timeout; its pulse thread says the
+    process lives. No pulse (killed, stopped) is silence; a loop in one step for the lease
+    timeout is a hung step, lost at once."""
+    s = make_sched(heartbeat_timeout_s=1.0, lease_timeout_s=6.0)
+    join(s, "w0"), join(s, "w1")
+    give(s, "w0", [1])
+    s.admit([spec(2)])
+    held = ask(s, "w0", now=0.5)
+    for t in (0.9, 1.8, 2.7, 3.6):
+        s.pulse("w0", t - 0.5, t)        # the step began at 0.5 and runs on
+        s.touch("w1", t)
+        assert s.expire(t) == [] and s.workers["w0"].alive
+    assert held.lease_id in s.leases and s.counters["workers_lost"] == 0
+    assert report(s, held, now=4.0).accepted
+    s.touch("w1", 5.0)
+    s.expire(5.1)                        # w1 kept talking; w0's pulses stopped (a SIGSTOP)
+    assert not s.workers["w0"].alive and s.workers["w1"].alive
+    assert [(name, why[:6]) for name, why, _ in s.lost] == [("w0", "silent")]
+    s.pulse("w0", 0.0, 5.2)              # a pulse queued before the stop revives nothing
+    assert not s.workers["w0"].alive
+    check_invariants(s)
+
+
+def test_a_pulse_from_a_loop_stuck_past_the_lease_timeout_loses_the_worker():
+    s = make_sched(heartbeat_timeout_s=1.0, lease_timeout_s=6.0)
+    join(s, "w0"), join(s, "w1")
+    give(s, "w0", [1])
+    s.admit([spec(2)])
+    held = ask(s, "w0", now=0.5)
+    s.pulse("w0", 5.9, 6.4)
+    assert s.workers["w0"].alive
+    s.pulse("w0", 6.0, 6.5)
+    assert not s.workers["w0"].alive and held.lease_id not in s.leases
+    assert s.counters["workers_hung"] == 1 and s.counters["workers_lost"] == 1
+    assert [(name, held_) for name, _, held_ in s.lost] == [("w0", 2)]
+    assert "in one step for 6.0 s" in s.lost[0][1]
+    g = ask(s, "w1", now=6.5)
+    assert sorted(full_ids(g)) == [1, 2] and s.counters["migrations_dead"] == 2
+    s.pulse("nobody", 0.0, 6.6)          # unknown: ignored
+    check_invariants(s)
+
+
 def test_a_restarted_worker_holds_nothing():
     s = make_sched()
     join(s, "w0"), join(s, "w1")

@@ -287,6 +287,10 @@ def test_guard_role_table():
     assert router.refusal("gpu1", P.Heartbeat("w1"), identity=b"w1") is None
     assert router.refusal("gpu1", P.Heartbeat("w2"), identity=b"w2") is not None  # w2 runs elsewhere
     assert router.refusal("head", P.Hello("worker", "w1")) is not None
+    # A pulse comes from a socket with an identity of its own: the worker it names must run there.
+    assert router.refusal("gpu1", P.Pulse("w1"), identity=b"\x00k\x8b") is None
+    assert router.refusal("gpu1", P.Pulse("w2"), identity=b"\x00k\x8b") is not None
+    assert router.refusal("head", P.Pulse("w1")) is not None
     assert router.refusal("head", P.Hello("ingest", "ingest")) is None
     assert security.Guard("router", None, {}).refusal("", P.Drain("w1")) is None  # security off
 

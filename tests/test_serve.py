@@ -52,6 +52,11 @@ def test_gpu_workers_default_to_a_serving_engines_batch_and_the_flag_overrides_i
     assert GPU_SERVE_MAX_SEQS == 256   # vLLM's max_num_seqs
     topo = serve_topology(ServeOptions(max_num_seqs=48), num_gpus=1)
     assert (topo.workers[0].max_seqs, topo.workers[0].max_tokens) == (48, GPU_SERVE_MAX_TOKENS)
+    # on GPUs of 70 GiB or more (vLLM's rule), 1,024 sequences; the flag still decides
+    big = serve_topology(ServeOptions(), num_gpus=1, gpu_bytes=80 << 30).workers[0]
+    assert big.max_seqs == 1024
+    assert serve_topology(ServeOptions(), num_gpus=1, gpu_bytes=48 << 30).workers[0].max_seqs == 256
+    assert serve_topology(ServeOptions(max_num_seqs=48), num_gpus=1, gpu_bytes=80 << 30).workers[0].max_seqs == 48
     cpu = serve_topology(ServeOptions(), num_gpus=0).workers[0]
     defaults = local_topology(1).workers[0]
     assert (cpu.max_seqs, cpu.max_tokens) == (defaults.max_seqs, defaults.max_tokens) != (256, GPU_SERVE_MAX_TOKENS)

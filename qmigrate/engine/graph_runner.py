@@ -19,12 +19,14 @@ import numpy as np
 import torch
 
 from . import paged_attention as attn
+from . import shared_prefix
 from .batch import StepBatch
 from .kvcache import BlockPool
 
 log = logging.getLogger(__name__)
 
-GRAPH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 80, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
+GRAPH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 80, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512, 640, 768,
+                 896, 1024)
 # Tokens of a step with prompts. Past the last bucket the device time outgrows the host's.
 TOKEN_BUCKETS = (64, 128, 192, 256, 320, 384, 512, 640, 768, 1024, 1280, 1536, 2048, 3072, 4096)
 # Where there are graphs, an eager step with prompts (past the last token bucket) is padded
@@ -70,6 +72,7 @@ class StepInputs:
     seq_lens: torch.Tensor
     block_table: torch.Tensor
     last: torch.Tensor
+    shared: shared_prefix.Shared | None = None   # decode rows grouped by a shared prefix
 
 
 class GraphRunner:
@@ -78,7 +81,8 @@ class GraphRunner:
 
     name = "fast"
 
-    def __init__(self, model, *, max_batch: int = 256, max_tokens: int = 8192, cuda_graphs: bool = True):
+    def __init__(self, model, *, max_batch: int = 256, max_tokens: int = 8192, cuda_graphs: bool = True,
+                 shared_prefixes: bool = True):
         self.model = model
         self.device, self.dtype = model.device, model.dtype
         self.max_positions = model.max_positions
@@ -88,16 +92,26 @@ class GraphRunner:
             attn.supports_head_dim(layer.attn.head_dim) for layer in model.layers)
         self.use_graphs = cuda_graphs and self.device.type == "cuda"
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}         # decode steps, by rows
+        self.shared_graphs: dict[int, torch.cuda.CUDAGraph] = {}  # the same with shared prefixes read once
         self.token_graphs: dict[int, torch.cuda.CUDAGraph] = {}   # steps with prompts, by tokens
         self.token_buckets = [t for t in TOKEN_BUCKETS if t < max_tokens] + [min(max_tokens, TOKEN_BUCKETS[-1])]
         self.max_tokens = max_tokens
         self.pool: BlockPool | None = None
+        self.shared_prefixes = shared_prefixes
+        self.share_prefixes = False   # group decode rows by shared blocks (only a caching pool shares)
+        first = model.layers[0].attn if model.layers else None
+        self.rows_per_group = (shared_prefix.rows_per_group(first.num_heads, first.num_kv_heads, first.head_dim)
+                               if first is not None else 1)
 
     # --- setup -------------------------------------------------------------------------
     def attach(self, pool: BlockPool | None, capture: bool = True) -> None:
         self.pool = pool
         self.graphs.clear()
+        self.shared_graphs.clear()
         self.token_graphs.clear()
+        self.share_prefixes = self.shared_prefixes and self.use_kernels and pool is not None and pool.is_caching
+        self.step_groups = shared_prefix.StepGroups(pool.block_size, self.rows_per_group) if self.share_prefixes \
+            else None
         if pool is not None and capture and self.use_graphs:
             self._capture()
 
@@ -115,6 +129,9 @@ class GraphRunner:
                 self.token_graphs[tokens] = self._captured(lambda: self._tokens_into(tokens), mempool, stream)
             for b in reversed(buckets):
                 self.graphs[b] = self._captured(lambda: self._decode_into(b), mempool, stream)
+                if self.share_prefixes:
+                    self.shared_graphs[b] = self._captured(lambda: self._decode_into(b, shared=True), mempool,
+                                                           stream)
         torch.cuda.current_stream(self.device).wait_stream(stream)
         torch.cuda.synchronize(self.device)
         log.info("captured graphs for decode steps of %s rows and for steps of up to %s tokens",
@@ -139,6 +156,11 @@ class GraphRunner:
         self.static_rows = (torch.zeros(n + 1, dtype=torch.int32, device=dev),
                             torch.zeros(n, dtype=torch.int64, device=dev))
         self.static_logits = torch.empty((n, self.vocab_size), dtype=torch.float32, device=dev)
+        groups = shared_prefix.max_groups(n)
+        self.static_shared = shared_prefix.Shared(
+            torch.zeros(n, dtype=torch.int32, device=dev),
+            torch.full((groups, self.rows_per_group), -1, dtype=torch.int32, device=dev),
+            torch.zeros(groups, dtype=torch.int32, device=dev))
 
     @staticmethod
     def _captured(run, mempool, stream) -> torch.cuda.CUDAGraph:
@@ -149,10 +171,13 @@ class GraphRunner:
             run()
         return graph
 
-    def _decode_into(self, b: int) -> None:
-        s = self.static
+    def _decode_into(self, b: int, shared: bool = False) -> None:
+        s, g = self.static, self.static_shared
+        groups = shared_prefix.max_groups(b)
         view = StepInputs(s.ids[:b], s.positions[:b], s.slots[:b], s.query_start[:b + 1], s.seq_lens[:b],
-                       s.block_table[:b], s.last[:b])
+                       s.block_table[:b], s.last[:b],
+                       shared_prefix.Shared(g.row_start[:b], g.group_rows[:groups], g.group_len[:groups])
+                       if shared else None)
         self.static_logits[:b] = self._forward(view, b, 1, is_decode=True)
 
     def _tokens_into(self, tokens: int) -> None:
@@ -170,10 +195,13 @@ class GraphRunner:
         """logits [B, V] float32 of each row's last token. `feed` = (rows, src, tokens): the
         input of row rows[k] (a decode row) is tokens[src[k]], a tensor already on the device."""
         b, t = batch.num_rows, batch.num_tokens
+        groups = self._groups(batch)
         if batch.is_decode and self.graphs and b <= self.max_batch:
             bucket = next(k for k in sorted(self.graphs) if k >= b)
             self._load_static(batch, bucket)
-            graph = self.graphs[bucket]
+            if groups is not None:
+                self._load_groups(groups, b, bucket)
+            graph = (self.graphs if groups is None else self.shared_graphs)[bucket]
         elif self.token_graphs and b <= self.max_batch and t <= self.token_buckets[-1]:
             bucket = next(k for k in self.token_buckets if k >= t)
             self._load_tokens(batch, bucket)
@@ -181,6 +209,8 @@ class GraphRunner:
         else:
             padded = bool(self.token_graphs) and not batch.is_decode
             x = self._inputs(batch, self.eager_tokens(t) if padded else t, max(b, self.max_batch) if padded else b)
+            if groups is not None:
+                x.shared = shared_prefix.to_device(groups, b, self.device)
             if feed is not None:
                 self._feed(x.ids, batch, feed)
             return self._forward(x, x.ids.shape[0], batch.max_query_len, batch.is_decode)[:b]
@@ -188,6 +218,23 @@ class GraphRunner:
             self._feed(self.static.ids, batch, feed)
         graph.replay()
         return self.static_logits[:b]
+
+    def _groups(self, batch: StepBatch):
+        """A decode step's rows grouped by the prefix blocks they share (None: no group)."""
+        if not (self.share_prefixes and batch.is_decode):
+            return None
+        return self.step_groups(batch.seq_ids, batch.block_table, batch.seq_lens)
+
+    def _load_groups(self, groups, b: int, bucket: int) -> None:
+        """The shared-prefix graph's group inputs; padding rows and unused slots share nothing."""
+        row_start, group_rows, group_len = groups
+        g, n, slots = self.static_shared, len(group_len), shared_prefix.max_groups(bucket)
+        t = lambda a: torch.from_numpy(np.ascontiguousarray(a))
+        g.row_start[:b].copy_(t(row_start), non_blocking=True)
+        g.row_start[b:bucket].fill_(0)
+        g.group_rows[:n].copy_(t(group_rows), non_blocking=True)
+        g.group_len[:n].copy_(t(group_len), non_blocking=True)
+        g.group_len[n:slots].fill_(0)
 
     def eager_tokens(self, num_tokens: int) -> int:
         return eager_tokens(num_tokens, self.max_tokens)

@@ -22,6 +22,7 @@ try:
 except ImportError:  # the reference still works without triton
     triton = None
 
+from . import shared_prefix
 from .kvcache import write_kv  # noqa: F401 -- the write half of a step, re-exported beside attention
 
 LOG2E = 1.4426950408889634
@@ -172,12 +173,14 @@ def decode_scratch(batch: int, num_heads: int, head_dim: int, num_splits: int, d
 
 def decode_attention(q, k_cache, v_cache, seq_lens, block_tables, scale, out=None,
                      num_splits: int | None = None, scratch=None, tiles: tuple[int, int, int] | None = None,
-                     window: int = 0, softcap: float = 0.0):
+                     window: int = 0, softcap: float = 0.0, shared: shared_prefix.Shared | None = None):
     """One query per row: q [B, Hq, D] -> [B, Hq, D]. No host sync; the grid follows shapes.
 
     With split-K the partials need scratch; without one it is allocated once per shape and
     reused, so only a call of a new shape allocates (warm up before capturing a graph).
     `tiles` (keys per tile, warps, pipeline stages) replaces decode_tiles' choice (timing only).
+    `shared`: groups of rows whose leading keys are the same blocks, attended once per group
+    (engine/shared_prefix.py); the rows then read their own keys in one split each.
     """
     group, num_kv_heads, head_dim, block_size = _check(q, k_cache, v_cache, block_tables)
     batch, num_heads = q.shape[0], q.shape[1]
@@ -186,6 +189,9 @@ def decode_attention(q, k_cache, v_cache, seq_lens, block_tables, scale, out=Non
         out = torch.empty_like(q)
     if batch == 0:
         return out
+    assert shared is None or not window, "a shared prefix is not read through a window"
+    if shared is not None:
+        num_splits = 1
     if num_splits is None:
         context = block_tables.shape[1] * block_size
         num_splits = decode_splits(batch, num_kv_heads, min(context, window) if window else context, q.device)
@@ -201,12 +207,20 @@ def decode_attention(q, k_cache, v_cache, seq_lens, block_tables, scale, out=Non
     else:
         part_lse = out  # unused when there is one split
         dst, dst_strides = out, (out.stride(0), out.stride(1), 0, 0, 0)
+    if shared is not None:
+        prefix_out, prefix_lse = shared_prefix.prefix_partials(
+            q, k_cache, v_cache, block_tables, shared, _qk_scale(scale, softcap), float(softcap) * LOG2E,
+            bool(softcap), group, _dot_precision(q.dtype))
+        prefix = (shared.row_start, prefix_out, prefix_lse, *prefix_out.stride()[:3], *prefix_lse.stride()[:2])
+    else:
+        prefix = (seq_lens, out, out, 0, 0, 0, 0, 0)   # unread
     _decode_kernel[(batch, num_kv_heads, num_splits)](
         q, k_cache, v_cache, seq_lens, block_tables, dst, part_lse,
         _qk_scale(scale, softcap), q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
         k_cache.stride(2), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        block_tables.stride(0), *dst_strides, int(window), float(softcap) * LOG2E,
+        block_tables.stride(0), *dst_strides, int(window), float(softcap) * LOG2E, *prefix,
         WINDOWED=bool(window), SOFTCAP=bool(softcap),
+        SHARED=shared is not None, PREFIX_SPLITS=shared_prefix.PREFIX_SPLITS,
         GROUP=group, GROUP_PAD=max(16, _next_pow2(group)), HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size, BLOCK_N=block_n, NUM_SPLITS=num_splits,
         DOT_PRECISION=_dot_precision(q.dtype), num_warps=num_warps, num_stages=num_stages)

@@ -60,17 +60,42 @@ def _attend(acc, m_i, l_i, q, k_ptr, v_ptr, table_ptr, n0, key_end, qpos, offs_d
 
 
 @triton.jit
+def _attend_span(acc, m_i, l_i, q, k_ptr, v_ptr, table, kv_head, start, end, offs_d, qk_scale,
+                 stride_kh, stride_kb, stride_ks, stride_vh, stride_vb, stride_vs, cap_log2,
+                 BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                 SOFTCAP: tl.constexpr):
+    """Keys start..end of one block table, no causal mask (every query sees them all), from
+    the online-softmax state given; returns the new state and (output, log2-sum-exp), the
+    output zeros and the weight -inf where there were no keys (never NaN)."""
+    k_head = k_ptr + kv_head * stride_kh
+    v_head = v_ptr + kv_head * stride_vh
+    for n0 in range(start, end, BLOCK_N):
+        acc, m_i, l_i = _attend(acc, m_i, l_i, q, k_head, v_head, table, n0, end, m_i, offs_d,
+                                qk_scale, stride_kb, stride_ks, stride_vb, stride_vs,
+                                BLOCK_SIZE, BLOCK_N, True, False, DOT_PRECISION, m_i, cap_log2, False, SOFTCAP)
+    l_safe = tl.where(l_i > 0, l_i, 1.0)
+    return acc / l_safe[:, None], tl.where(l_i > 0, m_i + tl.log2(l_safe), float("-inf"))
+
+
+@triton.jit
 def _decode_kernel(q_ptr, k_ptr, v_ptr, seq_lens_ptr, tables_ptr, out_ptr, lse_ptr,
                    qk_scale, stride_qt, stride_qh, stride_kb, stride_ks, stride_kh,
                    stride_vb, stride_vs, stride_vh, stride_table,
                    stride_ot, stride_oh, stride_os, stride_lt, stride_lh, window, cap_log2,
+                   row_start_ptr, prefix_ptr, prefix_lse_ptr, stride_pt, stride_ph, stride_ps,
+                   stride_pqt, stride_pqh,
                    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
                    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
-                   DOT_PRECISION: tl.constexpr, WINDOWED: tl.constexpr = False, SOFTCAP: tl.constexpr = False):
+                   DOT_PRECISION: tl.constexpr, WINDOWED: tl.constexpr = False, SOFTCAP: tl.constexpr = False,
+                   SHARED: tl.constexpr = False, PREFIX_SPLITS: tl.constexpr = 1):
     """Program (row, KV head, split): the GROUP query heads of that KV head over one split.
 
     One split writes the normalised output; several write fp32 partials [B, Hq, S, D] and
     their log2-sum-exp [B, Hq, S] for _merge_splits_kernel.
+
+    SHARED (one split, no window): a row's first row_start[row] keys were attended by
+    _shared_prefix_kernel, whose PREFIX_SPLITS partials [B, Hq, P, D] and log2-sum-exps
+    [B, Hq, P] start the online softmax; the row reads only its keys after them.
     """
     row = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -80,6 +105,8 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, seq_lens_ptr, tables_ptr, out_ptr, lse_p
     # window the keys before it are never read
     if WINDOWED:
         lo = tl.maximum(seq_len - window, 0)
+    elif SHARED:
+        lo = tl.load(row_start_ptr + row)
     else:
         lo = 0
     chunk = tl.cdiv(tl.cdiv(seq_len - lo, NUM_SPLITS), BLOCK_N) * BLOCK_N
@@ -94,23 +121,32 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, seq_lens_ptr, tables_ptr, out_ptr, lse_p
     m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
+    if SHARED:
+        # fold in the shared prefix's partials (none for a row outside every group)
+        g_ok = (offs_g < GROUP) & (offs_g * 0 + lo > 0)
+        for p in tl.static_range(PREFIX_SPLITS):
+            lse_p = tl.load(prefix_lse_ptr + row * stride_pqt + heads * stride_pqh + p, mask=g_ok,
+                            other=float("-inf"))
+            o_p = tl.load(prefix_ptr + row * stride_pt + heads[:, None] * stride_ph + p * stride_ps
+                          + offs_d[None, :], mask=g_ok[:, None], other=0.0)
+            m_new = tl.maximum(m_i, lse_p)
+            m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp2(m_i - m_ref)
+            w = tl.exp2(lse_p - m_ref)
+            l_i = l_i * alpha + w
+            acc = acc * alpha[:, None] + w[:, None] * o_p
+            m_i = m_new
     table = tables_ptr + row.to(tl.int64) * stride_table
-    k_head = k_ptr + kv_head * stride_kh
-    v_head = v_ptr + kv_head * stride_vh
-    for n0 in range(start, end, BLOCK_N):
-        acc, m_i, l_i = _attend(acc, m_i, l_i, q, k_head, v_head, table, n0, end, m_i, offs_d,
-                                qk_scale, stride_kb, stride_ks, stride_vb, stride_vs,
-                                BLOCK_SIZE, BLOCK_N, True, False, DOT_PRECISION, m_i, cap_log2, False, SOFTCAP)
-    # no keys (a padding row, or an empty split) -> zeros and a -inf weight, never NaN
-    l_safe = tl.where(l_i > 0, l_i, 1.0)
-    o = acc / l_safe[:, None]
+    # no keys (a padding row, or an empty split): zeros and a -inf weight
+    o, lse = _attend_span(acc, m_i, l_i, q, k_ptr, v_ptr, table, kv_head, start, end, offs_d, qk_scale,
+                          stride_kh, stride_kb, stride_ks, stride_vh, stride_vb, stride_vs, cap_log2,
+                          BLOCK_SIZE, BLOCK_N, DOT_PRECISION, SOFTCAP)
     dst = out_ptr + row * stride_ot + heads[:, None] * stride_oh + split * stride_os + offs_d[None, :]
     g_mask = (offs_g < GROUP)[:, None]
     if NUM_SPLITS == 1:
         tl.store(dst, o.to(out_ptr.dtype.element_ty), mask=g_mask)
     else:
         tl.store(dst, o, mask=g_mask)
-        lse = tl.where(l_i > 0, m_i + tl.log2(l_safe), float("-inf"))
         tl.store(lse_ptr + row * stride_lt + heads * stride_lh + split, lse, mask=offs_g < GROUP)
 
 
@@ -203,3 +239,48 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, query_start_ptr, seq_lens_ptr, tables_p
     o = acc / l_i[:, None]
     tl.store(out_ptr + q_rows[:, None] * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
              o.to(out_ptr.dtype.element_ty), mask=valid[:, None])
+
+
+@triton.jit
+def _shared_prefix_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, group_rows_ptr, group_len_ptr, out_ptr, lse_ptr,
+                          qk_scale, stride_qt, stride_qh, stride_kb, stride_ks, stride_kh,
+                          stride_vb, stride_vs, stride_vh, stride_table, stride_gr,
+                          stride_ot, stride_oh, stride_os, stride_lt, stride_lh, cap_log2,
+                          GROUP: tl.constexpr, ROWS: tl.constexpr, BLOCK_M: tl.constexpr,
+                          HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+                          NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr, SOFTCAP: tl.constexpr = False):
+    """Program (group, KV head, split): the one query of each of a group's rows (up to ROWS,
+    -1 padded) x the GROUP heads of a KV head, over one split of the group_len keys that its
+    rows share block for block. Each key tile is read once for the whole group.
+
+    Tile row m holds row m // GROUP, head m % GROUP. Writes fp32 partials [B, Hq, S, D] and
+    log2-sum-exps [B, Hq, S] (-inf for an empty split) for _decode_kernel's SHARED mode.
+    """
+    group = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    length = tl.load(group_len_ptr + group)
+    if length == 0:
+        return
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    member = offs_m // GROUP
+    row = tl.load(group_rows_ptr + group * stride_gr + member, mask=member < ROWS, other=-1)
+    valid = row >= 0
+    row = tl.where(valid, row, 0).to(tl.int64)
+    heads = kv_head * GROUP + offs_m % GROUP
+    q = tl.load(q_ptr + row[:, None] * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
+                mask=valid[:, None], other=0.0)                               # [BLOCK_M, D]
+    chunk = tl.cdiv(tl.cdiv(length, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = split * chunk
+    end = tl.minimum(start + chunk, length)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    first = tl.load(group_rows_ptr + group * stride_gr).to(tl.int64)      # every row's table starts alike
+    o, lse = _attend_span(acc, m_i, l_i, q, k_ptr, v_ptr, tables_ptr + first * stride_table, kv_head, start, end,
+                          offs_d, qk_scale, stride_kh, stride_kb, stride_ks, stride_vh, stride_vb, stride_vs,
+                          cap_log2, BLOCK_SIZE, BLOCK_N, DOT_PRECISION, SOFTCAP)
+    tl.store(out_ptr + row[:, None] * stride_ot + heads[:, None] * stride_oh + split * stride_os + offs_d[None, :],
+             o, mask=valid[:, None])
+    tl.store(lse_ptr + row * stride_lt + heads * stride_lh + split, lse, mask=valid)

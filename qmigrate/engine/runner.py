@@ -55,6 +55,7 @@ class EngineConfig:
     prefill_tokens_with_decode: int = 0
     cuda_graphs: bool = True
     prefix_cache: bool = True             # full blocks of known ids are kept and shared by prefix
+    shared_prefix_attention: bool = True  # fast runner: a prefix rows share is read once per group
 
     def __post_init__(self):
         if self.runner not in RUNNERS:

@@ -62,7 +62,7 @@ class Router:
             self.metrics = RouterMetrics()
             serve(self.metrics.registry, rc.metrics_port, topo.node(rc.node).bind_host)
         self.handlers = {
-            P.Hello: self.on_hello, P.Heartbeat: self.on_heartbeat,
+            P.Hello: self.on_hello, P.Heartbeat: self.on_heartbeat, P.Pulse: self.on_pulse,
             P.WorkRequest: self.on_work_request, P.StepResult: self.on_step_result,
             P.Submit: self.on_submit, P.Drain: self.on_drain, P.StatsRequest: self.on_stats,
             P.Cancel: self.on_cancel,
@@ -88,10 +88,7 @@ class Router:
             if ticked:
                 self.sched.expire(now)
                 last_expiry = now
-                for name, silent_s, held in self.sched.lost:
-                    log.warning("worker %s lost: silent for %.1f s; its %d sequences continue elsewhere",
-                                name, silent_s, held)
-                self.sched.lost.clear()
+                self.log_lost()
             if self.out.backlog:
                 self.out.flush_backlog()
             if (ready or ticked) and not self.out.backlog:  # no new work while output waits
@@ -106,6 +103,11 @@ class Router:
                 if self.metrics is not None:
                     self.metrics.update(self.sched, self.observer, self.errors)
                 last_metrics = now
+
+    def log_lost(self) -> None:
+        for name, why, held in self.sched.lost:
+            log.warning("worker %s lost: %s; its %d sequences continue elsewhere", name, why, held)
+        self.sched.lost.clear()
 
     def drain_socket(self) -> None:
         for _ in range(MAX_BURST):
@@ -230,6 +232,13 @@ class Router:
             self.sched.set_held(name, msg.held_bytes, now)
             self.worker_times[name] = (msg.busy_ms, msg.idle_ms)
             self.kv_imported[name] = msg.num_kv_imported
+
+    def on_pulse(self, sender: bytes, msg: P.Pulse) -> None:
+        """From a worker's pulse thread, on a socket of its own: no reply (it does not read).
+        A pulse for a worker the router does not know as live is ignored; the worker's loop
+        hears the Reject and says hello again."""
+        self.sched.pulse(msg.name, msg.loop_age_ms / 1000, time.monotonic())
+        self.log_lost()
 
     def on_work_request(self, sender: bytes, msg: P.WorkRequest) -> None:
         if (name := self._worker(sender)) is None:

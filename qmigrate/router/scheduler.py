@@ -52,7 +52,7 @@ class Scheduler:
         self.moves = MovePolicy(self.config, self.workers, self.queue)
         self.leases: dict[int, LeaseRecord] = {}
         self.counters: Counter[str] = Counter()
-        self.lost: list[tuple[str, float, int]] = []  # (worker, silent for s, sequences it held) to log
+        self.lost: list[tuple[str, str, int]] = []  # (worker, why, sequences it held) to log
         self.vram: dict[str, tuple[int, int]] = {}  # GPU uuid -> (total, free) bytes, as last reported
         self.prefix = PrefixIndex()
         self.cache_hits: Counter[str] = Counter()     # per worker: prompt tokens admitted, found cached
@@ -88,6 +88,20 @@ class Scheduler:
     def touch(self, name: str, now: float) -> None:
         if (w := self.workers.get(name)) is not None:
             w.last_seen = now
+
+    def pulse(self, name: str, loop_age_s: float, now: float) -> None:
+        """name's process is alive (its pulse thread says so), and its loop last came between
+        two steps loop_age_s ago: a long step is no silence. A loop in one step for
+        lease_timeout_s is a hung step: its leases are expiring, and the worker is lost now
+        rather than given more work it cannot start."""
+        w = self.workers.get(name)
+        if w is None or not w.alive:
+            return
+        if loop_age_s < self.config.lease_timeout_s:
+            w.last_seen = max(w.last_seen, now)
+        else:
+            self.counters["workers_hung"] += 1
+            self._lose(w, f"its loop has been in one step for {loop_age_s:.1f} s", now)
 
     def renew(self, name: str, lease_ids, now: float) -> None:
         """name is alive and still working on these leases (a long prefill, say): push their
@@ -312,13 +326,17 @@ class Scheduler:
                 self.counters["leases_expired"] += 1
         for w in self.workers.values():
             if w.alive and now - w.last_seen > self.config.heartbeat_timeout_s:
-                w.moving_since = now
-                held = len(w.owned | {sid for lease_id in w.lease_ids for sid in self.leases[lease_id].seq_ids})
-                self.lost.append((w.name, now - w.last_seen, held))
-                self._forget_worker(w, "dead", now)
-                w.alive = False
-                self.counters["workers_lost"] += 1
+                self._lose(w, f"silent for {now - w.last_seen:.1f} s", now)
         return expired
+
+    def _lose(self, w: WorkerState, why: str, now: float) -> None:
+        """w is dead to the router: its sequences continue elsewhere, by recompute."""
+        w.moving_since = now
+        held = len(w.owned | {sid for lease_id in w.lease_ids for sid in self.leases[lease_id].seq_ids})
+        self.lost.append((w.name, why, held))
+        self._forget_worker(w, "dead", now)
+        w.alive = False
+        self.counters["workers_lost"] += 1
 
     # --- internals ---------------------------------------------------------------------
     def _revoke(self, lease_id: int) -> None:

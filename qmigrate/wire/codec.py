@@ -85,6 +85,7 @@ _RANGES: dict[str, dict[str, tuple]] = {
     "Welcome": {"version": (0, 1 << 16), "heartbeat_interval_s": (1e-3, 3600.0), "lease_timeout_s": (1e-3, 86400.0)},
     "Heartbeat": {"num_cached_seqs": _I64, "free_kv_tokens": (-1, _I64[1]), "busy_ms": _I64, "idle_ms": _I64,
                   "held_bytes": (-1, _I64[1]), "num_kv_imported": _I64},
+    "Pulse": {"loop_age_ms": _I64},
     "WorkRequest": {"request_no": _I64, "max_seqs": (1, 1 << 20), "max_tokens": (1, 1 << 30),
                     "free_kv_tokens": (-1, _I64[1])},
     "Lease": {"lease_id": _I64, "request_no": _I64, "timeout_s": (1e-3, 86400.0), "num_steps": (1, 1 << 16)},

@@ -81,6 +81,7 @@ class MsgType(enum.IntEnum):
     REPLIES = 31
     RESYNC = 35
     PRINTED = 36
+    PULSE = 37
 
 
 class Finish(enum.IntEnum):
@@ -232,6 +233,17 @@ class Heartbeat:
     lease_ids: bytes = b""    # int64: leases received and not yet answered; the router renews them
     held_bytes: int = -1      # device memory this worker holds (weights, KV pool, graphs); -1: unknown
     num_kv_imported: int = 0  # sequences that resumed here from KV shipped by another worker
+
+
+@message(MsgType.PULSE)
+class Pulse:
+    """Worker to router, from a thread beside the worker's loop on a socket of its own: this
+    process is alive, and its loop last came between two steps (or two prefill chunks)
+    loop_age_ms ago. It keeps a worker whose step outlasts heartbeat_timeout_s alive; it
+    renews no lease, so a step stuck past lease_timeout_s still loses them (and the worker)."""
+
+    name: str                 # the worker it speaks for (its socket's identity is its own)
+    loop_age_ms: int = 0
 
 
 @message(MsgType.WORK_REQUEST)

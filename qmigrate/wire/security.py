@@ -34,8 +34,8 @@ ZAP_REBIND_S = 2.0  # how long a new ZAP handler waits for the old one's address
 # Receiving service -> message type -> roles whose nodes may send it. A message type that is
 # not listed for a service is refused from every node while security is on.
 SENDERS: dict[str, dict[type, tuple[str, ...]]] = {
-    "router": {P.Hello: ("worker", "ingest"), P.Heartbeat: ("worker",), P.WorkRequest: ("worker",),
-               P.StepResult: ("worker",), P.Tokens: ("worker",), P.Submit: ("ingest",),
+    "router": {P.Hello: ("worker", "ingest"), P.Heartbeat: ("worker",), P.Pulse: ("worker",),
+               P.WorkRequest: ("worker",), P.StepResult: ("worker",), P.Tokens: ("worker",), P.Submit: ("ingest",),
                P.Drain: ("operator",), P.StatsRequest: ("operator", "ingest"), P.Cancel: ("ingest",),
                P.Resync: ("detokenizer",), P.Printed: ("detokenizer",)},
     # Everything for the detokenizer comes through the router (see router/loop.py).
@@ -191,6 +191,8 @@ class Guard:
                 return f"node {peer} does not run the {msg.role} role"
             if msg.role == "worker" and self.worker_nodes.get(msg.name) != peer:
                 return f"worker {msg.name!r} does not run on node {peer}"
+        if isinstance(msg, P.Pulse) and self.worker_nodes.get(msg.name) != peer:
+            return f"worker {msg.name!r} does not run on node {peer}"  # it names the worker it keeps alive
         name = identity.decode(errors="replace")
         if isinstance(msg, _WORKER_ONLY) and self.worker_nodes.get(name, peer) != peer:
             return f"worker {name!r} does not run on node {peer}"  # an identity the router knows as a worker

@@ -29,6 +29,7 @@ from qmigrate.wire.security import SecurityError
 from qmigrate.ops.trace import tracer
 from qmigrate.worker.core import WorkerCore
 from qmigrate.worker.pipeline import FINISH, START, WAIT, KVOutbox, WorkerLoop
+from qmigrate.worker.pulse import Pulse
 from qmigrate.ops.process import freeze_heap, run_until_fatal
 
 log = logging.getLogger("qmigrate.worker")
@@ -70,6 +71,7 @@ class Worker:
                                       max_bytes=transport.KV_MAX_MESSAGE_BYTES, hwm=64)
         self.peers: dict[str, zmq.Socket] = {}
         self.loop = WorkerLoop(self.cfg)
+        self.pulse = Pulse(self.router_addr, name, self.loop.heartbeat_s)
         self.deferred: deque = deque()  # router messages that came during a multi-step lease
         self.outbox = KVOutbox()
         self.busy_s = self.idle_s = 0.0
@@ -105,6 +107,7 @@ class Worker:
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
         sent = time.monotonic()
         while rejoin or time.monotonic() < deadline:
+            self.pulse.turned()   # waiting for the router is no step
             got = transport.recv(self.router, 0.5)
             if got is None:
                 if time.monotonic() - sent > HELLO_RESEND_S:  # it may have died with the router
@@ -113,7 +116,7 @@ class Worker:
                 continue
             msg = got[1]
             if isinstance(msg, P.Welcome):
-                self.loop.heartbeat_s = msg.heartbeat_interval_s
+                self.loop.heartbeat_s = self.pulse.interval_s = msg.heartbeat_interval_s
                 return
             if isinstance(msg, P.Reject) and not msg.is_unknown_peer:
                 raise SystemExit(f"worker {self.name}: router refused: {msg.reason}")
@@ -124,6 +127,7 @@ class Worker:
     # --- loop --------------------------------------------------------------------------
     def serve_forever(self) -> None:
         self.hello()
+        self.pulse.start()
         log.info("worker %s ready on %s: %s", self.name, self.device, self.core.engine.describe())
         freeze_heap()
         self.poller = zmq.Poller()
@@ -289,6 +293,7 @@ class Worker:
     def close(self) -> None:
         """Leaving on purpose: let queued tokens, results and KV reach their peers first."""
         self.outbox.flush(wait=True)
+        self.pulse.stop()
         self.router.close(linger=5000)
         for sock in self.peers.values():
             sock.close(linger=2000)
@@ -299,6 +304,7 @@ class Worker:
         transport.send(self.router, msg)
 
     def keep_alive(self) -> None:
+        self.pulse.turned()
         # Sent on schedule even while results flow: it also carries the busy/idle counters.
         # After a KV import it goes at once, so the router counts the import before it sees
         # any token that used it.

@@ -46,7 +46,9 @@ class Attention:
             o = attn.paged_attention_reference(q, k_cache, v_cache, x.query_start, x.seq_lens, x.block_table,
                                                self.scale, **extra)
         elif shape.is_decode:
-            o = attn.decode_attention(q, k_cache, v_cache, x.seq_lens, x.block_table, self.scale, **extra)
+            shared = None if self.window else x.shared   # a window reads no shared prefix
+            o = attn.decode_attention(q, k_cache, v_cache, x.seq_lens, x.block_table, self.scale, shared=shared,
+                                      **extra)
         else:
             key = (self.num_heads, self.num_kv_heads, self.head_dim)
             if key not in plans:
