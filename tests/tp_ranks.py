@@ -22,7 +22,8 @@ from qmigrate.engine.runner import Engine
 NUM_NEW = 6
 MORE = 4     # tokens decoded after a KV move
 FAMILIES = {
-    "llama": dict(hidden_size=64, intermediate_size=96, num_attention_heads=8, num_key_value_heads=2,
+    # head_dim 16 (not hidden / heads = 8): the GPU kernels' narrowest tile, so the 2-GPU test runs it too
+    "llama": dict(hidden_size=64, intermediate_size=96, num_attention_heads=8, num_key_value_heads=2, head_dim=16,
                   attention_bias=True, mlp_bias=True),
     "mistral": dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=4,
                     sliding_window=None),
