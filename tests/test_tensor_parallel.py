@@ -231,6 +231,36 @@ def test_two_gpus_over_nccl_match_one_gpu(tiny_model_dir, tmp_path):
         assert case["moved"]["recomputed_to_one"] == case["moved"]["recomputed_to_ranks"], name
 
 
+class _Follower:
+    """A follower's process as rank 0 sees it: it shows its exit from the `after`-th look on
+    (a rank killed closes its connections before its exit can be seen)."""
+
+    def __init__(self, after: int, code: int = -9):
+        self.looks, self.after, self.code = 0, after, code
+
+    def poll(self):
+        self.looks += 1
+        return self.code if self.looks > self.after else None
+
+    def kill(self):
+        self.after = 0
+
+
+def test_a_failed_collective_names_the_rank_that_died_though_its_exit_shows_later(monkeypatch, tmp_path):
+    from qmigrate.worker import ranks
+    r = object.__new__(ranks.Ranks)
+    r.name, r.dir, r.is_stopping = "w1", tmp_path / "ranks", False
+    r.procs = [_Follower(after=3)]
+    said = str(r.failed(RuntimeError("Connection closed by peer [127.0.0.1]:1234")))
+    assert said == "worker w1: tensor-parallel rank 1 exited (code -9); stopping the worker"
+    assert r.is_stopping
+    # no rank exits: the collective's own error, once the grace is over
+    monkeypatch.setattr(ranks, "EXIT_GRACE_S", 0.2)
+    r.procs = [_Follower(after=10**9)]
+    said = str(r.failed(RuntimeError("Connection closed by peer [127.0.0.1]:1234\nsecond line")))
+    assert said == "worker w1: a tensor-parallel collective failed: Connection closed by peer [127.0.0.1]:1234"
+
+
 # --- a 2-rank worker in a fleet: real role processes --------------------------------------------
 
 

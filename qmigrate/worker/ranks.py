@@ -24,6 +24,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from pathlib import Path
 
 from qmigrate.config import dump_topology, load_topology
@@ -33,6 +34,7 @@ log = logging.getLogger("qmigrate.worker")
 
 POLL_S = 0.5
 STOP_WAIT_S = 10.0
+EXIT_GRACE_S = 2.0   # a rank killed closes its sockets before its exit can be seen: how long to look
 
 
 def rank_device(device: str, rank: int) -> str:
@@ -133,9 +135,12 @@ class Ranks:
 
     def failed(self, exc: Exception) -> SystemExit:
         """A collective failed (a peer's connection closed): the other ranks are stopped, and
-        what the worker exits with says which rank went first, when one did."""
+        what the worker exits with says which rank went first, when one did. A rank that dies
+        closes its connections before its exit shows, so its exit is waited for a moment."""
         self.is_stopping = True
-        gone = [(r, p.poll()) for r, p in enumerate(self.procs, start=1) if p.poll() is not None]
+        deadline = time.monotonic() + EXIT_GRACE_S
+        while not (gone := self._exited()) and time.monotonic() < deadline:
+            time.sleep(0.05)
         self._kill_all()
         if gone:
             rank, code = gone[0]
@@ -143,6 +148,10 @@ class Ranks:
                               f"stopping the worker")
         reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         return SystemExit(f"worker {self.name}: a tensor-parallel collective failed: {reason}")
+
+    def _exited(self) -> list[tuple[int, int]]:
+        """(rank, exit code) of each follower that has exited."""
+        return [(r, code) for r, p in enumerate(self.procs, start=1) if (code := p.poll()) is not None]
 
     def _kill_all(self) -> None:
         for proc in self.procs:
