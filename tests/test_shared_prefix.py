@@ -141,7 +141,7 @@ def test_decode_over_shared_prefixes_matches_the_reference(device, group):
         rows = sp.rows_per_group(q.shape[1], 2, 64)
         host = sp.groups(host_table, host_lens, BS, min(rows, 4))
         assert host is not None and len(host[2]) >= 2
-        shared = sp.to_device(host, len(host_lens), q.device)
+        shared = sp.to_device(host, q.device)
         query_start = torch.arange(len(host_lens) + 1, dtype=torch.int32, device=q.device)
         expected = pa.paged_attention_reference(q, k, v, query_start, seq_lens, tables, 0.125)
         for softcap in (0.0, 2.0):
@@ -167,7 +167,7 @@ def test_unused_group_slots_and_rows_outside_groups_are_plain_decode(device):
     padded_rows[:len(group_len)] = group_rows
     padded_len = np.zeros(slots, dtype=np.int32)
     padded_len[:len(group_len)] = group_len
-    shared = sp.to_device((row_start, padded_rows, padded_len), len(host_lens), q.device)
+    shared = sp.to_device((row_start, padded_rows, padded_len), q.device)
     query_start = torch.arange(len(host_lens) + 1, dtype=torch.int32, device=q.device)
     expected = pa.paged_attention_reference(q, k, v, query_start, seq_lens, tables, 0.2)
     out = pa.decode_attention(q, k, v, seq_lens, tables, 0.2, shared=shared)

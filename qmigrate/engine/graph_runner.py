@@ -82,7 +82,7 @@ class GraphRunner:
     name = "fast"
 
     def __init__(self, model, *, max_batch: int = 256, max_tokens: int = 8192, cuda_graphs: bool = True,
-                 shared_prefixes: bool = True):
+                 shared_prefix_attention: bool = True):
         self.model = model
         self.device, self.dtype = model.device, model.dtype
         self.max_positions = model.max_positions
@@ -97,8 +97,8 @@ class GraphRunner:
         self.token_buckets = [t for t in TOKEN_BUCKETS if t < max_tokens] + [min(max_tokens, TOKEN_BUCKETS[-1])]
         self.max_tokens = max_tokens
         self.pool: BlockPool | None = None
-        self.shared_prefixes = shared_prefixes
-        self.share_prefixes = False   # group decode rows by shared blocks (only a caching pool shares)
+        self.shared_prefix_attention = shared_prefix_attention
+        self.step_groups: shared_prefix.StepGroups | None = None   # set by attach where rows can share
         first = model.layers[0].attn if model.layers else None
         self.rows_per_group = (shared_prefix.rows_per_group(first.num_heads, first.num_kv_heads, first.head_dim)
                                if first is not None else 1)
@@ -109,9 +109,9 @@ class GraphRunner:
         self.graphs.clear()
         self.shared_graphs.clear()
         self.token_graphs.clear()
-        self.share_prefixes = self.shared_prefixes and self.use_kernels and pool is not None and pool.is_caching
-        self.step_groups = shared_prefix.StepGroups(pool.block_size, self.rows_per_group) if self.share_prefixes \
-            else None
+        # group decode rows by the blocks they share: only a caching pool shares blocks
+        shares = self.shared_prefix_attention and self.use_kernels and pool is not None and pool.is_caching
+        self.step_groups = shared_prefix.StepGroups(pool.block_size, self.rows_per_group) if shares else None
         if pool is not None and capture and self.use_graphs:
             self._capture()
 
@@ -210,7 +210,7 @@ class GraphRunner:
             padded = bool(self.token_graphs) and not batch.is_decode
             x = self._inputs(batch, self.eager_tokens(t) if padded else t, max(b, self.max_batch) if padded else b)
             if groups is not None:
-                x.shared = shared_prefix.to_device(groups, b, self.device)
+                x.shared = shared_prefix.to_device(groups, self.device)
             if feed is not None:
                 self._feed(x.ids, batch, feed)
             return self._forward(x, x.ids.shape[0], batch.max_query_len, batch.is_decode)[:b]
@@ -218,6 +218,10 @@ class GraphRunner:
             self._feed(self.static.ids, batch, feed)
         graph.replay()
         return self.static_logits[:b]
+
+    @property
+    def share_prefixes(self) -> bool:
+        return self.step_groups is not None
 
     def _groups(self, batch: StepBatch):
         """A decode step's rows grouped by the prefix blocks they share (None: no group)."""

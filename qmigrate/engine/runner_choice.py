@@ -54,7 +54,7 @@ def make_runner(model, cfg: EngineConfig, device: torch.device, tp=None) -> tupl
             raise ValueError(f"tensor parallelism needs the fast runner, which cannot run this model: {reason}")
         return GraphRunner(scatter_shards(models.build(model), tp), max_batch=cfg.max_batch,
                            max_tokens=cfg.max_batch_tokens, cuda_graphs=cfg.cuda_graphs,
-                           shared_prefixes=cfg.shared_prefix_attention), \
+                           shared_prefix_attention=cfg.shared_prefix_attention), \
             f"{models.family(model)} family, tensor parallel rank {tp.rank} of {tp.world}"
     if cfg.runner == "hf":
         return HFRunner(model, max_padding=cfg.max_padding), "forced by the runner setting"
@@ -66,7 +66,7 @@ def make_runner(model, cfg: EngineConfig, device: torch.device, tp=None) -> tupl
     if reason is None:
         why = "forced by the runner setting" if cfg.runner == "fast" else f"{models.family(model)} family on a GPU"
         return GraphRunner(models.build(model), max_batch=cfg.max_batch, max_tokens=cfg.max_batch_tokens,
-                           cuda_graphs=cfg.cuda_graphs, shared_prefixes=cfg.shared_prefix_attention), why
+                           cuda_graphs=cfg.cuda_graphs, shared_prefix_attention=cfg.shared_prefix_attention), why
     if cfg.runner == "fast":
         raise ValueError(f"runner 'fast' cannot run this model: {reason}")
     log.warning("the fast runner cannot run this model (%s): using the transformers runner", reason)

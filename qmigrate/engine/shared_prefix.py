@@ -41,11 +41,8 @@ def rows_per_group(num_heads: int, num_kv_heads: int, head_dim: int) -> int:
 
 
 def _tile_m(group: int, head_dim: int) -> int:
+    from .paged_attention import _next_pow2   # that module imports this one
     return max(_next_pow2(group), 128 if head_dim <= 128 else 64)
-
-
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
 
 
 def groups(block_table: np.ndarray, seq_lens: np.ndarray, block_size: int, max_rows: int,
@@ -132,6 +129,7 @@ _scratch: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 def prefix_partials(q, k_cache, v_cache, block_tables, shared: Shared, qk_scale: float, cap_log2: float,
                     softcap: bool, group: int, dot_precision: str):
     """Launch _shared_prefix_kernel; returns its partials (out [B, Hq, P, D], lse [B, Hq, P])."""
+    from .paged_attention import _next_pow2
     from .paged_attention_kernels import _shared_prefix_kernel
     batch, num_heads, head_dim = q.shape
     num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
@@ -148,13 +146,13 @@ def prefix_partials(q, k_cache, v_cache, block_tables, shared: Shared, qk_scale:
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
         shared.group_rows.stride(0), *out.stride()[:3], *lse.stride()[:2], cap_log2,
         GROUP=group, ROWS=rows, BLOCK_M=_next_pow2(rows * group), HEAD_DIM=head_dim,
-        BLOCK_SIZE=block_size, BLOCK_N=min(block_n, 32 if head_dim > 128 else block_n), NUM_SPLITS=splits,
+        BLOCK_SIZE=block_size, BLOCK_N=block_n if head_dim <= 128 else min(block_n, 32), NUM_SPLITS=splits,
         DOT_PRECISION=dot_precision, SOFTCAP=softcap,
         num_warps=warps if rows * group >= 64 else 4, num_stages=stages if head_dim <= 128 else 2)
     return out, lse
 
 
-def to_device(host, batch: int, device) -> Shared:
+def to_device(host, device) -> Shared:
     """The groups of `groups` as device tensors (eager steps; graphs load theirs in place)."""
     row_start, group_rows, group_len = host
     t = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(device, non_blocking=True)
@@ -198,7 +196,7 @@ def _bench() -> None:
         q = torch.randn(rows, heads, head_dim, dtype=torch.bfloat16, device="cuda")
         dt, dl = torch.from_numpy(table).cuda(), torch.from_numpy(lens).cuda()
         host = groups(table, lens, bs, rows_per_group(heads, kv_heads, head_dim))
-        shared = to_device(host, rows, "cuda")
+        shared = to_device(host, "cuda")
         expected = pa.paged_attention_reference(q, k, v, torch.arange(rows + 1, dtype=torch.int32, device="cuda"),
                                                 dl, dt, scale)
         out = torch.empty_like(q)
