@@ -2,9 +2,12 @@
 HTTP, sends the text back to the ingest node that took them.
 
 Everything arrives from the router on one PULL socket. With a journal, every message is
-written to it before it is handled (and each idle flush of buffered text before it prints),
-so a restarted detokenizer replays the journal without printing, knows exactly what it
+written to it before what it prints is written out (and each idle flush of buffered text
+likewise), so a restarted detokenizer replays the journal without printing, knows what it
 printed, asks the router for everything again (`Resync`) and prints only what is new.
+A message's text is made in memory first and written out in one write right after its
+journal record, so a kill can fall between what is journaled and what is printed only
+across those two system calls, not across the work of decoding.
 It tells the router which requests it printed to their end (`Printed`), so the router can
 forget them."""
 
@@ -42,6 +45,7 @@ class Detokenizer:
         self.replaying = False
         self.now = 0.0
         self.out = TerminalWriter(sys.stdout)
+        self.pending: list[str] = []  # text made by the message in hand, printed after its journal record
         self.sink = make_sink(output or topo.detokenizer.output, tokenizer, self.write, self.clock,
                               reply=self.reply, whole_lines=not sys.stdout.isatty())
         self.pull = transport.socket(zmq.PULL, bind=topo.endpoint("detokenizer").bind, hwm=100_000)
@@ -68,6 +72,11 @@ class Detokenizer:
 
     def write(self, text: str) -> None:
         if not self.replaying:
+            self.pending.append(text)
+
+    def print_pending(self) -> None:
+        if self.pending:
+            text, self.pending = "".join(self.pending), []
             self.out(text)
 
     def reply(self, seq_id: int, text: str, finish: int, num_tokens: int, cached_tokens: int = -1) -> None:
@@ -112,9 +121,11 @@ class Detokenizer:
                 self.receive(frames[-1], peer)
             self.send_replies()
             now = time.monotonic()
-            if self.journal is not None and self.sink.is_idle_due(now):
-                self.journal.append(_TIME.pack(now))
+            due = self.journal is not None and self.sink.is_idle_due(now)
             self.sink.flush_idle(now)
+            if due:
+                self.journal.append(_TIME.pack(now))
+            self.print_pending()
             if now - self.last_printed > PRINTED_EVERY_S:
                 self.report_printed(now)
             if (exit_when_done and self.expected is not None and self.sink.num_done >= self.expected
@@ -126,9 +137,11 @@ class Detokenizer:
         msg = transport.parse(frame, "router")
         if msg is None or self.guard.check(peer, msg, b"") is not None:
             return
-        if self.journal is not None and type(msg) in self.handlers:
-            self.journal.append(_TIME.pack(time.monotonic()) + frame)  # before it prints
+        now = time.monotonic()
         self.handle(msg)
+        if self.journal is not None and type(msg) in self.handlers:
+            self.journal.append(_TIME.pack(now) + frame)  # before what it made is printed
+        self.print_pending()
 
     def handle(self, msg) -> None:
         handler = self.handlers.get(type(msg))
