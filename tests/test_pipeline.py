@@ -80,21 +80,54 @@ def reference(tiny_model_dir):
     return greedy_reference(tiny_model_dir)
 
 
+# Seeded sampling: the same draws on any worker, in any batch, whether a sequence moved or not.
+SEEDED = [{**p, "id": f"s{i}", "temperature": 0.9, "top_k": 40, "top_p": 0.95, "seed": 1000 + i}
+          for i, p in enumerate(_prompts(10, seed=7))]
+
+# Malformed and invalid requests, each to get an error record while the others stream.
+BAD_LINES = ['{"id": "ok1", "prompt": "Hello", "max_new_tokens": 5}',
+             '{"id": "empty", "prompt": ""}',
+             '{"id": "long", "prompt_ids": [' + ",".join(["5"] * 600) + "]}",
+             "this is not json",
+             '{"id": "bad", "prompt": "x", "temperature": -1}',
+             '{"id": "ok2", "prompt": "World", "max_new_tokens": 5}',
+             '{"id": "a", "prompt": "Hello there", "max_new_tokens": 20}',
+             '{"id": "b", "prompt": "東京 🦀 café", "max_new_tokens": 20}']
+
+
+@pytest.fixture(scope="module")
+def on_one_worker(tmp_path_factory, tiny_model_dir):
+    """One `qmigrate sim` on one worker (nothing can move): the bad lines, then the seeded requests."""
+    from conftest import run_qmigrate
+    tmp = tmp_path_factory.mktemp("one-worker")
+    stdin = "\n".join(BAD_LINES) + "\n" + "".join(json.dumps(p) + "\n" for p in SEEDED)
+    run = run_qmigrate("sim", _topology(tmp, tiny_model_dir, 1), stdin=stdin)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return run
+
+
 @pytest.mark.parametrize("num_workers,router", [
     (2, {"policy": "affinity", "migration": "recompute"}),
     (3, {"policy": "any", "migration": "transfer"}),
 ])
-def test_greedy_equals_generate_while_sequences_migrate(tmp_path, ipc_dir, tiny_model_dir, reference,
-                                                         num_workers, router):
-    # Each sequence outlasts a lease (generate() runs each to its end), so the ones w1
-    # holds when it is drained must move.
+def test_greedy_equals_generate_and_seeded_sampling_is_unchanged_while_sequences_migrate(
+        tmp_path, ipc_dir, tiny_model_dir, reference, on_one_worker, num_workers, router):
+    """One drained run of greedy and seeded requests: each greedy output is generate()'s,
+    each seeded one what it was on one worker."""
+    # Each sequence outlasts a lease (generate() runs each greedy one to its end; a seeded one
+    # makes the same draws everywhere), so the ones w1 holds when it is drained must move.
     candidates = _prompts(12, seed=num_workers)
     expected = greedy_tokens_many(tiny_model_dir, [(p["prompt_ids"], p["max_new_tokens"]) for p in candidates])
-    prompts = [p for p, tokens in zip(candidates, expected) if len(tokens) > MAX_LEASE_STEPS]
-    assert len(prompts) >= 8
-    finals, moves = _run_with_a_drain(tmp_path, ipc_dir, tiny_model_dir, num_workers, prompts, **router)
-    for p in prompts:
+    greedy = [p for p, tokens in zip(candidates, expected) if len(tokens) > MAX_LEASE_STEPS]
+    assert len(greedy) >= 8
+    alone = on_one_worker.finals()
+    seeded = [p for p in SEEDED if len(alone[p["id"]]["token_ids"]) > MAX_LEASE_STEPS]
+    assert len(seeded) >= 6
+    finals, moves = _run_with_a_drain(tmp_path, ipc_dir, tiny_model_dir, num_workers, greedy + seeded, **router)
+    for p in greedy:
         reference(p["prompt_ids"], p["max_new_tokens"], finals[p["id"]]["token_ids"], p["id"])
+    assert {p["id"]: alone[p["id"]]["token_ids"] for p in seeded} == {p["id"]: finals[p["id"]]["token_ids"]
+                                                                     for p in seeded}
     assert moves.get("drain", 0) > 0, moves
     if router["migration"] == "transfer":
         # Every move shipped the KV, and the receiving worker used it: a fallback to
@@ -104,39 +137,18 @@ def test_greedy_equals_generate_while_sequences_migrate(tmp_path, ipc_dir, tiny_
         assert moves.get("by_recompute", 0) > 0 and moves["kv_imported"] == 0, moves
 
 
-def test_seeded_sampling_is_the_same_on_one_and_three_workers(tmp_path, ipc_dir, tiny_model_dir, qmigrate):
-    prompts = [{**p, "temperature": 0.9, "top_k": 40, "top_p": 0.95, "seed": 1000 + i}
-               for i, p in enumerate(_prompts(10, seed=7))]
-    stdin = "".join(json.dumps(p) + "\n" for p in prompts)
-    one = qmigrate("sim", _topology(tmp_path, tiny_model_dir, 1), stdin=stdin)
-    assert one.returncode == 0, one.stderr[-2000:]
-    a = one.finals()
-    # Seeded: the same draws everywhere, so each of these outlasts a lease on three workers
-    # too, and the sequences w1 holds when drained must move.
-    long = [p for p in prompts if len(a[p["id"]]["token_ids"]) > MAX_LEASE_STEPS]
-    assert len(long) >= 6
-    b, moves = _run_with_a_drain(tmp_path, ipc_dir, tiny_model_dir, 3, long, migration="recompute")
-    assert moves.get("drain", 0) > 0, moves
-    assert {p["id"]: a[p["id"]]["token_ids"] for p in long} == {k: v["token_ids"] for k, v in b.items()}
-    expected = greedy_tokens_many(tiny_model_dir, [(p["prompt_ids"], p["max_new_tokens"]) for p in prompts])
-    differs = [p["id"] for p, tokens in zip(prompts, expected) if tokens != a[p["id"]]["token_ids"]]
+def test_seeded_sampling_is_not_greedy(tiny_model_dir, on_one_worker):
+    alone = on_one_worker.finals()
+    expected = greedy_tokens_many(tiny_model_dir, [(p["prompt_ids"], p["max_new_tokens"]) for p in SEEDED])
+    differs = [p["id"] for p, tokens in zip(SEEDED, expected) if tokens != alone[p["id"]]["token_ids"]]
     assert differs, "sampling at temperature 0.9 gave exactly the greedy output everywhere"
 
 
-def test_bad_requests_get_an_error_record_and_deltas_join_to_the_final_text(tmp_path, tiny_model_dir, qmigrate):
+def test_bad_requests_get_an_error_record_and_deltas_join_to_the_final_text(on_one_worker):
     """One run: malformed and invalid requests each get an error record while the others
     stream, and every request's deltas (multi-byte characters split across tokens too)
     join to its final text."""
-    lines = ['{"id": "ok1", "prompt": "Hello", "max_new_tokens": 5}',
-             '{"id": "empty", "prompt": ""}',
-             '{"id": "long", "prompt_ids": [' + ",".join(["5"] * 600) + "]}",
-             "this is not json",
-             '{"id": "bad", "prompt": "x", "temperature": -1}',
-             '{"id": "ok2", "prompt": "World", "max_new_tokens": 5}',
-             '{"id": "a", "prompt": "Hello there", "max_new_tokens": 20}',
-             '{"id": "b", "prompt": "東京 🦀 café", "max_new_tokens": 20}']
-    run = qmigrate("sim", _topology(tmp_path, tiny_model_dir, 2), stdin="\n".join(lines) + "\n")
-    assert run.returncode == 0, run.stderr[-3000:]
+    run = on_one_worker
     finals = run.finals()
     assert len(finals["ok1"]["token_ids"]) == 5 and len(finals["ok2"]["token_ids"]) == 5
     assert "empty prompt" in finals["empty"]["error"]
@@ -148,9 +160,11 @@ def test_bad_requests_get_an_error_record_and_deltas_join_to_the_final_text(tmp_
     for r in run.records():
         if not r["done"]:
             deltas[r["id"]] = deltas.get(r["id"], "") + r["delta"]
-    for rid in ("ok1", "ok2", "a", "b"):
+    for rid in ("ok1", "ok2", "a", "b", *(p["id"] for p in SEEDED)):
         final = finals[rid]
         assert final["text"] == deltas.get(rid, "")
+    for rid in ("ok1", "ok2", "a", "b"):
+        final = finals[rid]
         assert len(final["token_ids"]) == (5 if rid.startswith("ok") else 20) or final["finish_reason"] == "eos"
 
 
