@@ -438,7 +438,7 @@ def test_the_prefix_hit_rate_is_read_from_usage():
 
 
 def test_middle_events_are_read_as_json_would_read_them():
-    from qmigrate.bench.serve import EventTexts
+    from qmigrate.bench.serve_client import EventTexts
 
     def event(text, finish=None, **style):
         return b"data: " + json.dumps({"id": "cmpl-1", "choices": [{"index": 0, "text": text, "finish_reason": finish}],

@@ -78,7 +78,8 @@ def run_client(url: str, streams: int, prompt_len: tuple[int, int], output_len: 
     once; the figures of each, with the process's CPU time over it, go in `out`."""
     from qmigrate.bench import serve_data as D
     from qmigrate.bench.core import Workload
-    from qmigrate.bench.serve import Client, run_load
+    from qmigrate.bench.serve import run_load
+    from qmigrate.bench.serve_client import Client
     from qmigrate.bench.serve_stats import summarize
     reqs = D.random_dataset(Workload(streams, prompt_len, output_len, (10, 1000), 0))
 

@@ -106,7 +106,8 @@ class ClientProcesses:
 
 def _child(conn, index: int, base_url: str, model: str, extensions: bool, sessions_as: str, calls, tokens) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)   # the parent stops it
-    from qmigrate.bench.serve import Client, send_all
+    from qmigrate.bench.serve import send_all
+    from qmigrate.bench.serve_client import Client
 
     def on_call(rec: CallRecord) -> None:
         calls[index] += 1
