@@ -136,6 +136,9 @@ class FakeServer:
     async def generate(self, request):
         body = await request.json()
         self.bodies.append(body)
+        if body.get("model") != "fake":   # as a real server answers a model it does not serve
+            return web.json_response({"error": {"message": f"the model '{body.get('model')}' does not exist"}},
+                                     status=404)
         chat = "messages" in body
         if chat and not self.has_chat_template:   # as qmigrate's ingest answers
             return web.json_response({"error": {"message": "this model has no chat template; send a plain "
@@ -251,7 +254,7 @@ def test_sessions_go_as_plain_text_completions_without_a_chat_template(has_chat_
     try:
         sessions = D.multi_turn_dataset(sessions=2, turns=3, turn_len=4, output_len=2)
         out = tmp_path / "r.json"
-        [(_, s)] = run_serve(base_url=server.url, model="fake", requests=sessions, rates=[math.inf], warmup=1,
+        [(_, s)] = run_serve(base_url=server.url, model=None, requests=sessions, rates=[math.inf], warmup=1,
                              sessions_as=sessions_as, json_path=out)
     finally:
         server.close()

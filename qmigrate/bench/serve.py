@@ -159,7 +159,7 @@ def run_serve(*, base_url: str, model: str | None, requests: list[ServeRequest],
     async def probe() -> tuple[str, str]:
         """The model to name, and how sessions go."""
         async with Client(base_url, model or "", extensions=extensions) as client:
-            served = model or await client.first_model()
+            client.model = served = model or await client.first_model()
             sent_as = sessions_as
             if sessions_as == "auto":
                 sent_as = "chat"
