@@ -184,6 +184,7 @@ def run_serve(*, base_url: str, model: str | None, requests: list[ServeRequest],
         from qmigrate.bench.serve_procs import ClientProcesses
         from qmigrate.ops.progress import ProgressLine
         pool = ClientProcesses(processes, base_url, served, extensions=extensions, sessions_as=sent_as)
+        finished = False
         try:
             if warm:
                 pool.run(warm, [0.0] * len(warm), warm_salt, None)
@@ -193,8 +194,9 @@ def run_serve(*, base_url: str, model: str | None, requests: list[ServeRequest],
                 records, t0 = pool.run(requests, offsets, salts[i], max_concurrency, progress)
                 progress.clear()
                 ran(rate, records, t0, max((rec.chunks[-1] for rec in records if rec.chunks), default=t0))
+            finished = True
         finally:
-            pool.close()
+            pool.close(5.0 if finished else 0.0)
 
     total = sum(r.output_len * r.num_calls for r in requests)
     print(f"bench serve: {base_url}, {len(requests)} requests ({sum(r.num_calls for r in requests)} calls), "

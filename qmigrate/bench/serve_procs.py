@@ -23,6 +23,7 @@ from multiprocessing.connection import wait
 
 from qmigrate.bench.serve_data import ServeRequest
 from qmigrate.bench.serve_stats import CallRecord
+from qmigrate.ops.process import die_with
 
 START_AFTER_S = 0.05   # from the last process ready to the run's start
 STARTUP_TIMEOUT_S = 60.0
@@ -52,7 +53,8 @@ class ClientProcesses:
         for i in range(n):
             mine, theirs = ctx.Pipe()
             proc = ctx.Process(target=_child, name=f"bench-client-{i}", daemon=True,
-                               args=(theirs, i, base_url, model, extensions, sessions_as, self.calls, self.tokens))
+                               args=(theirs, os.getpid(), i, base_url, model, extensions, sessions_as,
+                                     self.calls, self.tokens))
             proc.start()
             theirs.close()
             self.procs.append(proc)
@@ -91,21 +93,25 @@ class ClientProcesses:
             raise RuntimeError(f"a bench client process failed: {value}")
         return value
 
-    def close(self) -> None:
+    def close(self, wait_s: float = 5.0) -> None:
+        """Ends the processes: idle ones at once; busy ones (a run stopped by an error or
+        Ctrl-C) are terminated after wait_s."""
         for conn in self.conns:
             try:
                 conn.send(None)
             except OSError:
                 pass
         for proc in self.procs:
-            proc.join(5)
+            proc.join(wait_s)
             if proc.is_alive():
                 proc.terminate()
                 proc.join()
 
 
-def _child(conn, index: int, base_url: str, model: str, extensions: bool, sessions_as: str, calls, tokens) -> None:
-    signal.signal(signal.SIGINT, signal.SIG_IGN)   # the parent stops it
+def _child(conn, parent: int, index: int, base_url: str, model: str, extensions: bool, sessions_as: str,
+           calls, tokens) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)   # the parent stops it, or its death does
+    die_with(parent)
     from qmigrate.bench.serve import send_all
     from qmigrate.bench.serve_client import Client
 
