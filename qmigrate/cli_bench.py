@@ -222,6 +222,10 @@ def bench_serve(
     max_concurrency: Annotated[Optional[int], typer.Option(
         min=1,
         help="At most this many calls (sessions) in flight.")] = None,
+    client_processes: Annotated[Optional[int], typer.Option(
+        min=1,
+        help="Processes sending the calls, each every N-th call, so that the client's own work does not "
+             "delay what it times (default: one per 4 cores, at most 8).")] = None,
     goodput: Annotated[Optional[list[str]], typer.Option(
         "--goodput",
         help="SLOs NAME:MS (ttft, tpot, e2e), e.g. --goodput ttft:500 --goodput tpot:50; goodput counts "
@@ -252,6 +256,7 @@ def bench_serve(
     from qmigrate.bench import serve_data as D
     from qmigrate.bench.core import Workload
     from qmigrate.bench.serve import SESSIONS_AS, parse_rates, run_serve
+    from qmigrate.bench.serve_procs import default_processes
     from qmigrate.bench.serve_stats import parse_slos
     try:
         rates, slos = parse_rates(request_rate), parse_slos(goodput or [])
@@ -290,7 +295,7 @@ def bench_serve(
         run_serve(base_url=base_url, model=model_name, requests=reqs, rates=rates, burstiness=burstiness,
                   max_concurrency=max_concurrency, slos=slos, seed=seed, warmup=warmup, extensions=ignore_eos,
                   json_path=json_out, dataset=described, pipeline_json=pipeline_json, sessions_as=sessions_as,
-                  calls_path=calls_out, salt_runs=salt_runs)
+                  calls_path=calls_out, salt_runs=salt_runs, processes=client_processes or default_processes())
     except (RuntimeError, OSError) as exc:
         fail(str(exc), 1)
 

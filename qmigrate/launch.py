@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 from .config import Topology, dump_topology, parse_topology
+from .ops.process import die_with
 
 log = logging.getLogger("qmigrate.launch")
 
@@ -67,18 +68,6 @@ def ignore_signals() -> None:
         signal.signal(s, signal.SIG_IGN)
 
 
-def _libc():
-    try:
-        import ctypes
-        return ctypes.CDLL(None, use_errno=True)
-    except OSError:
-        return None
-
-
-_LIBC = _libc() if sys.platform.startswith("linux") else None
-PR_SET_PDEATHSIG = 1
-
-
 def _die_with(parent: int, mask=None):
     """Run in the child before exec: SIGTERM it when the supervisor dies, even by SIGKILL.
     SIGINT is ignored from the start (an ignored signal stays ignored across exec, and Python
@@ -89,12 +78,9 @@ def _die_with(parent: int, mask=None):
     def prepare():
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGTERM, signal.SIG_DFL)   # not the supervisor's handler
-        if _LIBC is not None:
-            _LIBC.prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+        die_with(parent)
         if mask is not None:
             signal.pthread_sigmask(signal.SIG_SETMASK, mask)
-        if os.getppid() != parent:  # the supervisor died before prctl took effect
-            os._exit(1)
     return prepare
 
 

@@ -136,23 +136,29 @@ class FakeServer:
     async def generate(self, request):
         body = await request.json()
         self.bodies.append(body)
-        self.in_flight += 1
-        self.most_in_flight = max(self.most_in_flight, self.in_flight)
+        if body.get("model") != "fake":   # as a real server answers a model it does not serve
+            return web.json_response({"error": {"message": f"the model '{body.get('model')}' does not exist"}},
+                                     status=404)
         chat = "messages" in body
         if chat and not self.has_chat_template:   # as qmigrate's ingest answers
             return web.json_response({"error": {"message": "this model has no chat template; send a plain "
                                                            "prompt instead of messages"}}, status=400)
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-        await resp.prepare(request)
-        n = body["max_tokens"] if body.get("ignore_eos") else max(1, body["max_tokens"] // 2)
-        for i in range(n):
-            await asyncio.sleep(0.001)
-            choice = {"delta": {"content": f"t{i} "}} if chat else {"text": f"t{i} "}
-            await resp.write(b"data: " + json.dumps({"choices": [choice]}).encode() + b"\n\n")
-        usage = {"prompt_tokens": 1, "completion_tokens": n}
-        await resp.write(b"data: " + json.dumps({"choices": [], "usage": usage}).encode() + b"\n\ndata: [DONE]\n\n")
-        self.in_flight -= 1
-        return resp
+        self.in_flight += 1
+        self.most_in_flight = max(self.most_in_flight, self.in_flight)
+        try:   # a client may go away mid-stream (the chat probe reads only the status)
+            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await resp.prepare(request)
+            n = body["max_tokens"] if body.get("ignore_eos") else max(1, body["max_tokens"] // 2)
+            for i in range(n):
+                await asyncio.sleep(0.001)
+                choice = {"delta": {"content": f"t{i} "}} if chat else {"text": f"t{i} "}
+                await resp.write(b"data: " + json.dumps({"choices": [choice]}).encode() + b"\n\n")
+            usage = {"prompt_tokens": 1, "completion_tokens": n}
+            await resp.write(b"data: " + json.dumps({"choices": [], "usage": usage}).encode()
+                             + b"\n\ndata: [DONE]\n\n")
+            return resp
+        finally:
+            self.in_flight -= 1
 
     def close(self):
         asyncio.run_coroutine_threadsafe(self.runner.cleanup(), self.loop).result(10)
@@ -193,6 +199,35 @@ def test_against_a_fake_server(fake_server, tmp_path):
     assert len(set(salts[:12])) == len(set(salts[12:])) == 1 and salts[0] != salts[12]
 
 
+def test_calls_from_several_processes(fake_server, tmp_path):
+    """Two client processes, each every second call: every call is made once, at its own
+    arrival time, under the shared concurrency limit, and sessions keep their turns."""
+    from qmigrate.bench.serve_procs import shares
+    assert shares(7, 3) == [3, 2, 2] and shares(None, 2) == [None, None]
+    reqs = D.random_dataset(Workload(10, (4, 8), (3, 9), vocab=(10, 100)))
+    sessions = D.multi_turn_dataset(sessions=2, turns=2, turn_len=4, output_len=2)
+    out = tmp_path / "r.json"
+    runs = run_serve(base_url=fake_server.url, model=None, requests=reqs + sessions, rates=[100.0, math.inf],
+                     max_concurrency=4, warmup=2, json_path=out, calls_path=tmp_path / "calls.jsonl",
+                     processes=2)
+    asked = sum(r.output_len for r in reqs) + 2 * 2 * 2
+    for _, s in runs:
+        assert (s["completed"], s["failed"], s["short_calls"], s["output_tokens"]) == (14, 0, 0, asked)
+    assert fake_server.most_in_flight <= 4
+    assert json.loads(out.read_text())["client_processes"] == 2
+    timed = [b for b in fake_server.bodies if "-run-" in b.get("cache_salt", "")]   # not the warm-up
+    assert sorted(str(b["prompt"]) for b in timed if "prompt" in b) == sorted(str(r.prompt) for r in reqs * 2)
+    for session in sessions:
+        mine = [b["messages"] for b in timed if "messages" in b and b["messages"][0]["content"] == session.turns[0]]
+        assert sorted(len(m) for m in mine) == [1, 1, 3, 3]
+    offsets = arrival_offsets(len(reqs) + len(sessions), 100.0, 1.0, 0)
+    calls = [json.loads(line) for line in (tmp_path / "calls.jsonl").read_text().splitlines()]
+    # the requests' calls (a session's turns have 2 tokens, the requests 3 or more): none sent early
+    starts = sorted(c["start"] for c in calls if c["rate"] == "100" and c["output_tokens"] != 2)
+    assert len(starts) == len(reqs)
+    assert all(got >= want - 1e-3 for got, want in zip(starts, sorted(offsets[:len(reqs)])))
+
+
 def test_without_ignore_eos_short_outputs_are_reported(fake_server):
     reqs = D.random_dataset(Workload(4, (4, 8), (4, 9), vocab=(10, 100)))
     [(_, s)] = run_serve(base_url=fake_server.url, model="fake", requests=reqs, rates=[math.inf],
@@ -219,7 +254,7 @@ def test_sessions_go_as_plain_text_completions_without_a_chat_template(has_chat_
     try:
         sessions = D.multi_turn_dataset(sessions=2, turns=3, turn_len=4, output_len=2)
         out = tmp_path / "r.json"
-        [(_, s)] = run_serve(base_url=server.url, model="fake", requests=sessions, rates=[math.inf], warmup=1,
+        [(_, s)] = run_serve(base_url=server.url, model=None, requests=sessions, rates=[math.inf], warmup=1,
                              sessions_as=sessions_as, json_path=out)
     finally:
         server.close()
@@ -406,7 +441,7 @@ def test_the_prefix_hit_rate_is_read_from_usage():
 
 
 def test_middle_events_are_read_as_json_would_read_them():
-    from qmigrate.bench.serve import EventTexts
+    from qmigrate.bench.serve_client import EventTexts
 
     def event(text, finish=None, **style):
         return b"data: " + json.dumps({"id": "cmpl-1", "choices": [{"index": 0, "text": text, "finish_reason": finish}],

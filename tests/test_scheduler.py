@@ -693,6 +693,16 @@ def transfer_fleet(**config) -> Scheduler:
     return s
 
 
+def test_transfer_ids_cannot_be_guessed():
+    """A receiver takes KV for a migrating sequence by its transfer id; counted ids (1, 2, ...)
+    let any worker key guess the next one. They are random 62-bit numbers (a repeat among
+    2,000 has a chance of about 1e-12)."""
+    from qmigrate.router.leasing import Lessor
+    ids = [Lessor.new_transfer_id() for _ in range(2000)]
+    assert len(set(ids)) == len(ids) and all(0 < i < 1 << 62 for i in ids)
+    assert max(ids) > 1 << 58   # not small numbers counted from somewhere
+
+
 def test_transfer_migration_ships_kv_from_the_old_owner():
     s = transfer_fleet()
     s.admit([spec(1, prompt_len=400), spec(2, prompt_len=10)])
@@ -703,7 +713,7 @@ def test_transfer_migration_ships_kv_from_the_old_owner():
     assert set(rows) == {1, 2}
     ((owner, sid, dest, transfer_id, num_tokens, start),) = g.shipments
     assert (owner, sid, dest, num_tokens) == ("w0", 1, "tcp://w1:5601", 400)  # 401 ids, last one is input
-    assert transfer_id > 0
+    assert 0 < transfer_id < 1 << 62
     assert (rows[1].spec.kv_from, rows[1].spec.transfer_id) == ("tcp://w0:5601", transfer_id)
     assert (rows[2].spec.kv_from, rows[2].spec.transfer_id) == ("", 0)  # short: recompute
     assert s.workers["w0"].pending_drops == [2]  # the shipped one is dropped by the export

@@ -78,7 +78,8 @@ def run_client(url: str, streams: int, prompt_len: tuple[int, int], output_len: 
     once; the figures of each, with the process's CPU time over it, go in `out`."""
     from qmigrate.bench import serve_data as D
     from qmigrate.bench.core import Workload
-    from qmigrate.bench.serve import Client, run_load
+    from qmigrate.bench.serve import run_load
+    from qmigrate.bench.serve_client import Client
     from qmigrate.bench.serve_stats import summarize
     reqs = D.random_dataset(Workload(streams, prompt_len, output_len, (10, 1000), 0))
 
@@ -196,6 +197,7 @@ def _figures(args, prompt_len: str, output_len: str, runs: list[dict], arrived: 
                      "admission_ms": 1000 * (max(took) - timed[0][0]),
                      "http_cpu_us_per_admission": 1e6 * (timed[-1][1] - timed[0][1]) / max(n - 1, 1),
                      "ttft_p50_ms": run["ttft_ms"]["p50"] or 0.0, "tpot_p50_ms": run["tpot_ms"]["p50"] or 0.0,
+                     "itl_p50_ms": run["itl_ms"]["p50"] or 0.0, "itl_p99_ms": run["itl_ms"]["p99"] or 0.0,
                      "http_thread_cpu_ms_per_1k_tokens": (cpu_end - timed[0][1]) * per_k * 1000,
                      "client_cpu_ms_per_1k_tokens": run["client_cpu_s"] * per_k * 1000,
                      "failed": run["failed"]})

@@ -1,11 +1,36 @@
-"""What every role process does around its loop: freeze the startup heap, and exit with one line."""
+"""What every role process does around its loop: freeze the startup heap, exit with one line,
+and die with the process that started it."""
 
 from __future__ import annotations
 
 import atexit
 import gc
+import os
+import signal
 import sys
 from typing import Callable
+
+PR_SET_PDEATHSIG = 1
+
+
+def _libc():
+    try:
+        import ctypes
+        return ctypes.CDLL(None, use_errno=True)
+    except OSError:
+        return None
+
+
+_LIBC = _libc() if sys.platform.startswith("linux") else None
+
+
+def die_with(parent: int) -> None:
+    """SIGTERM this process when `parent` dies, even by SIGKILL (Linux; elsewhere nothing).
+    Exits at once if the parent died before this took effect."""
+    if _LIBC is not None:
+        _LIBC.prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+    if os.getppid() != parent:
+        os._exit(1)
 
 
 def freeze_heap() -> None:

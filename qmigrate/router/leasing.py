@@ -20,6 +20,7 @@ Pure bookkeeping over the Scheduler's records, which it shares (the Scheduler ow
 from __future__ import annotations
 
 import itertools
+import secrets
 from collections import Counter, deque
 
 from qmigrate.config import RouterConfig
@@ -35,16 +36,21 @@ class Lessor:
         self.config, self.seqs, self.queue, self.workers = config, seqs, queue, workers
         self.leases, self.moves, self.prefix, self.counters = leases, moves, prefix, counters
         self._lease_ids = itertools.count(1)
-        self._transfer_ids = itertools.count(1)
         self.revokes: list[tuple[str, int, list[int]]] = []  # (worker, lease_id, seq_ids; [] = all)
         # (cause, seconds from the decision to move to the lease on the new worker)
         self.move_delays: deque[tuple[str, float]] = deque(maxlen=4096)
 
     def start_ids_at(self, base: int) -> None:
-        """Number leases and transfers from base, so a restarted router never reuses the ids
-        of results still travelling from before the restart."""
+        """Number leases from base, so a restarted router never reuses the ids of results
+        still travelling from before the restart."""
         self._lease_ids = itertools.count(base)
-        self._transfer_ids = itertools.count(base)
+
+    @staticmethod
+    def new_transfer_id() -> int:
+        """A KV shipment's id: random, 62 bits. Only the sender (in its ShipKV) and the receiver
+        (in its lease) are told it, over their encrypted links, so a worker key that another
+        node's worker stole cannot send KV that a receiver takes for a migrating sequence."""
+        return secrets.randbits(62) or 1
 
     def take_revokes(self) -> list[tuple[str, int, list[int]]]:
         revokes, self.revokes = self.revokes, []
@@ -222,7 +228,7 @@ class Lessor:
             self.counters[f"migrations_by_{mechanism}"] += 1
             owner.owned.discard(seq.seq_id)
             if mechanism == "transfer":
-                transfer_id = next(self._transfer_ids)
+                transfer_id = self.new_transfer_id()
                 kv_from = owner.kv_endpoint
                 shipments.append((owner.name, seq.seq_id, w.kv_endpoint, transfer_id,
                                   len(seq.token_ids) - 1, self._cached_start(seq, w)))

@@ -19,7 +19,6 @@ from __future__ import annotations
 import logging
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -29,6 +28,7 @@ from pathlib import Path
 
 from qmigrate.config import dump_topology, load_topology
 from qmigrate.engine.parallel import TensorParallel
+from qmigrate.ops.process import die_with
 
 log = logging.getLogger("qmigrate.worker")
 
@@ -96,7 +96,7 @@ class Ranks:
             for rank in range(1, self.world):
                 self.procs.append(subprocess.Popen(
                     [sys.executable, "-m", "qmigrate.worker.ranks", str(topo_path), name, model_path, str(rank),
-                     init], preexec_fn=lambda: _die_with(parent)))
+                     init], preexec_fn=lambda: die_with(parent)))
             self.watcher = threading.Thread(target=self._watch, name="tp-ranks", daemon=True)
             self.watcher.start()
             self.tp = TensorParallel.init(0, self.world, init, rank_device(cfg.device, 0))
@@ -158,15 +158,6 @@ class Ranks:
             if proc.poll() is None:
                 proc.kill()
         shutil.rmtree(self.dir, ignore_errors=True)
-
-
-def _die_with(parent: int) -> None:
-    """In a follower before exec: SIGTERM when rank 0 dies, even by SIGKILL."""
-    from qmigrate.launch import PR_SET_PDEATHSIG, _LIBC
-    if _LIBC is not None:
-        _LIBC.prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
-    if os.getppid() != parent:
-        os._exit(1)
 
 
 def follow(topo_path: str, name: str, model_path: str, rank: int, init_method: str) -> int:
