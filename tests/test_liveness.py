@@ -3,8 +3,9 @@ one whose loop is stuck in a step past the lease timeout, is still lost and its 
 
 The head node (router, ingest, detokenizer) is a real `qmigrate node` on loopback TCP;
 worker w1, on node "late", is started by the test as `qmigrate role worker` in a process whose step can be held
-on purpose: when the file `hold` exists, the next lease's first step sleeps that many seconds
-(as a host thread blocked on a long step does, off the interpreter's lock)."""
+on purpose: when the file `hold` exists, the next lease's first step sleeps that many seconds,
+or until the file `release` appears (as a host thread blocked on a long step does, off the
+interpreter's lock)."""
 
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ from pathlib import Path
 from qmigrate.worker import core
 from qmigrate.cli import app
 
-hold = Path(sys.argv[2])
+hold, release = Path(sys.argv[2]), Path(sys.argv[3])
 start = core.WorkerCore.start
 
 def held_start(self, lease, **kw):
@@ -36,7 +37,10 @@ def held_start(self, lease, **kw):
         seconds = float(hold.read_text())
         hold.unlink()
         print(f"holding a step for {seconds:g} s", file=sys.stderr, flush=True)
-        time.sleep(seconds)
+        end = time.monotonic() + seconds
+        while time.monotonic() < end and not release.exists():
+            time.sleep(0.05)
+        release.unlink(missing_ok=True)
         print("held step over", file=sys.stderr, flush=True)
     return start(self, lease, **kw)
 
@@ -53,7 +57,7 @@ def fleet(tmp_path, tiny_model_dir):
         "lease_timeout_s": LEASE_TIMEOUT_S})
     nodes = H.Nodes(tmp_path)
     err = open(tmp_path / "w1.err", "a+")
-    worker = subprocess.Popen([sys.executable, "-c", _WORKER, str(path), str(tmp_path / "hold")],
+    worker = subprocess.Popen([sys.executable, "-c", _WORKER, str(path), str(tmp_path / "hold"), str(tmp_path / "release")],
                               stdin=subprocess.DEVNULL, stdout=err, stderr=err, text=True, start_new_session=True)
     try:
         yield path, nodes, router, worker, err
@@ -106,11 +110,13 @@ def test_a_long_step_is_no_death_and_a_stopped_or_stuck_worker_is(fleet, tiny_mo
     assert H.stats(router).get("migrations_dead", 0) > 0
 
     # 3. Its loop stuck in one step past the lease timeout, its pulse going on: lost as hung.
-    (tmp_path / "hold").write_text(str(LEASE_TIMEOUT_S + 4))
+    # The step is held until the router has said so (at most four lease timeouts), then let go.
+    (tmp_path / "hold").write_text(str(4 * LEASE_TIMEOUT_S))
     third = H.prompts(3, "c", n=2, new_tokens=20)
     H.feed_here(path, third)
     H.wait_for("w1 to be lost as hung", lambda s: s.get("workers_hung", 0) == 1, router)
     assert _log(worker_err).count("held step over") == 1, "found hung only once its step was over"
+    (tmp_path / "release").touch()
     H.wait_for_output(head, len(first) + len(second) + len(third))
     assert "worker w1 lost: its loop has been in one step for" in _log(head.err)
     stats = H.stats(router)

@@ -57,6 +57,25 @@ def hosts():
             subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=10)
 
 
+# Run in the head's namespace: polls the router until `n` workers have joined, at most `timeout` s.
+_WORKERS_JOINED = """
+import sys, time
+from qmigrate.config import load_topology
+from qmigrate.wire import protocol as P
+from qmigrate.wire import transport
+router = load_topology(sys.argv[1]).endpoint("router").connect
+deadline = time.monotonic() + float(sys.argv[3])
+while time.monotonic() < deadline:
+    try:
+        if transport.request(router, P.StatsRequest(), timeout_s=1.0, expect=P.Stats).counters.get("workers", 0) >= int(sys.argv[2]):
+            print("joined")
+            break
+    except transport.Unreachable:
+        pass
+    time.sleep(0.2)
+"""
+
+
 def test_a_cut_link_between_hosts_loses_nothing(hosts, tmp_path, tiny_model_dir):
     from conftest import check_outputs
     tag, hub = hosts
@@ -96,10 +115,14 @@ def test_a_cut_link_between_hosts_loses_nothing(hosts, tmp_path, tiny_model_dir)
         start("n2")
         head = start("head", stdin=subprocess.PIPE, extra=["--stdin"])
         # Both workers in before the prompts: one that joins late would miss the whole run.
-        deadline = time.monotonic() + 120
-        while int(stats().get("workers", 0)) < 2:
-            assert time.monotonic() < deadline, f"w1 and w2 did not both join\n{open(tmp_path / 'err').read()[-2000:]}"
-            time.sleep(0.5)
+        # Asked of one process in the head's namespace, not of a new interpreter each time: those
+        # would compete with the workers' own starts.
+        poller = subprocess.Popen(["ip", "netns", "exec", f"{tag}head", sys.executable, "-c", _WORKERS_JOINED,
+                                   str(path), "2", "120"], stdout=subprocess.PIPE, stderr=err, text=True,
+                                  start_new_session=True)
+        nodes.append(poller)
+        joined, _ = poller.communicate(timeout=150)
+        assert joined.strip() == "joined", f"w1 and w2 did not both join\n{open(tmp_path / 'err').read()[-2000:]}"
         head.stdin.write("".join(json.dumps(p) + "\n" for p in prompts))
         head.stdin.close()
         deadline = time.monotonic() + 180
