@@ -58,12 +58,13 @@ def _keep_busy_until_w3_joins(path, router, timeout: float = 120.0) -> list[dict
     pytest.fail(f"w3 did not join within {timeout:g} s; last stats {H.stats(router)}")
 
 
-def test_join_and_drain_under_load_lose_nothing(fleet, tiny_model_dir):
-    """The head runs as a service (no --stdin): prompts arrive on ingest's socket, by `qmigrate
-    feed` and from this process."""
+def test_join_drain_and_kill_under_load_lose_nothing(fleet, tiny_model_dir):
+    """One run of a fleet that changes three times: w3 joins while the others work, w1 is
+    drained, and w2 is killed. Prompts arrive on ingest's socket, by `qmigrate feed` and from
+    this process, and at the end on the head's stdin, whose end the node then runs to."""
     path, nodes, router = fleet
     second = H.prompts(12, "b", n=8, new_tokens=80)
-    head = nodes.start(path, "head")
+    head = nodes.start(path, "head", keep_stdin=True)
     H.wait_for("the first two workers", lambda s: s.get("workers") == 2, router)
     late = nodes.start(path, "late")  # loads its model while the fleet works
     first = _keep_busy_until_w3_joins(path, router)
@@ -85,24 +86,19 @@ def test_join_and_drain_under_load_lose_nothing(fleet, tiny_model_dir):
     while H.pid_of(head, "qmigrate worker w1") and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not H.pid_of(head, "qmigrate worker w1"), "the drained worker did not exit"
-
-    out = H.wait_for_output(head, len(first) + len(second) + len(third))
+    H.wait_for_output(head, len(first) + len(second) + len(third))
     stats = H.stats(router)
     moves = {k: v for k, v in stats.items() if k.startswith(("migrations", "owned")) or k in ("finished", "live")}
     assert stats.get("migrations_drain", 0) > 0, f"the drain moved nothing: {moves}"
-    check_outputs(out, first + second + third, tiny_model_dir)
-
-
-def test_a_killed_worker_loses_nothing(fleet, tiny_model_dir):
-    path, nodes, router = fleet
-    prompts = H.prompts(n=8, new_tokens=30)
-    head = nodes.start(path, "head", keep_stdin=True)
-
-    def write():
-        head.stdin.write(H.jsonl(prompts))
-        head.stdin.close()
 
     # w2 holds a sequence it has not run when it is killed: the router must move it.
+    fourth = H.prompts(n=8, new_tokens=30)
+
+    def write():
+        head.stdin.write(H.jsonl(fourth))
+        head.stdin.close()
+
+    dead_before = stats.get("migrations_dead", 0)
     victim = H.hold_work(head, router, "w2", write)
     os.kill(victim, signal.SIGKILL)
     H.resume(victim)
@@ -112,5 +108,5 @@ def test_a_killed_worker_loses_nothing(fleet, tiny_model_dir):
     assert head.returncode == 0, err[-3000:]
     assert "w2 exited" in err  # the node says which role died, then carries on
     moves = dict(re.findall(r"(\w+) (\d+)", re.search(r"migrations: (.*)", err).group(1)))
-    assert int(moves.get("dead", 0)) > 0, err[-2000:]
-    check_outputs(out, prompts, tiny_model_dir)
+    assert int(moves.get("dead", 0)) > dead_before, err[-2000:]
+    check_outputs(out, first + second + third + fourth, tiny_model_dir)
