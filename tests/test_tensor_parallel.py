@@ -323,7 +323,7 @@ def _wait_for(what: str, predicate, stats, timeout: float = 120.0) -> dict:
     pytest.fail(f"timed out waiting for {what}; last stats {stats()}")
 
 
-def _prompts(n: int = 6, new_tokens: int = 300) -> list[dict]:
+def _prompts(n: int = 6, new_tokens: int = 150) -> list[dict]:
     r = random.Random(8)
     return [{"id": f"p{i}", "prompt_ids": [1] + [r.randint(3, 1400) for _ in range(r.randint(2, 20))],
              "max_new_tokens": new_tokens} for i in range(n)]
