@@ -180,6 +180,20 @@ def tiny_chat_model_dir(tiny_model_dir, tmp_path_factory) -> Path:
     return out
 
 
+@pytest.fixture(scope="session")
+def http_node(tiny_chat_model_dir, tmp_path_factory):
+    """One live node with the HTTP API on the tiny chat model (helpers.HttpNode), started at its
+    first use and stopped at the end of the session: the HTTP tests and the serving benchmark's
+    run against a real node share it rather than each starting their own."""
+    from helpers import HttpNode
+    node = HttpNode(tmp_path_factory.mktemp("http-node"), tiny_chat_model_dir)
+    try:
+        node.wait_ready()
+        yield node
+    finally:
+        node.stop()
+
+
 _PORT_LOCKS = Path(tempfile.gettempdir()) / "qmigrate-test-ports"
 _held_ports: dict[int, int] = {}   # port -> the open lock file that reserves it
 

@@ -255,3 +255,73 @@ def fleet_topology(path: Path, model_dir, num_workers: int, ports: list[int] | N
         from qmigrate.config import load_topology
         address = load_topology(path).endpoint("router").connect
     return address
+
+
+def free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class HttpNode:
+    """A `qmigrate node` of every role with the HTTP API (model name "tiny") and one CPU worker,
+    its output in files: shared by the tests that talk to a live node over HTTP."""
+
+    def __init__(self, tmp: Path, model_dir):
+        import openai
+        import yaml
+        self.ipc = tmp / "s"
+        self.port = free_port()
+        topo = {
+            "transport": "ipc", "ipc_dir": str(self.ipc), "model": {"path": str(model_dir)},
+            "defaults": {"max_new_tokens": 8}, "nodes": [{"name": "local"}],
+            "router": {"node": "local"}, "detokenizer": {"node": "local", "output": "jsonl"},
+            "ingest": {"node": "local", "input": "jsonl", "http_port": self.port, "model_name": "tiny"},
+            "workers": [{"name": "w1", "node": "local", "cpu_kv_gib": 0.25}],
+        }
+        self.config = tmp / "topology.yaml"
+        self.config.write_text(yaml.safe_dump(topo))
+        self.stdout = tmp / "stdout.jsonl"
+        self.stderr = tmp / "stderr.txt"
+        with open(self.stdout, "w") as out, open(self.stderr, "w") as err:
+            self.proc = subprocess.Popen([sys.executable, "-m", "qmigrate", "node", str(self.config), "--node", "local"],
+                                         stdin=subprocess.DEVNULL, stdout=out, stderr=err, start_new_session=True)
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.client = openai.OpenAI(base_url=f"{self.url}/v1", api_key="none", max_retries=0, timeout=60)
+
+    def wait_ready(self, timeout_s: float = 90) -> None:
+        import openai
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            assert self.proc.poll() is None, self.stderr.read_text()[-3000:]
+            try:
+                if self.stats(timeout_s=0.5).get("workers", 0) >= 1:
+                    self.client.models.list()
+                    return
+            except (transport.Unreachable, openai.APIConnectionError):
+                pass
+            time.sleep(0.2)
+        pytest.fail(f"node not ready in {timeout_s} s:\n{self.stderr.read_text()[-3000:]}")
+
+    def stats(self, timeout_s: float = 5.0) -> dict:
+        return transport.request(f"ipc://{self.ipc}/router.sock", P.StatsRequest(), timeout_s=timeout_s,
+                                 expect=P.Stats).counters
+
+    def feed(self, *lines: str) -> None:
+        ack = transport.request(f"ipc://{self.ipc}/ingest.sock", P.FeedLines(list(lines)), expect=P.FeedAck)
+        assert ack.num_accepted == len(lines)
+
+    def records(self, done_ids: set[str], timeout_s: float = 30) -> list[dict]:
+        """Printed records, once every id in done_ids has a final record."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            records = [json.loads(line) for line in self.stdout.read_text().splitlines() if line.strip()]
+            if done_ids <= {r["id"] for r in records if r.get("done")}:
+                return records
+            time.sleep(0.05)
+        pytest.fail(f"no final records for {done_ids}:\n{self.stdout.read_text()[-2000:]}")
+
+    def stop(self) -> None:
+        from conftest import stop_group
+        stop_group(self.proc, grace_s=15)

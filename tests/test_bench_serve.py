@@ -318,44 +318,24 @@ def test_min_new_tokens_holds_off_eos_and_stop_sequences():
 # --- against a real node -----------------------------------------------------------------------
 
 @pytest.fixture
-def node(tmp_path, tiny_chat_model_dir):
-    import subprocess
-    import sys
+def node(http_node):
+    """The session's live node on the tiny chat model (conftest.http_node), by its URL."""
     import time
     import urllib.request
-    import yaml
-    from conftest import reserve_ports, stop_group
-    [port] = reserve_ports(1)
-    topo = {"transport": "ipc", "ipc_dir": str(tmp_path / "s"), "model": {"path": str(tiny_chat_model_dir)},
-            "nodes": [{"name": "local"}], "router": {"node": "local"},
-            "detokenizer": {"node": "local", "output": "jsonl"},
-            "ingest": {"node": "local", "input": "jsonl", "http_port": port, "model_name": "tiny"},
-            "workers": [{"name": "w1", "node": "local", "cpu_kv_gib": 0.25}]}
-    config = tmp_path / "topology.yaml"
-    config.write_text(yaml.safe_dump(topo))
-    err = open(tmp_path / "stderr.txt", "w")
-    proc = subprocess.Popen([sys.executable, "-m", "qmigrate", "node", str(config), "--node", "local"],
-                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 90
-        while True:
-            assert proc.poll() is None, (tmp_path / "stderr.txt").read_text()[-3000:]
-            assert time.monotonic() < deadline, "the node did not serve HTTP in 90 s"
-            try:
-                # A completion, not /v1/models alone: the worker is up once one comes back.
-                req = urllib.request.Request(url + "/v1/completions", method="POST",
-                                             data=json.dumps({"model": "tiny", "prompt": [5, 6], "max_tokens": 1}).encode(),
-                                             headers={"Content-Type": "application/json"})
-                with urllib.request.urlopen(req, timeout=30) as resp:
-                    if resp.status == 200:
-                        break
-            except OSError:
-                time.sleep(0.3)
-        yield url
-    finally:
-        stop_group(proc)
-        err.close()
+    deadline = time.monotonic() + 90
+    while True:
+        assert http_node.proc.poll() is None, http_node.stderr.read_text()[-3000:]
+        assert time.monotonic() < deadline, "the node did not serve HTTP in 90 s"
+        try:
+            # A completion, not /v1/models alone: the worker is up once one comes back.
+            req = urllib.request.Request(http_node.url + "/v1/completions", method="POST",
+                                         data=json.dumps({"model": "tiny", "prompt": [5, 6], "max_tokens": 1}).encode(),
+                                         headers={"Content-Type": "application/json"})
+            with urllib.request.urlopen(req, timeout=30) as resp:
+                if resp.status == 200:
+                    return http_node.url
+        except OSError:
+            time.sleep(0.3)
 
 
 @pytest.mark.slow

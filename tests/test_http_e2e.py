@@ -4,17 +4,10 @@ detokenizer, one CPU worker) on the tiny model with a chat template."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-import yaml
-
-from qmigrate.wire import protocol as P
-from qmigrate.wire import transport
-from conftest import stop_group
 
 openai = pytest.importorskip("openai")
 pytestmark = pytest.mark.slow
@@ -23,77 +16,9 @@ MODEL = "tiny"
 PROMPTS = ["Hello world", "Once upon a time", "The router keeps"]
 
 
-def free_port() -> int:
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Node:
-    def __init__(self, tmp, model_dir):
-        self.ipc = tmp / "s"
-        self.port = free_port()
-        topo = {
-            "transport": "ipc", "ipc_dir": str(self.ipc), "model": {"path": str(model_dir)},
-            "defaults": {"max_new_tokens": 8}, "nodes": [{"name": "local"}],
-            "router": {"node": "local"}, "detokenizer": {"node": "local", "output": "jsonl"},
-            "ingest": {"node": "local", "input": "jsonl", "http_port": self.port, "model_name": MODEL},
-            "workers": [{"name": "w1", "node": "local", "cpu_kv_gib": 0.25}],
-        }
-        self.config = tmp / "topology.yaml"
-        self.config.write_text(yaml.safe_dump(topo))
-        self.stdout = tmp / "stdout.jsonl"
-        self.stderr = tmp / "stderr.txt"
-        with open(self.stdout, "w") as out, open(self.stderr, "w") as err:
-            self.proc = subprocess.Popen([sys.executable, "-m", "qmigrate", "node", str(self.config), "--node", "local"],
-                                         stdin=subprocess.DEVNULL, stdout=out, stderr=err, start_new_session=True)
-        self.client = openai.OpenAI(base_url=f"http://127.0.0.1:{self.port}/v1", api_key="none",
-                                    max_retries=0, timeout=60)
-
-    def wait_ready(self, timeout_s: float = 90) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            assert self.proc.poll() is None, self.stderr.read_text()[-3000:]
-            try:
-                if self.stats(timeout_s=0.5).get("workers", 0) >= 1:
-                    self.client.models.list()
-                    return
-            except (transport.Unreachable, openai.APIConnectionError):
-                pass
-            time.sleep(0.2)
-        pytest.fail(f"node not ready in {timeout_s} s:\n{self.stderr.read_text()[-3000:]}")
-
-    def stats(self, timeout_s: float = 5.0) -> dict:
-        return transport.request(f"ipc://{self.ipc}/router.sock", P.StatsRequest(), timeout_s=timeout_s,
-                                 expect=P.Stats).counters
-
-    def feed(self, *lines: str) -> None:
-        ack = transport.request(f"ipc://{self.ipc}/ingest.sock", P.FeedLines(list(lines)), expect=P.FeedAck)
-        assert ack.num_accepted == len(lines)
-
-    def records(self, done_ids: set[str], timeout_s: float = 30) -> list[dict]:
-        """Printed records, once every id in done_ids has a final record."""
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            records = [json.loads(line) for line in self.stdout.read_text().splitlines() if line.strip()]
-            if done_ids <= {r["id"] for r in records if r.get("done")}:
-                return records
-            time.sleep(0.05)
-        pytest.fail(f"no final records for {done_ids}:\n{self.stdout.read_text()[-2000:]}")
-
-    def stop(self) -> None:
-        stop_group(self.proc, grace_s=15)
-
-
 @pytest.fixture(scope="module")
-def node(tiny_chat_model_dir, tmp_path_factory):
-    n = Node(tmp_path_factory.mktemp("node"), tiny_chat_model_dir)
-    try:
-        n.wait_ready()
-        yield n
-    finally:
-        n.stop()
+def node(http_node):
+    return http_node
 
 
 @pytest.fixture(scope="module")
