@@ -40,6 +40,13 @@ class Child:
     def label(self) -> str:
         return f"{self.role} {self.name}" if self.name != self.role else self.role
 
+    @property
+    def may_restart(self) -> bool:
+        """Any role but an ingest that reads this process's stdin (the input is gone with it):
+        an ingest that serves HTTP starts again, and the router cancels what its clients
+        asked of the one before."""
+        return not (self.role == "ingest" and self.stdin is None)
+
 
 class Interrupted(Exception):
     """SIGINT or SIGTERM reached the supervisor: stop every role and report it."""
@@ -150,7 +157,7 @@ def supervise(children: list[Child], *, until_done: bool, max_restarts: int = 0,
             if rc == 0 and c.role in ("ingest", "worker", "monitor"):
                 c.exited = True  # done reading, drained, or no NVML here: not a failure
                 continue
-            if c.role != "ingest" and c.num_restarts < max_restarts:  # ingest's stdin is gone
+            if c.may_restart and c.num_restarts < max_restarts:
                 c.num_restarts += 1
                 print(f"qmigrate: {c.label} exited with status {rc}; starting it again "
                       f"({c.num_restarts} of {max_restarts})", file=sys.stderr)

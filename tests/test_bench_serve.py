@@ -226,6 +226,11 @@ def test_calls_from_several_processes(fake_server, tmp_path):
     starts = sorted(c["start"] for c in calls if c["rate"] == "100" and c["output_tokens"] != 2)
     assert len(starts) == len(reqs)
     assert all(got >= want - 1e-3 for got, want in zip(starts, sorted(offsets[:len(reqs)])))
+    # a limit below the processes asked for: one process, one call at a time
+    fake_server.most_in_flight = 0
+    [(_, s)] = run_serve(base_url=fake_server.url, model="fake", requests=reqs[:4], rates=[math.inf],
+                         max_concurrency=1, warmup=0, processes=2)
+    assert s["completed"] == 4 and fake_server.most_in_flight == 1
 
 
 def test_without_ignore_eos_short_outputs_are_reported(fake_server):

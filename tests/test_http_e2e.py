@@ -199,3 +199,40 @@ def test_seeded_choices_differ_from_each_other_and_repeat_as_requests_of_seed_pl
     assert [c.text for c in node.client.completions.create(n=3, **args).choices] == texts
     alone = [node.client.completions.create(**{**args, "seed": 7 + j}).choices[0].text for j in range(3)]
     assert alone == texts
+
+
+def test_a_killed_ingest_starts_again_and_its_clients_requests_are_cancelled(node):
+    """Last in this module: it restarts the node's ingest. The HTTP clients of a killed ingest
+    are gone with it; the node starts ingest again (before, the whole node stopped), and the
+    router cancels the requests those clients made instead of running them for nobody."""
+    import os
+    import signal
+    import threading
+    import helpers as H
+
+    def long_call():
+        try:
+            node.client.completions.create(model=MODEL, prompt=[1, 5, 9], max_tokens=480, n=8, stream=True,
+                                           extra_body={"ignore_eos": True}).response.read()
+        except Exception:   # noqa: BLE001 -- its connection dies with the ingest
+            pass
+
+    before = node.stats()
+    calls = [threading.Thread(target=long_call, daemon=True) for _ in range(4)]   # 32 sequences of 480
+    for call in calls:
+        call.start()
+    deadline = time.monotonic() + 30
+    while node.stats().get("live", 0) < 16 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert node.stats().get("live", 0) >= 16, node.stats()
+    os.kill(H.pid_of(node.proc, "qmigrate ingest"), signal.SIGKILL)
+    deadline = time.monotonic() + 60
+    while node.stats().get("live", 0) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    after = node.stats()
+    assert after.get("live", 0) == 0, after
+    assert "ingest exited with status -9; starting it again" in node.stderr.read_text()
+    assert after.get("cancelled", 0) - before.get("cancelled", 0) >= 16, after
+    node.wait_ready()
+    answer = node.client.completions.create(model=MODEL, prompt=[1, 5, 9], max_tokens=4, extra_body={"ignore_eos": True})
+    assert answer.usage.completion_tokens == 4

@@ -29,7 +29,9 @@ def _topology(tmp_path, model_dir, ports) -> dict:
         "ingest": {"node": "head", "port": ports[2], "reply_port": ports[6], "input": "jsonl"},
         "detokenizer": {"node": "head", "port": ports[3], "output": "jsonl",
                         "journal": str(tmp_path / "detok.journal")},
-        "workers": [{"name": f"w{i}", "node": "head", "device": "cpu", "kv_port": ports[3 + i], "max_seqs": 2}
+        # One sequence a worker: the run lasts long enough for every fault, and a worker
+        # always holds a sequence while more wait.
+        "workers": [{"name": f"w{i}", "node": "head", "device": "cpu", "kv_port": ports[3 + i], "max_seqs": 1}
                     for i in (1, 2)],
     }
 
@@ -47,13 +49,23 @@ def _wait(what: str, predicate, timeout: float = 120.0, err=None):
     pytest.fail(f"timed out waiting for {what}\n{detail}")
 
 
+def _holds_work(router: str, name: str) -> bool:
+    from qmigrate.ops.status import fetch
+    from qmigrate.wire.transport import Unreachable
+    try:
+        workers = fetch(router, 1.0)["workers"]
+    except Unreachable:
+        return False
+    return any(w["name"] == name and w["state"] == "up" and (w["owned"] or w["leased"]) for w in workers)
+
+
 def test_router_detokenizer_and_worker_restarts_lose_nothing(tmp_path, tiny_model_dir):
     from conftest import greedy_reference, greedy_tokens_many
     ports = reserve_ports(7)
     path = tmp_path / "topo.yaml"
     path.write_text(yaml.safe_dump(_topology(tmp_path, tiny_model_dir, ports)))
     router = f"tcp://127.0.0.1:{ports[0]}"
-    prompts = H.prompts(5, "r", n=12, new_tokens=450)  # outlasts three restarts; fits 512 positions
+    prompts = H.prompts(5, "r", n=8, new_tokens=450)  # outlasts three restarts; fits 512 positions
     # Append mode: the test reads with seek(), which must not move where the node writes.
     out, err = open(tmp_path / "out", "a+"), open(tmp_path / "err", "a+")
     node = subprocess.Popen([sys.executable, "-m", "qmigrate", "node", str(path), "--node", "head", "--stdin"],
@@ -76,6 +88,9 @@ def test_router_detokenizer_and_worker_restarts_lose_nothing(tmp_path, tiny_mode
         _wait("both workers to rejoin the new router", lambda: H.stats(router).get("workers") == 2)
         assert H.stats(router).get("unprinted", 0) > 0, "the run ended before the kill; the test proves nothing"
 
+        # Frozen while it holds a sequence, the run cannot end before the router notices: under
+        # load, a worker frozen idle let the other finish the run first, and nothing was noticed.
+        _wait("w2 to hold a sequence", lambda: _holds_work(router, "w2"), err=err)
         w2 = H.pid_of(node, "qmigrate worker w2")
         os.kill(w2, signal.SIGSTOP)
         try:  # the router's log, not its stats: those go when the run ends

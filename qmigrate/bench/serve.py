@@ -141,6 +141,7 @@ def run_serve(*, base_url: str, model: str | None, requests: list[ServeRequest],
     processes: client processes sending the calls (serve_procs.py)."""
     if processes < 1:
         raise ValueError("the client needs at least one process")
+    processes = min(processes, max_concurrency or processes, len(requests))   # each with a share of calls
     if sessions_as not in SESSIONS_AS:
         raise ValueError(f"sessions go as {' or '.join(SESSIONS_AS)}, not {sessions_as!r}")
 

@@ -36,9 +36,11 @@ def default_processes() -> int:
 
 
 def shares(total: int | None, n: int) -> list[int | None]:
-    """`total` split into n parts that differ by at most one (None: no limit for any)."""
+    """`total` split into n parts that differ by at most one (None: no limit for any); n is
+    at most total, so no part is 0 (which would mean no limit)."""
     if total is None:
         return [None] * n
+    assert n <= total, (n, total)
     return [total // n + (i < total % n) for i in range(n)]
 
 

@@ -46,6 +46,7 @@ class Router:
         self.out = Output(topo.endpoint("detokenizer").connect, rc.journal)
         self.dropped_log = Throttled(log)  # what peers send that is dropped: they can send it at will
         self.identity: dict[str, bytes] = {}
+        self.ingest: bytes | None = None  # the ingest process that said hello last
         self.guard = Guard.for_topology(topo, "router")
         self.parked: dict[str, deque] = {}
         self.worker_times: dict[str, tuple[int, int]] = {}
@@ -214,7 +215,20 @@ class Router:
             self.sched.register(state, time.monotonic())
             self.observer.joined(msg.name, self.nodes.get(msg.name, ""), device, time.monotonic())
             log.info("worker %s joined (%s)", msg.name, info.get("device", "?"))
+        elif msg.role == "ingest":
+            self.on_ingest_hello(sender)
         self.reply(sender, P.Welcome(P.PROTOCOL_VERSION, self.heartbeat_interval_s, self.config.lease_timeout_s))
+
+    def on_ingest_hello(self, sender: bytes) -> None:
+        """A new ingest process (it restarted): the HTTP clients of the one before went with
+        it, so the requests they made are cancelled rather than run for nobody."""
+        if self.ingest not in (None, sender):
+            orphans = self.out.answered_over_http()
+            if num := self.sched.cancel(orphans):
+                log.warning("a new ingest: cancelled %d requests of HTTP clients the one before had", num)
+            if orphans:
+                self.out.forward(P.encode(P.Cancel(P.pack_i64(orphans))))  # the detokenizer ends them
+        self.ingest = sender
 
     def _worker(self, sender: bytes) -> str | None:
         name = sender.decode(errors="replace")
@@ -304,6 +318,8 @@ class Router:
                                                if msg.cached_tokens else b"")))
 
     def on_submit(self, sender: bytes, msg: P.Submit) -> None:
+        if self.ingest is None:   # this router restarted: ingest said its hello to the one before
+            self.ingest = sender
         if self.out.is_backlog_full:
             # The detokenizer is not reading: admit nothing (its names, errors and end would
             # only add to what waits for it); ingest keeps the Submit and sends it later.

@@ -106,6 +106,10 @@ class Output:
         if new.num_requests >= 0:
             self.forward(P.encode(P.InputClosed(new.num_requests)))
 
+    def answered_over_http(self) -> list[int]:
+        """The requests not yet printed whose answers go back to ingest (its HTTP clients)."""
+        return [sid for sid, (route, _) in self.outputs.extras.items() if route == P.ROUTE_INGEST]
+
     def printed(self, msg: P.Printed) -> None:
         seq_ids = P.unpack_i64(msg.seq_ids, "seq_ids").tolist()
         if self.outputs.printed(seq_ids) and self.journal is not None:
