@@ -141,8 +141,9 @@ def test_a_worker_of_n_gpus_may_not_share_them():
 # --- a sharded engine, ranks in processes --------------------------------------------------
 
 
-def run_world(world: int, tiny_dir, tmp_path, device: str = "cpu", weightless_dir=None) -> dict:
-    """What rank 0 found (tp_ranks.run_rank), and under "followers" what any other rank reported."""
+def start_world(world: int, tiny_dir, tmp_path, device: str = "cpu", weightless_dir=None, env: dict | None = None):
+    """The ranks of a world (tp_ranks.run_rank), started; finish_world waits for them. `env`:
+    changes to this process's environment that the ranks start with (None: removed)."""
     ctx = mp.get_context("spawn")
     out = tmp_path / f"world{world}.json"
     init = f"file://{tmp_path}/rendezvous{world}"
@@ -150,16 +151,42 @@ def run_world(world: int, tiny_dir, tmp_path, device: str = "cpu", weightless_di
     procs = [ctx.Process(target=tp_ranks.run_rank, args=(r, world, init, str(tiny_dir), str(out), device, *extra),
                          daemon=True)
              for r in range(world)]
+    saved = {k: os.environ.get(k) for k in env or {}}
     try:
+        _set_environ(env or {})
         for p in procs:
             p.start()
+    except BaseException:
+        stop_world((world, procs, out, tmp_path))
+        raise
+    finally:
+        _set_environ(saved)
+    return world, procs, out, tmp_path
+
+
+def _set_environ(values: dict) -> None:
+    for key, value in values.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+
+
+def stop_world(started) -> None:
+    for p in started[1]:
+        if p.is_alive():
+            p.kill()
+            p.join()
+
+
+def finish_world(started) -> dict:
+    """What rank 0 found, and under "followers" what any other rank reported."""
+    world, procs, out, tmp_path = started
+    try:
         for p in procs:
             p.join(timeout=240)
     finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join()
+        stop_world(started)
     result = json.loads(out.read_text())
     followers = {r: json.loads(f.read_text()) for r in range(1, world)
                  if (f := tmp_path / f"world{world}.json.rank{r}").exists()}
@@ -168,6 +195,11 @@ def run_world(world: int, tiny_dir, tmp_path, device: str = "cpu", weightless_di
     if followers:
         result["followers"] = followers
     return result
+
+
+def run_world(world: int, tiny_dir, tmp_path, device: str = "cpu", weightless_dir=None) -> dict:
+    """What rank 0 found (tp_ranks.run_rank), and under "followers" what any other rank reported."""
+    return finish_world(start_world(world, tiny_dir, tmp_path, device, weightless_dir))
 
 
 def _weightless_copy(model_dir, tmp_path):
@@ -182,9 +214,24 @@ def _weightless_copy(model_dir, tmp_path):
     return weightless
 
 
+@pytest.fixture(scope="module")
+def cpu_worlds(tiny_model_dir, tmp_path_factory):
+    """The 2-rank and the 4-rank world of the test below, started together: each is mostly one
+    rank at work while the others wait for it, so the two share the machine's cores. The
+    4-rank world starts without the Triton interpreter (read by each rank's import of triton)."""
+    tmp = tmp_path_factory.mktemp("worlds")
+    worlds = {4: start_world(4, tiny_model_dir, tmp, env={"TRITON_INTERPRET": None})}
+    try:
+        worlds[2] = start_world(2, tiny_model_dir, tmp, weightless_dir=_weightless_copy(tiny_model_dir, tmp))
+        yield worlds
+    finally:
+        for started in worlds.values():
+            stop_world(started)
+
+
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("world", [2, 4])
-def test_sharded_engine_matches_one_rank_and_generate(world, tiny_model_dir, tmp_path, monkeypatch):
+def test_sharded_engine_matches_one_rank_and_generate(world, cpu_worlds):
     """2 ranks run the Triton kernels where the CPU has the interpreter (a rank's share of the
     heads, the experts' thinner matrices); 4 ranks, the torch reference path: the same layouts
     with KV heads replicated, at a fraction of the interpreter's time.
@@ -195,11 +242,8 @@ def test_sharded_engine_matches_one_rank_and_generate(world, tiny_model_dir, tmp
     that built different models stop at startup, both naming the first tensor that differs,
     rather than filling wrong shapes or waiting."""
     kernels = world == 2 and os.environ.get("TRITON_INTERPRET") == "1"
-    if world == 4:
-        monkeypatch.delenv("TRITON_INTERPRET", raising=False)   # read by each rank's import of triton
-    weightless = _weightless_copy(tiny_model_dir, tmp_path) if world == 2 else None
-    result = run_world(world, tiny_model_dir, tmp_path, weightless_dir=weightless)
-    if weightless is not None:
+    result = finish_world(cpu_worlds[world])
+    if world == 2:
         mismatch, followers = result.pop("mismatch"), result.pop("followers")
         said = ("tensor-parallel startup: rank 0 sends rank 1 a shard of 21 tensors, rank 1 expects 21; "
                 "tensor 8 is float32 [96, 64] from rank 0, float32 [64, 64] on rank 1 (the ranks built different models)")
