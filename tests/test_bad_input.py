@@ -10,6 +10,7 @@ import os
 import random
 import subprocess
 import sys
+import threading
 
 import msgpack
 import pytest
@@ -36,26 +37,84 @@ def _topology(tmp_path, model_dir, input_mode: str) -> str:
     return str(path)
 
 
-def _sim(config: str, stdin: bytes, timeout: float = 180) -> tuple[int, list[dict], str]:
-    proc = subprocess.Popen([sys.executable, "-m", "qmigrate", "sim", config], stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+class _Sim:
+    """`qmigrate sim` on a topology with `stdin`, running from here on (a thread feeds it and
+    reads its output); result() waits for it."""
+
+    def __init__(self, config: str, stdin: bytes):
+        self.proc = subprocess.Popen([sys.executable, "-m", "qmigrate", "sim", config], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+        self.output = (b"", b"")
+        self.thread = threading.Thread(target=self._communicate, args=(stdin,), daemon=True)
+        self.thread.start()
+
+    def _communicate(self, stdin: bytes) -> None:
+        self.output = self.proc.communicate(stdin)
+
+    def result(self, timeout: float = 180) -> tuple[int, list[dict], str]:
+        self.thread.join(timeout)
+        if self.thread.is_alive():
+            self.stop()
+            pytest.fail(f"qmigrate sim hung\n{self.output[1].decode(errors='replace')[-3000:]}")
+        out, err = self.output
+        records = [json.loads(line) for line in out.decode().splitlines() if line.strip()]
+        return self.proc.returncode, records, err.decode(errors="replace")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, 9)
+        self.thread.join(30)
+
+
+def _text_lines() -> list[bytes]:
+    junk = random.Random(7).randbytes(1500)
+    return [b"Hello there", b"hello \xff world", b"\xc3\x28", b"Good morning"] + junk.split(b"\n") + [b"The end"]
+
+
+_BAD = {
+    "topk": '{"id": "topk", "prompt": "x", "top_k": 2147483648}',
+    "topk64": '{"id": "topk64", "prompt": "x", "top_k": 18446744073709551616}',
+    "stops": json.dumps({"id": "stops", "prompt": "x", "stop": [[5]] * 65}),
+    "stoplen": json.dumps({"id": "stoplen", "prompt": "x", "stop": [[5] * 65]}),
+    "sur": '{"id": "sur", "prompt": "a\\ud800b"}',
+    "deep": '{"id": "deep", "prompt": "x", "stop": ' + "[" * 1000 + "]" * 1000 + "}",
+}
+
+
+def _jsonl_lines() -> list[bytes]:
+    good = [json.dumps({"id": f"g{i}", "prompt_ids": [1, 7 + i, 9], "max_new_tokens": 3}) for i in range(3)]
+    dup = '{"id": "dup", "prompt": " "}'  # two errors under one id: before, the second was lost and sim never ended
+    lines = [line.encode() for line in (good[0], *_BAD.values(), good[1], "\\xff", good[2], dup, dup)]
+    r = random.Random(21)
+    for _ in range(50):
+        if r.random() < 0.2:
+            lines.append(r.randbytes(r.randrange(1, 40)).replace(b"\n", b"\xff"))
+        else:
+            lines.append(_fuzz_line(r).encode("utf-8", "surrogatepass"))
+    lines.append(json.dumps({"id": "last", "prompt_ids": [1, 4, 8], "max_new_tokens": 2}).encode())
+    return lines
+
+
+@pytest.fixture(scope="module")
+def sims(tmp_path_factory, tiny_model_dir):
+    """Both simulations of the two tests below, started together (each spends most of its
+    start in its one worker, on one core)."""
+    tmp = tmp_path_factory.mktemp("sims")
+    started = {}
     try:
-        out, err = proc.communicate(stdin, timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, 9)
-        out, err = proc.communicate()
-        pytest.fail(f"qmigrate sim hung\n{err.decode(errors='replace')[-3000:]}")
-    records = [json.loads(line) for line in out.decode().splitlines() if line.strip()]
-    return proc.returncode, records, err.decode(errors="replace")
+        for mode, lines in (("text", _text_lines()), ("jsonl", _jsonl_lines())):
+            started[mode] = _Sim(_topology(tmp, tiny_model_dir, mode), b"\n".join(lines) + b"\n")
+        yield started
+    finally:
+        for sim in started.values():
+            sim.stop()
 
 
-def test_sim_survives_bytes_that_are_not_utf8(tmp_path, tiny_model_dir):
+def test_sim_survives_bytes_that_are_not_utf8(sims):
     """`printf 'hello \\xff world\\n' | qmigrate sim` ended in a traceback and no output; now
     that line is an error record and the others answer. Random bytes likewise."""
-    junk = random.Random(7).randbytes(1500)
-    lines = [b"Hello there", b"hello \xff world", b"\xc3\x28", b"Good morning"] + junk.split(b"\n") + [b"The end"]
-    stdin = b"\n".join(lines) + b"\n"
-    rc, records, err = _sim(_topology(tmp_path, tiny_model_dir, "text"), stdin)
+    lines = _text_lines()
+    rc, records, err = sims["text"].result()
     assert rc == 0 and "Traceback" not in err, err[-3000:]
     finals = {r["id"]: r for r in records if r.get("done")}
     assert set(finals) == {str(i) for i in range(1, len(lines) + 1)}, sorted(finals)
@@ -64,30 +123,13 @@ def test_sim_survives_bytes_that_are_not_utf8(tmp_path, tiny_model_dir):
     assert "not valid UTF-8" in finals["2"]["error"] and "not valid UTF-8" in finals["3"]["error"]
 
 
-def test_sim_jsonl_past_the_wire_bounds(tmp_path, tiny_model_dir):
+def test_sim_jsonl_past_the_wire_bounds(sims):
     """Each of these passed ingest before, and then was dropped by the router (resent forever,
     holding back everything), crashed ingest (OverflowError, a surrogate) or raised a
     RecursionError. Each is now its request's error; the requests around them answer. Then
     fuzzed lines and random bytes: the node runs to the end and every line has its record."""
-    bad = {
-        "topk": '{"id": "topk", "prompt": "x", "top_k": 2147483648}',
-        "topk64": '{"id": "topk64", "prompt": "x", "top_k": 18446744073709551616}',
-        "stops": json.dumps({"id": "stops", "prompt": "x", "stop": [[5]] * 65}),
-        "stoplen": json.dumps({"id": "stoplen", "prompt": "x", "stop": [[5] * 65]}),
-        "sur": '{"id": "sur", "prompt": "a\\ud800b"}',
-        "deep": '{"id": "deep", "prompt": "x", "stop": ' + "[" * 1000 + "]" * 1000 + "}",
-    }
-    good = [json.dumps({"id": f"g{i}", "prompt_ids": [1, 7 + i, 9], "max_new_tokens": 3}) for i in range(3)]
-    dup = '{"id": "dup", "prompt": " "}'  # two errors under one id: before, the second was lost and sim never ended
-    lines = [line.encode() for line in (good[0], *bad.values(), good[1], "\\xff", good[2], dup, dup)]
-    r = random.Random(21)
-    for _ in range(50):
-        if r.random() < 0.2:
-            lines.append(r.randbytes(r.randrange(1, 40)).replace(b"\n", b"\xff"))
-        else:
-            lines.append(_fuzz_line(r).encode("utf-8", "surrogatepass"))
-    lines.append(json.dumps({"id": "last", "prompt_ids": [1, 4, 8], "max_new_tokens": 2}).encode())
-    rc, records, err = _sim(_topology(tmp_path, tiny_model_dir, "jsonl"), b"\n".join(lines) + b"\n")
+    lines = _jsonl_lines()
+    rc, records, err = sims["jsonl"].result()
     assert rc == 0 and "Traceback" not in err, err[-3000:]
     finals = {r["id"]: r for r in records if r.get("done")}
     for i in range(3):
