@@ -106,24 +106,53 @@ def on_one_worker(tmp_path_factory, tiny_model_dir):
     return run
 
 
-@pytest.mark.parametrize("num_workers,router", [
-    (2, {"policy": "affinity", "migration": "recompute"}),
-    (3, {"policy": "any", "migration": "transfer"}),
-])
-def test_greedy_equals_generate_and_seeded_sampling_is_unchanged_while_sequences_migrate(
-        tmp_path, ipc_dir, tiny_model_dir, reference, on_one_worker, num_workers, router):
-    """One drained run of greedy and seeded requests: each greedy output is generate()'s,
-    each seeded one what it was on one worker."""
+DRAINED_RUNS = {2: {"policy": "affinity", "migration": "recompute"}, 3: {"policy": "any", "migration": "transfer"}}
+
+
+@pytest.fixture(scope="module")
+def drained_runs(tmp_path_factory, tiny_model_dir, on_one_worker):
+    """The drained runs of the test below, all at the same time (each in a thread of its own,
+    which mostly waits on its fleet): num_workers -> (greedy prompts, seeded prompts, the
+    future of _run_with_a_drain's result)."""
+    import shutil
+    import tempfile
+    from concurrent.futures import ThreadPoolExecutor
+    from pathlib import Path
+    alone = on_one_worker.finals()
     # Each sequence outlasts a lease (generate() runs each greedy one to its end; a seeded one
     # makes the same draws everywhere), so the ones w1 holds when it is drained must move.
-    candidates = _prompts(12, seed=num_workers)
-    expected = greedy_tokens_many(tiny_model_dir, [(p["prompt_ids"], p["max_new_tokens"]) for p in candidates])
-    greedy = [p for p, tokens in zip(candidates, expected) if len(tokens) > MAX_LEASE_STEPS]
-    assert len(greedy) >= 8
-    alone = on_one_worker.finals()
+    greedy = {}
+    for num_workers in DRAINED_RUNS:
+        candidates = _prompts(12, seed=num_workers)
+        expected = greedy_tokens_many(tiny_model_dir, [(p["prompt_ids"], p["max_new_tokens"]) for p in candidates])
+        greedy[num_workers] = [p for p, tokens in zip(candidates, expected) if len(tokens) > MAX_LEASE_STEPS]
     seeded = [p for p in SEEDED if len(alone[p["id"]]["token_ids"]) > MAX_LEASE_STEPS]
+    ipc_dirs, runs = [], {}
+    pool = ThreadPoolExecutor(len(DRAINED_RUNS))
+    try:
+        for num_workers, router in DRAINED_RUNS.items():
+            tmp = tmp_path_factory.mktemp(f"drained-{num_workers}")
+            ipc_dirs.append(Path(tempfile.mkdtemp(prefix="qm-")))   # short: a socket path is at most 107 bytes
+            run = pool.submit(_run_with_a_drain, tmp, ipc_dirs[-1], tiny_model_dir, num_workers,
+                              greedy[num_workers] + seeded, **router)
+            runs[num_workers] = (greedy[num_workers], seeded, run)
+        yield runs
+    finally:
+        pool.shutdown(wait=True)
+        for path in ipc_dirs:
+            shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.mark.parametrize("num_workers,router", list(DRAINED_RUNS.items()))
+def test_greedy_equals_generate_and_seeded_sampling_is_unchanged_while_sequences_migrate(
+        reference, on_one_worker, drained_runs, num_workers, router):
+    """One drained run of greedy and seeded requests: each greedy output is generate()'s,
+    each seeded one what it was on one worker."""
+    greedy, seeded, run = drained_runs[num_workers]
+    assert len(greedy) >= 8
     assert len(seeded) >= 6
-    finals, moves = _run_with_a_drain(tmp_path, ipc_dir, tiny_model_dir, num_workers, greedy + seeded, **router)
+    alone = on_one_worker.finals()
+    finals, moves = run.result()
     for p in greedy:
         reference(p["prompt_ids"], p["max_new_tokens"], finals[p["id"]]["token_ids"], p["id"])
     assert {p["id"]: alone[p["id"]]["token_ids"] for p in seeded} == {p["id"]: finals[p["id"]]["token_ids"]
