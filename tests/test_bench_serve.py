@@ -107,8 +107,9 @@ def test_jsonl_dataset(tmp_path):
 class FakeServer:
     """A minimal OpenAI server on a thread: one SSE event per token, usage at the end."""
 
-    def __init__(self, has_chat_template: bool = True):
+    def __init__(self, has_chat_template: bool = True, app=None):
         self.has_chat_template = has_chat_template
+        self.app = app
         self.bodies, self.in_flight, self.most_in_flight = [], 0, 0
         self.loop = asyncio.new_event_loop()
         self.started = threading.Event()
@@ -118,10 +119,12 @@ class FakeServer:
 
     def _run(self):
         asyncio.set_event_loop(self.loop)
-        app = web.Application()
-        app.router.add_get("/v1/models", self.models)
-        app.router.add_post("/v1/completions", self.generate)
-        app.router.add_post("/v1/chat/completions", self.generate)
+        app = self.app
+        if app is None:
+            app = web.Application()
+            app.router.add_get("/v1/models", self.models)
+            app.router.add_post("/v1/completions", self.generate)
+            app.router.add_post("/v1/chat/completions", self.generate)
         self.runner = web.AppRunner(app)
         self.loop.run_until_complete(self.runner.setup())
         site = web.TCPSite(self.runner, "127.0.0.1", 0)
@@ -231,6 +234,18 @@ def test_calls_from_several_processes(fake_server, tmp_path):
     [(_, s)] = run_serve(base_url=fake_server.url, model="fake", requests=reqs[:4], rates=[math.inf],
                          max_concurrency=1, warmup=0, processes=2)
     assert s["completed"] == 4 and fake_server.most_in_flight == 1
+
+
+def test_the_null_server_answers_every_call_at_once():
+    """The server that measures the client's own cost (bench/null_server.py)."""
+    from qmigrate.bench.null_server import make_app
+    server = FakeServer(app=make_app())
+    try:
+        reqs = D.random_dataset(Workload(8, (4, 8), (3, 9), vocab=(10, 100)))
+        [(_, s)] = run_serve(base_url=server.url, model=None, requests=reqs, rates=[math.inf], warmup=0)
+    finally:
+        server.close()
+    assert (s["completed"], s["failed"], s["output_tokens"]) == (8, 0, 8)
 
 
 def test_without_ignore_eos_short_outputs_are_reported(fake_server):

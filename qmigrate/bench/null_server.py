@@ -37,15 +37,19 @@ async def models(request):
     return web.json_response({"object": "list", "data": [{"id": MODEL, "object": "model"}]})
 
 
+def make_app() -> web.Application:
+    app = web.Application(client_max_size=1 << 26)
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_get("/v1/models", models)
+    return app
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=18777)
     args = ap.parse_args()
-    app = web.Application(client_max_size=1 << 26)
-    app.router.add_post("/v1/completions", completions)
-    app.router.add_get("/v1/models", models)
-    web.run_app(app, host=args.host, port=args.port, access_log=None, print=None)
+    web.run_app(make_app(), host=args.host, port=args.port, access_log=None, print=None)
 
 
 if __name__ == "__main__":
