@@ -23,6 +23,7 @@ except ImportError:  # the reference still works without triton
     triton = None
 
 from . import shared_prefix
+from .tiling import next_pow2
 from .kvcache import write_kv  # noqa: F401 -- the write half of a step, re-exported beside attention
 
 LOG2E = 1.4426950408889634
@@ -106,10 +107,6 @@ def _qk_scale(scale: float, softcap: float) -> float:
 
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
-
-
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
 
 
 def _check(q, k_cache, v_cache, block_tables):
@@ -221,14 +218,14 @@ def decode_attention(q, k_cache, v_cache, seq_lens, block_tables, scale, out=Non
         block_tables.stride(0), *dst_strides, int(window), float(softcap) * LOG2E, *prefix,
         WINDOWED=bool(window), SOFTCAP=bool(softcap),
         SHARED=shared is not None, PREFIX_SPLITS=shared_prefix.PREFIX_SPLITS,
-        GROUP=group, GROUP_PAD=max(16, _next_pow2(group)), HEAD_DIM=head_dim,
+        GROUP=group, GROUP_PAD=max(16, next_pow2(group)), HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size, BLOCK_N=block_n, NUM_SPLITS=num_splits,
         DOT_PRECISION=_dot_precision(q.dtype), num_warps=num_warps, num_stages=num_stages)
     if num_splits > 1:
         _merge_splits_kernel[(batch, num_heads)](
             part_out, part_lse, out, *part_out.stride()[:3], *part_lse.stride()[:2],
             out.stride(0), out.stride(1), NUM_SPLITS=num_splits,
-            SPLITS_PAD=_next_pow2(num_splits), HEAD_DIM=head_dim, num_warps=4)
+            SPLITS_PAD=next_pow2(num_splits), HEAD_DIM=head_dim, num_warps=4)
     return out
 
 
@@ -267,7 +264,7 @@ def prefill_plan(query_start, num_tokens: int, max_query_len: int, num_heads: in
     group = num_heads // num_kv_heads
     # a tile is BLOCK_M (query, head) pairs, query-major; small queries get a small tile
     max_m = 128 if head_dim <= 128 else 64
-    block_m = max(_next_pow2(group), min(max_m, max(16, _next_pow2(max_query_len * group))))
+    block_m = max(next_pow2(group), min(max_m, max(16, next_pow2(max_query_len * group))))
     block_q = block_m // group
     tile_rows, tile_first = prefill_tiles(query_start, num_tokens, block_q, max_query_len)
     return PrefillPlan(block_m, block_q, tile_rows, tile_first)

@@ -19,6 +19,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from .tiling import next_pow2
+
 MIN_SHARED_KEYS = 64     # a shorter shared prefix is read per row, as before
 PREFIX_SPLITS = 4        # programs per (group, KV head) over the shared keys
 PREFIX_TILES = (64, 8, 3)   # keys per tile, warps, pipeline stages of the shared-prefix kernel
@@ -41,8 +43,7 @@ def rows_per_group(num_heads: int, num_kv_heads: int, head_dim: int) -> int:
 
 
 def _tile_m(group: int, head_dim: int) -> int:
-    from .paged_attention import _next_pow2   # that module imports this one
-    return max(_next_pow2(group), 128 if head_dim <= 128 else 64)
+    return max(next_pow2(group), 128 if head_dim <= 128 else 64)
 
 
 def groups(block_table: np.ndarray, seq_lens: np.ndarray, block_size: int, max_rows: int,
@@ -129,7 +130,6 @@ _scratch: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 def prefix_partials(q, k_cache, v_cache, block_tables, shared: Shared, qk_scale: float, cap_log2: float,
                     softcap: bool, group: int, dot_precision: str):
     """Launch _shared_prefix_kernel; returns its partials (out [B, Hq, P, D], lse [B, Hq, P])."""
-    from .paged_attention import _next_pow2
     from .paged_attention_kernels import _shared_prefix_kernel
     batch, num_heads, head_dim = q.shape
     num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
@@ -145,7 +145,7 @@ def prefix_partials(q, k_cache, v_cache, block_tables, shared: Shared, qk_scale:
         qk_scale, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
         shared.group_rows.stride(0), *out.stride()[:3], *lse.stride()[:2], cap_log2,
-        GROUP=group, ROWS=rows, BLOCK_M=_next_pow2(rows * group), HEAD_DIM=head_dim,
+        GROUP=group, ROWS=rows, BLOCK_M=next_pow2(rows * group), HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size, BLOCK_N=block_n if head_dim <= 128 else min(block_n, 32), NUM_SPLITS=splits,
         DOT_PRECISION=dot_precision, SOFTCAP=softcap,
         num_warps=warps if rows * group >= 64 else 4, num_stages=stages if head_dim <= 128 else 2)

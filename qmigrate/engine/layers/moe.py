@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import paged_attention as attn
+from ..tiling import next_pow2
 from .linear import Linear
 from .mlp import GatedMLP, act_and_mul
 
@@ -136,8 +137,8 @@ def grouped_gemm(a, b, sorted_ids, tile_expert, num_assign: int, rows_per_a: int
     if num_assign == 0:
         return out
     assert a.stride(1) == 1 and b.is_contiguous()
-    block_n = 64 if n >= 64 else max(16, triton_next_pow2(n))
-    block_k = 64 if k >= 64 else max(16, triton_next_pow2(k))
+    block_n = 64 if n >= 64 else max(16, next_pow2(n))
+    block_k = 64 if k >= 64 else max(16, next_pow2(k))
     grid = (tile_expert.shape[0], -(-n // block_n))
     _grouped_gemm_kernel[grid](
         a, b, out, sorted_ids, tile_expert, weights if weights is not None else out, num_assign, n, k,
@@ -146,6 +147,3 @@ def grouped_gemm(a, b, sorted_ids, tile_expert, num_assign: int, rows_per_a: int
         DOT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32", num_warps=4)
     return out
 
-
-def triton_next_pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
