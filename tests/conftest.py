@@ -39,12 +39,47 @@ def pytest_configure(config):
     leaving the processes its tests started running: as an interrupt, the finally blocks and
     fixtures that stop them still run."""
     signal.signal(signal.SIGTERM, _interrupted)
+    config.addinivalue_line("markers", "early(scenario=f): run f(tmp_path, tiny_model_dir) from the "
+                                       "session's start, beside the tests before this one (early_run)")
 
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> Path:
     from qmigrate.engine.builders import build_tiny_model
     return build_tiny_model(tmp_path_factory.mktemp("models") / "tiny")
+
+
+# --- scenarios that mostly wait, run beside the tests before their own -------------------------
+
+_EARLY = pytest.StashKey[dict]()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _early_scenarios(request, tmp_path_factory):
+    """The scenarios of the selected tests marked `early`, started with the session one after
+    another in one thread: a scenario that spends most of its time waiting (timeouts, held
+    steps) then waits beside the tests before its own instead of holding the run up."""
+    from concurrent.futures import ThreadPoolExecutor
+    scenarios = list(dict.fromkeys(m.kwargs["scenario"] for item in request.session.items
+                                   for m in item.iter_markers("early")))
+    if not scenarios:
+        yield
+        return
+    model_dir = request.getfixturevalue("tiny_model_dir")
+    lane = ThreadPoolExecutor(1, thread_name_prefix="early")
+    request.config.stash[_EARLY] = {
+        s: lane.submit(s, tmp_path_factory.mktemp(s.__name__.strip("_")), model_dir) for s in scenarios}
+    try:
+        yield
+    finally:
+        lane.shutdown(wait=True, cancel_futures=True)   # a scenario stops its own processes
+
+
+@pytest.fixture
+def early_run(request):
+    """The Future of this test's `early` scenario: its result() waits for the scenario to end
+    and returns what it returned, or raises what it raised, so the test fails on it."""
+    return request.config.stash[_EARLY][request.node.get_closest_marker("early").kwargs["scenario"]]
 
 
 @dataclass
