@@ -82,9 +82,11 @@ def test_smollm2_runs_in_the_simulation_with_default_settings(smollm2_dir, qmigr
     """An 8,192-token-context checkpoint on two CPU workers with no KV setting at all: the
     paged pool holds what the requests use, not a full context per sequence; output
     equals generate() in fp32, a prompt of over 1,000 tokens (filled in chunks) included."""
+    from concurrent.futures import ThreadPoolExecutor
+
     from transformers import AutoTokenizer
 
-    from conftest import greedy_reference
+    from conftest import greedy_reference, greedy_tokens
     tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
     question = tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
                                              add_generation_prompt=True, tokenize=False)
@@ -92,17 +94,22 @@ def test_smollm2_runs_in_the_simulation_with_default_settings(smollm2_dir, qmigr
     requests = [{"id": "q", "prompt": question, "max_new_tokens": 10},
                 {"id": "long", "prompt": long_text + " The first item costs", "max_new_tokens": 6},
                 {"id": "s", "prompt": "Once upon a time", "max_new_tokens": 8}]
-    run = qmigrate("sim", "--model", str(smollm2_dir), "--input", "jsonl", "--output", "jsonl",
-                   stdin="".join(json.dumps(r) + "\n" for r in requests), timeout=500)
+    ids = {r["id"]: tokenizer(r["prompt"]).input_ids for r in requests}
+    assert len(ids["long"]) > 1000
+    with ThreadPoolExecutor(1) as pool:
+        sim = pool.submit(qmigrate, "sim", "--model", str(smollm2_dir), "--input", "jsonl", "--output", "jsonl",
+                          stdin="".join(json.dumps(r) + "\n" for r in requests), timeout=500)
+        # generate()'s tokens while the simulation runs, one prompt at a time (batched, the
+        # short ones would be padded to the long one's length and cost as much as it does)
+        for r in requests:
+            greedy_tokens(smollm2_dir, ids[r["id"]], r["max_new_tokens"])
+        run = sim.result()
     assert run.returncode == 0, run.stderr[-3000:]
     finals = run.finals()
     assert "Paris" in finals["q"]["text"], finals["q"]
     check = greedy_reference(smollm2_dir)
     for r in requests:
-        ids = tokenizer(r["prompt"]).input_ids
-        if r["id"] == "long":
-            assert len(ids) > 1000
-        check(ids, r["max_new_tokens"], finals[r["id"]]["token_ids"], r["id"])
+        check(ids[r["id"]], r["max_new_tokens"], finals[r["id"]]["token_ids"], r["id"])
 
 
 def test_fetch_without_an_index_fails_fast_in_one_line(no_index, tmp_path):
