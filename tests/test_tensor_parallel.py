@@ -142,15 +142,14 @@ def test_a_worker_of_n_gpus_may_not_share_them():
 
 
 def start_world(world: int, tiny_dir, tmp_path, device: str = "cpu", weightless_dir=None, env: dict | None = None):
-    """The ranks of a world (tp_ranks.run_rank), started; finish_world waits for them. `env`:
+    """The ranks of a world (tp_ranks.run_world), started; finish_world waits for them. `env`:
     changes to this process's environment that the ranks start with (None: removed)."""
     ctx = mp.get_context("spawn")
     out = tmp_path / f"world{world}.json"
     init = f"file://{tmp_path}/rendezvous{world}"
     extra = () if weightless_dir is None else (str(weightless_dir),)
-    procs = [ctx.Process(target=tp_ranks.run_rank, args=(r, world, init, str(tiny_dir), str(out), device, *extra),
-                         daemon=True)
-             for r in range(world)]
+    # one process that forks the ranks (tp_ranks.run_world)
+    procs = [ctx.Process(target=tp_ranks.run_world, args=(world, init, str(tiny_dir), str(out), device, *extra))]
     saved = {k: os.environ.get(k) for k in env or {}}
     try:
         _set_environ(env or {})
@@ -218,7 +217,8 @@ def _weightless_copy(model_dir, tmp_path):
 def cpu_worlds(tiny_model_dir, tmp_path_factory):
     """The 2-rank and the 4-rank world of the test below, started together: each is mostly one
     rank at work while the others wait for it, so the two share the machine's cores. The
-    4-rank world starts without the Triton interpreter (read by each rank's import of triton)."""
+    4-rank world starts without the Triton interpreter (read when triton is imported, by the
+    process that forks the world's ranks)."""
     tmp = tmp_path_factory.mktemp("worlds")
     worlds = {4: start_world(4, tiny_model_dir, tmp, env={"TRITON_INTERPRET": None})}
     try:

@@ -8,7 +8,11 @@ ranks follow it. Rank 0 writes what it found to `out` as JSON.
 from __future__ import annotations
 
 import copy
+import ctypes
+import importlib
 import json
+import os
+import signal
 import traceback
 
 import torch
@@ -136,6 +140,38 @@ def check_case(model, tp: TensorParallel) -> dict:
     return {"got": got, "ref": ref, "expected": [e[:NUM_NEW] for e in expected], "max_logit_diff": diff, "logit_scale": scale,
             "steps": steps, "moved": moved, "moved_expected": expected[1][NUM_NEW:],
             "kv_shape": list(kv.shape), "kernels": getattr(sharded.runner, "inner", sharded.runner).use_kernels}
+
+
+# transformers' modules of every case's model (families.py's and the ones above)
+MODEL_MODULES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "mixtral", "qwen2_moe", "qwen3_moe")
+
+
+def run_world(world: int, init_method: str, tiny_dir: str, out: str, device: str = "cpu",
+              weightless_dir: str | None = None) -> None:
+    """Every rank of a world (run_rank), each forked from this process once it has imported
+    what a rank needs: one interpreter's imports (torch, transformers' model code) instead of
+    one per rank. A rank dies with this process."""
+    torch.set_num_threads(1)   # before any op: a forked child must not inherit a thread pool
+    import transformers  # noqa: F401
+    from qmigrate.engine import loading  # noqa: F401
+    for name in MODEL_MODULES:
+        importlib.import_module(f"transformers.models.{name}.modeling_{name}")
+    launcher = os.getpid()
+    pids = []
+    for rank in range(world):
+        pid = os.fork()
+        if pid == 0:
+            code = 1
+            try:
+                ctypes.CDLL(None).prctl(1, signal.SIGKILL)   # PR_SET_PDEATHSIG
+                if os.getppid() == launcher:
+                    run_rank(rank, world, init_method, tiny_dir, out, device, weightless_dir)
+                    code = 0
+            finally:
+                os._exit(code)
+        pids.append(pid)
+    for pid in pids:
+        os.waitpid(pid, 0)
 
 
 def run_rank(rank: int, world: int, init_method: str, tiny_dir: str, out: str, device: str = "cpu",
