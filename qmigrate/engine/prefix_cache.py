@@ -171,5 +171,6 @@ class PrefixCache:
 
 
 def _ints(ids) -> list[int]:
-    """Token ids as a list of Python ints (an array's own conversion is the fast one)."""
-    return ids.tolist() if isinstance(ids, np.ndarray) else [int(t) for t in ids]
+    """A list of its own of token ids, which are Python ints: an array is converted, a step
+    row's ids (which the engine keeps as ints) copied."""
+    return ids.tolist() if isinstance(ids, np.ndarray) else list(ids)
