@@ -131,6 +131,9 @@ class IngestConfig(_Section):
     http_host: str = _f("127.0.0.1", _host)
     api_key: str | None = _f(None, _optional_text)  # HTTP requests to /v1 need "Authorization: Bearer KEY"
     max_body_bytes: int = _f(1 << 20, _count)
+    # connections the kernel holds for the API before it accepts them (capped by
+    # net.core.somaxconn); past it a connection attempt is dropped and retried a second later
+    http_backlog: int = _f(4096, _count)
     http_timeout_s: float = _f(60.0, _positive)  # longest wait for a request's next text
     model_name: str | None = _f(None, _optional_text)  # None: the model directory's name
 

@@ -370,6 +370,31 @@ def test_keys_chain_and_salt():
     assert P.SeqSpec(1, P.pack_i32(ids), 40, 4, cache_salt="t").cache_salt == "t"
 
 
+def test_keys_are_the_blake2b_chain_the_router_and_workers_share():
+    """Router and workers must key a prompt alike: the definition, written out here, against
+    the one-pass chain for lists and arrays, every start block, bound and parent."""
+    import hashlib
+
+    def reference(ids, bs, parent, first, n):   # parent: the key of block first - 1
+        keys, key = [], parent
+        for b in range(first, n):
+            data = key.to_bytes(8, "little") + b"".join(int(t).to_bytes(4, "little") for t in ids[b * bs:(b + 1) * bs])
+            key = int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little") & ((1 << 63) - 1)
+            keys.append(key)
+        return keys
+
+    r = random.Random(3)
+    for _ in range(40):
+        bs = r.choice([1, 4, 16])
+        ids = [r.randrange(0, 200_000) for _ in range(r.randrange(0, 90))]
+        first, parent = r.randrange(0, 3), r.choice([0, r.randrange(1 << 63)])
+        bound = r.choice([None, r.randrange(0, 8)])
+        n = len(ids) // bs if bound is None else min(len(ids) // bs, bound)
+        want = reference(ids, bs, parent, first, n)
+        assert block_keys(ids, bs, max_blocks=bound, parent=parent, first=first) == want
+        assert block_keys(np.asarray(ids, dtype=np.int64), bs, max_blocks=bound, parent=parent, first=first) == want
+
+
 def test_the_worker_section_sets_the_cache():
     from qmigrate.config import ConfigError, WorkerConfig
     assert WorkerConfig().engine_config().prefix_cache is True

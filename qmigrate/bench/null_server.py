@@ -49,7 +49,7 @@ def main() -> None:
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=18777)
     args = ap.parse_args()
-    web.run_app(make_app(), host=args.host, port=args.port, access_log=None, print=None)
+    web.run_app(make_app(), host=args.host, port=args.port, access_log=None, print=None, backlog=4096)
 
 
 if __name__ == "__main__":

@@ -17,7 +17,7 @@ from collections import OrderedDict
 
 import numpy as np
 
-from qmigrate.wire.prefix_keys import block_key, block_keys, seed_key
+from qmigrate.wire.prefix_keys import block_keys, iter_block_keys, seed_key
 
 MAX_EVENTS = 1 << 16   # events kept while no one takes them (the oldest are dropped)
 
@@ -75,20 +75,18 @@ class PrefixCache:
     def match(self, seq_id: int, ids, salt: str, max_blocks: int) -> list[int]:
         """The cached blocks of the longest prefix of `ids` (at most max_blocks), referenced
         for seq_id, which starts on them."""
-        bs, by_key = self.block_size, self.by_key
-        parent = self.seeds[seq_id] = seed_key(salt)
+        by_key = self.by_key
+        seed = self.seeds[seq_id] = seed_key(salt)
         blocks, keys = [], []
-        for b in range(max_blocks):
-            key = block_key(parent, ids[b * bs:(b + 1) * bs])
+        for key in iter_block_keys(ids, self.block_size, max_blocks=max_blocks, parent=seed):
             block = by_key.get(key)
             if block is None:
                 break
             blocks.append(block)
             keys.append(key)
-            parent = key
         self.ref(blocks)
         self.keys[seq_id] = keys
-        self.ids[seq_id] = [int(t) for t in ids[:len(blocks) * bs]]
+        self.ids[seq_id] = _ints(ids[:len(blocks) * self.block_size])
         return blocks
 
     def count_admission(self, num_prompt: int, num_cached: int) -> None:
@@ -98,7 +96,7 @@ class PrefixCache:
     def note_ids(self, seq_id: int, start: int, new_ids) -> None:
         ids = self.ids.get(seq_id)
         if start == 0 and seq_id in self.seeds:
-            self.ids[seq_id] = [int(t) for t in new_ids]
+            self.ids[seq_id] = _ints(new_ids)
         elif ids is not None and len(ids) >= start:
             del ids[start:]
             ids.extend(int(t) for t in new_ids)
@@ -170,3 +168,9 @@ class PrefixCache:
             assert keys == block_keys(ids, bs, max_blocks=len(keys), parent=self.seeds[sid])
             for b, key in zip(blocks[sid], keys):
                 assert self.key_of.get(b, key) == key, "a cached block's key is not its ids' key"
+
+
+def _ints(ids) -> list[int]:
+    """A list of its own of token ids, which are Python ints: an array is converted, a step
+    row's ids (which the engine keeps as ints) copied."""
+    return ids.tolist() if isinstance(ids, np.ndarray) else list(ids)

@@ -183,7 +183,7 @@ class HttpServer:
         # handler_cancellation: a client that goes away cancels its handler, and so its request
         runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
         await runner.setup()
-        await web.TCPSite(runner, self.cfg.http_host, self.cfg.http_port).start()
+        await web.TCPSite(runner, self.cfg.http_host, self.cfg.http_port, backlog=self.cfg.http_backlog).start()
         self.ready.set()
         await self._watch()
 

@@ -122,6 +122,11 @@ _REASONS = {Finish.EOS: "eos", Finish.LENGTH: "length", Finish.STOP: "stop", Fin
 _BY_REASON = {text: code for code, text in _REASONS.items()}
 _OPENAI_REASONS = {Finish.EOS: "stop", Finish.LENGTH: "length", Finish.STOP: "stop"}
 _STEP_CODES = frozenset(int(f) for f in Finish if f is not Finish.CANCELLED)   # a worker's results
+_IS_STEP_CODE = np.isin(np.arange(256), sorted(_STEP_CODES))   # by uint8 value: one lookup per row
+
+
+def _step_codes_ok(codes: np.ndarray) -> bool:
+    return bool(_IS_STEP_CODE[codes].all())
 _REPLY_CODES = frozenset(int(f) for f in Finish if f is not Finish.NEED_IDS)   # detokenizer to ingest
 
 
@@ -294,7 +299,7 @@ class StepResult:
         unpack_i64(self.prefix_events, "StepResult.prefix_events")
         _rows_agree("StepResult", self.seq_ids, self.counts, self.status, self.tokens)
         status = unpack_u8(self.status, "StepResult.status")
-        if len(status) and not set(np.unique(status).tolist()) <= _STEP_CODES:
+        if not _step_codes_ok(status):
             raise ProtocolError("StepResult.status: unknown status code")
 
 
@@ -315,7 +320,7 @@ class Tokens:
             raise ProtocolError("Tokens.cached_tokens: one count per row")
         _rows_agree("Tokens", self.seq_ids, self.counts, self.finish, self.tokens, self.start)
         finish = unpack_u8(self.finish, "Tokens.finish")
-        if len(finish) and not set(np.unique(finish).tolist()) <= _STEP_CODES:
+        if not _step_codes_ok(finish):
             raise ProtocolError("Tokens.finish: unknown finish code")
 
 

@@ -180,6 +180,9 @@ class WorkerCore:
                 run.rows.sort(key=lambda r: r.seq_id not in self.filling)
             run.pending = self.engine.launch(run.rows, after=after.pending if after else None, between=between)
             run.cached = run.pending.cached
+            if self.trace is not OFF:
+                prompts = [r for r in run.rows if len(r.new_ids) > 1]
+                self.trace("prompts", len(prompts), sum(len(r.new_ids) for r in prompts), sum(run.cached.values()))
             self._track_filling(run, run.pending, full)
         return run
 
