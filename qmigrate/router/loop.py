@@ -330,6 +330,7 @@ class Router:
         for spec in offered:
             spec.ids  # validates the packed ids
         taken = self.sched.admit(offered)
+        self.trace("submit", len(msg.seqs), taken)
         new = self.out.accept(msg, taken, 2 * self.config.max_queued, self.sched.seqs)
         if new is not None:
             if taken and not self.out.backlog:
