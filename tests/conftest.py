@@ -39,8 +39,8 @@ def pytest_configure(config):
     leaving the processes its tests started running: as an interrupt, the finally blocks and
     fixtures that stop them still run."""
     signal.signal(signal.SIGTERM, _interrupted)
-    config.addinivalue_line("markers", "early(scenario=f): run f(tmp_path, tiny_model_dir) from the "
-                                       "session's start, beside the tests before this one (early_run)")
+    config.addinivalue_line("markers", "early(scenario=f, beside=file): run f(tmp_path, tiny_model_dir) "
+                                       "from the first test of that file on, in a thread (early_run)")
 
 
 @pytest.fixture(scope="session")
@@ -49,37 +49,54 @@ def tiny_model_dir(tmp_path_factory) -> Path:
     return build_tiny_model(tmp_path_factory.mktemp("models") / "tiny")
 
 
-# --- scenarios that mostly wait, run beside the tests before their own -------------------------
-
-_EARLY = pytest.StashKey[dict]()
+# --- multi-process scenarios run beside in-process tests ----------------------------------------
 
 
-@pytest.fixture(scope="session", autouse=True)
-def _early_scenarios(request, tmp_path_factory):
-    """The scenarios of the selected tests marked `early`, started with the session one after
-    another in one thread: a scenario that spends most of its time waiting (timeouts, held
-    steps) then waits beside the tests before its own instead of holding the run up."""
-    from concurrent.futures import ThreadPoolExecutor
-    scenarios = list(dict.fromkeys(m.kwargs["scenario"] for item in request.session.items
-                                   for m in item.iter_markers("early")))
-    if not scenarios:
-        yield
-        return
-    model_dir = request.getfixturevalue("tiny_model_dir")
-    lane = ThreadPoolExecutor(1, thread_name_prefix="early")
-    request.config.stash[_EARLY] = {
-        s: lane.submit(s, tmp_path_factory.mktemp(s.__name__.strip("_")), model_dir) for s in scenarios}
+class _Early:
+    """The scenarios of the selected tests marked `early`, run one after another in one thread.
+    A scenario starts with the first test of the module it is to run beside (`beside`, a test
+    file's name: one whose tests run in this process on one core, leaving the other core
+    idle), or with its own test when that comes first or no module is named."""
+
+    def __init__(self, items, tmp_path_factory):
+        from concurrent.futures import ThreadPoolExecutor
+        self.pending = {}   # scenario -> the file name of the module to run beside
+        for item in items:
+            for m in item.iter_markers("early"):
+                self.pending.setdefault(m.kwargs["scenario"], m.kwargs.get("beside"))
+        self.futures = {}
+        self.tmp = tmp_path_factory
+        self.lane = ThreadPoolExecutor(1, thread_name_prefix="early")
+
+    def start_for(self, request) -> None:
+        own = {m.kwargs["scenario"] for m in request.node.iter_markers("early")}
+        due = [s for s, beside in self.pending.items() if s in own or beside == request.node.path.name]
+        for s in due:
+            del self.pending[s]
+            self.futures[s] = self.lane.submit(s, self.tmp.mktemp(s.__name__.strip("_")),
+                                               request.getfixturevalue("tiny_model_dir"))
+
+
+@pytest.fixture(scope="session")
+def _early_lane(request, tmp_path_factory):
+    early = _Early(request.session.items, tmp_path_factory)
     try:
-        yield
+        yield early
     finally:
-        lane.shutdown(wait=True, cancel_futures=True)   # a scenario stops its own processes
+        early.lane.shutdown(wait=True, cancel_futures=True)   # a scenario stops its own processes
+
+
+@pytest.fixture(autouse=True)
+def _early_start(_early_lane, request):
+    if _early_lane.pending:
+        _early_lane.start_for(request)
 
 
 @pytest.fixture
-def early_run(request):
+def early_run(_early_lane, request):
     """The Future of this test's `early` scenario: its result() waits for the scenario to end
     and returns what it returned, or raises what it raised, so the test fails on it."""
-    return request.config.stash[_EARLY][request.node.get_closest_marker("early").kwargs["scenario"]]
+    return _early_lane.futures[request.node.get_closest_marker("early").kwargs["scenario"]]
 
 
 @dataclass

@@ -1,6 +1,7 @@
 """The head node (router, ingest, detokenizer) stopped and started again while a worker node
 runs on: the worker says hello to the new router and serves it, and its node never restarts
-it. Two real `qmigrate node` processes on loopback TCP, as services fed by `qmigrate feed`."""
+it. Two real `qmigrate node` processes on loopback TCP, as services fed by `qmigrate feed`.
+The run is in a thread beside the in-process tests of test_engine (conftest's `early` marker)."""
 
 from __future__ import annotations
 
@@ -28,7 +29,9 @@ def _wait(what: str, predicate, timeout: float = 120.0):
     pytest.fail(f"timed out waiting for {what}")
 
 
-def test_a_restarted_head_node_is_rejoined_by_the_running_workers(tmp_path, tiny_model_dir):
+def _restarted_head(tmp_path, tiny_model_dir) -> list[tuple[str, list[dict]]]:
+    """The run: each head's output with the prompts fed to it, for the test to check against
+    generate()."""
     ports = reserve_ports(6)
     path = tmp_path / "topo.yaml"
     path.write_text(yaml.safe_dump({
@@ -59,7 +62,7 @@ def test_a_restarted_head_node_is_rejoined_by_the_running_workers(tmp_path, tiny
         worker = H.pid_of(gpu, "qmigrate worker w1")
         first = H.prompts(21, "a", n=4, new_tokens=20)
         H.feed(path, first)
-        check_outputs(H.wait_for_output(head, len(first)), first, tiny_model_dir)
+        outputs = [(H.wait_for_output(head, len(first)), first)]
 
         os.killpg(head.pid, signal.SIGTERM)  # the whole head node stops, as an operator's restart does
         head.wait(30)
@@ -68,12 +71,19 @@ def test_a_restarted_head_node_is_rejoined_by_the_running_workers(tmp_path, tiny
         _wait("w1 to join the new router", lambda: H.stats(router).get("workers") == 1)
         second = H.prompts(22, "b", n=4, new_tokens=20)
         H.feed(path, second)
-        check_outputs(H.wait_for_output(head, len(second)), second, tiny_model_dir)
+        outputs.append((H.wait_for_output(head, len(second)), second))
 
         assert gpu.poll() is None, "the worker node exited"
         assert H.pid_of(gpu, "qmigrate worker w1") == worker, "the worker was restarted instead of rejoining"
         gpu.err.seek(0)
         assert "Traceback" not in gpu.err.read()
+        return outputs
     finally:
         for proc in procs:
             stop_group(proc)
+
+
+@pytest.mark.early(scenario=_restarted_head, beside="test_engine.py")
+def test_a_restarted_head_node_is_rejoined_by_the_running_workers(early_run, tiny_model_dir):
+    for out, prompts in early_run.result():
+        check_outputs(out, prompts, tiny_model_dir)

@@ -7,8 +7,8 @@ on purpose: when the file `hold` exists, the next lease's first step sleeps that
 or until the file `release` appears (as a host thread blocked on a long step does, off the
 interpreter's lock).
 
-The run mostly waits out a held step and two timeouts: it starts with the session
-(conftest's `early` marker) and runs beside the tests before this one."""
+The run mostly waits out a held step and two timeouts: it runs in a thread beside the
+in-process tests of test_families (conftest's `early` marker), and this test checks it."""
 
 from __future__ import annotations
 
@@ -66,8 +66,8 @@ def _wait_log(what: str, f, text: str, timeout: float = 60.0) -> None:
 
 
 def _long_step_stopped_and_stuck(tmp_path, tiny_model_dir) -> tuple[str, list[dict]]:
-    """The run, from the session's start (it mostly waits out timeouts): the head's output and
-    every prompt fed, for the test to check against generate()."""
+    """The run (it mostly waits out timeouts): the head's output and every prompt fed, for the
+    test to check against generate()."""
     path = tmp_path / "fleet.yaml"
     router = H.fleet_topology(path, tiny_model_dir, 1, reserve_ports(6), late=1, router={
         "heartbeat_interval_s": 0.2, "heartbeat_timeout_s": HEARTBEAT_TIMEOUT_S,
@@ -125,7 +125,7 @@ def _long_step_stopped_and_stuck(tmp_path, tiny_model_dir) -> tuple[str, list[di
         nodes.stop_all()
 
 
-@pytest.mark.early(scenario=_long_step_stopped_and_stuck)
+@pytest.mark.early(scenario=_long_step_stopped_and_stuck, beside="test_families.py")
 def test_a_long_step_is_no_death_and_a_stopped_or_stuck_worker_is(early_run, tiny_model_dir):
     out, prompts = early_run.result()
     check_outputs(out, prompts, tiny_model_dir)
