@@ -77,10 +77,16 @@ def test_the_router_summary_pairs_each_request_with_its_grant():
     assert "3 leases; a request waited for its lease p50 2.00 ms, p90 4.00 ms, max 4.0 ms" in line
 
 
+def _bench_trace(tmp_path, tiny_model_dir):
+    return tmp_path, subprocess.run([sys.executable, "-m", "qmigrate", "bench", "--paths", "pipeline",
+                                     "--requests", "8", "--trace", str(tmp_path)],
+                                    capture_output=True, text=True, timeout=170)
+
+
 @pytest.mark.timeout(180)
-def test_bench_trace_writes_a_timeline_per_role_and_prints_its_summary(tmp_path):
-    out = subprocess.run([sys.executable, "-m", "qmigrate", "bench", "--paths", "pipeline", "--requests", "8",
-                          "--trace", str(tmp_path)], capture_output=True, text=True, timeout=170)
+@pytest.mark.early(scenario=_bench_trace, beside="test_shared_prefix.py")   # in-process tests on one core
+def test_bench_trace_writes_a_timeline_per_role_and_prints_its_summary(early_run):
+    tmp_path, out = early_run.result()
     assert out.returncode == 0, out.stderr[-3000:]
     files = sorted(p.name.rsplit("-", 1)[0] for p in (tmp_path / "pipeline-1").glob("*.jsonl"))
     assert files == ["router", "worker-w1"]
