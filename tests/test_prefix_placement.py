@@ -137,6 +137,22 @@ def test_the_next_turn_of_a_conversation_returns_to_its_worker():
     assert ids_of(ask(s, "b")) == [2]
 
 
+def test_a_worker_takes_its_hits_past_its_share_of_new_work():
+    """Spreading new work gives a busy worker a share of 0; a sequence whose prefix it holds
+    (and which the other worker therefore leaves to it) is still its to take, so the two rules
+    never leave a hit waiting for nobody until prefix_wait_s runs out."""
+    s = make_sched(prefix_wait_s=1.0)
+    a = join(s, "a")
+    s.admit([spec(100 + i, [200 + i] * 40) for i in range(4)])
+    assert len(ids_of(ask(s, "a"))) == 4           # alone: a takes them all
+    join(s, "b")
+    cached_on(s, "a", SYSTEMS[0])
+    s.admit([spec(1, prompt(0, 1))])
+    assert s.lessor.moves.admission_room(a) == 0   # a's share of the new work is taken
+    assert ask(s, "b") is None                     # b leaves the hit to a, which has room
+    assert ids_of(ask(s, "a")) == [1]
+
+
 def test_hits_come_first_within_a_worker_s_share():
     s = make_sched(spread_new_work=False)
     join(s, "a", max_seqs=2)

@@ -113,17 +113,19 @@ class Lessor:
             if not is_diff and not w.may_prefill:
                 break  # short of memory: only sequences whose KV it holds
             is_new = seq.owner is None
-            if is_new and new_room is not None and new_room <= 0:
-                continue  # its share of new work is taken: the rest is for the others
             mechanism = None if cause is None else self.moves.mechanism(seq, w)
             kv_cost = 0 if is_diff else len(seq.token_ids) + w.block_size
             is_prompt = not is_diff and mechanism != "transfer"   # w computes its KV from its ids
-            cost = len(seq.token_ids) if is_prompt else 1
+            cost, shared = (len(seq.token_ids) if is_prompt else 1), 0
             if is_prompt and prefill is not None:
                 cost, shared = prefill.cost(seq)
-                if is_new and prefill.should_wait(seq, shared):
-                    self.counters["prefix_waits"] += 1
-                    continue   # it starts on those blocks once they are cached
+            if is_new and new_room is not None and new_room <= 0 and cost >= len(seq.token_ids):
+                # its share of new work is taken: the rest is for the others, but not the
+                # sequences whose prefix it holds (place_new has left them to it)
+                continue
+            if is_new and is_prompt and prefill is not None and prefill.should_wait(seq, shared):
+                self.counters["prefix_waits"] += 1
+                continue   # it starts on those blocks once they are cached
             if kv_cost and kv_cost > room:
                 continue
             if rows and cost > budget:
