@@ -148,8 +148,12 @@ def start_world(world: int, tiny_dir, tmp_path, device: str = "cpu", weightless_
     out = tmp_path / f"world{world}.json"
     init = f"file://{tmp_path}/rendezvous{world}"
     extra = () if weightless_dir is None else (str(weightless_dir),)
-    # one process that forks the ranks (tp_ranks.run_world)
-    procs = [ctx.Process(target=tp_ranks.run_world, args=(world, init, str(tiny_dir), str(out), device, *extra))]
+    if device == "cpu":   # one process that forks the ranks (tp_ranks.run_world)
+        procs = [ctx.Process(target=tp_ranks.run_world, args=(world, init, str(tiny_dir), str(out), device, *extra))]
+    else:   # CUDA and NCCL in forked children are not safe: a GPU world's ranks start as workers' do
+        procs = [ctx.Process(target=tp_ranks.run_rank, args=(r, world, init, str(tiny_dir), str(out), device, *extra),
+                             daemon=True)
+                 for r in range(world)]
     saved = {k: os.environ.get(k) for k in env or {}}
     try:
         _set_environ(env or {})
