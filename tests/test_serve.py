@@ -162,6 +162,8 @@ def test_serve_on_the_cpu_answers_once_ready_and_sigterm_stops_everything(tiny_m
             if status == 503:
                 assert body["status"] == "starting" and body["workers"] == 0
             time.sleep(0.1)
+        if seen[-1] != 200 and proc.poll() is not None:
+            pytest.fail(f"never healthy: {seen[-5:]}, exit {proc.returncode}; stderr: {proc.stderr.read()[-3000:]}")
         assert seen[-1] == 200, f"never healthy: {seen[-5:]}, exit {proc.poll()}"
         assert set(seen) <= {None, 503, 200}
         assert proc.stdout.readline().startswith(f"ready: http://127.0.0.1:{port}")
