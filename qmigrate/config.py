@@ -331,6 +331,13 @@ class Topology(_Section):
         node = self.node(node_name)
         return Endpoint(f"tcp://{_bracket(node.bind_host)}:{port}", f"tcp://{_bracket(node.address)}:{port}")
 
+    def check_endpoints(self) -> None:
+        """Raise ConfigError for an endpoint that cannot be built (an ipc:// path too long)."""
+        for kind in _SERVICES:
+            self.endpoint(kind)
+        for w in self.workers:
+            self.endpoint("kv", w.name)
+
     def roles_on(self, node_name: str) -> list[tuple[str, str]]:
         node = self.node(node_name)
         roles = [(r, r) for r in ("router", "detokenizer", "ingest") if getattr(self, r).node == node_name]

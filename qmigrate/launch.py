@@ -18,8 +18,10 @@ import tempfile
 import time
 from pathlib import Path
 
-from .config import Topology, dump_topology, parse_topology
+from .config import ConfigError, Topology, dump_topology, parse_topology
 from .ops.process import die_with
+
+SHORT_TMP = "/tmp"   # where a local run's sockets go when TMPDIR is too long for them
 
 log = logging.getLogger("qmigrate.launch")
 
@@ -340,12 +342,26 @@ def run_local(topo: Topology, model_path: str, start, prefix: str = "qm-") -> in
     try:
         tmp = tempfile.mkdtemp(prefix=prefix)
         local = single_node(topo, tmp, model_path)
+        try:
+            local.check_endpoints()
+        except ConfigError:
+            if tempfile.gettempdir() == SHORT_TMP or not os.path.isdir(SHORT_TMP):
+                raise
+            # a long TMPDIR: an ipc:// socket's path has room for 107 bytes, so they go in /tmp
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp = None
+            tmp = tempfile.mkdtemp(prefix=prefix, dir=SHORT_TMP)
+            local = single_node(topo, tmp, model_path)
+            local.check_endpoints()
         path = Path(tmp) / "topology.yaml"
         dump_topology(local, path)
         return start(local, path)
     except Interrupted as exc:
         print(f"qmigrate: stopped by signal {exc.signum}", file=sys.stderr)
         return 128 + exc.signum
+    except ConfigError as exc:   # e.g. a worker name too long for an ipc:// path even in /tmp
+        print(f"qmigrate: {exc}", file=sys.stderr)
+        return 2
     finally:
         ignore_signals()
         if tmp is not None:

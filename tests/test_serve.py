@@ -241,3 +241,28 @@ def test_serve_on_the_gpus_with_defaults_answers_with_the_monitor_on(tiny_model_
         assert proc.returncode == 128 + signal.SIGINT and "Traceback" not in err, err
     finally:
         _kill_session(proc)
+
+
+def test_a_long_tmpdir_puts_a_local_run_s_sockets_under_tmp(tmp_path, monkeypatch):
+    """An ipc:// socket's path has room for 107 bytes: under a TMPDIR too long for them (a
+    test's own temp directory is one) a local run's directory goes in /tmp instead, and is
+    removed afterwards as always."""
+    import tempfile
+    from pathlib import Path
+
+    from qmigrate.launch import run_local
+    long = tmp_path / ("d" * 90)
+    long.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(long))
+    seen = {}
+
+    def start(local, path):
+        seen["dir"] = local.ipc_dir
+        local.check_endpoints()
+        return 0
+
+    assert run_local(local_topology(2), "model", start) == 0
+    assert seen["dir"].startswith("/tmp/qm-") and not Path(seen["dir"]).exists()
+    monkeypatch.setattr(tempfile, "tempdir", None)
+    assert run_local(local_topology(2), "model", start) == 0
+    assert Path(seen["dir"]).parent == Path(tempfile.gettempdir())   # a short one is kept
