@@ -12,8 +12,9 @@ takes its hits first, and leaves a sequence that scores better on another worker
 `prefix_wait_s` after it was first offered, while that worker has room (batch places and KV
 blocks): a hit never piles work onto a worker that is full. A worker whose share of new
 work is taken (`spread_new_work`) still takes the sequences whose prefix it holds: the other
-workers leave those to it, so skipping them would leave them waiting for nobody. A conversation's next turn is a
-new sequence whose prefix the last turn's worker holds, so it goes back there the same way.
+workers leave those to it, so skipping them would leave them waiting for nobody. A
+conversation's next turn is a new sequence whose prefix the last turn's worker holds, so it
+goes back there the same way.
 
 A lease is charged the prefill its worker will do (`LeasePrefill`): a prompt less the blocks
 the index says that worker holds. A new sequence whose next blocks another sequence at that
