@@ -141,6 +141,10 @@ def serve(
     tensor_parallel_size: Annotated[int, typer.Option(
         "--tensor-parallel-size", "-tp", min=1,
         help="GPUs each worker spans (a model larger than one GPU): N visible GPUs make N/TP workers.")] = 1,
+    api_server_count: Annotated[Optional[int], typer.Option(
+        "--api-server-count", min=1, max=128,
+        help="Processes serving the API on its port, each parsing its own requests and writing its own "
+             "streams (ingest.http_processes; default 1: a thread of the ingest process).")] = None,
     worker_setting: Annotated[Optional[list[str]], typer.Option(
         "--worker-setting",
         help="KEY=VALUE for every worker (repeatable), e.g. prefill_tokens_per_step=1024.")] = None,
@@ -161,6 +165,7 @@ def serve(
                         tensor_parallel_size)
     try:
         opts.worker_settings = worker_settings(worker_setting or [])
+        opts.api_server_count = api_server_count
         num_gpus = 0 if base is not None else visible_gpus()
         topo = serve_topology(opts, base, num_gpus=num_gpus, gpu_bytes=smallest_gpu_bytes() if num_gpus else 0)
     except ConfigError as exc:

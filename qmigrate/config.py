@@ -22,6 +22,8 @@ GPU_SERVE_MAX_TOKENS = 16384
 # serve on GPUs of LARGE_GPU_BYTES or more (H100, H200): as many sequences as vLLM runs there
 LARGE_GPU_SERVE_MAX_SEQS = 1024
 LARGE_GPU_BYTES = 70 << 30
+# ingest.http_processes: a front's index is bits 32-38 of its sequence ids (ingest.handoff)
+MAX_HTTP_PROCESSES = 128
 # sun_path is 108 bytes on Linux, including the terminating NUL.
 MAX_IPC_PATH = 107
 
@@ -135,6 +137,10 @@ class IngestConfig(_Section):
     # net.core.somaxconn); past it a connection attempt is dropped and retried a second later
     http_backlog: int = _f(4096, _count)
     http_timeout_s: float = _f(60.0, _positive)  # longest wait for a request's next text
+    # processes serving the API on its port (SO_REUSEPORT), each parsing its own calls and
+    # writing its own streams in front of this loop; 1: a thread of the ingest process
+    http_processes: int = _f(1, _rule(f"an integer from 1 to {MAX_HTTP_PROCESSES}",
+                                             lambda v: _is_int(v) and 1 <= v <= MAX_HTTP_PROCESSES))
     model_name: str | None = _f(None, _optional_text)  # None: the model directory's name
 
 

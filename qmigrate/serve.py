@@ -36,6 +36,7 @@ class ServeOptions:
     cpu_workers: int = 2
     tensor_parallel_size: int = 1   # GPUs (processes) per worker
     worker_settings: dict | None = None   # fields set on every worker (config.worker_settings)
+    api_server_count: int | None = None   # ingest.http_processes
 
 
 def visible_gpus() -> int:
@@ -94,6 +95,8 @@ def serve_topology(opts: ServeOptions, base: Topology | None = None, num_gpus: i
         ingest["model_name"] = opts.served_model_name
     if opts.api_key is not None:
         ingest["api_key"] = opts.api_key
+    if opts.api_server_count is not None:
+        ingest["http_processes"] = opts.api_server_count
     for w in data["workers"]:
         w.update(opts.worker_settings or {})
         if opts.gpu_memory_utilization is not None:

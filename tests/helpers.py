@@ -268,7 +268,8 @@ class HttpNode:
     """A `qmigrate node` of every role with the HTTP API (model name "tiny") and one CPU worker,
     its output in files: shared by the tests that talk to a live node over HTTP."""
 
-    def __init__(self, tmp: Path, model_dir):
+    def __init__(self, tmp: Path, model_dir, ingest: dict | None = None):
+        """`ingest`: settings of the ingest section besides the defaults here."""
         import openai
         import yaml
         self.ipc = tmp / "s"
@@ -277,7 +278,8 @@ class HttpNode:
             "transport": "ipc", "ipc_dir": str(self.ipc), "model": {"path": str(model_dir)},
             "defaults": {"max_new_tokens": 8}, "nodes": [{"name": "local"}],
             "router": {"node": "local"}, "detokenizer": {"node": "local", "output": "jsonl"},
-            "ingest": {"node": "local", "input": "jsonl", "http_port": self.port, "model_name": "tiny"},
+            "ingest": {"node": "local", "input": "jsonl", "http_port": self.port, "model_name": "tiny",
+                       **(ingest or {})},
             "workers": [{"name": "w1", "node": "local", "cpu_kv_gib": 0.25}],
         }
         self.config = tmp / "topology.yaml"

@@ -120,6 +120,8 @@ def test_kv_ports_are_assigned_per_node_around_taken_ports():
     ("router", "prefill_tflops", float("nan"), "router.prefill_tflops: expected a number > 0"),
     ("ingest", "input", "csv", "ingest.input: expected 'text' or 'jsonl', got 'csv'"),
     ("ingest", "max_pending", -3, "ingest.max_pending: expected an integer >= 1"),
+    ("ingest", "http_processes", 0, "ingest.http_processes: expected an integer from 1 to 128"),
+    ("ingest", "http_processes", 129, "ingest.http_processes: expected an integer from 1 to 128"),
     ("detokenizer", "output", "html", "detokenizer.output: expected 'text' or 'jsonl'"),
     ("monitor", "interval_s", 0.0, "monitor.interval_s: expected a number > 0"),
     ("model", "dtype", "int8", "model.dtype: expected one of 'auto', 'float32', 'bfloat16', 'float16'"),

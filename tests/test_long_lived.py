@@ -331,9 +331,9 @@ def test_a_request_cancelled_in_the_hand_off_queue_never_reaches_the_router(topo
         ingest.http.cancels.put(ids[1])
         ingest.take_http()
         assert [spec.seq_id for spec, *_ in ingest.pending] == [ids[0], ids[2]]
-        assert ingest.num_withdrawn == 1 and not ingest.withdrawn
+        assert ingest.order.num_withdrawn == 1 and not ingest.order.withdrawn
         ingest.http.cancels.put(ids[0])   # taken, not yet sent: cancelled once its Submit is acked
         ingest.take_http()
-        assert ingest.cancel_after_ack == {ids[0]} and ingest.num_withdrawn == 1
+        assert ingest.cancel_after_ack == {ids[0]} and ingest.order.num_withdrawn == 1
     finally:
         _close(ingest.router, ingest.feed, ingest.replies)

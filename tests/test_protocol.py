@@ -60,6 +60,9 @@ EXAMPLES = [
     P.Resync(4242),
     P.Printed(P.pack_i64([7, 8])),
     P.Pulse("w0", 2500),
+    P.FrontHello(3, 4242, "cannot serve HTTP on http://127.0.0.1:8000: address in use"),
+    P.FrontStatus(2),
+    P.FrontAdmit(P.pack_i64([7, 8]), True),
 ]
 
 
@@ -156,6 +159,10 @@ def test_extreme_but_valid_integers_round_trip():
     [P.MsgType.HELLO, "worker", "w" * 300],                    # a name past its bound
     [P.MsgType.VRAM_REPORT, "n", [["GPU-1", 0, "80", 5, 7]]],  # a string where a number goes
     [P.MsgType.STEP_RESULT, 1, b"", b"", b"", b"", -2],         # free KV tokens below -1
+    [P.MsgType.FRONT_HELLO, 128, 1],                             # a front index past bits 32-38
+    [P.MsgType.FRONT_HELLO, 0, 1, "e" * 1025],                   # a reason past its bound
+    [P.MsgType.FRONT_STATUS, -1],                                # a negative count
+    [P.MsgType.FRONT_ADMIT, b"\xff" * 8, True],                  # seq id -1
 ])
 def test_values_out_of_range_are_rejected_at_decode(body):
     assert_rejected(pack([int(body[0])] + body[1:]))

@@ -43,6 +43,11 @@ def test_cpu_workers_when_there_is_no_gpu_and_defaults_where_no_flag_is_given():
     defaults = local_topology(1).workers[0]
     assert topo.workers[0].max_seqs == defaults.max_seqs
     assert (topo.ingest.http_host, topo.ingest.http_port, topo.ingest.api_key) == ("127.0.0.1", 8000, None)
+    assert topo.ingest.http_processes == 1
+
+
+def test_api_server_count_sets_the_ingest_http_processes():
+    assert serve_topology(ServeOptions(api_server_count=4), num_gpus=0).ingest.http_processes == 4
 
 
 def test_gpu_workers_default_to_a_serving_engines_batch_and_the_flag_overrides_it():

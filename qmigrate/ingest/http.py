@@ -16,6 +16,11 @@ choice, handed over together in one submission; all of them share the request's 
 whose rows say by sequence id which choice they belong to. The request ends when every
 choice has; if it ends sooner, every choice still running is cancelled. A request of one
 choice takes a path of its own, with nothing per token for choices it does not have.
+
+The same server runs in each HTTP front process (qmigrate.ingest.front) when ingest has
+several: there it shares the port with the others (`reuse_port`) and, with `admission`, a
+request waits for ingest's word that it took the request (`admit`) before it answers, so that
+a refusal is still a 429.
 """
 
 from __future__ import annotations
@@ -84,17 +89,23 @@ class _Updates:
     prompt tokens found cached]), in order, and the future its handler waits on while there
     are none (`since`: when that wait began)."""
 
-    __slots__ = ("rows", "waiter", "since")
+    __slots__ = ("rows", "waiter", "since", "admitted")
 
     def __init__(self) -> None:
         self.rows: deque = deque()
         self.waiter: asyncio.Future | None = None
         self.since = 0.0
+        self.admitted: asyncio.Future | None = None  # with admission: whether ingest took it
 
     def push(self, row) -> None:
         self.rows.append(row)
         if self.waiter is not None and not self.waiter.done():
             self.waiter.set_result(None)
+
+
+def _at_capacity() -> ApiError:
+    return ApiError(429, "the server is at capacity: too many requests are waiting for the router; "
+                    "retry later", type="rate_limit_error", code="rate_limit_exceeded")
 
 
 def _reject_constant(name: str):
@@ -103,7 +114,8 @@ def _reject_constant(name: str):
 
 class HttpServer:
     def __init__(self, cfg, model_path: str, defaults: Defaults, id_base: int | None = None,
-                 trust_remote_code: bool = False):
+                 trust_remote_code: bool = False, *, reuse_port: bool = False, admission: bool = False,
+                 id_bits: int = 39, first_id: int = 1):
         self.cfg = cfg
         self.defaults = defaults
         # A tokenizer of its own: this server's thread tokenizes while ingest's does, and a
@@ -114,9 +126,13 @@ class HttpServer:
         self.submissions: queue.Queue = queue.Queue(maxsize=cfg.max_pending)
         self.cancels: queue.SimpleQueue = queue.SimpleQueue()
         self.streams: dict[int, _Updates] = {}
-        # Sequence ids: ingest's random high part with bit 39 set, so never one of its own.
+        # Sequence ids: ingest's random high part with bit 39 set, so never one of its own, and a
+        # counter in the low id_bits (a front's index sits between them: ingest.handoff).
         self.id_base = (id_base or random.SystemRandom().randrange(1, 1 << 22) << 40) | 1 << 39
-        self.counter = itertools.count(1)
+        self.id_mask = (1 << id_bits) - 1
+        self.counter = itertools.count(first_id)
+        self.reuse_port = reuse_port
+        self.admission = admission
         self.loop: asyncio.AbstractEventLoop | None = None
         self.wake_sock = None
         self.ready = threading.Event()
@@ -144,6 +160,8 @@ class HttpServer:
         def end_all() -> None:
             for updates in set(self.streams.values()):  # a fanned-out request's choices share one
                 updates.push(_SHUTDOWN)
+                if updates.admitted is not None and not updates.admitted.done():
+                    updates.admitted.set_result(True)  # on to the shutdown's answer
             self.loop.create_task(self._answered(done, time.monotonic() + timeout_s))
         try:
             self.loop.call_soon_threadsafe(end_all)
@@ -164,7 +182,18 @@ class HttpServer:
         if mine and self.loop is not None:
             self.loop.call_soon_threadsafe(self._dispatch, mine)
 
+    def admit(self, seq_ids: list[int], is_accepted: bool) -> None:
+        """Ingest's answer to the requests of these sequences (with `admission`)."""
+        if self.loop is not None:
+            self.loop.call_soon_threadsafe(self._admit, seq_ids, is_accepted)
+
     # --- this thread -----------------------------------------------------------------------
+    def _admit(self, seq_ids: list[int], is_accepted: bool) -> None:
+        for seq_id in seq_ids:
+            updates = self.streams.get(seq_id)
+            if updates is not None and updates.admitted is not None and not updates.admitted.done():
+                updates.admitted.set_result(is_accepted)
+
     def _run(self) -> None:
         try:
             asyncio.run(self._serve())
@@ -183,7 +212,8 @@ class HttpServer:
         # handler_cancellation: a client that goes away cancels its handler, and so its request
         runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
         await runner.setup()
-        await web.TCPSite(runner, self.cfg.http_host, self.cfg.http_port, backlog=self.cfg.http_backlog).start()
+        await web.TCPSite(runner, self.cfg.http_host, self.cfg.http_port, backlog=self.cfg.http_backlog,
+                          reuse_port=self.reuse_port or None).start()
         self.ready.set()
         await self._watch()
 
@@ -270,11 +300,13 @@ class HttpServer:
         req = parse_body(await self._body(request), kind, model_names=self.model_names,
                          tokenizer=self.tokenizer, max_context=self.max_context,
                          defaults=self.defaults, eos_ids=self.eos_ids)
-        seq_id = self.id_base | next(self.counter)
+        seq_id = self._new_id()
         rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{seq_id:016x}"
         prompts = fan_out(req, rid)
-        seq_ids = [seq_id] + [self.id_base | next(self.counter) for _ in prompts[1:]]
+        seq_ids = [seq_id] + [self._new_id() for _ in prompts[1:]]
         updates = _Updates()
+        if self.admission:
+            updates.admitted = self.loop.create_future()
         for sid in seq_ids:
             self.streams[sid] = updates
         try:
@@ -282,11 +314,13 @@ class HttpServer:
         except queue.Full:
             for sid in seq_ids:
                 del self.streams[sid]
-            raise ApiError(429, "the server is at capacity: too many requests are waiting for the "
-                           "router; retry later", type="rate_limit_error", code="rate_limit_exceeded") from None
+            raise _at_capacity() from None
         self._wake()
         live = dict(zip(seq_ids, range(len(seq_ids))))  # the choices not yet ended: seq_id -> index
         try:
+            if updates.admitted is not None and not await self._admitted(updates):
+                live.clear()   # refused: nothing of it runs
+                raise _at_capacity()
             if len(seq_ids) > 1:
                 if req.stream:
                     return await self._stream_choices(request, req, rid, updates, live)
@@ -305,6 +339,16 @@ class HttpServer:
                 for sid in live:
                     self.cancels.put(sid)
                 self._wake()
+
+    def _new_id(self) -> int:
+        return self.id_base | next(self.counter) & self.id_mask
+
+    async def _admitted(self, updates: _Updates) -> bool:
+        try:
+            return await asyncio.wait_for(updates.admitted, self.cfg.http_timeout_s)
+        except asyncio.TimeoutError:
+            raise ApiError(503, "the server did not take the request in time; retry later",
+                           type="server_error", code="timeout") from None
 
     async def _next(self, updates: _Updates) -> tuple:
         if not updates.rows:

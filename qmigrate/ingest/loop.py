@@ -17,6 +17,8 @@ until the request it cannot take is alone, and that one becomes an error record.
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 import logging
 import os
 import queue
@@ -33,7 +35,8 @@ from qmigrate.wire import protocol as P
 from qmigrate.wire import transport
 from qmigrate.engine.loading import resolve_model
 from qmigrate.engine.tokenizer_info import load_tokenizer_info
-from qmigrate.ingest.prompts import CancelRequest, Defaults, PromptError, parse_line, to_spec
+from qmigrate.ingest.handoff import THREAD_ID_BITS, HandoffOrder
+from qmigrate.ingest.prompts import CancelRequest, Defaults, PromptError, parse_line, seed_of, to_spec
 from qmigrate.wire.security import Guard
 from qmigrate.ops.process import freeze_heap, run_until_fatal
 
@@ -77,8 +80,15 @@ class Ingest:
         self.live_ids: dict[int, str] = {}
         # Sequence ids are unique across ingest processes: a random high part, a counter below.
         self.id_base = random.SystemRandom().randrange(1, 1 << 22) << 40
-        self.http = None
-        if cfg.http_port is not None:
+        self.http = None     # the API on a thread of this process
+        self.fronts = None   # or in http_processes processes of its own
+        if cfg.http_port is not None and cfg.http_processes > 1:
+            from qmigrate.ingest.fronts import Fronts
+            self.fronts = Fronts(cfg, {
+                "ingest": dataclasses.asdict(cfg), "model_path": model_path, "defaults": list(dataclasses.astuple(self.defaults)),
+                "trust_remote_code": topo.model.trust_remote_code, "id_base": self.id_base,
+                "log_level": logging.getLevelName(logging.getLogger().getEffectiveLevel()).lower()})
+        elif cfg.http_port is not None:
             from qmigrate.ingest.http import WAKE_ENDPOINT, HttpServer
             self.wake = transport.socket(zmq.PULL, bind=WAKE_ENDPOINT, hwm=1)
             self.http = HttpServer(cfg, model_path, self.defaults, self.id_base, topo.model.trust_remote_code)
@@ -89,11 +99,8 @@ class Ingest:
         self.pending: deque[tuple[P.SeqSpec, str, int, str]] = deque()  # spec, req_id, route, note
         self.errors: list[tuple[str, str, int]] = []  # error records not yet acknowledged
         self.cancel_after_ack: set[int] = set()  # cancelled before their Submit was sent
-        # HTTP requests cancelled while still in the hand-off queue: dropped when taken. The
-        # server numbers requests as it queues them, so an id past the last taken is not taken.
-        self.withdrawn: set[int] = set()
-        self.last_taken = -1
-        self.num_withdrawn = 0
+        # HTTP requests cancelled while still in the hand-off queue: dropped when taken
+        self.order = HandoffOrder(THREAD_ID_BITS)
         self.in_flight = 0            # specs sent in the Submit awaiting its ack
         self.max_batch = P.SUBMIT_MAX_SEQS  # halved when a Submit is refused or unanswered
         self.errors_in_flight = 0
@@ -126,13 +133,16 @@ class Ingest:
         finally:
             if self.http is not None:
                 self.http.shutdown()  # open HTTP requests end with an error, streams with [DONE]
+            if self.fronts is not None:
+                self.fronts.stop()    # as they do in each front process
 
     def _serve(self, exit_on_eof: bool) -> None:
         self.hello()
         freeze_heap()
-        if self.http is not None:
-            self.http.start()
-            print(f"qmigrate: OpenAI-compatible API on {self.http.url}/v1", file=sys.stderr, flush=True)
+        api = self.http or self.fronts
+        if api is not None:
+            api.start()
+            print(f"qmigrate: OpenAI-compatible API on {api.url}/v1", file=sys.stderr, flush=True)
         if self.read_stdin:
             threading.Thread(target=self._read_stdin, daemon=True, name="stdin").start()
         poller = zmq.Poller()
@@ -141,14 +151,18 @@ class Ingest:
         poller.register(self.replies, zmq.POLLIN)
         if self.http is not None:
             poller.register(self.wake, zmq.POLLIN)
+        if self.fronts is not None:
+            poller.register(self.fronts.sock, zmq.POLLIN)
         while True:
             self.take_lines()
             self.take_http()
+            if self.fronts is not None and (lost := self.fronts.check()):
+                self.cancel(lost)
             if self.wait_for_workers and self.pending:  # errors and the end of input need no worker
                 self.ask_for_workers()
             else:
                 self.submit()
-            if self.http is not None:
+            if api is not None:
                 self.ask_for_workers(HEALTH_POLL_S)  # for /health
             ready = dict(poller.poll(20))
             if self.router in ready:
@@ -160,6 +174,8 @@ class Ingest:
             if self.http is not None and self.wake in ready:
                 while self.wake.poll(0):
                     self.wake.recv()
+            if self.fronts is not None and self.fronts.sock in ready:
+                self.on_fronts()
             if self.closed_sent and exit_on_eof:
                 return
 
@@ -210,21 +226,16 @@ class Ingest:
         self.enqueue(seq_id, prompt, P.ROUTE_STDOUT)
 
     def enqueue(self, seq_id: int, prompt, route: int) -> None:
-        seed = prompt.seed if prompt.seed is not None else self.rng.randrange(1 << 62)
-        spec = to_spec(prompt, seq_id, seed, self.eos_ids)
+        spec = to_spec(prompt, seq_id, seed_of(prompt, self.rng), self.eos_ids)
         self.pending.append((spec, prompt.req_id, route, prompt.note))
 
     def take_http(self) -> None:
         if self.http is None:
             return
-        cancelled = []
+        cancels = []
         while not self.http.cancels.empty():
-            seq_id = self.http.cancels.get()
-            if seq_id > self.last_taken:
-                self.withdrawn.add(seq_id)   # not taken yet: it must never reach the router
-            else:
-                cancelled.append(seq_id)
-        if cancelled:
+            cancels.append(self.http.cancels.get())
+        if cancelled := self.order.cancel(cancels):
             self.cancel(cancelled)
         while len(self.pending) < self.max_pending:
             try:
@@ -234,12 +245,20 @@ class Ingest:
             except queue.Empty:
                 return
             for seq_id, prompt in choices:
-                self.last_taken = seq_id
-                if seq_id in self.withdrawn:
-                    self.withdrawn.discard(seq_id)
-                    self.num_withdrawn += 1
-                else:
+                if self.order.take(seq_id):
                     self.enqueue(seq_id, prompt, P.ROUTE_INGEST)
+
+    def on_fronts(self) -> None:
+        """The HTTP front processes' requests, taken while fewer than max_pending wait for the
+        router (a request's choices all or none), and their cancels."""
+        for front, msg in self.fronts.receive():
+            if isinstance(msg, P.Cancel):
+                self.cancel(P.unpack_i64(msg.seq_ids).tolist())
+                continue
+            is_accepted = len(self.pending) < self.max_pending
+            if is_accepted:
+                self.pending.extend(zip(msg.seqs, msg.req_ids, itertools.repeat(P.ROUTE_INGEST), msg.notes))
+            self.fronts.admit(front, msg, is_accepted)
 
     def cancel(self, seq_ids: list[int]) -> None:
         """Forget requests: those not yet sent to the router here, the rest at the router,
@@ -257,19 +276,27 @@ class Ingest:
             transport.send(self.router, P.Cancel(P.pack_i64(now)))  # it tells the detokenizer
 
     def on_replies(self) -> None:
-        while (got := transport.recv(self.replies, 0)) is not None:
-            msg = got[1]
+        while self.replies.poll(0):
+            frame = self.replies.recv()
+            msg = transport.parse(frame, "the detokenizer")
             if not isinstance(msg, P.Replies):
                 continue
-            seq_ids = P.unpack_i64(msg.seq_ids).tolist()
-            finish = P.unpack_u8(msg.finish).tolist()
-            for seq_id, code in zip(seq_ids, finish):
-                if code and seq_id in self.live_ids:
-                    self.live.pop(self.live_ids.pop(seq_id), None)
-            if self.http is not None:
-                cached = P.unpack_i32(msg.cached_tokens).tolist() if msg.cached_tokens else [-1] * len(seq_ids)
-                self.http.deliver(list(zip(seq_ids, msg.texts, finish, P.unpack_i32(msg.num_tokens).tolist(),
-                                           cached)))
+            if self.fronts is not None:
+                self.fronts.forward(frame, msg)
+            if self.live_ids or self.http is not None:
+                self.take_replies(msg)
+
+    def take_replies(self, msg: P.Replies) -> None:
+        """The ends of stdin's requests, and the in-thread server's rows."""
+        seq_ids = P.unpack_i64(msg.seq_ids).tolist()
+        finish = P.unpack_u8(msg.finish).tolist()
+        for seq_id, code in zip(seq_ids, finish):
+            if code and seq_id in self.live_ids:
+                self.live.pop(self.live_ids.pop(seq_id), None)
+        if self.http is not None:
+            cached = P.unpack_i32(msg.cached_tokens).tolist() if msg.cached_tokens else [-1] * len(seq_ids)
+            self.http.deliver(list(zip(seq_ids, msg.texts, finish, P.unpack_i32(msg.num_tokens).tolist(),
+                                       cached)))
 
     def submit(self) -> None:
         now = time.monotonic()
@@ -305,9 +332,12 @@ class Ingest:
             if isinstance(msg, P.Stats):
                 if msg.counters.get("workers", 0) >= self.wait_for_workers:
                     self.wait_for_workers = 0
+                serving = msg.counters.get("serving", msg.counters.get("workers", 0))
+                serving = serving if type(serving) is int and serving >= 0 else 0
                 if self.http is not None:
-                    serving = msg.counters.get("serving", msg.counters.get("workers", 0))
-                    self.http.num_serving = serving if type(serving) is int else 0
+                    self.http.num_serving = serving
+                if self.fronts is not None:
+                    self.fronts.set_serving(serving)
             if isinstance(msg, P.Reject) and self.awaiting_ack and not msg.is_unknown_peer:
                 self.on_refused(msg.reason)
             if isinstance(msg, P.SubmitAck) and self.awaiting_ack and msg.is_deferred:
@@ -343,6 +373,8 @@ class Ingest:
             self.cancel_after_ack.discard(spec.seq_id)
             if route == P.ROUTE_INGEST and self.http is not None:
                 self.http.deliver([(spec.seq_id, "", int(P.Finish.ERROR), 0)])
+            elif route == P.ROUTE_INGEST and self.fronts is not None:
+                self.fronts.fail(spec.seq_id)
             else:
                 self.errors.insert(0, error_record(req_id, f"refused by the router: {reason}", spec.seq_id))
         elif self.in_flight == 0:  # errors alone (each within bounds already): keep them in bounds again

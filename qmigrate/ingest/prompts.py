@@ -144,6 +144,12 @@ def to_spec(prompt: Prompt, seq_id: int, seed: int, eos_ids: Collection[int]) ->
                      cache_salt=prompt.cache_salt)
 
 
+def seed_of(prompt: Prompt, rng) -> int:
+    """The request's seed, or one drawn for it: the same draw wherever the spec is made (the
+    ingest loop, or an HTTP front process), so that an unseeded request samples alike."""
+    return prompt.seed if prompt.seed is not None else rng.randrange(1 << 62)
+
+
 def check_prompt(prompt: Prompt, eos_ids: Collection[int] = ()) -> Prompt:
     """Raise PromptError unless the router would decode this request: the codec's own check."""
     spec = to_spec(prompt, 1, prompt.seed if prompt.seed is not None else 0, eos_ids)

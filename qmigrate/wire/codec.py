@@ -100,6 +100,8 @@ _RANGES: dict[str, dict[str, tuple]] = {
     "FeedAck": {"num_accepted": _I64},
     "Revoke": {"lease_id": _I64},
     "Resync": {"pid": (0, 1 << 32)},
+    "FrontHello": {"index": (0, 127), "pid": (0, 1 << 32)},
+    "FrontStatus": {"num_serving": (0, 1 << 31)},
 }
 # Packed arrays by field name: item type, and whether items must be >= 0 (ids).
 _ARRAYS = {"seq_ids": ("<i8", True), "drop_ids": ("<i8", True), "evicted_ids": ("<i8", True),
@@ -109,7 +111,7 @@ _ARRAYS = {"seq_ids": ("<i8", True), "drop_ids": ("<i8", True), "evicted_ids": (
            "finish": ("u1", False), "routes": ("u1", False),
            "error_ids": ("<i8", False)}
 _NAMES = {"name": 256, "role": 64, "node": 256, "kv_from": 512, "dest": 512, "worker": 256, "dtype": 32,
-          "cache_salt": MAX_CACHE_SALT}
+          "cache_salt": MAX_CACHE_SALT, "error": 1024}
 
 
 def _build(cls, values: list, where: str):

@@ -82,6 +82,9 @@ class MsgType(enum.IntEnum):
     RESYNC = 35
     PRINTED = 36
     PULSE = 37
+    FRONT_HELLO = 38
+    FRONT_STATUS = 39
+    FRONT_ADMIT = 40
 
 
 class Finish(enum.IntEnum):
@@ -520,6 +523,38 @@ class Printed:
     the router may forget them."""
 
     seq_ids: bytes            # int64
+
+
+# --- ingest and its HTTP front processes (http_processes >= 2) ----------------------------
+# A front sends ingest `Submit`s (its requests' choices as specs, ROUTE_INGEST) and `Cancel`s;
+# ingest answers each Submit with `FrontAdmit` and sends the front the `Replies` rows of its
+# sequences. Sequence ids say which front holds a request (ingest.handoff).
+
+
+@message(MsgType.FRONT_HELLO)
+class FrontHello:
+    """Front to ingest, once: it serves HTTP (error "": bound and ready), or why it cannot."""
+
+    index: int
+    pid: int
+    error: str = ""
+
+
+@message(MsgType.FRONT_STATUS)
+class FrontStatus:
+    """Ingest to fronts: workers the router last said can serve (/health), sent when it changes
+    and to a front that says hello."""
+
+    num_serving: int
+
+
+@message(MsgType.FRONT_ADMIT)
+class FrontAdmit:
+    """Ingest to front, the answer to each of its Submits: every sequence of it is taken, or
+    (is_accepted false) none is: max_pending wait for the router, and the front answers 429."""
+
+    seq_ids: bytes            # int64: every sequence of the Submit
+    is_accepted: bool
 
 
 def info_int(info: dict, key: str, default: int, low: int = 0, high: int = 1 << 62) -> int:

@@ -56,7 +56,9 @@ def _prepare_ipc(endpoint: str) -> None:
 
 def socket(kind: int, *, bind: str | None = None, connect: str | list[str] | None = None,
            identity: str | None = None, max_bytes: int = protocol.MAX_MESSAGE_BYTES,
-           hwm: int = 10_000) -> zmq.Socket:
+           hwm: int = 10_000, curve: bool = True) -> zmq.Socket:
+    """`curve` False: no CURVE even in a secured process, for a socket that only this
+    machine's own processes reach (an ipc:// path in a private directory)."""
     sock = context().socket(kind)
     sock.setsockopt(zmq.LINGER, 0)
     # A peer sending more than this is disconnected instead of exhausting our memory.
@@ -69,7 +71,7 @@ def socket(kind: int, *, bind: str | None = None, connect: str | list[str] | Non
     if identity is not None:
         sock.setsockopt(zmq.IDENTITY, identity.encode())
     endpoints = [connect] if isinstance(connect, str) else list(connect or [])
-    if _keyring is not None and not (bind or "").startswith("inproc://"):  # inproc stays in this process
+    if _keyring is not None and curve and not (bind or "").startswith("inproc://"):  # inproc stays in this process
         try:
             _keyring.apply(sock, bind, endpoints)
         except Exception:

@@ -1,0 +1,185 @@
+"""The HTTP API from two front processes on the one port (`ingest.http_processes: 2`), on a live
+node with the tiny model: answers equal to generate() from both, fan-out, cancel on disconnect,
+a 429 at capacity, a killed front replaced, and SIGTERM to ingest ending every open stream."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import signal
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+
+import helpers as H
+from test_http_e2e import MODEL, PROMPTS, expected  # noqa: F401 -- expected: the generate() fixture
+
+from qmigrate.ingest.handoff import front_index
+
+openai = pytest.importorskip("openai")
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def node(tiny_chat_model_dir, tmp_path_factory):
+    node = H.HttpNode(tmp_path_factory.mktemp("http-fronts"), tiny_chat_model_dir, ingest={"http_processes": 2})
+    try:
+        node.wait_ready()
+        yield node
+    finally:
+        node.stop()
+
+
+def front_of(response_id: str) -> int:
+    """The front that answered: its index is in the request's sequence id (cmpl-<seq id>)."""
+    return int(front_index(np.array([int(response_id.rsplit("-", 1)[1], 16)]))[0])
+
+
+def front_pids(node) -> dict[int, int]:
+    return {int(title.rsplit(" ", 1)[1]): pid for title, pid in H.roles_of(node.proc).items()
+            if title.startswith("qmigrate http ")}
+
+
+def open_stream(node, body: dict) -> http.client.HTTPResponse:
+    """A call on a connection of its own (streamed unless the body says otherwise)."""
+    conn = http.client.HTTPConnection("127.0.0.1", node.port, timeout=60)
+    conn.request("POST", "/v1/completions", json.dumps({"model": MODEL, "stream": True, **body}),
+                 {"Content-Type": "application/json"})
+    return conn.getresponse()
+
+
+def first_event(resp: http.client.HTTPResponse) -> dict:
+    line = b""
+    while not line.startswith(b"data: "):
+        line = resp.readline()
+    return json.loads(line[6:])
+
+
+def is_alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def wait_for(condition, timeout_s: float = 30.0, what: str = ""):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if got := condition():
+            return got
+        time.sleep(0.05)
+    pytest.fail(f"not within {timeout_s} s: {what}")
+
+
+def test_concurrent_streamed_and_whole_requests_from_both_fronts_equal_generate(node, expected):
+    wanted = {p: expected(expected.tok.encode(p), 5)[0] for p in PROMPTS}
+
+    def one(i: int) -> tuple[str, str, str]:
+        prompt = PROMPTS[i % len(PROMPTS)]
+        if i % 2:
+            whole = node.client.completions.create(model=MODEL, prompt=prompt, max_tokens=5, temperature=0)
+            return prompt, whole.choices[0].text, whole.id
+        chunks = list(node.client.completions.create(model=MODEL, prompt=prompt, max_tokens=5, temperature=0,
+                                                     stream=True))
+        return prompt, "".join(c.choices[0].text for c in chunks), chunks[0].id
+
+    with ThreadPoolExecutor(32) as pool:
+        results = list(pool.map(one, range(64)))
+    assert [text for _, text, _ in results] == [wanted[prompt] for prompt, _, _ in results]
+    assert {front_of(rid) for _, _, rid in results} == {0, 1}   # the kernel spread them over both
+
+
+def test_choices_and_several_prompts_fan_out_through_a_front(node, expected):
+    batch_ids = [expected.tok.encode(p) for p in PROMPTS[1:]]
+    single = [expected(p, 6)[0] for p in batch_ids]
+    batch = node.client.completions.create(model=MODEL, prompt=batch_ids, max_tokens=6, temperature=0, n=2)
+    assert [(c.index, c.text) for c in batch.choices] == [(i, single[i // 2]) for i in range(4)]
+    stream = node.client.completions.create(model=MODEL, prompt=batch_ids, max_tokens=6, temperature=0, n=2,
+                                            stream=True, stream_options={"include_usage": True})
+    texts, chunks = {}, list(stream)
+    for c in chunks[:-1]:
+        (choice,) = c.choices
+        texts[choice.index] = texts.get(choice.index, "") + choice.text
+    assert texts == {i: single[i // 2] for i in range(4)}
+    assert chunks[-1].usage.completion_tokens == batch.usage.completion_tokens
+
+
+def test_a_client_that_closes_mid_stream_frees_its_sequence(node):
+    before = node.stats().get("cancelled", 0)
+    for _ in range(4):   # on whichever front the kernel picks, most likely both
+        resp = open_stream(node, {"prompt": "Once upon a time", "max_tokens": 500, "ignore_eos": True})
+        first_event(resp)
+        resp.close()
+    wait_for(lambda: (s := node.stats()).get("cancelled", 0) == before + 4 and s["live"] == 0,
+             what="four cancels at the router")
+
+
+def test_a_full_ingest_answers_429_and_the_requests_it_took_still_run(node):
+    """With the router stopped, one request of 2 prompts x 128 choices fills ingest's
+    max_pending (256); the next request is refused by ingest and its front answers 429."""
+    router = H.pid_of(node.proc, "qmigrate router")
+    big = {"model": MODEL, "prompt": [[5, 6, 7], [8, 9]], "n": 128, "max_tokens": 1, "extra_body": {"ignore_eos": True}}
+    os.kill(router, signal.SIGSTOP)
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            taken = pool.submit(node.client.completions.create, **big)
+
+            def refused():
+                resp = open_stream(node, {"prompt": [5, 6], "max_tokens": 2})
+                body = resp.read() if resp.status == 429 else None
+                resp.close()   # one it took: cancelled again
+                return body
+            body = json.loads(wait_for(refused, what="a 429"))
+            os.kill(router, signal.SIGCONT)
+            assert body["error"]["code"] == "rate_limit_exceeded" and "at capacity" in body["error"]["message"]
+            answer = taken.result(timeout=120)
+    finally:
+        os.kill(router, signal.SIGCONT)
+    assert len(answer.choices) == 256 and answer.usage.completion_tokens == 256
+
+
+def test_a_killed_front_is_replaced_and_the_other_fronts_streams_go_on(node):
+    before = front_pids(node)
+    assert sorted(before) == [0, 1]
+    cancelled = node.stats().get("cancelled", 0)
+    streams = [open_stream(node, {"prompt": "Hello", "max_tokens": 400, "ignore_eos": True}) for _ in range(8)]
+    on = {i: front_of(first_event(resp)["id"]) for i, resp in enumerate(streams)}
+    os.kill(before[0], signal.SIGKILL)
+    killed = [i for i, k in on.items() if k == 0]
+    for i, resp in enumerate(streams):
+        if i not in killed:   # the other front's streams go on
+            for _ in range(5):
+                assert first_event(resp)["choices"][0]["finish_reason"] is None
+        resp.close()
+    wait_for(lambda: (s := node.stats()).get("cancelled", 0) >= cancelled + 8 and s["live"] == 0,
+             what="every sequence cancelled: the dead front's by ingest, the others' by their clients")
+    wait_for(lambda: front_pids(node).get(0) not in (None, before[0]), what="a new front 0")
+    assert "HTTP process 0 exited with status -9" in node.stderr.read_text()
+
+    def served_by_the_new_front():   # a connection of its own each: the kernel picks a front for it
+        resp = open_stream(node, {"prompt": [5, 6, 7], "max_tokens": 2, "ignore_eos": True, "stream": False})
+        answer = json.loads(resp.read())
+        assert answer["usage"]["completion_tokens"] == 2
+        return front_of(answer["id"]) == 0
+    wait_for(served_by_the_new_front, what="an answer from the new front 0")
+
+
+def test_sigterm_to_ingest_ends_every_open_stream_and_every_front(node):
+    """Last in this module: it stops ingest (the node starts it again)."""
+    pids = front_pids(node)
+    assert sorted(pids) == [0, 1]
+    streams = [open_stream(node, {"prompt": "Hello", "max_tokens": 400, "ignore_eos": True}) for _ in range(6)]
+    for resp in streams:
+        first_event(resp)
+    os.kill(H.pid_of(node.proc, "qmigrate ingest"), signal.SIGTERM)
+    for resp in streams:
+        try:
+            tail = resp.read()
+        except http.client.IncompleteRead as exc:   # the process ended before the chunked body's end
+            tail = exc.partial
+        assert tail.endswith(b"data: [DONE]\n\n") and b'"code": "shutdown"' in tail
+    wait_for(lambda: not any(is_alive(pid) for pid in pids.values()), what="every front process gone")
