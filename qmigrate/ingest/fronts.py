@@ -14,6 +14,7 @@ import dataclasses
 import json
 import logging
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -47,9 +48,11 @@ class Front:
     live: set[int] = dataclasses.field(default_factory=set)
 
 
-def _private_dir() -> str:
-    """A 0700 directory for the socket, in /tmp when TMPDIR is too long for an ipc:// path."""
-    path = tempfile.mkdtemp(prefix="qm-http-")
+def _private_dir(parent: str | None) -> str:
+    """A 0700 directory for the socket in `parent` (None: the temp directory), or in /tmp when
+    that is too long a path for an ipc:// socket."""
+    os.makedirs(parent or tempfile.gettempdir(), exist_ok=True)
+    path = tempfile.mkdtemp(prefix="qm-http-", dir=parent)
     if len(path) + len("/fronts.sock") > MAX_IPC_PATH:
         os.rmdir(path)
         path = tempfile.mkdtemp(prefix="qm-http-", dir=SHORT_TMP)
@@ -57,13 +60,19 @@ def _private_dir() -> str:
 
 
 class Fronts:
-    def __init__(self, cfg, settings: dict):
-        """`settings`: what every front is started with (front.serve), less its index."""
+    def __init__(self, topo, model_path: str, defaults, id_base: int):
+        cfg = topo.ingest
         self.url = f"http://{cfg.http_host}:{cfg.http_port}"
-        self.dir = _private_dir()
-        endpoint = f"ipc://{self.dir}/fronts.sock"
-        self.sock = transport.socket(zmq.ROUTER, bind=endpoint, hwm=HWM, curve=False)
-        self.settings = {**settings, "endpoint": endpoint, "parent": os.getpid()}
+        # Its directory goes in the node's own, if it has one: the launcher removes that, so a
+        # directory left by an ingest killed outright goes with it.
+        self.ipc_dir = topo.ipc_dir if topo.transport == "ipc" else None
+        self.dir: str | None = None   # made by start(), removed by stop()
+        self.sock: zmq.Socket | None = None
+        # what every front is started with (front.serve), less its index
+        self.settings = {"ingest": dataclasses.asdict(cfg), "model_path": model_path,
+                         "defaults": list(dataclasses.astuple(defaults)), "id_base": id_base,
+                         "trust_remote_code": topo.model.trust_remote_code,
+                         "log_level": logging.getLevelName(logging.getLogger().getEffectiveLevel()).lower()}
         self.fronts: list[Front | None] = [None] * cfg.http_processes
         self.restart_at = [0.0] * cfg.http_processes
         self.by_identity: dict[bytes, Front] = {}
@@ -79,6 +88,10 @@ class Fronts:
     def start(self) -> None:
         """Start every front and wait until each serves; a front that cannot is one line and
         the end of ingest, as for the in-thread server."""
+        self.dir = _private_dir(self.ipc_dir)
+        endpoint = f"ipc://{self.dir}/fronts.sock"
+        self.sock = transport.socket(zmq.ROUTER, bind=endpoint, hwm=HWM, curve=False)
+        self.settings = {**self.settings, "endpoint": endpoint, "parent": os.getpid()}
         self.fronts = [self._spawn(i) for i in range(len(self.fronts))]
         deadline = time.monotonic() + START_TIMEOUT_S
         while any(f.identity is None for f in self.fronts):
@@ -211,12 +224,10 @@ class Fronts:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
-        self.sock.close(linger=0)
-        try:
-            os.remove(f"{self.dir}/fronts.sock")
-            os.rmdir(self.dir)
-        except OSError:
-            pass
+        if self.sock is not None:
+            self.sock.close(linger=0)
+        if self.dir is not None:
+            shutil.rmtree(self.dir, ignore_errors=True)
 
 
 def _is_from(front: Front, msg: P.Submit) -> bool:

@@ -17,7 +17,6 @@ until the request it cannot take is alone, and that one becomes an error record.
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import logging
 import os
@@ -84,10 +83,7 @@ class Ingest:
         self.fronts = None   # or in http_processes processes of its own
         if cfg.http_port is not None and cfg.http_processes > 1:
             from qmigrate.ingest.fronts import Fronts
-            self.fronts = Fronts(cfg, {
-                "ingest": dataclasses.asdict(cfg), "model_path": model_path, "defaults": list(dataclasses.astuple(self.defaults)),
-                "trust_remote_code": topo.model.trust_remote_code, "id_base": self.id_base,
-                "log_level": logging.getLevelName(logging.getLogger().getEffectiveLevel()).lower()})
+            self.fronts = Fronts(topo, model_path, self.defaults, self.id_base)
         elif cfg.http_port is not None:
             from qmigrate.ingest.http import WAKE_ENDPOINT, HttpServer
             self.wake = transport.socket(zmq.PULL, bind=WAKE_ENDPOINT, hwm=1)
