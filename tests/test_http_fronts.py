@@ -75,6 +75,30 @@ def wait_for(condition, timeout_s: float = 30.0, what: str = ""):
     pytest.fail(f"not within {timeout_s} s: {what}")
 
 
+def test_a_front_that_cannot_listen_is_one_line_and_none_is_left(tiny_chat_model_dir, tmp_path):
+    import socket
+    from qmigrate.config import parse_topology
+    from qmigrate.ingest.fronts import Fronts
+    from qmigrate.ingest.prompts import Defaults
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        topo = parse_topology({"transport": "ipc", "ipc_dir": str(tmp_path), "model": {"path": str(tiny_chat_model_dir)},
+                               "nodes": [{"name": "local"}], "router": {"node": "local"},
+                               "detokenizer": {"node": "local"}, "workers": [{"name": "w1", "node": "local"}],
+                               "ingest": {"node": "local", "http_port": port, "http_processes": 2}})
+        fronts = Fronts(topo, str(tiny_chat_model_dir), Defaults(), 5 << 40)
+        try:
+            with pytest.raises(SystemExit, match=f"^ingest: cannot serve HTTP on http://127.0.0.1:{port}: "):
+                fronts.start()
+        finally:
+            pids = fronts.pids
+            fronts.stop()
+    assert len(pids) == 2 and not any(is_alive(pid) for pid in pids)
+    assert list(tmp_path.iterdir()) == []   # the socket's directory is gone with them
+
+
 def test_concurrent_streamed_and_whole_requests_from_both_fronts_equal_generate(node, expected):
     wanted = {p: expected(expected.tok.encode(p), 5)[0] for p in PROMPTS}
 

@@ -137,6 +137,7 @@ def main() -> int:
     settings = json.load(sys.stdin)
     die_with(settings["parent"])
     signal.signal(signal.SIGTERM, _stop)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)   # Ctrl-C stops ingest, and ingest stops this
     from qmigrate.launch import set_title
     from qmigrate.ops.logs import setup
     set_title("http", str(settings["index"]))

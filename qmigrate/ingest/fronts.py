@@ -162,7 +162,8 @@ class Fronts:
         seq_ids = [spec.seq_id for spec in msg.seqs]
         if is_accepted:
             front.live.update(seq_ids)
-        transport.send(self.sock, P.FrontAdmit(P.pack_i64(seq_ids), is_accepted), to=front.identity)
+        if front.identity is not None:
+            transport.send(self.sock, P.FrontAdmit(P.pack_i64(seq_ids), is_accepted), to=front.identity)
 
     def set_serving(self, num_serving: int) -> None:
         if num_serving != self.num_serving:
