@@ -270,8 +270,11 @@ def test_sharded_engine_matches_one_rank_and_generate(world, cpu_worlds):
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
 def test_two_gpus_over_nccl_match_one_gpu(tiny_model_dir, tmp_path):
     """fp32 on the GPU: the ranks' sums run in another order, and a near-tie could flip, so
-    the tokens are compared with one GPU's and the logits within the same relative bound."""
+    the tokens are compared with one GPU's and the logits within the same relative bound.
+    A dense and a MoE family beside the tiny model (tp_ranks.GPU_CASES): the CPU worlds cover
+    the rest of the layouts."""
     result = run_world(2, tiny_model_dir, tmp_path, device="cuda")
+    assert set(result) == set(tp_ranks.GPU_CASES)
     for name, case in result.items():
         assert case["max_logit_diff"] <= 1e-4 * max(1.0, case["logit_scale"]), (name, case)
         assert case["got"] == case["ref"], name

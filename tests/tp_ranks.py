@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import ctypes
+import faulthandler
 import importlib
 import json
 import os
@@ -37,6 +38,7 @@ FAMILIES = {
 # the other fast-runner families, as tests/families.py builds them (4 heads, 2 KV heads: split
 # on 2 ranks, replicated on 4): soft-capping and windows, fused q/k/v and gate/up, experts
 SHARED_FAMILIES = ("gemma2", "gemma3", "phi3", "mixtral", "qwen2_moe", "qwen3_moe")
+GPU_CASES = ("tiny", "llama", "mixtral")
 
 
 def random_config(family: str):
@@ -182,12 +184,16 @@ def run_rank(rank: int, world: int, init_method: str, tiny_dir: str, out: str, d
     models that differ, and each says what it reported ("mismatch")."""
     torch.set_num_threads(1)
     result = {}
+    if device == "cuda":  # a rank that stops moving shows where, on stderr (pytest -s)
+        faulthandler.dump_traceback_later(90, repeat=True)
     try:
         tp = TensorParallel.init(rank, world, init_method, f"cuda:{rank}" if device == "cuda" else device)
         from qmigrate.engine.loading import load_model
         cases = {"tiny": lambda: load_model(tiny_dir, "cpu")[0]}
         cases.update({f: (lambda f=f: random_model(f)) for f in FAMILIES})
         cases.update({f: (lambda f=f: families.build_family_model(f, seed=5)) for f in SHARED_FAMILIES})
+        if device == "cuda":  # each case compiles and captures its own kernels: a dense and a MoE family
+            cases = {name: cases[name] for name in GPU_CASES}
         if weightless_dir is not None and rank > 0:
             cases = followers_without_weights(weightless_dir)
         for name, make in cases.items():
