@@ -139,13 +139,21 @@ class ReadyNotice:
 def port_problem(host: str, port: int) -> str | None:
     """Why the API could not listen on host:port (taken, or no such address); None if it can.
     Checked before any role starts, so a taken port costs no model load."""
+    why = bind_problem(host, port)
+    return None if why is None else f"cannot serve on {host}:{port}: {why}"
+
+
+def bind_problem(host: str, port: int) -> str | None:
+    """Why a socket without SO_REUSEPORT cannot bind host:port; None if it can. Ingest asks
+    before its HTTP processes bind with SO_REUSEPORT, which would share a port that another
+    server's processes hold that way."""
     try:
         family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
         with socket.socket(family, kind, proto) as probe:
             probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the server sets it
             probe.bind(address)
     except OSError as exc:
-        return f"cannot serve on {host}:{port}: {exc.strerror or exc}"
+        return str(exc.strerror or exc)
     return None
 
 

@@ -62,6 +62,7 @@ def _private_dir(parent: str | None) -> str:
 class Fronts:
     def __init__(self, topo, model_path: str, defaults, id_base: int):
         cfg = topo.ingest
+        self.host, self.port = cfg.http_host, cfg.http_port
         self.url = f"http://{cfg.http_host}:{cfg.http_port}"
         # Its directory goes in the node's own, if it has one: the launcher removes that, so a
         # directory left by an ingest killed outright goes with it.
@@ -88,6 +89,9 @@ class Fronts:
     def start(self) -> None:
         """Start every front and wait until each serves; a front that cannot is one line and
         the end of ingest, as for the in-thread server."""
+        from qmigrate.serve import bind_problem
+        if (why := bind_problem(self.host, self.port)) is not None:
+            self._cannot(why)
         self.dir = _private_dir(self.ipc_dir)
         endpoint = f"ipc://{self.dir}/fronts.sock"
         self.sock = transport.socket(zmq.ROUTER, bind=endpoint, hwm=HWM, curve=False)
@@ -95,13 +99,15 @@ class Fronts:
         self.fronts = [self._spawn(i) for i in range(len(self.fronts))]
         deadline = time.monotonic() + START_TIMEOUT_S
         while any(f.identity is None for f in self.fronts):
+            if self.sock.poll(100):
+                self.early.extend(self._read_all())   # a hello that says why it cannot: the end
             for f in self.fronts:
                 if f.identity is None and (rc := f.proc.poll()) is not None:
+                    if self.sock.poll(500):   # its last words may still be on their way
+                        self.early.extend(self._read_all())
                     self._cannot(f"HTTP process {f.index} exited with status {rc}")
             if time.monotonic() > deadline:
                 self._cannot(f"no start within {START_TIMEOUT_S:g} s")
-            if self.sock.poll(100):
-                self.early.extend(self._read_all())
         self.is_started = True
 
     def _cannot(self, why: str):

@@ -43,6 +43,7 @@ from aiohttp import web
 from qmigrate.wire import protocol as P
 from qmigrate.wire import transport
 from qmigrate.engine.tokenizer_info import load_tokenizer_info
+from qmigrate.ingest.handoff import THREAD_ID_BITS
 from qmigrate.ingest.prompts import Defaults, check_json
 from qmigrate.ingest.openai_api import (
     ApiError,
@@ -115,7 +116,7 @@ def _reject_constant(name: str):
 class HttpServer:
     def __init__(self, cfg, model_path: str, defaults: Defaults, id_base: int | None = None,
                  trust_remote_code: bool = False, *, reuse_port: bool = False, admission: bool = False,
-                 id_bits: int = 39, first_id: int = 1):
+                 id_bits: int = THREAD_ID_BITS, first_id: int = 1):
         self.cfg = cfg
         self.defaults = defaults
         # A tokenizer of its own: this server's thread tokenizes while ingest's does, and a
