@@ -144,7 +144,8 @@ def serve(
     api_server_count: Annotated[Optional[int], typer.Option(
         "--api-server-count", min=1, max=128,
         help="Processes serving the API on its port, each parsing its own requests and writing its own "
-             "streams (ingest.http_processes; default 1: a thread of the ingest process).")] = None,
+             "streams (ingest.http_processes). Default: with GPUs, one per 4 CPU cores and at most 4 per GPU; "
+             "without, 1 (a thread of the ingest process).")] = None,
     worker_setting: Annotated[Optional[list[str]], typer.Option(
         "--worker-setting",
         help="KEY=VALUE for every worker (repeatable), e.g. prefill_tokens_per_step=1024.")] = None,

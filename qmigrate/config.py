@@ -126,7 +126,7 @@ class IngestConfig(_Section):
     node: str = _f("", _name)
     port: int = _f(5552, _port)
     input: str = _f("text", _one_of("text", "jsonl"))
-    max_pending: int = _f(256, _count)
+    max_pending: int = _f(4096, _count)  # as the router's max_queued: a burst of calls waits, not 429
     chat: bool = _f(False, _boolean)             # text input: each line is one user message
     reply_port: int = _f(5554, _port)            # the detokenizer's replies to HTTP requests
     http_port: int | None = _f(None, _optional_port)   # None: no HTTP server

@@ -10,6 +10,7 @@ private temporary directory with the ipc:// sockets, and removed on exit.
 from __future__ import annotations
 
 import http.client
+import os
 import socket
 import sys
 import time
@@ -17,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .config import (GPU_SERVE_MAX_SEQS, GPU_SERVE_MAX_TOKENS, LARGE_GPU_BYTES, LARGE_GPU_SERVE_MAX_SEQS,
-                     ConfigError, Topology, local_topology, parse_topology)
+                     MAX_HTTP_PROCESSES, ConfigError, Topology, local_topology, parse_topology)
 from .launch import run_local, run_node
 
 READY_POLL_S = 0.5
@@ -69,6 +70,13 @@ def serve_max_seqs(gpu_bytes: int) -> int:
     return LARGE_GPU_SERVE_MAX_SEQS if gpu_bytes >= LARGE_GPU_BYTES else GPU_SERVE_MAX_SEQS
 
 
+def default_api_servers(num_gpus: int, cpu_count: int | None = None) -> int:
+    """HTTP processes of the default topology: one per 4 CPU cores, at most 4 per GPU; 1 without
+    a GPU, where CPU workers need the cores (docs/benchmarks.md, "Several HTTP processes")."""
+    cores = cpu_count if cpu_count is not None else os.cpu_count() or 1
+    return max(1, min(4 * num_gpus, cores // 4, MAX_HTTP_PROCESSES)) if num_gpus else 1
+
+
 def serve_topology(opts: ServeOptions, base: Topology | None = None, num_gpus: int = 0,
                    gpu_bytes: int = 0) -> Topology:
     """The topology `serve` runs: `base` (a --config) or a default one with a worker per GPU
@@ -97,6 +105,8 @@ def serve_topology(opts: ServeOptions, base: Topology | None = None, num_gpus: i
         ingest["api_key"] = opts.api_key
     if opts.api_server_count is not None:
         ingest["http_processes"] = opts.api_server_count
+    elif num_gpus:
+        ingest["http_processes"] = default_api_servers(num_gpus)
     for w in data["workers"]:
         w.update(opts.worker_settings or {})
         if opts.gpu_memory_utilization is not None:

@@ -30,7 +30,7 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def node(tiny_chat_model_dir, tmp_path_factory):
-    node = H.HttpNode(tmp_path_factory.mktemp("http-fronts"), tiny_chat_model_dir, ingest={"http_processes": 2})
+    node = H.HttpNode(tmp_path_factory.mktemp("http-fronts"), tiny_chat_model_dir, ingest={"http_processes": 2, "max_pending": 256})
     try:
         node.wait_ready()
         yield node

@@ -18,7 +18,7 @@ import pytest
 
 from conftest import reserve_ports  # noqa: E402
 from qmigrate.config import local_topology
-from qmigrate.serve import ServeOptions, local_url, serve_topology
+from qmigrate.serve import MAX_HTTP_PROCESSES, ServeOptions, default_api_servers, local_url, serve_topology
 import helpers as H  # noqa: E402
 from test_signals import _alive, _kill_session, _wait
 
@@ -48,6 +48,16 @@ def test_cpu_workers_when_there_is_no_gpu_and_defaults_where_no_flag_is_given():
 
 def test_api_server_count_sets_the_ingest_http_processes():
     assert serve_topology(ServeOptions(api_server_count=4), num_gpus=0).ingest.http_processes == 4
+    assert serve_topology(ServeOptions(api_server_count=3), num_gpus=2).ingest.http_processes == 3
+
+
+def test_gpu_serving_gets_an_http_process_per_four_cores_and_at_most_four_per_gpu(monkeypatch):
+    assert [default_api_servers(1, cores) for cores in (2, 4, 8, 16, 64)] == [1, 1, 2, 4, 4]
+    assert [default_api_servers(2, cores) for cores in (16, 32, 64)] == [4, 8, 8]
+    assert default_api_servers(0, 64) == 1      # CPU workers need the cores
+    assert default_api_servers(64, 4096) == MAX_HTTP_PROCESSES
+    monkeypatch.setattr(os, "cpu_count", lambda: 16)
+    assert serve_topology(ServeOptions(), num_gpus=1).ingest.http_processes == 4
 
 
 def test_gpu_workers_default_to_a_serving_engines_batch_and_the_flag_overrides_it():
