@@ -183,7 +183,15 @@ class TensorParallel:
         return self.rank == 0
 
     def close(self) -> None:
-        if dist.is_initialized():
+        """Leave the group. NCCL communicators are aborted rather than destroyed: destroying
+        them waited forever on two H200s (both ranks in destroy_process_group after their last
+        collective), and a rank closes only on its way out."""
+        if not dist.is_initialized():
+            return
+        abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
+        if self.device.type == "cuda" and abort is not None:
+            abort()
+        else:
             dist.destroy_process_group()
 
     # activations (on the device; captured into CUDA graphs on a GPU)
