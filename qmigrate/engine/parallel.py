@@ -183,15 +183,10 @@ class TensorParallel:
         return self.rank == 0
 
     def close(self) -> None:
-        """Leave the group. NCCL communicators are aborted rather than destroyed: destroying
-        them waited forever on two H200s (both ranks in destroy_process_group after their last
-        collective), and a rank closes only on its way out."""
-        if not dist.is_initialized():
-            return
-        abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
-        if self.device.type == "cuda" and abort is not None:
-            abort()
-        else:
+        """Leave the group (gloo). NCCL communicators are left for the process's exit, which
+        follows a rank's close: on two H200s both destroy_process_group and an abort of the
+        group waited forever after a rank's last collective (CUDA graphs had captured them)."""
+        if dist.is_initialized() and self.device.type != "cuda":
             dist.destroy_process_group()
 
     # activations (on the device; captured into CUDA graphs on a GPU)
