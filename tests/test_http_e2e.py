@@ -201,6 +201,20 @@ def test_seeded_choices_differ_from_each_other_and_repeat_as_requests_of_seed_pl
     assert alone == texts
 
 
+def test_the_agreement_client_finds_greedy_answers_equal_at_once_and_one_at_a_time(node, tiny_chat_model_dir,
+                                                                                    tmp_path, capsys):
+    """`qmigrate.bench.agree`, the GPU comparison of a split worker with one GPU, on the CPU in
+    fp32, where the batch a call runs in changes nothing."""
+    from qmigrate.bench import agree
+    for name, extra in (("all", []), ("one", ["--one-at-a-time"])):
+        agree.main(["run", "--base-url", node.url, "--out", str(tmp_path / f"{name}.json"), "--prompts", "6",
+                    "--tokens", "8", "--vocab", "10:1000", *extra])
+    agree.main(["compare", "--tokenizer", str(tiny_chat_model_dir), str(tmp_path / "all.json"),
+                str(tmp_path / "one.json")])
+    out = capsys.readouterr().out
+    assert "6 of 6 answers identical" in out and "(1.000)" in out, out
+
+
 def test_a_killed_ingest_starts_again_and_its_clients_requests_are_cancelled(node):
     """Last in this module: it restarts the node's ingest. The HTTP clients of a killed ingest
     are gone with it; the node starts ingest again (before, the whole node stopped), and the

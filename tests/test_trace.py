@@ -69,6 +69,19 @@ def test_the_worker_summary_takes_an_admission_apart():
             "for the lease 1.00, its start 2.50, leases started behind it first 1.40") in lines
 
 
+def test_the_worker_summary_sets_steps_that_admit_prompts_apart():
+    # Steps of 1 ms, but two of 5 ms that admitted a prompt (300 and 500 new tokens), and one
+    # of 4 ms that admitted none; a prompts event of no rows is no admission.
+    t, items = 0.0, [(0.0, "collect_end")]
+    for ms, prompt in [(1, 0), (5, 300), (1, 0), (4, 0), (1, 0), (5, 500), (1, 0), (1, 0)]:
+        t += ms / 1000
+        items.append((t - 0.0001, "prompts", 1 if prompt else 0, prompt, 0))
+        items.append((t, "collect_end"))
+    lines = trace._step_lines(_events(*items))
+    assert ("  2 steps admitted prompts (new tokens p50 400): 5.00 ms a step on average, 1.50 ms without; "
+            "2 of the 3 steps over twice the median admitted") in lines
+
+
 def test_the_router_summary_pairs_each_request_with_its_grant():
     events = _events((0.0, "request", "w1", 1), (0.0, "request", "w2", 1), (0.001, "grant", "w1", 7, 4, 1, 1),
                      (0.004, "grant", "w2", 8, 4, 1, 1), (0.005, "request", "w1", 2),

@@ -135,6 +135,7 @@ def _step_lines(events: list) -> list[str]:
     if len(ends) > 1:
         gaps = [b - a for a, b in zip(ends, ends[1:])]
         lines.append(f"  step to step p50 {_ms(gaps, 0.5)} ms, p90 {_ms(gaps, 0.9)}, p99 {_ms(gaps, 0.99)}")
+        lines += _admission_lines(events)
     arrived, prompts, open_ = {}, [], {}   # open_: prompt leases started, their step not collected
     last_end = begun = finishing = None
     for t, kind, *fields in events:
@@ -165,6 +166,31 @@ def _step_lines(events: list) -> list[str]:
     return lines
 
 
+def _admission_lines(events: list) -> list[str]:
+    """Steps (collect to collect) that admitted prompt rows against the others: what a
+    stream's token waits for when a prompt comes in beside it, and how much of the tail
+    (steps over twice the median) that is."""
+    with_prompts, without, tokens, admitted = [], [], [], False
+    last = None
+    for t, kind, *fields in events:
+        if kind == "prompts" and fields and fields[0] > 0:
+            admitted = True
+            tokens.append(fields[1])
+        elif kind == "collect_end":
+            if last is not None:
+                (with_prompts if admitted else without).append(t - last)
+            last, admitted = t, False
+    if not with_prompts:
+        return []
+    median = statistics.median(with_prompts + without)
+    long_ = [d for d in with_prompts if d > 2 * median]
+    total_long = len(long_) + sum(d > 2 * median for d in without)
+    mean = statistics.fmean
+    return [f"  {len(with_prompts)} steps admitted prompts (new tokens p50 {statistics.median(tokens):.0f}): "
+            f"{mean(with_prompts) * 1000:.2f} ms a step on average, {mean(without or [0]) * 1000:.2f} ms without; "
+            f"{len(long_)} of the {total_long} steps over twice the median admitted"]
+
+
 def router_summary(label: str, events: list) -> list[str]:
     asked, waits = {}, []
     for t, kind, *fields in events:
@@ -178,3 +204,8 @@ def router_summary(label: str, events: list) -> list[str]:
     return [f"{label}: {len(waits)} leases; a request waited for its lease p50 "
             f"{statistics.median(waits) * 1000:.2f} ms, p90 {waits[int(len(waits) * 0.9)] * 1000:.2f} ms, "
             f"max {waits[-1] * 1000:.1f} ms"]
+
+
+if __name__ == "__main__":   # python -m qmigrate.ops.trace DIR
+    import sys
+    print("\n".join(summarize(sys.argv[1])))
