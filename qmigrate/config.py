@@ -141,6 +141,8 @@ class IngestConfig(_Section):
     # writing its own streams in front of this loop; 1: a thread of the ingest process
     http_processes: int = _f(1, _rule(f"an integer from 1 to {MAX_HTTP_PROCESSES}",
                                              lambda v: _is_int(v) and 1 <= v <= MAX_HTTP_PROCESSES))
+    # an HTTP process not heard from for this long (stopped, or wedged) is killed and started again
+    http_process_timeout_s: float = _f(10.0, _positive)
     model_name: str | None = _f(None, _optional_text)  # None: the model directory's name
 
 

@@ -122,6 +122,7 @@ def test_kv_ports_are_assigned_per_node_around_taken_ports():
     ("ingest", "max_pending", -3, "ingest.max_pending: expected an integer >= 1"),
     ("ingest", "http_processes", 0, "ingest.http_processes: expected an integer from 1 to 128"),
     ("ingest", "http_processes", 129, "ingest.http_processes: expected an integer from 1 to 128"),
+    ("ingest", "http_process_timeout_s", 0, "ingest.http_process_timeout_s: expected a number > 0"),
     ("detokenizer", "output", "html", "detokenizer.output: expected 'text' or 'jsonl'"),
     ("monitor", "interval_s", 0.0, "monitor.interval_s: expected a number > 0"),
     ("model", "dtype", "int8", "model.dtype: expected one of 'auto', 'float32', 'bfloat16', 'float16'"),

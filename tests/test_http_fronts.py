@@ -30,7 +30,8 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def node(tiny_chat_model_dir, tmp_path_factory):
-    node = H.HttpNode(tmp_path_factory.mktemp("http-fronts"), tiny_chat_model_dir, ingest={"http_processes": 2, "max_pending": 256})
+    ingest = {"http_processes": 2, "max_pending": 256, "http_process_timeout_s": 4.0}
+    node = H.HttpNode(tmp_path_factory.mktemp("http-fronts"), tiny_chat_model_dir, ingest=ingest)
     try:
         node.wait_ready()
         yield node
@@ -199,6 +200,23 @@ def test_a_killed_front_is_replaced_and_the_other_fronts_streams_go_on(node):
         assert answer["usage"]["completion_tokens"] == 2
         return front_of(answer["id"]) == 0
     wait_for(served_by_the_new_front, what="an answer from the new front 0")
+
+
+def test_a_stopped_front_is_killed_and_replaced(node):
+    """SIGSTOP: the kernel still hands the front its share of new connections, which nobody
+    answers. Ingest hears no hello from it for http_process_timeout_s and replaces it."""
+    before = front_pids(node)
+    os.kill(before[1], signal.SIGSTOP)
+    try:
+        wait_for(lambda: front_pids(node).get(1) not in (None, before[1]), what="a new front 1")
+    finally:
+        if front_pids(node).get(1) == before[1]:   # not replaced (the test failed): let it go on
+            os.kill(before[1], signal.SIGCONT)
+    assert "HTTP process 1 said nothing for" in node.stderr.read_text()
+    assert front_pids(node)[0] == before[0]   # the other front was left alone
+    for prompt in ([5, 6, 7], [8, 9]):   # every front answers again
+        resp = open_stream(node, {"prompt": prompt, "max_tokens": 2, "ignore_eos": True, "stream": False})
+        assert json.loads(resp.read())["usage"]["completion_tokens"] == 2
 
 
 def test_sigterm_to_ingest_ends_every_open_stream_and_every_front(node):

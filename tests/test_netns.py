@@ -4,6 +4,7 @@ mid-run; every request completes with generate()'s tokens. Needs root and `ip ne
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -26,8 +27,9 @@ def _ip(*args: str) -> None:
     subprocess.run(["ip", *args], check=True, capture_output=True, timeout=10)
 
 
-@pytest.fixture
-def hosts():
+@contextlib.contextmanager
+def _hosts():
+    """(tag, hub): a namespace per node, bridged in a namespace of its own; all removed after."""
     if os.geteuid() != 0 or shutil.which("ip") is None:
         pytest.skip("needs root and iproute2 to make network namespaces")
     tag = f"qm{os.getpid() % 100000}"
@@ -76,9 +78,15 @@ while time.monotonic() < deadline:
 """
 
 
-def test_a_cut_link_between_hosts_loses_nothing(hosts, tmp_path, tiny_model_dir):
-    from conftest import check_outputs
-    tag, hub = hosts
+def _cut_link(tmp_path, tiny_model_dir):
+    """The run, with the hosts made for it and removed after: (what was printed, the router's
+    counters, the prompts). Mostly waits (for the workers, the heartbeats): it runs in the
+    background beside test_models' in-process tests (conftest's `early`)."""
+    with _hosts() as (tag, hub):
+        return _run_cut_link(tag, hub, tmp_path, tiny_model_dir)
+
+
+def _run_cut_link(tag, hub, tmp_path, tiny_model_dir):
     # Links cut between hosts are the subject here; the keys of security have tests of their own.
     data = {"transport": "tcp", "model": {"path": str(tiny_model_dir)}, "security": {"enabled": "off"},
             "nodes": [{"name": n, "address": f"10.213.0.{h}", "bind": f"10.213.0.{h}"} for n, h in NODES.items()],
@@ -145,5 +153,12 @@ def test_a_cut_link_between_hosts_loses_nothing(hosts, tmp_path, tiny_model_dir)
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
+    return printed(), counters, prompts
+
+
+@pytest.mark.early(scenario=_cut_link, beside="test_models.py")
+def test_a_cut_link_between_hosts_loses_nothing(early_run, tiny_model_dir):
+    from conftest import check_outputs
+    printed, counters, prompts = early_run.result()
     assert int(counters.get("workers_lost", 0)) >= 1, counters
-    check_outputs(printed(), prompts, tiny_model_dir)
+    check_outputs(printed, prompts, tiny_model_dir)

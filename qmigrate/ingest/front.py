@@ -21,6 +21,7 @@ import queue
 import random
 import signal
 import sys
+import time
 
 import zmq
 
@@ -35,6 +36,7 @@ from qmigrate.wire import transport
 log = logging.getLogger("qmigrate.http")
 
 POLL_MS = 1000
+ALIVE_S = 1.0   # a hello this often, while the front runs
 HWM = 100_000   # messages queued toward ingest before a send fails (the request then gets a 429)
 
 
@@ -47,12 +49,16 @@ class Bridge:
         self.rng = random.SystemRandom()
         self.wake = transport.socket(zmq.PULL, bind=WAKE_ENDPOINT, hwm=1)  # before the server connects
 
-    def run(self) -> None:
+    def run(self, hello: P.FrontHello) -> None:
         poller = zmq.Poller()
         poller.register(self.wake, zmq.POLLIN)
         poller.register(self.sock, zmq.POLLIN)
+        said = time.monotonic()
         while True:
             ready = dict(poller.poll(POLL_MS))
+            if (now := time.monotonic()) - said >= ALIVE_S:   # ingest kills a front it stops hearing
+                transport.send(self.sock, hello)
+                said = now
             while self.wake.poll(0):
                 self.wake.recv()
             self.take()
@@ -124,10 +130,11 @@ def serve(settings: dict) -> int:
         transport.send(sock, P.FrontHello(index, os.getpid(), exc.code[:1024]))
         sock.close(linger=1000)   # the reason reaches ingest, which says it
         return 1
-    transport.send(sock, P.FrontHello(index, os.getpid()))
+    hello = P.FrontHello(index, os.getpid())
+    transport.send(sock, hello)
     freeze_heap()
     try:
-        bridge.run()
+        bridge.run(hello)
     finally:
         server.shutdown()   # open requests end with an error, streams with [DONE]
     return 0

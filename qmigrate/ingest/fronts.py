@@ -46,6 +46,7 @@ class Front:
     started_at: float
     identity: bytes | None = None   # its socket's, from its hello: None until it serves
     live: set[int] = dataclasses.field(default_factory=set)
+    heard_at: float = 0.0           # its last message (it says hello every second)
 
 
 def _private_dir(parent: str | None) -> str:
@@ -75,6 +76,7 @@ class Fronts:
                          "trust_remote_code": topo.model.trust_remote_code,
                          "log_level": logging.getLevelName(logging.getLogger().getEffectiveLevel()).lower()}
         self.fronts: list[Front | None] = [None] * cfg.http_processes
+        self.silent_s = cfg.http_process_timeout_s
         self.restart_at = [0.0] * cfg.http_processes
         self.by_identity: dict[bytes, Front] = {}
         self.num_serving = 0
@@ -144,6 +146,8 @@ class Fronts:
             self._hello(identity, msg)
             return None
         front = self.by_identity.get(identity)
+        if front is not None:
+            front.heard_at = time.monotonic()
         if front is None or not isinstance(msg, (P.Submit, P.Cancel)):
             return None   # a dead front's last words, or nothing a front sends
         if isinstance(msg, P.Submit) and not _is_from(front, msg):
@@ -155,6 +159,9 @@ class Fronts:
         front = self.fronts[msg.index] if msg.index < len(self.fronts) else None
         if front is None or front.proc.pid != msg.pid:
             return   # a front that has since been replaced
+        front.heard_at = time.monotonic()
+        if front.identity == identity:
+            return   # the hello it says every second: it is alive
         if msg.error:
             if not self.is_started:   # as the in-thread server's failure: one line, and the end
                 raise SystemExit(msg.error)
@@ -205,11 +212,17 @@ class Fronts:
         now = time.monotonic()
         if now - self.checked_at < CHECK_S:
             return []
+        # after a stall of this loop its fronts' hellos wait unread: judge no silence this time
+        judge = now - self.checked_at < self.silent_s / 2
         self.checked_at, lost = now, []
         for i, front in enumerate(self.fronts):
             if front is None:
                 if now >= self.restart_at[i]:
                     self.fronts[i] = self._spawn(i)
+            elif judge and self._is_silent(front, now):
+                log.warning("HTTP process %d said nothing for %.0f s (stopped or stuck): it is killed and "
+                            "starts again", i, now - front.heard_at)
+                front.proc.kill()   # the next look replaces it, and cancels its sequences
             elif (rc := front.proc.poll()) is not None:
                 log.warning("HTTP process %d exited with status %d; its %d running sequences are cancelled "
                             "and it starts again", i, rc, len(front.live))
@@ -218,6 +231,10 @@ class Fronts:
                 self.fronts[i] = None
                 self.restart_at[i] = front.started_at + RESTART_DELAY_S
         return lost
+
+    def _is_silent(self, front: Front, now: float) -> bool:
+        """Serving, running, and not heard from for `http_process_timeout_s`: stopped or stuck."""
+        return front.identity is not None and now - front.heard_at > self.silent_s and front.proc.poll() is None
 
     def stop(self) -> None:
         """Every front ends its open requests (SIGTERM) and exits; one that lingers is killed."""

@@ -533,7 +533,8 @@ class Printed:
 
 @message(MsgType.FRONT_HELLO)
 class FrontHello:
-    """Front to ingest, once: it serves HTTP (error "": bound and ready), or why it cannot."""
+    """Front to ingest: it serves HTTP (error "": bound and ready), or why it cannot; then again
+    every second while it runs, so that ingest can tell a front that stopped from a quiet one."""
 
     index: int
     pid: int
