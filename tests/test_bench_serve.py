@@ -383,7 +383,7 @@ def test_a_real_node_gives_exact_lengths(node, tmp_path, qmigrate):
 @pytest.mark.parametrize("kind", ["completion", "chat"])
 def test_a_frame_is_the_chunk_it_stands_for(kind):
     from types import SimpleNamespace
-    from qmigrate.ingest.http import _MARK, _Frame, _sse
+    from qmigrate.ingest.streams import MARK as _MARK, Frame as _Frame, sse as _sse
     from qmigrate.ingest.openai_api import chunk
     for usage in (False, True):
         req = SimpleNamespace(kind=kind, model="m\u00e9", include_usage=usage)
@@ -394,7 +394,8 @@ def test_a_frame_is_the_chunk_it_stands_for(kind):
 
 def test_what_arrived_together_leaves_together():
     from types import SimpleNamespace
-    from qmigrate.ingest.http import _SHUTDOWN, HttpServer, _Updates
+    from qmigrate.ingest.http import HttpServer
+    from qmigrate.ingest.streams import SHUTDOWN as _SHUTDOWN, Updates as _Updates
 
     async def main():
         server = HttpServer.__new__(HttpServer)

@@ -26,7 +26,7 @@ import time
 import zmq
 
 from qmigrate.config import IngestConfig
-from qmigrate.ingest.handoff import FRONT_ID_BITS, HandoffOrder, front_base
+from qmigrate.ingest.handoff import FRONT_ID_BITS, HandoffOrder, front_base, reply_rows
 from qmigrate.ingest.http import WAKE_ENDPOINT, HttpServer
 from qmigrate.ingest.prompts import Defaults, seed_of, to_spec
 from qmigrate.ops.process import die_with, freeze_heap
@@ -97,10 +97,7 @@ class Bridge:
         while (got := transport.recv(self.sock, 0)) is not None:
             msg = got[1]
             if isinstance(msg, P.Replies):
-                ids = P.unpack_i64(msg.seq_ids).tolist()
-                cached = P.unpack_i32(msg.cached_tokens).tolist() if msg.cached_tokens else [-1] * len(ids)
-                server.deliver(list(zip(ids, msg.texts, P.unpack_u8(msg.finish).tolist(),
-                                        P.unpack_i32(msg.num_tokens).tolist(), cached)))
+                server.deliver(reply_rows(msg))
             elif isinstance(msg, P.FrontAdmit):
                 server.admit(P.unpack_i64(msg.seq_ids).tolist(), msg.is_accepted)
             elif isinstance(msg, P.FrontStatus):

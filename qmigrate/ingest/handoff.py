@@ -32,6 +32,14 @@ def front_index(seq_ids: np.ndarray) -> np.ndarray:
     return np.where(ids & HTTP_BIT != 0, (ids >> FRONT_SHIFT) & (MAX_FRONTS - 1), -1)
 
 
+def reply_rows(msg: P.Replies) -> list[tuple]:
+    """(seq_id, text, finish code, tokens so far, prompt tokens found cached or -1) a row: what
+    HttpServer.deliver takes, in the ingest loop and in a front alike."""
+    ids = P.unpack_i64(msg.seq_ids).tolist()
+    cached = P.unpack_i32(msg.cached_tokens).tolist() if msg.cached_tokens else [-1] * len(ids)
+    return list(zip(ids, msg.texts, P.unpack_u8(msg.finish).tolist(), P.unpack_i32(msg.num_tokens).tolist(), cached))
+
+
 def rows_of(msg: P.Replies, rows: np.ndarray) -> P.Replies:
     """The Replies of only these rows (indices, in order)."""
     ids, finish = P.unpack_i64(msg.seq_ids), P.unpack_u8(msg.finish)

@@ -7,12 +7,12 @@ inproc socket; its text comes back from the detokenizer through the ingest loop,
 `deliver`, and `deliver` hands it to this loop with call_soon_threadsafe. A request that ends
 early (the client went away, or no text for `http_timeout_s`) is put on `cancels`.
 
-A token costs this thread little: its row is appended to its request's `_Updates` and the
+A token costs this thread little: its row is appended to its request's `Updates` and the
 handler's future is woken, and one watchdog, not a timer per wait, ends the waits that last
 past `http_timeout_s`.
 
 A request with several prompts or `n` > 1 fans out into one engine request (sequence id) per
-choice, handed over together in one submission; all of them share the request's `_Updates`,
+choice, handed over together in one submission; all of them share the request's `Updates`,
 whose rows say by sequence id which choice they belong to. The request ends when every
 choice has; if it ends sooner, every choice still running is cancelled. A request of one
 choice takes a path of its own, with nothing per token for choices it does not have.
@@ -34,7 +34,6 @@ import queue
 import random
 import threading
 import time
-from collections import deque
 from pathlib import Path
 
 import zmq
@@ -43,8 +42,9 @@ from aiohttp import web
 from qmigrate.wire import protocol as P
 from qmigrate.wire import transport
 from qmigrate.engine.tokenizer_info import load_tokenizer_info
-from qmigrate.ingest.handoff import THREAD_ID_BITS
+from qmigrate.ingest.handoff import HTTP_BIT, THREAD_ID_BITS
 from qmigrate.ingest.prompts import Defaults, check_json
+from qmigrate.ingest.streams import DONE, MARK, SHUTDOWN, SSE_HEADERS, Frame, Updates, sse
 from qmigrate.ingest.openai_api import (
     ApiError,
     Choices,
@@ -61,49 +61,6 @@ log = logging.getLogger("qmigrate.http")
 
 WAKE_ENDPOINT = "inproc://ingest-http-wake"
 STARTUP_TIMEOUT_S = 30.0
-SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-DONE = b"data: [DONE]\n\n"
-
-
-def _sse(obj: dict) -> bytes:
-    return b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n"
-
-
-_SHUTDOWN = (0, "", 0, 0, -1)  # put on every open request's updates when the server stops
-_MARK = "\ue000text\ue000"  # where the text goes in a frame's template; private-use characters
-
-
-class _Frame:
-    """The SSE event of a stream's middle chunks as two fixed halves around the JSON string of
-    the text, so that each chunk costs one json.dumps of a short string, not of a whole dict."""
-
-    def __init__(self, obj: dict):
-        head, _, tail = _sse(obj).partition(json.dumps(_MARK, ensure_ascii=False).encode())
-        self.head, self.tail = head, tail
-
-    def __call__(self, text: str) -> bytes:
-        return self.head + json.dumps(text, ensure_ascii=False).encode() + self.tail
-
-
-class _Updates:
-    """One request's rows from the detokenizer, (seq_id, text, finish code, tokens so far[,
-    prompt tokens found cached]), in order, and the future its handler waits on while there
-    are none (`since`: when that wait began)."""
-
-    __slots__ = ("rows", "waiter", "since", "admitted")
-
-    def __init__(self) -> None:
-        self.rows: deque = deque()
-        self.waiter: asyncio.Future | None = None
-        self.since = 0.0
-        self.admitted: asyncio.Future | None = None  # with admission: whether ingest took it
-
-    def push(self, row) -> None:
-        self.rows.append(row)
-        if self.waiter is not None and not self.waiter.done():
-            self.waiter.set_result(None)
-
-
 def _at_capacity() -> ApiError:
     return ApiError(429, "the server is at capacity: too many requests are waiting for the router; "
                     "retry later", type="rate_limit_error", code="rate_limit_exceeded")
@@ -126,10 +83,10 @@ class HttpServer:
         # Each item: one HTTP request's [(seq_id, Prompt), ...], one per choice, taken together.
         self.submissions: queue.Queue = queue.Queue(maxsize=cfg.max_pending)
         self.cancels: queue.SimpleQueue = queue.SimpleQueue()
-        self.streams: dict[int, _Updates] = {}
+        self.streams: dict[int, Updates] = {}
         # Sequence ids: ingest's random high part with bit 39 set, so never one of its own, and a
         # counter in the low id_bits (a front's index sits between them: ingest.handoff).
-        self.id_base = (id_base or random.SystemRandom().randrange(1, 1 << 22) << 40) | 1 << 39
+        self.id_base = (id_base or random.SystemRandom().randrange(1, 1 << 22) << 40) | HTTP_BIT
         self.id_mask = (1 << id_bits) - 1
         self.counter = itertools.count(first_id)
         self.reuse_port = reuse_port
@@ -160,7 +117,7 @@ class HttpServer:
 
         def end_all() -> None:
             for updates in set(self.streams.values()):  # a fanned-out request's choices share one
-                updates.push(_SHUTDOWN)
+                updates.push(SHUTDOWN)
                 if updates.admitted is not None and not updates.admitted.done():
                     updates.admitted.set_result(True)  # on to the shutdown's answer
             self.loop.create_task(self._answered(done, time.monotonic() + timeout_s))
@@ -305,7 +262,7 @@ class HttpServer:
         rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{seq_id:016x}"
         prompts = fan_out(req, rid)
         seq_ids = [seq_id] + [self._new_id() for _ in prompts[1:]]
-        updates = _Updates()
+        updates = Updates()
         if self.admission:
             updates.admitted = self.loop.create_future()
         for sid in seq_ids:
@@ -344,14 +301,14 @@ class HttpServer:
     def _new_id(self) -> int:
         return self.id_base | next(self.counter) & self.id_mask
 
-    async def _admitted(self, updates: _Updates) -> bool:
+    async def _admitted(self, updates: Updates) -> bool:
         try:
             return await asyncio.wait_for(updates.admitted, self.cfg.http_timeout_s)
         except asyncio.TimeoutError:
             raise ApiError(503, "the server did not take the request in time; retry later",
                            type="server_error", code="timeout") from None
 
-    async def _next(self, updates: _Updates) -> tuple:
+    async def _next(self, updates: Updates) -> tuple:
         if not updates.rows:
             updates.since = self.loop.time()
             updates.waiter = self.loop.create_future()
@@ -360,33 +317,33 @@ class HttpServer:
             finally:
                 updates.waiter = None
         row = updates.rows.popleft()
-        if row is _SHUTDOWN:
+        if row is SHUTDOWN:
             raise ApiError(503, "the server is shutting down; retry on another server or later",
                            type="server_error", code="shutdown")
         return row
 
-    async def _next_all(self, updates: _Updates) -> tuple[str, int, int, int]:
+    async def _next_all(self, updates: Updates) -> tuple[str, int, int, int]:
         """(text, finish code, tokens so far, cached) of every row waiting (at least one): what
         arrived together leaves together, in one event. Stops at a finish, which ends the stream."""
         row = await self._next(updates)
         rows, text = updates.rows, row[1]
         if rows and not row[2]:
             parts = [text]
-            while rows and not row[2] and rows[0] is not _SHUTDOWN:  # a shutdown ends the stream next call
+            while rows and not row[2] and rows[0] is not SHUTDOWN:  # a shutdown ends the stream next call
                 row = rows.popleft()
                 parts.append(row[1])
             text = "".join(parts)
         return text, row[2], row[3], row[4] if len(row) > 4 else -1
 
-    async def _next_rows(self, updates: _Updates) -> list[tuple]:
+    async def _next_rows(self, updates: Updates) -> list[tuple]:
         """Every row waiting (at least one), up to a shutdown, which the next call raises."""
         out = [await self._next(updates)]
         rows = updates.rows
-        while rows and rows[0] is not _SHUTDOWN:
+        while rows and rows[0] is not SHUTDOWN:
             out.append(rows.popleft())
         return out
 
-    async def _collect(self, req, rid: str, updates: _Updates):
+    async def _collect(self, req, rid: str, updates: Updates):
         trim, parts, created = StopTrimmer(req.stop), [], int(time.time())
         while True:
             text, code, num_tokens, cached = await self._next_all(updates)
@@ -399,34 +356,34 @@ class HttpServer:
         parts.append(trim.finish(code == P.Finish.STOP))
         return web.json_response(reply(req, rid, created, [("".join(parts), reason, num_tokens, cached)]))
 
-    async def _stream(self, request, req, rid: str, updates: _Updates):
+    async def _stream(self, request, req, rid: str, updates: Updates):
         """SSE; returns (response, whether the request ended)."""
         response = web.StreamResponse(headers=SSE_HEADERS)
         await response.prepare(request)
         trim, created, first = StopTrimmer(req.stop), int(time.time()), True
-        frame = _Frame(chunk(req, rid, created, _MARK))
+        frame = Frame(chunk(req, rid, created, MARK))
         try:
             while True:
                 try:
                     text, code, num_tokens, cached = await self._next_all(updates)
                 except ApiError as exc:
-                    await response.write(_sse(exc.body()) + DONE)
+                    await response.write(sse(exc.body()) + DONE)
                     return response, False
                 out = trim.push(text)
                 if code:
                     reason = P.Finish(code).openai_reason
                     if reason is None:
-                        await response.write(_sse(ApiError(500, "the worker could not run this request",
+                        await response.write(sse(ApiError(500, "the worker could not run this request",
                                                            type="server_error").body()) + DONE)
                         return response, True
                     out += trim.finish(code == P.Finish.STOP)
                 if out or (first and req.kind == "chat"):
-                    await response.write(_sse(chunk(req, rid, created, out, first=True)) if first else frame(out))
+                    await response.write(sse(chunk(req, rid, created, out, first=True)) if first else frame(out))
                     first = False
                 if code:
-                    tail = _sse(chunk(req, rid, created, None, reason))
+                    tail = sse(chunk(req, rid, created, None, reason))
                     if req.include_usage:
-                        tail += _sse(usage_chunk(req, rid, created, [(num_tokens, cached)]))
+                        tail += sse(usage_chunk(req, rid, created, [(num_tokens, cached)]))
                     await response.write(tail + DONE)
                     await response.write_eof()
                     return response, True
@@ -434,7 +391,7 @@ class HttpServer:
             return response, False
 
     # --- requests of several choices --------------------------------------------------------
-    async def _collect_choices(self, req, rid: str, updates: _Updates, live: dict[int, int]):
+    async def _collect_choices(self, req, rid: str, updates: Updates, live: dict[int, int]):
         """The whole answer of every choice; `live` loses each choice as it ends."""
         choices, created = Choices(req, live), int(time.time())
         parts: list[list[str]] = [[] for _ in choices.ends]
@@ -445,29 +402,29 @@ class HttpServer:
         outcomes = [("".join(p), *end) for p, end in zip(parts, choices.ends)]
         return web.json_response(reply(req, rid, created, outcomes))
 
-    async def _stream_choices(self, request, req, rid: str, updates: _Updates, live: dict[int, int]):
+    async def _stream_choices(self, request, req, rid: str, updates: Updates, live: dict[int, int]):
         """SSE of every choice, interleaved as their text comes, each chunk naming its choice's
         index and each choice ending with its own finish chunk; one usage chunk (if asked for)
         and one `[DONE]` after all. `live` loses each choice as it ends."""
         response = web.StreamResponse(headers=SSE_HEADERS)
         await response.prepare(request)
         choices, created = Choices(req, live), int(time.time())
-        frames = [_Frame(chunk(req, rid, created, _MARK, index=i)) for i in range(len(choices.ends))]
+        frames = [Frame(chunk(req, rid, created, MARK, index=i)) for i in range(len(choices.ends))]
         try:
             if req.kind == "chat":  # each choice opens with the assistant's role, as vLLM's do
-                await response.write(b"".join(_sse(chunk(req, rid, created, "", first=True, index=i))
+                await response.write(b"".join(sse(chunk(req, rid, created, "", first=True, index=i))
                                               for i in range(len(frames))))
             while live:
                 try:
                     texts, ended = choices.take(await self._next_rows(updates))
                 except ApiError as exc:  # timeout, shutdown, or a choice a worker could not run
-                    await response.write(_sse(exc.body()) + DONE)
+                    await response.write(sse(exc.body()) + DONE)
                     return response
                 out = [frames[i](text) for i, text in texts.items() if text]
-                out += [_sse(chunk(req, rid, created, None, choices.ends[i][0], index=i)) for i in ended]
+                out += [sse(chunk(req, rid, created, None, choices.ends[i][0], index=i)) for i in ended]
                 if out:
                     await response.write(b"".join(out))
-            tail = _sse(usage_chunk(req, rid, created, choices.counts())) if req.include_usage else b""
+            tail = sse(usage_chunk(req, rid, created, choices.counts())) if req.include_usage else b""
             await response.write(tail + DONE)
             await response.write_eof()
             return response

@@ -34,7 +34,7 @@ from qmigrate.wire import protocol as P
 from qmigrate.wire import transport
 from qmigrate.engine.loading import resolve_model
 from qmigrate.engine.tokenizer_info import load_tokenizer_info
-from qmigrate.ingest.handoff import THREAD_ID_BITS, HandoffOrder
+from qmigrate.ingest.handoff import THREAD_ID_BITS, HandoffOrder, reply_rows
 from qmigrate.ingest.prompts import CancelRequest, Defaults, PromptError, parse_line, seed_of, to_spec
 from qmigrate.wire.security import Guard
 from qmigrate.ops.process import freeze_heap, run_until_fatal
@@ -284,15 +284,12 @@ class Ingest:
 
     def take_replies(self, msg: P.Replies) -> None:
         """The ends of stdin's requests, and the in-thread server's rows."""
-        seq_ids = P.unpack_i64(msg.seq_ids).tolist()
-        finish = P.unpack_u8(msg.finish).tolist()
-        for seq_id, code in zip(seq_ids, finish):
+        rows = reply_rows(msg)
+        for seq_id, _, code, *_ in rows:
             if code and seq_id in self.live_ids:
                 self.live.pop(self.live_ids.pop(seq_id), None)
         if self.http is not None:
-            cached = P.unpack_i32(msg.cached_tokens).tolist() if msg.cached_tokens else [-1] * len(seq_ids)
-            self.http.deliver(list(zip(seq_ids, msg.texts, finish, P.unpack_i32(msg.num_tokens).tolist(),
-                                       cached)))
+            self.http.deliver(rows)
 
     def submit(self) -> None:
         now = time.monotonic()

@@ -126,11 +126,11 @@ _BY_REASON = {text: code for code, text in _REASONS.items()}
 _OPENAI_REASONS = {Finish.EOS: "stop", Finish.LENGTH: "length", Finish.STOP: "stop"}
 _STEP_CODES = frozenset(int(f) for f in Finish if f is not Finish.CANCELLED)   # a worker's results
 _IS_STEP_CODE = np.isin(np.arange(256), sorted(_STEP_CODES))   # by uint8 value: one lookup per row
+_REPLY_CODES = frozenset(int(f) for f in Finish if f is not Finish.NEED_IDS)   # detokenizer to ingest
 
 
 def _step_codes_ok(codes: np.ndarray) -> bool:
     return bool(_IS_STEP_CODE[codes].all())
-_REPLY_CODES = frozenset(int(f) for f in Finish if f is not Finish.NEED_IDS)   # detokenizer to ingest
 
 
 # --- messages ----------------------------------------------------------------------------
