@@ -26,6 +26,8 @@ LARGE_GPU_BYTES = 70 << 30
 MAX_HTTP_PROCESSES = 128
 # sun_path is 108 bytes on Linux, including the terminating NUL.
 MAX_IPC_PATH = 107
+# where sockets go when the temp directory is too long a path for them
+SHORT_TMP = "/tmp"
 
 
 @dataclass(slots=True)

@@ -18,10 +18,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from .config import ConfigError, Topology, dump_topology, parse_topology
+from .config import SHORT_TMP, ConfigError, Topology, dump_topology, parse_topology
 from .ops.process import die_with
-
-SHORT_TMP = "/tmp"   # where a local run's sockets go when TMPDIR is too long for them
 
 log = logging.getLogger("qmigrate.launch")
 

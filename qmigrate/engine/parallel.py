@@ -185,7 +185,8 @@ class TensorParallel:
     def close(self) -> None:
         """Leave the group (gloo). NCCL communicators are left for the process's exit, which
         follows a rank's close: on two H200s both destroy_process_group and an abort of the
-        group waited forever after a rank's last collective (CUDA graphs had captured them)."""
+        group waited forever after a rank's last collective (perhaps because CUDA graphs captured
+        them; not found out)."""
         if dist.is_initialized() and self.device.type != "cuda":
             dist.destroy_process_group()
 

@@ -24,7 +24,7 @@ from collections import deque
 import numpy as np
 import zmq
 
-from qmigrate.config import MAX_IPC_PATH
+from qmigrate.config import MAX_IPC_PATH, SHORT_TMP
 from qmigrate.ingest.handoff import front_index, split_by_front
 from qmigrate.wire import protocol as P
 from qmigrate.wire import transport
@@ -36,7 +36,6 @@ STOP_GRACE_S = 3.0       # a front's shutdown answers its open requests within 2
 RESTART_DELAY_S = 1.0    # a front that dies is started again at most this often
 CHECK_S = 0.1            # how often the fronts' processes are looked at
 HWM = 100_000
-SHORT_TMP = "/tmp"
 
 
 @dataclasses.dataclass(slots=True)

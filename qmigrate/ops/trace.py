@@ -8,8 +8,8 @@ tick, so a process stopped by a signal loses at most that last stretch). The pro
 one host share CLOCK_MONOTONIC, so their files line up.
 
 Worker events: ask (request no.), lease (id, steps, rows, full forms), start_begin /
-start_end (lease id), prompts (a lease's prompt rows, their new tokens, the positions of
-those found cached), launch (rows), collect_begin (rows) / collect_end, finish_begin /
+start_end (lease id), prompts (a launched step's prompt rows, their new tokens, the
+positions of those found cached), launch (rows), collect_begin (rows) / collect_end, finish_begin /
 finish_end (lease id). Router events: submit (sequences offered, taken), request (worker,
 request no.), grant (worker, lease id, rows, steps, request no.), result (worker, lease id).
 
