@@ -1140,7 +1140,7 @@ def test_a_lease_covers_several_steps_only_while_nothing_waits():
     join(s, "w0")
     s.admit([spec(1), spec(2, max_new_tokens=8)])
     first = ask(s, "w0")
-    assert first.num_steps == 1  # prefills: their first tokens should not wait
+    assert first.num_steps == 6  # new prompts: their first tokens stream after the first step
     report(s, first)
     grant = ask(s, "w0")
     assert grant.num_steps == 6 and not revoked(s)
@@ -1157,6 +1157,18 @@ def test_a_lease_covers_several_steps_only_while_nothing_waits():
     # A prompt that does not fit this lease's token budget keeps the lease to one step.
     s.workers["w0"].max_seqs = 8
     assert ask(s, "w0", max_tokens=2).num_steps == 1
+    check_invariants(s)
+
+
+def test_a_lease_that_moves_a_sequence_covers_one_step():
+    s = make_sched(max_lease_steps=6)
+    join(s, "w0"), join(s, "w1")
+    give(s, "w0", [1, 2])
+    s.drain("w0")
+    moved = ask(s, "w1")
+    assert sorted(full_ids(moved)) == [1, 2] and moved.num_steps == 1
+    report(s, moved)
+    assert ask(s, "w1").num_steps == 6   # its own now: decodes that nothing waits to join
     check_invariants(s)
 
 

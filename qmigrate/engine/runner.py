@@ -284,7 +284,7 @@ class Engine:
         """Queue the forward pass and sampling of the placed rows; tokens come back to a
         pinned host buffer without a wait."""
         logits = self.runner.forward(batch, feed=feed)
-        pending.tokens = sample(logits, SamplingRows.from_arrays(params, self.device))
+        pending.tokens = sample(logits, SamplingRows.from_arrays(params, self.device, self.runner.stage.to_device))
         pending.batch, pending.params = batch, params
         if self.device.type == "cuda":
             pending.host = torch.empty(batch.num_rows, dtype=torch.int64, pin_memory=True)
@@ -386,12 +386,16 @@ class Engine:
             pool.release(rows[i].seq_id)
         return [i for i in running if i not in refused]
 
-    def collect(self, pending: "Pending") -> list[int]:
-        """Wait for a launched step: its sampled tokens in row order (the step's one host sync)."""
+    def collect(self, pending: "Pending", while_waiting=None) -> list[int]:
+        """Wait for a launched step: its sampled tokens in row order (the step's one host sync).
+        `while_waiting()` is called until the step is done, for as long as it returns True."""
         if pending.result is None:
             tokens = [REFUSED] * len(pending.rows)
             if pending.placed:
                 if pending.event is not None:
+                    if while_waiting is not None:
+                        while not pending.event.query() and while_waiting():
+                            pass
                     pending.event.synchronize()
                 values = (pending.host if pending.host is not None else pending.tokens).tolist()
                 for i, token in zip(pending.placed, values):

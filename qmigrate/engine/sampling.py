@@ -19,13 +19,14 @@ _MASK32 = 0xFFFFFFFF
 
 @dataclass(slots=True)
 class SamplingRows:
-    """Per-row parameters of one batch, as tensors on the logits' device."""
+    """Per-row parameters of one batch, as tensors on the logits' device (None where no row
+    samples: greedy rows read none of them)."""
 
-    temperature: torch.Tensor   # float32 [B]; 0 = greedy
-    top_p: torch.Tensor         # float32 [B]
-    top_k: torch.Tensor         # int64 [B]; 0 = off
-    seed: torch.Tensor          # int64 [B]
-    index: torch.Tensor         # int64 [B]: generated-token index being sampled
+    temperature: torch.Tensor | None   # float32 [B]; 0 = greedy
+    top_p: torch.Tensor | None         # float32 [B]
+    top_k: torch.Tensor | None         # int64 [B]; 0 = off
+    seed: torch.Tensor | None          # int64 [B]
+    index: torch.Tensor | None         # int64 [B]: generated-token index being sampled
     # Known on the host when the rows are built, so sampling never asks the device.
     is_sampled: bool = False
     is_top_k: bool = False
@@ -36,13 +37,16 @@ class SamplingRows:
         return cls.from_arrays(host_arrays(temperature, top_p, top_k, seed, index), device)
 
     @classmethod
-    def from_arrays(cls, arrays: "HostRows", device) -> "SamplingRows":
-        # Built on the host, then copied without waiting: a blocking copy would wait for the
-        # step in flight on the device, and the next step could not be queued behind it.
-        f = lambda a: torch.from_numpy(a).to(device, non_blocking=True)
+    def from_arrays(cls, arrays: "HostRows", device, to_device=None) -> "SamplingRows":
+        """`to_device(array)` queues an array's copy to the device without waiting (a blocking
+        copy would wait for the step in flight, and the next step could not be queued behind
+        it); staging.Stage.to_device, or a plain non-blocking copy."""
         temperature, top_p, top_k, seed, index = arrays
         hot = temperature > 0
-        return cls(f(temperature), f(top_p), f(top_k), f(seed), f(index), bool(hot.any()),
+        if not hot.any():
+            return cls(None, None, None, None, None)
+        f = to_device or (lambda a: torch.from_numpy(a).to(device, non_blocking=True))
+        return cls(f(temperature), f(top_p), f(top_k), f(seed), f(index), True,
                    bool((top_k[hot] > 0).any()), bool((top_p[hot] < 1).any()))
 
 

@@ -104,7 +104,7 @@ class Lessor:
         prefill = LeasePrefill(self.prefix, w, held) if w.is_caching else None
         rows: list[Row] = []
         shipments = []
-        num_passed = num_arriving = 0
+        num_passed = num_arriving = num_moved = 0
         for seq, cause in candidates:
             if len(rows) >= max_seqs:
                 break
@@ -136,6 +136,7 @@ class Lessor:
             room -= kv_cost
             num_passed -= 1
             num_arriving += not is_diff
+            num_moved += not is_diff and cause is not None
             if is_new and new_room is not None:
                 new_room -= 1
             rows.append(self._lease_row(seq, w, cause, mechanism, shipments, now))
@@ -158,7 +159,7 @@ class Lessor:
             self.queue.pop(seq)
         for seq in chained:
             seq.next_lease = lease_id
-        num_steps = self._num_steps(w, rows, queued, skipped=num_passed > 0,
+        num_steps = self._num_steps(w, rows, queued, skipped=num_passed > 0, moved=num_moved > 0 or bool(shipments),
                                     full=len(candidates) > queued and len(rows) >= max_seqs)
         self.counters["chained_rows"] += len(chained)
         self.leases[lease_id] = LeaseRecord(name, seq_ids, now + self.config.lease_timeout_s, num_steps,
@@ -171,14 +172,18 @@ class Lessor:
         self.counters["leased_rows"] += len(rows)
         return Grant(lease_id, name, rows, drops, shipments, num_steps)
 
-    def _num_steps(self, w: WorkerState, rows: list[Row], queued: int, *, skipped: bool, full: bool) -> int:
-        """Steps the lease may cover: several for a batch of decodes that nothing waits to join.
+    def _num_steps(self, w: WorkerState, rows: list[Row], queued: int, *, skipped: bool, moved: bool,
+                   full: bool) -> int:
+        """Steps the lease may cover: several for a batch that nothing waits to join.
 
-        Work that did not fit this lease's budget keeps it to one step. Behind a full batch,
+        New prompts among its rows do not end it: their first tokens stream after the first
+        step like any other, and a lease of one step would put a round trip to the router
+        and the next lease's start between that step and the next, while every row waits.
+        Work that did not fit this lease's budget keeps it to one step, and so does a
+        sequence moved here (the router follows a move step by step). Behind a full batch,
         the lease ends when its first row reaches max_new_tokens, when a place frees."""
         limit = self.config.max_lease_steps
-        if (limit <= 1 or skipped or self.config.policy == "any" or not self.moves.may_keep(w)
-                or any(r.spec is not None for r in rows)):
+        if limit <= 1 or skipped or moved or self.config.policy == "any" or not self.moves.may_keep(w):
             return 1
         if full:
             for r in rows[:queued]:

@@ -215,9 +215,11 @@ class WorkerCore:
         launched, keeping the tokens it produced; its KV stays here, as after any step.
         Once its last step is launched, on_last_launch() may launch the next lease behind it
         (`run.pending` is then that last step, which the next lease's chained rows feed from),
-        so the device does not wait for the host between two leases.
+        so the device does not wait for the host between two leases. While it returns True
+        (nothing started behind yet) it is called again and again until the steps are done:
+        a lease that arrives meanwhile still starts before the device runs dry.
         Returns the StepResult of the whole lease and the Tokens not yet given to on_step."""
-        pending, launched, more = run.pending, 1, True
+        pending, launched, more, behind = run.pending, 1, True, None
         while pending is not None:
             nxt = None
             if more and launched < max(1, run.lease.num_steps):
@@ -230,10 +232,10 @@ class WorkerCore:
             if more and (nxt is None or launched >= run.lease.num_steps):
                 more = False
                 run.pending = nxt or pending
-                if on_last_launch is not None:
-                    on_last_launch()
+                if on_last_launch is not None and on_last_launch():
+                    behind = on_last_launch
             self.trace("collect_begin", len(pending.rows))
-            tokens = self.engine.collect(pending)
+            tokens = self.engine.collect(pending, behind)
             self.trace("collect_end")
             self.num_steps += 1
             self._advance(run, pending.rows, tokens, pending.partial)

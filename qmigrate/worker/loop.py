@@ -232,12 +232,15 @@ class Worker:
         self.send_router(result)
         self.trace("finish_end", lease_id)
 
-    def start_behind(self) -> None:
-        """The lease being finished has launched its last step: queue the next one behind it."""
+    def start_behind(self) -> bool:
+        """The lease being finished has launched its last step: queue the next one behind it.
+        True while none could start and there is room for one (ask again while the step runs)."""
         self.receive_router(mid_lease=True)
         lease = self.loop.next_behind(time.monotonic(), self.core.awaited_transfers)
         if lease is not None:
             self.start_lease(lease, count_busy=False)
+            return False
+        return self.loop.has_room_behind
 
     def between_steps(self, lease_id: int, tokens: P.Tokens):
         """Between two steps of a multi-step lease: stream this step's tokens, take Revokes."""

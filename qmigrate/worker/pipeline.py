@@ -150,6 +150,11 @@ class WorkerLoop:
         return self._dispatched(head.lease)
 
     @property
+    def has_room_behind(self) -> bool:
+        """A lease may still start behind the last step of the one being finished."""
+        return len(self.on_device) < MAX_ON_DEVICE
+
+    @property
     def can_start_more(self) -> bool:
         return len(self.on_device) < MAX_ON_DEVICE and all(d.num_steps == 1 for d in self.on_device)
 
