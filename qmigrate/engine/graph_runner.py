@@ -22,7 +22,6 @@ from . import paged_attention as attn
 from . import shared_prefix
 from .batch import StepBatch
 from .kvcache import BlockPool
-from .staging import Stage
 
 log = logging.getLogger(__name__)
 
@@ -89,7 +88,6 @@ class GraphRunner:
         self.max_positions = model.max_positions
         self.vocab_size = model.vocab_size
         self.max_batch = max_batch
-        self.stage = Stage(self.device)   # the step's host arrays, page-locked on a GPU
         self.use_kernels = attn.can_use_triton(model.embed) and all(
             attn.supports_head_dim(layer.attn.head_dim) for layer in model.layers)
         self.use_graphs = cuda_graphs and self.device.type == "cuda"
@@ -197,7 +195,6 @@ class GraphRunner:
         """logits [B, V] float32 of each row's last token. `feed` = (rows, src, tokens): the
         input of row rows[k] (a decode row) is tokens[src[k]], a tensor already on the device."""
         b, t = batch.num_rows, batch.num_tokens
-        self.stage.next_step()
         groups = self._groups(batch)
         if batch.is_decode and self.graphs and b <= self.max_batch:
             bucket = next(k for k in sorted(self.graphs) if k >= b)
@@ -213,7 +210,7 @@ class GraphRunner:
             padded = bool(self.token_graphs) and not batch.is_decode
             x = self._inputs(batch, self.eager_tokens(t) if padded else t, max(b, self.max_batch) if padded else b)
             if groups is not None:
-                x.shared = shared_prefix.to_device(groups, self.device, self.stage.put)
+                x.shared = shared_prefix.to_device(groups, self.device)
             if feed is not None:
                 self._feed(x.ids, batch, feed)
             return self._forward(x, x.ids.shape[0], batch.max_query_len, batch.is_decode)[:b]
@@ -236,7 +233,7 @@ class GraphRunner:
         """The shared-prefix graph's group inputs; padding rows and unused slots share nothing."""
         row_start, group_rows, group_len = groups
         g, n, slots = self.static_shared, len(group_len), shared_prefix.max_groups(bucket)
-        t = self.stage.put
+        t = lambda a: torch.from_numpy(np.ascontiguousarray(a))
         g.row_start[:b].copy_(t(row_start), non_blocking=True)
         g.row_start[b:bucket].fill_(0)
         g.group_rows[:n].copy_(t(group_rows), non_blocking=True)
@@ -253,21 +250,25 @@ class GraphRunner:
 
     def _feed(self, ids: torch.Tensor, batch: StepBatch, feed) -> None:
         rows, src, tokens = feed
-        at = self.stage.to_device(np.asarray(batch.query_start[rows], dtype=np.int64))
-        src = self.stage.to_device(np.asarray(src, dtype=np.int64))
+        at = torch.as_tensor(batch.query_start[rows], dtype=torch.int64).to(self.device, non_blocking=True)
+        src = torch.as_tensor(src, dtype=torch.int64).to(self.device, non_blocking=True)
         ids.index_copy_(0, at, tokens.index_select(0, src))
 
     def _inputs(self, batch: StepBatch, num_tokens: int | None = None, num_last: int | None = None) -> StepInputs:
-        """The batch's arrays on the device, through page-locked memory (staging.py).
+        """The batch's arrays on the device, through pinned buffers: a copy from pageable
+        memory larger than the driver's staging buffer (a prefill's ids and slots) makes the
+        host wait for the step in flight, so the next step could not be built meanwhile.
 
         Padded to `num_tokens` tokens (the padding tokens belong to no row and write no KV)
         and to `num_last` logits rows (the padding ones are the first token's again)."""
+        dev, pin = self.device, self.device.type == "cuda"
         pad = (num_tokens or batch.num_tokens) - batch.num_tokens
         pad_last = (num_last or batch.num_rows) - batch.num_rows
 
         def t(a, dtype, extra=0, value=0):
-            a = np.asarray(a, dtype=dtype)
-            return self.stage.to_device(np.pad(a, (0, extra), constant_values=value) if extra else a)
+            a = np.ascontiguousarray(a, dtype=dtype)
+            host = torch.from_numpy(np.pad(a, (0, extra), constant_values=value) if extra else a)
+            return (host.pin_memory() if pin else host).to(dev, non_blocking=True)
         return StepInputs(t(batch.ids, np.int64, pad), t(batch.positions, np.int64, pad),
                        t(batch.slot_mapping, np.int64, pad, -1), t(batch.query_start, np.int32),
                        t(batch.seq_lens, np.int32), t(batch.block_table, np.int32),
@@ -277,7 +278,7 @@ class GraphRunner:
         """What both kinds of graph read in place: each token's id, position and slot, and
         each row's length and blocks."""
         s, b, n = self.static, batch.num_rows, batch.num_tokens
-        t = self.stage.put
+        t = lambda a: torch.from_numpy(np.ascontiguousarray(a))
         s.ids[:n].copy_(t(batch.ids), non_blocking=True)
         s.positions[:n].copy_(t(batch.positions), non_blocking=True)
         s.slots[:n].copy_(t(batch.slot_mapping), non_blocking=True)
@@ -300,9 +301,9 @@ class GraphRunner:
         self._load_rows(batch)
         s.slots[n:bucket].fill_(-1)
         s.positions[n:bucket].fill_(0)
-        query_start[:b + 1].copy_(self.stage.put(batch.query_start), non_blocking=True)
+        query_start[:b + 1].copy_(torch.from_numpy(np.ascontiguousarray(batch.query_start)), non_blocking=True)
         query_start[b + 1:].fill_(n)
-        last[:b].copy_(self.stage.put(batch.last.astype(np.int64)), non_blocking=True)
+        last[:b].copy_(torch.from_numpy(batch.last.astype(np.int64)), non_blocking=True)
         last[b:].fill_(0)
         s.seq_lens[b:].fill_(1)
 

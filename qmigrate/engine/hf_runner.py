@@ -18,7 +18,6 @@ import torch
 from .attention import install as install_attention
 from .batch import StepBatch
 from .kvcache import BlockPool, write_kv
-from .staging import Stage
 
 
 class PagedView:
@@ -67,7 +66,6 @@ class HFRunner:
         self.pool: BlockPool | None = None
         param = next(model.parameters())
         self.device = param.device
-        self.stage = Stage(self.device)
 
     def attach(self, pool: BlockPool | None, capture: bool = True) -> None:
         self.pool = pool
@@ -79,7 +77,6 @@ class HFRunner:
         """logits [B, V] float32 of each row's last token."""
         if feed is not None:
             raise ValueError("the transformers runner takes its input ids on the host")
-        self.stage.next_step()
         logits = None
         for group in self.groups(batch):
             out = self._forward(batch, group)
@@ -120,7 +117,7 @@ class HFRunner:
         rr, cc = np.nonzero(is_real)
         slots = batch.slot_mapping[token_index[rr, cc]]
         dev = self.device
-        t = self.stage.to_device
+        t = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(dev, non_blocking=True)
         pos_t = t(positions)
         keys = torch.arange(total, device=dev)
         # [g, 1, new, total]: a query sees keys at or before its own position; a pad query

@@ -284,7 +284,7 @@ class Engine:
         """Queue the forward pass and sampling of the placed rows; tokens come back to a
         pinned host buffer without a wait."""
         logits = self.runner.forward(batch, feed=feed)
-        pending.tokens = sample(logits, SamplingRows.from_arrays(params, self.device, self.runner.stage.to_device))
+        pending.tokens = sample(logits, SamplingRows.from_arrays(params, self.device))
         pending.batch, pending.params = batch, params
         if self.device.type == "cuda":
             pending.host = torch.empty(batch.num_rows, dtype=torch.int64, pin_memory=True)

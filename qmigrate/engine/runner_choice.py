@@ -10,7 +10,6 @@ import torch
 
 from .hf_runner import HFRunner
 from .kvcache import BlockPool
-from .staging import Stage
 
 if TYPE_CHECKING:
     from .batch import StepBatch
@@ -29,13 +28,10 @@ class Runner(Protocol):
     tensor on the device that the previous step sampled: only a runner with can_feed takes
     one (the engine gives the others the ids on the host). attach() hands it the KV pool
     (None: drop it); with capture it may capture CUDA graphs over the pool. eager_sizes()
-    lists the padded token counts of steps it runs eagerly, for the warm-up to run once.
-    `stage` holds the host arrays of the step being built (its forward moves it on to a new
-    step); the engine's sampling parameters for that step go through it too."""
+    lists the padded token counts of steps it runs eagerly, for the warm-up to run once."""
 
     name: str
     can_feed: bool
-    stage: Stage
 
     def attach(self, pool: BlockPool | None, capture: bool = True) -> None: ...
 

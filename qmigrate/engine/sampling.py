@@ -37,15 +37,15 @@ class SamplingRows:
         return cls.from_arrays(host_arrays(temperature, top_p, top_k, seed, index), device)
 
     @classmethod
-    def from_arrays(cls, arrays: "HostRows", device, to_device=None) -> "SamplingRows":
-        """`to_device(array)` queues an array's copy to the device without waiting (a blocking
-        copy would wait for the step in flight, and the next step could not be queued behind
-        it); staging.Stage.to_device, or a plain non-blocking copy."""
+    def from_arrays(cls, arrays: "HostRows", device) -> "SamplingRows":
+        # Built on the host, then copied without waiting: a blocking copy would wait for the
+        # step in flight on the device, and the next step could not be queued behind it.
+        # A step of greedy rows copies nothing.
         temperature, top_p, top_k, seed, index = arrays
         hot = temperature > 0
         if not hot.any():
             return cls(None, None, None, None, None)
-        f = to_device or (lambda a: torch.from_numpy(a).to(device, non_blocking=True))
+        f = lambda a: torch.from_numpy(a).to(device, non_blocking=True)
         return cls(f(temperature), f(top_p), f(top_k), f(seed), f(index), True,
                    bool((top_k[hot] > 0).any()), bool((top_p[hot] < 1).any()))
 

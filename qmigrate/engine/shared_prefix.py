@@ -152,11 +152,10 @@ def prefix_partials(q, k_cache, v_cache, block_tables, shared: Shared, qk_scale:
     return out, lse
 
 
-def to_device(host, device, put=torch.from_numpy) -> Shared:
-    """The groups of `groups` as device tensors (eager steps; graphs load theirs in place).
-    `put` makes the host tensor of an array (staging.Stage.put: page-locked)."""
+def to_device(host, device) -> Shared:
+    """The groups of `groups` as device tensors (eager steps; graphs load theirs in place)."""
     row_start, group_rows, group_len = host
-    t = lambda a: put(np.ascontiguousarray(a)).to(device, non_blocking=True)
+    t = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(device, non_blocking=True)
     return Shared(t(row_start), t(group_rows), t(group_len))
 
 
