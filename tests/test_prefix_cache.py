@@ -367,6 +367,7 @@ def test_keys_chain_and_salt():
     assert block_keys(ids[:32] + [0] * 8, 16) == keys
     assert block_keys([7] + ids[1:], 16)[1] != keys[1]   # a different first block changes every key after it
     assert block_keys(np.asarray(ids, dtype=np.int64), 16) == keys
+    assert block_keys(P.pack_i32(ids), 16) == keys   # the packed ids a SeqSpec carries
     assert P.SeqSpec(1, P.pack_i32(ids), 40, 4, cache_salt="t").cache_salt == "t"
 
 

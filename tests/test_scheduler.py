@@ -1160,6 +1160,18 @@ def test_a_lease_covers_several_steps_only_while_nothing_waits():
     check_invariants(s)
 
 
+def test_a_full_form_carries_every_token_so_far():
+    s = make_sched()
+    join(s, "w0"), join(s, "w1")
+    s.admit([spec(1, prompt_len=6)])
+    first = ask(s, "w0")
+    assert first.rows[0].spec.token_ids == spec(1, prompt_len=6).token_ids   # not run yet: as it came
+    report(s, first)
+    s.drain("w0")
+    moved = ask(s, "w1").rows[0].spec
+    assert moved.ids.tolist() == s.seqs[1].token_ids and len(moved.ids) == 7   # the prompt and its token
+
+
 def test_a_lease_that_moves_a_sequence_covers_one_step():
     s = make_sched(max_lease_steps=6)
     join(s, "w0"), join(s, "w1")

@@ -89,9 +89,10 @@ class Lessor:
         quota = self.moves.steal_quota(w)
         # Look at a bounded stretch of the queue: a request costs what it can return.
         candidates = self.moves.candidates(w, self.queue, quota, max_seqs + 64)
+        matched: dict[int, dict[str, int]] = {}
         if self.config.prefix_aware:
             candidates = place_new(self.prefix, w, self.workers, candidates, now, self.config.prefix_wait_s,
-                                   self.counters)
+                                   self.counters, matched)
         if ahead and w.num_leased and not chainable and len(candidates) < max_seqs:
             return None
         # The batch in flight goes on at a token a row: those tokens are kept from the budget
@@ -101,7 +102,7 @@ class Lessor:
         budget -= reserved
         room = self.moves.kv_room(w, held)
         new_room = self.moves.admission_room(w)
-        prefill = LeasePrefill(self.prefix, w, held) if w.is_caching else None
+        prefill = LeasePrefill(self.prefix, w, held, matched) if w.is_caching else None
         rows: list[Row] = []
         shipments = []
         num_passed = num_arriving = num_moved = 0

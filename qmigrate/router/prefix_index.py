@@ -92,7 +92,9 @@ def seq_keys(seq: Seq, block_size: int) -> list[int]:
     cached = seq.prefix_keys
     if cached is None or cached[0] != block_size or cached[1] != len(seq.token_ids):
         n = len(seq.token_ids)
-        keys = block_keys(seq.token_ids, block_size, seq.spec.cache_salt, max_blocks=(n - 1) // block_size)
+        # a prompt that has not run yet: its packed ids as they came, not the list
+        ids = seq.spec.token_ids if n == seq.spec.prompt_len else seq.token_ids
+        keys = block_keys(ids, block_size, seq.spec.cache_salt, max_blocks=(n - 1) // block_size)
         seq.prefix_keys = cached = (block_size, n, keys)
     return cached[2]
 
@@ -114,9 +116,11 @@ def score(seq: Seq, w: WorkerState, hits: dict[str, int]) -> float:
 
 
 def place_new(index: PrefixIndex, w: WorkerState, workers: dict[str, WorkerState], candidates: list,
-              now: float, wait_s: float, counters) -> list:
+              now: float, wait_s: float, counters, matched: dict[int, dict[str, int]] | None = None) -> list:
     """The candidates for w with sequences nobody holds reordered by w's hits (best first,
-    in their queue positions otherwise kept) and those better started elsewhere left out."""
+    in their queue positions otherwise kept) and those better started elsewhere left out.
+    `matched` collects each new sequence's hits (seq_id -> the index's match), for the
+    lease's costs to reuse: the index does not change while a lease is built."""
     new = [i for i, (seq, cause) in enumerate(candidates) if seq.owner is None and cause is None]
     if not new or not len(index):
         return candidates
@@ -125,6 +129,8 @@ def place_new(index: PrefixIndex, w: WorkerState, workers: dict[str, WorkerState
     for i in new:
         seq = candidates[i][0]
         hits = index.match(seq_keys(seq, w.block_size))
+        if matched is not None:
+            matched[seq.seq_id] = hits
         if seq.offered_at is None:
             seq.offered_at = now
         mine = score(seq, w, hits)
@@ -155,8 +161,10 @@ class LeasePrefill:
     w's leases. Its KV is charged in full: an idle cached block counts as free in w's report
     and leaves it when a sequence takes it."""
 
-    def __init__(self, index: PrefixIndex, w: WorkerState, held: list[Seq]):
+    def __init__(self, index: PrefixIndex, w: WorkerState, held: list[Seq],
+                 matched: dict[int, dict[str, int]] | None = None):
         self.index, self.w, self.held = index, w, held
+        self.matched = matched or {}               # hits place_new found for this lease
         self.computing: set[int] | None = None   # keys of prompts under way at w, once asked
         self.taken: list[Seq] = []
         self.waiting: list[Seq] = []
@@ -165,7 +173,10 @@ class LeasePrefill:
         """(prompt tokens w will compute for seq, tokens of its blocks right after those
         that others compute first)."""
         bs, keys = self.w.block_size, seq_keys(seq, self.w.block_size)
-        held = self.index.match(keys).get(self.w.name, 0) if len(self.index) else 0
+        hits = self.matched.get(seq.seq_id)
+        if hits is None:
+            hits = self.index.match(keys) if len(self.index) else {}
+        held = hits.get(self.w.name, 0)
         if self.computing is None:   # most leases carry no prompt: built only when one comes
             self.computing = set()
             for other in (*self.held, *self.taken):

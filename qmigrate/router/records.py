@@ -38,7 +38,9 @@ class Seq:
     def respec(self, kv_from: str = "", transfer_id: int = 0) -> SeqSpec:
         """The full form as it stands now, for a worker that has not seen this sequence."""
         s = self.spec
-        return SeqSpec(s.seq_id, pack_i32(self.token_ids), s.prompt_len, s.max_new_tokens,
+        # a prompt that has not run yet goes out as it came in, without packing its ids again
+        ids = s.token_ids if len(self.token_ids) == s.prompt_len else pack_i32(self.token_ids)
+        return SeqSpec(s.seq_id, ids, s.prompt_len, s.max_new_tokens,
                        s.temperature, s.top_p, s.top_k, s.seed, s.stop_ids, s.eos_ids, kv_from,
                        transfer_id, 0 if self.resync else -1, s.min_new_tokens, s.cache_salt)
 

@@ -35,8 +35,9 @@ def iter_block_keys(ids, block_size: int, salt: str = "", max_blocks: int | None
     its first miss hashes no further.
 
     The ids are turned into bytes once and each block hashed from a slice of them: a 1,152-token
-    prompt is 72 blocks, and the router and every worker key each prompt it sees."""
-    data = np.asarray(ids, dtype="<i4").tobytes()
+    prompt is 72 blocks, and the router and every worker key each prompt it sees. `ids` may
+    be those bytes already (little-endian int32, as a SeqSpec carries them)."""
+    data = ids if isinstance(ids, bytes) else np.asarray(ids, dtype="<i4").tobytes()
     step = 4 * block_size
     n = len(data) // step
     if max_blocks is not None:
