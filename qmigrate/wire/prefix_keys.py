@@ -10,6 +10,7 @@ travel in msgpack and in int64 arrays).
 from __future__ import annotations
 
 import hashlib
+import struct
 
 import numpy as np
 
@@ -37,7 +38,12 @@ def iter_block_keys(ids, block_size: int, salt: str = "", max_blocks: int | None
     The ids are turned into bytes once and each block hashed from a slice of them: a 1,152-token
     prompt is 72 blocks, and the router and every worker key each prompt it sees. `ids` may
     be those bytes already (little-endian int32, as a SeqSpec carries them)."""
-    data = ids if isinstance(ids, bytes) else np.asarray(ids, dtype="<i4").tobytes()
+    if isinstance(ids, bytes):
+        data = ids
+    elif isinstance(ids, list):
+        data = struct.pack(f"<{len(ids)}i", *ids)   # a list: twice as fast as through numpy
+    else:
+        data = np.asarray(ids, dtype="<i4").tobytes()
     step = 4 * block_size
     n = len(data) // step
     if max_blocks is not None:
