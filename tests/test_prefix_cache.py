@@ -371,6 +371,19 @@ def test_keys_chain_and_salt():
     assert P.SeqSpec(1, P.pack_i32(ids), 40, 4, cache_salt="t").cache_salt == "t"
 
 
+def test_known_keys_are_remembered_within_a_bound(monkeypatch):
+    from qmigrate.wire import prefix_keys
+    monkeypatch.setattr(prefix_keys, "MAX_KNOWN", 8)
+    monkeypatch.setattr(prefix_keys, "_known", {})
+    ids = list(range(1, 161))   # 10 blocks
+    first = block_keys(ids, 16)
+    assert len(prefix_keys._known) <= 8   # emptied when full
+    assert block_keys(ids, 16) == first == block_keys(ids, 16, parent=0)
+    assert block_keys(ids, 16, "t") != first   # a salt's chain is its own
+    other = [7] + ids[1:]
+    assert block_keys(other, 16)[0] != first[0] and block_keys(other, 16)[1:] != first[1:]
+
+
 def test_keys_are_the_blake2b_chain_the_router_and_workers_share():
     """Router and workers must key a prompt alike: the definition, written out here, against
     the one-pass chain for lists and arrays, every start block, bound and parent."""

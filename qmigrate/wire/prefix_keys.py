@@ -15,6 +15,10 @@ import struct
 import numpy as np
 
 MASK = (1 << 63) - 1
+# Keys already computed, by (parent key, block bytes): the blocks of a shared system prompt are
+# hashed once, not once per prompt. Emptied when full (at 32,768 blocks, a few MB).
+_known: dict[tuple[int, bytes], int] = {}
+MAX_KNOWN = 1 << 15
 
 
 def seed_key(salt: str = "") -> int:
@@ -49,10 +53,16 @@ def iter_block_keys(ids, block_size: int, salt: str = "", max_blocks: int | None
     if max_blocks is not None:
         n = min(n, max_blocks)
     key = seed_key(salt) if parent is None else parent
-    blake2b = hashlib.blake2b
+    blake2b, known = hashlib.blake2b, _known
     for off in range(first * step, n * step, step):
-        key = int.from_bytes(blake2b(key.to_bytes(8, "little") + data[off:off + step], digest_size=8).digest(),
-                             "little") & MASK
+        block = data[off:off + step]
+        child = known.get((key, block))
+        if child is None:
+            child = int.from_bytes(blake2b(key.to_bytes(8, "little") + block, digest_size=8).digest(), "little") & MASK
+            if len(known) >= MAX_KNOWN:
+                known.clear()
+            known[(key, block)] = child
+        key = child
         yield key
 
 
