@@ -99,7 +99,7 @@ class PrefixCache:
             self.ids[seq_id] = _ints(new_ids)
         elif ids is not None and len(ids) >= start:
             del ids[start:]
-            ids.extend(int(t) for t in new_ids)
+            ids.extend(_ints(new_ids))
         else:
             self.ids[seq_id] = None   # KV of unknown ids (shipped here): never cached
 
