@@ -149,6 +149,9 @@ def serve(
     worker_setting: Annotated[Optional[list[str]], typer.Option(
         "--worker-setting",
         help="KEY=VALUE for every worker (repeatable), e.g. prefill_tokens_per_step=1024.")] = None,
+    trace: Annotated[Optional[Path], typer.Option(
+        "--trace", help="Write every role's timeline to this folder (the topology's trace_dir); read it with "
+                        "python -m qmigrate.ops.trace FOLDER.")] = None,
     log_level: LogLevel = "warning",
 ):
     """Start every role on this machine and serve the OpenAI-compatible API (/v1/completions,
@@ -167,6 +170,7 @@ def serve(
     try:
         opts.worker_settings = worker_settings(worker_setting or [])
         opts.api_server_count = api_server_count
+        opts.trace_dir = None if trace is None else str(trace.absolute())
         num_gpus = 0 if base is not None else visible_gpus()
         topo = serve_topology(opts, base, num_gpus=num_gpus, gpu_bytes=smallest_gpu_bytes() if num_gpus else 0)
     except ConfigError as exc:

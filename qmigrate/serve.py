@@ -38,6 +38,7 @@ class ServeOptions:
     tensor_parallel_size: int = 1   # GPUs (processes) per worker
     worker_settings: dict | None = None   # fields set on every worker (config.worker_settings)
     api_server_count: int | None = None   # ingest.http_processes
+    trace_dir: str | None = None          # the topology's trace_dir: every role's timeline (ops/trace.py)
 
 
 def visible_gpus() -> int:
@@ -97,6 +98,8 @@ def serve_topology(opts: ServeOptions, base: Topology | None = None, num_gpus: i
                 w["max_seqs"], w["max_tokens"] = serve_max_seqs(gpu_bytes), GPU_SERVE_MAX_TOKENS
     else:
         data = base.to_dict()
+    if opts.trace_dir is not None:
+        data["trace_dir"] = opts.trace_dir
     ingest = data["ingest"]
     ingest["http_host"], ingest["http_port"] = opts.host, opts.port
     if opts.served_model_name is not None:

@@ -15,9 +15,10 @@ from conftest import greedy_tokens_many
 pytestmark = pytest.mark.timeout(300)
 
 
-def _topology(tmp_path, model_dir, num_workers: int, max_seqs: int = 8, **router) -> str:
+def _topology(tmp_path, model_dir, num_workers: int, max_seqs: int = 8, trace_dir=None, **router) -> str:
     data = {
         "transport": "ipc",
+        "trace_dir": None if trace_dir is None else str(trace_dir),
         "model": {"path": str(model_dir)},
         "nodes": [{"name": "local"}],
         "router": {"node": "local", **router},
@@ -101,7 +102,8 @@ def on_one_worker(tmp_path_factory, tiny_model_dir):
     from conftest import run_qmigrate
     tmp = tmp_path_factory.mktemp("one-worker")
     stdin = "\n".join(BAD_LINES) + "\n" + "".join(json.dumps(p) + "\n" for p in SEEDED)
-    run = run_qmigrate("sim", _topology(tmp, tiny_model_dir, 1), stdin=stdin)
+    trace_dir = tmp_path_factory.getbasetemp() / "one-worker-trace"
+    run = run_qmigrate("sim", _topology(tmp, tiny_model_dir, 1, trace_dir=trace_dir), stdin=stdin)
     assert run.returncode == 0, run.stderr[-3000:]
     return run
 
@@ -195,6 +197,17 @@ def test_bad_requests_get_an_error_record_and_deltas_join_to_the_final_text(on_o
     for rid in ("ok1", "ok2", "a", "b"):
         final = finals[rid]
         assert len(final["token_ids"]) == (5 if rid.startswith("ok") else 20) or final["finish_reason"] == "eos"
+
+
+def test_a_traced_run_times_every_hop_of_the_token_path(on_one_worker, tmp_path_factory):
+    from qmigrate.ops import trace
+    trace_dir = tmp_path_factory.getbasetemp() / "one-worker-trace"
+    # (ingest leaves once stdin's requests are handed on: only an HTTP ingest hears replies)
+    roles = sorted(p.name.rsplit("-", 1)[0] for p in trace_dir.glob("*.jsonl"))
+    assert roles == ["detokenizer", "router", "worker-w1"], roles
+    text = "\n".join(trace.summarize(trace_dir))
+    assert " steps in " in text and "  tokens of w1 forwarded: " in text
+    assert re.search(r"detokenizer-\d+: messages in: \d+, gaps p50 ", text), text
 
 
 def test_text_mode_streams_every_request_and_status_looks_inside(tiny_model_dir):

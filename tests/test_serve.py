@@ -46,6 +46,11 @@ def test_cpu_workers_when_there_is_no_gpu_and_defaults_where_no_flag_is_given():
     assert topo.ingest.http_processes == 1
 
 
+def test_trace_names_the_topologys_trace_dir(tmp_path):
+    assert serve_topology(ServeOptions(), num_gpus=0).trace_dir is None
+    assert serve_topology(ServeOptions(trace_dir=str(tmp_path)), num_gpus=0).trace_dir == str(tmp_path)
+
+
 def test_api_server_count_sets_the_ingest_http_processes():
     assert serve_topology(ServeOptions(api_server_count=4), num_gpus=0).ingest.http_processes == 4
     assert serve_topology(ServeOptions(api_server_count=3), num_gpus=2).ingest.http_processes == 3

@@ -90,6 +90,17 @@ def test_the_router_summary_pairs_each_request_with_its_grant():
     assert "3 leases; a request waited for its lease p50 2.00 ms, p90 4.00 ms, max 4.0 ms" in line
 
 
+def test_the_token_path_after_the_router_is_timed_hop_by_hop(tmp_path):
+    router = _events((0.0, "request", "w1", 1), (0.001, "grant", "w1", 7, 4, 1, 1), (0.002, "tokens", "w1", 4),
+                     (0.004, "tokens", "w1", 4), (0.010, "tokens", "w1", 4))
+    lines = trace.router_summary("router", router)
+    assert lines[1] == "  tokens of w1 forwarded: 3, gaps p50 6.00 p90 6.00 p99 6.00 max 6.0 ms"
+    (tmp_path / "ingest-5.jsonl").write_text("".join(json.dumps([t, "in", 2]) + "\n" for t in (1.0, 1.002, 1.003)))
+    (tmp_path / "detokenizer-4.jsonl").write_text(json.dumps([1.0, "in", 4]) + "\n")
+    assert trace.summarize(tmp_path) == ["detokenizer-4: messages in: 1",
+                                         "ingest-5: messages in: 3, gaps p50 2.00 p90 2.00 p99 2.00 max 2.0 ms"]
+
+
 def _bench_trace(tmp_path, tiny_model_dir):
     return tmp_path, subprocess.run([sys.executable, "-m", "qmigrate", "bench", "--paths", "pipeline",
                                      "--requests", "8", "--trace", str(tmp_path)],

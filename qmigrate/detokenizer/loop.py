@@ -30,6 +30,7 @@ from qmigrate.router.journal import Journal
 from qmigrate.wire.security import Guard
 from qmigrate.ops.process import freeze_heap
 from qmigrate.ops.progress import TerminalWriter
+from qmigrate.ops.trace import tracer
 
 log = logging.getLogger("qmigrate.detokenizer")
 
@@ -66,6 +67,7 @@ class Detokenizer:
         self.handlers = {P.RequestMeta: self.on_meta, P.Tokens: self.on_tokens,
                          P.RequestError: self.on_error, P.InputClosed: self.on_closed,
                          P.Cancel: self.on_cancel}
+        self.trace = tracer("detokenizer", topo.trace_dir)   # tokens in, replies out (trace.py)
 
     def clock(self) -> float:
         return self.now if self.replaying else time.monotonic()
@@ -88,6 +90,7 @@ class Detokenizer:
             return
         seq_ids, texts, finish, counts, cached = zip(*self.outbox)
         self.outbox = []
+        self.trace("out", len(seq_ids))
         msg = P.Replies(P.pack_i64(seq_ids), P.pack_u8(finish), P.pack_i32(counts), list(texts), P.pack_i32(cached))
         if not transport.send(self.replies, msg, flags=zmq.NOBLOCK):
             # Ingest gone or far behind: its HTTP clients time out rather than this loop stall.
@@ -156,6 +159,7 @@ class Detokenizer:
 
     def report_printed(self, now: float) -> None:
         self.last_printed = now
+        self.trace.flush()
         if self.sink.newly_done:
             done, self.sink.newly_done = sorted(set(self.sink.newly_done)), []
             transport.send(self.router, P.Printed(P.pack_i64(done)))
@@ -183,6 +187,8 @@ class Detokenizer:
 
     def on_tokens(self, msg: P.Tokens) -> None:
         seq_ids = P.unpack_i64(msg.seq_ids).tolist()
+        if not self.replaying:
+            self.trace("in", len(seq_ids))
         starts = P.unpack_i32(msg.start).tolist()
         counts = P.unpack_i32(msg.counts).tolist()
         tokens = P.unpack_i32(msg.tokens).tolist()

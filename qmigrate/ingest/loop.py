@@ -38,6 +38,7 @@ from qmigrate.ingest.handoff import THREAD_ID_BITS, HandoffOrder, reply_rows
 from qmigrate.ingest.prompts import CancelRequest, Defaults, PromptError, parse_line, seed_of, to_spec
 from qmigrate.wire.security import Guard
 from qmigrate.ops.process import freeze_heap, run_until_fatal
+from qmigrate.ops.trace import tracer
 
 log = logging.getLogger("qmigrate.ingest")
 
@@ -89,6 +90,7 @@ class Ingest:
             self.wake = transport.socket(zmq.PULL, bind=WAKE_ENDPOINT, hwm=1)
             self.http = HttpServer(cfg, model_path, self.defaults, self.id_base, topo.model.trust_remote_code)
         self.guard = Guard.for_topology(topo, "ingest")
+        self.trace = tracer("ingest", topo.trace_dir)   # replies in from the detokenizer (trace.py)
         self.lines: queue.Queue = queue.Queue(maxsize=self.max_pending)
         self.read_stdin = read_stdin
         self.stdin_done = not read_stdin
@@ -173,6 +175,7 @@ class Ingest:
             if self.fronts is not None and self.fronts.sock in ready:
                 self.on_fronts()
             if self.closed_sent and exit_on_eof:
+                self.trace.flush()
                 return
 
     def _read_stdin(self) -> None:
@@ -277,6 +280,7 @@ class Ingest:
             msg = transport.parse(frame, "the detokenizer")
             if not isinstance(msg, P.Replies):
                 continue
+            self.trace("in", len(msg.texts))
             if self.fronts is not None:
                 self.fronts.forward(frame, msg)
             if self.live_ids or self.http is not None:
@@ -318,6 +322,7 @@ class Ingest:
         if (now := time.monotonic()) - self.asked_at >= every_s:
             transport.send(self.router, P.StatsRequest())
             self.asked_at = now
+            self.trace.flush()
 
     def on_router(self) -> None:
         while (got := transport.recv(self.router, 0)) is not None:

@@ -11,7 +11,11 @@ Worker events: ask (request no.), lease (id, steps, rows, full forms), start_beg
 start_end (lease id), prompts (a launched step's prompt rows, their new tokens, the
 positions of those found cached), launch (rows), collect_begin (rows) / collect_end, finish_begin /
 finish_end (lease id). Router events: submit (sequences offered, taken), request (worker,
-request no.), grant (worker, lease id, rows, steps, request no.), result (worker, lease id).
+request no.), grant (worker, lease id, rows, steps, request no.), result (worker, lease id),
+tokens (worker, rows: a step's tokens on their way to the detokenizer). The token path after
+the router: the detokenizer's in (rows of a Tokens message) and out (replies sent to ingest),
+and ingest's in (replies received). Gaps between a hop's arrivals that grow from one hop to
+the next are latency that hop adds to a stream's inter-token times.
 
 `summarize(DIR)` turns the files into the figures that located this project's gaps: per
 worker, the time with no step on the device, the time the host waited for the device, host
@@ -79,7 +83,18 @@ def summarize(directory: str | Path) -> list[str]:
             lines += worker_summary(path.stem, events)
         elif "grant" in kinds:
             lines += router_summary(path.stem, events)
+        if "in" in kinds:
+            lines.append(gap_line(f"{path.stem}: messages in", [e[0] for e in events if e[1] == "in"]))
     return lines
+
+
+def gap_line(what: str, times: list[float]) -> str:
+    """The gaps between successive arrivals (a stream's tokens arrive with them)."""
+    gaps = sorted(b - a for a, b in zip(times, times[1:]))
+    if not gaps:
+        return f"{what}: {len(times)}"
+    return (f"{what}: {len(times)}, gaps p50 {_ms(gaps, 0.5)} p90 {_ms(gaps, 0.9)} p99 {_ms(gaps, 0.99)} "
+            f"max {gaps[-1] * 1000:.1f} ms")
 
 
 def worker_summary(label: str, events: list) -> list[str]:
@@ -201,9 +216,15 @@ def router_summary(label: str, events: list) -> list[str]:
     if not waits:
         return [f"{label}: no lease granted"]
     waits.sort()
-    return [f"{label}: {len(waits)} leases; a request waited for its lease p50 "
-            f"{statistics.median(waits) * 1000:.2f} ms, p90 {waits[int(len(waits) * 0.9)] * 1000:.2f} ms, "
-            f"max {waits[-1] * 1000:.1f} ms"]
+    lines = [f"{label}: {len(waits)} leases; a request waited for its lease p50 "
+             f"{statistics.median(waits) * 1000:.2f} ms, p90 {waits[int(len(waits) * 0.9)] * 1000:.2f} ms, "
+             f"max {waits[-1] * 1000:.1f} ms"]
+    by_worker: dict[str, list[float]] = {}
+    for t, kind, *fields in events:
+        if kind == "tokens":
+            by_worker.setdefault(fields[0], []).append(t)
+    lines += [gap_line(f"  tokens of {name} forwarded", times) for name, times in sorted(by_worker.items())]
+    return lines
 
 
 if __name__ == "__main__":   # python -m qmigrate.ops.trace DIR

@@ -296,6 +296,7 @@ class Router:
         if (name := self._worker(sender)) is None:
             return
         seq_ids = P.unpack_i64(msg.seq_ids)
+        self.trace("tokens", name, len(seq_ids))
         mine = self.sched.leased_to(name, seq_ids.tolist())
         if all(mine):
             self.out.forward(frame)
