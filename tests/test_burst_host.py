@@ -6,7 +6,9 @@ from qmigrate.bench import burst_host
 
 
 def test_the_router_starts_every_prompt_and_later_ones_find_their_system_prompt_cached():
-    leases = burst_host.router_leases(groups=4, per_group=4, system_len=64, question_len=16, max_tokens=256)
+    admit_s, leases = burst_host.router_leases(groups=4, per_group=4, system_len=64, question_len=16,
+                                               max_tokens=256)
+    assert admit_s > 0
     assert sum(n for _, n in leases) == 16 and all(t > 0 for t, _ in leases)
     # the first lease takes the groups' first prompts whole (80 tokens each, 3 fit in 256);
     # once their systems are cached the others cost 16 tokens, so a lease takes many more

@@ -67,6 +67,17 @@ def test_index_follows_cached_and_evicted_keys_and_stays_bounded():
     assert index.match(block_keys(SYSTEMS[1], BS)) == {"c": 4}
 
 
+def test_a_prompt_is_keyed_as_it_is_queued_for_the_caching_workers_block_size():
+    s = make_sched()
+    join(s, "a")
+    s.admit([spec(1, prompt(0, 1))])
+    assert s.seqs[1].prefix_keys == (BS, len(prompt(0, 1)), block_keys(prompt(0, 1), BS)[:4])
+    plain = make_sched()
+    join(plain, "a", is_caching=False)
+    plain.admit([spec(1, prompt(0, 1))])
+    assert plain.seqs[1].prefix_keys is None   # no worker keeps a cache: nothing to key
+
+
 def test_keys_of_a_sequence_leave_its_last_token_and_follow_the_salt():
     seq = Seq(spec(1, SYSTEMS[0]), list(SYSTEMS[0]))
     assert seq_keys(seq, BS) == block_keys(SYSTEMS[0], BS)[:3]    # 64 tokens: the 4th block holds the last

@@ -19,9 +19,10 @@ import time
 
 
 def router_leases(groups: int, per_group: int, system_len: int, question_len: int, max_tokens: int,
-                  block_size: int = 16) -> list[tuple[float, int]]:
-    """(seconds, new prompts) of each lease a caching worker gets until every prompt has started;
-    the worker answers each with one token a row and every new prompt's blocks cached."""
+                  block_size: int = 16) -> tuple[float, list[tuple[float, int]]]:
+    """The seconds the router takes to queue the prompts, and (seconds, new prompts) of each
+    lease a caching worker gets until every prompt has started; the worker answers each with
+    one token a row and every new prompt's blocks cached."""
     from qmigrate.config import RouterConfig
     from qmigrate.router.scheduler import Scheduler, WorkerState
     from qmigrate.wire import protocol as P
@@ -36,7 +37,9 @@ def router_leases(groups: int, per_group: int, system_len: int, question_len: in
     s = Scheduler(RouterConfig(heartbeat_timeout_s=1e9))
     s.register(WorkerState("w", max_seqs=len(specs), max_tokens=max_tokens, block_size=block_size,
                            is_caching=True, kv_tokens=1 << 24), 0.0)
+    t0 = time.perf_counter()
     s.admit(specs)
+    admit_s = time.perf_counter() - t0
     out, num_new = [], 0
     for step in range(10 * len(specs)):
         t0 = time.perf_counter()
@@ -52,7 +55,7 @@ def router_leases(groups: int, per_group: int, system_len: int, question_len: in
         num_new += len(new)
         if num_new >= len(specs):   # every prompt has started
             break
-    return out
+    return admit_s, out
 
 
 def worker_starts(system_len: int, question_len: int, lease_prompts: int, repeats: int,
@@ -109,9 +112,10 @@ def main(argv=None) -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--model", help="Model directory for the worker side (default: the tiny model).")
     a = ap.parse_args(argv)
-    leases = router_leases(a.groups, a.per_group, a.system_len, a.question_len, a.max_tokens)
+    admit_s, leases = router_leases(a.groups, a.per_group, a.system_len, a.question_len, a.max_tokens)
     ms = [f"{t * 1e3:.1f}" for t, _ in leases]
-    print(f"router: {len(leases)} leases for {a.groups * a.per_group} prompts; build ms {' '.join(ms)}")
+    print(f"router: {a.groups * a.per_group} prompts queued in {admit_s * 1e3:.1f} ms; {len(leases)} leases, "
+          f"build ms {' '.join(ms)}")
     print(f"        first {leases[0][0] * 1e3:.1f} ms, later median "
           f"{statistics.median(t for t, _ in leases[1:]) * 1e3:.1f} ms; new prompts a lease "
           f"{' '.join(str(n) for _, n in leases)}")

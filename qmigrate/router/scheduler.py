@@ -31,7 +31,7 @@ from qmigrate.router.records import (
     choose_mechanism,
 )
 from qmigrate.router.migration import MovePolicy
-from qmigrate.router.prefix_index import PrefixIndex
+from qmigrate.router.prefix_index import PrefixIndex, seq_keys
 from qmigrate.wire.protocol import Finish, SeqSpec
 
 __all__ = ["Grant", "Outcome", "Row", "Scheduler", "Seq", "WorkerState",
@@ -179,6 +179,10 @@ class Scheduler:
         """Queue as many as fit, in order; returns how many were taken."""
         taken = 0
         num_queued = len(self.queue)
+        # A prompt's block keys are made as it comes in, not in the lease that first weighs it
+        # (a burst's first lease would otherwise hash every prompt queued behind it).
+        sizes = {w.block_size for w in self.workers.values() if w.alive and w.is_caching}
+        block_size = sizes.pop() if len(sizes) == 1 else None
         for spec in specs[: self.num_free]:
             taken += 1
             if spec.seq_id in self.seqs:
@@ -187,6 +191,8 @@ class Scheduler:
                 self.counters["rejected_specs"] += 1
                 continue
             seq = self.seqs[spec.seq_id] = Seq(spec, spec.ids.tolist())
+            if block_size is not None:
+                seq_keys(seq, block_size)
             self.queue.push(seq)
             self.counters["admitted"] += 1
         if len(self.queue) > num_queued:
