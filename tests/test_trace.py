@@ -34,6 +34,28 @@ def _events(*items):
     return [[t, kind, *fields] for t, kind, *fields in items]
 
 
+def test_a_traced_role_stopped_by_sigterm_writes_its_last_stretch_first(tmp_path):
+    code = ("import sys, time\n"
+            "from qmigrate.ops import trace\n"
+            "t = trace.tracer('worker-w1', sys.argv[1])\n"
+            "trace.flush_on_sigterm(t)\n"
+            "t('launch', 3)\n"
+            "print('ready', flush=True)\n"
+            "time.sleep(60)\n")
+    proc = subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "ready"
+        assert not list(tmp_path.glob("*.jsonl"))   # nothing written yet
+        proc.send_signal(15)
+        assert proc.wait(20) == -15                  # it still ends as SIGTERM ends it
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    [path] = tmp_path.glob("worker-w1-*.jsonl")
+    assert [json.loads(line)[1:] for line in path.read_text().splitlines()] == [["launch", 3]]
+
+
 def test_the_worker_summary_counts_device_gaps_and_host_waits():
     # Lease 1's first step is on the device at 1 ms; it runs 3 steps, the host waiting 0.5 ms
     # for the device at each collect. After its last collect (8.5 ms) nothing is on the

@@ -30,7 +30,7 @@ from qmigrate.router.journal import Journal
 from qmigrate.wire.security import Guard
 from qmigrate.ops.process import freeze_heap
 from qmigrate.ops.progress import TerminalWriter
-from qmigrate.ops.trace import tracer
+from qmigrate.ops.trace import flush_on_sigterm, tracer
 
 log = logging.getLogger("qmigrate.detokenizer")
 
@@ -68,6 +68,7 @@ class Detokenizer:
                          P.RequestError: self.on_error, P.InputClosed: self.on_closed,
                          P.Cancel: self.on_cancel}
         self.trace = tracer("detokenizer", topo.trace_dir)   # tokens in, replies out (trace.py)
+        flush_on_sigterm(self.trace)
 
     def clock(self) -> float:
         return self.now if self.replaying else time.monotonic()
@@ -214,5 +215,9 @@ class Detokenizer:
 
 
 def run(topo, name: str, exit_when_done: bool = False) -> int:
-    Detokenizer(topo).serve_forever(exit_when_done)
+    detokenizer = Detokenizer(topo)
+    try:
+        detokenizer.serve_forever(exit_when_done)
+    finally:
+        detokenizer.trace.flush()
     return 0

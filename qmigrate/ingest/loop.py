@@ -129,6 +129,7 @@ class Ingest:
         try:
             self._serve(exit_on_eof)
         finally:
+            self.trace.flush()
             if self.http is not None:
                 self.http.shutdown()  # open HTTP requests end with an error, streams with [DONE]
             if self.fronts is not None:
@@ -175,7 +176,6 @@ class Ingest:
             if self.fronts is not None and self.fronts.sock in ready:
                 self.on_fronts()
             if self.closed_sent and exit_on_eof:
-                self.trace.flush()
                 return
 
     def _read_stdin(self) -> None:

@@ -4,8 +4,8 @@ Off unless the topology's `trace_dir` names a directory (`qmigrate bench --trace
 in the topology of each run). A traced process keeps
 (monotonic time, event, fields...) tuples in memory and appends them as JSON lines to
 DIR/<label>-<pid>.jsonl when it flushes (the roles flush with their heartbeat or metrics
-tick, so a process stopped by a signal loses at most that last stretch). The processes of
-one host share CLOCK_MONOTONIC, so their files line up.
+tick; the router, the workers and the detokenizer also flush when SIGTERM stops them, and
+ingest as it unwinds). The processes of one host share CLOCK_MONOTONIC, so their files line up.
 
 Worker events: ask (request no.), lease (id, steps, rows, full forms), start_begin /
 start_end (lease id), prompts (a launched step's prompt rows, their new tokens, the
@@ -27,7 +27,9 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import statistics
+import threading
 import time
 from pathlib import Path
 
@@ -67,6 +69,27 @@ def tracer(label: str, directory: str | None) -> Tracer | _Off:
         return OFF
     Path(directory).mkdir(parents=True, exist_ok=True)
     return Tracer(directory, label)
+
+
+_flushed_at_exit: list[Tracer] = []
+
+
+def flush_on_sigterm(trace: Tracer | _Off) -> None:
+    """A role stopped with SIGTERM (as its node stops it) writes its last stretch first, then
+    ends as the signal would have ended it. Only a traced process changes its handler; it is
+    called from the role's main thread."""
+    if trace is OFF or threading.current_thread() is not threading.main_thread():
+        return
+    if not _flushed_at_exit:
+        signal.signal(signal.SIGTERM, _flush_and_end)
+    _flushed_at_exit.append(trace)
+
+
+def _flush_and_end(signum, frame) -> None:
+    for trace in _flushed_at_exit:
+        trace.flush()
+    signal.signal(signum, signal.SIG_DFL)
+    os.kill(os.getpid(), signum)
 
 
 # --- reading a trace back ---------------------------------------------------------------

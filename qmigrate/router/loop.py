@@ -20,7 +20,7 @@ from qmigrate.router.scheduler import Scheduler, WorkerState
 from qmigrate.router.stats import stats_counters
 from qmigrate.wire.security import Guard
 from qmigrate.ops.logs import Throttled
-from qmigrate.ops.trace import tracer
+from qmigrate.ops.trace import flush_on_sigterm, tracer
 from qmigrate.ops.process import freeze_heap
 
 log = logging.getLogger("qmigrate.router")
@@ -36,6 +36,7 @@ class Router:
     def __init__(self, topo):
         rc = topo.router
         self.trace = tracer("router", topo.trace_dir)
+        flush_on_sigterm(self.trace)
         self.config = rc
         self.heartbeat_interval_s = rc.heartbeat_interval_s
         self.sched = Scheduler(self.config)
@@ -442,5 +443,8 @@ class Router:
 def run(topo, name: str) -> int:
     router = Router(topo)
     log.info("router listening on %s", topo.endpoint("router").bind)
-    router.serve_forever()
+    try:
+        router.serve_forever()
+    finally:
+        router.trace.flush()
     return 0

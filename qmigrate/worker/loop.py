@@ -26,7 +26,7 @@ from qmigrate.wire import transport
 from qmigrate.engine.loading import load_model, resolve_model
 from qmigrate.engine.runner import Engine
 from qmigrate.wire.security import SecurityError
-from qmigrate.ops.trace import tracer
+from qmigrate.ops.trace import flush_on_sigterm, tracer
 from qmigrate.worker.core import WorkerCore
 from qmigrate.worker.pipeline import FINISH, START, WAIT, KVOutbox, WorkerLoop
 from qmigrate.worker.pulse import Pulse
@@ -63,6 +63,7 @@ class Worker:
             engine = Engine(model, self.cfg.engine_config())
         self.core = WorkerCore(engine)
         self.trace = self.core.trace = tracer(f"worker-{name}", topo.trace_dir)
+        flush_on_sigterm(self.trace)
         self.core.engine.warm_up()
         del model
         self.device = device
@@ -371,3 +372,5 @@ def _serve(topo, name: str) -> None:
         if worker.ranks is None:
             raise
         raise worker.ranks.failed(exc) from None
+    finally:
+        worker.trace.flush()   # the stretch since the last heartbeat
