@@ -268,8 +268,9 @@ class HttpNode:
     """A `qmigrate node` of every role with the HTTP API (model name "tiny") and one CPU worker,
     its output in files: shared by the tests that talk to a live node over HTTP."""
 
-    def __init__(self, tmp: Path, model_dir, ingest: dict | None = None):
-        """`ingest`: settings of the ingest section besides the defaults here."""
+    def __init__(self, tmp: Path, model_dir, ingest: dict | None = None, trace_dir: Path | None = None):
+        """`ingest`: settings of the ingest section besides the defaults here; `trace_dir`: the
+        topology's (every role keeps a timeline there)."""
         import openai
         import yaml
         self.ipc = tmp / "s"
@@ -282,6 +283,8 @@ class HttpNode:
                        **(ingest or {})},
             "workers": [{"name": "w1", "node": "local", "cpu_kv_gib": 0.25}],
         }
+        if trace_dir is not None:
+            topo["trace_dir"] = str(trace_dir)
         self.config = tmp / "topology.yaml"
         self.config.write_text(yaml.safe_dump(topo))
         self.stdout = tmp / "stdout.jsonl"

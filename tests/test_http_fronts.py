@@ -31,7 +31,8 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def node(tiny_chat_model_dir, tmp_path_factory):
     ingest = {"http_processes": 2, "max_pending": 256, "http_process_timeout_s": 4.0}
-    node = H.HttpNode(tmp_path_factory.mktemp("http-fronts"), tiny_chat_model_dir, ingest=ingest)
+    tmp = tmp_path_factory.mktemp("http-fronts")
+    node = H.HttpNode(tmp, tiny_chat_model_dir, ingest=ingest, trace_dir=tmp / "trace")
     try:
         node.wait_ready()
         yield node
@@ -125,6 +126,24 @@ def test_concurrent_streamed_and_whole_requests_from_both_fronts_equal_generate(
         results = list(pool.map(one, range(64)))
     assert [text for _, text, _ in results] == [wanted[prompt] for prompt, _, _ in results]
     assert {front_of(rid) for _, _, rid in results} == {0, 1}   # the kernel spread them over both
+
+
+def test_a_traced_node_times_the_replies_at_ingest_and_at_each_front(node):
+    from qmigrate.ops import trace
+    trace_dir = node.config.parent / "trace"
+
+    def one(i: int) -> str:
+        chunks = node.client.completions.create(model=MODEL, prompt=PROMPTS[i % len(PROMPTS)], max_tokens=4,
+                                                temperature=0, stream=True)
+        return list(chunks)[0].id
+    with ThreadPoolExecutor(16) as pool:
+        assert {front_of(rid) for rid in pool.map(one, range(32))} == {0, 1}
+
+    def hops() -> set[str]:
+        return {line.split("-")[0] for line in trace.summarize(trace_dir) if ": messages in: " in line}
+    wait_for(lambda: {"detokenizer", "ingest", "http"} <= hops(), 15, f"replies traced at every hop: {hops()}")
+    fronts = {p.name.split("-")[1] for p in trace_dir.glob("http-*.jsonl")}
+    assert fronts == {"0", "1"}, fronts
 
 
 def test_choices_and_several_prompts_fan_out_through_a_front(node, expected):

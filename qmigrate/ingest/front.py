@@ -30,6 +30,7 @@ from qmigrate.ingest.handoff import FRONT_ID_BITS, HandoffOrder, front_base, rep
 from qmigrate.ingest.http import WAKE_ENDPOINT, HttpServer
 from qmigrate.ingest.prompts import Defaults, seed_of, to_spec
 from qmigrate.ops.process import die_with, freeze_heap
+from qmigrate.ops.trace import OFF, tracer
 from qmigrate.wire import protocol as P
 from qmigrate.wire import transport
 
@@ -43,8 +44,9 @@ HWM = 100_000   # messages queued toward ingest before a send fails (the request
 class Bridge:
     """Moves what the server queues to ingest, and ingest's answers to the server."""
 
-    def __init__(self, server: HttpServer, sock: zmq.Socket):
+    def __init__(self, server: HttpServer, sock: zmq.Socket, trace=OFF):
         self.server, self.sock = server, sock
+        self.trace = trace   # replies in from ingest (ops/trace.py)
         self.order = HandoffOrder(FRONT_ID_BITS)
         self.rng = random.SystemRandom()
         self.wake = transport.socket(zmq.PULL, bind=WAKE_ENDPOINT, hwm=1)  # before the server connects
@@ -59,6 +61,7 @@ class Bridge:
             if (now := time.monotonic()) - said >= ALIVE_S:   # ingest kills a front it stops hearing
                 transport.send(self.sock, hello)
                 said = now
+                self.trace.flush()
             while self.wake.poll(0):
                 self.wake.recv()
             self.take()
@@ -97,6 +100,7 @@ class Bridge:
         while (got := transport.recv(self.sock, 0)) is not None:
             msg = got[1]
             if isinstance(msg, P.Replies):
+                self.trace("in", len(msg.texts))
                 server.deliver(reply_rows(msg))
             elif isinstance(msg, P.FrontAdmit):
                 server.admit(P.unpack_i64(msg.seq_ids).tolist(), msg.is_accepted)
@@ -118,7 +122,7 @@ def serve(settings: dict) -> int:
     server = HttpServer(cfg, settings["model_path"], Defaults(*settings["defaults"]),
                         front_base(settings["id_base"], index), settings["trust_remote_code"], reuse_port=True,
                         admission=True, id_bits=FRONT_ID_BITS, first_id=random.SystemRandom().getrandbits(32))
-    bridge = Bridge(server, sock)
+    bridge = Bridge(server, sock, tracer(f"http-{index}", settings.get("trace_dir")))
     try:
         server.start()
     except SystemExit as exc:
@@ -133,6 +137,7 @@ def serve(settings: dict) -> int:
     try:
         bridge.run(hello)
     finally:
+        bridge.trace.flush()
         server.shutdown()   # open requests end with an error, streams with [DONE]
     return 0
 

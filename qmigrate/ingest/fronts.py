@@ -72,7 +72,7 @@ class Fronts:
         # what every front is started with (front.serve), less its index
         self.settings = {"ingest": dataclasses.asdict(cfg), "model_path": model_path,
                          "defaults": list(dataclasses.astuple(defaults)), "id_base": id_base,
-                         "trust_remote_code": topo.model.trust_remote_code,
+                         "trust_remote_code": topo.model.trust_remote_code, "trace_dir": topo.trace_dir,
                          "log_level": logging.getLevelName(logging.getLogger().getEffectiveLevel()).lower()}
         self.fronts: list[Front | None] = [None] * cfg.http_processes
         self.silent_s = cfg.http_process_timeout_s
