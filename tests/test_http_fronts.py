@@ -141,9 +141,10 @@ def test_a_traced_node_times_the_replies_at_ingest_and_at_each_front(node):
 
     def hops() -> set[str]:
         return {line.split("-")[0] for line in trace.summarize(trace_dir) if ": messages in: " in line}
-    wait_for(lambda: {"detokenizer", "ingest", "http"} <= hops(), 15, f"replies traced at every hop: {hops()}")
-    fronts = {p.name.split("-")[1] for p in trace_dir.glob("http-*.jsonl")}
-    assert fronts == {"0", "1"}, fronts
+    def fronts() -> set[str]:   # each flushes its timeline once a second
+        return {p.name.split("-")[1] for p in trace_dir.glob("http-*.jsonl") if '"in"' in p.read_text()}
+    wait_for(lambda: {"detokenizer", "ingest", "http"} <= hops() and fronts() == {"0", "1"}, 15,
+             "replies traced at every hop and at both HTTP processes")
 
 
 def test_choices_and_several_prompts_fan_out_through_a_front(node, expected):
@@ -208,8 +209,10 @@ def test_a_killed_front_is_replaced_and_the_other_fronts_streams_go_on(node):
             for _ in range(5):
                 assert first_event(resp)["choices"][0]["finish_reason"] is None
         resp.close()
-    wait_for(lambda: (s := node.stats()).get("cancelled", 0) >= cancelled + 8 and s["live"] == 0,
-             what="every sequence cancelled: the dead front's by ingest, the others' by their clients")
+    # The dead front's sequences are cancelled by ingest; the others by their clients, unless a
+    # loaded machine let one finish before this thread closed it
+    wait_for(lambda: (s := node.stats()).get("cancelled", 0) >= cancelled + len(killed) and s["live"] == 0,
+             what="every sequence ended: the dead front's cancelled by ingest, none left running")
     wait_for(lambda: front_pids(node).get(0) not in (None, before[0]), what="a new front 0")
     assert "HTTP process 0 exited with status -9" in node.stderr.read_text()
 
