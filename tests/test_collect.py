@@ -3,12 +3,13 @@ the step runs."""
 
 from __future__ import annotations
 
-import pytest
 import torch
 
 from qmigrate.engine.rows import Pending, StepRow
 from qmigrate.engine.runner import Engine
 from qmigrate.engine.sampling import SamplingRows, host_arrays, sample
+
+from test_engine import model, tiny  # noqa: F401 (the session's tiny model)
 
 
 def test_greedy_rows_copy_no_parameters():
@@ -46,10 +47,3 @@ def test_collect_calls_its_hook_while_the_step_runs_and_stops_when_told(model):
     pending = Pending([row], [0], {1: 0}, tokens=torch.tensor([6]), event=SlowEvent(10))
     assert engine.collect(pending, lambda: calls.append(1) or len(calls) < 3) == [6]
     assert len(calls) == 3   # it said False: the rest is a plain wait
-
-
-@pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    from qmigrate.engine.builders import build_tiny_model
-    from qmigrate.engine.loading import load_model
-    return load_model(build_tiny_model(tmp_path_factory.mktemp("staging") / "tiny"), "cpu")[0]
