@@ -92,9 +92,7 @@ def seq_keys(seq: Seq, block_size: int) -> list[int]:
     cached = seq.prefix_keys
     if cached is None or cached[0] != block_size or cached[1] != len(seq.token_ids):
         n = len(seq.token_ids)
-        # a prompt that has not run yet: its packed ids as they came, not the list
-        ids = seq.spec.token_ids if n == seq.spec.prompt_len else seq.token_ids
-        keys = block_keys(ids, block_size, seq.spec.cache_salt, max_blocks=(n - 1) // block_size)
+        keys = block_keys(seq.packed_ids, block_size, seq.spec.cache_salt, max_blocks=(n - 1) // block_size)
         seq.prefix_keys = cached = (block_size, n, keys)
     return cached[2]
 

@@ -35,12 +35,17 @@ class Seq:
     def __post_init__(self):
         self.queue_key = _OUT
 
+    @property
+    def packed_ids(self) -> bytes:
+        """Every token so far, packed as a SeqSpec carries them: a prompt that has not run yet
+        keeps the bytes it came with (nothing is packed again)."""
+        s = self.spec
+        return s.token_ids if len(self.token_ids) == s.prompt_len else pack_i32(self.token_ids)
+
     def respec(self, kv_from: str = "", transfer_id: int = 0) -> SeqSpec:
         """The full form as it stands now, for a worker that has not seen this sequence."""
         s = self.spec
-        # a prompt that has not run yet goes out as it came in, without packing its ids again
-        ids = s.token_ids if len(self.token_ids) == s.prompt_len else pack_i32(self.token_ids)
-        return SeqSpec(s.seq_id, ids, s.prompt_len, s.max_new_tokens,
+        return SeqSpec(s.seq_id, self.packed_ids, s.prompt_len, s.max_new_tokens,
                        s.temperature, s.top_p, s.top_k, s.seed, s.stop_ids, s.eos_ids, kv_from,
                        transfer_id, 0 if self.resync else -1, s.min_new_tokens, s.cache_salt)
 

@@ -143,7 +143,7 @@ class WorkerLoop:
         """The lease to launch now behind the last step of the lease being finished: the head
         of the queue, if its KV shipments are here (else the loop starts it later)."""
         self.drop_expired(now)
-        if not self.queued or len(self.on_device) >= MAX_ON_DEVICE or awaited(self.queued[0].lease):
+        if not self.queued or not self.has_room_behind or awaited(self.queued[0].lease):
             return None
         head = self.queued.popleft()
         self.starting = head.lease.lease_id
