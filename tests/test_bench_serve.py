@@ -107,8 +107,9 @@ def test_jsonl_dataset(tmp_path):
 class FakeServer:
     """A minimal OpenAI server on a thread: one SSE event per token, usage at the end."""
 
-    def __init__(self, has_chat_template: bool = True, app=None):
+    def __init__(self, has_chat_template: bool = True, app=None, empty_every: int = 0):
         self.has_chat_template = has_chat_template
+        self.empty_every = empty_every   # every such token's event has no text (mid-character)
         self.app = app
         self.bodies, self.in_flight, self.most_in_flight = [], 0, 0
         self.loop = asyncio.new_event_loop()
@@ -154,7 +155,8 @@ class FakeServer:
             n = body["max_tokens"] if body.get("ignore_eos") else max(1, body["max_tokens"] // 2)
             for i in range(n):
                 await asyncio.sleep(0.001)
-                choice = {"delta": {"content": f"t{i} "}} if chat else {"text": f"t{i} "}
+                text = "" if self.empty_every and i % self.empty_every == 1 else f"t{i} "
+                choice = {"delta": {"content": text}} if chat else {"text": text}
                 await resp.write(b"data: " + json.dumps({"choices": [choice]}).encode() + b"\n\n")
             usage = {"prompt_tokens": 1, "completion_tokens": n}
             await resp.write(b"data: " + json.dumps({"choices": [], "usage": usage}).encode()
@@ -200,6 +202,18 @@ def test_against_a_fake_server(fake_server, tmp_path):
     # each run its own cache_salt: the second run finds nothing the first cached
     salts = [b["cache_salt"] for b in fake_server.bodies]
     assert len(set(salts[:12])) == len(set(salts[12:])) == 1 and salts[0] != salts[12]
+
+
+def test_events_of_no_text_are_timed_as_tokens(tmp_path):
+    server = FakeServer(empty_every=3)
+    try:
+        reqs = D.random_dataset(Workload(6, (4, 8), (5, 9), vocab=(10, 100)))
+        calls_path = tmp_path / "calls.jsonl"
+        run_serve(base_url=server.url, model=None, requests=reqs, rates=[math.inf], warmup=0, calls_path=calls_path)
+        calls = [json.loads(line) for line in calls_path.read_text().splitlines()]
+        assert sorted(len(c["chunks"]) for c in calls) == sorted(r.output_len for r in reqs)
+    finally:
+        server.close()
 
 
 def test_calls_from_several_processes(fake_server, tmp_path):

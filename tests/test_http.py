@@ -35,8 +35,8 @@ class FakeIngest:
     and with `tag`, "<last prompt id>" as a last word. The choices of one request take turns,
     a word each, one event per turn."""
 
-    def __init__(self, server: HttpServer, words: list[str] | None, tag: bool = False):
-        self.server, self.words, self.tag = server, words, tag
+    def __init__(self, server: HttpServer, words: list[str] | None, tag: bool = False, gap_s: float = 0.0):
+        self.server, self.words, self.tag, self.gap_s = server, words, tag, gap_s
         self.cancelled: queue.Queue = queue.Queue()
         self.submitted: queue.Queue = queue.Queue()
         self.stopping = threading.Event()
@@ -65,18 +65,19 @@ class FakeIngest:
                 streams.append(rows)
             for turn in itertools.zip_longest(*streams):
                 self.server.deliver([row for row in turn if row is not None])
+                self.stopping.wait(self.gap_s)   # a step apart: each turn its own event
 
 
 @pytest.fixture(scope="module")
 def make_server(tiny_chat_model_dir):
     started = []
 
-    def make(words, max_pending=8, timeout_s=30.0, tag=False):
+    def make(words, max_pending=8, timeout_s=30.0, tag=False, gap_s=0.0):
         cfg = IngestConfig(node="local", http_port=free_port(), max_pending=max_pending,
                            http_timeout_s=timeout_s, max_body_bytes=4096, model_name="tiny")
         server = HttpServer(cfg, str(tiny_chat_model_dir), Defaults(max_new_tokens=8))
         server.start()
-        fake = FakeIngest(server, words, tag)
+        fake = FakeIngest(server, words, tag, gap_s)
         started.append(fake)
         return server, fake
     yield make
@@ -122,6 +123,17 @@ def test_answers_and_bad_input_gets_4xx_while_the_server_keeps_serving(make_serv
         assert reply["error"]["message"], reply
         status, ok = post(server, "/v1/chat/completions", CHAT)
         assert status == 200 and ok["choices"][0]["message"]["content"] == "Hello"
+
+
+def test_a_stream_has_an_event_for_every_step_that_made_tokens_text_or_none(make_server):
+    server, _ = make_server(["a", "", "b", ""], gap_s=0.1)
+    for body, text_of in ((GOOD, lambda c: c["text"]), (CHAT, lambda c: c["delta"].get("content"))):
+        status, raw = post(server, "/v1/completions" if body is GOOD else "/v1/chat/completions",
+                           {**body, "stream": True})
+        events = [json.loads(e[6:]) for e in raw.split(b"\n\n") if e.startswith(b"data: {")]
+        middle = [text_of(e["choices"][0]) for e in events if e["choices"][0]["finish_reason"] is None]
+        assert status == 200 and middle == ["a", "", "b", ""], (body, middle)
+        assert events[-1]["choices"][0]["finish_reason"] == "length"
 
 
 def test_a_full_handoff_is_a_429_and_silence_a_503(make_server):

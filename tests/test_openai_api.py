@@ -197,6 +197,21 @@ def test_the_detokenizer_routes_text_back_and_reports_every_end():
     assert (sink.num_done, sink.num_replied) == (1, 1)
 
 
+def test_a_routed_request_hears_of_every_token_even_one_that_completes_no_character():
+    tok = build_tokenizer()
+    replies = []
+    sink = make_sink("text", tok, lambda text: None, reply=lambda *row: replies.append(row))
+    ids = tok.encode(" a\u20acb", add_special_tokens=False)   # the euro sign is three byte tokens here
+    assert len(ids) == 5
+    sink.start(4, "http-4", [0], route=1)
+    for i, token in enumerate(ids):
+        sink.tokens(4, i, [token])
+    sink.finish(4, "length", len(ids))
+    # one row per token: the two that end mid-character carry no text, and the third the sign
+    assert [(r[1], r[3]) for r in replies if not r[2]] == [(" a", 1), ("", 2), ("", 3), ("\u20ac", 4), ("b", 5)]
+    assert replies[-1][2] == 2
+
+
 def test_cancel_ends_a_request_once_and_drops_later_tokens():
     tok = build_tokenizer()
     printed, replies = [], []

@@ -1206,6 +1206,47 @@ def test_new_requests_end_a_multi_step_lease_of_a_worker_with_room():
     check_invariants(s)
 
 
+def test_a_chain_withdrawn_unstarted_gives_its_rows_to_the_lease_that_admits_new_work():
+    # a multi-step lease, its chain granted ahead; a new request revokes both, the worker
+    # answers the chain at once with no token, and its next request gets the new prompt with
+    # the next step of the running rows (chained), so the prompt starts behind that step
+    s = chained_fleet(max_lease_steps=8)
+    running = ask(s, "w0")
+    chain = s.schedule("w0", 64, 1 << 20, 0.0, ahead=True)
+    assert running.num_steps == 8 and chain.num_steps == 8 and all(r.length == CONTINUE for r in chain.rows)
+    s.admit([spec(3)])
+    assert revoked(s) == {running.lease_id: [], chain.lease_id: []}
+    lengths = {sid: len(s.seqs[sid].token_ids) for sid in (1, 2)}
+    unrun = s.complete(chain.lease_id, "w0", [1, 2], [0, 0], [], [0, 0], 0.0)
+    assert unrun.accepted and chain.lease_id not in s.leases
+    assert all(s.seqs[sid].next_lease is None and s.seqs[sid].lease_id == running.lease_id for sid in (1, 2))
+    check_invariants(s)
+    joined = s.schedule("w0", 64, 1 << 20, 0.0, ahead=True)
+    assert full_ids(joined) == [3] and sorted(r.seq_id for r in joined.rows if r.length == CONTINUE) == [1, 2]
+    assert joined.num_steps == 8
+    check_invariants(s)
+    assert report(s, running).accepted   # the revoked lease ends: its rows go on in `joined`
+    assert all(s.seqs[sid].lease_id == joined.lease_id for sid in (1, 2)) and not s.queue
+    assert report(s, joined).accepted
+    assert {sid: len(s.seqs[sid].token_ids) for sid in (1, 2)} == {k: v + 2 for k, v in lengths.items()}
+    assert len(s.seqs[3].token_ids) == 5
+    check_invariants(s)
+
+
+def test_a_chain_withdrawn_after_the_step_before_it_ended_puts_its_rows_back():
+    s = chained_fleet(max_lease_steps=8)
+    running = ask(s, "w0")
+    chain = s.schedule("w0", 64, 1 << 20, 0.0, ahead=True)
+    assert report(s, running).accepted
+    assert all(s.seqs[sid].lease_id == chain.lease_id for sid in (1, 2))
+    s.admit([spec(3)])
+    assert s.complete(chain.lease_id, "w0", [1, 2], [0, 0], [], [0, 0], 0.0).accepted
+    assert sorted(s.queue) == [1, 2, 3] and all(s.seqs[sid].owner == "w0" for sid in (1, 2))
+    nxt = ask(s, "w0")
+    assert sorted(diff_ids(nxt)) == [1, 2] and full_ids(nxt) == [3]
+    check_invariants(s)
+
+
 def test_a_full_worker_keeps_its_multi_step_lease_when_requests_arrive():
     s = make_sched(max_lease_steps=8)
     join(s, "w0", max_seqs=2)

@@ -4,6 +4,8 @@ leases and revokes on the engine are tested with the other WorkerCore tests, in 
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 
 from qmigrate.wire import protocol as P
@@ -140,9 +142,39 @@ def test_heartbeats_name_held_leases_and_revokes_apply_only_to_them():
     assert loop.revoked_rows(1) == frozenset()
 
 
+def chain(lease_id: int, seq_ids=(1, 2), num_steps: int = 8, **kw) -> P.Lease:
+    n = len(seq_ids)
+    return P.Lease(lease_id, lease_id, 10.0, P.pack_i64(list(seq_ids)), P.pack_i32([P.CONTINUE] * n),
+                   P.pack_i32([0] * n), num_steps=num_steps, **kw)
+
+
+def test_a_revoked_chain_not_yet_started_is_withdrawn_and_its_place_asked_for_again():
+    loop = WorkerLoop(WorkerConfig(inflight=2))
+    assert len(loop.requests(0.0, 100)) == 2
+    loop.on_lease(lease(1, num_steps=8), 0.0)
+    start_next(loop, 0.0)
+    loop.on_lease(chain(2), 0.0)
+    assert loop.requests(0.0, 100) == []
+    assert loop.on_revoke(P.Revoke(1)) and loop.on_revoke(P.Revoke(2))
+    assert [w.lease_id for w in loop.take_withdrawn()] == [2] and loop.take_withdrawn() == []
+    assert loop.held_lease_ids() == [1] and loop.revoked_rows(1) is None and 2 not in loop.revoked
+    assert [r.request_no for r in loop.requests(0.0, 100)] == [3]   # its place, asked again
+    # a chain that carries drops, or started already, is revoked as any lease: it runs a step
+    loop.on_lease(chain(4, drop_ids=P.pack_i64([9])), 0.0)
+    assert loop.on_revoke(P.Revoke(4)) and loop.take_withdrawn() == [] and loop.revoked_rows(4) is None
+    loop2 = WorkerLoop(WorkerConfig(inflight=2))
+    loop2.on_lease(chain(5), 0.0)
+    start_next(loop2, 0.0)
+    assert loop2.on_revoke(P.Revoke(5)) and loop2.take_withdrawn() == [] and loop2.revoked_rows(5) is None
+
+
 # --- the socket loop around it, in this process, with this test as its router ---------------
 
-def test_the_worker_streams_a_multi_step_lease_and_takes_a_revoke_between_steps(tmp_path, tiny_model_dir):
+@contextlib.contextmanager
+def worker_under_test(tmp_path, model_dir, inflight: int):
+    """A Worker's socket loop in a thread of this process, this test its router: yields
+    (router socket, worker, the worker's identity) once it is welcomed; the revoked lease
+    named last is taken at a step boundary before the lease runs on (the Revoke is on its way)."""
     import threading
 
     import zmq
@@ -151,15 +183,16 @@ def test_the_worker_streams_a_multi_step_lease_and_takes_a_revoke_between_steps(
     from qmigrate.config import parse_topology
     from qmigrate.worker.loop import Worker
     topo = parse_topology({
-        "transport": "ipc", "ipc_dir": str(tmp_path), "model": {"path": str(tiny_model_dir)},
+        "transport": "ipc", "ipc_dir": str(tmp_path), "model": {"path": str(model_dir)},
         "nodes": [{"name": "local"}], "router": {"node": "local"}, "ingest": {"node": "local"},
-        "detokenizer": {"node": "local"}, "workers": [{"name": "w1", "node": "local", "inflight": 1}]})
+        "detokenizer": {"node": "local"}, "workers": [{"name": "w1", "node": "local", "inflight": inflight}]})
     router = transport.socket(zmq.ROUTER, bind=topo.endpoint("router").bind)
     worker = Worker(topo, "w1")
+    worker.awaited_revoke = None
     between = worker.between_steps
 
-    def revoke_seen_first(lease_id, tokens):  # the Revoke is on its way: take it at this boundary
-        if lease_id not in worker.loop.revoked:
+    def revoke_seen_first(lease_id, tokens):
+        if worker.awaited_revoke == lease_id and lease_id not in worker.loop.revoked:
             worker.router.poll(10_000)
         return between(lease_id, tokens)
 
@@ -171,38 +204,86 @@ def test_the_worker_streams_a_multi_step_lease_and_takes_a_revoke_between_steps(
         sender, hello = transport.recv(router, 30.0)
         assert isinstance(hello, P.Hello)
         transport.send(router, P.Welcome(P.PROTOCOL_VERSION, 0.5, 10.0), to=sender)
-        while not isinstance(req := transport.recv(router, 10.0)[1], P.WorkRequest):
-            pass
-        prompt = [1, 50, 9, 140, 20, 33]
-        full = [P.SeqSpec(sid, P.pack_i32(prompt), len(prompt), 64) for sid in (1, 2)]
-        transport.send(router, P.Revoke(99), to=sender)  # a lease it never had: ignored
-        transport.send(router, P.Lease(7, req.request_no, 10.0, P.pack_i64([1, 2]), P.pack_i32([6, 6]),
-                                       P.pack_i32([20, 20]), full, num_steps=6), to=sender)
-        transport.send(router, P.Revoke(7, P.pack_i64([1])), to=sender)
-        streamed = {1: [], 2: []}
-        # Each step's tokens come on the router's socket, all of them before the result.
-        while not isinstance(result := transport.recv(router, 30.0)[1], P.StepResult):
-            if not isinstance(result, P.Tokens):
-                continue
-            sids, starts = P.unpack_i64(result.seq_ids).tolist(), P.unpack_i32(result.start).tolist()
-            counts, flat = P.unpack_i32(result.counts).tolist(), P.unpack_i32(result.tokens).tolist()
-            for sid, start, n in zip(sids, starts, counts):
-                assert start == len(streamed[sid])   # in order, each token once
-                streamed[sid] += flat[:n]
-                flat = flat[n:]
-        assert sum(map(len, streamed.values())) == len(P.unpack_i32(result.tokens))
+        yield router, worker, sender
     finally:
         if sender is not None:
             transport.send(router, P.Exit("test over"), to=sender)
         thread.join(30.0)
         router.close(linger=0)
     assert not thread.is_alive()
+
+
+def next_of(router, kinds):
+    """The next message of one of these types from the worker (heartbeats and the rest skipped)."""
+    from qmigrate.wire import transport
+    while not isinstance(msg := transport.recv(router, 30.0)[1], kinds):
+        pass
+    return msg
+
+
+def stream_until_result(router, streamed: dict[int, list[int]]) -> P.StepResult:
+    """Tokens in order, each once, until a StepResult; returns it."""
+    while not isinstance(msg := next_of(router, (P.Tokens, P.StepResult)), P.StepResult):
+        sids, starts = P.unpack_i64(msg.seq_ids).tolist(), P.unpack_i32(msg.start).tolist()
+        counts, flat = P.unpack_i32(msg.counts).tolist(), P.unpack_i32(msg.tokens).tolist()
+        for sid, start, n in zip(sids, starts, counts):
+            assert start == len(streamed[sid])   # in order, each token once
+            streamed[sid] += flat[:n]
+            flat = flat[n:]
+    return msg
+
+
+PROMPT = [1, 50, 9, 140, 20, 33]
+
+
+def test_the_worker_streams_a_multi_step_lease_and_takes_a_revoke_between_steps(tmp_path, tiny_model_dir):
+    from qmigrate.wire import transport
+    with worker_under_test(tmp_path, tiny_model_dir, inflight=1) as (router, worker, sender):
+        req = next_of(router, P.WorkRequest)
+        full = [P.SeqSpec(sid, P.pack_i32(PROMPT), len(PROMPT), 64) for sid in (1, 2)]
+        worker.awaited_revoke = 7
+        transport.send(router, P.Revoke(99), to=sender)  # a lease it never had: ignored
+        transport.send(router, P.Lease(7, req.request_no, 10.0, P.pack_i64([1, 2]), P.pack_i32([6, 6]),
+                                       P.pack_i32([20, 20]), full, num_steps=6), to=sender)
+        transport.send(router, P.Revoke(7, P.pack_i64([1])), to=sender)
+        streamed = {1: [], 2: []}
+        # Each step's tokens come on the router's socket, all of them before the result.
+        result = stream_until_result(router, streamed)
+        assert sum(map(len, streamed.values())) == len(P.unpack_i32(result.tokens))
     counts = P.unpack_i32(result.counts).tolist()
     # The Revoke named row 1; the whole lease stopped at a step boundary (the answer is one
     # per lease), after the step it was running and at most the one already launched.
     assert result.lease_id == 7 and counts[0] == counts[1] and counts[0] in (1, 2)
     assert streamed[1] == streamed[2] and len(streamed[1]) == counts[0]  # same prompt, greedy
     assert worker.loop.num_revokes_ignored == 1
+
+
+def test_a_withdrawn_chain_is_answered_at_once_and_its_rows_go_on_in_the_next_lease(tmp_path, tiny_model_dir):
+    from qmigrate.wire import transport
+    with worker_under_test(tmp_path, tiny_model_dir, inflight=2) as (router, worker, sender):
+        first, second = next_of(router, P.WorkRequest), next_of(router, P.WorkRequest)
+        full = [P.SeqSpec(sid, P.pack_i32(PROMPT), len(PROMPT), 64) for sid in (1, 2)]
+        worker.awaited_revoke = 7
+        transport.send(router, P.Lease(7, first.request_no, 10.0, P.pack_i64([1, 2]), P.pack_i32([6, 6]),
+                                       P.pack_i32([20, 20]), full, num_steps=16), to=sender)
+        transport.send(router, P.Lease(8, second.request_no, 10.0, P.pack_i64([1, 2]),
+                                       P.pack_i32([P.CONTINUE] * 2), P.pack_i32([0, 0]), num_steps=16), to=sender)
+        transport.send(router, P.Revoke(8), to=sender)
+        transport.send(router, P.Revoke(7), to=sender)
+        streamed = {1: [], 2: []}
+        unrun = stream_until_result(router, streamed)   # the chain, before the lease it follows
+        assert unrun.lease_id == 8 and P.unpack_i32(unrun.counts).tolist() == [0, 0] and not unrun.tokens
+        again = next_of(router, (P.WorkRequest, P.StepResult))
+        assert isinstance(again, P.WorkRequest) and again.request_no == 3   # its place, asked again
+        transport.send(router, P.Lease(9, again.request_no, 10.0, P.pack_i64([1, 2]), P.pack_i32([P.CONTINUE] * 2),
+                                       P.pack_i32([0, 0]), num_steps=3), to=sender)
+        ended = stream_until_result(router, streamed)
+        assert ended.lease_id == 7 and P.unpack_u8(ended.status).tolist() == [0, 0]
+        last = stream_until_result(router, streamed)
+        assert last.lease_id == 9 and P.unpack_i32(last.counts).tolist() == [3, 3]
+    made = P.unpack_i32(ended.counts).tolist()[0] + 3
+    assert streamed[1] == streamed[2] and len(streamed[1]) == made   # each token once, none missed
+    assert worker.loop.num_revokes_ignored == 0
 
 
 def test_bench_timeline_reports_the_longest_request_as_a_floor_of_the_run():

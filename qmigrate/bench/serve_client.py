@@ -138,11 +138,10 @@ class Client:
                     now = time.perf_counter()
                     *events, buf = (buf + data).split(b"\n\n")
                     for raw in events:
-                        if (text := texts.text_of(raw)) is not None:
-                            if text:
-                                rec.chunks.append(now)
-                                parts.append(text)
-                                chunks += 1
+                        if (text := texts.text_of(raw)) is not None:   # a middle event
+                            rec.chunks.append(now)
+                            parts.append(text)
+                            chunks += 1
                             continue
                         if not raw.startswith(b"data: "):
                             continue
@@ -157,12 +156,16 @@ class Client:
                         choices = event.get("choices") or ()
                         for choice in choices:
                             text = (choice.get("delta") or {}).get("content") if chat else choice.get("text")
-                            if text:
+                            # an event of the stream's tokens, its text empty or not (a token may
+                            # end in the middle of a character), as vLLM's benchmark counts
+                            # them; not a closing event of no text
+                            if isinstance(text, str) and (text or choice.get("finish_reason") is None):
                                 rec.chunks.append(now)
                                 parts.append(text)
                                 chunks += 1
                         usage = event.get("usage")
-                        if text and len(choices) == 1 and not usage and choices[0].get("finish_reason") is None:
+                        if isinstance(text, str) and len(choices) == 1 and not usage \
+                                and choices[0].get("finish_reason") is None:
                             texts.learn(raw, text)
                         if usage:
                             rec.output_tokens = usage.get("completion_tokens", 0)
@@ -177,7 +180,7 @@ class Client:
         if not rec.output_tokens:
             rec.output_tokens = chunks
         if not rec.error and not rec.chunks:
-            rec.error = "no text"
+            rec.error = "no tokens"
         return "".join(parts)
 
     async def session_call(self, turns: list[str], answers: list[str], output_len: int, rec: CallRecord) -> str:

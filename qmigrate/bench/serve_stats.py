@@ -1,8 +1,9 @@
 """The figures of `qmigrate bench serve`, from what the client saw of each call (pure).
 
-TTFT: from sending a call to its first text. TPOT: the time after the first token, shared by the
-tokens after it. ITL: the gaps between successive chunks of text, over every call. E2E: from
-sending to the last chunk. Goodput: calls per second that met every SLO given.
+TTFT: from sending a call to its first event of tokens. TPOT: the time after the first token,
+shared by the tokens after it. ITL: the gaps between successive events of tokens, over every
+call; an event counts whether its text is empty or not (a token may end mid-character), as
+vLLM's benchmark counts them. E2E: from sending to the last event. Goodput: calls per second that met every SLO given.
 """
 
 from __future__ import annotations

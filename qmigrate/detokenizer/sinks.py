@@ -236,7 +236,7 @@ class _Sink:
             index += 1
         if ready:
             seq.token_ids.extend(ready)
-            self._emit(seq, seq.decoder.push(ready))
+            self._emit(seq, seq.decoder.push(ready), advanced=True)
         if seq.finish_reason is None:
             return
         if seq.num_tokens_expected is not None and len(seq.token_ids) < seq.num_tokens_expected:
@@ -254,12 +254,14 @@ class _Sink:
         if self._reply is not None:  # for a printed request: "it ended", so its id is free again
             self._reply(seq_id, "", Finish.from_reason(seq.finish_reason), len(seq.token_ids), seq.cached_tokens)
 
-    def _emit(self, seq: _Seq, delta: str) -> None:
-        if not delta:
-            return
+    def _emit(self, seq: _Seq, delta: str, advanced: bool = False) -> None:
+        """New text of seq. A request answered elsewhere hears of every step that `advanced`
+        its tokens, text or none (a token may complete no character yet): a stream sends an
+        event per step, as vLLM's does, so its client sees every token's time."""
         if seq.route:
-            self._reply(seq.seq_id, delta, 0, len(seq.token_ids))
-        else:
+            if delta or advanced:
+                self._reply(seq.seq_id, delta, 0, len(seq.token_ids))
+        elif delta:
             seq.text.append(delta)
             self._on_delta(seq, delta)
 

@@ -360,7 +360,7 @@ class HttpServer:
         """SSE; returns (response, whether the request ended)."""
         response = web.StreamResponse(headers=SSE_HEADERS)
         await response.prepare(request)
-        trim, created, first = StopTrimmer(req.stop), int(time.time()), True
+        trim, created, first, shown = StopTrimmer(req.stop), int(time.time()), True, 0
         frame = Frame(chunk(req, rid, created, MARK))
         try:
             while True:
@@ -377,9 +377,13 @@ class HttpServer:
                                                            type="server_error").body()) + DONE)
                         return response, True
                     out += trim.finish(code == P.Finish.STOP)
-                if out or (first and req.kind == "chat"):
+                # An event for every step that made tokens, its text empty where they complete
+                # no character yet (or may begin a stop string), as vLLM's streams have: a
+                # client times each token, not each character.
+                if out or (first and req.kind == "chat") or (num_tokens > shown and not code):
                     await response.write(sse(chunk(req, rid, created, out, first=True)) if first else frame(out))
                     first = False
+                shown = num_tokens
                 if code:
                     tail = sse(chunk(req, rid, created, None, reason))
                     if req.include_usage:
@@ -420,7 +424,7 @@ class HttpServer:
                 except ApiError as exc:  # timeout, shutdown, or a choice a worker could not run
                     await response.write(sse(exc.body()) + DONE)
                     return response
-                out = [frames[i](text) for i, text in texts.items() if text]
+                out = [frames[i](text) for i, text in texts.items() if text or i not in ended]
                 out += [sse(chunk(req, rid, created, None, choices.ends[i][0], index=i)) for i in ended]
                 if out:
                     await response.write(b"".join(out))

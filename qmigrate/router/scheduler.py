@@ -293,6 +293,8 @@ class Scheduler:
             new, pos = tokens[pos:pos + count], pos + count
             seq = seqs.get(sid)
             if seq is None or seq.lease_id != lease_id or sid in reported:
+                if seq is not None and seq.next_lease == lease_id:
+                    seq.next_lease = None   # a chain answered before the step it followed: withdrawn
                 continue
             reported.add(sid)
             seq.lease_id, chained, seq.next_lease = None, seq.next_lease, None

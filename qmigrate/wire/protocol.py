@@ -465,7 +465,9 @@ class Stats:
 @message(MsgType.REVOKE)
 class Revoke:
     """Router to worker: end this lease at its next step boundary and answer it as usual (a
-    lease not yet started runs one step). seq_ids names the rows the router wants back."""
+    lease not yet started runs one step; a chain not yet started, whose every row goes on from
+    the lease before it, runs none: it is answered at once, each row with no token, and its
+    place is asked for again). seq_ids names the rows the router wants back."""
 
     lease_id: int
     seq_ids: bytes = b""      # int64

@@ -368,6 +368,13 @@ class WorkerCore:
                             P.pack_i64(self.engine.take_prefix_events()),
                             P.pack_i32([run.cached.get(s, -1) for s in sids]))
 
+    def unrun(self, lease: P.Lease) -> P.StepResult:
+        """The answer to a lease withdrawn before it started: every row, no token, still running."""
+        seq_ids = P.unpack_i64(lease.seq_ids, "seq_ids")
+        n = len(seq_ids)
+        return P.StepResult(lease.lease_id, lease.seq_ids, P.pack_i32([0] * n), b"", P.pack_u8([0] * n),
+                            self.free_tokens)
+
     def _tokens(self, run: "Started", final: bool) -> P.Tokens:
         """For the detokenizer: tokens not sent yet (after any it may have missed), and the
         end of rows that ended; in the `final` one a row's code is its status at the end."""

@@ -136,9 +136,7 @@ class Worker:
         self.poller.register(self.kv_in, zmq.POLLIN)
         while True:
             now = time.monotonic()
-            for req in self.loop.requests(now, self.core.free_tokens):
-                self.trace("ask", req.request_no)
-                self.send_router(req)
+            self.ask(now)
             action, arg = self.loop.next_action(now, self.core.awaited_transfers)
             if action == START:
                 self.start_lease(arg)
@@ -150,6 +148,23 @@ class Worker:
                 self.close()
                 return
             self.keep_alive()
+
+    def ask(self, now: float) -> None:
+        """Ask for the batches missing from those in flight (WorkerLoop.requests)."""
+        for req in self.loop.requests(now, self.core.free_tokens):
+            self.trace("ask", req.request_no)
+            self.send_router(req)
+
+    def answer_withdrawn(self) -> None:
+        """A chain revoked before it started is answered now, and its place asked for again,
+        even mid-lease: the router's next lease for these rows can then start behind the
+        step being run, not one step later."""
+        withdrawn = self.loop.take_withdrawn()
+        for lease in withdrawn:
+            self.trace("withdrawn", lease.lease_id)
+            self.send_router(self.core.unrun(lease))
+        if withdrawn:
+            self.ask(time.monotonic())
 
     def receive(self, timeout_s: float) -> bool:
         """Take what the sockets hold, waiting up to timeout_s; True when told to exit."""
@@ -187,6 +202,7 @@ class Worker:
             self.loop.on_lease(msg, time.monotonic())
         elif isinstance(msg, P.Revoke):
             self.loop.on_revoke(msg)
+            self.answer_withdrawn()
         elif isinstance(msg, P.ShipKV):
             self.ship(msg)
         elif isinstance(msg, P.Exit):

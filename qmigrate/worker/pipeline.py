@@ -54,6 +54,7 @@ class WorkerLoop:
     queued: deque[Queued] = field(default_factory=deque)
     on_device: deque[OnDevice] = field(default_factory=deque)
     revoked: dict[int, frozenset[int] | None] = field(default_factory=dict)  # None: every row
+    withdrawn: list[P.Lease] = field(default_factory=list)   # revoked before they started
     num_expired: int = 0
     num_revokes_ignored: int = 0
 
@@ -79,14 +80,27 @@ class WorkerLoop:
     def on_revoke(self, msg: P.Revoke) -> bool:
         """A Revoke for a lease held here ends that lease at its next step boundary: every
         row stops there. (Its seq_ids name the rows the router wants back, but a lease is
-        answered once, so only ending all of it returns them sooner.) A Revoke for any other
-        lease is ignored (False)."""
+        answered once, so only ending all of it returns them sooner.) A chain not started yet
+        (every row goes on from the lease before it, nothing else in it) is withdrawn: it
+        never runs, is answered at once without a token (`take_withdrawn`), and its place is
+        asked for again, so the router can send the next step of those rows together with
+        what it revoked them for. A Revoke for any other lease is ignored (False)."""
         if msg.lease_id not in self.held_lease_ids():
             self.num_revokes_ignored += 1
             return False
         P.unpack_i64(msg.seq_ids, "seq_ids")
+        for i, q in enumerate(self.queued):
+            if q.lease.lease_id == msg.lease_id and is_chain(q.lease):
+                del self.queued[i]
+                self.withdrawn.append(q.lease)
+                return True
         self.revoked[msg.lease_id] = None
         return True
+
+    def take_withdrawn(self) -> list[P.Lease]:
+        """Leases withdrawn unstarted since the last call: each is answered with no token."""
+        withdrawn, self.withdrawn = self.withdrawn, []
+        return withdrawn
 
     def revoked_rows(self, lease_id: int) -> frozenset[int] | None:
         """Rows of a held lease revoked so far (None: every row)."""
@@ -186,6 +200,13 @@ class WorkerLoop:
         """The lease as it runs here: `steps_per_dispatch` forces a number of steps locally."""
         steps = self.config.steps_per_dispatch
         return dataclasses.replace(lease, num_steps=steps) if lease.num_steps < steps else lease
+
+
+def is_chain(lease: P.Lease) -> bool:
+    """Every row of the lease goes on from the step before it (CONTINUE), and it carries
+    nothing else: no full forms, no KV to drop. Withdrawn unstarted, it changes nothing here."""
+    return not lease.full and not lease.drop_ids and bool(lease.lengths) \
+        and bool((P.unpack_i32(lease.lengths, "lengths") == P.CONTINUE).all())
 
 
 class KVOutbox:
