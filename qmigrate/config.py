@@ -186,6 +186,9 @@ class WorkerConfig(_Section):
     # prompt tokens a step carries while it also runs decode rows, whose streams all wait for
     # it; a step of prompts alone takes up to max_tokens (0: no limit; docs/design.md)
     prefill_tokens_with_decode: int = _f(0, _non_negative)
+    # ... or 1/N of the prompt tokens waiting in the step, if more: a backlog is spread over
+    # at most N steps (0: the limit is fixed)
+    prefill_spread_steps: int = _f(4, _non_negative)
     prefix_cache: bool = _f(True, _boolean)      # reuse cached KV of shared prompt prefixes
     # decode steps read a prefix that rows share (the same cached blocks) once per group of
     # rows, not once per row (fast runner; engine/shared_prefix.py)
@@ -206,7 +209,8 @@ class WorkerConfig(_Section):
                             prefill_chunk=self.prefill_chunk, prefix_cache=self.prefix_cache,
                             shared_prefix_attention=self.shared_prefix_attention,
                             prefill_tokens_per_step=self.prefill_tokens_per_step,
-                            prefill_tokens_with_decode=self.prefill_tokens_with_decode)
+                            prefill_tokens_with_decode=self.prefill_tokens_with_decode,
+                            prefill_spread_steps=self.prefill_spread_steps)
 
 
 @dataclass(frozen=True, slots=True)

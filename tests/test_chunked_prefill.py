@@ -65,8 +65,24 @@ def test_the_budget_while_decoding_holds_only_for_steps_with_decode_rows():
     assert prompt_budget([decode, prompt], EngineConfig()) == prompt_budget([prompt], EngineConfig()) == 0
 
 
+def test_a_backlog_of_prompts_raises_the_budget_so_it_is_spread_over_at_most_n_steps():
+    decode = StepRow(1, [5], 9, 1)
+    prompts = [StepRow(10 + i, list(range(100)), 0, 0) for i in range(5)]   # 500 tokens waiting
+    spread = EngineConfig(prefill_tokens_with_decode=64, prefill_spread_steps=4, max_batch_tokens=1000)
+    assert prompt_budget([decode, *prompts[:2]], spread) == 64                  # 200 / 4 < 64: the limit
+    assert prompt_budget([decode, *prompts], spread) == 125                     # 500 / 4
+    assert prompt_budget([decode, *prompts, StepRow(9, list(range(3)), 0, 0)], spread) == 126   # rounded up
+    assert prompt_budget(prompts, spread) == 1000                               # no decode row: no limit
+    fixed = dataclasses.replace(spread, prefill_spread_steps=0)
+    assert prompt_budget([decode, *prompts], fixed) == 64
+    # in a step: the budget goes to the prompts in row order, the rest waits for later steps
+    rows, cut, deferred = share_prompt_budget([decode, *prompts], prompt_budget([decode, *prompts], spread))
+    assert [len(r.new_ids) for r in rows] == [1, 100, 25, 100, 100, 100] and (cut, deferred) == ({2}, {3, 4, 5})
+
+
 def test_the_worker_setting_reaches_the_engine_and_bad_values_are_refused():
-    assert WorkerConfig().engine_config().prefill_tokens_with_decode == 0
+    engine = WorkerConfig().engine_config()
+    assert (engine.prefill_tokens_with_decode, engine.prefill_spread_steps) == (0, 4)
     settings = worker_settings(["prefill_tokens_with_decode=256"])
     assert WorkerConfig(**settings).engine_config().prefill_tokens_with_decode == 256
     data = yaml.safe_load(yaml.safe_dump(local_topology(1).to_dict()))     # as a YAML file gives it
@@ -256,7 +272,7 @@ def test_a_multi_step_lease_feeds_the_next_parts_beside_its_decode_rows(model, p
 def test_the_admission_bench_times_every_step_of_a_prompt_under_the_limit(tiny_model_dir, capsys, tmp_path):
     from qmigrate.bench.admission import run_admission_steps
     (x,) = run_admission_steps(str(tiny_model_dir), "cpu", [3], 16, 40,
-                               {"prefill_tokens_with_decode": 8, "runner": "hf"}, tmp_path / "out.json")
+                               {"prefill_tokens_with_decode": 8, "prefill_spread_steps": 0, "runner": "hf"}, tmp_path / "out.json")
     assert (x["batch"], x["limit"], x["limited_steps"]) == (3, 8, 5)    # 40 tokens at 8 a step
     assert min(x["decode_ms"], x["whole_ms"], x["limited_max_ms"]) > 0
     assert "prefill_tokens_with_decode=8" in capsys.readouterr().out

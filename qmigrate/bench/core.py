@@ -136,7 +136,8 @@ def run_inprocess(model_path: str, device: str, dtype: str, requests, max_seqs: 
     model, _ = load_model(model_path, device, dtype)
     engine = Engine(model, max_batch=max_seqs, max_batch_tokens=max_tokens, runner=runner,
                     prefill_tokens_per_step=worker.prefill_tokens_per_step,
-                    prefill_tokens_with_decode=worker.prefill_tokens_with_decode)
+                    prefill_tokens_with_decode=worker.prefill_tokens_with_decode,
+                    prefill_spread_steps=worker.prefill_spread_steps)
     del model
     print(f"  in-process: {engine.describe()}", file=sys.stderr)
     engine.warm_up()

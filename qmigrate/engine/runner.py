@@ -53,6 +53,7 @@ class EngineConfig:
     prefill_tokens_per_step: int = 0
     # the same while the step has decode rows (0: no limit; the worker's default is set in config.py)
     prefill_tokens_with_decode: int = 0
+    prefill_spread_steps: int = 0         # that limit grows to 1/N of the prompt tokens waiting (0: fixed)
     cuda_graphs: bool = True
     prefix_cache: bool = True             # full blocks of known ids are kept and shared by prefix
     shared_prefix_attention: bool = True  # fast runner: a prefix rows share is read once per group
@@ -178,7 +179,8 @@ class Engine:
         if self.device.type != "cuda":
             return
         config = self.config
-        self.config = dataclasses.replace(config, prefill_tokens_per_step=0, prefill_tokens_with_decode=0)
+        self.config = dataclasses.replace(config, prefill_tokens_per_step=0, prefill_tokens_with_decode=0,
+                                          prefill_spread_steps=0)
         try:
             startup.warm_up(self)
         finally:
