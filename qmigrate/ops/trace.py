@@ -10,9 +10,10 @@ ingest as it unwinds). The processes of one host share CLOCK_MONOTONIC, so their
 Worker events: ask (request no.), lease (id, steps, rows, full forms), start_begin /
 start_end (lease id), prompts (a launched step's prompt rows, their new tokens, the
 positions of those found cached), launch (rows), collect_begin (rows) / collect_end, finish_begin /
-finish_end (lease id). Router events: submit (sequences offered, taken), request (worker,
-request no.), grant (worker, lease id, rows, steps, request no.), result (worker, lease id),
-tokens (worker, rows: a step's tokens on their way to the detokenizer). The token path after
+finish_end (lease id), withdrawn (lease id: a chain revoked before it started, answered
+unrun). Router events: submit (sequences offered, taken), request (worker, request no.),
+grant (worker, lease id, rows, steps, request no.), result (worker, lease id), tokens
+(worker, rows: a step's tokens on their way to the detokenizer). The token path after
 the router: the detokenizer's in (rows of a Tokens message) and out (replies sent to ingest),
 ingest's in (replies received) and each HTTP process's in (replies it takes from ingest). Gaps between a hop's arrivals that grow from one hop to
 the next are latency that hop adds to a stream's inter-token times.
