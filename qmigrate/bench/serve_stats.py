@@ -19,7 +19,7 @@ SLO_NAMES = ("ttft", "tpot", "e2e")
 @dataclass(slots=True)
 class CallRecord:
     start: float                         # when the call was sent
-    chunks: list[float] = field(default_factory=list)   # arrival time of each chunk of text
+    chunks: list[float] = field(default_factory=list)   # arrival time of each event of tokens
     output_tokens: int = 0               # as the server's usage says, else the chunks counted
     expected_tokens: int = 0
     prompt_tokens: int = 0
