@@ -3,7 +3,8 @@
 TTFT: from sending a call to its first event of tokens. TPOT: the time after the first token,
 shared by the tokens after it. ITL: the gaps between successive events of tokens, over every
 call; an event counts whether its text is empty or not (a token may end mid-character), as
-vLLM's benchmark counts them. E2E: from sending to the last event. Goodput: calls per second that met every SLO given.
+vLLM's benchmark counts them. E2E: from sending to the last event. Goodput: calls per second
+that met every SLO given.
 """
 
 from __future__ import annotations

@@ -15,8 +15,9 @@ unrun). Router events: submit (sequences offered, taken), request (worker, reque
 grant (worker, lease id, rows, steps, request no.), result (worker, lease id), tokens
 (worker, rows: a step's tokens on their way to the detokenizer). The token path after
 the router: the detokenizer's in (rows of a Tokens message) and out (replies sent to ingest),
-ingest's in (replies received) and each HTTP process's in (replies it takes from ingest). Gaps between a hop's arrivals that grow from one hop to
-the next are latency that hop adds to a stream's inter-token times.
+ingest's in (replies received) and each HTTP process's in (replies it takes from ingest).
+Gaps between a hop's arrivals that grow from one hop to the next are latency that hop adds
+to a stream's inter-token times.
 
 `summarize(DIR)` turns the files into the figures that located this project's gaps: per
 worker, the time with no step on the device, the time the host waited for the device, host

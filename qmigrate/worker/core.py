@@ -370,8 +370,7 @@ class WorkerCore:
 
     def unrun(self, lease: P.Lease) -> P.StepResult:
         """The answer to a lease withdrawn before it started: every row, no token, still running."""
-        seq_ids = P.unpack_i64(lease.seq_ids, "seq_ids")
-        n = len(seq_ids)
+        n = len(P.unpack_i64(lease.seq_ids, "seq_ids"))
         return P.StepResult(lease.lease_id, lease.seq_ids, P.pack_i32([0] * n), b"", P.pack_u8([0] * n),
                             self.free_tokens)
 
