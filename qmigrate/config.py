@@ -9,9 +9,8 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from .config_rules import ConfigError  # noqa: F401 -- the rest of the package imports it from here
-from .config_rules import (_boolean, _count, _device, _f, _host, _is_int, _metrics_port, _name, _non_negative,
-                           _number, _one_of, _optional_host, _optional_port, _optional_text, _port, _positive,
-                           _rule, _Section, _text)
+from . import config_rules as rules
+from .config_rules import Section
 from .config_yaml import build_section, check_keys, kind_of, parse_settings, read_yaml, write_yaml
 
 DEFAULT_KV_PORT = 5560
@@ -31,11 +30,11 @@ SHORT_TMP = "/tmp"
 
 
 @dataclass(slots=True)
-class ModelConfig(_Section):
-    path: str | None = _f(None, _optional_text)
-    dtype: str = _f("auto", _one_of("auto", "float32", "bfloat16", "float16"))
+class ModelConfig(Section):
+    path: str | None = rules.setting(None, rules.optional_text)
+    dtype: str = rules.setting("auto", rules.one_of("auto", "float32", "bfloat16", "float16"))
     # Off: a checkpoint's own Python code (auto_map) would run in every worker and ingest.
-    trust_remote_code: bool = _f(False, _boolean)
+    trust_remote_code: bool = rules.setting(False, rules.boolean)
 
     def dtype_for(self, device: str) -> str:
         if self.dtype != "auto":
@@ -44,22 +43,22 @@ class ModelConfig(_Section):
 
 
 @dataclass(slots=True)
-class SamplingDefaults(_Section):
-    max_new_tokens: int = _f(64, _count)
-    temperature: float = _f(0.0, _number("a number >= 0", lambda x: x >= 0))
-    top_p: float = _f(1.0, _number("a number in (0, 1]", lambda x: 0 < x <= 1))
-    top_k: int = _f(0, _non_negative)
+class SamplingDefaults(Section):
+    max_new_tokens: int = rules.setting(64, rules.count)
+    temperature: float = rules.setting(0.0, rules.number("a number >= 0", lambda x: x >= 0))
+    top_p: float = rules.setting(1.0, rules.number("a number in (0, 1]", lambda x: 0 < x <= 1))
+    top_k: int = rules.setting(0, rules.non_negative)
 
 
 @dataclass(slots=True)
-class NodeConfig(_Section):
-    name: str = _f("", _name)
-    address: str = _f("127.0.0.1", _host)
-    bind: str | None = _f(None, _optional_host)   # None: the node's own address, not every interface
-    monitor: bool = _f(False, _boolean)
-    public_key: str | None = _f(None, _optional_text)  # inline Z85 key, a key file, or a directory
-    secret_key: str | None = _f(None, _optional_text)  # None: <security.keys_dir>/<name>.key_secret
-    max_restarts: int = _f(3, _non_negative)   # a role that dies is started again this many times
+class NodeConfig(Section):
+    name: str = rules.setting("", rules.name)
+    address: str = rules.setting("127.0.0.1", rules.host)
+    bind: str | None = rules.setting(None, rules.optional_host)   # None: the node's own address, not every interface
+    monitor: bool = rules.setting(False, rules.boolean)
+    public_key: str | None = rules.setting(None, rules.optional_text)  # inline Z85 key, a key file, or a directory
+    secret_key: str | None = rules.setting(None, rules.optional_text)  # None: <security.keys_dir>/<name>.key_secret
+    max_restarts: int = rules.setting(3, rules.non_negative)   # a role that dies is started again this many times
 
     @property
     def bind_host(self) -> str:
@@ -67,11 +66,11 @@ class NodeConfig(_Section):
 
 
 @dataclass(slots=True)
-class SecurityConfig(_Section):
+class SecurityConfig(Section):
     # auto: on when any tcp address or bind is off loopback; ipc and loopback need no keys.
-    enabled: str = _f("auto", _one_of("auto", "on", "off"))
-    keys_dir: str = _f("keys", _text(r".+", "a directory path"))   # relative: to the working directory
-    operators: list[str] = _f(None, _rule("a list of node names or null", lambda v: v is None or _names_ok(v),
+    enabled: str = rules.setting("auto", rules.one_of("auto", "on", "off"))
+    keys_dir: str = rules.setting("keys", rules.text(r".+", "a directory path"))   # relative: to the working directory
+    operators: list[str] = rules.setting(None, rules.rule("a list of node names or null", lambda v: v is None or _names_ok(v),
                                           lambda v: list(v or [])))
 
 
@@ -86,35 +85,35 @@ def _is_loopback(host: str) -> bool:
 
 
 @dataclass(slots=True)
-class RouterConfig(_Section):
-    node: str = _f("", _name)
-    port: int = _f(5550, _port)
-    telemetry_port: int = _f(5551, _port)
-    max_queued: int = _f(4096, _count)
-    lease_timeout_s: float = _f(10.0, _positive)
-    heartbeat_interval_s: float = _f(0.5, _positive)
-    heartbeat_timeout_s: float = _f(5.0, _positive)
-    policy: str = _f("affinity", _one_of("affinity", "any"))
-    migrate_on_load: bool = _f(True, _boolean)
-    migrate_on_memory: bool = _f(True, _boolean)
-    min_free_vram_fraction: float = _f(0.05, _number("a number in [0, 1)", lambda x: 0 <= x < 1))
+class RouterConfig(Section):
+    node: str = rules.setting("", rules.name)
+    port: int = rules.setting(5550, rules.port)
+    telemetry_port: int = rules.setting(5551, rules.port)
+    max_queued: int = rules.setting(4096, rules.count)
+    lease_timeout_s: float = rules.setting(10.0, rules.positive)
+    heartbeat_interval_s: float = rules.setting(0.5, rules.positive)
+    heartbeat_timeout_s: float = rules.setting(5.0, rules.positive)
+    policy: str = rules.setting("affinity", rules.one_of("affinity", "any"))
+    migrate_on_load: bool = rules.setting(True, rules.boolean)
+    migrate_on_memory: bool = rules.setting(True, rules.boolean)
+    min_free_vram_fraction: float = rules.setting(0.05, rules.number("a number in [0, 1)", lambda x: 0 <= x < 1))
     # a worker takes no new prefills below this (never below min_free_vram_fraction)
-    admit_free_vram_fraction: float = _f(0.07, _number("a number in [0, 1)", lambda x: 0 <= x < 1))
-    migration: str = _f("auto", _one_of("auto", "recompute", "transfer"))
-    link_gbps: float = _f(10.0, _positive)
-    prefill_tflops: float = _f(100.0, _positive)
-    rebalance_threshold: int = _f(8, _count)
+    admit_free_vram_fraction: float = rules.setting(0.07, rules.number("a number in [0, 1)", lambda x: 0 <= x < 1))
+    migration: str = rules.setting("auto", rules.one_of("auto", "recompute", "transfer"))
+    link_gbps: float = rules.setting(10.0, rules.positive)
+    prefill_tflops: float = rules.setting(100.0, rules.positive)
+    rebalance_threshold: int = rules.setting(8, rules.count)
     # new prompts are shared among workers with room (by max_seqs) before load moves anything
-    spread_new_work: bool = _f(True, _boolean)
-    chain_leases: bool = _f(True, _boolean)
-    max_lease_steps: int = _f(16, _rule("an integer 1..1024", lambda v: _is_int(v) and 1 <= v <= 1024))
-    metrics_port: int | None = _f(None, _metrics_port)  # Prometheus /metrics; 0 or null: none
-    journal: str = _f("", _rule("a file path, or '' for none", lambda v: isinstance(v, str)))
+    spread_new_work: bool = rules.setting(True, rules.boolean)
+    chain_leases: bool = rules.setting(True, rules.boolean)
+    max_lease_steps: int = rules.setting(16, rules.rule("an integer 1..1024", lambda v: rules.is_int(v) and 1 <= v <= 1024))
+    metrics_port: int | None = rules.setting(None, rules.metrics_port)  # Prometheus /metrics; 0 or null: none
+    journal: str = rules.setting("", rules.rule("a file path, or '' for none", lambda v: isinstance(v, str)))
     # new sequences start where their prefix is cached (workers' reports), load permitting
-    prefix_aware: bool = _f(True, _boolean)
+    prefix_aware: bool = rules.setting(True, rules.boolean)
     # how long a new sequence may wait for a busy worker that holds more of its prefix: a few
     # steps (its next request for work); at 0.5 s the wait was most of a TTFT tail at 32 req/s
-    prefix_wait_s: float = _f(0.02, _number("a number >= 0", lambda x: x >= 0))
+    prefix_wait_s: float = rules.setting(0.02, rules.number("a number >= 0", lambda x: x >= 0))
 
     def validate(self) -> None:
         if self.heartbeat_timeout_s <= self.heartbeat_interval_s:
@@ -124,84 +123,84 @@ class RouterConfig(_Section):
 
 
 @dataclass(slots=True)
-class IngestConfig(_Section):
-    node: str = _f("", _name)
-    port: int = _f(5552, _port)
-    input: str = _f("text", _one_of("text", "jsonl"))
-    max_pending: int = _f(4096, _count)  # as the router's max_queued: a burst of calls waits, not 429
-    chat: bool = _f(False, _boolean)             # text input: each line is one user message
-    reply_port: int = _f(5554, _port)            # the detokenizer's replies to HTTP requests
-    http_port: int | None = _f(None, _optional_port)   # None: no HTTP server
-    http_host: str = _f("127.0.0.1", _host)
-    api_key: str | None = _f(None, _optional_text)  # HTTP requests to /v1 need "Authorization: Bearer KEY"
-    max_body_bytes: int = _f(1 << 20, _count)
+class IngestConfig(Section):
+    node: str = rules.setting("", rules.name)
+    port: int = rules.setting(5552, rules.port)
+    input: str = rules.setting("text", rules.one_of("text", "jsonl"))
+    max_pending: int = rules.setting(4096, rules.count)  # as the router's max_queued: a burst of calls waits, not 429
+    chat: bool = rules.setting(False, rules.boolean)             # text input: each line is one user message
+    reply_port: int = rules.setting(5554, rules.port)            # the detokenizer's replies to HTTP requests
+    http_port: int | None = rules.setting(None, rules.optional_port)   # None: no HTTP server
+    http_host: str = rules.setting("127.0.0.1", rules.host)
+    api_key: str | None = rules.setting(None, rules.optional_text)  # HTTP requests to /v1 need "Authorization: Bearer KEY"
+    max_body_bytes: int = rules.setting(1 << 20, rules.count)
     # connections the kernel holds for the API before it accepts them (capped by
     # net.core.somaxconn); past it a connection attempt is dropped and retried a second later
-    http_backlog: int = _f(4096, _count)
-    http_timeout_s: float = _f(60.0, _positive)  # longest wait for a request's next text
+    http_backlog: int = rules.setting(4096, rules.count)
+    http_timeout_s: float = rules.setting(60.0, rules.positive)  # longest wait for a request's next text
     # processes serving the API on its port (SO_REUSEPORT), each parsing its own calls and
     # writing its own streams in front of this loop; 1: a thread of the ingest process
-    http_processes: int = _f(1, _rule(f"an integer from 1 to {MAX_HTTP_PROCESSES}",
-                                             lambda v: _is_int(v) and 1 <= v <= MAX_HTTP_PROCESSES))
+    http_processes: int = rules.setting(1, rules.rule(f"an integer from 1 to {MAX_HTTP_PROCESSES}",
+                                             lambda v: rules.is_int(v) and 1 <= v <= MAX_HTTP_PROCESSES))
     # an HTTP process not heard from for this long (stopped, or wedged) is killed and started again
-    http_process_timeout_s: float = _f(10.0, _positive)
-    model_name: str | None = _f(None, _optional_text)  # None: the model directory's name
+    http_process_timeout_s: float = rules.setting(10.0, rules.positive)
+    model_name: str | None = rules.setting(None, rules.optional_text)  # None: the model directory's name
 
 
 @dataclass(slots=True)
-class DetokenizerConfig(_Section):
-    node: str = _f("", _name)
-    port: int = _f(5553, _port)
-    output: str = _f("text", _one_of("text", "jsonl"))
-    metrics_port: int | None = _f(None, _metrics_port)  # latency histograms; 0 or null: none
-    journal: str = _f("", _rule("a file path, or '' for none", lambda v: isinstance(v, str)))
+class DetokenizerConfig(Section):
+    node: str = rules.setting("", rules.name)
+    port: int = rules.setting(5553, rules.port)
+    output: str = rules.setting("text", rules.one_of("text", "jsonl"))
+    metrics_port: int | None = rules.setting(None, rules.metrics_port)  # latency histograms; 0 or null: none
+    journal: str = rules.setting("", rules.rule("a file path, or '' for none", lambda v: isinstance(v, str)))
 
 
 @dataclass(slots=True)
-class MonitorConfig(_Section):
-    interval_s: float = _f(1.0, _positive)
+class MonitorConfig(Section):
+    interval_s: float = rules.setting(1.0, rules.positive)
 
 
 @dataclass(slots=True)
-class WorkerConfig(_Section):
-    name: str = _f("", _name)
-    node: str = _f("", _name)
-    device: str = _f("cpu", _device)
-    kv_port: int | None = _f(None, _optional_port)  # None: Topology picks a free port from 5560 up
-    max_seqs: int = _f(64, _count)
-    max_tokens: int = _f(8192, _count)
-    max_kv_tokens: int = _f(0, _non_negative)   # 0: size the KV pool from memory
-    steps_per_dispatch: int = _f(1, _count)
-    inflight: int = _f(2, _count)
-    runner: str = _f("auto", _one_of("auto", "fast", "hf"))
-    block_size: int = _f(16, _rule("a power of two from 1 to 256", lambda v: _is_int(v) and 1 <= v <= 256
+class WorkerConfig(Section):
+    name: str = rules.setting("", rules.name)
+    node: str = rules.setting("", rules.name)
+    device: str = rules.setting("cpu", rules.device)
+    kv_port: int | None = rules.setting(None, rules.optional_port)  # None: Topology picks a free port from 5560 up
+    max_seqs: int = rules.setting(64, rules.count)
+    max_tokens: int = rules.setting(8192, rules.count)
+    max_kv_tokens: int = rules.setting(0, rules.non_negative)   # 0: size the KV pool from memory
+    steps_per_dispatch: int = rules.setting(1, rules.count)
+    inflight: int = rules.setting(2, rules.count)
+    runner: str = rules.setting("auto", rules.one_of("auto", "fast", "hf"))
+    block_size: int = rules.setting(16, rules.rule("a power of two from 1 to 256", lambda v: rules.is_int(v) and 1 <= v <= 256
                                    and v & (v - 1) == 0))
-    gpu_memory_utilization: float = _f(0.9, _number("a number in (0, 1]", lambda x: 0 < x <= 1))
-    cpu_kv_gib: float = _f(2.0, _positive)
-    cuda_graphs: bool = _f(True, _boolean)
-    prefill_chunk: int = _f(512, _non_negative)   # 0: a prompt fills its KV in one forward
+    gpu_memory_utilization: float = rules.setting(0.9, rules.number("a number in (0, 1]", lambda x: 0 < x <= 1))
+    cpu_kv_gib: float = rules.setting(2.0, rules.positive)
+    cuda_graphs: bool = rules.setting(True, rules.boolean)
+    prefill_chunk: int = rules.setting(512, rules.non_negative)   # 0: a prompt fills its KV in one forward
     # prompt tokens one step carries: a longer prompt (or several) is spread over the following
     # steps, each with the decode rows, so no step stalls them for a whole prompt (0: no limit)
-    prefill_tokens_per_step: int = _f(0, _non_negative)
+    prefill_tokens_per_step: int = rules.setting(0, rules.non_negative)
     # prompt tokens a step carries while it also runs decode rows, whose streams all wait for
     # it; a step of prompts alone takes up to max_tokens (0: no limit; docs/design.md)
-    prefill_tokens_with_decode: int = _f(0, _non_negative)
+    prefill_tokens_with_decode: int = rules.setting(0, rules.non_negative)
     # ... or 1/N of the prompt tokens waiting in the step, if more: a backlog is spread over
     # at most N steps (0: the limit is fixed)
-    prefill_spread_steps: int = _f(4, _non_negative)
-    prefix_cache: bool = _f(True, _boolean)      # reuse cached KV of shared prompt prefixes
+    prefill_spread_steps: int = rules.setting(4, rules.non_negative)
+    prefix_cache: bool = rules.setting(True, rules.boolean)      # reuse cached KV of shared prompt prefixes
     # decode steps read a prefix that rows share (the same cached blocks) once per group of
-    # rows, not once per row (fast runner; engine/shared_prefix.py)
-    shared_prefix_attention: bool = _f(True, _boolean)
-    transfer_wait_s: float = _f(2.0, _positive)   # a lease waits this long for KV shipments, then recomputes
+    # rows, not once per row (fast runner; engine/kernels/shared_prefix.py)
+    shared_prefix_attention: bool = rules.setting(True, rules.boolean)
+    transfer_wait_s: float = rules.setting(2.0, rules.positive)   # a lease waits this long for KV shipments, then recomputes
     # a lone lease on the device waits this long for the next one before it is collected
-    chain_wait_s: float = _f(0.002, _number("a number >= 0", lambda x: x >= 0))
+    chain_wait_s: float = rules.setting(0.002, rules.number("a number >= 0", lambda x: x >= 0))
     # GPUs (processes) one worker spans, from `device` on (cuda:K .. cuda:K+N-1); the model's
     # heads and MLP width must divide by it (checked when the worker loads the model)
-    tensor_parallel: int = _f(1, _count)
+    tensor_parallel: int = rules.setting(1, rules.count)
 
     def engine_config(self):
-        from .engine.runner import EngineConfig
+        from .engine.config import EngineConfig
         return EngineConfig(runner=self.runner, block_size=self.block_size, max_kv_tokens=self.max_kv_tokens,
                             gpu_memory_utilization=self.gpu_memory_utilization,
                             cpu_kv_bytes=int(self.cpu_kv_gib * 2**30), max_batch=self.max_seqs,
@@ -228,10 +227,10 @@ _LISTS = {"nodes": NodeConfig, "workers": WorkerConfig}
 
 
 @dataclass(slots=True)
-class Topology(_Section):
-    transport: str = _f("tcp", _one_of("tcp", "ipc"))
-    ipc_dir: str | None = _f(None, _optional_text)
-    trace_dir: str | None = _f(None, _optional_text)   # a step timeline of router and workers (trace.py)
+class Topology(Section):
+    transport: str = rules.setting("tcp", rules.one_of("tcp", "ipc"))
+    ipc_dir: str | None = rules.setting(None, rules.optional_text)
+    trace_dir: str | None = rules.setting(None, rules.optional_text)   # a step timeline of router and workers (trace.py)
     model: ModelConfig = field(default_factory=ModelConfig)
     defaults: SamplingDefaults = field(default_factory=SamplingDefaults)
     security: SecurityConfig = field(default_factory=SecurityConfig)

@@ -23,7 +23,7 @@ class _Invalid(Exception):
     """Raised by a field check with what was expected."""
 
 
-def _rule(expected: str, ok: Callable[[Any], bool], convert: Callable[[Any], Any] = lambda v: v):
+def rule(expected: str, ok: Callable[[Any], bool], convert: Callable[[Any], Any] = lambda v: v):
     def check(value: Any) -> Any:
         if ok(value):
             return convert(value)
@@ -31,12 +31,12 @@ def _rule(expected: str, ok: Callable[[Any], bool], convert: Callable[[Any], Any
     return check
 
 
-def _is_int(v: Any) -> bool:
+def is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
-def _number(expected: str, ok: Callable[[float], bool]) -> Callable[[Any], float]:
-    return _rule(expected, lambda v: (_is_int(v) or isinstance(v, float)) and math.isfinite(v) and ok(v), float)
+def number(expected: str, ok: Callable[[float], bool]) -> Callable[[Any], float]:
+    return rule(expected, lambda v: (is_int(v) or isinstance(v, float)) and math.isfinite(v) and ok(v), float)
 
 
 # YAML 1.1 reads on/off and yes/no as booleans: a choice that offers one of these words takes
@@ -44,7 +44,7 @@ def _number(expected: str, ok: Callable[[float], bool]) -> Callable[[Any], float
 _TRUE_WORDS, _FALSE_WORDS = ("on", "yes", "true"), ("off", "no", "false")
 
 
-def _one_of(*options: str) -> Callable[[Any], str]:
+def one_of(*options: str) -> Callable[[Any], str]:
     quoted = [repr(o) for o in options]
     expected = " or ".join(quoted) if len(quoted) == 2 else "one of " + ", ".join(quoted)
     as_word = {flag: next((w for w in words if w in options), None)
@@ -52,40 +52,40 @@ def _one_of(*options: str) -> Callable[[Any], str]:
 
     def word(v: Any) -> Any:
         return as_word[v] if isinstance(v, bool) else v
-    return _rule(expected, lambda v: word(v) in options, word)
+    return rule(expected, lambda v: word(v) in options, word)
 
 
 def _to_bool(v: Any) -> bool:
     return v if isinstance(v, bool) else v.strip().lower() in _TRUE_WORDS
 
 
-def _text(pattern: str, expected: str) -> Callable[[Any], str]:
-    return _rule(expected, lambda v: isinstance(v, str) and re.fullmatch(pattern, v) is not None)
+def text(pattern: str, expected: str) -> Callable[[Any], str]:
+    return rule(expected, lambda v: isinstance(v, str) and re.fullmatch(pattern, v) is not None)
 
 
-_port = _rule("an integer 1..65535", lambda v: _is_int(v) and 1 <= v <= 65535)
-_optional_port = _rule("an integer 1..65535 or null", lambda v: v is None or _is_int(v) and 1 <= v <= 65535)
-_metrics_port = _rule("an integer 1..65535, or 0 or null for none",
-                      lambda v: v is None or _is_int(v) and 0 <= v <= 65535)
-_count = _rule("an integer >= 1", lambda v: _is_int(v) and v >= 1)
-_non_negative = _rule("an integer >= 0", lambda v: _is_int(v) and v >= 0)
-_positive = _number("a number > 0", lambda x: x > 0)
-_boolean = _rule("true or false", lambda v: isinstance(v, bool) or (
+port = rule("an integer 1..65535", lambda v: is_int(v) and 1 <= v <= 65535)
+optional_port = rule("an integer 1..65535 or null", lambda v: v is None or is_int(v) and 1 <= v <= 65535)
+metrics_port = rule("an integer 1..65535, or 0 or null for none",
+                      lambda v: v is None or is_int(v) and 0 <= v <= 65535)
+count = rule("an integer >= 1", lambda v: is_int(v) and v >= 1)
+non_negative = rule("an integer >= 0", lambda v: is_int(v) and v >= 0)
+positive = number("a number > 0", lambda x: x > 0)
+boolean = rule("true or false", lambda v: isinstance(v, bool) or (
     isinstance(v, str) and v.strip().lower() in _TRUE_WORDS + _FALSE_WORDS), _to_bool)
-_optional_text = _rule("a non-empty string or null", lambda v: v is None or (isinstance(v, str) and v != ""))
+optional_text = rule("a non-empty string or null", lambda v: v is None or (isinstance(v, str) and v != ""))
 # Names end up in ipc socket paths, log file names and shell commands.
-_name = _text(r"([A-Za-z0-9][A-Za-z0-9_.-]*)?", "a name of letters, digits, '.', '_' or '-'")
-_host = _text(r"[^\s/]+", "a host name or IP address")
-_optional_host = _rule("a host name or IP address, or null",
+name = text(r"([A-Za-z0-9][A-Za-z0-9_.-]*)?", "a name of letters, digits, '.', '_' or '-'")
+host = text(r"[^\s/]+", "a host name or IP address")
+optional_host = rule("a host name or IP address, or null",
                        lambda v: v is None or isinstance(v, str) and re.fullmatch(r"[^\s/]+", v) is not None)
-_device = _text(r"cpu|cuda(:\d+)?", "'cpu', 'cuda' or 'cuda:N'")
+device = text(r"cpu|cuda(:\d+)?", "'cpu', 'cuda' or 'cuda:N'")
 
 
-def _f(default: Any, check: Callable[[Any], Any]) -> Any:
+def setting(default: Any, check: Callable[[Any], Any]) -> Any:
     return field(default=default, metadata={"check": check})
 
 
-class _Section:
+class Section:
     __slots__ = ()
 
     def __post_init__(self) -> None:

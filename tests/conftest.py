@@ -45,7 +45,7 @@ def pytest_configure(config):
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> Path:
-    from qmigrate.engine.builders import build_tiny_model
+    from qmigrate.hub.builders import build_tiny_model
     return build_tiny_model(tmp_path_factory.mktemp("models") / "tiny")
 
 

@@ -254,7 +254,7 @@ def test_fuzzed_lines_are_a_prompt_or_an_error_and_every_prompt_fits_the_wire(ti
     """Thousands of random requests through ingest's parser: each is a Prompt that the codec
     takes, a cancel, or a PromptError; nothing else escapes (no TypeError, OverflowError,
     RecursionError, UnicodeEncodeError)."""
-    from qmigrate.engine.tokenizer_info import load_tokenizer_info
+    from qmigrate.hub.tokenizer_info import load_tokenizer_info
     from qmigrate.ingest.prompts import CancelRequest, Prompt, PromptError, check_prompt, parse_line
     tok, max_context, eos = load_tokenizer_info(str(tiny_model_dir))
     r = random.Random(25)

@@ -14,7 +14,7 @@ import yaml
 
 from qmigrate.config import ConfigError, WorkerConfig, local_topology, parse_topology, worker_settings
 from qmigrate.engine.rows import StepRow, prompt_budget, share_prompt_budget
-from qmigrate.engine.runner import EngineConfig
+from qmigrate.engine.config import EngineConfig
 from qmigrate.wire import protocol as P
 from qmigrate.wire.protocol import Finish
 from qmigrate.worker.core import WorkerCore

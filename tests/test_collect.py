@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from qmigrate.engine.rows import Pending, StepRow
-from qmigrate.engine.runner import Engine
+from qmigrate.engine.engine import Engine
 from qmigrate.engine.sampling import SamplingRows, host_arrays, sample
 
 from test_engine import model, tiny  # noqa: F401 (the session's tiny model)

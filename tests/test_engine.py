@@ -16,10 +16,10 @@ from transformers import GenerationConfig
 
 from qmigrate.wire import protocol as P
 from qmigrate.engine.batch import StepBatch
-from qmigrate.engine.builders import build_tiny_model
-from qmigrate.engine.loading import load_model
+from qmigrate.hub.builders import build_tiny_model
+from qmigrate.hub.loading import load_model
 from qmigrate.engine.rows import REFUSED, StepRow
-from qmigrate.engine.runner import Engine
+from qmigrate.engine.engine import Engine
 from qmigrate.engine.sampling import SamplingRows, sample, uniforms
 from qmigrate.wire.protocol import Finish
 from qmigrate.worker.core import MAX_TRANSFERS, WorkerCore
@@ -289,7 +289,7 @@ def test_a_step_batch_is_what_its_rows_give_one_at_a_time():
     """build's arrays, made over the whole step at once, against each row's own: decode rows
     and prompts mixed, cached prefixes, sequences holding blocks past their length; and a
     sequence with too few blocks for its positions is refused, not sent to the null block."""
-    from qmigrate.engine.kvcache import BlockPool
+    from qmigrate.engine.kv.pool import BlockPool
     rng = random.Random(11)
     pool = BlockPool(1, 1, 4, 4000, 4, torch.float32, torch.device("cpu"))
     for trial in range(60):
@@ -1154,7 +1154,7 @@ def test_an_eager_step_padded_to_its_token_count_gives_the_unpadded_logits(model
 
 
 def test_eager_steps_are_padded_to_few_token_counts_within_the_budget():
-    from qmigrate.engine.graph_runner import EAGER_TOKEN_STEP, eager_sizes, eager_tokens
+    from qmigrate.engine.runners.graph import EAGER_TOKEN_STEP, eager_sizes, eager_tokens
     sizes = eager_sizes(4096, 16384)
     assert sizes == list(range(4096 + EAGER_TOKEN_STEP, 16384 + 1, EAGER_TOKEN_STEP))
     for t in range(4097, 16385, 97):  # every step past the last bucket lands on a size warmed up

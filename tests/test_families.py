@@ -16,7 +16,7 @@ from families import FAMILY_NAMES, WINDOW, build_family_model
 from qmigrate.engine import models
 from qmigrate.engine.batch import StepBatch
 from qmigrate.engine.rows import StepRow
-from qmigrate.engine.runner import Engine
+from qmigrate.engine.engine import Engine
 
 NUM_NEW = 10
 

@@ -44,7 +44,7 @@ def _continuations(model, prompts: list[list[int]]) -> list[list[int]]:
 def test_bf16_with_cuda_graphs_against_fp32_transformers(name):
     from qmigrate.engine.batch import StepBatch
     from qmigrate.engine.rows import StepRow
-    from qmigrate.engine.runner import Engine
+    from qmigrate.engine.engine import Engine
     reference = build_family_model(name, device="cuda")
     fast = copy.deepcopy(reference).to(torch.bfloat16)
     engine = Engine(fast, runner="auto", max_len=256, max_kv_tokens=1 << 14, max_batch=NUM_PROMPTS,
@@ -87,10 +87,10 @@ def test_smollm2_runs_on_the_fast_runner():
     """The real SmolLM2 (a Llama) is picked up by `runner: auto` and answers."""
     pytest.importorskip("gguf")          # building it from its GGUF wheel needs both (`.[real]`)
     pytest.importorskip("accelerate")
-    from qmigrate.engine.loading import load_model, resolve_model
-    from qmigrate.engine.real_models import ModelFetchError
+    from qmigrate.hub.loading import load_model, resolve_model
+    from qmigrate.hub.smollm2 import ModelFetchError
     from qmigrate.engine.rows import StepRow
-    from qmigrate.engine.runner import Engine
+    from qmigrate.engine.engine import Engine
     try:
         path = resolve_model("smollm2")
     except ModelFetchError as exc:

@@ -18,7 +18,7 @@ from transformers import LlamaConfig  # noqa: E402
 from transformers.models.llama.modeling_llama import (LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding,  # noqa: E402
                                                       apply_rotary_pos_emb)
 
-from qmigrate.engine import fused  # noqa: E402
+from qmigrate.engine.kernels import fused  # noqa: E402
 
 if fused.triton is None:
     _NO_KERNELS = "triton is not installed"

@@ -30,9 +30,9 @@ def _generate(model, prompt: list[int], n: int) -> list[int]:
 
 
 def test_engine_on_cuda_matches_generate_in_fp32(tiny_model_dir):
-    from qmigrate.engine.loading import load_model
+    from qmigrate.hub.loading import load_model
     from qmigrate.engine.rows import StepRow
-    from qmigrate.engine.runner import Engine
+    from qmigrate.engine.engine import Engine
     model, _ = load_model(tiny_model_dir, "cuda:0", "float32")
     engine = Engine(model, max_batch=32, runner="hf", max_kv_tokens=1 << 14)  # exact in fp32: transformers' forward
     r = random.Random(3)
@@ -103,7 +103,7 @@ def _logits(engine, rows):
 @pytest.fixture(scope="module")
 def medium_model_dir(tmp_path_factory):
     """A Llama shape with TinyLlama's head layout (head_dim 64, 4 query heads per KV head)."""
-    from qmigrate.engine.builders import build_bench_model
+    from qmigrate.hub.builders import build_bench_model
     shape = dict(hidden_size=512, intermediate_size=1408, num_hidden_layers=4, num_attention_heads=8,
                  num_key_value_heads=2, max_position_embeddings=1024, vocab_size=4096)
     return build_bench_model(tmp_path_factory.mktemp("models") / "medium", shape_overrides=shape)
@@ -115,9 +115,9 @@ def test_fast_runner_matches_the_hf_forward_in_bf16(medium_model_dir):
     greedy choices agree at >= 95% of positions. (Not on the tiny test model: its weights
     are drawn with std 0.5 to make its logits sharp, and bf16 rounding alone moves them
     by several percent, in transformers' own forward as much as in ours.)"""
-    from qmigrate.engine.loading import load_model
+    from qmigrate.hub.loading import load_model
     from qmigrate.engine.rows import StepRow
-    from qmigrate.engine.runner import Engine
+    from qmigrate.engine.engine import Engine
     which, path = "medium", medium_model_dir
     model, _ = load_model(path, "cuda:0", "bfloat16")
     fast = Engine(model, runner="fast", max_batch=32, max_kv_tokens=1 << 16)
@@ -146,9 +146,9 @@ def test_fast_runner_matches_the_hf_forward_in_bf16(medium_model_dir):
 
 
 def test_fast_runner_in_fp32_matches_generate(tiny_model_dir):
-    from qmigrate.engine.loading import load_model
+    from qmigrate.hub.loading import load_model
     from qmigrate.engine.rows import StepRow
-    from qmigrate.engine.runner import Engine
+    from qmigrate.engine.engine import Engine
     model, _ = load_model(tiny_model_dir, "cuda:0", "float32")
     engine = Engine(model, runner="fast", max_batch=16, max_kv_tokens=1 << 14)
     r = random.Random(11)
@@ -167,8 +167,8 @@ def test_fast_runner_in_fp32_matches_generate(tiny_model_dir):
 def test_fast_runner_with_chunked_prefill_across_steps_matches_generate(tiny_model_dir, limit):
     """Prompts of up to 120 tokens at 32 prompt tokens a step (every step, or steps that also
     decode), beside decoding rows, on the fast runner (CUDA graphs for the mixed steps) in fp32."""
-    from qmigrate.engine.loading import load_model
-    from qmigrate.engine.runner import Engine
+    from qmigrate.hub.loading import load_model
+    from qmigrate.engine.engine import Engine
     from qmigrate.worker.core import WorkerCore
     from test_chunked_prefill import Router
     model, _ = load_model(tiny_model_dir, "cuda:0", "float32")
@@ -189,9 +189,9 @@ def test_steps_with_prompts_replay_token_graphs_with_the_eager_results(medium_mo
     """Continuous batching's steps: decode rows with new prompts among them, a prefill alone,
     and a prompt longer than a chunk. With graphs they replay a token-bucket graph (padded
     tokens and rows); the logits match the eager forward's within bf16 rounding."""
-    from qmigrate.engine.loading import load_model
+    from qmigrate.hub.loading import load_model
     from qmigrate.engine.rows import StepRow
-    from qmigrate.engine.runner import Engine
+    from qmigrate.engine.engine import Engine
     model, _ = load_model(medium_model_dir, "cuda:0", "bfloat16")
     graphs = Engine(model, runner="fast", max_batch=32, max_batch_tokens=2048, max_kv_tokens=1 << 16)
     eager = Engine(model, runner="fast", max_batch=32, max_batch_tokens=2048, max_kv_tokens=1 << 16,
@@ -230,10 +230,10 @@ def test_eager_steps_with_prompts_are_padded_and_match_the_unpadded_step(medium_
     of EAGER_TOKEN_STEP tokens and to max_batch logits rows (shapes the warm-up has run);
     its logits match the unpadded forward's within bf16 rounding."""
     from qmigrate.engine.batch import StepBatch
-    from qmigrate.engine.graph_runner import EAGER_TOKEN_STEP
-    from qmigrate.engine.loading import load_model
+    from qmigrate.engine.runners.graph import EAGER_TOKEN_STEP
+    from qmigrate.hub.loading import load_model
     from qmigrate.engine.rows import StepRow
-    from qmigrate.engine.runner import Engine
+    from qmigrate.engine.engine import Engine
     model, _ = load_model(medium_model_dir, "cuda:0", "bfloat16")
     kw = dict(runner="fast", max_batch=32, max_batch_tokens=8192, max_kv_tokens=1 << 16)
     graphs, eager = Engine(model, **kw), Engine(model, cuda_graphs=False, **kw)

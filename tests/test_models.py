@@ -9,8 +9,8 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from qmigrate.engine import builders as models
-from qmigrate.engine.loading import (
+from qmigrate.hub import builders as models
+from qmigrate.hub.loading import (
     ModelLoadError,
     ModelNotFound,
     cache_root,
@@ -19,7 +19,7 @@ from qmigrate.engine.loading import (
     load_model,
     resolve_model,
 )
-from qmigrate.engine.builders import build_bench_model, build_tiny_model
+from qmigrate.hub.builders import build_bench_model, build_tiny_model
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 PROMPTS = ["The old sailor carried", "Hello there, how are you today?", "我们明天早上"]
@@ -135,7 +135,7 @@ def test_ensure_default_model_builds_once(monkeypatch, tmp_path):
 
 def test_concurrent_builds_race_safely(tmp_path):
     out = tmp_path / "raced"
-    code = ("import sys; from qmigrate.engine.builders import build_tiny_model; "
+    code = ("import sys; from qmigrate.hub.builders import build_tiny_model; "
             "print(build_tiny_model(sys.argv[1]))")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")])}
     procs = [subprocess.Popen([sys.executable, "-c", code, str(out)], env=env,
@@ -245,13 +245,13 @@ def test_tokenizer_info_without_torch_matches_autotokenizer(tiny_model_dir, tmp_
     import subprocess
     import sys
 
-    from qmigrate.engine.tokenizer_info import _auto_tokenizer_info, _generic_tokenizer_info, load_tokenizer_info
+    from qmigrate.hub.tokenizer_info import _auto_tokenizer_info, _generic_tokenizer_info, load_tokenizer_info
     fast, auto = _generic_tokenizer_info(tiny_model_dir), _auto_tokenizer_info(tiny_model_dir, False)
     assert fast is not None and type(fast[0]) is type(auto[0]) and fast[1:] == auto[1:]
     for text in ("Hello there 東京 🦀 café", "  two leading spaces", ""):
         ids = auto[0](text).input_ids
         assert fast[0](text).input_ids == ids and fast[0].decode(ids) == auto[0].decode(ids)
-    probe = ("import sys; from qmigrate.engine.tokenizer_info import load_tokenizer_info as f; "
+    probe = ("import sys; from qmigrate.hub.tokenizer_info import load_tokenizer_info as f; "
              f"print(f({str(tiny_model_dir)!r})[1:], 'torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "(512, [2]) False", out

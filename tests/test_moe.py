@@ -14,9 +14,9 @@ if not torch.cuda.is_available() and "triton" not in sys.modules:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from qmigrate.engine.layers import moe as M  # noqa: E402
-from qmigrate.engine import paged_attention as pa  # noqa: E402
+from qmigrate.engine.kernels import paged_attention as pa  # noqa: E402
 
-KERNELS = M._grouped_gemm_kernel is not None and (torch.cuda.is_available() or pa.is_interpreted())
+KERNELS = M.grouped_gemm_kernel is not None and (torch.cuda.is_available() or pa.is_interpreted())
 needs_kernels = pytest.mark.skipif(not KERNELS, reason="no CUDA, and triton was imported before TRITON_INTERPRET")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -72,10 +72,10 @@ def test_active_weight_bytes_count_the_experts_a_batch_hits(tmp_path):
 
 def test_bench_moe_model_runs_on_the_fast_runner_and_its_floor_counts_active_experts(tmp_path):
     from qmigrate.bench.step import _step_bytes
-    from qmigrate.engine.builders import build_bench_moe_model
-    from qmigrate.engine.loading import load_model
+    from qmigrate.hub.builders import build_bench_moe_model
+    from qmigrate.hub.loading import load_model
     from qmigrate.engine.rows import StepRow
-    from qmigrate.engine.runner import Engine
+    from qmigrate.engine.engine import Engine
     small = dict(hidden_size=64, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, max_position_embeddings=128, vocab_size=1500)
     model, _ = load_model(build_bench_moe_model(tmp_path / "moe", dtype="float32", shape_overrides=small), "cpu")

@@ -270,7 +270,7 @@ def test_a_cuda_device_this_machine_lacks_is_named(tmp_path):
 def test_an_unreachable_hub_model_is_one_line(monkeypatch):
     import huggingface_hub
 
-    from qmigrate.engine.loading import ModelNotFound, fetch_hub_model
+    from qmigrate.hub.loading import ModelNotFound, fetch_hub_model
 
     def offline(name, **kw):
         raise OSError("Got: ConnectError: [Errno -2] Name or service not known\nmore detail")

@@ -19,7 +19,7 @@ if not torch.cuda.is_available():
 
 pytest.importorskip("triton", reason="triton is not installed")
 
-from qmigrate.engine import paged_attention as pa  # noqa: E402
+from qmigrate.engine.kernels import paged_attention as pa  # noqa: E402
 
 HAS_CUDA = torch.cuda.is_available()
 ON_CPU = pytest.param("cpu", marks=pytest.mark.skipif(

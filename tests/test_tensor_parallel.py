@@ -27,8 +27,8 @@ from qmigrate.wire import protocol as P
 from qmigrate.wire import transport
 from qmigrate.wire.client import feed_lines
 
-from qmigrate.engine import parallel
-from qmigrate.engine.parallel import LayoutError, check_layout
+from qmigrate.engine.parallel import sharding as parallel
+from qmigrate.engine.parallel.sharding import LayoutError, check_layout
 
 import families
 import tp_ranks
@@ -81,8 +81,9 @@ def test_a_model_without_weights_cuts_into_the_shapes_rank_0_sends(name):
     """A follower's shard of the model built on the meta device lists the tensors, in order
     and shape, of the shard that rank 0 cuts for it from the checkpoint; the rotary tables
     the layers share are listed once, and cutting leaves the model as it was."""
-    from qmigrate.engine import models, scatter
-    from qmigrate.engine.loading import model_structure
+    from qmigrate.engine import models
+    from qmigrate.engine.parallel import scatter
+    from qmigrate.hub.loading import model_structure
     real = models.build(families.build_family_model(name))
     meta = models.build(model_structure(families.family_config(name)))
     before = [t.clone() for t in scatter.shard_tensors(real)]
@@ -99,7 +100,7 @@ def test_a_model_without_weights_cuts_into_the_shapes_rank_0_sends(name):
 
 
 def test_a_shard_list_that_differs_is_found_where_it_first_does():
-    from qmigrate.engine import scatter
+    from qmigrate.engine.parallel import scatter
     a = scatter.manifest([torch.zeros(4, 8), torch.zeros(3), torch.zeros(2, 2, dtype=torch.bfloat16)])
     assert scatter.first_difference(a, a) == -1
     b = scatter.manifest([torch.zeros(4, 8), torch.zeros(3), torch.zeros(2, 2)])

@@ -19,10 +19,10 @@ import traceback
 import torch
 
 import families
-from qmigrate.engine import lockstep
-from qmigrate.engine.parallel import TensorParallel
+from qmigrate.engine.parallel import lockstep
+from qmigrate.engine.parallel.sharding import TensorParallel
 from qmigrate.engine.rows import StepRow
-from qmigrate.engine.runner import Engine
+from qmigrate.engine.engine import Engine
 
 NUM_NEW = 6
 MORE = 4     # tokens decoded after a KV move
@@ -155,7 +155,7 @@ def run_world(world: int, init_method: str, tiny_dir: str, out: str, device: str
     one per rank. A rank dies with this process."""
     torch.set_num_threads(1)   # before any op: a forked child must not inherit a thread pool
     import transformers  # noqa: F401
-    from qmigrate.engine import loading  # noqa: F401
+    from qmigrate.hub import loading  # noqa: F401
     for name in MODEL_MODULES:
         importlib.import_module(f"transformers.models.{name}.modeling_{name}")
     launcher = os.getpid()
@@ -188,7 +188,7 @@ def run_rank(rank: int, world: int, init_method: str, tiny_dir: str, out: str, d
         faulthandler.dump_traceback_later(90, repeat=True)
     try:
         tp = TensorParallel.init(rank, world, init_method, f"cuda:{rank}" if device == "cuda" else device)
-        from qmigrate.engine.loading import load_model
+        from qmigrate.hub.loading import load_model
         cases = {"tiny": lambda: load_model(tiny_dir, "cpu")[0]}
         cases.update({f: (lambda f=f: random_model(f)) for f in FAMILIES})
         cases.update({f: (lambda f=f: families.build_family_model(f, seed=5)) for f in SHARED_FAMILIES})
@@ -217,7 +217,7 @@ def followers_without_weights(weightless_dir: str) -> dict:
     """Every case's model as a follower builds it: from a config, every tensor on the meta
     device; transformers' checkpoint loading refuses to run."""
     from transformers import AutoModelForCausalLM
-    from qmigrate.engine.loading import load_structure, model_structure
+    from qmigrate.hub.loading import load_structure, model_structure
 
     def refuse(*args, **kwargs):
         raise AssertionError("a follower rank loaded a checkpoint")
@@ -231,8 +231,8 @@ def followers_without_weights(weightless_dir: str) -> dict:
 def mismatched(tp: TensorParallel) -> str:
     """Rank 0 holds the llama case; the others expect it with a narrower MLP: the error each
     rank's engine raises at startup."""
-    from qmigrate.engine.loading import model_structure
-    from qmigrate.engine.parallel import LayoutError
+    from qmigrate.hub.loading import model_structure
+    from qmigrate.engine.parallel.sharding import LayoutError
     if tp.is_leader:
         model = random_model("llama")
     else:

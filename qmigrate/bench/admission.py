@@ -29,9 +29,9 @@ def run_admission_steps(model_path: str, device: str, batches: list[int], contex
     """`worker`: WorkerConfig fields (from --worker-setting); the engine is built from them,
     with rows for the largest batch and the new prompt."""
     from qmigrate.config import WorkerConfig
-    from qmigrate.engine.loading import load_model
+    from qmigrate.hub.loading import load_model
     from qmigrate.engine.rows import StepRow
-    from qmigrate.engine.runner import Engine
+    from qmigrate.engine.engine import Engine
     cfg = WorkerConfig(**{**worker, "max_seqs": max(batches) + 1}).engine_config()
     limit = cfg.prefill_tokens_with_decode
     model, _ = load_model(model_path, device, "auto")

@@ -64,8 +64,8 @@ def worker_starts(system_len: int, question_len: int, lease_prompts: int, repeat
     on the model at model_path (a small one: its forward is not run; default the tiny model)."""
     import numpy as np
     import torch
-    from qmigrate.engine.loading import ensure_default_model, load_model
-    from qmigrate.engine.runner import Engine
+    from qmigrate.hub.loading import ensure_default_model, load_model
+    from qmigrate.engine.engine import Engine
     from qmigrate.wire import protocol as P
     from qmigrate.worker.core import WorkerCore
     model, _ = load_model(model_path or ensure_default_model(), "cpu")

@@ -130,8 +130,8 @@ def run_inprocess(model_path: str, device: str, dtype: str, requests, max_seqs: 
     """The engine alone, with the pipeline workers' limits on the prompt tokens of a step (so
     the two paths schedule prefill alike)."""
     from qmigrate.config import WorkerConfig
-    from qmigrate.engine.loading import load_model
-    from qmigrate.engine.runner import Engine
+    from qmigrate.hub.loading import load_model
+    from qmigrate.engine.engine import Engine
     worker = WorkerConfig(**(worker_overrides or {}))
     model, _ = load_model(model_path, device, dtype)
     engine = Engine(model, max_batch=max_seqs, max_batch_tokens=max_tokens, runner=runner,
@@ -218,7 +218,7 @@ def _profiled(engine, rows, device: str) -> list[int]:
 
 def run_hf_static(model_path: str, device: str, dtype: str, requests, batch_size: int) -> PathResult:
     import torch
-    from qmigrate.engine.loading import load_model
+    from qmigrate.hub.loading import load_model
     model, tokenizer = load_model(model_path, device, dtype)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     lengths = [n for _, n in requests]

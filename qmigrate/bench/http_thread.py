@@ -138,7 +138,7 @@ def main(argv=None) -> None:
 
 def _measure(args, tmp: Path, prompt_len: str, output_len: str) -> dict:
     from qmigrate.config import IngestConfig
-    from qmigrate.engine.builders import build_tiny_model
+    from qmigrate.hub.builders import build_tiny_model
     from qmigrate.ingest.http import HttpServer
     from qmigrate.ingest.prompts import Defaults
     from qmigrate.ops.process import freeze_heap

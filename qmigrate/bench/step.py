@@ -50,9 +50,9 @@ def copy_bandwidth(device: str, nbytes: int = 1 << 30) -> float:
 
 def run_decode_steps(model_path: str, device: str, batches: list[int], context: int, runner: str,
                      json_path: Path | None = None, profile: bool = False) -> list[dict]:
-    from qmigrate.engine.loading import load_model
+    from qmigrate.hub.loading import load_model
     from qmigrate.engine.rows import StepRow
-    from qmigrate.engine.runner import Engine
+    from qmigrate.engine.engine import Engine
     model, _ = load_model(model_path, device, "auto")
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     engine = Engine(model, max_batch=max(batches) + 1, max_batch_tokens=16384, runner=runner)

@@ -24,8 +24,8 @@ import zmq
 from qmigrate.wire import protocol as P
 from qmigrate.wire import transport
 from qmigrate.detokenizer.sinks import make_sink
-from qmigrate.engine.loading import resolve_model
-from qmigrate.engine.tokenizer_info import load_tokenizer_info
+from qmigrate.hub.loading import resolve_model
+from qmigrate.hub.tokenizer_info import load_tokenizer_info
 from qmigrate.router.journal import Journal
 from qmigrate.wire.security import Guard
 from qmigrate.ops.process import freeze_heap

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .kvcache import BlockPool
+from qmigrate.engine.kv.pool import BlockPool
 
 
 @dataclass(slots=True)

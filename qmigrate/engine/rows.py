@@ -9,11 +9,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .batch import StepBatch
-from .sampling import HostRows
+from qmigrate.engine.batch import StepBatch
+from qmigrate.engine.sampling import HostRows
 
 if TYPE_CHECKING:
-    from .runner import EngineConfig
+    from qmigrate.engine.config import EngineConfig
 
 REFUSED = -1   # the token of a row the pool had no room for
 

@@ -8,10 +8,10 @@ import logging
 
 import torch
 
-from .batch import StepBatch
-from .kvcache import BlockPool
-from .rows import REFUSED, StepRow
-from .sampling import SamplingRows, sample
+from qmigrate.engine.batch import StepBatch
+from qmigrate.engine.kv.pool import BlockPool
+from qmigrate.engine.rows import REFUSED, StepRow
+from qmigrate.engine.sampling import SamplingRows, sample
 
 log = logging.getLogger(__name__)
 

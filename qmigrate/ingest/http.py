@@ -41,7 +41,7 @@ from aiohttp import web
 
 from qmigrate.wire import protocol as P
 from qmigrate.wire import transport
-from qmigrate.engine.tokenizer_info import load_tokenizer_info
+from qmigrate.hub.tokenizer_info import load_tokenizer_info
 from qmigrate.ingest.handoff import HTTP_BIT, THREAD_ID_BITS
 from qmigrate.ingest.prompts import Defaults, check_json
 from qmigrate.ingest.streams import DONE, MARK, SHUTDOWN, SSE_HEADERS, Frame, Updates, sse

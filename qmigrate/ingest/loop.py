@@ -32,8 +32,8 @@ import zmq
 
 from qmigrate.wire import protocol as P
 from qmigrate.wire import transport
-from qmigrate.engine.loading import resolve_model
-from qmigrate.engine.tokenizer_info import load_tokenizer_info
+from qmigrate.hub.loading import resolve_model
+from qmigrate.hub.tokenizer_info import load_tokenizer_info
 from qmigrate.ingest.handoff import THREAD_ID_BITS, HandoffOrder, reply_rows
 from qmigrate.ingest.prompts import CancelRequest, Defaults, PromptError, parse_line, seed_of, to_spec
 from qmigrate.wire.security import Guard

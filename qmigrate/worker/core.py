@@ -23,9 +23,9 @@ import numpy as np
 import torch
 
 from qmigrate.wire import protocol as P
-from qmigrate.engine.kvcache import landed
+from qmigrate.engine.kv.pool import landed
 from qmigrate.engine.rows import REFUSED, StepRow
-from qmigrate.engine.runner import Engine
+from qmigrate.engine.engine import Engine
 from qmigrate.wire.protocol import Finish
 from qmigrate.ops.trace import OFF
 

@@ -23,8 +23,8 @@ import zmq
 
 from qmigrate.wire import protocol as P
 from qmigrate.wire import transport
-from qmigrate.engine.loading import load_model, resolve_model
-from qmigrate.engine.runner import Engine
+from qmigrate.hub.loading import load_model, resolve_model
+from qmigrate.engine.engine import Engine
 from qmigrate.wire.security import SecurityError
 from qmigrate.ops.trace import flush_on_sigterm, tracer
 from qmigrate.worker.core import WorkerCore
@@ -47,7 +47,7 @@ class Worker:
         self.router_addr = topo.endpoint("router").connect
         self.kv_endpoint = topo.endpoint("kv", name)
         device = self.cfg.device if self.cfg.device != "cuda" else "cuda:0"
-        _share_cpu_threads(topo, self.cfg)
+        share_cpu_threads(topo, self.cfg)
         self.ranks = None
         if self.cfg.tensor_parallel > 1:   # N processes, this one rank 0 (worker/ranks.py)
             from qmigrate.worker import ranks
@@ -349,7 +349,7 @@ class Worker:
         return max(reserved, self.nvml_bytes)
 
 
-def _share_cpu_threads(topo, cfg) -> None:
+def share_cpu_threads(topo, cfg) -> None:
     """Split the node's cores between its CPU workers; a GPU worker needs only a few for
     host-side work, and a full-width thread pool per process just fights the others."""
     cores = os.cpu_count() or 1

@@ -4,9 +4,9 @@ Rank 0 is the worker process the router knows. It spawns ranks 1..N-1 as child p
 (`python -m qmigrate.worker.ranks`), which join it through torch.distributed with a file://
 rendezvous in a private temporary directory. Rank 0 alone loads the checkpoint, on the CPU;
 the followers build the model from its config without weights, and rank 0 sends each its
-shard (engine/scatter.py). Every rank keeps its shard on its own device (rank r of a worker
+shard (engine/parallel/scatter.py). Every rank keeps its shard on its own device (rank r of a worker
 on cuda:K uses cuda:K+r) and builds the same engine; then the followers do what rank 0
-sends them (engine/lockstep.py).
+sends them (engine/parallel/lockstep.py).
 
 Failure: rank 0 polls its followers; when one exits, it says which and why, stops the
 others and exits, so the router sees a dead worker and moves its sequences. A follower
@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 
 from qmigrate.config import dump_topology, load_topology
-from qmigrate.engine.parallel import TensorParallel
+from qmigrate.engine.parallel.sharding import TensorParallel
 from qmigrate.ops.process import die_with
 
 log = logging.getLogger("qmigrate.worker")
@@ -55,8 +55,8 @@ def load_dtype(dtype: str, device: str) -> str:
 def build_engine(topo, name: str, model_path: str, tp: TensorParallel):
     """This rank's engine, sharded onto tp.device: on rank 0 from the checkpoint loaded on the
     CPU; on the others from the model's config, their shards' values sent by rank 0."""
-    from qmigrate.engine.loading import load_model, load_structure
-    from qmigrate.engine.runner import Engine
+    from qmigrate.hub.loading import load_model, load_structure
+    from qmigrate.engine.engine import Engine
     cfg = topo.worker(name)
     dtype, trust = load_dtype(topo.model.dtype, cfg.device), topo.model.trust_remote_code
     if tp.is_leader:
@@ -69,7 +69,7 @@ def build_engine(topo, name: str, model_path: str, tp: TensorParallel):
 def check_model(name: str, model_path: str, world: int, trust_remote_code: bool = False) -> None:
     """Before any rank starts: the model's heads and MLP widths must divide by the world size."""
     from transformers import AutoConfig
-    from qmigrate.engine.parallel import LayoutError, check_layout, mlp_widths
+    from qmigrate.engine.parallel.sharding import LayoutError, check_layout, mlp_widths
     cfg = AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code)
     cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
     heads = cfg.num_attention_heads
@@ -162,14 +162,14 @@ class Ranks:
 
 def follow(topo_path: str, name: str, model_path: str, rank: int, init_method: str) -> int:
     """A follower rank's whole life: join, build the same engine as rank 0, follow it."""
-    from qmigrate.engine import lockstep
+    from qmigrate.engine.parallel import lockstep
     from qmigrate.launch import set_title
     set_title("rank", f"{rank} of {name}")
     topo = load_topology(topo_path)
     cfg = topo.worker(name)
     logging.basicConfig(level=logging.WARNING, format=f"%(asctime)s worker {name} rank {rank}: %(message)s")
-    from qmigrate.worker.loop import _share_cpu_threads
-    _share_cpu_threads(topo, cfg)
+    from qmigrate.worker.loop import share_cpu_threads
+    share_cpu_threads(topo, cfg)
     tp = TensorParallel.init(rank, cfg.tensor_parallel, init_method, rank_device(cfg.device, rank))
     engine = build_engine(topo, name, model_path, tp)
     lockstep.follow(engine)

@@ -8,10 +8,10 @@ from dataclasses import dataclass
 
 import torch
 
-from .. import fused
-from .. import paged_attention as attn
-from .linear import Linear
-from .norms import RMSNorm
+from qmigrate.engine.kernels import fused
+from qmigrate.engine.kernels import paged_attention as attn
+from qmigrate.engine.layers.linear import Linear
+from qmigrate.engine.layers.norms import RMSNorm
 
 
 @dataclass(slots=True)

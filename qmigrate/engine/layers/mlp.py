@@ -7,8 +7,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .. import fused
-from .linear import Linear
+from qmigrate.engine.kernels import fused
+from qmigrate.engine.layers.linear import Linear
 
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh", "gelu_tanh")
 

@@ -3,7 +3,7 @@ experts run grouped, and Qwen2-MoE's shared expert behind a sigmoid gate.
 
 Grouped means one GEMM per projection for all experts of a step: assignments are sorted by
 expert (`route_blocks`) and a Triton grouped GEMM gives each tile of rows its expert's
-weight (moe_kernels.py), without a host sync, so it runs inside CUDA graphs. Without the
+weight (kernels/moe_gemm.py), without a host sync, so it runs inside CUDA graphs. Without the
 kernels (the CPU) the torch path runs each hit expert's tokens in one matmul, in the order
 transformers sums them, which makes it the exact reference.
 """
@@ -15,15 +15,15 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .. import paged_attention as attn
-from ..tiling import next_pow2
-from .linear import Linear
-from .mlp import GatedMLP, act_and_mul
+from qmigrate.engine.kernels import paged_attention as attn
+from qmigrate.engine.kernels.tiling import next_pow2
+from qmigrate.engine.layers.linear import Linear
+from qmigrate.engine.layers.mlp import GatedMLP, act_and_mul
 
 try:
-    from .moe_kernels import _grouped_gemm_kernel
+    from qmigrate.engine.kernels.moe_gemm import grouped_gemm_kernel
 except ImportError:  # no triton: the torch path only
-    _grouped_gemm_kernel = None
+    grouped_gemm_kernel = None
 
 BLOCK_M = 16
 
@@ -48,7 +48,7 @@ class MoE:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, H] -> [T, H]."""
         weights, experts = self.route(x)
-        if attn.can_use_triton(x) and _grouped_gemm_kernel is not None:
+        if attn.can_use_triton(x) and grouped_gemm_kernel is not None:
             out = self._grouped(x, weights, experts)
         else:
             out = self._per_expert(x, weights, experts)
@@ -140,7 +140,7 @@ def grouped_gemm(a, b, sorted_ids, tile_expert, num_assign: int, rows_per_a: int
     block_n = 64 if n >= 64 else max(16, next_pow2(n))
     block_k = 64 if k >= 64 else max(16, next_pow2(k))
     grid = (tile_expert.shape[0], -(-n // block_n))
-    _grouped_gemm_kernel[grid](
+    grouped_gemm_kernel[grid](
         a, b, out, sorted_ids, tile_expert, weights if weights is not None else out, num_assign, n, k,
         a.stride(0), b.stride(0), b.stride(1), out.stride(0), ROWS_PER_A=rows_per_a,
         MUL_WEIGHT=weights is not None, BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k,

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .. import fused
+from qmigrate.engine.kernels import fused
 
 
 @dataclass(slots=True)

@@ -8,8 +8,8 @@ import importlib
 
 import torch
 
-from ..layers.mlp import ACTIVATIONS
-from ..layers.rotary import unsupported_rope
+from qmigrate.engine.layers.mlp import ACTIVATIONS
+from qmigrate.engine.layers.rotary import unsupported_rope
 
 # model_type -> module of engine/models/ that builds it
 FAMILIES = {

@@ -9,9 +9,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ..layers.attention import Attention
-from ..layers.linear import Linear
-from ..layers.norms import RMSNorm
+from qmigrate.engine.layers.attention import Attention
+from qmigrate.engine.layers.linear import Linear
+from qmigrate.engine.layers.norms import RMSNorm
 
 
 @dataclass(slots=True)

@@ -3,11 +3,11 @@
 
 from __future__ import annotations
 
-from ..layers.attention import Attention, layer_windows
-from ..layers.mlp import GatedMLP
-from ..layers.norms import RMSNorm
-from ..layers.rotary import tables_for
-from .base import DecoderLayer, DecoderModel, output_head
+from qmigrate.engine.layers.attention import Attention, layer_windows
+from qmigrate.engine.layers.mlp import GatedMLP
+from qmigrate.engine.layers.norms import RMSNorm
+from qmigrate.engine.layers.rotary import tables_for
+from qmigrate.engine.models.base import DecoderLayer, DecoderModel, output_head
 
 MODEL_TYPES = ("phi3",)
 

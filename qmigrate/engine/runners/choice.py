@@ -1,44 +1,19 @@
-"""The runner protocol (what the engine asks of a forward pass) and the choice of runner
-for a model and device."""
+"""The choice of runner for a model and device."""
 
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
 import torch
 
-from .hf_runner import HFRunner
-from .kvcache import BlockPool
+from qmigrate.engine.runners.hf import HFRunner
+from qmigrate.engine.runners.protocol import Runner
 
 if TYPE_CHECKING:
-    from .batch import StepBatch
-    from .runner import EngineConfig
+    from qmigrate.engine.config import EngineConfig
 
 log = logging.getLogger(__name__)
-
-RUNNERS = ("auto", "fast", "hf")
-
-
-class Runner(Protocol):
-    """What the engine asks of a runner.
-
-    forward(batch, feed) returns float32 logits [B, V] of each row's last token; `feed` =
-    (rows, src, tokens) says the input of row rows[k] (a decode row) is tokens[src[k]], a
-    tensor on the device that the previous step sampled: only a runner with can_feed takes
-    one (the engine gives the others the ids on the host). attach() hands it the KV pool
-    (None: drop it); with capture it may capture CUDA graphs over the pool. eager_sizes()
-    lists the padded token counts of steps it runs eagerly, for the warm-up to run once."""
-
-    name: str
-    can_feed: bool
-
-    def attach(self, pool: BlockPool | None, capture: bool = True) -> None: ...
-
-    def forward(self, batch: StepBatch, feed=None) -> torch.Tensor: ...
-
-    def eager_sizes(self) -> list[int]: ...
-
 
 def make_runner(model, cfg: EngineConfig, device: torch.device, tp=None) -> tuple[Runner, str]:
     """(runner, why it was chosen): the fast runner on a GPU for every family engine/models/
@@ -46,9 +21,9 @@ def make_runner(model, cfg: EngineConfig, device: torch.device, tp=None) -> tupl
     parallelism needs the fast runner: its model is sharded for this rank, the shards of
     the other ranks sent from rank 0 (scatter.py)."""
     if tp is not None:
-        from . import models
-        from .graph_runner import GraphRunner
-        from .scatter import scatter_shards
+        from qmigrate.engine import models
+        from qmigrate.engine.runners.graph import GraphRunner
+        from qmigrate.engine.parallel.scatter import scatter_shards
         reason = models.unsupported(model, device) or ("runner 'hf' was asked for" if cfg.runner == "hf" else None)
         if reason is not None:
             raise ValueError(f"tensor parallelism needs the fast runner, which cannot run this model: {reason}")
@@ -60,8 +35,8 @@ def make_runner(model, cfg: EngineConfig, device: torch.device, tp=None) -> tupl
         return HFRunner(model, max_padding=cfg.max_padding), "forced by the runner setting"
     if cfg.runner == "auto" and device.type != "cuda":
         return HFRunner(model, max_padding=cfg.max_padding), "the fast runner is for GPUs"
-    from . import models
-    from .graph_runner import GraphRunner
+    from qmigrate.engine import models
+    from qmigrate.engine.runners.graph import GraphRunner
     reason = models.unsupported(model, device)
     if reason is None:
         why = "forced by the runner setting" if cfg.runner == "fast" else f"{models.family(model)} family on a GPU"

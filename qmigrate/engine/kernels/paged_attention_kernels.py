@@ -78,7 +78,7 @@ def _attend_span(acc, m_i, l_i, q, k_ptr, v_ptr, table, kv_head, start, end, off
 
 
 @triton.jit
-def _decode_kernel(q_ptr, k_ptr, v_ptr, seq_lens_ptr, tables_ptr, out_ptr, lse_ptr,
+def decode_kernel(q_ptr, k_ptr, v_ptr, seq_lens_ptr, tables_ptr, out_ptr, lse_ptr,
                    qk_scale, stride_qt, stride_qh, stride_kb, stride_ks, stride_kh,
                    stride_vb, stride_vs, stride_vh, stride_table,
                    stride_ot, stride_oh, stride_os, stride_lt, stride_lh, window, cap_log2,
@@ -91,10 +91,10 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, seq_lens_ptr, tables_ptr, out_ptr, lse_p
     """Program (row, KV head, split): the GROUP query heads of that KV head over one split.
 
     One split writes the normalised output; several write fp32 partials [B, Hq, S, D] and
-    their log2-sum-exp [B, Hq, S] for _merge_splits_kernel.
+    their log2-sum-exp [B, Hq, S] for merge_splits_kernel.
 
     SHARED (one split, no window): a row's first row_start[row] keys were attended by
-    _shared_prefix_kernel, whose PREFIX_SPLITS partials [B, Hq, P, D] and log2-sum-exps
+    shared_prefix_kernel, whose PREFIX_SPLITS partials [B, Hq, P, D] and log2-sum-exps
     [B, Hq, P] start the online softmax; the row reads only its keys after them.
     """
     row = tl.program_id(0)
@@ -151,7 +151,7 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, seq_lens_ptr, tables_ptr, out_ptr, lse_p
 
 
 @triton.jit
-def _merge_splits_kernel(part_ptr, lse_ptr, out_ptr, stride_pt, stride_ph, stride_ps,
+def merge_splits_kernel(part_ptr, lse_ptr, out_ptr, stride_pt, stride_ph, stride_ps,
                          stride_lt, stride_lh, stride_ot, stride_oh, NUM_SPLITS: tl.constexpr,
                          SPLITS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr):
     """Program (row, query head): weight each split's output by its share of the softmax."""
@@ -173,7 +173,7 @@ def _merge_splits_kernel(part_ptr, lse_ptr, out_ptr, stride_pt, stride_ph, strid
 
 
 @triton.jit
-def _prefill_kernel(q_ptr, k_ptr, v_ptr, query_start_ptr, seq_lens_ptr, tables_ptr,
+def prefill_kernel(q_ptr, k_ptr, v_ptr, query_start_ptr, seq_lens_ptr, tables_ptr,
                     tile_rows_ptr, tile_first_ptr, out_ptr,
                     qk_scale, stride_qt, stride_qh, stride_kb, stride_ks, stride_kh,
                     stride_vb, stride_vs, stride_vh, stride_table, stride_ot, stride_oh, window, cap_log2,
@@ -242,7 +242,7 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, query_start_ptr, seq_lens_ptr, tables_p
 
 
 @triton.jit
-def _shared_prefix_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, group_rows_ptr, group_len_ptr, out_ptr, lse_ptr,
+def shared_prefix_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, group_rows_ptr, group_len_ptr, out_ptr, lse_ptr,
                           qk_scale, stride_qt, stride_qh, stride_kb, stride_ks, stride_kh,
                           stride_vb, stride_vs, stride_vh, stride_table, stride_gr,
                           stride_ot, stride_oh, stride_os, stride_lt, stride_lh, cap_log2,
@@ -254,7 +254,7 @@ def _shared_prefix_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, group_rows_ptr, group
     rows share block for block. Each key tile is read once for the whole group.
 
     Tile row m holds row m // GROUP, head m % GROUP. Writes fp32 partials [B, Hq, S, D] and
-    log2-sum-exps [B, Hq, S] (-inf for an empty split) for _decode_kernel's SHARED mode.
+    log2-sum-exps [B, Hq, S] (-inf for an empty split) for decode_kernel's SHARED mode.
     """
     group = tl.program_id(0)
     kv_head = tl.program_id(1)

@@ -11,7 +11,7 @@ import triton.language as tl
 
 
 @triton.jit
-def _grouped_gemm_kernel(a_ptr, b_ptr, c_ptr, sorted_ptr, expert_ptr, weight_ptr,
+def grouped_gemm_kernel(a_ptr, b_ptr, c_ptr, sorted_ptr, expert_ptr, weight_ptr,
                          num_assign, n, k, stride_am, stride_be, stride_bn, stride_cm,
                          ROWS_PER_A: tl.constexpr, MUL_WEIGHT: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,

@@ -3,7 +3,7 @@
 Rank 0 cuts every other rank's shard from its model on the CPU (parallel.shard_model with
 that rank's number), one rank at a time, and sends it over the host (gloo) group; then it
 cuts its own. The other ranks build the same model without weights (transformers' modules
-on the meta device, engine/loading.py's load_structure), cut it the same way into empty
+on the meta device, hub/loading.py's load_structure), cut it the same way into empty
 tensors on their devices, and receive the values. Host memory is then about one checkpoint
 (on rank 0) plus one shard, where every rank loading the checkpoint needed N of them.
 
@@ -21,7 +21,7 @@ import dataclasses
 import torch
 import torch.distributed as dist
 
-from .parallel import LayoutError, TensorParallel, shard_model
+from qmigrate.engine.parallel.sharding import LayoutError, TensorParallel, shard_model
 
 CHUNK_BYTES = 64 << 20   # the most a send or a receive's staging buffer holds
 MAX_DIMS = 4

@@ -8,7 +8,8 @@ import json
 import os
 from pathlib import Path
 
-from .loading import ModelLoadError, _remote_code_error
+from qmigrate.hub.loading import remote_code_error
+from qmigrate.hub.store import ModelLoadError
 
 # Tokenizer classes AutoTokenizer resolves to transformers' generic fast tokenizer itself.
 _GENERIC_TOKENIZERS = ("TokenizersBackend", "PreTrainedTokenizerFast")
@@ -68,7 +69,7 @@ def _auto_tokenizer_info(path, trust_remote_code: bool):
         tokenizer = AutoTokenizer.from_pretrained(str(path), trust_remote_code=trust_remote_code)
         config = AutoConfig.from_pretrained(str(path), trust_remote_code=trust_remote_code)
     except Exception as exc:  # noqa: BLE001 -- any failure here means "cannot serve this model"
-        if (refused := _remote_code_error(path, exc)) is not None:
+        if (refused := remote_code_error(path, exc)) is not None:
             raise refused from None
         reason = (str(exc).strip().splitlines() or [""])[0]
         raise ModelLoadError(f"cannot load tokenizer of {path}: {type(exc).__name__}: {reason}") from exc

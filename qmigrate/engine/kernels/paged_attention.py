@@ -22,9 +22,9 @@ try:
 except ImportError:  # the reference still works without triton
     triton = None
 
-from . import shared_prefix
-from .tiling import next_pow2
-from .kvcache import write_kv  # noqa: F401 -- the write half of a step, re-exported beside attention
+from qmigrate.engine.kernels import shared_prefix
+from qmigrate.engine.kernels.tiling import next_pow2
+from qmigrate.engine.kv.pool import write_kv  # noqa: F401 -- the write half of a step, re-exported beside attention
 
 LOG2E = 1.4426950408889634
 MIN_SPLIT_KEYS = 128   # a decode split shorter than this costs more to merge than it saves
@@ -96,7 +96,7 @@ def supports_head_dim(head_dim: int) -> bool:
 def is_interpreted() -> bool:
     # the interpreter is chosen when triton is first imported, so ask a kernel, not the environment
     from triton.runtime.interpreter import InterpretedFunction
-    return isinstance(_decode_kernel, InterpretedFunction)
+    return isinstance(decode_kernel, InterpretedFunction)
 
 
 def _qk_scale(scale: float, softcap: float) -> float:
@@ -154,7 +154,7 @@ def decode_tiles(head_dim: int) -> tuple[int, int, int]:
 
     One choice for every batch: with rows of varied lengths and contexts of 300-1600 keys it
     measured best or near best of 11 choices at most batch sizes (`python -m
-    qmigrate.engine.paged_attention --tiles`; figures in docs/benchmarks-history.md).
+    qmigrate.engine.kernels.paged_attention --tiles`; figures in docs/benchmarks-history.md).
     Narrower tiles won clearly only with rows of one length."""
     return (64 if head_dim <= 128 else 32), 4, 3
 
@@ -177,7 +177,7 @@ def decode_attention(q, k_cache, v_cache, seq_lens, block_tables, scale, out=Non
     reused, so only a call of a new shape allocates (warm up before capturing a graph).
     `tiles` (keys per tile, warps, pipeline stages) replaces decode_tiles' choice (timing only).
     `shared`: groups of rows whose leading keys are the same blocks, attended once per group
-    (engine/shared_prefix.py); the rows then read their own keys in one split each.
+    (engine/kernels/shared_prefix.py); the rows then read their own keys in one split each.
     """
     group, num_kv_heads, head_dim, block_size = _check(q, k_cache, v_cache, block_tables)
     batch, num_heads = q.shape[0], q.shape[1]
@@ -211,7 +211,7 @@ def decode_attention(q, k_cache, v_cache, seq_lens, block_tables, scale, out=Non
         prefix = (shared.row_start, prefix_out, prefix_lse, *prefix_out.stride()[:3], *prefix_lse.stride()[:2])
     else:
         prefix = (seq_lens, out, out, 0, 0, 0, 0, 0)   # unread
-    _decode_kernel[(batch, num_kv_heads, num_splits)](
+    decode_kernel[(batch, num_kv_heads, num_splits)](
         q, k_cache, v_cache, seq_lens, block_tables, dst, part_lse,
         _qk_scale(scale, softcap), q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
         k_cache.stride(2), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
@@ -222,7 +222,7 @@ def decode_attention(q, k_cache, v_cache, seq_lens, block_tables, scale, out=Non
         BLOCK_SIZE=block_size, BLOCK_N=block_n, NUM_SPLITS=num_splits,
         DOT_PRECISION=_dot_precision(q.dtype), num_warps=num_warps, num_stages=num_stages)
     if num_splits > 1:
-        _merge_splits_kernel[(batch, num_heads)](
+        merge_splits_kernel[(batch, num_heads)](
             part_out, part_lse, out, *part_out.stride()[:3], *part_lse.stride()[:2],
             out.stride(0), out.stride(1), NUM_SPLITS=num_splits,
             SPLITS_PAD=next_pow2(num_splits), HEAD_DIM=head_dim, num_warps=4)
@@ -283,7 +283,7 @@ def prefill_attention(q, k_cache, v_cache, query_start, seq_lens, block_tables, 
     if plan is None:
         plan = prefill_plan(query_start, q.shape[0], max_query_len, q.shape[1], num_kv_heads, head_dim)
     block_m = plan.block_m
-    _prefill_kernel[(plan.tile_rows.shape[0], num_kv_heads)](
+    prefill_kernel[(plan.tile_rows.shape[0], num_kv_heads)](
         q, k_cache, v_cache, query_start, seq_lens, block_tables, plan.tile_rows, plan.tile_first, out,
         _qk_scale(scale, softcap), q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
         k_cache.stride(2), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
@@ -298,7 +298,7 @@ def prefill_attention(q, k_cache, v_cache, query_start, seq_lens, block_tables, 
 # --------------------------------------------------------------------------------- kernels
 
 if triton is not None:
-    from .paged_attention_kernels import _decode_kernel, _merge_splits_kernel, _prefill_kernel
+    from qmigrate.engine.kernels.paged_attention_kernels import decode_kernel, merge_splits_kernel, prefill_kernel
 
 
 # ---------------------------------------------------------------------------------- timing

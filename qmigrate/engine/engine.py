@@ -11,57 +11,28 @@ want of memory.
 
 Sizing the pool from the device's memory and warming the kernels up are startup.py's.
 
-The forward pass is a runner's (the `Runner` protocol of `runner_choice.py`): the fast runner
-(`graph_runner.py` over a family of `models/`) on a GPU, or the portable transformers
-runner (`hf_runner.py`) for every other model and the CPU.
+The forward pass is a runner's (the `Runner` protocol of `runners/protocol.py`): the fast
+runner (`runners/graph.py` over a family of `models/`) on a GPU, or the portable
+transformers runner (`runners/hf.py`) for every other model and the CPU.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from .batch import StepBatch
-from .kvcache import BlockPool, landed
-from .rows import REFUSED, Pending, StepRow, num_new, prompt_budget, share_prompt_budget
-from . import startup
-from .runner_choice import RUNNERS, make_runner
-from .sampling import HostRows, SamplingRows, host_arrays, sample
+from qmigrate.engine.batch import StepBatch
+from qmigrate.engine.kv.pool import BlockPool, landed
+from qmigrate.engine.rows import REFUSED, Pending, StepRow, num_new, prompt_budget, share_prompt_budget
+from qmigrate.engine import startup
+from qmigrate.engine.config import EngineConfig
+from qmigrate.engine.runners.choice import make_runner
+from qmigrate.engine.sampling import HostRows, SamplingRows, host_arrays, sample
 
 log = logging.getLogger(__name__)
-
-DEFAULT_CPU_KV_BYTES = 2 << 30
-
-
-@dataclass(slots=True)
-class EngineConfig:
-    runner: str = "auto"                  # auto | fast | hf
-    block_size: int = 16
-    max_kv_tokens: int = 0                # 0: size the pool from memory
-    gpu_memory_utilization: float = 0.9   # share of the GPU's memory this process may fill
-    cpu_kv_bytes: int = DEFAULT_CPU_KV_BYTES
-    max_len: int = 0                      # 0: the model's context
-    max_batch: int = 256                  # rows of a step (CUDA graphs are captured up to it)
-    max_batch_tokens: int = 8192          # new tokens of a step
-    max_padding: float = 0.25             # HF runner: padding allowed when grouping prefills
-    prefill_chunk: int = 512              # longer prompts fill their KV in chunks (0: never)
-    # prompt tokens a step carries; the rest of a prompt waits for later steps (0: no limit)
-    prefill_tokens_per_step: int = 0
-    # the same while the step has decode rows (0: no limit; the worker's default is set in config.py)
-    prefill_tokens_with_decode: int = 0
-    prefill_spread_steps: int = 0         # that limit grows to 1/N of the prompt tokens waiting (0: fixed)
-    cuda_graphs: bool = True
-    prefix_cache: bool = True             # full blocks of known ids are kept and shared by prefix
-    shared_prefix_attention: bool = True  # fast runner: a prefix rows share is read once per group
-
-    def __post_init__(self):
-        if self.runner not in RUNNERS:
-            raise ValueError(f"runner must be one of {RUNNERS}, got {self.runner!r}")
-
 
 class Engine:
     def __init__(self, model, config: EngineConfig | None = None, *, tp=None, **overrides):
@@ -95,7 +66,7 @@ class Engine:
         self.runner.attach(self.pool)
         self.num_continued = 0   # steps built the array way (`_continue`)
         if tp is not None and tp.world > 1 and tp.is_leader:
-            from .lockstep import Leader
+            from qmigrate.engine.parallel.lockstep import Leader
             self.runner = Leader(self.runner, self)   # every step and KV move is sent to the others first
 
     # --- sizing -------------------------------------------------------------------------

@@ -17,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .batch import StepBatch
+from qmigrate.engine.batch import StepBatch
 
 FORWARD, EXPORT, IMPORT, STOP = 1, 2, 3, 4
 HEADER = 8

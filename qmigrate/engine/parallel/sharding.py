@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from .layers.linear import Linear
+from qmigrate.engine.layers.linear import Linear
 
 COLLECTIVE_TIMEOUT_S = 120.0  # a rank that stops answering fails its peers' next collective
 # Followers wait on the host group for rank 0's next command however long the worker idles;
@@ -292,10 +292,10 @@ def shard_model(model, tp: TensorParallel, fill: bool = True):
     """Rank tp.rank's shard of a DecoderModel, on tp.device; the model itself is left as it
     was (its tensors stay shared with the shard where the shard's need no copy). Every layer
     is cut by its `parallel` kind; attention by heads (layout: check_layout). With `fill`
-    off the shard's tensors are new and their values yet to come (engine/scatter.py), and
+    off the shard's tensors are new and their values yet to come (engine/parallel/scatter.py), and
     the model's may be on the meta device."""
-    from .layers.attention import Attention
-    from .layers.moe import MoE
+    from qmigrate.engine.layers.attention import Attention
+    from qmigrate.engine.layers.moe import MoE
     first = next(layer.attn for layer in model.layers)
     widths = tuple(sorted({w for layer in model.layers for w in _mlp_widths(layer.mlp)}))
     tp.layout = check_layout(tp.world, first.num_heads, first.num_kv_heads, widths)
@@ -379,7 +379,7 @@ def _fields(obj) -> list[str]:
 def _mlp_widths(mlp) -> list[int]:
     """The widths the MLP's column-parallel layers split (their first part); a mixture of
     experts': each expert's, and its shared expert's."""
-    from .layers.moe import MoE
+    from qmigrate.engine.layers.moe import MoE
     if isinstance(mlp, MoE):
         return [mlp.gate_up.shape[1] // 2] + (_mlp_widths(mlp.shared) if mlp.shared is not None else [])
     for name in _fields(mlp):

@@ -28,7 +28,7 @@ import torch
 
 from qmigrate.wire.prefix_keys import seed_key
 
-from .prefix_cache import PrefixCache
+from qmigrate.engine.kv.prefix_cache import PrefixCache
 
 
 def write_kv(k_cache, v_cache, slot_mapping, k, v) -> None:

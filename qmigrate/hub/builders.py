@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
-from .loading import DEFAULT_MODEL_NAME, _build_atomically, _parse_dtype
+from qmigrate.hub.store import DEFAULT_MODEL_NAME, build_atomically, parse_dtype
 
 if TYPE_CHECKING:
     import torch
@@ -211,12 +211,12 @@ def build_tiny_model(out_dir: str | os.PathLike, *, seed: int = 0) -> Path:
 
     def write(tmp: Path) -> None:
         tok = _train_tokenizer(TINY_VOCAB_SIZE)
-        dtype = _parse_dtype("float32")
+        dtype = parse_dtype("float32")
         config = _llama_config(tok.get_vocab_size(), TINY_SHAPE, dtype, TINY_INIT_STD)
         _save_model(config, _random_state_dict(config, seed, dtype, TINY_INIT_STD), tmp)
         _save_tokenizer(tok, tmp, TINY_SHAPE["max_position_embeddings"])
 
-    return _build_atomically(out_dir, identity, write)
+    return build_atomically(out_dir, identity, write)
 
 
 def build_bench_model(
@@ -225,7 +225,7 @@ def build_bench_model(
 ) -> Path:
     shape = {**BENCH_SHAPE, **(shape_overrides or {})}
     vocab_size = shape.pop("vocab_size", BENCH_VOCAB_SIZE)
-    torch_dtype = _parse_dtype(dtype)
+    torch_dtype = parse_dtype(dtype)
     identity = {"builder": "bench-llama-1.1b-shape", "seed": seed, "dtype": str(torch_dtype),
                 "shape": shape, "vocab_size": vocab_size}
 
@@ -235,7 +235,7 @@ def build_bench_model(
         _save_model(config, _random_state_dict(config, seed, torch_dtype, BENCH_INIT_STD), tmp)
         _save_tokenizer(tok, tmp, shape["max_position_embeddings"])
 
-    return _build_atomically(out_dir, identity, write)
+    return build_atomically(out_dir, identity, write)
 
 
 def build_bench_moe_model(
@@ -247,7 +247,7 @@ def build_bench_moe_model(
 
     shape = {**BENCH_MOE_SHAPE, **(shape_overrides or {})}
     vocab_size = shape.pop("vocab_size", BENCH_VOCAB_SIZE)
-    torch_dtype = _parse_dtype(dtype)
+    torch_dtype = parse_dtype(dtype)
     identity = {"builder": "bench-moe-mixtral-8x2", "seed": seed, "dtype": str(torch_dtype),
                 "shape": shape, "vocab_size": vocab_size}
 
@@ -260,4 +260,4 @@ def build_bench_moe_model(
         _save_model(config, _random_state_dict(config, seed, torch_dtype, BENCH_INIT_STD), tmp)
         _save_tokenizer(tok, tmp, shape["max_position_embeddings"])
 
-    return _build_atomically(out_dir, identity, write)
+    return build_atomically(out_dir, identity, write)

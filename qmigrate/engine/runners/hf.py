@@ -15,9 +15,9 @@ import inspect
 import numpy as np
 import torch
 
-from .attention import install as install_attention
-from .batch import StepBatch
-from .kvcache import BlockPool, write_kv
+from qmigrate.engine.runners.hf_attention import install as install_attention
+from qmigrate.engine.batch import StepBatch
+from qmigrate.engine.kv.pool import BlockPool, write_kv
 
 
 class PagedView:
