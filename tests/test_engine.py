@@ -15,6 +15,7 @@ import torch
 from transformers import GenerationConfig
 
 from qmigrate.wire import protocol as P
+from qmigrate.wire import codec
 from qmigrate.engine.batch import StepBatch
 from qmigrate.hub.builders import build_tiny_model
 from qmigrate.hub.loading import load_model
@@ -532,7 +533,7 @@ class Ran:
 
 def run(core: WorkerCore, lease: P.Lease) -> Ran:
     result, tokens = core.run(lease)
-    result, tokens = P.decode(P.encode(result)), P.decode(P.encode(tokens))  # they travel
+    result, tokens = codec.decode(codec.encode(result)), codec.decode(codec.encode(tokens))  # they travel
     assert result.lease_id == lease.lease_id
     sids = P.unpack_i64(result.seq_ids).tolist()
     assert sids == P.unpack_i64(lease.seq_ids).tolist()
@@ -943,7 +944,7 @@ def test_a_multi_step_lease_chained_on_the_device_runs_on_from_the_fed_token(cor
 # --- WorkerCore: multi-step leases, streamed step by step, and revokes -------------------
 
 def decode_tokens(msg: P.Tokens) -> dict[int, tuple[int, list[int], int]]:
-    msg = P.decode(P.encode(msg))
+    msg = codec.decode(codec.encode(msg))
     out, pos = {}, 0
     for sid, start, n, code in zip(P.unpack_i64(msg.seq_ids).tolist(), P.unpack_i32(msg.start).tolist(),
                                    P.unpack_i32(msg.counts).tolist(), P.unpack_u8(msg.finish).tolist()):

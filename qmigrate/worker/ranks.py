@@ -29,6 +29,7 @@ from pathlib import Path
 from qmigrate.config import dump_topology, load_topology
 from qmigrate.engine.parallel.sharding import TensorParallel
 from qmigrate.ops.process import die_with
+from qmigrate.worker.threads import share_cpu_threads
 
 log = logging.getLogger("qmigrate.worker")
 
@@ -168,7 +169,6 @@ def follow(topo_path: str, name: str, model_path: str, rank: int, init_method: s
     topo = load_topology(topo_path)
     cfg = topo.worker(name)
     logging.basicConfig(level=logging.WARNING, format=f"%(asctime)s worker {name} rank {rank}: %(message)s")
-    from qmigrate.worker.loop import share_cpu_threads
     share_cpu_threads(topo, cfg)
     tp = TensorParallel.init(rank, cfg.tensor_parallel, init_method, rank_device(cfg.device, rank))
     engine = build_engine(topo, name, model_path, tp)
