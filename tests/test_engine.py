@@ -615,7 +615,7 @@ def test_diff_that_does_not_match_the_cache_needs_ids(core, prompts):
     advance(ids, run(core, make_lease(ids, full=[spec_of(1, a, len(a))])))
     ran = run(core, make_lease(ids, lengths={1: len(ids[1]) + 2}))  # claims two tokens we never saw
     assert ran.status == {1: Finish.NEED_IDS}
-    bad = {1: ids[1][:-1] + [core.engine.vocab_size]}  # an out-of-vocabulary last token
+    bad = {1: ids[1][:-1] + [core.engine.shape.vocab_size]}  # an out-of-vocabulary last token
     assert run(core, make_lease(bad)).status == {1: Finish.NEED_IDS}
 
 
@@ -691,7 +691,7 @@ def test_several_steps_per_dispatch(core, prompts, greedy):
 
 
 def test_out_of_vocabulary_ids_are_an_error_for_that_row_only(core, prompts, greedy):
-    vocab = core.engine.vocab_size
+    vocab = core.engine.shape.vocab_size
     good, bad = prompts[0], [1, 5, vocab, 7]
     ids = {1: list(good), 2: bad, 3: [1, 9, vocab + 1000]}
     full = [spec_of(1, good, len(good)), spec_of(2, bad, 2), spec_of(3, ids[3], 3)]

@@ -31,8 +31,11 @@ from qmigrate.engine import startup
 from qmigrate.engine.config import EngineConfig
 from qmigrate.engine.runners.choice import make_runner
 from qmigrate.engine.sampling import HostRows, SamplingRows, host_arrays, sample
+from qmigrate.hub.shape import ModelShape
 
 log = logging.getLogger(__name__)
+
+DEFAULT_CONTEXT = 2048   # positions of a model whose config does not say
 
 class Engine:
     def __init__(self, model, config: EngineConfig | None = None, *, tp=None, **overrides):
@@ -42,24 +45,19 @@ class Engine:
         this rank's shard on tp.device. Without it (tensor_parallel 1) nothing here differs
         from one device."""
         cfg = self.config = dataclasses.replace(config or EngineConfig(), **overrides)
-        text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-        self.num_layers = text.num_hidden_layers
-        self.num_kv_heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
+        self.shape = shape = ModelShape.of_model(model)
         self.tp = tp
-        self.head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
-        self.vocab_size = text.vocab_size
-        self.max_context = int(getattr(text, "max_position_embeddings", 2048))
+        self.max_context = shape.max_context or DEFAULT_CONTEXT
         self.max_len = min(cfg.max_len or self.max_context, self.max_context)
         param = next(model.parameters())
         self.device, self.dtype = (param.device if tp is None else tp.device), param.dtype
         if self.device.type == "cuda":
             # Triton launches and CUDA graph captures go to the current device: make it ours
             torch.cuda.set_device(self.device)
-        self.num_params = sum(p.numel() for p in model.parameters())
         self.runner, self.runner_reason = make_runner(model, cfg, self.device, tp)
         # the pool holds this rank's KV heads (all of them without tensor parallelism)
-        self.pool_kv_heads = self.num_kv_heads if tp is None else tp.layout.kv_heads_per_rank
-        self.pool = BlockPool(self.num_layers, self.pool_kv_heads, self.head_dim,
+        self.pool_kv_heads = shape.num_kv_heads if tp is None else tp.layout.kv_heads_per_rank
+        self.pool = BlockPool(shape.num_layers, self.pool_kv_heads, shape.head_dim,
                               self._num_blocks(), cfg.block_size, self.dtype, self.device,
                               prefix_cache=cfg.prefix_cache)
         self.pool.can_copy = tp is None or tp.world == 1
@@ -73,7 +71,7 @@ class Engine:
     @property
     def kv_bytes_per_token(self) -> int:
         """KV bytes of one token of the whole model (all ranks: what a transfer ships)."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * torch.finfo(self.dtype).bits // 8
+        return self.shape.kv_bytes_per_token(self.dtype.itemsize)
 
     def _num_blocks(self) -> int:
         blocks = startup.num_blocks_here(self)

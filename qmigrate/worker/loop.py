@@ -101,7 +101,7 @@ class Worker:
         info = {"device": self.device, "kv_endpoint": self.kv_endpoint.connect,
                 "max_seqs": self.cfg.max_seqs, "max_tokens": self.cfg.max_tokens,
                 "inflight": self.cfg.inflight, "kv_bytes_per_token": engine.kv_bytes_per_token,
-                "num_params": engine.num_params, "gpu_uuid": uuid or "",
+                "num_params": engine.shape.num_params, "gpu_uuid": uuid or "",
                 "kv_tokens": engine.pool.capacity_tokens, "block_size": engine.pool.block_size,
                 "prefix_cache": int(engine.pool.is_caching),
                 "held_bytes": self.held_bytes()}

@@ -100,7 +100,7 @@ class Leader:
         _send_ints(tp, (slots,))
         local = _local_kv(pool, slots)
         parts = [p.view(local.dtype).view(local.shape) for p in tp.gather_host(_bytes(local))]
-        full = local.new_empty(local.shape[:3] + (self.engine.num_kv_heads, local.shape[4]))
+        full = local.new_empty(local.shape[:3] + (self.engine.shape.num_kv_heads, local.shape[4]))
         for rank, part in enumerate(parts):
             heads = layout.kv_heads(rank)
             if layout.kv_owner(heads.start) == rank:   # a replicated head is taken from its first rank
@@ -111,8 +111,8 @@ class Leader:
         """Place shipped KV of every head: rank 0 allocates the blocks and keeps its heads,
         the others get the slots and the whole tensor and keep theirs."""
         pool, tp = self.engine.pool, self.tp
-        if kv.dim() != 5 or kv.shape[3] != self.engine.num_kv_heads:
-            raise ValueError(f"KV of shape {tuple(kv.shape)}: the model has {self.engine.num_kv_heads} KV heads")
+        if kv.dim() != 5 or kv.shape[3] != self.engine.shape.num_kv_heads:
+            raise ValueError(f"KV of shape {tuple(kv.shape)}: the model has {self.engine.shape.num_kv_heads} KV heads")
         kv = kv.to(pool.dtype)
         mine = tp.layout.kv_heads(0)
         if not pool.load(seq_id, kv[:, :, :, mine.start:mine.stop].contiguous(), protect):
@@ -132,7 +132,7 @@ def follow(engine) -> None:
     """A follower rank's loop: do what rank 0 says until it says stop."""
     tp, pool, runner = engine.tp, engine.pool, engine.runner
     mine = tp.layout.kv_heads(tp.rank)
-    kv_shape = (pool.num_layers, 2, engine.num_kv_heads, pool.head_dim)
+    kv_shape = (pool.num_layers, 2, engine.shape.num_kv_heads, pool.head_dim)
     while True:
         cmd, *h = _header(tp)
         if cmd == FORWARD:
