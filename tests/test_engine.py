@@ -268,7 +268,7 @@ def test_a_continued_decode_step_has_the_arrays_a_fresh_build_gives(model):
         lens = {sid: rng.randint(1, 40) for sid in range(12)}
         for sid, n in lens.items():
             pool.grow(sid, n + (5 if sid == 3 else 0))  # sequence 3 holds blocks past its end
-            pool.length[sid] = n
+            pool.mark_written([sid], [n])
         prev = StepBatch.build(pool, list(lens), [[7]] * len(lens), [n - 1 for n in lens.values()])
         keep = rng.sample(list(lens), rng.randint(1, len(lens)))
         for sid in keep:

@@ -1,9 +1,11 @@
-"""The package's import graph: no module reaches itself through others (an import inside a
-function counts too). qmigrate/bench/ is tooling and not checked here."""
+"""Rules of the package's source: no module reaches itself through others (an import inside
+a function counts too; qmigrate/bench/ is tooling and not checked), and the KV pool's state
+is changed by the pool's own methods only."""
 
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent / "qmigrate"
@@ -85,3 +87,41 @@ def test_no_module_of_the_product_imports_itself_through_others():
     assert "qmigrate.wire.codec" in graph["qmigrate.wire.transport"]   # the graph sees imports
     found = [c for c in circles(graph) if not all(m.startswith(SKIP) for m in c)]
     assert found == []
+
+
+POOL_FIELD = re.compile(r"(^|\.)pool\.\w+")                      # pool.x, self.pool.x, engine.pool.x
+POOL_MUTATION = re.compile(r"(^|\.)pool\.(\w+\.(update|pop|popitem|append|extend|clear|setdefault|remove|"
+                           r"insert|move_to_end)|_\w+)$")          # a change of one of its maps, or a private method
+
+
+def pool_writes(source: str) -> list[str]:
+    """Statements that change a KV pool's fields from outside it: assignments to pool.x or
+    pool.x[...], and calls that change pool.x in place or reach a private method."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        targets = []
+        if isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+        elif isinstance(node, ast.Delete):
+            targets = node.targets
+        for t in targets:
+            while isinstance(t, ast.Subscript):
+                t = t.value
+            if isinstance(t, ast.Attribute) and POOL_FIELD.search(ast.unparse(t)):
+                found.append(ast.unparse(node))
+        if isinstance(node, ast.Call) and POOL_MUTATION.search(ast.unparse(node.func)):
+            found.append(ast.unparse(node))
+    return found
+
+
+def test_the_rule_sees_a_pool_changed_from_outside():
+    assert pool_writes("self.pool.length[s] = 3\npool.length.update(x)\nengine.pool.can_copy = False\n"
+                       "pool._zero([1])\ndel pool.blocks[4]\n")
+    assert pool_writes("self.pool = pool\npool.grow(s, 4)\nn = pool.length[s]\nx.update(pool.length)\n") == []
+
+
+def test_only_the_pool_changes_its_state():
+    owners = {ROOT / "engine" / "kv" / "pool.py"}
+    found = {str(p.relative_to(ROOT.parent)): w for p in ROOT.rglob("*.py")
+             if p not in owners and (w := pool_writes(p.read_text()))}
+    assert found == {}
