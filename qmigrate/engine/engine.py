@@ -37,6 +37,7 @@ log = logging.getLogger(__name__)
 
 DEFAULT_CONTEXT = 2048   # positions of a model whose config does not say
 
+
 class Engine:
     def __init__(self, model, config: EngineConfig | None = None, *, tp=None, **overrides):
         """`tp`: this process's rank of a tensor-parallel group (parallel.TensorParallel); the
