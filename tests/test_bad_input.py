@@ -19,6 +19,7 @@ import zmq
 
 from qmigrate.config import local_topology
 from qmigrate.wire import protocol as P
+from qmigrate.wire import codec
 from qmigrate.wire import transport
 from test_http import CHAT, GOOD, make_server, post  # noqa: F401 (make_server: a fixture)
 
@@ -162,7 +163,7 @@ def test_the_router_answers_a_submit_it_cannot_decode(topo):
     client = transport.socket(zmq.DEALER, connect=topo.endpoint("router").connect, identity="ingest-1")
     try:
         spec = P.SeqSpec(5, P.pack_i32([1, 2]), 2, 3)
-        body = msgpack.unpackb(P.encode(P.Submit([spec], ["a"])), raw=False)
+        body = msgpack.unpackb(codec.encode(P.Submit([spec], ["a"])), raw=False)
         body[1][0][6] = 1 << 31  # top_k past the wire's bound
         client.send(msgpack.packb(body, use_bin_type=True))
         reply = None

@@ -332,6 +332,7 @@ def test_request_extensions_parse():
 
 def test_min_new_tokens_holds_off_eos_and_stop_sequences():
     from qmigrate.wire import protocol as P
+    from qmigrate.wire import codec
     from qmigrate.worker.core import SeqState
     spec = P.SeqSpec(1, P.pack_i32([5, 6]), 2, 10, stop_ids=[[7, 8]], eos_ids=[2], min_new_tokens=3)
     state = SeqState.from_spec(spec, spec.ids)
@@ -343,10 +344,10 @@ def test_min_new_tokens_holds_off_eos_and_stop_sequences():
     plain = P.SeqSpec(1, P.pack_i32([5, 6]), 2, 10, eos_ids=[2])
     assert SeqState.from_spec(plain, plain.ids).finish_after(2, 0, 3, 100) == P.Finish.EOS
     # It travels in Submit, and a value above max_new_tokens is refused at decode.
-    got = P.decode(P.encode(P.Submit([spec])))
+    got = codec.decode(codec.encode(P.Submit([spec])))
     assert got.seqs[0].min_new_tokens == 3
     with pytest.raises(P.ProtocolError):
-        P.decode(P.encode(P.Submit([P.SeqSpec(1, P.pack_i32([5]), 1, 4, min_new_tokens=5)])))
+        codec.decode(codec.encode(P.Submit([P.SeqSpec(1, P.pack_i32([5]), 1, 4, min_new_tokens=5)])))
 
 
 # --- against a real node -----------------------------------------------------------------------

@@ -102,11 +102,12 @@ def test_cancel_and_replies_are_checked_at_decode():
     import msgpack
     import pytest
     from qmigrate.wire import protocol as P
+    from qmigrate.wire import codec
 
     def wire(msg_type, *fields):
         return msgpack.packb([int(msg_type), *fields], use_bin_type=True)
 
-    assert P.decode(P.encode(P.Cancel(P.pack_i64([5])))) == P.Cancel(P.pack_i64([5]))
+    assert codec.decode(codec.encode(P.Cancel(P.pack_i64([5])))) == P.Cancel(P.pack_i64([5]))
     bad = [
         wire(P.MsgType.CANCEL, b"\x01\x02\x03"),                                    # not int64s
         wire(P.MsgType.REPLIES, P.pack_i64([1, 2]), P.pack_u8([0]), P.pack_i32([1]), ["a"]),  # lengths differ
@@ -116,4 +117,4 @@ def test_cancel_and_replies_are_checked_at_decode():
     ]
     for data in bad:
         with pytest.raises(P.ProtocolError):
-            P.decode(data)
+            codec.decode(data)

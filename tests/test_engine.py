@@ -15,6 +15,7 @@ import torch
 from transformers import GenerationConfig
 
 from qmigrate.wire import protocol as P
+from qmigrate.wire import codec
 from qmigrate.engine.batch import StepBatch
 from qmigrate.hub.builders import build_tiny_model
 from qmigrate.hub.loading import load_model
@@ -267,7 +268,7 @@ def test_a_continued_decode_step_has_the_arrays_a_fresh_build_gives(model):
         lens = {sid: rng.randint(1, 40) for sid in range(12)}
         for sid, n in lens.items():
             pool.grow(sid, n + (5 if sid == 3 else 0))  # sequence 3 holds blocks past its end
-            pool.length[sid] = n
+            pool.mark_written([sid], [n])
         prev = StepBatch.build(pool, list(lens), [[7]] * len(lens), [n - 1 for n in lens.values()])
         keep = rng.sample(list(lens), rng.randint(1, len(lens)))
         for sid in keep:
@@ -532,7 +533,7 @@ class Ran:
 
 def run(core: WorkerCore, lease: P.Lease) -> Ran:
     result, tokens = core.run(lease)
-    result, tokens = P.decode(P.encode(result)), P.decode(P.encode(tokens))  # they travel
+    result, tokens = codec.decode(codec.encode(result)), codec.decode(codec.encode(tokens))  # they travel
     assert result.lease_id == lease.lease_id
     sids = P.unpack_i64(result.seq_ids).tolist()
     assert sids == P.unpack_i64(lease.seq_ids).tolist()
@@ -614,7 +615,7 @@ def test_diff_that_does_not_match_the_cache_needs_ids(core, prompts):
     advance(ids, run(core, make_lease(ids, full=[spec_of(1, a, len(a))])))
     ran = run(core, make_lease(ids, lengths={1: len(ids[1]) + 2}))  # claims two tokens we never saw
     assert ran.status == {1: Finish.NEED_IDS}
-    bad = {1: ids[1][:-1] + [core.engine.vocab_size]}  # an out-of-vocabulary last token
+    bad = {1: ids[1][:-1] + [core.engine.shape.vocab_size]}  # an out-of-vocabulary last token
     assert run(core, make_lease(bad)).status == {1: Finish.NEED_IDS}
 
 
@@ -690,7 +691,7 @@ def test_several_steps_per_dispatch(core, prompts, greedy):
 
 
 def test_out_of_vocabulary_ids_are_an_error_for_that_row_only(core, prompts, greedy):
-    vocab = core.engine.vocab_size
+    vocab = core.engine.shape.vocab_size
     good, bad = prompts[0], [1, 5, vocab, 7]
     ids = {1: list(good), 2: bad, 3: [1, 9, vocab + 1000]}
     full = [spec_of(1, good, len(good)), spec_of(2, bad, 2), spec_of(3, ids[3], 3)]
@@ -943,7 +944,7 @@ def test_a_multi_step_lease_chained_on_the_device_runs_on_from_the_fed_token(cor
 # --- WorkerCore: multi-step leases, streamed step by step, and revokes -------------------
 
 def decode_tokens(msg: P.Tokens) -> dict[int, tuple[int, list[int], int]]:
-    msg = P.decode(P.encode(msg))
+    msg = codec.decode(codec.encode(msg))
     out, pos = {}, 0
     for sid, start, n, code in zip(P.unpack_i64(msg.seq_ids).tolist(), P.unpack_i32(msg.start).tolist(),
                                    P.unpack_i32(msg.counts).tolist(), P.unpack_u8(msg.finish).tolist()):

@@ -83,7 +83,7 @@ def test_logits_equal_the_transformers_forward(family):
         engine.place([StepRow(1, new, start, 0)])
         batch = StepBatch.build(engine.pool, [1], [new], [start])
         got.append(engine.runner.forward(batch)[0])
-        engine.pool.length[1] = start + len(new)
+        engine.pool.mark_written([1], [start + len(new)])
     got = torch.stack(got)
     want = expected[prompt_len - 1:len(seq) - 1]
     err = ((got - want).abs().max() / want.abs().max()).item()

@@ -64,8 +64,7 @@ def test_bf16_with_cuda_graphs_against_fp32_transformers(name):
         engine.place([StepRow(i, n, s, 0) for i, n, s in zip(ids, new_ids, starts)])
         batch = StepBatch.build(engine.pool, ids, new_ids, starts)
         logits = engine.runner.forward(batch).float().clone()
-        for i, s, n in zip(ids, starts, new_ids):
-            engine.pool.length[i] = s + len(n)
+        engine.pool.mark_written(ids, [s + len(n) for s, n in zip(starts, new_ids)])
         return logits
 
     logits = run(prompts, [0] * NUM_PROMPTS)                       # a token-bucket graph

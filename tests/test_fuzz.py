@@ -21,6 +21,7 @@ from hypothesis import HealthCheck, Phase, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from qmigrate.wire import protocol as P  # noqa: E402
+from qmigrate.wire import codec  # noqa: E402
 from qmigrate.wire import transport  # noqa: E402
 from conftest import reserve_ports  # noqa: E402
 import helpers as H  # noqa: E402
@@ -36,7 +37,7 @@ values = st.deferred(lambda: st.one_of(
 
 
 def _wire(msg) -> list:
-    return msgpack.unpackb(P.encode(msg), raw=False)
+    return msgpack.unpackb(codec.encode(msg), raw=False)
 
 
 def _mutate(example: list, where: int, value) -> bytes:
@@ -76,7 +77,7 @@ PRIVILEGED = (P.Hello, P.Submit, P.Drain, P.Resync, P.Printed, P.RequestMeta, P.
 
 def _is_privileged(frame: bytes) -> bool:
     try:
-        return isinstance(P.decode(frame), PRIVILEGED)
+        return isinstance(codec.decode(frame), PRIVILEGED)
     except P.ProtocolError:
         return False
 

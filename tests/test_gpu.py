@@ -95,8 +95,7 @@ def _logits(engine, rows):
                             [r.start for r in rows])
     with torch.inference_mode():
         logits = engine.runner.forward(batch).float().clone()
-    for r in rows:
-        engine.pool.length[r.seq_id] = r.start + len(r.new_ids)
+    engine.pool.mark_written([r.seq_id for r in rows], [r.start + len(r.new_ids) for r in rows])
     return logits
 
 

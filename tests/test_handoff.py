@@ -8,6 +8,7 @@ import numpy as np
 from qmigrate.ingest.handoff import (FRONT_ID_BITS, HTTP_BIT, THREAD_ID_BITS, HandoffOrder, front_base,
                                      front_index, split_by_front)
 from qmigrate.wire import protocol as P
+from qmigrate.wire import codec
 
 BASE = 0x2A5 << 40   # ingest's random high part
 
@@ -40,7 +41,7 @@ def test_rows_of_one_front_go_as_they_came_and_mixed_rows_are_split_per_front():
     no_cached = split_by_front(replies([a | 1, b | 2], ["x", "y"], cached=False))
     assert no_cached[5].cached_tokens == b"" and no_cached[5].texts == ["y"]
     for part in parts.values():
-        assert P.decode(P.encode(part)) == part
+        assert codec.decode(codec.encode(part)) == part
 
 
 def test_a_cancel_before_its_request_is_taken_drops_the_request_and_after_it_goes_out():

@@ -8,6 +8,7 @@ import json
 import pytest
 
 from qmigrate.wire import protocol as P
+from qmigrate.wire import codec
 from qmigrate.config import local_topology
 from qmigrate.router.journal import Journal, OutputLog
 
@@ -52,7 +53,7 @@ def test_output_log_keeps_errors_apart_by_number_until_printed():
                               error_ids=P.pack_i64([11, 12])), 0)
     assert P.unpack_i64(first.error_ids).tolist() == [11] and P.unpack_i64(second.error_ids).tolist() == [12]
     assert [e.seq_id for e in log.error_messages()] == [11, 12]
-    records = [P.encode(log.snapshot())]
+    records = [codec.encode(log.snapshot())]
     assert log.printed([11]) and list(log.errors) == [12]
     assert log.add(P.Submit([], [], [["y", "bad"]]), 0).errors == [["y", "bad"]]  # no number: by req_id
     again = OutputLog()
@@ -84,11 +85,11 @@ def test_output_log_trims_the_oldest_finished_requests():
 
 def test_output_log_replays_its_records_and_its_snapshot():
     log = OutputLog()
-    records = [P.encode(log.add(P.Submit([spec(1), spec(2)], ["a", "b"], [["e", "bad"]]), 2))]
+    records = [codec.encode(log.add(P.Submit([spec(1), spec(2)], ["a", "b"], [["e", "bad"]]), 2))]
     log.printed([1])
-    records.append(P.encode(P.Printed(P.pack_i64([1]))))
-    records.append(P.encode(log.add(P.Submit([], [], [], 3), 0)))
-    for source in (records, [P.encode(log.snapshot())]):
+    records.append(codec.encode(P.Printed(P.pack_i64([1]))))
+    records.append(codec.encode(log.add(P.Submit([], [], [], 3), 0)))
+    for source in (records, [codec.encode(log.snapshot())]):
         again = OutputLog()
         again.replay(source)
         assert again.specs == log.specs and again.req_ids == log.req_ids
@@ -106,13 +107,13 @@ def test_a_restarted_detokenizer_prints_only_what_is_new(topo, capsys):
     from qmigrate.detokenizer.loop import Detokenizer
 
     def tokens(start: int, ids: list[int], finish: int = 0) -> bytes:
-        return P.encode(P.Tokens(P.pack_i64([1]), P.pack_i32([start]), P.pack_i32([len(ids)]), P.pack_i32(ids),
+        return codec.encode(P.Tokens(P.pack_i64([1]), P.pack_i32([start]), P.pack_i32([len(ids)]), P.pack_i32(ids),
                                  P.pack_u8([finish])))
 
-    meta = P.encode(P.RequestMeta(1, "r1", P.pack_i32([1, 42])))
+    meta = codec.encode(P.RequestMeta(1, "r1", P.pack_i32([1, 42])))
     first = Detokenizer(topo)
     first.recover()
-    for frame in (meta, P.encode(P.RequestError("r0", "empty prompt")), tokens(0, [71, 78, 85])):
+    for frame in (meta, codec.encode(P.RequestError("r0", "empty prompt")), tokens(0, [71, 78, 85])):
         first.receive(frame)
     before = capsys.readouterr().out
     for sock in (first.pull, first.router):  # killed: nothing more of it runs
@@ -124,8 +125,8 @@ def test_a_restarted_detokenizer_prints_only_what_is_new(topo, capsys):
         assert capsys.readouterr().out == "", "the replay printed"
         assert second.sink.num_done == 1 and second.sink.num_started == 1
         # What the router sends again after a Resync, then the rest of the request.
-        for frame in (meta, P.encode(P.RequestError("r0", "empty prompt")), tokens(0, [71, 78, 85]),
-                      tokens(3, [90, 91], finish=int(P.Finish.LENGTH)), P.encode(P.InputClosed(2))):
+        for frame in (meta, codec.encode(P.RequestError("r0", "empty prompt")), tokens(0, [71, 78, 85]),
+                      tokens(3, [90, 91], finish=int(P.Finish.LENGTH)), codec.encode(P.InputClosed(2))):
             second.receive(frame)
         after = capsys.readouterr().out
     finally:
@@ -151,8 +152,8 @@ def test_a_kill_in_the_middle_of_a_message_loses_none_of_its_text(topo, capsys):
     now made in memory, journaled, then printed; a kill before the journal prints nothing."""
     from qmigrate.detokenizer.loop import Detokenizer
 
-    metas = [P.encode(P.RequestMeta(s, f"r{s}", P.pack_i32([1, 42]))) for s in (1, 2)]
-    both = P.encode(P.Tokens(P.pack_i64([1, 2]), P.pack_i32([0, 0]), P.pack_i32([2, 2]),
+    metas = [codec.encode(P.RequestMeta(s, f"r{s}", P.pack_i32([1, 42]))) for s in (1, 2)]
+    both = codec.encode(P.Tokens(P.pack_i64([1, 2]), P.pack_i32([0, 0]), P.pack_i32([2, 2]),
                              P.pack_i32([71, 78, 85, 90]), P.pack_u8([0, 0])))
     first = Detokenizer(topo)
     first.recover()

@@ -10,6 +10,7 @@ import torch
 import zmq
 
 from qmigrate.wire import protocol as P
+from qmigrate.wire import codec
 from qmigrate.wire import transport
 from qmigrate.worker.core import WorkerCore
 from qmigrate.worker.loop import Worker
@@ -64,9 +65,9 @@ def test_malformed_shipments_are_dropped_and_the_next_one_arrives(pair):
     sender.send_kv(P.ShipKV(7, endpoint, 43, SHAPE[2]), kv)   # opens the sender's socket to the peer
     sock = sender.peers[endpoint]
     short = P.KVHeader(44, 8, SHAPE[2], "float32", list(SHAPE))
-    sock.send_multipart([P.encode(short), kv.numpy().tobytes()[:-4]])           # a byte count that does not fit
-    sock.send_multipart([P.encode(P.KVHeader(45, 9, SHAPE[2], "int8", list(SHAPE))), b"\0" * 240])  # no such KV dtype
-    sock.send_multipart([P.encode(P.Drain("w1")), b""])                          # not a KV header
+    sock.send_multipart([codec.encode(short), kv.numpy().tobytes()[:-4]])           # a byte count that does not fit
+    sock.send_multipart([codec.encode(P.KVHeader(45, 9, SHAPE[2], "int8", list(SHAPE))), b"\0" * 240])  # no such KV dtype
+    sock.send_multipart([codec.encode(P.Drain("w1")), b""])                          # not a KV header
     sock.send_multipart([b"\xc1garbage"])                                        # not msgpack, one frame
     sender.send_kv(P.ShipKV(10, endpoint, 46, SHAPE[2]), kv)
     _receive(receiver, {43, 44, 45, 46})

@@ -11,6 +11,7 @@ import zmq
 
 from qmigrate.config import local_topology
 from qmigrate.wire import protocol as P
+from qmigrate.wire import codec
 from qmigrate.wire import transport
 
 pytestmark = pytest.mark.timeout(120)
@@ -89,7 +90,7 @@ def test_tokens_count_only_for_the_senders_leases(two_workers):
         router.drain_socket()
         router.out.flush_backlog()
         if detok.poll(10):
-            if isinstance(msg := P.decode(detok.recv()), P.Tokens):
+            if isinstance(msg := codec.decode(detok.recv()), P.Tokens):
                 got.append(msg)
             quiet = 0
         elif len(got) >= 2 and router.errors["tokens_not_leased"] >= dropped:
@@ -127,7 +128,7 @@ def test_tokens_of_a_cancelled_sequence_from_its_worker_are_no_fault(two_workers
         router.drain_socket()
         router.out.flush_backlog()
         while detok.poll(10):
-            if isinstance(msg := P.decode(detok.recv()), P.Tokens):
+            if isinstance(msg := codec.decode(detok.recv()), P.Tokens):
                 got.append(P.unpack_i64(msg.seq_ids).tolist())
     assert got == [[101]]
     assert router.sched.counters["tokens_after_cancel"] == 1 and router.errors["tokens_not_leased"] == 1
@@ -172,7 +173,7 @@ def test_a_detokenizer_that_does_not_read_stops_admission_and_loses_nothing(topo
             if len(got) >= len(held) and not router.out.backlog:
                 break
         assert got[-len(held):] == held and router.out.backlog_bytes == 0
-        kinds = [type(P.decode(f)).__name__ for f in got]
+        kinds = [type(codec.decode(f)).__name__ for f in got]
         assert kinds.count("RequestMeta") == 10 * num and kinds.count("RequestError") == 2 * num
         assert len(got) == 12 * num
         transport.send(ingest, P.Submit([], [], [], 144))  # admitted again now that it reads

@@ -140,6 +140,7 @@ def test_the_router_reads_holdings_from_hello_and_heartbeat(tmp_path):
     from qmigrate.config import parse_topology
     from qmigrate.router.loop import Router
     from qmigrate.wire import protocol as P
+    from qmigrate.wire import codec
     topo = parse_topology({
         "transport": "ipc", "ipc_dir": str(tmp_path / "ipc"), "nodes": [{"name": "n1"}],
         "router": {"node": "n1"}, "ingest": {"node": "n1"}, "detokenizer": {"node": "n1"},
@@ -150,10 +151,10 @@ def test_the_router_reads_holdings_from_hello_and_heartbeat(tmp_path):
         info = {"device": "cuda:0", "kv_tokens": 1024, "block_size": 16, "gpu_uuid": "GPU-x",
                 "held_bytes": 70 * GiB}
         r.on_hello(b"w1", P.Hello("worker", "w1", info=info))
-        r.on_vram(P.decode(P.encode(P.VramReport("n1", [["GPU-x", 0, 80 * GiB, 79 * GiB, 1 * GiB, 99]]))))
+        r.on_vram(codec.decode(codec.encode(P.VramReport("n1", [["GPU-x", 0, 80 * GiB, 79 * GiB, 1 * GiB, 99]]))))
         w = r.sched.workers["w1"]
         assert w.may_prefill and w.free_vram_fraction == 0.1
-        beat = P.decode(P.encode(P.Heartbeat("w1", 0, 10, 0, 0, b"", 75 * GiB)))
+        beat = codec.decode(codec.encode(P.Heartbeat("w1", 0, 10, 0, 0, b"", 75 * GiB)))
         r.on_heartbeat(b"w1", beat)
         assert w.free_vram_fraction == 0.2
         r.on_vram(P.VramReport("n1", [["GPU-x", 0, 80 * GiB, 80 * GiB, 0, 100]]))  # none free: a report still
@@ -166,9 +167,10 @@ def test_the_router_reads_holdings_from_hello_and_heartbeat(tmp_path):
 def test_a_heartbeat_from_an_older_worker_decodes_with_holdings_unknown():
     import msgpack
     from qmigrate.wire import protocol as P
+    from qmigrate.wire import codec
     old = msgpack.packb([int(P.MsgType.HEARTBEAT), "w1", 0, 10, 0, 0, b""])
-    assert P.decode(old).held_bytes == -1
-    assert P.decode(P.encode(P.Heartbeat("w1", held_bytes=5))).held_bytes == 5
+    assert codec.decode(old).held_bytes == -1
+    assert codec.decode(codec.encode(P.Heartbeat("w1", held_bytes=5))).held_bytes == 5
 
 
 @pytest.mark.parametrize("path", ["configs/gpu-node.yaml", "configs/h100-bench.yaml"])

@@ -53,10 +53,11 @@ class FakeMonitor:
 
     def run(self) -> None:
         from qmigrate.wire import protocol as P
+        from qmigrate.wire import codec
         while not self.stop.is_set():
             gpus = [[uuid, i, self.TOTAL, self.TOTAL - int(f * self.TOTAL), int(f * self.TOTAL), 0]
                     for i, (uuid, f) in enumerate(sorted(self.free.items()))]
-            self.sock.send(P.encode(P.VramReport("local", gpus)))
+            self.sock.send(codec.encode(P.VramReport("local", gpus)))
             self.stop.wait(0.05)
 
     def close(self) -> None:

@@ -11,6 +11,7 @@ import pytest
 from typer.testing import CliRunner
 
 from qmigrate.wire import protocol as P
+from qmigrate.wire import codec
 from qmigrate.cli import app
 from qmigrate.config import parse_topology
 from qmigrate.ops.observe import GPU_COLUMNS, WORKER_COLUMNS, FleetObserver, as_dicts
@@ -71,7 +72,7 @@ def test_stats_carry_worker_and_gpu_rows(router):
     router.observer.vram("n1", "CPU-w1", 0, 1000, 960, 40, 7)
     router.sched.set_free_vram("CPU-w1", 0.04)
     router.on_stats(b"cli", P.StatsRequest())
-    stats = P.decode(P.encode(router.sent[-1][1]))  # survives the wire
+    stats = codec.decode(codec.encode(router.sent[-1][1]))  # survives the wire
     (w,) = as_dicts(WORKER_COLUMNS, stats.workers)
     assert (w["name"], w["node"], w["state"], w["kv_used_tokens"], w["vram_free_fraction"]) == \
         ("w1", "n1", "memory-short", 64, 0.04)
@@ -303,10 +304,10 @@ def test_a_clamped_max_new_tokens_is_said_in_the_final_record():
 def test_the_appended_fields_travel_and_old_messages_still_decode():
     stats = P.Stats({"queued": 1}, [["w1", "n1", "cpu", "", "up", 0, 0, 0, 0.0, -1, 0, 16, 0, -1.0]],
                     [["n1", "GPU-a", 0, 10, 4, 6, 50]])
-    assert P.decode(P.encode(stats)) == stats
+    assert codec.decode(codec.encode(stats)) == stats
     meta = P.RequestMeta(7, "r", P.pack_i32([1, 2]), note="max_new_tokens 9 clamped to 4")
-    assert P.decode(P.encode(meta)) == meta
-    old = P.encode(P.Stats({"queued": 1}))
-    assert P.decode(old).workers == [] and P.decode(P.encode(P.RequestMeta(7, "r", b""))).note == ""
+    assert codec.decode(codec.encode(meta)) == meta
+    old = codec.encode(P.Stats({"queued": 1}))
+    assert codec.decode(old).workers == [] and codec.decode(codec.encode(P.RequestMeta(7, "r", b""))).note == ""
     with pytest.raises(P.ProtocolError):
-        P.decode(P.encode(P.Stats({}, [["w1", ["nested"]]])))
+        codec.decode(codec.encode(P.Stats({}, [["w1", ["nested"]]])))

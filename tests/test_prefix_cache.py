@@ -7,6 +7,7 @@ allocator's invariants hold under random operations.
 
 from __future__ import annotations
 
+import inspect
 import random
 
 import numpy as np
@@ -14,6 +15,7 @@ import pytest
 import torch
 
 from qmigrate.engine.kv.pool import BlockPool
+from qmigrate.engine.kv.prefix_cache import BasePrefixCache, NoPrefixCache, PrefixCache
 from qmigrate.engine.rows import StepRow
 from qmigrate.engine.engine import Engine
 from qmigrate.wire import protocol as P
@@ -288,9 +290,7 @@ def test_allocator_invariants_under_random_operations():
     def write(sid, start, new):
         slots = torch.from_numpy(pool.slots(sid, start, start + len(new)))
         pool.kv.view(-1)[slots] = torch.tensor(new, dtype=torch.float32)
-        pool.length[sid] = start + len(new)
-        pool.note_ids(sid, start, new)
-        pool.commit(sid)
+        pool.mark_written([sid], [start + len(new)], [StepRow(sid, new, start, 0)])
 
     def check():
         pool.check()
@@ -481,3 +481,88 @@ def test_rows_sharing_a_prefix_on_a_gpu_replay_the_shared_prefix_graph(tiny_mode
         graph.replay = lambda real=real, bucket=bucket: (replayed.append(bucket), real())[1]
     decode_sharing(engine, greedy_reference(tiny_model_dir), steps=12)
     assert replayed and set(replayed) == {8}                            # 5 rows: the 8-row bucket
+
+
+@pytest.mark.parametrize("cls", [PrefixCache, NoPrefixCache], ids=lambda c: c.__name__)
+def test_both_forms_of_the_cache_are_the_whole_interface(cls):
+    assert not cls.__abstractmethods__
+    for name in BasePrefixCache.__abstractmethods__:
+        want, got = getattr(BasePrefixCache, name), getattr(cls, name)
+        if isinstance(want, property):
+            assert isinstance(got, property), f"{cls.__name__}.{name}"
+        else:
+            assert list(inspect.signature(got).parameters) == list(inspect.signature(want).parameters), name
+    assert isinstance(cls.is_enabled, bool)
+
+
+def test_without_a_cache_a_pool_shares_nothing_and_keeps_a_cut_sequences_blocks():
+    """The null form under random prefills, decodes, rollbacks, releases and evictions: every
+    sequence reads its own ids back, no block is ever shared, a sequence cut back keeps its
+    blocks (it writes over them), and nothing is cached or reported."""
+    r = random.Random(4)
+    bs = 4
+    pool = BlockPool(1, 1, 1, 24, bs, torch.float32, torch.device("cpu"), prefix_cache=False)
+    assert isinstance(pool.prefix, NoPrefixCache) and not pool.is_caching
+    live: dict[int, list[int]] = {}
+
+    def write(sid, start, new):
+        slots = torch.from_numpy(pool.slots(sid, start, start + len(new)))
+        pool.kv.view(-1)[slots] = torch.tensor(new, dtype=torch.float32)
+        pool.mark_written([sid], [start + len(new)], [StepRow(sid, new, start, 0)])
+
+    for sid in range(1, 400):
+        op = r.random()
+        if op < 0.35 or not live:
+            ids = [r.randrange(1, 9) for _ in range(r.randrange(1, 14))]
+            if pool.make_room(pool.blocks_for(len(ids)), {sid}):   # evicting others if it must
+                pool.grow(sid, len(ids))
+                write(sid, 0, ids)
+                live[sid] = ids
+        elif op < 0.7:
+            s = r.choice(list(live))
+            if pool.make_room(pool.blocks_for(len(live[s]) + 1) - len(pool.blocks[s]), {s}):
+                pool.grow(s, len(live[s]) + 1)
+                token = r.randrange(1, 9)
+                write(s, len(live[s]), [token])
+                live[s].append(token)
+        elif op < 0.85:
+            s = r.choice(list(live))
+            held = list(pool.blocks[s])
+            cut = r.randrange(1, len(live[s]) + 1)
+            assert pool.truncate(s, cut)
+            assert pool.blocks[s] == held and pool.cached_len(s) == cut
+            live[s] = live[s][:cut]
+        else:
+            s = r.choice(list(live))
+            pool.release(s)
+            del live[s]
+        live = {s: ids for s, ids in live.items() if s in pool.blocks}   # evicted for room
+        pool.check()
+        owners = [b for blocks in pool.blocks.values() for b in blocks]
+        assert len(owners) == len(set(owners)) and pool.num_free_blocks == len(pool.free)
+        for s, ids in live.items():
+            got = pool.kv.view(-1)[torch.from_numpy(pool.slots(s, 0, len(ids)))]
+            assert got.tolist() == [float(t) for t in ids]
+    assert pool.take_evicted()
+    assert pool.prefix.take_events() == [] and set(pool.prefix.stats().values()) == {0}
+
+
+def test_an_engine_without_a_cache_reports_no_cached_prompt_positions(model):
+    """With the cache off a prompt's cached positions are unknown (no entry, -1 on the wire),
+    not 0; with it on, a miss is 0."""
+    prompt = SYSTEM + QUESTIONS[0]
+    off, on = make_engine(model, prefix_cache=False), make_engine(model)
+    pending = off.launch([StepRow(1, list(prompt), 0, 0)])
+    assert off.collect(pending)[0] >= 0 and pending.cached == {}
+    pending = on.launch([StepRow(1, list(prompt), 0, 0)])
+    assert on.collect(pending)[0] >= 0 and pending.cached == {1: 0}
+
+
+def test_a_lazy_pool_cleans_blocks_handed_out_elsewhere_once():
+    pool = BlockPool(1, 2, 2, 8, 4, torch.float32, torch.device("cpu"))
+    pool.kv.fill_(float("nan"))   # what an untouched page may hold
+    pool.clean(np.array([[3, 5], [5, 0]]))
+    assert pool.kv[:, :, [3, 5]].eq(0).all() and pool.kv[:, :, 4].isnan().all()
+    pool.kv[:, :, 3] = 7.0
+    pool.clean([3])               # zeroed once only: KV written since stays
+    assert pool.kv[:, :, 3].eq(7.0).all()

@@ -10,6 +10,7 @@ from qmigrate.router.prefix_index import PrefixIndex, seq_keys
 from qmigrate.router.records import Seq
 from qmigrate.router.scheduler import Scheduler, WorkerState
 from qmigrate.wire import protocol as P
+from qmigrate.wire import codec
 from qmigrate.wire.prefix_keys import block_keys
 
 BS = 16
@@ -196,14 +197,14 @@ def test_a_dead_worker_s_cache_is_forgotten():
 def test_results_carry_cache_events_and_cached_counts():
     result = P.StepResult(1, P.pack_i64([5, 6]), P.pack_i32([1, 1]), P.pack_i32([3, 4]), P.pack_u8([0, 0]),
                           prefix_events=P.pack_i64([7, ~7]), cached_tokens=P.pack_i32([32, -1]))
-    back = P.decode(P.encode(result))
+    back = codec.decode(codec.encode(result))
     assert P.unpack_i64(back.prefix_events).tolist() == [7, ~7]
     assert P.unpack_i32(back.cached_tokens).tolist() == [32, -1]
     bad = P.StepResult(1, P.pack_i64([5, 6]), P.pack_i32([1, 1]), P.pack_i32([3, 4]), P.pack_u8([0, 0]),
                        cached_tokens=P.pack_i32([32]))
     import pytest
     with pytest.raises(P.ProtocolError):
-        P.decode(P.encode(bad))
+        codec.decode(codec.encode(bad))
 
 
 def test_hit_rates_per_worker_and_for_the_fleet_in_prometheus_and_stats():

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from qmigrate.wire import protocol as P
+from qmigrate.wire import codec
 from qmigrate.wire.protocol import Finish, ProtocolError, SeqSpec
 
 PACKAGE_DIR = Path(P.__file__).resolve().parent.parent  # the whole qmigrate package
@@ -67,7 +68,7 @@ EXAMPLES = [
 
 
 def body_of(msg) -> list:
-    return msgpack.unpackb(P.encode(msg), raw=False)
+    return msgpack.unpackb(codec.encode(msg), raw=False)
 
 
 def pack(body) -> bytes:
@@ -76,7 +77,7 @@ def pack(body) -> bytes:
 
 def assert_rejected(data: bytes) -> None:
     with pytest.raises(ProtocolError):
-        P.decode(data)
+        codec.decode(data)
 
 
 def bad_values(hint) -> list:
@@ -115,17 +116,17 @@ def test_examples_cover_every_registered_message():
 
 @pytest.mark.parametrize("msg", EXAMPLES, ids=lambda m: type(m).__name__)
 def test_every_message_round_trips(msg):
-    data = P.encode(msg)
+    data = codec.encode(msg)
     assert isinstance(data, bytes)
-    back = P.decode(data)
+    back = codec.decode(data)
     assert type(back) is type(msg)
     assert back == msg
-    assert P.encode(back) == data
+    assert codec.encode(back) == data
     assert body_of(msg)[0] == int(msg.TYPE)
 
 
 def test_lease_carries_specs_and_packed_arrays_intact():
-    lease = P.decode(P.encode(EXAMPLES[5]))
+    lease = codec.decode(codec.encode(EXAMPLES[5]))
     assert all(isinstance(s, SeqSpec) for s in lease.full)
     assert lease.full[0].ids.tolist() == [1, 306, 376, 507]
     assert lease.full[0].stop_ids == [[13, 13], [2]]
@@ -135,14 +136,14 @@ def test_lease_carries_specs_and_packed_arrays_intact():
 
 
 def test_int_is_accepted_for_a_float_field_and_becomes_a_float():
-    msg = P.decode(pack([int(P.MsgType.WELCOME), 1, 2, 10]))
+    msg = codec.decode(pack([int(P.MsgType.WELCOME), 1, 2, 10]))
     assert msg == P.Welcome(1, 2.0, 10.0)
     assert type(msg.heartbeat_interval_s) is float
 
 
 def test_extreme_but_valid_integers_round_trip():
     big = P.WorkRequest((1 << 63) - 1, 1 << 20, 1 << 30, -1)
-    assert P.decode(P.encode(big)) == big
+    assert codec.decode(codec.encode(big)) == big
 
 
 @pytest.mark.parametrize("body", [
@@ -173,13 +174,13 @@ def test_values_out_of_range_are_rejected_at_decode(body):
 @pytest.mark.parametrize("msg", EXAMPLES, ids=lambda m: type(m).__name__)
 def test_extra_trailing_fields_are_accepted(msg):
     body = body_of(msg) + [123, "from a newer peer", [1, 2], {"x": 1}]
-    assert P.decode(pack(body)) == msg
+    assert codec.decode(pack(body)) == msg
 
 
 def test_extra_trailing_fields_inside_a_spec_are_accepted():
     body = body_of(P.Submit([spec(1)]))
     body[1][0] += ["future field", 3.5]
-    assert P.decode(pack(body)) == P.Submit([spec(1)])
+    assert codec.decode(pack(body)) == P.Submit([spec(1)])
 
 
 @pytest.mark.parametrize("msg", EXAMPLES, ids=lambda m: type(m).__name__)
@@ -187,17 +188,17 @@ def test_missing_trailing_defaulted_fields_get_defaults(msg):
     required = [name for name, _, has_default in msg._fields if not has_default]
     body = body_of(msg)[: 1 + len(required)]
     expected = type(msg)(**{name: getattr(msg, name) for name in required})
-    assert P.decode(pack(body)) == expected
+    assert codec.decode(pack(body)) == expected
 
 
 def test_defaults_are_the_declared_ones():
-    assert P.decode(pack([int(P.MsgType.HELLO), "worker", "w0"])) == P.Hello(
+    assert codec.decode(pack([int(P.MsgType.HELLO), "worker", "w0"])) == P.Hello(
         "worker", "w0", P.PROTOCOL_VERSION, {})
-    lease = P.decode(pack([int(P.MsgType.LEASE), 1, 2, 3.0, b"", b"", b""]))
+    lease = codec.decode(pack([int(P.MsgType.LEASE), 1, 2, 3.0, b"", b"", b""]))
     assert (lease.full, lease.drop_ids, lease.num_steps) == ([], b"", 1)
     body = body_of(P.Submit([spec(1)]))
     body[1][0] = body[1][0][:4]  # seq_id, token_ids, prompt_len, max_new_tokens
-    (s,) = P.decode(pack(body)).seqs
+    (s,) = codec.decode(pack(body)).seqs
     assert (s.temperature, s.top_p, s.top_k, s.seed) == (0.0, 1.0, 0, -1)
     assert (s.stop_ids, s.eos_ids, s.kv_from, s.transfer_id) == ([], [], "", 0)
 
@@ -219,14 +220,14 @@ def test_spec_missing_a_required_field_is_rejected():
 
 @pytest.mark.parametrize("msg", EXAMPLES, ids=lambda m: type(m).__name__)
 def test_every_truncation_is_rejected(msg):
-    data = P.encode(msg)
+    data = codec.encode(msg)
     for n in range(len(data)):
         assert_rejected(data[:n])
 
 
 @pytest.mark.parametrize("msg", EXAMPLES, ids=lambda m: type(m).__name__)
 def test_trailing_bytes_after_a_message_are_rejected(msg):
-    assert_rejected(P.encode(msg) + b"\x00")
+    assert_rejected(codec.encode(msg) + b"\x00")
 
 
 @pytest.mark.parametrize("body", [
@@ -269,14 +270,14 @@ def test_bool_and_int_are_not_interchangeable():
     assert_rejected(pack([int(P.MsgType.WORK_REQUEST), 1, True, 8192]))
     assert_rejected(pack([int(P.MsgType.DRAIN_ACK), 1, "ok"]))
     assert_rejected(pack([int(P.MsgType.FEED_LINES), ["x"], 0]))
-    assert P.decode(pack([int(P.MsgType.DRAIN_ACK), False, "no"])) == P.DrainAck(False, "no")
+    assert codec.decode(pack([int(P.MsgType.DRAIN_ACK), False, "no"])) == P.DrainAck(False, "no")
 
 
 def test_nested_containers_where_scalars_are_expected_are_rejected():
-    assert_rejected(P.encode(P.Hello("worker", "w0", info={"gpu": {"uuid": "x"}})))
-    assert_rejected(P.encode(P.Hello("worker", "w0", info={"gpus": ["a", "b"]})))
-    assert_rejected(P.encode(P.Stats({"per_worker": {"w0": 1}})))
-    assert_rejected(P.encode(P.VramReport("n", [["GPU-1", {"free": 1}]])))
+    assert_rejected(codec.encode(P.Hello("worker", "w0", info={"gpu": {"uuid": "x"}})))
+    assert_rejected(codec.encode(P.Hello("worker", "w0", info={"gpus": ["a", "b"]})))
+    assert_rejected(codec.encode(P.Stats({"per_worker": {"w0": 1}})))
+    assert_rejected(codec.encode(P.VramReport("n", [["GPU-1", {"free": 1}]])))
     assert_rejected(pack([int(P.MsgType.HEARTBEAT), {"name": "w0"}]))
 
 
@@ -288,19 +289,19 @@ def test_non_string_map_keys_are_rejected():
 def test_integers_beyond_int64_are_rejected():
     assert_rejected(pack([int(P.MsgType.INPUT_CLOSED), (1 << 64) - 1]))
     assert_rejected(pack([int(P.MsgType.INPUT_CLOSED), 1 << 63]))
-    assert P.decode(pack([int(P.MsgType.INPUT_CLOSED), (1 << 63) - 1])).num_requests == (1 << 63) - 1
+    assert codec.decode(pack([int(P.MsgType.INPUT_CLOSED), (1 << 63) - 1])).num_requests == (1 << 63) - 1
 
 
 def test_oversized_array_is_rejected():
     lines = [""] * (P.MAX_ARRAY_LEN + 1)
     assert_rejected(pack([int(P.MsgType.FEED_LINES), lines]))
-    assert len(P.decode(pack([int(P.MsgType.FEED_LINES), lines[:-1]])).lines) == P.MAX_ARRAY_LEN
+    assert len(codec.decode(pack([int(P.MsgType.FEED_LINES), lines[:-1]])).lines) == P.MAX_ARRAY_LEN
 
 
 def test_oversized_string_is_rejected():
     assert_rejected(pack([int(P.MsgType.REJECT), "x" * ((1 << 20) + 1)]))  # msgpack's own bound
     assert_rejected(pack([int(P.MsgType.REJECT), "x" * (P.MAX_STR + 1)]))  # any string field's
-    assert P.decode(pack([int(P.MsgType.REJECT), "x" * P.MAX_STR])).reason == "x" * P.MAX_STR
+    assert codec.decode(pack([int(P.MsgType.REJECT), "x" * P.MAX_STR])).reason == "x" * P.MAX_STR
 
 
 def test_oversized_map_is_rejected():
@@ -342,7 +343,7 @@ def _mutate(rng: random.Random, data: bytes) -> bytes:
 
 def test_fuzz_only_protocol_error_escapes():
     rng = random.Random(20240611)
-    encoded = [P.encode(m) for m in EXAMPLES]
+    encoded = [codec.encode(m) for m in EXAMPLES]
     num_decoded = num_rejected = 0
     for i in range(2000):
         if i % 2:
@@ -352,14 +353,14 @@ def test_fuzz_only_protocol_error_escapes():
         else:
             data = _mutate(rng, rng.choice(encoded))
         try:
-            msg = P.decode(data)
+            msg = codec.decode(data)
         except ProtocolError:
             num_rejected += 1
             continue
         num_decoded += 1
         assert type(msg) in P._BY_TYPE.values()
-        again = P.encode(msg)  # whatever decodes is well-typed enough to encode again
-        assert P.encode(P.decode(again)) == again
+        again = codec.encode(msg)  # whatever decodes is well-typed enough to encode again
+        assert codec.encode(codec.decode(again)) == again
     assert num_rejected > 1000 and num_decoded > 0
 
 
@@ -433,7 +434,7 @@ def test_finish_codes_allowed_per_message():
     replies = P.Replies(P.pack_i64([1]), P.pack_u8([Finish.NEED_IDS]), P.pack_i32([0]), [""])
     for msg in (step, tokens, replies):  # CANCELLED comes only from the detokenizer, NEED_IDS only from a worker
         with pytest.raises(P.ProtocolError):
-            P.decode(P.encode(msg))
+            codec.decode(codec.encode(msg))
 
 
 # --- data, never code -------------------------------------------------------------------

@@ -11,6 +11,7 @@ import pytest
 import zmq
 
 from qmigrate.wire import protocol as P
+from qmigrate.wire import codec
 from qmigrate.wire import transport
 from qmigrate.config import local_topology
 
@@ -27,10 +28,10 @@ def _raw(msg_type: P.MsgType, *fields) -> bytes:
 def test_non_finite_numbers_are_refused_at_decode():
     for bad in (math.inf, -math.inf, math.nan):
         with pytest.raises(P.ProtocolError, match="finite"):
-            P.decode(_raw(P.MsgType.WELCOME, 1, bad, 10.0))
+            codec.decode(_raw(P.MsgType.WELCOME, 1, bad, 10.0))
         with pytest.raises(P.ProtocolError, match="finite"):
-            P.decode(_raw(P.MsgType.HELLO, "worker", "w9", 1, {"max_seqs": bad}))
-    assert P.decode(_raw(P.MsgType.WELCOME, 1, 0.5, 10)).lease_timeout_s == 10.0
+            codec.decode(_raw(P.MsgType.HELLO, "worker", "w9", 1, {"max_seqs": bad}))
+    assert codec.decode(_raw(P.MsgType.WELCOME, 1, 0.5, 10)).lease_timeout_s == 10.0
 
 
 def test_hello_info_is_range_checked():
@@ -59,7 +60,7 @@ def test_a_live_router_drops_bad_messages_and_goes_on(topo):
         ]
         for frame in bad:
             client.send(frame)
-        monitor.send(P.encode(P.VramReport("n", [["GPU-1", 0, "80", 5, 7], ["GPU-2"], [1, 2, 3, 4, 5]])))
+        monitor.send(codec.encode(P.VramReport("n", [["GPU-1", 0, "80", 5, 7], ["GPU-2"], [1, 2, 3, 4, 5]])))
         for _ in range(20):
             router.drain_socket()
             router.drain_telemetry()
@@ -159,7 +160,7 @@ def test_a_client_that_stops_reading_cannot_stall_the_router(topo):
     deaf = transport.socket(zmq.DEALER, connect=topo.endpoint("router").connect, identity="deaf", hwm=10)
     other = transport.socket(zmq.DEALER, connect=topo.endpoint("router").connect, identity="other")
     try:
-        frame = P.encode(P.StatsRequest())
+        frame = codec.encode(P.StatsRequest())
         sent = 0
         while sent < 15_000:
             try:

@@ -23,6 +23,7 @@ import zmq.auth
 from zmq.utils.monitor import recv_monitor_message
 
 from qmigrate.wire import protocol as P
+from qmigrate.wire import codec
 from qmigrate.wire import security, transport
 from qmigrate.config import parse_topology
 from conftest import reserve_ports, stop_group
@@ -98,7 +99,7 @@ def _pump(router, done, timeout_s: float = 10.0) -> None:
 
 def _reply(router, sock):
     _pump(router, lambda: sock.poll(0))
-    return P.decode(sock.recv())
+    return codec.decode(sock.recv())
 
 
 def _refused_handshake(client, sock, timeout_s: float = 10.0) -> None:
@@ -119,7 +120,7 @@ def _logged(caplog, text: str):
 
 def _join(router, client, keys, name: str):
     worker = client(keys, identity=name)
-    worker.send(P.encode(P.Hello("worker", name)))
+    worker.send(codec.encode(P.Hello("worker", name)))
     _pump(router, lambda: name in router.identity)
     assert isinstance(_reply(router, worker), P.Welcome)
     return worker
@@ -137,7 +138,7 @@ def test_an_unlisted_key_gets_nothing_and_is_logged_once(secured, attack, caplog
     caplog.set_level(logging.WARNING)
     real = _join(router, client, client.keys("gpu1"), "w1")
     intruder = client(zmq.curve_keypair(), identity="w1" if attack != "submit" else None)
-    intruder.send(P.encode(ATTACKS[attack]))
+    intruder.send(codec.encode(ATTACKS[attack]))
     _refused_handshake(client, intruder)
     _pump(router, _logged(caplog, "from an unlisted key at 127.0.0.1"))
     router.drain_socket()
@@ -155,7 +156,7 @@ def test_an_unlisted_key_cannot_push_kv(secured, caplog):
     try:
         for keys in (zmq.curve_keypair(), client.keys("head")):  # head runs no worker
             pusher = client(keys, endpoint=topo.endpoint("kv", "w1").connect, kind=zmq.PUSH)
-            pusher.send_multipart([P.encode(P.KVHeader(1, 7, 1, "float32", [1, 2, 1, 1, 1])), b"\0" * 8])
+            pusher.send_multipart([codec.encode(P.KVHeader(1, 7, 1, "float32", [1, 2, 1, 1, 1])), b"\0" * 8])
             _refused_handshake(client, pusher)
         assert not kv.poll(100)
     finally:
@@ -166,20 +167,20 @@ def test_listed_keys_in_the_wrong_role_are_refused_and_logged(secured, caplog):
     topo, router, client = secured
     caplog.set_level(logging.WARNING)
     w1 = _join(router, client, client.keys("gpu1"), "w1")
-    w1.send(P.encode(P.Submit([SPEC])))  # a worker that submits
-    w1.send(P.encode(P.Drain("w1")))     # or drains
+    w1.send(codec.encode(P.Submit([SPEC])))  # a worker that submits
+    w1.send(codec.encode(P.Drain("w1")))     # or drains
     _pump(router, _logged(caplog, "refused a Drain from node gpu1"))
     assert _logged(caplog, "refused a Submit from node gpu1")()
     head = client(client.keys("head"), identity="w1x")  # the ingest node posts a step result
-    head.send(P.encode(ATTACKS["post results"]))
+    head.send(codec.encode(ATTACKS["post results"]))
     _pump(router, _logged(caplog, "refused a StepResult from node head"))
     impostor = client(client.keys("gpu2"), identity="w2")  # gpu2's key claims gpu1's worker
-    impostor.send(P.encode(P.Hello("worker", "w1")))
+    impostor.send(codec.encode(P.Hello("worker", "w1")))
     reply = _reply(router, impostor)
     assert isinstance(reply, P.Reject) and "does not run on node gpu2" in reply.reason
     assert not router.sched.seqs and not router.sched.workers["w1"].draining and "w2" not in router.identity
     ingest = client(client.keys("head"), identity="ingest-1")  # the right role is let through
-    ingest.send(P.encode(P.Submit([SPEC])))
+    ingest.send(codec.encode(P.Submit([SPEC])))
     assert isinstance(_reply(router, ingest), P.SubmitAck) and list(router.sched.seqs) == [7]
 
 
@@ -189,11 +190,11 @@ def test_a_hello_reusing_a_live_workers_name_changes_nothing(secured, caplog):
     before = (router.identity["w1"], router.sched.workers["w1"].joined_at)
     for keys, identity in ((client.keys("gpu2"), "evil"), (client.keys("gpu1"), "evil2")):
         other = client(keys, identity=identity)
-        other.send(P.encode(P.Hello("worker", "w1")))
+        other.send(codec.encode(P.Hello("worker", "w1")))
         assert isinstance(_reply(router, other), P.Reject)
     assert (router.identity["w1"], router.sched.workers["w1"].joined_at) == before
     assert router.sched.workers["w1"].alive
-    real.send(P.encode(P.WorkRequest(1, 4, 64)))  # the real worker is still served
+    real.send(codec.encode(P.WorkRequest(1, 4, 64)))  # the real worker is still served
     _pump(router, lambda: router.parked["w1"])
 
 

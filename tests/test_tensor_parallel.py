@@ -29,6 +29,7 @@ from qmigrate.wire.client import feed_lines
 
 from qmigrate.engine.parallel import sharding as parallel
 from qmigrate.engine.parallel.sharding import LayoutError, check_layout
+from qmigrate.hub.shape import ModelShape
 
 import families
 import tp_ranks
@@ -60,8 +61,8 @@ def test_a_layout_that_does_not_divide_says_what(world, heads, kv, inter, words)
 def test_every_mlp_width_of_a_mixture_of_experts_is_checked():
     from transformers import MixtralConfig, Qwen2MoeConfig
     qwen = Qwen2MoeConfig(intermediate_size=5632, moe_intermediate_size=1408, shared_expert_intermediate_size=5632)
-    assert parallel.mlp_widths(qwen) == (1408, 5632)
-    assert parallel.mlp_widths(MixtralConfig(intermediate_size=14336)) == (14336,)
+    assert ModelShape.from_config(qwen).mlp_widths == (1408, 5632)
+    assert ModelShape.from_config(MixtralConfig(intermediate_size=14336)).mlp_widths == (14336,)
 
 
 def test_shards_put_back_together_are_the_weight():

@@ -73,7 +73,7 @@ def worker_starts(system_len: int, question_len: int, lease_prompts: int, repeat
     model.config.max_position_embeddings = max(model.config.max_position_embeddings, length + 8)
     engine = Engine(model, runner="fast", max_kv_tokens=(repeats + 2) * lease_prompts * length, max_len=length + 8,
                     max_batch=max(lease_prompts, 8), max_batch_tokens=lease_prompts * length)
-    vocab = engine.vocab_size
+    vocab = engine.shape.vocab_size
     engine.runner._forward = lambda x, *_: torch.zeros(x.last.shape[0], vocab)
     core = WorkerCore(engine)
     rng = np.random.default_rng(0)

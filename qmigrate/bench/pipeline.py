@@ -136,6 +136,7 @@ def _drive(router, collector, requests, *, id_base: int, name: str, quiet: bool 
     `hook`, if given, is called with the fraction of the tokens received so far."""
     import zmq
     from qmigrate.wire import protocol as P
+    from qmigrate.wire import codec
     from qmigrate.wire import transport
     lengths = [n for _, n in requests]
     specs = [P.SeqSpec(id_base + i + 1, P.pack_i32(p), len(p), n, seed=i)
@@ -158,7 +159,7 @@ def _drive(router, collector, requests, *, id_base: int, name: str, quiet: bool 
             continue
         while True:
             try:
-                msg = P.decode(collector.recv(zmq.NOBLOCK))
+                msg = codec.decode(collector.recv(zmq.NOBLOCK))
             except zmq.Again:
                 break
             if isinstance(msg, P.Tokens):

@@ -22,6 +22,7 @@ import time
 import zmq
 
 from qmigrate.wire import protocol as P
+from qmigrate.wire import codec
 from qmigrate.wire import transport
 from qmigrate.detokenizer.sinks import make_sink
 from qmigrate.hub.loading import resolve_model
@@ -108,7 +109,7 @@ class Detokenizer:
                     if len(record) == _TIME.size:
                         self.sink.flush_idle(self.now)
                     else:
-                        self.handle(P.decode(record[_TIME.size:]))
+                        self.handle(codec.decode(record[_TIME.size:]))
             finally:
                 self.replaying = False
             if records:

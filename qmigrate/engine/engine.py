@@ -31,8 +31,12 @@ from qmigrate.engine import startup
 from qmigrate.engine.config import EngineConfig
 from qmigrate.engine.runners.choice import make_runner
 from qmigrate.engine.sampling import HostRows, SamplingRows, host_arrays, sample
+from qmigrate.hub.shape import ModelShape
 
 log = logging.getLogger(__name__)
+
+DEFAULT_CONTEXT = 2048   # positions of a model whose config does not say
+
 
 class Engine:
     def __init__(self, model, config: EngineConfig | None = None, *, tp=None, **overrides):
@@ -42,27 +46,21 @@ class Engine:
         this rank's shard on tp.device. Without it (tensor_parallel 1) nothing here differs
         from one device."""
         cfg = self.config = dataclasses.replace(config or EngineConfig(), **overrides)
-        text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-        self.num_layers = text.num_hidden_layers
-        self.num_kv_heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
+        self.shape = shape = ModelShape.of_model(model)
         self.tp = tp
-        self.head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
-        self.vocab_size = text.vocab_size
-        self.max_context = int(getattr(text, "max_position_embeddings", 2048))
+        self.max_context = shape.max_context or DEFAULT_CONTEXT
         self.max_len = min(cfg.max_len or self.max_context, self.max_context)
         param = next(model.parameters())
         self.device, self.dtype = (param.device if tp is None else tp.device), param.dtype
         if self.device.type == "cuda":
             # Triton launches and CUDA graph captures go to the current device: make it ours
             torch.cuda.set_device(self.device)
-        self.num_params = sum(p.numel() for p in model.parameters())
         self.runner, self.runner_reason = make_runner(model, cfg, self.device, tp)
         # the pool holds this rank's KV heads (all of them without tensor parallelism)
-        self.pool_kv_heads = self.num_kv_heads if tp is None else tp.layout.kv_heads_per_rank
-        self.pool = BlockPool(self.num_layers, self.pool_kv_heads, self.head_dim,
+        self.pool_kv_heads = shape.num_kv_heads if tp is None else tp.layout.kv_heads_per_rank
+        self.pool = BlockPool(shape.num_layers, self.pool_kv_heads, shape.head_dim,
                               self._num_blocks(), cfg.block_size, self.dtype, self.device,
-                              prefix_cache=cfg.prefix_cache)
-        self.pool.can_copy = tp is None or tp.world == 1
+                              prefix_cache=cfg.prefix_cache, can_copy=tp is None or tp.world == 1)
         self.runner.attach(self.pool)
         self.num_continued = 0   # steps built the array way (`_continue`)
         if tp is not None and tp.world > 1 and tp.is_leader:
@@ -73,7 +71,7 @@ class Engine:
     @property
     def kv_bytes_per_token(self) -> int:
         """KV bytes of one token of the whole model (all ranks: what a transfer ships)."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * torch.finfo(self.dtype).bits // 8
+        return self.shape.kv_bytes_per_token(self.dtype.itemsize)
 
     def _num_blocks(self) -> int:
         blocks = startup.num_blocks_here(self)
@@ -106,19 +104,13 @@ class Engine:
 
     def export_kv_started(self, seq_id: int, num_tokens: int | None = None,
                           start: int = 0) -> tuple[torch.Tensor, object]:
-        """The KV of positions [start, num_tokens) (all it holds by default)."""
-        if self.tp is not None and self.tp.world > 1:
-            kv = self.runner.export_kv(seq_id, num_tokens)   # every rank's heads, gathered here
-            return (kv[:, :, start:].contiguous() if start else kv), None
-        return self.pool.export_started(seq_id, num_tokens, start)
+        """The KV of positions [start, num_tokens) (all it holds by default), and the CUDA
+        event after which the tensor holds it (None: it does now)."""
+        return self.runner.export_kv(seq_id, num_tokens, start)
 
     def import_kv(self, seq_id: int, kv: torch.Tensor, protect=frozenset(), start: int = 0, ids=None,
                   salt: str = "") -> bool:
-        if self.tp is not None and self.tp.world > 1:
-            if start:
-                raise ValueError("a tensor-parallel worker takes shipped KV from position 0 only")
-            return self.runner.import_kv(seq_id, kv, protect)        # each rank keeps its heads
-        return self.pool.load(seq_id, kv, protect, start, ids, salt)
+        return self.runner.import_kv(seq_id, kv, protect, start, ids, salt)
 
     @property
     def can_import_from(self) -> bool:
@@ -131,15 +123,11 @@ class Engine:
 
     def prefix_stats(self) -> dict[str, int]:
         """Prompt tokens admitted and the part of them found cached, and blocks cached now."""
-        p = self.pool.prefix
-        if p is None:
-            return {"prompt_tokens": 0, "cached_tokens": 0, "cached_blocks": 0}
-        return {"prompt_tokens": p.num_prompt_tokens, "cached_tokens": p.num_cached_tokens,
-                "cached_blocks": p.num_cached_blocks}
+        return self.pool.prefix.stats()
 
     def take_prefix_events(self) -> list[int]:
         """Keys of blocks cached (key) and evicted (~key) since the last call."""
-        return self.pool.prefix.take_events() if self.pool.prefix is not None else []
+        return self.pool.prefix.take_events()
 
     # --- a step -------------------------------------------------------------------------
     @torch.inference_mode()
@@ -264,24 +252,16 @@ class Engine:
             pending.host.copy_(pending.tokens, non_blocking=True)
             pending.event = torch.cuda.Event()
             pending.event.record()
-        pool = self.pool
-        pool.length.update(zip(batch.seq_ids, batch.seq_lens.tolist()))
-        if pool.is_caching:
-            if feed is None or len(feed[0]) < batch.num_rows:
-                for i in pending.placed:
-                    r = pending.rows[i]
-                    if r.new_ids:
-                        pool.note_ids(r.seq_id, r.start, r.new_ids)
-                    pool.commit(r.seq_id)
-            else:   # every row decodes a token not yet known here: only rows that fill a block
-                for k in np.flatnonzero(batch.seq_lens % pool.block_size == 0).tolist():
-                    pool.commit(batch.seq_ids[k])
+        # the rows' ids, unless every row decodes a token not yet known here
+        some_known = feed is None or len(feed[0]) < batch.num_rows
+        self.pool.mark_written(batch.seq_ids, batch.seq_lens,
+                               (pending.rows[i] for i in pending.placed) if some_known else None)
         return pending
 
     def _admit(self, rows: list[StepRow]) -> tuple[list[StepRow], dict[int, int]]:
         """Prompts (rows from position 0) start on their longest cached prefix; the rows to
         run, and the positions each prompt found cached."""
-        if not self.pool.is_caching:
+        if not self.pool.is_caching:   # nothing to look in: what a prompt finds is unknown (no entry), not 0
             return rows, {}
         cached, out = {}, list(rows)
         for i, r in enumerate(rows):
@@ -308,10 +288,7 @@ class Engine:
                     refused.add(i)
                     break
                 self.runner.forward(StepBatch.build(self.pool, [r.seq_id], [piece.new_ids], [start]))
-                self.pool.length[r.seq_id] = start + chunk
-                if self.pool.is_caching:
-                    self.pool.note_ids(r.seq_id, start, piece.new_ids)
-                    self.pool.commit(r.seq_id)
+                self.pool.mark_written([r.seq_id], [start + chunk], [piece])
                 start, new = start + chunk, new[chunk:]
                 if between is not None:
                     between()
@@ -373,11 +350,7 @@ class Engine:
                 values = (pending.host if pending.host is not None else pending.tokens).tolist()
                 for i, token in zip(pending.placed, values):
                     tokens[i] = token
-                if self.pool.is_caching and pending.batch is not None:
-                    seq_ids, seq_lens = pending.batch.seq_ids, pending.batch.seq_lens.tolist()
-                    if pending.partial:   # a row cut short sampled no token of its sequence
-                        keep = [k for k, s in enumerate(seq_ids) if s not in pending.partial]
-                        seq_ids, seq_lens, values = ([a[k] for k in keep] for a in (seq_ids, seq_lens, values))
-                    self.pool.note_sampled(seq_ids, seq_lens, values)
+                if pending.batch is not None:   # a row cut short (partial) sampled no token of its sequence
+                    self.pool.note_sampled(pending.batch.seq_ids, pending.batch.seq_lens, values, pending.partial)
             pending.result = tokens
         return pending.result

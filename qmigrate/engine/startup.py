@@ -20,7 +20,7 @@ def num_blocks_here(engine) -> int:
     """KV blocks this process's pool can hold: from the device's memory after the weights and
     a measured step's activations (a GPU), or cpu_kv_bytes, capped by max_kv_tokens."""
     cfg = engine.config
-    per_block = engine.kv_bytes_per_token * engine.pool_kv_heads // engine.num_kv_heads * cfg.block_size
+    per_block = engine.kv_bytes_per_token * engine.pool_kv_heads // engine.shape.num_kv_heads * cfg.block_size
     if engine.device.type == "cuda":
         budget = gpu_kv_budget(engine.device, cfg.gpu_memory_utilization, activation_bytes(engine))
     else:
@@ -44,7 +44,7 @@ def activation_bytes(engine) -> int:
     num_rows = max(1, min(cfg.max_batch, cfg.max_batch_tokens // 64))
     per_row = max(1, min(engine.max_len, cfg.max_batch_tokens // num_rows))
     blocks = num_rows * (-(-per_row // cfg.block_size)) + 1
-    scratch = BlockPool(engine.num_layers, engine.pool_kv_heads, engine.head_dim, blocks, cfg.block_size,
+    scratch = BlockPool(engine.shape.num_layers, engine.pool_kv_heads, engine.shape.head_dim, blocks, cfg.block_size,
                         engine.dtype, engine.device, prefix_cache=False)
     engine.runner.attach(scratch, capture=False)
     seq_ids = list(range(num_rows))

@@ -9,6 +9,7 @@ import os
 from pathlib import Path
 
 from qmigrate.hub.loading import remote_code_error
+from qmigrate.hub.shape import context_length, text_config
 from qmigrate.hub.store import ModelLoadError
 
 # Tokenizer classes AutoTokenizer resolves to transformers' generic fast tokenizer itself.
@@ -73,9 +74,8 @@ def _auto_tokenizer_info(path, trust_remote_code: bool):
             raise refused from None
         reason = (str(exc).strip().splitlines() or [""])[0]
         raise ModelLoadError(f"cannot load tokenizer of {path}: {type(exc).__name__}: {reason}") from exc
-    if hasattr(config, "get_text_config"):
-        config = config.get_text_config()
-    max_context = int(getattr(config, "max_position_embeddings", 0) or tokenizer.model_max_length)
+    config = text_config(config)
+    max_context = context_length(config) or int(tokenizer.model_max_length)
     eos = None
     try:
         eos = GenerationConfig.from_pretrained(str(path)).eos_token_id

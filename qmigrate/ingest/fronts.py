@@ -27,6 +27,7 @@ import zmq
 from qmigrate.config import MAX_IPC_PATH, SHORT_TMP
 from qmigrate.ingest.handoff import front_index, split_by_front
 from qmigrate.wire import protocol as P
+from qmigrate.wire import codec
 from qmigrate.wire import transport
 
 log = logging.getLogger("qmigrate.ingest")
@@ -189,7 +190,7 @@ class Fronts:
         for index, part in split_by_front(msg).items():
             front = self.fronts[index] if index < len(self.fronts) else None
             if front is not None and front.identity is not None and not transport.send_frame(
-                    self.sock, frame if part is None else P.encode(part), to=front.identity, what="Replies") \
+                    self.sock, frame if part is None else codec.encode(part), to=front.identity, what="Replies") \
                     and front.proc.poll() is not None:
                 self.by_identity.pop(front.identity)   # dead: nothing more to it; check() replaces it
                 front.identity = None
@@ -203,7 +204,7 @@ class Fronts:
     def fail(self, seq_id: int) -> None:
         """A sequence the router refused: its request ends with an error."""
         msg = P.Replies(P.pack_i64([seq_id]), P.pack_u8([P.Finish.ERROR]), P.pack_i32([0]), [""])
-        self.forward(P.encode(msg), msg)
+        self.forward(codec.encode(msg), msg)
 
     # --- processes ---------------------------------------------------------------------------
     def check(self) -> list[int]:

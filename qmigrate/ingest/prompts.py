@@ -41,6 +41,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from qmigrate.wire import protocol as P
+from qmigrate.wire import codec
 
 MAX_SEED = P.MAX_SEED + 1  # exclusive: seeds are in [0, 2**63)
 MAX_JSON_DEPTH = 32
@@ -154,7 +155,7 @@ def check_prompt(prompt: Prompt, eos_ids: Collection[int] = ()) -> Prompt:
     """Raise PromptError unless the router would decode this request: the codec's own check."""
     spec = to_spec(prompt, 1, prompt.seed if prompt.seed is not None else 0, eos_ids)
     try:
-        P.check_wire(P.Submit([spec], [prompt.req_id], [], -1, P.pack_u8([P.ROUTE_INGEST]), [prompt.note]))
+        codec.check_wire(P.Submit([spec], [prompt.req_id], [], -1, P.pack_u8([P.ROUTE_INGEST]), [prompt.note]))
     except P.ProtocolError as exc:
         raise PromptError(prompt.req_id, f"the request is past the protocol's bounds: {exc}") from None
     return prompt

@@ -18,6 +18,7 @@ import os
 import struct
 
 from qmigrate.wire import protocol as P
+from qmigrate.wire import codec
 
 _LEN = struct.Struct("<I")
 
@@ -150,7 +151,7 @@ class OutputLog:
 
     def replay(self, records: list[bytes]) -> None:
         for record in records:
-            msg = P.decode(record)
+            msg = codec.decode(record)
             if isinstance(msg, P.Submit):
                 self.add(msg, len(msg.seqs))
             elif isinstance(msg, P.Printed):

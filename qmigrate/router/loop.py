@@ -13,6 +13,7 @@ import numpy as np
 import zmq
 
 from qmigrate.wire import protocol as P
+from qmigrate.wire import codec
 from qmigrate.wire import transport
 from qmigrate.ops.observe import FleetObserver
 from qmigrate.router.output import Output
@@ -123,7 +124,7 @@ class Router:
                 continue
             sender, frame = frames
             try:
-                msg = P.decode(frame)
+                msg = codec.decode(frame)
             except P.ProtocolError as exc:
                 msg = None
                 self.dropped_log.warning("dropped malformed message from %r: %s", sender[:64], exc)
@@ -228,7 +229,7 @@ class Router:
             if num := self.sched.cancel(orphans):
                 log.warning("a new ingest: cancelled %d requests of HTTP clients the one before had", num)
             if orphans:
-                self.out.forward(P.encode(P.Cancel(P.pack_i64(orphans))))  # the detokenizer ends them
+                self.out.forward(codec.encode(P.Cancel(P.pack_i64(orphans))))  # the detokenizer ends them
         self.ingest = sender
 
     def _worker(self, sender: bytes) -> str | None:
@@ -313,7 +314,7 @@ class Router:
             keep = np.array(mine)
             counts = P.unpack_i32(msg.counts)
             tokens = P.unpack_i32(msg.tokens)[np.repeat(keep, counts)]
-            self.out.forward(P.encode(P.Tokens(P.pack_i64(seq_ids[keep]), P.pack_i32(P.unpack_i32(msg.start)[keep]),
+            self.out.forward(codec.encode(P.Tokens(P.pack_i64(seq_ids[keep]), P.pack_i32(P.unpack_i32(msg.start)[keep]),
                                                P.pack_i32(counts[keep]), P.pack_i32(tokens),
                                                P.pack_u8(P.unpack_u8(msg.finish)[keep]),
                                                P.pack_i32(P.unpack_i32(msg.cached_tokens)[keep])

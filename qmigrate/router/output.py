@@ -17,6 +17,7 @@ import zmq
 
 from qmigrate.router.journal import Journal, OutputLog
 from qmigrate.wire import protocol as P
+from qmigrate.wire import codec
 from qmigrate.wire import transport
 
 log = logging.getLogger("qmigrate.router")
@@ -55,7 +56,7 @@ class Output:
     def recover(self, sched) -> None:
         """Rebuild from the journal: every request not confirmed printed runs again."""
         self.outputs.replay(self.journal.read())
-        self.journal.rewrite([P.encode(self.outputs.snapshot())])
+        self.journal.rewrite([codec.encode(self.outputs.snapshot())])
         for spec in self.outputs.specs.values():
             sched.readmit(spec)
         if len(self.outputs) or self.outputs.errors:
@@ -66,18 +67,18 @@ class Output:
         """Everything the detokenizer may lack (it restarted, or this router did); what it
         printed already it skips. Requests that finished here but were not confirmed run again."""
         for sid in self.outputs.specs:
-            self.forward(P.encode(self.outputs.meta(sid)))
+            self.forward(codec.encode(self.outputs.meta(sid)))
             seq = sched.seqs.get(sid)
             if seq is None:
                 sched.readmit(self.outputs.specs[sid])
             elif len(seq.token_ids) > seq.spec.prompt_len:
                 made = seq.token_ids[seq.spec.prompt_len:]
-                self.forward(P.encode(P.Tokens(P.pack_i64([sid]), P.pack_i32([0]), P.pack_i32([len(made)]),
+                self.forward(codec.encode(P.Tokens(P.pack_i64([sid]), P.pack_i32([0]), P.pack_i32([len(made)]),
                                                P.pack_i32(made), P.pack_u8([0]))))
         for error in self.outputs.error_messages():
-            self.forward(P.encode(error))
+            self.forward(codec.encode(error))
         if self.outputs.num_requests >= 0:
-            self.forward(P.encode(P.InputClosed(self.outputs.num_requests)))
+            self.forward(codec.encode(P.InputClosed(self.outputs.num_requests)))
 
     def resync(self, sched) -> None:
         """The detokenizer asks for everything not yet printed: what waits here is sent again too."""
@@ -93,18 +94,18 @@ class Output:
         # past that the oldest are forgotten (only a detokenizer restart needs them).
         self.outputs.trim(max_kept, live)
         if new is not None and self.journal is not None:
-            self.journal.append(P.encode(new))
+            self.journal.append(codec.encode(new))
         return new
 
     def announce(self, new: P.Submit) -> None:
         """The new requests' names, ingest's errors and the input's end, to the detokenizer."""
         for spec in new.seqs:
-            self.forward(P.encode(self.outputs.meta(spec.seq_id)))
+            self.forward(codec.encode(self.outputs.meta(spec.seq_id)))
         numbers = P.unpack_i64(new.error_ids).tolist()
         for (req_id, message), number in zip(new.errors, numbers):
-            self.forward(P.encode(P.RequestError(req_id, message, number)))
+            self.forward(codec.encode(P.RequestError(req_id, message, number)))
         if new.num_requests >= 0:
-            self.forward(P.encode(P.InputClosed(new.num_requests)))
+            self.forward(codec.encode(P.InputClosed(new.num_requests)))
 
     def answered_over_http(self) -> list[int]:
         """The requests not yet printed whose answers go back to ingest (its HTTP clients)."""
@@ -113,4 +114,4 @@ class Output:
     def printed(self, msg: P.Printed) -> None:
         seq_ids = P.unpack_i64(msg.seq_ids, "seq_ids").tolist()
         if self.outputs.printed(seq_ids) and self.journal is not None:
-            self.journal.append(P.encode(msg))
+            self.journal.append(codec.encode(msg))

@@ -584,6 +584,3 @@ def _rows_agree(name: str, seq_ids: bytes, counts: bytes, codes: bytes, tokens: 
     if int(unpack_i32(counts, f"{name}.counts").sum()) != len(tokens) // 4:
         raise ProtocolError(f"{name}: counts do not add up to the tokens")
 
-
-# Encoding and decoding live in codec.py (the checks of every field against its type and range).
-from qmigrate.wire.codec import check_wire, decode, encode  # noqa: E402,F401 -- P.encode / P.decode for every role

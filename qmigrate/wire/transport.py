@@ -10,6 +10,7 @@ import zmq
 
 from qmigrate.ops.logs import Throttled
 from qmigrate.wire import protocol
+from qmigrate.wire import codec
 from qmigrate.wire.protocol import ProtocolError
 
 log = logging.getLogger(__name__)
@@ -95,7 +96,7 @@ def send(sock: zmq.Socket, msg, *, to: bytes | None = None, flags: int = zmq.NOB
     mark, and from then on what is sent to it is dropped (and counted) until it reads again.
     Each caller's rule for a dropped message: a reply or heartbeat is simply lost, a request
     is sent again on its own timeout."""
-    return send_frame(sock, protocol.encode(msg), to=to, flags=flags, what=type(msg).__name__)
+    return send_frame(sock, codec.encode(msg), to=to, flags=flags, what=type(msg).__name__)
 
 
 def send_frame(sock: zmq.Socket, frame: bytes, *, to: bytes | None = None, flags: int = zmq.NOBLOCK,
@@ -120,7 +121,7 @@ def send_frame(sock: zmq.Socket, frame: bytes, *, to: bytes | None = None, flags
 def parse(frame: bytes, origin: str):
     """Decode one frame, logging and returning None when it is malformed."""
     try:
-        return protocol.decode(frame)
+        return codec.decode(frame)
     except ProtocolError as exc:
         dropped_log.warning("dropped malformed message from %s: %s", origin[:64], exc)
         return None

@@ -271,7 +271,7 @@ class WorkerCore:
 
     def _row(self, sid: int, length: int, token: int, spec: P.SeqSpec | None, protect: set[int],
              after: "Started | None" = None):
-        vocab = self.engine.vocab_size
+        vocab = self.engine.shape.vocab_size
         if spec is not None:
             ids = spec.ids
             if len(ids) != length or length == 0 or spec.prompt_len <= 0 or (ids >= vocab).any():
@@ -318,7 +318,7 @@ class WorkerCore:
         transfer = self.transfers.pop(spec.transfer_id, None)
         e = self.engine
         start = 0 if transfer is None else transfer.start
-        expected = (e.num_layers, 2, length - 1 - start, e.num_kv_heads, e.head_dim)
+        expected = (e.shape.num_layers, 2, length - 1 - start, e.shape.num_kv_heads, e.shape.head_dim)
         if start and (not e.can_import_from or start % e.pool.block_size
                       or e.admit(spec.seq_id, spec.ids[:length], spec.cache_salt) < start):
             transfer = None   # what was not shipped is not cached here (any more): recompute

@@ -22,6 +22,7 @@ import torch
 import zmq
 
 from qmigrate.wire import protocol as P
+from qmigrate.wire import codec
 from qmigrate.wire import transport
 from qmigrate.hub.loading import load_model, resolve_model
 from qmigrate.engine.engine import Engine
@@ -30,6 +31,7 @@ from qmigrate.ops.trace import flush_on_sigterm, tracer
 from qmigrate.worker.core import WorkerCore
 from qmigrate.worker.pipeline import FINISH, START, WAIT, KVOutbox, WorkerLoop
 from qmigrate.worker.pulse import Pulse
+from qmigrate.worker.threads import share_cpu_threads
 from qmigrate.ops.process import freeze_heap, run_until_fatal
 
 log = logging.getLogger("qmigrate.worker")
@@ -99,7 +101,7 @@ class Worker:
         info = {"device": self.device, "kv_endpoint": self.kv_endpoint.connect,
                 "max_seqs": self.cfg.max_seqs, "max_tokens": self.cfg.max_tokens,
                 "inflight": self.cfg.inflight, "kv_bytes_per_token": engine.kv_bytes_per_token,
-                "num_params": engine.num_params, "gpu_uuid": uuid or "",
+                "num_params": engine.shape.num_params, "gpu_uuid": uuid or "",
                 "kv_tokens": engine.pool.capacity_tokens, "block_size": engine.pool.block_size,
                 "prefix_cache": int(engine.pool.is_caching),
                 "held_bytes": self.held_bytes()}
@@ -293,7 +295,7 @@ class Worker:
                                 msg.start)
             payload = kv.view(torch.uint8).numpy() if kv.dtype != torch.uint8 else kv.numpy()
         try:
-            sock.send_multipart([P.encode(header), payload], copy=False)
+            sock.send_multipart([codec.encode(header), payload], copy=False)
         except zmq.Again:
             log.warning("KV for sequence %d not shipped: %s is not taking data", msg.seq_id, msg.dest)
 
@@ -347,17 +349,6 @@ class Worker:
         if self.gpu_memory is not None and now - self.nvml_at >= NVML_EVERY_S:
             self.nvml_at, self.nvml_bytes = now, self.gpu_memory.held_bytes() or 0
         return max(reserved, self.nvml_bytes)
-
-
-def share_cpu_threads(topo, cfg) -> None:
-    """Split the node's cores between its CPU workers; a GPU worker needs only a few for
-    host-side work, and a full-width thread pool per process just fights the others."""
-    cores = os.cpu_count() or 1
-    if cfg.device == "cpu":
-        peers = sum(w.tensor_parallel for w in topo.workers if w.node == cfg.node and w.device == "cpu")
-        torch.set_num_threads(max(1, cores // max(1, peers)))
-    else:
-        torch.set_num_threads(min(4, cores))
 
 
 def _kv_tensor(header: P.KVHeader, data: bytes) -> torch.Tensor | None:

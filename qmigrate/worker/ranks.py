@@ -28,7 +28,9 @@ from pathlib import Path
 
 from qmigrate.config import dump_topology, load_topology
 from qmigrate.engine.parallel.sharding import TensorParallel
+from qmigrate.hub.shape import ModelShape
 from qmigrate.ops.process import die_with
+from qmigrate.worker.threads import share_cpu_threads
 
 log = logging.getLogger("qmigrate.worker")
 
@@ -69,12 +71,10 @@ def build_engine(topo, name: str, model_path: str, tp: TensorParallel):
 def check_model(name: str, model_path: str, world: int, trust_remote_code: bool = False) -> None:
     """Before any rank starts: the model's heads and MLP widths must divide by the world size."""
     from transformers import AutoConfig
-    from qmigrate.engine.parallel.sharding import LayoutError, check_layout, mlp_widths
-    cfg = AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code)
-    cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
-    heads = cfg.num_attention_heads
+    from qmigrate.engine.parallel.sharding import LayoutError, check_layout
+    shape = ModelShape.from_config(AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code))
     try:
-        check_layout(world, heads, getattr(cfg, "num_key_value_heads", None) or heads, mlp_widths(cfg))
+        check_layout(world, shape.num_heads, shape.num_kv_heads, shape.mlp_widths)
     except LayoutError as exc:
         raise SystemExit(f"worker {name}: {exc}") from None
 
@@ -168,7 +168,6 @@ def follow(topo_path: str, name: str, model_path: str, rank: int, init_method: s
     topo = load_topology(topo_path)
     cfg = topo.worker(name)
     logging.basicConfig(level=logging.WARNING, format=f"%(asctime)s worker {name} rank {rank}: %(message)s")
-    from qmigrate.worker.loop import share_cpu_threads
     share_cpu_threads(topo, cfg)
     tp = TensorParallel.init(rank, cfg.tensor_parallel, init_method, rank_device(cfg.device, rank))
     engine = build_engine(topo, name, model_path, tp)

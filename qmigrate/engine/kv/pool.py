@@ -14,7 +14,11 @@ reports them to the router, which then recomputes them wherever they run next.
 With the prefix cache on (`prefix_cache.py`) blocks are shared: a full block whose ids are
 known is cached under a key of its prefix, and outlives its sequences until a new block is
 needed and it is the least recently used one nobody holds. A sequence never writes a block
-that others share or that is cached (`truncate` copies it first).
+that others share or that is cached (`truncate` copies it first). With it off the pool has a
+`NoPrefixCache`, which shares nothing: the same code runs either way.
+
+The pool's maps (`blocks`, `length`, `free`, `evicted`) are changed by its own methods only;
+others may read them.
 """
 
 from __future__ import annotations
@@ -26,9 +30,7 @@ from collections import OrderedDict
 import numpy as np
 import torch
 
-from qmigrate.wire.prefix_keys import seed_key
-
-from qmigrate.engine.kv.prefix_cache import PrefixCache
+from qmigrate.engine.kv.prefix_cache import BasePrefixCache, NoPrefixCache, PrefixCache
 
 
 def write_kv(k_cache, v_cache, slot_mapping, k, v) -> None:
@@ -57,7 +59,10 @@ class OutOfBlocks(RuntimeError):
 
 class BlockPool:
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, num_blocks: int,
-                 block_size: int, dtype: torch.dtype, device: torch.device, prefix_cache: bool = True):
+                 block_size: int, dtype: torch.dtype, device: torch.device, prefix_cache: bool = True,
+                 can_copy: bool = True):
+        """`can_copy` False: the blocks are mirrored elsewhere (the other tensor-parallel ranks
+        follow this pool's block tables) and a block is never copied here."""
         if num_blocks < 2:
             raise ValueError(f"a KV pool needs at least 2 blocks, got {num_blocks}")
         shape = (num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim)
@@ -76,12 +81,13 @@ class BlockPool:
         self.blocks: OrderedDict[int, list[int]] = OrderedDict()   # seq_id -> blocks, LRU order
         self.length: dict[int, int] = {}                            # seq_id -> cached positions
         self.evicted: list[int] = []
-        self.prefix = PrefixCache(num_blocks, block_size) if prefix_cache else None
-        self.can_copy = True   # False: blocks are mirrored elsewhere (tensor parallel ranks), never copied here
+        self.prefix: BasePrefixCache = PrefixCache(num_blocks, block_size) if prefix_cache else NoPrefixCache()
+        self.can_copy = can_copy
 
     @property
     def is_caching(self) -> bool:
-        return self.prefix is not None
+        """Blocks are shared by prefix (what the router is told; KV may be shipped onto a prefix)."""
+        return self.prefix.is_enabled
 
     # --- capacity --------------------------------------------------------------------------
     @property
@@ -91,7 +97,7 @@ class BlockPool:
     @property
     def num_free_blocks(self) -> int:
         """Blocks a sequence can have now: free ones and cached ones no sequence references."""
-        return len(self.free) + (len(self.prefix.idle) if self.prefix else 0)
+        return len(self.free) + self.prefix.num_idle
 
     @property
     def free_tokens(self) -> int:
@@ -112,18 +118,11 @@ class BlockPool:
         if blocks is not None:
             del self.length[seq_id]
             self._unref(blocks)
-            if self.prefix:
-                self.prefix.forget(seq_id)
+            self.prefix.forget(seq_id)
 
     def _unref(self, blocks: list[int]) -> None:
-        """Drop one reference to each block; cached ones stay cached (the last block first in
-        the eviction order, since a block is of no use without its parents)."""
-        if self.prefix is None:
-            self.free.extend(reversed(blocks))
-            return
-        for b in reversed(blocks):
-            if self.prefix.unref(b):
-                self.free.append(b)
+        """Drop one reference to each block; cached ones stay cached."""
+        self.free.extend(self.prefix.unref(blocks))
 
     def truncate(self, seq_id: int, length: int) -> bool:
         """Keep positions [0, length): the tail past it will be written again. A block the
@@ -131,15 +130,11 @@ class BlockPool:
         False when no block could be had for that copy (the sequence is then released)."""
         length = min(self.length[seq_id], length)
         self.length[seq_id] = length
-        prefix = self.prefix
-        if prefix is None:
-            return True
         blocks = self.blocks[seq_id]
-        keep = self.blocks_for(length)
+        keep = self.prefix.cut(seq_id, length, len(blocks))
         self._unref(blocks[keep:])
         del blocks[keep:]
-        prefix.cut(seq_id, length)
-        if length % self.block_size and blocks and prefix.is_shared(blocks[-1]):
+        if length % self.block_size and blocks and self.prefix.is_shared(blocks[-1]):
             if not self.num_free_blocks or not self.can_copy:
                 self.release(seq_id)
                 return False
@@ -175,8 +170,7 @@ class BlockPool:
         new = [self.free.pop() for _ in range(min(n, len(self.free)))]
         if len(new) < n:
             new += self.prefix.evict(n - len(new))
-        if self.prefix:
-            self.prefix.ref(new)
+        self.prefix.ref(new)
         if self.is_lazy:
             self._zero([b for b in new if not self.is_clean[b]])
         return new
@@ -185,6 +179,24 @@ class BlockPool:
         if blocks:
             self.kv[:, :, torch.as_tensor(blocks)] = 0
             self.is_clean[blocks] = True
+
+    def clean(self, blocks) -> None:
+        """A lazy pool: zero those of these blocks (any ids, repeats too) never zeroed yet. For
+        a pool that mirrors another's block tables (a tensor-parallel follower), where blocks
+        are handed out by the other pool."""
+        if self.is_lazy:
+            blocks = np.unique(np.asarray(blocks, dtype=np.int64))
+            self._zero(blocks[~self.is_clean[blocks]].tolist())
+
+    def mark_written(self, seq_ids, seq_lens, rows=None) -> None:
+        """A step just queued writes the KV of seq_ids up to seq_lens (the sequences hold
+        their blocks already). `rows` (seq_id, start, new_ids) say which ids the step writes;
+        without them, every row of the step decodes a token not known here yet."""
+        self.length.update(zip(seq_ids, seq_lens.tolist() if isinstance(seq_lens, np.ndarray) else seq_lens))
+        if rows is None:
+            self.prefix.note_decoded(seq_ids, seq_lens, self.blocks, self.length)
+        else:
+            self.prefix.note_rows(rows, self.blocks, self.length)
 
     def take_evicted(self) -> list[int]:
         out, self.evicted = self.evicted, []
@@ -195,37 +207,15 @@ class BlockPool:
         """Start seq_id (a prompt of `ids`) on the longest cached prefix of it, leaving at
         least its last token to compute; the number of positions it starts with."""
         self.release(seq_id)
-        if self.prefix is None:
-            return 0
         blocks = self.prefix.match(seq_id, ids, salt, max_blocks=(len(ids) - 1) // self.block_size)
         self.blocks[seq_id] = blocks
         self.length[seq_id] = n = len(blocks) * self.block_size
-        self.prefix.count_admission(len(ids), n)
         return n
 
-    def note_ids(self, seq_id: int, start: int, new_ids) -> None:
-        """Positions [start, start + len(new_ids)) of seq_id hold (or are about to hold) these ids."""
-        if self.prefix is not None:
-            self.prefix.note_ids(seq_id, start, new_ids)
-
-    def commit(self, seq_id: int) -> None:
-        """Cache every full block of seq_id whose ids are known and whose KV is written."""
-        if self.prefix is not None and seq_id in self.blocks:
-            self.prefix.commit(seq_id, self.blocks[seq_id], self.length[seq_id])
-
-    def note_sampled(self, seq_ids, seq_lens, tokens) -> None:
-        """Tokens sampled for rows of sequences at lengths seq_lens: each is the id at that
-        position once the next step writes it."""
-        prefix = self.prefix
-        if prefix is None:
-            return
-        bs, known, length = self.block_size, prefix.ids, self.length
-        for sid, n, token in zip(seq_ids, seq_lens, tokens):
-            ids = known.get(sid)
-            if ids is not None and len(ids) == n:
-                ids.append(token)
-                if (n + 1) % bs == 0 and length.get(sid, 0) > n:
-                    self.commit(sid)
+    def note_sampled(self, seq_ids, seq_lens, tokens, skip=frozenset()) -> None:
+        """Tokens sampled for rows of sequences at lengths seq_lens (those of `skip` sampled
+        none): each is the id at that position once the next step writes it."""
+        self.prefix.note_sampled(seq_ids, seq_lens, tokens, skip, self.blocks, self.length)
 
     def check(self) -> None:
         """Assert the allocator's invariants (for tests): every block is free, cached and
@@ -236,10 +226,6 @@ class BlockPool:
             np.add.at(held, np.asarray(blocks, dtype=np.int64), 1)
         assert held[0] == 0 and 0 not in self.free
         assert len(set(self.free)) == len(self.free)
-        if self.prefix is None:
-            assert len(self.free) + int((held > 0).sum()) == self.num_blocks - 1
-            assert not (held[self.free] > 0).any()
-            return
         self.prefix.check(held, self.free, self.blocks, self.length)
 
     # --- addressing ----------------------------------------------------------------------------
@@ -313,12 +299,5 @@ class BlockPool:
         flat = self.kv.view(self.num_layers, 2, -1, self.num_kv_heads, self.head_dim)
         flat.index_copy_(2, slots.to(self.device, non_blocking=True), kv.to(self.device, non_blocking=True))
         self.length[seq_id] = start + n
-        if self.prefix is not None:
-            if ids is None:
-                self.prefix.ids[seq_id] = None   # KV of unknown ids: never cached
-            else:
-                if not start:
-                    self.prefix.seeds[seq_id] = seed_key(salt)
-                self.prefix.note_ids(seq_id, start, ids[start:start + n])
-                self.commit(seq_id)
+        self.prefix.note_loaded(seq_id, start, ids, salt, self.blocks, self.length)
         return True

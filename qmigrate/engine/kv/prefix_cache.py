@@ -9,11 +9,17 @@ matches its prompt.
 
 Every block a key is given to or taken from is recorded in `events` (the key, or ~key when
 evicted), in order, for the router's prefix index.
+
+The pool talks to its cache through `BasePrefixCache` only. `NoPrefixCache` is the form for a
+pool that shares nothing (`prefix_cache: false`): it matches nothing, keys nothing and frees
+every block as soon as its sequence lets go of it, so the pool has one code path either way.
 """
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections import OrderedDict
+from collections.abc import Iterable, Mapping
 
 import numpy as np
 
@@ -22,7 +28,143 @@ from qmigrate.wire.prefix_keys import block_keys, iter_block_keys, seed_key
 MAX_EVENTS = 1 << 16   # events kept while no one takes them (the oldest are dropped)
 
 
-class PrefixCache:
+class BasePrefixCache(ABC):
+    """What the pool asks of a prefix cache. `blocks` and `length` are the pool's own maps
+    (seq_id -> its blocks, seq_id -> positions written), read here, never changed."""
+
+    is_enabled: bool   # blocks are shared by prefix (the router is told; KV may be shipped onto a prefix)
+
+    # --- blocks ------------------------------------------------------------------------------
+    @property
+    @abstractmethod
+    def num_idle(self) -> int:
+        """Blocks that keep cached KV but that no sequence holds (a new block may take one)."""
+
+    @abstractmethod
+    def ref(self, blocks: list[int]) -> None:
+        """A sequence takes these blocks."""
+
+    @abstractmethod
+    def unref(self, blocks: list[int]) -> list[int]:
+        """A sequence lets go of these blocks (in order); those now free to reuse, last block
+        first (a block is of no use without its parents)."""
+
+    @abstractmethod
+    def is_shared(self, block: int) -> bool:
+        """Others hold the block, or its KV is cached: it must not be written."""
+
+    @abstractmethod
+    def evict(self, n: int) -> list[int]:
+        """n idle blocks, least recently used first, their keys dropped."""
+
+    # --- sequences -----------------------------------------------------------------------------
+    @abstractmethod
+    def match(self, seq_id: int, ids, salt: str, max_blocks: int) -> list[int]:
+        """The cached blocks of the longest prefix of `ids` (at most max_blocks), referenced
+        for seq_id, which starts on them; the prompt's tokens and those found are counted."""
+
+    @abstractmethod
+    def note_rows(self, rows: Iterable, blocks: Mapping, length: Mapping) -> None:
+        """Rows (seq_id, start, new_ids) of a step just queued: their positions hold these ids
+        (no new_ids: a token fed on the device, not known here yet); cache every full block
+        of theirs whose ids are known."""
+
+    @abstractmethod
+    def note_decoded(self, seq_ids, seq_lens, blocks: Mapping, length: Mapping) -> None:
+        """A step of decode rows only, every input token not known here yet: cache the blocks
+        those tokens fill whose ids are known."""
+
+    @abstractmethod
+    def note_sampled(self, seq_ids, seq_lens, tokens, skip, blocks: Mapping, length: Mapping) -> None:
+        """Tokens sampled for rows of sequences at lengths seq_lens (sequences in `skip`
+        sampled none): each is the id at that position once the next step writes it."""
+
+    @abstractmethod
+    def note_loaded(self, seq_id: int, start: int, ids, salt: str, blocks: Mapping, length: Mapping) -> None:
+        """Shipped KV of positions [start, length[seq_id]) was placed; `ids`, when given, are
+        the sequence's ids at those positions and before (None: unknown, never cached)."""
+
+    @abstractmethod
+    def cut(self, seq_id: int, length: int, num_blocks: int) -> int:
+        """seq_id, holding num_blocks blocks, keeps positions [0, length): how many of its
+        blocks it keeps (the rest the pool lets go of)."""
+
+    @abstractmethod
+    def forget(self, seq_id: int) -> None:
+        """seq_id was released."""
+
+    # --- reports -------------------------------------------------------------------------------
+    @abstractmethod
+    def take_events(self) -> list[int]:
+        """Keys cached (as is) and evicted (as ~key, negative) since the last call, in order."""
+
+    @abstractmethod
+    def stats(self) -> dict[str, int]:
+        """Prompt tokens admitted and the part of them found cached, and blocks cached now."""
+
+    @abstractmethod
+    def check(self, held: np.ndarray, free: list[int], blocks: Mapping, length: Mapping) -> None:
+        """Assert the invariants of the blocks (`held`: each block's number of holders)."""
+
+
+class NoPrefixCache(BasePrefixCache):
+    """The null form: no block is shared, cached or matched."""
+
+    is_enabled = False
+
+    @property
+    def num_idle(self) -> int:
+        return 0
+
+    def ref(self, blocks):
+        pass
+
+    def unref(self, blocks):
+        return blocks[::-1]
+
+    def is_shared(self, block):
+        return False
+
+    def evict(self, n):
+        if n > 0:
+            raise RuntimeError(f"{n} blocks asked of a pool that caches none")
+        return []
+
+    def match(self, seq_id, ids, salt, max_blocks):
+        return []
+
+    def note_rows(self, rows, blocks, length):
+        pass
+
+    def note_decoded(self, seq_ids, seq_lens, blocks, length):
+        pass
+
+    def note_sampled(self, seq_ids, seq_lens, tokens, skip, blocks, length):
+        pass
+
+    def note_loaded(self, seq_id, start, ids, salt, blocks, length):
+        pass
+
+    def cut(self, seq_id, length, num_blocks):
+        return num_blocks   # its blocks are its own: the tail is written over, not given back
+
+    def forget(self, seq_id):
+        pass
+
+    def take_events(self):
+        return []
+
+    def stats(self):
+        return {"prompt_tokens": 0, "cached_tokens": 0, "cached_blocks": 0}
+
+    def check(self, held, free, blocks, length):
+        assert len(free) + int((held > 0).sum()) == len(held) - 1
+        assert not (held[free] > 0).any()
+
+
+class PrefixCache(BasePrefixCache):
+    is_enabled = True
+
     def __init__(self, num_blocks: int, block_size: int):
         self.block_size = block_size
         self.refs = np.zeros(num_blocks, dtype=np.int32)
@@ -43,7 +185,12 @@ class PrefixCache:
                 del self.idle[b]
             self.refs[b] += 1
 
-    def unref(self, block: int) -> bool:
+    def unref(self, blocks: list[int]) -> list[int]:
+        """Cached blocks no one holds any more stay cached, idle: the last block first in the
+        eviction order, since a block is of no use without its parents."""
+        return [b for b in reversed(blocks) if self._unref(b)]
+
+    def _unref(self, block: int) -> bool:
         """Drop one reference; True when the block is free to reuse (no one holds it, no key)."""
         self.refs[block] -= 1
         assert self.refs[block] >= 0, f"block {block} released more often than it was taken"
@@ -72,9 +219,11 @@ class PrefixCache:
         return out
 
     # --- sequences ---------------------------------------------------------------------------
+    @property
+    def num_idle(self) -> int:
+        return len(self.idle)
+
     def match(self, seq_id: int, ids, salt: str, max_blocks: int) -> list[int]:
-        """The cached blocks of the longest prefix of `ids` (at most max_blocks), referenced
-        for seq_id, which starts on them."""
         by_key = self.by_key
         seed = self.seeds[seq_id] = seed_key(salt)
         blocks, keys = [], []
@@ -87,11 +236,45 @@ class PrefixCache:
         self.ref(blocks)
         self.keys[seq_id] = keys
         self.ids[seq_id] = _ints(ids[:len(blocks) * self.block_size])
+        self.num_prompt_tokens += len(ids)
+        self.num_cached_tokens += len(blocks) * self.block_size
         return blocks
 
-    def count_admission(self, num_prompt: int, num_cached: int) -> None:
-        self.num_prompt_tokens += num_prompt
-        self.num_cached_tokens += num_cached
+    def note_rows(self, rows: Iterable, blocks: Mapping, length: Mapping) -> None:
+        for r in rows:
+            if r.new_ids:
+                self.note_ids(r.seq_id, r.start, r.new_ids)
+            self._commit(r.seq_id, blocks, length)
+
+    def note_decoded(self, seq_ids, seq_lens, blocks: Mapping, length: Mapping) -> None:
+        for k in np.flatnonzero(np.asarray(seq_lens) % self.block_size == 0).tolist():
+            self._commit(seq_ids[k], blocks, length)
+
+    def note_sampled(self, seq_ids, seq_lens, tokens, skip, blocks: Mapping, length: Mapping) -> None:
+        seq_lens = seq_lens.tolist() if isinstance(seq_lens, np.ndarray) else seq_lens
+        if skip:
+            keep = [k for k, s in enumerate(seq_ids) if s not in skip]
+            seq_ids, seq_lens, tokens = ([a[k] for k in keep] for a in (seq_ids, seq_lens, tokens))
+        bs, known = self.block_size, self.ids
+        for sid, n, token in zip(seq_ids, seq_lens, tokens):
+            ids = known.get(sid)
+            if ids is not None and len(ids) == n:
+                ids.append(token)
+                if (n + 1) % bs == 0 and length.get(sid, 0) > n:
+                    self._commit(sid, blocks, length)
+
+    def note_loaded(self, seq_id: int, start: int, ids, salt: str, blocks: Mapping, length: Mapping) -> None:
+        if ids is None:
+            self.ids[seq_id] = None   # KV of unknown ids: never cached
+            return
+        if not start:
+            self.seeds[seq_id] = seed_key(salt)
+        self.note_ids(seq_id, start, ids[start:length[seq_id]])
+        self._commit(seq_id, blocks, length)
+
+    def _commit(self, seq_id: int, blocks: Mapping, length: Mapping) -> None:
+        if seq_id in blocks:
+            self.commit(seq_id, blocks[seq_id], length[seq_id])
 
     def note_ids(self, seq_id: int, start: int, new_ids) -> None:
         ids = self.ids.get(seq_id)
@@ -104,6 +287,7 @@ class PrefixCache:
             self.ids[seq_id] = None   # KV of unknown ids (shipped here): never cached
 
     def commit(self, seq_id: int, blocks: list[int], length: int) -> None:
+        """Cache every full block of seq_id whose ids are known and whose KV is written."""
         ids = self.ids.get(seq_id)
         if ids is None:
             return
@@ -122,13 +306,15 @@ class PrefixCache:
                 self._event(key)
             keys.append(key)
 
-    def cut(self, seq_id: int, length: int) -> None:
+    def cut(self, seq_id: int, length: int, num_blocks: int) -> int:
+        """Blocks past `length` may be shared or cached: the sequence gives them all back."""
         ids = self.ids.get(seq_id)
         if ids is not None:
             del ids[length:]
         keys = self.keys.get(seq_id)
         if keys is not None:
             del keys[length // self.block_size:]
+        return min(num_blocks, -(-length // self.block_size))
 
     def forget(self, seq_id: int) -> None:
         self.ids.pop(seq_id, None)
@@ -142,9 +328,12 @@ class PrefixCache:
             del self.events[:-MAX_EVENTS]
 
     def take_events(self) -> list[int]:
-        """Keys cached (as is) and evicted (as ~key, negative) since the last call, in order."""
         out, self.events = self.events, []
         return out
+
+    def stats(self) -> dict[str, int]:
+        return {"prompt_tokens": self.num_prompt_tokens, "cached_tokens": self.num_cached_tokens,
+                "cached_blocks": self.num_cached_blocks}
 
     @property
     def num_cached_blocks(self) -> int:

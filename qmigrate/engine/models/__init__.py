@@ -10,6 +10,7 @@ import torch
 
 from qmigrate.engine.layers.mlp import ACTIVATIONS
 from qmigrate.engine.layers.rotary import unsupported_rope
+from qmigrate.hub.shape import ModelShape
 
 # model_type -> module of engine/models/ that builds it
 FAMILIES = {
@@ -36,7 +37,7 @@ def unsupported(model, device: torch.device) -> str | None:
     why = unsupported_rope(cfg)
     if why:
         return why
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    head_dim = ModelShape.from_config(cfg).head_dim
     if device.type == "cuda" and (head_dim & (head_dim - 1) or not 16 <= head_dim <= 256):
         return f"head_dim {head_dim} is not a power of two from 16 to 256 (the attention kernels' tiles)"
     base = getattr(model, "model", None)

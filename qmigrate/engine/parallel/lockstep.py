@@ -52,29 +52,33 @@ def _local_kv(pool, slots: np.ndarray) -> torch.Tensor:
     return _flat(pool).index_select(2, index).cpu().contiguous()
 
 
-def _zero_new(pool, blocks: np.ndarray) -> None:
-    """A follower's lazy CPU pool: zero the blocks rank 0 hands out, on their first use here
-    (rank 0's pool does it as it hands them out)."""
-    if pool.is_lazy:
-        blocks = np.unique(blocks)
-        pool._zero(blocks[~pool.is_clean[blocks]].tolist())
-
-
 def _store_kv(pool, slots: np.ndarray, kv: torch.Tensor) -> None:
-    _zero_new(pool, slots // pool.block_size)
+    pool.clean(slots // pool.block_size)   # rank 0's pool zeroes a block as it hands it out; here on first use
     index = torch.from_numpy(np.ascontiguousarray(slots, dtype=np.int64)).to(pool.device)
     _flat(pool).index_copy_(2, index, kv.to(device=pool.device, dtype=pool.dtype))
 
 
 class Leader:
-    """Rank 0's runner: the fast runner, with every forward pass and KV move sent to the
-    other ranks first."""
+    """Rank 0's runner (a `Runner`): the fast runner, with every forward pass and KV move
+    sent to the other ranks first."""
 
     def __init__(self, runner, engine):
         self.inner, self.engine, self.tp = runner, engine, engine.tp
 
-    def __getattr__(self, name):
-        return getattr(self.inner, name)
+    @property
+    def name(self) -> str:
+        return self.inner.name
+
+    @property
+    def can_feed(self) -> bool:
+        return self.inner.can_feed
+
+    def attach(self, pool, capture: bool = True) -> None:
+        """Rank 0's own runner only: the followers attach theirs as they build their engines."""
+        self.inner.attach(pool, capture)
+
+    def eager_sizes(self) -> list[int]:
+        return self.inner.eager_sizes()
 
     def forward(self, batch: StepBatch, feed=None) -> torch.Tensor:
         tp = self.tp
@@ -88,8 +92,13 @@ class Leader:
             tp.broadcast_device(tokens.contiguous())   # the fed tokens never visit the host
         return self.inner.forward(batch) if feed is None else self.inner.forward(batch, feed=feed)
 
-    def export_kv(self, seq_id: int, num_tokens: int | None) -> torch.Tensor:
-        """Every rank's KV heads of the sequence's first num_tokens positions, on the CPU."""
+    def export_kv(self, seq_id: int, num_tokens: int | None = None, start: int = 0) -> tuple[torch.Tensor, None]:
+        """Every rank's KV heads of the sequence's positions [start, num_tokens), on the CPU
+        (gathered here: the tensor holds it on return)."""
+        kv = self._gather_kv(seq_id, num_tokens)
+        return (kv[:, :, start:].contiguous() if start else kv), None
+
+    def _gather_kv(self, seq_id: int, num_tokens: int | None) -> torch.Tensor:
         pool, tp, layout = self.engine.pool, self.tp, self.tp.layout
         length = pool.length[seq_id]
         n = length if num_tokens is None else num_tokens
@@ -100,19 +109,23 @@ class Leader:
         _send_ints(tp, (slots,))
         local = _local_kv(pool, slots)
         parts = [p.view(local.dtype).view(local.shape) for p in tp.gather_host(_bytes(local))]
-        full = local.new_empty(local.shape[:3] + (self.engine.num_kv_heads, local.shape[4]))
+        full = local.new_empty(local.shape[:3] + (self.engine.shape.num_kv_heads, local.shape[4]))
         for rank, part in enumerate(parts):
             heads = layout.kv_heads(rank)
             if layout.kv_owner(heads.start) == rank:   # a replicated head is taken from its first rank
                 full[:, :, :, heads.start:heads.stop] = part
         return full
 
-    def import_kv(self, seq_id: int, kv: torch.Tensor, protect) -> bool:
+    def import_kv(self, seq_id: int, kv: torch.Tensor, protect=frozenset(), start: int = 0, ids=None,
+                  salt: str = "") -> bool:
         """Place shipped KV of every head: rank 0 allocates the blocks and keeps its heads,
-        the others get the slots and the whole tensor and keep theirs."""
+        the others get the slots and the whole tensor and keep theirs. Only from position 0
+        (the engine does not offer more: `can_import_from`), and never cached (`ids` unused)."""
+        if start:
+            raise ValueError("a tensor-parallel worker takes shipped KV from position 0 only")
         pool, tp = self.engine.pool, self.tp
-        if kv.dim() != 5 or kv.shape[3] != self.engine.num_kv_heads:
-            raise ValueError(f"KV of shape {tuple(kv.shape)}: the model has {self.engine.num_kv_heads} KV heads")
+        if kv.dim() != 5 or kv.shape[3] != self.engine.shape.num_kv_heads:
+            raise ValueError(f"KV of shape {tuple(kv.shape)}: the model has {self.engine.shape.num_kv_heads} KV heads")
         kv = kv.to(pool.dtype)
         mine = tp.layout.kv_heads(0)
         if not pool.load(seq_id, kv[:, :, :, mine.start:mine.stop].contiguous(), protect):
@@ -132,7 +145,7 @@ def follow(engine) -> None:
     """A follower rank's loop: do what rank 0 says until it says stop."""
     tp, pool, runner = engine.tp, engine.pool, engine.runner
     mine = tp.layout.kv_heads(tp.rank)
-    kv_shape = (pool.num_layers, 2, engine.num_kv_heads, pool.head_dim)
+    kv_shape = (pool.num_layers, 2, engine.shape.num_kv_heads, pool.head_dim)
     while True:
         cmd, *h = _header(tp)
         if cmd == FORWARD:
@@ -142,7 +155,7 @@ def follow(engine) -> None:
             ids, positions, slots, query_start, seq_lens, table, rows, src = np.split(a, cut)
             batch = StepBatch([0] * b, ids, positions, slots, query_start.astype(np.int32),
                               seq_lens.astype(np.int32), table.astype(np.int32).reshape(b, w), max_query_len)
-            _zero_new(pool, batch.block_table)
+            pool.clean(batch.block_table)
             feed = None
             if num_fed:
                 tokens = tp.broadcast_device(torch.empty(num_fed, dtype=torch.int64, device=tp.device))

@@ -77,7 +77,7 @@ class HeadLayout:
 
 def check_layout(world: int, num_heads: int, num_kv_heads: int, intermediate_size: int | tuple[int, ...]) -> HeadLayout:
     """The head layout for `world` ranks, or a LayoutError that says what does not divide.
-    `intermediate_size`: the MLP width, or every width the model's MLPs have (mlp_widths)."""
+    `intermediate_size`: the MLP width, or every width the model's MLPs have (ModelShape.mlp_widths)."""
     if world < 1:
         raise LayoutError(f"tensor_parallel must be >= 1, got {world}")
     problems = []
@@ -92,12 +92,6 @@ def check_layout(world: int, num_heads: int, num_kv_heads: int, intermediate_siz
     if problems:
         raise LayoutError(f"tensor_parallel {world} does not divide the model's {', '.join(problems)}")
     return HeadLayout(world, num_heads, num_kv_heads)
-
-
-def mlp_widths(cfg) -> tuple[int, ...]:
-    """Every MLP width a transformers config gives: dense, each expert's, the shared expert's."""
-    names = ("intermediate_size", "moe_intermediate_size", "shared_expert_intermediate_size")
-    return tuple(sorted({int(w) for w in (getattr(cfg, n, None) for n in names) if w}))
 
 
 # --- weight shards ------------------------------------------------------------------------

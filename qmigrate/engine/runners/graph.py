@@ -248,6 +248,13 @@ class GraphRunner:
         then nothing is padded)."""
         return eager_sizes(self.token_buckets[-1], self.max_tokens) if self.token_graphs else []
 
+    def export_kv(self, seq_id: int, num_tokens: int | None = None, start: int = 0) -> tuple[torch.Tensor, object]:
+        return self.pool.export_started(seq_id, num_tokens, start)
+
+    def import_kv(self, seq_id: int, kv: torch.Tensor, protect=frozenset(), start: int = 0, ids=None,
+                  salt: str = "") -> bool:
+        return self.pool.load(seq_id, kv, protect, start, ids, salt)
+
     def _feed(self, ids: torch.Tensor, batch: StepBatch, feed) -> None:
         rows, src, tokens = feed
         at = torch.as_tensor(batch.query_start[rows], dtype=torch.int64).to(self.device, non_blocking=True)
