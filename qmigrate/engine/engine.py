@@ -49,7 +49,7 @@ class Engine:
         self.head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
         self.vocab_size = text.vocab_size
         self.max_context = int(getattr(text, "max_position_embeddings", 2048))
-        self.max_len = min(cfg.max_len or self.max_context, self.max_context)
+        self.max_len = min(cfg.max_model_len or self.max_context, self.max_context)
         param = next(model.parameters())
         self.device, self.dtype = (param.device if tp is None else tp.device), param.dtype
         if self.device.type == "cuda":
@@ -61,7 +61,7 @@ class Engine:
         self.pool_kv_heads = self.num_kv_heads if tp is None else tp.layout.kv_heads_per_rank
         self.pool = BlockPool(self.num_layers, self.pool_kv_heads, self.head_dim,
                               self._num_blocks(), cfg.block_size, self.dtype, self.device,
-                              prefix_cache=cfg.prefix_cache)
+                              prefix_cache=cfg.enable_prefix_caching)
         self.pool.can_copy = tp is None or tp.world == 1
         self.runner.attach(self.pool)
         self.num_continued = 0   # steps built the array way (`_continue`)

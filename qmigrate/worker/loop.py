@@ -49,10 +49,10 @@ class Worker:
         device = self.cfg.device if self.cfg.device != "cuda" else "cuda:0"
         share_cpu_threads(topo, self.cfg)
         self.ranks = None
-        if self.cfg.tensor_parallel > 1:   # N processes, this one rank 0 (worker/ranks.py)
+        if self.cfg.tensor_parallel_size > 1:   # N processes, this one rank 0 (worker/ranks.py)
             from qmigrate.worker import ranks
             path = resolve_model(topo.model.path)
-            ranks.check_model(name, path, self.cfg.tensor_parallel, topo.model.trust_remote_code)
+            ranks.check_model(name, path, self.cfg.tensor_parallel_size, topo.model.trust_remote_code)
             self.ranks = ranks.Ranks(topo, name, path)
             device = ranks.rank_device(device, 0)
             model = None
@@ -97,7 +97,7 @@ class Worker:
         uuid = torch_device_uuid(torch.device(self.device).index or 0) if self.device.startswith("cuda") else None
         uuid = uuid or f"CPU-{self.name}"  # no NVML report names it; a test's simulated monitor may
         info = {"device": self.device, "kv_endpoint": self.kv_endpoint.connect,
-                "max_seqs": self.cfg.max_seqs, "max_tokens": self.cfg.max_tokens,
+                "max_seqs": self.cfg.max_num_seqs, "max_tokens": self.cfg.max_num_batched_tokens,
                 "inflight": self.cfg.inflight, "kv_bytes_per_token": engine.kv_bytes_per_token,
                 "num_params": engine.num_params, "gpu_uuid": uuid or "",
                 "kv_tokens": engine.pool.capacity_tokens, "block_size": engine.pool.block_size,
@@ -354,7 +354,7 @@ def share_cpu_threads(topo, cfg) -> None:
     host-side work, and a full-width thread pool per process just fights the others."""
     cores = os.cpu_count() or 1
     if cfg.device == "cpu":
-        peers = sum(w.tensor_parallel for w in topo.workers if w.node == cfg.node and w.device == "cpu")
+        peers = sum(w.tensor_parallel_size for w in topo.workers if w.node == cfg.node and w.device == "cpu")
         torch.set_num_threads(max(1, cores // max(1, peers)))
     else:
         torch.set_num_threads(min(4, cores))
