@@ -332,9 +332,9 @@ def role(
     except KeyboardInterrupt:
         code = 130  # the node supervisor stops every role; no traceback for Ctrl-C
     except Exception as exc:
-        # engine.loading is imported only by the roles that load a model, so its error
-        # class is looked up rather than imported here.
-        models = sys.modules.get(f"{__package__}.engine.loading")
+        # hub.store is imported only by the roles that load a model, so its error class is
+        # looked up rather than imported here.
+        models = sys.modules.get(f"{__package__}.hub.store")
         if not isinstance(exc, security.SecurityError) and not (models and isinstance(exc, models.ModelLoadError)):
             raise
         print(f"qmigrate {role.value} {name}: {exc}", file=sys.stderr)

@@ -36,10 +36,10 @@ log = logging.getLogger(__name__)
 
 class Engine:
     def __init__(self, model, config: EngineConfig | None = None, *, tp=None, **overrides):
-        """`tp`: this process's rank of a tensor-parallel group (parallel.TensorParallel); the
+        """`tp`: this process's rank of a tensor-parallel group (parallel.sharding.TensorParallel); the
         model is then the whole checkpoint on the CPU on rank 0, and on the other ranks may be
         its structure only (meta tensors: scatter.py sends their shards); the runner keeps
-        this rank's shard on tp.device. Without it (tensor_parallel 1) nothing here differs
+        this rank's shard on tp.device. Without it (tensor_parallel_size 1) nothing here differs
         from one device."""
         cfg = self.config = dataclasses.replace(config or EngineConfig(), **overrides)
         text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config

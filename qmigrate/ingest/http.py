@@ -17,7 +17,7 @@ whose rows say by sequence id which choice they belong to. The request ends when
 choice has; if it ends sooner, every choice still running is cancelled. A request of one
 choice takes a path of its own, with nothing per token for choices it does not have.
 
-The same server runs in each HTTP front process (qmigrate.ingest.front) when ingest has
+The same server runs in each HTTP front process (ingest/front_process.py) when ingest has
 several: there it shares the port with the others (`reuse_port`) and, with `admission`, a
 request waits for ingest's word that it took the request (`admit`) before it answers, so that
 a refusal is still a 429.

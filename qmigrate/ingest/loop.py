@@ -83,7 +83,7 @@ class Ingest:
         self.http = None     # the API on a thread of this process
         self.fronts = None   # or in http_processes processes of its own
         if cfg.http_port is not None and cfg.http_processes > 1:
-            from qmigrate.ingest.fronts import Fronts
+            from qmigrate.ingest.front_supervisor import Fronts
             self.fronts = Fronts(topo, model_path, self.defaults, self.id_base)
         elif cfg.http_port is not None:
             from qmigrate.ingest.http import WAKE_ENDPOINT, HttpServer

@@ -5,11 +5,11 @@ It runs the in-thread `HttpServer` unchanged (bound with SO_REUSEPORT, with `adm
 on its main thread a bridge to ingest over a DEALER socket: what the server queues goes out
 as `Submit`s of wire specs (made here, so ingest does nothing per token id) and `Cancel`s, a
 cancel never before its request (`HandoffOrder`); ingest's `FrontAdmit`, `Replies` and
-`FrontStatus` come back to the server. Started by ingest (ingest.fronts), which writes its
-settings as JSON on its stdin; it dies with ingest, and on SIGTERM it ends its open requests
-as the in-thread server does when ingest stops.
+`FrontStatus` come back to the server. Started by ingest (ingest/front_supervisor.py), which
+writes its settings as JSON on its stdin; it dies with ingest, and on SIGTERM it ends its open
+requests as the in-thread server does when ingest stops.
 
-Run: `python -m qmigrate.ingest.front < settings.json` (ingest does it).
+Run: `python -m qmigrate.ingest.front_process < settings.json` (ingest does it).
 """
 
 from __future__ import annotations

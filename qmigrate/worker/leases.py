@@ -42,7 +42,7 @@ class OnDevice:
 
 
 @dataclass(slots=True)
-class WorkerLoop:
+class Leases:
     config: WorkerConfig
     heartbeat_s: float = 0.5          # the router's heartbeat interval, from its Welcome
     outstanding: int = 0              # requests sent and not answered

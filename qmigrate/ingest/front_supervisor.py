@@ -115,7 +115,7 @@ class Fronts:
         raise SystemExit(f"ingest: cannot serve HTTP on {self.url}: {why}")
 
     def _spawn(self, index: int) -> Front:
-        proc = subprocess.Popen([sys.executable, "-m", "qmigrate.ingest.front"], stdin=subprocess.PIPE)
+        proc = subprocess.Popen([sys.executable, "-m", "qmigrate.ingest.front_process"], stdin=subprocess.PIPE)
         try:
             proc.stdin.write(json.dumps({**self.settings, "index": index}).encode())
             proc.stdin.close()
