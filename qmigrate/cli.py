@@ -310,7 +310,7 @@ def role(
     from .launch import set_title
     from qmigrate.ops.logs import setup
     set_title(role.value, name)
-    topo = load(config)
+    topo = load(config, warn_renamed=False)   # the node's supervisor has read the same file
     from qmigrate.wire import security
     from .config import ConfigError
     try:

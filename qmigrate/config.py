@@ -395,8 +395,9 @@ def _bracket(host: str) -> str:
     return f"[{host}]" if ":" in host and not host.startswith("[") else host
 
 
-def parse_topology(data: Mapping[str, Any], source: str = "<dict>") -> Topology:
-    """Validate a topology mapping; errors are prefixed with `source` unless it is "<dict>"."""
+def parse_topology(data: Mapping[str, Any], source: str = "<dict>", *, warn_renamed: bool = True) -> Topology:
+    """Validate a topology mapping; errors are prefixed with `source` unless it is "<dict>".
+    A worker key under its old name is taken under its new one, with a notice if `warn_renamed`."""
     try:
         if not isinstance(data, Mapping):
             raise ConfigError(None, f"expected a mapping at top level, got {kind_of(data)}")
@@ -414,12 +415,13 @@ def parse_topology(data: Mapping[str, Any], source: str = "<dict>") -> Topology:
         topo = Topology(**kwargs)
     except ConfigError as e:
         raise ConfigError(e.field, e.reason, None if source == "<dict>" else source) from None
-    log_renamed(renamed, source)
+    if warn_renamed:
+        log_renamed(renamed, source)
     return topo
 
 
-def load_topology(path: str | Path) -> Topology:
-    return parse_topology(read_yaml(path), source=str(path))
+def load_topology(path: str | Path, *, warn_renamed: bool = True) -> Topology:
+    return parse_topology(read_yaml(path), source=str(path), warn_renamed=warn_renamed)
 
 
 def dump_topology(topo: Topology, path: str | Path) -> None:

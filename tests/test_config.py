@@ -538,3 +538,28 @@ def test_a_topology_file_with_old_names_loads_and_dumps_new_ones(tmp_path):
     assert (worker["max_num_seqs"], worker["max_num_batched_tokens"]) == (8, 256)
     assert "max_seqs" not in worker and "max_tokens" not in worker
     assert load_topology(tmp_path / "new.yaml") == topo
+
+
+def test_a_role_reading_the_file_its_supervisor_read_logs_no_second_notice(tmp_path, caplog):
+    path = tmp_path / "old.yaml"
+    path.write_text("nodes: [{name: head}]\nrouter: {node: head}\ningest: {node: head}\n"
+                    "detokenizer: {node: head}\nworkers:\n  - {name: a, node: head, max_seqs: 8}\n")
+    with caplog.at_level("WARNING", logger="qmigrate.config"):
+        quiet = load_topology(path, warn_renamed=False)
+    assert quiet.workers[0].max_num_seqs == 8 and not caplog.records
+    with caplog.at_level("WARNING", logger="qmigrate.config"):
+        load_topology(path)
+    assert [r.getMessage().count("'max_seqs' is deprecated") for r in caplog.records] == [1]
+
+
+def test_sim_with_an_old_name_says_so_once_and_runs(tmp_path, tiny_model_dir, qmigrate):
+    topo = tmp_path / "topo.yaml"
+    topo.write_text(yaml.safe_dump({
+        "transport": "ipc", "model": {"path": str(tiny_model_dir)}, "nodes": [{"name": "local"}],
+        "router": {"node": "local"}, "ingest": {"node": "local", "input": "jsonl"},
+        "detokenizer": {"node": "local", "output": "jsonl"},
+        "workers": [{"name": "w1", "node": "local", "device": "cpu", "max_seqs": 1, "max_kv_tokens": 1024}]}))
+    run = qmigrate("sim", str(topo), stdin='{"id": "a", "prompt_ids": [5, 6, 7], "max_new_tokens": 2}\n')
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stderr.count("'max_seqs' is deprecated, use 'max_num_seqs'") == 1, run.stderr[-3000:]
+    assert len(run.finals()) == 1

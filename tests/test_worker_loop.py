@@ -192,7 +192,7 @@ def worker_under_test(tmp_path, model_dir, inflight: int):
     between = worker.between_steps
 
     def revoke_seen_first(lease_id, tokens):
-        if worker.awaited_revoke == lease_id and lease_id not in worker.loop.revoked:
+        if worker.awaited_revoke == lease_id and lease_id not in worker.leases.revoked:
             worker.router.poll(10_000)
         return between(lease_id, tokens)
 
@@ -255,7 +255,7 @@ def test_the_worker_streams_a_multi_step_lease_and_takes_a_revoke_between_steps(
     # per lease), after the step it was running and at most the one already launched.
     assert result.lease_id == 7 and counts[0] == counts[1] and counts[0] in (1, 2)
     assert streamed[1] == streamed[2] and len(streamed[1]) == counts[0]  # same prompt, greedy
-    assert worker.loop.num_revokes_ignored == 1
+    assert worker.leases.num_revokes_ignored == 1
 
 
 def test_a_withdrawn_chain_is_answered_at_once_and_its_rows_go_on_in_the_next_lease(tmp_path, tiny_model_dir):
@@ -283,7 +283,7 @@ def test_a_withdrawn_chain_is_answered_at_once_and_its_rows_go_on_in_the_next_le
         assert last.lease_id == 9 and P.unpack_i32(last.counts).tolist() == [3, 3]
     made = P.unpack_i32(ended.counts).tolist()[0] + 3
     assert streamed[1] == streamed[2] and len(streamed[1]) == made   # each token once, none missed
-    assert worker.loop.num_revokes_ignored == 0
+    assert worker.leases.num_revokes_ignored == 0
 
 
 def test_bench_timeline_reports_the_longest_request_as_a_floor_of_the_run():
