@@ -307,6 +307,12 @@ class Topology(Section):
                 taken[w.node, gpu] = w.name
 
     @property
+    def max_model_len(self) -> int:
+        """The longest sequence every worker takes (0: the model's context); ingest refuses longer
+        prompts, since any worker may run a sequence's next step."""
+        return min((w.max_model_len for w in self.workers if w.max_model_len), default=0)
+
+    @property
     def is_secure(self) -> bool:
         """Whether every link uses CURVE with the nodes' keys."""
         if self.security.enabled != "auto":

@@ -1,5 +1,6 @@
 import copy
 import dataclasses
+import json
 import shutil
 import subprocess
 from pathlib import Path
@@ -552,14 +553,29 @@ def test_a_role_reading_the_file_its_supervisor_read_logs_no_second_notice(tmp_p
     assert [r.getMessage().count("'max_seqs' is deprecated") for r in caplog.records] == [1]
 
 
-def test_sim_with_an_old_name_says_so_once_and_runs(tmp_path, tiny_model_dir, qmigrate):
+def test_sim_with_an_old_name_says_so_once_and_ingest_holds_prompts_to_max_model_len(tmp_path, tiny_model_dir,
+                                                                                      qmigrate):
     topo = tmp_path / "topo.yaml"
     topo.write_text(yaml.safe_dump({
         "transport": "ipc", "model": {"path": str(tiny_model_dir)}, "nodes": [{"name": "local"}],
         "router": {"node": "local"}, "ingest": {"node": "local", "input": "jsonl"},
         "detokenizer": {"node": "local", "output": "jsonl"},
-        "workers": [{"name": "w1", "node": "local", "device": "cpu", "max_seqs": 1, "max_kv_tokens": 1024}]}))
-    run = qmigrate("sim", str(topo), stdin='{"id": "a", "prompt_ids": [5, 6, 7], "max_new_tokens": 2}\n')
+        "workers": [{"name": "w1", "node": "local", "device": "cpu", "max_seqs": 1, "max_model_len": 16,
+                     "max_kv_tokens": 1024}]}))
+    lines = [{"id": "long", "prompt_ids": list(range(5, 25)), "max_new_tokens": 2},
+             {"id": "short", "prompt_ids": [5, 6, 7, 8, 9], "max_new_tokens": 30, "ignore_eos": True}]
+    run = qmigrate("sim", str(topo), stdin="".join(json.dumps(x) + "\n" for x in lines))
     assert run.returncode == 0, run.stderr[-3000:]
     assert run.stderr.count("'max_seqs' is deprecated, use 'max_num_seqs'") == 1, run.stderr[-3000:]
-    assert len(run.finals()) == 1
+    finals = run.finals()
+    assert "context is 16" in finals["long"]["error"]
+    assert len(finals["short"]["token_ids"]) == 16 - 5     # clamped to the workers' max_model_len
+
+
+def test_the_fleets_max_model_len_is_the_smallest_workers():
+    data = base()
+    assert parse_topology(data).max_model_len == 0                  # the model's context
+    data["workers"][0]["max_model_len"] = 512
+    assert parse_topology(data).max_model_len == 512                # the other takes any length
+    data["workers"][1]["max_model_len"] = 256
+    assert parse_topology(data).max_model_len == 256

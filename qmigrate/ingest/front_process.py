@@ -121,7 +121,8 @@ def serve(settings: dict) -> int:
                             hwm=HWM)
     server = HttpServer(cfg, settings["model_path"], Defaults(*settings["defaults"]),
                         front_base(settings["id_base"], index), settings["trust_remote_code"], reuse_port=True,
-                        admission=True, id_bits=FRONT_ID_BITS, first_id=random.SystemRandom().getrandbits(32))
+                        admission=True, id_bits=FRONT_ID_BITS, first_id=random.SystemRandom().getrandbits(32),
+                        max_model_len=settings["max_model_len"])
     bridge = Bridge(server, sock, tracer(f"http-{index}", settings.get("trace_dir")))
     try:
         server.start()

@@ -69,10 +69,11 @@ class Fronts:
         self.ipc_dir = topo.ipc_dir if topo.transport == "ipc" else None
         self.dir: str | None = None   # made by start(), removed by stop()
         self.sock: zmq.Socket | None = None
-        # what every front is started with (front.serve), less its index
+        # what every front is started with (front_process.serve), less its index
         self.settings = {"ingest": dataclasses.asdict(cfg), "model_path": model_path,
                          "defaults": list(dataclasses.astuple(defaults)), "id_base": id_base,
                          "trust_remote_code": topo.model.trust_remote_code, "trace_dir": topo.trace_dir,
+                         "max_model_len": topo.max_model_len,
                          "log_level": logging.getLevelName(logging.getLogger().getEffectiveLevel()).lower()}
         self.fronts: list[Front | None] = [None] * cfg.http_processes
         self.silent_s = cfg.http_process_timeout_s
