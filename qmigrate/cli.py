@@ -4,6 +4,7 @@ cli_common.py."""
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from enum import Enum
 from pathlib import Path
@@ -14,6 +15,12 @@ import typer
 from .cli_bench import bench_app
 from .cli_common import AsNode, LogLevel, endpoint, fail, find_model, load, secure, warn_if_open
 from .cli_model import model_app
+from .config import (GPU_SERVE_MAX_NUM_BATCHED_TOKENS, GPU_SERVE_MAX_NUM_SEQS, LARGE_GPU_BYTES,
+                     LARGE_GPU_SERVE_MAX_NUM_SEQS)
+from .engine.config import EngineConfig
+
+# the engine's defaults, as its settings' one definition gives them (for the help text)
+_ENGINE_DEFAULTS = {f.name: f.default for f in dataclasses.fields(EngineConfig)}
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False, rich_markup_mode=None,
                   help="Serve a causal LM from a fleet of GPU workers that trade requests at every step.")
@@ -123,11 +130,28 @@ def serve(
         "--served-model-name",
         help="Model name in the API (default: the model directory's name).")] = None,
     gpu_memory_utilization: Annotated[Optional[float], typer.Option(
-        "--gpu-memory-utilization", min=0.01, max=1.0,
-        help="Share of each GPU's memory a worker may fill, weights and KV cache together (default 0.9).")] = None,
+        "--gpu-memory-utilization",
+        help="Share of each GPU's memory a worker may fill, weights and KV cache together "
+             f"(default {_ENGINE_DEFAULTS['gpu_memory_utilization']}).")] = None,
     max_num_seqs: Annotated[Optional[int], typer.Option(
-        "--max-num-seqs", min=1,
-        help="Sequences per step on each worker (default: 256 on a GPU, else the topology's).")] = None,
+        "--max-num-seqs",
+        help=f"Sequences per step on each worker (default: {LARGE_GPU_SERVE_MAX_NUM_SEQS} on GPUs of "
+             f"{LARGE_GPU_BYTES >> 30} GiB or more, {GPU_SERVE_MAX_NUM_SEQS} on smaller ones, "
+             f"{_ENGINE_DEFAULTS['max_num_seqs']} on the CPU; with --config, the topology's).")] = None,
+    max_num_batched_tokens: Annotated[Optional[int], typer.Option(
+        "--max-num-batched-tokens",
+        help=f"New tokens per step on each worker (default: {GPU_SERVE_MAX_NUM_BATCHED_TOKENS} on a GPU, "
+             f"{_ENGINE_DEFAULTS['max_num_batched_tokens']} on the CPU; with --config, the topology's).")] = None,
+    max_model_len: Annotated[Optional[int], typer.Option(
+        "--max-model-len",
+        help="Longest sequence, prompt and output (default: the model's context).")] = None,
+    block_size: Annotated[Optional[int], typer.Option(
+        "--block-size", help=f"Tokens per KV block (default {_ENGINE_DEFAULTS['block_size']}).")] = None,
+    enable_prefix_caching: Annotated[Optional[bool], typer.Option(
+        "--enable-prefix-caching/--no-enable-prefix-caching",
+        help="Reuse the KV of cached prompt prefixes (default: on).")] = None,
+    enforce_eager: Annotated[Optional[bool], typer.Option(
+        "--enforce-eager", help="Run every step eagerly: no CUDA graphs.")] = None,
     api_key: Annotated[Optional[str], typer.Option(
         "--api-key",
         help="Requests to /v1 must send 'Authorization: Bearer KEY'.")] = None,
@@ -167,8 +191,12 @@ def serve(
     base = load(config) if config is not None else None
     opts = ServeOptions(host, port, served_model_name, gpu_memory_utilization, max_num_seqs, api_key, cpu_workers,
                         tensor_parallel_size)
+    flags = {"max_num_batched_tokens": max_num_batched_tokens, "max_model_len": max_model_len,
+             "block_size": block_size, "enable_prefix_caching": enable_prefix_caching,
+             "enforce_eager": enforce_eager}
     try:
-        opts.worker_settings = worker_settings(worker_setting or [])
+        opts.worker_settings = {**worker_settings(worker_setting or []),
+                                **{k: v for k, v in flags.items() if v is not None}}
         opts.api_server_count = api_server_count
         opts.trace_dir = None if trace is None else str(trace.absolute())
         num_gpus = 0 if base is not None else visible_gpus()
@@ -282,7 +310,7 @@ def role(
     from .launch import set_title
     from qmigrate.ops.logs import setup
     set_title(role.value, name)
-    topo = load(config)
+    topo = load(config, warn_renamed=False)   # the node's supervisor has read the same file
     from qmigrate.wire import security
     from .config import ConfigError
     try:
@@ -304,9 +332,9 @@ def role(
     except KeyboardInterrupt:
         code = 130  # the node supervisor stops every role; no traceback for Ctrl-C
     except Exception as exc:
-        # engine.loading is imported only by the roles that load a model, so its error
-        # class is looked up rather than imported here.
-        models = sys.modules.get(f"{__package__}.engine.loading")
+        # hub.store is imported only by the roles that load a model, so its error class is
+        # looked up rather than imported here.
+        models = sys.modules.get(f"{__package__}.hub.store")
         if not isinstance(exc, security.SecurityError) and not (models and isinstance(exc, models.ModelLoadError)):
             raise
         print(f"qmigrate {role.value} {name}: {exc}", file=sys.stderr)

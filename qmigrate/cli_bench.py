@@ -9,7 +9,7 @@ from typing import Annotated, Optional
 import typer
 
 from .cli_common import LogLevel, fail, find_model, interruptible
-from .config import GPU_SERVE_MAX_SEQS, GPU_SERVE_MAX_TOKENS
+from .config import GPU_SERVE_MAX_NUM_BATCHED_TOKENS, GPU_SERVE_MAX_NUM_SEQS
 
 bench_app = typer.Typer(rich_markup_mode=None, short_help="Benchmark the pipeline against in-process and HF.")
 
@@ -42,10 +42,10 @@ def bench(
              "same workload (replaces --paths).")] = False,
     max_seqs: Annotated[int, typer.Option(
         min=1,
-        help="Sequences per step (pipeline workers and in-process).")] = GPU_SERVE_MAX_SEQS,
+        help="Sequences per step (pipeline workers and in-process).")] = GPU_SERVE_MAX_NUM_SEQS,
     max_tokens: Annotated[int, typer.Option(
         min=1,
-        help="New tokens per step (prefill budget).")] = GPU_SERVE_MAX_TOKENS,
+        help="New tokens per step (prefill budget).")] = GPU_SERVE_MAX_NUM_BATCHED_TOKENS,
     hf_batch: Annotated[int, typer.Option(min=1, help="Static batch size of the HF baseline.")] = 64,
     steps_per_dispatch: Annotated[int, typer.Option(
         min=1,
@@ -100,7 +100,7 @@ def bench(
         help="With --fake-workers: milliseconds a fake step takes.")] = 2.0,
     fake_batch: Annotated[int, typer.Option(
         min=1,
-        help="With --fake-workers: rows per fake step (the workers' max_seqs).")] = 256,
+        help="With --fake-workers: rows per fake step (the workers' max_num_seqs).")] = 256,
     fake_window_s: Annotated[float, typer.Option(
         min=0.1,
         help="With --fake-workers: seconds measured per fleet size, after the warm-up.")] = 3.0,
@@ -144,7 +144,7 @@ def bench(
         model_path = find_model(model)
         if admission_step:
             from qmigrate.bench.admission import run_admission_steps
-            worker = {"runner": runner, "max_tokens": max_tokens, **for_workers}
+            worker = {"runner": runner, "max_num_batched_tokens": max_tokens, **for_workers}
             try:
                 run_admission_steps(model_path, device if device != "cuda" else "cuda:0",
                                     [int(b) for b in batches.split(",")], context, admit_tokens, worker, json_out)

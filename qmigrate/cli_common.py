@@ -17,10 +17,12 @@ def fail(message: str, code: int = 2):
     raise typer.Exit(code)
 
 
-def load(config: Path | None):
+def load(config: Path | None, warn_renamed: bool = True):
+    """The topology at `config` (default: the local simulation's). `warn_renamed`: log a notice
+    for each old setting name (a role started by a supervisor leaves that to the supervisor)."""
     from .config import ConfigError, load_topology, local_topology
     try:
-        return load_topology(config) if config is not None else local_topology()
+        return load_topology(config, warn_renamed=warn_renamed) if config is not None else local_topology()
     except ConfigError as exc:
         fail(str(exc))
 

@@ -3,23 +3,27 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 from .config_rules import ConfigError  # noqa: F401 -- the rest of the package imports it from here
 from . import config_rules as rules
 from .config_rules import Section
-from .config_yaml import build_section, check_keys, kind_of, parse_settings, read_yaml, write_yaml
+from .config_yaml import build_section, check_keys, kind_of, parse_settings, read_settings, read_yaml, write_yaml
+from .engine.config import EngineConfig
+
+log = logging.getLogger(__name__)
 
 DEFAULT_KV_PORT = 5560
 # A GPU worker of `qmigrate serve` (and the pipeline bench): sequences and new tokens per step
 # as a serving engine runs them (vLLM's default max_num_seqs), not the topology's modest defaults.
-GPU_SERVE_MAX_SEQS = 256
-GPU_SERVE_MAX_TOKENS = 16384
+GPU_SERVE_MAX_NUM_SEQS = 256
+GPU_SERVE_MAX_NUM_BATCHED_TOKENS = 16384
 # serve on GPUs of LARGE_GPU_BYTES or more (H100, H200): as many sequences as vLLM runs there
-LARGE_GPU_SERVE_MAX_SEQS = 1024
+LARGE_GPU_SERVE_MAX_NUM_SEQS = 1024
 LARGE_GPU_BYTES = 70 << 30
 # ingest.http_processes: a front's index is bits 32-38 of its sequence ids (ingest.handoff)
 MAX_HTTP_PROCESSES = 128
@@ -103,7 +107,7 @@ class RouterConfig(Section):
     link_gbps: float = rules.setting(10.0, rules.positive)
     prefill_tflops: float = rules.setting(100.0, rules.positive)
     rebalance_threshold: int = rules.setting(8, rules.count)
-    # new prompts are shared among workers with room (by max_seqs) before load moves anything
+    # new prompts are shared among workers with room (by max_num_seqs) before load moves anything
     spread_new_work: bool = rules.setting(True, rules.boolean)
     chain_leases: bool = rules.setting(True, rules.boolean)
     max_lease_steps: int = rules.setting(16, rules.rule("an integer 1..1024", lambda v: rules.is_int(v) and 1 <= v <= 1024))
@@ -162,54 +166,71 @@ class MonitorConfig(Section):
 
 
 @dataclass(slots=True)
-class WorkerConfig(Section):
+class WorkerConfig(EngineConfig):
+    """A worker's section: the engine's settings (engine/config.py, the one place they are
+    defined) and where the worker runs and how it takes work."""
     name: str = rules.setting("", rules.name)
     node: str = rules.setting("", rules.name)
     device: str = rules.setting("cpu", rules.device)
     kv_port: int | None = rules.setting(None, rules.optional_port)  # None: Topology picks a free port from 5560 up
-    max_seqs: int = rules.setting(64, rules.count)
-    max_tokens: int = rules.setting(8192, rules.count)
-    max_kv_tokens: int = rules.setting(0, rules.non_negative)   # 0: size the KV pool from memory
     steps_per_dispatch: int = rules.setting(1, rules.count)
     inflight: int = rules.setting(2, rules.count)
-    runner: str = rules.setting("auto", rules.one_of("auto", "fast", "hf"))
-    block_size: int = rules.setting(16, rules.rule("a power of two from 1 to 256", lambda v: rules.is_int(v) and 1 <= v <= 256
-                                   and v & (v - 1) == 0))
-    gpu_memory_utilization: float = rules.setting(0.9, rules.number("a number in (0, 1]", lambda x: 0 < x <= 1))
-    cpu_kv_gib: float = rules.setting(2.0, rules.positive)
-    cuda_graphs: bool = rules.setting(True, rules.boolean)
-    prefill_chunk: int = rules.setting(512, rules.non_negative)   # 0: a prompt fills its KV in one forward
-    # prompt tokens one step carries: a longer prompt (or several) is spread over the following
-    # steps, each with the decode rows, so no step stalls them for a whole prompt (0: no limit)
-    prefill_tokens_per_step: int = rules.setting(0, rules.non_negative)
-    # prompt tokens a step carries while it also runs decode rows, whose streams all wait for
-    # it; a step of prompts alone takes up to max_tokens (0: no limit; docs/design.md)
-    prefill_tokens_with_decode: int = rules.setting(0, rules.non_negative)
-    # ... or 1/N of the prompt tokens waiting in the step, if more: a backlog is spread over
-    # at most N steps (0: the limit is fixed)
-    prefill_spread_steps: int = rules.setting(4, rules.non_negative)
-    prefix_cache: bool = rules.setting(True, rules.boolean)      # reuse cached KV of shared prompt prefixes
-    # decode steps read a prefix that rows share (the same cached blocks) once per group of
-    # rows, not once per row (fast runner; engine/kernels/shared_prefix.py)
-    shared_prefix_attention: bool = rules.setting(True, rules.boolean)
     transfer_wait_s: float = rules.setting(2.0, rules.positive)   # a lease waits this long for KV shipments, then recomputes
     # a lone lease on the device waits this long for the next one before it is collected
     chain_wait_s: float = rules.setting(0.002, rules.number("a number >= 0", lambda x: x >= 0))
     # GPUs (processes) one worker spans, from `device` on (cuda:K .. cuda:K+N-1); the model's
     # heads and MLP width must divide by it (checked when the worker loads the model)
-    tensor_parallel: int = rules.setting(1, rules.count)
+    tensor_parallel_size: int = rules.setting(1, rules.count)
 
-    def engine_config(self):
-        from .engine.config import EngineConfig
-        return EngineConfig(runner=self.runner, block_size=self.block_size, max_kv_tokens=self.max_kv_tokens,
-                            gpu_memory_utilization=self.gpu_memory_utilization,
-                            cpu_kv_bytes=int(self.cpu_kv_gib * 2**30), max_batch=self.max_seqs,
-                            max_batch_tokens=self.max_tokens, cuda_graphs=self.cuda_graphs,
-                            prefill_chunk=self.prefill_chunk, prefix_cache=self.prefix_cache,
-                            shared_prefix_attention=self.shared_prefix_attention,
-                            prefill_tokens_per_step=self.prefill_tokens_per_step,
-                            prefill_tokens_with_decode=self.prefill_tokens_with_decode,
-                            prefill_spread_steps=self.prefill_spread_steps)
+    def engine_config(self) -> EngineConfig:
+        """The engine's settings exactly as this section holds them."""
+        return EngineConfig(**{f.name: getattr(self, f.name) for f in dataclasses.fields(EngineConfig)})
+
+
+def _gib_to_bytes(value: Any) -> int:
+    return int(rules.positive(value) * 2**30)
+
+
+# Worker keys under their names of the release before, accepted (with a notice) for one more:
+# old name -> (new name, the old value as the new one's value or None for the same, a note)
+RENAMED_WORKER_KEYS: dict[str, tuple[str, Callable[[Any], Any] | None, str]] = {
+    "max_seqs": ("max_num_seqs", None, ""),
+    "max_tokens": ("max_num_batched_tokens", None, ""),
+    "cpu_kv_gib": ("cpu_kvcache_space_bytes", _gib_to_bytes, ", in bytes"),
+    "cuda_graphs": ("enforce_eager", lambda on: not rules.boolean(on), ", its opposite"),
+    "prefix_cache": ("enable_prefix_caching", None, ""),
+    "tensor_parallel": ("tensor_parallel_size", None, ""),
+}
+
+
+def rename_worker_keys(data: Any, path: str, renamed: dict[str, list[str]]) -> Any:
+    """A worker's mapping with its old keys under their new names; each old key's place is
+    added to `renamed[old]` (for one notice per key). Both names at once is a ConfigError."""
+    if not isinstance(data, dict) or not any(old in data for old in RENAMED_WORKER_KEYS):
+        return data
+    out = dict(data)
+    for old, (new, convert, _) in RENAMED_WORKER_KEYS.items():
+        if old not in out:
+            continue
+        if new in out:
+            raise ConfigError(f"{path}.{old}", f"{old!r} is the old name of {new!r}, which is also given: "
+                              f"keep only {new!r}")
+        value = out.pop(old)
+        try:
+            out[new] = convert(value) if convert is not None else value
+        except rules.Invalid as e:
+            raise ConfigError(f"{path}.{old}", f"expected {e}, got {value!r}") from None
+        renamed.setdefault(old, []).append(f"{path}.{old}")
+    return out
+
+
+def log_renamed(renamed: dict[str, list[str]], source: str) -> None:
+    """One line per old key, however many workers use it."""
+    for old, places in renamed.items():
+        where = ", ".join(places) if source == "<dict>" else f"{source}: {', '.join(places)}"
+        new, _, note = RENAMED_WORKER_KEYS[old]
+        log.warning("%s: %r is deprecated, use %r%s (the old name is accepted for one release)",
+                    where, old, new, note)
 
 
 @dataclass(frozen=True, slots=True)
@@ -272,17 +293,24 @@ class Topology(Section):
         """A tensor-parallel worker takes N GPUs from its device on: no other worker of its node
         may use them (workers of one GPU each may still share one, as tests do)."""
         taken: dict[tuple[str, int], str] = {}
-        parallel_nodes = {w.node for w in self.workers if w.tensor_parallel > 1}
+        parallel_nodes = {w.node for w in self.workers if w.tensor_parallel_size > 1}
         for i, w in enumerate(self.workers):
             if not w.device.startswith("cuda") or w.node not in parallel_nodes:
                 continue
             first = int(w.device.partition(":")[2] or 0)
-            for gpu in range(first, first + w.tensor_parallel):
+            for gpu in range(first, first + w.tensor_parallel_size):
                 if (w.node, gpu) in taken:
                     raise ConfigError(f"workers[{i}].device", f"cuda:{gpu} on node {w.node!r} is also used by "
-                                      f"worker {taken[w.node, gpu]!r} (tensor_parallel {w.tensor_parallel} "
-                                      f"takes cuda:{first}..cuda:{first + w.tensor_parallel - 1})")
+                                      f"worker {taken[w.node, gpu]!r} (tensor_parallel_size "
+                                      f"{w.tensor_parallel_size} takes cuda:{first}.."
+                                      f"cuda:{first + w.tensor_parallel_size - 1})")
                 taken[w.node, gpu] = w.name
+
+    @property
+    def max_model_len(self) -> int:
+        """The longest sequence every worker takes (0: the model's context); ingest refuses longer
+        prompts, since any worker may run a sequence's next step."""
+        return min((w.max_model_len for w in self.workers if w.max_model_len), default=0)
 
     @property
     def is_secure(self) -> bool:
@@ -373,26 +401,33 @@ def _bracket(host: str) -> str:
     return f"[{host}]" if ":" in host and not host.startswith("[") else host
 
 
-def parse_topology(data: Mapping[str, Any], source: str = "<dict>") -> Topology:
-    """Validate a topology mapping; errors are prefixed with `source` unless it is "<dict>"."""
+def parse_topology(data: Mapping[str, Any], source: str = "<dict>", *, warn_renamed: bool = True) -> Topology:
+    """Validate a topology mapping; errors are prefixed with `source` unless it is "<dict>".
+    A worker key under its old name is taken under its new one, with a notice if `warn_renamed`."""
     try:
         if not isinstance(data, Mapping):
             raise ConfigError(None, f"expected a mapping at top level, got {kind_of(data)}")
         check_keys(Topology, data, "at top level")
         kwargs = {k: v for k, v in data.items() if k not in _SECTIONS and k not in _LISTS}
         kwargs.update({k: build_section(cls, data.get(k), k) for k, cls in _SECTIONS.items()})
+        renamed: dict[str, list[str]] = {}
         for key, cls in _LISTS.items():
             items = data.get(key) or []
             if not isinstance(items, list):
                 raise ConfigError(key, f"expected a list, got {kind_of(items)}")
+            if cls is WorkerConfig:
+                items = [rename_worker_keys(item, f"{key}[{i}]", renamed) for i, item in enumerate(items)]
             kwargs[key] = [build_section(cls, item, f"{key}[{i}]") for i, item in enumerate(items)]
-        return Topology(**kwargs)
+        topo = Topology(**kwargs)
     except ConfigError as e:
         raise ConfigError(e.field, e.reason, None if source == "<dict>" else source) from None
+    if warn_renamed:
+        log_renamed(renamed, source)
+    return topo
 
 
-def load_topology(path: str | Path) -> Topology:
-    return parse_topology(read_yaml(path), source=str(path))
+def load_topology(path: str | Path, *, warn_renamed: bool = True) -> Topology:
+    return parse_topology(read_yaml(path), source=str(path), warn_renamed=warn_renamed)
 
 
 def dump_topology(topo: Topology, path: str | Path) -> None:
@@ -421,5 +456,10 @@ def router_settings(items: list[str]) -> dict[str, Any]:
 
 
 def worker_settings(items: list[str]) -> dict[str, Any]:
-    """KEY=VALUE texts -> fields of a worker, checked (as router_settings)."""
-    return parse_settings(WorkerConfig, "workers", items)
+    """KEY=VALUE texts -> fields of a worker, checked (as router_settings); an old key comes
+    back under its new name."""
+    renamed: dict[str, list[str]] = {}
+    out = rename_worker_keys(read_settings("workers", items), "workers", renamed)
+    build_section(WorkerConfig, out, "workers")
+    log_renamed(renamed, "worker settings")
+    return out

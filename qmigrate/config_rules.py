@@ -19,7 +19,7 @@ class ConfigError(ValueError):
         return ConfigError(f"{prefix}.{self.field}" if self.field else prefix, self.reason, self.source)
 
 
-class _Invalid(Exception):
+class Invalid(Exception):
     """Raised by a field check with what was expected."""
 
 
@@ -27,7 +27,7 @@ def rule(expected: str, ok: Callable[[Any], bool], convert: Callable[[Any], Any]
     def check(value: Any) -> Any:
         if ok(value):
             return convert(value)
-        raise _Invalid(expected)
+        raise Invalid(expected)
     return check
 
 
@@ -95,7 +95,7 @@ class Section:
                 value = getattr(self, f.name)
                 try:
                     setattr(self, f.name, check(value))
-                except _Invalid as e:
+                except Invalid as e:
                     raise ConfigError(f.name, f"expected {e}, got {value!r}") from None
         self.validate()
 

@@ -40,6 +40,13 @@ def build_section(cls: type, data: Any, path: str) -> Any:
 
 def parse_settings(cls: type, section: str, items: list[str]) -> dict[str, Any]:
     """KEY=VALUE texts (VALUE read as a YAML scalar) -> fields of `cls`, checked."""
+    out = read_settings(section, items)
+    build_section(cls, out, section)
+    return out
+
+
+def read_settings(section: str, items: list[str]) -> dict[str, Any]:
+    """KEY=VALUE texts (VALUE read as a YAML scalar) -> a mapping, not yet checked."""
     out: dict[str, Any] = {}
     for item in items:
         key, sep, text = item.partition("=")
@@ -49,7 +56,6 @@ def parse_settings(cls: type, section: str, items: list[str]) -> dict[str, Any]:
             out[key.strip()] = yaml.safe_load(text) if text.strip() else None
         except yaml.YAMLError:
             raise ConfigError(f"{section}.{key.strip()}", f"unreadable value {text!r}") from None
-    build_section(cls, out, section)
     return out
 
 

@@ -17,8 +17,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from .config import (GPU_SERVE_MAX_SEQS, GPU_SERVE_MAX_TOKENS, LARGE_GPU_BYTES, LARGE_GPU_SERVE_MAX_SEQS,
-                     MAX_HTTP_PROCESSES, ConfigError, Topology, local_topology, parse_topology)
+from .config import (GPU_SERVE_MAX_NUM_BATCHED_TOKENS, GPU_SERVE_MAX_NUM_SEQS, LARGE_GPU_BYTES,
+                     LARGE_GPU_SERVE_MAX_NUM_SEQS, MAX_HTTP_PROCESSES, ConfigError, Topology, local_topology,
+                     parse_topology)
 from .launch import run_local, run_node
 
 READY_POLL_S = 0.5
@@ -66,9 +67,9 @@ def smallest_gpu_bytes() -> int:
         return 0
 
 
-def serve_max_seqs(gpu_bytes: int) -> int:
+def serve_max_num_seqs(gpu_bytes: int) -> int:
     """Sequences a step of the default topology's GPU workers: vLLM's default for the GPU."""
-    return LARGE_GPU_SERVE_MAX_SEQS if gpu_bytes >= LARGE_GPU_BYTES else GPU_SERVE_MAX_SEQS
+    return LARGE_GPU_SERVE_MAX_NUM_SEQS if gpu_bytes >= LARGE_GPU_BYTES else GPU_SERVE_MAX_NUM_SEQS
 
 
 def default_api_servers(num_gpus: int, cpu_count: int | None = None) -> int:
@@ -82,8 +83,8 @@ def serve_topology(opts: ServeOptions, base: Topology | None = None, num_gpus: i
                    gpu_bytes: int = 0) -> Topology:
     """The topology `serve` runs: `base` (a --config) or a default one with a worker per GPU
     (`cpu_workers` CPU workers if num_gpus is 0), the HTTP API on host:port, and the flags'
-    settings on every worker. The default topology's GPU workers run serve_max_seqs(gpu_bytes)
-    sequences and GPU_SERVE_MAX_TOKENS new tokens a step; a --config keeps its own."""
+    settings on every worker. The default topology's GPU workers run serve_max_num_seqs(gpu_bytes)
+    sequences and GPU_SERVE_MAX_NUM_BATCHED_TOKENS new tokens a step; a --config keeps its own."""
     tp = opts.tensor_parallel_size
     if base is None:
         device = "cuda" if num_gpus else "cpu"
@@ -95,7 +96,8 @@ def serve_topology(opts: ServeOptions, base: Topology | None = None, num_gpus: i
         if num_gpus:
             for i, w in enumerate(data["workers"]):
                 w["name"], w["device"] = f"gpu{i * tp}", f"cuda:{i * tp}"
-                w["max_seqs"], w["max_tokens"] = serve_max_seqs(gpu_bytes), GPU_SERVE_MAX_TOKENS
+                w["max_num_seqs"] = serve_max_num_seqs(gpu_bytes)
+                w["max_num_batched_tokens"] = GPU_SERVE_MAX_NUM_BATCHED_TOKENS
     else:
         data = base.to_dict()
     if opts.trace_dir is not None:
@@ -115,9 +117,9 @@ def serve_topology(opts: ServeOptions, base: Topology | None = None, num_gpus: i
         if opts.gpu_memory_utilization is not None:
             w["gpu_memory_utilization"] = opts.gpu_memory_utilization
         if opts.max_num_seqs is not None:
-            w["max_seqs"] = opts.max_num_seqs
+            w["max_num_seqs"] = opts.max_num_seqs
         if tp > 1:
-            w["tensor_parallel"] = tp
+            w["tensor_parallel_size"] = tp
     return parse_topology(data, source="serve options")
 
 

@@ -281,7 +281,7 @@ class HttpNode:
             "router": {"node": "local"}, "detokenizer": {"node": "local", "output": "jsonl"},
             "ingest": {"node": "local", "input": "jsonl", "http_port": self.port, "model_name": "tiny",
                        **(ingest or {})},
-            "workers": [{"name": "w1", "node": "local", "cpu_kv_gib": 0.25}],
+            "workers": [{"name": "w1", "node": "local", "cpu_kvcache_space_bytes": 1 << 28}],
         }
         if trace_dir is not None:
             topo["trace_dir"] = str(trace_dir)

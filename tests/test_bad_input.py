@@ -32,7 +32,7 @@ def _topology(tmp_path, model_dir, input_mode: str) -> str:
             "ingest": {"node": "local", "input": input_mode},
             "detokenizer": {"node": "local", "output": "jsonl"},
             "defaults": {"max_new_tokens": 3},
-            "workers": [{"name": "w1", "node": "local", "device": "cpu", "max_seqs": 8}]}
+            "workers": [{"name": "w1", "node": "local", "device": "cpu", "max_num_seqs": 8}]}
     path = tmp_path / f"topo-{input_mode}.yaml"
     path.write_text(yaml.safe_dump(data))
     return str(path)

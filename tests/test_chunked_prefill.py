@@ -54,12 +54,12 @@ def test_the_budget_is_shared_in_row_order_and_decode_rows_do_not_count():
 
 def test_the_budget_while_decoding_holds_only_for_steps_with_decode_rows():
     decode, fed, prompt = StepRow(1, [5], 9, 1), StepRow(2, [], 9, 1), StepRow(3, list(range(40)), 0, 0)
-    capped = EngineConfig(prefill_tokens_with_decode=16, max_batch_tokens=1000)
+    capped = EngineConfig(prefill_tokens_with_decode=16, max_num_batched_tokens=1000)
     assert prompt_budget([decode, prompt], capped) == 16
     assert prompt_budget([fed, prompt], capped) == 16          # a row fed on the device decodes too
     assert prompt_budget([prompt], capped) == 1000              # prompts alone: a step's tokens
     assert prompt_budget([prompt, StepRow(4, [7], 0, 0)], capped) == 1000   # a one-token prompt is no decode row
-    both = EngineConfig(prefill_tokens_per_step=64, prefill_tokens_with_decode=16, max_batch_tokens=1000)
+    both = EngineConfig(prefill_tokens_per_step=64, prefill_tokens_with_decode=16, max_num_batched_tokens=1000)
     assert (prompt_budget([decode, prompt], both), prompt_budget([prompt], both)) == (16, 64)
     assert prompt_budget([decode, prompt], dataclasses.replace(both, prefill_tokens_per_step=8)) == 8
     assert prompt_budget([decode, prompt], EngineConfig()) == prompt_budget([prompt], EngineConfig()) == 0
@@ -68,7 +68,7 @@ def test_the_budget_while_decoding_holds_only_for_steps_with_decode_rows():
 def test_a_backlog_of_prompts_raises_the_budget_so_it_is_spread_over_at_most_n_steps():
     decode = StepRow(1, [5], 9, 1)
     prompts = [StepRow(10 + i, list(range(100)), 0, 0) for i in range(5)]   # 500 tokens waiting
-    spread = EngineConfig(prefill_tokens_with_decode=64, prefill_spread_steps=4, max_batch_tokens=1000)
+    spread = EngineConfig(prefill_tokens_with_decode=64, prefill_spread_steps=4, max_num_batched_tokens=1000)
     assert prompt_budget([decode, *prompts[:2]], spread) == 64                  # 200 / 4 < 64: the limit
     assert prompt_budget([decode, *prompts], spread) == 125                     # 500 / 4
     assert prompt_budget([decode, *prompts, StepRow(9, list(range(3)), 0, 0)], spread) == 126   # rounded up
@@ -236,7 +236,7 @@ def test_a_prompt_on_a_cached_prefix_reports_its_cached_positions_with_its_first
 
 
 def test_prompts_beside_decode_rows_take_the_decode_budget_and_alone_go_whole(model, prompts, greedy):
-    engine = make_engine(model, prefill_tokens_with_decode=BUDGET)
+    engine = make_engine(model, prefill_tokens_with_decode=BUDGET, prefill_spread_steps=0)
     core, steps = WorkerCore(engine), record_placed(engine)
     ps = {1: list(prompts[0]), 2: long_prompt(prompts[2:], 30), 3: long_prompt(prompts, 45),
           4: long_prompt(prompts[1:], 13)}
@@ -255,7 +255,7 @@ def test_prompts_beside_decode_rows_take_the_decode_budget_and_alone_go_whole(mo
 
 
 def test_a_multi_step_lease_feeds_the_next_parts_beside_its_decode_rows(model, prompts, greedy):
-    engine = make_engine(model, prefill_tokens_with_decode=BUDGET)
+    engine = make_engine(model, prefill_tokens_with_decode=BUDGET, prefill_spread_steps=0)
     core, steps = WorkerCore(engine), record_placed(engine)
     p = long_prompt(prompts[1:], 33)
     router = Router({1: list(prompts[3]), 2: p}, max_new_tokens=10)
@@ -283,7 +283,7 @@ def test_the_admission_bench_times_every_step_of_a_prompt_under_the_limit(tiny_m
 
 def test_the_in_process_bench_spreads_prompts_beside_decode_rows_and_stays_exact(model, prompts, greedy):
     from qmigrate.bench.core import _inprocess_loop
-    engine = make_engine(model, prefill_tokens_with_decode=BUDGET)
+    engine = make_engine(model, prefill_tokens_with_decode=BUDGET, prefill_spread_steps=0)
     steps, got, seen, real = record_placed(engine), {}, {}, engine.collect   # seen keeps ids unique
 
     def collect(pending):
@@ -305,7 +305,8 @@ def test_the_in_process_bench_spreads_prompts_beside_decode_rows_and_stays_exact
 
 
 def test_prompts_held_back_join_a_step_without_decode_rows_up_to_its_token_budget(model, prompts, greedy):
-    engine = make_engine(model, prefill_tokens_with_decode=BUDGET, max_batch_tokens=32)
+    engine = make_engine(model, prefill_tokens_with_decode=BUDGET, prefill_spread_steps=0,
+                         max_num_batched_tokens=32)
     core, steps = WorkerCore(engine), record_placed(engine)
     ps = {1: list(prompts[0]), 2: long_prompt(prompts[2:], 30), 3: long_prompt(prompts, 35)}
     router = Router(ps, max_new_tokens=3)

@@ -49,6 +49,21 @@ def test_model_directory_that_does_not_exist(tmp_path, qmigrate):
     assert "Traceback" not in run.stderr
 
 
+def test_a_role_that_cannot_load_its_model_says_why_in_one_line(tmp_path, qmigrate):
+    model = tmp_path / "broken"
+    model.mkdir()
+    (model / "config.json").write_text('{"model_type": "no_such_family", "architectures": ["NoSuch"]}')
+    topo = tmp_path / "topo.yaml"
+    topo.write_text(yaml.safe_dump({"transport": "ipc", "ipc_dir": str(tmp_path), "model": {"path": str(model)},
+                                    "nodes": [{"name": "local"}], "router": {"node": "local"},
+                                    "ingest": {"node": "local"}, "detokenizer": {"node": "local"},
+                                    "workers": [{"name": "w1", "node": "local"}]}))
+    run = qmigrate("role", "worker", "w1", "--config", str(topo))
+    assert run.returncode == 1, run.stderr[-2000:]
+    assert f"qmigrate worker w1: cannot load model {model}" in run.stderr
+    assert "Traceback" not in run.stderr
+
+
 def test_unreachable_router_names_the_address(tmp_path, qmigrate):
     path = _loopback_topology(tmp_path)
     port = yaml.safe_load(open(path))["router"]["port"]

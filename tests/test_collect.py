@@ -37,7 +37,7 @@ class SlowEvent:
 
 
 def test_collect_calls_its_hook_while_the_step_runs_and_stops_when_told(model):
-    engine = Engine(model, runner="hf", max_kv_tokens=1024, max_len=64)
+    engine = Engine(model, runner="hf", max_kv_tokens=1024, max_model_len=64)
     calls = []
     row = StepRow(1, [3], 0, 0)
     pending = Pending([row], [0], {1: 0}, tokens=torch.tensor([5]), event=SlowEvent(10))

@@ -1,5 +1,6 @@
 import copy
 import dataclasses
+import json
 import shutil
 import subprocess
 from pathlib import Path
@@ -69,7 +70,7 @@ def test_h100_bench_yaml():
     topo = load_topology(ROOT / "configs" / "h100-bench.yaml")
     assert topo.transport == "tcp" and len(topo.nodes) == 1 and topo.nodes[0].address == "127.0.0.1"
     (worker,) = topo.workers
-    assert (worker.device, worker.max_seqs, worker.max_tokens) == ("cuda:0", 256, 16384)
+    assert (worker.device, worker.max_num_seqs, worker.max_num_batched_tokens) == ("cuda:0", 256, 16384)
 
 
 def test_defaults():
@@ -80,7 +81,7 @@ def test_defaults():
     assert topo.ingest.port == 5552 and topo.detokenizer.port == 5553
     assert topo.router.policy == "affinity" and topo.router.migration == "auto"
     assert topo.nodes[0].bind is None and not topo.nodes[0].monitor
-    assert topo.workers[0].max_seqs == 64 and topo.workers[0].inflight == 2
+    assert topo.workers[0].max_num_seqs == 64 and topo.workers[0].inflight == 2
 
 
 def test_the_wait_for_a_better_placed_worker_is_a_few_steps_and_set_from_yaml():
@@ -143,8 +144,8 @@ def test_section_field_errors_name_the_field(section, key, value, expected):
     ("device", "gpu", "workers[1].device: expected 'cpu', 'cuda' or 'cuda:N', got 'gpu'"),
     ("device", "cuda:x", "workers[1].device: expected"),
     ("kv_port", 99999, "workers[1].kv_port: expected an integer 1..65535 or null"),
-    ("max_seqs", 0, "workers[1].max_seqs: expected an integer >= 1"),
-    ("max_tokens", 1.5, "workers[1].max_tokens: expected an integer >= 1"),
+    ("max_num_seqs", 0, "workers[1].max_num_seqs: expected an integer >= 1"),
+    ("max_num_batched_tokens", 1.5, "workers[1].max_num_batched_tokens: expected an integer >= 1"),
     ("max_kv_tokens", -1, "workers[1].max_kv_tokens: expected an integer >= 0"),
     ("steps_per_dispatch", 0, "workers[1].steps_per_dispatch: expected an integer >= 1"),
     ("inflight", 0, "workers[1].inflight: expected an integer >= 1"),
@@ -356,10 +357,10 @@ def test_bad_yaml(tmp_path, text, expected):
 def test_yaml_anchors_and_merge_keys_work(tmp_path):
     path = tmp_path / "anchors.yaml"
     path.write_text("nodes: [{name: head}]\nrouter: {node: head}\ningest: {node: head}\n"
-                    "detokenizer: {node: head}\nworkers:\n  - &w {name: a, node: head, max_seqs: 8}\n"
+                    "detokenizer: {node: head}\nworkers:\n  - &w {name: a, node: head, max_num_seqs: 8}\n"
                     "  - <<: *w\n    name: b\n")
     topo = load_topology(path)
-    assert [(w.name, w.max_seqs) for w in topo.workers] == [("a", 8), ("b", 8)]
+    assert [(w.name, w.max_num_seqs) for w in topo.workers] == [("a", 8), ("b", 8)]
 
 
 def test_load_error_names_file_and_field(tmp_path):
@@ -439,3 +440,142 @@ def test_a_boolean_where_no_on_or_off_is_offered_is_still_refused():
     assert "router.policy: expected 'affinity' or 'any', got True" in error_of(base(router={"node": "head", "policy": True}))
     assert "router.chain_leases: expected true or false, got 'maybe'" in error_of(
         base(router={"node": "head", "chain_leases": "maybe"}))
+
+
+# --- worker settings: one definition, vLLM's names, the old names for one release -------------
+
+def test_a_worker_section_is_the_engine_settings_with_vllms_names():
+    from qmigrate.engine.config import EngineConfig
+    engine_fields = [f.name for f in dataclasses.fields(EngineConfig)]
+    worker_fields = [f.name for f in dataclasses.fields(WorkerConfig)]
+    assert worker_fields[:len(engine_fields)] == engine_fields     # defined once, in the engine
+    assert {"max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size", "gpu_memory_utilization",
+            "enable_prefix_caching", "enforce_eager"} <= set(engine_fields)
+    for old in ("max_seqs", "max_tokens", "cpu_kv_gib", "cuda_graphs", "prefix_cache", "tensor_parallel"):
+        assert old not in worker_fields
+    # each default is the engine's: a section without settings builds the engine's defaults
+    assert WorkerConfig().engine_config() == EngineConfig()
+
+
+def test_the_engine_built_from_a_topology_gets_the_topologys_values():
+    settings = {"runner": "hf", "max_num_seqs": 7, "max_num_batched_tokens": 300, "max_model_len": 96,
+                "block_size": 8, "max_kv_tokens": 512, "gpu_memory_utilization": 0.5,
+                "cpu_kvcache_space_bytes": 1 << 26, "enforce_eager": True, "enable_prefix_caching": False,
+                "shared_prefix_attention": False, "prefill_chunk": 64, "prefill_tokens_per_step": 32,
+                "prefill_tokens_with_decode": 16, "prefill_spread_steps": 2, "max_padding": 0.5}
+    data = base()
+    data["workers"][0].update(settings)
+    engine = parse_topology(data).workers[0].engine_config()
+    assert {k: getattr(engine, k) for k in settings} == settings
+    from qmigrate.engine.config import EngineConfig
+    assert {f.name for f in dataclasses.fields(EngineConfig)} == set(settings)   # every engine setting above
+
+
+@pytest.mark.parametrize("old, value, new, expected", [
+    ("max_seqs", 8, "max_num_seqs", 8),
+    ("max_tokens", 512, "max_num_batched_tokens", 512),
+    ("cpu_kv_gib", 0.25, "cpu_kvcache_space_bytes", 1 << 28),
+    ("cuda_graphs", False, "enforce_eager", True),
+    ("cuda_graphs", "on", "enforce_eager", False),
+    ("prefix_cache", False, "enable_prefix_caching", False),
+    ("tensor_parallel", 2, "tensor_parallel_size", 2),
+])
+def test_an_old_worker_key_is_mapped_to_its_new_name_with_one_notice(caplog, old, value, new, expected):
+    data = base()
+    for i, w in enumerate(data["workers"]):   # two workers with the old key: still one notice
+        w.update({old: value, "device": f"cuda:{2 * i}"})
+    with caplog.at_level("WARNING", logger="qmigrate.config"):
+        topo = parse_topology(data)
+    assert [getattr(w, new) for w in topo.workers] == [expected, expected]
+    notices = [r.getMessage() for r in caplog.records if old in r.getMessage()]
+    assert len(notices) == 1 and "\n" not in notices[0]
+    assert f"{old!r} is deprecated, use {new!r}" in notices[0]
+    assert "workers[0]" in notices[0] and "workers[1]" in notices[0]
+
+
+def test_new_names_log_no_notice(caplog):
+    data = base()
+    data["workers"][0].update(max_num_seqs=8, enforce_eager=True)
+    with caplog.at_level("WARNING", logger="qmigrate.config"):
+        parse_topology(data)
+    assert not [r for r in caplog.records if "deprecated" in r.getMessage()]
+
+
+def test_an_old_and_a_new_name_together_are_a_config_error():
+    data = base()
+    data["workers"][1].update(max_seqs=8, max_num_seqs=16)
+    assert "workers[1].max_seqs: 'max_seqs' is the old name of 'max_num_seqs', which is also given" in error_of(data)
+    data = base()
+    data["workers"][0].update(cuda_graphs=False, enforce_eager=False)
+    assert "workers[0].cuda_graphs" in error_of(data)
+
+
+def test_an_old_keys_bad_value_names_the_old_key():
+    data = base()
+    data["workers"][0]["cpu_kv_gib"] = "lots"
+    assert "workers[0].cpu_kv_gib: expected a number > 0, got 'lots'" in error_of(data)
+    data["workers"][0]["cpu_kv_gib"] = None
+    data["workers"][0]["cuda_graphs"] = "maybe"
+    data["workers"][0].pop("cpu_kv_gib")
+    assert "workers[0].cuda_graphs: expected true or false, got 'maybe'" in error_of(data)
+
+
+def test_worker_settings_take_an_old_name_under_its_new_one(caplog):
+    from qmigrate.config import worker_settings
+    with caplog.at_level("WARNING", logger="qmigrate.config"):
+        assert worker_settings(["max_seqs=32", "cuda_graphs=false"]) == {"max_num_seqs": 32, "enforce_eager": True}
+    assert sum("deprecated" in r.getMessage() for r in caplog.records) == 2
+    with pytest.raises(ConfigError, match="old name of 'max_num_seqs'"):
+        worker_settings(["max_seqs=32", "max_num_seqs=16"])
+
+
+def test_a_topology_file_with_old_names_loads_and_dumps_new_ones(tmp_path):
+    path = tmp_path / "old.yaml"
+    path.write_text("nodes: [{name: head}]\nrouter: {node: head}\ningest: {node: head}\n"
+                    "detokenizer: {node: head}\nworkers:\n  - {name: a, node: head, max_seqs: 8, max_tokens: 256}\n")
+    topo = load_topology(path)
+    dump_topology(topo, tmp_path / "new.yaml")
+    worker = yaml.safe_load((tmp_path / "new.yaml").read_text())["workers"][0]
+    assert (worker["max_num_seqs"], worker["max_num_batched_tokens"]) == (8, 256)
+    assert "max_seqs" not in worker and "max_tokens" not in worker
+    assert load_topology(tmp_path / "new.yaml") == topo
+
+
+def test_a_role_reading_the_file_its_supervisor_read_logs_no_second_notice(tmp_path, caplog):
+    path = tmp_path / "old.yaml"
+    path.write_text("nodes: [{name: head}]\nrouter: {node: head}\ningest: {node: head}\n"
+                    "detokenizer: {node: head}\nworkers:\n  - {name: a, node: head, max_seqs: 8}\n")
+    with caplog.at_level("WARNING", logger="qmigrate.config"):
+        quiet = load_topology(path, warn_renamed=False)
+    assert quiet.workers[0].max_num_seqs == 8 and not caplog.records
+    with caplog.at_level("WARNING", logger="qmigrate.config"):
+        load_topology(path)
+    assert [r.getMessage().count("'max_seqs' is deprecated") for r in caplog.records] == [1]
+
+
+def test_sim_with_an_old_name_says_so_once_and_ingest_holds_prompts_to_max_model_len(tmp_path, tiny_model_dir,
+                                                                                      qmigrate):
+    topo = tmp_path / "topo.yaml"
+    topo.write_text(yaml.safe_dump({
+        "transport": "ipc", "model": {"path": str(tiny_model_dir)}, "nodes": [{"name": "local"}],
+        "router": {"node": "local"}, "ingest": {"node": "local", "input": "jsonl"},
+        "detokenizer": {"node": "local", "output": "jsonl"},
+        "workers": [{"name": "w1", "node": "local", "device": "cpu", "max_seqs": 1, "max_model_len": 16,
+                     "max_kv_tokens": 1024}]}))
+    lines = [{"id": "long", "prompt_ids": list(range(5, 25)), "max_new_tokens": 2},
+             {"id": "short", "prompt_ids": [5, 6, 7, 8, 9], "max_new_tokens": 30, "ignore_eos": True}]
+    run = qmigrate("sim", str(topo), stdin="".join(json.dumps(x) + "\n" for x in lines))
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stderr.count("'max_seqs' is deprecated, use 'max_num_seqs'") == 1, run.stderr[-3000:]
+    finals = run.finals()
+    assert "context is 16" in finals["long"]["error"]
+    assert len(finals["short"]["token_ids"]) == 16 - 5     # clamped to the workers' max_model_len
+
+
+def test_the_fleets_max_model_len_is_the_smallest_workers():
+    data = base()
+    assert parse_topology(data).max_model_len == 0                  # the model's context
+    data["workers"][0]["max_model_len"] = 512
+    assert parse_topology(data).max_model_len == 512                # the other takes any length
+    data["workers"][1]["max_model_len"] = 256
+    assert parse_topology(data).max_model_len == 256

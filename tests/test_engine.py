@@ -82,7 +82,7 @@ def greedy(model):
 
 def make_engine(model, kv_tokens: int = 4096, max_len: int = 256, **kw) -> Engine:
     """A CPU engine on the portable runner whose pool holds kv_tokens (16-token blocks)."""
-    return Engine(model, **{"max_len": max_len, "max_kv_tokens": kv_tokens, "runner": "hf", **kw})
+    return Engine(model, **{"max_model_len": max_len, "max_kv_tokens": kv_tokens, "runner": "hf", **kw})
 
 
 def record_steps(engine: Engine) -> list[list[tuple[int, int, int]]]:
@@ -1098,7 +1098,7 @@ def test_a_step_padded_to_a_token_bucket_gives_the_unpadded_logits(model, prompt
     then padding tokens that write nothing, and its rows, then rows of no tokens, for a
     decode batch with a new prompt among it. Each real row's logits and the KV written
     equal those of the unpadded step."""
-    engine = Engine(model, runner="fast", max_batch=8, max_batch_tokens=256, max_kv_tokens=4096)
+    engine = Engine(model, runner="fast", max_num_seqs=8, max_num_batched_tokens=256, max_kv_tokens=4096)
     runner = engine.runner
     assert runner.name == "fast" and not runner.token_graphs  # no graphs on the CPU
     engine.pool.kv.zero_()  # its blocks are not initialised: compare the KV on known ground
@@ -1130,7 +1130,7 @@ def test_an_eager_step_padded_to_its_token_count_gives_the_unpadded_logits(model
     """Eager steps with prompts are padded (on a GPU, where there are graphs) with tokens that
     belong to no row, and their logits rows to max_batch. Run here, each real row's logits and
     the KV written equal those of the unpadded step, and the padding writes nothing."""
-    engine = Engine(model, runner="fast", max_batch=8, max_batch_tokens=256, max_kv_tokens=4096)
+    engine = Engine(model, runner="fast", max_num_seqs=8, max_num_batched_tokens=256, max_kv_tokens=4096)
     runner = engine.runner
     engine.pool.kv.zero_()
     running = prompts[:3]

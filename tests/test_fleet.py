@@ -22,7 +22,7 @@ pytestmark = pytest.mark.timeout(300)
 @pytest.fixture
 def fleet(tmp_path, tiny_model_dir):
     path = tmp_path / "fleet.yaml"
-    router = H.fleet_topology(path, tiny_model_dir, 3, reserve_ports(8), late=1, worker={"max_seqs": 1}, router={
+    router = H.fleet_topology(path, tiny_model_dir, 3, reserve_ports(8), late=1, worker={"max_num_seqs": 1}, router={
         "heartbeat_interval_s": 0.2, "heartbeat_timeout_s": 6.0, "lease_timeout_s": 30.0,
         # One-step leases: with one row a worker, a multi-step lease would run each
         # sequence to its end, and a worker would never hold several for the drain.

@@ -119,7 +119,7 @@ def test_a_fuzzed_fleet_serves_every_request_exactly(tmp_path, tiny_model_dir):
             "router": {"node": "head", "port": ports[0], "telemetry_port": ports[1]},
             "ingest": {"node": "head", "port": ports[2], "reply_port": ports[6], "input": "jsonl"},
             "detokenizer": {"node": "head", "port": ports[3], "output": "jsonl"},
-            "workers": [{"name": f"w{i}", "node": "head", "kv_port": ports[3 + i], "max_seqs": 2} for i in (1, 2)]}
+            "workers": [{"name": f"w{i}", "node": "head", "kv_port": ports[3 + i], "max_num_seqs": 2} for i in (1, 2)]}
     path = tmp_path / "topo.yaml"
     path.write_text(yaml.safe_dump(data))
     out, err = open(tmp_path / "out", "a+"), open(tmp_path / "err", "a+")

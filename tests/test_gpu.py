@@ -34,7 +34,7 @@ def test_engine_on_cuda_matches_generate_in_fp32(tiny_model_dir):
     from qmigrate.engine.rows import StepRow
     from qmigrate.engine.engine import Engine
     model, _ = load_model(tiny_model_dir, "cuda:0", "float32")
-    engine = Engine(model, max_batch=32, runner="hf", max_kv_tokens=1 << 14)  # exact in fp32: transformers' forward
+    engine = Engine(model, max_num_seqs=32, runner="hf", max_kv_tokens=1 << 14)  # exact in fp32: transformers' forward
     r = random.Random(3)
     prompts = [[1] + [r.randint(3, 1400) for _ in range(r.randint(1, 50))] for _ in range(12)]
     n = 16
@@ -66,7 +66,7 @@ def test_pipeline_on_one_gpu_two_workers_migrating(tmp_path, tiny_model_dir, qmi
             "nodes": [{"name": "local", "monitor": True}],
             "router": {"node": "local", "policy": "any", "migration": migration},
             "ingest": {"node": "local", "input": "jsonl"}, "detokenizer": {"node": "local", "output": "jsonl"},
-            "workers": [{"name": f"w{i}", "node": "local", "device": "cuda:0", "max_seqs": 8, "runner": runner,
+            "workers": [{"name": f"w{i}", "node": "local", "device": "cuda:0", "max_num_seqs": 8, "runner": runner,
                          "gpu_memory_utilization": 0.3} for i, runner in enumerate(runners, 1)]}
     path = tmp_path / "gpu.yaml"
     path.write_text(yaml.safe_dump(data))
@@ -119,8 +119,8 @@ def test_fast_runner_matches_the_hf_forward_in_bf16(medium_model_dir):
     from qmigrate.engine.engine import Engine
     which, path = "medium", medium_model_dir
     model, _ = load_model(path, "cuda:0", "bfloat16")
-    fast = Engine(model, runner="fast", max_batch=32, max_kv_tokens=1 << 16)
-    hf = Engine(model, runner="hf", max_batch=32, max_kv_tokens=1 << 16)
+    fast = Engine(model, runner="fast", max_num_seqs=32, max_kv_tokens=1 << 16)
+    hf = Engine(model, runner="hf", max_num_seqs=32, max_kv_tokens=1 << 16)
     assert fast.runner.name == "fast" and hf.runner.name == "hf"
     vocab = model.config.vocab_size
     r = random.Random(7)
@@ -149,7 +149,7 @@ def test_fast_runner_in_fp32_matches_generate(tiny_model_dir):
     from qmigrate.engine.rows import StepRow
     from qmigrate.engine.engine import Engine
     model, _ = load_model(tiny_model_dir, "cuda:0", "float32")
-    engine = Engine(model, runner="fast", max_batch=16, max_kv_tokens=1 << 14)
+    engine = Engine(model, runner="fast", max_num_seqs=16, max_kv_tokens=1 << 14)
     r = random.Random(11)
     prompts = [[1] + [r.randint(3, 1400) for _ in range(r.randint(1, 60))] for _ in range(8)]
     out = {i: [] for i in range(8)}
@@ -171,7 +171,7 @@ def test_fast_runner_with_chunked_prefill_across_steps_matches_generate(tiny_mod
     from qmigrate.worker.core import WorkerCore
     from test_chunked_prefill import Router
     model, _ = load_model(tiny_model_dir, "cuda:0", "float32")
-    core = WorkerCore(Engine(model, runner="fast", max_batch=16, max_kv_tokens=1 << 14, max_len=256,
+    core = WorkerCore(Engine(model, runner="fast", max_num_seqs=16, max_kv_tokens=1 << 14, max_model_len=256,
                              **{limit: 32}))
     r = random.Random(12)
     prompts = {i: [1] + [r.randint(3, 1400) for _ in range(r.randint(20, 120))] for i in range(8)}
@@ -192,9 +192,9 @@ def test_steps_with_prompts_replay_token_graphs_with_the_eager_results(medium_mo
     from qmigrate.engine.rows import StepRow
     from qmigrate.engine.engine import Engine
     model, _ = load_model(medium_model_dir, "cuda:0", "bfloat16")
-    graphs = Engine(model, runner="fast", max_batch=32, max_batch_tokens=2048, max_kv_tokens=1 << 16)
-    eager = Engine(model, runner="fast", max_batch=32, max_batch_tokens=2048, max_kv_tokens=1 << 16,
-                   cuda_graphs=False)
+    graphs = Engine(model, runner="fast", max_num_seqs=32, max_num_batched_tokens=2048, max_kv_tokens=1 << 16)
+    eager = Engine(model, runner="fast", max_num_seqs=32, max_num_batched_tokens=2048, max_kv_tokens=1 << 16,
+                   enforce_eager=True)
     assert graphs.runner.token_graphs and not eager.runner.token_graphs
     assert graphs.runner.token_buckets[-1] == 2048
     vocab = model.config.vocab_size
@@ -234,8 +234,8 @@ def test_eager_steps_with_prompts_are_padded_and_match_the_unpadded_step(medium_
     from qmigrate.engine.rows import StepRow
     from qmigrate.engine.engine import Engine
     model, _ = load_model(medium_model_dir, "cuda:0", "bfloat16")
-    kw = dict(runner="fast", max_batch=32, max_batch_tokens=8192, max_kv_tokens=1 << 16)
-    graphs, eager = Engine(model, **kw), Engine(model, cuda_graphs=False, **kw)
+    kw = dict(runner="fast", max_num_seqs=32, max_num_batched_tokens=8192, max_kv_tokens=1 << 16)
+    graphs, eager = Engine(model, **kw), Engine(model, enforce_eager=True, **kw)
     graphs.warm_up()
     assert graphs.runner.eager_sizes() == list(range(4096 + EAGER_TOKEN_STEP, 8192 + 1, EAGER_TOKEN_STEP))
     assert eager.runner.eager_sizes() == []

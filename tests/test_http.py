@@ -306,3 +306,10 @@ def test_a_choice_the_worker_cannot_run_fails_the_request_and_cancels_the_others
     (first, _), (failed, _) = fake.submitted.get(timeout=5)
     assert fake.cancelled.get(timeout=10) == first  # choice 0 would run on: it is cancelled, 1 has ended
     assert fake.cancelled.empty() and not server.streams
+
+
+def test_the_api_holds_prompts_to_the_workers_max_model_len(tiny_chat_model_dir):
+    cfg = IngestConfig(node="n", http_port=1)
+    full = HttpServer(cfg, str(tiny_chat_model_dir), Defaults()).max_context
+    assert HttpServer(cfg, str(tiny_chat_model_dir), Defaults(), max_model_len=16).max_context == 16 < full
+    assert HttpServer(cfg, str(tiny_chat_model_dir), Defaults(), max_model_len=full + 100).max_context == full

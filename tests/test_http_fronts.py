@@ -20,7 +20,7 @@ import helpers as H
 from test_http_e2e import MODEL, PROMPTS, expected  # noqa: F401 -- expected: the generate() fixture
 
 from qmigrate.config import parse_topology
-from qmigrate.ingest.fronts import Fronts
+from qmigrate.ingest.front_supervisor import Fronts
 from qmigrate.ingest.handoff import front_index
 from qmigrate.ingest.prompts import Defaults
 

@@ -188,8 +188,8 @@ def test_the_shipped_gpu_topologies_admit_work_with_their_default_watermarks(pat
     total = 80 * GiB
     for i, w in enumerate(topo.workers):
         held = int(w.gpu_memory_utilization * total)
-        s.register(WorkerState(w.name, max_seqs=w.max_seqs, max_tokens=w.max_tokens, gpu_uuid=f"GPU-{i}",
-                               held_bytes=held), 0.0)
+        s.register(WorkerState(w.name, max_seqs=w.max_num_seqs, max_tokens=w.max_num_batched_tokens,
+                               gpu_uuid=f"GPU-{i}", held_bytes=held), 0.0)
         # besides: the CUDA context and kernel images, outside the allocator (NVML: under 7% free)
         s.set_vram(f"GPU-{i}", total, total - held - 3 * GiB)
     s.admit([spec(i) for i in range(1, 5)])

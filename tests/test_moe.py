@@ -81,7 +81,7 @@ def test_bench_moe_model_runs_on_the_fast_runner_and_its_floor_counts_active_exp
     model, _ = load_model(build_bench_moe_model(tmp_path / "moe", dtype="float32", shape_overrides=small), "cpu")
     assert model.config.model_type == "mixtral"
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    engine = Engine(model, runner="fast", max_kv_tokens=512, max_batch=4)
+    engine = Engine(model, runner="fast", max_kv_tokens=512, max_num_seqs=4)
     assert engine.runner.name == "fast"
     assert len(engine.step([StepRow(1, [1, 5, 9, 12], 0, 0)])) == 1
     floor = _step_bytes(engine, weight_bytes)

@@ -93,7 +93,7 @@ def _run_cut_link(tag, hub, tmp_path, tiny_model_dir):
             "router": {"node": "head", "heartbeat_interval_s": 0.2, "heartbeat_timeout_s": 1.5, "lease_timeout_s": 3.0},
             "ingest": {"node": "head", "input": "jsonl"},
             "detokenizer": {"node": "out", "output": "jsonl"},
-            "workers": [{"name": "w1", "node": "n1", "max_seqs": 2}, {"name": "w2", "node": "n2", "max_seqs": 2}]}
+            "workers": [{"name": "w1", "node": "n1", "max_num_seqs": 2}, {"name": "w2", "node": "n2", "max_num_seqs": 2}]}
     path = tmp_path / "hosts.yaml"
     path.write_text(yaml.safe_dump(data))
     prompts = H.prompts(31, "h", n=6, new_tokens=150)

@@ -77,7 +77,7 @@ def node(tmp_path, tiny_model_dir):
             "ingest": {"node": "local", "input": "jsonl"},
             "detokenizer": {"node": "local", "output": "jsonl", "metrics_port": detok_metrics},
             # w2 steps two sequences at a time, so some wait for it in the queue
-            "workers": [{"name": "w1", "node": "local", "max_seqs": 8}, {"name": "w2", "node": "local", "max_seqs": 2}]}
+            "workers": [{"name": "w1", "node": "local", "max_num_seqs": 8}, {"name": "w2", "node": "local", "max_num_seqs": 2}]}
     path = tmp_path / "topo.yaml"
     path.write_text(yaml.safe_dump(topo))
     proc = subprocess.Popen([sys.executable, "-m", "qmigrate", "node", str(path), "--node", "local", "--stdin"],

@@ -24,7 +24,7 @@ def _topology(tmp_path, model_dir, num_workers: int, max_seqs: int = 8, trace_di
         "router": {"node": "local", **router},
         "ingest": {"node": "local", "input": "jsonl"},
         "detokenizer": {"node": "local", "output": "jsonl"},
-        "workers": [{"name": f"w{i}", "node": "local", "device": "cpu", "max_seqs": max_seqs}
+        "workers": [{"name": f"w{i}", "node": "local", "device": "cpu", "max_num_seqs": max_seqs}
                     for i in range(1, num_workers + 1)],
     }
     path = tmp_path / f"topo-{num_workers}.yaml"
@@ -51,7 +51,7 @@ def _run_with_a_drain(tmp_path, ipc_dir, model_dir, num_workers: int, prompts: l
     not run (see helpers.migrate_by_drain). Returns (final records, summary)."""
     path = tmp_path / "topo.yaml"
     address = H.fleet_topology(path, model_dir, num_workers, ipc_dir=ipc_dir, worker={
-        "max_seqs": 4, "transfer_wait_s": 60.0, **(worker or {})}, router={
+        "max_num_seqs": 4, "transfer_wait_s": 60.0, **(worker or {})}, router={
         "heartbeat_timeout_s": 30.0, "lease_timeout_s": 60.0, "max_lease_steps": MAX_LEASE_STEPS, **router})
     nodes = H.Nodes(tmp_path)
     try:

@@ -144,7 +144,7 @@ def test_a_salt_shares_only_with_its_own_salt(model, greedy):
 
 
 def test_the_cache_can_be_turned_off(model, greedy):
-    engine = make_engine(model, prefix_cache=False)
+    engine = make_engine(model, enable_prefix_caching=False)
     prompt = SYSTEM + QUESTIONS[2]
     for sid in (1, 2):
         assert generate(engine, sid, prompt, 4) == (greedy(prompt, 4), 0)
@@ -411,10 +411,10 @@ def test_keys_are_the_blake2b_chain_the_router_and_workers_share():
 
 def test_the_worker_section_sets_the_cache():
     from qmigrate.config import ConfigError, WorkerConfig
-    assert WorkerConfig().engine_config().prefix_cache is True
-    assert WorkerConfig(prefix_cache=False).engine_config().prefix_cache is False
+    assert WorkerConfig().engine_config().enable_prefix_caching is True
+    assert WorkerConfig(enable_prefix_caching=False).engine_config().enable_prefix_caching is False
     with pytest.raises(ConfigError):
-        WorkerConfig(prefix_cache="maybe")
+        WorkerConfig(enable_prefix_caching="maybe")
 
 
 def test_a_fleet_reports_cached_tokens_per_request(tmp_path, tiny_model_dir, qmigrate):
@@ -433,7 +433,7 @@ def test_a_fleet_reports_cached_tokens_per_request(tmp_path, tiny_model_dir, qmi
         "transport": "ipc", "model": {"path": str(tiny_model_dir)}, "nodes": [{"name": "local"}],
         "router": {"node": "local"}, "ingest": {"node": "local", "input": "jsonl"},
         "detokenizer": {"node": "local", "output": "jsonl"},
-        "workers": [{"name": "w1", "node": "local", "device": "cpu", "max_seqs": 1}]}))
+        "workers": [{"name": "w1", "node": "local", "device": "cpu", "max_num_seqs": 1}]}))
     run = qmigrate("sim", str(topo), stdin="".join(json.dumps(p) + "\n" for p in prompts))
     assert run.returncode == 0, run.stderr[-3000:]
     finals = run.finals()
@@ -453,7 +453,7 @@ def test_hits_on_a_gpu_give_generate_output(tiny_model_dir, runner):
     from conftest import greedy_reference
     from qmigrate.hub.loading import load_model
     model, _ = load_model(tiny_model_dir, "cuda:0", "float32")
-    engine = Engine(model, runner=runner, max_kv_tokens=1 << 14, max_batch=16)
+    engine = Engine(model, runner=runner, max_kv_tokens=1 << 14, max_num_seqs=16)
     check = greedy_reference(tiny_model_dir)
     for sid, q in enumerate(QUESTIONS):
         prompt = SYSTEM + q
@@ -473,7 +473,7 @@ def test_rows_sharing_a_prefix_on_a_gpu_replay_the_shared_prefix_graph(tiny_mode
     from conftest import greedy_reference
     from qmigrate.hub.loading import load_model
     model, _ = load_model(tiny_model_dir, "cuda:0", "float32")
-    engine = Engine(model, runner="fast", max_kv_tokens=1 << 14, max_batch=16)
+    engine = Engine(model, runner="fast", max_kv_tokens=1 << 14, max_num_seqs=16)
     assert engine.runner.share_prefixes and engine.runner.shared_graphs
     replayed = []
     for bucket, graph in engine.runner.shared_graphs.items():

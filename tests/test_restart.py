@@ -31,7 +31,7 @@ def _topology(tmp_path, model_dir, ports) -> dict:
                         "journal": str(tmp_path / "detok.journal")},
         # One sequence a worker: the run lasts long enough for every fault, and a worker
         # always holds a sequence while more wait.
-        "workers": [{"name": f"w{i}", "node": "head", "device": "cpu", "kv_port": ports[3 + i], "max_seqs": 1}
+        "workers": [{"name": f"w{i}", "node": "head", "device": "cpu", "kv_port": ports[3 + i], "max_num_seqs": 1}
                     for i in (1, 2)],
     }
 

@@ -29,7 +29,7 @@ def test_one_worker_per_visible_gpu_with_the_monitor_and_the_flags():
     opts = ServeOptions(host="0.0.0.0", port=9001, served_model_name="m", gpu_memory_utilization=0.8,
                         max_num_seqs=256, api_key="k")
     topo = serve_topology(opts, num_gpus=3)
-    assert [(w.name, w.device, w.max_seqs, w.gpu_memory_utilization) for w in topo.workers] == [
+    assert [(w.name, w.device, w.max_num_seqs, w.gpu_memory_utilization) for w in topo.workers] == [
         (f"gpu{i}", f"cuda:{i}", 256, 0.8) for i in range(3)]
     assert topo.node("local").monitor
     i = topo.ingest
@@ -41,7 +41,7 @@ def test_cpu_workers_when_there_is_no_gpu_and_defaults_where_no_flag_is_given():
     assert [w.device for w in topo.workers] == ["cpu"] * 3
     assert not topo.node("local").monitor
     defaults = local_topology(1).workers[0]
-    assert topo.workers[0].max_seqs == defaults.max_seqs
+    assert topo.workers[0].max_num_seqs == defaults.max_num_seqs
     assert (topo.ingest.http_host, topo.ingest.http_port, topo.ingest.api_key) == ("127.0.0.1", 8000, None)
     assert topo.ingest.http_processes == 1
 
@@ -66,27 +66,32 @@ def test_gpu_serving_gets_an_http_process_per_four_cores_and_at_most_four_per_gp
 
 
 def test_gpu_workers_default_to_a_serving_engines_batch_and_the_flag_overrides_it():
-    from qmigrate.config import GPU_SERVE_MAX_SEQS, GPU_SERVE_MAX_TOKENS
+    from qmigrate.config import GPU_SERVE_MAX_NUM_BATCHED_TOKENS as TOKENS, GPU_SERVE_MAX_NUM_SEQS
     topo = serve_topology(ServeOptions(), num_gpus=2)
-    assert [(w.max_seqs, w.max_tokens) for w in topo.workers] == [(256, GPU_SERVE_MAX_TOKENS)] * 2
-    assert GPU_SERVE_MAX_SEQS == 256   # vLLM's max_num_seqs
+    assert [(w.max_num_seqs, w.max_num_batched_tokens) for w in topo.workers] == [(256, TOKENS)] * 2
+    assert GPU_SERVE_MAX_NUM_SEQS == 256   # vLLM's max_num_seqs
     topo = serve_topology(ServeOptions(max_num_seqs=48), num_gpus=1)
-    assert (topo.workers[0].max_seqs, topo.workers[0].max_tokens) == (48, GPU_SERVE_MAX_TOKENS)
+    assert (topo.workers[0].max_num_seqs, topo.workers[0].max_num_batched_tokens) == (48, TOKENS)
     # on GPUs of 70 GiB or more (vLLM's rule), 1,024 sequences; the flag still decides
     big = serve_topology(ServeOptions(), num_gpus=1, gpu_bytes=80 << 30).workers[0]
-    assert big.max_seqs == 1024
-    assert serve_topology(ServeOptions(), num_gpus=1, gpu_bytes=48 << 30).workers[0].max_seqs == 256
-    assert serve_topology(ServeOptions(max_num_seqs=48), num_gpus=1, gpu_bytes=80 << 30).workers[0].max_seqs == 48
+    assert big.max_num_seqs == 1024
+    assert serve_topology(ServeOptions(), num_gpus=1, gpu_bytes=48 << 30).workers[0].max_num_seqs == 256
+    assert serve_topology(ServeOptions(max_num_seqs=48), num_gpus=1, gpu_bytes=80 << 30).workers[0].max_num_seqs == 48
     cpu = serve_topology(ServeOptions(), num_gpus=0).workers[0]
     defaults = local_topology(1).workers[0]
-    assert (cpu.max_seqs, cpu.max_tokens) == (defaults.max_seqs, defaults.max_tokens) != (256, GPU_SERVE_MAX_TOKENS)
+    assert (cpu.max_num_seqs, cpu.max_num_batched_tokens) == (defaults.max_num_seqs, defaults.max_num_batched_tokens)
+    # the CPU worker's settings as the service has run them: 64 rows of 8,192 new tokens, a
+    # backlog of prompts spread over 4 steps, a 2 GiB pool, CUDA graphs and the prefix cache on
+    engine = cpu.engine_config()
+    assert (engine.max_num_seqs, engine.max_num_batched_tokens, engine.prefill_spread_steps) == (64, 8192, 4)
+    assert (engine.cpu_kvcache_space_bytes, engine.enforce_eager, engine.enable_prefix_caching) == (2 << 30, False, True)
 
 
 def test_worker_settings_reach_every_worker_and_bad_ones_are_refused():
     from qmigrate.config import ConfigError, worker_settings
-    opts = ServeOptions(worker_settings=worker_settings(["prefill_tokens_per_step=1024", "max_seqs=32"]))
+    opts = ServeOptions(worker_settings=worker_settings(["prefill_tokens_per_step=1024", "max_num_seqs=32"]))
     topo = serve_topology(opts, num_gpus=2)
-    assert [(w.prefill_tokens_per_step, w.max_seqs) for w in topo.workers] == [(1024, 32)] * 2
+    assert [(w.prefill_tokens_per_step, w.max_num_seqs) for w in topo.workers] == [(1024, 32)] * 2
     with pytest.raises(ConfigError, match="prefill_tokens_per_step"):
         worker_settings(["prefill_tokens_per_step=-1"])
     with pytest.raises(ConfigError, match="no_such"):
@@ -96,10 +101,45 @@ def test_worker_settings_reach_every_worker_and_bad_ones_are_refused():
 def test_a_config_keeps_its_workers_and_takes_the_flags():
     base = local_topology(2, device="cuda")
     topo = serve_topology(ServeOptions(port=8123, max_num_seqs=32), base, num_gpus=8)
-    assert [(w.name, w.device, w.max_seqs) for w in topo.workers] == [("w1", "cuda", 32), ("w2", "cuda", 32)]
+    assert [(w.name, w.device, w.max_num_seqs) for w in topo.workers] == [("w1", "cuda", 32), ("w2", "cuda", 32)]
     kept = serve_topology(ServeOptions(), base, num_gpus=8).workers[0]   # its own settings, not serve's
-    assert (kept.max_seqs, kept.max_tokens) == (base.workers[0].max_seqs, base.workers[0].max_tokens)
+    assert (kept.max_num_seqs, kept.max_num_batched_tokens) == (base.workers[0].max_num_seqs, base.workers[0].max_num_batched_tokens)
     assert topo.ingest.http_port == 8123
+
+
+def _serve_cli(monkeypatch, *args):
+    """`qmigrate serve` on the CPU up to the topology it would run: (exit code, output, topology)."""
+    from typer.testing import CliRunner
+
+    import qmigrate.cli as cli
+    import qmigrate.serve as serve
+    seen = {}
+
+    def run_serve(topo, model_path, log_level="warning"):
+        seen["topo"] = topo
+        return 0
+    monkeypatch.setattr(serve, "run_serve", run_serve)
+    monkeypatch.setattr(serve, "visible_gpus", lambda: 0)
+    monkeypatch.setattr(cli, "find_model", lambda name: name)
+    result = CliRunner().invoke(cli.app, ["serve", "m", "--port", str(reserve_ports(1)[0]), *args])
+    return result.exit_code, result.output, seen.get("topo")
+
+
+def test_serve_flags_set_the_workers_engine_settings_with_the_topologys_checks(monkeypatch):
+    code, _, topo = _serve_cli(monkeypatch, "--max-num-seqs", "12", "--max-num-batched-tokens", "256",
+                               "--max-model-len", "128", "--block-size", "8", "--no-enable-prefix-caching",
+                               "--enforce-eager", "--gpu-memory-utilization", "0.5")
+    assert code == 0
+    for w in topo.workers:
+        e = w.engine_config()
+        assert (e.max_num_seqs, e.max_num_batched_tokens, e.max_model_len, e.block_size) == (12, 256, 128, 8)
+        assert (e.enable_prefix_caching, e.enforce_eager, e.gpu_memory_utilization) == (False, True, 0.5)
+    code, _, topo = _serve_cli(monkeypatch)
+    assert code == 0 and topo.workers[0].engine_config() == local_topology(1).workers[0].engine_config()
+    for flag, value, field in (("--max-num-seqs", "0", "max_num_seqs"), ("--block-size", "12", "block_size"),
+                               ("--gpu-memory-utilization", "1.5", "gpu_memory_utilization")):
+        code, out, _ = _serve_cli(monkeypatch, flag, value)
+        assert code == 2 and f"workers[0].{field}: expected" in out, out
 
 
 def test_a_wildcard_host_is_reached_on_the_loopback():

@@ -118,9 +118,9 @@ def test_serve_makes_workers_of_n_gpus_each():
     from qmigrate.config import ConfigError
     from qmigrate.serve import ServeOptions, serve_topology
     topo = serve_topology(ServeOptions(tensor_parallel_size=2), num_gpus=4)
-    assert [(w.name, w.device, w.tensor_parallel) for w in topo.workers] == [("gpu0", "cuda:0", 2),
+    assert [(w.name, w.device, w.tensor_parallel_size) for w in topo.workers] == [("gpu0", "cuda:0", 2),
                                                                             ("gpu2", "cuda:2", 2)]
-    assert [w.tensor_parallel for w in serve_topology(ServeOptions(), num_gpus=4).workers] == [1] * 4
+    assert [w.tensor_parallel_size for w in serve_topology(ServeOptions(), num_gpus=4).workers] == [1] * 4
     with pytest.raises(ConfigError, match="3 does not divide the 4 visible GPUs"):
         serve_topology(ServeOptions(tensor_parallel_size=3), num_gpus=4)
 
@@ -129,13 +129,13 @@ def test_a_worker_of_n_gpus_may_not_share_them():
     from qmigrate.config import ConfigError, parse_topology
     data = {"nodes": [{"name": "n"}], "router": {"node": "n"}, "ingest": {"node": "n"},
             "detokenizer": {"node": "n"},
-            "workers": [{"name": "a", "node": "n", "device": "cuda:0", "tensor_parallel": 2},
+            "workers": [{"name": "a", "node": "n", "device": "cuda:0", "tensor_parallel_size": 2},
                         {"name": "b", "node": "n", "device": "cuda:2"}]}
-    assert parse_topology(data).worker("a").tensor_parallel == 2
+    assert parse_topology(data).worker("a").tensor_parallel_size == 2
     data["workers"][1]["device"] = "cuda:1"
     with pytest.raises(ConfigError, match="cuda:1 on node 'n' is also used by worker 'a'"):
         parse_topology(data)
-    data["workers"][0]["tensor_parallel"] = 0
+    data["workers"][0]["tensor_parallel_size"] = 0
     with pytest.raises(ConfigError, match="tensor_parallel"):
         parse_topology(data)
 
@@ -333,9 +333,9 @@ def fleet(tmp_path, tiny_model_dir):
                        "max_lease_steps": 1},
             "ingest": {"node": "head", "port": ports[2], "reply_port": ports[6], "input": "jsonl"},
             "detokenizer": {"node": "head", "port": ports[3], "output": "jsonl"},
-            "workers": [{"name": "w1", "node": "head", "device": "cpu", "kv_port": ports[4], "max_seqs": 4,
-                         "tensor_parallel": 2, "max_kv_tokens": 2048},
-                        {"name": "w2", "node": "head", "device": "cpu", "kv_port": ports[5], "max_seqs": 4,
+            "workers": [{"name": "w1", "node": "head", "device": "cpu", "kv_port": ports[4], "max_num_seqs": 4,
+                         "tensor_parallel_size": 2, "max_kv_tokens": 2048},
+                        {"name": "w2", "node": "head", "device": "cpu", "kv_port": ports[5], "max_num_seqs": 4,
                          "max_kv_tokens": 2048}],
         }
         path = tmp_path / f"fleet-{migration}.yaml"

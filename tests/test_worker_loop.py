@@ -10,7 +10,7 @@ import pytest
 
 from qmigrate.wire import protocol as P
 from qmigrate.config import WorkerConfig
-from qmigrate.worker.pipeline import FINISH, START, WAIT, KVOutbox, WorkerLoop
+from qmigrate.worker.leases import FINISH, START, WAIT, KVOutbox, Leases
 
 NOTHING = lambda lease: set()  # noqa: E731 -- no KV shipments awaited
 
@@ -20,17 +20,17 @@ def lease(lease_id: int, num_steps: int = 1, timeout_s: float = 10.0) -> P.Lease
                    num_steps=num_steps)
 
 
-def start_next(loop: WorkerLoop, now: float, awaited=NOTHING) -> P.Lease:
+def start_next(loop: Leases, now: float, awaited=NOTHING) -> P.Lease:
     action, got = loop.next_action(now, awaited)
     assert action == START, (action, got)
     loop.started(got, f"handle-{got.lease_id}", now)
     return got
 
 
-# --- WorkerLoop ---------------------------------------------------------------------------
+# --- Leases ---------------------------------------------------------------------------
 
 def test_requests_keep_inflight_batches_asked_for_here_or_on_the_device():
-    loop = WorkerLoop(WorkerConfig(inflight=2, max_seqs=8, max_tokens=100))
+    loop = Leases(WorkerConfig(inflight=2, max_num_seqs=8, max_num_batched_tokens=100))
     reqs = loop.requests(0.0, free_tokens=640)
     assert [(r.request_no, r.max_seqs, r.max_tokens, r.free_kv_tokens) for r in reqs] == [(1, 8, 100, 640),
                                                                                      (2, 8, 100, 640)]
@@ -45,7 +45,7 @@ def test_requests_keep_inflight_batches_asked_for_here_or_on_the_device():
 
 
 def test_requests_the_router_forgot_are_sent_again():
-    loop = WorkerLoop(WorkerConfig(inflight=2), heartbeat_s=0.5)
+    loop = Leases(WorkerConfig(inflight=2), heartbeat_s=0.5)
     assert len(loop.requests(0.0, 0)) == 2
     assert loop.requests(4.9, 0) == []             # no lease for less than 10 heartbeats: keep waiting
     assert [r.request_no for r in loop.requests(5.1, 0)] == [3, 4]
@@ -54,7 +54,7 @@ def test_requests_the_router_forgot_are_sent_again():
 
 
 def test_a_lease_past_its_deadline_is_dropped_unstarted():
-    loop = WorkerLoop(WorkerConfig())
+    loop = Leases(WorkerConfig())
     loop.on_lease(lease(1, timeout_s=1.0), 0.0)
     loop.on_lease(lease(2, timeout_s=5.0), 0.0)
     assert loop.held_lease_ids() == [1, 2]
@@ -63,7 +63,7 @@ def test_a_lease_past_its_deadline_is_dropped_unstarted():
 
 
 def test_two_leases_on_the_device_the_older_finished_first():
-    loop = WorkerLoop(WorkerConfig(chain_wait_s=0.002))
+    loop = Leases(WorkerConfig(chain_wait_s=0.002))
     for i in (1, 2, 3):
         loop.on_lease(lease(i), 0.0)
     start_next(loop, 0.0)
@@ -82,12 +82,12 @@ def test_two_leases_on_the_device_the_older_finished_first():
 
 
 def test_a_multi_step_lease_runs_alone_and_steps_per_dispatch_forces_steps():
-    loop = WorkerLoop(WorkerConfig())
+    loop = Leases(WorkerConfig())
     loop.on_lease(lease(1, num_steps=4), 0.0)
     loop.on_lease(lease(2), 0.0)
     assert start_next(loop, 0.0).num_steps == 4
     assert loop.next_action(0.0, NOTHING) == (FINISH, "handle-1")  # lease 2 may not queue behind it
-    forced = WorkerLoop(WorkerConfig(steps_per_dispatch=3))
+    forced = Leases(WorkerConfig(steps_per_dispatch=3))
     forced.on_lease(lease(1), 0.0)
     forced.on_lease(lease(2, num_steps=5), 0.0)
     assert start_next(forced, 0.0).num_steps == 3
@@ -96,7 +96,7 @@ def test_a_multi_step_lease_runs_alone_and_steps_per_dispatch_forces_steps():
 
 
 def test_a_lease_waits_for_its_kv_shipments_then_gives_up():
-    loop = WorkerLoop(WorkerConfig(transfer_wait_s=2.0))
+    loop = Leases(WorkerConfig(transfer_wait_s=2.0))
     awaited = {1: set(), 2: {7}, 3: {9}}
     check = lambda l: awaited[l.lease_id]          # noqa: E731
     for i in (1, 2, 3):
@@ -116,14 +116,14 @@ def test_a_lease_waits_for_its_kv_shipments_then_gives_up():
 
 
 def test_the_wait_for_kv_never_outlasts_the_lease():
-    loop = WorkerLoop(WorkerConfig(transfer_wait_s=2.0))
+    loop = Leases(WorkerConfig(transfer_wait_s=2.0))
     loop.on_lease(lease(1, timeout_s=0.5), 0.0)
     assert loop.next_action(0.0, lambda l: {3})[0] == WAIT
     assert loop.queued[0].wait_until == pytest.approx(0.5)
 
 
 def test_heartbeats_name_held_leases_and_revokes_apply_only_to_them():
-    loop = WorkerLoop(WorkerConfig(), heartbeat_s=0.5)
+    loop = Leases(WorkerConfig(), heartbeat_s=0.5)
     assert loop.heartbeat_due(0.0) and not loop.heartbeat_due(0.4) and loop.heartbeat_due(0.6)
     loop.on_lease(lease(1, num_steps=4), 0.0)
     loop.on_lease(lease(2), 0.0)
@@ -149,7 +149,7 @@ def chain(lease_id: int, seq_ids=(1, 2), num_steps: int = 8, **kw) -> P.Lease:
 
 
 def test_a_revoked_chain_not_yet_started_is_withdrawn_and_its_place_asked_for_again():
-    loop = WorkerLoop(WorkerConfig(inflight=2))
+    loop = Leases(WorkerConfig(inflight=2))
     assert len(loop.requests(0.0, 100)) == 2
     loop.on_lease(lease(1, num_steps=8), 0.0)
     start_next(loop, 0.0)
@@ -162,7 +162,7 @@ def test_a_revoked_chain_not_yet_started_is_withdrawn_and_its_place_asked_for_ag
     # a chain that carries drops, or started already, is revoked as any lease: it runs a step
     loop.on_lease(chain(4, drop_ids=P.pack_i64([9])), 0.0)
     assert loop.on_revoke(P.Revoke(4)) and loop.take_withdrawn() == [] and loop.revoked_rows(4) is None
-    loop2 = WorkerLoop(WorkerConfig(inflight=2))
+    loop2 = Leases(WorkerConfig(inflight=2))
     loop2.on_lease(chain(5), 0.0)
     start_next(loop2, 0.0)
     assert loop2.on_revoke(P.Revoke(5)) and loop2.take_withdrawn() == [] and loop2.revoked_rows(5) is None
@@ -192,7 +192,7 @@ def worker_under_test(tmp_path, model_dir, inflight: int):
     between = worker.between_steps
 
     def revoke_seen_first(lease_id, tokens):
-        if worker.awaited_revoke == lease_id and lease_id not in worker.loop.revoked:
+        if worker.awaited_revoke == lease_id and lease_id not in worker.leases.revoked:
             worker.router.poll(10_000)
         return between(lease_id, tokens)
 
@@ -255,7 +255,7 @@ def test_the_worker_streams_a_multi_step_lease_and_takes_a_revoke_between_steps(
     # per lease), after the step it was running and at most the one already launched.
     assert result.lease_id == 7 and counts[0] == counts[1] and counts[0] in (1, 2)
     assert streamed[1] == streamed[2] and len(streamed[1]) == counts[0]  # same prompt, greedy
-    assert worker.loop.num_revokes_ignored == 1
+    assert worker.leases.num_revokes_ignored == 1
 
 
 def test_a_withdrawn_chain_is_answered_at_once_and_its_rows_go_on_in_the_next_lease(tmp_path, tiny_model_dir):
@@ -283,7 +283,7 @@ def test_a_withdrawn_chain_is_answered_at_once_and_its_rows_go_on_in_the_next_le
         assert last.lease_id == 9 and P.unpack_i32(last.counts).tolist() == [3, 3]
     made = P.unpack_i32(ended.counts).tolist()[0] + 3
     assert streamed[1] == streamed[2] and len(streamed[1]) == made   # each token once, none missed
-    assert worker.loop.num_revokes_ignored == 0
+    assert worker.leases.num_revokes_ignored == 0
 
 
 def test_bench_timeline_reports_the_longest_request_as_a_floor_of_the_run():

@@ -103,7 +103,7 @@ def recorded(engine: Engine) -> list[torch.Tensor]:
 
 
 def check_case(model, tp: TensorParallel) -> dict:
-    kw = dict(runner="fast", max_len=64, max_kv_tokens=512)
+    kw = dict(runner="fast", max_model_len=64, max_kv_tokens=512)
     sharded = Engine(model, tp=tp, **kw)
     if not tp.is_leader:
         lockstep.follow(sharded)
@@ -240,7 +240,7 @@ def mismatched(tp: TensorParallel) -> str:
         cfg.intermediate_size = 64
         model = model_structure(cfg)
     try:
-        Engine(model, tp=tp, runner="fast", max_len=64, max_kv_tokens=512)
+        Engine(model, tp=tp, runner="fast", max_model_len=64, max_kv_tokens=512)
     except LayoutError as exc:
         return str(exc)
     return "no error"

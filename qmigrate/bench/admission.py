@@ -32,7 +32,7 @@ def run_admission_steps(model_path: str, device: str, batches: list[int], contex
     from qmigrate.hub.loading import load_model
     from qmigrate.engine.rows import StepRow
     from qmigrate.engine.engine import Engine
-    cfg = WorkerConfig(**{**worker, "max_seqs": max(batches) + 1}).engine_config()
+    cfg = WorkerConfig(**{**worker, "max_num_seqs": max(batches) + 1}).engine_config()
     limit = cfg.prefill_tokens_with_decode
     model, _ = load_model(model_path, device, "auto")
     engine = Engine(model, cfg)
@@ -45,7 +45,7 @@ def run_admission_steps(model_path: str, device: str, batches: list[int], contex
     results = []
     for batch in batches:
         ids = {i: [r.randint(10, 1000) for _ in range(context - 1)] for i in range(batch)}
-        per_step = max(1, cfg.max_batch_tokens // (context - 1))
+        per_step = max(1, cfg.max_num_batched_tokens // (context - 1))
         for first in range(0, batch, per_step):   # prompts alone: no limit applies
             rows = [StepRow(i, ids[i], 0, 0) for i in range(first, min(batch, first + per_step))]
             for row, token in zip(rows, engine.step(rows)):

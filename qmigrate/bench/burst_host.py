@@ -71,8 +71,9 @@ def worker_starts(system_len: int, question_len: int, lease_prompts: int, repeat
     model, _ = load_model(model_path or ensure_default_model(), "cpu")
     length = system_len + question_len
     model.config.max_position_embeddings = max(model.config.max_position_embeddings, length + 8)
-    engine = Engine(model, runner="fast", max_kv_tokens=(repeats + 2) * lease_prompts * length, max_len=length + 8,
-                    max_batch=max(lease_prompts, 8), max_batch_tokens=lease_prompts * length)
+    engine = Engine(model, runner="fast", max_kv_tokens=(repeats + 2) * lease_prompts * length,
+                    max_model_len=length + 8, max_num_seqs=max(lease_prompts, 8),
+                    max_num_batched_tokens=lease_prompts * length)
     vocab = engine.shape.vocab_size
     engine.runner._forward = lambda x, *_: torch.zeros(x.last.shape[0], vocab)
     core = WorkerCore(engine)

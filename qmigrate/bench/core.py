@@ -134,7 +134,7 @@ def run_inprocess(model_path: str, device: str, dtype: str, requests, max_seqs: 
     from qmigrate.engine.engine import Engine
     worker = WorkerConfig(**(worker_overrides or {}))
     model, _ = load_model(model_path, device, dtype)
-    engine = Engine(model, max_batch=max_seqs, max_batch_tokens=max_tokens, runner=runner,
+    engine = Engine(model, max_num_seqs=max_seqs, max_num_batched_tokens=max_tokens, runner=runner,
                     prefill_tokens_per_step=worker.prefill_tokens_per_step,
                     prefill_tokens_with_decode=worker.prefill_tokens_with_decode,
                     prefill_spread_steps=worker.prefill_spread_steps)

@@ -46,7 +46,7 @@ class Faults:
         would then stop every worker on it)."""
         device = devices[index]
         if device == "cpu":
-            return f"CPU-w{index + 1}"  # workers are w1, w2, ... (see bench.run_pipeline)
+            return f"CPU-w{index + 1}"  # workers are w1, w2, ... (see bench.pipeline.run_pipeline)
         if devices.count(device) > 1:
             return None
         from qmigrate.monitor.vram import torch_device_uuid

@@ -54,8 +54,8 @@ def run_pipeline(model_path: str, devices: list[str], dtype: str, requests, max_
             "nodes": [{"name": "local"}], "trace_dir": str(trace_dir) if trace_dir is not None else None,
             "router": {"node": "local", "max_queued": max(4096, len(requests) + 64), **router_overrides},
             "ingest": {"node": "local"}, "detokenizer": {"node": "local"},
-            "workers": [{"name": f"w{i}", "node": "local", "device": d, "max_seqs": max_seqs,
-                         "max_tokens": max_tokens, "steps_per_dispatch": steps_per_dispatch, "runner": runner,
+            "workers": [{"name": f"w{i}", "node": "local", "device": d, "max_num_seqs": max_seqs,
+                         "max_num_batched_tokens": max_tokens, "steps_per_dispatch": steps_per_dispatch, "runner": runner,
                          "gpu_memory_utilization": 0.9 / devices.count(d), **(worker_overrides or {})}
                         for i, d in enumerate(devices, 1)],
         }

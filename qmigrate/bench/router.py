@@ -75,7 +75,7 @@ def run_fleet(num_workers: int, step_ms: float, batch: int, *, warmup_s: float, 
             "transport": "ipc", "ipc_dir": tmp, "nodes": [{"name": "local"}],
             "router": {"node": "local", "max_queued": target + batch, **router_overrides},
             "ingest": {"node": "local"}, "detokenizer": {"node": "local"},
-            "workers": [{"name": n, "node": "local", "max_seqs": batch} for n in names],
+            "workers": [{"name": n, "node": "local", "max_num_seqs": batch} for n in names],
         }, source="router bench")
         path = Path(tmp) / "topology.yaml"
         dump_topology(topo, path)

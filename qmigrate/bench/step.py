@@ -13,9 +13,9 @@ process.
 Two more figures price admitting a prompt into a running batch, as continuous batching does
 whenever a request finishes while others wait: `mixed`, the whole step of the same decode
 rows plus one new prompt of MIXED_PROMPT tokens, and `prefill`, a step of that prompt alone.
-The engine takes one row more than the largest batch, as a worker whose `max_seqs` has room
+The engine takes one row more than the largest batch, as a worker whose `max_num_seqs` has room
 for the new row would: otherwise the mixed step of the largest batch has more rows than the
-runner's graphs and runs eagerly, which no worker does (its steps never pass `max_seqs`).
+runner's graphs and runs eagerly, which no worker does (its steps never pass `max_num_seqs`).
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ def run_decode_steps(model_path: str, device: str, batches: list[int], context: 
     from qmigrate.engine.engine import Engine
     model, _ = load_model(model_path, device, "auto")
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    engine = Engine(model, max_batch=max(batches) + 1, max_batch_tokens=16384, runner=runner)
+    engine = Engine(model, max_num_seqs=max(batches) + 1, max_num_batched_tokens=16384, runner=runner)
     del model
     bandwidth = copy_bandwidth(device)
     floor_ms = weight_bytes / bandwidth * 1000

@@ -40,16 +40,16 @@ DEFAULT_CONTEXT = 2048   # positions of a model whose config does not say
 
 class Engine:
     def __init__(self, model, config: EngineConfig | None = None, *, tp=None, **overrides):
-        """`tp`: this process's rank of a tensor-parallel group (parallel.TensorParallel); the
+        """`tp`: this process's rank of a tensor-parallel group (parallel.sharding.TensorParallel); the
         model is then the whole checkpoint on the CPU on rank 0, and on the other ranks may be
         its structure only (meta tensors: scatter.py sends their shards); the runner keeps
-        this rank's shard on tp.device. Without it (tensor_parallel 1) nothing here differs
+        this rank's shard on tp.device. Without it (tensor_parallel_size 1) nothing here differs
         from one device."""
         cfg = self.config = dataclasses.replace(config or EngineConfig(), **overrides)
         self.shape = shape = ModelShape.of_model(model)
         self.tp = tp
         self.max_context = shape.max_context or DEFAULT_CONTEXT
-        self.max_len = min(cfg.max_len or self.max_context, self.max_context)
+        self.max_len = min(cfg.max_model_len or self.max_context, self.max_context)
         param = next(model.parameters())
         self.device, self.dtype = (param.device if tp is None else tp.device), param.dtype
         if self.device.type == "cuda":
@@ -60,7 +60,7 @@ class Engine:
         self.pool_kv_heads = shape.num_kv_heads if tp is None else tp.layout.kv_heads_per_rank
         self.pool = BlockPool(shape.num_layers, self.pool_kv_heads, shape.head_dim,
                               self._num_blocks(), cfg.block_size, self.dtype, self.device,
-                              prefix_cache=cfg.prefix_cache, can_copy=tp is None or tp.world == 1)
+                              prefix_cache=cfg.enable_prefix_caching, can_copy=tp is None or tp.world == 1)
         self.runner.attach(self.pool)
         self.num_continued = 0   # steps built the array way (`_continue`)
         if tp is not None and tp.world > 1 and tp.is_leader:

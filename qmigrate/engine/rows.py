@@ -54,14 +54,14 @@ def prompt_budget(rows: list[StepRow], cfg: EngineConfig) -> int:
     1/`prefill_spread_steps` of the prompt tokens waiting in the step if that is more: a
     backlog is never spread over more than that many steps (a fixed limit makes a burst's
     backlog grow, and with it every later prompt's wait), while prompts arriving one by one
-    are evened out over the steps. A step of prompts alone gets `max_batch_tokens`, since
+    are evened out over the steps. A step of prompts alone gets `max_num_batched_tokens`, since
     prompts held back by that limit (which the router leased as one-token rows) join its
     lease's own prompts."""
     budget, capped = cfg.prefill_tokens_per_step, cfg.prefill_tokens_with_decode
     if capped <= 0:
         return budget
     if not any(r.start > 0 and len(r.new_ids) <= 1 for r in rows):
-        capped = cfg.max_batch_tokens
+        capped = cfg.max_num_batched_tokens
     elif cfg.prefill_spread_steps > 0:
         waiting = sum(len(r.new_ids) for r in rows if len(r.new_ids) > 1)
         capped = max(capped, -(-waiting // cfg.prefill_spread_steps))

@@ -18,13 +18,13 @@ log = logging.getLogger(__name__)
 
 def num_blocks_here(engine) -> int:
     """KV blocks this process's pool can hold: from the device's memory after the weights and
-    a measured step's activations (a GPU), or cpu_kv_bytes, capped by max_kv_tokens."""
+    a measured step's activations (a GPU), or cpu_kvcache_space_bytes, capped by max_kv_tokens."""
     cfg = engine.config
     per_block = engine.kv_bytes_per_token * engine.pool_kv_heads // engine.shape.num_kv_heads * cfg.block_size
     if engine.device.type == "cuda":
         budget = gpu_kv_budget(engine.device, cfg.gpu_memory_utilization, activation_bytes(engine))
     else:
-        budget = cfg.cpu_kv_bytes
+        budget = cfg.cpu_kvcache_space_bytes
     blocks = budget // per_block
     if cfg.max_kv_tokens:
         blocks = min(blocks, -(-cfg.max_kv_tokens // cfg.block_size))
@@ -41,8 +41,8 @@ def num_blocks_here(engine) -> int:
 def activation_bytes(engine) -> int:
     """Peak memory of the largest step, measured by running one on a scratch pool."""
     cfg = engine.config
-    num_rows = max(1, min(cfg.max_batch, cfg.max_batch_tokens // 64))
-    per_row = max(1, min(engine.max_len, cfg.max_batch_tokens // num_rows))
+    num_rows = max(1, min(cfg.max_num_seqs, cfg.max_num_batched_tokens // 64))
+    per_row = max(1, min(engine.max_len, cfg.max_num_batched_tokens // num_rows))
     blocks = num_rows * (-(-per_row // cfg.block_size)) + 1
     scratch = BlockPool(engine.shape.num_layers, engine.pool_kv_heads, engine.shape.head_dim, blocks, cfg.block_size,
                         engine.dtype, engine.device, prefix_cache=False)
@@ -56,10 +56,10 @@ def activation_bytes(engine) -> int:
     before = torch.cuda.memory_allocated(engine.device)
     with torch.inference_mode():
         logits = engine.runner.forward(batch)
-        # one row's logits copied to max_batch rows (the step above may have fewer rows)
-        sample(logits[:1].expand(cfg.max_batch, -1).contiguous(),
-               SamplingRows.build([1.0] * cfg.max_batch, [0.9] * cfg.max_batch, [50] * cfg.max_batch,
-                                  [0] * cfg.max_batch, [0] * cfg.max_batch, engine.device))
+        # one row's logits copied to max_num_seqs rows (the step above may have fewer rows)
+        n = cfg.max_num_seqs
+        sample(logits[:1].expand(n, -1).contiguous(),
+               SamplingRows.build([1.0] * n, [0.9] * n, [50] * n, [0] * n, [0] * n, engine.device))
     torch.cuda.synchronize(engine.device)
     peak = torch.cuda.max_memory_allocated(engine.device) - before
     del scratch, batch, logits
@@ -90,8 +90,8 @@ def warm_up(engine) -> None:
     # docs/benchmarks-history.md).
     n = max(2, min(engine.config.prefill_chunk or 512, engine.max_len - 4))
     for size in engine.runner.eager_sizes():
-        if -(-size // n) > engine.config.max_batch:
-            break  # no step of so many tokens fits in max_batch rows of a chunk each
+        if -(-size // n) > engine.config.max_num_seqs:
+            break  # no step of so many tokens fits in max_num_seqs rows of a chunk each
         lengths = [n] * (size // n) + ([size % n] if size % n else [])
         rows = [StepRow(-100 - i, [10 + j % 500 for j in range(k)], 0, 0) for i, k in enumerate(lengths)]
         tokens = engine.step(rows)

@@ -17,7 +17,7 @@ whose rows say by sequence id which choice they belong to. The request ends when
 choice has; if it ends sooner, every choice still running is cancelled. A request of one
 choice takes a path of its own, with nothing per token for choices it does not have.
 
-The same server runs in each HTTP front process (qmigrate.ingest.front) when ingest has
+The same server runs in each HTTP front process (ingest/front_process.py) when ingest has
 several: there it shares the port with the others (`reuse_port`) and, with `admission`, a
 request waits for ingest's word that it took the request (`admit`) before it answers, so that
 a refusal is still a 429.
@@ -73,12 +73,13 @@ def _reject_constant(name: str):
 class HttpServer:
     def __init__(self, cfg, model_path: str, defaults: Defaults, id_base: int | None = None,
                  trust_remote_code: bool = False, *, reuse_port: bool = False, admission: bool = False,
-                 id_bits: int = THREAD_ID_BITS, first_id: int = 1):
+                 id_bits: int = THREAD_ID_BITS, first_id: int = 1, max_model_len: int = 0):
         self.cfg = cfg
         self.defaults = defaults
         # A tokenizer of its own: this server's thread tokenizes while ingest's does, and a
         # fast tokenizer is not safe to share between threads.
         self.tokenizer, self.max_context, self.eos_ids = load_tokenizer_info(model_path, trust_remote_code)
+        self.max_context = min(self.max_context, max_model_len or self.max_context)   # the workers' limit
         self.model_names = [cfg.model_name or Path(model_path).name]
         # Each item: one HTTP request's [(seq_id, Prompt), ...], one per choice, taken together.
         self.submissions: queue.Queue = queue.Queue(maxsize=cfg.max_pending)

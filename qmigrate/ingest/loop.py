@@ -71,6 +71,7 @@ class Ingest:
         self.defaults = Defaults(d.max_new_tokens, d.temperature, d.top_p, d.top_k)
         model_path = resolve_model(topo.model.path)
         self.tokenizer, self.max_context, self.eos_ids = load_tokenizer_info(model_path, topo.model.trust_remote_code)
+        self.max_context = min(self.max_context, topo.max_model_len or self.max_context)
         self.router_addr = topo.endpoint("router").connect
         self.router = transport.socket(zmq.DEALER, connect=self.router_addr,
                                        identity=f"ingest-{os.getpid()}")
@@ -83,12 +84,13 @@ class Ingest:
         self.http = None     # the API on a thread of this process
         self.fronts = None   # or in http_processes processes of its own
         if cfg.http_port is not None and cfg.http_processes > 1:
-            from qmigrate.ingest.fronts import Fronts
+            from qmigrate.ingest.front_supervisor import Fronts
             self.fronts = Fronts(topo, model_path, self.defaults, self.id_base)
         elif cfg.http_port is not None:
             from qmigrate.ingest.http import WAKE_ENDPOINT, HttpServer
             self.wake = transport.socket(zmq.PULL, bind=WAKE_ENDPOINT, hwm=1)
-            self.http = HttpServer(cfg, model_path, self.defaults, self.id_base, topo.model.trust_remote_code)
+            self.http = HttpServer(cfg, model_path, self.defaults, self.id_base, topo.model.trust_remote_code,
+                                   max_model_len=topo.max_model_len)
         self.guard = Guard.for_topology(topo, "ingest")
         self.trace = tracer("ingest", topo.trace_dir)   # replies in from the detokenizer (trace.py)
         self.lines: queue.Queue = queue.Queue(maxsize=self.max_pending)

@@ -10,7 +10,7 @@ can batch (load), or the policy is "any". Times are plain floats supplied by the
 How a request for work becomes a lease (chained steps, multi-step leases and their revokes)
 is leasing.py's, over the records kept here.
 
-The queue is kept per KV owner (`fleet.Queue`), and a worker's open leases are listed on
+The queue is kept per KV owner (`records.Queue`), and a worker's open leases are listed on
 it, so a request for work costs what it returns, not what the whole fleet holds.
 """
 

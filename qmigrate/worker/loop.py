@@ -1,7 +1,7 @@
 """Worker: asks the router for batches, runs them, sends results on.
 
-A socket loop around two pure cores: `WorkerLoop` decides what to ask for and which lease
-to start or finish next; `WorkerCore` runs a lease on the engine. Results go back to the
+A socket loop around two pure cores: `Leases` (worker/leases.py) decides what to ask for and
+which lease to start or finish next; `WorkerCore` runs a lease on the engine. Results go back to the
 router; new tokens go to the router too, on the same socket and before the result that
 counts them, and the router forwards them to the detokenizer: a kill can cut the stream
 after some tokens, never deliver a result without its tokens. KV shipments to and from other
@@ -29,7 +29,7 @@ from qmigrate.engine.engine import Engine
 from qmigrate.wire.security import SecurityError
 from qmigrate.ops.trace import flush_on_sigterm, tracer
 from qmigrate.worker.core import WorkerCore
-from qmigrate.worker.pipeline import FINISH, START, WAIT, KVOutbox, WorkerLoop
+from qmigrate.worker.leases import FINISH, START, WAIT, KVOutbox, Leases
 from qmigrate.worker.pulse import Pulse
 from qmigrate.worker.threads import share_cpu_threads
 from qmigrate.ops.process import freeze_heap, run_until_fatal
@@ -51,10 +51,10 @@ class Worker:
         device = self.cfg.device if self.cfg.device != "cuda" else "cuda:0"
         share_cpu_threads(topo, self.cfg)
         self.ranks = None
-        if self.cfg.tensor_parallel > 1:   # N processes, this one rank 0 (worker/ranks.py)
+        if self.cfg.tensor_parallel_size > 1:   # N processes, this one rank 0 (worker/ranks.py)
             from qmigrate.worker import ranks
             path = resolve_model(topo.model.path)
-            ranks.check_model(name, path, self.cfg.tensor_parallel, topo.model.trust_remote_code)
+            ranks.check_model(name, path, self.cfg.tensor_parallel_size, topo.model.trust_remote_code)
             self.ranks = ranks.Ranks(topo, name, path)
             device = ranks.rank_device(device, 0)
             model = None
@@ -73,8 +73,8 @@ class Worker:
         self.kv_in = transport.socket(zmq.PULL, bind=self.kv_endpoint.bind,
                                       max_bytes=transport.KV_MAX_MESSAGE_BYTES, hwm=64)
         self.peers: dict[str, zmq.Socket] = {}
-        self.loop = WorkerLoop(self.cfg)
-        self.pulse = Pulse(self.router_addr, name, self.loop.heartbeat_s)
+        self.leases = Leases(self.cfg)
+        self.pulse = Pulse(self.router_addr, name, self.leases.heartbeat_s)
         self.deferred: deque = deque()  # router messages that came during a multi-step lease
         self.outbox = KVOutbox()
         self.busy_s = self.idle_s = 0.0
@@ -88,7 +88,7 @@ class Worker:
 
     @property
     def heartbeat_s(self) -> float:
-        return self.loop.heartbeat_s
+        return self.leases.heartbeat_s
 
     # --- startup -----------------------------------------------------------------------
     def hello(self, rejoin: bool = False) -> None:
@@ -99,7 +99,7 @@ class Worker:
         uuid = torch_device_uuid(torch.device(self.device).index or 0) if self.device.startswith("cuda") else None
         uuid = uuid or f"CPU-{self.name}"  # no NVML report names it; a test's simulated monitor may
         info = {"device": self.device, "kv_endpoint": self.kv_endpoint.connect,
-                "max_seqs": self.cfg.max_seqs, "max_tokens": self.cfg.max_tokens,
+                "max_seqs": self.cfg.max_num_seqs, "max_tokens": self.cfg.max_num_batched_tokens,
                 "inflight": self.cfg.inflight, "kv_bytes_per_token": engine.kv_bytes_per_token,
                 "num_params": engine.shape.num_params, "gpu_uuid": uuid or "",
                 "kv_tokens": engine.pool.capacity_tokens, "block_size": engine.pool.block_size,
@@ -119,7 +119,7 @@ class Worker:
                 continue
             msg = got[1]
             if isinstance(msg, P.Welcome):
-                self.loop.heartbeat_s = self.pulse.interval_s = msg.heartbeat_interval_s
+                self.leases.heartbeat_s = self.pulse.interval_s = msg.heartbeat_interval_s
                 return
             if isinstance(msg, P.Reject) and not msg.is_unknown_peer:
                 raise SystemExit(f"worker {self.name}: router refused: {msg.reason}")
@@ -139,21 +139,21 @@ class Worker:
         while True:
             now = time.monotonic()
             self.ask(now)
-            action, arg = self.loop.next_action(now, self.core.awaited_transfers)
+            action, arg = self.leases.next_action(now, self.core.awaited_transfers)
             if action == START:
                 self.start_lease(arg)
             elif action == FINISH:
                 self.finish_lease(arg)
             if self.receive(arg if action == WAIT else 0.0):
-                while self.loop.on_device:
-                    self.finish_lease(self.loop.on_device[0].handle)
+                while self.leases.on_device:
+                    self.finish_lease(self.leases.on_device[0].handle)
                 self.close()
                 return
             self.keep_alive()
 
     def ask(self, now: float) -> None:
-        """Ask for the batches missing from those in flight (WorkerLoop.requests)."""
-        for req in self.loop.requests(now, self.core.free_tokens):
+        """Ask for the batches missing from those in flight (Leases.requests)."""
+        for req in self.leases.requests(now, self.core.free_tokens):
             self.trace("ask", req.request_no)
             self.send_router(req)
 
@@ -161,7 +161,7 @@ class Worker:
         """A chain revoked before it started is answered now, and its place asked for again,
         even mid-lease: the router's next lease for these rows can then start behind the
         step being run, not one step later."""
-        withdrawn = self.loop.take_withdrawn()
+        withdrawn = self.leases.take_withdrawn()
         for lease in withdrawn:
             self.trace("withdrawn", lease.lease_id)
             self.send_router(self.core.unrun(lease))
@@ -177,7 +177,7 @@ class Worker:
             timeout_s = min(timeout_s, 0.001)  # a shipment's copy lands within a step
         t0 = time.monotonic()
         ready = dict(self.poller.poll(math.ceil(timeout_s * 1000)))
-        if not self.loop.queued and not self.loop.on_device:
+        if not self.leases.queued and not self.leases.on_device:
             self.idle_s += time.monotonic() - t0
         if self.kv_in in ready:
             self.receive_kv()
@@ -201,9 +201,9 @@ class Worker:
     def handle(self, msg) -> bool:
         if isinstance(msg, P.Lease):
             self.trace("lease", msg.lease_id, msg.num_steps, len(msg.seq_ids) // 8, len(msg.full))
-            self.loop.on_lease(msg, time.monotonic())
+            self.leases.on_lease(msg, time.monotonic())
         elif isinstance(msg, P.Revoke):
-            self.loop.on_revoke(msg)
+            self.leases.on_revoke(msg)
             self.answer_withdrawn()
         elif isinstance(msg, P.ShipKV):
             self.ship(msg)
@@ -213,14 +213,14 @@ class Worker:
         elif isinstance(msg, P.Reject):
             log.warning("router: %s; saying hello again", msg.reason)
             self.hello(rejoin=True)
-            self.loop.on_reset()
+            self.leases.on_reset()
         return False
 
     def start_lease(self, lease: P.Lease, *, count_busy: bool = True) -> None:
         """Launch the lease's first step. `count_busy` is off inside a finish, which counts it."""
         t0 = time.monotonic()
         self.trace("start_begin", lease.lease_id)
-        after = self.loop.on_device[-1].handle if self.loop.on_device else None
+        after = self.leases.on_device[-1].handle if self.leases.on_device else None
         handle = None
         try:
             handle = self.core.start(lease, after=after, between=self.keep_alive)
@@ -230,7 +230,7 @@ class Worker:
             self.trace("start_end", lease.lease_id)
             if count_busy:
                 self.busy_s += time.monotonic() - t0
-            self.loop.started(lease, handle, time.monotonic())
+            self.leases.started(lease, handle, time.monotonic())
         self.keep_alive()
 
     def finish_lease(self, started) -> None:
@@ -239,13 +239,13 @@ class Worker:
         self.trace("finish_begin", lease_id)
         try:
             result, tokens = self.core.finish(started, lambda step: self.between_steps(lease_id, step),
-                                              self.loop.revoked_rows(lease_id), self.start_behind)
+                                              self.leases.revoked_rows(lease_id), self.start_behind)
         except (P.ProtocolError, ValueError) as exc:
             log.warning("lease %d failed: %s", lease_id, exc)
             return
         finally:
             self.busy_s += time.monotonic() - t0
-            self.loop.finished()
+            self.leases.finished()
         # Tokens first, on the same socket: the router never has a result without its tokens.
         self.send_router(tokens)
         self.send_router(result)
@@ -255,11 +255,11 @@ class Worker:
         """The lease being finished has launched its last step: queue the next one behind it.
         True while none could start and there is room for one (ask again while the step runs)."""
         self.receive_router(mid_lease=True)
-        lease = self.loop.next_behind(time.monotonic(), self.core.awaited_transfers)
+        lease = self.leases.next_behind(time.monotonic(), self.core.awaited_transfers)
         if lease is not None:
             self.start_lease(lease, count_busy=False)
             return False
-        return self.loop.has_room_behind
+        return self.leases.has_room_behind
 
     def between_steps(self, lease_id: int, tokens: P.Tokens):
         """Between two steps of a multi-step lease: stream this step's tokens, take Revokes."""
@@ -267,7 +267,7 @@ class Worker:
         self.outbox.flush()
         self.receive_router(mid_lease=True)
         self.keep_alive()
-        return self.loop.revoked_rows(lease_id)
+        return self.leases.revoked_rows(lease_id)
 
     def ship(self, msg: P.ShipKV) -> None:
         """Export the KV (queued on the device behind the steps in flight) and send it once
@@ -331,12 +331,12 @@ class Worker:
         # After a KV import it goes at once, so the router counts the import before it sees
         # any token that used it.
         imported = self.core.num_kv_imported
-        if self.loop.heartbeat_due(time.monotonic()) or imported != self.num_kv_imported_sent:
+        if self.leases.heartbeat_due(time.monotonic()) or imported != self.num_kv_imported_sent:
             self.trace.flush()
             self.num_kv_imported_sent = imported
             self.send_router(P.Heartbeat(self.name, len(self.core.seqs), self.core.free_tokens,
                                          int(self.busy_s * 1000), int(self.idle_s * 1000),
-                                         P.pack_i64(self.loop.held_lease_ids()), self.held_bytes(), imported))
+                                         P.pack_i64(self.leases.held_lease_ids()), self.held_bytes(), imported))
 
     def held_bytes(self) -> int:
         """Device memory this process holds: weights, KV pool, graphs and activations, and its

@@ -1,4 +1,4 @@
-"""The ranks of a tensor-parallel worker (`tensor_parallel: N` in its topology section).
+"""The ranks of a tensor-parallel worker (`tensor_parallel_size: N` in its topology section).
 
 Rank 0 is the worker process the router knows. It spawns ranks 1..N-1 as child processes
 (`python -m qmigrate.worker.ranks`), which join it through torch.distributed with a file://
@@ -84,7 +84,7 @@ class Ranks:
 
     def __init__(self, topo, name: str, model_path: str):
         cfg = topo.worker(name)
-        self.name, self.world = name, cfg.tensor_parallel
+        self.name, self.world = name, cfg.tensor_parallel_size
         self.dir = Path(tempfile.mkdtemp(prefix=f"qm-tp-{name}-"))
         self.is_stopping = False
         self.procs: list[subprocess.Popen] = []
@@ -169,7 +169,7 @@ def follow(topo_path: str, name: str, model_path: str, rank: int, init_method: s
     cfg = topo.worker(name)
     logging.basicConfig(level=logging.WARNING, format=f"%(asctime)s worker {name} rank {rank}: %(message)s")
     share_cpu_threads(topo, cfg)
-    tp = TensorParallel.init(rank, cfg.tensor_parallel, init_method, rank_device(cfg.device, rank))
+    tp = TensorParallel.init(rank, cfg.tensor_parallel_size, init_method, rank_device(cfg.device, rank))
     engine = build_engine(topo, name, model_path, tp)
     lockstep.follow(engine)
     tp.close()

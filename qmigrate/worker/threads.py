@@ -12,7 +12,7 @@ def share_cpu_threads(topo, cfg) -> None:
     host-side work, and a full-width thread pool per process just fights the others."""
     cores = os.cpu_count() or 1
     if cfg.device == "cpu":
-        peers = sum(w.tensor_parallel for w in topo.workers if w.node == cfg.node and w.device == "cpu")
+        peers = sum(w.tensor_parallel_size for w in topo.workers if w.node == cfg.node and w.device == "cpu")
         torch.set_num_threads(max(1, cores // max(1, peers)))
     else:
         torch.set_num_threads(min(4, cores))

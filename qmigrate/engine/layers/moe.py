@@ -39,7 +39,7 @@ class MoE:
     act: str = "silu"
     shared: GatedMLP | None = None
     shared_gate: Linear | None = None   # [1, H]
-    tp: object = None            # a tensor-parallel shard's group: the output is a partial sum (parallel.py)
+    tp: object = None            # a tensor-parallel shard's group: the output is a partial sum (parallel/sharding.py)
 
     @property
     def num_experts(self) -> int:

@@ -54,7 +54,7 @@ class DecoderModel:
         self.final_softcap = final_softcap
         self.device, self.dtype = embed.device, embed.dtype
         self.vocab_size = lm_head.weight.shape[0]
-        self.tp = None                      # a tensor-parallel rank's shard: parallel.shard_model
+        self.tp = None                      # a tensor-parallel rank's shard: parallel.sharding.shard_model
         self.vocab_rows = range(self.vocab_size)
 
     def forward(self, x, pool, shape) -> torch.Tensor:

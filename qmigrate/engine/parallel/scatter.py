@@ -1,6 +1,6 @@
 """A tensor-parallel worker's weights at startup: rank 0 alone holds the checkpoint.
 
-Rank 0 cuts every other rank's shard from its model on the CPU (parallel.shard_model with
+Rank 0 cuts every other rank's shard from its model on the CPU (parallel.sharding.shard_model with
 that rank's number), one rank at a time, and sends it over the host (gloo) group; then it
 cuts its own. The other ranks build the same model without weights (transformers' modules
 on the meta device, hub/loading.py's load_structure), cut it the same way into empty

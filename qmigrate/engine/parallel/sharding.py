@@ -79,7 +79,7 @@ def check_layout(world: int, num_heads: int, num_kv_heads: int, intermediate_siz
     """The head layout for `world` ranks, or a LayoutError that says what does not divide.
     `intermediate_size`: the MLP width, or every width the model's MLPs have (ModelShape.mlp_widths)."""
     if world < 1:
-        raise LayoutError(f"tensor_parallel must be >= 1, got {world}")
+        raise LayoutError(f"tensor_parallel_size must be >= 1, got {world}")
     problems = []
     if num_heads % world:
         problems.append(f"{num_heads} attention heads")
@@ -90,7 +90,7 @@ def check_layout(world: int, num_heads: int, num_kv_heads: int, intermediate_siz
     widths = (intermediate_size,) if isinstance(intermediate_size, int) else intermediate_size
     problems += [f"an MLP width of {w}" for w in widths if w % world]
     if problems:
-        raise LayoutError(f"tensor_parallel {world} does not divide the model's {', '.join(problems)}")
+        raise LayoutError(f"tensor_parallel_size {world} does not divide the model's {', '.join(problems)}")
     return HeadLayout(world, num_heads, num_kv_heads)
 
 

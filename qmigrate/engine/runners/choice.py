@@ -27,8 +27,8 @@ def make_runner(model, cfg: EngineConfig, device: torch.device, tp=None) -> tupl
         reason = models.unsupported(model, device) or ("runner 'hf' was asked for" if cfg.runner == "hf" else None)
         if reason is not None:
             raise ValueError(f"tensor parallelism needs the fast runner, which cannot run this model: {reason}")
-        return GraphRunner(scatter_shards(models.build(model), tp), max_batch=cfg.max_batch,
-                           max_tokens=cfg.max_batch_tokens, cuda_graphs=cfg.cuda_graphs,
+        return GraphRunner(scatter_shards(models.build(model), tp), max_batch=cfg.max_num_seqs,
+                           max_tokens=cfg.max_num_batched_tokens, cuda_graphs=not cfg.enforce_eager,
                            shared_prefix_attention=cfg.shared_prefix_attention), \
             f"{models.family(model)} family, tensor parallel rank {tp.rank} of {tp.world}"
     if cfg.runner == "hf":
@@ -40,8 +40,9 @@ def make_runner(model, cfg: EngineConfig, device: torch.device, tp=None) -> tupl
     reason = models.unsupported(model, device)
     if reason is None:
         why = "forced by the runner setting" if cfg.runner == "fast" else f"{models.family(model)} family on a GPU"
-        return GraphRunner(models.build(model), max_batch=cfg.max_batch, max_tokens=cfg.max_batch_tokens,
-                           cuda_graphs=cfg.cuda_graphs, shared_prefix_attention=cfg.shared_prefix_attention), why
+        return GraphRunner(models.build(model), max_batch=cfg.max_num_seqs, max_tokens=cfg.max_num_batched_tokens,
+                           cuda_graphs=not cfg.enforce_eager,
+                           shared_prefix_attention=cfg.shared_prefix_attention), why
     if cfg.runner == "fast":
         raise ValueError(f"runner 'fast' cannot run this model: {reason}")
     log.warning("the fast runner cannot run this model (%s): using the transformers runner", reason)

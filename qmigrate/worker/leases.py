@@ -42,7 +42,7 @@ class OnDevice:
 
 
 @dataclass(slots=True)
-class WorkerLoop:
+class Leases:
     config: WorkerConfig
     heartbeat_s: float = 0.5          # the router's heartbeat interval, from its Welcome
     outstanding: int = 0              # requests sent and not answered
@@ -69,7 +69,7 @@ class WorkerLoop:
         while self.outstanding + len(self.queued) + len(self.on_device) < cfg.inflight:
             self.request_no += 1
             self.outstanding += 1
-            out.append(P.WorkRequest(self.request_no, cfg.max_seqs, cfg.max_tokens, free_tokens))
+            out.append(P.WorkRequest(self.request_no, cfg.max_num_seqs, cfg.max_num_batched_tokens, free_tokens))
         return out
 
     def on_lease(self, lease: P.Lease, now: float) -> None:

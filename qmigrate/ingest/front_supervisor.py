@@ -70,10 +70,11 @@ class Fronts:
         self.ipc_dir = topo.ipc_dir if topo.transport == "ipc" else None
         self.dir: str | None = None   # made by start(), removed by stop()
         self.sock: zmq.Socket | None = None
-        # what every front is started with (front.serve), less its index
+        # what every front is started with (front_process.serve), less its index
         self.settings = {"ingest": dataclasses.asdict(cfg), "model_path": model_path,
                          "defaults": list(dataclasses.astuple(defaults)), "id_base": id_base,
                          "trust_remote_code": topo.model.trust_remote_code, "trace_dir": topo.trace_dir,
+                         "max_model_len": topo.max_model_len,
                          "log_level": logging.getLevelName(logging.getLogger().getEffectiveLevel()).lower()}
         self.fronts: list[Front | None] = [None] * cfg.http_processes
         self.silent_s = cfg.http_process_timeout_s
@@ -116,7 +117,7 @@ class Fronts:
         raise SystemExit(f"ingest: cannot serve HTTP on {self.url}: {why}")
 
     def _spawn(self, index: int) -> Front:
-        proc = subprocess.Popen([sys.executable, "-m", "qmigrate.ingest.front"], stdin=subprocess.PIPE)
+        proc = subprocess.Popen([sys.executable, "-m", "qmigrate.ingest.front_process"], stdin=subprocess.PIPE)
         try:
             proc.stdin.write(json.dumps({**self.settings, "index": index}).encode())
             proc.stdin.close()

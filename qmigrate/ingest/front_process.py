@@ -5,11 +5,11 @@ It runs the in-thread `HttpServer` unchanged (bound with SO_REUSEPORT, with `adm
 on its main thread a bridge to ingest over a DEALER socket: what the server queues goes out
 as `Submit`s of wire specs (made here, so ingest does nothing per token id) and `Cancel`s, a
 cancel never before its request (`HandoffOrder`); ingest's `FrontAdmit`, `Replies` and
-`FrontStatus` come back to the server. Started by ingest (ingest.fronts), which writes its
-settings as JSON on its stdin; it dies with ingest, and on SIGTERM it ends its open requests
-as the in-thread server does when ingest stops.
+`FrontStatus` come back to the server. Started by ingest (ingest/front_supervisor.py), which
+writes its settings as JSON on its stdin; it dies with ingest, and on SIGTERM it ends its open
+requests as the in-thread server does when ingest stops.
 
-Run: `python -m qmigrate.ingest.front < settings.json` (ingest does it).
+Run: `python -m qmigrate.ingest.front_process < settings.json` (ingest does it).
 """
 
 from __future__ import annotations
@@ -121,7 +121,8 @@ def serve(settings: dict) -> int:
                             hwm=HWM)
     server = HttpServer(cfg, settings["model_path"], Defaults(*settings["defaults"]),
                         front_base(settings["id_base"], index), settings["trust_remote_code"], reuse_port=True,
-                        admission=True, id_bits=FRONT_ID_BITS, first_id=random.SystemRandom().getrandbits(32))
+                        admission=True, id_bits=FRONT_ID_BITS, first_id=random.SystemRandom().getrandbits(32),
+                        max_model_len=settings["max_model_len"])
     bridge = Bridge(server, sock, tracer(f"http-{index}", settings.get("trace_dir")))
     try:
         server.start()
