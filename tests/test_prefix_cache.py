@@ -551,7 +551,7 @@ def test_an_engine_without_a_cache_reports_no_cached_prompt_positions(model):
     """With the cache off a prompt's cached positions are unknown (no entry, -1 on the wire),
     not 0; with it on, a miss is 0."""
     prompt = SYSTEM + QUESTIONS[0]
-    off, on = make_engine(model, prefix_cache=False), make_engine(model)
+    off, on = make_engine(model, enable_prefix_caching=False), make_engine(model)
     pending = off.launch([StepRow(1, list(prompt), 0, 0)])
     assert off.collect(pending)[0] >= 0 and pending.cached == {}
     pending = on.launch([StepRow(1, list(prompt), 0, 0)])
