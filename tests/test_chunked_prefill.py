@@ -282,8 +282,10 @@ def test_the_admission_bench_times_every_step_of_a_prompt_under_the_limit(tiny_m
 
 
 def test_the_in_process_bench_spreads_prompts_beside_decode_rows_and_stays_exact(model, prompts, greedy):
-    from qmigrate.bench.core import _inprocess_loop
-    engine = make_engine(model, prefill_tokens_with_decode=BUDGET)
+    """The bench's in-process path is the offline API's loop (qmigrate.LLM)."""
+    from qmigrate.offline.llm import LLM
+    from qmigrate.offline.params import SamplingParams
+    engine = make_engine(model, prefill_tokens_with_decode=BUDGET, max_batch=8, max_batch_tokens=48)
     steps, got, seen, real = record_placed(engine), {}, {}, engine.collect   # seen keeps ids unique
 
     def collect(pending):
@@ -296,9 +298,11 @@ def test_the_in_process_bench_spreads_prompts_beside_decode_rows_and_stays_exact
         return tokens
     engine.collect = collect
     requests = [(long_prompt(prompts[i:], 20 + 3 * i), 5) for i in range(5)]
-    result = _inprocess_loop(engine, requests, max_seqs=8, max_tokens=48, profile=False, device="cpu")
-    assert result.useful_tokens == 25
+    outs = LLM.from_engine(engine).generate([p for p, _ in requests],
+                                            SamplingParams(max_tokens=5, ignore_eos=True, detokenize=False))
+    assert sum(len(o.outputs[0].token_ids) for o in outs) == 25
     assert got == {i: greedy(p, 5) for i, (p, _) in enumerate(requests)}
+    assert [o.outputs[0].token_ids for o in outs] == [greedy(p, 5) for p, _ in requests]
     # the first step takes 2 prompts whole (43 tokens); the others come 8 tokens a step
     assert sum(n for _, _, n in steps[0]) == 43
     assert all(sum(n for _, _, n in step if n > 1) <= BUDGET for step in steps[1:])

@@ -20,7 +20,6 @@ import platform
 import random
 import sys
 import time
-from collections import deque
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -127,91 +126,61 @@ class Progress:
 def run_inprocess(model_path: str, device: str, dtype: str, requests, max_seqs: int,
                   max_tokens: int, profile: bool = False, runner: str = "auto",
                   worker_overrides: dict | None = None) -> PathResult:
-    """The engine alone, with the pipeline workers' limits on the prompt tokens of a step (so
-    the two paths schedule prefill alike)."""
-    from qmigrate.config import WorkerConfig
-    from qmigrate.hub.loading import load_model
-    from qmigrate.engine.engine import Engine
-    worker = WorkerConfig(**(worker_overrides or {}))
-    model, _ = load_model(model_path, device, dtype)
-    engine = Engine(model, max_batch=max_seqs, max_batch_tokens=max_tokens, runner=runner,
-                    prefill_tokens_per_step=worker.prefill_tokens_per_step,
-                    prefill_tokens_with_decode=worker.prefill_tokens_with_decode,
-                    prefill_spread_steps=worker.prefill_spread_steps)
-    del model
-    print(f"  in-process: {engine.describe()}", file=sys.stderr)
-    engine.warm_up()
-    with frozen_heap():
-        result = _inprocess_loop(engine, requests, max_seqs, max_tokens, profile, device)
-    del engine
-    _free(device)
-    return result
-
-
-def _inprocess_loop(engine, requests, max_seqs: int, max_tokens: int, profile: bool, device: str) -> PathResult:
-    from qmigrate.engine.rows import REFUSED, StepRow
+    """The engine alone, through the offline API (`qmigrate.LLM`), with the pipeline workers'
+    settings (so the two paths schedule prefill alike). EOS is ignored: outputs have the
+    workload's lengths."""
+    from qmigrate.offline.llm import LLM
+    from qmigrate.offline.params import SamplingParams
+    llm = LLM(model_path, dtype=dtype, **{"device": device, "runner": runner, "max_seqs": max_seqs,
+                                          "max_tokens": max_tokens, **(worker_overrides or {})})
+    print(f"  in-process: {llm.engine.describe()}", file=sys.stderr)
     lengths = [n for _, n in requests]
-    waiting = deque(range(len(requests)))
-    # The step in flight, and per sequence the row of its next step. Step N+1 is built and
-    # launched before step N's tokens are collected: a running row feeds the token its
-    # previous step samples without that token passing through the host.
-    pending = None
-    running: dict[int, StepRow] = {}
+    params = [SamplingParams(max_tokens=n, ignore_eos=True, detokenize=False) for n in lengths]
     progress = Progress("in-process", sum(lengths))
-    timeline = Timeline(lengths, time.monotonic())
-    num_steps = 0
-    while waiting or running or pending is not None:
-        rows = list(running.values())
-        budget = max_tokens - sum(max(1, len(r.new_ids)) for r in rows)
-        while waiting and len(rows) < max_seqs and (len(requests[waiting[0]][0]) <= budget or not rows):
-            i = waiting.popleft()
-            budget -= len(requests[i][0])
-            rows.append(StepRow(i, requests[i][0], 0, 0))
-        num_steps += 1
-        if profile and num_steps == 40 and pending is not None:
-            known = dict(zip((r.seq_id for r in pending.rows), engine.collect(pending)))
-            rows = [StepRow(r.seq_id, r.new_ids or [known[r.seq_id]], r.start, r.index) for r in rows]
-            _profiled(engine, rows, device)
-        nxt = engine.launch(rows, after=pending) if rows else None
-        running = {}
-        for row in rows:
-            if row.seq_id in nxt.partial:   # its prompt goes on in the next step
-                start = max(0, engine.cached_len(row.seq_id))
-                running[row.seq_id] = StepRow(row.seq_id, requests[row.seq_id][0][start:], start, 0)
-            elif row.index + 1 < lengths[row.seq_id]:
-                running[row.seq_id] = StepRow(row.seq_id, [], row.start + max(1, len(row.new_ids)), row.index + 1)
-            else:
-                engine.release(row.seq_id)  # its last step is queued on the device before any reuse
-        if pending is not None:
-            tokens = engine.collect(pending)
-            if any(t == REFUSED and r.seq_id not in pending.partial for r, t in zip(pending.rows, tokens)):
-                raise RuntimeError("the in-process benchmark ran out of KV blocks")
+    watch = _StepWatch(device, profile)
+    with frozen_heap():
+        timeline = Timeline(lengths, time.monotonic())
+
+        def on_step(got: list[int]) -> None:
             now = time.monotonic()
-            for row in pending.rows:
-                if row.seq_id not in pending.partial:
-                    timeline.add(row.seq_id, 1, now)
+            for i in got:
+                timeline.add(i, 1, now)
             progress.update(sum(timeline.count))
-        pending = nxt
-    _sync(device)
-    progress.close()
-    return timeline.result("in-process", time.monotonic())
-
-
-def _profiled(engine, rows, device: str) -> list[int]:
-    """One step under the torch profiler; prints where its time goes."""
-    from torch.profiler import ProfilerActivity, profile
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.startswith("cuda") else [])
-    _sync(device)
-    t0 = time.monotonic()
-    with profile(activities=activities) as prof:
-        tokens = engine.step(rows)
+            watch.after_step(len(got))
+        llm.generate([p for p, _ in requests], params, on_step=on_step)
         _sync(device)
-    wall = time.monotonic() - t0
-    key = "cuda_time_total" if device.startswith("cuda") else "cpu_time_total"
-    print(f"profiled step: {len(rows)} rows, {sum(len(r.new_ids) for r in rows)} new tokens, "
-          f"{wall * 1000:.1f} ms wall", file=sys.stderr)
-    print(prof.key_averages().table(sort_by=key, row_limit=18), file=sys.stderr)
-    return tokens
+        end = time.monotonic()
+    progress.close()
+    del llm
+    _free(device)
+    return timeline.result("in-process", end)
+
+
+class _StepWatch:
+    """With `profile`, the 40th step under the torch profiler (from the collect of the step
+    before it to its own, a step launched behind it included); prints where its time goes."""
+
+    def __init__(self, device: str, profile: bool):
+        self.device, self.profile, self.num_steps, self.prof, self.t0 = device, profile, 0, None, 0.0
+
+    def after_step(self, num_rows: int) -> None:
+        self.num_steps += 1
+        if not self.profile:
+            return
+        if self.num_steps == 39:
+            from torch.profiler import ProfilerActivity, profile
+            activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.device.startswith("cuda") else [])
+            _sync(self.device)
+            self.prof, self.t0 = profile(activities=activities), time.monotonic()
+            self.prof.start()
+        elif self.num_steps == 40 and self.prof is not None:
+            _sync(self.device)
+            self.prof.stop()
+            wall = time.monotonic() - self.t0
+            key = "cuda_time_total" if self.device.startswith("cuda") else "cpu_time_total"
+            print(f"profiled step: {num_rows} rows, {wall * 1000:.1f} ms wall", file=sys.stderr)
+            print(self.prof.key_averages().table(sort_by=key, row_limit=18), file=sys.stderr)
+            self.prof = None
 
 
 # --- transformers generate, static batches ---------------------------------------------
