@@ -7,8 +7,8 @@ import json
 import pytest
 
 from qmigrate.wire import protocol as P
-from qmigrate.bench.router import FleetPoint, cpu_seconds, largest_linear, run_router_bench, sweep_sizes
-from qmigrate.bench.fake_fleet import FAKE_TOKEN, FakeDevice
+from benchmarks.router import FleetPoint, cpu_seconds, largest_linear, run_router_bench, sweep_sizes
+from benchmarks.fake_fleet import FAKE_TOKEN, FakeDevice
 
 STEP = 0.002
 

@@ -3,8 +3,8 @@
 - pipeline:   a router and N worker processes over ZeroMQ. This process submits every
               request at time 0 the way ingest does, and receives tokens on the
               detokenizer's socket, where it timestamps them (bench/pipeline.py).
-- in-process: the same engine driven by a plain continuous-batching loop in this
-              process: no router, no sockets.
+- in-process: the same engine through the offline API (`qmigrate.LLM`), its
+              continuous-batching loop in this process: no router, no sockets.
 - hf-static:  transformers `generate()` in static batches (left-padded, each batch run
               to its longest output), the baseline of shared/BENCHMARK.md.
 
@@ -20,11 +20,13 @@ import platform
 import random
 import sys
 import time
-from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+
+from qmigrate.bench.pipeline import PIPELINE_LINKS, run_pipeline
+from qmigrate.bench.timeline import PathResult, Progress, Timeline, free, frozen_heap, sync
 
 
 @dataclass(slots=True)
@@ -44,81 +46,6 @@ class Workload:
             n_out = r.randint(*self.output_len)
             out.append(([r.randint(*self.vocab) for _ in range(n_prompt)], n_out))
         return out
-
-
-@dataclass(slots=True)
-class PathResult:
-    name: str
-    seconds: float
-    useful_tokens: int
-    ttft_s: list[float] = field(default_factory=list)
-    tpot_s: list[float] = field(default_factory=list)
-    migrations: dict[str, int] = field(default_factory=dict)
-    move_delay_ms: dict[str, float] = field(default_factory=dict)  # router's p50/max per cause
-    longest_request_s: float = 0.0  # start to last token of the longest request: a floor of the run
-
-    @property
-    def tok_per_s(self) -> float:
-        return self.useful_tokens / self.seconds if self.seconds > 0 else 0.0
-
-    def summary(self) -> dict:
-        pct = lambda xs, q: float(np.percentile(xs, q)) if xs else None
-        return {"seconds": self.seconds, "useful_tokens": self.useful_tokens, "tok_per_s": self.tok_per_s,
-                "ttft_p50_s": pct(self.ttft_s, 50), "ttft_p99_s": pct(self.ttft_s, 99),
-                "tpot_p50_ms": _ms(pct(self.tpot_s, 50)), "tpot_p99_ms": _ms(pct(self.tpot_s, 99)),
-                "migrations": self.migrations, "move_delay_ms": self.move_delay_ms,
-                "longest_request_s": self.longest_request_s}
-
-
-def _ms(x):
-    return None if x is None else x * 1000
-
-
-class Timeline:
-    """Arrival times of each request's tokens, from which TTFT and TPOT follow."""
-
-    def __init__(self, lengths: list[int], t0: float):
-        self.t0, self.lengths = t0, lengths
-        self.first = [0.0] * len(lengths)
-        self.last = [0.0] * len(lengths)
-        self.count = [0] * len(lengths)
-        self.num_done = 0
-
-    def add(self, i: int, n: int, now: float) -> None:
-        if self.count[i] == 0 and n:
-            self.first[i] = now
-        self.count[i] += n
-        self.last[i] = now
-        if self.count[i] >= self.lengths[i] and n:
-            self.num_done += 1
-
-    def result(self, name: str, end: float, migrations=None) -> PathResult:
-        ttft = [f - self.t0 for f in self.first]
-        tpot = [(l - f) / (n - 1) for f, l, n in zip(self.first, self.last, self.lengths) if n > 1]
-        longest = max(self.lengths, default=0)
-        floor = max((l - self.t0 for l, n in zip(self.last, self.lengths) if n == longest), default=0.0)
-        return PathResult(name, end - self.t0, sum(self.lengths), ttft, tpot, migrations or {},
-                          longest_request_s=floor)
-
-
-class Progress:
-    """Requests done, tokens/s and what waits, redrawn on one line of a terminal's stderr."""
-
-    def __init__(self, name: str, total: int, num_requests: int | None = None):
-        from qmigrate.ops.progress import ProgressLine
-        self.total, self.num_requests, self.t0 = total, num_requests, time.monotonic()
-        self.line = ProgressLine(f"  {name}")
-
-    def update(self, done_tokens: int, done_requests: int | None = None, queued: int | None = None) -> None:
-        if self.line.due():
-            rate = done_tokens / max(time.monotonic() - self.t0, 1e-9)
-            if done_requests is None:
-                self.line.show(done_tokens, self.total, rate, unit="tokens")
-            else:
-                self.line.show(done_requests, self.num_requests, rate, queued)
-
-    def close(self) -> None:
-        self.line.clear()
 
 
 # --- the engine alone ------------------------------------------------------------------
@@ -148,11 +75,11 @@ def run_inprocess(model_path: str, device: str, dtype: str, requests, max_seqs: 
             progress.update(sum(timeline.count))
             watch.after_step(len(got))
         llm.generate([p for p, _ in requests], params, on_step=on_step)
-        _sync(device)
+        sync(device)
         end = time.monotonic()
     progress.close()
     del llm
-    _free(device)
+    free(device)
     return timeline.result("in-process", end)
 
 
@@ -170,11 +97,11 @@ class _StepWatch:
         if self.num_steps == 39:
             from torch.profiler import ProfilerActivity, profile
             activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.device.startswith("cuda") else [])
-            _sync(self.device)
+            sync(self.device)
             self.prof, self.t0 = profile(activities=activities), time.monotonic()
             self.prof.start()
         elif self.num_steps == 40 and self.prof is not None:
-            _sync(self.device)
+            sync(self.device)
             self.prof.stop()
             wall = time.monotonic() - self.t0
             key = "cuda_time_total" if self.device.startswith("cuda") else "cpu_time_total"
@@ -196,7 +123,7 @@ def run_hf_static(model_path: str, device: str, dtype: str, requests, batch_size
     with torch.inference_mode():
         model.generate(torch.tensor([[10, 11, 12]], device=device), max_new_tokens=4, do_sample=False,
                        pad_token_id=pad)  # warm-up
-        _sync(device)
+        sync(device)
         t0 = time.monotonic()
         done = 0
         for start in range(0, len(requests), batch_size):
@@ -210,44 +137,15 @@ def run_hf_static(model_path: str, device: str, dtype: str, requests, batch_size
             longest = max(n for _, n in batch)
             model.generate(ids.to(device), attention_mask=mask.to(device), max_new_tokens=longest,
                            min_new_tokens=longest, do_sample=False, pad_token_id=pad)
-            _sync(device)
+            sync(device)
             ttft += [time.monotonic() - t0] * len(batch)  # nothing streams: tokens land per batch
             done += sum(n for _, n in batch)
             progress.update(done)
         seconds = time.monotonic() - t0
         progress.close()
     del model
-    _free(device)
+    free(device)
     return PathResult("hf-static", seconds, sum(lengths), ttft, [])
-
-
-# --- helpers -----------------------------------------------------------------------------
-
-def _sync(device: str) -> None:
-    if device.startswith("cuda"):
-        import torch
-        torch.cuda.synchronize()
-
-
-@contextmanager
-def frozen_heap():
-    """A timed section without full garbage collections over what was built before it (as
-    every role serves); the heap is handed back to the collector after it."""
-    import gc
-    from qmigrate.ops.process import freeze_heap
-    freeze_heap()
-    try:
-        yield
-    finally:
-        gc.unfreeze()
-
-
-def _free(device: str) -> None:
-    import gc
-    gc.collect()
-    if device.startswith("cuda"):
-        import torch
-        torch.cuda.empty_cache()
 
 
 def machine_info(device: str) -> dict:
@@ -311,7 +209,6 @@ def run_bench(*, model_path: str, devices: list[str], dtype: str, workload: Work
         from qmigrate.bench.link import link_table
         link = link_table()
         print(link[0])
-    from qmigrate.bench.pipeline import PIPELINE_LINKS, run_pipeline
     for attempt in range(repeat):  # interleaved, so drift hits both paths alike
         for name in PIPELINE_LINKS:
             if name in paths:

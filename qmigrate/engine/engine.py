@@ -35,12 +35,13 @@ from qmigrate.engine.sampling import HostRows, SamplingRows, host_arrays, sample
 log = logging.getLogger(__name__)
 
 class Engine:
-    def __init__(self, model, config: EngineConfig | None = None, *, tp=None, **overrides):
+    def __init__(self, model, config: EngineConfig | None = None, *, tp=None, use_runner=None, **overrides):
         """`tp`: this process's rank of a tensor-parallel group (parallel.TensorParallel); the
         model is then the whole checkpoint on the CPU on rank 0, and on the other ranks may be
         its structure only (meta tensors: scatter.py sends their shards); the runner keeps
         this rank's shard on tp.device. Without it (tensor_parallel 1) nothing here differs
-        from one device."""
+        from one device. `use_runner`: a Runner built elsewhere (one that skips the model, to
+        time what surrounds the forward pass) in place of the one the settings choose."""
         cfg = self.config = dataclasses.replace(config or EngineConfig(), **overrides)
         text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
         self.num_layers = text.num_hidden_layers
@@ -56,7 +57,8 @@ class Engine:
             # Triton launches and CUDA graph captures go to the current device: make it ours
             torch.cuda.set_device(self.device)
         self.num_params = sum(p.numel() for p in model.parameters())
-        self.runner, self.runner_reason = make_runner(model, cfg, self.device, tp)
+        self.runner, self.runner_reason = ((use_runner, "given") if use_runner is not None
+                                           else make_runner(model, cfg, self.device, tp))
         # the pool holds this rank's KV heads (all of them without tensor parallelism)
         self.pool_kv_heads = self.num_kv_heads if tp is None else tp.layout.kv_heads_per_rank
         self.pool = BlockPool(self.num_layers, self.pool_kv_heads, self.head_dim,
@@ -142,6 +144,20 @@ class Engine:
         return self.pool.prefix.take_events() if self.pool.prefix is not None else []
 
     # --- a step -------------------------------------------------------------------------
+    PROMPT_LIMITS = ("prefill_tokens_per_step", "prefill_tokens_with_decode", "prefill_spread_steps")
+
+    def set_prompt_limits(self, **limits: int) -> None:
+        """Change how many prompt tokens later steps carry (the PROMPT_LIMITS settings). They
+        shape what a step takes, not what was sized or captured for it, so they may change
+        between steps (the admission benchmark times one prompt under several)."""
+        unknown = sorted(set(limits) - set(self.PROMPT_LIMITS))
+        if unknown:
+            raise ValueError(f"{unknown[0]!r} is not a prompt limit; those are {', '.join(self.PROMPT_LIMITS)}")
+        bad = [k for k, v in limits.items() if isinstance(v, bool) or not isinstance(v, int) or v < 0]
+        if bad:
+            raise ValueError(f"{bad[0]} must be an integer >= 0, got {limits[bad[0]]!r}")
+        self.config = dataclasses.replace(self.config, **limits)
+
     @torch.inference_mode()
     def warm_up(self) -> None:
         """A few prefills and decode steps of throwaway rows, so that kernels are compiled

@@ -9,7 +9,7 @@ reaching the server to the last taken by the ingest loop, what the server's thre
 and the client's TTFT; `--hold` keeps every token back until all requests are in, so the
 admission figures count nothing else.
 
-Run: `python -m qmigrate.bench.http_thread --streams 256 --tokens 256 [--step-ms 2]`, or
+Run: `python -m benchmarks.http_thread --streams 256 --tokens 256 [--step-ms 2]`, or
 `--mixed` for mixed-256's shape (prompts of 64-512 ids, outputs of 32-512 tokens).
 """
 
@@ -32,6 +32,7 @@ from pathlib import Path
 
 import zmq
 
+from benchmarks import module_command
 from qmigrate.wire import protocol as P
 from qmigrate.wire import transport
 
@@ -167,9 +168,9 @@ def _measure(args, tmp: Path, prompt_len: str, output_len: str) -> dict:
     out = tmp / "client.json"
     http = next(t for t in threading.enumerate() if t.name == "http")
     clock = time.pthread_getcpuclockid(http.ident)
-    run = subprocess.run([sys.executable, "-m", "qmigrate.bench.http_thread", "--client", server.url,
-                          str(args.streams), prompt_len, output_len, "--runs", str(args.runs),
-                          "--client-json", str(out)], check=False)
+    argv, env = module_command("http_thread", "--client", server.url, str(args.streams), prompt_len, output_len,
+                               "--runs", str(args.runs), "--client-json", str(out))
+    run = subprocess.run(argv, env=env, check=False)
     http_end = time.clock_gettime(clock)  # while the thread lives
     stop.set()
     feeder.join(2.0)
