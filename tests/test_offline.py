@@ -148,3 +148,19 @@ def test_rows_the_pool_refuses_are_recomputed_to_the_same_greedy_and_seeded_outp
     got = [o.outputs[0].token_ids for o in tight.generate(asks, sampled)]
     assert refused and got == [o.outputs[0].token_ids for o in roomy.generate(asks, sampled)]
     assert len({tuple(t) for t in got}) > 1
+
+
+def test_on_step_marks_the_start_then_each_token(llm):
+    calls = []
+    llm.generate([[1, 5, 6], [1, 7]], SamplingParams(max_tokens=4, ignore_eos=True), on_step=calls.append)
+    assert calls[0] == [] and sorted(i for got in calls[1:] for i in got) == [0] * 4 + [1] * 4
+
+
+def test_the_benchmarks_in_process_path_times_every_token_from_the_first_step(tiny_model_dir):
+    from qmigrate.bench.core import Workload, run_inprocess
+    requests = Workload(5, (4, 20), (3, 9), (10, 1000), seed=2).requests()
+    result = run_inprocess(str(tiny_model_dir), "cpu", "auto", requests, 4, 64, runner="hf",
+                           worker_overrides={"max_kv_tokens": 2048})
+    assert result.name == "in-process" and result.useful_tokens == sum(n for _, n in requests)
+    assert len(result.ttft_s) == 5 and all(0 < t <= result.seconds for t in result.ttft_s)
+    assert 0 < result.longest_request_s <= result.seconds

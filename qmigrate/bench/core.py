@@ -65,15 +65,18 @@ def run_inprocess(model_path: str, device: str, dtype: str, requests, max_seqs: 
     params = [SamplingParams(max_tokens=n, ignore_eos=True, detokenize=False) for n in lengths]
     progress = Progress("in-process", sum(lengths))
     watch = _StepWatch(device, profile)
-    with frozen_heap():
-        timeline = Timeline(lengths, time.monotonic())
+    timeline = Timeline(lengths, 0.0)
 
-        def on_step(got: list[int]) -> None:
-            now = time.monotonic()
-            for i in got:
-                timeline.add(i, 1, now)
-            progress.update(sum(timeline.count))
-            watch.after_step(len(got))
+    def on_step(got: list[int]) -> None:
+        now = time.monotonic()
+        if not timeline.t0:   # the requests are checked: the run starts (the pipeline's checks none)
+            timeline.t0 = now
+            return
+        for i in got:
+            timeline.add(i, 1, now)
+        progress.update(sum(timeline.count))
+        watch.after_step(len(got))
+    with frozen_heap():
         llm.generate([p for p, _ in requests], params, on_step=on_step)
         sync(device)
         end = time.monotonic()

@@ -67,8 +67,8 @@ class LLM:
         """Run every prompt to its end; one RequestOutput per prompt, in order. `prompts`: a
         text, a list of token ids, or a list of those; `sampling_params`: one for all or one
         per prompt. Every prompt is checked before any runs (ValueError naming the prompt).
-        `on_step(indices)`, if given, is called after each step with the prompts that got a
-        token in it."""
+        `on_step(indices)`, if given, is called once with none when the checks are done and
+        the first step is next, then after each step with the prompts that got a token in it."""
         items = _prompt_list(prompts)
         params = _params_list(sampling_params, len(items))
         checked = [self._check(i, item, sp) for i, (item, sp) in enumerate(zip(items, params))]
