@@ -153,8 +153,8 @@ def decode_tiles(head_dim: int) -> tuple[int, int, int]:
     """(keys per tile, warps, pipeline stages) of the decode kernel.
 
     One choice for every batch: with rows of varied lengths and contexts of 300-1600 keys it
-    measured best or near best of 11 choices at most batch sizes (`python -m
-    qmigrate.engine.kernels.paged_attention --tiles`; figures in docs/benchmarks-history.md).
+    measured best or near best of 11 choices at most batch sizes (`python
+    benchmarks/paged_attention_kernel.py --tiles`; figures in docs/benchmarks-history.md).
     Narrower tiles won clearly only with rows of one length."""
     return (64 if head_dim <= 128 else 32), 4, 3
 
