@@ -164,3 +164,29 @@ def test_the_benchmarks_in_process_path_times_every_token_from_the_first_step(ti
     assert result.name == "in-process" and result.useful_tokens == sum(n for _, n in requests)
     assert len(result.ttft_s) == 5 and all(0 < t <= result.seconds for t in result.ttft_s)
     assert 0 < result.longest_request_s <= result.seconds
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(600)
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("runner", ["hf", "fast"])
+def test_on_a_gpu_in_fp32_greedy_output_equals_generate(tiny_model_dir, runner):
+    """The fast runner feeds each decode row its token on the device (the loop's pipelined
+    path); its fp32 kernels may flip a near-tie, as in test_gpu.py."""
+    import random
+    import torch
+    from transformers import AutoModelForCausalLM, GenerationConfig
+    r = random.Random(3)
+    prompts = [[1] + [r.randint(3, 1400) for _ in range(r.randint(1, 50))] for _ in range(12)]
+    llm = LLM(str(tiny_model_dir), device="cuda:0", dtype="float32", runner=runner, max_seqs=8,
+              max_kv_tokens=1 << 14, gpu_memory_utilization=0.3)
+    outs = llm.generate(prompts, SamplingParams(max_tokens=16, ignore_eos=True))
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).to("cuda:0").eval()
+    with torch.no_grad():
+        config = GenerationConfig(max_new_tokens=16, do_sample=False, eos_token_id=None, pad_token_id=0)  # EOS ignored
+        expected = [model.generate(torch.tensor([p], device="cuda:0"), generation_config=config)[0, len(p):].tolist()
+                    for p in prompts]
+    same = sum(o.outputs[0].token_ids == e for o, e in zip(outs, expected))
+    assert same == len(prompts) if runner == "hf" else same >= len(prompts) - 2, same
+    del llm
+    torch.cuda.empty_cache()
