@@ -190,3 +190,15 @@ def test_on_a_gpu_in_fp32_greedy_output_equals_generate(tiny_model_dir, runner):
     assert same == len(prompts) if runner == "hf" else same >= len(prompts) - 2, same
     del llm
     torch.cuda.empty_cache()
+
+
+def test_llm_takes_what_model_takes_none_the_built_in_tiny_model(monkeypatch, tmp_path, tiny_model_dir, llm):
+    import shutil
+    from qmigrate.hub.loading import ModelNotFound
+    shutil.copytree(tiny_model_dir, tmp_path / "cache")   # the tiny model already built where None finds it
+    monkeypatch.setenv("QMIGRATE_CACHE", str(tmp_path / "cache"))
+    default = LLM(device="cpu", max_kv_tokens=1024)
+    prompt, params = [1, 5, 6, 7], SamplingParams(max_tokens=6, ignore_eos=True)
+    assert default.generate(prompt, params)[0].outputs[0].token_ids == llm.generate(prompt, params)[0].outputs[0].token_ids
+    with pytest.raises(ModelNotFound, match="model directory not found"):
+        LLM(str(tmp_path / "nowhere"), device="cpu")
