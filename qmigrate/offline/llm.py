@@ -12,7 +12,15 @@ from __future__ import annotations
 
 import itertools
 import random
+from pathlib import Path
 
+import torch
+
+from qmigrate.config import ModelConfig, WorkerConfig
+from qmigrate.config_yaml import build_section
+from qmigrate.engine.engine import Engine
+from qmigrate.hub.loading import fetch_hub_model, load_model, resolve_model
+from qmigrate.hub.tokenizer_info import load_tokenizer_info
 from qmigrate.ingest.prompts import PromptError, is_int_list, parse_request, seed_of, to_spec
 from qmigrate.offline.loop import OfflineSeq, run_to_end
 from qmigrate.offline.params import CompletionOutput, RequestOutput, SamplingParams, message_of
@@ -26,13 +34,6 @@ class LLM:
         """`model`: a model directory, a hub name, `smollm2`, or None (the built-in tiny model).
         `settings`: worker settings (config.WorkerConfig); `device` defaults to the first GPU,
         else the CPU. `seed` seeds the draws of requests that give none."""
-        import torch
-        from qmigrate.config import ModelConfig, WorkerConfig
-        from qmigrate.config_yaml import build_section
-        from qmigrate.engine.engine import Engine
-        from qmigrate.hub.loading import fetch_hub_model, load_model, resolve_model
-        from qmigrate.hub.tokenizer_info import load_tokenizer_info
-        from pathlib import Path
         settings.setdefault("device", "cuda:0" if torch.cuda.is_available() else "cpu")
         worker = build_section(WorkerConfig, settings, "LLM settings")
         ModelConfig(path=model, dtype=dtype, trust_remote_code=trust_remote_code)
