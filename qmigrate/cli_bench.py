@@ -1,8 +1,11 @@
-"""`qmigrate bench`: the pipeline against in-process and HF, and `bench serve`, the load
-generator for any OpenAI-compatible server."""
+"""`qmigrate bench`: the pipeline against in-process and HF; its subcommands, each measuring
+one thing (`curve`, `decode-step`, `admission-step`); and `bench serve`, the load generator
+for any OpenAI-compatible server."""
 
 from __future__ import annotations
 
+import inspect
+import typing
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -13,17 +16,29 @@ from .config import GPU_SERVE_MAX_NUM_BATCHED_TOKENS, GPU_SERVE_MAX_NUM_SEQS
 
 bench_app = typer.Typer(rich_markup_mode=None, short_help="Benchmark the pipeline against in-process and HF.")
 
+# Options more than one bench command takes.
+ModelOpt = Annotated[Optional[str], typer.Option(
+    "--model", "-m",
+    help="Model directory. Default: the tiny model on CPU; on CUDA the benchmark model, built into "
+         "--model-dir if missing.")]
+ModelDirOpt = Annotated[Path, typer.Option(
+    help="Where the benchmark model is built when --model is not given on CUDA.")]
+DeviceOpt = Annotated[str, typer.Option(help="cpu or cuda.")]
+RunnerOpt = Annotated[str, typer.Option(help="Engine runner: auto (fast on a GPU for the Llama family), fast or hf.")]
+MaxTokensOpt = Annotated[int, typer.Option(min=1, help="New tokens per step (prefill budget).")]
+WorkerSettingOpt = Annotated[Optional[list[str]], typer.Option(
+    "--worker-setting",
+    help="KEY=VALUE for every worker (repeatable), e.g. prefill_tokens_per_step=0.")]
+BatchesOpt = Annotated[str, typer.Option(help="Comma-separated batch sizes.")]
+ContextOpt = Annotated[int, typer.Option(min=2, help="Tokens of context per row.")]
+JsonOpt = Annotated[Optional[Path], typer.Option("--json", help="Write the results as JSON here.")]
+BENCH_MODEL_DIR = Path(".bench/bench-model")
 
-@bench_app.callback(invoke_without_command=True)
-def bench(
-    ctx: typer.Context,
-    model: Annotated[Optional[str], typer.Option(
-        "--model", "-m",
-        help="Model directory. Default: the tiny model on CPU; on CUDA the benchmark model, built into "
-             "--model-dir if missing.")] = None,
-    model_dir: Annotated[Path, typer.Option(
-        help="Where the benchmark model is built when --model is not given on CUDA.")] = Path(".bench/bench-model"),
-    device: Annotated[str, typer.Option(help="cpu or cuda.")] = "cpu",
+
+def run_standard(
+    model: ModelOpt = None,
+    model_dir: ModelDirOpt = BENCH_MODEL_DIR,
+    device: DeviceOpt = "cpu",
     workers: Annotated[int, typer.Option(
         "--workers", "-w", min=1,
         help="Pipeline workers; on CUDA worker i uses GPU i mod the GPU count.")] = 1,
@@ -36,16 +51,10 @@ def bench(
     paths: Annotated[str, typer.Option(
         help="Comma-separated: pipeline (ipc), pipeline-tcp, pipeline-curve "
              "(tcp on 127.0.0.1 without and with CURVE), in-process, hf-static.")] = "pipeline,in-process,hf-static",
-    curve: Annotated[bool, typer.Option(
-        "--curve",
-        help="Measure what CURVE costs: run the pipeline over tcp on 127.0.0.1 without and with CURVE, "
-             "same workload (replaces --paths).")] = False,
     max_seqs: Annotated[int, typer.Option(
         min=1,
         help="Sequences per step (pipeline workers and in-process).")] = GPU_SERVE_MAX_NUM_SEQS,
-    max_tokens: Annotated[int, typer.Option(
-        min=1,
-        help="New tokens per step (prefill budget).")] = GPU_SERVE_MAX_NUM_BATCHED_TOKENS,
+    max_tokens: MaxTokensOpt = GPU_SERVE_MAX_NUM_BATCHED_TOKENS,
     hf_batch: Annotated[int, typer.Option(min=1, help="Static batch size of the HF baseline.")] = 64,
     steps_per_dispatch: Annotated[int, typer.Option(
         min=1,
@@ -61,28 +70,10 @@ def bench(
     router_setting: Annotated[Optional[list[str]], typer.Option(
         "--router-setting",
         help="KEY=VALUE for the router section of the run's topology (repeatable), e.g. chain_leases=false.")] = None,
-    worker_setting: Annotated[Optional[list[str]], typer.Option(
-        "--worker-setting",
-        help="KEY=VALUE for every pipeline worker (repeatable), e.g. prefill_tokens_per_step=0.")] = None,
-    json_out: Annotated[Optional[Path], typer.Option("--json", help="Write the results as JSON here.")] = None,
+    worker_setting: WorkerSettingOpt = None,
+    json_out: JsonOpt = None,
     profile: Annotated[bool, typer.Option(help="Print a torch profiler table of one in-process decode step.")] = False,
-    runner: Annotated[str, typer.Option(
-        help="Engine runner: auto (fast on a GPU for the Llama family), fast or hf.")] = "auto",
-    decode_step: Annotated[bool, typer.Option(
-        "--decode-step",
-        help="Instead of the workload: time one decode step per batch size against the weight-read floor "
-             "(CUDA).")] = False,
-    admission_step: Annotated[bool, typer.Option(
-        "--admission-step",
-        help="Instead of the workload: per batch size, the decode step, and the steps that admit a prompt of "
-             "--admit-tokens beside it, whole and under the workers' prefill_tokens_with_decode (set it with "
-             "--worker-setting); prints the longest step and how many it takes.")] = False,
-    admit_tokens: Annotated[int, typer.Option(
-        min=2, help="With --admission-step: tokens of the prompt admitted.")] = 1024,
-    batches: Annotated[str, typer.Option(
-        help="With --decode-step or --admission-step: comma-separated batch sizes.")] = "1,16,64,128,256",
-    context: Annotated[int, typer.Option(
-        min=2, help="With --decode-step or --admission-step: tokens of context per row.")] = 512,
+    runner: RunnerOpt = "auto",
     faults: Annotated[bool, typer.Option(
         "--faults",
         help="During the pipeline run, drain w1 at 20% of the tokens, kill w2 at 40% and report w3 short "
@@ -91,29 +82,10 @@ def bench(
         "--trace",
         help="Keep a step timeline of the router and every pipeline worker under this folder (one folder "
              "per run) and print what it shows.")] = None,
-    fake_workers: Annotated[Optional[str], typer.Option(
-        "--fake-workers",
-        help="Instead of the workload: the router alone with fake workers that skip the model. N sweeps "
-             "1,2,4,... up to N; or a list such as 1,2,4,8,16,32.")] = None,
-    fake_step_ms: Annotated[float, typer.Option(
-        min=0.01,
-        help="With --fake-workers: milliseconds a fake step takes.")] = 2.0,
-    fake_batch: Annotated[int, typer.Option(
-        min=1,
-        help="With --fake-workers: rows per fake step (the workers' max_num_seqs).")] = 256,
-    fake_window_s: Annotated[float, typer.Option(
-        min=0.1,
-        help="With --fake-workers: seconds measured per fleet size, after the warm-up.")] = 3.0,
-    fake_warmup_s: Annotated[float, typer.Option(
-        min=0.0,
-        help="With --fake-workers: seconds of warm-up per fleet size.")] = 1.0,
     log_level: LogLevel = "warning",
 ):
     """Run a workload through the full pipeline, the engine in-process and HF static
-    generate; print tok/s, the ratios, TTFT/TPOT p50/p99 and migrations by cause.
-    `qmigrate bench serve` loads an OpenAI-compatible server instead."""
-    if ctx.invoked_subcommand is not None:
-        return
+    generate; print tok/s, the ratios, TTFT/TPOT p50/p99 and migrations by cause."""
     from .config import ConfigError, router_settings, worker_settings
     overrides = {"policy": policy, "migration": migration}
     if lease_steps is not None:
@@ -126,38 +98,9 @@ def bench(
     if faults and workers < 4:
         fail("--faults needs --workers 4 or more: one drained, one killed, one short of memory, one left")
     with interruptible():  # SIGTERM too unwinds: the roles stop, the temp directories go
-        if fake_workers is not None:
-            from qmigrate.bench.router import run_router_bench, sweep_sizes
-            try:
-                sizes = sweep_sizes(fake_workers)
-            except ValueError as exc:
-                fail(str(exc))
-            run_router_bench(sizes=sizes, step_ms=fake_step_ms, batch=fake_batch, warmup_s=fake_warmup_s,
-                             window_s=fake_window_s, router_overrides=overrides,
-                             json_path=json_out, log_level=log_level)
-            return
         from qmigrate.bench.core import Workload, run_bench
-        from qmigrate.hub.builders import build_bench_model
         is_cuda = device.startswith("cuda")
-        if model is None and is_cuda:
-            model = str(build_bench_model(model_dir)) if not (model_dir / "config.json").exists() else str(model_dir)
-        model_path = find_model(model)
-        if admission_step:
-            from qmigrate.bench.admission import run_admission_steps
-            worker = {"runner": runner, "max_num_batched_tokens": max_tokens, **for_workers}
-            try:
-                run_admission_steps(model_path, device if device != "cuda" else "cuda:0",
-                                    [int(b) for b in batches.split(",")], context, admit_tokens, worker, json_out)
-            except ValueError as exc:
-                fail(str(exc))
-            return
-        if decode_step:
-            from qmigrate.bench.step import run_decode_steps
-            run_decode_steps(model_path, device if device != "cuda" else "cuda:0",
-                             [int(b) for b in batches.split(",")], context, runner, json_out, profile)
-            return
-        if curve:
-            paths = "pipeline-tcp,pipeline-curve"
+        model_path = _bench_model(model, model_dir, device)
         span = lambda text, default: tuple(int(x) for x in text.split(":")) if text else default
         workload = Workload(requests or (256 if is_cuda else 32), span(prompt_len, (64, 512) if is_cuda else (8, 64)),
                             span(output_len, (32, 512) if is_cuda else (8, 64)), seed=seed)
@@ -174,6 +117,121 @@ def bench(
                   router_overrides=overrides, worker_overrides=for_workers, json_path=json_out,
                   log_level=log_level, profile=profile, steps_per_dispatch=steps_per_dispatch, repeat=repeat,
                   runner=runner, faults=faults, trace_dir=trace)
+
+
+def _bench_model(model: str | None, model_dir: Path, device: str) -> str:
+    """--model, or on CUDA without it the benchmark model (built into model_dir if missing)."""
+    if model is None and device.startswith("cuda"):
+        from qmigrate.hub.builders import build_bench_model
+        model = str(build_bench_model(model_dir)) if not (model_dir / "config.json").exists() else str(model_dir)
+    return find_model(model)
+
+
+def _one_device(device: str) -> str:
+    return device if device != "cuda" else "cuda:0"
+
+
+def _batches(text: str) -> list[int]:
+    try:
+        sizes = [int(b) for b in text.split(",")]
+    except ValueError:
+        fail(f"--batches takes comma-separated sizes, e.g. 1,16,64; got {text!r}")
+    if min(sizes) < 1:
+        fail(f"--batches: every size must be >= 1, got {text!r}")
+    return sizes
+
+
+def _with_options_of(fn, doc: str, drop: tuple[str, ...] = (), first=(), call=None):
+    """A command function whose options are fn's but `drop`, with parameters `first` before
+    them, calling call(**options) (default fn): commands that run the standard workload
+    share its options without restating them."""
+    sig = inspect.signature(fn, eval_str=True)
+    hints = typing.get_type_hints(fn, include_extras=True)
+    params = [p for p in sig.parameters.values() if p.name not in drop]
+
+    def command(**options):
+        return (call or fn)(**options)
+    command.__signature__ = sig.replace(parameters=[*first, *params])
+    command.__annotations__ = {**{p.name: p.annotation for p in first},
+                               **{p.name: hints[p.name] for p in params}}
+    command.__doc__ = doc
+    return command
+
+
+def _standard_or_subcommand(ctx: typer.Context, **options):
+    if ctx.invoked_subcommand is None:
+        return run_standard(**options)
+    given = [name for name in options   # by name: typer may bring a click of its own
+             if getattr(ctx.get_parameter_source(name), "name", "DEFAULT") not in ("DEFAULT", "DEFAULT_MAP")]
+    if given:
+        option = "--" + given[0].replace("_", "-").removesuffix("-out")
+        fail(f"{option} is an option of the standard run; a subcommand's options follow its name: "
+             f"qmigrate bench {ctx.invoked_subcommand} {option} ...")
+
+
+bench_app.callback(invoke_without_command=True)(_with_options_of(
+    run_standard,
+    run_standard.__doc__ + "\n\n    The subcommands measure one thing each instead; `qmigrate bench serve` loads an "
+                           "OpenAI-compatible server.",
+    first=[inspect.Parameter("ctx", inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=typer.Context)],
+    call=_standard_or_subcommand))
+
+bench_app.command("curve", short_help="The pipeline over tcp without and with CURVE: what CURVE costs.")(
+    _with_options_of(
+        run_standard,
+        "Measure what CURVE costs: the standard workload through the pipeline over tcp on 127.0.0.1,\n"
+        "    without and with CURVE, and the link's round trips alone.",
+        drop=("paths",), call=lambda **options: run_standard(paths="pipeline-tcp,pipeline-curve", **options)))
+
+
+@bench_app.command("decode-step", short_help="One decode step per batch size against the weight-read floor.")
+def bench_decode_step(
+    model: ModelOpt = None,
+    model_dir: ModelDirOpt = BENCH_MODEL_DIR,
+    device: DeviceOpt = "cpu",
+    batches: BatchesOpt = "1,16,64,128,256",
+    context: ContextOpt = 512,
+    runner: RunnerOpt = "auto",
+    profile: Annotated[bool, typer.Option(help="Print where the device time of one step goes.")] = False,
+    json_out: JsonOpt = None,
+):
+    """Time one decode step per batch size against the weight-read floor (CUDA)."""
+    from qmigrate.bench.step import run_decode_steps
+    sizes = _batches(batches)
+    with interruptible():
+        run_decode_steps(_bench_model(model, model_dir, device), _one_device(device), sizes, context, runner,
+                         json_out, profile)
+
+
+@bench_app.command("admission-step", short_help="What admitting a prompt costs the decode rows beside it.")
+def bench_admission_step(
+    model: ModelOpt = None,
+    model_dir: ModelDirOpt = BENCH_MODEL_DIR,
+    device: DeviceOpt = "cpu",
+    batches: BatchesOpt = "1,16,64,128,256",
+    context: ContextOpt = 512,
+    admit_tokens: Annotated[int, typer.Option(min=2, help="Tokens of the prompt admitted.")] = 1024,
+    max_tokens: MaxTokensOpt = GPU_SERVE_MAX_NUM_BATCHED_TOKENS,
+    worker_setting: WorkerSettingOpt = None,
+    runner: RunnerOpt = "auto",
+    json_out: JsonOpt = None,
+):
+    """Per batch size: the decode step, and the steps that admit a prompt of --admit-tokens
+    beside it, whole and under the workers' prefill_tokens_with_decode (set it with
+    --worker-setting); prints the longest step and how many it takes. Runs on the CPU too."""
+    from .config import ConfigError, worker_settings
+    from qmigrate.bench.admission import run_admission_steps
+    sizes = _batches(batches)
+    try:
+        worker = {"runner": runner, "max_num_batched_tokens": max_tokens, **worker_settings(worker_setting or [])}
+    except ConfigError as exc:
+        fail(str(exc))
+    with interruptible():
+        try:
+            run_admission_steps(_bench_model(model, model_dir, device), _one_device(device), sizes, context,
+                                admit_tokens, worker, json_out)
+        except ValueError as exc:
+            fail(str(exc))
 
 
 @bench_app.command("serve", short_help="Load any OpenAI-compatible server: throughput, TTFT, TPOT, ITL.")

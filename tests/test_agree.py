@@ -1,7 +1,7 @@
-"""The agreement count of `qmigrate.bench.agree`: tokens agree up to each pair's first
+"""The agreement count of `benchmarks.agree`: tokens agree up to each pair's first
 difference, and a pair's tokens are its longer answer's."""
 
-from qmigrate.bench.agree import agreement, prompts
+from benchmarks.agree import agreement, prompts
 
 
 def test_tokens_agree_up_to_the_first_difference_of_each_pair():

@@ -251,8 +251,8 @@ def test_calls_from_several_processes(fake_server, tmp_path):
 
 
 def test_the_null_server_answers_every_call_at_once():
-    """The server that measures the client's own cost (bench/null_server.py)."""
-    from qmigrate.bench.null_server import make_app
+    """The server that measures the client's own cost (benchmarks/null_server.py)."""
+    from benchmarks.null_server import make_app
     server = FakeServer(app=make_app())
     try:
         reqs = D.random_dataset(Workload(8, (4, 8), (3, 9), vocab=(10, 100)))

@@ -1,8 +1,8 @@
-"""`python -m qmigrate.bench.burst_host`: the host's side of a burst of shared-prefix prompts."""
+"""`python -m benchmarks.burst_host`: the host's side of a burst of shared-prefix prompts."""
 
 from __future__ import annotations
 
-from qmigrate.bench import burst_host
+from benchmarks import burst_host
 
 
 def test_the_router_starts_every_prompt_and_later_ones_find_their_system_prompt_cached():

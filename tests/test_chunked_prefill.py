@@ -281,9 +281,25 @@ def test_the_admission_bench_times_every_step_of_a_prompt_under_the_limit(tiny_m
         run_admission_steps(str(tiny_model_dir), "cpu", [3], 16, 4000, {})
 
 
+def test_bench_admission_step_runs_the_admission_bench(tiny_model_dir, tmp_path):
+    import json
+    from typer.testing import CliRunner
+    from qmigrate.cli import app
+    out = tmp_path / "admission.json"
+    result = CliRunner().invoke(app, ["bench", "admission-step", "--model", str(tiny_model_dir), "--batches", "3",
+                                      "--context", "16", "--admit-tokens", "40", "--runner", "hf", "--json", str(out),
+                                      "--worker-setting", "prefill_tokens_with_decode=8",
+                                      "--worker-setting", "prefill_spread_steps=0"])
+    assert result.exit_code == 0, result.output
+    (x,) = json.loads(out.read_text())["results"]
+    assert (x["batch"], x["limit"], x["limited_steps"]) == (3, 8, 5)
+
+
 def test_the_in_process_bench_spreads_prompts_beside_decode_rows_and_stays_exact(model, prompts, greedy):
-    from qmigrate.bench.core import _inprocess_loop
-    engine = make_engine(model, prefill_tokens_with_decode=BUDGET, prefill_spread_steps=0)
+    """The bench's in-process path is the offline API's loop (qmigrate.LLM)."""
+    from qmigrate.offline.llm import LLM
+    from qmigrate.offline.params import SamplingParams
+    engine = make_engine(model, prefill_tokens_with_decode=BUDGET, max_num_seqs=8, max_num_batched_tokens=48)
     steps, got, seen, real = record_placed(engine), {}, {}, engine.collect   # seen keeps ids unique
 
     def collect(pending):
@@ -296,9 +312,11 @@ def test_the_in_process_bench_spreads_prompts_beside_decode_rows_and_stays_exact
         return tokens
     engine.collect = collect
     requests = [(long_prompt(prompts[i:], 20 + 3 * i), 5) for i in range(5)]
-    result = _inprocess_loop(engine, requests, max_seqs=8, max_tokens=48, profile=False, device="cpu")
-    assert result.useful_tokens == 25
+    outs = LLM.from_engine(engine).generate([p for p, _ in requests],
+                                            SamplingParams(max_tokens=5, ignore_eos=True, detokenize=False))
+    assert sum(len(o.outputs[0].token_ids) for o in outs) == 25
     assert got == {i: greedy(p, 5) for i, (p, _) in enumerate(requests)}
+    assert [o.outputs[0].token_ids for o in outs] == [greedy(p, 5) for p, _ in requests]
     # the first step takes 2 prompts whole (43 tokens); the others come 8 tokens a step
     assert sum(n for _, _, n in steps[0]) == 43
     assert all(sum(n for _, _, n in step if n > 1) <= BUDGET for step in steps[1:])
@@ -317,3 +335,20 @@ def test_prompts_held_back_join_a_step_without_decode_rows_up_to_its_token_budge
     # 1 decodes in leases 1-2 (2 gets 8 + 8), then the held-back rest of 2 and 3 run 32 together
     prompt_tokens = [sum(n for _, _, n in step if n > 1) for step in steps[1:]]
     assert prompt_tokens[:4] == [BUDGET, BUDGET, 32, BUDGET] and max(prompt_tokens) == 32
+
+
+def test_the_prompt_limits_change_between_steps_only_through_the_engine(model):
+    """What the admission benchmark times one prompt under: the limit of the next step, set by
+    Engine.set_prompt_limits, which takes the prompt limits and nothing else."""
+    engine = make_engine(model, prefill_tokens_with_decode=BUDGET)
+    rows = [StepRow(1, [5], 9, 1), StepRow(2, list(range(40)), 0, 0)]
+    assert prompt_budget(rows, engine.config) == BUDGET
+    engine.set_prompt_limits(prefill_tokens_with_decode=0)
+    assert prompt_budget(rows, engine.config) == 0 and engine.config.max_num_seqs == make_engine(model).config.max_num_seqs
+    engine.set_prompt_limits(prefill_tokens_with_decode=16, prefill_spread_steps=0)
+    assert prompt_budget(rows, engine.config) == 16
+    with pytest.raises(ValueError, match="'max_num_seqs' is not a prompt limit"):
+        engine.set_prompt_limits(max_num_seqs=4)
+    with pytest.raises(ValueError, match="prefill_tokens_with_decode must be an integer >= 0"):
+        engine.set_prompt_limits(prefill_tokens_with_decode=-1)
+    assert prompt_budget(rows, engine.config) == 16

@@ -84,6 +84,7 @@ def test_version(qmigrate):
 
 
 @pytest.mark.parametrize("args", [[], ["serve"], ["sim"], ["node"], ["feed"], ["drain"], ["stats"], ["bench"],
+                                  ["bench", "curve"], ["bench", "decode-step"], ["bench", "admission-step"],
                                   ["model"], ["model", "tiny"], ["model", "bench"], ["model", "smollm2"]])
 def test_help_at_every_level(qmigrate, args):
     run = qmigrate(*args, "--help")

@@ -7,8 +7,8 @@ import json
 import pytest
 
 from qmigrate.wire import protocol as P
-from qmigrate.bench.router import FleetPoint, cpu_seconds, largest_linear, run_router_bench, sweep_sizes
-from qmigrate.bench.fake_fleet import FAKE_TOKEN, FakeDevice
+from benchmarks.router import FleetPoint, cpu_seconds, largest_linear, run_router_bench, sweep_sizes
+from benchmarks.fake_fleet import FAKE_TOKEN, FakeDevice
 
 STEP = 0.002
 
@@ -90,3 +90,20 @@ def test_router_settings_for_a_bench_run_are_checked():
                      ("max_queued", "KEY=VALUE")):
         with pytest.raises(ConfigError, match=why):
             router_settings([bad])
+
+
+def test_the_router_bench_refuses_bad_arguments_before_it_starts_anything():
+    from benchmarks.router import main
+    for argv in (["--workers", "0"], ["--router-setting", "no_such_setting=1"], ["--step-ms", "0"]):
+        with pytest.raises(SystemExit) as info:
+            main(argv)
+        assert info.value.code == 2, argv
+
+
+def test_a_probe_runs_as_a_module_from_any_directory(tmp_path):
+    """The fake workers and the HTTP probe's client are started as `python -m benchmarks.X`."""
+    import subprocess
+    from benchmarks import module_command
+    argv, env = module_command("fake_fleet", "--help")
+    run = subprocess.run(argv, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0 and "--step-ms" in run.stdout, run.stderr

@@ -203,9 +203,9 @@ def test_seeded_choices_differ_from_each_other_and_repeat_as_requests_of_seed_pl
 
 def test_the_agreement_client_finds_greedy_answers_equal_at_once_and_one_at_a_time(node, tiny_chat_model_dir,
                                                                                     tmp_path, capsys):
-    """`qmigrate.bench.agree`, the GPU comparison of a split worker with one GPU, on the CPU in
+    """`benchmarks.agree`, the GPU comparison of a split worker with one GPU, on the CPU in
     fp32, where the batch a call runs in changes nothing."""
-    from qmigrate.bench import agree
+    from benchmarks import agree
     for name, extra in (("all", []), ("one", ["--one-at-a-time"])):
         agree.main(["run", "--base-url", node.url, "--out", str(tmp_path / f"{name}.json"), "--prompts", "6",
                     "--tokens", "8", "--vocab", "10:1000", *extra])

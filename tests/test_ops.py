@@ -208,7 +208,26 @@ def test_help_reads_whole_at_80_columns():
     commands = result.output.split("Commands:")[1].splitlines()
     assert all(not line.endswith("...") for line in commands), result.output
     bench = CliRunner().invoke(app, ["bench", "--help"], terminal_width=80, env={"COLUMNS": "80"}).output
-    assert "--steps-per-dispatch" in bench and "--decode-step" in bench and "…" not in bench
+    assert "--steps-per-dispatch" in bench and "decode-step" in bench and "…" not in bench
+
+
+def test_bench_modes_are_subcommands_whose_options_follow_their_name(monkeypatch, tiny_model_dir):
+    bench = CliRunner().invoke(app, ["bench", "--help"], terminal_width=100).output
+    commands = bench.split("Commands:")[1]
+    assert all(name in commands for name in ("curve", "decode-step", "admission-step", "serve")), bench
+    assert "--decode-step" not in bench and "--admission-step" not in bench and "--fake-workers" not in bench
+    wrong = CliRunner().invoke(app, ["bench", "--device", "cuda", "decode-step"])
+    assert wrong.exit_code == 2 and "--device is an option of the standard run" in wrong.output, wrong.output
+    bad = CliRunner().invoke(app, ["bench", "decode-step", "--batches", "1,x"])
+    assert bad.exit_code == 2 and "--batches takes comma-separated sizes" in bad.output, bad.output
+    assert CliRunner().invoke(app, ["bench", "curve", "--paths", "pipeline"]).exit_code == 2   # curve sets them
+    runs = []
+    monkeypatch.setattr("qmigrate.bench.core.run_bench", lambda **kw: runs.append(kw))
+    for args in (["bench"], ["bench", "curve"]):
+        result = CliRunner().invoke(app, [*args, "--model", str(tiny_model_dir), "--requests", "3"])
+        assert result.exit_code == 0, result.output
+    assert [r["paths"] for r in runs] == [["pipeline", "in-process", "hf-static"], ["pipeline-tcp", "pipeline-curve"]]
+    assert [r["workload"].num_requests for r in runs] == [3, 3]
 
 
 def test_bench_faults_needs_four_workers_and_says_so():

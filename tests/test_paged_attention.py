@@ -20,6 +20,7 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton", reason="triton is not installed")
 
 from qmigrate.engine.kernels import paged_attention as pa  # noqa: E402
+from benchmarks.paged_attention_kernel import TILE_CHOICES  # noqa: E402
 
 HAS_CUDA = torch.cuda.is_available()
 ON_CPU = pytest.param("cpu", marks=pytest.mark.skipif(
@@ -93,9 +94,9 @@ def test_decode_matches_reference(device, group, num_splits):
 
 @pytest.mark.parametrize("device", [ON_CPU, ON_CUDA])
 def test_narrower_tiles_than_those_in_use_match_the_reference(device):
-    """`--tiles` times other tiles against those in use: they must compute the same attention."""
+    """`benchmarks/paged_attention_kernel.py --tiles` times other tiles against those in use: they must compute the same attention."""
     tiles = (32, 2, 4)
-    assert tiles in pa.TILE_CHOICES and tiles != pa.decode_tiles(HEAD_DIM)
+    assert tiles in TILE_CHOICES and tiles != pa.decode_tiles(HEAD_DIM)
     rows = [(1, n) for n in DECODE_LENGTHS] + [(1, 0)]
     q, k, v, query_start, seq_lens, tables = make_cache(rows, 8, device=device, padding_rows=(6,))
     expected = pa.paged_attention_reference(q, k, v, query_start, seq_lens, tables, HEAD_DIM ** -0.5)

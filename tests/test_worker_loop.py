@@ -287,7 +287,7 @@ def test_a_withdrawn_chain_is_answered_at_once_and_its_rows_go_on_in_the_next_le
 
 
 def test_bench_timeline_reports_the_longest_request_as_a_floor_of_the_run():
-    from qmigrate.bench.core import Timeline
+    from qmigrate.bench.timeline import Timeline
     t = Timeline([3, 1, 3], t0=10.0)
     t.add(0, 1, 10.5)
     t.add(1, 1, 10.6)

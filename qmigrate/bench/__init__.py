@@ -1,1 +1,2 @@
-"""Benchmarks and fake fleets (tooling, not the product): `qmigrate bench` and its paths."""
+"""What `qmigrate bench` runs (tooling, not the product): the standard comparison and its paths,
+the per-step measures, and `bench serve`. Developer probes live in benchmarks/ at the top."""

@@ -1,8 +1,8 @@
-"""`qmigrate bench --admission-step`: what admitting a prompt into running decode rows costs
+"""`qmigrate bench admission-step`: what admitting a prompt into running decode rows costs
 them, whole and under the worker's `prefill_tokens_with_decode`.
 
 For each batch size: prefill every row to the context, then time whole steps (a device
-synchronize on both ends, as `--decode-step` does) of
+synchronize on both ends, as `bench decode-step` does) of
 - `decode`: the decode rows alone;
 - `whole`: the decode rows plus one new prompt of `prompt_len` tokens, the limit off;
 - `limited`: the same admission under the limit, every step from the first part of the prompt
@@ -55,12 +55,12 @@ def run_admission_steps(model_path: str, device: str, batches: list[int], contex
         whole, limited = [], []
         for k in range(REPEATS + 1):
             for limit_now, out in ((0, whole), (limit, limited)):
-                engine.config.prefill_tokens_with_decode = limit_now
+                engine.set_prompt_limits(prefill_tokens_with_decode=limit_now)
                 prompt = [r.randint(10, 1000) for _ in range(prompt_len)]
                 times = _admit(engine, device, decode, StepRow(batch, prompt, 0, 0))
                 if k:
                     out.append(times)
-        engine.config.prefill_tokens_with_decode = limit
+        engine.set_prompt_limits(prefill_tokens_with_decode=limit)
         for i in range(batch):
             engine.release(i)
         whole_ms = _median([max(t) for t in whole])
@@ -99,12 +99,12 @@ def _admit(engine, device: str, decode: list, row) -> list[float]:
 
 
 def _timed(engine, device: str, rows: list) -> tuple[float, object]:
-    from qmigrate.bench.core import _sync
-    _sync(device)
+    from qmigrate.bench.timeline import sync
+    sync(device)
     t0 = time.perf_counter()
     pending = engine.launch(rows)
     engine.collect(pending)
-    _sync(device)
+    sync(device)
     return (time.perf_counter() - t0) * 1000, pending
 
 

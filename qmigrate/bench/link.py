@@ -1,4 +1,4 @@
-"""`qmigrate bench --curve`, the link alone: round trips over loopback tcp with and without CURVE.
+"""`qmigrate bench curve`, the link alone: round trips over loopback tcp with and without CURVE.
 
 A DEALER asks, a ROUTER answers the same bytes back, as a worker and the router do each
 step. The time of a round trip, plain against CURVE, isolates what encryption and

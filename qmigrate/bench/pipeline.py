@@ -11,7 +11,7 @@ from collections import deque
 from pathlib import Path
 
 from qmigrate.ops import trace
-from qmigrate.bench.core import PathResult, Progress, Timeline, frozen_heap
+from qmigrate.bench.timeline import PathResult, Progress, Timeline, frozen_heap
 
 # Pipeline paths by the link their sockets use: ipc, plain tcp on 127.0.0.1, tcp with CURVE.
 PIPELINE_LINKS = {"pipeline": "ipc", "pipeline-tcp": "tcp", "pipeline-curve": "curve"}

@@ -114,8 +114,8 @@ def _child(conn, parent: int, index: int, base_url: str, model: str, extensions:
            calls, tokens) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)   # the parent stops it, or its death does
     die_with(parent)
-    from qmigrate.bench.serve import send_all
     from qmigrate.bench.serve_client import Client
+    from qmigrate.bench.serve_send import send_all
 
     def on_call(rec: CallRecord) -> None:
         calls[index] += 1

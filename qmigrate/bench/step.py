@@ -1,4 +1,4 @@
-"""`qmigrate bench --decode-step`: the time of one decode step against the weight-read floor.
+"""`qmigrate bench decode-step`: the time of one decode step against the weight-read floor.
 
 For each batch size: prefill every row to the context, warm up 3 steps, then time 20
 decode steps with a device synchronize on both ends (shared/BENCHMARK.md's method). Three

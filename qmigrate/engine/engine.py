@@ -39,12 +39,13 @@ DEFAULT_CONTEXT = 2048   # positions of a model whose config does not say
 
 
 class Engine:
-    def __init__(self, model, config: EngineConfig | None = None, *, tp=None, **overrides):
+    def __init__(self, model, config: EngineConfig | None = None, *, tp=None, use_runner=None, **overrides):
         """`tp`: this process's rank of a tensor-parallel group (parallel.sharding.TensorParallel); the
         model is then the whole checkpoint on the CPU on rank 0, and on the other ranks may be
         its structure only (meta tensors: scatter.py sends their shards); the runner keeps
         this rank's shard on tp.device. Without it (tensor_parallel_size 1) nothing here differs
-        from one device."""
+        from one device. `use_runner`: a Runner built elsewhere (one that skips the model, to
+        time what surrounds the forward pass) in place of the one the settings choose."""
         cfg = self.config = dataclasses.replace(config or EngineConfig(), **overrides)
         self.shape = shape = ModelShape.of_model(model)
         self.tp = tp
@@ -55,7 +56,8 @@ class Engine:
         if self.device.type == "cuda":
             # Triton launches and CUDA graph captures go to the current device: make it ours
             torch.cuda.set_device(self.device)
-        self.runner, self.runner_reason = make_runner(model, cfg, self.device, tp)
+        self.runner, self.runner_reason = ((use_runner, "given") if use_runner is not None
+                                           else make_runner(model, cfg, self.device, tp))
         # the pool holds this rank's KV heads (all of them without tensor parallelism)
         self.pool_kv_heads = shape.num_kv_heads if tp is None else tp.layout.kv_heads_per_rank
         self.pool = BlockPool(shape.num_layers, self.pool_kv_heads, shape.head_dim,
@@ -130,6 +132,20 @@ class Engine:
         return self.pool.prefix.take_events()
 
     # --- a step -------------------------------------------------------------------------
+    PROMPT_LIMITS = ("prefill_tokens_per_step", "prefill_tokens_with_decode", "prefill_spread_steps")
+
+    def set_prompt_limits(self, **limits: int) -> None:
+        """Change how many prompt tokens later steps carry (the PROMPT_LIMITS settings). They
+        shape what a step takes, not what was sized or captured for it, so they may change
+        between steps (the admission benchmark times one prompt under several)."""
+        unknown = sorted(set(limits) - set(self.PROMPT_LIMITS))
+        if unknown:
+            raise ValueError(f"{unknown[0]!r} is not a prompt limit; those are {', '.join(self.PROMPT_LIMITS)}")
+        bad = [k for k, v in limits.items() if isinstance(v, bool) or not isinstance(v, int) or v < 0]
+        if bad:
+            raise ValueError(f"{bad[0]} must be an integer >= 0, got {limits[bad[0]]!r}")
+        self.config = dataclasses.replace(self.config, **limits)
+
     @torch.inference_mode()
     def warm_up(self) -> None:
         """A few prefills and decode steps of throwaway rows, so that kernels are compiled

@@ -9,7 +9,7 @@ here: the benchmark feeds long ones, so what it measures is the router's steady 
 
 `serve` drives several fake devices from one process, a poller over one DEALER socket per
 fake worker, so a fleet of fakes costs little CPU. Run as
-`python -m qmigrate.bench.fake_fleet ENDPOINT NAME...`: on SIGTERM it prints one JSON line with
+`python -m benchmarks.fake_fleet ENDPOINT NAME...`: on SIGTERM it prints one JSON line with
 what each fake worker did, and exits.
 """
 

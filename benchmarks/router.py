@@ -1,4 +1,4 @@
-"""`qmigrate bench --fake-workers`: how many GPUs one router keeps fed, without GPUs.
+"""How many GPUs one router keeps fed, without GPUs: the router alone with fake workers.
 
 For each fleet size N it starts the real router role process (as `launch` does, over
 `ipc://` in a temporary directory), fills its queue with long sequences, and lets N fake
@@ -6,6 +6,9 @@ workers (`fake_fleet`, in a few processes) ask for batches, "run" each step in T
 report one token per row. After a warm-up it measures a window: rows per second that came
 back, the router's CPU (from /proc), the fakes' CPU, and how busy the fake devices were.
 The fleet scales linearly while N workers give >= 90% of N x the single-worker figure.
+
+Run: `python -m benchmarks.router --workers 32 --step-ms 2 [--batch 256] [--window-s 3]
+[--warmup-s 1] [--router-setting KEY=VALUE ...] [--json out.json]`.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from benchmarks import module_command
 from qmigrate.wire import protocol as P
 
 LINEAR = 0.9
@@ -54,7 +58,7 @@ def sweep_sizes(text: str) -> list[int]:
     """"1,2,4" as given; one number N: the powers of two up to N, and N."""
     sizes = [int(x) for x in text.split(",") if x.strip()]
     if not sizes or min(sizes) < 1:
-        raise ValueError(f"--fake-workers: expected N or a list like 1,2,4, got {text!r}")
+        raise ValueError(f"--workers: expected N or a list like 1,2,4, got {text!r}")
     if len(sizes) == 1:
         n = sizes[0]
         sizes = sorted({2 ** k for k in range(n.bit_length()) if 2 ** k <= n} | {n})
@@ -90,9 +94,9 @@ def run_fleet(num_workers: int, step_ms: float, batch: int, *, warmup_s: float, 
             feeder = Feeder(endpoint, target)
             feeder.top_up()
             groups = [names[i::num_procs] for i in range(num_procs)]
-            fakes = [subprocess.Popen(
-                [sys.executable, "-m", "qmigrate.bench.fake_fleet", endpoint, *group, "--step-ms", str(step_ms),
-                 "--max-seqs", str(batch)], stdout=subprocess.PIPE, text=True) for group in groups if group]
+            commands = [module_command("fake_fleet", endpoint, *group, "--step-ms", str(step_ms),
+                                       "--max-seqs", str(batch)) for group in groups if group]
+            fakes = [subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, text=True) for argv, env in commands]
             if not wait_for_fleet(topo, children, num_workers, timeout_s=60):
                 raise RuntimeError("the fake workers did not join")
             feeder.run_for(warmup_s)
@@ -229,3 +233,31 @@ def run_router_bench(*, sizes: list[int], step_ms: float, batch: int, warmup_s: 
         json_path.write_text(json.dumps(report, indent=2))
         print(f"wrote {json_path}", file=sys.stderr)
     return points
+
+
+def main(argv=None) -> None:
+    import argparse
+    from qmigrate.config import ConfigError, router_settings
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--workers", default="32", help="N sweeps 1,2,4,... up to N; or a list such as 1,2,4,8,16,32.")
+    ap.add_argument("--step-ms", type=float, default=2.0, help="Milliseconds a fake step takes.")
+    ap.add_argument("--batch", type=int, default=256, help="Rows per fake step (the workers' max_seqs).")
+    ap.add_argument("--window-s", type=float, default=3.0, help="Seconds measured per fleet size, after the warm-up.")
+    ap.add_argument("--warmup-s", type=float, default=1.0, help="Seconds of warm-up per fleet size.")
+    ap.add_argument("--router-setting", action="append", default=[], metavar="KEY=VALUE",
+                    help="For the router section of the run's topology (repeatable), e.g. max_lease_steps=1.")
+    ap.add_argument("--json", type=Path, help="Write the results as JSON here.")
+    ap.add_argument("--log-level", default="warning")
+    a = ap.parse_args(argv)
+    try:
+        sizes, overrides = sweep_sizes(a.workers), router_settings(a.router_setting)
+    except (ValueError, ConfigError) as exc:
+        ap.error(str(exc))
+    if a.step_ms <= 0 or a.batch < 1 or a.window_s <= 0 or a.warmup_s < 0:
+        ap.error("--step-ms and --window-s must be > 0, --batch >= 1, --warmup-s >= 0")
+    run_router_bench(sizes=sizes, step_ms=a.step_ms, batch=a.batch, warmup_s=a.warmup_s, window_s=a.window_s,
+                     router_overrides=overrides, json_path=a.json, log_level=a.log_level)
+
+
+if __name__ == "__main__":
+    main()

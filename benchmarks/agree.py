@@ -7,8 +7,8 @@ are counted as disagreeing).
 Texts, not ids, come back over the API, so both are encoded again with the model's tokenizer:
 an identical prefix encodes to identical ids.
 
-Run: `python -m qmigrate.bench.agree run --base-url URL --out a.json [--one-at-a-time]` for each
-server, then `python -m qmigrate.bench.agree compare --tokenizer MODEL a.json b.json`. A control
+Run: `python -m benchmarks.agree run --base-url URL --out a.json [--one-at-a-time]` for each
+server, then `python -m benchmarks.agree compare --tokenizer MODEL a.json b.json`. A control
 for the model's own sensitivity: one server, its calls sent all at once against one at a time
 (the batch changes the order of sums).
 """

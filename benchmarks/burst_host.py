@@ -1,8 +1,9 @@
 """The host's side of a burst of shared-prefix prompts, without a device: what the router spends
 building the leases of a queue of them, and what a worker spends starting a lease of them
-(its model's forward replaced by zeros, so only the bookkeeping is timed).
+(a runner that returns zero logits in place of the model's forward, so only the bookkeeping
+is timed).
 
-Run: `python -m qmigrate.bench.burst_host [--groups 64] [--per-group 16] [--system-len 1024]
+Run: `python -m benchmarks.burst_host [--groups 64] [--per-group 16] [--system-len 1024]
 [--question-len 128] [--lease-prompts 124]`. The worker side loads the tiny model (`--model`;
 built where `qmigrate sim` builds it if missing), lets it take prompts of any length, and
 starts `--repeats` leases of `--lease-prompts` prompts whose system prompts are cached; the
@@ -58,12 +59,31 @@ def router_leases(groups: int, per_group: int, system_len: int, question_len: in
     return admit_s, out
 
 
+class ZeroRunner:
+    """A Runner (engine/runners/protocol.py) without a model: zero logits for every row."""
+
+    name = "zero"
+    can_feed = True   # a fed token is never read: nothing depends on the input ids
+
+    def __init__(self, vocab_size: int):
+        self.vocab_size = vocab_size
+
+    def attach(self, pool, capture: bool = True) -> None:
+        pass
+
+    def forward(self, batch, feed=None):
+        import torch
+        return torch.zeros(batch.num_rows, self.vocab_size)
+
+    def eager_sizes(self) -> list[int]:
+        return []
+
+
 def worker_starts(system_len: int, question_len: int, lease_prompts: int, repeats: int,
                   model_path: str | None = None) -> list[float]:
     """Seconds to start each lease of `lease_prompts` new prompts on systems already cached,
     on the model at model_path (a small one: its forward is not run; default the tiny model)."""
     import numpy as np
-    import torch
     from qmigrate.hub.loading import ensure_default_model, load_model
     from qmigrate.engine.engine import Engine
     from qmigrate.wire import protocol as P
@@ -71,11 +91,10 @@ def worker_starts(system_len: int, question_len: int, lease_prompts: int, repeat
     model, _ = load_model(model_path or ensure_default_model(), "cpu")
     length = system_len + question_len
     model.config.max_position_embeddings = max(model.config.max_position_embeddings, length + 8)
-    engine = Engine(model, runner="fast", max_kv_tokens=(repeats + 2) * lease_prompts * length,
-                    max_model_len=length + 8, max_num_seqs=max(lease_prompts, 8),
-                    max_num_batched_tokens=lease_prompts * length)
+    engine = Engine(model, use_runner=ZeroRunner(model.config.vocab_size),
+                    max_kv_tokens=(repeats + 2) * lease_prompts * length, max_model_len=length + 8,
+                    max_num_seqs=max(lease_prompts, 8), max_num_batched_tokens=lease_prompts * length)
     vocab = engine.shape.vocab_size
-    engine.runner._forward = lambda x, *_: torch.zeros(x.last.shape[0], vocab)
     core = WorkerCore(engine)
     rng = np.random.default_rng(0)
     systems = [[1] + rng.integers(10, vocab, system_len - 1).tolist() for _ in range(8)]

@@ -9,7 +9,7 @@ reaching the server to the last taken by the ingest loop, what the server's thre
 and the client's TTFT; `--hold` keeps every token back until all requests are in, so the
 admission figures count nothing else.
 
-Run: `python -m qmigrate.bench.http_thread --streams 256 --tokens 256 [--step-ms 2]`, or
+Run: `python -m benchmarks.http_thread --streams 256 --tokens 256 [--step-ms 2]`, or
 `--mixed` for mixed-256's shape (prompts of 64-512 ids, outputs of 32-512 tokens).
 """
 
@@ -32,6 +32,7 @@ from pathlib import Path
 
 import zmq
 
+from benchmarks import module_command
 from qmigrate.wire import protocol as P
 from qmigrate.wire import transport
 
@@ -70,6 +71,23 @@ def fake_ingest(server, step_s: float, stop: threading.Event, taken: list[float]
         server.deliver(rows)
         time.sleep(step_s)
     wake.close(linger=0)
+
+
+def _stamped_server():
+    from qmigrate.ingest.http import HttpServer
+
+    class StampedServer(HttpServer):
+        """The HTTP server, noting when each completion request reaches it: (time, the HTTP
+        thread's CPU time)."""
+
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.arrived: list[tuple[float, float]] = []
+
+        async def completions(self, request):
+            self.arrived.append((time.perf_counter(), time.thread_time()))
+            return await super().completions(request)
+    return StampedServer
 
 
 def run_client(url: str, streams: int, prompt_len: tuple[int, int], output_len: tuple[int, int],
@@ -139,27 +157,24 @@ def main(argv=None) -> None:
 def _measure(args, tmp: Path, prompt_len: str, output_len: str) -> dict:
     from qmigrate.config import IngestConfig
     from qmigrate.hub.builders import build_tiny_model
-    from qmigrate.ingest.http import HttpServer
     from qmigrate.ingest.prompts import Defaults
     from qmigrate.ops.process import freeze_heap
-    model = args.model or str(build_tiny_model(tmp / "tiny"))
+    model = args.model
+    if model is None:   # the tiny model, its context widened so that mixed-256's longest requests fit
+        model = build_tiny_model(tmp / "tiny")
+        config = json.loads((model / "config.json").read_text())
+        config["max_position_embeddings"] = max(config["max_position_embeddings"], 2048)
+        (model / "config.json").write_text(json.dumps(config))
     cfg = IngestConfig(node="local", http_port=_free_port(), max_pending=max(256, 2 * args.streams), model_name="m")
-    server = HttpServer(cfg, model, Defaults())
-    server.max_context = max(server.max_context, 2048)  # mixed-256's longest prompt and output fit
-    arrived: list[tuple[float, float]] = []  # (time, the HTTP thread's CPU time) of each request
-    generate = server._generate
-
-    async def stamped(request, kind):
-        arrived.append((time.perf_counter(), time.thread_time()))
-        return await generate(request, kind)
-    server._generate = stamped
-    prof = None
-    if args.profile:
-        import cProfile
-        prof, run_thread = cProfile.Profile(time.thread_time), server._run
-        server._run = lambda: prof.runcall(run_thread)
+    server = _stamped_server()(cfg, str(model), Defaults())
+    arrived = server.arrived
     freeze_heap()  # as ingest does before it serves
     server.start()
+    prof = None
+    if args.profile:   # cProfile profiles the thread that enables it: the HTTP thread, on its own clock
+        import cProfile
+        prof = cProfile.Profile(time.thread_time)
+        server.loop.call_soon_threadsafe(prof.enable)
     stop, taken = threading.Event(), []
     feeder = threading.Thread(target=fake_ingest, daemon=True,
                               args=(server, args.step_ms / 1000, stop, taken, args.streams if args.hold else 0))
@@ -167,16 +182,17 @@ def _measure(args, tmp: Path, prompt_len: str, output_len: str) -> dict:
     out = tmp / "client.json"
     http = next(t for t in threading.enumerate() if t.name == "http")
     clock = time.pthread_getcpuclockid(http.ident)
-    run = subprocess.run([sys.executable, "-m", "qmigrate.bench.http_thread", "--client", server.url,
-                          str(args.streams), prompt_len, output_len, "--runs", str(args.runs),
-                          "--client-json", str(out)], check=False)
+    argv, env = module_command("http_thread", "--client", server.url, str(args.streams), prompt_len, output_len,
+                               "--runs", str(args.runs), "--client-json", str(out))
+    run = subprocess.run(argv, env=env, check=False)
     http_end = time.clock_gettime(clock)  # while the thread lives
     stop.set()
     feeder.join(2.0)
     if prof is not None:
         import pstats
-        server.loop.call_soon_threadsafe(server.loop.stop)  # ends runcall, so the profile is whole
-        time.sleep(0.5)
+        disabled = threading.Event()
+        server.loop.call_soon_threadsafe(lambda: (prof.disable(), disabled.set()))
+        disabled.wait(5.0)
         pstats.Stats(prof, stream=sys.stderr).sort_stats("tottime").print_stats(30)
     if run.returncode:
         raise SystemExit(run.returncode)

@@ -2,7 +2,7 @@
 `qmigrate bench serve` measures against it is the client's own cost (and the loopback's),
 the floor under every TTFT it reports.
 
-Run: `python -m qmigrate.bench.null_server --port 18777`, then
+Run: `python -m benchmarks.null_server --port 18777`, then
 `qmigrate bench serve --base-url http://127.0.0.1:18777 [--client-processes N] ...`.
 """
 

@@ -1,0 +1,45 @@
+"""Sending a load's calls at their arrival times: what `bench serve` does in this process
+(serve.py) and in each client process (serve_procs.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from qmigrate.bench.serve_client import Client
+from qmigrate.bench.serve_data import ServeRequest
+from qmigrate.bench.serve_stats import CallRecord
+
+
+async def send_all(client: Client, requests: list[ServeRequest], bodies: list[bytes | None], offsets: list[float],
+                   t0: float, max_concurrency: int | None, records: list[CallRecord], on_call) -> None:
+    """Sends requests[i] at t0 + offsets[i] (its body already encoded, unless it is a session),
+    appending a record per call and calling on_call() after each."""
+    gate = asyncio.Semaphore(max_concurrency) if max_concurrency else None
+
+    async def one(req: ServeRequest, body: bytes | None, offset: float):
+        delay = t0 + offset - time.perf_counter()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        if gate is not None:
+            await gate.acquire()
+        try:
+            if not req.is_session:
+                rec = CallRecord(0.0, expected_tokens=req.output_len, prompt_tokens=req.prompt_len)
+                records.append(rec)
+                await client.post_completion(body, rec)
+                on_call(rec)
+                return
+            answers = []
+            for i in range(len(req.turns)):  # each turn carries the earlier turns and their answers
+                rec = CallRecord(0.0, expected_tokens=req.output_len)
+                records.append(rec)
+                answers.append(await client.session_call(req.turns[:i + 1], answers, req.output_len, rec))
+                on_call(rec)
+                if not rec.ok:
+                    return
+        finally:
+            if gate is not None:
+                gate.release()
+
+    await asyncio.gather(*(one(req, body, off) for req, body, off in zip(requests, bodies, offsets)))
