@@ -14,6 +14,7 @@ import typer
 from .cli_bench import bench_app
 from .cli_common import AsNode, LogLevel, endpoint, fail, find_model, load, secure, warn_if_open
 from .cli_model import model_app
+from .config import GPU_SERVE_MAX_SEQS, LARGE_GPU_BYTES, LARGE_GPU_SERVE_MAX_SEQS
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False, rich_markup_mode=None,
                   help="Serve a causal LM from a fleet of GPU workers that trade requests at every step.")
@@ -127,7 +128,9 @@ def serve(
         help="Share of each GPU's memory a worker may fill, weights and KV cache together (default 0.9).")] = None,
     max_num_seqs: Annotated[Optional[int], typer.Option(
         "--max-num-seqs", min=1,
-        help="Sequences per step on each worker (default: 256 on a GPU, else the topology's).")] = None,
+        help=(f"Sequences per step on each worker (default on a GPU: {LARGE_GPU_SERVE_MAX_SEQS} on GPUs of "
+              f"{LARGE_GPU_BYTES >> 30} GiB or more, {GPU_SERVE_MAX_SEQS} on smaller ones; on the CPU "
+              "or with --config, the topology's)."))] = None,
     api_key: Annotated[Optional[str], typer.Option(
         "--api-key",
         help="Requests to /v1 must send 'Authorization: Bearer KEY'.")] = None,
