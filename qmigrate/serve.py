@@ -74,7 +74,7 @@ def serve_max_num_seqs(gpu_bytes: int) -> int:
 
 def default_api_servers(num_gpus: int, cpu_count: int | None = None) -> int:
     """HTTP processes of the default topology: one per 4 CPU cores, at most 4 per GPU; 1 without
-    a GPU, where CPU workers need the cores (docs/benchmarks.md, "Several HTTP processes")."""
+    a GPU, where CPU workers need the cores (docs/benchmarks-history.md, "Several HTTP processes")."""
     cores = cpu_count if cpu_count is not None else os.cpu_count() or 1
     return max(1, min(4 * num_gpus, cores // 4, MAX_HTTP_PROCESSES)) if num_gpus else 1
 

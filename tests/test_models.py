@@ -20,6 +20,7 @@ from qmigrate.hub.loading import (
     resolve_model,
 )
 from qmigrate.hub.builders import build_bench_model, build_tiny_model
+from qmigrate.hub.store import BUILD_MARKER
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 PROMPTS = ["The old sailor carried", "Hello there, how are you today?", "我们明天早上"]
@@ -133,19 +134,36 @@ def test_ensure_default_model_builds_once(monkeypatch, tmp_path):
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
 
 
-def test_concurrent_builds_race_safely(tmp_path):
-    out = tmp_path / "raced"
-    code = ("import sys; from qmigrate.hub.builders import build_tiny_model; "
-            "print(build_tiny_model(sys.argv[1]))")
+def test_concurrent_builds_race_safely(tmp_path, tiny_model_dir):
+    """Two processes build one model into one directory at once: each waits inside its build
+    until the other is there too, so both renames race. One wins, the other returns the
+    winner's build, and no temporary directory is left. (The builds copy the tiny model, so
+    the processes need no torch: the race is build_atomically's, whatever the model.)"""
+    out, gate = tmp_path / "raced", tmp_path / "gate"
+    gate.mkdir()
+    code = ("import os, shutil, sys, time\n"
+            "from pathlib import Path\n"
+            "from qmigrate.hub.store import build_atomically\n"
+            "src, out, gate, me = sys.argv[1:]\n"
+            "def write(tmp):\n"
+            "    for f in Path(src).iterdir():\n"
+            "        shutil.copy(f, tmp)\n"
+            "    Path(gate, me).touch()\n"
+            "    deadline = time.monotonic() + 60\n"
+            "    while len(os.listdir(gate)) < 2 and time.monotonic() < deadline:\n"
+            "        time.sleep(0.005)\n"
+            "print(build_atomically(out, {'builder': 'raced'}, write))\n")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")])}
-    procs = [subprocess.Popen([sys.executable, "-c", code, str(out)], env=env,
+    procs = [subprocess.Popen([sys.executable, "-c", code, str(tiny_model_dir), str(out), str(gate), str(i)], env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for _ in range(2)]
+             for i in range(2)]
     results = [p.communicate(timeout=90) for p in procs]
     for p, (stdout, stderr) in zip(procs, results):
         assert p.returncode == 0, stderr
         assert stdout.strip() == str(out)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["raced"]
+    assert sorted(p.name for p in gate.iterdir()) == ["0", "1"]   # both were building at once
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["gate", "raced"]
+    assert json.loads((out / BUILD_MARKER).read_text()) == {"builder": "raced"}
     AutoModelForCausalLM.from_pretrained(out)
 
 
