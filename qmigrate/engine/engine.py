@@ -47,7 +47,10 @@ class Engine:
         self.num_kv_heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
         self.tp = tp
         self.head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
-        self.vocab_size = text.vocab_size
+        # ids past the embedding's rows are a device-side assert on a GPU: the ids this engine
+        # accepts or makes up stay below both counts
+        embed = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+        self.vocab_size = min(text.vocab_size, getattr(embed, "num_embeddings", text.vocab_size))
         self.max_context = int(getattr(text, "max_position_embeddings", 2048))
         self.max_len = min(cfg.max_len or self.max_context, self.max_context)
         param = next(model.parameters())
