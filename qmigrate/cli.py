@@ -84,7 +84,10 @@ def sim(
 ):
     """Local multi-process simulation: every role a process on this machine, prompts from
     stdin, streaming output on stdout. Exits once stdin closes and every request is done
-    (with --http: when interrupted; stdin is still read until it closes)."""
+    (with --http: when interrupted; stdin is still read until it closes).
+
+    Exit status: 0 when every request ran to its end; 3 when any request failed (a bad input
+    line, or a worker's error: each is printed as an error record); 1 when a role failed."""
     from .config import ConfigError, parse_topology
     from .launch import run_sim
     topo = load(config)
