@@ -102,6 +102,11 @@ def test_a_process_grabbing_gpu_memory_makes_the_worker_shed_work(tmp_path, tiny
         w1 = next(w for w in snapshot()["workers"] if w["name"] == "w1")
         print("w1 while the memory is held:", w1, flush=True)
         assert w1["state"] == "memory-short", w1
+        if not two:
+            # both workers share the GPU: none takes new prefills while the memory is held,
+            # so the prompts still queued wait for it to come back
+            stop_group(hog)
+            hog = None
         node.stdin.close()
         node.wait(timeout=400)
     finally:
