@@ -192,7 +192,9 @@ def node(
              "where ingest runs).")] = False,
     log_level: LogLevel = "warning",
 ):
-    """Start the roles the topology puts on NODE and supervise them (per-node launch)."""
+    """Start the roles the topology puts on NODE and supervise them (per-node launch). With
+    --stdin on the detokenizer's node, it exits once every request is done: 3 when any
+    request failed, as sim does."""
     from .config import ConfigError
     from .launch import run_node
     topo = load(config)
