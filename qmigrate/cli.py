@@ -91,7 +91,10 @@ def sim(
 ):
     """Local multi-process simulation: every role a process on this machine, prompts from
     stdin, streaming output on stdout. Exits once stdin closes and every request is done
-    (with --http: when interrupted; stdin is still read until it closes)."""
+    (with --http: when interrupted; stdin is still read until it closes).
+
+    Exit status: 0 when every request ran to its end; 3 when any request failed (a bad input
+    line, or a worker's error: each is printed as an error record); 1 when a role failed."""
     from .config import ConfigError, parse_topology
     from .launch import run_sim
     topo = load(config)
@@ -217,7 +220,9 @@ def node(
              "where ingest runs).")] = False,
     log_level: LogLevel = "warning",
 ):
-    """Start the roles the topology puts on NODE and supervise them (per-node launch)."""
+    """Start the roles the topology puts on NODE and supervise them (per-node launch). With
+    --stdin on the detokenizer's node, it exits once every request is done: 3 when any
+    request failed, as sim does."""
     from .config import ConfigError
     from .launch import run_node
     topo = load(config)

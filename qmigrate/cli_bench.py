@@ -252,7 +252,10 @@ def bench_serve(
     tokenizer: Annotated[Optional[str], typer.Option(help="Tokenizer directory for text prompts.")] = None,
     requests: Annotated[int, typer.Option(min=1, help="random: requests.")] = 256,
     prompt_len: Annotated[str, typer.Option(help="random: prompt length range MIN:MAX.")] = "64:512",
-    output_len: Annotated[str, typer.Option(help="random: output length range MIN:MAX.")] = "32:512",
+    output_len: Annotated[str, typer.Option(help=(
+        "random: output length range MIN:MAX. The default asks about 70,000 output tokens of 256 "
+        "requests, which take minutes on CPU workers; there, try --requests 32 "
+        "--output-len 16:64."))] = "32:512",
     vocab: Annotated[str, typer.Option(help="Token ids drawn from MIN:MAX (the tiny model: 10:1000).")] = "10:31000",
     seed: Annotated[int, typer.Option(
         help="random: the workload seed (that of `qmigrate bench`); also the arrivals' seed.")] = 0,
@@ -310,7 +313,9 @@ def bench_serve(
 ):
     """Send a dataset to an OpenAI-compatible server over streamed HTTP and print output tok/s,
     requests/s, TTFT, TPOT, ITL and end-to-end latency at p50/p90/p99 (and goodput under SLOs),
-    one line per request rate."""
+    one line per request rate, in two tables of 80 columns. A rate the server completed under
+    90% of warns that it did not keep up. The default workload (256 requests of up to 512
+    output tokens) takes minutes on CPU workers."""
     from qmigrate.bench import serve_data as D
     from qmigrate.bench.core import Workload
     from qmigrate.bench.serve import SESSIONS_AS, parse_rates, run_serve

@@ -63,6 +63,9 @@ class NodeConfig(Section):
     public_key: str | None = rules.setting(None, rules.optional_text)  # inline Z85 key, a key file, or a directory
     secret_key: str | None = rules.setting(None, rules.optional_text)  # None: <security.keys_dir>/<name>.key_secret
     max_restarts: int = rules.setting(3, rules.non_negative)   # a role that dies is started again this many times
+    # sim and serve start only once every worker of the node has joined the router (loaded
+    # its model): after this many seconds without it they stop with an error
+    join_timeout_s: float = rules.setting(600.0, rules.positive)
 
     @property
     def bind_host(self) -> str:

@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 from .config import SHORT_TMP, ConfigError, Topology, dump_topology, parse_topology
+from .detokenizer import EXIT_REQUESTS_FAILED
 from .ops.process import die_with
 
 log = logging.getLogger("qmigrate.launch")
@@ -152,8 +153,8 @@ def supervise(children: list[Child], *, until_done: bool, max_restarts: int = 0,
         for c in children:
             if c.exited or (rc := c.proc.poll()) is None:
                 continue
-            if rc == 0 and c.role == "detokenizer" and until_done:
-                return 0
+            if rc in (0, EXIT_REQUESTS_FAILED) and c.role == "detokenizer" and until_done:
+                return rc
             if rc == 0 and c.role in ("ingest", "worker", "monitor"):
                 c.exited = True  # done reading, drained, or no NVML here: not a failure
                 continue
@@ -214,7 +215,7 @@ def run_node(topo: Topology, config_path: Path, node: str, *, read_stdin: bool,
         num_workers = len(topo.workers) if wait_for_workers else 0
         children += start_roles(topo, config_path, roles, read_stdin=read_stdin, log_level=log_level,
                                 wait_for_workers=num_workers)
-        if num_workers and not wait_for_fleet(topo, children, num_workers):
+        if num_workers and not wait_for_fleet(topo, children, num_workers, topo.node(node).join_timeout_s):
             return 1
         has_router = any(role == "router" for role, _ in roles)
         progress = RouterProgress(topo) if read_stdin and has_router else None
@@ -225,7 +226,7 @@ def run_node(topo: Topology, config_path: Path, node: str, *, read_stdin: bool,
         finally:
             if progress is not None:
                 progress.line.clear()
-        if rc == 0 and read_stdin and any(role == "router" for role, _ in roles):
+        if rc in (0, EXIT_REQUESTS_FAILED) and read_stdin and any(role == "router" for role, _ in roles):
             print_summary(topo)
         return rc
     except Interrupted as exc:
@@ -265,7 +266,8 @@ def wait_for_fleet(topo: Topology, children: list[Child], num_workers: int, time
         except transport.Unreachable:
             pass
         time.sleep(0.2)
-    print(f"qmigrate: only some of {num_workers} workers joined within {timeout_s:g} s", file=sys.stderr)
+    print(f"qmigrate: only {joined} of {num_workers} workers joined the router within {timeout_s:g} s "
+          f"(nodes[].join_timeout_s): stopping", file=sys.stderr)
     return False
 
 
@@ -320,7 +322,8 @@ def single_node(topo: Topology, ipc_dir: str, model_path: str) -> Topology:
     data["security"]["enabled"] = "auto"  # one node over ipc: no keys, whatever the fleet uses
     data["model"]["path"] = model_path
     data["nodes"] = [{"name": "local", "monitor": any(w["device"].startswith("cuda") for w in data["workers"]),
-                      "max_restarts": data["nodes"][0]["max_restarts"]}]
+                      "max_restarts": data["nodes"][0]["max_restarts"],
+                      "join_timeout_s": data["nodes"][0]["join_timeout_s"]}]
     # Journals in the run's own directory: a role the supervisor starts again loses nothing.
     data["router"]["journal"] = data["router"]["journal"] or f"{ipc_dir}/router.journal"
     data["detokenizer"]["journal"] = data["detokenizer"]["journal"] or f"{ipc_dir}/detokenizer.journal"

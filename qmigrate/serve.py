@@ -191,6 +191,9 @@ def run_serve(topo: Topology, model_path: str, log_level: str = "warning") -> in
               f"{'s' if len(local.workers) != 1 else ''} ({', '.join(devices)}); live view: "
               f"qmigrate status {path}", file=sys.stderr, flush=True)
         notice = ReadyNotice(local.ingest.http_host, local.ingest.http_port)
-        return run_node(local, path, "local", read_stdin=False, log_level=log_level, tick=notice)
+        # ready (as vLLM's): every worker started here has joined the router, within the
+        # node's join_timeout_s, before /health answers 200 and "ready:" prints
+        return run_node(local, path, "local", read_stdin=False, log_level=log_level, wait_for_workers=True,
+                        tick=notice)
 
     return run_local(topo, model_path, start, prefix="qm-serve-")

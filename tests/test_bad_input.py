@@ -18,6 +18,7 @@ import yaml
 import zmq
 
 from qmigrate.config import local_topology
+from qmigrate.detokenizer import EXIT_REQUESTS_FAILED
 from qmigrate.wire import protocol as P
 from qmigrate.wire import codec
 from qmigrate.wire import transport
@@ -103,8 +104,10 @@ def sims(tmp_path_factory, tiny_model_dir):
     tmp = tmp_path_factory.mktemp("sims")
     started = {}
     try:
-        for mode, lines in (("text", _text_lines()), ("jsonl", _jsonl_lines())):
-            started[mode] = _Sim(_topology(tmp, tiny_model_dir, mode), b"\n".join(lines) + b"\n")
+        for key, mode, lines in (("text", "text", _text_lines()), ("jsonl", "jsonl", _jsonl_lines()),
+                                 ("errors", "jsonl", [b"\xff", b'{"id": "e", "prompt": ""}', b"{"])):
+            (tmp / key).mkdir()
+            started[key] = _Sim(_topology(tmp / key, tiny_model_dir, mode), b"\n".join(lines) + b"\n")
         yield started
     finally:
         for sim in started.values():
@@ -116,12 +119,19 @@ def test_sim_survives_bytes_that_are_not_utf8(sims):
     that line is an error record and the others answer. Random bytes likewise."""
     lines = _text_lines()
     rc, records, err = sims["text"].result()
-    assert rc == 0 and "Traceback" not in err, err[-3000:]
+    assert rc == EXIT_REQUESTS_FAILED and "Traceback" not in err, err[-3000:]  # some lines failed
     finals = {r["id"]: r for r in records if r.get("done")}
     assert set(finals) == {str(i) for i in range(1, len(lines) + 1)}, sorted(finals)
     for good in ("1", "4", str(len(lines))):
         assert "error" not in finals[good] and len(finals[good]["token_ids"]) == 3, finals[good]
     assert "not valid UTF-8" in finals["2"]["error"] and "not valid UTF-8" in finals["3"]["error"]
+
+
+def test_sim_exits_non_zero_when_every_request_failed(sims):
+    rc, records, err = sims["errors"].result()
+    assert rc == EXIT_REQUESTS_FAILED and "Traceback" not in err, err[-3000:]
+    assert len(records) == 3 and all(r["done"] and r["error"] for r in records), records
+    assert "3 of 3 requests failed" in err, err[-3000:]
 
 
 def test_sim_jsonl_past_the_wire_bounds(sims):
@@ -131,7 +141,7 @@ def test_sim_jsonl_past_the_wire_bounds(sims):
     fuzzed lines and random bytes: the node runs to the end and every line has its record."""
     lines = _jsonl_lines()
     rc, records, err = sims["jsonl"].result()
-    assert rc == 0 and "Traceback" not in err, err[-3000:]
+    assert rc == EXIT_REQUESTS_FAILED and "Traceback" not in err, err[-3000:]
     finals = {r["id"]: r for r in records if r.get("done")}
     for i in range(3):
         assert "error" not in finals[f"g{i}"] and len(finals[f"g{i}"]["token_ids"]) == 3, finals

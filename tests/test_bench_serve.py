@@ -480,3 +480,22 @@ def test_middle_events_are_read_as_json_would_read_them():
         for other in (event("", "length", **style), event("a", **style)[:-1] + b', "more": 1}',
                       event("a", **style).replace(b'"a"', b'"a", "text": "b"'), b"data: [DONE]"):
             assert texts.text_of(other) is None, other
+
+
+def test_the_table_fits_80_columns_and_a_rate_not_kept_up_with_is_named():
+    """bench serve printed one 120-column line per rate, which wraps at 80 columns, and said
+    nothing when the server completed 0.17 requests/s of 4 offered."""
+    from qmigrate.bench.serve_stats import CallRecord, format_rows, keep_up_warnings, summarize
+    recs = [CallRecord(0.0, [0.1 + i, 0.2 + i, 0.3 + i], 3, 3, prompt_tokens=100, cached_tokens=0) for i in range(4)]
+    slow, fast = summarize(recs, 0.0, 24.0), summarize(recs, 0.0, 1.05)
+    slow["goodput"] = {"requests_per_s": 123456.78}
+    table = format_rows([("4", slow), ("3.5", fast), ("inf", slow)])
+    assert max(len(line) for line in table.splitlines()) <= 80, table
+    for figure in ("0.17", "3.81", "TTFT", "TPOT", "ITL", "E2E", "123456.78"):
+        assert figure in table
+    warned = keep_up_warnings([("4", slow), ("3.5", fast), ("inf", slow)])
+    assert len(warned) == 1 and warned[0].startswith("rate 4: the server completed 0.17 requests/s of the 4 "
+                                                     "offered (4%)"), warned
+    # a session of 4 calls is one request of the rate
+    assert keep_up_warnings([("1", fast)], calls_per_request=4.0) == []
+    assert len(keep_up_warnings([("1", fast)], calls_per_request=5.0)) == 1

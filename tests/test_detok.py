@@ -161,6 +161,19 @@ def test_jsonl_records(tok):
     assert "😀" in out[-2]  # not escaped
 
 
+def test_failed_requests_are_counted_for_the_exit_status(tok):
+    """sim exits non-zero when any request failed: refused by ingest, or ended by a worker's
+    error; those that end by EOS, length or a stop did not fail."""
+    sink = JsonlSink(tok, [].append)
+    for seq_id, reason in enumerate(["eos", "length", "stop", "error"]):
+        sink.start(seq_id, f"r{seq_id}", prompt_ids=[])
+        sink.tokens(seq_id, 0, gen_ids(tok, "Hi"))
+        sink.finish(seq_id, reason)
+    assert sink.num_done == 4 and sink.num_failed == 1
+    sink.error("bad", "empty prompt")
+    assert sink.num_done == 5 and sink.num_failed == 2
+
+
 def test_duplicate_tokens_printed_once(tok):
     out = []
     sink = JsonlSink(tok, out.append)

@@ -1163,3 +1163,32 @@ def test_eager_steps_are_padded_to_few_token_counts_within_the_budget():
     assert eager_sizes(4096, 5000) == [4608, 5000] and eager_tokens(4700, 5000) == 5000
     assert eager_sizes(4096, 4096) == [] and eager_sizes(1024, 1024) == []
     assert eager_tokens(20000, 16384) == 20000  # past the budget: never cut
+
+
+def test_warm_up_makes_up_ids_inside_a_small_vocabulary():
+    """The warm-up's throwaway prompts (run on a GPU only; called directly here) must stay in
+    the model's vocabulary: on the CPU an id past the embedding raises, on a GPU it is a
+    device-side assert that kills the worker."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+    from qmigrate.engine import startup
+    config = LlamaConfig(vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=128,
+                         bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    torch.manual_seed(0)
+    small = AutoModelForCausalLM.from_config(config, attn_implementation="eager", dtype=torch.float32).eval()
+    engine = make_engine(small, kv_tokens=2048, max_len=128, runner="fast")
+    assert engine.shape.vocab_size == 100
+    with torch.inference_mode():
+        startup.warm_up(engine)
+    assert engine.pool.free_tokens == engine.pool.capacity_tokens   # every throwaway row released
+    reference = small.generate(torch.tensor([[1, 5, 7]]), max_new_tokens=3, do_sample=False,
+                               pad_token_id=0)[0, 3:].tolist()
+    assert drive_one(engine, [1, 5, 7], 3) == reference
+    assert all(0 <= i < 100 for n in (1, 17, 96, 600) for i in startup.made_up_ids(n, 100))
+    assert startup.made_up_ids(5, 8) == [0, 1, 2, 3, 4]
+
+
+def drive_one(engine: Engine, prompt: list[int], n: int) -> list[int]:
+    job = Job(1, prompt, n)
+    drive(engine, [job])
+    return job.out

@@ -7,6 +7,7 @@ sliding windows (8 positions) and through their soft-capping."""
 from __future__ import annotations
 
 import random
+import shutil
 
 import pytest
 import torch
@@ -73,10 +74,15 @@ def test_logits_equal_the_transformers_forward(family):
     """A prompt's prefill, then decode steps fed the next ids: each step's logits against the
     transformers forward of the whole sequence at the same position."""
     name, model = family
-    engine = fast_engine(model)
-    (seq,) = prompts(1, seed=1)
+    expected = model(torch.tensor([seq := prompts(1, seed=1)[0]])).logits[0].float()
+    err = logit_error(fast_engine(model), seq, expected)
+    assert err <= 1e-4, f"{name}: relative logit error {err:.2e}"
+
+
+def logit_error(engine: Engine, seq: list[int], expected: torch.Tensor) -> float:
+    """A prompt's prefill, then decode steps fed the next ids, on `engine`: the largest
+    relative error of their logits against `expected` (the forward of the whole sequence)."""
     prompt_len = len(seq) - 10
-    expected = model(torch.tensor([seq])).logits[0].float()
     got = []
     for start in [0] + list(range(prompt_len, len(seq) - 1)):
         new = seq[:prompt_len] if start == 0 else [seq[start]]
@@ -86,8 +92,35 @@ def test_logits_equal_the_transformers_forward(family):
         engine.pool.mark_written([1], [start + len(new)])
     got = torch.stack(got)
     want = expected[prompt_len - 1:len(seq) - 1]
-    err = ((got - want).abs().max() / want.abs().max()).item()
+    return ((got - want).abs().max() / want.abs().max()).item()
+
+
+@torch.inference_mode()
+@pytest.mark.parametrize("name", ["gemma2", "gemma3", "mistral"])
+def test_the_transformers_runner_keeps_sliding_windows_and_soft_caps(name):
+    """The transformers runner's own attention hook and head: a context past the window,
+    Gemma's soft-capped scores and logits (the runner passes a causal mask of its own)."""
+    model = build_family_model(name)
+    expected = model(torch.tensor([seq := prompts(1, seed=1)[0]])).logits[0].float()  # before the hook
+    engine = Engine(model, runner="hf", max_len=128, max_kv_tokens=1024)
+    assert engine.runner.name == "hf"
+    err = logit_error(engine, seq, expected)
     assert err <= 1e-4, f"{name}: relative logit error {err:.2e}"
+
+
+def test_a_model_loads_with_an_attention_its_class_supports(tmp_path, tiny_model_dir):
+    """Gemma 2 has no SDPA path in some transformers releases, where asking for one is an
+    error; the loader asks for SDPA only where the class has it, and eager otherwise."""
+    from transformers import Gemma2ForCausalLM, LlamaForCausalLM
+    from qmigrate.hub.loading import load_model, load_structure
+    for name, cls in (("gemma2", Gemma2ForCausalLM), ("llama3", LlamaForCausalLM)):
+        build_family_model(name).save_pretrained(tmp_path / name)
+        for f in tiny_model_dir.glob("tokenizer*"):
+            shutil.copy(f, tmp_path / name)
+        loaded, _ = load_model(tmp_path / name, "cpu")
+        want = "sdpa" if cls._supports_sdpa else "eager"
+        assert type(loaded) is cls and loaded.config._attn_implementation == want
+        assert load_structure(tmp_path / name).config._attn_implementation == want
 
 
 @torch.inference_mode()

@@ -39,6 +39,21 @@ def _continuations(model, prompts: list[list[int]]) -> list[list[int]]:
     return [out[i, width:].tolist() for i in range(len(prompts))]
 
 
+@pytest.mark.parametrize("name, runner", [("llama3", "auto"), ("gemma2", "auto"), ("qwen2", "hf")])
+def test_warm_up_stays_inside_a_small_vocabulary(name, runner):
+    """These models have 256 tokens: the warm-up's made-up prompts once used ids up to 509,
+    a device-side assert in the embedding that killed every GPU worker at its start."""
+    from qmigrate.engine.engine import Engine
+    from qmigrate.engine.rows import StepRow
+    model = build_family_model(name, device="cuda").to(torch.bfloat16)
+    assert model.config.vocab_size < 510
+    engine = Engine(model, runner=runner, max_len=256, max_kv_tokens=1 << 13, max_batch=8, max_batch_tokens=1024)
+    engine.warm_up()
+    torch.cuda.synchronize()
+    (token,) = engine.step([StepRow(1, [1, 5, 7, 9], 0, 0)])
+    assert 0 <= token < model.config.vocab_size
+
+
 @pytest.mark.parametrize("name", FAMILY_NAMES)
 @torch.inference_mode()
 def test_bf16_with_cuda_graphs_against_fp32_transformers(name):

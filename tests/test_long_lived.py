@@ -93,14 +93,14 @@ def test_tokens_count_only_for_the_senders_leases(two_workers):
             if isinstance(msg := codec.decode(detok.recv()), P.Tokens):
                 got.append(msg)
             quiet = 0
-        elif len(got) >= 2 and router.errors["tokens_not_leased"] >= dropped:
+        elif len(got) >= 2 and router.errors["tokens_never_leased"] >= dropped:
             quiet += 1
     by_rows = {tuple(P.unpack_i64(m.seq_ids).tolist()): m for m in got}
     assert len(got) == 2 and set(by_rows) == {tuple(leases["w2"]), tuple(leases["w1"])}
     own = by_rows[tuple(leases["w2"])]
     assert P.unpack_i32(own.tokens).tolist() == [7] * 4 and P.unpack_u8(own.finish).tolist() == [1, 1]
     assert P.unpack_i32(by_rows[tuple(leases["w1"])].tokens).tolist() == [9] * 4
-    assert router.errors["tokens_not_leased"] == dropped
+    assert router.errors["tokens_never_leased"] == dropped
 
 
 def test_tokens_of_a_cancelled_sequence_from_its_worker_are_no_fault(two_workers):
@@ -124,14 +124,14 @@ def test_tokens_of_a_cancelled_sequence_from_its_worker_are_no_fault(two_workers
     transport.send(w1, _tokens(rows))        # its own lease: 101 goes on, 100 is late
     transport.send(w2, _tokens([100]))       # never leased to w2: a fault
     got, deadline = [], time.monotonic() + 10
-    while time.monotonic() < deadline and not (got and router.errors["tokens_not_leased"] >= 1):
+    while time.monotonic() < deadline and not (got and router.errors["tokens_never_leased"] >= 1):
         router.drain_socket()
         router.out.flush_backlog()
         while detok.poll(10):
             if isinstance(msg := codec.decode(detok.recv()), P.Tokens):
                 got.append(P.unpack_i64(msg.seq_ids).tolist())
     assert got == [[101]]
-    assert router.sched.counters["tokens_after_cancel"] == 1 and router.errors["tokens_not_leased"] == 1
+    assert router.sched.counters["tokens_after_cancel"] == 1 and router.errors["tokens_never_leased"] == 1
 
 
 def test_a_detokenizer_that_does_not_read_stops_admission_and_loses_nothing(topo, monkeypatch):

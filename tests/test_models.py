@@ -280,3 +280,29 @@ def test_tokenizer_info_without_torch_matches_autotokenizer(tiny_model_dir, tmp_
     (other / "tokenizer_config.json").write_text(json.dumps({**config, "tokenizer_class": "LlamaTokenizer"}))
     assert _generic_tokenizer_info(other) is None
     assert load_tokenizer_info(other)[1:] == (512, [2])
+
+
+def test_ingest_tokenizes_as_autotokenizer_whatever_the_model_type(tiny_model_dir, tmp_path):
+    """A checkpoint that names the generic tokenizer under a config whose model type has a
+    tokenizer class of its own in transformers (qwen2: Qwen2Tokenizer, which pre-tokenizes
+    digits its own way): ingest's ids are AutoTokenizer's, and the files are read directly
+    only for model types where AutoTokenizer keeps the generic class."""
+    import json
+    import shutil
+
+    from transformers import AutoTokenizer
+    from qmigrate.hub import tokenizer_info
+    texts = ("0 1 2 3", "Item 42: 3.14 costs $7", "Hello there 東京 café")
+    for model_type in ("qwen2",) + tokenizer_info._GENERIC_MODEL_TYPES:
+        path = tmp_path / model_type
+        shutil.copytree(tiny_model_dir, path)
+        config = json.loads((path / "config.json").read_text())
+        config.pop("architectures", None)
+        (path / "config.json").write_text(json.dumps({**config, "model_type": model_type}))
+        auto = AutoTokenizer.from_pretrained(str(path))
+        ingest = tokenizer_info.load_tokenizer_info(path)[0]
+        for text in texts:
+            assert ingest(text).input_ids == auto(text).input_ids, (model_type, text)
+        if model_type in tokenizer_info._GENERIC_MODEL_TYPES:
+            assert type(auto).__name__ in tokenizer_info._GENERIC_TOKENIZERS, model_type
+            assert tokenizer_info._generic_tokenizer_info(path) is not None

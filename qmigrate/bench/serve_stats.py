@@ -114,20 +114,41 @@ def _hit_rate(done: list[CallRecord]) -> float | None:
 
 
 def format_rows(runs: list[tuple[str, dict]]) -> str:
-    """One line per run (a rate of a sweep): throughput, then p50/p99 of each latency."""
-    head = (f"{'rate':>8} {'tok/s':>9} {'req/s':>7} {'TTFT p50/p90/p99 ms':>22} {'TPOT p50/p99 ms':>16} "
-            f"{'ITL p50/p99 ms':>16} {'E2E p50/p99 s':>14} {'good/s':>7} {'failed':>6} {'hits':>5}")
-    lines = [head]
+    """Two tables of a line per run (a rate of a sweep), each within 80 columns: throughput
+    and end-to-end latency, then p50/p99 of the token latencies."""
+    head = f"{'rate':>8} {'tok/s':>9} {'req/s':>7} {'good/s':>7} {'failed':>6} {'E2E p50/p99 s':>14} {'hits':>5}"
+    latency_head = f"{'rate':>8} {'TTFT p50/p90/p99 ms':>22} {'TPOT p50/p99 ms':>16} {'ITL p50/p99 ms':>16}"
+    lines, latencies = [head], [latency_head]
     for rate, s in runs:
         f = lambda d, q: "-" if d[f"p{q}"] is None else f"{d[f'p{q}']:.1f}"
         e = lambda q: "-" if s["e2e_ms"][f"p{q}"] is None else f"{s['e2e_ms'][f'p{q}'] / 1000:.2f}"
         ttft = "/".join(f(s["ttft_ms"], q) for q in PERCENTILES)
         good = f"{s['goodput']['requests_per_s']:.2f}" if "goodput" in s else "-"
-        lines.append(f"{rate:>8} {s['output_tok_per_s']:9,.0f} {s['requests_per_s']:7.2f} {ttft:>22} "
-                     f"{f(s['tpot_ms'], 50) + '/' + f(s['tpot_ms'], 99):>16} "
-                     f"{f(s['itl_ms'], 50) + '/' + f(s['itl_ms'], 99):>16} {e(50) + '/' + e(99):>14} "
-                     f"{good:>7} {s['failed']:>6} {_percent(s.get('prefix_hit_rate')):>5}")
-    return "\n".join(lines)
+        lines.append(f"{rate:>8} {s['output_tok_per_s']:9,.0f} {s['requests_per_s']:7.2f} {good:>7} "
+                     f"{s['failed']:>6} {e(50) + '/' + e(99):>14} {_percent(s.get('prefix_hit_rate')):>5}")
+        latencies.append(f"{rate:>8} {ttft:>22} {f(s['tpot_ms'], 50) + '/' + f(s['tpot_ms'], 99):>16} "
+                         f"{f(s['itl_ms'], 50) + '/' + f(s['itl_ms'], 99):>16}")
+    return "\n".join(lines + [""] + latencies)
+
+
+# A run whose server completed fewer requests a second than this share of the offered rate
+# did not keep up: its latencies measure the server's queue more than its speed.
+KEEP_UP_SHARE = 0.9
+
+
+def keep_up_warnings(runs: list[tuple[str, dict]], calls_per_request: float = 1.0) -> list[str]:
+    """A line for each run at a finite rate that the server did not keep up with.
+    `calls_per_request`: a session of several turns is one request of the rate."""
+    out = []
+    for rate, s in runs:
+        if rate == "inf":
+            continue
+        offered, achieved = float(rate), s["requests_per_s"] / calls_per_request
+        if achieved < KEEP_UP_SHARE * offered:
+            out.append(f"rate {rate}: the server completed {achieved:.2f} requests/s of the {offered:g} offered "
+                       f"({achieved / offered:.0%}): it did not keep up, and this rate's latencies include "
+                       f"its queue")
+    return out
 
 
 def _percent(x: float | None) -> str:

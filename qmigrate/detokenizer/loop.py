@@ -24,6 +24,7 @@ import zmq
 from qmigrate.wire import protocol as P
 from qmigrate.wire import codec
 from qmigrate.wire import transport
+from qmigrate.detokenizer import EXIT_REQUESTS_FAILED
 from qmigrate.detokenizer.sinks import make_sink
 from qmigrate.hub.loading import resolve_model
 from qmigrate.hub.tokenizer_info import load_tokenizer_info
@@ -221,4 +222,7 @@ def run(topo, name: str, exit_when_done: bool = False) -> int:
         detokenizer.serve_forever(exit_when_done)
     finally:
         detokenizer.trace.flush()
+    if exit_when_done and (failed := detokenizer.sink.num_failed):
+        log.warning("%d of %d requests failed", failed, detokenizer.sink.num_done)
+        return EXIT_REQUESTS_FAILED
     return 0

@@ -107,6 +107,7 @@ class _Sink:
         self.num_done = 0         # requests this sink printed the end of
         self.num_replied = 0      # requests routed elsewhere that ended
         self.num_errors = 0
+        self.num_failed = 0       # requests printed that did not run to an end: refused, or a worker's error
         self.num_dropped_tokens = 0
 
     @property
@@ -216,6 +217,7 @@ class _Sink:
         self._errored.add(key)
         self.num_done += 1
         self.num_errors += 1
+        self.num_failed += 1
         self._on_error(req_id, message)
 
     def flush_idle(self, now: float | None = None) -> None:
@@ -250,6 +252,7 @@ class _Sink:
             self.num_replied += 1
         else:
             self.num_done += 1
+            self.num_failed += Finish.from_reason(seq.finish_reason) is Finish.ERROR
             self._on_finish(seq)
         if self._reply is not None:  # for a printed request: "it ended", so its id is free again
             self._reply(seq_id, "", Finish.from_reason(seq.finish_reason), len(seq.token_ids), seq.cached_tokens)

@@ -70,13 +70,22 @@ def activation_bytes(engine) -> int:
     return int(peak * 1.2) + (512 << 20)
 
 
+def made_up_ids(n: int, vocab_size: int) -> list[int]:
+    """n ids for a throwaway prompt, all inside the model's vocabulary (a model may have
+    fewer than a few hundred tokens: an id past its embedding is a device-side assert on a
+    GPU). Ids 10 on skip the special tokens that small vocabularies put first."""
+    low = 10 if vocab_size > 20 else 0
+    span = max(1, min(500, vocab_size - low))
+    return [low + j % span for j in range(n)]
+
+
 def warm_up(engine) -> None:
     """The throwaway steps of Engine.warm_up."""
     # Prompt lengths of several kinds (one token, odd, a multiple of 16, over a chunk):
     # compiled kernels are specialised on such properties of their sizes.
     lengths = [1, 17, 96, max(600, engine.config.prefill_chunk + 88)]
     lengths = [max(1, min(n, engine.max_len - 4)) for n in lengths]
-    rows = [StepRow(-1 - i, [10 + j % 500 for j in range(n)], 0, 0) for i, n in enumerate(lengths)]
+    rows = [StepRow(-1 - i, made_up_ids(n, engine.shape.vocab_size), 0, 0) for i, n in enumerate(lengths)]
     for _ in range(3):
         tokens = engine.step(rows)
         if REFUSED in tokens:
@@ -93,7 +102,7 @@ def warm_up(engine) -> None:
         if -(-size // n) > engine.config.max_num_seqs:
             break  # no step of so many tokens fits in max_num_seqs rows of a chunk each
         lengths = [n] * (size // n) + ([size % n] if size % n else [])
-        rows = [StepRow(-100 - i, [10 + j % 500 for j in range(k)], 0, 0) for i, k in enumerate(lengths)]
+        rows = [StepRow(-100 - i, made_up_ids(k, engine.shape.vocab_size), 0, 0) for i, k in enumerate(lengths)]
         tokens = engine.step(rows)
         for r in rows:
             engine.release(r.seq_id)

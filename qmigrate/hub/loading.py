@@ -11,9 +11,9 @@ from typing import NoReturn
 from qmigrate.hub.store import (DEFAULT_MODEL_NAME, SMOLLM2_NAME, ModelLoadError, ModelNotFound, cache_root,
                                 default_model_dir, parse_dtype)
 
-__all__ = ["DEFAULT_MODEL_NAME", "SMOLLM2_NAME", "ModelLoadError", "ModelNotFound", "cache_root",
-           "default_model_dir", "ensure_default_model", "fetch_hub_model", "load_model", "load_structure",
-           "model_structure", "remote_code_error", "resolve_model"]
+__all__ = ["DEFAULT_MODEL_NAME", "SMOLLM2_NAME", "ModelLoadError", "ModelNotFound", "attention_implementation",
+           "cache_root", "default_model_dir", "ensure_default_model", "fetch_hub_model", "load_model",
+           "load_structure", "model_structure", "remote_code_error", "resolve_model"]
 
 def ensure_default_model() -> Path:
     from qmigrate.hub.builders import build_tiny_model
@@ -74,16 +74,30 @@ def _torch_dtype(dtype: str, device: str):
     return parse_dtype(dtype)
 
 
+def attention_implementation(config) -> str | None:
+    """The attention a model is loaded with: "sdpa" where its transformers class supports it,
+    else "eager" (Gemma 2 has no SDPA path in some transformers releases, and asking for one
+    is an error); None (transformers' own choice) for a class it does not map, such as a
+    model's own code."""
+    from transformers import AutoModelForCausalLM
+    try:
+        cls = AutoModelForCausalLM._model_mapping[type(config)]
+    except (KeyError, AttributeError, ValueError):
+        return None
+    return "sdpa" if getattr(cls, "_supports_sdpa", False) else "eager"
+
+
 def load_model(path: str | os.PathLike, device: str, dtype: str = "auto", *, trust_remote_code: bool = False):
     """Load (model, tokenizer); dtype "auto" means float32 on the CPU and bfloat16 on a GPU."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
     torch_dtype = _torch_dtype(dtype, device)
     try:
+        config = AutoConfig.from_pretrained(str(path), trust_remote_code=trust_remote_code)
         model = AutoModelForCausalLM.from_pretrained(
-            str(path), dtype=torch_dtype, attn_implementation="sdpa",
+            str(path), config=config, dtype=torch_dtype, attn_implementation=attention_implementation(config),
             trust_remote_code=trust_remote_code)
         tokenizer = AutoTokenizer.from_pretrained(str(path), trust_remote_code=trust_remote_code)
         model = model.to(device).eval()
@@ -108,6 +122,7 @@ def model_structure(config, dtype: str = "float32", *, trust_remote_code: bool =
     from transformers import AutoModelForCausalLM
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=_torch_dtype(dtype, "cpu"),
+                                                 attn_implementation=attention_implementation(config),
                                                  trust_remote_code=trust_remote_code)
     return model.eval()
 

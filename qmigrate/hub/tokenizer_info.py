@@ -14,6 +14,13 @@ from qmigrate.hub.store import ModelLoadError
 
 # Tokenizer classes AutoTokenizer resolves to transformers' generic fast tokenizer itself.
 _GENERIC_TOKENIZERS = ("TokenizersBackend", "PreTrainedTokenizerFast")
+# Model types (config.json's) for which AutoTokenizer keeps the generic tokenizer that a
+# checkpoint names. For some others it substitutes a class of its own whatever the checkpoint
+# says (Qwen2Tokenizer for qwen2, whose pre-tokenizer splits "0 1 2 3" into other ids than the
+# tokenizer.json it was given); which ones depends on the transformers release, and telling
+# needs its auto module, which imports torch. So the files are read directly only for these
+# types, each checked against AutoTokenizer by the tests; every other type takes AutoTokenizer.
+_GENERIC_MODEL_TYPES = ("llama", "mistral", "mixtral")
 
 
 def load_tokenizer_info(path: str | os.PathLike, trust_remote_code: bool = False):
@@ -33,8 +40,9 @@ def load_tokenizer_info(path: str | os.PathLike, trust_remote_code: bool = False
 
 def _generic_tokenizer_info(path: Path):
     """The same as _auto_tokenizer_info, read from the files, for a checkpoint whose tokenizer
-    is transformers' generic fast tokenizer and whose config is a plain one (no code of its
-    own, no nested text config); None for any other. AutoConfig imports torch, which the
+    is transformers' generic fast tokenizer and whose config is a plain one of a model type
+    AutoTokenizer leaves that tokenizer to (no code of its own, no nested text config); None
+    for any other. AutoConfig imports torch, which the
     ingest and detokenizer processes then never need: they start seconds sooner."""
     try:
         tokenizer_config = json.loads((path / "tokenizer_config.json").read_text())
@@ -43,6 +51,7 @@ def _generic_tokenizer_info(path: Path):
         return None
     if (not isinstance(tokenizer_config, dict) or not isinstance(config, dict)
             or tokenizer_config.get("tokenizer_class") not in _GENERIC_TOKENIZERS
+            or config.get("model_type") not in _GENERIC_MODEL_TYPES
             or "auto_map" in tokenizer_config or "auto_map" in config or "text_config" in config
             or not (path / "tokenizer.json").is_file()
             or type(config.get("max_position_embeddings")) is not int or config["max_position_embeddings"] < 1):

@@ -334,6 +334,8 @@ class Ingest:
                     self.wait_for_workers = 0
                 serving = msg.counters.get("serving", msg.counters.get("workers", 0))
                 serving = serving if type(serving) is int and serving >= 0 else 0
+                if self.wait_for_workers:
+                    serving = 0   # ready (/health 200) only once every worker of the fleet has joined
                 if self.http is not None:
                     self.http.num_serving = serving
                 if self.fronts is not None:

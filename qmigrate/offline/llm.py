@@ -3,7 +3,7 @@
     llm = LLM("smollm2")                       # what --model takes; None: the built-in tiny model
     outputs = llm.generate(["Hello"], SamplingParams(max_tokens=32))
 
-Engine settings are a worker's (`WorkerConfig`: max_seqs, max_tokens, runner, device, ...),
+Engine settings are a worker's (`WorkerConfig`: max_num_seqs, max_num_batched_tokens, runner, device, ...),
 given as keyword arguments. Requests are checked as ingest checks them and end by the
 worker's rule, so a prompt gives here what it gives through `qmigrate serve`.
 """
@@ -37,8 +37,8 @@ class LLM:
         settings.setdefault("device", "cuda:0" if torch.cuda.is_available() else "cpu")
         worker = build_section(WorkerConfig, settings, "LLM settings")
         ModelConfig(path=model, dtype=dtype, trust_remote_code=trust_remote_code)
-        if worker.tensor_parallel != 1:
-            raise ValueError("LLM runs the model on one device: tensor_parallel must be 1")
+        if worker.tensor_parallel_size != 1:
+            raise ValueError("LLM runs the model on one device: tensor_parallel_size must be 1")
         path = resolve_model(model)
         if not Path(path).is_dir():
             path = fetch_hub_model(path)
@@ -59,7 +59,7 @@ class LLM:
 
     def _attach(self, engine, tokenizer, eos_ids, seed) -> None:
         self.engine, self.tokenizer, self.eos_ids = engine, tokenizer, sorted(eos_ids)
-        self.vocab_size = engine.vocab_size if tokenizer is None else min(engine.vocab_size, len(tokenizer))
+        self.vocab_size = engine.shape.vocab_size if tokenizer is None else min(engine.shape.vocab_size, len(tokenizer))
         self.rng = random.Random(seed)
         self._request_ids = itertools.count()
 

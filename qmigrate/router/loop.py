@@ -299,17 +299,21 @@ class Router:
             return
         seq_ids = P.unpack_i64(msg.seq_ids)
         self.trace("tokens", name, len(seq_ids))
-        mine = self.sched.leased_to(name, seq_ids.tolist())
+        mine, after_cancel, late, never = self.sched.sort_tokens(name, seq_ids.tolist())
         if all(mine):
             self.out.forward(frame)
             return
-        # a cancelled sequence's tokens from the worker it was leased to are expected (the
-        # lease runs on to its next step boundary); any other refused row is a fault
-        late = sum(not ok and self.sched.was_cancelled_at(name, sid) for sid, ok in zip(seq_ids.tolist(), mine))
-        self.sched.counters["tokens_after_cancel"] += late
-        if num_refused := len(mine) - sum(mine) - late:
-            self.errors["tokens_not_leased"] += num_refused
-            self.dropped_log.warning("dropped tokens of %d sequences not leased to worker %s", num_refused, name)
+        # A cancelled sequence's tokens from the worker it was leased to are expected (the
+        # lease runs on to its next step boundary), and so are those of a lease that lapsed
+        # (expired, revoked, moved: the worker ran on meanwhile); only rows of sequences never
+        # leased to the sender are a fault.
+        self.sched.counters["tokens_after_cancel"] += after_cancel
+        if late:
+            self.sched.counters["tokens_late"] += late
+            log.debug("dropped late tokens of %d sequences whose lease of worker %s lapsed", late, name)
+        if never:
+            self.errors["tokens_never_leased"] += never
+            self.dropped_log.warning("dropped tokens of %d sequences never leased to worker %s", never, name)
         if any(mine):
             keep = np.array(mine)
             counts = P.unpack_i32(msg.counts)

@@ -39,6 +39,7 @@ __all__ = ["Grant", "Outcome", "Row", "Scheduler", "Seq", "WorkerState",
 
 MAX_GPUS = 4096  # GPUs whose last memory report is kept
 MAX_CANCELLED = 1 << 14  # cancelled sequences whose late tokens are recognised
+MAX_LAPSED = 1 << 14     # sequences whose leases ended without a result, for the same
 
 _FINISHED = frozenset(int(f) for f in Finish if f.is_finished)
 
@@ -60,6 +61,10 @@ class Scheduler:
         # seq_id -> workers whose leases held it when it was cancelled: their tokens for it
         # in flight are expected, not a misbehaving worker's (at most MAX_CANCELLED kept)
         self.cancelled: OrderedDict[int, frozenset[str]] = OrderedDict()
+        # seq_id -> workers whose lease of it ended without its result (expired, revoked,
+        # their worker forgotten): tokens still on the way from there are late, which is
+        # expected under load, not forged (at most MAX_LAPSED kept)
+        self.lapsed: OrderedDict[int, set[str]] = OrderedDict()
         self.lessor = Lessor(self.config, self.seqs, self.queue, self.workers, self.leases, self.moves, self.prefix,
                              self.counters)
 
@@ -271,6 +276,23 @@ class Scheduler:
         way from there are dropped without counting as a fault."""
         return name in self.cancelled.get(seq_id, ())
 
+    def sort_tokens(self, name: str, seq_ids: list[int]) -> tuple[list[bool], int, int, int]:
+        """Which rows of `name`'s Tokens go on (leased_to), and how many of the others are
+        (after a cancel, late, never leased to it): a cancelled sequence's or one whose lease
+        of name's lapsed (expired, revoked, moved) is expected; only the last is a fault."""
+        mine = self.leased_to(name, seq_ids)
+        after_cancel = late = never = 0
+        for sid, ok in zip(seq_ids, mine):
+            if ok:
+                continue
+            if self.was_cancelled_at(name, sid):
+                after_cancel += 1
+            elif name in self.lapsed.get(sid, ()):
+                late += 1
+            else:
+                never += 1
+        return mine, after_cancel, late, never
+
     # --- results -----------------------------------------------------------------------
     def complete(self, lease_id: int, name: str, seq_ids: list[int], counts: list[int],
                  tokens: list[int], status: list[int], now: float) -> Outcome:
@@ -353,6 +375,11 @@ class Scheduler:
         w.lease_ids.pop(lease_id, None)
         w.num_leased -= len(lease.seq_ids)
         w.num_arriving -= lease.num_arriving
+        for sid in lease.seq_ids:
+            self.lapsed.setdefault(sid, set()).add(lease.worker)
+            self.lapsed.move_to_end(sid)
+        while len(self.lapsed) > MAX_LAPSED:
+            self.lapsed.popitem(last=False)
         for sid in lease.seq_ids:
             seq = self.seqs.get(sid)
             if seq is not None and seq.next_lease == lease_id:

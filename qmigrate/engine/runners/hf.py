@@ -62,6 +62,9 @@ class HFRunner:
         self.base = getattr(model, model.base_model_prefix)
         self.cache_arg = cache_argument(self.base)
         self.lm_head = model.get_output_embeddings()
+        # Gemma 2 and 3 cap their logits in the causal-LM head's forward, which is not run here
+        text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+        self.final_softcap = getattr(text, "final_logit_softcapping", None)
         self.max_padding = max_padding
         self.pool: BlockPool | None = None
         param = next(model.parameters())
@@ -137,7 +140,10 @@ class HFRunner:
         out = self.base(input_ids=t(ids), attention_mask=mask[:, None], position_ids=pos_t,
                         use_cache=True, **{self.cache_arg: view})
         last = out.last_hidden_state[torch.arange(g, device=dev), t(lens - 1)]
-        return self.lm_head(last).float()
+        logits = self.lm_head(last).float()
+        if self.final_softcap:
+            logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
+        return logits
 
 
 def cache_argument(base) -> str:
