@@ -103,9 +103,13 @@ async def send_all(client: Client, requests: list[ServeRequest], bodies: list[by
                 return
             answers = []
             for i in range(len(req.turns)):  # each turn carries the earlier turns and their answers
-                rec = CallRecord(0.0, expected_tokens=req.output_len)
+                if i and req.think_time_s:
+                    await asyncio.sleep(req.think_time_s)
+                n = req.turn_output_len(i)
+                rec = CallRecord(0.0, expected_tokens=n, turn=i)
                 records.append(rec)
-                answers.append(await client.session_call(req.turns[:i + 1], answers, req.output_len, rec))
+                earlier = req.answers[:i] if req.answers else answers   # the dataset's, when it has them
+                answers.append(await client.session_call(req.turns[:i + 1], earlier, n, rec))
                 on_call(rec)
                 if not rec.ok:
                     return
@@ -199,7 +203,7 @@ def run_serve(*, base_url: str, model: str | None, requests: list[ServeRequest],
         finally:
             pool.close(5.0 if finished else 0.0)
 
-    total = sum(r.output_len * r.num_calls for r in requests)
+    total = sum(r.output_tokens for r in requests)
     print(f"bench serve: {base_url}, {len(requests)} requests ({sum(r.num_calls for r in requests)} calls), "
           f"{total:,} output tokens asked" + (f", from {processes} client processes" if processes > 1 else ""),
           file=sys.stderr)
@@ -214,6 +218,13 @@ def run_serve(*, base_url: str, model: str | None, requests: list[ServeRequest],
             calls.close()
     table = format_rows(runs)
     print(table)
+    for rate, s in runs:
+        if "later_turns" in s:
+            later = s["later_turns"]
+            hits = later["prefix_hit_rate"]
+            print(f"  rate {rate}: turns after the first: {later['calls']} calls, TTFT p50/p99 "
+                  f"{later['ttft_ms']['p50']:.1f}/{later['ttft_ms']['p99']:.1f} ms, prefix hits "
+                  + ("-" if hits is None else f"{100 * hits:.0f}%"))
     for rate, s in runs:
         if s["failed"] or s["short_calls"]:
             print(f"  rate {rate}: {s['failed']} calls failed, {s['short_calls']} ended short of their length"
