@@ -109,6 +109,8 @@ def _exchanges(conv: list[tuple[str, str]]) -> list[tuple[str, str]]:
 
 
 def _lengths(tokenizer, texts: list[str]) -> list[list[int]]:
+    # counted, never run: a reply past the tokenizer's model_max_length is only a long reply
+    tokenizer.model_max_length = 1 << 62
     return tokenizer(texts, add_special_tokens=True).input_ids if texts else []
 
 
