@@ -128,3 +128,24 @@ def test_the_same_workload_runs_in_process_and_names_its_size(tmp_path, tiny_mod
 def test_bench_serve_needs_a_tokenizer_for_sharegpt(qmigrate, tmp_path):
     run = qmigrate("bench", "serve", "--base-url", "http://127.0.0.1:9", "--dataset", "sharegpt")
     assert run.returncode != 0 and "--tokenizer" in run.stderr
+
+
+def test_the_physical_limit_counts_bytes_and_flops_of_the_steps():
+    from qmigrate.bench.limits import Shape, workload_limit
+    dense = Shape(hidden=8, layers=2, heads=2, kv_heads=1, head_dim=4, intermediate=16, vocab=10)
+    # attention 8*4*(2*2 + 2*1) = 192, MLP 3*8*16 = 384 a layer; the head 80
+    assert dense.active_params() == 2 * (192 + 384) + 80 == dense.step_weight_bytes(5) / 2
+    assert dense.kv_bytes_per_token == 2 * 2 * 1 * 4 * 2
+    # two requests (prompt, output): (3, 4) and (1, 2); two rows at a time: 4 steps (the longest)
+    out = workload_limit(dense, [(3, 4), (1, 2)], max_seqs=2, copy_bytes_per_s=1.0, peak_flops=1.0)
+    contexts = (3 + 4 + 5 + 6) + (1 + 2)
+    assert out["steps"] == 4 and out["kv_bytes"] == contexts * 32
+    assert out["weight_bytes"] == 4 * 2 * 1232
+    assert out["flops"] == 2 * 1232 * 10 + 4 * 2 * 2 * 4 * (contexts + 3)
+    # one row at a time: the steps are the total output
+    assert workload_limit(dense, [(3, 4), (1, 2)], max_seqs=1)["steps"] == 6
+    moe = Shape(hidden=8, layers=1, heads=2, kv_heads=1, head_dim=4, intermediate=16, vocab=10, num_experts=4,
+                top_k=1, expert_intermediate=2)
+    # one row reads its one expert; many rows nearly all four
+    assert moe.step_weight_bytes(1) == 2 * (moe.dense_params() + 48)
+    assert moe.step_weight_bytes(1000) == pytest.approx(2 * (moe.dense_params() + 4 * 48))
