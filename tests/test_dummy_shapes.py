@@ -144,3 +144,47 @@ def test_sim_serves_a_dummy_shape_as_generate_does(shapes, kind, tp, tmp_path, q
         past_tokenizer += len(ref) - len(known)
         assert got["text"] == tokenizer.decode(known, skip_special_tokens=True, clean_up_tokenization_spaces=False)
     assert past_tokenizer > 0   # the case this checks came up
+
+
+def _run(engine, prompt: list[int], start_index: int, n: int, seq_id: int = 0) -> list[int]:
+    """n tokens of one sequence on `engine`, from its whole ids (a recompute when start_index > 0)."""
+    from qmigrate.engine.rows import StepRow
+    out, row = [], StepRow(seq_id, list(prompt), 0, start_index)
+    for i in range(n):
+        (token,) = engine.step([row])
+        out.append(token)
+        row = StepRow(seq_id, [token], len(prompt) + i, start_index + i + 1)
+    engine.release(seq_id)
+    return out
+
+
+@pytest.mark.parametrize("kind", ["dense", "moe"])
+def test_a_sequence_moved_between_two_workers_of_dummy_weights_goes_on_as_if_it_stayed(shapes, kind):
+    """Each worker makes its own dummy weights: a sequence moved after 5 tokens (by recompute
+    on a second engine, which another load made) continues with the tokens it gets unmoved."""
+    from qmigrate.engine.engine import Engine
+    engines = [Engine(load_model(shapes[kind], "cpu", load_format="dummy")[0], max_len=128, max_kv_tokens=512,
+                      max_batch=4, max_batch_tokens=128) for _ in range(2)]
+    prompt = [1] + [random.Random(5).randrange(3, VOCAB) for _ in range(12)]
+    stayed = _run(engines[0], prompt, 0, 10)
+    first = _run(engines[0], prompt, 0, 5)
+    moved = first + _run(engines[1], prompt + first, 5, 5)
+    assert moved == stayed
+
+
+def test_load_format_is_a_model_setting_and_a_serve_flag(tmp_path, tiny_model_dir, qmigrate):
+    from qmigrate.config import ConfigError, local_topology, parse_topology
+    from qmigrate.serve import ServeOptions, serve_topology
+    data = local_topology(1).to_dict()
+    data["model"]["load_format"] = "dummy"
+    assert parse_topology(data).model.load_format == "dummy"
+    data["model"]["load_format"] = "pt"
+    with pytest.raises(ConfigError, match="load_format"):
+        parse_topology(data)
+    assert serve_topology(ServeOptions(load_format="dummy")).model.load_format == "dummy"
+    assert serve_topology(ServeOptions()).model.load_format == "auto"
+    run = qmigrate("model", "shape", "mistral-7b", str(tmp_path / "m"), "--tokenizer", str(tiny_model_dir))
+    assert run.returncode == 0, run.stderr
+    assert json.loads((tmp_path / "m" / "config.json").read_text())["sliding_window"] == 4096
+    run = qmigrate("model", "shape", "gpt-5", str(tmp_path / "g"), "--tokenizer", str(tiny_model_dir))
+    assert run.returncode != 0 and "known: llama-3.1-8b" in run.stderr

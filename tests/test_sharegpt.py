@@ -149,3 +149,22 @@ def test_the_physical_limit_counts_bytes_and_flops_of_the_steps():
     # one row reads its one expert; many rows nearly all four
     assert moe.step_weight_bytes(1) == 2 * (moe.dense_params() + 48)
     assert moe.step_weight_bytes(1000) == pytest.approx(2 * (moe.dense_params() + 4 * 48))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_transformers_continuous_batching_runs_the_same_workload(tmp_path, tiny_model_dir):
+    """The installed peer beside the in-process engine: every request gets its own length
+    (EOS off), and the run reports both. (Slow: transformers' manager takes over a minute to
+    start on the CPU.)"""
+    from qmigrate.bench.core import run_bench
+    items = [conv(i, ("human", text(5 + i, i)), ("gpt", text(4 + 2 * i, i))) for i in range(3)]
+    work = S.ShareGPTWorkload(str(tiny_model_dir), 3, 0, str(write(tmp_path / "s.json", items)))
+    asked = sum(n for _, n in work.requests())
+    results = run_bench(model_path=str(tiny_model_dir), devices=["cpu"], dtype="auto", workload=work,
+                        paths=["in-process", "transformers-cb"], max_seqs=4, max_tokens=256, hf_batch=4,
+                        router_overrides={}, json_path=tmp_path / "r.json")
+    assert [r.name for r in results] == ["in-process", "transformers-cb"]
+    assert [r.useful_tokens for r in results] == [asked, asked]
+    assert [r["path"] for r in json.loads((tmp_path / "r.json").read_text())["runs"]] == ["in-process",
+                                                                                          "transformers-cb"]
