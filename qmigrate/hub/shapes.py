@@ -77,7 +77,8 @@ def write_shape(config: dict, tokenizer_dir: str | os.PathLike, out_dir: str | o
     files = [src / f for f in TOKENIZER_FILES if (src / f).is_file()]
     if not any(f.name in ("tokenizer.json", "tokenizer.model", "vocab.json") for f in files):
         raise ValueError(f"{src} holds no tokenizer (tokenizer.json, tokenizer.model or vocab.json)")
-    tok_config = json.loads((src / "tokenizer_config.json").read_text()) if (src / "tokenizer_config.json").is_file() else {}
+    tok_file = src / "tokenizer_config.json"
+    tok_config = json.loads(tok_file.read_text()) if tok_file.is_file() else {}
     config = dict(config) | _token_ids(src, tok_config)
     config.setdefault("torch_dtype", "bfloat16")
     config.setdefault("initializer_range", 0.02)
