@@ -87,6 +87,10 @@ def sim(
     metrics_port: Annotated[Optional[int], typer.Option(
         "--metrics-port", min=1, max=65534,
         help="Serve Prometheus metrics: the router's on PORT, the detokenizer's latencies on PORT+1.")] = None,
+    load_format: Annotated[Optional[str], typer.Option(
+        "--load-format",
+        help="auto: read the checkpoint; dummy: make random weights of the model's shapes on the device from "
+             "its config.json alone (a directory of `qmigrate model shape`). Default: the topology's (auto).")] = None,
     log_level: LogLevel = "warning",
 ):
     """Local multi-process simulation: every role a process on this machine, prompts from
@@ -114,6 +118,8 @@ def sim(
         data["ingest"]["http_port"] = http
     if metrics_port is not None:
         data["router"]["metrics_port"], data["detokenizer"]["metrics_port"] = metrics_port, metrics_port + 1
+    if load_format is not None:
+        data["model"]["load_format"] = load_format
     try:
         topo = parse_topology(data, source="sim options")
     except ConfigError as exc:
@@ -179,6 +185,10 @@ def serve(
     trace: Annotated[Optional[Path], typer.Option(
         "--trace", help="Write every role's timeline to this folder (the topology's trace_dir); read it with "
                         "python -m qmigrate.ops.trace FOLDER.")] = None,
+    load_format: Annotated[Optional[str], typer.Option(
+        "--load-format",
+        help="auto: read the checkpoint; dummy: make random weights of the model's shapes on the device from "
+             "its config.json alone (a directory of `qmigrate model shape`). Default: the topology's (auto).")] = None,
     log_level: LogLevel = "warning",
 ):
     """Start every role on this machine and serve the OpenAI-compatible API (/v1/completions,
@@ -202,6 +212,7 @@ def serve(
                                 **{k: v for k, v in flags.items() if v is not None}}
         opts.api_server_count = api_server_count
         opts.trace_dir = None if trace is None else str(trace.absolute())
+        opts.load_format = load_format
         num_gpus = 0 if base is not None else visible_gpus()
         topo = serve_topology(opts, base, num_gpus=num_gpus, gpu_bytes=smallest_gpu_bytes() if num_gpus else 0)
     except ConfigError as exc:

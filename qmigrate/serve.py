@@ -40,6 +40,7 @@ class ServeOptions:
     worker_settings: dict | None = None   # fields set on every worker (config.worker_settings)
     api_server_count: int | None = None   # ingest.http_processes
     trace_dir: str | None = None          # the topology's trace_dir: every role's timeline (ops/trace.py)
+    load_format: str | None = None        # model.load_format: auto or dummy
 
 
 def visible_gpus() -> int:
@@ -102,6 +103,8 @@ def serve_topology(opts: ServeOptions, base: Topology | None = None, num_gpus: i
         data = base.to_dict()
     if opts.trace_dir is not None:
         data["trace_dir"] = opts.trace_dir
+    if opts.load_format is not None:
+        data["model"]["load_format"] = opts.load_format
     ingest = data["ingest"]
     ingest["http_host"], ingest["http_port"] = opts.host, opts.port
     if opts.served_model_name is not None:

@@ -52,14 +52,15 @@ class Workload:
 
 def run_inprocess(model_path: str, device: str, dtype: str, requests, max_seqs: int,
                   max_tokens: int, profile: bool = False, runner: str = "auto",
-                  worker_overrides: dict | None = None) -> PathResult:
+                  worker_overrides: dict | None = None, load_format: str = "auto") -> PathResult:
     """The engine alone, through the offline API (`qmigrate.LLM`), with the pipeline workers'
     settings (so the two paths schedule prefill alike). EOS is ignored: outputs have the
     workload's lengths."""
     from qmigrate.offline.llm import LLM
     from qmigrate.offline.params import SamplingParams
-    llm = LLM(model_path, dtype=dtype, **{"device": device, "runner": runner, "max_num_seqs": max_seqs,
-                                          "max_num_batched_tokens": max_tokens, **(worker_overrides or {})})
+    llm = LLM(model_path, dtype=dtype, load_format=load_format,
+              **{"device": device, "runner": runner, "max_num_seqs": max_seqs, "max_num_batched_tokens": max_tokens,
+                 **(worker_overrides or {})})
     print(f"  in-process: {llm.engine.describe()}", file=sys.stderr)
     lengths = [n for _, n in requests]
     params = [SamplingParams(max_tokens=n, ignore_eos=True, detokenize=False) for n in lengths]
@@ -115,10 +116,11 @@ class _StepWatch:
 
 # --- transformers generate, static batches ---------------------------------------------
 
-def run_hf_static(model_path: str, device: str, dtype: str, requests, batch_size: int) -> PathResult:
+def run_hf_static(model_path: str, device: str, dtype: str, requests, batch_size: int,
+                  load_format: str = "auto") -> PathResult:
     import torch
     from qmigrate.hub.loading import load_model
-    model, tokenizer = load_model(model_path, device, dtype)
+    model, tokenizer = load_model(model_path, device, dtype, load_format=load_format)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     lengths = [n for _, n in requests]
     progress = Progress("hf-static", sum(lengths))
@@ -200,12 +202,14 @@ def run_bench(*, model_path: str, devices: list[str], dtype: str, workload: Work
               json_path: Path | None, log_level: str = "warning", profile: bool = False,
               steps_per_dispatch: int = 1, repeat: int = 1, runner: str = "auto",
               faults: bool = False, trace_dir: Path | None = None,
-              worker_overrides: dict | None = None) -> list[PathResult]:
+              worker_overrides: dict | None = None, load_format: str = "auto") -> list[PathResult]:
+    """`workload`: anything whose requests() gives (prompt ids, output length) per request
+    (Workload, or bench/sharegpt.py's ShareGPTWorkload)."""
     requests = workload.requests()
     total = sum(n for _, n in requests)
-    print(f"workload: {workload.num_requests} requests, prompts {workload.prompt_len}, outputs "
-          f"{workload.output_len}, {total:,} output tokens; model {model_path}; workers {devices}",
-          file=sys.stderr)
+    prompts = [len(p) for p, _ in requests]
+    print(f"workload: {len(requests)} requests, prompts {min(prompts)}-{max(prompts)} ids, "
+          f"{total:,} output tokens; model {model_path}; workers {devices}", file=sys.stderr)
     results = []
     link = None
     if "pipeline-curve" in paths:
@@ -218,16 +222,21 @@ def run_bench(*, model_path: str, devices: list[str], dtype: str, workload: Work
                 trace = trace_dir / f"{name}-{attempt + 1}" if trace_dir is not None else None
                 results.append(run_pipeline(model_path, devices, dtype, requests, max_seqs, max_tokens,
                                             router_overrides, log_level, steps_per_dispatch, runner, name,
-                                            faults=faults, trace_dir=trace, worker_overrides=worker_overrides))
+                                            faults=faults, trace_dir=trace, worker_overrides=worker_overrides,
+                                            load_format=load_format))
         if "in-process" in paths:
             results.append(run_inprocess(model_path, devices[0], dtype, requests, max_seqs, max_tokens,
-                                         profile and attempt == 0, runner, worker_overrides))
+                                         profile and attempt == 0, runner, worker_overrides, load_format))
+    if "transformers-cb" in paths:
+        from qmigrate.bench.peer import run_transformers_cb
+        results.append(run_transformers_cb(model_path, devices[0], dtype, requests, load_format))
     if "hf-static" in paths:
-        results.append(run_hf_static(model_path, devices[0], dtype, requests, hf_batch))
+        results.append(run_hf_static(model_path, devices[0], dtype, requests, hf_batch, load_format))
     table = format_table(results)
     print(table)
     if json_path is not None:
-        report = {"workload": dataclasses.asdict(workload) | {"output_tokens": total},
+        report = {"workload": dataclasses.asdict(workload) | {"output_tokens": total, "requests": len(requests)},
+                  "load_format": load_format,
                   "machine": machine_info(devices[0]), "workers": devices, "max_seqs": max_seqs,
                   "max_tokens": max_tokens, "model": model_path, "steps_per_dispatch": steps_per_dispatch,
                   "worker_settings": worker_overrides or {}, "runs": [{"path": r.name, **r.summary()} for r in results], "table": table}

@@ -41,7 +41,7 @@ def run_pipeline(model_path: str, devices: list[str], dtype: str, requests, max_
                  max_tokens: int, router_overrides: dict, log_level: str,
                  steps_per_dispatch: int = 1, runner: str = "auto", name: str = "pipeline",
                  faults: bool = False, trace_dir: Path | None = None,
-                 worker_overrides: dict | None = None) -> PathResult:
+                 worker_overrides: dict | None = None, load_format: str = "auto") -> PathResult:
     import zmq
     from qmigrate.wire import security, transport
     from qmigrate.config import dump_topology, parse_topology
@@ -50,7 +50,7 @@ def run_pipeline(model_path: str, devices: list[str], dtype: str, requests, max_
     link = PIPELINE_LINKS[name]
     with tempfile.TemporaryDirectory(prefix="qm-bench-") as tmp:
         data = {
-            "transport": "ipc", "ipc_dir": tmp, "model": {"path": model_path, "dtype": dtype},
+            "transport": "ipc", "ipc_dir": tmp, "model": {"path": model_path, "dtype": dtype, "load_format": load_format},
             "nodes": [{"name": "local"}], "trace_dir": str(trace_dir) if trace_dir is not None else None,
             "router": {"node": "local", "max_queued": max(4096, len(requests) + 64), **router_overrides},
             "ingest": {"node": "local"}, "detokenizer": {"node": "local"},

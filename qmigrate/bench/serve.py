@@ -166,7 +166,7 @@ def run_serve(*, base_url: str, model: str | None, requests: list[ServeRequest],
         finally:
             pool.close(5.0 if finished else 0.0)
 
-    total = sum(r.output_len * r.num_calls for r in requests)
+    total = sum(r.output_tokens for r in requests)
     print(f"bench serve: {base_url}, {len(requests)} requests ({sum(r.num_calls for r in requests)} calls), "
           f"{total:,} output tokens asked" + (f", from {processes} client processes" if processes > 1 else ""),
           file=sys.stderr)
@@ -181,6 +181,13 @@ def run_serve(*, base_url: str, model: str | None, requests: list[ServeRequest],
             calls.close()
     table = format_rows(runs)
     print(table)
+    for rate, s in runs:
+        if "later_turns" in s:
+            later = s["later_turns"]
+            hits = later["prefix_hit_rate"]
+            print(f"  rate {rate}: turns after the first: {later['calls']} calls, TTFT p50/p99 "
+                  f"{later['ttft_ms']['p50']:.1f}/{later['ttft_ms']['p99']:.1f} ms, prefix hits "
+                  + ("-" if hits is None else f"{100 * hits:.0f}%"))
     for rate, s in runs:
         if s["failed"] or s["short_calls"]:
             print(f"  rate {rate}: {s['failed']} calls failed, {s['short_calls']} ended short of their length"

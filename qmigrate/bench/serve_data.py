@@ -29,6 +29,11 @@ class ServeRequest:
     output_len: int
     turns: list[str] = field(default_factory=list)   # a multi-turn session: its user turns, in order
     prompt_len: int = 0             # ids in the prompt, where known (token-id prompts)
+    # a session's answers as the dataset gives them (sent in place of the server's), and each
+    # turn's output length (else output_len each)
+    answers: list[str] = field(default_factory=list)
+    turn_output_lens: list[int] = field(default_factory=list)
+    think_time_s: float = 0.0       # a session waits this long after an answer before its next turn
 
     @property
     def is_session(self) -> bool:
@@ -37,6 +42,13 @@ class ServeRequest:
     @property
     def num_calls(self) -> int:
         return len(self.turns) or 1
+
+    @property
+    def output_tokens(self) -> int:
+        return sum(self.turn_output_lens) if self.turn_output_lens else self.output_len * self.num_calls
+
+    def turn_output_len(self, i: int) -> int:
+        return self.turn_output_lens[i] if self.turn_output_lens else self.output_len
 
 
 def words(r: random.Random, n: int) -> str:
@@ -77,6 +89,25 @@ def multi_turn_dataset(sessions: int = 64, turns: int = 4, turn_len: int = 128, 
     r = random.Random(seed)
     return [ServeRequest("", output_len, turns=[words(r, turn_len) for _ in range(turns)])
             for _ in range(sessions)]
+
+
+def sharegpt_dataset(num_requests: int, tokenizer, seed: int = 0, path: Path | None = None,
+                     fmt: str = "text") -> list[ServeRequest]:
+    """vLLM's ShareGPT sampling (bench/sharegpt.py): text prompts, or their ids."""
+    from qmigrate.bench import sharegpt
+    pairs = sharegpt.sample_pairs(sharegpt.read_conversations(path), tokenizer, num_requests, seed)
+    return [ServeRequest(p.prompt_ids if fmt == "ids" else p.prompt, p.output_len, prompt_len=len(p.prompt_ids))
+            for p in pairs]
+
+
+def sharegpt_sessions(num_sessions: int, tokenizer, max_turns: int = 8, think_time_s: float = 0.0, seed: int = 0,
+                      path: Path | None = None) -> list[ServeRequest]:
+    """ShareGPT conversations as sessions: each turn carries the earlier turns and the dataset's
+    replies, and asks for as many tokens as the dataset's reply to it has."""
+    from qmigrate.bench import sharegpt
+    sessions = sharegpt.sample_sessions(sharegpt.read_conversations(path), tokenizer, num_sessions, max_turns, seed)
+    return [ServeRequest("", s.output_lens[0], turns=s.turns, answers=s.answers, turn_output_lens=s.output_lens,
+                         think_time_s=think_time_s) for s in sessions]
 
 
 def transcript(turns: list[str], answers: list[str]) -> str:

@@ -32,9 +32,13 @@ async def send_all(client: Client, requests: list[ServeRequest], bodies: list[by
                 return
             answers = []
             for i in range(len(req.turns)):  # each turn carries the earlier turns and their answers
-                rec = CallRecord(0.0, expected_tokens=req.output_len)
+                if i and req.think_time_s:
+                    await asyncio.sleep(req.think_time_s)
+                n = req.turn_output_len(i)
+                rec = CallRecord(0.0, expected_tokens=n, turn=i)
                 records.append(rec)
-                answers.append(await client.session_call(req.turns[:i + 1], answers, req.output_len, rec))
+                earlier = req.answers[:i] if req.answers else answers   # the dataset's, when it has them
+                answers.append(await client.session_call(req.turns[:i + 1], earlier, n, rec))
                 on_call(rec)
                 if not rec.ok:
                     return

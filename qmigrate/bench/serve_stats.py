@@ -26,6 +26,7 @@ class CallRecord:
     prompt_tokens: int = 0
     cached_tokens: int = -1              # usage.prompt_tokens_details.cached_tokens (-1: not said)
     error: str = ""
+    turn: int = 0                        # a session's call: which of its turns (0: the first)
 
     @property
     def ok(self) -> bool:
@@ -99,6 +100,10 @@ def summarize(records: list[CallRecord], t0: float, end: float, slos: dict[str, 
         "itl_ms": _dist([g for r in done for g in r.itls()]),
         "e2e_ms": _dist([r.e2e for r in done]),
     }
+    later = [r for r in done if r.turn > 0]
+    if later:   # a session's later turns: what a prefix cache serves from the earlier ones
+        out["later_turns"] = {"calls": len(later), "ttft_ms": _dist([r.ttft for r in later]),
+                              "prefix_hit_rate": _hit_rate(later)}
     if slos:
         good = sum(1 for r in records if meets(r, slos))
         out["goodput"] = {"slos_ms": {k: v * 1000 for k, v in slos.items()}, "good_calls": good,

@@ -49,11 +49,11 @@ def copy_bandwidth(device: str, nbytes: int = 1 << 30) -> float:
 
 
 def run_decode_steps(model_path: str, device: str, batches: list[int], context: int, runner: str,
-                     json_path: Path | None = None, profile: bool = False) -> list[dict]:
+                     json_path: Path | None = None, profile: bool = False, load_format: str = "auto") -> list[dict]:
     from qmigrate.hub.loading import load_model
     from qmigrate.engine.rows import StepRow
     from qmigrate.engine.engine import Engine
-    model, _ = load_model(model_path, device, "auto")
+    model, _ = load_model(model_path, device, "auto", load_format=load_format)
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     engine = Engine(model, max_num_seqs=max(batches) + 1, max_num_batched_tokens=16384, runner=runner)
     del model
@@ -112,8 +112,12 @@ def run_decode_steps(model_path: str, device: str, batches: list[int], context: 
                                         profile and batch == max(batches))
         for i in range(batch):
             engine.release(i)
-        floor_ms = step_bytes(batch) / bandwidth * 1000
-        results.append({"batch": batch, "read_bytes": step_bytes(batch), "context": context, "step_ms": step_ms, "overlap_ms": overlap_ms,
+        # the roofline: the weights the step reads and every row's KV of the context
+        kv_bytes = engine.kv_bytes_per_token * context * batch
+        weight_floor_ms = step_bytes(batch) / bandwidth * 1000
+        floor_ms = (step_bytes(batch) + kv_bytes) / bandwidth * 1000
+        results.append({"batch": batch, "read_bytes": step_bytes(batch), "kv_bytes": kv_bytes,
+                        "weight_floor_ms": weight_floor_ms, "context": context, "step_ms": step_ms, "overlap_ms": overlap_ms,
                         "overlap_x_floor": overlap_ms / floor_ms, "gpu_ms": gpu_ms,
                         "floor_ms": floor_ms, "step_x_floor": step_ms / floor_ms,
                         "gpu_x_floor": gpu_ms / floor_ms, "mixed_ms": mixed_ms, "prefill_ms": prefill_ms,
@@ -127,9 +131,8 @@ def run_decode_steps(model_path: str, device: str, batches: list[int], context: 
               f"{x['overlap_x_floor']:8.1f} {x['gpu_ms']:8.2f} {x['gpu_x_floor']:8.1f} "
               f"{x['mixed_ms']:8.2f} {x['mixed_gpu_ms']:8.2f} {x['prefill_ms']:8.2f}" for x in results]
     floors = sorted({round(x["floor_ms"], 3) for x in results})
-    floor_text = f"{floors[0]:.3f} ms" if len(floors) == 1 else f"{floors[0]:.3f}-{floors[-1]:.3f} ms by batch " \
-        "(the active experts' weights)"
-    print(f"decode step, context {context}, {engine.runner.name} runner, floor {floor_text}; "
+    floor_text = f"{floors[0]:.3f} ms" if len(floors) == 1 else f"{floors[0]:.3f}-{floors[-1]:.3f} ms by batch"
+    print(f"decode step, context {context}, {engine.runner.name} runner, floor (weights and KV read) {floor_text}; "
           f"mixed: the same step with a new prompt of {MIXED_PROMPT} tokens (mix gpu: its forwards queued back to "
           f"back), prefill: that prompt alone")
     print("\n".join(lines))

@@ -87,23 +87,41 @@ def attention_implementation(config) -> str | None:
     return "sdpa" if getattr(cls, "_supports_sdpa", False) else "eager"
 
 
-def load_model(path: str | os.PathLike, device: str, dtype: str = "auto", *, trust_remote_code: bool = False):
-    """Load (model, tokenizer); dtype "auto" means float32 on the CPU and bfloat16 on a GPU."""
+def load_model(path: str | os.PathLike, device: str, dtype: str = "auto", *, trust_remote_code: bool = False,
+               load_format: str = "auto"):
+    """Load (model, tokenizer); dtype "auto" means float32 on the CPU and bfloat16 on a GPU.
+    load_format "dummy" reads only the config and the tokenizer: the weights are made on the
+    device (hub/dummy.py)."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
+    from qmigrate.hub.dummy import LOAD_FORMATS, build_dummy_model
 
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"load_format must be one of {', '.join(LOAD_FORMATS)}, got {load_format!r}")
     hf_logging.disable_progress_bar()
     torch_dtype = _torch_dtype(dtype, device)
+    if load_format == "auto" and _holds_no_weights(Path(path)):
+        raise ModelLoadError(f"model {path} holds a config and no weights: load it with load_format dummy "
+                             "(--load-format dummy) for random weights of its shapes")
     try:
-        config = AutoConfig.from_pretrained(str(path), trust_remote_code=trust_remote_code)
-        model = AutoModelForCausalLM.from_pretrained(
-            str(path), config=config, dtype=torch_dtype, attn_implementation=attention_implementation(config),
-            trust_remote_code=trust_remote_code)
+        if load_format == "dummy":
+            model = build_dummy_model(path, device, torch_dtype, trust_remote_code=trust_remote_code,
+                                      attention=attention_implementation)
+        else:
+            config = AutoConfig.from_pretrained(str(path), trust_remote_code=trust_remote_code)
+            model = AutoModelForCausalLM.from_pretrained(
+                str(path), config=config, dtype=torch_dtype, attn_implementation=attention_implementation(config),
+                trust_remote_code=trust_remote_code)
         tokenizer = AutoTokenizer.from_pretrained(str(path), trust_remote_code=trust_remote_code)
         model = model.to(device).eval()
     except Exception as exc:  # noqa: BLE001 -- any failure here means "cannot serve this model"
         _raise_load_error(path, f"load model {path} on {device}", exc)
     return model, tokenizer
+
+
+def _holds_no_weights(path: Path) -> bool:
+    return (path / "config.json").is_file() and not any(
+        f.suffix in (".safetensors", ".bin", ".pt", ".pth", ".gguf") for f in path.iterdir())
 
 
 def _raise_load_error(path, what: str, exc: Exception) -> NoReturn:

@@ -30,19 +30,21 @@ from qmigrate.worker.core import SeqState
 
 class LLM:
     def __init__(self, model: str | None = None, *, dtype: str = "auto", trust_remote_code: bool = False,
-                 seed: int | None = None, **settings):
+                 load_format: str = "auto", seed: int | None = None, **settings):
         """`model`: a model directory, a hub name, `smollm2`, or None (the built-in tiny model).
         `settings`: worker settings (config.WorkerConfig); `device` defaults to the first GPU,
-        else the CPU. `seed` seeds the draws of requests that give none."""
+        else the CPU. `load_format` "dummy" makes the weights from config.json alone (random, in
+        their real shapes). `seed` seeds the draws of requests that give none."""
         settings.setdefault("device", "cuda:0" if torch.cuda.is_available() else "cpu")
         worker = build_section(WorkerConfig, settings, "LLM settings")
-        ModelConfig(path=model, dtype=dtype, trust_remote_code=trust_remote_code)
+        ModelConfig(path=model, dtype=dtype, trust_remote_code=trust_remote_code, load_format=load_format)
         if worker.tensor_parallel_size != 1:
             raise ValueError("LLM runs the model on one device: tensor_parallel_size must be 1")
         path = resolve_model(model)
         if not Path(path).is_dir():
             path = fetch_hub_model(path)
-        loaded, _ = load_model(path, worker.device, dtype, trust_remote_code=trust_remote_code)
+        loaded, _ = load_model(path, worker.device, dtype, trust_remote_code=trust_remote_code,
+                               load_format=load_format)
         engine = Engine(loaded, worker.engine_config())
         del loaded
         engine.warm_up()

@@ -61,7 +61,8 @@ class Worker:
             engine = ranks.build_engine(topo, name, path, self.ranks.tp)
         else:
             model, _ = load_model(resolve_model(topo.model.path), device, topo.model.dtype,
-                                  trust_remote_code=topo.model.trust_remote_code)
+                                  trust_remote_code=topo.model.trust_remote_code,
+                                  load_format=topo.model.load_format)
             engine = Engine(model, self.cfg.engine_config())
         self.core = WorkerCore(engine)
         self.trace = self.core.trace = tracer(f"worker-{name}", topo.trace_dir)

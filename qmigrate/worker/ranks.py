@@ -56,13 +56,14 @@ def load_dtype(dtype: str, device: str) -> str:
 
 def build_engine(topo, name: str, model_path: str, tp: TensorParallel):
     """This rank's engine, sharded onto tp.device: on rank 0 from the checkpoint loaded on the
-    CPU; on the others from the model's config, their shards' values sent by rank 0."""
+    CPU (or, with load_format dummy, random weights made there); on the others from the
+    model's config, their shards' values sent by rank 0."""
     from qmigrate.hub.loading import load_model, load_structure
     from qmigrate.engine.engine import Engine
     cfg = topo.worker(name)
     dtype, trust = load_dtype(topo.model.dtype, cfg.device), topo.model.trust_remote_code
     if tp.is_leader:
-        model, _ = load_model(model_path, "cpu", dtype, trust_remote_code=trust)
+        model, _ = load_model(model_path, "cpu", dtype, trust_remote_code=trust, load_format=topo.model.load_format)
     else:
         model = load_structure(model_path, dtype, trust_remote_code=trust)
     return Engine(model, cfg.engine_config(), tp=tp)
