@@ -53,6 +53,7 @@ def test_a_role_that_cannot_load_its_model_says_why_in_one_line(tmp_path, qmigra
     model = tmp_path / "broken"
     model.mkdir()
     (model / "config.json").write_text('{"model_type": "no_such_family", "architectures": ["NoSuch"]}')
+    (model / "model.safetensors").write_bytes(b"")   # weights of a sort: loading itself must fail
     topo = tmp_path / "topo.yaml"
     topo.write_text(yaml.safe_dump({"transport": "ipc", "ipc_dir": str(tmp_path), "model": {"path": str(model)},
                                     "nodes": [{"name": "local"}], "router": {"node": "local"},

@@ -89,7 +89,7 @@ def test_the_fast_runner_runs_a_dummy_shape_as_generate_does(shapes, kind):
     from qmigrate.engine.engine import Engine
     from qmigrate.engine.rows import StepRow
     model, _ = load_model(shapes[kind], "cpu", load_format="dummy")
-    engine = Engine(model, runner="fast", max_len=128, max_kv_tokens=512, max_batch=4, max_batch_tokens=128)
+    engine = Engine(model, runner="fast", max_model_len=128, max_kv_tokens=512, max_num_seqs=4, max_num_batched_tokens=128)
     assert engine.runner.name == "fast"
     prompt = [1] + [random.Random(3).randrange(3, VOCAB) for _ in range(20)]
     out, row = [], StepRow(0, prompt, 0, 0)
@@ -107,9 +107,9 @@ def _sim_topology(path, shape, tp: int) -> None:
     from qmigrate.config import local_topology
     data = local_topology(1 if tp > 1 else 2, str(shape), input="jsonl", output="jsonl").to_dict()
     for w in data["workers"]:
-        w.update(max_kv_tokens=2048, max_seqs=4)
+        w.update(max_kv_tokens=2048, max_num_seqs=4)
         if tp > 1:
-            w["tensor_parallel"] = tp
+            w["tensor_parallel_size"] = tp
     path.write_text(yaml.safe_dump(data))
 
 
@@ -163,8 +163,8 @@ def test_a_sequence_moved_between_two_workers_of_dummy_weights_goes_on_as_if_it_
     """Each worker makes its own dummy weights: a sequence moved after 5 tokens (by recompute
     on a second engine, which another load made) continues with the tokens it gets unmoved."""
     from qmigrate.engine.engine import Engine
-    engines = [Engine(load_model(shapes[kind], "cpu", load_format="dummy")[0], max_len=128, max_kv_tokens=512,
-                      max_batch=4, max_batch_tokens=128) for _ in range(2)]
+    engines = [Engine(load_model(shapes[kind], "cpu", load_format="dummy")[0], max_model_len=128, max_kv_tokens=512,
+                      max_num_seqs=4, max_num_batched_tokens=128) for _ in range(2)]
     prompt = [1] + [random.Random(5).randrange(3, VOCAB) for _ in range(12)]
     stayed = _run(engines[0], prompt, 0, 10)
     first = _run(engines[0], prompt, 0, 5)

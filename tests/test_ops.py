@@ -232,9 +232,9 @@ def test_bench_modes_are_subcommands_whose_options_follow_their_name(monkeypatch
 
 def test_serve_help_gives_the_max_num_seqs_that_serve_uses():
     from qmigrate.config import LARGE_GPU_BYTES
-    from qmigrate.serve import serve_max_seqs
+    from qmigrate.serve import serve_max_num_seqs
     text = " ".join(CliRunner().invoke(app, ["serve", "--help"], terminal_width=80, env={"COLUMNS": "80"}).output.split())
-    big, small = serve_max_seqs(LARGE_GPU_BYTES), serve_max_seqs(LARGE_GPU_BYTES - 1)
+    big, small = serve_max_num_seqs(LARGE_GPU_BYTES), serve_max_num_seqs(LARGE_GPU_BYTES - 1)
     assert f"{big} on GPUs of {LARGE_GPU_BYTES >> 30} GiB or more, {small} on smaller ones" in text, text
 
 
