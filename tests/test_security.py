@@ -421,3 +421,63 @@ def test_status_reaches_a_router_with_security_on(secured, tmp_path):
     finally:
         stop.set()
         thread.join()
+
+
+def test_an_in_process_socket_needs_no_key_at_either_end(tmp_path):
+    """The HTTP server wakes ingest over inproc://: with security on both ends stay plain."""
+    topo = parse_topology(_topology(tmp_path))
+    transport.secure(security.keyring(topo, "head"))
+    try:
+        pull = transport.socket(zmq.PULL, bind="inproc://test-wake")
+        push = transport.socket(zmq.PUSH, connect="inproc://test-wake")
+        push.send(b"x")
+        assert pull.poll(2000) and pull.recv() == b"x"
+        for sock in (push, pull):
+            sock.close(linger=0)
+        with pytest.raises(security.SecurityError, match="not an endpoint of the topology"):
+            transport.socket(zmq.PUSH, connect="tcp://127.0.0.1:1")  # a tcp peer still needs its key
+    finally:
+        transport.secure(None)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("http_processes", [1, 2])
+def test_the_http_api_serves_with_security_on(tmp_path, tiny_model_dir, http_processes):
+    import urllib.request
+    from conftest import greedy_tokens
+    data = _topology(tmp_path, tiny_model_dir)
+    data["nodes"] = data["nodes"][:1]
+    http_port = reserve_ports(1)[0]
+    data["ingest"].update(http_port=http_port, http_processes=http_processes, model_name="tiny")
+    data["detokenizer"]["output"] = "jsonl"
+    data["workers"] = [{"name": "w1", "node": "head", "device": "cpu", "kv_port": data["workers"][0]["kv_port"]}]
+    path = tmp_path / "secure-http.yaml"
+    path.write_text(yaml.safe_dump(data))
+    err = open(tmp_path / "head.err", "a+")
+    node = subprocess.Popen([sys.executable, "-m", "qmigrate", "node", str(path), "--node", "head"],
+                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err, start_new_session=True)
+    body = json.dumps({"model": "tiny", "prompt": [1, 5, 70, 300], "max_tokens": 4, "temperature": 0}).encode()
+    try:
+        deadline, answer = time.monotonic() + 120, None
+        while answer is None and time.monotonic() < deadline:
+            assert node.poll() is None, (err.seek(0), err.read()[-3000:])[1]
+            try:
+                req = urllib.request.Request(f"http://127.0.0.1:{http_port}/v1/completions", body,
+                                             {"Content-Type": "application/json"})
+                with urllib.request.urlopen(req, timeout=30) as resp:
+                    answer = json.loads(resp.read())
+            except OSError:  # not listening yet, or 503 while no worker serves
+                time.sleep(0.3)
+        assert answer is not None, "no answer from the HTTP API"
+        assert answer["usage"]["completion_tokens"] == 4
+        from transformers import AutoTokenizer
+        tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+        want = greedy_tokens(tiny_model_dir, [1, 5, 70, 300], 4)
+        assert answer["choices"][0]["text"] == tok.decode([1, 5, 70, 300] + want)[len(tok.decode([1, 5, 70, 300])):]
+    finally:
+        stop_group(node)
+        err.seek(0)
+        log = err.read()
+        err.close()
+    assert "SecurityError" not in log and "refused" not in log, log[-3000:]
