@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Literal
@@ -160,6 +161,57 @@ def check_prompt(prompt: Prompt, eos_ids: Collection[int] = ()) -> Prompt:
     return prompt
 
 
+# A JSON string, or one structural character: enough to walk an object's top level in C
+# without decoding (or recursing into) its values.
+_JSON_TOKEN = re.compile(r'"(?:[^"\\]|\\.)*"|[][{},:]')
+
+
+def readable_id(line: str) -> str | None:
+    """The top-level "id" of a JSONL line that json.loads or check_json refused for something
+    elsewhere in it (a lone surrogate, NaN, nesting past 32 levels, an integer past Python's
+    4,300 digits), when that id on its own is one parse_line would take; else None. The line is
+    walked token by token, so a value nested 100,000 deep costs no recursion."""
+    if not line.lstrip().startswith("{"):
+        return None
+    depth, key, value_at, found = 0, None, None, None
+    expect_key = False
+    for m in _JSON_TOKEN.finditer(line):
+        t = m.group()
+        if depth == 1 and t in ",}" and key == '"id"' and value_at is not None:
+            found = _id_value(line[value_at:m.start()])
+        if t == "{" or t == "[":
+            depth += 1
+            expect_key = depth == 1
+        elif t == "}" or t == "]":
+            depth -= 1
+            if depth <= 0:
+                break
+        elif depth == 1:
+            if t == ",":
+                expect_key, key, value_at = True, None, None
+            elif t == ":":
+                value_at = m.end()
+            elif expect_key:
+                key, expect_key = t, False
+    return found
+
+
+def _id_value(text: str) -> str | None:
+    try:
+        value = json.loads(text, parse_constant=_reject_constant)
+    except ValueError:
+        return None
+    if _is_int(value):
+        value = str(value)
+    if not isinstance(value, str) or not value or len(value) > P.MAX_REQ_ID:
+        return None
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return None
+    return value
+
+
 def parse_line(
     line: str,
     *,
@@ -204,9 +256,10 @@ def parse_line(
         obj = json.loads(line, parse_constant=_reject_constant)
         check_json(obj)
     except ValueError as exc:
-        raise PromptError(req_id, f"invalid JSON: {exc}") from None
+        raise PromptError(readable_id(line) or req_id, f"invalid JSON: {exc}") from None
     except RecursionError:
-        raise PromptError(req_id, f"invalid JSON: nested deeper than {MAX_JSON_DEPTH} levels") from None
+        raise PromptError(readable_id(line) or req_id,
+                          f"invalid JSON: nested deeper than {MAX_JSON_DEPTH} levels") from None
     if not isinstance(obj, dict):
         raise PromptError(req_id, f"expected a JSON object, got {type(obj).__name__}")
 
