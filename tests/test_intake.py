@@ -223,7 +223,7 @@ def test_jsonl_text_the_wire_cannot_carry(tok, line, message):
     ('{"prompt": "x", "stop": ' + "[" * 100000 + "]" * 100000 + ', "id": "deeper"}', "nested deeper than 32"),
     ('{"id": "digits", "prompt": "x", "seed": ' + "7" * 5000 + "}", "digits"),
     ('{"id": 42, "prompt": "x", "seed": ' + "7" * 5000 + "}", "digits"),
-])
+], ids=["surrogate", "nan", "infinity", "nested", "nested-100k", "digits", "digits-int-id"])
 def test_a_line_refused_as_json_keeps_its_readable_id(tok, line, message):
     err = error_of(jsonl, tok, line, line_no=9)
     assert message in str(err) and str(err).startswith("invalid JSON")
@@ -236,7 +236,7 @@ def test_a_line_refused_as_json_keeps_its_readable_id(tok, line, message):
     '{"prompt": {"id": "inner"}, "top_k": NaN}',           # not a top-level id
     '{"id": "' + "i" * 300 + '", "top_k": NaN}',           # longer than an id may be
     '[{"id": "x"}, NaN]',
-])
+], ids=["surrogate-id", "inner-id", "long-id", "not-an-object"])
 def test_an_unreadable_id_leaves_the_line_number(tok, line):
     assert error_of(jsonl, tok, line, line_no=9).req_id == "9"
 
