@@ -39,6 +39,7 @@ from pathlib import Path
 import zmq
 from aiohttp import web
 
+from qmigrate.ops import logs
 from qmigrate.wire import protocol as P
 from qmigrate.wire import transport
 from qmigrate.hub.tokenizer_info import load_tokenizer_info
@@ -161,6 +162,7 @@ class HttpServer:
 
     async def _serve(self) -> None:
         self.loop = asyncio.get_running_loop()
+        logs.quiet_bad_requests()
         self.wake_sock = transport.socket(zmq.PUSH, connect=WAKE_ENDPOINT, hwm=1)
         app = web.Application(client_max_size=self.cfg.max_body_bytes, middlewares=[self._errors])
         app.router.add_post("/v1/completions", self.completions)

@@ -19,7 +19,7 @@ from qmigrate.router.output import Output
 from qmigrate.router.scheduler import Scheduler, WorkerState
 from qmigrate.router.stats import stats_counters
 from qmigrate.wire.security import Guard
-from qmigrate.ops.logs import Throttled
+from qmigrate.ops import logs
 from qmigrate.ops.trace import flush_on_sigterm, tracer
 from qmigrate.ops.process import freeze_heap
 
@@ -45,7 +45,7 @@ class Router:
         self.telemetry = transport.socket(zmq.SUB, bind=topo.endpoint("telemetry").bind)
         self.telemetry.setsockopt(zmq.SUBSCRIBE, b"")
         self.out = Output(topo.endpoint("detokenizer").connect, rc.journal)
-        self.dropped_log = Throttled(log)  # what peers send that is dropped: they can send it at will
+        self.dropped_log = logs.dropped  # what peers send that is dropped: they can send it at will
         self.identity: dict[str, bytes] = {}
         self.ingest: bytes | None = None  # the ingest process that said hello last
         self.guard = Guard.for_topology(topo, "router")
@@ -138,7 +138,7 @@ class Router:
                 self.errors["malformed"] += 1
             elif handler is None:
                 self.errors["unexpected_message"] += 1
-                log.warning("no handler for %s from %r", type(msg).__name__, sender)
+                self.dropped_log.warning("no handler for %s from %r", type(msg).__name__, sender[:64])
             if handler is not None:
                 try:
                     if isinstance(msg, FORWARDED_AS_SENT):

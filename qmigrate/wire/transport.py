@@ -8,12 +8,12 @@ import time
 
 import zmq
 
-from qmigrate.ops.logs import Throttled
+from qmigrate.ops import logs
 from qmigrate.wire import protocol
 from qmigrate.wire.protocol import ProtocolError
 
 log = logging.getLogger(__name__)
-dropped_log = Throttled(log)  # malformed messages: a peer can send them as fast as it likes
+dropped_log = logs.dropped  # malformed messages: a peer can send them as fast as it likes
 
 KV_MAX_MESSAGE_BYTES = 4 << 30
 
