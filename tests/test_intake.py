@@ -91,6 +91,9 @@ def test_trailing_eos_removed(tok):
         def __len__(self):
             return len(tok)
 
+        def get_vocab(self):
+            return tok.get_vocab()
+
         def encode(self, s, add_special_tokens=True):
             return tok.encode(s, add_special_tokens=add_special_tokens) + [tok.eos_token_id]
 

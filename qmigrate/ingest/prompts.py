@@ -41,6 +41,7 @@ from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Literal
 
+from qmigrate.hub.tokenizer_info import max_token_chars
 from qmigrate.wire import protocol as P
 
 MAX_SEED = P.MAX_SEED + 1  # exclusive: seeds are in [0, 2**63)
@@ -241,6 +242,7 @@ def parse_line(
             raise PromptError(req_id, str(exc)) from None
         if not line.strip():
             raise PromptError(req_id, "empty prompt")
+        check_chars(len(line), tokenizer, max_context, lambda m: _raise(req_id, m))
         if chat:
             prompt_ids = encode_chat([{"role": "user", "content": line}], tokenizer, lambda m: _raise(req_id, m))
         else:
@@ -316,9 +318,10 @@ def parse_request(
             fail("prompt must be a string")
         if not text.strip():
             fail("empty prompt")
+        check_chars(len(text), tokenizer, max_context, fail)
         prompt_ids = _encode_prompt(text, tokenizer, eos_ids)
     elif "messages" in obj:
-        prompt_ids = encode_chat(obj["messages"], tokenizer, fail)
+        prompt_ids = encode_chat(obj["messages"], tokenizer, fail, max_context)
     else:
         prompt_ids = _check_ids(obj["prompt_ids"], "prompt_ids", vocab_size, fail)
 
@@ -359,9 +362,19 @@ def _raise(req_id: str, message: str):
     raise PromptError(req_id, message)
 
 
-def encode_chat(messages, tokenizer, fail) -> list[int]:
+def check_chars(num_chars: int, tokenizer, max_context: int, fail) -> None:
+    """Refuse a text that is surely longer than the context before tokenizing it: a prompt
+    near the body limit costs a tokenizer most of a second and hundreds of MiB."""
+    per_token = max_token_chars(tokenizer)
+    if num_chars > max_context * per_token:
+        fail(f"prompt is at least {-(-num_chars // per_token)} tokens ({num_chars} characters, at most "
+             f"{per_token} a token); the model's context is {max_context}")
+
+
+def encode_chat(messages, tokenizer, fail, max_context: int | None = None) -> list[int]:
     """Token ids of a conversation through the model's chat template, the assistant's turn
-    opened. The template writes any special tokens itself (BOS included), so none are added."""
+    opened. The template writes any special tokens itself (BOS included), so none are added.
+    With `max_context`, messages whose text alone is surely longer are refused untokenized."""
     if not isinstance(messages, list) or not messages:
         fail("messages must be a non-empty list of {\"role\", \"content\"} objects")
     turns = []
@@ -384,6 +397,8 @@ def encode_chat(messages, tokenizer, fail) -> list[int]:
         turns.append({"role": role, "content": content})
     if not getattr(tokenizer, "chat_template", None):
         fail("this model has no chat template; send a plain prompt instead of messages")
+    if max_context is not None:  # the template only adds text
+        check_chars(sum(len(turn["content"]) for turn in turns), tokenizer, max_context, fail)
     try:
         text = tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=True)
     except Exception as exc:  # noqa: BLE001 -- a template may raise anything (jinja, raise_exception)
