@@ -112,13 +112,13 @@ class Engine:
             return (kv[:, :, start:].contiguous() if start else kv), None
         return self.pool.export_started(seq_id, num_tokens, start)
 
-    def import_kv(self, seq_id: int, kv: torch.Tensor, protect=frozenset(), start: int = 0, ids=None,
-                  salt: str = "") -> bool:
+    def import_kv(self, seq_id: int, kv: torch.Tensor, protect=frozenset(), start: int = 0) -> bool:
+        """Shipped KV for seq_id; it never joins this worker's prefix cache (BlockPool.load)."""
         if self.tp is not None and self.tp.world > 1:
             if start:
                 raise ValueError("a tensor-parallel worker takes shipped KV from position 0 only")
             return self.runner.import_kv(seq_id, kv, protect)        # each rank keeps its heads
-        return self.pool.load(seq_id, kv, protect, start, ids, salt)
+        return self.pool.load(seq_id, kv, protect, start)
 
     @property
     def can_import_from(self) -> bool:

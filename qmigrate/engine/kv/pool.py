@@ -26,7 +26,6 @@ from collections import OrderedDict
 import numpy as np
 import torch
 
-from qmigrate.wire.prefix_keys import seed_key
 
 from qmigrate.engine.kv.prefix_cache import PrefixCache
 
@@ -288,12 +287,12 @@ class BlockPool:
         copied.record()
         return host, copied
 
-    def load(self, seq_id: int, kv: torch.Tensor, protect, start: int = 0, ids=None,
-             salt: str = "") -> bool:
+    def load(self, seq_id: int, kv: torch.Tensor, protect, start: int = 0) -> bool:
         """Place shipped KV of positions [start, start + n) in free blocks; False when there
         is no room for it. With start > 0 the sequence holds [0, start) here already (from
-        the cache). `ids`, when given, are the sequence's ids at its first start + n
-        positions: its full blocks then join the cache."""
+        the cache). Shipped KV is the sender's word alone: its blocks, and every block the
+        sequence computes on top of them, stay the sequence's own and never join the cache
+        under a content key, where another request's prompt could hit them."""
         n = kv.shape[2]
         if start:
             if self.cached_len(seq_id) < start:
@@ -314,11 +313,5 @@ class BlockPool:
         flat.index_copy_(2, slots.to(self.device, non_blocking=True), kv.to(self.device, non_blocking=True))
         self.length[seq_id] = start + n
         if self.prefix is not None:
-            if ids is None:
-                self.prefix.ids[seq_id] = None   # KV of unknown ids: never cached
-            else:
-                if not start:
-                    self.prefix.seeds[seq_id] = seed_key(salt)
-                self.prefix.note_ids(seq_id, start, ids[start:start + n])
-                self.commit(seq_id)
+            self.prefix.ids[seq_id] = None   # never cached (its first `start` positions stay so)
         return True
