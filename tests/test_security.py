@@ -481,3 +481,44 @@ def test_the_http_api_serves_with_security_on(tmp_path, tiny_model_dir, http_pro
         log = err.read()
         err.close()
     assert "SecurityError" not in log and "refused" not in log, log[-3000:]
+
+
+def test_a_workers_hello_cannot_choose_what_a_move_costs(tmp_path, tiny_model_dir):
+    """A worker that says its KV is tiny and its model huge would make every move of its
+    sequences a KV transfer (and ship whatever it likes). The router takes both numbers from
+    the model the topology names."""
+    from qmigrate.config import local_topology
+    from qmigrate.hub.model_facts import migration_costs
+    from qmigrate.router.loop import Router
+    from qmigrate.router.records import choose_mechanism
+    topo = local_topology(2, str(tiny_model_dir), str(tmp_path))
+    router = Router(topo)
+    lies = {"kv_bytes_per_token": 1, "num_params": 10 ** 15, "max_seqs": 8}
+    rc = topo.router
+    assert choose_mechanism(4000, 1, 10 ** 15, rc.link_gbps, rc.prefill_tflops) == "transfer"
+    worker = transport.socket(zmq.DEALER, connect=topo.endpoint("router").connect, identity="w1-rogue")
+    try:
+        worker.send(P.encode(P.Hello("worker", "w1", info=lies)))
+        _pump(router, lambda: "w1" in router.sched.workers)
+        state = router.sched.workers["w1"]
+        costs = migration_costs(str(tiny_model_dir))
+        assert (state.kv_bytes_per_token, state.num_params) == (costs.kv_bytes_per_token("float32"), costs.num_params)
+        assert state.max_seqs == 8   # what is the worker's own to say still counts
+        assert choose_mechanism(4000, state.kv_bytes_per_token, state.num_params, rc.link_gbps,
+                                rc.prefill_tflops) == "recompute"
+    finally:
+        for sock in (worker, router.work, router.telemetry, router.out.detok):
+            sock.close(linger=0)
+
+
+def test_migration_costs_come_from_the_models_config(tmp_path, tiny_model_dir):
+    import torch
+    from transformers import AutoModelForCausalLM
+    from qmigrate.hub.model_facts import migration_costs
+    costs = migration_costs(str(tiny_model_dir))
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    cfg = model.config
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    assert costs.kv_bytes_per_token("bfloat16") == 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * 2
+    assert abs(costs.num_params - sum(p.numel() for p in model.parameters())) < 0.01 * costs.num_params
+    assert migration_costs(str(tmp_path / "nowhere")) is None   # unknown here: every move recomputes
