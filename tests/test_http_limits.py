@@ -147,18 +147,25 @@ def _half_sent(port: int, data: bytes) -> socket.socket:
     return s
 
 
-def _closed_within(s: socket.socket, timeout_s: float) -> bool:
-    """Whether the server closed the connection within timeout_s (any answer, then EOF)."""
+def _closed_within(s: socket.socket, timeout_s: float, answer: list | None = None) -> bool:
+    """Whether the server closed the connection within timeout_s (any answer, then EOF);
+    what it answered is appended to `answer`."""
     s.settimeout(timeout_s)
     deadline = time.monotonic() + timeout_s
+    got = b""
     try:
         while time.monotonic() < deadline:
-            if not s.recv(65536):
+            data = s.recv(65536)
+            if not data:
                 return True
+            got += data
     except (ConnectionResetError, BrokenPipeError):
         return True
     except socket.timeout:
         return False
+    finally:
+        if answer is not None:
+            answer.append(got)
     return False
 
 
@@ -172,8 +179,10 @@ def test_half_sent_requests_are_closed_after_the_read_timeout(server):
     try:
         assert _health_s(srv) < 1.0   # while they wait
         started = time.monotonic()
-        closed = [_closed_within(s, 10) for s in slow]
+        answers = []
+        closed = [_closed_within(s, 10, answers) for s in slow]
         assert closed == [True] * len(slow), closed
+        assert answers[:3] == [b"", b"", b""] and answers[3].startswith(b"HTTP/1.1 408"), answers
         assert 0.8 <= time.monotonic() - started < 6
         assert _health_s(srv) < 1.0
     finally:
