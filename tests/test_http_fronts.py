@@ -270,13 +270,14 @@ def test_sigkill_to_ingest_ends_every_open_stream_with_an_error_event(node):
              timeout_s=60, what="ingest and both fronts back")
     pids = front_pids(node)
     streams = []
-    for _ in range(30):
+    for _ in range(100):
         try:
-            streams.append(open_stream(node, {"prompt": "Hello", "max_tokens": 400, "ignore_eos": True}))
-            first_event(streams[-1])
+            resp = open_stream(node, {"prompt": "Hello", "max_tokens": 400, "ignore_eos": True})
+            first_event(resp)
         except (ConnectionError, http.client.HTTPException):   # a front still starting
-            streams.pop()
             time.sleep(0.2)
+            continue
+        streams.append(resp)
         if len(streams) == 6:
             break
     assert len(streams) == 6
