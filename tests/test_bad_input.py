@@ -136,10 +136,10 @@ def test_sim_jsonl_past_the_wire_bounds(sims):
         assert "error" not in finals[f"g{i}"] and len(finals[f"g{i}"]["token_ids"]) == 3, finals
     errors = {r["id"]: r["error"] for r in records if "error" in r}
     assert [r["id"] for r in records if "error" in r].count("dup") == 2
-    # "sur" and "deep" are refused before their id is read: named by their line number
-    assert {"topk", "topk64", "stops", "stoplen", "6", "7", "9"} <= set(errors), errors
-    assert "top_k" in errors["topk"] and "top_k" in errors["topk64"] and "surrogate" in errors["6"]
-    assert "nested" in errors["7"] and "at most 64" in errors["stops"] and "at most 64" in errors["stoplen"]
+    # "sur" and "deep" are refused as JSON, and keep the id each line gives
+    assert {"topk", "topk64", "stops", "stoplen", "sur", "deep", "9"} <= set(errors), errors
+    assert "top_k" in errors["topk"] and "top_k" in errors["topk64"] and "surrogate" in errors["sur"]
+    assert "nested" in errors["deep"] and "at most 64" in errors["stops"] and "at most 64" in errors["stoplen"]
     assert len(finals["last"]["token_ids"]) == 2
     # a cancel line ends no request and is no record of its own; every other line has one
     num_finals = sum(1 for rec in records if rec.get("done"))
