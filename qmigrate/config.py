@@ -148,6 +148,11 @@ class IngestConfig(Section):
     # net.core.somaxconn); past it a connection attempt is dropped and retried a second later
     http_backlog: int = rules.setting(4096, rules.count)
     http_timeout_s: float = rules.setting(60.0, rules.positive)  # longest wait for a request's next text
+    # a connection sends a request's headers within this of opening (or of its last answer;
+    # an idle keep-alive connection is closed then too), and its body within this of them
+    http_read_timeout_s: float = rules.setting(30.0, rules.positive)
+    # open connections one client address may hold to one API process; past it one is closed at once
+    http_max_connections_per_client: int = rules.setting(2048, rules.count)
     # processes serving the API on its port (SO_REUSEPORT), each parsing its own calls and
     # writing its own streams in front of this loop; 1: a thread of the ingest process
     http_processes: int = rules.setting(1, rules.rule(f"an integer from 1 to {MAX_HTTP_PROCESSES}",

@@ -147,10 +147,10 @@ def test_sim_jsonl_past_the_wire_bounds(sims):
         assert "error" not in finals[f"g{i}"] and len(finals[f"g{i}"]["token_ids"]) == 3, finals
     errors = {r["id"]: r["error"] for r in records if "error" in r}
     assert [r["id"] for r in records if "error" in r].count("dup") == 2
-    # "sur" and "deep" are refused before their id is read: named by their line number
-    assert {"topk", "topk64", "stops", "stoplen", "6", "7", "9"} <= set(errors), errors
-    assert "top_k" in errors["topk"] and "top_k" in errors["topk64"] and "surrogate" in errors["6"]
-    assert "nested" in errors["7"] and "at most 64" in errors["stops"] and "at most 64" in errors["stoplen"]
+    # "sur" and "deep" are refused as JSON, and keep the id each line gives
+    assert {"topk", "topk64", "stops", "stoplen", "sur", "deep", "9"} <= set(errors), errors
+    assert "top_k" in errors["topk"] and "top_k" in errors["topk64"] and "surrogate" in errors["sur"]
+    assert "nested" in errors["deep"] and "at most 64" in errors["stops"] and "at most 64" in errors["stoplen"]
     assert len(finals["last"]["token_ids"]) == 2
     # a cancel line ends no request and is no record of its own; every other line has one
     num_finals = sum(1 for rec in records if rec.get("done"))
@@ -335,7 +335,9 @@ def test_warnings_for_malformed_frames_are_rate_limited(topo, caplog):
     Now the first ten are logged, then one line an interval with the count left out."""
     import logging
 
+    from qmigrate.ops import logs
     from qmigrate.router.loop import Router
+    logs.dropped.reset()  # one throttle per process: what earlier tests dropped counts there
     router = Router(topo)
     client = transport.socket(zmq.DEALER, connect=topo.endpoint("router").connect, identity="fuzz")
     try:
@@ -366,3 +368,70 @@ def test_throttled_logs_the_first_then_one_an_interval():
         warn.warning("dropped %d", i)
     assert seen[:3] == ["dropped 0", "dropped 1", "dropped 2"] and 12 <= len(seen) <= 14
     assert seen[4].endswith("(and 99 more like it not logged)"), seen[4]
+
+
+def _flood_lines(caplog, text: str, flood) -> int:
+    import logging
+
+    from qmigrate.ops import logs
+    logs.dropped.reset()
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        flood()
+    return sum(text in r.getMessage() for r in caplog.records)
+
+
+def test_a_frame_flood_into_any_role_logs_a_bounded_number_of_lines(topo, caplog):
+    """Each of these paths logged one line per frame (50,000 frames: 50,000 lines). Through
+    ops/logs.dropped: the first ten of a kind, then one line per 10 s."""
+    import torch
+
+    from qmigrate.detokenizer.loop import Detokenizer
+    from qmigrate.router.loop import Router
+    from qmigrate.worker.loop import _kv_tensor
+    n = 2000
+    router = Router(topo)
+    client = transport.socket(zmq.DEALER, connect=topo.endpoint("router").connect, identity="flood")
+
+    def into_router():
+        for i in range(n):
+            client.send(P.encode(P.Reject("no role receives this at the router")))
+            if i % 500 == 499:
+                while router.work.poll(50):
+                    router.drain_socket()
+        while router.work.poll(50):
+            router.drain_socket()
+    try:
+        assert 10 <= _flood_lines(caplog, "no handler for Reject", into_router) <= 11
+        assert router.errors["unexpected_message"] == n
+    finally:
+        _close(client, router.work, router.telemetry, router.out.detok)
+
+    detok = Detokenizer(topo)
+    try:
+        frame = P.encode(P.Reject("not for the detokenizer"))
+        assert 10 <= _flood_lines(caplog, "dropped a message", lambda: [detok.receive(frame) for _ in range(n)]) <= 11
+    finally:
+        _close(detok.pull, detok.router, detok.replies)
+
+    bad_dtype = P.KVHeader(1, 2, 3, "no-such-dtype", [2, 1, 3, 1, 4], 0)
+    short = P.KVHeader(1, 2, 3, "float32", [2, 1, 3, 1, 4], 0)
+    assert 10 <= _flood_lines(caplog, "KV shipment with bad dtype",
+                              lambda: [_kv_tensor(bad_dtype, b"") for _ in range(n)]) <= 11
+    assert 10 <= _flood_lines(caplog, "KV shipment of 7 bytes",
+                              lambda: [_kv_tensor(short, b"1234567") for _ in range(n)]) <= 11
+    assert _kv_tensor(short, bytes(2 * 3 * 4 * 4)).shape == torch.Size([2, 1, 3, 1, 4])
+
+
+def test_a_flood_of_one_kind_hides_no_other_kind():
+    import logging
+
+    from qmigrate.ops.logs import Throttled
+    seen = []
+    logger = logging.getLogger("throttle-kinds")
+    logger.warning = lambda fmt, *args: seen.append(fmt % args)  # noqa: E731
+    warn = Throttled(logger, first=3, interval_s=10.0, clock=lambda: 0.0)
+    for i in range(1000):
+        warn.warning("flood %d", i)
+    warn.warning("other %d", 1)
+    assert seen == ["flood 0", "flood 1", "flood 2", "flood 3", "other 1"]  # then one per 10 s

@@ -208,6 +208,10 @@ def test_a_killed_front_is_replaced_and_the_other_fronts_streams_go_on(node):
         if i not in killed:   # the other front's streams go on
             for _ in range(5):
                 assert first_event(resp)["choices"][0]["finish_reason"] is None
+        else:   # no process holds its connection any more: it ends cut, without [DONE]
+            with pytest.raises(http.client.IncompleteRead) as cut:
+                resp.read()
+            assert b"[DONE]" not in cut.value.partial and b'"error"' not in cut.value.partial
         resp.close()
     # The dead front's sequences are cancelled by ingest; the others by their clients, unless a
     # loaded machine let one finish before this thread closed it
@@ -256,3 +260,33 @@ def test_sigterm_to_ingest_ends_every_open_stream_and_every_front(node):
             tail = exc.partial
         assert tail.endswith(b"data: [DONE]\n\n") and b'"code": "shutdown"' in tail
     wait_for(lambda: not any(is_alive(pid) for pid in pids.values()), what="every front process gone")
+
+
+def test_sigkill_to_ingest_ends_every_open_stream_with_an_error_event(node):
+    """After the SIGTERM test: ingest (started again) is killed outright. Its fronts outlive it
+    (the kernel sends each SIGTERM as its parent dies), so every stream still ends with an
+    error event and [DONE]; then ingest and its fronts are started again."""
+    wait_for(lambda: sorted(front_pids(node)) == [0, 1] and node.stats(timeout_s=1).get("workers", 0) >= 1,
+             timeout_s=60, what="ingest and both fronts back")
+    pids = front_pids(node)
+    streams = []
+    for _ in range(100):
+        try:
+            resp = open_stream(node, {"prompt": "Hello", "max_tokens": 400, "ignore_eos": True})
+            first_event(resp)
+        except (ConnectionError, http.client.HTTPException):   # a front still starting
+            time.sleep(0.2)
+            continue
+        streams.append(resp)
+        if len(streams) == 6:
+            break
+    assert len(streams) == 6
+    os.kill(H.pid_of(node.proc, "qmigrate ingest"), signal.SIGKILL)
+    for resp in streams:
+        try:
+            tail = resp.read()
+        except http.client.IncompleteRead as exc:
+            tail = exc.partial
+        assert tail.endswith(b"data: [DONE]\n\n") and b'"code": "shutdown"' in tail, tail[-300:]
+    wait_for(lambda: not any(is_alive(pid) for pid in pids.values()), what="every old front gone")
+    wait_for(lambda: sorted(front_pids(node)) == [0, 1], timeout_s=60, what="ingest's fronts started again")

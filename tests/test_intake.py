@@ -91,6 +91,9 @@ def test_trailing_eos_removed(tok):
         def __len__(self):
             return len(tok)
 
+        def get_vocab(self):
+            return tok.get_vocab()
+
         def encode(self, s, add_special_tokens=True):
             return tok.encode(s, add_special_tokens=add_special_tokens) + [tok.eos_token_id]
 
@@ -203,7 +206,7 @@ def test_jsonl_invalid(tok, line, message):
 
 
 @pytest.mark.parametrize("line, message", [
-    ('{"id": "s", "prompt": "a\\ud800b"}', "invalid JSON: a string holds a lone surrogate (not valid Unicode)"),
+    ('{"id": 5, "prompt": "a\\ud800b"}', "invalid JSON: a string holds a lone surrogate (not valid Unicode)"),
     ('{"id": "\\udfff", "prompt": "x"}', "invalid JSON: a string holds a lone surrogate (not valid Unicode)"),
     ('{"prompt": "x", "stop": ' + "[" * 1000 + "]" * 1000 + "}", "invalid JSON: nested deeper than 32 levels"),
     ('{"prompt": "x", "stop": ' + "[" * 100000 + "]" * 100000 + "}", "invalid JSON: nested deeper than 32 levels"),
@@ -212,7 +215,33 @@ def test_jsonl_invalid(tok, line, message):
 def test_jsonl_text_the_wire_cannot_carry(tok, line, message):
     """Each is an error record of its own request (no traceback, no crash of ingest)."""
     err = error_of(jsonl, tok, line, line_no=3)
-    assert (str(err), err.req_id) == (message, "3")
+    assert (str(err), err.req_id) == (message, "5" if line.startswith('{"id": 5') else "3")
+
+
+@pytest.mark.parametrize("line, message", [
+    ('{"id": "surrogate", "prompt": "a\\ud800b"}', "lone surrogate"),
+    ('{"prompt": "x", "temperature": NaN, "id": "nan"}', "NaN is not valid JSON"),
+    ('{"id": "inf", "prompt": "x", "top_p": -Infinity}', "Infinity is not valid JSON"),
+    ('{"prompt": "x", "id": "deep", "stop": ' + "[" * 40 + "]" * 40 + "}", "nested deeper than 32"),
+    ('{"prompt": "x", "stop": ' + "[" * 100000 + "]" * 100000 + ', "id": "deeper"}', "nested deeper than 32"),
+    ('{"id": "digits", "prompt": "x", "seed": ' + "7" * 5000 + "}", "digits"),
+    ('{"id": 42, "prompt": "x", "seed": ' + "7" * 5000 + "}", "digits"),
+], ids=["surrogate", "nan", "infinity", "nested", "nested-100k", "digits", "digits-int-id"])
+def test_a_line_refused_as_json_keeps_its_readable_id(tok, line, message):
+    err = error_of(jsonl, tok, line, line_no=9)
+    assert message in str(err) and str(err).startswith("invalid JSON")
+    want = json.loads(line.split('"id": ')[1].split(",")[0].rstrip("}")) if '"id": ' in line else None
+    assert err.req_id == str(want)
+
+
+@pytest.mark.parametrize("line", [
+    '{"id": "\\udfff", "prompt": "x", "top_k": NaN}',      # the id itself is not valid Unicode
+    '{"prompt": {"id": "inner"}, "top_k": NaN}',           # not a top-level id
+    '{"id": "' + "i" * 300 + '", "top_k": NaN}',           # longer than an id may be
+    '[{"id": "x"}, NaN]',
+], ids=["surrogate-id", "inner-id", "long-id", "not-an-object"])
+def test_an_unreadable_id_leaves_the_line_number(tok, line):
+    assert error_of(jsonl, tok, line, line_no=9).req_id == "9"
 
 
 def test_check_json_looks_into_lists_of_numbers_only_for_depth():

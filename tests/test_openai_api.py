@@ -233,3 +233,13 @@ def test_usage_carries_cached_prompt_tokens_when_known():
     assert usage(10, 4) == {"prompt_tokens": 10, "completion_tokens": 4, "total_tokens": 14}
     assert usage(10, 4, 8)["prompt_tokens_details"] == {"cached_tokens": 8}
     assert usage(10, 4, 0)["prompt_tokens_details"] == {"cached_tokens": 0}
+
+
+@pytest.mark.parametrize("max_name", ["max_tokens", "max_completion_tokens"])
+def test_min_tokens_past_the_maximum_names_the_field_the_client_sent(tok, max_name):
+    kind = "chat" if max_name == "max_completion_tokens" else "completion"
+    body = {"model": MODEL, max_name: 3, "min_tokens": 5,
+            **({"messages": [{"role": "user", "content": "Hi"}]} if kind == "chat" else {"prompt": "Hi"})}
+    exc = error(tok, body, kind)
+    assert exc.status == 400 and exc.param == "min_tokens"
+    assert max_name in exc.message and "max_new_tokens" not in exc.message, exc.message

@@ -203,16 +203,16 @@ def test_kv_transfer_ships_only_what_the_receiver_lacks(model, greedy, runner):
     assert start == len(SYSTEM) // BS * BS
     kv = src.export_kv(1, None, start)
     assert kv.shape[2] == len(ids) - start
-    assert dst.import_kv(1, kv.clone(), set(), start=start, ids=ids)
+    assert dst.import_kv(1, kv.clone(), set(), start=start)
     assert dst.cached_len(1) == len(ids)
     rest = [out[-1]]
     for i in range(5, 12):
         rest.append(dst.step([StepRow(1, [rest[-1]], len(prompt) + i - 1, i)])[0])
     assert out + rest[1:] == greedy(prompt, 12)
     dst.pool.check()
-    # the shipped blocks joined the receiver's cache
+    # the shipped blocks stay the sequence's own: only the receiver's own prefix is cached
     dst.release(1)
-    assert generate(dst, 2, ids + [5], 1)[1] == len(ids) // BS * BS
+    assert generate(dst, 2, ids + [5], 1)[1] == start
 
 
 def test_recompute_reuses_the_receivers_cache(model, greedy):
@@ -254,6 +254,36 @@ def test_worker_core_recompute_and_transfer_with_the_cache(model, greedy):
     assert ran.tokens[1] == ref[8:12]
     assert a.engine.cached_len(1) == len(ids[1]) + 3
     a.engine.pool.check()
+    b.engine.pool.check()
+
+
+@pytest.mark.parametrize("start", [0, 32])
+def test_garbage_kv_shipped_in_never_reaches_another_request(model, greedy, start):
+    """A worker with a stolen key ships garbage KV for a sequence leased to it. The sequence
+    that imports it may go wrong (it was the sender's), but no other request on the receiver
+    starts on those blocks, or on blocks computed on top of them: the same prompt sent again
+    by another client equals generate()."""
+    a, b = WorkerCore(make_engine(model)), WorkerCore(make_engine(model))
+    prompt = SYSTEM + QUESTIONS[2]
+    ids = {1: list(prompt)}
+    ran = run(a, make_lease(ids, [spec_of(1, prompt, len(prompt))], num_steps=2))
+    ids[1] += ran.tokens[1]
+    if start:   # the receiver holds the system prompt's first blocks itself
+        run(b, make_lease({3: SYSTEM[:40]}, [spec_of(3, SYSTEM[:40], 40, max_new_tokens=1)], lease_id=3))
+    kv = a.export(1, len(ids[1]) - 1, start=start)
+    b.receive_transfer(9, 1, torch.full_like(kv, 3.0), start=start)   # the rogue's shipment
+    spec = spec_of(1, ids[1], len(prompt), kv_from="tcp://a", transfer_id=9)
+    run(b, make_lease(ids, [spec], lease_id=4, num_steps=20))
+    assert b.num_kv_imported == 1
+    b.engine.pool.check()
+    for sid in (1, 3):
+        b.engine.release(sid)
+    # other clients, the same prompts: the first starts on no shipped block (only the receiver's
+    # own system prompt), the second on the blocks the first computed here
+    for sid, asked in ((5, prompt + ids[1][len(prompt):]), (6, prompt)):
+        out, cached = generate(b.engine, sid, asked, 6)
+        assert out == greedy(asked, 6)
+        assert cached <= start if sid == 5 else cached == (len(prompt) - 1) // BS * BS
     b.engine.pool.check()
 
 

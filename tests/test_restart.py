@@ -125,3 +125,33 @@ def test_router_detokenizer_and_worker_restarts_lose_nothing(tmp_path, tiny_mode
     check = greedy_reference(tiny_model_dir)
     for p in prompts:
         check(p["prompt_ids"], p["max_new_tokens"], finals[p["id"]]["token_ids"], p["id"])
+
+
+def test_a_killed_stdin_ingest_stops_the_node_and_says_what_is_lost(tmp_path, tiny_model_dir):
+    """An ingest that reads the node's stdin is not started again (the input it read is gone
+    with it): the node stops with status 1, naming it; what was printed before is printed
+    once, and every request not yet printed is lost (docs/reliability.md, Limits)."""
+    ports = reserve_ports(7)
+    path = tmp_path / "topo.yaml"
+    path.write_text(yaml.safe_dump(_topology(tmp_path, tiny_model_dir, ports)))
+    router = f"tcp://127.0.0.1:{ports[0]}"
+    prompts = H.prompts(7, "k", n=12, new_tokens=300)
+    out, err = open(tmp_path / "out", "a+"), open(tmp_path / "err", "a+")
+    node = subprocess.Popen([sys.executable, "-m", "qmigrate", "node", str(path), "--node", "head", "--stdin"],
+                            stdin=subprocess.PIPE, stdout=out, stderr=err, text=True, start_new_session=True)
+    try:
+        node.stdin.write("".join(json.dumps(p) + "\n" for p in prompts))
+        node.stdin.flush()   # left open: ingest is still reading when it is killed
+        H.wait_for("accepted requests under way", lambda s: s.get("leased_rows", 0) > 0, router, timeout=150)
+        os.kill(H.pid_of(node, "qmigrate ingest"), signal.SIGKILL)
+        assert node.wait(timeout=60) == 1
+    finally:
+        if node.stdin and not node.stdin.closed:
+            node.stdin.close()
+        from conftest import stop_group
+        stop_group(node)
+    err.seek(0)
+    assert "ingest exited with status -9; stopping the node" in err.read()
+    out.seek(0)
+    finals = [json.loads(line)["id"] for line in out.read().splitlines() if line.strip() and json.loads(line).get("done")]
+    assert len(finals) == len(set(finals)) < len(prompts)   # once each, and the rest lost

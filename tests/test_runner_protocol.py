@@ -102,7 +102,7 @@ def test_an_engine_runs_and_moves_kv_through_the_protocol_alone(model):
     so_far = prompt + want[:3]                 # the 4th token is sampled, not in the KV yet
     kv = first.export_kv(1)
     assert kv.shape[2] == len(so_far)
-    assert second.import_kv(1, kv, ids=so_far)
+    assert second.import_kv(1, kv)
     assert decode(second, 1, so_far + [want[3]], len(so_far), 4) == want[4:]
     assert {"forward", "export_kv"} <= set(first.runner.calls)   # (attach ran before the wrapping)
     assert "import_kv" in second.runner.calls

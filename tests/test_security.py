@@ -422,3 +422,104 @@ def test_status_reaches_a_router_with_security_on(secured, tmp_path):
     finally:
         stop.set()
         thread.join()
+
+
+def test_an_in_process_socket_needs_no_key_at_either_end(tmp_path):
+    """The HTTP server wakes ingest over inproc://: with security on both ends stay plain."""
+    topo = parse_topology(_topology(tmp_path))
+    transport.secure(security.keyring(topo, "head"))
+    try:
+        pull = transport.socket(zmq.PULL, bind="inproc://test-wake")
+        push = transport.socket(zmq.PUSH, connect="inproc://test-wake")
+        push.send(b"x")
+        assert pull.poll(2000) and pull.recv() == b"x"
+        for sock in (push, pull):
+            sock.close(linger=0)
+        with pytest.raises(security.SecurityError, match="not an endpoint of the topology"):
+            transport.socket(zmq.PUSH, connect="tcp://127.0.0.1:1")  # a tcp peer still needs its key
+    finally:
+        transport.secure(None)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("http_processes", [1, 2])
+def test_the_http_api_serves_with_security_on(tmp_path, tiny_model_dir, http_processes):
+    import urllib.request
+    from conftest import greedy_tokens
+    data = _topology(tmp_path, tiny_model_dir)
+    data["nodes"] = data["nodes"][:1]
+    http_port = reserve_ports(1)[0]
+    data["ingest"].update(http_port=http_port, http_processes=http_processes, model_name="tiny")
+    data["detokenizer"]["output"] = "jsonl"
+    data["workers"] = [{"name": "w1", "node": "head", "device": "cpu", "kv_port": data["workers"][0]["kv_port"]}]
+    path = tmp_path / "secure-http.yaml"
+    path.write_text(yaml.safe_dump(data))
+    err = open(tmp_path / "head.err", "a+")
+    node = subprocess.Popen([sys.executable, "-m", "qmigrate", "node", str(path), "--node", "head"],
+                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err, start_new_session=True)
+    body = json.dumps({"model": "tiny", "prompt": [1, 5, 70, 300], "max_tokens": 4, "temperature": 0}).encode()
+    try:
+        deadline, answer = time.monotonic() + 120, None
+        while answer is None and time.monotonic() < deadline:
+            assert node.poll() is None, (err.seek(0), err.read()[-3000:])[1]
+            try:
+                req = urllib.request.Request(f"http://127.0.0.1:{http_port}/v1/completions", body,
+                                             {"Content-Type": "application/json"})
+                with urllib.request.urlopen(req, timeout=30) as resp:
+                    answer = json.loads(resp.read())
+            except OSError:  # not listening yet, or 503 while no worker serves
+                time.sleep(0.3)
+        assert answer is not None, "no answer from the HTTP API"
+        assert answer["usage"]["completion_tokens"] == 4
+        from transformers import AutoTokenizer
+        tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+        want = greedy_tokens(tiny_model_dir, [1, 5, 70, 300], 4)
+        assert answer["choices"][0]["text"] == tok.decode([1, 5, 70, 300] + want)[len(tok.decode([1, 5, 70, 300])):]
+    finally:
+        stop_group(node)
+        err.seek(0)
+        log = err.read()
+        err.close()
+    assert "SecurityError" not in log and "refused" not in log, log[-3000:]
+
+
+def test_a_workers_hello_cannot_choose_what_a_move_costs(tmp_path, tiny_model_dir):
+    """A worker that says its KV is tiny and its model huge would make every move of its
+    sequences a KV transfer (and ship whatever it likes). The router takes both numbers from
+    the model the topology names."""
+    from qmigrate.config import local_topology
+    from qmigrate.hub.model_facts import migration_costs
+    from qmigrate.router.loop import Router
+    from qmigrate.router.records import choose_mechanism
+    topo = local_topology(2, str(tiny_model_dir), str(tmp_path))
+    router = Router(topo)
+    lies = {"kv_bytes_per_token": 1, "num_params": 10 ** 15, "max_seqs": 8}
+    rc = topo.router
+    assert choose_mechanism(4000, 1, 10 ** 15, rc.link_gbps, rc.prefill_tflops) == "transfer"
+    worker = transport.socket(zmq.DEALER, connect=topo.endpoint("router").connect, identity="w1-rogue")
+    try:
+        worker.send(P.encode(P.Hello("worker", "w1", info=lies)))
+        _pump(router, lambda: "w1" in router.sched.workers)
+        state = router.sched.workers["w1"]
+        costs = migration_costs(str(tiny_model_dir))
+        assert (state.kv_bytes_per_token, state.num_params) == (costs.kv_bytes_per_token("float32"), costs.num_params)
+        assert state.max_seqs == 8   # what is the worker's own to say still counts
+        assert choose_mechanism(4000, state.kv_bytes_per_token, state.num_params, rc.link_gbps,
+                                rc.prefill_tflops) == "recompute"
+    finally:
+        for sock in (worker, router.work, router.telemetry, router.out.detok):
+            sock.close(linger=0)
+
+
+def test_migration_costs_come_from_the_models_config(tmp_path, tiny_model_dir):
+    import torch
+    from transformers import AutoModelForCausalLM
+    from qmigrate.hub.model_facts import migration_costs
+    costs = migration_costs(str(tiny_model_dir))
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    cfg = model.config
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    assert costs.kv_bytes_per_token("bfloat16") == 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * 2
+    assert abs(costs.num_params - sum(p.numel() for p in model.parameters())) < 0.01 * costs.num_params
+    assert migration_costs(str(tmp_path / "nowhere")) is None   # unknown here: every move recomputes

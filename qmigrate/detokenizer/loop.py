@@ -30,6 +30,7 @@ from qmigrate.hub.loading import resolve_model
 from qmigrate.hub.tokenizer_info import load_tokenizer_info
 from qmigrate.router.journal import Journal
 from qmigrate.wire.security import Guard
+from qmigrate.ops import logs
 from qmigrate.ops.process import freeze_heap
 from qmigrate.ops.progress import TerminalWriter
 from qmigrate.ops.trace import flush_on_sigterm, tracer
@@ -156,9 +157,9 @@ class Detokenizer:
                 raise P.ProtocolError(f"unexpected {type(msg).__name__}")
             handler(msg)
         except P.ProtocolError as exc:
-            log.warning("dropped a message: %s", exc)
+            logs.dropped.warning("dropped a message: %s", exc)
         except Exception as exc:  # noqa: BLE001 -- one bad message must not stop the output
-            log.warning("dropped a message: %s: %s", type(exc).__name__, exc)
+            logs.dropped.warning("dropped a message: %s: %s", type(exc).__name__, exc)
 
     def report_printed(self, now: float) -> None:
         self.last_printed = now

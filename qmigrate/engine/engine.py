@@ -110,9 +110,9 @@ class Engine:
         event after which the tensor holds it (None: it does now)."""
         return self.runner.export_kv(seq_id, num_tokens, start)
 
-    def import_kv(self, seq_id: int, kv: torch.Tensor, protect=frozenset(), start: int = 0, ids=None,
-                  salt: str = "") -> bool:
-        return self.runner.import_kv(seq_id, kv, protect, start, ids, salt)
+    def import_kv(self, seq_id: int, kv: torch.Tensor, protect=frozenset(), start: int = 0) -> bool:
+        """Shipped KV for seq_id; it never joins this worker's prefix cache (BlockPool.load)."""
+        return self.runner.import_kv(seq_id, kv, protect, start)
 
     @property
     def can_import_from(self) -> bool:

@@ -93,3 +93,19 @@ def _auto_tokenizer_info(path, trust_remote_code: bool):
     if eos is None:
         eos = getattr(config, "eos_token_id", None)
     return tokenizer, max_context, eos
+
+
+def max_token_chars(tokenizer) -> int:
+    """The most characters of text one token can stand for: the longest token string of the
+    vocabulary, added tokens included. A byte-level token's string has one character per byte,
+    so at least as many as the text it decodes to. So a text of L characters is at least
+    L / max_token_chars tokens, a bound ingest checks before tokenizing a long prompt.
+    Computed once per tokenizer (a pass over the vocabulary)."""
+    cached = getattr(tokenizer, "_qmigrate_max_token_chars", None)
+    if cached is None:
+        cached = max(1, max(map(len, tokenizer.get_vocab()), default=1))
+        try:
+            tokenizer._qmigrate_max_token_chars = cached
+        except AttributeError:  # a tokenizer class with slots: computed again each time
+            pass
+    return cached

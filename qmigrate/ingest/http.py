@@ -34,14 +34,17 @@ import queue
 import random
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import zmq
 from aiohttp import web
 
+from qmigrate.ops import logs
 from qmigrate.wire import protocol as P
 from qmigrate.wire import transport
 from qmigrate.hub.tokenizer_info import load_tokenizer_info
+from qmigrate.ingest.guard import ClientLimit
 from qmigrate.ingest.handoff import HTTP_BIT, THREAD_ID_BITS
 from qmigrate.ingest.prompts import Defaults, check_json
 from qmigrate.ingest.streams import DONE, MARK, SHUTDOWN, SSE_HEADERS, Frame, Updates, sse
@@ -80,6 +83,10 @@ class HttpServer:
         # fast tokenizer is not safe to share between threads.
         self.tokenizer, self.max_context, self.eos_ids = load_tokenizer_info(model_path, trust_remote_code)
         self.max_context = min(self.max_context, max_model_len or self.max_context)   # the workers' limit
+        # Bodies are parsed and tokenized on this one thread, the only user of the tokenizer:
+        # a long prompt costs its own request time, never the event loop's (/health, streams).
+        self.parser = ThreadPoolExecutor(1, thread_name_prefix="http-parse")
+        self.client_limit = ClientLimit(cfg.http_max_connections_per_client)
         self.model_names = [cfg.model_name or Path(model_path).name]
         # Each item: one HTTP request's [(seq_id, Prompt), ...], one per choice, taken together.
         self.submissions: queue.Queue = queue.Queue(maxsize=cfg.max_pending)
@@ -162,6 +169,7 @@ class HttpServer:
 
     async def _serve(self) -> None:
         self.loop = asyncio.get_running_loop()
+        logs.quiet_bad_requests()
         self.wake_sock = transport.socket(zmq.PUSH, connect=WAKE_ENDPOINT, hwm=1)
         app = web.Application(client_max_size=self.cfg.max_body_bytes, middlewares=[self._errors])
         app.router.add_post("/v1/completions", self.completions)
@@ -169,8 +177,14 @@ class HttpServer:
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/health", self.health)
         # handler_cancellation: a client that goes away cancels its handler, and so its request
-        runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
+        # keepalive_timeout: aiohttp closes a connection still waiting for a request's headers
+        # then, whether it sent part of them or nothing (a slow or stalled client);
+        # lingering_time: how long the rest of an unread body (after a 408 or 413) is read
+        read_s = self.cfg.http_read_timeout_s
+        runner = web.AppRunner(app, access_log=None, handler_cancellation=True, keepalive_timeout=read_s,
+                               lingering_time=min(10.0, read_s))
         await runner.setup()
+        self.client_limit.install(runner.server)
         await web.TCPSite(runner, self.cfg.http_host, self.cfg.http_port, backlog=self.cfg.http_backlog,
                           reuse_port=self.reuse_port or None).start()
         self.ready.set()
@@ -244,8 +258,15 @@ class HttpServer:
     async def chat_completions(self, request):
         return await self._generate(request, "chat")
 
-    async def _body(self, request):
-        raw = await request.read()  # over client_max_size: 413
+    async def _read(self, request) -> bytes:
+        try:  # over client_max_size: 413
+            return await asyncio.wait_for(request.read(), self.cfg.http_read_timeout_s)
+        except asyncio.TimeoutError:
+            raise ApiError(408, f"the request body did not arrive within {self.cfg.http_read_timeout_s:g} s",
+                           code="timeout") from None
+
+    def _parse(self, raw: bytes, kind):
+        """On the parser thread: the body's JSON, checked and tokenized."""
         try:
             body = json.loads(raw, parse_constant=_reject_constant)
             check_json(body)
@@ -253,12 +274,11 @@ class HttpServer:
             raise ApiError(400, f"the request body is not valid JSON: {exc}") from None
         except RecursionError:
             raise ApiError(400, "the request body is not valid JSON: nested too deep") from None
-        return body
+        return parse_body(body, kind, model_names=self.model_names, tokenizer=self.tokenizer,
+                          max_context=self.max_context, defaults=self.defaults, eos_ids=self.eos_ids)
 
     async def _generate(self, request, kind):
-        req = parse_body(await self._body(request), kind, model_names=self.model_names,
-                         tokenizer=self.tokenizer, max_context=self.max_context,
-                         defaults=self.defaults, eos_ids=self.eos_ids)
+        req = await self.loop.run_in_executor(self.parser, self._parse, await self._read(request), kind)
         seq_id = self._new_id()
         rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{seq_id:016x}"
         prompts = fan_out(req, rid)

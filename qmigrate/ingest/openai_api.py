@@ -148,7 +148,8 @@ def parse_body(body, kind: Kind, *, model_names: Collection[str], tokenizer, max
                                          defaults=defaults, eos_ids=eos_ids))
         except PromptError as exc:
             too_long = "the model's context" in exc.message
-            raise ApiError(400, f"prompt[{i}]: {exc.message}" if len(items) > 1 else exc.message,
+            message = exc.message.replace("max_new_tokens", max_name)  # the name this client sent
+            raise ApiError(400, f"prompt[{i}]: {message}" if len(items) > 1 else message,
                            _param_of(exc.message, kind),
                            code="context_length_exceeded" if too_long else None) from None
     return ApiRequest(kind, model, prompts, stream, bool(options.get("include_usage")), stop, n)

@@ -36,10 +36,12 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Literal
 
+from qmigrate.hub.tokenizer_info import max_token_chars
 from qmigrate.wire import protocol as P
 from qmigrate.wire import codec
 
@@ -161,6 +163,57 @@ def check_prompt(prompt: Prompt, eos_ids: Collection[int] = ()) -> Prompt:
     return prompt
 
 
+# A JSON string, or one structural character: enough to walk an object's top level in C
+# without decoding (or recursing into) its values.
+_JSON_TOKEN = re.compile(r'"(?:[^"\\]|\\.)*"|[][{},:]')
+
+
+def readable_id(line: str) -> str | None:
+    """The top-level "id" of a JSONL line that json.loads or check_json refused for something
+    elsewhere in it (a lone surrogate, NaN, nesting past 32 levels, an integer past Python's
+    4,300 digits), when that id on its own is one parse_line would take; else None. The line is
+    walked token by token, so a value nested 100,000 deep costs no recursion."""
+    if not line.lstrip().startswith("{"):
+        return None
+    depth, key, value_at, found = 0, None, None, None
+    expect_key = False
+    for m in _JSON_TOKEN.finditer(line):
+        t = m.group()
+        if depth == 1 and t in ",}" and key == '"id"' and value_at is not None:
+            found = _id_value(line[value_at:m.start()])
+        if t == "{" or t == "[":
+            depth += 1
+            expect_key = depth == 1
+        elif t == "}" or t == "]":
+            depth -= 1
+            if depth <= 0:
+                break
+        elif depth == 1:
+            if t == ",":
+                expect_key, key, value_at = True, None, None
+            elif t == ":":
+                value_at = m.end()
+            elif expect_key:
+                key, expect_key = t, False
+    return found
+
+
+def _id_value(text: str) -> str | None:
+    try:
+        value = json.loads(text, parse_constant=_reject_constant)
+    except ValueError:
+        return None
+    if _is_int(value):
+        value = str(value)
+    if not isinstance(value, str) or not value or len(value) > P.MAX_REQ_ID:
+        return None
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return None
+    return value
+
+
 def parse_line(
     line: str,
     *,
@@ -190,6 +243,7 @@ def parse_line(
             raise PromptError(req_id, str(exc)) from None
         if not line.strip():
             raise PromptError(req_id, "empty prompt")
+        check_chars(len(line), tokenizer, max_context, lambda m: _raise(req_id, m))
         if chat:
             prompt_ids = encode_chat([{"role": "user", "content": line}], tokenizer, lambda m: _raise(req_id, m))
         else:
@@ -205,9 +259,10 @@ def parse_line(
         obj = json.loads(line, parse_constant=_reject_constant)
         check_json(obj)
     except ValueError as exc:
-        raise PromptError(req_id, f"invalid JSON: {exc}") from None
+        raise PromptError(readable_id(line) or req_id, f"invalid JSON: {exc}") from None
     except RecursionError:
-        raise PromptError(req_id, f"invalid JSON: nested deeper than {MAX_JSON_DEPTH} levels") from None
+        raise PromptError(readable_id(line) or req_id,
+                          f"invalid JSON: nested deeper than {MAX_JSON_DEPTH} levels") from None
     if not isinstance(obj, dict):
         raise PromptError(req_id, f"expected a JSON object, got {type(obj).__name__}")
 
@@ -264,9 +319,10 @@ def parse_request(
             fail("prompt must be a string")
         if not text.strip():
             fail("empty prompt")
+        check_chars(len(text), tokenizer, max_context, fail)
         prompt_ids = _encode_prompt(text, tokenizer, eos_ids)
     elif "messages" in obj:
-        prompt_ids = encode_chat(obj["messages"], tokenizer, fail)
+        prompt_ids = encode_chat(obj["messages"], tokenizer, fail, max_context)
     else:
         prompt_ids = _check_ids(obj["prompt_ids"], "prompt_ids", vocab_size, fail)
 
@@ -307,9 +363,19 @@ def _raise(req_id: str, message: str):
     raise PromptError(req_id, message)
 
 
-def encode_chat(messages, tokenizer, fail) -> list[int]:
+def check_chars(num_chars: int, tokenizer, max_context: int, fail) -> None:
+    """Refuse a text that is surely longer than the context before tokenizing it: a prompt
+    near the body limit costs a tokenizer most of a second and hundreds of MiB."""
+    per_token = max_token_chars(tokenizer)
+    if num_chars > max_context * per_token:
+        fail(f"prompt is at least {-(-num_chars // per_token)} tokens ({num_chars} characters, at most "
+             f"{per_token} a token); the model's context is {max_context}")
+
+
+def encode_chat(messages, tokenizer, fail, max_context: int | None = None) -> list[int]:
     """Token ids of a conversation through the model's chat template, the assistant's turn
-    opened. The template writes any special tokens itself (BOS included), so none are added."""
+    opened. The template writes any special tokens itself (BOS included), so none are added.
+    With `max_context`, messages whose text alone is surely longer are refused untokenized."""
     if not isinstance(messages, list) or not messages:
         fail("messages must be a non-empty list of {\"role\", \"content\"} objects")
     turns = []
@@ -332,6 +398,8 @@ def encode_chat(messages, tokenizer, fail) -> list[int]:
         turns.append({"role": role, "content": content})
     if not getattr(tokenizer, "chat_template", None):
         fail("this model has no chat template; send a plain prompt instead of messages")
+    if max_context is not None:  # the template only adds text
+        check_chars(sum(len(turn["content"]) for turn in turns), tokenizer, max_context, fail)
     try:
         text = tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=True)
     except Exception as exc:  # noqa: BLE001 -- a template may raise anything (jinja, raise_exception)

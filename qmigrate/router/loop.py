@@ -20,7 +20,8 @@ from qmigrate.router.output import Output
 from qmigrate.router.scheduler import Scheduler, WorkerState
 from qmigrate.router.stats import stats_counters
 from qmigrate.wire.security import Guard
-from qmigrate.ops.logs import Throttled
+from qmigrate.hub.model_facts import migration_costs
+from qmigrate.ops import logs
 from qmigrate.ops.trace import flush_on_sigterm, tracer
 from qmigrate.ops.process import freeze_heap
 
@@ -46,7 +47,7 @@ class Router:
         self.telemetry = transport.socket(zmq.SUB, bind=topo.endpoint("telemetry").bind)
         self.telemetry.setsockopt(zmq.SUBSCRIBE, b"")
         self.out = Output(topo.endpoint("detokenizer").connect, rc.journal)
-        self.dropped_log = Throttled(log)  # what peers send that is dropped: they can send it at will
+        self.dropped_log = logs.dropped  # what peers send that is dropped: they can send it at will
         self.identity: dict[str, bytes] = {}
         self.ingest: bytes | None = None  # the ingest process that said hello last
         self.guard = Guard.for_topology(topo, "router")
@@ -54,6 +55,14 @@ class Router:
         self.worker_times: dict[str, tuple[int, int]] = {}
         self.kv_imported: dict[str, int] = {}   # per worker, as its heartbeats report
         self.nodes = {w.name: w.node for w in topo.workers}
+        # What a move costs comes from the model the topology names, never from a worker's
+        # hello: a worker (or a stolen worker key) would choose numbers that force transfers.
+        costs = migration_costs(topo.model.path)
+        if costs is None and self.config.migration == "auto":
+            log.warning("the model's config.json is not readable on this node: every migration recomputes")
+        self.kv_bytes_per_token = {w.name: costs.kv_bytes_per_token(topo.model.dtype_for(w.device))
+                                   for w in topo.workers} if costs else {}
+        self.num_params = costs.num_params if costs else 0
         self.observer = FleetObserver()
         self.errors: Counter[str] = Counter()
         self.metrics = None
@@ -139,7 +148,7 @@ class Router:
                 self.errors["malformed"] += 1
             elif handler is None:
                 self.errors["unexpected_message"] += 1
-                log.warning("no handler for %s from %r", type(msg).__name__, sender)
+                self.dropped_log.warning("no handler for %s from %r", type(msg).__name__, sender[:64])
             if handler is not None:
                 try:
                     if isinstance(msg, FORWARDED_AS_SENT):
@@ -207,8 +216,8 @@ class Router:
                 msg.name, max_seqs=P.info_int(info, "max_seqs", 64, 1, 1 << 20),
                 max_tokens=P.info_int(info, "max_tokens", 8192, 1, 1 << 30), inflight=inflight,
                 kv_endpoint=P.info_str(info, "kv_endpoint"), gpu_uuid=P.info_str(info, "gpu_uuid"),
-                kv_bytes_per_token=P.info_int(info, "kv_bytes_per_token", 0),
-                num_params=P.info_int(info, "num_params", 0), kv_tokens=P.info_int(info, "kv_tokens", 0),
+                kv_bytes_per_token=self.kv_bytes_per_token.get(msg.name, 0), num_params=self.num_params,
+                kv_tokens=P.info_int(info, "kv_tokens", 0),
                 block_size=P.info_int(info, "block_size", 16, 1, 1 << 16),
                 is_caching=bool(P.info_int(info, "prefix_cache", 0, 0, 1)),
                 held_bytes=P.info_int(info, "held_bytes", 0))

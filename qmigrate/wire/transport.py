@@ -8,13 +8,13 @@ import time
 
 import zmq
 
-from qmigrate.ops.logs import Throttled
+from qmigrate.ops import logs
 from qmigrate.wire import protocol
 from qmigrate.wire import codec
 from qmigrate.wire.protocol import ProtocolError
 
 log = logging.getLogger(__name__)
-dropped_log = Throttled(log)  # malformed messages: a peer can send them as fast as it likes
+dropped_log = logs.dropped  # malformed messages: a peer can send them as fast as it likes
 
 KV_MAX_MESSAGE_BYTES = 4 << 30
 
@@ -55,6 +55,13 @@ def _prepare_ipc(endpoint: str) -> None:
         os.makedirs(os.path.dirname(endpoint[len("ipc://"):]) or ".", exist_ok=True)
 
 
+def _in_process(bind: str | None, endpoints: list[str]) -> bool:
+    """An inproc:// socket never leaves this process: no keys, at either end (a CURVE end
+    cannot talk to a plain one, so the connecting side must be exempt as the binding one is)."""
+    names = ([bind] if bind else []) + endpoints
+    return bool(names) and all(name.startswith("inproc://") for name in names)
+
+
 def socket(kind: int, *, bind: str | None = None, connect: str | list[str] | None = None,
            identity: str | None = None, max_bytes: int = protocol.MAX_MESSAGE_BYTES,
            hwm: int = 10_000, curve: bool = True) -> zmq.Socket:
@@ -72,7 +79,7 @@ def socket(kind: int, *, bind: str | None = None, connect: str | list[str] | Non
     if identity is not None:
         sock.setsockopt(zmq.IDENTITY, identity.encode())
     endpoints = [connect] if isinstance(connect, str) else list(connect or [])
-    if _keyring is not None and curve and not (bind or "").startswith("inproc://"):  # inproc stays in this process
+    if _keyring is not None and curve and not _in_process(bind, endpoints):
         try:
             _keyring.apply(sock, bind, endpoints)
         except Exception:

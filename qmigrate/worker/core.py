@@ -324,8 +324,7 @@ class WorkerCore:
             transfer = None   # what was not shipped is not cached here (any more): recompute
         if transfer is None or transfer.kv is None or transfer.seq_id != spec.seq_id \
                 or tuple(transfer.kv.shape) != expected \
-                or not e.import_kv(spec.seq_id, transfer.kv, protect, start, ids=spec.ids[:length - 1],
-                                   salt=spec.cache_salt):
+                or not e.import_kv(spec.seq_id, transfer.kv, protect, start):
             e.release(spec.seq_id)
             return 0
         self.num_kv_imported += 1

@@ -27,6 +27,7 @@ from qmigrate.wire import transport
 from qmigrate.hub.loading import load_model, resolve_model
 from qmigrate.engine.engine import Engine
 from qmigrate.wire.security import SecurityError
+from qmigrate.ops import logs
 from qmigrate.ops.trace import flush_on_sigterm, tracer
 from qmigrate.worker.core import WorkerCore
 from qmigrate.worker.leases import FINISH, START, WAIT, KVOutbox, Leases
@@ -358,11 +359,11 @@ def _kv_tensor(header: P.KVHeader, data: bytes) -> torch.Tensor | None:
     dtype = KV_DTYPES.get(header.dtype)
     shape = header.shape
     if dtype is None or len(shape) != 5 or shape[2] != header.num_tokens or min(shape) <= 0:
-        log.warning("KV shipment with bad dtype or shape: %s %s", header.dtype, shape)
+        logs.dropped.warning("KV shipment with bad dtype or shape: %s %s", header.dtype, shape)
         return None
     nbytes = math.prod(shape) * torch.tensor([], dtype=dtype).element_size()
     if len(data) != nbytes:
-        log.warning("KV shipment of %d bytes, expected %d", len(data), nbytes)
+        logs.dropped.warning("KV shipment of %d bytes, expected %d", len(data), nbytes)
         return None
     raw = torch.from_numpy(np.frombuffer(data, dtype=np.uint8).copy())
     return raw.view(dtype).reshape(shape)

@@ -274,12 +274,12 @@ class BlockPool:
         copied.record()
         return host, copied
 
-    def load(self, seq_id: int, kv: torch.Tensor, protect, start: int = 0, ids=None,
-             salt: str = "") -> bool:
+    def load(self, seq_id: int, kv: torch.Tensor, protect, start: int = 0) -> bool:
         """Place shipped KV of positions [start, start + n) in free blocks; False when there
         is no room for it. With start > 0 the sequence holds [0, start) here already (from
-        the cache). `ids`, when given, are the sequence's ids at its first start + n
-        positions: its full blocks then join the cache."""
+        the cache). Shipped KV is the sender's word alone: its blocks, and every block the
+        sequence computes on top of them, stay the sequence's own and never join the cache
+        under a content key, where another request's prompt could hit them."""
         n = kv.shape[2]
         if start:
             if self.cached_len(seq_id) < start:
@@ -299,5 +299,5 @@ class BlockPool:
         flat = self.kv.view(self.num_layers, 2, -1, self.num_kv_heads, self.head_dim)
         flat.index_copy_(2, slots.to(self.device, non_blocking=True), kv.to(self.device, non_blocking=True))
         self.length[seq_id] = start + n
-        self.prefix.note_loaded(seq_id, start, ids, salt, self.blocks, self.length)
+        self.prefix.note_loaded(seq_id)   # never cached (its first `start` positions stay so)
         return True

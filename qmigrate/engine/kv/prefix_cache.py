@@ -80,9 +80,9 @@ class BasePrefixCache(ABC):
         sampled none): each is the id at that position once the next step writes it."""
 
     @abstractmethod
-    def note_loaded(self, seq_id: int, start: int, ids, salt: str, blocks: Mapping, length: Mapping) -> None:
-        """Shipped KV of positions [start, length[seq_id]) was placed; `ids`, when given, are
-        the sequence's ids at those positions and before (None: unknown, never cached)."""
+    def note_loaded(self, seq_id: int) -> None:
+        """Shipped KV was placed for seq_id: the sender's word alone, so neither it nor any
+        block the sequence computes on top of it is ever cached under a content key."""
 
     @abstractmethod
     def cut(self, seq_id: int, length: int, num_blocks: int) -> int:
@@ -142,7 +142,7 @@ class NoPrefixCache(BasePrefixCache):
     def note_sampled(self, seq_ids, seq_lens, tokens, skip, blocks, length):
         pass
 
-    def note_loaded(self, seq_id, start, ids, salt, blocks, length):
+    def note_loaded(self, seq_id):
         pass
 
     def cut(self, seq_id, length, num_blocks):
@@ -263,14 +263,8 @@ class PrefixCache(BasePrefixCache):
                 if (n + 1) % bs == 0 and length.get(sid, 0) > n:
                     self._commit(sid, blocks, length)
 
-    def note_loaded(self, seq_id: int, start: int, ids, salt: str, blocks: Mapping, length: Mapping) -> None:
-        if ids is None:
-            self.ids[seq_id] = None   # KV of unknown ids: never cached
-            return
-        if not start:
-            self.seeds[seq_id] = seed_key(salt)
-        self.note_ids(seq_id, start, ids[start:length[seq_id]])
-        self._commit(seq_id, blocks, length)
+    def note_loaded(self, seq_id: int) -> None:
+        self.ids[seq_id] = None
 
     def _commit(self, seq_id: int, blocks: Mapping, length: Mapping) -> None:
         if seq_id in blocks:

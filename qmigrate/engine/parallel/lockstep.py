@@ -116,11 +116,10 @@ class Leader:
                 full[:, :, :, heads.start:heads.stop] = part
         return full
 
-    def import_kv(self, seq_id: int, kv: torch.Tensor, protect=frozenset(), start: int = 0, ids=None,
-                  salt: str = "") -> bool:
+    def import_kv(self, seq_id: int, kv: torch.Tensor, protect=frozenset(), start: int = 0) -> bool:
         """Place shipped KV of every head: rank 0 allocates the blocks and keeps its heads,
         the others get the slots and the whole tensor and keep theirs. Only from position 0
-        (the engine does not offer more: `can_import_from`), and never cached (`ids` unused)."""
+        (the engine does not offer more: `can_import_from`), and never cached."""
         if start:
             raise ValueError("a tensor-parallel worker takes shipped KV from position 0 only")
         pool, tp = self.engine.pool, self.tp

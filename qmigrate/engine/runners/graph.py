@@ -251,9 +251,8 @@ class GraphRunner:
     def export_kv(self, seq_id: int, num_tokens: int | None = None, start: int = 0) -> tuple[torch.Tensor, object]:
         return self.pool.export_started(seq_id, num_tokens, start)
 
-    def import_kv(self, seq_id: int, kv: torch.Tensor, protect=frozenset(), start: int = 0, ids=None,
-                  salt: str = "") -> bool:
-        return self.pool.load(seq_id, kv, protect, start, ids, salt)
+    def import_kv(self, seq_id: int, kv: torch.Tensor, protect=frozenset(), start: int = 0) -> bool:
+        return self.pool.load(seq_id, kv, protect, start)
 
     def _feed(self, ids: torch.Tensor, batch: StepBatch, feed) -> None:
         rows, src, tokens = feed

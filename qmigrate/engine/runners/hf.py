@@ -79,9 +79,8 @@ class HFRunner:
     def export_kv(self, seq_id: int, num_tokens: int | None = None, start: int = 0) -> tuple[torch.Tensor, object]:
         return self.pool.export_started(seq_id, num_tokens, start)
 
-    def import_kv(self, seq_id: int, kv: torch.Tensor, protect=frozenset(), start: int = 0, ids=None,
-                  salt: str = "") -> bool:
-        return self.pool.load(seq_id, kv, protect, start, ids, salt)
+    def import_kv(self, seq_id: int, kv: torch.Tensor, protect=frozenset(), start: int = 0) -> bool:
+        return self.pool.load(seq_id, kv, protect, start)
 
     def forward(self, batch: StepBatch, feed=None) -> torch.Tensor:
         """logits [B, V] float32 of each row's last token."""
