@@ -306,3 +306,56 @@ def test_a_choice_the_worker_cannot_run_fails_the_request_and_cancels_the_others
     (first, _), (failed, _) = fake.submitted.get(timeout=5)
     assert fake.cancelled.get(timeout=10) == first  # choice 0 would run on: it is cancelled, 1 has ended
     assert fake.cancelled.empty() and not server.streams
+
+
+def get(server, path: str):
+    conn = http.client.HTTPConnection("127.0.0.1", server.cfg.http_port, timeout=30)
+    conn.request("GET", path)
+    resp = conn.getresponse()
+    out = resp.status, json.loads(resp.read())
+    conn.close()
+    return out
+
+
+def test_a_model_by_id_tokenize_detokenize_and_version_in_vllms_shapes(make_server):
+    server, _ = make_server(["x"])
+    assert get(server, "/v1/models/tiny") == (200, {**get(server, "/v1/models")[1]["data"][0],
+                                                   "created": get(server, "/v1/models/tiny")[1]["created"]})
+    status, body = get(server, "/v1/models/gpt-9")
+    assert (status, body["error"]["code"], body["error"]["param"]) == (404, "model_not_found", "model")
+    assert get(server, "/version")[1]["version"]
+    tok = server.tokenizer
+    status, body = post(server, "/tokenize", {"model": "tiny", "prompt": "Hello world"})
+    assert status == 200 and body["tokens"] == tok.encode("Hello world") and body["count"] == len(body["tokens"])
+    assert (body["max_model_len"], body["token_strs"]) == (server.max_context, None)
+    bare = post(server, "/tokenize", {"prompt": "Hello world", "add_special_tokens": False,
+                                      "return_token_strs": True})[1]
+    assert bare["tokens"] == tok.encode("Hello world", add_special_tokens=False)
+    assert bare["token_strs"] == tok.convert_ids_to_tokens(bare["tokens"])
+    # the ids a chat request of these messages runs on (its usage counts them)
+    status, chat = post(server, "/tokenize", {"model": "tiny", "messages": CHAT["messages"]})
+    _, done = post(server, "/v1/chat/completions", CHAT)
+    assert status == 200 and chat["count"] == done["usage"]["prompt_tokens"]
+    closed = post(server, "/tokenize", {"messages": CHAT["messages"], "add_generation_prompt": False})[1]
+    assert closed["count"] < chat["count"] and chat["tokens"][:closed["count"]] == closed["tokens"]
+    assert post(server, "/detokenize", {"model": "tiny", "tokens": body["tokens"]}) == \
+        (200, {"prompt": tok.decode(body["tokens"])})
+    for path, bad, param in [("/tokenize", {"prompt": 5}, "prompt"),
+                             ("/tokenize", {"prompt": "x", "frob": 1}, "frob"),
+                             ("/tokenize", {"prompt": "x", "model": "gpt-9"}, "model"),
+                             ("/tokenize", {"messages": []}, "messages"),
+                             ("/tokenize", {"prompt": "x", "add_special_tokens": "yes"}, "add_special_tokens"),
+                             ("/detokenize", {"tokens": [1, 10**6]}, "tokens"),
+                             ("/detokenize", {"tokens": "1 2"}, "tokens")]:
+        status, reply = post(server, path, bad)
+        assert status in (400, 404) and reply["error"]["param"] == param, (path, bad, reply)
+        assert f"'{param}'" in reply["error"]["message"], reply
+
+
+def test_tokenize_needs_the_api_key_and_version_does_not(tiny_chat_model_dir):
+    cfg = IngestConfig(node="local", http_port=free_port(), model_name="tiny", api_key="s3cret")
+    server = HttpServer(cfg, str(tiny_chat_model_dir), Defaults(max_new_tokens=8))
+    server.start()
+    assert post(server, "/tokenize", {"prompt": "x"})[0] == 401
+    assert post(server, "/detokenize", {"tokens": [5]})[0] == 401
+    assert get(server, "/version")[0] == 200

@@ -250,3 +250,23 @@ def test_a_killed_ingest_starts_again_and_its_clients_requests_are_cancelled(nod
     node.wait_ready()
     answer = node.client.completions.create(model=MODEL, prompt=[1, 5, 9], max_tokens=4, extra_body={"ignore_eos": True})
     assert answer.usage.completion_tokens == 4
+
+
+def test_what_clients_send_unasked_is_accepted_and_the_utility_endpoints_answer(node, expected):
+    """The official client's `store`, `metadata`, `service_tier`, `user`, `prediction` change
+    nothing; an unknown field is one 400 naming it; models.retrieve and /tokenize work."""
+    messages = [{"role": "user", "content": "Tell me a story"}]
+    plain = node.client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, temperature=0)
+    extra = node.client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=4, temperature=0, store=True, metadata={"app": "t"},
+        service_tier="auto", user="u1", prediction={"type": "content", "content": "x"}, parallel_tool_calls=True)
+    assert extra.choices[0].message.content == plain.choices[0].message.content
+    with pytest.raises(openai.BadRequestError, match="'frobnicate' is an unrecognized request argument") as info:
+        node.client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4,
+                                            extra_body={"frobnicate": 1})
+    assert info.value.body["param"] == "frobnicate"
+    assert node.client.models.retrieve(MODEL).id == MODEL
+    with pytest.raises(openai.NotFoundError):
+        node.client.models.retrieve("gpt-9")
+    count = node.client.post("/../tokenize", body={"model": MODEL, "messages": messages}, cast_to=object)["count"]
+    assert count == plain.usage.prompt_tokens

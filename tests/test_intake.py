@@ -130,43 +130,44 @@ def test_jsonl_stop_single_string(tok):
 
 
 @pytest.mark.parametrize("obj, message", [
-    ({"prompt": "x", "foo": 1}, "unknown key 'foo'"),
+    ({"prompt": "x", "foo": 1}, "'foo' is an unrecognized request argument"),
     ({"max_new_tokens": 3}, "give exactly one of 'prompt', 'prompt_ids' and 'messages'"),
     ({"prompt": "x", "prompt_ids": [1]}, "give exactly one of 'prompt', 'prompt_ids' and 'messages'"),
-    ({"prompt": "  "}, "empty prompt"),
-    ({"prompt": 5}, "prompt must be a string"),
-    ({"prompt_ids": []}, "prompt_ids must be a non-empty list of token ids"),
-    ({"prompt_ids": "1 2"}, "prompt_ids must be a non-empty list of token ids"),
-    ({"prompt_ids": [1, 512]}, "prompt_ids[1] = 512 is out of range [0, 512)"),
-    ({"prompt_ids": [-1]}, "prompt_ids[0] = -1 is out of range [0, 512)"),
-    ({"prompt_ids": [1, True]}, "prompt_ids[1] must be an integer token id, got true"),
-    ({"prompt_ids": [1.0]}, "prompt_ids[0] must be an integer token id, got 1.0"),
-    ({"prompt": "x", "max_new_tokens": 0}, "max_new_tokens must be an integer >= 1"),
-    ({"prompt": "x", "max_new_tokens": 2.0}, "max_new_tokens must be an integer >= 1"),
-    ({"prompt": "x", "max_new_tokens": True}, "max_new_tokens must be an integer >= 1"),
-    ({"prompt": "x", "temperature": -0.1}, "temperature must be a number from 0 to 10000"),
-    ({"prompt": "x", "temperature": "hot"}, "temperature must be a number from 0 to 10000"),
-    ({"prompt": "x", "temperature": False}, "temperature must be a number from 0 to 10000"),
-    ({"prompt": "x", "top_p": 0}, "top_p must be a number in (0, 1]"),
-    ({"prompt": "x", "top_p": 1.5}, "top_p must be a number in (0, 1]"),
-    ({"prompt": "x", "top_k": -1}, "top_k must be an integer from 0 (off) to 1073741824"),
-    ({"prompt": "x", "top_k": 2.5}, "top_k must be an integer from 0 (off) to 1073741824"),
-    ({"prompt": "x", "seed": -1}, "seed must be an integer in [0, 2**63)"),
-    ({"prompt": "x", "seed": 2**63}, "seed must be an integer in [0, 2**63)"),
-    ({"prompt": "x", "seed": "7"}, "seed must be an integer in [0, 2**63)"),
-    ({"prompt": "x", "stop": 5}, "stop must be a string or a list of strings and token id lists"),
-    ({"prompt": "x", "stop": ""}, "stop is an empty string"),
-    ({"prompt": "x", "stop": ["a", ""]}, "stop[1] is an empty string"),
-    ({"prompt": "x", "stop": [5]}, "stop[0] must be a string or a list of token ids"),
-    ({"prompt": "x", "stop": [[]]}, "stop[0] must be a non-empty list of token ids"),
-    ({"prompt": "x", "stop": [[1, 900]]}, "stop[0][1] = 900 is out of range [0, 512)"),
+    ({"prompt": "  "}, "'prompt' is empty"),
+    ({"prompt": 5}, "'prompt' must be a string"),
+    ({"prompt_ids": []}, "'prompt_ids' must be a non-empty list of token ids"),
+    ({"prompt_ids": "1 2"}, "'prompt_ids' must be a non-empty list of token ids"),
+    ({"prompt_ids": [1, 512]}, "'prompt_ids[1]' = 512 is out of range [0, 512)"),
+    ({"prompt_ids": [-1]}, "'prompt_ids[0]' = -1 is out of range [0, 512)"),
+    ({"prompt_ids": [1, True]}, "'prompt_ids[1]' must be an integer token id, got true"),
+    ({"prompt_ids": [1.0]}, "'prompt_ids[0]' must be an integer token id, got 1.0"),
+    ({"prompt": "x", "max_new_tokens": 0}, "'max_new_tokens' must be an integer >= 1"),
+    ({"prompt": "x", "max_new_tokens": 2.0}, "'max_new_tokens' must be an integer >= 1"),
+    ({"prompt": "x", "max_new_tokens": True}, "'max_new_tokens' must be an integer >= 1"),
+    ({"prompt": "x", "temperature": -0.1}, "'temperature' must be a number from 0 to 2"),
+    ({"prompt": "x", "temperature": "hot"}, "'temperature' must be a number from 0 to 2"),
+    ({"prompt": "x", "temperature": False}, "'temperature' must be a number from 0 to 2"),
+    ({"prompt": "x", "top_p": 0}, "'top_p' must be a number in (0, 1]"),
+    ({"prompt": "x", "top_p": 1.5}, "'top_p' must be a number in (0, 1]"),
+    ({"prompt": "x", "top_k": -1}, "'top_k' must be an integer from 0 (off) to 1073741824"),
+    ({"prompt": "x", "top_k": 2.5}, "'top_k' must be an integer from 0 (off) to 1073741824"),
+    ({"prompt": "x", "seed": -1}, "'seed' must be an integer in [0, 2**63)"),
+    ({"prompt": "x", "seed": 2**63}, "'seed' must be an integer in [0, 2**63)"),
+    ({"prompt": "x", "seed": "7"}, "'seed' must be an integer in [0, 2**63)"),
+    ({"prompt": "x", "stop": 5}, "'stop' must be a string or a list of strings and token id lists"),
+    ({"prompt": "x", "stop": ""}, "'stop' is an empty string"),
+    ({"prompt": "x", "stop": ["a", ""]}, "'stop[1]' is an empty string"),
+    ({"prompt": "x", "stop": [5]}, "'stop[0]' must be a string or a list of token ids"),
+    ({"prompt": "x", "stop": [[]]}, "'stop[0]' must be a non-empty list of token ids"),
+    ({"prompt": "x", "stop": [[1, 900]]}, "'stop[0][1]' = 900 is out of range [0, 512)"),
     # the wire's bounds (protocol.py), refused here rather than by the router
-    ({"prompt": "x", "top_k": 2**30 + 1}, "top_k must be an integer from 0 (off) to 1073741824"),
-    ({"prompt": "x", "top_k": 2**64}, "top_k must be an integer from 0 (off) to 1073741824"),
-    ({"prompt": "x", "temperature": 1e5}, "temperature must be a number from 0 to 10000"),
-    ({"prompt": "x", "stop": [[1]] * 65}, "stop: at most 64 stop sequences"),
-    ({"prompt": "x", "stop": [[1] * 65]}, "stop[0] is 65 tokens; a stop sequence is at most 64"),
-    ({"prompt": "x", "seed": 2**64}, "seed must be an integer in [0, 2**63)"),
+    ({"prompt": "x", "top_k": 2**30 + 1}, "'top_k' must be an integer from 0 (off) to 1073741824"),
+    ({"prompt": "x", "top_k": 2**64}, "'top_k' must be an integer from 0 (off) to 1073741824"),
+    ({"prompt": "x", "temperature": 1e5}, "'temperature' must be a number from 0 to 2"),
+    ({"prompt": "x", "temperature": 9}, "'temperature' must be a number from 0 to 2"),  # as over HTTP
+    ({"prompt": "x", "stop": [[1]] * 65}, "'stop' holds at most 64 stop sequences"),
+    ({"prompt": "x", "stop": [[1] * 65]}, "'stop[0]' is 65 tokens; a stop sequence is at most 64"),
+    ({"prompt": "x", "seed": 2**64}, "'seed' must be an integer in [0, 2**63)"),
 ])
 def test_jsonl_errors(tok, obj, message):
     err = error_of(jsonl, tok, {"id": "q", **obj}, line_no=9)
@@ -182,7 +183,7 @@ def test_jsonl_error_without_id_uses_line_number(tok):
 @pytest.mark.parametrize("bad_id", [True, "", 1.5, ["a"]])
 def test_jsonl_bad_id(tok, bad_id):
     err = error_of(jsonl, tok, {"id": bad_id, "prompt": "x"}, line_no=5)
-    assert str(err) == "id must be a non-empty string or an integer"
+    assert str(err) == "'id' must be a non-empty string or an integer"
     assert err.req_id == "5"
 
 
@@ -207,7 +208,7 @@ def test_jsonl_invalid(tok, line, message):
     ('{"id": "\\udfff", "prompt": "x"}', "invalid JSON: a string holds a lone surrogate (not valid Unicode)"),
     ('{"prompt": "x", "stop": ' + "[" * 1000 + "]" * 1000 + "}", "invalid JSON: nested deeper than 32 levels"),
     ('{"prompt": "x", "stop": ' + "[" * 100000 + "]" * 100000 + "}", "invalid JSON: nested deeper than 32 levels"),
-    ('{"id": "' + "i" * 300 + '", "prompt": "x"}', "id is longer than 256 characters"),
+    ('{"id": "' + "i" * 300 + '", "prompt": "x"}', "'id' is longer than 256 characters"),
 ])
 def test_jsonl_text_the_wire_cannot_carry(tok, line, message):
     """Each is an error record of its own request (no traceback, no crash of ingest)."""
@@ -233,9 +234,9 @@ def test_check_json_looks_into_lists_of_numbers_only_for_depth():
 def test_ids_are_checked_whole_and_the_first_bad_one_named(tok):
     ok = jsonl(tok, {"prompt_ids": [5, 6, 7]})
     assert ok.prompt_ids == [5, 6, 7]
-    for ids, message in [([5, True, 7], "prompt_ids[1] must be an integer token id, got true"),
-                         ([5, 6, -1, 10**6], "prompt_ids[2] = -1 is out of range"),
-                         ([5, 2.0], "prompt_ids[1] must be an integer token id, got 2.0")]:
+    for ids, message in [([5, True, 7], "'prompt_ids[1]' must be an integer token id, got true"),
+                         ([5, 6, -1, 10**6], "'prompt_ids[2]' = -1 is out of range"),
+                         ([5, 2.0], "'prompt_ids[1]' must be an integer token id, got 2.0")]:
         assert str(error_of(jsonl, tok, {"prompt_ids": ids})).startswith(message)
 
 
@@ -261,7 +262,7 @@ def test_jsonl_too_long_names_request(tok):
 
 def test_vocab_size_override(tok):
     err = error_of(jsonl, tok, {"prompt_ids": [100]}, vocab_size=100)
-    assert str(err) == "prompt_ids[0] = 100 is out of range [0, 100)"
+    assert str(err) == "'prompt_ids[0]' = 100 is out of range [0, 100)"
 
 
 def test_unknown_mode(tok):

@@ -27,22 +27,32 @@ from qmigrate.wire import protocol as P
 from qmigrate.ingest.prompts import MAX_SEED, Defaults, Prompt, PromptError, is_int_list, parse_request
 
 Kind = Literal["completion", "chat"]
-MAX_STOPS = 4
-MAX_TEMPERATURE = 2.0
 
-COMMON_FIELDS = frozenset(["model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop",
-                           "stream", "stream_options", "n", "user", "presence_penalty",
-                           "frequency_penalty", "logit_bias", "logprobs",
-                           "ignore_eos", "min_tokens", "cache_salt"])  # the last three: extensions, as vLLM's
-ONLY_FIELDS = {"completion": frozenset(["prompt", "echo", "best_of", "suffix"]),
-               "chat": frozenset(["messages", "max_completion_tokens", "top_logprobs", "response_format",
-                                  "tools", "tool_choice", "functions", "function_call",
-                                  "parallel_tool_calls"])}
-# Fields that would change the output, accepted only at the value that changes nothing.
+# Every field a client may send, by what this server does with it (docs/http.md lists them).
+SUPPORTED_FIELDS = frozenset(["model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop",
+                              "stream", "stream_options", "n",
+                              "ignore_eos", "min_tokens", "cache_salt"])  # the last three: extensions, as vLLM's
+ONLY_FIELDS = {"completion": frozenset(["prompt"]), "chat": frozenset(["messages", "max_completion_tokens"])}
+# OpenAI's fields that change nothing this server generates: accepted, and ignored.
+IGNORED_FIELDS = {"completion": frozenset(["user", "store", "metadata", "service_tier", "prompt_cache_key",
+                                           "safety_identifier"]),
+                  "chat": frozenset(["user", "store", "metadata", "service_tier", "prompt_cache_key",
+                                     "safety_identifier", "prediction", "parallel_tool_calls"])}
+# Fields that would change the output, accepted only at the value that changes nothing
+# (a field of one endpoint only is refused by the other as unrecognized).
 NEUTRAL = {"presence_penalty": (0,), "frequency_penalty": (0,), "logit_bias": ({},),
            "logprobs": (False, 0), "top_logprobs": (0,), "echo": (False,), "best_of": (1,),
            "suffix": ("",), "tools": ([],), "tool_choice": ("none",), "functions": ([],),
-           "function_call": ("none",), "response_format": ({"type": "text"},)}
+           "function_call": ("none",), "response_format": ({"type": "text"},), "modalities": (["text"],),
+           "audio": (), "reasoning_effort": (), "verbosity": (), "web_search_options": ()}
+NEUTRAL_OF = {"completion": frozenset(["presence_penalty", "frequency_penalty", "logit_bias", "logprobs",
+                                       "echo", "best_of", "suffix"]),
+              "chat": frozenset(["presence_penalty", "frequency_penalty", "logit_bias", "logprobs",
+                                 "top_logprobs", "tools", "tool_choice", "functions", "function_call",
+                                 "response_format", "modalities", "audio", "reasoning_effort", "verbosity",
+                                 "web_search_options"])}
+# The intake's names of fields the API names otherwise.
+_INTAKE_PARAM = {"prompt_ids": "prompt"}
 
 
 class ApiError(Exception):
@@ -76,6 +86,11 @@ class ApiRequest:
         return len(self.prompts) * self.n
 
 
+def not_found(model: str, model_names: Collection[str]) -> ApiError:
+    return ApiError(404, f"'model': the model '{model}' does not exist; this server has "
+                    f"{', '.join(sorted(model_names))}", "model", code="model_not_found")
+
+
 def _is_int(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
@@ -93,15 +108,17 @@ def parse_body(body, kind: Kind, *, model_names: Collection[str], tokenizer, max
                defaults: Defaults = Defaults(), eos_ids: Collection[int] = ()) -> ApiRequest:
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
-    known = COMMON_FIELDS | ONLY_FIELDS[kind]
+    known = SUPPORTED_FIELDS | ONLY_FIELDS[kind] | IGNORED_FIELDS[kind] | NEUTRAL_OF[kind]
     unknown = sorted(set(body) - known)
     if unknown:
-        raise ApiError(400, f"unrecognized request argument supplied: {unknown[0]}", unknown[0])
+        raise ApiError(400, f"'{unknown[0]}' is an unrecognized request argument", unknown[0])
     body = {key: value for key, value in body.items() if value is not None}
-    for name, allowed in NEUTRAL.items():
-        if name in body and not any(_same(body[name], a) for a in allowed):
+    for name in sorted(NEUTRAL_OF[kind] & set(body)):
+        allowed = NEUTRAL[name]
+        if not any(_same(body[name], a) for a in allowed):
+            only = f" (only {allowed[0]!r})" if allowed else ""
             hint = "; 'n' asks for several choices" if name == "best_of" else ""
-            raise ApiError(400, f"'{name}' is not supported by this server (only {allowed[0]!r}){hint}", name)
+            raise ApiError(400, f"'{name}' is not supported by this server{only}{hint}", name)
     n = body.get("n", 1)
     if not _is_int(n) or not 1 <= n <= P.MAX_N:
         raise ApiError(400, f"'n' must be an integer from 1 to {P.MAX_N}", "n")
@@ -110,8 +127,7 @@ def parse_body(body, kind: Kind, *, model_names: Collection[str], tokenizer, max
     if not isinstance(model, str) or not model:
         raise ApiError(400, "'model' is required: a string naming the model", "model")
     if model not in model_names:
-        raise ApiError(404, f"the model '{model}' does not exist; this server has {', '.join(sorted(model_names))}",
-                       "model", code="model_not_found")
+        raise not_found(model, model_names)
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise ApiError(400, "'stream' must be a boolean", "stream")
@@ -128,9 +144,6 @@ def parse_body(body, kind: Kind, *, model_names: Collection[str], tokenizer, max
         if not _is_int(body[max_name]) or body[max_name] < 1:
             raise ApiError(400, f"'{max_name}' must be an integer >= 1", max_name)
         request["max_new_tokens"] = body[max_name]
-    temperature = body.get("temperature")
-    if temperature is not None and (not _is_number(temperature) or not 0 <= temperature <= MAX_TEMPERATURE):
-        raise ApiError(400, f"'temperature' must be a number from 0 to {MAX_TEMPERATURE:g}", "temperature")
     for name in ("temperature", "top_p", "top_k", "seed", "ignore_eos", "min_tokens", "cache_salt"):
         if name in body:
             request[name] = body[name]
@@ -148,8 +161,9 @@ def parse_body(body, kind: Kind, *, model_names: Collection[str], tokenizer, max
                                          defaults=defaults, eos_ids=eos_ids))
         except PromptError as exc:
             too_long = "the model's context" in exc.message
-            raise ApiError(400, f"prompt[{i}]: {exc.message}" if len(items) > 1 else exc.message,
-                           _param_of(exc.message, kind),
+            param = _api_param(exc.param, kind, max_name)
+            of_prompt = param in ("prompt", "messages") and len(items) > 1
+            raise ApiError(400, f"prompt[{i}]: {exc.message}" if of_prompt else exc.message, param,
                            code="context_length_exceeded" if too_long else None) from None
     return ApiRequest(kind, model, prompts, stream, bool(options.get("include_usage")), stop, n)
 
@@ -169,10 +183,10 @@ def fan_out(req: ApiRequest, rid: str) -> list[Prompt]:
 
 
 def _parse_stop(value) -> list[str]:
+    """Stop strings; how many and how long is the intake's rule (prompts.py), as on stdin."""
     items = [value] if isinstance(value, str) else value
-    if not isinstance(items, list) or len(items) > MAX_STOPS \
-            or not all(isinstance(s, str) and s for s in items):
-        raise ApiError(400, f"'stop' must be a non-empty string or a list of up to {MAX_STOPS} of them", "stop")
+    if not isinstance(items, list) or not all(isinstance(s, str) and s for s in items):
+        raise ApiError(400, "'stop' must be a non-empty string or a list of them", "stop")
     return list(items)
 
 
@@ -190,14 +204,12 @@ def _completion_prompts(prompt) -> list[dict]:
     raise ApiError(400, "'prompt' must be a string, a list of token ids, or a list of those", "prompt")
 
 
-def _param_of(message: str, kind: Kind) -> str | None:
-    for key, param in (("messages", "messages"), ("prompt", "prompt" if kind == "completion" else "messages"),
-                       ("min_tokens", "min_tokens"), ("ignore_eos", "ignore_eos"), ("cache_salt", "cache_salt"),
-                       ("max_new_tokens", "max_tokens"), ("temperature", "temperature"),
-                       ("top_p", "top_p"), ("top_k", "top_k"), ("seed", "seed"), ("stop", "stop")):
-        if key in message:
-            return param
-    return None
+def _api_param(param: str | None, kind: Kind, max_name: str) -> str | None:
+    """The API's name of an intake field."""
+    if param == "max_new_tokens":
+        return max_name
+    param = _INTAKE_PARAM.get(param, param)
+    return "messages" if param == "prompt" and kind == "chat" else param
 
 
 class StopTrimmer:

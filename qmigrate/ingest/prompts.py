@@ -11,7 +11,7 @@ JSONL input: one object per line with the keys
                     model's chat template (with the assistant's turn opened)
     prompt_ids      non-empty list of token ids, taken as given
     max_new_tokens  integer >= 1
-    temperature     number >= 0 (0 is greedy)
+    temperature     number from 0 to 2 (0 is greedy), as over HTTP
     top_p           number in (0, 1]
     top_k           integer from 0 (off) to 2**30
     seed            integer in [0, 2**63)
@@ -24,7 +24,8 @@ asks to cancel the running request ID. A key given as null takes its default. St
 tokenized alone, without special tokens, so a stop string matches only when the model
 generates that exact token sequence.
 
-Every problem raises PromptError with a message meant for the user and the request id.
+Every problem raises PromptError with a message meant for the user, the request id, and the
+field at fault (named in quotes in the message, as the HTTP API's errors do).
 A prompt that leaves no room for one new token is an error; a max_new_tokens that does
 not fit the context is clamped to what fits. The bounds are the wire's (protocol.py), and a
 request that passes here is checked once more as the router will decode it (`check_prompt`),
@@ -82,12 +83,14 @@ class CancelRequest:
 
 
 class PromptError(ValueError):
-    """A request that cannot be served; `req_id` names it for the error record."""
+    """A request that cannot be served; `req_id` names it for the error record, `param` the
+    request's field at fault (None: the request as a whole)."""
 
-    def __init__(self, req_id: str, message: str) -> None:
+    def __init__(self, req_id: str, message: str, param: str | None = None) -> None:
         super().__init__(message)
         self.req_id = req_id
         self.message = message
+        self.param = param
 
 
 def _is_int(value) -> bool:
@@ -214,17 +217,17 @@ def parse_line(
         target = obj["cancel"]
         if _is_int(target) or (isinstance(target, str) and target):
             return CancelRequest(str(target))
-        raise PromptError(req_id, "cancel must name a request id (a non-empty string or an integer)")
+        raise PromptError(req_id, "'cancel' must name a request id (a non-empty string or an integer)", "cancel")
     raw_id = obj.get("id")
     if raw_id is not None:
         if isinstance(raw_id, str) and raw_id:
             if len(raw_id) > P.MAX_REQ_ID:
-                raise PromptError(req_id, f"id is longer than {P.MAX_REQ_ID} characters")
+                raise PromptError(req_id, f"'id' is longer than {P.MAX_REQ_ID} characters", "id")
             req_id = raw_id
         elif _is_int(raw_id):
             req_id = str(raw_id)
         else:
-            raise PromptError(req_id, "id must be a non-empty string or an integer")
+            raise PromptError(req_id, "'id' must be a non-empty string or an integer", "id")
     return parse_request(obj, req_id, tokenizer=tokenizer, max_context=max_context,
                          defaults=defaults, eos_ids=eos_ids, vocab_size=vocab_size)
 
@@ -243,8 +246,8 @@ def parse_request(
     if vocab_size is None:
         vocab_size = len(tokenizer)
 
-    def fail(message: str):
-        raise PromptError(req_id, message)
+    def fail(message: str, param: str | None = None):
+        raise PromptError(req_id, message, param)
 
     try:
         check_json(obj)
@@ -252,7 +255,7 @@ def parse_request(
         fail(str(exc))
     unknown = sorted(set(obj) - KEYS)
     if unknown:
-        fail(f"unknown key {unknown[0]!r}")
+        fail(f"'{unknown[0]}' is an unrecognized request argument", unknown[0])
     obj = {key: value for key, value in obj.items() if value is not None}
 
     if sum(key in obj for key in ("prompt", "prompt_ids", "messages")) != 1:
@@ -260,40 +263,41 @@ def parse_request(
     if "prompt" in obj:
         text = obj["prompt"]
         if not isinstance(text, str):
-            fail("prompt must be a string")
+            fail("'prompt' must be a string", "prompt")
         if not text.strip():
-            fail("empty prompt")
+            fail("'prompt' is empty", "prompt")
         prompt_ids = _encode_prompt(text, tokenizer, eos_ids)
     elif "messages" in obj:
-        prompt_ids = encode_chat(obj["messages"], tokenizer, fail)
+        prompt_ids = encode_chat(obj["messages"], tokenizer, lambda message: fail(message, "messages"))
     else:
         prompt_ids = _check_ids(obj["prompt_ids"], "prompt_ids", vocab_size, fail)
 
     max_new_tokens = obj.get("max_new_tokens", defaults.max_new_tokens)
     if not _is_int(max_new_tokens) or max_new_tokens < 1:
-        fail("max_new_tokens must be an integer >= 1")
+        fail("'max_new_tokens' must be an integer >= 1", "max_new_tokens")
     temperature = obj.get("temperature", defaults.temperature)
     if not _is_number(temperature) or not 0 <= temperature <= P.MAX_TEMPERATURE:
-        fail(f"temperature must be a number from 0 to {P.MAX_TEMPERATURE:g}")
+        fail(f"'temperature' must be a number from 0 to {P.MAX_TEMPERATURE:g}", "temperature")
     top_p = obj.get("top_p", defaults.top_p)
     if not _is_number(top_p) or not 0 < top_p <= 1:
-        fail("top_p must be a number in (0, 1]")
+        fail("'top_p' must be a number in (0, 1]", "top_p")
     top_k = obj.get("top_k", defaults.top_k)
     if not _is_int(top_k) or not 0 <= top_k <= P.MAX_TOP_K:
-        fail(f"top_k must be an integer from 0 (off) to {P.MAX_TOP_K}")
+        fail(f"'top_k' must be an integer from 0 (off) to {P.MAX_TOP_K}", "top_k")
     seed = obj.get("seed")
     if seed is not None and (not _is_int(seed) or not 0 <= seed < MAX_SEED):
-        fail("seed must be an integer in [0, 2**63)")
+        fail("'seed' must be an integer in [0, 2**63)", "seed")
     stop_ids = _parse_stop(obj.get("stop", []), tokenizer, vocab_size, fail)
     ignore_eos = obj.get("ignore_eos", False)
     if not isinstance(ignore_eos, bool):
-        fail("ignore_eos must be a boolean")
+        fail("'ignore_eos' must be a boolean", "ignore_eos")
     min_tokens = obj.get("min_tokens", 0)
     if not _is_int(min_tokens) or not 0 <= min_tokens <= max_new_tokens:
-        fail("min_tokens must be an integer from 0 to max_new_tokens")
+        fail(f"'min_tokens' must be an integer from 0 to the request's token limit ({max_new_tokens})",
+             "min_tokens")
     cache_salt = obj.get("cache_salt", "")
     if not isinstance(cache_salt, str) or len(cache_salt) > P.MAX_CACHE_SALT:
-        fail(f"cache_salt must be a string of at most {P.MAX_CACHE_SALT} characters")
+        fail(f"'cache_salt' must be a string of at most {P.MAX_CACHE_SALT} characters", "cache_salt")
 
     prompt = _fit(Prompt(req_id, prompt_ids, max_new_tokens, float(temperature), float(top_p),
                          top_k, seed, stop_ids, ignore_eos=ignore_eos, min_tokens=min_tokens,
@@ -302,37 +306,39 @@ def parse_request(
     return check_prompt(prompt, eos_ids)
 
 
-def _raise(req_id: str, message: str):
-    raise PromptError(req_id, message)
+def _raise(req_id: str, message: str, param: str | None = None):
+    raise PromptError(req_id, message, param)
 
 
-def encode_chat(messages, tokenizer, fail) -> list[int]:
+def encode_chat(messages, tokenizer, fail, add_generation_prompt: bool = True) -> list[int]:
     """Token ids of a conversation through the model's chat template, the assistant's turn
-    opened. The template writes any special tokens itself (BOS included), so none are added."""
+    opened (unless not `add_generation_prompt`). The template writes any special tokens
+    itself (BOS included), so none are added."""
     if not isinstance(messages, list) or not messages:
-        fail("messages must be a non-empty list of {\"role\", \"content\"} objects")
+        fail("'messages' must be a non-empty list of {\"role\", \"content\"} objects")
     turns = []
     for i, msg in enumerate(messages):
         if not isinstance(msg, dict):
-            fail(f"messages[{i}] must be an object with 'role' and 'content'")
+            fail(f"'messages[{i}]' must be an object with 'role' and 'content'")
         unknown = sorted(set(msg) - MESSAGE_KEYS)
         if unknown:
-            fail(f"messages[{i}] has an unsupported key {unknown[0]!r}")
+            fail(f"'messages[{i}]' has an unsupported key {unknown[0]!r}")
         role, content = msg.get("role"), msg.get("content")
         if role not in CHAT_ROLES:
-            fail(f"messages[{i}].role must be one of {', '.join(sorted(CHAT_ROLES))}")
+            fail(f"'messages[{i}].role' must be one of {', '.join(sorted(CHAT_ROLES))}")
         if isinstance(content, list):  # OpenAI's content parts; text parts only
             if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
                        for p in content):
-                fail(f"messages[{i}].content: only text parts ({{\"type\": \"text\", \"text\": ...}}) are supported")
+                fail(f"'messages[{i}].content': only text parts ({{\"type\": \"text\", \"text\": ...}}) are supported")
             content = "".join(p["text"] for p in content)
         if not isinstance(content, str):
-            fail(f"messages[{i}].content must be a string")
+            fail(f"'messages[{i}].content' must be a string")
         turns.append({"role": role, "content": content})
     if not getattr(tokenizer, "chat_template", None):
         fail("this model has no chat template; send a plain prompt instead of messages")
     try:
-        text = tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=True)
+        text = tokenizer.apply_chat_template(turns, tokenize=False,
+                                             add_generation_prompt=add_generation_prompt)
     except Exception as exc:  # noqa: BLE001 -- a template may raise anything (jinja, raise_exception)
         fail(f"the chat template refused these messages: {exc}")
     return list(tokenizer.encode(text, add_special_tokens=False))
@@ -346,37 +352,38 @@ def _encode_prompt(text: str, tokenizer, eos_ids: Collection[int]) -> list[int]:
 
 
 def _check_ids(value, name: str, vocab_size: int, fail) -> list[int]:
+    param = name.partition("[")[0]
     if not isinstance(value, list) or not value:
-        fail(f"{name} must be a non-empty list of token ids")
+        fail(f"'{name}' must be a non-empty list of token ids", param)
     if is_int_list(value) and 0 <= min(value) and max(value) < vocab_size:
         return list(value)  # checked in C; the loop below finds what is wrong, and says where
     for i, token_id in enumerate(value):
         if not _is_int(token_id):
-            fail(f"{name}[{i}] must be an integer token id, got {json.dumps(token_id)}")
+            fail(f"'{name}[{i}]' must be an integer token id, got {json.dumps(token_id)}", param)
         if not 0 <= token_id < vocab_size:
-            fail(f"{name}[{i}] = {token_id} is out of range [0, {vocab_size})")
+            fail(f"'{name}[{i}]' = {token_id} is out of range [0, {vocab_size})", param)
     return list(value)
 
 
 def _parse_stop(value, tokenizer, vocab_size: int, fail) -> list[list[int]]:
     items = [value] if isinstance(value, str) else value
     if not isinstance(items, list):
-        fail("stop must be a string or a list of strings and token id lists")
+        fail("'stop' must be a string or a list of strings and token id lists", "stop")
     if len(items) > P.MAX_STOP_SEQS:
-        fail(f"stop: at most {P.MAX_STOP_SEQS} stop sequences")
+        fail(f"'stop' holds at most {P.MAX_STOP_SEQS} stop sequences", "stop")
     stop_ids = []
     for i, item in enumerate(items):
         name = "stop" if isinstance(value, str) else f"stop[{i}]"
         if isinstance(item, str):
             if not item:
-                fail(f"{name} is an empty string")
+                fail(f"'{name}' is an empty string", "stop")
             stop_ids.append(list(tokenizer.encode(item, add_special_tokens=False)))
         elif isinstance(item, list):
             stop_ids.append(_check_ids(item, name, vocab_size, fail))
         else:
-            fail(f"{name} must be a string or a list of token ids")
+            fail(f"'{name}' must be a string or a list of token ids", "stop")
         if len(stop_ids[-1]) > P.MAX_STOP_LEN:
-            fail(f"{name} is {len(stop_ids[-1])} tokens; a stop sequence is at most {P.MAX_STOP_LEN}")
+            fail(f"'{name}' is {len(stop_ids[-1])} tokens; a stop sequence is at most {P.MAX_STOP_LEN}", "stop")
     return stop_ids
 
 
@@ -385,8 +392,7 @@ def _fit(prompt: Prompt, max_context: int) -> Prompt:
     if num_prompt + 1 > max_context:
         raise PromptError(
             prompt.req_id,
-            f"prompt is {num_prompt} tokens; the model's context is {max_context}",
-        )
+            f"prompt is {num_prompt} tokens; the model's context is {max_context}", "prompt")
     room = max_context - num_prompt
     if prompt.max_new_tokens > room:
         prompt.note = (f"max_new_tokens {prompt.max_new_tokens} clamped to {room}: the prompt is "

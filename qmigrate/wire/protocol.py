@@ -40,7 +40,7 @@ SUBMIT_MAX_IDS = 1 << 22
 # such a request with its own error before it is sent (ingest.prompts uses these names).
 MAX_NEW_TOKENS = 1 << 30
 MAX_TOP_K = 1 << 30
-MAX_TEMPERATURE = 1e4
+MAX_TEMPERATURE = 2.0     # OpenAI's bound, on every input path (HTTP, stdin JSONL, a topology's default)
 MAX_SEED = (1 << 63) - 1
 MAX_STOP_SEQS = 64         # stop sequences of one request
 MAX_STOP_LEN = 64          # token ids of one stop sequence (and of the EOS list)
