@@ -269,3 +269,41 @@ def test_unknown_mode(tok):
     with pytest.raises(ValueError, match="unknown input mode"):
         parse_line("x", mode="csv", line_no=1, tokenizer=tok, max_context=8,
                    defaults=Defaults(), eos_ids=[])
+
+
+def test_sampling_controls_are_taken_and_travel_in_the_spec(tok):
+    from qmigrate.ingest.prompts import to_spec
+    from qmigrate.router.records import Seq
+    from qmigrate.wire import protocol as P
+    p = jsonl(tok, {"prompt": "x", "presence_penalty": 0.5, "frequency_penalty": -1, "repetition_penalty": 1.2,
+                    "min_p": 0.1, "logit_bias": {"5": 10, "7": -100, "9": 0}, "stop_token_ids": [11, 12],
+                    "min_tokens": 2})
+    assert (p.presence_penalty, p.frequency_penalty, p.repetition_penalty, p.min_p) == (0.5, -1.0, 1.2, 0.1)
+    assert p.logit_bias == {5: 10.0, 7: -100.0} and p.stop_token_ids == [11, 12]
+    spec = P.decode(P.encode(P.Submit([to_spec(p, 3, 0, [1])]))).seqs[0]
+    assert (spec.presence_penalty, spec.frequency_penalty, spec.repetition_penalty, spec.min_p) == \
+        (0.5, -1.0, 1.2, 0.1)
+    assert (spec.bias_ids, spec.bias_values, spec.eos_ids) == ([5, 7], [10.0, -100.0], [1, 11, 12])
+    # stop_token_ids end the output with ignore_eos too (only EOS is ignored)
+    ignoring = jsonl(tok, {"prompt": "x", "stop_token_ids": [11], "ignore_eos": True})
+    assert to_spec(ignoring, 3, 0, [1]).eos_ids == [11]
+    # the router's full form for another worker keeps them, with the ids as they stand
+    moved = Seq(spec, P.unpack_ids(spec.token_ids).tolist() + [40, 41]).respec("tcp://w2", 9)
+    assert moved.ids.tolist()[-2:] == [40, 41] and (moved.kv_from, moved.transfer_id) == ("tcp://w2", 9)
+    assert (moved.bias_ids, moved.presence_penalty, moved.min_p, moved.eos_ids) == ([5, 7], 0.5, 0.1, [1, 11, 12])
+
+
+@pytest.mark.parametrize("obj, message", [
+    ({"presence_penalty": 2.5}, "'presence_penalty' must be a number from -2 to 2"),
+    ({"frequency_penalty": "1"}, "'frequency_penalty' must be a number from -2 to 2"),
+    ({"repetition_penalty": 0}, "'repetition_penalty' must be a number from 0.01 to 100"),
+    ({"min_p": 1.5}, "'min_p' must be a number from 0 to 1"),
+    ({"logit_bias": [1]}, "'logit_bias' must be an object of at most 1024"),
+    ({"logit_bias": {"x": 1}}, "'logit_bias' key 'x' is not a token id in [0, 512)"),
+    ({"logit_bias": {"600": 1}}, "'logit_bias' key '600' is not a token id in [0, 512)"),
+    ({"logit_bias": {"5": 101}}, "'logit_bias[5]' must be a number from -100 to 100"),
+    ({"stop_token_ids": [3, 900]}, "'stop_token_ids[1]' = 900 is out of range [0, 512)"),
+    ({"stop_token_ids": list(range(3, 70))}, "'stop_token_ids' holds at most"),
+])
+def test_bad_sampling_controls(tok, obj, message):
+    assert str(error_of(jsonl, tok, {"prompt": "x", **obj})).startswith(message)

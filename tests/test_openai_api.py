@@ -49,6 +49,16 @@ def test_a_completion_request_maps_onto_intake(tok):
     assert salted.cache_salt == "tenant-7" and to_spec(salted, 1, 0, ()).cache_salt == "tenant-7"
 
 
+def test_sampling_controls_reach_the_intake_from_both_endpoints(tok):
+    controls = {"presence_penalty": 0.5, "frequency_penalty": 0.25, "repetition_penalty": 1.1, "min_p": 0.2,
+                "logit_bias": {"5": 3}, "stop_token_ids": [7], "min_tokens": 1}
+    for body, kind in (({"model": MODEL, "prompt": "x", **controls}, "completion"),
+                       ({"model": MODEL, "messages": [{"role": "user", "content": "x"}], **controls}, "chat")):
+        p = parse(tok, body, kind).prompt
+        assert (p.presence_penalty, p.frequency_penalty, p.repetition_penalty, p.min_p, p.logit_bias,
+                p.stop_token_ids, p.min_tokens) == (0.5, 0.25, 1.1, 0.2, {5: 3.0}, [7], 1)
+
+
 def test_a_chat_request_uses_the_template(tok):
     messages = [{"role": "user", "content": "Hello"}]
     req = parse(tok, {"model": MODEL, "messages": messages, "max_completion_tokens": 4}, "chat")
@@ -81,7 +91,9 @@ def test_a_chat_request_uses_the_template(tok):
     ({"model": MODEL, "prompt": "x", "logprobs": 2}, 400, "logprobs", "'logprobs'"),
     ({"model": MODEL, "prompt": "x", "best_of": 3}, 400, "best_of", "'n' asks for several choices"),
     ({"model": MODEL, "prompt": "x", "echo": True}, 400, "echo", "'echo'"),
-    ({"model": MODEL, "prompt": "x", "presence_penalty": 0.5}, 400, "presence_penalty", "not supported"),
+    ({"model": MODEL, "prompt": "x", "presence_penalty": 2.5}, 400, "presence_penalty", "from -2 to 2"),
+    ({"model": MODEL, "prompt": "x", "logit_bias": {"5": 200}}, 400, "logit_bias", "'logit_bias[5]' must be"),
+    ({"model": MODEL, "prompt": "x", "min_p": -1}, 400, "min_p", "'min_p' must be"),
     ({"model": MODEL, "prompt": "x", "frobnicate": 1}, 400, "frobnicate", "'frobnicate' is an unrecognized request argument"),
     ({"model": MODEL, "prompt": "x", "prediction": {}}, 400, "prediction", "unrecognized"),  # chat's only
     ({"model": MODEL, "prompt": "x", "min_tokens": 9, "max_tokens": 4}, 400, "min_tokens", "token limit (4)"),

@@ -29,9 +29,11 @@ from qmigrate.ingest.prompts import MAX_SEED, Defaults, Prompt, PromptError, is_
 Kind = Literal["completion", "chat"]
 
 # Every field a client may send, by what this server does with it (docs/http.md lists them).
-SUPPORTED_FIELDS = frozenset(["model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop",
-                              "stream", "stream_options", "n",
-                              "ignore_eos", "min_tokens", "cache_salt"])  # the last three: extensions, as vLLM's
+# Sampling fields the intake (prompts.parse_request) checks alike for stdin JSONL and HTTP.
+SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "seed", "presence_penalty", "frequency_penalty",
+                   "logit_bias", "ignore_eos", "min_tokens", "cache_salt", "repetition_penalty", "min_p",
+                   "stop_token_ids")  # from top_k and ignore_eos on: extensions, as vLLM's
+SUPPORTED_FIELDS = frozenset(["model", "max_tokens", "stop", "stream", "stream_options", "n", *SAMPLING_FIELDS])
 ONLY_FIELDS = {"completion": frozenset(["prompt"]), "chat": frozenset(["messages", "max_completion_tokens"])}
 # OpenAI's fields that change nothing this server generates: accepted, and ignored.
 IGNORED_FIELDS = {"completion": frozenset(["user", "store", "metadata", "service_tier", "prompt_cache_key",
@@ -40,15 +42,12 @@ IGNORED_FIELDS = {"completion": frozenset(["user", "store", "metadata", "service
                                      "safety_identifier", "prediction", "parallel_tool_calls"])}
 # Fields that would change the output, accepted only at the value that changes nothing
 # (a field of one endpoint only is refused by the other as unrecognized).
-NEUTRAL = {"presence_penalty": (0,), "frequency_penalty": (0,), "logit_bias": ({},),
-           "logprobs": (False, 0), "top_logprobs": (0,), "echo": (False,), "best_of": (1,),
+NEUTRAL = {"logprobs": (False, 0), "top_logprobs": (0,), "echo": (False,), "best_of": (1,),
            "suffix": ("",), "tools": ([],), "tool_choice": ("none",), "functions": ([],),
            "function_call": ("none",), "response_format": ({"type": "text"},), "modalities": (["text"],),
            "audio": (), "reasoning_effort": (), "verbosity": (), "web_search_options": ()}
-NEUTRAL_OF = {"completion": frozenset(["presence_penalty", "frequency_penalty", "logit_bias", "logprobs",
-                                       "echo", "best_of", "suffix"]),
-              "chat": frozenset(["presence_penalty", "frequency_penalty", "logit_bias", "logprobs",
-                                 "top_logprobs", "tools", "tool_choice", "functions", "function_call",
+NEUTRAL_OF = {"completion": frozenset(["logprobs", "echo", "best_of", "suffix"]),
+              "chat": frozenset(["logprobs", "top_logprobs", "tools", "tool_choice", "functions", "function_call",
                                  "response_format", "modalities", "audio", "reasoning_effort", "verbosity",
                                  "web_search_options"])}
 # The intake's names of fields the API names otherwise.
@@ -144,7 +143,7 @@ def parse_body(body, kind: Kind, *, model_names: Collection[str], tokenizer, max
         if not _is_int(body[max_name]) or body[max_name] < 1:
             raise ApiError(400, f"'{max_name}' must be an integer >= 1", max_name)
         request["max_new_tokens"] = body[max_name]
-    for name in ("temperature", "top_p", "top_k", "seed", "ignore_eos", "min_tokens", "cache_salt"):
+    for name in SAMPLING_FIELDS:
         if name in body:
             request[name] = body[name]
     stop = _parse_stop(body.get("stop", []))

@@ -19,6 +19,13 @@ JSONL input: one object per line with the keys
                     each at most 64 tokens)
     ignore_eos      boolean: generate past EOS (stop sequences still apply)
     min_tokens      integer from 0 to max_new_tokens: neither EOS nor a stop ends it sooner
+                    (EOS and stop_token_ids cannot be sampled before)
+    presence_penalty, frequency_penalty
+                    numbers from -2 to 2 (OpenAI's definitions; engine/controls.py)
+    repetition_penalty  number from 0.01 to 100, 1 is off (transformers' definition)
+    min_p           number from 0 to 1: drop tokens less likely than min_p times the likeliest
+    logit_bias      {"token id": bias from -100 to 100}, at most 1024 entries
+    stop_token_ids  list of token ids that end the output as EOS does (with EOS, at most 64)
 Exactly one of prompt / prompt_ids / messages. A line {"cancel": ID} (and nothing else)
 asks to cancel the running request ID. A key given as null takes its default. Stop strings are
 tokenized alone, without special tokens, so a stop string matches only when the model
@@ -38,7 +45,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Collection
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 from qmigrate.wire import protocol as P
@@ -47,7 +54,8 @@ MAX_SEED = P.MAX_SEED + 1  # exclusive: seeds are in [0, 2**63)
 MAX_JSON_DEPTH = 32
 KEYS = frozenset(
     ["id", "prompt", "prompt_ids", "messages", "max_new_tokens", "temperature", "top_p",
-     "top_k", "seed", "stop", "ignore_eos", "min_tokens", "cache_salt"]
+     "top_k", "seed", "stop", "ignore_eos", "min_tokens", "cache_salt", "presence_penalty",
+     "frequency_penalty", "repetition_penalty", "min_p", "logit_bias", "stop_token_ids"]
 )
 CHAT_ROLES = frozenset(["system", "user", "assistant", "developer", "tool"])
 MESSAGE_KEYS = frozenset(["role", "content", "name"])
@@ -67,6 +75,12 @@ class Prompt:
     ignore_eos: bool = False  # run on past EOS (synthetic loads of exact lengths)
     min_tokens: int = 0       # neither EOS nor a stop sequence ends it before this many tokens
     cache_salt: str = ""      # shares cached prompt prefixes only with requests of the same salt
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    stop_token_ids: list[int] = field(default_factory=list)   # end the output as EOS does
 
 
 @dataclass(slots=True, frozen=True)
@@ -141,10 +155,14 @@ def is_int_list(value: list) -> bool:
 
 def to_spec(prompt: Prompt, seq_id: int, seed: int, eos_ids: Collection[int]) -> P.SeqSpec:
     """The request's full form as the router and the workers take it."""
+    ends = set(prompt.stop_token_ids) if prompt.ignore_eos else set(eos_ids).union(prompt.stop_token_ids)
     return P.SeqSpec(seq_id, P.pack_i32(prompt.prompt_ids), len(prompt.prompt_ids), prompt.max_new_tokens,
                      prompt.temperature, prompt.top_p, prompt.top_k, seed, prompt.stop_ids,
-                     [] if prompt.ignore_eos else sorted(eos_ids), min_new_tokens=prompt.min_tokens,
-                     cache_salt=prompt.cache_salt)
+                     sorted(ends), min_new_tokens=prompt.min_tokens,
+                     cache_salt=prompt.cache_salt, presence_penalty=prompt.presence_penalty,
+                     frequency_penalty=prompt.frequency_penalty, repetition_penalty=prompt.repetition_penalty,
+                     min_p=prompt.min_p, bias_ids=list(prompt.logit_bias),
+                     bias_values=list(prompt.logit_bias.values()))
 
 
 def seed_of(prompt: Prompt, rng) -> int:
@@ -299,9 +317,26 @@ def parse_request(
     if not isinstance(cache_salt, str) or len(cache_salt) > P.MAX_CACHE_SALT:
         fail(f"'cache_salt' must be a string of at most {P.MAX_CACHE_SALT} characters", "cache_salt")
 
+    penalties = {}
+    for name, low, high in (("presence_penalty", -P.MAX_PENALTY, P.MAX_PENALTY),
+                            ("frequency_penalty", -P.MAX_PENALTY, P.MAX_PENALTY),
+                            ("repetition_penalty", P.MIN_REPETITION_PENALTY, P.MAX_REPETITION_PENALTY),
+                            ("min_p", 0, 1)):
+        value = obj.get(name, 1.0 if name == "repetition_penalty" else 0.0)
+        if not _is_number(value) or not low <= value <= high:
+            fail(f"'{name}' must be a number from {low:g} to {high:g}", name)
+        penalties[name] = float(value)
+    logit_bias = _parse_logit_bias(obj.get("logit_bias", {}), vocab_size, fail)
+    stop_token_ids = _check_ids(obj["stop_token_ids"], "stop_token_ids", vocab_size, fail) \
+        if obj.get("stop_token_ids") else []
+    if len(set(stop_token_ids) | set(eos_ids)) > P.MAX_STOP_LEN:
+        fail(f"'stop_token_ids' holds at most {P.MAX_STOP_LEN - len(set(eos_ids))} ids beside the model's EOS",
+             "stop_token_ids")
+
     prompt = _fit(Prompt(req_id, prompt_ids, max_new_tokens, float(temperature), float(top_p),
                          top_k, seed, stop_ids, ignore_eos=ignore_eos, min_tokens=min_tokens,
-                         cache_salt=cache_salt), max_context)
+                         cache_salt=cache_salt, logit_bias=logit_bias, stop_token_ids=stop_token_ids,
+                         **penalties), max_context)
     prompt.min_tokens = min(prompt.min_tokens, prompt.max_new_tokens)  # after a clamp to the context
     return check_prompt(prompt, eos_ids)
 
@@ -363,6 +398,23 @@ def _check_ids(value, name: str, vocab_size: int, fail) -> list[int]:
         if not 0 <= token_id < vocab_size:
             fail(f"'{name}[{i}]' = {token_id} is out of range [0, {vocab_size})", param)
     return list(value)
+
+
+def _parse_logit_bias(value, vocab_size: int, fail) -> dict[int, float]:
+    """OpenAI's {"token id": bias} (JSON's keys are strings; integer keys are taken too)."""
+    if not isinstance(value, dict) or len(value) > P.MAX_LOGIT_BIAS:
+        fail(f"'logit_bias' must be an object of at most {P.MAX_LOGIT_BIAS} \"token id\": bias entries",
+             "logit_bias")
+    out = {}
+    for key, bias in value.items():
+        token = int(key) if isinstance(key, str) and key.isascii() and key.isdigit() else key
+        if not _is_int(token) or not 0 <= token < vocab_size:
+            fail(f"'logit_bias' key {key!r} is not a token id in [0, {vocab_size})", "logit_bias")
+        if not _is_number(bias) or not -P.MAX_BIAS <= bias <= P.MAX_BIAS:
+            fail(f"'logit_bias[{key}]' must be a number from {-P.MAX_BIAS:g} to {P.MAX_BIAS:g}", "logit_bias")
+        if bias:
+            out[token] = float(bias)
+    return out
 
 
 def _parse_stop(value, tokenizer, vocab_size: int, fail) -> list[list[int]]:
