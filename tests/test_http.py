@@ -359,3 +359,34 @@ def test_tokenize_needs_the_api_key_and_version_does_not(tiny_chat_model_dir):
     assert post(server, "/tokenize", {"prompt": "x"})[0] == 401
     assert post(server, "/detokenize", {"tokens": [5]})[0] == 401
     assert get(server, "/version")[0] == 200
+
+
+def test_continuous_usage_stats_put_each_choices_usage_in_every_chunk(make_server):
+    """vLLM's stream_options.continuous_usage_stats (it was refused): every chunk carries
+    the usage of its choice so far, one choice or several."""
+    server, _ = make_server(["a", "b", "c"], tag=True, gap_s=0.05)
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    for body, num_choices in (({**GOOD, "prompt": [5, 6], "stream": True}, 1),
+                              ({**GOOD, "prompt": [[5, 6], [7]], "n": 2, "stream": True}, 4)):
+        conn = http.client.HTTPConnection("127.0.0.1", server.cfg.http_port, timeout=30)
+        conn.request("POST", "/v1/completions", json.dumps({**body, "stream_options": options}))
+        chunks = [json.loads(e) for e in events(conn.getresponse())[:-1]]
+        conn.close()
+        seen = {}
+        for c in chunks[:-1]:
+            (choice,) = c["choices"]
+            i, usage = choice["index"], c["usage"]
+            seen[i] = seen.get(i, 0) + 1
+            assert usage["prompt_tokens"] == (2 if i < 2 else 1)
+            assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
+            if choice["finish_reason"]:
+                assert usage["completion_tokens"] == 4   # three words and the tag
+            else:
+                assert usage["completion_tokens"] == seen[i], (i, c)   # one word a chunk
+        assert len(seen) == num_choices and chunks[-1]["choices"] == []
+    conn = http.client.HTTPConnection("127.0.0.1", server.cfg.http_port, timeout=30)
+    conn.request("POST", "/v1/completions", json.dumps({**GOOD, "stream": True,
+                                                        "stream_options": {"include_usage": True}}))
+    plain = [json.loads(e) for e in events(conn.getresponse())[:-1]]
+    conn.close()
+    assert all(c["usage"] is None for c in plain[:-1])   # without it, only the last chunk has usage

@@ -404,11 +404,14 @@ class HttpServer:
                 # no character yet (or may begin a stop string), as vLLM's streams have: a
                 # client times each token, not each character.
                 if out or (first and req.kind == "chat") or (num_tokens > shown and not code):
-                    await response.write(sse(chunk(req, rid, created, out, first=True)) if first else frame(out))
+                    if first or req.continuous_usage:
+                        await response.write(sse(chunk(req, rid, created, out, first=first, num_tokens=num_tokens)))
+                    else:
+                        await response.write(frame(out))
                     first = False
                 shown = num_tokens
                 if code:
-                    tail = sse(chunk(req, rid, created, None, reason))
+                    tail = sse(chunk(req, rid, created, None, reason, num_tokens=num_tokens))
                     if req.include_usage:
                         tail += sse(usage_chunk(req, rid, created, [(num_tokens, cached)]))
                     await response.write(tail + DONE)
@@ -447,8 +450,13 @@ class HttpServer:
                 except ApiError as exc:  # timeout, shutdown, or a choice a worker could not run
                     await response.write(sse(exc.body()) + DONE)
                     return response
-                out = [frames[i](text) for i, text in texts.items() if text or i not in ended]
-                out += [sse(chunk(req, rid, created, None, choices.ends[i][0], index=i)) for i in ended]
+                if req.continuous_usage:
+                    out = [sse(chunk(req, rid, created, text, index=i, num_tokens=choices.num_tokens[i]))
+                           for i, text in texts.items() if text or i not in ended]
+                else:
+                    out = [frames[i](text) for i, text in texts.items() if text or i not in ended]
+                out += [sse(chunk(req, rid, created, None, choices.ends[i][0], index=i,
+                                  num_tokens=choices.num_tokens[i])) for i in ended]
                 if out:
                     await response.write(b"".join(out))
             tail = sse(usage_chunk(req, rid, created, choices.counts())) if req.include_usage else b""

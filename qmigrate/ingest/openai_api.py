@@ -75,6 +75,7 @@ class ApiRequest:
     include_usage: bool = False
     stop: list[str] = field(default_factory=list)
     n: int = 1             # choices per prompt
+    continuous_usage: bool = False   # vLLM's continuous_usage_stats: usage in every chunk too
 
     @property
     def prompt(self) -> Prompt:
@@ -131,9 +132,10 @@ def parse_body(body, kind: Kind, *, model_names: Collection[str], tokenizer, max
     if not isinstance(stream, bool):
         raise ApiError(400, "'stream' must be a boolean", "stream")
     options = body.get("stream_options", {})
-    if not isinstance(options, dict) or set(options) - {"include_usage"} \
-            or not isinstance(options.get("include_usage", False), bool):
-        raise ApiError(400, "'stream_options' must be {\"include_usage\": true|false}", "stream_options")
+    if not isinstance(options, dict) or set(options) - {"include_usage", "continuous_usage_stats"} \
+            or not all(isinstance(v, bool) for v in options.values()):
+        raise ApiError(400, "'stream_options' must be {\"include_usage\": true|false, "
+                       "\"continuous_usage_stats\": true|false}", "stream_options")
     if options and not stream:
         raise ApiError(400, "'stream_options' is only allowed with 'stream': true", "stream_options")
 
@@ -164,7 +166,9 @@ def parse_body(body, kind: Kind, *, model_names: Collection[str], tokenizer, max
             of_prompt = param in ("prompt", "messages") and len(items) > 1
             raise ApiError(400, f"prompt[{i}]: {exc.message}" if of_prompt else exc.message, param,
                            code="context_length_exceeded" if too_long else None) from None
-    return ApiRequest(kind, model, prompts, stream, bool(options.get("include_usage")), stop, n)
+    include = bool(options.get("include_usage"))
+    return ApiRequest(kind, model, prompts, stream, include, stop, n,
+                      include and bool(options.get("continuous_usage_stats")))
 
 
 def fan_out(req: ApiRequest, rid: str) -> list[Prompt]:
@@ -245,6 +249,7 @@ class Choices:
         self.live, self.index = live, dict(live)
         self.trims = [StopTrimmer(req.stop) for _ in live]
         self.ends: list[tuple[str, int, int] | None] = [None] * len(live)
+        self.num_tokens = [0] * len(live)   # tokens so far, by choice
 
     def take(self, rows) -> tuple[dict[int, str], list[int]]:
         """The new text of each choice in `rows`, by index in the order they came, and the
@@ -255,6 +260,7 @@ class Choices:
             if row[0] not in self.live:
                 continue
             i = self.index[row[0]]
+            self.num_tokens[i] = row[3]
             text = self.trims[i].push(row[1])
             if row[2]:
                 del self.live[row[0]]
@@ -312,9 +318,9 @@ def reply(req: ApiRequest, rid: str, created: int, outcomes: list[tuple[str, str
 
 
 def chunk(req: ApiRequest, rid: str, created: int, text: str | None, finish: str | None = None,
-          first: bool = False, index: int = 0) -> dict:
+          first: bool = False, index: int = 0, num_tokens: int = 0) -> dict:
     """One streamed event of choice `index`: new text (None in its last, which carries the
-    finish reason)."""
+    finish reason); with continuous usage, the usage of that choice's `num_tokens` so far."""
     if req.kind == "chat":
         delta = {} if text is None else {"content": text}
         if first:
@@ -326,6 +332,8 @@ def chunk(req: ApiRequest, rid: str, created: int, text: str | None, finish: str
            "created": created, "model": req.model, "choices": [choice]}
     if req.include_usage:
         out["usage"] = None
+        if req.continuous_usage:
+            out["usage"] = usage(len(req.prompts[index // req.n].prompt_ids), num_tokens)
     return out
 
 
