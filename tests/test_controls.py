@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 import torch
 from transformers import GenerationConfig
-from transformers.generation.logits_process import (LogitsProcessor, LogitsProcessorList, MinNewTokensLengthLogitsProcessor,
-                                                    MinPLogitsWarper, RepetitionPenaltyLogitsProcessor,
-                                                    SequenceBiasLogitsProcessor)
+from transformers.generation.logits_process import (LogitsProcessor, LogitsProcessorList,
+                                                    MinNewTokensLengthLogitsProcessor, MinPLogitsWarper,
+                                                    RepetitionPenaltyLogitsProcessor, SequenceBiasLogitsProcessor)
 
 from qmigrate.engine.controls import Controls, ControlTable
 from qmigrate.engine.sampling import SamplingRows, sample

@@ -94,7 +94,8 @@ def test_a_chat_request_uses_the_template(tok):
     ({"model": MODEL, "prompt": "x", "presence_penalty": 2.5}, 400, "presence_penalty", "from -2 to 2"),
     ({"model": MODEL, "prompt": "x", "logit_bias": {"5": 200}}, 400, "logit_bias", "'logit_bias[5]' must be"),
     ({"model": MODEL, "prompt": "x", "min_p": -1}, 400, "min_p", "'min_p' must be"),
-    ({"model": MODEL, "prompt": "x", "frobnicate": 1}, 400, "frobnicate", "'frobnicate' is an unrecognized request argument"),
+    ({"model": MODEL, "prompt": "x", "frobnicate": 1}, 400, "frobnicate",
+     "'frobnicate' is an unrecognized request argument"),
     ({"model": MODEL, "prompt": "x", "prediction": {}}, 400, "prediction", "unrecognized"),  # chat's only
     ({"model": MODEL, "prompt": "x", "min_tokens": 9, "max_tokens": 4}, 400, "min_tokens", "token limit (4)"),
     ({"model": MODEL, "prompt": ["a", "b"], "top_k": -1}, 400, "top_k", "'top_k' must be"),
@@ -154,7 +155,8 @@ def test_usage_counts_each_prompt_once_and_every_choice(tok):
 @pytest.mark.parametrize("body, param, words", [
     ({"model": MODEL, "messages": []}, "messages", "non-empty list"),
     ({"model": MODEL, "messages": "hi"}, "messages", "non-empty list"),
-    ({"model": MODEL, "messages": [{"role": "user", "content": 1}]}, "messages", "'messages[0].content' must be a string"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": 1}]}, "messages",
+     "'messages[0].content' must be a string"),
     ({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, "tools", "not supported"),
     ({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "logprobs": True}, "logprobs", "not supported"),
     ({"model": MODEL, "prompt": "x"}, "prompt", "unrecognized"),
