@@ -12,6 +12,7 @@ from typing import Any, Callable, Mapping
 from .config_rules import ConfigError  # noqa: F401 -- the rest of the package imports it from here
 from . import config_rules as rules
 from .config_rules import Section
+from .wire import protocol as P
 from .config_yaml import build_section, check_keys, kind_of, parse_settings, read_settings, read_yaml, write_yaml
 from .engine.config import EngineConfig
 
@@ -52,7 +53,8 @@ class ModelConfig(Section):
 @dataclass(slots=True)
 class SamplingDefaults(Section):
     max_new_tokens: int = rules.setting(64, rules.count)
-    temperature: float = rules.setting(0.0, rules.number("a number >= 0", lambda x: x >= 0))
+    temperature: float = rules.setting(0.0, rules.number(f"a number from 0 to {P.MAX_TEMPERATURE:g}",
+                                                         lambda x: 0 <= x <= P.MAX_TEMPERATURE))
     top_p: float = rules.setting(1.0, rules.number("a number in (0, 1]", lambda x: 0 < x <= 1))
     top_k: int = rules.setting(0, rules.non_negative)
 

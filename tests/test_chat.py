@@ -58,10 +58,10 @@ def test_a_model_without_a_chat_template_is_a_per_request_error():
 @pytest.mark.parametrize("messages, message", [
     ([], "non-empty list"),
     ("hello", "non-empty list"),
-    (["hello"], r"messages\[0\] must be an object"),
-    ([{"role": "wizard", "content": "x"}], r"messages\[0\].role must be one of"),
-    ([{"role": "user"}], r"messages\[0\].content must be a string"),
-    ([{"role": "user", "content": 5}], r"messages\[0\].content must be a string"),
+    (["hello"], r"'messages\[0\]' must be an object"),
+    ([{"role": "wizard", "content": "x"}], r"'messages\[0\].role' must be one of"),
+    ([{"role": "user"}], r"'messages\[0\].content' must be a string"),
+    ([{"role": "user", "content": 5}], r"'messages\[0\].content' must be a string"),
     ([{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}], "only text parts"),
     ([{"role": "user", "content": "x", "tool_calls": []}], "unsupported key 'tool_calls'"),
 ])
@@ -83,7 +83,7 @@ def test_a_chat_prompt_over_the_context_is_an_error(chat_tok):
 def test_cancel_lines(chat_tok):
     assert parse(chat_tok, {"cancel": "q1"}) == CancelRequest("q1")
     assert parse(chat_tok, {"cancel": 7}) == CancelRequest("7")
-    with pytest.raises(PromptError, match="cancel must name"):
+    with pytest.raises(PromptError, match="'cancel' must name"):
         parse(chat_tok, {"cancel": ""})
-    with pytest.raises(PromptError, match="unknown key 'cancel'"):
+    with pytest.raises(PromptError, match="'cancel' is an unrecognized request argument"):
         parse(chat_tok, {"cancel": "q1", "prompt": "x"})

@@ -313,3 +313,87 @@ def test_the_api_holds_prompts_to_the_workers_max_model_len(tiny_chat_model_dir)
     full = HttpServer(cfg, str(tiny_chat_model_dir), Defaults()).max_context
     assert HttpServer(cfg, str(tiny_chat_model_dir), Defaults(), max_model_len=16).max_context == 16 < full
     assert HttpServer(cfg, str(tiny_chat_model_dir), Defaults(), max_model_len=full + 100).max_context == full
+
+
+def get(server, path: str):
+    conn = http.client.HTTPConnection("127.0.0.1", server.cfg.http_port, timeout=30)
+    conn.request("GET", path)
+    resp = conn.getresponse()
+    out = resp.status, json.loads(resp.read())
+    conn.close()
+    return out
+
+
+def test_a_model_by_id_tokenize_detokenize_and_version_in_vllms_shapes(make_server):
+    server, _ = make_server(["x"])
+    assert get(server, "/v1/models/tiny") == (200, {**get(server, "/v1/models")[1]["data"][0],
+                                                   "created": get(server, "/v1/models/tiny")[1]["created"]})
+    status, body = get(server, "/v1/models/gpt-9")
+    assert (status, body["error"]["code"], body["error"]["param"]) == (404, "model_not_found", "model")
+    assert get(server, "/version")[1]["version"]
+    tok = server.tokenizer
+    status, body = post(server, "/tokenize", {"model": "tiny", "prompt": "Hello world"})
+    assert status == 200 and body["tokens"] == tok.encode("Hello world") and body["count"] == len(body["tokens"])
+    assert (body["max_model_len"], body["token_strs"]) == (server.max_context, None)
+    bare = post(server, "/tokenize", {"prompt": "Hello world", "add_special_tokens": False,
+                                      "return_token_strs": True})[1]
+    assert bare["tokens"] == tok.encode("Hello world", add_special_tokens=False)
+    assert bare["token_strs"] == tok.convert_ids_to_tokens(bare["tokens"])
+    # the ids a chat request of these messages runs on (its usage counts them)
+    status, chat = post(server, "/tokenize", {"model": "tiny", "messages": CHAT["messages"]})
+    _, done = post(server, "/v1/chat/completions", CHAT)
+    assert status == 200 and chat["count"] == done["usage"]["prompt_tokens"]
+    closed = post(server, "/tokenize", {"messages": CHAT["messages"], "add_generation_prompt": False})[1]
+    assert closed["count"] < chat["count"] and chat["tokens"][:closed["count"]] == closed["tokens"]
+    assert post(server, "/detokenize", {"model": "tiny", "tokens": body["tokens"]}) == \
+        (200, {"prompt": tok.decode(body["tokens"])})
+    for path, bad, param in [("/tokenize", {"prompt": 5}, "prompt"),
+                             ("/tokenize", {"prompt": "x", "frob": 1}, "frob"),
+                             ("/tokenize", {"prompt": "x", "model": "gpt-9"}, "model"),
+                             ("/tokenize", {"messages": []}, "messages"),
+                             ("/tokenize", {"prompt": "x", "add_special_tokens": "yes"}, "add_special_tokens"),
+                             ("/detokenize", {"tokens": [1, 10**6]}, "tokens"),
+                             ("/detokenize", {"tokens": "1 2"}, "tokens")]:
+        status, reply = post(server, path, bad)
+        assert status in (400, 404) and reply["error"]["param"] == param, (path, bad, reply)
+        assert f"'{param}'" in reply["error"]["message"], reply
+
+
+def test_tokenize_needs_the_api_key_and_version_does_not(tiny_chat_model_dir):
+    cfg = IngestConfig(node="local", http_port=free_port(), model_name="tiny", api_key="s3cret")
+    server = HttpServer(cfg, str(tiny_chat_model_dir), Defaults(max_new_tokens=8))
+    server.start()
+    assert post(server, "/tokenize", {"prompt": "x"})[0] == 401
+    assert post(server, "/detokenize", {"tokens": [5]})[0] == 401
+    assert get(server, "/version")[0] == 200
+
+
+def test_continuous_usage_stats_put_each_choices_usage_in_every_chunk(make_server):
+    """vLLM's stream_options.continuous_usage_stats (it was refused): every chunk carries
+    the usage of its choice so far, one choice or several."""
+    server, _ = make_server(["a", "b", "c"], tag=True, gap_s=0.05)
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    for body, num_choices in (({**GOOD, "prompt": [5, 6], "stream": True}, 1),
+                              ({**GOOD, "prompt": [[5, 6], [7]], "n": 2, "stream": True}, 4)):
+        conn = http.client.HTTPConnection("127.0.0.1", server.cfg.http_port, timeout=30)
+        conn.request("POST", "/v1/completions", json.dumps({**body, "stream_options": options}))
+        chunks = [json.loads(e) for e in events(conn.getresponse())[:-1]]
+        conn.close()
+        seen = {}
+        for c in chunks[:-1]:
+            (choice,) = c["choices"]
+            i, usage = choice["index"], c["usage"]
+            seen[i] = seen.get(i, 0) + 1
+            assert usage["prompt_tokens"] == (2 if i < 2 else 1)
+            assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
+            if choice["finish_reason"]:
+                assert usage["completion_tokens"] == 4   # three words and the tag
+            else:
+                assert usage["completion_tokens"] == seen[i], (i, c)   # one word a chunk
+        assert len(seen) == num_choices and chunks[-1]["choices"] == []
+    conn = http.client.HTTPConnection("127.0.0.1", server.cfg.http_port, timeout=30)
+    conn.request("POST", "/v1/completions", json.dumps({**GOOD, "stream": True,
+                                                        "stream_options": {"include_usage": True}}))
+    plain = [json.loads(e) for e in events(conn.getresponse())[:-1]]
+    conn.close()
+    assert all(c["usage"] is None for c in plain[:-1])   # without it, only the last chunk has usage

@@ -250,3 +250,46 @@ def test_a_killed_ingest_starts_again_and_its_clients_requests_are_cancelled(nod
     node.wait_ready()
     answer = node.client.completions.create(model=MODEL, prompt=[1, 5, 9], max_tokens=4, extra_body={"ignore_eos": True})
     assert answer.usage.completion_tokens == 4
+
+
+def test_what_clients_send_unasked_is_accepted_and_the_utility_endpoints_answer(node, expected):
+    """The official client's `store`, `metadata`, `service_tier`, `user`, `prediction` change
+    nothing; an unknown field is one 400 naming it; models.retrieve and /tokenize work."""
+    messages = [{"role": "user", "content": "Tell me a story"}]
+    plain = node.client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, temperature=0)
+    extra = node.client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=4, temperature=0, store=True, metadata={"app": "t"},
+        service_tier="auto", user="u1", prediction={"type": "content", "content": "x"}, parallel_tool_calls=True)
+    assert extra.choices[0].message.content == plain.choices[0].message.content
+    with pytest.raises(openai.BadRequestError, match="'frobnicate' is an unrecognized request argument") as info:
+        node.client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4,
+                                            extra_body={"frobnicate": 1})
+    assert info.value.body["param"] == "frobnicate"
+    assert node.client.models.retrieve(MODEL).id == MODEL
+    with pytest.raises(openai.NotFoundError):
+        node.client.models.retrieve("gpt-9")
+    count = node.client.post("/../tokenize", body={"model": MODEL, "messages": messages}, cast_to=object)["count"]
+    assert count == plain.usage.prompt_tokens
+
+
+def test_sampling_controls_through_the_official_client(node, expected):
+    """logit_bias forces a token; repetition_penalty then keeps it from coming again;
+    stop_token_ids ends on it, but not before min_tokens; the penalties and min_p are taken
+    on both endpoints (their exact values: test_controls.py)."""
+    tok, forced = expected.tok, 300
+    args = dict(model=MODEL, prompt="Once upon a time", max_tokens=4, temperature=0)
+    out = node.client.completions.create(**args, logit_bias={str(forced): 100})
+    assert out.choices[0].text == tok.decode([forced] * 4) and out.usage.completion_tokens == 4
+    once = node.client.completions.create(**args, logit_bias={str(forced): 100},
+                                          extra_body={"repetition_penalty": 100})
+    assert once.choices[0].text.startswith(tok.decode([forced])) and once.choices[0].text != out.choices[0].text
+    ended = node.client.completions.create(**args, logit_bias={str(forced): 100},
+                                           extra_body={"stop_token_ids": [forced], "min_tokens": 2})
+    assert (ended.choices[0].finish_reason, ended.usage.completion_tokens) == ("stop", 3)
+    kw = dict(presence_penalty=1.5, frequency_penalty=-1.0, extra_body={"repetition_penalty": 1.5, "min_p": 0.1})
+    chat = node.client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}],
+                                               max_tokens=3, temperature=0.7, seed=1, stream=True, **kw)
+    assert [c.choices[0].finish_reason for c in chat if c.choices][-1] in ("stop", "length")
+    assert node.client.completions.create(**args, **kw).choices[0].finish_reason in ("stop", "length")
+    with pytest.raises(openai.BadRequestError, match="'frequency_penalty' must be a number from -2 to 2"):
+        node.client.completions.create(**args, frequency_penalty=3)

@@ -133,43 +133,44 @@ def test_jsonl_stop_single_string(tok):
 
 
 @pytest.mark.parametrize("obj, message", [
-    ({"prompt": "x", "foo": 1}, "unknown key 'foo'"),
+    ({"prompt": "x", "foo": 1}, "'foo' is an unrecognized request argument"),
     ({"max_new_tokens": 3}, "give exactly one of 'prompt', 'prompt_ids' and 'messages'"),
     ({"prompt": "x", "prompt_ids": [1]}, "give exactly one of 'prompt', 'prompt_ids' and 'messages'"),
-    ({"prompt": "  "}, "empty prompt"),
-    ({"prompt": 5}, "prompt must be a string"),
-    ({"prompt_ids": []}, "prompt_ids must be a non-empty list of token ids"),
-    ({"prompt_ids": "1 2"}, "prompt_ids must be a non-empty list of token ids"),
-    ({"prompt_ids": [1, 512]}, "prompt_ids[1] = 512 is out of range [0, 512)"),
-    ({"prompt_ids": [-1]}, "prompt_ids[0] = -1 is out of range [0, 512)"),
-    ({"prompt_ids": [1, True]}, "prompt_ids[1] must be an integer token id, got true"),
-    ({"prompt_ids": [1.0]}, "prompt_ids[0] must be an integer token id, got 1.0"),
-    ({"prompt": "x", "max_new_tokens": 0}, "max_new_tokens must be an integer >= 1"),
-    ({"prompt": "x", "max_new_tokens": 2.0}, "max_new_tokens must be an integer >= 1"),
-    ({"prompt": "x", "max_new_tokens": True}, "max_new_tokens must be an integer >= 1"),
-    ({"prompt": "x", "temperature": -0.1}, "temperature must be a number from 0 to 10000"),
-    ({"prompt": "x", "temperature": "hot"}, "temperature must be a number from 0 to 10000"),
-    ({"prompt": "x", "temperature": False}, "temperature must be a number from 0 to 10000"),
-    ({"prompt": "x", "top_p": 0}, "top_p must be a number in (0, 1]"),
-    ({"prompt": "x", "top_p": 1.5}, "top_p must be a number in (0, 1]"),
-    ({"prompt": "x", "top_k": -1}, "top_k must be an integer from 0 (off) to 1073741824"),
-    ({"prompt": "x", "top_k": 2.5}, "top_k must be an integer from 0 (off) to 1073741824"),
-    ({"prompt": "x", "seed": -1}, "seed must be an integer in [0, 2**63)"),
-    ({"prompt": "x", "seed": 2**63}, "seed must be an integer in [0, 2**63)"),
-    ({"prompt": "x", "seed": "7"}, "seed must be an integer in [0, 2**63)"),
-    ({"prompt": "x", "stop": 5}, "stop must be a string or a list of strings and token id lists"),
-    ({"prompt": "x", "stop": ""}, "stop is an empty string"),
-    ({"prompt": "x", "stop": ["a", ""]}, "stop[1] is an empty string"),
-    ({"prompt": "x", "stop": [5]}, "stop[0] must be a string or a list of token ids"),
-    ({"prompt": "x", "stop": [[]]}, "stop[0] must be a non-empty list of token ids"),
-    ({"prompt": "x", "stop": [[1, 900]]}, "stop[0][1] = 900 is out of range [0, 512)"),
+    ({"prompt": "  "}, "'prompt' is empty"),
+    ({"prompt": 5}, "'prompt' must be a string"),
+    ({"prompt_ids": []}, "'prompt_ids' must be a non-empty list of token ids"),
+    ({"prompt_ids": "1 2"}, "'prompt_ids' must be a non-empty list of token ids"),
+    ({"prompt_ids": [1, 512]}, "'prompt_ids[1]' = 512 is out of range [0, 512)"),
+    ({"prompt_ids": [-1]}, "'prompt_ids[0]' = -1 is out of range [0, 512)"),
+    ({"prompt_ids": [1, True]}, "'prompt_ids[1]' must be an integer token id, got true"),
+    ({"prompt_ids": [1.0]}, "'prompt_ids[0]' must be an integer token id, got 1.0"),
+    ({"prompt": "x", "max_new_tokens": 0}, "'max_new_tokens' must be an integer >= 1"),
+    ({"prompt": "x", "max_new_tokens": 2.0}, "'max_new_tokens' must be an integer >= 1"),
+    ({"prompt": "x", "max_new_tokens": True}, "'max_new_tokens' must be an integer >= 1"),
+    ({"prompt": "x", "temperature": -0.1}, "'temperature' must be a number from 0 to 2"),
+    ({"prompt": "x", "temperature": "hot"}, "'temperature' must be a number from 0 to 2"),
+    ({"prompt": "x", "temperature": False}, "'temperature' must be a number from 0 to 2"),
+    ({"prompt": "x", "top_p": 0}, "'top_p' must be a number in (0, 1]"),
+    ({"prompt": "x", "top_p": 1.5}, "'top_p' must be a number in (0, 1]"),
+    ({"prompt": "x", "top_k": -1}, "'top_k' must be an integer from 0 (off) to 1073741824"),
+    ({"prompt": "x", "top_k": 2.5}, "'top_k' must be an integer from 0 (off) to 1073741824"),
+    ({"prompt": "x", "seed": -1}, "'seed' must be an integer in [0, 2**63)"),
+    ({"prompt": "x", "seed": 2**63}, "'seed' must be an integer in [0, 2**63)"),
+    ({"prompt": "x", "seed": "7"}, "'seed' must be an integer in [0, 2**63)"),
+    ({"prompt": "x", "stop": 5}, "'stop' must be a string or a list of strings and token id lists"),
+    ({"prompt": "x", "stop": ""}, "'stop' is an empty string"),
+    ({"prompt": "x", "stop": ["a", ""]}, "'stop[1]' is an empty string"),
+    ({"prompt": "x", "stop": [5]}, "'stop[0]' must be a string or a list of token ids"),
+    ({"prompt": "x", "stop": [[]]}, "'stop[0]' must be a non-empty list of token ids"),
+    ({"prompt": "x", "stop": [[1, 900]]}, "'stop[0][1]' = 900 is out of range [0, 512)"),
     # the wire's bounds (protocol.py), refused here rather than by the router
-    ({"prompt": "x", "top_k": 2**30 + 1}, "top_k must be an integer from 0 (off) to 1073741824"),
-    ({"prompt": "x", "top_k": 2**64}, "top_k must be an integer from 0 (off) to 1073741824"),
-    ({"prompt": "x", "temperature": 1e5}, "temperature must be a number from 0 to 10000"),
-    ({"prompt": "x", "stop": [[1]] * 65}, "stop: at most 64 stop sequences"),
-    ({"prompt": "x", "stop": [[1] * 65]}, "stop[0] is 65 tokens; a stop sequence is at most 64"),
-    ({"prompt": "x", "seed": 2**64}, "seed must be an integer in [0, 2**63)"),
+    ({"prompt": "x", "top_k": 2**30 + 1}, "'top_k' must be an integer from 0 (off) to 1073741824"),
+    ({"prompt": "x", "top_k": 2**64}, "'top_k' must be an integer from 0 (off) to 1073741824"),
+    ({"prompt": "x", "temperature": 1e5}, "'temperature' must be a number from 0 to 2"),
+    ({"prompt": "x", "temperature": 9}, "'temperature' must be a number from 0 to 2"),  # as over HTTP
+    ({"prompt": "x", "stop": [[1]] * 65}, "'stop' holds at most 64 stop sequences"),
+    ({"prompt": "x", "stop": [[1] * 65]}, "'stop[0]' is 65 tokens; a stop sequence is at most 64"),
+    ({"prompt": "x", "seed": 2**64}, "'seed' must be an integer in [0, 2**63)"),
 ])
 def test_jsonl_errors(tok, obj, message):
     err = error_of(jsonl, tok, {"id": "q", **obj}, line_no=9)
@@ -185,7 +186,7 @@ def test_jsonl_error_without_id_uses_line_number(tok):
 @pytest.mark.parametrize("bad_id", [True, "", 1.5, ["a"]])
 def test_jsonl_bad_id(tok, bad_id):
     err = error_of(jsonl, tok, {"id": bad_id, "prompt": "x"}, line_no=5)
-    assert str(err) == "id must be a non-empty string or an integer"
+    assert str(err) == "'id' must be a non-empty string or an integer"
     assert err.req_id == "5"
 
 
@@ -210,7 +211,7 @@ def test_jsonl_invalid(tok, line, message):
     ('{"id": "\\udfff", "prompt": "x"}', "invalid JSON: a string holds a lone surrogate (not valid Unicode)"),
     ('{"prompt": "x", "stop": ' + "[" * 1000 + "]" * 1000 + "}", "invalid JSON: nested deeper than 32 levels"),
     ('{"prompt": "x", "stop": ' + "[" * 100000 + "]" * 100000 + "}", "invalid JSON: nested deeper than 32 levels"),
-    ('{"id": "' + "i" * 300 + '", "prompt": "x"}', "id is longer than 256 characters"),
+    ('{"id": "' + "i" * 300 + '", "prompt": "x"}', "'id' is longer than 256 characters"),
 ])
 def test_jsonl_text_the_wire_cannot_carry(tok, line, message):
     """Each is an error record of its own request (no traceback, no crash of ingest)."""
@@ -262,9 +263,9 @@ def test_check_json_looks_into_lists_of_numbers_only_for_depth():
 def test_ids_are_checked_whole_and_the_first_bad_one_named(tok):
     ok = jsonl(tok, {"prompt_ids": [5, 6, 7]})
     assert ok.prompt_ids == [5, 6, 7]
-    for ids, message in [([5, True, 7], "prompt_ids[1] must be an integer token id, got true"),
-                         ([5, 6, -1, 10**6], "prompt_ids[2] = -1 is out of range"),
-                         ([5, 2.0], "prompt_ids[1] must be an integer token id, got 2.0")]:
+    for ids, message in [([5, True, 7], "'prompt_ids[1]' must be an integer token id, got true"),
+                         ([5, 6, -1, 10**6], "'prompt_ids[2]' = -1 is out of range"),
+                         ([5, 2.0], "'prompt_ids[1]' must be an integer token id, got 2.0")]:
         assert str(error_of(jsonl, tok, {"prompt_ids": ids})).startswith(message)
 
 
@@ -290,10 +291,48 @@ def test_jsonl_too_long_names_request(tok):
 
 def test_vocab_size_override(tok):
     err = error_of(jsonl, tok, {"prompt_ids": [100]}, vocab_size=100)
-    assert str(err) == "prompt_ids[0] = 100 is out of range [0, 100)"
+    assert str(err) == "'prompt_ids[0]' = 100 is out of range [0, 100)"
 
 
 def test_unknown_mode(tok):
     with pytest.raises(ValueError, match="unknown input mode"):
         parse_line("x", mode="csv", line_no=1, tokenizer=tok, max_context=8,
                    defaults=Defaults(), eos_ids=[])
+
+
+def test_sampling_controls_are_taken_and_travel_in_the_spec(tok):
+    from qmigrate.ingest.prompts import to_spec
+    from qmigrate.router.records import Seq
+    from qmigrate.wire import protocol as P
+    p = jsonl(tok, {"prompt": "x", "presence_penalty": 0.5, "frequency_penalty": -1, "repetition_penalty": 1.2,
+                    "min_p": 0.1, "logit_bias": {"5": 10, "7": -100, "9": 0}, "stop_token_ids": [11, 12],
+                    "min_tokens": 2})
+    assert (p.presence_penalty, p.frequency_penalty, p.repetition_penalty, p.min_p) == (0.5, -1.0, 1.2, 0.1)
+    assert p.logit_bias == {5: 10.0, 7: -100.0} and p.stop_token_ids == [11, 12]
+    spec = P.decode(P.encode(P.Submit([to_spec(p, 3, 0, [1])]))).seqs[0]
+    assert (spec.presence_penalty, spec.frequency_penalty, spec.repetition_penalty, spec.min_p) == \
+        (0.5, -1.0, 1.2, 0.1)
+    assert (spec.bias_ids, spec.bias_values, spec.eos_ids) == ([5, 7], [10.0, -100.0], [1, 11, 12])
+    # stop_token_ids end the output with ignore_eos too (only EOS is ignored)
+    ignoring = jsonl(tok, {"prompt": "x", "stop_token_ids": [11], "ignore_eos": True})
+    assert to_spec(ignoring, 3, 0, [1]).eos_ids == [11]
+    # the router's full form for another worker keeps them, with the ids as they stand
+    moved = Seq(spec, P.unpack_ids(spec.token_ids).tolist() + [40, 41]).respec("tcp://w2", 9)
+    assert moved.ids.tolist()[-2:] == [40, 41] and (moved.kv_from, moved.transfer_id) == ("tcp://w2", 9)
+    assert (moved.bias_ids, moved.presence_penalty, moved.min_p, moved.eos_ids) == ([5, 7], 0.5, 0.1, [1, 11, 12])
+
+
+@pytest.mark.parametrize("obj, message", [
+    ({"presence_penalty": 2.5}, "'presence_penalty' must be a number from -2 to 2"),
+    ({"frequency_penalty": "1"}, "'frequency_penalty' must be a number from -2 to 2"),
+    ({"repetition_penalty": 0}, "'repetition_penalty' must be a number from 0.01 to 100"),
+    ({"min_p": 1.5}, "'min_p' must be a number from 0 to 1"),
+    ({"logit_bias": [1]}, "'logit_bias' must be an object of at most 1024"),
+    ({"logit_bias": {"x": 1}}, "'logit_bias' key 'x' is not a token id in [0, 512)"),
+    ({"logit_bias": {"600": 1}}, "'logit_bias' key '600' is not a token id in [0, 512)"),
+    ({"logit_bias": {"5": 101}}, "'logit_bias[5]' must be a number from -100 to 100"),
+    ({"stop_token_ids": [3, 900]}, "'stop_token_ids[1]' = 900 is out of range [0, 512)"),
+    ({"stop_token_ids": list(range(3, 70))}, "'stop_token_ids' holds at most"),
+])
+def test_bad_sampling_controls(tok, obj, message):
+    assert str(error_of(jsonl, tok, {"prompt": "x", **obj})).startswith(message)

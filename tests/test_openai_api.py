@@ -49,6 +49,16 @@ def test_a_completion_request_maps_onto_intake(tok):
     assert salted.cache_salt == "tenant-7" and to_spec(salted, 1, 0, ()).cache_salt == "tenant-7"
 
 
+def test_sampling_controls_reach_the_intake_from_both_endpoints(tok):
+    controls = {"presence_penalty": 0.5, "frequency_penalty": 0.25, "repetition_penalty": 1.1, "min_p": 0.2,
+                "logit_bias": {"5": 3}, "stop_token_ids": [7], "min_tokens": 1}
+    for body, kind in (({"model": MODEL, "prompt": "x", **controls}, "completion"),
+                       ({"model": MODEL, "messages": [{"role": "user", "content": "x"}], **controls}, "chat")):
+        p = parse(tok, body, kind).prompt
+        assert (p.presence_penalty, p.frequency_penalty, p.repetition_penalty, p.min_p, p.logit_bias,
+                p.stop_token_ids, p.min_tokens) == (0.5, 0.25, 1.1, 0.2, {5: 3.0}, [7], 1)
+
+
 def test_a_chat_request_uses_the_template(tok):
     messages = [{"role": "user", "content": "Hello"}]
     req = parse(tok, {"model": MODEL, "messages": messages, "max_completion_tokens": 4}, "chat")
@@ -68,25 +78,32 @@ def test_a_chat_request_uses_the_template(tok):
     ({"model": MODEL, "prompt": "x", "seed": -1}, 400, "seed", "seed"),
     ({"model": MODEL, "prompt": "x", "stream": "yes"}, 400, "stream", "boolean"),
     ({"model": MODEL, "prompt": "x", "stream_options": {"include_usage": True}}, 400, "stream_options", "only"),
-    ({"model": MODEL, "prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, 400, "stop", "up to 4"),
+    ({"model": MODEL, "prompt": "x", "stop": ["a"] * 65}, 400, "stop", "'stop' holds at most 64"),  # as on stdin
+    ({"model": MODEL, "prompt": "x", "stop": ["a", 5]}, 400, "stop", "'stop' must be"),
     ({"model": MODEL, "prompt": "x", "n": 0}, 400, "n", "'n' must be an integer from 1 to 128"),
     ({"model": MODEL, "prompt": "x", "n": 129}, 400, "n", "from 1 to 128"),
     ({"model": MODEL, "prompt": "x", "n": "2"}, 400, "n", "'n' must be an integer"),
     ({"model": MODEL, "prompt": [[5]] * 5, "n": 128}, 400, "n", "5 prompt(s) with n=128 is 640 choices"),
     ({"model": MODEL, "prompt": [[5]] * 513}, 400, "prompt", "at most 512 prompts"),
-    ({"model": MODEL, "prompt": ["a", "  "], "n": 2}, 400, "prompt", "prompt[1]: empty prompt"),
-    ({"model": MODEL, "prompt": [[5], [5, 512]]}, 400, "prompt", "prompt[1]: prompt_ids[1] = 512 is out of range"),
-    ({"model": MODEL, "prompt": [[5], []]}, 400, "prompt", "prompt[1]: prompt_ids must be a non-empty list"),
+    ({"model": MODEL, "prompt": ["a", "  "], "n": 2}, 400, "prompt", "prompt[1]: 'prompt' is empty"),
+    ({"model": MODEL, "prompt": [[5], [5, 512]]}, 400, "prompt", "prompt[1]: 'prompt_ids[1]' = 512 is out of range"),
+    ({"model": MODEL, "prompt": [[5], []]}, 400, "prompt", "prompt[1]: 'prompt_ids' must be a non-empty list"),
     ({"model": MODEL, "prompt": "x", "logprobs": 2}, 400, "logprobs", "'logprobs'"),
     ({"model": MODEL, "prompt": "x", "best_of": 3}, 400, "best_of", "'n' asks for several choices"),
     ({"model": MODEL, "prompt": "x", "echo": True}, 400, "echo", "'echo'"),
-    ({"model": MODEL, "prompt": "x", "presence_penalty": 0.5}, 400, "presence_penalty", "not supported"),
-    ({"model": MODEL, "prompt": "x", "frobnicate": 1}, 400, "frobnicate", "unrecognized request argument"),
-    ({"model": MODEL, "prompt": "x", "cache_salt": 7}, 400, "cache_salt", "cache_salt must be a string"),
+    ({"model": MODEL, "prompt": "x", "presence_penalty": 2.5}, 400, "presence_penalty", "from -2 to 2"),
+    ({"model": MODEL, "prompt": "x", "logit_bias": {"5": 200}}, 400, "logit_bias", "'logit_bias[5]' must be"),
+    ({"model": MODEL, "prompt": "x", "min_p": -1}, 400, "min_p", "'min_p' must be"),
+    ({"model": MODEL, "prompt": "x", "frobnicate": 1}, 400, "frobnicate",
+     "'frobnicate' is an unrecognized request argument"),
+    ({"model": MODEL, "prompt": "x", "prediction": {}}, 400, "prediction", "unrecognized"),  # chat's only
+    ({"model": MODEL, "prompt": "x", "min_tokens": 9, "max_tokens": 4}, 400, "min_tokens", "token limit (4)"),
+    ({"model": MODEL, "prompt": ["a", "b"], "top_k": -1}, 400, "top_k", "'top_k' must be"),
+    ({"model": MODEL, "prompt": "x", "cache_salt": 7}, 400, "cache_salt", "'cache_salt' must be a string"),
     ({"model": MODEL, "prompt": "x", "cache_salt": "s" * 257}, 400, "cache_salt", "at most 256"),
     ({"model": MODEL, "prompt": [5, "b"]}, 400, "prompt", "a list of token ids, or a list of those"),
     ({"model": MODEL, "prompt": 5}, 400, "prompt", "string, a list of token ids"),
-    ({"model": MODEL, "prompt": "   "}, 400, "prompt", "empty prompt"),
+    ({"model": MODEL, "prompt": "   "}, 400, "prompt", "'prompt' is empty"),
     ({"model": MODEL, "prompt": "The quick brown fox " * 20}, 400, "prompt", "context"),
 ])
 def test_bad_completion_requests(tok, body, status, param, words):
@@ -138,7 +155,8 @@ def test_usage_counts_each_prompt_once_and_every_choice(tok):
 @pytest.mark.parametrize("body, param, words", [
     ({"model": MODEL, "messages": []}, "messages", "non-empty list"),
     ({"model": MODEL, "messages": "hi"}, "messages", "non-empty list"),
-    ({"model": MODEL, "messages": [{"role": "user", "content": 1}]}, "messages", "content must be a string"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": 1}]}, "messages",
+     "'messages[0].content' must be a string"),
     ({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, "tools", "not supported"),
     ({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "logprobs": True}, "logprobs", "not supported"),
     ({"model": MODEL, "prompt": "x"}, "prompt", "unrecognized"),
@@ -151,6 +169,41 @@ def test_bad_chat_requests(tok, body, param, words):
 def test_neutral_values_of_unsupported_fields_are_accepted(tok):
     parse(tok, {"model": MODEL, "prompt": "x", "n": 1, "presence_penalty": 0.0, "frequency_penalty": 0,
                 "logit_bias": {}, "echo": False, "best_of": 1, "logprobs": None})
+    parse(tok, {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "modalities": ["text"],
+                "response_format": {"type": "text"}, "tool_choice": "none"}, "chat")
+
+
+def test_fields_that_change_nothing_generated_are_accepted_and_ignored(tok):
+    """Clients send these whatever the server; they were refused as unrecognized."""
+    ignored = {"store": True, "metadata": {"k": "v"}, "service_tier": "auto", "user": "u",
+               "prompt_cache_key": "k", "safety_identifier": "s"}
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 3}
+    plain = parse(tok, chat, "chat").prompt
+    assert parse(tok, {**chat, **ignored, "parallel_tool_calls": False,
+                       "prediction": {"type": "content", "content": "x"}}, "chat").prompt == plain
+    completion = {"model": MODEL, "prompt": "x", "max_tokens": 3}
+    assert parse(tok, {**completion, **ignored}).prompt == parse(tok, completion).prompt
+
+
+@pytest.mark.parametrize("name, value", [("audio", {"voice": "alloy", "format": "wav"}), ("reasoning_effort", "low"),
+                                         ("modalities", ["text", "audio"]), ("web_search_options", {})])
+def test_chat_fields_that_would_change_the_output_are_refused_by_name(tok, name, value):
+    exc = error(tok, {"model": MODEL, "messages": [{"role": "user", "content": "x"}], name: value}, "chat")
+    assert (exc.status, exc.param) == (400, name) and exc.message.startswith(f"'{name}' is not supported")
+
+
+def test_every_error_names_its_field_in_quotes(tok):
+    """One style on both input paths: the message names the field as 'name', and the error's
+    param is the API's name of it."""
+    for body, kind, param in [({"model": MODEL, "prompt": "x", "top_p": 2}, "completion", "top_p"),
+                              ({"model": MODEL, "prompt": "x", "temperature": 9}, "completion", "temperature"),
+                              ({"model": MODEL, "prompt": "x", "ignore_eos": 1}, "completion", "ignore_eos"),
+                              ({"model": MODEL, "prompt": "x", "stop": [[1]]}, "completion", "stop"),
+                              ({"model": MODEL, "messages": [{"role": "x", "content": "y"}]}, "chat", "messages"),
+                              ({"model": MODEL, "messages": [{"role": "user", "content": "y"}],
+                                "max_completion_tokens": 0}, "chat", "max_completion_tokens")]:
+        exc = error(tok, body, kind)
+        assert exc.param == param and f"'{param}" in exc.message, (body, exc.message)
 
 
 def test_stop_trimmer_holds_back_and_cuts_a_final_stop_string():

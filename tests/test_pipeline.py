@@ -86,6 +86,13 @@ def reference(tiny_model_dir):
 SEEDED = [{**p, "id": f"s{i}", "temperature": 0.9, "top_k": 40, "top_p": 0.95, "seed": 1000 + i}
           for i, p in enumerate(_prompts(10, seed=7))]
 
+# Sampling controls, greedy and seeded: their counts are rebuilt from the ids that travel, so
+# a moved sequence's tokens are the same as on one worker.
+CONTROLLED = [{**p, "id": f"c{i}", "presence_penalty": 0.8, "frequency_penalty": 0.5, "repetition_penalty": 1.3,
+               "logit_bias": {str(100 + i): 20.0}, "min_p": 0.05 * (i % 2),
+               **({"temperature": 0.9, "seed": 50 + i} if i % 2 else {})}
+              for i, p in enumerate(_prompts(8, seed=11))]
+
 # Malformed and invalid requests, each to get an error record while the others stream.
 BAD_LINES = ['{"id": "ok1", "prompt": "Hello", "max_new_tokens": 5}',
              '{"id": "empty", "prompt": ""}',
@@ -102,7 +109,7 @@ def on_one_worker(tmp_path_factory, tiny_model_dir):
     """One `qmigrate sim` on one worker (nothing can move): the bad lines, then the seeded requests."""
     from conftest import run_qmigrate
     tmp = tmp_path_factory.mktemp("one-worker")
-    stdin = "\n".join(BAD_LINES) + "\n" + "".join(json.dumps(p) + "\n" for p in SEEDED)
+    stdin = "\n".join(BAD_LINES) + "\n" + "".join(json.dumps(p) + "\n" for p in SEEDED + CONTROLLED)
     trace_dir = tmp_path_factory.getbasetemp() / "one-worker-trace"
     run = run_qmigrate("sim", _topology(tmp, tiny_model_dir, 1, trace_dir=trace_dir), stdin=stdin)
     assert run.returncode == EXIT_REQUESTS_FAILED, run.stderr[-3000:]   # the bad lines failed
@@ -129,7 +136,7 @@ def drained_runs(tmp_path_factory, tiny_model_dir, on_one_worker):
         candidates = _prompts(12, seed=num_workers)
         expected = greedy_tokens_many(tiny_model_dir, [(p["prompt_ids"], p["max_new_tokens"]) for p in candidates])
         greedy[num_workers] = [p for p, tokens in zip(candidates, expected) if len(tokens) > MAX_LEASE_STEPS]
-    seeded = [p for p in SEEDED if len(alone[p["id"]]["token_ids"]) > MAX_LEASE_STEPS]
+    seeded = [p for p in SEEDED + CONTROLLED if len(alone[p["id"]]["token_ids"]) > MAX_LEASE_STEPS]
     ipc_dirs, runs = [], {}
     pool = ThreadPoolExecutor(len(DRAINED_RUNS))
     try:
@@ -153,7 +160,7 @@ def test_greedy_equals_generate_and_seeded_sampling_is_unchanged_while_sequences
     each seeded one what it was on one worker."""
     greedy, seeded, run = drained_runs[num_workers]
     assert len(greedy) >= 8
-    assert len(seeded) >= 6
+    assert len(seeded) >= 6 and sum(p["id"].startswith("c") for p in seeded) >= 5
     alone = on_one_worker.finals()
     finals, moves = run.result()
     for p in greedy:
@@ -183,7 +190,7 @@ def test_bad_requests_get_an_error_record_and_deltas_join_to_the_final_text(on_o
     run = on_one_worker
     finals = run.finals()
     assert len(finals["ok1"]["token_ids"]) == 5 and len(finals["ok2"]["token_ids"]) == 5
-    assert "empty prompt" in finals["empty"]["error"]
+    assert "'prompt' is empty" in finals["empty"]["error"]
     assert "context" in finals["long"]["error"]
     assert "temperature" in finals["bad"]["error"]
     assert "invalid JSON" in finals["4"]["error"]
@@ -264,3 +271,13 @@ def test_no_stdin_exits_cleanly(tiny_model_dir, qmigrate):
     assert run.returncode == 0, run.stderr[-3000:]
     assert run.stdout == ""
     assert "0 sequences finished" in run.stderr  # at once: no worker needs to load for no input
+
+
+def test_sampling_controls_change_the_output_on_stdin_jsonl(tiny_model_dir, on_one_worker):
+    """The penalties and bias of CONTROLLED reach the sampler (the migration test above
+    would pass if they were dropped everywhere)."""
+    alone = on_one_worker.finals()
+    plain = [p for p in CONTROLLED if "seed" not in p]
+    expected = greedy_tokens_many(tiny_model_dir, [(p["prompt_ids"], p["max_new_tokens"]) for p in plain])
+    same = [(p["id"], tokens) for p, tokens in zip(plain, expected) if tokens == alone[p["id"]]["token_ids"]]
+    assert not same, same

@@ -30,6 +30,7 @@ from qmigrate.engine.rows import REFUSED, Pending, StepRow, num_new, prompt_budg
 from qmigrate.engine import startup
 from qmigrate.engine.config import EngineConfig
 from qmigrate.engine.runners.choice import make_runner
+from qmigrate.engine.controls import Controls, ControlTable
 from qmigrate.engine.sampling import HostRows, SamplingRows, host_arrays, sample
 from qmigrate.hub.shape import ModelShape
 
@@ -65,6 +66,7 @@ class Engine:
                               prefix_cache=cfg.enable_prefix_caching, can_copy=tp is None or tp.world == 1)
         self.runner.attach(self.pool)
         self.num_continued = 0   # steps built the array way (`_continue`)
+        self.controls = ControlTable(self.vocab_size, self.max_len, self.device)
         if tp is not None and tp.world > 1 and tp.is_leader:
             from qmigrate.engine.parallel.lockstep import Leader
             self.runner = Leader(self.runner, self)   # every step and KV move is sent to the others first
@@ -93,6 +95,11 @@ class Engine:
 
     def release(self, seq_id: int) -> None:
         self.pool.release(seq_id)
+        self.controls.forget(seq_id)
+
+    def set_controls(self, seq_id: int, controls: Controls, ids, prompt_len: int) -> None:
+        """A sequence's sampling controls, and its ids so far (its penalties count them)."""
+        self.controls.set(seq_id, controls, ids, prompt_len)
 
     def take_evicted(self) -> list[int]:
         return self.pool.take_evicted()
@@ -261,7 +268,13 @@ class Engine:
         """Queue the forward pass and sampling of the placed rows; tokens come back to a
         pinned host buffer without a wait."""
         logits = self.runner.forward(batch, feed=feed)
-        pending.tokens = sample(logits, SamplingRows.from_arrays(params, self.device))
+        controls = self.controls.step(batch.seq_ids, params[4]) if self.controls else None
+        if controls is None:
+            pending.tokens = sample(logits, SamplingRows.from_arrays(params, self.device))
+        else:
+            pending.tokens = sample(logits, SamplingRows.from_arrays(params, self.device), controls,
+                                    self.controls.slab)
+            self.controls.record(controls, pending.tokens)
         pending.batch, pending.params = batch, params
         if self.device.type == "cuda":
             pending.host = torch.empty(batch.num_rows, dtype=torch.int64, pin_memory=True)

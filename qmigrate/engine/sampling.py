@@ -10,9 +10,13 @@ its step.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
+
+if TYPE_CHECKING:
+    from qmigrate.engine.controls import StepControls
 
 _MASK32 = 0xFFFFFFFF
 
@@ -78,17 +82,24 @@ def uniforms(seed: torch.Tensor, index: torch.Tensor, vocab_size: int) -> torch.
     return (x.to(torch.float64) + 0.5) / 4294967296.0
 
 
-def sample(logits: torch.Tensor, rows: SamplingRows) -> torch.Tensor:
+def sample(logits: torch.Tensor, rows: SamplingRows, controls: "StepControls | None" = None,
+           slab: torch.Tensor | None = None) -> torch.Tensor:
     """logits [B, V] float32 -> token ids [B] int64, without a host sync.
 
     Every row goes through the sampled path when any row samples (each row's result
-    depends on that row alone); greedy rows then take their argmax."""
+    depends on that row alone); greedy rows then take their argmax. `controls` (with the
+    ids `slab` its penalties count) changes its rows' logits first, and applies min_p
+    after temperature (engine/controls.py)."""
+    if controls is not None:
+        logits = controls.apply(logits, slab)
     greedy = logits.argmax(dim=-1)
     if not rows.is_sampled:
         return greedy
     is_sampled = rows.temperature > 0
     temperature = torch.where(is_sampled, rows.temperature, torch.ones_like(rows.temperature))
     x = logits.float() / temperature[:, None]
+    if controls is not None:
+        x = controls.filter_min_p(x)
     if rows.is_top_k:
         x = _filter_top_k(x, torch.where(is_sampled, rows.top_k, torch.zeros_like(rows.top_k)))
     if rows.is_top_p:

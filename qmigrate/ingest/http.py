@@ -45,6 +45,7 @@ from qmigrate.wire import protocol as P
 from qmigrate.wire import transport
 from qmigrate.hub.tokenizer_info import load_tokenizer_info
 from qmigrate.ingest.guard import ClientLimit
+from qmigrate.ingest import utility_api
 from qmigrate.ingest.handoff import HTTP_BIT, THREAD_ID_BITS
 from qmigrate.ingest.prompts import Defaults, check_json
 from qmigrate.ingest.streams import DONE, MARK, SHUTDOWN, SSE_HEADERS, Frame, Updates, sse
@@ -63,6 +64,7 @@ from qmigrate.ingest.openai_api import (
 log = logging.getLogger("qmigrate.http")
 
 WAKE_ENDPOINT = "inproc://ingest-http-wake"
+KEYED_PATHS = ("/v1/", "/tokenize", "/detokenize")  # with an api_key; /health and /version need none
 STARTUP_TIMEOUT_S = 30.0
 def _at_capacity() -> ApiError:
     return ApiError(429, "the server is at capacity: too many requests are waiting for the router; "
@@ -175,6 +177,10 @@ class HttpServer:
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/v1/models/{model_id}", self.model)
+        app.router.add_post("/tokenize", self.tokenize)
+        app.router.add_post("/detokenize", self.detokenize)
+        app.router.add_get("/version", self.version)
         app.router.add_get("/health", self.health)
         # handler_cancellation: a client that goes away cancels its handler, and so its request
         # keepalive_timeout: aiohttp closes a connection still waiting for a request's headers
@@ -219,7 +225,7 @@ class HttpServer:
     @web.middleware
     async def _errors(self, request, handler):
         try:
-            if self.api_key is not None and request.path.startswith("/v1/"):
+            if self.api_key is not None and request.path.startswith(KEYED_PATHS):
                 self._authorize(request)
             return await handler(request)
         except ApiError as exc:
@@ -251,6 +257,23 @@ class HttpServer:
 
     async def models(self, request):
         return web.json_response(models_list(self.model_names, self.max_context))
+
+    async def model(self, request):
+        return web.json_response(utility_api.find_model(request.match_info["model_id"], self.model_names,
+                                                        self.max_context))
+
+    async def tokenize(self, request):
+        return web.json_response(utility_api.tokenize(
+            await self._body(request), tokenizer=self.tokenizer, model_names=self.model_names,
+            max_context=self.max_context, eos_ids=self.eos_ids))
+
+    async def detokenize(self, request):
+        return web.json_response(utility_api.detokenize(
+            await self._body(request), tokenizer=self.tokenizer, model_names=self.model_names,
+            vocab_size=len(self.tokenizer)))
+
+    async def version(self, request):
+        return web.json_response(utility_api.version())
 
     async def completions(self, request):
         return await self._generate(request, "completion")
@@ -402,11 +425,14 @@ class HttpServer:
                 # no character yet (or may begin a stop string), as vLLM's streams have: a
                 # client times each token, not each character.
                 if out or (first and req.kind == "chat") or (num_tokens > shown and not code):
-                    await response.write(sse(chunk(req, rid, created, out, first=True)) if first else frame(out))
+                    if first or req.continuous_usage:
+                        await response.write(sse(chunk(req, rid, created, out, first=first, num_tokens=num_tokens)))
+                    else:
+                        await response.write(frame(out))
                     first = False
                 shown = num_tokens
                 if code:
-                    tail = sse(chunk(req, rid, created, None, reason))
+                    tail = sse(chunk(req, rid, created, None, reason, num_tokens=num_tokens))
                     if req.include_usage:
                         tail += sse(usage_chunk(req, rid, created, [(num_tokens, cached)]))
                     await response.write(tail + DONE)
@@ -445,8 +471,13 @@ class HttpServer:
                 except ApiError as exc:  # timeout, shutdown, or a choice a worker could not run
                     await response.write(sse(exc.body()) + DONE)
                     return response
-                out = [frames[i](text) for i, text in texts.items() if text or i not in ended]
-                out += [sse(chunk(req, rid, created, None, choices.ends[i][0], index=i)) for i in ended]
+                if req.continuous_usage:
+                    out = [sse(chunk(req, rid, created, text, index=i, num_tokens=choices.num_tokens[i]))
+                           for i, text in texts.items() if text or i not in ended]
+                else:
+                    out = [frames[i](text) for i, text in texts.items() if text or i not in ended]
+                out += [sse(chunk(req, rid, created, None, choices.ends[i][0], index=i,
+                                  num_tokens=choices.num_tokens[i])) for i in ended]
                 if out:
                     await response.write(b"".join(out))
             tail = sse(usage_chunk(req, rid, created, choices.counts())) if req.include_usage else b""

@@ -27,22 +27,31 @@ from qmigrate.wire import protocol as P
 from qmigrate.ingest.prompts import MAX_SEED, Defaults, Prompt, PromptError, is_int_list, parse_request
 
 Kind = Literal["completion", "chat"]
-MAX_STOPS = 4
-MAX_TEMPERATURE = 2.0
 
-COMMON_FIELDS = frozenset(["model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop",
-                           "stream", "stream_options", "n", "user", "presence_penalty",
-                           "frequency_penalty", "logit_bias", "logprobs",
-                           "ignore_eos", "min_tokens", "cache_salt"])  # the last three: extensions, as vLLM's
-ONLY_FIELDS = {"completion": frozenset(["prompt", "echo", "best_of", "suffix"]),
-               "chat": frozenset(["messages", "max_completion_tokens", "top_logprobs", "response_format",
-                                  "tools", "tool_choice", "functions", "function_call",
-                                  "parallel_tool_calls"])}
-# Fields that would change the output, accepted only at the value that changes nothing.
-NEUTRAL = {"presence_penalty": (0,), "frequency_penalty": (0,), "logit_bias": ({},),
-           "logprobs": (False, 0), "top_logprobs": (0,), "echo": (False,), "best_of": (1,),
+# Every field a client may send, by what this server does with it (docs/http.md lists them).
+# Sampling fields the intake (prompts.parse_request) checks alike for stdin JSONL and HTTP.
+SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "seed", "presence_penalty", "frequency_penalty",
+                   "logit_bias", "ignore_eos", "min_tokens", "cache_salt", "repetition_penalty", "min_p",
+                   "stop_token_ids")  # from top_k and ignore_eos on: extensions, as vLLM's
+SUPPORTED_FIELDS = frozenset(["model", "max_tokens", "stop", "stream", "stream_options", "n", *SAMPLING_FIELDS])
+ONLY_FIELDS = {"completion": frozenset(["prompt"]), "chat": frozenset(["messages", "max_completion_tokens"])}
+# OpenAI's fields that change nothing this server generates: accepted, and ignored.
+IGNORED_FIELDS = {"completion": frozenset(["user", "store", "metadata", "service_tier", "prompt_cache_key",
+                                           "safety_identifier"]),
+                  "chat": frozenset(["user", "store", "metadata", "service_tier", "prompt_cache_key",
+                                     "safety_identifier", "prediction", "parallel_tool_calls"])}
+# Fields that would change the output, accepted only at the value that changes nothing
+# (a field of one endpoint only is refused by the other as unrecognized).
+NEUTRAL = {"logprobs": (False, 0), "top_logprobs": (0,), "echo": (False,), "best_of": (1,),
            "suffix": ("",), "tools": ([],), "tool_choice": ("none",), "functions": ([],),
-           "function_call": ("none",), "response_format": ({"type": "text"},)}
+           "function_call": ("none",), "response_format": ({"type": "text"},), "modalities": (["text"],),
+           "audio": (), "reasoning_effort": (), "verbosity": (), "web_search_options": ()}
+NEUTRAL_OF = {"completion": frozenset(["logprobs", "echo", "best_of", "suffix"]),
+              "chat": frozenset(["logprobs", "top_logprobs", "tools", "tool_choice", "functions", "function_call",
+                                 "response_format", "modalities", "audio", "reasoning_effort", "verbosity",
+                                 "web_search_options"])}
+# The intake's names of fields the API names otherwise.
+_INTAKE_PARAM = {"prompt_ids": "prompt"}
 
 
 class ApiError(Exception):
@@ -66,6 +75,7 @@ class ApiRequest:
     include_usage: bool = False
     stop: list[str] = field(default_factory=list)
     n: int = 1             # choices per prompt
+    continuous_usage: bool = False   # vLLM's continuous_usage_stats: usage in every chunk too
 
     @property
     def prompt(self) -> Prompt:
@@ -74,6 +84,11 @@ class ApiRequest:
     @property
     def num_choices(self) -> int:
         return len(self.prompts) * self.n
+
+
+def not_found(model: str, model_names: Collection[str]) -> ApiError:
+    return ApiError(404, f"'model': the model '{model}' does not exist; this server has "
+                    f"{', '.join(sorted(model_names))}", "model", code="model_not_found")
 
 
 def _is_int(v) -> bool:
@@ -93,15 +108,17 @@ def parse_body(body, kind: Kind, *, model_names: Collection[str], tokenizer, max
                defaults: Defaults = Defaults(), eos_ids: Collection[int] = ()) -> ApiRequest:
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
-    known = COMMON_FIELDS | ONLY_FIELDS[kind]
+    known = SUPPORTED_FIELDS | ONLY_FIELDS[kind] | IGNORED_FIELDS[kind] | NEUTRAL_OF[kind]
     unknown = sorted(set(body) - known)
     if unknown:
-        raise ApiError(400, f"unrecognized request argument supplied: {unknown[0]}", unknown[0])
+        raise ApiError(400, f"'{unknown[0]}' is an unrecognized request argument", unknown[0])
     body = {key: value for key, value in body.items() if value is not None}
-    for name, allowed in NEUTRAL.items():
-        if name in body and not any(_same(body[name], a) for a in allowed):
+    for name in sorted(NEUTRAL_OF[kind] & set(body)):
+        allowed = NEUTRAL[name]
+        if not any(_same(body[name], a) for a in allowed):
+            only = f" (only {allowed[0]!r})" if allowed else ""
             hint = "; 'n' asks for several choices" if name == "best_of" else ""
-            raise ApiError(400, f"'{name}' is not supported by this server (only {allowed[0]!r}){hint}", name)
+            raise ApiError(400, f"'{name}' is not supported by this server{only}{hint}", name)
     n = body.get("n", 1)
     if not _is_int(n) or not 1 <= n <= P.MAX_N:
         raise ApiError(400, f"'n' must be an integer from 1 to {P.MAX_N}", "n")
@@ -110,15 +127,15 @@ def parse_body(body, kind: Kind, *, model_names: Collection[str], tokenizer, max
     if not isinstance(model, str) or not model:
         raise ApiError(400, "'model' is required: a string naming the model", "model")
     if model not in model_names:
-        raise ApiError(404, f"the model '{model}' does not exist; this server has {', '.join(sorted(model_names))}",
-                       "model", code="model_not_found")
+        raise not_found(model, model_names)
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise ApiError(400, "'stream' must be a boolean", "stream")
     options = body.get("stream_options", {})
-    if not isinstance(options, dict) or set(options) - {"include_usage"} \
-            or not isinstance(options.get("include_usage", False), bool):
-        raise ApiError(400, "'stream_options' must be {\"include_usage\": true|false}", "stream_options")
+    if not isinstance(options, dict) or set(options) - {"include_usage", "continuous_usage_stats"} \
+            or not all(isinstance(v, bool) for v in options.values()):
+        raise ApiError(400, "'stream_options' must be {\"include_usage\": true|false, "
+                       "\"continuous_usage_stats\": true|false}", "stream_options")
     if options and not stream:
         raise ApiError(400, "'stream_options' is only allowed with 'stream': true", "stream_options")
 
@@ -128,10 +145,7 @@ def parse_body(body, kind: Kind, *, model_names: Collection[str], tokenizer, max
         if not _is_int(body[max_name]) or body[max_name] < 1:
             raise ApiError(400, f"'{max_name}' must be an integer >= 1", max_name)
         request["max_new_tokens"] = body[max_name]
-    temperature = body.get("temperature")
-    if temperature is not None and (not _is_number(temperature) or not 0 <= temperature <= MAX_TEMPERATURE):
-        raise ApiError(400, f"'temperature' must be a number from 0 to {MAX_TEMPERATURE:g}", "temperature")
-    for name in ("temperature", "top_p", "top_k", "seed", "ignore_eos", "min_tokens", "cache_salt"):
+    for name in SAMPLING_FIELDS:
         if name in body:
             request[name] = body[name]
     stop = _parse_stop(body.get("stop", []))
@@ -148,11 +162,13 @@ def parse_body(body, kind: Kind, *, model_names: Collection[str], tokenizer, max
                                          defaults=defaults, eos_ids=eos_ids))
         except PromptError as exc:
             too_long = "the model's context" in exc.message
-            message = exc.message.replace("max_new_tokens", max_name)  # the name this client sent
-            raise ApiError(400, f"prompt[{i}]: {message}" if len(items) > 1 else message,
-                           _param_of(exc.message, kind),
+            param = _api_param(exc.param, kind, max_name)
+            of_prompt = param in ("prompt", "messages") and len(items) > 1
+            raise ApiError(400, f"prompt[{i}]: {exc.message}" if of_prompt else exc.message, param,
                            code="context_length_exceeded" if too_long else None) from None
-    return ApiRequest(kind, model, prompts, stream, bool(options.get("include_usage")), stop, n)
+    include = bool(options.get("include_usage"))
+    return ApiRequest(kind, model, prompts, stream, include, stop, n,
+                      include and bool(options.get("continuous_usage_stats")))
 
 
 def fan_out(req: ApiRequest, rid: str) -> list[Prompt]:
@@ -170,10 +186,10 @@ def fan_out(req: ApiRequest, rid: str) -> list[Prompt]:
 
 
 def _parse_stop(value) -> list[str]:
+    """Stop strings; how many and how long is the intake's rule (prompts.py), as on stdin."""
     items = [value] if isinstance(value, str) else value
-    if not isinstance(items, list) or len(items) > MAX_STOPS \
-            or not all(isinstance(s, str) and s for s in items):
-        raise ApiError(400, f"'stop' must be a non-empty string or a list of up to {MAX_STOPS} of them", "stop")
+    if not isinstance(items, list) or not all(isinstance(s, str) and s for s in items):
+        raise ApiError(400, "'stop' must be a non-empty string or a list of them", "stop")
     return list(items)
 
 
@@ -191,14 +207,12 @@ def _completion_prompts(prompt) -> list[dict]:
     raise ApiError(400, "'prompt' must be a string, a list of token ids, or a list of those", "prompt")
 
 
-def _param_of(message: str, kind: Kind) -> str | None:
-    for key, param in (("messages", "messages"), ("prompt", "prompt" if kind == "completion" else "messages"),
-                       ("min_tokens", "min_tokens"), ("ignore_eos", "ignore_eos"), ("cache_salt", "cache_salt"),
-                       ("max_new_tokens", "max_tokens"), ("temperature", "temperature"),
-                       ("top_p", "top_p"), ("top_k", "top_k"), ("seed", "seed"), ("stop", "stop")):
-        if key in message:
-            return param
-    return None
+def _api_param(param: str | None, kind: Kind, max_name: str) -> str | None:
+    """The API's name of an intake field."""
+    if param == "max_new_tokens":
+        return max_name
+    param = _INTAKE_PARAM.get(param, param)
+    return "messages" if param == "prompt" and kind == "chat" else param
 
 
 class StopTrimmer:
@@ -235,6 +249,7 @@ class Choices:
         self.live, self.index = live, dict(live)
         self.trims = [StopTrimmer(req.stop) for _ in live]
         self.ends: list[tuple[str, int, int] | None] = [None] * len(live)
+        self.num_tokens = [0] * len(live)   # tokens so far, by choice
 
     def take(self, rows) -> tuple[dict[int, str], list[int]]:
         """The new text of each choice in `rows`, by index in the order they came, and the
@@ -245,6 +260,7 @@ class Choices:
             if row[0] not in self.live:
                 continue
             i = self.index[row[0]]
+            self.num_tokens[i] = row[3]
             text = self.trims[i].push(row[1])
             if row[2]:
                 del self.live[row[0]]
@@ -302,9 +318,9 @@ def reply(req: ApiRequest, rid: str, created: int, outcomes: list[tuple[str, str
 
 
 def chunk(req: ApiRequest, rid: str, created: int, text: str | None, finish: str | None = None,
-          first: bool = False, index: int = 0) -> dict:
+          first: bool = False, index: int = 0, num_tokens: int = 0) -> dict:
     """One streamed event of choice `index`: new text (None in its last, which carries the
-    finish reason)."""
+    finish reason); with continuous usage, the usage of that choice's `num_tokens` so far."""
     if req.kind == "chat":
         delta = {} if text is None else {"content": text}
         if first:
@@ -316,6 +332,8 @@ def chunk(req: ApiRequest, rid: str, created: int, text: str | None, finish: str
            "created": created, "model": req.model, "choices": [choice]}
     if req.include_usage:
         out["usage"] = None
+        if req.continuous_usage:
+            out["usage"] = usage(len(req.prompts[index // req.n].prompt_ids), num_tokens)
     return out
 
 

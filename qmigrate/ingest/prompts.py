@@ -11,7 +11,7 @@ JSONL input: one object per line with the keys
                     model's chat template (with the assistant's turn opened)
     prompt_ids      non-empty list of token ids, taken as given
     max_new_tokens  integer >= 1
-    temperature     number >= 0 (0 is greedy)
+    temperature     number from 0 to 2 (0 is greedy), as over HTTP
     top_p           number in (0, 1]
     top_k           integer from 0 (off) to 2**30
     seed            integer in [0, 2**63)
@@ -19,12 +19,20 @@ JSONL input: one object per line with the keys
                     each at most 64 tokens)
     ignore_eos      boolean: generate past EOS (stop sequences still apply)
     min_tokens      integer from 0 to max_new_tokens: neither EOS nor a stop ends it sooner
+                    (EOS and stop_token_ids cannot be sampled before)
+    presence_penalty, frequency_penalty
+                    numbers from -2 to 2 (OpenAI's definitions; engine/controls.py)
+    repetition_penalty  number from 0.01 to 100, 1 is off (transformers' definition)
+    min_p           number from 0 to 1: drop tokens less likely than min_p times the likeliest
+    logit_bias      {"token id": bias from -100 to 100}, at most 1024 entries
+    stop_token_ids  list of token ids that end the output as EOS does (with EOS, at most 64)
 Exactly one of prompt / prompt_ids / messages. A line {"cancel": ID} (and nothing else)
 asks to cancel the running request ID. A key given as null takes its default. Stop strings are
 tokenized alone, without special tokens, so a stop string matches only when the model
 generates that exact token sequence.
 
-Every problem raises PromptError with a message meant for the user and the request id.
+Every problem raises PromptError with a message meant for the user, the request id, and the
+field at fault (named in quotes in the message, as the HTTP API's errors do).
 A prompt that leaves no room for one new token is an error; a max_new_tokens that does
 not fit the context is clamped to what fits. The bounds are the wire's (protocol.py), and a
 request that passes here is checked once more as the router will decode it (`check_prompt`),
@@ -38,7 +46,7 @@ import json
 import math
 import re
 from collections.abc import Collection
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 from qmigrate.hub.tokenizer_info import max_token_chars
@@ -49,7 +57,8 @@ MAX_SEED = P.MAX_SEED + 1  # exclusive: seeds are in [0, 2**63)
 MAX_JSON_DEPTH = 32
 KEYS = frozenset(
     ["id", "prompt", "prompt_ids", "messages", "max_new_tokens", "temperature", "top_p",
-     "top_k", "seed", "stop", "ignore_eos", "min_tokens", "cache_salt"]
+     "top_k", "seed", "stop", "ignore_eos", "min_tokens", "cache_salt", "presence_penalty",
+     "frequency_penalty", "repetition_penalty", "min_p", "logit_bias", "stop_token_ids"]
 )
 CHAT_ROLES = frozenset(["system", "user", "assistant", "developer", "tool"])
 MESSAGE_KEYS = frozenset(["role", "content", "name"])
@@ -69,6 +78,12 @@ class Prompt:
     ignore_eos: bool = False  # run on past EOS (synthetic loads of exact lengths)
     min_tokens: int = 0       # neither EOS nor a stop sequence ends it before this many tokens
     cache_salt: str = ""      # shares cached prompt prefixes only with requests of the same salt
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    stop_token_ids: list[int] = field(default_factory=list)   # end the output as EOS does
 
 
 @dataclass(slots=True, frozen=True)
@@ -85,12 +100,14 @@ class CancelRequest:
 
 
 class PromptError(ValueError):
-    """A request that cannot be served; `req_id` names it for the error record."""
+    """A request that cannot be served; `req_id` names it for the error record, `param` the
+    request's field at fault (None: the request as a whole)."""
 
-    def __init__(self, req_id: str, message: str) -> None:
+    def __init__(self, req_id: str, message: str, param: str | None = None) -> None:
         super().__init__(message)
         self.req_id = req_id
         self.message = message
+        self.param = param
 
 
 def _is_int(value) -> bool:
@@ -141,10 +158,14 @@ def is_int_list(value: list) -> bool:
 
 def to_spec(prompt: Prompt, seq_id: int, seed: int, eos_ids: Collection[int]) -> P.SeqSpec:
     """The request's full form as the router and the workers take it."""
+    ends = set(prompt.stop_token_ids) if prompt.ignore_eos else set(eos_ids).union(prompt.stop_token_ids)
     return P.SeqSpec(seq_id, P.pack_i32(prompt.prompt_ids), len(prompt.prompt_ids), prompt.max_new_tokens,
                      prompt.temperature, prompt.top_p, prompt.top_k, seed, prompt.stop_ids,
-                     [] if prompt.ignore_eos else sorted(eos_ids), min_new_tokens=prompt.min_tokens,
-                     cache_salt=prompt.cache_salt)
+                     sorted(ends), min_new_tokens=prompt.min_tokens,
+                     cache_salt=prompt.cache_salt, presence_penalty=prompt.presence_penalty,
+                     frequency_penalty=prompt.frequency_penalty, repetition_penalty=prompt.repetition_penalty,
+                     min_p=prompt.min_p, bias_ids=list(prompt.logit_bias),
+                     bias_values=list(prompt.logit_bias.values()))
 
 
 def seed_of(prompt: Prompt, rng) -> int:
@@ -270,17 +291,17 @@ def parse_line(
         target = obj["cancel"]
         if _is_int(target) or (isinstance(target, str) and target):
             return CancelRequest(str(target))
-        raise PromptError(req_id, "cancel must name a request id (a non-empty string or an integer)")
+        raise PromptError(req_id, "'cancel' must name a request id (a non-empty string or an integer)", "cancel")
     raw_id = obj.get("id")
     if raw_id is not None:
         if isinstance(raw_id, str) and raw_id:
             if len(raw_id) > P.MAX_REQ_ID:
-                raise PromptError(req_id, f"id is longer than {P.MAX_REQ_ID} characters")
+                raise PromptError(req_id, f"'id' is longer than {P.MAX_REQ_ID} characters", "id")
             req_id = raw_id
         elif _is_int(raw_id):
             req_id = str(raw_id)
         else:
-            raise PromptError(req_id, "id must be a non-empty string or an integer")
+            raise PromptError(req_id, "'id' must be a non-empty string or an integer", "id")
     return parse_request(obj, req_id, tokenizer=tokenizer, max_context=max_context,
                          defaults=defaults, eos_ids=eos_ids, vocab_size=vocab_size)
 
@@ -299,8 +320,8 @@ def parse_request(
     if vocab_size is None:
         vocab_size = len(tokenizer)
 
-    def fail(message: str):
-        raise PromptError(req_id, message)
+    def fail(message: str, param: str | None = None):
+        raise PromptError(req_id, message, param)
 
     try:
         check_json(obj)
@@ -308,7 +329,7 @@ def parse_request(
         fail(str(exc))
     unknown = sorted(set(obj) - KEYS)
     if unknown:
-        fail(f"unknown key {unknown[0]!r}")
+        fail(f"'{unknown[0]}' is an unrecognized request argument", unknown[0])
     obj = {key: value for key, value in obj.items() if value is not None}
 
     if sum(key in obj for key in ("prompt", "prompt_ids", "messages")) != 1:
@@ -316,51 +337,70 @@ def parse_request(
     if "prompt" in obj:
         text = obj["prompt"]
         if not isinstance(text, str):
-            fail("prompt must be a string")
+            fail("'prompt' must be a string", "prompt")
         if not text.strip():
-            fail("empty prompt")
-        check_chars(len(text), tokenizer, max_context, fail)
+            fail("'prompt' is empty", "prompt")
+        check_chars(len(text), tokenizer, max_context, lambda message: fail(message, "prompt"))
         prompt_ids = _encode_prompt(text, tokenizer, eos_ids)
     elif "messages" in obj:
-        prompt_ids = encode_chat(obj["messages"], tokenizer, fail, max_context)
+        prompt_ids = encode_chat(obj["messages"], tokenizer, lambda message: fail(message, "messages"),
+                                 max_context=max_context)
     else:
         prompt_ids = _check_ids(obj["prompt_ids"], "prompt_ids", vocab_size, fail)
 
     max_new_tokens = obj.get("max_new_tokens", defaults.max_new_tokens)
     if not _is_int(max_new_tokens) or max_new_tokens < 1:
-        fail("max_new_tokens must be an integer >= 1")
+        fail("'max_new_tokens' must be an integer >= 1", "max_new_tokens")
     temperature = obj.get("temperature", defaults.temperature)
     if not _is_number(temperature) or not 0 <= temperature <= P.MAX_TEMPERATURE:
-        fail(f"temperature must be a number from 0 to {P.MAX_TEMPERATURE:g}")
+        fail(f"'temperature' must be a number from 0 to {P.MAX_TEMPERATURE:g}", "temperature")
     top_p = obj.get("top_p", defaults.top_p)
     if not _is_number(top_p) or not 0 < top_p <= 1:
-        fail("top_p must be a number in (0, 1]")
+        fail("'top_p' must be a number in (0, 1]", "top_p")
     top_k = obj.get("top_k", defaults.top_k)
     if not _is_int(top_k) or not 0 <= top_k <= P.MAX_TOP_K:
-        fail(f"top_k must be an integer from 0 (off) to {P.MAX_TOP_K}")
+        fail(f"'top_k' must be an integer from 0 (off) to {P.MAX_TOP_K}", "top_k")
     seed = obj.get("seed")
     if seed is not None and (not _is_int(seed) or not 0 <= seed < MAX_SEED):
-        fail("seed must be an integer in [0, 2**63)")
+        fail("'seed' must be an integer in [0, 2**63)", "seed")
     stop_ids = _parse_stop(obj.get("stop", []), tokenizer, vocab_size, fail)
     ignore_eos = obj.get("ignore_eos", False)
     if not isinstance(ignore_eos, bool):
-        fail("ignore_eos must be a boolean")
+        fail("'ignore_eos' must be a boolean", "ignore_eos")
     min_tokens = obj.get("min_tokens", 0)
     if not _is_int(min_tokens) or not 0 <= min_tokens <= max_new_tokens:
-        fail("min_tokens must be an integer from 0 to max_new_tokens")
+        fail(f"'min_tokens' must be an integer from 0 to the request's token limit ({max_new_tokens})",
+             "min_tokens")
     cache_salt = obj.get("cache_salt", "")
     if not isinstance(cache_salt, str) or len(cache_salt) > P.MAX_CACHE_SALT:
-        fail(f"cache_salt must be a string of at most {P.MAX_CACHE_SALT} characters")
+        fail(f"'cache_salt' must be a string of at most {P.MAX_CACHE_SALT} characters", "cache_salt")
+
+    penalties = {}
+    for name, low, high in (("presence_penalty", -P.MAX_PENALTY, P.MAX_PENALTY),
+                            ("frequency_penalty", -P.MAX_PENALTY, P.MAX_PENALTY),
+                            ("repetition_penalty", P.MIN_REPETITION_PENALTY, P.MAX_REPETITION_PENALTY),
+                            ("min_p", 0, 1)):
+        value = obj.get(name, 1.0 if name == "repetition_penalty" else 0.0)
+        if not _is_number(value) or not low <= value <= high:
+            fail(f"'{name}' must be a number from {low:g} to {high:g}", name)
+        penalties[name] = float(value)
+    logit_bias = _parse_logit_bias(obj.get("logit_bias", {}), vocab_size, fail)
+    stop_token_ids = _check_ids(obj["stop_token_ids"], "stop_token_ids", vocab_size, fail) \
+        if obj.get("stop_token_ids") else []
+    if len(set(stop_token_ids) | set(eos_ids)) > P.MAX_STOP_LEN:
+        fail(f"'stop_token_ids' holds at most {P.MAX_STOP_LEN - len(set(eos_ids))} ids beside the model's EOS",
+             "stop_token_ids")
 
     prompt = _fit(Prompt(req_id, prompt_ids, max_new_tokens, float(temperature), float(top_p),
                          top_k, seed, stop_ids, ignore_eos=ignore_eos, min_tokens=min_tokens,
-                         cache_salt=cache_salt), max_context)
+                         cache_salt=cache_salt, logit_bias=logit_bias, stop_token_ids=stop_token_ids,
+                         **penalties), max_context)
     prompt.min_tokens = min(prompt.min_tokens, prompt.max_new_tokens)  # after a clamp to the context
     return check_prompt(prompt, eos_ids)
 
 
-def _raise(req_id: str, message: str):
-    raise PromptError(req_id, message)
+def _raise(req_id: str, message: str, param: str | None = None):
+    raise PromptError(req_id, message, param)
 
 
 def check_chars(num_chars: int, tokenizer, max_context: int, fail) -> None:
@@ -372,36 +412,39 @@ def check_chars(num_chars: int, tokenizer, max_context: int, fail) -> None:
              f"{per_token} a token); the model's context is {max_context}")
 
 
-def encode_chat(messages, tokenizer, fail, max_context: int | None = None) -> list[int]:
+def encode_chat(messages, tokenizer, fail, add_generation_prompt: bool = True,
+                max_context: int | None = None) -> list[int]:
     """Token ids of a conversation through the model's chat template, the assistant's turn
-    opened. The template writes any special tokens itself (BOS included), so none are added.
-    With `max_context`, messages whose text alone is surely longer are refused untokenized."""
+    opened (unless not `add_generation_prompt`). The template writes any special tokens
+    itself (BOS included), so none are added. With `max_context`, messages whose text alone
+    is surely longer are refused untokenized."""
     if not isinstance(messages, list) or not messages:
-        fail("messages must be a non-empty list of {\"role\", \"content\"} objects")
+        fail("'messages' must be a non-empty list of {\"role\", \"content\"} objects")
     turns = []
     for i, msg in enumerate(messages):
         if not isinstance(msg, dict):
-            fail(f"messages[{i}] must be an object with 'role' and 'content'")
+            fail(f"'messages[{i}]' must be an object with 'role' and 'content'")
         unknown = sorted(set(msg) - MESSAGE_KEYS)
         if unknown:
-            fail(f"messages[{i}] has an unsupported key {unknown[0]!r}")
+            fail(f"'messages[{i}]' has an unsupported key {unknown[0]!r}")
         role, content = msg.get("role"), msg.get("content")
         if role not in CHAT_ROLES:
-            fail(f"messages[{i}].role must be one of {', '.join(sorted(CHAT_ROLES))}")
+            fail(f"'messages[{i}].role' must be one of {', '.join(sorted(CHAT_ROLES))}")
         if isinstance(content, list):  # OpenAI's content parts; text parts only
             if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
                        for p in content):
-                fail(f"messages[{i}].content: only text parts ({{\"type\": \"text\", \"text\": ...}}) are supported")
+                fail(f"'messages[{i}].content': only text parts ({{\"type\": \"text\", \"text\": ...}}) are supported")
             content = "".join(p["text"] for p in content)
         if not isinstance(content, str):
-            fail(f"messages[{i}].content must be a string")
+            fail(f"'messages[{i}].content' must be a string")
         turns.append({"role": role, "content": content})
     if not getattr(tokenizer, "chat_template", None):
         fail("this model has no chat template; send a plain prompt instead of messages")
     if max_context is not None:  # the template only adds text
         check_chars(sum(len(turn["content"]) for turn in turns), tokenizer, max_context, fail)
     try:
-        text = tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=True)
+        text = tokenizer.apply_chat_template(turns, tokenize=False,
+                                             add_generation_prompt=add_generation_prompt)
     except Exception as exc:  # noqa: BLE001 -- a template may raise anything (jinja, raise_exception)
         fail(f"the chat template refused these messages: {exc}")
     return list(tokenizer.encode(text, add_special_tokens=False))
@@ -415,37 +458,55 @@ def _encode_prompt(text: str, tokenizer, eos_ids: Collection[int]) -> list[int]:
 
 
 def _check_ids(value, name: str, vocab_size: int, fail) -> list[int]:
+    param = name.partition("[")[0]
     if not isinstance(value, list) or not value:
-        fail(f"{name} must be a non-empty list of token ids")
+        fail(f"'{name}' must be a non-empty list of token ids", param)
     if is_int_list(value) and 0 <= min(value) and max(value) < vocab_size:
         return list(value)  # checked in C; the loop below finds what is wrong, and says where
     for i, token_id in enumerate(value):
         if not _is_int(token_id):
-            fail(f"{name}[{i}] must be an integer token id, got {json.dumps(token_id)}")
+            fail(f"'{name}[{i}]' must be an integer token id, got {json.dumps(token_id)}", param)
         if not 0 <= token_id < vocab_size:
-            fail(f"{name}[{i}] = {token_id} is out of range [0, {vocab_size})")
+            fail(f"'{name}[{i}]' = {token_id} is out of range [0, {vocab_size})", param)
     return list(value)
+
+
+def _parse_logit_bias(value, vocab_size: int, fail) -> dict[int, float]:
+    """OpenAI's {"token id": bias} (JSON's keys are strings; integer keys are taken too)."""
+    if not isinstance(value, dict) or len(value) > P.MAX_LOGIT_BIAS:
+        fail(f"'logit_bias' must be an object of at most {P.MAX_LOGIT_BIAS} \"token id\": bias entries",
+             "logit_bias")
+    out = {}
+    for key, bias in value.items():
+        token = int(key) if isinstance(key, str) and key.isascii() and key.isdigit() else key
+        if not _is_int(token) or not 0 <= token < vocab_size:
+            fail(f"'logit_bias' key {key!r} is not a token id in [0, {vocab_size})", "logit_bias")
+        if not _is_number(bias) or not -P.MAX_BIAS <= bias <= P.MAX_BIAS:
+            fail(f"'logit_bias[{key}]' must be a number from {-P.MAX_BIAS:g} to {P.MAX_BIAS:g}", "logit_bias")
+        if bias:
+            out[token] = float(bias)
+    return out
 
 
 def _parse_stop(value, tokenizer, vocab_size: int, fail) -> list[list[int]]:
     items = [value] if isinstance(value, str) else value
     if not isinstance(items, list):
-        fail("stop must be a string or a list of strings and token id lists")
+        fail("'stop' must be a string or a list of strings and token id lists", "stop")
     if len(items) > P.MAX_STOP_SEQS:
-        fail(f"stop: at most {P.MAX_STOP_SEQS} stop sequences")
+        fail(f"'stop' holds at most {P.MAX_STOP_SEQS} stop sequences", "stop")
     stop_ids = []
     for i, item in enumerate(items):
         name = "stop" if isinstance(value, str) else f"stop[{i}]"
         if isinstance(item, str):
             if not item:
-                fail(f"{name} is an empty string")
+                fail(f"'{name}' is an empty string", "stop")
             stop_ids.append(list(tokenizer.encode(item, add_special_tokens=False)))
         elif isinstance(item, list):
             stop_ids.append(_check_ids(item, name, vocab_size, fail))
         else:
-            fail(f"{name} must be a string or a list of token ids")
+            fail(f"'{name}' must be a string or a list of token ids", "stop")
         if len(stop_ids[-1]) > P.MAX_STOP_LEN:
-            fail(f"{name} is {len(stop_ids[-1])} tokens; a stop sequence is at most {P.MAX_STOP_LEN}")
+            fail(f"'{name}' is {len(stop_ids[-1])} tokens; a stop sequence is at most {P.MAX_STOP_LEN}", "stop")
     return stop_ids
 
 
@@ -454,8 +515,7 @@ def _fit(prompt: Prompt, max_context: int) -> Prompt:
     if num_prompt + 1 > max_context:
         raise PromptError(
             prompt.req_id,
-            f"prompt is {num_prompt} tokens; the model's context is {max_context}",
-        )
+            f"prompt is {num_prompt} tokens; the model's context is {max_context}", "prompt")
     room = max_context - num_prompt
     if prompt.max_new_tokens > room:
         prompt.note = (f"max_new_tokens {prompt.max_new_tokens} clamped to {room}: the prompt is "

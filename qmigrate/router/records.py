@@ -3,6 +3,7 @@ that picks how a sequence moves. Plain data; `scheduler.py` holds the policy."""
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import itertools
 from collections import OrderedDict
@@ -45,9 +46,9 @@ class Seq:
     def respec(self, kv_from: str = "", transfer_id: int = 0) -> SeqSpec:
         """The full form as it stands now, for a worker that has not seen this sequence."""
         s = self.spec
-        return SeqSpec(s.seq_id, self.packed_ids, s.prompt_len, s.max_new_tokens,
-                       s.temperature, s.top_p, s.top_k, s.seed, s.stop_ids, s.eos_ids, kv_from,
-                       transfer_id, 0 if self.resync else -1, s.min_new_tokens, s.cache_salt)
+        # every field as it came (sampling controls included), but the ids and the handover's
+        return dataclasses.replace(s, token_ids=self.packed_ids, kv_from=kv_from, transfer_id=transfer_id,
+                                   resend_from=0 if self.resync else -1)
 
 
 @dataclass(slots=True)

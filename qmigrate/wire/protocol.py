@@ -40,12 +40,16 @@ SUBMIT_MAX_IDS = 1 << 22
 # such a request with its own error before it is sent (ingest.prompts uses these names).
 MAX_NEW_TOKENS = 1 << 30
 MAX_TOP_K = 1 << 30
-MAX_TEMPERATURE = 1e4
+MAX_TEMPERATURE = 2.0     # OpenAI's bound, on every input path (HTTP, stdin JSONL, a topology's default)
 MAX_SEED = (1 << 63) - 1
 MAX_STOP_SEQS = 64         # stop sequences of one request
 MAX_STOP_LEN = 64          # token ids of one stop sequence (and of the EOS list)
 MAX_REQ_ID = 256           # characters of a request id
 MAX_CACHE_SALT = 256       # characters of a request's cache_salt
+MAX_PENALTY = 2.0          # presence and frequency penalties are in [-2, 2] (OpenAI's bounds)
+MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 0.01, 100.0   # 1 is off
+MAX_LOGIT_BIAS = 1024      # entries of a request's logit_bias
+MAX_BIAS = 100.0           # a logit_bias value is in [-100, 100] (OpenAI's bounds)
 MAX_NOTE = 1024            # characters of a request's note and of an error message
 # One HTTP request fans out into one engine request per choice: `n` per prompt (at most
 # MAX_N), prompts × n at most MAX_CHOICES (one Submit's worth), checked before any is queued.
@@ -174,6 +178,13 @@ class SeqSpec:
     resend_from: int = -1     # >= 0: send the detokenizer generated tokens from this index on
     min_new_tokens: int = 0   # neither EOS nor a stop sequence ends it before this many tokens
     cache_salt: str = ""      # its KV prefix is shared only with sequences of the same salt
+    # Sampling controls (engine/controls.py); the neutral values cost a step nothing.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0
+    bias_ids: list[int] = field(default_factory=list)      # logit_bias: token ids and what each adds
+    bias_values: list[float] = field(default_factory=list)
 
     @property
     def ids(self) -> np.ndarray:
@@ -193,6 +204,10 @@ class SeqSpec:
         for ids in self.stop_ids + [self.eos_ids]:
             if len(ids) > MAX_STOP_LEN or any(not 0 <= t <= MAX_ID for t in ids):
                 raise ProtocolError("stop or eos ids out of range")
+        if len(self.bias_ids) != len(self.bias_values) or len(self.bias_ids) > MAX_LOGIT_BIAS \
+                or any(not 0 <= t <= MAX_ID for t in self.bias_ids) \
+                or any(not -MAX_BIAS <= v <= MAX_BIAS for v in self.bias_values):
+            raise ProtocolError("logit bias: ids and values differ in number or are out of range")
 
 
 SeqSpec._fields = _field_table(SeqSpec)

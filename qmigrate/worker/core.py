@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from qmigrate.wire import protocol as P
+from qmigrate.engine.controls import Controls
 from qmigrate.engine.kv.pool import landed
 from qmigrate.engine.rows import REFUSED, StepRow
 from qmigrate.engine.engine import Engine
@@ -282,6 +283,8 @@ class WorkerCore:
             state = self.seqs[sid] = SeqState.from_spec(spec, ids)
             self.filling.pop(sid, None)
             start = self._take_transfer(spec, length, protect)
+            # after the transfer, which may release the sequence here (and its controls with it)
+            self.engine.set_controls(sid, Controls.of_spec(spec), ids, spec.prompt_len)
             new = ids[start:].tolist()
         elif sid in self.filling and (state := self.seqs.get(sid)) is not None \
                 and length in (P.CONTINUE, len(self.filling[sid][0])):
