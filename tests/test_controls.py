@@ -127,7 +127,7 @@ def model(tmp_path_factory):
 
 def make_core(model) -> WorkerCore:
     from qmigrate.engine.engine import Engine
-    return WorkerCore(Engine(model, max_len=128, max_kv_tokens=1024, runner="hf"))
+    return WorkerCore(Engine(model, max_model_len=128, max_kv_tokens=1024, runner="hf"))
 
 
 def lease_of(lease_id: int, ids: list[int], spec: P.SeqSpec | None, num_steps: int) -> P.Lease:

@@ -102,7 +102,7 @@ def test_the_transformers_runner_keeps_sliding_windows_and_soft_caps(name):
     Gemma's soft-capped scores and logits (the runner passes a causal mask of its own)."""
     model = build_family_model(name)
     expected = model(torch.tensor([seq := prompts(1, seed=1)[0]])).logits[0].float()  # before the hook
-    engine = Engine(model, runner="hf", max_len=128, max_kv_tokens=1024)
+    engine = Engine(model, runner="hf", max_model_len=128, max_kv_tokens=1024)
     assert engine.runner.name == "hf"
     err = logit_error(engine, seq, expected)
     assert err <= 1e-4, f"{name}: relative logit error {err:.2e}"

@@ -47,7 +47,7 @@ def test_warm_up_stays_inside_a_small_vocabulary(name, runner):
     from qmigrate.engine.rows import StepRow
     model = build_family_model(name, device="cuda").to(torch.bfloat16)
     assert model.config.vocab_size < 510
-    engine = Engine(model, runner=runner, max_len=256, max_kv_tokens=1 << 13, max_batch=8, max_batch_tokens=1024)
+    engine = Engine(model, runner=runner, max_model_len=256, max_kv_tokens=1 << 13, max_num_seqs=8, max_num_batched_tokens=1024)
     engine.warm_up()
     torch.cuda.synchronize()
     (token,) = engine.step([StepRow(1, [1, 5, 7, 9], 0, 0)])

@@ -66,7 +66,7 @@ class Engine:
                               prefix_cache=cfg.enable_prefix_caching, can_copy=tp is None or tp.world == 1)
         self.runner.attach(self.pool)
         self.num_continued = 0   # steps built the array way (`_continue`)
-        self.controls = ControlTable(self.vocab_size, self.max_len, self.device)
+        self.controls = ControlTable(self.shape.vocab_size, self.max_len, self.device)
         if tp is not None and tp.world > 1 and tp.is_leader:
             from qmigrate.engine.parallel.lockstep import Leader
             self.runner = Leader(self.runner, self)   # every step and KV move is sent to the others first
