@@ -143,7 +143,7 @@ def serve(
         help="Share of each GPU's memory a worker may fill, weights and KV cache together "
              f"(default {_ENGINE_DEFAULTS['gpu_memory_utilization']}).")] = None,
     max_num_seqs: Annotated[Optional[int], typer.Option(
-        "--max-num-seqs", min=1,
+        "--max-num-seqs",
         help=f"Sequences per step on each worker (default: {LARGE_GPU_SERVE_MAX_NUM_SEQS} on GPUs of "
              f"{LARGE_GPU_BYTES >> 30} GiB or more, {GPU_SERVE_MAX_NUM_SEQS} on smaller ones, "
              f"{_ENGINE_DEFAULTS['max_num_seqs']} on the CPU; with --config, the topology's).")] = None,

@@ -395,7 +395,7 @@ def test_a_frame_flood_into_any_role_logs_a_bounded_number_of_lines(topo, caplog
 
     def into_router():
         for i in range(n):
-            client.send(P.encode(P.Reject("no role receives this at the router")))
+            client.send(codec.encode(P.Reject("no role receives this at the router")))
             if i % 500 == 499:
                 while router.work.poll(50):
                     router.drain_socket()
@@ -409,7 +409,7 @@ def test_a_frame_flood_into_any_role_logs_a_bounded_number_of_lines(topo, caplog
 
     detok = Detokenizer(topo)
     try:
-        frame = P.encode(P.Reject("not for the detokenizer"))
+        frame = codec.encode(P.Reject("not for the detokenizer"))
         assert 10 <= _flood_lines(caplog, "dropped a message", lambda: [detok.receive(frame) for _ in range(n)]) <= 11
     finally:
         _close(detok.pull, detok.router, detok.replies)

@@ -401,7 +401,7 @@ def test_a_frame_is_the_chunk_it_stands_for(kind):
     from qmigrate.ingest.streams import MARK as _MARK, Frame as _Frame, sse as _sse
     from qmigrate.ingest.openai_api import chunk
     for usage in (False, True):
-        req = SimpleNamespace(kind=kind, model="m\u00e9", include_usage=usage)
+        req = SimpleNamespace(kind=kind, model="m\u00e9", include_usage=usage, continuous_usage=False)
         frame = _Frame(chunk(req, "cmpl-1", 7, _MARK))
         for text in ("a", ' "quoted"\n\\', "\u00e9t\u00e9 \U0001f600", "\ue000text\ue000"):
             assert frame(text) == _sse(chunk(req, "cmpl-1", 7, text))

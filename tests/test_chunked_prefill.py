@@ -299,7 +299,8 @@ def test_the_in_process_bench_spreads_prompts_beside_decode_rows_and_stays_exact
     """The bench's in-process path is the offline API's loop (qmigrate.LLM)."""
     from qmigrate.offline.llm import LLM
     from qmigrate.offline.params import SamplingParams
-    engine = make_engine(model, prefill_tokens_with_decode=BUDGET, max_num_seqs=8, max_num_batched_tokens=48)
+    engine = make_engine(model, prefill_tokens_with_decode=BUDGET, prefill_spread_steps=0, max_num_seqs=8,
+                         max_num_batched_tokens=48)
     steps, got, seen, real = record_placed(engine), {}, {}, engine.collect   # seen keeps ids unique
 
     def collect(pending):
@@ -340,7 +341,7 @@ def test_prompts_held_back_join_a_step_without_decode_rows_up_to_its_token_budge
 def test_the_prompt_limits_change_between_steps_only_through_the_engine(model):
     """What the admission benchmark times one prompt under: the limit of the next step, set by
     Engine.set_prompt_limits, which takes the prompt limits and nothing else."""
-    engine = make_engine(model, prefill_tokens_with_decode=BUDGET)
+    engine = make_engine(model, prefill_tokens_with_decode=BUDGET, prefill_spread_steps=0)
     rows = [StepRow(1, [5], 9, 1), StepRow(2, list(range(40)), 0, 0)]
     assert prompt_budget(rows, engine.config) == BUDGET
     engine.set_prompt_limits(prefill_tokens_with_decode=0)

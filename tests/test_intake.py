@@ -3,6 +3,7 @@ import json
 import pytest
 
 from qmigrate.ingest.prompts import Defaults, Prompt, PromptError, parse_line
+from qmigrate.wire import codec
 from tokenizer_util import build_tokenizer
 
 MAX_CONTEXT = 64
@@ -309,7 +310,7 @@ def test_sampling_controls_are_taken_and_travel_in_the_spec(tok):
                     "min_tokens": 2})
     assert (p.presence_penalty, p.frequency_penalty, p.repetition_penalty, p.min_p) == (0.5, -1.0, 1.2, 0.1)
     assert p.logit_bias == {5: 10.0, 7: -100.0} and p.stop_token_ids == [11, 12]
-    spec = P.decode(P.encode(P.Submit([to_spec(p, 3, 0, [1])]))).seqs[0]
+    spec = codec.decode(codec.encode(P.Submit([to_spec(p, 3, 0, [1])]))).seqs[0]
     assert (spec.presence_penalty, spec.frequency_penalty, spec.repetition_penalty, spec.min_p) == \
         (0.5, -1.0, 1.2, 0.1)
     assert (spec.bias_ids, spec.bias_values, spec.eos_ids) == ([5, 7], [10.0, -100.0], [1, 11, 12])

@@ -30,15 +30,15 @@ def test_import_qmigrate_loads_no_torch():
 
 
 @pytest.mark.parametrize("kw, message", [
-    ({"max_tokens": 0}, "max_tokens must be an integer >= 1"),
-    ({"temperature": P.MAX_TEMPERATURE * 2}, "temperature must be a number from 0"),
+    ({"max_tokens": 0}, "'max_tokens' must be an integer >= 1"),
+    ({"temperature": P.MAX_TEMPERATURE * 2}, "'temperature' must be a number from 0"),
     ({"temperature": float("nan")}, "temperature"),
-    ({"top_p": 0.0}, "top_p must be a number in (0, 1]"),
-    ({"top_k": -1}, "top_k must be an integer from 0"),
-    ({"seed": 1 << 63}, "seed must be an integer in [0, 2**63)"),
-    ({"min_tokens": 9, "max_tokens": 8}, "min_tokens must be an integer from 0 to max_tokens"),
-    ({"ignore_eos": "yes"}, "ignore_eos must be a boolean"),
-    ({"stop": [""]}, "stop[0] is an empty string"),
+    ({"top_p": 0.0}, "'top_p' must be a number in (0, 1]"),
+    ({"top_k": -1}, "'top_k' must be an integer from 0"),
+    ({"seed": 1 << 63}, "'seed' must be an integer in [0, 2**63)"),
+    ({"min_tokens": 9, "max_tokens": 8}, "'min_tokens' must be an integer from 0 to 'max_tokens'"),
+    ({"ignore_eos": "yes"}, "'ignore_eos' must be a boolean"),
+    ({"stop": [""]}, "'stop[0]' is an empty string"),
     ({"stop": [[1]] * (P.MAX_STOP_SEQS + 1)}, f"at most {P.MAX_STOP_SEQS} stop sequences"),
     ({"stop": [[1] * (P.MAX_STOP_LEN + 1)]}, f"a stop sequence is at most {P.MAX_STOP_LEN}"),
     ({"stop_token_ids": [-3]}, "out of range"),
@@ -103,7 +103,7 @@ def test_a_stop_string_ends_the_output_and_is_cut_from_its_text(llm, tiny_model_
 
 
 def test_bad_prompts_are_refused_before_anything_runs(llm):
-    with pytest.raises(ValueError, match="prompt 1: prompt_ids must be a non-empty list"):
+    with pytest.raises(ValueError, match="prompt 1: 'prompt_ids' must be a non-empty list"):
         llm.generate([[1, 2], []])
     with pytest.raises(ValueError, match=r"prompt 0: prompt_ids\[1\] = 99999 is out of range"):
         llm.generate([1, 99999])

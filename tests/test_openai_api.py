@@ -97,7 +97,7 @@ def test_a_chat_request_uses_the_template(tok):
     ({"model": MODEL, "prompt": "x", "frobnicate": 1}, 400, "frobnicate",
      "'frobnicate' is an unrecognized request argument"),
     ({"model": MODEL, "prompt": "x", "prediction": {}}, 400, "prediction", "unrecognized"),  # chat's only
-    ({"model": MODEL, "prompt": "x", "min_tokens": 9, "max_tokens": 4}, 400, "min_tokens", "token limit (4)"),
+    ({"model": MODEL, "prompt": "x", "min_tokens": 9, "max_tokens": 4}, 400, "min_tokens", "'max_tokens' (4)"),
     ({"model": MODEL, "prompt": ["a", "b"], "top_k": -1}, 400, "top_k", "'top_k' must be"),
     ({"model": MODEL, "prompt": "x", "cache_salt": 7}, 400, "cache_salt", "'cache_salt' must be a string"),
     ({"model": MODEL, "prompt": "x", "cache_salt": "s" * 257}, 400, "cache_salt", "at most 256"),

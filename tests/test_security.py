@@ -499,7 +499,7 @@ def test_a_workers_hello_cannot_choose_what_a_move_costs(tmp_path, tiny_model_di
     assert choose_mechanism(4000, 1, 10 ** 15, rc.link_gbps, rc.prefill_tflops) == "transfer"
     worker = transport.socket(zmq.DEALER, connect=topo.endpoint("router").connect, identity="w1-rogue")
     try:
-        worker.send(P.encode(P.Hello("worker", "w1", info=lies)))
+        worker.send(codec.encode(P.Hello("worker", "w1", info=lies)))
         _pump(router, lambda: "w1" in router.sched.workers)
         state = router.sched.workers["w1"]
         costs = migration_costs(str(tiny_model_dir))

@@ -163,8 +163,9 @@ def parse_body(body, kind: Kind, *, model_names: Collection[str], tokenizer, max
         except PromptError as exc:
             too_long = "the model's context" in exc.message
             param = _api_param(exc.param, kind, max_name)
+            message = exc.message.replace("'max_new_tokens'", f"'{max_name}'")  # the name this client sent
             of_prompt = param in ("prompt", "messages") and len(items) > 1
-            raise ApiError(400, f"prompt[{i}]: {exc.message}" if of_prompt else exc.message, param,
+            raise ApiError(400, f"prompt[{i}]: {message}" if of_prompt else message, param,
                            code="context_length_exceeded" if too_long else None) from None
     include = bool(options.get("include_usage"))
     return ApiRequest(kind, model, prompts, stream, include, stop, n,

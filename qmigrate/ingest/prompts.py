@@ -369,7 +369,7 @@ def parse_request(
         fail("'ignore_eos' must be a boolean", "ignore_eos")
     min_tokens = obj.get("min_tokens", 0)
     if not _is_int(min_tokens) or not 0 <= min_tokens <= max_new_tokens:
-        fail(f"'min_tokens' must be an integer from 0 to the request's token limit ({max_new_tokens})",
+        fail(f"'min_tokens' must be an integer from 0 to 'max_new_tokens' ({max_new_tokens})",
              "min_tokens")
     cache_salt = obj.get("cache_salt", "")
     if not isinstance(cache_salt, str) or len(cache_salt) > P.MAX_CACHE_SALT:
