@@ -253,7 +253,7 @@ def wait_for_fleet(topo: Topology, children: list[Child], num_workers: int, time
             told = True
         for c in children:
             if (rc := c.proc.poll()) is not None:
-                if rc == 0 and c.role in ("ingest", "detokenizer"):
+                if rc in (0, EXIT_REQUESTS_FAILED) and c.role in ("ingest", "detokenizer"):
                     return True  # the input ended with nothing to run: supervise() sees the end
                 _failed(c, rc)
                 return False

@@ -105,7 +105,7 @@ def test_a_stop_string_ends_the_output_and_is_cut_from_its_text(llm, tiny_model_
 def test_bad_prompts_are_refused_before_anything_runs(llm):
     with pytest.raises(ValueError, match="prompt 1: 'prompt_ids' must be a non-empty list"):
         llm.generate([[1, 2], []])
-    with pytest.raises(ValueError, match=r"prompt 0: prompt_ids\[1\] = 99999 is out of range"):
+    with pytest.raises(ValueError, match=r"prompt 0: 'prompt_ids\[1\]' = 99999 is out of range"):
         llm.generate([1, 99999])
     with pytest.raises(ValueError, match="prompt 0: prompt is .* tokens; the model's context is"):
         llm.generate([[1] * (llm.engine.max_len + 5)])

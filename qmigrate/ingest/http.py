@@ -263,14 +263,16 @@ class HttpServer:
                                                         self.max_context))
 
     async def tokenize(self, request):
-        return web.json_response(utility_api.tokenize(
-            await self._body(request), tokenizer=self.tokenizer, model_names=self.model_names,
-            max_context=self.max_context, eos_ids=self.eos_ids))
+        raw = await self._read(request)
+        return web.json_response(await self.loop.run_in_executor(self.parser, lambda: utility_api.tokenize(
+            self._json(raw), tokenizer=self.tokenizer, model_names=self.model_names,
+            max_context=self.max_context, eos_ids=self.eos_ids)))
 
     async def detokenize(self, request):
-        return web.json_response(utility_api.detokenize(
-            await self._body(request), tokenizer=self.tokenizer, model_names=self.model_names,
-            vocab_size=len(self.tokenizer)))
+        raw = await self._read(request)
+        return web.json_response(await self.loop.run_in_executor(self.parser, lambda: utility_api.detokenize(
+            self._json(raw), tokenizer=self.tokenizer, model_names=self.model_names,
+            vocab_size=len(self.tokenizer))))
 
     async def version(self, request):
         return web.json_response(utility_api.version())
@@ -288,8 +290,9 @@ class HttpServer:
             raise ApiError(408, f"the request body did not arrive within {self.cfg.http_read_timeout_s:g} s",
                            code="timeout") from None
 
-    def _parse(self, raw: bytes, kind):
-        """On the parser thread: the body's JSON, checked and tokenized."""
+    @staticmethod
+    def _json(raw: bytes):
+        """A body's JSON, checked (on the parser thread: a large body costs the loop nothing)."""
         try:
             body = json.loads(raw, parse_constant=_reject_constant)
             check_json(body)
@@ -297,7 +300,11 @@ class HttpServer:
             raise ApiError(400, f"the request body is not valid JSON: {exc}") from None
         except RecursionError:
             raise ApiError(400, "the request body is not valid JSON: nested too deep") from None
-        return parse_body(body, kind, model_names=self.model_names, tokenizer=self.tokenizer,
+        return body
+
+    def _parse(self, raw: bytes, kind):
+        """On the parser thread: the body's JSON, checked and tokenized."""
+        return parse_body(self._json(raw), kind, model_names=self.model_names, tokenizer=self.tokenizer,
                           max_context=self.max_context, defaults=self.defaults, eos_ids=self.eos_ids)
 
     async def _generate(self, request, kind):
