@@ -11,7 +11,7 @@ Every block a key is given to or taken from is recorded in `events` (the key, or
 evicted), in order, for the router's prefix index.
 
 The pool talks to its cache through `BasePrefixCache` only. `NoPrefixCache` is the form for a
-pool that shares nothing (`prefix_cache: false`): it matches nothing, keys nothing and frees
+pool that shares nothing (`enable_prefix_caching: false`): it matches nothing, keys nothing and frees
 every block as soon as its sequence lets go of it, so the pool has one code path either way.
 """
 
