@@ -6,7 +6,7 @@
 - in-process: the same engine through the offline API (`qmigrate.LLM`), its
               continuous-batching loop in this process: no router, no sockets.
 - hf-static:  transformers `generate()` in static batches (left-padded, each batch run
-              to its longest output), the baseline of shared/BENCHMARK.md.
+              to its longest output), the baseline docs/benchmarks.md describes.
 
 Useful tokens are the requested ones only; EOS is ignored everywhere.
 """
@@ -38,7 +38,7 @@ class Workload:
     seed: int = 0
 
     def requests(self) -> list[tuple[list[int], int]]:
-        """(prompt ids, output length) per request, drawn as shared/BENCHMARK.md specifies."""
+        """(prompt ids, output length) per request, drawn as docs/benchmarks.md (mixed-256) specifies."""
         r = random.Random(self.seed)
         out = []
         for _ in range(self.num_requests):

@@ -1,7 +1,7 @@
 """`qmigrate bench decode-step`: the time of one decode step against the weight-read floor.
 
 For each batch size: prefill every row to the context, warm up 3 steps, then time 20
-decode steps with a device synchronize on both ends (shared/BENCHMARK.md's method). Three
+decode steps with a device synchronize on both ends (the method docs/benchmarks.md gives). Three
 figures per batch: `step`, the engine's whole step as a caller that waits for each step
 sees it (host work, forward, sampling and the fetch of the sampled ids); `overlap`, the
 same steps with step N+1 launched before step N is collected, as the worker and the
