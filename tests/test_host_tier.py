@@ -19,6 +19,7 @@ from qmigrate.engine.kv.host_tier import HostTier, tier_bytes
 from qmigrate.engine.kv.pool import BlockPool
 from qmigrate.engine.rows import StepRow
 from qmigrate.config_rules import ConfigError
+from qmigrate.wire import protocol as P
 from qmigrate.wire.prefix_keys import block_keys
 from qmigrate.worker.core import WorkerCore
 
@@ -246,3 +247,21 @@ def test_allocator_invariants_with_two_tiers_under_random_operations():
     assert not pool.prefix.refs.any()
     assert hits > 10, "the walk never hit the host tier"
     assert any(k < 0 for k in tier.take_events()), "the tier never dropped a block"
+
+
+def test_the_worker_reports_its_tier(model):
+    """Step results carry the tier's key events and totals; a worker without a tier sends none."""
+    core = WorkerCore(tier_engine(model))
+    result, seen = None, []
+    for lease_id, prompt in enumerate(CONVS[:2], start=1):
+        result, _ = core.run(make_lease({lease_id: prompt}, [spec_of(lease_id, prompt, len(prompt), max_new_tokens=1)],
+                                        lease_id=lease_id))
+        seen += P.unpack_i64(result.tier_events).tolist()
+        core.engine.release(lease_id)
+    stats = dict(zip(P.TIER_STATS, P.unpack_i64(result.tier_stats).tolist()))
+    tier = core.engine.pool.tier
+    assert stats["host_blocks"] == len(tier) > 0 and stats["host_bytes_in"] == tier.bytes_in
+    assert sorted(k for k in seen if k >= 0) == sorted(tier.slots)
+    plain = WorkerCore(make_engine(model))
+    result, _ = plain.run(make_lease({1: CONVS[0]}, [spec_of(1, CONVS[0], len(CONVS[0]), max_new_tokens=1)]))
+    assert result.tier_events == b"" and result.tier_stats == b""

@@ -154,9 +154,16 @@ class Engine:
         """Keys of blocks the host tier took (key) and dropped (~key) since the last call."""
         return [] if self.pool.tier is None else self.pool.tier.take_events()
 
-    def tier_stats(self) -> dict[str, int] | None:
-        """The host tier's blocks, hits and bytes moved (None: no tier)."""
-        return None if self.pool.tier is None else self.pool.tier.stats()
+    def tier_stats(self) -> dict[str, int]:
+        """Per tier, blocks held and hits, and bytes moved through the host tier (protocol's
+        TIER_STATS names); empty without a host tier."""
+        tier = self.pool.tier
+        if tier is None:
+            return {}
+        t, p = tier.stats(), self.pool.prefix.stats()
+        return {"gpu_blocks": p["cached_blocks"], "gpu_hits": p["cached_tokens"] // self.pool.block_size - t["hits"],
+                "host_blocks": t["blocks"], "host_hits": t["hits"], "host_bytes_in": t["bytes_in"],
+                "host_bytes_out": t["bytes_out"]}
 
     # --- a step -------------------------------------------------------------------------
     PROMPT_LIMITS = ("prefill_tokens_per_step", "prefill_tokens_with_decode", "prefill_spread_steps")

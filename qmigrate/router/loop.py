@@ -298,6 +298,9 @@ class Router:
                     num_cached += min(n, len(seq.token_ids))
         if msg.prefix_events or num_prompt:
             self.sched.cache_report(name, P.unpack_i64(msg.prefix_events).tolist(), num_prompt, num_cached)
+        if msg.tier_events or msg.tier_stats:
+            self.sched.tier_report(name, P.unpack_i64(msg.tier_events).tolist(),
+                                   P.unpack_i64(msg.tier_stats).tolist() if msg.tier_stats else None)
 
     def on_tokens(self, sender: bytes, msg: P.Tokens, frame: bytes) -> None:
         """A worker's new tokens, sent on the socket of its results and before them: the

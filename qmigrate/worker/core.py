@@ -368,7 +368,15 @@ class WorkerCore:
                             P.pack_u8([int(run.status[s]) for s in sids]), self.free_tokens,
                             P.pack_i64(self.engine.take_evicted() + run.lost),
                             P.pack_i64(self.engine.take_prefix_events()),
-                            P.pack_i32([run.cached.get(s, -1) for s in sids]))
+                            P.pack_i32([run.cached.get(s, -1) for s in sids]),
+                            *self._tier_report())
+
+    def _tier_report(self) -> tuple[bytes, bytes]:
+        """StepResult's tier_events and tier_stats (empty without a host tier)."""
+        stats = self.engine.tier_stats()
+        if not stats:
+            return b"", b""
+        return P.pack_i64(self.engine.take_tier_events()), P.pack_i64([stats[k] for k in P.TIER_STATS])
 
     def unrun(self, lease: P.Lease) -> P.StepResult:
         """The answer to a lease withdrawn before it started: every row, no token, still running."""
