@@ -265,3 +265,76 @@ def test_the_worker_reports_its_tier(model):
     plain = WorkerCore(make_engine(model))
     result, _ = plain.run(make_lease({1: CONVS[0]}, [spec_of(1, CONVS[0], len(CONVS[0]), max_new_tokens=1)]))
     assert result.tier_events == b"" and result.tier_stats == b""
+
+
+# --- pulling a prefix from another worker -------------------------------------------------------
+
+def _pull_into(b: WorkerCore, a: WorkerCore, sid: int, ids: list[int], start: int = 0, transfer_id: int = 9):
+    """What a prefix pull does: a ships the blocks of ids past `start` that it holds cached."""
+    keys = block_keys(ids, BS, max_blocks=(len(ids) - 1) // BS)[start // BS:]
+    kv, copied = a.export_prefix_started(keys)
+    assert copied is None
+    b.receive_transfer(transfer_id, sid, kv, start=start)
+    return kv
+
+
+@pytest.mark.parametrize("where", ["gpu", "host"])
+def test_a_pulled_prefix_gives_generate_output(model, greedy, where):
+    """b starts a conversation's next turn on the blocks a holds, on a's GPU or host tier,
+    pulled over the KV link; it prefills only the rest."""
+    a, b = WorkerCore(tier_engine(model)), WorkerCore(tier_engine(model, runner="fast"))
+    first = CONVS[0]
+    run(a, make_lease({1: first}, [spec_of(1, first, len(first), max_new_tokens=2)]))
+    a.engine.release(1)
+    if where == "host":   # another prompt pushes a's blocks to its host tier
+        run(a, make_lease({2: CONVS[1]}, [spec_of(2, CONVS[1], len(CONVS[1]), max_new_tokens=1)], lease_id=2))
+        a.engine.release(2)
+        assert block_keys(first, BS)[3] not in a.engine.pool.prefix.by_key
+    turn = first + [5, 6, 7, 8]
+    kv = _pull_into(b, a, 3, turn)
+    assert kv.shape[2] == (len(first) - 1) // BS * BS
+    spec = spec_of(3, turn, len(turn), kv_from="tcp://a", transfer_id=9)
+    ran = run(b, make_lease({3: turn}, [spec], lease_id=3, num_steps=5))
+    assert ran.tokens[3] == greedy(turn, 5)
+    assert b.num_kv_imported == 1
+    a.engine.pool.check()
+    b.engine.pool.check()
+    # the pulled blocks are the sender's word: they never join b's cache
+    b.engine.release(3)
+    assert generate(b.engine, 4, turn, 1)[1] == 0
+
+
+def test_a_pull_onto_blocks_the_receiver_holds(model, greedy):
+    """b holds the first blocks itself: only the rest is shipped, placed after them."""
+    a, b = WorkerCore(tier_engine(model)), WorkerCore(tier_engine(model))
+    turn = CONVS[2] + [9, 9, 9]
+    run(a, make_lease({1: CONVS[2]}, [spec_of(1, CONVS[2], len(CONVS[2]), max_new_tokens=1)]))
+    run(b, make_lease({2: CONVS[2][:40]}, [spec_of(2, CONVS[2][:40], 40, max_new_tokens=1)], lease_id=2))
+    a.engine.release(1)
+    b.engine.release(2)
+    kv = _pull_into(b, a, 5, turn, start=32)
+    assert kv.shape[2] == len(CONVS[2]) // BS * BS - 32
+    ran = run(b, make_lease({5: turn}, [spec_of(5, turn, len(turn), kv_from="tcp://a", transfer_id=9)],
+                            lease_id=3, num_steps=4))
+    assert ran.tokens[5] == greedy(turn, 4)
+    b.engine.pool.check()
+
+
+def test_a_holder_killed_mid_pull_leaves_a_recompute(model, greedy):
+    """The holder died before its shipment came (or sent a piece of nothing): the lease runs
+    once its wait is over, prefilling the whole prompt, and equals generate()."""
+    b = WorkerCore(tier_engine(model))
+    turn = CONVS[1] + [4, 4]
+    spec = spec_of(7, turn, len(turn), kv_from="tcp://dead", transfer_id=11)
+    ran = run(b, make_lease({7: turn}, [spec], num_steps=4))
+    assert ran.tokens[7] == greedy(turn, 4) and b.num_kv_imported == 0
+    b.receive_transfer(12, 8, None, start=0)          # an empty shipment: the holder lost the blocks
+    spec = spec_of(8, turn, len(turn), kv_from="tcp://a", transfer_id=12)
+    ran = run(b, make_lease({8: turn}, [spec], lease_id=2, num_steps=4))
+    assert ran.tokens[8] == greedy(turn, 4) and b.num_kv_imported == 0
+    b.engine.pool.check()
+
+
+def test_nothing_held_ships_nothing(model):
+    a = WorkerCore(tier_engine(model))
+    assert a.export_prefix_started(block_keys(CONVS[0], BS)) == (None, None)

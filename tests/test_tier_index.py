@@ -114,3 +114,46 @@ def test_status_shows_the_tiers_of_workers_that_have_one():
     text = out.getvalue()
     assert "  w1 gpu 40/10, host 300/25, 3.0/1.0\n" in text, text
     assert "w2 gpu" not in text
+
+
+# --- pulls ---------------------------------------------------------------------------------------
+
+def _pull_fleet(pull: str, **holder):
+    """b holds group 1's system prompt (on its host tier) but is full; a takes the sequences."""
+    s = make_sched(spread_new_work=False, prefix_pull=pull)
+    join(s, "a", kv_endpoint="tcp://a:1")
+    b = join(s, "b", max_seqs=2, inflight=1, kv_endpoint="tcp://b:1", **holder)
+    s.tier_report("b", block_keys(SYSTEMS[1], BS), None)
+    s.admit([spec(100 + i, [200 + i] * 40) for i in range(2)])
+    assert len(ids_of(ask(s, "b"))) == 2 and b.load >= b.capacity
+    s.admit([spec(1, prompt(1, 1))])
+    return s, ask(s, "a")
+
+
+def test_a_worker_pulls_a_prefix_another_holds():
+    s, grant = _pull_fleet("always")
+    assert ids_of(grant) == [1]
+    (owner, sid, dest, transfer_id, num_tokens, start, keys), = grant.shipments
+    assert (owner, sid, dest, start) == ("b", 1, "tcp://a:1", 0)
+    assert num_tokens == 4 * BS and keys == block_keys(SYSTEMS[1], BS)
+    row = grant.rows[0]
+    assert row.spec.kv_from == "tcp://b:1" and row.spec.transfer_id == transfer_id
+    assert s.counters["prefix_pulls"] == 1
+
+
+def test_a_pull_that_costs_more_than_prefill_is_not_made():
+    # a model so small that 64 tokens prefill faster than their KV crosses a 10 Gb/s link
+    _, grant = _pull_fleet("auto", kv_bytes_per_token=1 << 20, num_params=1000)
+    assert ids_of(grant) == [1] and grant.shipments == [] and not grant.rows[0].spec.kv_from
+    # an 8B model: shipping 64 tokens of KV beats computing them
+    _, grant = _pull_fleet("auto", kv_bytes_per_token=128 << 10, num_params=8 << 30)
+    assert len(grant.shipments) == 1
+    _, grant = _pull_fleet("never", kv_bytes_per_token=128 << 10, num_params=8 << 30)
+    assert grant.shipments == []
+
+
+def test_a_prefix_pull_request_travels_and_is_checked():
+    msg = P.ShipKV(1, "tcp://a:1", 77, 64, 16, keys=P.pack_i64([3, 4, 5]))
+    assert codec.decode(codec.encode(msg)) == msg
+    with pytest.raises(P.ProtocolError, match="prefix pull"):
+        codec.decode(codec.encode(P.ShipKV(1, "tcp://a:1", 77, 16, 16, keys=P.pack_i64([3]))))

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from qmigrate.engine.batch import StepBatch
-from qmigrate.engine.kv.host_tier import HostTier, tier_bytes
+from qmigrate.engine.kv.host_tier import HostTier, export_by_keys, tier_bytes
 from qmigrate.engine.kv.pool import BlockPool, landed
 from qmigrate.engine.rows import REFUSED, Pending, StepRow, num_new, prompt_budget, share_prompt_budget
 from qmigrate.engine import startup
@@ -128,6 +128,13 @@ class Engine:
         """The KV of positions [start, num_tokens) (all it holds by default), and the CUDA
         event after which the tensor holds it (None: it does now)."""
         return self.runner.export_kv(seq_id, num_tokens, start)
+
+    def export_prefix_started(self, keys: list[int]) -> tuple[torch.Tensor | None, object]:
+        """The KV of the leading blocks of `keys` cached here (either tier), for another
+        worker to start a sequence on; and the CUDA event after which the tensor holds it."""
+        if self.tp is not None and self.tp.world > 1:
+            return None, None   # a rank holds only its share of the heads
+        return export_by_keys(self.pool, keys)
 
     def import_kv(self, seq_id: int, kv: torch.Tensor, protect=frozenset(), start: int = 0) -> bool:
         """Shipped KV for seq_id; it never joins this worker's prefix cache (BlockPool.load)."""

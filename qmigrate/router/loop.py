@@ -429,9 +429,10 @@ class Router:
                     progress = True
 
     def send_grant(self, grant, request_no: int) -> None:
-        for owner, seq_id, dest, transfer_id, num_tokens, start in grant.shipments:
+        for owner, seq_id, dest, transfer_id, num_tokens, start, keys in grant.shipments:
             if owner in self.identity:
-                self.reply(self.identity[owner], P.ShipKV(seq_id, dest, transfer_id, num_tokens, start))
+                self.reply(self.identity[owner], P.ShipKV(seq_id, dest, transfer_id, num_tokens, start,
+                                                          P.pack_i64(keys) if keys else b""))
                 self.observer.shipped(num_tokens - start, self.sched.workers[owner].kv_bytes_per_token)
         rows = grant.rows
         self.trace("grant", grant.worker, grant.lease_id, len(rows), grant.num_steps, request_no)

@@ -416,6 +416,14 @@ class ShipKV:
     transfer_id: int
     num_tokens: int
     start: int = 0            # ship positions [start, num_tokens): the receiver has the rest cached
+    # int64: the keys of the blocks of [start, num_tokens), which the sender holds cached (on
+    # either tier) for a sequence it does not run: a prefix pull. Empty: the sender runs seq_id.
+    keys: bytes = b""
+
+    def validate(self) -> None:
+        keys = unpack_i64(self.keys, "ShipKV.keys")
+        if len(keys) and (self.start < 0 or self.num_tokens <= self.start):
+            raise ProtocolError("ShipKV: a prefix pull ships positions [start, num_tokens), start >= 0")
 
 
 @message(MsgType.KV_HEADER)

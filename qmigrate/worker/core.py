@@ -142,6 +142,11 @@ class WorkerCore:
         self.drop([seq_id])
         return kv, copied
 
+    def export_prefix_started(self, keys: list[int]) -> tuple[torch.Tensor | None, object]:
+        """The KV of the leading blocks of `keys` cached here, for another worker's sequence
+        (a prefix pull); nothing here is dropped. None when not even the first is held."""
+        return self.engine.export_prefix_started(keys)
+
     def awaited_transfers(self, lease: P.Lease) -> set[int]:
         return {s.transfer_id for s in lease.full if s.kv_from and s.transfer_id not in self.transfers}
 
@@ -321,17 +326,21 @@ class WorkerCore:
         transfer = self.transfers.pop(spec.transfer_id, None)
         e = self.engine
         start = 0 if transfer is None else transfer.start
-        expected = (e.shape.num_layers, 2, length - 1 - start, e.shape.num_kv_heads, e.shape.head_dim)
+        expected = (e.shape.num_layers, 2, e.shape.num_kv_heads, e.shape.head_dim)
         if start and (not e.can_import_from or start % e.pool.block_size
                       or e.admit(spec.seq_id, spec.ids[:length], spec.cache_salt) < start):
             transfer = None   # what was not shipped is not cached here (any more): recompute
-        if transfer is None or transfer.kv is None or transfer.seq_id != spec.seq_id \
-                or tuple(transfer.kv.shape) != expected \
-                or not e.import_kv(spec.seq_id, transfer.kv, protect, start):
+        # All the KV but the last token's (a sequence that moved), or fewer positions (a
+        # prefix pulled from a worker that holds it cached): the rest is computed here.
+        kv = None if transfer is None else transfer.kv
+        if kv is None or transfer.seq_id != spec.seq_id or kv.dim() != 5 \
+                or (kv.shape[0], kv.shape[1], kv.shape[3], kv.shape[4]) != expected \
+                or not 0 < kv.shape[2] <= length - 1 - start \
+                or not e.import_kv(spec.seq_id, kv, protect, start):
             e.release(spec.seq_id)
             return 0
         self.num_kv_imported += 1
-        return length - 1
+        return start + kv.shape[2]
 
     def _advance(self, run: "Started", rows: list[StepRow], tokens: list[int], partial=frozenset()) -> None:
         status, out, ended, seqs, max_len = run.status, run.out, run.ended, self.seqs, self.engine.max_len

@@ -179,12 +179,61 @@ class HostTier:
         assert len(used) <= self.capacity and all(0 <= s < allocated for s in used + self.free)
         assert len(used) + len(self.free) == min(allocated, self.capacity)
 
+    def read_started(self, key: int) -> torch.Tensor:
+        """A block's bytes as held, for a copy queued on the current stream: that stream
+        waits (on the device) for the copy that fills the slot."""
+        slot = self.slots[key]
+        self.slots.move_to_end(key)
+        if self.on_device and (event := self.landing.get(slot)) is not None:
+            torch.cuda.current_stream().wait_event(event)
+        chunk, at = divmod(slot, self.chunk_blocks)
+        return self.chunks[chunk][at]
+
     def read(self, key: int) -> torch.Tensor:
         """A block's bytes as held (for tests): [layers, 2, block_size, heads, head_dim * itemsize]."""
         chunk, at = divmod(self.slots[key], self.chunk_blocks)
         if (event := self.landing.get(self.slots[key])) is not None:
             event.synchronize()
         return self.chunks[chunk][at]
+
+
+def export_by_keys(pool, keys: list[int]) -> tuple[torch.Tensor | None, object]:
+    """The KV of the leading blocks of `keys` that the pool holds cached, on its GPU or in its
+    host tier, as [layers, 2, n, heads, head_dim] in host memory (None: not even the first),
+    and the CUDA event after which the tensor holds it (None: it does now). For a worker that
+    ships a prefix it holds to another (a prefix pull); nothing here changes the pool."""
+    by_key = getattr(pool.prefix, "by_key", {})
+    tier = pool.tier
+    found = []   # (block on the GPU, or None) and key, in order
+    for key in keys:
+        block = by_key.get(key)
+        if block is None and (tier is None or key not in tier):
+            break
+        found.append((block, key))
+    if not found:
+        return None, None
+    raw = _bytes_view(pool.kv)
+    staged = torch.empty((raw.shape[0], raw.shape[1], len(found), *raw.shape[3:]), dtype=torch.uint8,
+                         device=raw.device)
+    on_gpu = [i for i, (b, _) in enumerate(found) if b is not None]
+    if on_gpu:
+        index = torch.as_tensor([found[i][0] for i in on_gpu], dtype=torch.long)
+        at = torch.as_tensor(on_gpu, dtype=torch.long)
+        if raw.is_cuda:
+            index, at = _to_device(index, raw.device), _to_device(at, raw.device)
+        staged.index_copy_(2, at, raw.index_select(2, index))
+    for i, (block, key) in enumerate(found):
+        if block is None:
+            staged[:, :, i].copy_(tier.read_started(key), non_blocking=True)
+    num_tokens = len(found) * pool.block_size
+    shape = (raw.shape[0], 2, num_tokens, pool.num_kv_heads, pool.head_dim)
+    if not raw.is_cuda:
+        return staged.view(pool.kv.dtype).reshape(shape), None
+    host = torch.empty(staged.shape, dtype=torch.uint8, pin_memory=True)
+    host.copy_(staged, non_blocking=True)
+    copied = torch.cuda.Event()
+    copied.record()
+    return host.view(pool.kv.dtype).reshape(shape), copied
 
 
 def _to_device(index: torch.Tensor, device) -> torch.Tensor:
