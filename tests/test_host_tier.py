@@ -147,6 +147,20 @@ def test_tier_blocks_hold_raw_bytes_of_any_dtype():
     tier.check()
 
 
+def test_the_tier_fills_in_and_out_of_inference_mode():
+    """A step evicts under inference mode, a shipment placed between steps outside it: the
+    tier's host memory takes both."""
+    pool = BlockPool(1, 1, 1, 8, 2, torch.float32, torch.device("cpu"))
+    tier = HostTier(pool.kv, 4 * tier_block_bytes(pool))
+    with torch.inference_mode():
+        tier.save(pool.kv, [1], [10])
+    tier.save(pool.kv, [2], [20])
+    with torch.inference_mode():
+        tier.restore(pool.kv, [3], [20])
+    tier.restore(pool.kv, [4], [10])
+    assert len(tier) == 2 and tier.num_hits == 2
+
+
 def test_tier_lru_and_events():
     pool = BlockPool(1, 1, 1, 8, 2, torch.float32, torch.device("cpu"))
     tier = HostTier(pool.kv, 3 * tier_block_bytes(pool))

@@ -105,8 +105,11 @@ class HostTier:
             allocated = len(self.chunks) * self.chunk_blocks
             if allocated < self.capacity:
                 n = min(self.chunk_blocks, self.capacity - allocated)
-                self.chunks.append(torch.empty((self.chunk_blocks, *self.block_shape), dtype=torch.uint8,
-                                               pin_memory=self.pin))
+                # a tensor of its own, not an inference tensor (a step's evictions come under
+                # inference mode, a shipment's outside it: both write into the chunk)
+                with torch.inference_mode(False):
+                    chunk = torch.empty((self.chunk_blocks, *self.block_shape), dtype=torch.uint8, pin_memory=self.pin)
+                self.chunks.append(chunk)
                 self.free.extend(range(allocated + n - 1, allocated - 1, -1))
             else:
                 key, slot = self.slots.popitem(last=False)
