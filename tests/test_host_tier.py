@@ -161,6 +161,21 @@ def test_the_tier_fills_in_and_out_of_inference_mode():
     assert len(tier) == 2 and tier.num_hits == 2
 
 
+def test_host_memory_grows_by_chunks_up_to_the_capacity(monkeypatch):
+    from qmigrate.engine.kv import host_tier
+    pool = BlockPool(1, 1, 1, 8, 2, torch.float32, torch.device("cpu"))
+    monkeypatch.setattr(host_tier, "CHUNK_BYTES", 2 * tier_block_bytes(pool))
+    tier = HostTier(pool.kv, 5 * tier_block_bytes(pool))
+    pool.kv.view(-1).copy_(torch.arange(pool.kv.numel(), dtype=torch.float32))
+    tier.save(pool.kv, [1], [10])
+    assert [len(c) for c in tier.chunks] == [2]
+    tier.save(pool.kv, [2, 3, 4, 5, 6, 7], [20, 30, 40, 50, 60, 70])
+    assert [len(c) for c in tier.chunks] == [2, 2, 1] and len(tier) == 5 and 10 not in tier
+    tier.check()
+    for b, key in zip([3, 4, 5, 6, 7], [30, 40, 50, 60, 70]):
+        assert torch.equal(tier.read(key), pool.kv[:, :, b].view(torch.uint8))
+
+
 def test_tier_lru_and_events():
     pool = BlockPool(1, 1, 1, 8, 2, torch.float32, torch.device("cpu"))
     tier = HostTier(pool.kv, 3 * tier_block_bytes(pool))

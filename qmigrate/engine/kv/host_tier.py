@@ -102,13 +102,13 @@ class HostTier:
     def _slot(self) -> int:
         """A free slot: a new chunk's while the tier is below capacity, else the LRU key's."""
         if not self.free:
-            allocated = len(self.chunks) * self.chunk_blocks
+            allocated = sum(len(c) for c in self.chunks)
             if allocated < self.capacity:
                 n = min(self.chunk_blocks, self.capacity - allocated)
                 # a tensor of its own, not an inference tensor (a step's evictions come under
                 # inference mode, a shipment's outside it: both write into the chunk)
                 with torch.inference_mode(False):
-                    chunk = torch.empty((self.chunk_blocks, *self.block_shape), dtype=torch.uint8, pin_memory=self.pin)
+                    chunk = torch.empty((n, *self.block_shape), dtype=torch.uint8, pin_memory=self.pin)
                 self.chunks.append(chunk)
                 self.free.extend(range(allocated + n - 1, allocated - 1, -1))
             else:
@@ -175,7 +175,7 @@ class HostTier:
 
     def check(self) -> None:
         """Assert the tier's invariants (for tests)."""
-        allocated = len(self.chunks) * self.chunk_blocks
+        allocated = sum(len(c) for c in self.chunks)
         used = list(self.slots.values())
         assert len(set(used)) == len(used), "two keys share a host slot"
         assert not set(used) & set(self.free) and len(set(self.free)) == len(self.free)
