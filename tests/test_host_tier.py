@@ -367,3 +367,41 @@ def test_a_holder_killed_mid_pull_leaves_a_recompute(model, greedy):
 def test_nothing_held_ships_nothing(model):
     a = WorkerCore(tier_engine(model))
     assert a.export_prefix_started(block_keys(CONVS[0], BS)) == (None, None)
+
+
+def test_a_prefix_pull_over_the_kv_link(model, greedy, ipc_dir):
+    """The holder's worker loop takes a ShipKV naming block keys (a prefix pull): it ships
+    what it holds cached over a real socket without dropping anything, and the receiver's
+    lease starts on it."""
+    import zmq
+
+    from qmigrate.wire import transport
+    from qmigrate.worker.leases import KVOutbox
+    from qmigrate.worker.loop import Worker
+    endpoint = f"ipc://{ipc_dir}/kv.sock"
+    holder, receiver = Worker.__new__(Worker), Worker.__new__(Worker)
+    holder.peers, holder.outbox, holder.core = {}, KVOutbox(), WorkerCore(tier_engine(model))
+    receiver.kv_in = transport.socket(zmq.PULL, bind=endpoint, max_bytes=transport.KV_MAX_MESSAGE_BYTES, hwm=64)
+    receiver.core = WorkerCore(tier_engine(model))
+    try:
+        first = CONVS[1]
+        run(holder.core, make_lease({1: first}, [spec_of(1, first, len(first), max_new_tokens=4)]))
+        assert holder.core.engine.cached_len(1) == len(first)   # it runs on: the pull must not drop it
+        held = dict(holder.core.engine.pool.prefix.by_key)
+        turn = first + [3, 1, 4]
+        keys = block_keys(turn, BS, max_blocks=(len(turn) - 1) // BS)
+        holder.ship(P.ShipKV(2, endpoint, 99, len(keys) * BS, 0, P.pack_i64(keys)))
+        assert holder.core.engine.cached_len(1) == len(first) and holder.core.engine.pool.prefix.by_key == held
+        for _ in range(200):
+            receiver.kv_in.poll(50)
+            receiver.receive_kv()
+            if 99 in receiver.core.transfers:
+                break
+        assert receiver.core.transfers[99].kv.shape[2] == (len(first) - 1) // BS * BS
+        spec = spec_of(2, turn, len(turn), kv_from="ipc://holder", transfer_id=99)
+        ran = run(receiver.core, make_lease({2: turn}, [spec], lease_id=2, num_steps=4))
+        assert ran.tokens[2] == greedy(turn, 4) and receiver.core.num_kv_imported == 1
+    finally:
+        for sock in holder.peers.values():
+            sock.close(linger=0)
+        receiver.kv_in.close(linger=0)
