@@ -323,8 +323,9 @@ def test_a_pulled_prefix_gives_generate_output(model, greedy, where):
     kv = _pull_into(b, a, 3, turn)
     assert kv.shape[2] == (len(first) - 1) // BS * BS
     spec = spec_of(3, turn, len(turn), kv_from="tcp://a", transfer_id=9)
-    ran = run(b, make_lease({3: turn}, [spec], lease_id=3, num_steps=5))
-    assert ran.tokens[3] == greedy(turn, 5)
+    result, _ = b.run(make_lease({3: turn}, [spec], lease_id=3, num_steps=5))
+    assert P.unpack_i32(result.tokens).tolist() == greedy(turn, 5)
+    assert P.unpack_i32(result.cached_tokens).tolist() == [kv.shape[2]]   # usage counts the pulled prefix
     assert b.num_kv_imported == 1
     a.engine.pool.check()
     b.engine.pool.check()

@@ -110,6 +110,7 @@ class WorkerCore:
         self.filling: dict[int, tuple[np.ndarray, str, int]] = {}
         self.num_steps = 0
         self.num_kv_imported = 0   # sequences resumed from shipped KV (a failed import recomputes)
+        self.pulled: dict[int, int] = {}   # seq_id -> prompt positions a prefix pull brought, this lease
         self.trace = OFF   # the worker's step timeline (`trace.py`), when it keeps one
 
     @property
@@ -158,6 +159,7 @@ class WorkerCore:
         before and not yet finished: rows chained to it (CONTINUE) feed the tokens its step
         samples straight from the device, so the next step is queued before that one ends."""
         self.drop(P.unpack_i64(lease.drop_ids, "drop_ids"))
+        self.pulled.clear()
         seq_ids = P.unpack_i64(lease.seq_ids, "seq_ids").tolist()
         lengths = P.unpack_i32(lease.lengths, "lengths").tolist()
         last = P.unpack_i32(lease.last_tokens, "last_tokens").tolist()
@@ -185,6 +187,8 @@ class WorkerCore:
             if self.filling:   # prompts under way take the step's prompt budget before new ones
                 run.rows.sort(key=lambda r: r.seq_id not in self.filling)
             run.pending = self.engine.launch(run.rows, after=after.pending if after else None, between=between)
+            for sid, n in self.pulled.items():   # not prefilled: found cached, on another worker
+                run.pending.cached.setdefault(sid, n)
             run.cached = run.pending.cached
             if self.trace is not OFF:
                 prompts = [r for r in run.rows if len(r.new_ids) > 1]
@@ -340,6 +344,8 @@ class WorkerCore:
             e.release(spec.seq_id)
             return 0
         self.num_kv_imported += 1
+        if start + kv.shape[2] < length - 1:
+            self.pulled[spec.seq_id] = start + kv.shape[2]
         return start + kv.shape[2]
 
     def _advance(self, run: "Started", rows: list[StepRow], tokens: list[int], partial=frozenset()) -> None:
