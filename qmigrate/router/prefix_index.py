@@ -38,9 +38,9 @@ MAX_KEYS = 1 << 20
 # prompt fills over a few steps at most, so a longer wait means its computation stopped.
 MIN_SHARED_TOKENS = 32
 MAX_WAIT_LEASES = 8
-# What copying a block back from a worker's host tier costs, as a share of prefilling it: a
-# token of KV crosses PCIe (~25 GB/s) in about a quarter of the time an 8B model's prefill
-# takes per token on an H100 (docs/benchmarks.md has the measured figure).
+# What copying a block back from a worker's host tier costs, as a share of prefilling it, an
+# estimate: an 8B model's 128 KiB of KV a token crosses PCIe (~25 GB/s) in about 5 us, a
+# quarter of the ~20 us its prefill takes per token on an H100.
 HOST_COPY_COST = 0.25
 
 
