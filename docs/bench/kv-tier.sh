@@ -4,6 +4,7 @@
 #   bench   the benchmark model (TinyLlama-1.1B's shape)   } multi-turn sessions, the GPU pool capped to a
 #   l8      the Llama-3.1-8B shape, dummy weights          } quarter of their working set: host tier on / off;
 #                                                            then the pool uncapped: on / off
+#   bench-capped, bench-fits, l8-capped, l8-fits: one half of those
 #   pull    two workers sharing the GPU, each capped to a quarter of the working set, both with a host
 #           tier: conversations placed away from their worker pull their prefix / recompute it
 # Each run writes OUT_DIR/NAME.json (`bench serve --json`) and OUT_DIR/NAME.status.json (the router's
@@ -49,12 +50,14 @@ sessions() {   # sessions NAME: the multi-turn run, then the router's figures
         --question-len $WORDS --answer-len $ANSWER --think-time-s $THINK --json "$out/$1.json"
     q status "$(grep -o '/[^ ]*/topology.yaml' "$out/$1.log" | head -1)" --json > "$out/$1.status.json"
 }
-one_gpu() {   # one_gpu TAG MODEL [serve flags]: capped on / off, then uncapped on / off
-    local tag=$1 model=$2; shift 2
+one_gpu() {   # one_gpu TAG MODEL WHICH [serve flags]: WHICH capped, fits or both: host tier on / off
+    local tag=$1 model=$2 which=$3; shift 3
     local ws; ws=$(working_set $model) || return 1
-    local cap=$((ws / 4))
+    local cap=$((ws / 4)) runs=()
     echo "$tag: working set $ws tokens, pool capped to $cap" | tee -a "$out/sizes.txt"
-    for run in "capped-on $cap $TIER_GIB" "capped-off $cap 0" "fits-on 0 $TIER_GIB" "fits-off 0 0"; do
+    [ $which = fits ] || runs+=("capped-on $cap $TIER_GIB" "capped-off $cap 0")
+    [ $which = capped ] || runs+=("fits-on 0 $TIER_GIB" "fits-off 0 0")
+    for run in "${runs[@]}"; do
         set -- $run "$@"
         local name=$tag-$1 kv=$2 gib=$3; shift 3
         serve_up "$out/$name.log" $model --max-model-len 2048 --kv-offloading-size $gib \
@@ -75,8 +78,10 @@ pull() {
 }
 for p in ${part//,/ }; do
     case $p in
-        bench) one_gpu bench $M ;;
-        l8) one_gpu l8 $L8 --load-format dummy ;;
+        bench) one_gpu bench $M both ;;
+        bench-capped|bench-fits) one_gpu bench $M ${p#bench-} ;;
+        l8) one_gpu l8 $L8 both --load-format dummy ;;
+        l8-capped|l8-fits) one_gpu l8 $L8 ${p#l8-} --load-format dummy ;;
         pull) pull ;;
         *) echo "unknown part $p"; exit 2 ;;
     esac
