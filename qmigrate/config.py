@@ -126,6 +126,10 @@ class RouterConfig(Section):
     # how long a new sequence may wait for a busy worker that holds more of its prefix: a few
     # steps (its next request for work); at 0.5 s the wait was most of a TTFT tail at 32 req/s
     prefix_wait_s: float = rules.setting(0.02, rules.number("a number >= 0", lambda x: x >= 0))
+    # a new sequence placed on a worker that lacks the prefix another worker holds (on its GPU
+    # or host tier) pulls those blocks over the KV link when that costs less than prefilling
+    # them (auto: link_gbps against prefill_tflops), always, or never
+    prefix_pull: str = rules.setting("auto", rules.one_of("auto", "always", "never"))
 
     def validate(self) -> None:
         if self.heartbeat_timeout_s <= self.heartbeat_interval_s:

@@ -84,10 +84,11 @@ def shared_prefix_dataset(groups: int = 64, prompts_per_group: int = 16, system_
 
 
 def multi_turn_dataset(sessions: int = 64, turns: int = 4, turn_len: int = 128, output_len: int = 128,
-                       seed: int = 1) -> list[ServeRequest]:
-    """Sessions of `turns` user messages of about `turn_len` words each; every answer `output_len` tokens."""
+                       seed: int = 1, think_time_s: float = 0.0) -> list[ServeRequest]:
+    """Sessions of `turns` user messages of about `turn_len` words each; every answer `output_len`
+    tokens; a session waits think_time_s after an answer before its next turn."""
     r = random.Random(seed)
-    return [ServeRequest("", output_len, turns=[words(r, turn_len) for _ in range(turns)])
+    return [ServeRequest("", output_len, turns=[words(r, turn_len) for _ in range(turns)], think_time_s=think_time_s)
             for _ in range(sessions)]
 
 

@@ -107,7 +107,8 @@ class Grant:
     rows: list[Row]
     drop_ids: list[int]
     # (owner, seq_id, dest, transfer_id, num_tokens, start): the KV of positions [start, num_tokens)
-    shipments: list[tuple[str, int, str, int, int, int]]
+    # (owner, seq_id, dest endpoint, transfer_id, num_tokens, start, block keys: a prefix pull)
+    shipments: list[tuple[str, int, str, int, int, int, list[int]]]
     num_steps: int = 1
 
 

@@ -274,7 +274,10 @@ class Worker:
     def ship(self, msg: P.ShipKV) -> None:
         """Export the KV (queued on the device behind the steps in flight) and send it once
         it has reached host memory: the worker goes on stepping meanwhile."""
-        kv, copied = self.core.export_started(msg.seq_id, msg.num_tokens, msg.start)
+        if msg.keys:   # a prefix this worker holds cached, for another's sequence
+            kv, copied = self.core.export_prefix_started(P.unpack_i64(msg.keys, "ShipKV.keys").tolist())
+        else:
+            kv, copied = self.core.export_started(msg.seq_id, msg.num_tokens, msg.start)
         self.outbox.add(copied, lambda: self.send_kv(msg, kv))
 
     def send_kv(self, msg: P.ShipKV, kv: torch.Tensor | None) -> None:

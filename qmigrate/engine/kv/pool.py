@@ -83,6 +83,15 @@ class BlockPool:
         self.evicted: list[int] = []
         self.prefix: BasePrefixCache = PrefixCache(num_blocks, block_size) if prefix_cache else NoPrefixCache()
         self.can_copy = can_copy
+        self.tier = None   # a HostTier: cached blocks this pool evicts, found again by key
+
+    def attach_tier(self, tier) -> None:
+        """Blocks the prefix cache evicts are copied to `tier` (host_tier.HostTier) and come
+        back from it when a prompt's cached chain continues there."""
+        if not self.is_caching or not self.can_copy:
+            raise ValueError("a KV tier needs the prefix cache and a pool whose blocks may be copied")
+        self.tier = tier
+        self.prefix.on_evict = lambda blocks, keys: tier.save(self.kv, blocks, keys)
 
     @property
     def is_caching(self) -> bool:
@@ -207,10 +216,35 @@ class BlockPool:
         """Start seq_id (a prompt of `ids`) on the longest cached prefix of it, leaving at
         least its last token to compute; the number of positions it starts with."""
         self.release(seq_id)
-        blocks = self.prefix.match(seq_id, ids, salt, max_blocks=(len(ids) - 1) // self.block_size)
+        most = (len(ids) - 1) // self.block_size
+        blocks = self.prefix.match(seq_id, ids, salt, max_blocks=most)
         self.blocks[seq_id] = blocks
+        if self.tier is not None and len(blocks) < most:
+            blocks += self._from_tier(seq_id, ids, most)
         self.length[seq_id] = n = len(blocks) * self.block_size
         return n
+
+    def _from_tier(self, seq_id: int, ids, most: int) -> list[int]:
+        """The blocks of seq_id's next keys that the tier holds, copied into blocks of this
+        pool that are free or idle (no sequence is evicted for them) and cached here again."""
+        tier, keys = self.tier, []
+        room = self.num_free_blocks
+        for key in self.prefix.next_keys(seq_id, ids, most):
+            if key not in tier or len(keys) == room:
+                break
+            keys.append(key)
+        if not keys:
+            return []
+        tier.touch(keys)   # taking blocks may evict idle ones into the tier: these stay
+        new = self._take(len(keys))
+        kept = next((i for i, k in enumerate(keys) if k not in tier), len(keys))
+        if kept < len(keys):
+            self._unref(new[kept:])
+            new, keys = new[:kept], keys[:kept]
+        if new:
+            tier.restore(self.kv, new, keys)
+            self.prefix.adopt(seq_id, ids, new, keys)
+        return new
 
     def note_sampled(self, seq_ids, seq_lens, tokens, skip=frozenset()) -> None:
         """Tokens sampled for rows of sequences at lengths seq_lens (those of `skip` sampled
@@ -227,6 +261,8 @@ class BlockPool:
         assert held[0] == 0 and 0 not in self.free
         assert len(set(self.free)) == len(self.free)
         self.prefix.check(held, self.free, self.blocks, self.length)
+        if self.tier is not None:
+            self.tier.check()
 
     # --- addressing ----------------------------------------------------------------------------
     def slot(self, seq_id: int, pos: int) -> int:
