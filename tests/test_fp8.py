@@ -246,3 +246,29 @@ def test_weight_read_kernel_indexing_under_the_interpreter():
                                               out.stride(0), HAS_BIAS=True, BLOCK_M=16, BLOCK_N=32, BLOCK_K=128)
         want = x @ (w * scale).t() + bias
         assert (out - want).norm() / want.norm() < 1e-2
+
+
+def test_quality_agreement_counts_exact_answers_and_the_agreeing_prefix():
+    from qmigrate.bench.quality import agreement
+    got = agreement([[1, 2, 3, 4], [5, 6], [7, 8, 9, 9]], [[1, 2, 3, 4], [5, 0], [1, 8, 9, 9]])
+    assert got == {"exact": 1, "prompts": 3, "mean_prefix": (1 + 0.5 + 0) / 3}
+
+
+def test_quality_perplexity_is_the_models_own(tiny_model_dir):
+    """The teacher-forced perplexity through the engine's decode steps equals the one computed
+    from the transformers model's logits over the whole text (fp32, the CPU)."""
+    from transformers import AutoModelForCausalLM
+    from qmigrate.bench.quality import perplexity
+    from qmigrate.engine.engine import Engine
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    ids = [1] + [(7 * i) % 1400 + 3 for i in range(39)]
+    engine = Engine(model, max_num_seqs=4, max_kv_tokens=1 << 10)
+    got = perplexity(engine, ids, rows=2)
+    with torch.no_grad():
+        nll = []
+        for row in (ids[:20], ids[20:]):
+            logits = model(torch.tensor([row])).logits[0, :-1].float()
+            nll.append(-torch.log_softmax(logits, -1).gather(1, torch.tensor(row[1:])[:, None]).squeeze(1))
+    want = torch.cat(nll).mean().exp().item()
+    assert got == pytest.approx(want, rel=1e-4)
+    assert engine.pool.num_free_blocks == engine.pool.num_blocks - 1   # its rows were released

@@ -142,14 +142,14 @@ VARIANTS = ({}, {"quantization": "fp8"}, {"kv_cache_dtype": "fp8"}, {"quantizati
 
 
 def run_quality(model_path: str, device: str, variants=VARIANTS, num_prompts: int = 48, new_tokens: int = NEW_TOKENS,
-                runner: str = "auto", json_path: Path | None = None) -> list[dict]:
+                runner: str = "auto", json_path: Path | None = None, text: str = TEXT) -> list[dict]:
     """Each variant of the engine settings against the first: greedy agreement and perplexity."""
     from transformers import AutoTokenizer
     from qmigrate.engine.engine import Engine
     from qmigrate.hub.loading import load_model
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     prompts = chat_prompts(tokenizer, num_prompts)
-    text_ids = tokenizer.encode(TEXT)
+    text_ids = tokenizer.encode(text)
     results, base = [], None
     for settings in variants:
         model, _ = load_model(model_path, device, "auto")
