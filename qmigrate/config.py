@@ -323,10 +323,10 @@ class Topology(Section):
     def _check_fp8(self) -> None:
         """FP8 runs on CUDA GPUs only (the engine checks the GPU's compute capability)."""
         for i, w in enumerate(self.workers):
-            for key, off in (("quantization", "none"), ("kv_cache_dtype", "auto")):
+            for key, off, need in (("quantization", "none", "9.0"), ("kv_cache_dtype", "auto", "8.9")):
                 if getattr(w, key) != off and not w.device.startswith("cuda"):
                     raise ConfigError(f"workers[{i}].{key}", f"{getattr(w, key)} needs a CUDA GPU with FP8 "
-                                      f"(compute capability 8.9 or later); this worker's device is {w.device}")
+                                      f"(compute capability {need} or later); this worker's device is {w.device}")
 
     @property
     def max_model_len(self) -> int:
