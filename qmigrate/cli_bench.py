@@ -223,18 +223,14 @@ def bench_decode_step(
     json_out: JsonOpt = None,
 ):
     """Time one decode step per batch size against the weight-read floor (CUDA)."""
-    from qmigrate.bench.step import compare_decode_steps, run_decode_steps
-    from qmigrate.engine.config import KV_CACHE_DTYPES, QUANTIZATIONS
+    from qmigrate.bench.step import compare_decode_steps, run_decode_steps, setting_variants
     if load_format not in ("auto", "dummy"):
         fail("--load-format must be auto or dummy")
     sizes = _batches(batches)
-    quants, kv_dtypes = quantization.split(","), kv_cache_dtype.split(",")
-    for flag, values, allowed in (("--quantization", quants, QUANTIZATIONS),
-                                  ("--kv-cache-dtype", kv_dtypes, KV_CACHE_DTYPES)):
-        if any(v not in allowed for v in values):
-            fail(f"{flag} takes {' or '.join(allowed)} (comma-separated for several), got {','.join(values)!r}")
-    variants = [{k: v for k, v in (("quantization", q), ("kv_cache_dtype", d)) if v not in ("none", "auto")}
-                for q in quants for d in kv_dtypes]
+    try:
+        variants = setting_variants(quantization, kv_cache_dtype)
+    except ValueError as exc:
+        fail(str(exc))
     with interruptible():
         try:
             if len(variants) == 1:
@@ -261,14 +257,11 @@ def bench_quality(
 ):
     """Each variant against the model in its own dtype: answers identical over the chat prompts,
     the mean agreeing prefix of an answer, and perplexity on a fixed text (FP8 needs a GPU)."""
-    from qmigrate.bench.quality import run_quality
-    try:
-        sets = [dict(kv.split("=", 1) for kv in v.split(",")) for v in variants.split(";") if v]
-    except ValueError:
-        fail(f"--variants takes KEY=VALUE[,KEY=VALUE] groups separated by ';', got {variants!r}")
+    from qmigrate.bench.quality import parse_variants, run_quality
     with interruptible():
         try:
-            run_quality(find_model(model), _one_device(device), [{}] + sets, prompts, new_tokens, runner, json_out)
+            run_quality(find_model(model), _one_device(device), [{}] + parse_variants(variants), prompts, new_tokens,
+                        runner, json_out)
         except ValueError as exc:
             fail(str(exc))
 

@@ -272,3 +272,16 @@ def test_quality_perplexity_is_the_models_own(tiny_model_dir):
     want = torch.cat(nll).mean().exp().item()
     assert got == pytest.approx(want, rel=1e-4)
     assert engine.pool.num_free_blocks == engine.pool.num_blocks - 1   # its rows were released
+
+
+def test_bench_settings_combine_and_bad_values_name_the_flag():
+    from qmigrate.bench.quality import parse_variants
+    from qmigrate.bench.step import setting_variants
+    assert setting_variants("none,fp8", "auto,fp8") == [
+        {}, {"kv_cache_dtype": "fp8"}, {"quantization": "fp8"}, {"quantization": "fp8", "kv_cache_dtype": "fp8"}]
+    with pytest.raises(ValueError, match="--kv-cache-dtype takes auto or fp8"):
+        setting_variants("fp8", "fp16")
+    assert parse_variants("quantization=fp8;kv_cache_dtype=fp8") == [{"quantization": "fp8"},
+                                                                     {"kv_cache_dtype": "fp8"}]
+    with pytest.raises(ValueError, match="--variants"):
+        parse_variants("fp8")

@@ -138,6 +138,14 @@ def perplexity(engine, ids: list[int], rows: int = ROWS) -> float:
     return math.exp(nll / count)
 
 
+def parse_variants(text: str) -> list[dict]:
+    """'quantization=fp8;kv_cache_dtype=fp8,...' -> [{"quantization": "fp8"}, ...]."""
+    try:
+        return [dict(kv.split("=", 1) for kv in v.split(",")) for v in text.split(";") if v]
+    except ValueError:
+        raise ValueError(f"--variants takes KEY=VALUE[,KEY=VALUE] groups separated by ';', got {text!r}") from None
+
+
 VARIANTS = ({}, {"quantization": "fp8"}, {"kv_cache_dtype": "fp8"}, {"quantization": "fp8", "kv_cache_dtype": "fp8"})
 
 

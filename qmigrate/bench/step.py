@@ -196,6 +196,19 @@ def compare_decode_steps(model_path: str, device: str, batches: list[int], conte
     return runs
 
 
+def setting_variants(quantization: str, kv_cache_dtype: str) -> list[dict]:
+    """Every combination of the comma-separated values, as engine settings (defaults left out)."""
+    from qmigrate.engine.config import KV_CACHE_DTYPES, QUANTIZATIONS
+    quants, kv_dtypes = quantization.split(","), kv_cache_dtype.split(",")
+    for flag, values, allowed in (("--quantization", quants, QUANTIZATIONS),
+                                  ("--kv-cache-dtype", kv_dtypes, KV_CACHE_DTYPES)):
+        if any(v not in allowed for v in values):
+            raise ValueError(f"{flag} takes {' or '.join(allowed)} (comma-separated for several), "
+                             f"got {','.join(values)!r}")
+    return [{k: v for k, v in (("quantization", q), ("kv_cache_dtype", d)) if v not in ("none", "auto")}
+            for q in quants for d in kv_dtypes]
+
+
 def _name(settings: dict) -> str:
     return ", ".join(f"{k} {v}" for k, v in settings.items()) or "defaults"
 
