@@ -165,6 +165,13 @@ def serve(
         "--kv-offloading-size",
         help="GiB of host memory per worker for KV blocks evicted from the GPU, copied back on a hit instead "
              "of prefilled; -1 sizes it from host memory (default: 0, off).")] = None,
+    quantization: Annotated[Optional[str], typer.Option(
+        "--quantization", "-q",
+        help="fp8: the layers' weights in e4m3, matmuls on the FP8 tensor cores (Hopper or later).")] = None,
+    kv_cache_dtype: Annotated[Optional[str], typer.Option(
+        "--kv-cache-dtype",
+        help="fp8: the KV cache in e4m3, twice the tokens (compute capability 8.9 or later); auto: the model's "
+             "dtype.")] = None,
     api_key: Annotated[Optional[str], typer.Option(
         "--api-key",
         help="Requests to /v1 must send 'Authorization: Bearer KEY'.")] = None,
@@ -210,7 +217,8 @@ def serve(
                         tensor_parallel_size)
     flags = {"max_num_batched_tokens": max_num_batched_tokens, "max_model_len": max_model_len,
              "block_size": block_size, "enable_prefix_caching": enable_prefix_caching,
-             "enforce_eager": enforce_eager, "kv_offloading_size": kv_offloading_size}
+             "enforce_eager": enforce_eager, "kv_offloading_size": kv_offloading_size,
+             "quantization": quantization, "kv_cache_dtype": kv_cache_dtype}
     try:
         opts.worker_settings = {**worker_settings(worker_setting or []),
                                 **{k: v for k, v in flags.items() if v is not None}}

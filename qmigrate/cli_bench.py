@@ -215,16 +215,55 @@ def bench_decode_step(
     load_format: Annotated[str, typer.Option(
         help="auto: read the checkpoint; dummy: only config.json, weights made on the device "
              "(`qmigrate model shape`).")] = "auto",
+    quantization: Annotated[str, typer.Option(
+        help="none or fp8, or several comma-separated (e.g. none,fp8): each is run in turn and compared "
+             "with the first.")] = "none",
+    kv_cache_dtype: Annotated[str, typer.Option(
+        help="auto or fp8, or several comma-separated (each combined with each --quantization).")] = "auto",
     json_out: JsonOpt = None,
 ):
     """Time one decode step per batch size against the weight-read floor (CUDA)."""
-    from qmigrate.bench.step import run_decode_steps
+    from qmigrate.bench.step import compare_decode_steps, run_decode_steps, setting_variants
     if load_format not in ("auto", "dummy"):
         fail("--load-format must be auto or dummy")
     sizes = _batches(batches)
+    try:
+        variants = setting_variants(quantization, kv_cache_dtype)
+    except ValueError as exc:
+        fail(str(exc))
     with interruptible():
-        run_decode_steps(_bench_model(model, model_dir, device), _one_device(device), sizes, context, runner,
-                         json_out, profile, load_format)
+        try:
+            if len(variants) == 1:
+                run_decode_steps(_bench_model(model, model_dir, device), _one_device(device), sizes, context, runner,
+                                 json_out, profile, load_format, variants[0])
+            else:
+                compare_decode_steps(_bench_model(model, model_dir, device), _one_device(device), sizes, context,
+                                     runner, variants, json_out, load_format)
+        except ValueError as exc:
+            fail(str(exc))
+
+
+@bench_app.command("quality", short_help="Greedy agreement and perplexity of FP8 weights and KV against the model's dtype.")
+def bench_quality(
+    model: Annotated[str, typer.Option("--model", "-m", help="A trained model (a directory or smollm2).")] = "smollm2",
+    device: DeviceOpt = "cuda",
+    prompts: Annotated[int, typer.Option(min=1, help="Chat prompts compared.")] = 48,
+    new_tokens: Annotated[int, typer.Option(min=1, help="Greedy tokens per prompt (EOS ignored).")] = 64,
+    variants: Annotated[str, typer.Option(
+        help="Engine settings compared with the model's dtype, ';'-separated, each KEY=VALUE[,KEY=VALUE].")]
+        = "quantization=fp8;kv_cache_dtype=fp8;quantization=fp8,kv_cache_dtype=fp8",
+    runner: RunnerOpt = "auto",
+    json_out: JsonOpt = None,
+):
+    """Each variant against the model in its own dtype: answers identical over the chat prompts,
+    the mean agreeing prefix of an answer, and perplexity on a fixed text (FP8 needs a GPU)."""
+    from qmigrate.bench.quality import parse_variants, run_quality
+    with interruptible():
+        try:
+            run_quality(find_model(model), _one_device(device), [{}] + parse_variants(variants), prompts, new_tokens,
+                        runner, json_out)
+        except ValueError as exc:
+            fail(str(exc))
 
 
 @bench_app.command("admission-step", short_help="What admitting a prompt costs the decode rows beside it.")

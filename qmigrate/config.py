@@ -301,6 +301,7 @@ class Topology(Section):
                 reason = f"no node named {node!r}" if node else "required"
                 raise ConfigError(f"{where}.node", f"{reason} (nodes: {', '.join(names)})")
         self._check_gpus()
+        self._check_fp8()
         for i, name in enumerate(self.security.operators):
             if name not in names:
                 raise ConfigError(f"security.operators[{i}]", f"no node named {name!r} (nodes: {', '.join(names)})")
@@ -322,6 +323,14 @@ class Topology(Section):
                                       f"{w.tensor_parallel_size} takes cuda:{first}.."
                                       f"cuda:{first + w.tensor_parallel_size - 1})")
                 taken[w.node, gpu] = w.name
+
+    def _check_fp8(self) -> None:
+        """FP8 runs on CUDA GPUs only (the engine checks the GPU's compute capability)."""
+        for i, w in enumerate(self.workers):
+            for key, off, need in (("quantization", "none", "9.0"), ("kv_cache_dtype", "auto", "8.9")):
+                if getattr(w, key) != off and not w.device.startswith("cuda"):
+                    raise ConfigError(f"workers[{i}].{key}", f"{getattr(w, key)} needs a CUDA GPU with FP8 "
+                                      f"(compute capability {need} or later); this worker's device is {w.device}")
 
     @property
     def max_model_len(self) -> int:

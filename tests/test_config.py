@@ -464,9 +464,9 @@ def test_the_engine_built_from_a_topology_gets_the_topologys_values():
                 "cpu_kvcache_space_bytes": 1 << 26, "enforce_eager": True, "enable_prefix_caching": False,
                 "shared_prefix_attention": False, "prefill_chunk": 64, "prefill_tokens_per_step": 32,
                 "prefill_tokens_with_decode": 16, "prefill_spread_steps": 2, "max_padding": 0.5,
-                "kv_offloading_size": 1.5}
+                "kv_offloading_size": 1.5, "quantization": "fp8", "kv_cache_dtype": "fp8"}
     data = base()
-    data["workers"][0].update(settings)
+    data["workers"][0].update(settings, device="cuda:0")   # FP8 is refused on a CPU worker
     engine = parse_topology(data).workers[0].engine_config()
     assert {k: getattr(engine, k) for k in settings} == settings
     from qmigrate.engine.config import EngineConfig

@@ -11,6 +11,8 @@ from qmigrate import config_rules as rules
 from qmigrate.config_rules import Section
 
 RUNNERS = ("auto", "fast", "hf")
+QUANTIZATIONS = ("none", "fp8")            # engine/fp8.py
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 
 DEFAULT_CPU_KVCACHE_SPACE_BYTES = 2 << 30
 
@@ -52,5 +54,11 @@ class EngineConfig(Section):
     # ... or 1/N of the prompt tokens waiting in the step, if more: a backlog is spread over
     # at most N steps (0: the limit is fixed)
     prefill_spread_steps: int = rules.setting(4, rules.non_negative)
+    # fp8: the layers' projections in e4m3 with per-channel scales, activations quantized per
+    # token, matmuls on the FP8 tensor cores (compute capability 9.0; the fast runner)
+    quantization: str = rules.setting("none", rules.one_of(*QUANTIZATIONS))
+    # fp8 (fp8_e4m3): the KV pool stores e4m3 with a scale of 1.0, twice the tokens of bf16
+    # (compute capability 8.9; the fast runner); auto: the model's dtype
+    kv_cache_dtype: str = rules.setting("auto", rules.one_of(*KV_CACHE_DTYPES))
     # HF runner: padding allowed when grouping prefills, as a share of their real tokens
     max_padding: float = rules.setting(0.25, rules.number("a number >= 0", lambda x: x >= 0))

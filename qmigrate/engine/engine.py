@@ -28,7 +28,7 @@ from qmigrate.engine.batch import StepBatch
 from qmigrate.engine.kv.host_tier import HostTier, export_by_keys, tier_bytes
 from qmigrate.engine.kv.pool import BlockPool, landed
 from qmigrate.engine.rows import REFUSED, Pending, StepRow, num_new, prompt_budget, share_prompt_budget
-from qmigrate.engine import startup
+from qmigrate.engine import fp8, startup
 from qmigrate.engine.config import EngineConfig
 from qmigrate.engine.runners.choice import make_runner
 from qmigrate.engine.controls import Controls, ControlTable
@@ -55,6 +55,11 @@ class Engine:
         self.max_len = min(cfg.max_model_len or self.max_context, self.max_context)
         param = next(model.parameters())
         self.device, self.dtype = (param.device if tp is None else tp.device), param.dtype
+        self.kv_dtype = fp8.kv_dtype(cfg.kv_cache_dtype, self.dtype)
+        for what, on, need in ((f"quantization {cfg.quantization}", cfg.quantization != "none", (9, 0)),
+                               (f"kv_cache_dtype {cfg.kv_cache_dtype}", cfg.kv_cache_dtype != "auto", (8, 9))):
+            if on and (why := fp8.unsupported(self.device, what, need)):
+                raise ValueError(why)
         if self.device.type == "cuda":
             # Triton launches and CUDA graph captures go to the current device: make it ours
             torch.cuda.set_device(self.device)
@@ -63,7 +68,7 @@ class Engine:
         # the pool holds this rank's KV heads (all of them without tensor parallelism)
         self.pool_kv_heads = shape.num_kv_heads if tp is None else tp.layout.kv_heads_per_rank
         self.pool = BlockPool(shape.num_layers, self.pool_kv_heads, shape.head_dim,
-                              self._num_blocks(), cfg.block_size, self.dtype, self.device,
+                              self._num_blocks(), cfg.block_size, self.kv_dtype, self.device,
                               prefix_cache=cfg.enable_prefix_caching, can_copy=tp is None or tp.world == 1)
         self._attach_tier()
         self.runner.attach(self.pool)
@@ -77,7 +82,7 @@ class Engine:
     @property
     def kv_bytes_per_token(self) -> int:
         """KV bytes of one token of the whole model (all ranks: what a transfer ships)."""
-        return self.shape.kv_bytes_per_token(self.dtype.itemsize)
+        return self.shape.kv_bytes_per_token(self.kv_dtype.itemsize)
 
     def _num_blocks(self) -> int:
         blocks = startup.num_blocks_here(self)
@@ -98,7 +103,7 @@ class Engine:
         ranks = "" if self.tp is None else f", tensor parallel over {self.tp.world} ranks (pool per rank)"
         tier = "" if p.tier is None else f", host tier of {p.tier.capacity * p.tier.block_bytes / 2**30:.2f} GiB"
         return (f"{self.runner.name} runner ({self.runner_reason}{ranks}), KV pool of {p.capacity_tokens:,} tokens "
-                f"({p.num_blocks - 1:,} blocks of {p.block_size}, "
+                f"({p.num_blocks - 1:,} blocks of {p.block_size}, {str(p.dtype).removeprefix('torch.')}, "
                 f"{p.kv.numel() * p.kv.element_size() / 2**30:.2f} GiB){tier}")
 
     # --- KV store -------------------------------------------------------------------------

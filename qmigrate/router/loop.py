@@ -60,8 +60,10 @@ class Router:
         costs = migration_costs(topo.model.path)
         if costs is None and self.config.migration == "auto":
             log.warning("the model's config.json is not readable on this node: every migration recomputes")
-        self.kv_bytes_per_token = {w.name: costs.kv_bytes_per_token(topo.model.dtype_for(w.device))
-                                   for w in topo.workers} if costs else {}
+        # a worker with kv_cache_dtype fp8 ships its KV in e4m3 (a receiver of another dtype converts)
+        self.kv_bytes_per_token = {w.name: costs.kv_bytes_per_token(
+            "float8_e4m3fn" if w.kv_cache_dtype != "auto" else topo.model.dtype_for(w.device))
+            for w in topo.workers} if costs else {}
         self.num_params = costs.num_params if costs else 0
         self.observer = FleetObserver()
         self.errors: Counter[str] = Counter()

@@ -37,7 +37,8 @@ from qmigrate.ops.process import freeze_heap, run_until_fatal
 
 log = logging.getLogger("qmigrate.worker")
 
-KV_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+KV_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+             "float8_e4m3fn": torch.float8_e4m3fn}   # kv_cache_dtype fp8
 STARTUP_TIMEOUT_S = 60.0
 HELLO_RESEND_S = 2.0
 NVML_EVERY_S = 5.0  # how often NVML is asked what this process holds on its GPU
