@@ -109,7 +109,8 @@ def write_calls(out, rate: str, records: list[CallRecord], t0: float) -> None:
     for rec in records:
         out.write(json.dumps({"rate": rate, "start": round(rec.start - t0, 6),
                               "chunks": [round(t - t0, 6) for t in rec.chunks],
-                              "output_tokens": rec.output_tokens, "cached_tokens": rec.cached_tokens,
+                              "output_tokens": rec.output_tokens, "expected_tokens": rec.expected_tokens,
+                              "cached_tokens": rec.cached_tokens,
                               "error": rec.error}) + "\n")
 
 
