@@ -13,7 +13,7 @@ GPUs with tensor parallelism, and linear scaling. Parts, any of them comma-separ
              worker mid-run: calls lost or repeated, the pauses of the streams in flight at the
              drain (at the client), tok/s before and after.
   tp70b      Llama-3.1-70B shape, dummy bf16 weights, `--tensor-parallel-size 4`: the decode step
-             at batch 1/64/256 (ITL p50 of that many streams of 512-token prompts, all decoding)
+             at batch 1/64/256 (TPOT p50 of that many streams of 512-token prompts, all decoding)
              against the floor of one GPU's shard; ShareGPT; the same ShareGPT on two TP=2
              workers (part tp70b-tp2, separate: it needs a second start of the model).
   scaling    `qmigrate bench --paths pipeline` with N workers and N x 256 requests against one
@@ -79,7 +79,7 @@ class Setup:
             self.client = ["--client-processes", "1", "--warmup", "1"]
             return
         m = self.work / "bench-model"
-        if not (m / "config.json").exists():
+        if not (m / "config.json").exists() and {"migration", "drain", "scaling"} & set(a.parts):
             q("model", "bench", str(m))
         self.models = {"m": str(m)}
         self.context = {"m": 2048, "l8": 131072, "l70": 131072}
@@ -108,8 +108,7 @@ class Setup:
                     "--vocab", "10:1000"]
             return base + (["--long-output-fraction", "0.1", "--long-output-len", "200:300", "--max-model-len",
                             "512"] if long else [])
-        base = ["--dataset", "sharegpt", "--tokenizer", self.models[key], "--requests", str(n),
-                "--prompt-format", "text"]
+        base = ["--dataset", "sharegpt", "--tokenizer", self.models[key], "--requests", str(n)]
         return base + (["--long-output-fraction", "0.1", "--long-output-len", "2048:4096", "--max-model-len",
                         str(self.context[key])] if long else [])
 
@@ -192,7 +191,6 @@ def drain(s: Setup, budget: Budget, out: Path) -> dict:
     a = s.a
     key = "tiny" if s.tiny else "m"
     point_s = 8.0 if s.tiny else a.drain_point_s
-    drain_at = point_s / 3
     if not budget.allows("drain", 60 + 2 * point_s + 60):
         return {}
     with Server(s.models[key], out / "serve-drain.log", [*s.serve_flags, *s.model_flags(key)]) as srv:
@@ -201,7 +199,8 @@ def drain(s: Setup, budget: Budget, out: Path) -> dict:
                     "drain-inf", metrics_url=srv.metrics_url)
         sat = saturating_rate(read_calls(out / "drain-inf.calls.jsonl")["inf"])
         rate = a.drain_load * sat["requests_per_s"]
-        n = max(8, min(a.max_requests, int(rate * point_s)))
+        n = max(8, min(a.drain_requests, int(rate * point_s)))
+        drain_at = n / rate / 3   # a third into the arrivals
         finished0 = srv.counter("qmigrate_requests_finished_total")
         proc = bench_serve(srv.url, [*s.sharegpt(key, n, long=False), *s.client, "--request-rate", f"{rate:.3f}"],
                            out, "drain", metrics_url=srv.metrics_url, background=True)
@@ -219,7 +218,8 @@ def drain(s: Setup, budget: Budget, out: Path) -> dict:
         report = finish_bench(proc, out / "drain.json")
     run = report["runs"][0]
     calls = next(iter(read_calls(out / "drain.calls.jsonl").values()))
-    effects = drain_effects(calls, drained_at - run["t0_monotonic"], arrivals_end=n / rate)
+    at = drained_at - run["t0_monotonic"]
+    effects = drain_effects(calls, at, before_s=min(15.0, at / 2), arrivals_end=n / rate)
     effects.update(worker=victim, of_workers=len(workers), router_said=said, rate=rate, saturation=sat,
                    three_quarters_of_saturation_tok_per_s=0.75 * sat["tok_per_s"],
                    after_over_three_quarters=effects["tok_per_s_after"] / (0.75 * sat["tok_per_s"]),
@@ -237,8 +237,8 @@ def _decode_steps(s: Setup, srv: Server, out: Path, key: str, tp: int, batches: 
                 *s.client, "--request-rate", "inf"]
         run = bench_serve(srv.url, args, out, f"{key}-tp{tp}-decode-b{b}", metrics_url=srv.metrics_url)["runs"][0]
         floor = shard_floor_ms(config, tp, b, prompt + new // 2, s.a.bandwidth)
-        step = run["itl_ms"]["p50"]
-        rows.append({"batch": b, "step_ms": step, "tpot_p50_ms": run["tpot_ms"]["p50"], **floor,
+        step = run["tpot_ms"]["p50"]   # tokens that arrive together make ITL p50 0; TPOT spreads them
+        rows.append({"batch": b, "step_ms": step, "itl_p50_ms": run["itl_ms"]["p50"], **floor,
                      "x_floor": step / floor["floor_ms"] if step else None})
     return rows
 
@@ -312,8 +312,8 @@ def scaling(s: Setup, budget: Budget, out: Path) -> dict:
     if srv_all and srv_one:
         res["serve"]["mixed_all_over_n_times_one"] = srv_all["mixed_tok_per_s"] / (
             srv_all["workers"] * srv_one["mixed_tok_per_s"])
-        a_hit = srv_all["shared_prefix_hit_rate_router"] or srv_all["shared_prefix_hit_rate_usage"]
-        o_hit = srv_one["shared_prefix_hit_rate_router"] or srv_one["shared_prefix_hit_rate_usage"]
+        a_hit = srv_all["shared_prefix_hit_rate_usage"] or srv_all["shared_prefix_hit_rate_router"]
+        o_hit = srv_one["shared_prefix_hit_rate_usage"] or srv_one["shared_prefix_hit_rate_router"]
         if a_hit is not None and o_hit:
             res["serve"]["hit_rate_all_over_one"] = a_hit / o_hit
     return res
@@ -376,8 +376,8 @@ def table(results: dict) -> str:
             if name in srv:
                 r = srv[name]
                 lines.append(f"scaling serve {r['workers']} worker(s): mixed {r['mixed_tok_per_s']:,.0f} tok/s; "
-                             f"shared-prefix hits {_f(r['shared_prefix_hit_rate_router'], '.3f')} (router), "
-                             f"{_f(r['shared_prefix_hit_rate_usage'], '.3f')} (usage)")
+                             f"shared-prefix hits {_f(r['shared_prefix_hit_rate_usage'], '.3f')} (usage), "
+                             f"{_f(r['shared_prefix_hit_rate_router'], '.3f')} (router)")
         if "mixed_all_over_n_times_one" in srv:
             lines.append(f"scaling serve: mixed all / (N x one) {srv['mixed_all_over_n_times_one']:.3f}; hit rate "
                          f"all / one {_f(srv.get('hit_rate_all_over_one'), '.3f')}")
@@ -405,7 +405,8 @@ def main(argv: list[str] | None = None) -> int:
                         "65536 for a pool that the loads fill")
     p.add_argument("--kv-tokens-l8", type=int, default=0, help="migration: the same for L8 (0: from memory)")
     p.add_argument("--drain-load", type=float, default=0.8)
-    p.add_argument("--drain-point-s", type=float, default=60.0)
+    p.add_argument("--drain-point-s", type=float, default=60.0, help="drain: seconds of arrivals at most")
+    p.add_argument("--drain-requests", type=int, default=12000, help="drain: requests at most")
     p.add_argument("--tp-sharegpt-requests", type=int, default=500)
     p.add_argument("--bandwidth", type=float, default=2.86e12, help="bytes/s of one GPU for the floor")
     p.add_argument("--repeat", type=int, default=2, help="scaling: pipeline runs per N")

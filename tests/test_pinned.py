@@ -119,3 +119,17 @@ def test_under_imbalance_and_evictions_each_sequence_runs_on_one_worker(policy, 
     assert bool(moved) is moves, moved
     if not moves:
         assert not migrations(s)
+
+
+def test_a_row_refused_for_room_waits_for_its_worker_too():
+    """A worker without room for a row answers NEED_IDS (its KV is gone): under "pinned" the
+    sequence is resent to that worker, not to whoever asks first."""
+    from qmigrate.wire.protocol import Finish
+    s = make_sched(policy="pinned")
+    join(s, "w0"), join(s, "w1")
+    give(s, "w0", [1, 2])
+    g = ask(s, "w0")
+    report(s, g, codes={2: Finish.NEED_IDS})
+    assert s.seqs[2].owner is None and s.counters["resends"] == 1
+    assert ask(s, "w1") is None
+    assert 2 in full_ids(ask(s, "w0")) and not migrations(s)

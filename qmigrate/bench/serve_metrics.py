@@ -75,6 +75,8 @@ class ServerCounters:
         self.before: dict | None = None
 
     def start(self) -> None:
+        if self.url is not None:
+            time.sleep(SETTLE_S)   # what came before (the warm-up, the run before) counted first
         self.before = self._read()
 
     def stop(self) -> dict | None:
