@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from benchmarks.four_gpu import table
+from benchmarks.four_gpu_report import table
 from benchmarks.four_gpu_lib import drain_effects, saturating_rate, shard_floor_ms
 from qmigrate.hub.shapes import shape_config
 
