@@ -194,15 +194,20 @@ def drain(s: Setup, budget: Budget, out: Path) -> dict:
         # drain once the timed run is under way: that many of its requests have finished
         want = finished0 + 2 + max(1, int(0.5 * rate * drain_at))
         deadline = time.monotonic() + 120
-        while srv.counter("qmigrate_requests_finished_total") < want and proc.poll() is None \
-                and time.monotonic() < deadline:
-            time.sleep(0.05)
-        from qmigrate.config import load_topology
-        workers = [w.name for w in load_topology(srv.topology).workers]
-        victim = workers[1]
-        drained_at = time.perf_counter()
-        said = srv.drain(victim)
-        report = finish_bench(proc, out / "drain.json")
+        try:
+            while srv.counter("qmigrate_requests_finished_total") < want and proc.poll() is None \
+                    and time.monotonic() < deadline:
+                time.sleep(0.05)
+            from qmigrate.config import load_topology
+            workers = [w.name for w in load_topology(srv.topology).workers]
+            victim = workers[1]
+            drained_at = time.perf_counter()
+            said = srv.drain(victim)
+            report = finish_bench(proc, out / "drain.json")
+        finally:
+            if proc.poll() is None:   # stopped midway: the client goes with the server
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
     run = report["runs"][0]
     calls = next(iter(read_calls(out / "drain.calls.jsonl").values()))
     at = drained_at - run["t0_monotonic"]

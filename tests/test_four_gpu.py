@@ -73,6 +73,7 @@ def test_the_table_names_every_figure_and_what_was_skipped():
     assert "skipped: drain" in text
 
 
+@pytest.mark.timeout(600)   # two servers' worth of CPU work on a shared machine
 def test_the_drain_part_end_to_end_on_the_cpu(tmp_path):
     """Two CPU workers of the tiny model under load, one drained mid-run: nothing lost or
     repeated, the drain moved sequences, and the figures came out."""
