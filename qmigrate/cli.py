@@ -200,6 +200,14 @@ def serve(
         "--load-format",
         help="auto: read the checkpoint; dummy: make random weights of the model's shapes on the device from "
              "its config.json alone (a directory of `qmigrate model shape`). Default: the topology's (auto).")] = None,
+    migration_policy: Annotated[Optional[str], typer.Option(
+        "--migration-policy",
+        help="Where a sequence may run (router.policy): affinity (default: it stays with its KV but moves "
+             "for load and memory), pinned (it stays on the worker it started on: only a drain or a dead "
+             "worker moves it) or any (any worker at any step).")] = None,
+    metrics_port: Annotated[Optional[int], typer.Option(
+        "--metrics-port", min=1, max=65534,
+        help="Serve Prometheus metrics: the router's on PORT, the detokenizer's latencies on PORT+1.")] = None,
     log_level: LogLevel = "warning",
 ):
     """Start every role on this machine and serve the OpenAI-compatible API (/v1/completions,
@@ -225,6 +233,8 @@ def serve(
         opts.api_server_count = api_server_count
         opts.trace_dir = None if trace is None else str(trace.absolute())
         opts.load_format = load_format
+        opts.router_settings = {} if migration_policy is None else {"policy": migration_policy}
+        opts.metrics_port = metrics_port
         num_gpus = 0 if base is not None else visible_gpus()
         topo = serve_topology(opts, base, num_gpus=num_gpus, gpu_bytes=smallest_gpu_bytes() if num_gpus else 0)
     except ConfigError as exc:

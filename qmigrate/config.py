@@ -96,6 +96,9 @@ def _is_loopback(host: str) -> bool:
     return host == "localhost" or host == "::1" or host.startswith("127.")
 
 
+ROUTER_POLICIES = ("affinity", "pinned", "any")
+
+
 @dataclass(slots=True)
 class RouterConfig(Section):
     node: str = rules.setting("", rules.name)
@@ -105,7 +108,10 @@ class RouterConfig(Section):
     lease_timeout_s: float = rules.setting(10.0, rules.positive)
     heartbeat_interval_s: float = rules.setting(0.5, rules.positive)
     heartbeat_timeout_s: float = rules.setting(5.0, rules.positive)
-    policy: str = rules.setting("affinity", rules.one_of("affinity", "any"))
+    # affinity: a sequence stays where its KV is, unless it moves for load or memory (the two
+    # settings below); pinned: it stays on the worker it started on (only a drain or a dead
+    # worker moves it; one evicted for room is recomputed there); any: it may run anywhere
+    policy: str = rules.setting("affinity", rules.one_of(*ROUTER_POLICIES))
     migrate_on_load: bool = rules.setting(True, rules.boolean)
     migrate_on_memory: bool = rules.setting(True, rules.boolean)
     min_free_vram_fraction: float = rules.setting(0.05, rules.number("a number in [0, 1)", lambda x: 0 <= x < 1))

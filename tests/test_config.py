@@ -113,7 +113,7 @@ def test_kv_ports_are_assigned_per_node_around_taken_ports():
     ("router", "port", True, "router.port: expected an integer"),
     ("router", "max_queued", 0, "router.max_queued: expected an integer >= 1, got 0"),
     ("router", "lease_timeout_s", 0, "router.lease_timeout_s: expected a number > 0"),
-    ("router", "policy", "random", "router.policy: expected 'affinity' or 'any', got 'random'"),
+    ("router", "policy", "random", "router.policy: expected one of 'affinity', 'pinned', 'any', got 'random'"),
     ("router", "migration", "copy", "router.migration: expected one of 'auto', 'recompute', 'transfer'"),
     ("router", "migrate_on_load", "yes please", "router.migrate_on_load: expected true or false"),
     ("router", "min_free_vram_fraction", 1.0, "router.min_free_vram_fraction: expected a number in [0, 1)"),
@@ -438,7 +438,7 @@ def test_boolean_settings_take_the_yaml_words(value, expected):
 
 
 def test_a_boolean_where_no_on_or_off_is_offered_is_still_refused():
-    assert "router.policy: expected 'affinity' or 'any', got True" in error_of(base(router={"node": "head", "policy": True}))
+    assert "router.policy: expected one of 'affinity', 'pinned', 'any', got True" in error_of(base(router={"node": "head", "policy": True}))
     assert "router.chain_leases: expected true or false, got 'maybe'" in error_of(
         base(router={"node": "head", "chain_leases": "maybe"}))
 

@@ -222,6 +222,7 @@ class Lessor:
         revoked_at, seq.revoked_at = seq.revoked_at, None
         if seq.owner == w.name:
             return Row(seq.seq_id, len(seq.token_ids), seq.token_ids[-1], None)
+        seq.home = w.name
         if seq.lost_at is not None:
             self.move_delays.append(("dead", now - seq.lost_at))
             seq.lost_at = None

@@ -28,6 +28,7 @@ class Seq:
     prefix_keys: tuple | None = None   # (block size, length, keys of its full blocks): prefix_index.seq_keys
     offered_at: float | None = None    # when a worker was first offered it (cache-aware placement)
     num_waits: int = 0                 # leases it sat out for prefix blocks others computed (prefix_index)
+    home: str | None = None            # the worker it last came to (policy "pinned" keeps it there)
 
     @property
     def seq_id(self) -> int:

@@ -169,7 +169,7 @@ class Scheduler:
         for w in self.workers.values():
             if w.gpu_uuid and w.gpu_uuid == gpu_uuid:
                 short = free_fraction < self.config.min_free_vram_fraction
-                if short and not w.is_memory_short and self.config.migrate_on_memory:
+                if short and not w.is_memory_short and self.moves.on_memory:
                     self.lessor.revoke_steps(w)
                     w.moving_since = now
                 w.free_vram_fraction = free_fraction
