@@ -35,7 +35,7 @@ EOF
 }
 serve_up() {   # serve_up LOG ARGS...: qmigrate serve on port 8000, waits until ready
     local log=$1; shift
-    python -m qmigrate serve "$@" --port 8000 > "$log" 2>&1 &
+    python -m qmigrate serve "$@" --port ${PORT:-8000} > "$log" 2>&1 &
     SERVER=$!
     for _ in $(seq 1 300); do
         kill -0 $SERVER 2>/dev/null || { tail -20 "$log"; return 1; }
@@ -46,7 +46,7 @@ serve_up() {   # serve_up LOG ARGS...: qmigrate serve on port 8000, waits until 
 }
 serve_down() { kill $SERVER; wait $SERVER; sleep 2; }
 sessions() {   # sessions NAME: the multi-turn run, then the router's figures
-    q bench serve --base-url http://127.0.0.1:8000 --dataset multi-turn --sessions $SESSIONS --turns $TURNS \
+    q bench serve --base-url http://127.0.0.1:${PORT:-8000} --dataset multi-turn --sessions $SESSIONS --turns $TURNS \
         --question-len $WORDS --answer-len $ANSWER --think-time-s $THINK --json "$out/$1.json"
     q status "$(grep -o '/[^ ]*/topology.yaml' "$out/$1.log" | head -1)" --json > "$out/$1.status.json"
 }
