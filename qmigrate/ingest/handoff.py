@@ -37,15 +37,48 @@ def reply_rows(msg: P.Replies) -> list[tuple]:
     HttpServer.deliver takes, in the ingest loop and in a front alike."""
     ids = P.unpack_i64(msg.seq_ids).tolist()
     cached = P.unpack_i32(msg.cached_tokens).tolist() if msg.cached_tokens else [-1] * len(ids)
-    return list(zip(ids, msg.texts, P.unpack_u8(msg.finish).tolist(), P.unpack_i32(msg.num_tokens).tolist(), cached))
+    rows = zip(ids, msg.texts, P.unpack_u8(msg.finish).tolist(), P.unpack_i32(msg.num_tokens).tolist(), cached)
+    if msg.lp_width < 0 and msg.prompt_width < 0:
+        return list(rows)
+    lps, prompts = logprobs_of(msg)
+    return [(*row, lp, prompt) for row, lp, prompt in zip(rows, lps, prompts)]
+
+
+def logprobs_of(msg: P.Replies) -> tuple[list, list]:
+    """Per row of a Replies: its tokens' (id, values, top ids) (None: no logprobs), and its
+    prompt's (values, top ids) (None: none)."""
+    n = len(msg.texts)
+    lps, prompts = [None] * n, [None] * n
+    if msg.lp_width >= 0:
+        counts, ids = P.unpack_i32(msg.lp_counts).tolist(), P.unpack_i32(msg.lp_token_ids).tolist()
+        entries = P.unpack_logprob_rows(msg.lp_values, msg.lp_top_ids, len(ids), msg.lp_width, 1)
+        pos = 0
+        for i, count in enumerate(counts):
+            if count:
+                lps[i] = [(t, None, None) if np.isnan(v[0]) else (t, v, k)
+                          for t, (v, k) in zip(ids[pos:pos + count], entries[pos:pos + count])]
+            pos += count
+    if msg.prompt_width >= 0:
+        counts = P.unpack_i32(msg.prompt_counts).tolist()
+        entries = P.unpack_logprob_rows(msg.prompt_values, msg.prompt_top_ids, sum(counts), msg.prompt_width, 2)
+        pos = 0
+        for i, count in enumerate(counts):
+            if count:
+                prompts[i] = entries[pos:pos + count]
+            pos += count
+    return lps, prompts
 
 
 def rows_of(msg: P.Replies, rows: np.ndarray) -> P.Replies:
     """The Replies of only these rows (indices, in order)."""
     ids, finish = P.unpack_i64(msg.seq_ids), P.unpack_u8(msg.finish)
     cached = P.pack_i32(P.unpack_i32(msg.cached_tokens)[rows]) if msg.cached_tokens else b""
-    return P.Replies(P.pack_i64(ids[rows]), P.pack_u8(finish[rows]),
-                     P.pack_i32(P.unpack_i32(msg.num_tokens)[rows]), [msg.texts[i] for i in rows.tolist()], cached)
+    out = P.Replies(P.pack_i64(ids[rows]), P.pack_u8(finish[rows]),
+                    P.pack_i32(P.unpack_i32(msg.num_tokens)[rows]), [msg.texts[i] for i in rows.tolist()], cached)
+    if msg.lp_width < 0 and msg.prompt_width < 0:
+        return out
+    lps, prompts = logprobs_of(msg)
+    return P.replies_with_logprobs(out, [lps[i] for i in rows.tolist()], [prompts[i] for i in rows.tolist()])
 
 
 def split_by_front(msg: P.Replies) -> dict[int, P.Replies | None]:

@@ -26,6 +26,10 @@ def pack_u8(values) -> bytes:
     return np.ascontiguousarray(values, dtype="u1").tobytes()
 
 
+def pack_f32(values) -> bytes:
+    return np.ascontiguousarray(values, dtype="<f4").tobytes()
+
+
 def _unpack(data: bytes, dtype: str, what: str) -> np.ndarray:
     itemsize = np.dtype(dtype).itemsize
     if len(data) % itemsize:
@@ -50,3 +54,31 @@ def unpack_i64(data: bytes, what: str = "i64") -> np.ndarray:
 
 def unpack_u8(data: bytes, what: str = "u8") -> np.ndarray:
     return _unpack(data, "u1", what)
+
+
+def unpack_f32(data: bytes, what: str = "f32") -> np.ndarray:
+    return _unpack(data, "<f4", what)
+
+
+# Logprob rows (Tokens, Replies): per token its values (logprob[, rank], the alternatives') and ids
+def pack_logprob_rows(entries: list, width: int, extra: int) -> tuple[bytes, bytes]:
+    """(values, ids) arrays of entries [(values [extra + k], ids [k]) or None], each padded
+    to `width` alternatives (values NaN, ids -1; None: a token without logprobs)."""
+    n = len(entries)
+    values = np.full((n, extra + width), np.nan, dtype="<f4")
+    ids = np.full((n, width), -1, dtype="<i4")
+    for i, entry in enumerate(entries):
+        if entry is not None:
+            v, t = entry
+            values[i, :len(v)] = v[:extra + width]
+            ids[i, :len(t)] = t[:width]
+    return values.tobytes(), ids.tobytes()
+
+
+def unpack_logprob_rows(values: bytes, ids: bytes, num: int, width: int, extra: int) -> list:
+    """The entries `pack_logprob_rows` packed (sizes were checked at decode)."""
+    if num == 0:
+        return []
+    v = np.frombuffer(values, dtype="<f4").reshape(num, extra + width)
+    t = np.frombuffer(ids, dtype="<i4").reshape(num, width)
+    return [(v[i], t[i]) for i in range(num)]

