@@ -120,3 +120,73 @@ def test_rows_that_do_not_ask_carry_nothing(model):
     core = make_core(model)
     _, rows, prompt = run(core, lease_of(1, PROMPT, spec_of(PROMPT, temperature=0.5, seed=1), 3))
     assert rows == [] and prompt is None
+
+
+# --- through the official client ---------------------------------------------------------
+
+openai = pytest.importorskip("openai")
+
+
+@pytest.fixture(scope="module")
+def ref(tiny_chat_model_dir):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    model = AutoModelForCausalLM.from_pretrained(tiny_chat_model_dir, dtype=torch.float32).eval()
+    return model, AutoTokenizer.from_pretrained(tiny_chat_model_dir)
+
+
+@pytest.mark.slow
+def test_logprobs_through_the_official_client(http_node, ref):
+    """Chat and completions, streamed and not: each token's logprob and top alternatives equal
+    transformers'; echo puts the prompt's text and logprobs first; prompt_logprobs as vLLM's;
+    bounds errors name their field."""
+    model, tok = ref
+    client = http_node.client
+    ids = tok.encode("Once upon a time")
+    args = dict(model="tiny", prompt=ids, max_tokens=5, temperature=0.7, seed=3)
+    whole = client.completions.create(**args, logprobs=3)
+    lp = whole.choices[0].logprobs
+    assert len(lp.tokens) == whole.usage.completion_tokens == len(lp.token_logprobs) == len(lp.top_logprobs)
+    streamed = [c.choices[0].logprobs for c in client.completions.create(**args, logprobs=3, stream=True)
+                if c.choices and c.choices[0].logprobs is not None]
+    assert sum((s.token_logprobs for s in streamed), []) == lp.token_logprobs
+    chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi"}], max_tokens=4,
+                                          temperature=0, logprobs=True, top_logprobs=2)
+    content = chat.choices[0].logprobs.content
+    assert len(content) == chat.usage.completion_tokens and all(len(c.top_logprobs) == 2 for c in content)
+    assert all(c.bytes == list(c.token.encode()) for c in content)
+    prompt_ids = tok.apply_chat_template([{"role": "user", "content": "Hi"}], add_generation_prompt=True,
+                                         tokenize=False)
+    prompt_ids = tok.encode(prompt_ids, add_special_tokens=False)
+    for c in content:   # the greedy token is the likeliest: its own top alternative
+        assert c.top_logprobs[0].token == c.token and abs(c.top_logprobs[0].logprob - c.logprob) < 1e-6
+    with torch.no_grad():
+        ids_out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=len(content),
+                                 do_sample=False)[0, len(prompt_ids):].tolist()
+    want = reference(model, prompt_ids + ids_out, 0.0)
+    for i, (c, t) in enumerate(zip(content, ids_out)):
+        assert abs(c.logprob - float(want[len(prompt_ids) - 1 + i, t])) < TOL
+    stream = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi"}], max_tokens=4,
+                                            temperature=0, logprobs=True, top_logprobs=2, stream=True)
+    parts = [c.choices[0].logprobs.content for c in stream if c.choices and c.choices[0].logprobs is not None]
+    assert [c.logprob for p in parts for c in p] == [c.logprob for c in content]
+
+    echo = client.completions.create(model="tiny", prompt="Once upon a time", max_tokens=2, temperature=0,
+                                     echo=True, logprobs=1, extra_body={"prompt_logprobs": 2})
+    choice = echo.choices[0]
+    assert choice.text.startswith("Once upon a time")
+    plp = choice.model_extra["prompt_logprobs"]
+    assert plp[0] is None and len(plp) == len(ids)
+    assert choice.logprobs.token_logprobs[0] is None and len(choice.logprobs.tokens) == len(ids) + 2
+    want = reference(model, ids, 0.0)
+    for i in range(1, len(ids)):
+        assert abs(choice.logprobs.token_logprobs[i] - float(want[i - 1, ids[i]])) < TOL
+        assert abs(plp[i][str(ids[i])]["logprob"] - float(want[i - 1, ids[i]])) < TOL
+    for field, kw in (("top_logprobs", dict(logprobs=True, top_logprobs=21)),
+                      ("top_logprobs", dict(top_logprobs=2))):
+        with pytest.raises(openai.BadRequestError, match=f"'{field}'") as info:
+            client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi"}], **kw)
+        assert info.value.body["param"] == field
+    with pytest.raises(openai.BadRequestError, match="'logprobs' must be an integer from 0 to 20"):
+        client.completions.create(model="tiny", prompt="Hi", logprobs=21)
+    with pytest.raises(openai.BadRequestError, match="'prompt_logprobs'"):
+        client.completions.create(model="tiny", prompt="Hi", extra_body={"prompt_logprobs": -3})
