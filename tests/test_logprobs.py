@@ -5,6 +5,8 @@ worker and after a forced migration (by recompute and by KV transfer); then thro
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -190,3 +192,38 @@ def test_logprobs_through_the_official_client(http_node, ref):
         client.completions.create(model="tiny", prompt="Hi", logprobs=21)
     with pytest.raises(openai.BadRequestError, match="'prompt_logprobs'"):
         client.completions.create(model="tiny", prompt="Hi", extra_body={"prompt_logprobs": -3})
+
+
+# --- one set of bounds on every input path -------------------------------------------------
+
+@pytest.mark.parametrize("field,value", [("logprobs", 21), ("logprobs", True), ("prompt_logprobs", 2.5),
+                                         ("prompt_logprobs", 21)])
+def test_stdin_jsonl_and_http_refuse_the_same_values_naming_the_field(field, value):
+    from tokenizer_util import build_tokenizer
+    from qmigrate.ingest.openai_api import ApiError, parse_body
+    from qmigrate.ingest.prompts import PromptError, parse_line
+    tok = build_tokenizer()
+    with pytest.raises(PromptError, match=f"'{field}' must be an integer from 0 to 20") as info:
+        parse_line(json.dumps({"prompt": "hi", field: value}), mode="jsonl", line_no=1, tokenizer=tok, max_context=64)
+    assert info.value.param == field
+    with pytest.raises(ApiError, match=f"'{field}' must be an integer from 0 to 20") as info:
+        parse_body({"model": "m", "prompt": "hi", field: value}, "completion", model_names=["m"], tokenizer=tok,
+                   max_context=64)
+    assert info.value.param == field and info.value.status == 400
+
+
+def test_requests_carry_what_they_ask_for_to_the_wire():
+    from tokenizer_util import build_tokenizer
+    from qmigrate.ingest.openai_api import fan_out, parse_body
+    from qmigrate.ingest.prompts import to_spec
+    tok = build_tokenizer()
+    kw = dict(model_names=["m"], tokenizer=tok, max_context=64)
+    req = parse_body({"model": "m", "prompt": "hi there", "logprobs": 2, "echo": True}, "completion", **kw)
+    spec = to_spec(fan_out(req, "r")[0], 1, 0, [])
+    assert (spec.num_logprobs, spec.num_prompt_logprobs, req.echo, req.prompt_texts) == (2, 2, True, ["hi there"])
+    req = parse_body({"model": "m", "prompt": "hi", "prompt_logprobs": 4}, "completion", **kw)
+    spec = to_spec(fan_out(req, "r")[0], 1, 0, [])
+    assert (spec.num_logprobs, spec.num_prompt_logprobs) == (-1, 4)
+    plain = to_spec(fan_out(parse_body({"model": "m", "prompt": "hi", "logprobs": False}, "completion", **kw),
+                            "r")[0], 1, 0, [])
+    assert (plain.num_logprobs, plain.num_prompt_logprobs) == (-1, -1)

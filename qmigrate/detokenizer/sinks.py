@@ -168,8 +168,10 @@ class _Sink:
 
     def prompt_logprobs(self, seq_id: int, entries: list) -> None:
         """The logprobs of seq_id's prompt (positions 1 on: engine/logprobs.py), sent on with its text."""
-        seq = self._seqs.get(seq_id)
-        if seq is not None and seq.prompt_lps is None and not seq.token_ids:
+        if seq_id in self._finished:
+            return
+        seq = self._seq(seq_id)
+        if seq.prompt_lps is None and not seq.token_ids:
             seq.prompt_lps = entries
 
     def tokens(self, seq_id: int, start_index: int, token_ids: Sequence[int], logprobs=None) -> None:

@@ -58,13 +58,16 @@ def sampled_logprobs(logits: torch.Tensor, temperature: torch.Tensor | None, tok
                      rows: np.ndarray, width: int) -> StepLogprobs:
     """logits [B, V] after the controls, temperature [B] (None or 0: greedy), tokens [B]
     sampled; the logprobs of `rows`, with `width` alternatives each."""
-    index = torch.as_tensor(rows, dtype=torch.int64).to(logits.device, non_blocking=True)
-    x = logits.index_select(0, index).float()
-    if temperature is not None:
-        t = temperature.index_select(0, index)
+    if len(rows) == logits.shape[0]:   # every row asks (rows are in order): no gathering
+        x, t, chosen_ids = logits.float(), temperature, tokens
+    else:
+        index = torch.as_tensor(rows, dtype=torch.int64).to(logits.device, non_blocking=True)
+        x, chosen_ids = logits.index_select(0, index).float(), tokens.index_select(0, index)
+        t = temperature.index_select(0, index) if temperature is not None else None
+    if t is not None:
         x = x / torch.where(t > 0, t, torch.ones_like(t))[:, None]
     lp = x.log_softmax(dim=-1)
-    chosen = lp.gather(1, tokens.index_select(0, index)[:, None].long())
+    chosen = lp.gather(1, chosen_ids[:, None].long())
     top = lp.topk(width, dim=-1)
     return StepLogprobs(rows, torch.cat([chosen, top.values], dim=1), top.indices.to(torch.int32))
 

@@ -65,6 +65,9 @@ def pack_logprob_rows(entries: list, width: int, extra: int) -> tuple[bytes, byt
     """(values, ids) arrays of entries [(values [extra + k], ids [k]) or None], each padded
     to `width` alternatives (values NaN, ids -1; None: a token without logprobs)."""
     n = len(entries)
+    if n and all(e is not None and len(e[1]) == width and len(e[0]) == extra + width for e in entries):
+        return (np.stack([e[0] for e in entries]).astype("<f4", copy=False).tobytes(),
+                np.stack([e[1] for e in entries]).astype("<i4", copy=False).tobytes())
     values = np.full((n, extra + width), np.nan, dtype="<f4")
     ids = np.full((n, width), -1, dtype="<i4")
     for i, entry in enumerate(entries):
