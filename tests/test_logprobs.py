@@ -227,3 +227,53 @@ def test_requests_carry_what_they_ask_for_to_the_wire():
     plain = to_spec(fan_out(parse_body({"model": "m", "prompt": "hi", "logprobs": False}, "completion", **kw),
                             "r")[0], 1, 0, [])
     assert (plain.num_logprobs, plain.num_prompt_logprobs) == (-1, -1)
+
+
+# --- a batch where some rows ask: the engine's path, on the CPU and on a GPU's fast runner ---
+
+_GPU = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+
+@pytest.mark.parametrize("device,runner,tol", [("cpu", "hf", TOL),
+                                               pytest.param("cuda", "fast", 1e-3, marks=_GPU)])
+def test_a_batch_where_some_rows_ask(tiny_model_dir, device, runner, tol):
+    """Rows that ask get their sampled token's logprob and top k (a prompt's too), rows that do
+    not get nothing and the same tokens as when none asks; a decode step (CUDA graphs on a GPU)
+    of some rows asking, then of all. fp32; a GPU's kernels round differently, hence its tolerance."""
+    from qmigrate.engine.rows import StepRow
+    model, _ = load_model(tiny_model_dir, device, "float32")
+    engine = Engine(model, runner=runner, max_num_seqs=16, max_kv_tokens=1 << 14)
+    plain = Engine(model, runner=runner, max_num_seqs=16, max_kv_tokens=1 << 14)
+    r = np.random.default_rng(5)
+    prompts = [[1] + r.integers(3, 1400, size=int(r.integers(4, 40))).tolist() for _ in range(6)]
+    asks = [3 if i % 2 else -1 for i in range(6)]
+    rows = [StepRow(i, p, 0, 0, 0.8, 1.0, 0, 100 + i, num_logprobs=asks[i], num_prompt_logprobs=2 if i == 1 else -1)
+            for i, p in enumerate(prompts)]
+    ids = {i: list(p) for i, p in enumerate(prompts)}
+    for step in range(3):
+        pending = engine.launch(rows)
+        tokens = engine.collect(pending)
+        assert tokens == plain.step([StepRow(*[getattr(x, f) for f in ("seq_id", "new_ids", "start", "index",
+                                                                         "temperature", "top_p", "top_k", "seed")])
+                                     for x in rows])
+        got, prompt = engine.take_logprobs(pending)
+        assert sorted(got) == [i for i in range(6) if rows[i].num_logprobs >= 0]
+        for i, token in enumerate(tokens):
+            if i in got:
+                with torch.no_grad():
+                    logits = model(torch.tensor([ids[i]], device=device)).logits[0, -1].float().cpu()
+                want = (logits / 0.8).log_softmax(-1)
+                values, top = got[i]
+                k = rows[i].num_logprobs
+                assert abs(values[0] - float(want[token])) < tol
+                assert np.allclose(values[1:1 + k], want.topk(k).values.numpy(), atol=tol)
+            ids[i].append(token)
+        if step == 0:
+            with torch.no_grad():
+                raw = model(torch.tensor([prompts[1]], device=device)).logits[0].float().cpu().log_softmax(-1)
+            values, top = prompt[1]
+            assert list(prompt) == [1] and len(values) == len(prompts[1]) - 1
+            assert np.allclose(values[:, 0], raw[np.arange(len(prompts[1]) - 1), prompts[1][1:]].numpy(), atol=tol)
+        every = step >= 1   # the last step: every row asks
+        rows = [StepRow(i, [ids[i][-1]], len(ids[i]) - 1, step + 1, 0.8, 1.0, 0, 100 + i,
+                        num_logprobs=2 if every else asks[i]) for i in range(6)]
