@@ -277,3 +277,43 @@ def test_a_batch_where_some_rows_ask(tiny_model_dir, device, runner, tol):
         every = step >= 1   # the last step: every row asks
         rows = [StepRow(i, [ids[i][-1]], len(ids[i]) - 1, step + 1, 0.8, 1.0, 0, 100 + i,
                         num_logprobs=2 if every else asks[i]) for i in range(6)]
+
+
+# --- on the wire ---------------------------------------------------------------------------
+
+def _entry(k: int, extra: int, seed: int):
+    r = np.random.default_rng(seed)
+    return r.standard_normal(extra + k).astype(np.float32), r.integers(0, 500, size=k).astype(np.int32)
+
+
+def test_logprob_arrays_are_checked_at_decode_and_kept_with_their_rows():
+    """A Tokens whose logprob arrays do not fit its tokens is refused; the router's and ingest's
+    selections of rows keep each row's logprobs (and prompt's) with it."""
+    from qmigrate.ingest.handoff import logprobs_of, rows_of
+    entries = [_entry(2, 1, s) for s in range(5)]
+    values, ids = P.pack_logprob_rows(entries, 2, 1)
+    prompt = [_entry(2, 2, 10 + s) for s in range(3)]
+    pv, pi = P.pack_logprob_rows(prompt, 2, 2)
+    msg = P.Tokens(P.pack_i64([7, 8]), P.pack_i32([0, 4]), P.pack_i32([3, 2]), P.pack_i32([1, 2, 3, 4, 5]),
+                   P.pack_u8([0, 0]), lp_width=2, lp_values=values, lp_top_ids=ids,
+                   prompt_counts=P.pack_i32([3, 0]), prompt_width=2, prompt_values=pv, prompt_top_ids=pi)
+    assert codec.decode(codec.encode(msg)) == msg
+    for bad in (dict(lp_values=values[:-4]), dict(lp_width=21), dict(prompt_counts=P.pack_i32([2, 0])),
+                dict(lp_width=-1)):
+        with pytest.raises(P.ProtocolError):
+            codec.decode(codec.encode(P.Tokens(**{**{f: getattr(msg, f) for f in msg.__dataclass_fields__}, **bad})))
+    kept = P.logprob_rows(msg, P.Tokens(P.pack_i64([8]), P.pack_i32([4]), P.pack_i32([2]), P.pack_i32([4, 5]),
+                                         P.pack_u8([0])), np.array([False, True]))
+    got = P.unpack_logprob_rows(kept.lp_values, kept.lp_top_ids, 2, 2, 1)
+    assert all((a[0] == b[0]).all() and (a[1] == b[1]).all() for a, b in zip(got, entries[3:]))
+    assert P.unpack_i32(kept.prompt_counts).tolist() == [0] and codec.decode(codec.encode(kept)) == kept
+
+    replies = P.replies_with_logprobs(
+        P.Replies(P.pack_i64([7, 8, 9]), P.pack_u8([0, 0, 0]), P.pack_i32([3, 2, 1]), ["a", "b", "c"]),
+        [[(1, *entries[0]), (2, *entries[1])], None, [(9, None, None)]], [prompt, None, None])
+    replies = codec.decode(codec.encode(replies))
+    part = codec.decode(codec.encode(rows_of(replies, np.array([0, 2]))))
+    lps, prompts = logprobs_of(part)
+    assert [t for t, _, _ in lps[0]] == [1, 2] and (lps[0][1][1] == entries[1][0]).all()
+    assert lps[1] == [(9, None, None)] and len(prompts[0]) == 3 and prompts[1] is None
+    assert (prompts[0][2][0] == prompt[2][0]).all()
