@@ -179,6 +179,8 @@ def test_logprobs_through_the_official_client(http_node, ref):
     plp = choice.model_extra["prompt_logprobs"]
     assert plp[0] is None and len(plp) == len(ids)
     assert choice.logprobs.token_logprobs[0] is None and len(choice.logprobs.tokens) == len(ids) + 2
+    assert choice.logprobs.text_offset[len(ids)] == len("Once upon a time")   # offsets index the text
+    assert choice.logprobs.text_offset == sorted(choice.logprobs.text_offset)
     want = reference(model, ids, 0.0)
     for i in range(1, len(ids)):
         assert abs(choice.logprobs.token_logprobs[i] - float(want[i - 1, ids[i]])) < TOL

@@ -88,14 +88,20 @@ class CompletionLogprobs:
             else:
                 self.add(token_id, _value(values[0]), _top(values, ids, self.num_top, 1))
 
-    def add_prompt(self, prompt_ids: list[int], positions) -> None:
-        """Echo: the prompt's tokens, the first without a logprob."""
+    def add_prompt(self, prompt_ids: list[int], positions, echo_text: str) -> None:
+        """Echo: the prompt's tokens, the first without a logprob. Their offsets end where
+        `echo_text` (the prompt as the client sent it) ends, so that a BOS the client did not
+        write counts for nothing: the generated tokens' offsets index the choice's text."""
+        start = len(self.whole["tokens"])
+        self.offset = len(echo_text) - sum(len(self.text(t)[0]) for t in prompt_ids)
         self.add(prompt_ids[0], None, None)
         for token_id, (values, ids) in zip(prompt_ids[1:], positions or [(None, None)] * (len(prompt_ids) - 1)):
             if values is None:
                 self.add(token_id, None, None)
             else:
                 self.add(token_id, _value(values[0]), _top(values, ids, self.num_top, 2))
+        offsets = self.whole["text_offset"]
+        offsets[start:] = [max(0, o) for o in offsets[start:]]
 
     def take(self) -> dict:
         start, self.fresh = self.fresh, len(self.whole["tokens"])

@@ -106,7 +106,7 @@ class ChoiceExtras:
     def __init__(self, req: ApiRequest, index: int, text: LP.TokenText) -> None:
         p = index // req.n
         self.req, self.text, self.prompt_ids = req, text, req.prompts[p].prompt_ids
-        self.echo_text = req.prompt_texts[p] if req.echo else ""
+        self.prompt_text = self.echo_text = req.prompt_texts[p] if req.echo else ""
         self.content: list[dict] = []
         self.num_fresh = 0
         self.completion = LP.CompletionLogprobs(req.logprobs, text) \
@@ -122,7 +122,7 @@ class ChoiceExtras:
             if positions is not None and req.prompt_logprobs >= 0:
                 self.prompt = LP.prompt_logprobs(self.prompt_ids, positions, req.prompt_logprobs, self.text)
             if req.echo and self.completion is not None:
-                self.completion.add_prompt(self.prompt_ids, positions)
+                self.completion.add_prompt(self.prompt_ids, positions, self.prompt_text)
         if lps:
             if self.completion is not None:
                 self.completion.add_tokens(lps)
