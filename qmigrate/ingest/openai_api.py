@@ -25,6 +25,7 @@ from typing import Literal
 
 from qmigrate.wire import protocol as P
 from qmigrate.ingest import logprobs_api as LP
+from qmigrate.ingest.logprobs_api import ChoiceExtras
 from qmigrate.ingest.prompts import MAX_SEED, Defaults, Prompt, PromptError, is_int_list, parse_request
 
 Kind = Literal["completion", "chat"]
@@ -96,63 +97,6 @@ class ApiRequest:
     def has_extras(self) -> bool:
         """Its choices carry more than text: logprobs, or an echo."""
         return self.logprobs >= 0 or self.prompt_logprobs >= 0 or self.echo
-
-
-class ChoiceExtras:
-    """What a choice carries beside its text (logprobs, prompt logprobs, an echoed prompt), fed
-    the detokenizer's rows as they come: `fresh()` what came since the last call (a stream's
-    chunk), `whole()` all of it."""
-
-    def __init__(self, req: ApiRequest, index: int, text: LP.TokenText) -> None:
-        p = index // req.n
-        self.req, self.text, self.prompt_ids = req, text, req.prompts[p].prompt_ids
-        self.prompt_text = self.echo_text = req.prompt_texts[p] if req.echo else ""
-        self.content: list[dict] = []
-        self.num_fresh = 0
-        self.completion = LP.CompletionLogprobs(req.logprobs, text) \
-            if req.kind == "completion" and req.logprobs >= 0 else None
-        self.prompt: list | None = None     # vLLM's prompt_logprobs, once they came
-        self.prompt_sent = False
-        self.started = False
-
-    def push(self, lps, positions) -> None:
-        req = self.req
-        if not self.started:   # the prompt's part comes with the first row
-            self.started = True
-            if positions is not None and req.prompt_logprobs >= 0:
-                self.prompt = LP.prompt_logprobs(self.prompt_ids, positions, req.prompt_logprobs, self.text)
-            if req.echo and self.completion is not None:
-                self.completion.add_prompt(self.prompt_ids, positions, self.prompt_text)
-        if lps:
-            if self.completion is not None:
-                self.completion.add_tokens(lps)
-            elif req.logprobs >= 0:
-                self.content += LP.chat_content(lps, req.logprobs, self.text)
-
-    def with_echo(self, text: str) -> str:
-        """The text, after the echoed prompt the first time."""
-        if self.echo_text:
-            text, self.echo_text = self.echo_text + text, ""
-        return text
-
-    def fresh(self) -> dict | None:
-        if self.completion is not None:
-            return self.completion.take()
-        if self.req.logprobs < 0:
-            return None
-        start, self.num_fresh = self.num_fresh, len(self.content)
-        return {"content": self.content[start:]}
-
-    def whole(self) -> dict | None:
-        if self.completion is not None:
-            return self.completion.whole
-        return {"content": self.content} if self.req.logprobs >= 0 else None
-
-    def take_prompt(self) -> list | None:
-        if self.prompt is None or self.prompt_sent:
-            return None
-        self.prompt_sent = True
-        return self.prompt
 
 
 def not_found(model: str, model_names: Collection[str]) -> ApiError:

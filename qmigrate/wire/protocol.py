@@ -20,7 +20,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from qmigrate.wire.packed import (  # noqa: F401 (re-exported)
-    ProtocolError, _unpack, pack_f32, pack_i32, pack_logprob_rows, unpack_logprob_rows, pack_i64, pack_u8, unpack_f32, unpack_i32, unpack_i64, unpack_ids,
+    ProtocolError, _unpack, logprob_rows, pack_f32, pack_i32, pack_logprob_rows, replies_with_logprobs,
+    unpack_logprob_rows, pack_i64, pack_u8, unpack_f32, unpack_i32, unpack_i64, unpack_ids,
     unpack_u8,
 )
 
@@ -649,42 +650,6 @@ def check_logprobs(msg, num_tokens: int, num_rows: int, name: str) -> None:
         unpack_i32(ids, f"{name}.{what}_top_ids")
         if len(values) != 4 * num * (extra + width) or len(ids) != 4 * num * width:
             raise ProtocolError(f"{name}: {what} logprob arrays of the wrong size")
-
-
-def logprob_rows(msg: "Tokens", kept: "Tokens", keep: np.ndarray) -> "Tokens":
-    """`kept` (the rows `keep`, a boolean mask, of `msg`) with those rows' logprobs."""
-    fields = {}
-    if msg.lp_width >= 0:
-        per_token = np.repeat(keep, unpack_i32(msg.counts))
-        k = msg.lp_width
-        fields.update(lp_width=k, lp_values=unpack_f32(msg.lp_values).reshape(-1, 1 + k)[per_token].tobytes(),
-                      lp_top_ids=unpack_i32(msg.lp_top_ids).reshape(-1, k)[per_token].tobytes())
-    if msg.prompt_width >= 0:
-        counts, k = unpack_i32(msg.prompt_counts), msg.prompt_width
-        per_position = np.repeat(keep, counts)
-        fields.update(prompt_counts=pack_i32(counts[keep]), prompt_width=k,
-                      prompt_values=unpack_f32(msg.prompt_values).reshape(-1, 2 + k)[per_position].tobytes(),
-                      prompt_top_ids=unpack_i32(msg.prompt_top_ids).reshape(-1, k)[per_position].tobytes())
-    return dataclasses.replace(kept, **fields) if fields else kept
-
-
-def replies_with_logprobs(msg: Replies, lps, prompts) -> Replies:
-    """The Replies with its rows' logprobs: lps[i] the (id, values, top ids) of row i's tokens
-    (None: none), prompts[i] its prompt's (values, top ids) (None: none)."""
-    tokens = [e for row in lps if row is not None for e in row]
-    fields = dict(lp_counts=pack_i32([0 if row is None else len(row) for row in lps]),
-                  lp_token_ids=pack_i32([e[0] for e in tokens]))
-    entries = [None if e[1] is None else (e[1], e[2]) for e in tokens]
-    width = max((len(e[1]) for e in entries if e is not None), default=0)
-    fields["lp_width"] = width
-    fields["lp_values"], fields["lp_top_ids"] = pack_logprob_rows(entries, width, 1)
-    if any(p is not None for p in prompts):
-        positions = [e for p in prompts if p is not None for e in p]
-        width = max(len(e[1]) for e in positions) if positions else 0
-        values, ids = pack_logprob_rows(positions, width, 2)
-        fields.update(prompt_counts=pack_i32([0 if p is None else len(p) for p in prompts]), prompt_width=width,
-                      prompt_values=values, prompt_top_ids=ids)
-    return dataclasses.replace(msg, **fields)
 
 
 def _rows_agree(name: str, seq_ids: bytes, counts: bytes, codes: bytes, tokens: bytes, *more: bytes) -> None:
