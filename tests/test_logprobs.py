@@ -185,6 +185,18 @@ def test_logprobs_through_the_official_client(http_node, ref):
     for i in range(1, len(ids)):
         assert abs(choice.logprobs.token_logprobs[i] - float(want[i - 1, ids[i]])) < TOL
         assert abs(plp[i][str(ids[i])]["logprob"] - float(want[i - 1, ids[i]])) < TOL
+    # several choices, streamed and not: each its own tokens' logprobs
+    many = client.completions.create(model="tiny", prompt=["Hi", "Once"], n=2, max_tokens=3, temperature=0.9,
+                                     seed=5, logprobs=2)
+    assert [len(c.logprobs.tokens) for c in many.choices] == [3] * 4
+    chunks = client.completions.create(model="tiny", prompt=["Hi", "Once"], n=2, max_tokens=3, temperature=0.9,
+                                       seed=5, logprobs=2, stream=True)
+    per_choice: dict[int, list] = {}
+    for c in chunks:
+        for choice in c.choices:
+            if choice.logprobs is not None:
+                per_choice.setdefault(choice.index, []).extend(choice.logprobs.token_logprobs)
+    assert per_choice == {c.index: c.logprobs.token_logprobs for c in many.choices}
     for field, kw in (("top_logprobs", dict(logprobs=True, top_logprobs=21)),
                       ("top_logprobs", dict(top_logprobs=2))):
         with pytest.raises(openai.BadRequestError, match=f"'{field}'") as info:
