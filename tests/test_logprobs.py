@@ -45,11 +45,12 @@ def run(core, lease):
     result, tokens = core.run(lease)
     msg = codec.decode(codec.encode(tokens))
     n = len(msg.tokens) // 4
-    rows = P.unpack_logprob_rows(msg.lp_values, msg.lp_top_ids, n, msg.lp_width, 1) if msg.lp_width >= 0 else []
+    rows = list(zip(*P.unpack_logprob_block(msg.lp_values, msg.lp_top_ids, n, msg.lp_width, 1))) \
+        if msg.lp_width >= 0 else []
     prompt = None
     if msg.prompt_width >= 0:
         count = int(P.unpack_i32(msg.prompt_counts).sum())
-        prompt = P.unpack_logprob_rows(msg.prompt_values, msg.prompt_top_ids, count, msg.prompt_width, 2)
+        prompt = list(zip(*P.unpack_logprob_block(msg.prompt_values, msg.prompt_top_ids, count, msg.prompt_width, 2)))
     return P.unpack_i32(result.tokens).tolist(), rows, prompt
 
 
@@ -277,7 +278,8 @@ def test_a_batch_where_some_rows_ask(tiny_model_dir, device, runner, tol):
                 with torch.no_grad():
                     logits = model(torch.tensor([ids[i]], device=device)).logits[0, -1].float().cpu()
                 want = (logits / 0.8).log_softmax(-1)
-                values, top = got[i]
+                block, top_ids, row = got[i]
+                values = block[row]
                 k = rows[i].num_logprobs
                 assert abs(values[0] - float(want[token])) < tol
                 assert np.allclose(values[1:1 + k], want.topk(k).values.numpy(), atol=tol)
@@ -295,19 +297,25 @@ def test_a_batch_where_some_rows_ask(tiny_model_dir, device, runner, tol):
 
 # --- on the wire ---------------------------------------------------------------------------
 
-def _entry(k: int, extra: int, seed: int):
+def _block(n: int, k: int, extra: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
     r = np.random.default_rng(seed)
-    return r.standard_normal(extra + k).astype(np.float32), r.integers(0, 500, size=k).astype(np.int32)
+    return r.standard_normal((n, extra + k)).astype(np.float32), r.integers(0, 500, size=(n, k)).astype(np.int32)
 
 
 def test_logprob_arrays_are_checked_at_decode_and_kept_with_their_rows():
     """A Tokens whose logprob arrays do not fit its tokens is refused; the router's and ingest's
     selections of rows keep each row's logprobs (and prompt's) with it."""
     from qmigrate.ingest.handoff import logprobs_of, rows_of
-    entries = [_entry(2, 1, s) for s in range(5)]
-    values, ids = P.pack_logprob_rows(entries, 2, 1)
-    prompt = [_entry(2, 2, 10 + s) for s in range(3)]
-    pv, pi = P.pack_logprob_rows(prompt, 2, 2)
+    block = _block(5, 2, 1, 0)
+    width, values, ids = P.pack_logprob_refs([(*block, k) for k in range(5)], 1)
+    prompt = _block(3, 2, 2, 1)
+    _, pv, pi = P.pack_logprob_refs([(*prompt, k) for k in range(3)], 2)
+    assert width == 2 and values == block[0].tobytes()
+    narrow = _block(2, 1, 1, 2)   # refs into two arrays of different widths: padded to the widest
+    _, v2, i2 = P.pack_logprob_refs([(*narrow, 1), None, (*block, 4)], 1)
+    v2, i2 = P.unpack_logprob_block(v2, i2, 3, 2, 1)
+    assert np.isnan(v2[1]).all() and (i2[1] == -1).all() and (v2[2] == block[0][4]).all()
+    assert (v2[0, :2] == narrow[0][1]).all() and np.isnan(v2[0, 2]) and i2[0].tolist() == [narrow[1][1, 0], -1]
     msg = P.Tokens(P.pack_i64([7, 8]), P.pack_i32([0, 4]), P.pack_i32([3, 2]), P.pack_i32([1, 2, 3, 4, 5]),
                    P.pack_u8([0, 0]), lp_width=2, lp_values=values, lp_top_ids=ids,
                    prompt_counts=P.pack_i32([3, 0]), prompt_width=2, prompt_values=pv, prompt_top_ids=pi)
@@ -318,16 +326,16 @@ def test_logprob_arrays_are_checked_at_decode_and_kept_with_their_rows():
             codec.decode(codec.encode(P.Tokens(**{**{f: getattr(msg, f) for f in msg.__dataclass_fields__}, **bad})))
     kept = P.logprob_rows(msg, P.Tokens(P.pack_i64([8]), P.pack_i32([4]), P.pack_i32([2]), P.pack_i32([4, 5]),
                                          P.pack_u8([0])), np.array([False, True]))
-    got = P.unpack_logprob_rows(kept.lp_values, kept.lp_top_ids, 2, 2, 1)
-    assert all((a[0] == b[0]).all() and (a[1] == b[1]).all() for a, b in zip(got, entries[3:]))
+    got = P.unpack_logprob_block(kept.lp_values, kept.lp_top_ids, 2, 2, 1)
+    assert (got[0] == block[0][3:]).all() and (got[1] == block[1][3:]).all()
     assert P.unpack_i32(kept.prompt_counts).tolist() == [0] and codec.decode(codec.encode(kept)) == kept
 
     replies = P.replies_with_logprobs(
         P.Replies(P.pack_i64([7, 8, 9]), P.pack_u8([0, 0, 0]), P.pack_i32([3, 2, 1]), ["a", "b", "c"]),
-        [[(1, *entries[0]), (2, *entries[1])], None, [(9, None, None)]], [prompt, None, None])
+        [[(1, (*block, 0)), (2, (*block, 1))], None, [(9, None)]], [prompt, None, None])
     replies = codec.decode(codec.encode(replies))
     part = codec.decode(codec.encode(rows_of(replies, np.array([0, 2]))))
     lps, prompts = logprobs_of(part)
-    assert [t for t, _, _ in lps[0]] == [1, 2] and (lps[0][1][1] == entries[1][0]).all()
+    assert [t for t, _, _ in lps[0]] == [1, 2] and lps[0][1][1] == block[0][1].tolist()
     assert lps[1] == [(9, None, None)] and len(prompts[0]) == 3 and prompts[1] is None
-    assert (prompts[0][2][0] == prompt[2][0]).all()
+    assert prompts[0][2] == (prompt[0][2].tolist(), prompt[1][2].tolist())

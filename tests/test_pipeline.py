@@ -6,6 +6,7 @@ import json
 import random
 import re
 
+import numpy as np
 import pytest
 import yaml
 
@@ -197,9 +198,16 @@ def test_logprobs_are_the_same_after_a_move_and_equal_transformers(tiny_model_di
     for p in LOGPROBS:
         one, moved = alone[p["id"]], finals[p["id"]]
         assert one["token_ids"] == moved["token_ids"] and len(one["logprobs"]) == len(one["token_ids"])
-        for a, b in zip(one["logprobs"], moved["logprobs"]):
-            assert a["token_id"] == b["token_id"] and abs(a["logprob"] - b["logprob"]) < 1e-4
-            assert [t for t, _ in a["top_logprobs"]] == [t for t, _ in b["top_logprobs"]]
+        for i, (a, b) in enumerate(zip(one["logprobs"], moved["logprobs"])):
+            assert a is not None and b is not None, (p["id"], i, a, b)
+            assert a["token_id"] == b["token_id"] and abs(a["logprob"] - b["logprob"]) < 1e-4, (p["id"], i, a, b)
+            values = [v for _, v in a["top_logprobs"]]
+            assert np.allclose(values, [v for _, v in b["top_logprobs"]], atol=1e-4), (p["id"], i, a, b)
+            # the same alternatives, but where two are a numerical tie (either order is right)
+            tied = {k for k in range(len(values)) for j in (k - 1, k + 1)
+                    if 0 <= j < len(values) and abs(values[k] - values[j]) < 1e-4}
+            assert all(a["top_logprobs"][k][0] == b["top_logprobs"][k][0] for k in range(len(values))
+                       if k not in tied), (p["id"], i, a, b)
         ids = p["prompt_ids"] + one["token_ids"]
         with torch.no_grad():
             logits = model(torch.tensor([ids])).logits[0].float()

@@ -222,20 +222,23 @@ class Detokenizer:
                     self.latency.finished(t[0], t[1], now, start + count, end.reason)
 
     def logprobs_of(self, msg: P.Tokens, seq_ids: list[int], counts: list[int]) -> list | None:
-        """Each token's (values, top ids) or None; a prompt's logprobs go to the sink here."""
+        """Each token's logprobs (a reference into the message's arrays: wire/packed.py) or
+        None; a prompt's go to the sink here."""
         if msg.prompt_width >= 0:
             prompt_counts = P.unpack_i32(msg.prompt_counts).tolist()
-            rows = P.unpack_logprob_rows(msg.prompt_values, msg.prompt_top_ids, sum(prompt_counts),
-                                         msg.prompt_width, 2)
+            values, ids = P.unpack_logprob_block(msg.prompt_values, msg.prompt_top_ids, sum(prompt_counts),
+                                                 msg.prompt_width, 2)
             pos = 0
             for sid, n in zip(seq_ids, prompt_counts):
                 if n:
-                    self.sink.prompt_logprobs(sid, rows[pos:pos + n])
+                    self.sink.prompt_logprobs(sid, (values[pos:pos + n], ids[pos:pos + n]))
                 pos += n
         if msg.lp_width < 0:
             return None
-        rows = P.unpack_logprob_rows(msg.lp_values, msg.lp_top_ids, sum(counts), msg.lp_width, 1)
-        return [None if np.isnan(e[0][0]) else e for e in rows]
+        n = sum(counts)
+        values, ids = P.unpack_logprob_block(msg.lp_values, msg.lp_top_ids, n, msg.lp_width, 1)
+        known = (~np.isnan(values[:, 0])).tolist()
+        return [(values, ids, k) if known[k] else None for k in range(n)]
 
 
 def run(topo, name: str, exit_when_done: bool = False) -> int:

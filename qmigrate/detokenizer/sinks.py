@@ -81,9 +81,9 @@ class _Seq:
     num_tokens_expected: int | None = None
     note: str = ""
     cached_tokens: int = -1   # prompt positions found in a prefix cache where it first started (-1: none said)
-    lp_waiting: dict = field(default_factory=dict)   # index -> logprobs (values, top ids) of a waiting token
-    prompt_lps: list | None = None    # its prompt's logprobs, until they are sent on
-    logprobs: list = field(default_factory=list)     # printed requests: each token's (id, values, top ids)
+    lp_waiting: dict = field(default_factory=dict)   # index -> logprobs of a waiting token (wire/packed.py)
+    prompt_lps: tuple | None = None   # its prompt's logprobs (values, top ids), until they are sent on
+    logprobs: list = field(default_factory=list)     # printed requests: each token's (id, logprobs)
 
 
 class _Sink:
@@ -166,8 +166,9 @@ class _Sink:
         if seq is not None and seq.cached_tokens < 0:
             seq.cached_tokens = num_tokens
 
-    def prompt_logprobs(self, seq_id: int, entries: list) -> None:
-        """The logprobs of seq_id's prompt (positions 1 on: engine/logprobs.py), sent on with its text."""
+    def prompt_logprobs(self, seq_id: int, entries: tuple) -> None:
+        """The logprobs of seq_id's prompt (positions 1 on: values, top ids; engine/logprobs.py),
+        sent on with its text."""
         if seq_id in self._finished:
             return
         seq = self._seq(seq_id)
@@ -175,7 +176,7 @@ class _Sink:
             seq.prompt_lps = entries
 
     def tokens(self, seq_id: int, start_index: int, token_ids: Sequence[int], logprobs=None) -> None:
-        """`logprobs`: each token's (values, top ids) or None, for a request that asked."""
+        """`logprobs`: each token's (a reference: wire/packed.py) or None, for a request that asked."""
         if seq_id in self._finished:
             self.num_dropped_tokens += len(token_ids)
             self.newly_done.append(seq_id)
@@ -255,7 +256,7 @@ class _Sink:
             seq.token_ids.extend(ready)
             lps = None
             if seq.lp_waiting:
-                lps = [(t, *seq.lp_waiting.pop(i, (None, None))) for i, t in enumerate(ready, first)]
+                lps = [(t, seq.lp_waiting.pop(i, None)) for i, t in enumerate(ready, first)]
                 if not seq.route:
                     seq.logprobs += lps
             self._emit(seq, seq.decoder.push(ready), advanced=True, logprobs=lps)
@@ -281,7 +282,7 @@ class _Sink:
         """New text of seq. A request answered elsewhere hears of every step that `advanced`
         its tokens, text or none (a token may complete no character yet): a stream sends an
         event per step, as vLLM's does, so its client sees every token's time. `logprobs`:
-        the advanced tokens' (id, values, top ids); a prompt's go with its first reply."""
+        the advanced tokens' (id, logprobs or None); a prompt's go with its first reply."""
         if seq.route:
             if delta or advanced:
                 if logprobs is None and seq.prompt_lps is None:
@@ -325,20 +326,19 @@ class JsonlSink(_Sink):
         if seq.cached_tokens >= 0:
             record["cached_tokens"] = seq.cached_tokens
         if seq.logprobs:
-            record["logprobs"] = [_logprob_record(*entry) for entry in seq.logprobs]
+            record["logprobs"] = [None if ref is None else _logprob_record(t, ref[0][ref[2]], ref[1][ref[2]])
+                                  for t, ref in seq.logprobs]
         if seq.prompt_lps is not None:
-            record["prompt_logprobs"] = [None] + [_logprob_record(None, *entry) for entry in seq.prompt_lps]
+            record["prompt_logprobs"] = [None] + [_logprob_record(None, v, t) for v, t in zip(*seq.prompt_lps)]
         self._put(record)
 
     def _on_error(self, req_id: str, message: str) -> None:
         self._put({"id": req_id, "error": message, "done": True})
 
 
-def _logprob_record(token_id, values, top_ids) -> dict | None:
+def _logprob_record(token_id, values, top_ids) -> dict:
     """A token's logprobs in a JSONL final record: {"token_id", "logprob", ["rank",] "top_logprobs":
     [[id, logprob], ...]} (a prompt position's has its rank and no token id)."""
-    if values is None:
-        return None
     extra = 1 if token_id is not None else 2
     out = {"token_id": token_id} if token_id is not None else {}
     out["logprob"] = float(values[0])

@@ -355,12 +355,14 @@ class Engine:
         return rows, refused, out
 
     def take_logprobs(self, pending: "Pending") -> tuple[dict, dict]:
-        """Of a collected step: seq_id -> (values, top ids) of each asking row's sampled token,
-        and of each prompt whose logprobs it computed (numpy arrays: engine/logprobs.py)."""
+        """Of a collected step: seq_id -> (values, top ids, row) of each asking row's sampled
+        token (a reference into the step's arrays: wire/packed.py), and seq_id -> (values, top
+        ids) of each prompt whose logprobs it computed (numpy arrays: engine/logprobs.py)."""
         tokens = {}
         if pending.logprobs is not None:
-            placed = pending.placed
-            tokens = {pending.rows[placed[k]].seq_id: v for k, v in pending.logprobs.by_row().items()}
+            values, ids = pending.logprobs.arrays()
+            placed, rows = pending.placed, pending.rows
+            tokens = {rows[placed[r]].seq_id: (values, ids, k) for k, r in enumerate(pending.logprobs.rows.tolist())}
         prompts = {sid: (v.numpy(), t.numpy()) for sid, (v, t) in pending.prompt_logprobs.items()}
         return tokens, prompts
 

@@ -38,10 +38,9 @@ class StepLogprobs:
         top_ids.copy_(self.top_ids, non_blocking=True)
         return StepLogprobs(self.rows, values, top_ids)
 
-    def by_row(self) -> dict[int, tuple[np.ndarray, np.ndarray]]:
-        """Row of the step -> (values [1 + K] float32, top ids [K] int32); once the step is collected."""
-        values, ids = self.values.numpy(), self.top_ids.numpy()
-        return {int(r): (values[k], ids[k]) for k, r in enumerate(self.rows.tolist())}
+    def arrays(self) -> tuple[np.ndarray, np.ndarray]:
+        """(values, top ids) as numpy arrays, once the step is collected."""
+        return self.values.numpy(), self.top_ids.numpy()
 
 
 def asking_rows(asks: np.ndarray | None) -> tuple[np.ndarray, int] | None:

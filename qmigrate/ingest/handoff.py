@@ -45,26 +45,29 @@ def reply_rows(msg: P.Replies) -> list[tuple]:
 
 
 def logprobs_of(msg: P.Replies) -> tuple[list, list]:
-    """Per row of a Replies: its tokens' (id, values, top ids) (None: no logprobs), and its
-    prompt's (values, top ids) (None: none)."""
+    """Per row of a Replies: its tokens' (id, values, top ids) (values None: none; None: the
+    row has no logprobs), and its prompt's [(values, top ids)] (None: none), as lists."""
     n = len(msg.texts)
     lps, prompts = [None] * n, [None] * n
     if msg.lp_width >= 0:
         counts, ids = P.unpack_i32(msg.lp_counts).tolist(), P.unpack_i32(msg.lp_token_ids).tolist()
-        entries = P.unpack_logprob_rows(msg.lp_values, msg.lp_top_ids, len(ids), msg.lp_width, 1)
+        values, top = P.unpack_logprob_block(msg.lp_values, msg.lp_top_ids, len(ids), msg.lp_width, 1)
+        known = (~np.isnan(values[:, 0])).tolist()
+        values, top = values.tolist(), top.tolist()
         pos = 0
         for i, count in enumerate(counts):
             if count:
-                lps[i] = [(t, None, None) if np.isnan(v[0]) else (t, v, k)
-                          for t, (v, k) in zip(ids[pos:pos + count], entries[pos:pos + count])]
+                lps[i] = [(ids[j], values[j], top[j]) if known[j] else (ids[j], None, None)
+                          for j in range(pos, pos + count)]
             pos += count
     if msg.prompt_width >= 0:
         counts = P.unpack_i32(msg.prompt_counts).tolist()
-        entries = P.unpack_logprob_rows(msg.prompt_values, msg.prompt_top_ids, sum(counts), msg.prompt_width, 2)
+        values, top = P.unpack_logprob_block(msg.prompt_values, msg.prompt_top_ids, sum(counts), msg.prompt_width, 2)
+        values, top = values.tolist(), top.tolist()
         pos = 0
         for i, count in enumerate(counts):
             if count:
-                prompts[i] = entries[pos:pos + count]
+                prompts[i] = list(zip(values[pos:pos + count], top[pos:pos + count]))
             pos += count
     return lps, prompts
 
@@ -77,8 +80,9 @@ def rows_of(msg: P.Replies, rows: np.ndarray) -> P.Replies:
                     P.pack_i32(P.unpack_i32(msg.num_tokens)[rows]), [msg.texts[i] for i in rows.tolist()], cached)
     if msg.lp_width < 0 and msg.prompt_width < 0:
         return out
-    lps, prompts = logprobs_of(msg)
-    return P.replies_with_logprobs(out, [lps[i] for i in rows.tolist()], [prompts[i] for i in rows.tolist()])
+    keep = np.zeros(len(ids), dtype=bool)
+    keep[rows] = True
+    return P.replies_rows(msg, out, keep)
 
 
 def split_by_front(msg: P.Replies) -> dict[int, P.Replies | None]:

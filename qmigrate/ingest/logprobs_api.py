@@ -42,7 +42,7 @@ def _value(v) -> float | None:
 
 
 def _top(values, ids, num: int, skip: int) -> list[tuple[int, float]]:
-    return [(int(t), float(v)) for t, v in zip(ids[:num].tolist(), values[skip:skip + num].tolist()) if t >= 0]
+    return [(t, v) for t, v in zip(ids[:num], values[skip:skip + num]) if t >= 0]
 
 
 def chat_content(entries, num_top: int, text: TokenText) -> list[dict]:

@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from qmigrate.wire.packed import (  # noqa: F401 (re-exported)
-    ProtocolError, _unpack, logprob_rows, pack_f32, pack_i32, pack_logprob_rows, replies_with_logprobs,
-    unpack_logprob_rows, pack_i64, pack_u8, unpack_f32, unpack_i32, unpack_i64, unpack_ids,
+    ProtocolError, _unpack, logprob_rows, pack_f32, pack_i32, pack_logprob_refs, replies_rows,
+    replies_with_logprobs, unpack_logprob_block, pack_i64, pack_u8, unpack_f32, unpack_i32, unpack_i64, unpack_ids,
     unpack_u8,
 )
 

@@ -24,7 +24,6 @@ import torch
 
 from qmigrate.wire import protocol as P
 from qmigrate.engine.controls import Controls
-from qmigrate.engine import logprobs as lp
 from qmigrate.engine.kv.pool import landed
 from qmigrate.engine.rows import REFUSED, StepRow
 from qmigrate.engine.engine import Engine
@@ -427,15 +426,13 @@ class WorkerCore:
             prompt = run.prompt_lps.pop(sid, None) if start == 0 and tokens else None
             counts.append(0 if prompt is None else len(prompt[0]))
             if prompt is not None:
-                prompts += list(zip(*prompt))
+                prompts += [(prompt[0], prompt[1], k) for k in range(len(prompt[0]))]
         fields = {}
         if any(e is not None for e in entries):
-            width = max(len(e[1]) for e in entries if e is not None)
-            values, ids = P.pack_logprob_rows(entries, width, 1)
+            width, values, ids = P.pack_logprob_refs(entries, 1)
             fields.update(lp_width=width, lp_values=values, lp_top_ids=ids)
         if prompts:
-            width = max(len(e[1]) for e in prompts)
-            values, ids = P.pack_logprob_rows(prompts, width, 2)
+            width, values, ids = P.pack_logprob_refs(prompts, 2)
             fields.update(prompt_counts=P.pack_i32(counts), prompt_width=width, prompt_values=values,
                           prompt_top_ids=ids)
         return dataclasses.replace(msg, **fields) if fields else msg
