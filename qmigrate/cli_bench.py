@@ -384,6 +384,10 @@ def bench_serve(
         help="Send ignore_eos and min_tokens (vLLM's extensions) so outputs have exact lengths; off for "
              "servers that refuse them.")] = True,
     warmup: Annotated[int, typer.Option(min=0, help="Short calls sent before the timed runs.")] = 2,
+    logprobs: Annotated[Optional[int], typer.Option(
+        "--logprobs", min=0, max=20,
+        help="Every call asks for logprobs with N alternatives (completions: logprobs=N; chat: logprobs "
+             "and top_logprobs=N), to time what they cost.")] = None,
     salt_runs: Annotated[bool, typer.Option(
         "--cache-salt-per-run/--no-cache-salt-per-run",
         help="Each timed run (and the warm-up) sends a cache_salt of its own (an extension, as vLLM's), so "
@@ -474,7 +478,7 @@ def bench_serve(
                   max_concurrency=max_concurrency, slos=slos, seed=seed, warmup=warmup, extensions=ignore_eos,
                   json_path=json_out, dataset=described, pipeline_json=pipeline_json, sessions_as=sessions_as,
                   calls_path=calls_out, salt_runs=salt_runs, processes=client_processes or default_processes(),
-                  metrics_url=metrics_url)
+                  metrics_url=metrics_url, logprobs=-1 if logprobs is None else logprobs)
     except (RuntimeError, OSError) as exc:
         fail(str(exc), 1)
 

@@ -502,3 +502,20 @@ def test_the_table_fits_80_columns_and_a_rate_not_kept_up_with_is_named():
     # a session of 4 calls is one request of the rate
     assert keep_up_warnings([("1", fast)], calls_per_request=4.0) == []
     assert len(keep_up_warnings([("1", fast)], calls_per_request=5.0)) == 1
+
+
+def test_logprobs_option_asks_every_call_for_them(fake_server):
+    """--logprobs N: completions send logprobs=N, chat turns logprobs and top_logprobs=N (from
+    the client processes too); without it no call asks."""
+    reqs = D.random_dataset(Workload(3, (4, 8), (3, 5), vocab=(10, 100)))
+    sessions = D.multi_turn_dataset(sessions=1, turns=1, turn_len=4, output_len=2)
+    for processes in (1, 2):
+        fake_server.bodies.clear()
+        run_serve(base_url=fake_server.url, model="fake", requests=reqs + sessions, rates=[math.inf], warmup=0,
+                  processes=processes, logprobs=5)
+        assert [b["logprobs"] for b in fake_server.bodies if "prompt" in b] == [5] * 3
+        turns = [b for b in fake_server.bodies if "messages" in b and b["messages"][0]["content"] != "hello"]
+        assert [(b["logprobs"], b["top_logprobs"]) for b in turns] == [(True, 5)]   # not the chat probe
+    fake_server.bodies.clear()
+    run_serve(base_url=fake_server.url, model="fake", requests=reqs, rates=[math.inf], warmup=0)
+    assert fake_server.bodies and not any("logprobs" in b for b in fake_server.bodies)

@@ -88,9 +88,9 @@ def test_a_chat_request_uses_the_template(tok):
     ({"model": MODEL, "prompt": ["a", "  "], "n": 2}, 400, "prompt", "prompt[1]: 'prompt' is empty"),
     ({"model": MODEL, "prompt": [[5], [5, 512]]}, 400, "prompt", "prompt[1]: 'prompt_ids[1]' = 512 is out of range"),
     ({"model": MODEL, "prompt": [[5], []]}, 400, "prompt", "prompt[1]: 'prompt_ids' must be a non-empty list"),
-    ({"model": MODEL, "prompt": "x", "logprobs": 2}, 400, "logprobs", "'logprobs'"),
+    ({"model": MODEL, "prompt": "x", "logprobs": 21}, 400, "logprobs", "'logprobs' must be an integer from 0 to 20"),
     ({"model": MODEL, "prompt": "x", "best_of": 3}, 400, "best_of", "'n' asks for several choices"),
-    ({"model": MODEL, "prompt": "x", "echo": True}, 400, "echo", "'echo'"),
+    ({"model": MODEL, "prompt": "x", "echo": "yes"}, 400, "echo", "'echo' must be a boolean"),
     ({"model": MODEL, "prompt": "x", "presence_penalty": 2.5}, 400, "presence_penalty", "from -2 to 2"),
     ({"model": MODEL, "prompt": "x", "logit_bias": {"5": 200}}, 400, "logit_bias", "'logit_bias[5]' must be"),
     ({"model": MODEL, "prompt": "x", "min_p": -1}, 400, "min_p", "'min_p' must be"),
@@ -158,7 +158,7 @@ def test_usage_counts_each_prompt_once_and_every_choice(tok):
     ({"model": MODEL, "messages": [{"role": "user", "content": 1}]}, "messages",
      "'messages[0].content' must be a string"),
     ({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, "tools", "not supported"),
-    ({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "logprobs": True}, "logprobs", "not supported"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "logprobs": 1}, "logprobs", "must be a boolean"),
     ({"model": MODEL, "prompt": "x"}, "prompt", "unrecognized"),
 ])
 def test_bad_chat_requests(tok, body, param, words):

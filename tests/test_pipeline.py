@@ -6,6 +6,7 @@ import json
 import random
 import re
 
+import numpy as np
 import pytest
 import yaml
 
@@ -93,6 +94,12 @@ CONTROLLED = [{**p, "id": f"c{i}", "presence_penalty": 0.8, "frequency_penalty":
                **({"temperature": 0.9, "seed": 50 + i} if i % 2 else {})}
               for i, p in enumerate(_prompts(8, seed=11))]
 
+# Logprobs (a sampled token's, its alternatives', a prompt's): computed where each token is
+# sampled, so a moved sequence's are those it had on one worker.
+LOGPROBS = [{**p, "id": f"l{i}", "logprobs": 3, "repetition_penalty": 1.2,
+             **({"temperature": 0.8, "seed": 90 + i} if i % 2 else {}), **({"prompt_logprobs": 2} if i < 2 else {})}
+            for i, p in enumerate(_prompts(6, seed=13))]
+
 # Malformed and invalid requests, each to get an error record while the others stream.
 BAD_LINES = ['{"id": "ok1", "prompt": "Hello", "max_new_tokens": 5}',
              '{"id": "empty", "prompt": ""}',
@@ -109,7 +116,7 @@ def on_one_worker(tmp_path_factory, tiny_model_dir):
     """One `qmigrate sim` on one worker (nothing can move): the bad lines, then the seeded requests."""
     from conftest import run_qmigrate
     tmp = tmp_path_factory.mktemp("one-worker")
-    stdin = "\n".join(BAD_LINES) + "\n" + "".join(json.dumps(p) + "\n" for p in SEEDED + CONTROLLED)
+    stdin = "\n".join(BAD_LINES) + "\n" + "".join(json.dumps(p) + "\n" for p in SEEDED + CONTROLLED + LOGPROBS)
     trace_dir = tmp_path_factory.getbasetemp() / "one-worker-trace"
     run = run_qmigrate("sim", _topology(tmp, tiny_model_dir, 1, trace_dir=trace_dir), stdin=stdin)
     assert run.returncode == EXIT_REQUESTS_FAILED, run.stderr[-3000:]   # the bad lines failed
@@ -136,7 +143,7 @@ def drained_runs(tmp_path_factory, tiny_model_dir, on_one_worker):
         candidates = _prompts(12, seed=num_workers)
         expected = greedy_tokens_many(tiny_model_dir, [(p["prompt_ids"], p["max_new_tokens"]) for p in candidates])
         greedy[num_workers] = [p for p, tokens in zip(candidates, expected) if len(tokens) > MAX_LEASE_STEPS]
-    seeded = [p for p in SEEDED + CONTROLLED if len(alone[p["id"]]["token_ids"]) > MAX_LEASE_STEPS]
+    seeded = [p for p in SEEDED + CONTROLLED + LOGPROBS if len(alone[p["id"]]["token_ids"]) > MAX_LEASE_STEPS]
     ipc_dirs, runs = [], {}
     pool = ThreadPoolExecutor(len(DRAINED_RUNS))
     try:
@@ -174,6 +181,51 @@ def test_greedy_equals_generate_and_seeded_sampling_is_unchanged_while_sequences
         assert moves.get("by_recompute", 0) == 0 and moves["kv_imported"] == moves["by_transfer"] > 0, moves
     else:
         assert moves.get("by_recompute", 0) > 0 and moves["kv_imported"] == 0, moves
+
+
+@pytest.mark.parametrize("num_workers", list(DRAINED_RUNS))
+def test_logprobs_are_the_same_after_a_move_and_equal_transformers(tiny_model_dir, on_one_worker, drained_runs,
+                                                                   num_workers):
+    """Requests with logprobs in the drained runs (moved by recompute, or by KV transfer): each
+    token's logprob and alternatives are what they were on one worker, which are transformers'
+    log-softmax of the (repetition-penalized) logits over the temperature; prompt logprobs too."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    alone = on_one_worker.finals()
+    _, _, run = drained_runs[num_workers]
+    finals, _ = run.result()
+    for p in LOGPROBS:
+        one, moved = alone[p["id"]], finals[p["id"]]
+        assert one["token_ids"] == moved["token_ids"] and len(one["logprobs"]) == len(one["token_ids"])
+        for i, (a, b) in enumerate(zip(one["logprobs"], moved["logprobs"])):
+            assert a is not None and b is not None, (p["id"], i, a, b)
+            assert a["token_id"] == b["token_id"] and abs(a["logprob"] - b["logprob"]) < 1e-4, (p["id"], i, a, b)
+            values = [v for _, v in a["top_logprobs"]]
+            assert np.allclose(values, [v for _, v in b["top_logprobs"]], atol=1e-4), (p["id"], i, a, b)
+            # the same alternatives, but where two are a numerical tie (either order is right)
+            tied = {k for k in range(len(values)) for j in (k - 1, k + 1)
+                    if 0 <= j < len(values) and abs(values[k] - values[j]) < 1e-4}
+            assert all(a["top_logprobs"][k][0] == b["top_logprobs"][k][0] for k in range(len(values))
+                       if k not in tied), (p["id"], i, a, b)
+        ids = p["prompt_ids"] + one["token_ids"]
+        with torch.no_grad():
+            logits = model(torch.tensor([ids])).logits[0].float()
+        raw = logits.log_softmax(-1)
+        for i, entry in enumerate(one["logprobs"]):
+            at = len(p["prompt_ids"]) - 1 + i
+            x = logits[at].clone()
+            seen = torch.tensor(sorted(set(ids[:at + 1])))
+            x[seen] = torch.where(x[seen] < 0, x[seen] * 1.2, x[seen] / 1.2)
+            want = (x / p.get("temperature", 1.0)).log_softmax(-1)
+            assert abs(entry["logprob"] - float(want[entry["token_id"]])) < 1e-4
+            assert all(abs(v - float(want[t])) < 1e-4 for t, v in entry["top_logprobs"])
+        if "prompt_logprobs" in p:
+            got = moved["prompt_logprobs"]
+            assert got[0] is None and len(got) == len(p["prompt_ids"])
+            for i, entry in enumerate(got[1:], start=1):
+                assert abs(entry["logprob"] - float(raw[i - 1, p["prompt_ids"][i]])) < 1e-4
+                assert len(entry["top_logprobs"]) == 2
 
 
 def test_seeded_sampling_is_not_greedy(tiny_model_dir, on_one_worker):

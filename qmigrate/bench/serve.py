@@ -123,13 +123,16 @@ def run_serve(*, base_url: str, model: str | None, requests: list[ServeRequest],
               seed: int = 0, warmup: int = 2, extensions: bool = True, json_path: Path | None = None,
               dataset: dict | None = None, pipeline_json: Path | None = None,
               sessions_as: str = "auto", calls_path: Path | None = None,
-              salt_runs: bool = True, processes: int = 1, metrics_url: str | None = None) -> list[tuple[str, dict]]:
+              salt_runs: bool = True, processes: int = 1, metrics_url: str | None = None,
+              logprobs: int = -1) -> list[tuple[str, dict]]:
     """sessions_as: chat (chat messages), text (plain-text completions), or auto (chat unless
     the server has no chat template for its model). salt_runs: each run and the warm-up send a
     cache_salt of their own, so that no run starts on prefixes an earlier one cached.
     processes: client processes sending the calls (serve_procs.py). metrics_url: a qmigrate
     router's /metrics, read before and after each run (serve_metrics.py). A Share rate runs at
-    that share of the requests per second of the last inf run before it."""
+    that share of the requests per second of the last inf run before it. logprobs >= 0: every
+    call asks for each token's logprob and that many alternatives' (chat: logprobs and
+    top_logprobs)."""
     if processes < 1:
         raise ValueError("the client needs at least one process")
     processes = min(processes, max_concurrency or processes, len(requests))   # each with a share of calls
@@ -177,7 +180,7 @@ def run_serve(*, base_url: str, model: str | None, requests: list[ServeRequest],
             return served, sent_as
 
     async def in_process(served: str, sent_as: str) -> None:
-        async with Client(base_url, served, extensions=extensions, sessions_as=sent_as) as client:
+        async with Client(base_url, served, extensions=extensions, sessions_as=sent_as, logprobs=logprobs) as client:
             if warm:
                 client.salt = warm_salt
                 await run_load(client, warm, math.inf, name="warm-up")
@@ -191,7 +194,8 @@ def run_serve(*, base_url: str, model: str | None, requests: list[ServeRequest],
     def from_processes(served: str, sent_as: str) -> None:
         from qmigrate.bench.serve_procs import ClientProcesses
         from qmigrate.ops.progress import ProgressLine
-        pool = ClientProcesses(processes, base_url, served, extensions=extensions, sessions_as=sent_as)
+        pool = ClientProcesses(processes, base_url, served, extensions=extensions, sessions_as=sent_as,
+                               logprobs=logprobs)
         finished = False
         try:
             if warm:
@@ -247,7 +251,7 @@ def run_serve(*, base_url: str, model: str | None, requests: list[ServeRequest],
     if json_path is not None:
         report = {"base_url": base_url, "model": served, "dataset": dataset or {}, "output_tokens_asked": total,
                   "burstiness": burstiness, "max_concurrency": max_concurrency, "ignore_eos": extensions,
-                  "cache_salt_per_run": salt_runs, "client_processes": processes,
+                  "cache_salt_per_run": salt_runs, "client_processes": processes, "logprobs": logprobs,
                   "sessions_as": sent_as if any(r.is_session for r in requests) else None,
                   "runs": [{"rate": rate, **s} for rate, s in runs], "table": table}
         if pipeline:

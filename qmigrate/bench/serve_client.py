@@ -78,8 +78,9 @@ class EventTexts:
 
 class Client:
     def __init__(self, base_url: str, model: str, *, extensions: bool = True, temperature: float = 0.0,
-                 sessions_as: str = "chat"):
+                 sessions_as: str = "chat", logprobs: int = -1):
         self.base_url, self.model = base_url.rstrip("/"), model
+        self.logprobs = logprobs         # >= 0: every call asks for logprobs with this many alternatives
         self.extensions, self.temperature = extensions, temperature
         self.sessions_as = sessions_as   # chat, or text: plain-text completions
         self.salt: str | None = None     # the cache_salt every call sends, if any
@@ -106,7 +107,10 @@ class Client:
         return await self.post_completion(self.completion_body(prompt, output_len), rec)
 
     def completion_body(self, prompt, output_len: int) -> bytes:
-        return json.dumps(self._payload(output_len) | {"prompt": prompt}).encode()
+        body = self._payload(output_len) | {"prompt": prompt}
+        if self.logprobs >= 0:
+            body["logprobs"] = self.logprobs
+        return json.dumps(body).encode()
 
     def bodies(self, requests: list[ServeRequest]) -> list[bytes | None]:
         """Every completion's body, encoded before the clock starts (a session's depends on
@@ -118,6 +122,8 @@ class Client:
 
     async def chat(self, messages: list[dict], output_len: int, rec: CallRecord) -> str:
         body = self._payload(output_len) | {"messages": messages}
+        if self.logprobs >= 0:
+            body.update(logprobs=True, top_logprobs=self.logprobs)
         return await self._stream("/v1/chat/completions", body, rec, chat=True)
 
     async def _stream(self, path: str, body: dict | bytes, rec: CallRecord, chat: bool) -> str:

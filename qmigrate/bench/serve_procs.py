@@ -47,7 +47,7 @@ def shares(total: int | None, n: int) -> list[int | None]:
 class ClientProcesses:
     """N processes, each with a `Client` of its own, that run calls on command."""
 
-    def __init__(self, n: int, base_url: str, model: str, *, extensions: bool, sessions_as: str):
+    def __init__(self, n: int, base_url: str, model: str, *, extensions: bool, sessions_as: str, logprobs: int = -1):
         ctx = mp.get_context("spawn")   # no copy of the parent's event loop or sockets
         self.calls = ctx.Array("q", n, lock=False)    # calls ended, per process
         self.tokens = ctx.Array("q", n, lock=False)   # tokens received, per process
@@ -56,7 +56,7 @@ class ClientProcesses:
             mine, theirs = ctx.Pipe()
             proc = ctx.Process(target=_child, name=f"bench-client-{i}", daemon=True,
                                args=(theirs, os.getpid(), i, base_url, model, extensions, sessions_as,
-                                     self.calls, self.tokens))
+                                     self.calls, self.tokens, logprobs))
             proc.start()
             theirs.close()
             self.procs.append(proc)
@@ -111,7 +111,7 @@ class ClientProcesses:
 
 
 def _child(conn, parent: int, index: int, base_url: str, model: str, extensions: bool, sessions_as: str,
-           calls, tokens) -> None:
+           calls, tokens, logprobs: int = -1) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)   # the parent stops it, or its death does
     die_with(parent)
     from qmigrate.bench.serve_client import Client
@@ -123,7 +123,8 @@ def _child(conn, parent: int, index: int, base_url: str, model: str, extensions:
 
     async def main() -> None:
         loop = asyncio.get_running_loop()
-        async with Client(base_url, model, extensions=extensions, sessions_as=sessions_as) as client:
+        async with Client(base_url, model, extensions=extensions, sessions_as=sessions_as,
+                          logprobs=logprobs) as client:
             while (command := await loop.run_in_executor(None, conn.recv)) is not None:
                 _, requests, offsets, salt, limit = command
                 client.salt = salt

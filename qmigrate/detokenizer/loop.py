@@ -19,6 +19,7 @@ import struct
 import sys
 import time
 
+import numpy as np
 import zmq
 
 from qmigrate.wire import protocol as P
@@ -85,17 +86,20 @@ class Detokenizer:
             text, self.pending = "".join(self.pending), []
             self.out(text)
 
-    def reply(self, seq_id: int, text: str, finish: int, num_tokens: int, cached_tokens: int = -1) -> None:
+    def reply(self, seq_id: int, text: str, finish: int, num_tokens: int, cached_tokens: int = -1,
+              logprobs=None, prompt=None) -> None:
         if not self.replaying:
-            self.outbox.append((seq_id, text, finish, num_tokens, cached_tokens))
+            self.outbox.append((seq_id, text, finish, num_tokens, cached_tokens, logprobs, prompt))
 
     def send_replies(self) -> None:
         if not self.outbox:
             return
-        seq_ids, texts, finish, counts, cached = zip(*self.outbox)
+        seq_ids, texts, finish, counts, cached, lps, prompts = zip(*self.outbox)
         self.outbox = []
         self.trace("out", len(seq_ids))
         msg = P.Replies(P.pack_i64(seq_ids), P.pack_u8(finish), P.pack_i32(counts), list(texts), P.pack_i32(cached))
+        if any(x is not None for x in lps) or any(x is not None for x in prompts):
+            msg = P.replies_with_logprobs(msg, lps, prompts)
         if not transport.send(self.replies, msg, flags=zmq.NOBLOCK):
             # Ingest gone or far behind: its HTTP clients time out rather than this loop stall.
             log.warning("ingest is not taking replies; dropped %d", len(seq_ids))
@@ -201,13 +205,14 @@ class Detokenizer:
             for sid, n in zip(seq_ids, P.unpack_i32(msg.cached_tokens).tolist()):
                 if n >= 0:
                     self.sink.cached(sid, n)
+        entries = self.logprobs_of(msg, seq_ids, counts) if msg.lp_width >= 0 or msg.prompt_width >= 0 else None
         # Lengths and signs were checked at decode (Tokens.validate). An id past the tokenizer
         # is valid output of a model whose vocabulary is larger: it decodes as no text.
         pos = 0
         now = time.monotonic()
         timed = self.latency is not None and not self.replaying
         for sid, start, count, code in zip(seq_ids, starts, counts, finish):
-            self.sink.tokens(sid, start, tokens[pos:pos + count])
+            self.sink.tokens(sid, start, tokens[pos:pos + count], entries and entries[pos:pos + count])
             pos += count
             if timed and count and (t := self.times.get(sid)) is not None and t[1] is None:
                 t[1] = now
@@ -215,6 +220,25 @@ class Detokenizer:
                 self.sink.finish(sid, end.reason, start + count)
                 if timed and (t := self.times.pop(sid, None)) is not None:
                     self.latency.finished(t[0], t[1], now, start + count, end.reason)
+
+    def logprobs_of(self, msg: P.Tokens, seq_ids: list[int], counts: list[int]) -> list | None:
+        """Each token's logprobs (a reference into the message's arrays: wire/packed.py) or
+        None; a prompt's go to the sink here."""
+        if msg.prompt_width >= 0:
+            prompt_counts = P.unpack_i32(msg.prompt_counts).tolist()
+            values, ids = P.unpack_logprob_block(msg.prompt_values, msg.prompt_top_ids, sum(prompt_counts),
+                                                 msg.prompt_width, 2)
+            pos = 0
+            for sid, n in zip(seq_ids, prompt_counts):
+                if n:
+                    self.sink.prompt_logprobs(sid, (values[pos:pos + n], ids[pos:pos + n]))
+                pos += n
+        if msg.lp_width < 0:
+            return None
+        n = sum(counts)
+        values, ids = P.unpack_logprob_block(msg.lp_values, msg.lp_top_ids, n, msg.lp_width, 1)
+        known = (~np.isnan(values[:, 0])).tolist()
+        return [(values, ids, k) if known[k] else None for k in range(n)]
 
 
 def run(topo, name: str, exit_when_done: bool = False) -> int:

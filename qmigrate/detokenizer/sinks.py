@@ -81,6 +81,9 @@ class _Seq:
     num_tokens_expected: int | None = None
     note: str = ""
     cached_tokens: int = -1   # prompt positions found in a prefix cache where it first started (-1: none said)
+    lp_waiting: dict = field(default_factory=dict)   # index -> logprobs of a waiting token (wire/packed.py)
+    prompt_lps: tuple | None = None   # its prompt's logprobs (values, top ids), until they are sent on
+    logprobs: list = field(default_factory=list)     # printed requests: each token's (id, logprobs)
 
 
 class _Sink:
@@ -163,7 +166,17 @@ class _Sink:
         if seq is not None and seq.cached_tokens < 0:
             seq.cached_tokens = num_tokens
 
-    def tokens(self, seq_id: int, start_index: int, token_ids: Sequence[int]) -> None:
+    def prompt_logprobs(self, seq_id: int, entries: tuple) -> None:
+        """The logprobs of seq_id's prompt (positions 1 on: values, top ids; engine/logprobs.py),
+        sent on with its text."""
+        if seq_id in self._finished:
+            return
+        seq = self._seq(seq_id)
+        if seq.prompt_lps is None and not seq.token_ids:
+            seq.prompt_lps = entries
+
+    def tokens(self, seq_id: int, start_index: int, token_ids: Sequence[int], logprobs=None) -> None:
+        """`logprobs`: each token's (a reference: wire/packed.py) or None, for a request that asked."""
         if seq_id in self._finished:
             self.num_dropped_tokens += len(token_ids)
             self.newly_done.append(seq_id)
@@ -185,6 +198,8 @@ class _Sink:
                 self.num_dropped_tokens += 1
                 continue
             seq.waiting[index] = int(token_id)
+            if logprobs is not None and logprobs[index - start_index] is not None:
+                seq.lp_waiting[index] = logprobs[index - start_index]
         self._advance(seq_id, seq)
 
     def finish(self, seq_id: int, finish_reason: str, num_tokens: int | None = None) -> None:
@@ -237,8 +252,14 @@ class _Sink:
             ready.append(seq.waiting.pop(index))
             index += 1
         if ready:
+            first = len(seq.token_ids)
             seq.token_ids.extend(ready)
-            self._emit(seq, seq.decoder.push(ready), advanced=True)
+            lps = None
+            if seq.lp_waiting:
+                lps = [(t, seq.lp_waiting.pop(i, None)) for i, t in enumerate(ready, first)]
+                if not seq.route:
+                    seq.logprobs += lps
+            self._emit(seq, seq.decoder.push(ready), advanced=True, logprobs=lps)
         if seq.finish_reason is None:
             return
         if seq.num_tokens_expected is not None and len(seq.token_ids) < seq.num_tokens_expected:
@@ -257,13 +278,18 @@ class _Sink:
         if self._reply is not None:  # for a printed request: "it ended", so its id is free again
             self._reply(seq_id, "", Finish.from_reason(seq.finish_reason), len(seq.token_ids), seq.cached_tokens)
 
-    def _emit(self, seq: _Seq, delta: str, advanced: bool = False) -> None:
+    def _emit(self, seq: _Seq, delta: str, advanced: bool = False, logprobs=None) -> None:
         """New text of seq. A request answered elsewhere hears of every step that `advanced`
         its tokens, text or none (a token may complete no character yet): a stream sends an
-        event per step, as vLLM's does, so its client sees every token's time."""
+        event per step, as vLLM's does, so its client sees every token's time. `logprobs`:
+        the advanced tokens' (id, logprobs or None); a prompt's go with its first reply."""
         if seq.route:
             if delta or advanced:
-                self._reply(seq.seq_id, delta, 0, len(seq.token_ids))
+                if logprobs is None and seq.prompt_lps is None:
+                    self._reply(seq.seq_id, delta, 0, len(seq.token_ids))
+                else:
+                    prompt, seq.prompt_lps = seq.prompt_lps, None
+                    self._reply(seq.seq_id, delta, 0, len(seq.token_ids), -1, logprobs, prompt)
         elif delta:
             seq.text.append(delta)
             self._on_delta(seq, delta)
@@ -299,10 +325,27 @@ class JsonlSink(_Sink):
             record["note"] = seq.note
         if seq.cached_tokens >= 0:
             record["cached_tokens"] = seq.cached_tokens
+        if seq.logprobs:
+            record["logprobs"] = [None if ref is None else _logprob_record(t, ref[0][ref[2]], ref[1][ref[2]])
+                                  for t, ref in seq.logprobs]
+        if seq.prompt_lps is not None:
+            record["prompt_logprobs"] = [None] + [_logprob_record(None, v, t) for v, t in zip(*seq.prompt_lps)]
         self._put(record)
 
     def _on_error(self, req_id: str, message: str) -> None:
         self._put({"id": req_id, "error": message, "done": True})
+
+
+def _logprob_record(token_id, values, top_ids) -> dict:
+    """A token's logprobs in a JSONL final record: {"token_id", "logprob", ["rank",] "top_logprobs":
+    [[id, logprob], ...]} (a prompt position's has its rank and no token id)."""
+    extra = 1 if token_id is not None else 2
+    out = {"token_id": token_id} if token_id is not None else {}
+    out["logprob"] = float(values[0])
+    if extra == 2:
+        out["rank"] = int(values[1])
+    out["top_logprobs"] = [[int(t), float(v)] for t, v in zip(top_ids.tolist(), values[extra:].tolist()) if t >= 0]
+    return out
 
 
 class TextSink(_Sink):

@@ -33,6 +33,7 @@ from qmigrate.engine.config import EngineConfig
 from qmigrate.engine.runners.choice import make_runner
 from qmigrate.engine.controls import Controls, ControlTable
 from qmigrate.engine.sampling import HostRows, SamplingRows, host_arrays, sample
+from qmigrate.engine import logprobs as lp
 from qmigrate.hub.shape import ModelShape
 
 log = logging.getLogger(__name__)
@@ -236,18 +237,21 @@ class Engine:
         feed = [i for i, r in enumerate(rows) if not r.new_ids]
         if feed and (after is None or not self.runner.can_feed):
             known = dict(zip((r.seq_id for r in after.rows), self.collect(after))) if after else {}
-            rows = [StepRow(r.seq_id, [known.get(r.seq_id, REFUSED)], r.start, r.index, r.temperature,
-                            r.top_p, r.top_k, r.seed) if not r.new_ids else r for r in rows]
+            rows = [dataclasses.replace(r, new_ids=[known.get(r.seq_id, REFUSED)]) if not r.new_ids else r
+                    for r in rows]
             feed = []
         bad = [i for i in feed if after.row_of.get(rows[i].seq_id) is None]
         if bad or any(r.new_ids and r.new_ids[0] == REFUSED for r in rows):
             raise ValueError("a row feeds a token its previous step did not sample")
         rows, cached = self._admit(rows)
+        rows, refused_whole, prompt_lps = self._prompt_pass(rows, between)
         rows, cut, deferred = share_prompt_budget(rows, prompt_budget(rows, self.config))
         rows, refused = self._prefill_chunks(rows, between, skip=deferred)
+        refused |= refused_whole
         kept = [i for i in range(len(rows)) if i not in refused and i not in deferred]
         placed = [kept[k] for k in self.place([rows[i] for i in kept], {r.seq_id for r in rows})]
         pending = Pending(rows, placed, {rows[i].seq_id: k for k, i in enumerate(placed)}, cached=cached)
+        pending.prompt_logprobs = {sid: v for sid, v in prompt_lps.items() if sid in pending.row_of}
         if cut or deferred:
             pending.partial = {rows[i].seq_id for i in deferred} | {rows[i].seq_id for i in cut
                                                                    if rows[i].seq_id in pending.row_of}
@@ -260,6 +264,8 @@ class Engine:
         feed = (fed, [after.row_of[run[k].seq_id] for k in fed], after.tokens) if fed else None
         params = host_arrays([r.temperature for r in run], [r.top_p for r in run], [r.top_k for r in run],
                              [r.seed for r in run], [r.index for r in run])
+        asks = np.fromiter((r.num_logprobs for r in run), dtype=np.int32, count=len(run))
+        pending.asks = asks if (asks >= 0).any() else None
         return self._run(pending, batch, feed, params)
 
     def _continue(self, rows: list[StepRow], after: "Pending") -> "Pending | None":
@@ -300,6 +306,7 @@ class Engine:
             batch.ids = np.asarray(self.collect(after), dtype=np.int64)[np.asarray(after.placed)[src]]
             feed = None
         pending = Pending(rows, list(range(n)), dict(zip(seq_ids, range(n))))
+        pending.asks = after.asks[src] if after.asks is not None else None
         self.num_continued += 1
         return self._run(pending, batch, feed, (temperature, top_p, top_k, seed, index))
 
@@ -308,12 +315,17 @@ class Engine:
         pinned host buffer without a wait."""
         logits = self.runner.forward(batch, feed=feed)
         controls = self.controls.step(batch.seq_ids, params[4]) if self.controls else None
+        sampling = SamplingRows.from_arrays(params, self.device)
+        asking = lp.asking_rows(pending.asks)
+        processed = [] if asking is not None else None
         if controls is None:
-            pending.tokens = sample(logits, SamplingRows.from_arrays(params, self.device))
+            pending.tokens = sample(logits, sampling, logits_out=processed)
         else:
-            pending.tokens = sample(logits, SamplingRows.from_arrays(params, self.device), controls,
-                                    self.controls.slab)
+            pending.tokens = sample(logits, sampling, controls, self.controls.slab, logits_out=processed)
             self.controls.record(controls, pending.tokens)
+        if asking is not None:   # one log-softmax, gather and top-k over the asking rows only
+            pending.logprobs = lp.sampled_logprobs(processed[0], sampling.temperature, pending.tokens,
+                                                   *asking).to_host(self.device.type == "cuda")
         pending.batch, pending.params = batch, params
         if self.device.type == "cuda":
             pending.host = torch.empty(batch.num_rows, dtype=torch.int64, pin_memory=True)
@@ -334,10 +346,64 @@ class Engine:
         cached, out = {}, list(rows)
         for i, r in enumerate(rows):
             if r.start == 0 and r.new_ids:
-                n = cached[r.seq_id] = self.pool.admit(r.seq_id, r.new_ids, r.cache_salt)
+                # a prompt whose logprobs are asked for computes every position
+                n = cached[r.seq_id] = self.pool.admit(r.seq_id, r.new_ids, r.cache_salt,
+                                                       reuse=not self._wants_prompt_logprobs(r))
                 if n:
                     out[i] = dataclasses.replace(r, new_ids=r.new_ids[n:], start=n)
         return out, cached
+
+    def _wants_prompt_logprobs(self, r: StepRow) -> bool:
+        return (r.num_prompt_logprobs >= 0 and r.index == 0 and r.start == 0 and len(r.new_ids) > 1
+                and hasattr(self.runner, "forward_all"))
+
+    def _prompt_pass(self, rows: list[StepRow], between) -> tuple[list[StepRow], set[int], dict]:
+        """Rows that ask for their prompt's logprobs (at the step of their first token) run
+        all of the prompt but its last token here, a chunk at a time, keeping the logprobs of
+        each next prompt token; the step proper runs the last one. Returns the rows left for
+        the step, the indices of rows the pool had no room for, and seq_id -> (values [P - 1,
+        2 + k], top ids [P - 1, k]) (engine/logprobs.py)."""
+        out: dict = {}
+        if not any(self._wants_prompt_logprobs(r) for r in rows):
+            return rows, set(), out
+        chunk = min(self.config.prefill_chunk or 512, 512)   # bounds the [chunk, V] logits
+        rows, refused, protect = list(rows), set(), {r.seq_id for r in rows}
+        for i, r in enumerate(rows):
+            if not self._wants_prompt_logprobs(r):
+                continue
+            ids, n = r.new_ids, len(r.new_ids) - 1
+            targets = torch.as_tensor(ids[1:], dtype=torch.int64).to(self.device)
+            parts = []
+            for start in range(0, n, chunk):
+                piece = StepRow(r.seq_id, ids[start:min(n, start + chunk)], start, r.index)
+                if self.place([piece], protect) != [0]:
+                    refused.add(i)
+                    break
+                logits = self.runner.forward_all(StepBatch.build(self.pool, [r.seq_id], [piece.new_ids], [start]))
+                parts.append(lp.prompt_logprobs(logits, targets[start:start + len(piece.new_ids)],
+                                                r.num_prompt_logprobs))
+                self.pool.mark_written([r.seq_id], [start + len(piece.new_ids)], [piece])
+                if between is not None:
+                    between()
+            if i in refused:
+                continue
+            values, top_ids = (torch.cat([p[k] for p in parts]) for k in (0, 1))
+            whole = lp.StepLogprobs(np.zeros(0, dtype=np.int64), values, top_ids).to_host(self.device.type == "cuda")
+            out[r.seq_id] = (whole.values, whole.top_ids)
+            rows[i] = dataclasses.replace(r, new_ids=ids[n:], start=n)
+        return rows, refused, out
+
+    def take_logprobs(self, pending: "Pending") -> tuple[dict, dict]:
+        """Of a collected step: seq_id -> (values, top ids, row) of each asking row's sampled
+        token (a reference into the step's arrays: wire/packed.py), and seq_id -> (values, top
+        ids) of each prompt whose logprobs it computed (numpy arrays: engine/logprobs.py)."""
+        tokens = {}
+        if pending.logprobs is not None:
+            values, ids = pending.logprobs.arrays()
+            placed, rows = pending.placed, pending.rows
+            tokens = {rows[placed[r]].seq_id: (values, ids, k) for k, r in enumerate(pending.logprobs.rows.tolist())}
+        prompts = {sid: (v.numpy(), t.numpy()) for sid, (v, t) in pending.prompt_logprobs.items()}
+        return tokens, prompts
 
     def _prefill_chunks(self, rows: list[StepRow], between, skip=frozenset()) -> tuple[list[StepRow], set[int]]:
         """Fill all but the last chunk of long prompts (but rows in `skip`); the rows left for

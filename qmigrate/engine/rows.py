@@ -7,6 +7,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from qmigrate.engine.batch import StepBatch
@@ -29,6 +30,8 @@ class StepRow:
     top_k: int = 0
     seed: int = 0
     cache_salt: str = ""    # prefixes are shared only among rows of the same salt
+    num_logprobs: int = -1          # >= 0: the sampled token's logprob and this many alternatives
+    num_prompt_logprobs: int = -1   # >= 0 (a prompt's first step): every prompt token's too
 
 
 @dataclass(slots=True)
@@ -46,6 +49,9 @@ class Pending:
     result: list[int] | None = None
     cached: dict[int, int] = dataclasses.field(default_factory=dict)   # seq_id -> prompt positions found cached
     partial: set[int] = dataclasses.field(default_factory=set)   # sequences whose prompt goes on in a later step
+    asks: np.ndarray | None = None          # int32 per placed row: its num_logprobs (None: no row asks)
+    logprobs: object = None                 # logprobs.StepLogprobs of the asking rows
+    prompt_logprobs: dict = dataclasses.field(default_factory=dict)   # seq_id -> (values, top ids)
 
 
 def prompt_budget(rows: list[StepRow], cfg: EngineConfig) -> int:

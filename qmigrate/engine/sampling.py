@@ -83,15 +83,18 @@ def uniforms(seed: torch.Tensor, index: torch.Tensor, vocab_size: int) -> torch.
 
 
 def sample(logits: torch.Tensor, rows: SamplingRows, controls: "StepControls | None" = None,
-           slab: torch.Tensor | None = None) -> torch.Tensor:
+           slab: torch.Tensor | None = None, logits_out: list | None = None) -> torch.Tensor:
     """logits [B, V] float32 -> token ids [B] int64, without a host sync.
 
     Every row goes through the sampled path when any row samples (each row's result
     depends on that row alone); greedy rows then take their argmax. `controls` (with the
     ids `slab` its penalties count) changes its rows' logits first, and applies min_p
-    after temperature (engine/controls.py)."""
+    after temperature (engine/controls.py). `logits_out` gets the logits after the controls
+    (what logprobs are taken from: engine/logprobs.py)."""
     if controls is not None:
         logits = controls.apply(logits, slab)
+    if logits_out is not None:
+        logits_out.append(logits)
     greedy = logits.argmax(dim=-1)
     if not rows.is_sampled:
         return greedy

@@ -37,15 +37,52 @@ def reply_rows(msg: P.Replies) -> list[tuple]:
     HttpServer.deliver takes, in the ingest loop and in a front alike."""
     ids = P.unpack_i64(msg.seq_ids).tolist()
     cached = P.unpack_i32(msg.cached_tokens).tolist() if msg.cached_tokens else [-1] * len(ids)
-    return list(zip(ids, msg.texts, P.unpack_u8(msg.finish).tolist(), P.unpack_i32(msg.num_tokens).tolist(), cached))
+    rows = zip(ids, msg.texts, P.unpack_u8(msg.finish).tolist(), P.unpack_i32(msg.num_tokens).tolist(), cached)
+    if msg.lp_width < 0 and msg.prompt_width < 0:
+        return list(rows)
+    lps, prompts = logprobs_of(msg)
+    return [(*row, lp, prompt) for row, lp, prompt in zip(rows, lps, prompts)]
+
+
+def logprobs_of(msg: P.Replies) -> tuple[list, list]:
+    """Per row of a Replies: its tokens' (id, values, top ids) (values None: none; None: the
+    row has no logprobs), and its prompt's [(values, top ids)] (None: none), as lists."""
+    n = len(msg.texts)
+    lps, prompts = [None] * n, [None] * n
+    if msg.lp_width >= 0:
+        counts, ids = P.unpack_i32(msg.lp_counts).tolist(), P.unpack_i32(msg.lp_token_ids).tolist()
+        values, top = P.unpack_logprob_block(msg.lp_values, msg.lp_top_ids, len(ids), msg.lp_width, 1)
+        known = (~np.isnan(values[:, 0])).tolist()
+        values, top = values.tolist(), top.tolist()
+        pos = 0
+        for i, count in enumerate(counts):
+            if count:
+                lps[i] = [(ids[j], values[j], top[j]) if known[j] else (ids[j], None, None)
+                          for j in range(pos, pos + count)]
+            pos += count
+    if msg.prompt_width >= 0:
+        counts = P.unpack_i32(msg.prompt_counts).tolist()
+        values, top = P.unpack_logprob_block(msg.prompt_values, msg.prompt_top_ids, sum(counts), msg.prompt_width, 2)
+        values, top = values.tolist(), top.tolist()
+        pos = 0
+        for i, count in enumerate(counts):
+            if count:
+                prompts[i] = list(zip(values[pos:pos + count], top[pos:pos + count]))
+            pos += count
+    return lps, prompts
 
 
 def rows_of(msg: P.Replies, rows: np.ndarray) -> P.Replies:
     """The Replies of only these rows (indices, in order)."""
     ids, finish = P.unpack_i64(msg.seq_ids), P.unpack_u8(msg.finish)
     cached = P.pack_i32(P.unpack_i32(msg.cached_tokens)[rows]) if msg.cached_tokens else b""
-    return P.Replies(P.pack_i64(ids[rows]), P.pack_u8(finish[rows]),
-                     P.pack_i32(P.unpack_i32(msg.num_tokens)[rows]), [msg.texts[i] for i in rows.tolist()], cached)
+    out = P.Replies(P.pack_i64(ids[rows]), P.pack_u8(finish[rows]),
+                    P.pack_i32(P.unpack_i32(msg.num_tokens)[rows]), [msg.texts[i] for i in rows.tolist()], cached)
+    if msg.lp_width < 0 and msg.prompt_width < 0:
+        return out
+    keep = np.zeros(len(ids), dtype=bool)
+    keep[rows] = True
+    return P.replies_rows(msg, out, keep)
 
 
 def split_by_front(msg: P.Replies) -> dict[int, P.Replies | None]:

@@ -44,6 +44,7 @@ from qmigrate.ops import logs
 from qmigrate.wire import protocol as P
 from qmigrate.wire import transport
 from qmigrate.hub.tokenizer_info import load_tokenizer_info
+from qmigrate.ingest.logprobs_api import TokenText
 from qmigrate.ingest.guard import ClientLimit
 from qmigrate.ingest import utility_api
 from qmigrate.ingest.handoff import HTTP_BIT, THREAD_ID_BITS
@@ -51,6 +52,7 @@ from qmigrate.ingest.prompts import Defaults, check_json
 from qmigrate.ingest.streams import DONE, MARK, SHUTDOWN, SSE_HEADERS, Frame, Updates, sse
 from qmigrate.ingest.openai_api import (
     ApiError,
+    ChoiceExtras,
     Choices,
     StopTrimmer,
     chunk,
@@ -84,6 +86,7 @@ class HttpServer:
         # A tokenizer of its own: this server's thread tokenizes while ingest's does, and a
         # fast tokenizer is not safe to share between threads.
         self.tokenizer, self.max_context, self.eos_ids = load_tokenizer_info(model_path, trust_remote_code)
+        self.token_text = TokenText(self.tokenizer)   # logprobs' token texts, decoded once per id
         self.max_context = min(self.max_context, max_model_len or self.max_context)   # the workers' limit
         # Bodies are parsed and tokenized on this one thread, the only user of the tokenizer:
         # a long prompt costs its own request time, never the event loop's (/health, streams).
@@ -373,16 +376,21 @@ class HttpServer:
                            type="server_error", code="shutdown")
         return row
 
-    async def _next_all(self, updates: Updates) -> tuple[str, int, int, int]:
+    async def _next_all(self, updates: Updates, extra=None) -> tuple[str, int, int, int]:
         """(text, finish code, tokens so far, cached) of every row waiting (at least one): what
-        arrived together leaves together, in one event. Stops at a finish, which ends the stream."""
+        arrived together leaves together, in one event. Stops at a finish, which ends the stream.
+        `extra` (openai_api.ChoiceExtras) takes the rows' logprobs."""
         row = await self._next(updates)
         rows, text = updates.rows, row[1]
+        if extra is not None:
+            extra.push(*(row[5:7] if len(row) > 5 else (None, None)))
         if rows and not row[2]:
             parts = [text]
             while rows and not row[2] and rows[0] is not SHUTDOWN:  # a shutdown ends the stream next call
                 row = rows.popleft()
                 parts.append(row[1])
+                if extra is not None:
+                    extra.push(*(row[5:7] if len(row) > 5 else (None, None)))
             text = "".join(parts)
         return text, row[2], row[3], row[4] if len(row) > 4 else -1
 
@@ -396,8 +404,9 @@ class HttpServer:
 
     async def _collect(self, req, rid: str, updates: Updates):
         trim, parts, created = StopTrimmer(req.stop), [], int(time.time())
+        extra = ChoiceExtras(req, 0, self.token_text) if req.has_extras else None
         while True:
-            text, code, num_tokens, cached = await self._next_all(updates)
+            text, code, num_tokens, cached = await self._next_all(updates, extra)
             parts.append(trim.push(text))
             if code:
                 break
@@ -405,7 +414,8 @@ class HttpServer:
         if reason is None:
             raise ApiError(500, "the worker could not run this request", type="server_error")
         parts.append(trim.finish(code == P.Finish.STOP))
-        return web.json_response(reply(req, rid, created, [("".join(parts), reason, num_tokens, cached)]))
+        return web.json_response(reply(req, rid, created, [("".join(parts), reason, num_tokens, cached)],
+                                       [extra] if extra is not None else None))
 
     async def _stream(self, request, req, rid: str, updates: Updates):
         """SSE; returns (response, whether the request ended)."""
@@ -413,10 +423,11 @@ class HttpServer:
         await response.prepare(request)
         trim, created, first, shown = StopTrimmer(req.stop), int(time.time()), True, 0
         frame = Frame(chunk(req, rid, created, MARK))
+        extra = ChoiceExtras(req, 0, self.token_text) if req.has_extras else None
         try:
             while True:
                 try:
-                    text, code, num_tokens, cached = await self._next_all(updates)
+                    text, code, num_tokens, cached = await self._next_all(updates, extra)
                 except ApiError as exc:
                     await response.write(sse(exc.body()) + DONE)
                     return response, False
@@ -432,8 +443,9 @@ class HttpServer:
                 # no character yet (or may begin a stop string), as vLLM's streams have: a
                 # client times each token, not each character.
                 if out or (first and req.kind == "chat") or (num_tokens > shown and not code):
-                    if first or req.continuous_usage:
-                        await response.write(sse(chunk(req, rid, created, out, first=first, num_tokens=num_tokens)))
+                    if first or req.continuous_usage or extra is not None:
+                        await response.write(sse(chunk(req, rid, created, out, first=first, num_tokens=num_tokens,
+                                                       extra=extra)))
                     else:
                         await response.write(frame(out))
                     first = False
@@ -451,14 +463,14 @@ class HttpServer:
     # --- requests of several choices --------------------------------------------------------
     async def _collect_choices(self, req, rid: str, updates: Updates, live: dict[int, int]):
         """The whole answer of every choice; `live` loses each choice as it ends."""
-        choices, created = Choices(req, live), int(time.time())
+        choices, created = Choices(req, live, self.token_text), int(time.time())
         parts: list[list[str]] = [[] for _ in choices.ends]
         while live:
             texts, _ = choices.take(await self._next_rows(updates))
             for i, text in texts.items():
                 parts[i].append(text)
         outcomes = [("".join(p), *end) for p, end in zip(parts, choices.ends)]
-        return web.json_response(reply(req, rid, created, outcomes))
+        return web.json_response(reply(req, rid, created, outcomes, choices.extras))
 
     async def _stream_choices(self, request, req, rid: str, updates: Updates, live: dict[int, int]):
         """SSE of every choice, interleaved as their text comes, each chunk naming its choice's
@@ -466,7 +478,8 @@ class HttpServer:
         and one `[DONE]` after all. `live` loses each choice as it ends."""
         response = web.StreamResponse(headers=SSE_HEADERS)
         await response.prepare(request)
-        choices, created = Choices(req, live), int(time.time())
+        choices, created = Choices(req, live, self.token_text), int(time.time())
+        extras = choices.extras or [None] * len(live)
         frames = [Frame(chunk(req, rid, created, MARK, index=i)) for i in range(len(choices.ends))]
         try:
             if req.kind == "chat":  # each choice opens with the assistant's role, as vLLM's do
@@ -478,8 +491,9 @@ class HttpServer:
                 except ApiError as exc:  # timeout, shutdown, or a choice a worker could not run
                     await response.write(sse(exc.body()) + DONE)
                     return response
-                if req.continuous_usage:
-                    out = [sse(chunk(req, rid, created, text, index=i, num_tokens=choices.num_tokens[i]))
+                if req.continuous_usage or choices.extras:
+                    out = [sse(chunk(req, rid, created, text, index=i, num_tokens=choices.num_tokens[i],
+                                     extra=extras[i]))
                            for i, text in texts.items() if text or i not in ended]
                 else:
                     out = [frames[i](text) for i, text in texts.items() if text or i not in ended]

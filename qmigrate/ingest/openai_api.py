@@ -24,6 +24,8 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from qmigrate.wire import protocol as P
+from qmigrate.ingest import logprobs_api as LP
+from qmigrate.ingest.logprobs_api import ChoiceExtras
 from qmigrate.ingest.prompts import MAX_SEED, Defaults, Prompt, PromptError, is_int_list, parse_request
 
 Kind = Literal["completion", "chat"]
@@ -33,8 +35,10 @@ Kind = Literal["completion", "chat"]
 SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "seed", "presence_penalty", "frequency_penalty",
                    "logit_bias", "ignore_eos", "min_tokens", "cache_salt", "repetition_penalty", "min_p",
                    "stop_token_ids")  # from top_k and ignore_eos on: extensions, as vLLM's
-SUPPORTED_FIELDS = frozenset(["model", "max_tokens", "stop", "stream", "stream_options", "n", *SAMPLING_FIELDS])
-ONLY_FIELDS = {"completion": frozenset(["prompt"]), "chat": frozenset(["messages", "max_completion_tokens"])}
+SUPPORTED_FIELDS = frozenset(["model", "max_tokens", "stop", "stream", "stream_options", "n", "prompt_logprobs",
+                              *SAMPLING_FIELDS])
+ONLY_FIELDS = {"completion": frozenset(["prompt", "logprobs", "echo"]),
+               "chat": frozenset(["messages", "max_completion_tokens", "logprobs", "top_logprobs"])}
 # OpenAI's fields that change nothing this server generates: accepted, and ignored.
 IGNORED_FIELDS = {"completion": frozenset(["user", "store", "metadata", "service_tier", "prompt_cache_key",
                                            "safety_identifier"]),
@@ -42,12 +46,12 @@ IGNORED_FIELDS = {"completion": frozenset(["user", "store", "metadata", "service
                                      "safety_identifier", "prediction", "parallel_tool_calls"])}
 # Fields that would change the output, accepted only at the value that changes nothing
 # (a field of one endpoint only is refused by the other as unrecognized).
-NEUTRAL = {"logprobs": (False, 0), "top_logprobs": (0,), "echo": (False,), "best_of": (1,),
+NEUTRAL = {"best_of": (1,),
            "suffix": ("",), "tools": ([],), "tool_choice": ("none",), "functions": ([],),
            "function_call": ("none",), "response_format": ({"type": "text"},), "modalities": (["text"],),
            "audio": (), "reasoning_effort": (), "verbosity": (), "web_search_options": ()}
-NEUTRAL_OF = {"completion": frozenset(["logprobs", "echo", "best_of", "suffix"]),
-              "chat": frozenset(["logprobs", "top_logprobs", "tools", "tool_choice", "functions", "function_call",
+NEUTRAL_OF = {"completion": frozenset(["best_of", "suffix"]),
+              "chat": frozenset(["tools", "tool_choice", "functions", "function_call",
                                  "response_format", "modalities", "audio", "reasoning_effort", "verbosity",
                                  "web_search_options"])}
 # The intake's names of fields the API names otherwise.
@@ -76,6 +80,10 @@ class ApiRequest:
     stop: list[str] = field(default_factory=list)
     n: int = 1             # choices per prompt
     continuous_usage: bool = False   # vLLM's continuous_usage_stats: usage in every chunk too
+    logprobs: int = -1     # >= 0: each token's logprob, with this many alternatives (ingest/logprobs_api.py)
+    prompt_logprobs: int = -1    # vLLM's: >= 0, the prompt's, with this many alternatives
+    echo: bool = False     # completions: the prompt's text (and logprobs) before the choice's
+    prompt_texts: list[str] = field(default_factory=list)   # with echo: each prompt's text
 
     @property
     def prompt(self) -> Prompt:
@@ -84,6 +92,11 @@ class ApiRequest:
     @property
     def num_choices(self) -> int:
         return len(self.prompts) * self.n
+
+    @property
+    def has_extras(self) -> bool:
+        """Its choices carry more than text: logprobs, or an echo."""
+        return self.logprobs >= 0 or self.prompt_logprobs >= 0 or self.echo
 
 
 def not_found(model: str, model_names: Collection[str]) -> ApiError:
@@ -148,6 +161,13 @@ def parse_body(body, kind: Kind, *, model_names: Collection[str], tokenizer, max
     for name in SAMPLING_FIELDS:
         if name in body:
             request[name] = body[name]
+    num_logprobs, echo = _parse_logprobs(body, kind)
+    num_prompt = body.get("prompt_logprobs", -1)
+    if not _is_int(num_prompt) or not (num_prompt == -1 or 0 <= num_prompt <= P.MAX_LOGPROBS):
+        raise ApiError(400, f"'prompt_logprobs' must be an integer from 0 to {P.MAX_LOGPROBS}", "prompt_logprobs")
+    request["logprobs"] = num_logprobs
+    # echo with logprobs shows the prompt's tokens' too, with as many alternatives
+    request["prompt_logprobs"] = max(num_prompt, num_logprobs) if echo and num_logprobs >= 0 else num_prompt
     stop = _parse_stop(body.get("stop", []))
     if stop:
         request["stop"] = stop
@@ -168,8 +188,35 @@ def parse_body(body, kind: Kind, *, model_names: Collection[str], tokenizer, max
             raise ApiError(400, f"prompt[{i}]: {message}" if of_prompt else message, param,
                            code="context_length_exceeded" if too_long else None) from None
     include = bool(options.get("include_usage"))
+    texts = [item["prompt"] if "prompt" in item else tokenizer.decode(item["prompt_ids"]) for item in items] \
+        if echo else []
     return ApiRequest(kind, model, prompts, stream, include, stop, n,
-                      include and bool(options.get("continuous_usage_stats")))
+                      include and bool(options.get("continuous_usage_stats")), num_logprobs, num_prompt, echo, texts)
+
+
+def _parse_logprobs(body: dict, kind: Kind) -> tuple[int, bool]:
+    """(alternatives per token, -1: no logprobs; echo) of a request: chat's `logprobs` (a
+    boolean) and `top_logprobs`, a completion's `logprobs` (an integer) and `echo`."""
+    top = P.MAX_LOGPROBS
+    if kind == "chat":
+        wanted = body.get("logprobs", False)
+        if not isinstance(wanted, bool):
+            raise ApiError(400, "'logprobs' must be a boolean", "logprobs")
+        num = body.get("top_logprobs", 0 if wanted else -1)
+        if "top_logprobs" in body and (not _is_int(num) or not 0 <= num <= top):
+            raise ApiError(400, f"'top_logprobs' must be an integer from 0 to {top}", "top_logprobs")
+        if "top_logprobs" in body and not wanted:
+            raise ApiError(400, "'top_logprobs' needs 'logprobs': true", "top_logprobs")
+        return num, False
+    num = body.get("logprobs", -1)
+    if num is False:   # the value that asks for none
+        num = -1
+    elif not _is_int(num) or not (num == -1 and "logprobs" not in body or 0 <= num <= top):
+        raise ApiError(400, f"'logprobs' must be an integer from 0 to {top}", "logprobs")
+    echo = body.get("echo", False)
+    if not isinstance(echo, bool):
+        raise ApiError(400, "'echo' must be a boolean", "echo")
+    return num, echo
 
 
 def fan_out(req: ApiRequest, rid: str) -> list[Prompt]:
@@ -246,8 +293,9 @@ class Choices:
     each choice as it ends; `ends[i]` is (finish reason, completion tokens, cached or -1) once
     choice i has ended."""
 
-    def __init__(self, req: ApiRequest, live: dict[int, int]) -> None:
+    def __init__(self, req: ApiRequest, live: dict[int, int], text: LP.TokenText | None = None) -> None:
         self.live, self.index = live, dict(live)
+        self.extras = [ChoiceExtras(req, i, text) for i in range(len(live))] if req.has_extras else None
         self.trims = [StopTrimmer(req.stop) for _ in live]
         self.ends: list[tuple[str, int, int] | None] = [None] * len(live)
         self.num_tokens = [0] * len(live)   # tokens so far, by choice
@@ -262,6 +310,8 @@ class Choices:
                 continue
             i = self.index[row[0]]
             self.num_tokens[i] = row[3]
+            if self.extras is not None:
+                self.extras[i].push(*(row[5:7] if len(row) > 5 else (None, None)))
             text = self.trims[i].push(row[1])
             if row[2]:
                 del self.live[row[0]]
@@ -303,34 +353,53 @@ def total_usage(req: ApiRequest, counts: list[tuple[int, int]]) -> dict:
     return usage(num_prompt, sum(num for num, _ in counts), num_cached if known else -1)
 
 
-def reply(req: ApiRequest, rid: str, created: int, outcomes: list[tuple[str, str, int, int]]) -> dict:
+def reply(req: ApiRequest, rid: str, created: int, outcomes: list[tuple[str, str, int, int]],
+          extras: list[ChoiceExtras] | None = None) -> dict:
     """The whole answer of a request that did not stream, from (text, finish reason,
-    completion tokens, cached prompt tokens or -1) of each choice, by index."""
+    completion tokens, cached prompt tokens or -1) of each choice, by index, and what each
+    carries beside (`extras`)."""
     choices = []
     for i, (text, finish, _, _) in enumerate(outcomes):
+        extra = extras[i] if extras else None
+        logprobs = extra.whole() if extra is not None else None
         if req.kind == "chat":
-            choices.append({"index": i, "message": {"role": "assistant", "content": text}, "logprobs": None,
+            choices.append({"index": i, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
                             "finish_reason": finish})
         else:
-            choices.append({"index": i, "text": text, "logprobs": None, "finish_reason": finish})
-    return {"id": rid, "object": "chat.completion" if req.kind == "chat" else "text_completion",
-            "created": created, "model": req.model, "choices": choices,
-            "usage": total_usage(req, [(num, cached) for _, _, num, cached in outcomes])}
+            choices.append({"index": i, "text": extra.with_echo(text) if extra else text,
+                            "logprobs": logprobs, "finish_reason": finish})
+            if extra is not None and req.prompt_logprobs >= 0:
+                choices[-1]["prompt_logprobs"] = extra.take_prompt()
+    out = {"id": rid, "object": "chat.completion" if req.kind == "chat" else "text_completion",
+           "created": created, "model": req.model, "choices": choices,
+           "usage": total_usage(req, [(num, cached) for _, _, num, cached in outcomes])}
+    if req.kind == "chat" and req.prompt_logprobs >= 0 and extras:
+        out["prompt_logprobs"] = extras[0].take_prompt()   # vLLM's place: the request's one prompt
+    return out
 
 
 def chunk(req: ApiRequest, rid: str, created: int, text: str | None, finish: str | None = None,
-          first: bool = False, index: int = 0, num_tokens: int = 0) -> dict:
+          first: bool = False, index: int = 0, num_tokens: int = 0, extra: ChoiceExtras | None = None) -> dict:
     """One streamed event of choice `index`: new text (None in its last, which carries the
-    finish reason); with continuous usage, the usage of that choice's `num_tokens` so far."""
+    finish reason); with continuous usage, the usage of that choice's `num_tokens` so far;
+    with `extra`, the logprobs that came since its last event (and the prompt's, once)."""
+    logprobs = extra.fresh() if extra is not None and text is not None else None
     if req.kind == "chat":
         delta = {} if text is None else {"content": text}
         if first:
             delta = {"role": "assistant", **delta}
-        choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}
+        choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
     else:
-        choice = {"index": index, "text": text or "", "logprobs": None, "finish_reason": finish}
+        if extra is not None and text is not None:
+            text = extra.with_echo(text)
+        choice = {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
+        if extra is not None and req.prompt_logprobs >= 0 and (prompt := extra.take_prompt()) is not None:
+            choice["prompt_logprobs"] = prompt
     out = {"id": rid, "object": "chat.completion.chunk" if req.kind == "chat" else "text_completion",
            "created": created, "model": req.model, "choices": [choice]}
+    if req.kind == "chat" and extra is not None and req.prompt_logprobs >= 0 \
+            and (prompt := extra.take_prompt()) is not None:
+        out["prompt_logprobs"] = prompt
     if req.include_usage:
         out["usage"] = None
         if req.continuous_usage:

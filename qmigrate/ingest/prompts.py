@@ -26,6 +26,9 @@ JSONL input: one object per line with the keys
     min_p           number from 0 to 1: drop tokens less likely than min_p times the likeliest
     logit_bias      {"token id": bias from -100 to 100}, at most 1024 entries
     stop_token_ids  list of token ids that end the output as EOS does (with EOS, at most 64)
+    logprobs        integer from 0 to 20: each generated token's logprob and that many likeliest
+                    alternatives' (vLLM's; the final record's "logprobs")
+    prompt_logprobs integer from 0 to 20: the same for each prompt token after the first
 Exactly one of prompt / prompt_ids / messages. A line {"cancel": ID} (and nothing else)
 asks to cancel the running request ID. A key given as null takes its default. Stop strings are
 tokenized alone, without special tokens, so a stop string matches only when the model
@@ -58,7 +61,8 @@ MAX_JSON_DEPTH = 32
 KEYS = frozenset(
     ["id", "prompt", "prompt_ids", "messages", "max_new_tokens", "temperature", "top_p",
      "top_k", "seed", "stop", "ignore_eos", "min_tokens", "cache_salt", "presence_penalty",
-     "frequency_penalty", "repetition_penalty", "min_p", "logit_bias", "stop_token_ids"]
+     "frequency_penalty", "repetition_penalty", "min_p", "logit_bias", "stop_token_ids", "logprobs",
+     "prompt_logprobs"]
 )
 CHAT_ROLES = frozenset(["system", "user", "assistant", "developer", "tool"])
 MESSAGE_KEYS = frozenset(["role", "content", "name"])
@@ -84,6 +88,8 @@ class Prompt:
     min_p: float = 0.0
     logit_bias: dict[int, float] = field(default_factory=dict)
     stop_token_ids: list[int] = field(default_factory=list)   # end the output as EOS does
+    num_logprobs: int = -1          # >= 0: each token's logprob with this many alternatives
+    num_prompt_logprobs: int = -1   # >= 0: the prompt's too
 
 
 @dataclass(slots=True, frozen=True)
@@ -165,7 +171,8 @@ def to_spec(prompt: Prompt, seq_id: int, seed: int, eos_ids: Collection[int]) ->
                      cache_salt=prompt.cache_salt, presence_penalty=prompt.presence_penalty,
                      frequency_penalty=prompt.frequency_penalty, repetition_penalty=prompt.repetition_penalty,
                      min_p=prompt.min_p, bias_ids=list(prompt.logit_bias),
-                     bias_values=list(prompt.logit_bias.values()))
+                     bias_values=list(prompt.logit_bias.values()), num_logprobs=prompt.num_logprobs,
+                     num_prompt_logprobs=prompt.num_prompt_logprobs)
 
 
 def seed_of(prompt: Prompt, rng) -> int:
@@ -391,10 +398,17 @@ def parse_request(
         fail(f"'stop_token_ids' holds at most {P.MAX_STOP_LEN - len(set(eos_ids))} ids beside the model's EOS",
              "stop_token_ids")
 
+    logprobs = {}
+    for name in ("logprobs", "prompt_logprobs"):
+        value = obj.get(name, -1)
+        if value != -1 and (not _is_int(value) or not 0 <= value <= P.MAX_LOGPROBS):
+            fail(f"'{name}' must be an integer from 0 to {P.MAX_LOGPROBS}", name)
+        logprobs[f"num_{name}"] = value
+
     prompt = _fit(Prompt(req_id, prompt_ids, max_new_tokens, float(temperature), float(top_p),
                          top_k, seed, stop_ids, ignore_eos=ignore_eos, min_tokens=min_tokens,
                          cache_salt=cache_salt, logit_bias=logit_bias, stop_token_ids=stop_token_ids,
-                         **penalties), max_context)
+                         **penalties, **logprobs), max_context)
     prompt.min_tokens = min(prompt.min_tokens, prompt.max_new_tokens)  # after a clamp to the context
     return check_prompt(prompt, eos_ids)
 

@@ -332,11 +332,10 @@ class Router:
             keep = np.array(mine)
             counts = P.unpack_i32(msg.counts)
             tokens = P.unpack_i32(msg.tokens)[np.repeat(keep, counts)]
-            self.out.forward(codec.encode(P.Tokens(P.pack_i64(seq_ids[keep]), P.pack_i32(P.unpack_i32(msg.start)[keep]),
-                                               P.pack_i32(counts[keep]), P.pack_i32(tokens),
-                                               P.pack_u8(P.unpack_u8(msg.finish)[keep]),
-                                               P.pack_i32(P.unpack_i32(msg.cached_tokens)[keep])
-                                               if msg.cached_tokens else b"")))
+            kept = P.Tokens(P.pack_i64(seq_ids[keep]), P.pack_i32(P.unpack_i32(msg.start)[keep]),
+                            P.pack_i32(counts[keep]), P.pack_i32(tokens), P.pack_u8(P.unpack_u8(msg.finish)[keep]),
+                            P.pack_i32(P.unpack_i32(msg.cached_tokens)[keep]) if msg.cached_tokens else b"")
+            self.out.forward(codec.encode(P.logprob_rows(msg, kept, keep)))
 
     def on_submit(self, sender: bytes, msg: P.Submit) -> None:
         if self.ingest is None:   # this router restarted: ingest said its hello to the one before

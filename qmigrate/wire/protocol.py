@@ -20,7 +20,9 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from qmigrate.wire.packed import (  # noqa: F401 (re-exported)
-    ProtocolError, _unpack, pack_i32, pack_i64, pack_u8, unpack_i32, unpack_i64, unpack_ids, unpack_u8,
+    ProtocolError, _unpack, logprob_rows, pack_f32, pack_i32, pack_logprob_refs, replies_rows,
+    replies_with_logprobs, unpack_logprob_block, pack_i64, pack_u8, unpack_f32, unpack_i32, unpack_i64, unpack_ids,
+    unpack_u8,
 )
 
 PROTOCOL_VERSION = 1
@@ -57,6 +59,8 @@ MAX_NOTE = 1024            # characters of a request's note and of an error mess
 # One HTTP request fans out into one engine request per choice: `n` per prompt (at most
 # MAX_N), prompts × n at most MAX_CHOICES (one Submit's worth), checked before any is queued.
 MAX_N = 128
+# Log probabilities: the sampled token's and up to MAX_LOGPROBS alternatives' (vLLM's max_logprobs)
+MAX_LOGPROBS = 20
 MAX_CHOICES = SUBMIT_MAX_SEQS
 
 class MsgType(enum.IntEnum):
@@ -188,6 +192,9 @@ class SeqSpec:
     min_p: float = 0.0
     bias_ids: list[int] = field(default_factory=list)      # logit_bias: token ids and what each adds
     bias_values: list[float] = field(default_factory=list)
+    # Logprobs (engine/logprobs.py): >= 0 asks for them with that many alternatives; -1: none
+    num_logprobs: int = -1          # of every generated token
+    num_prompt_logprobs: int = -1   # of the prompt's tokens, once, with the first generated token
 
     @property
     def ids(self) -> np.ndarray:
@@ -211,6 +218,8 @@ class SeqSpec:
                 or any(not 0 <= t <= MAX_ID for t in self.bias_ids) \
                 or any(not -MAX_BIAS <= v <= MAX_BIAS for v in self.bias_values):
             raise ProtocolError("logit bias: ids and values differ in number or are out of range")
+        if not (-1 <= self.num_logprobs <= MAX_LOGPROBS and -1 <= self.num_prompt_logprobs <= MAX_LOGPROBS):
+            raise ProtocolError(f"logprobs: -1 (none) to {MAX_LOGPROBS} alternatives")
 
 
 SeqSpec._fields = _field_table(SeqSpec)
@@ -341,11 +350,24 @@ class Tokens:
     tokens: bytes             # int32
     finish: bytes             # uint8
     cached_tokens: bytes = b""   # int32 per row: prompt positions found cached where it started (-1: unknown)
+    # Logprobs of rows that asked for them (lp_width -1: none in this message). Every token of
+    # the message has a row of lp_values: its logprob (NaN: none), then lp_width alternatives'
+    # (ids in lp_top_ids, -1 past what its request asked).
+    lp_width: int = -1
+    lp_values: bytes = b""       # float32 [tokens, 1 + lp_width]
+    lp_top_ids: bytes = b""      # int32 [tokens, lp_width]
+    # Prompt logprobs, with a request's first token: prompt_counts[i] positions (1 .. prompt
+    # length - 1) for row i, each its token's logprob, rank, then prompt_width alternatives'.
+    prompt_counts: bytes = b""   # int32 per row
+    prompt_width: int = -1
+    prompt_values: bytes = b""   # float32 [positions, 2 + prompt_width]
+    prompt_top_ids: bytes = b""  # int32 [positions, prompt_width]
 
     def validate(self) -> None:
         if self.cached_tokens and len(self.cached_tokens) != len(self.seq_ids) // 2:
             raise ProtocolError("Tokens.cached_tokens: one count per row")
         _rows_agree("Tokens", self.seq_ids, self.counts, self.finish, self.tokens, self.start)
+        check_logprobs(self, len(self.tokens) // 4, len(self.seq_ids) // 8, "Tokens")
         finish = unpack_u8(self.finish, "Tokens.finish")
         if not _step_codes_ok(finish):
             raise ProtocolError("Tokens.finish: unknown finish code")
@@ -528,9 +550,25 @@ class Replies:
     num_tokens: bytes         # int32
     texts: list[str]
     cached_tokens: bytes = b""   # int32 per row: prompt tokens found cached (-1: not said), on a finish row
+    # Logprobs as in Tokens, for the lp_counts[i] tokens of row i (ids in lp_token_ids)
+    lp_width: int = -1
+    lp_values: bytes = b""
+    lp_top_ids: bytes = b""
+    prompt_counts: bytes = b""
+    prompt_width: int = -1
+    prompt_values: bytes = b""
+    prompt_top_ids: bytes = b""
+    lp_counts: bytes = b""       # int32 per row
+    lp_token_ids: bytes = b""    # int32
 
     def validate(self) -> None:
         n = len(unpack_i64(self.seq_ids, "Replies.seq_ids"))
+        if self.lp_width >= 0:
+            counts = unpack_i32(self.lp_counts, "Replies.lp_counts")
+            if len(counts) != n or (n and counts.min() < 0) or int(counts.sum()) != len(self.lp_token_ids) // 4:
+                raise ProtocolError("Replies.lp_counts: one count (>= 0) per row, adding up to lp_token_ids")
+            unpack_i32(self.lp_token_ids, "Replies.lp_token_ids")
+        check_logprobs(self, len(self.lp_token_ids) // 4, n, "Replies")
         if self.cached_tokens and len(self.cached_tokens) != 4 * n:
             raise ProtocolError("Replies.cached_tokens: one count per row")
         finish, counts = unpack_u8(self.finish, "Replies.finish"), unpack_i32(self.num_tokens, "Replies.num_tokens")
@@ -606,6 +644,29 @@ def info_str(info: dict, key: str, max_len: int = 512) -> str:
     if type(value) is not str or len(value) > max_len:
         raise ProtocolError(f"Hello.info[{key!r}]: expected a string of at most {max_len} characters")
     return value
+
+
+def check_logprobs(msg, num_tokens: int, num_rows: int, name: str) -> None:
+    """The logprob arrays of a Tokens or Replies: widths in [-1, MAX_LOGPROBS], and each array
+    of the size its width and the tokens (or prompt positions) say."""
+    for width, values, ids, extra, num, what in (
+            (msg.lp_width, msg.lp_values, msg.lp_top_ids, 1, num_tokens, "lp"),
+            (msg.prompt_width, msg.prompt_values, msg.prompt_top_ids, 2, None, "prompt")):
+        if not -1 <= width <= MAX_LOGPROBS:
+            raise ProtocolError(f"{name}.{what}_width: -1 to {MAX_LOGPROBS}")
+        if width < 0:
+            if values or ids or (what == "prompt" and msg.prompt_counts):
+                raise ProtocolError(f"{name}: {what} logprob arrays without a width")
+            continue
+        if num is None:
+            counts = unpack_i32(msg.prompt_counts, f"{name}.prompt_counts")
+            if len(counts) != num_rows or (num_rows and counts.min() < 0):
+                raise ProtocolError(f"{name}.prompt_counts: one count (>= 0) per row")
+            num = int(counts.sum())
+        unpack_f32(values, f"{name}.{what}_values")
+        unpack_i32(ids, f"{name}.{what}_top_ids")
+        if len(values) != 4 * num * (extra + width) or len(ids) != 4 * num * width:
+            raise ProtocolError(f"{name}: {what} logprob arrays of the wrong size")
 
 
 def _rows_agree(name: str, seq_ids: bytes, counts: bytes, codes: bytes, tokens: bytes, *more: bytes) -> None:

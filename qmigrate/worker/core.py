@@ -49,6 +49,8 @@ class SeqState:
     tail: list[int] = field(default_factory=list)   # recent tokens, for stop sequences
     last_token: int = -1                            # sampled here, not yet in the KV
     min_new_tokens: int = 0
+    num_logprobs: int = -1
+    num_prompt_logprobs: int = -1
 
     @classmethod
     def from_spec(cls, spec: P.SeqSpec, ids: np.ndarray) -> "SeqState":
@@ -56,7 +58,8 @@ class SeqState:
         seed = spec.seed if spec.seed >= 0 else spec.seq_id
         tail = ids[spec.prompt_len:].tolist()[-keep:] if keep else []
         return cls(spec.prompt_len, spec.max_new_tokens, spec.temperature, spec.top_p, spec.top_k,
-                   seed, spec.stop_ids, frozenset(spec.eos_ids), tail, min_new_tokens=spec.min_new_tokens)
+                   seed, spec.stop_ids, frozenset(spec.eos_ids), tail, min_new_tokens=spec.min_new_tokens,
+                   num_logprobs=spec.num_logprobs, num_prompt_logprobs=spec.num_prompt_logprobs)
 
     def finish_after(self, token: int, index: int, length: int, max_len: int) -> Finish:
         """Status once `token`, generated token number `index`, joined a sequence of `length`."""
@@ -91,6 +94,8 @@ class Started:
     ended: set[int] = field(default_factory=set)          # rows whose status is a finish (cheap to test)
     lost: list[int] = field(default_factory=list)         # rows cut short with their KV dropped
     cached: dict[int, int] = field(default_factory=dict)  # rows started here: positions found cached
+    lps: dict[int, list] = field(default_factory=dict)    # rows asking: each token's logprobs, as out
+    prompt_lps: dict[int, tuple] = field(default_factory=dict)   # rows whose prompt's logprobs are made
 
 
 @dataclass(slots=True)
@@ -248,7 +253,9 @@ class WorkerCore:
             tokens = self.engine.collect(pending, behind)
             self.trace("collect_end")
             self.num_steps += 1
-            self._advance(run, pending.rows, tokens, pending.partial)
+            lps, prompts = self.engine.take_logprobs(pending)
+            run.prompt_lps.update(prompts)
+            self._advance(run, pending.rows, tokens, pending.partial, lps)
             pending = nxt
             if pending is not None and on_step is not None:
                 revoked = on_step(self._tokens(run, final=False))
@@ -271,7 +278,8 @@ class WorkerCore:
             start = r.start + (len(r.new_ids) or 1)
             if r.index + 1 >= state.max_new_tokens or start + 1 >= max_len:
                 continue  # ends with the step in flight (a length limit is known in advance)
-            rows.append(StepRow(sid, [], start, r.index + 1, r.temperature, r.top_p, r.top_k, r.seed))
+            rows.append(StepRow(sid, [], start, r.index + 1, r.temperature, r.top_p, r.top_k, r.seed,
+                                num_logprobs=r.num_logprobs))
         return rows
 
     def _next_part(self, r: StepRow) -> StepRow:
@@ -301,7 +309,7 @@ class WorkerCore:
             start = max(0, self.engine.cached_len(sid))
             new, length = ids[start:].tolist(), len(ids)
             return StepRow(sid, new, start, length - state.prompt_len, state.temperature,
-                           state.top_p, state.top_k, state.seed, salt)
+                           state.top_p, state.top_k, state.seed, salt, state.num_logprobs)
         elif length == P.CONTINUE:
             state = self.seqs.get(sid)
             if state is None:  # dropped here meanwhile (the router took it back): resend it whole
@@ -320,7 +328,8 @@ class WorkerCore:
                 return Finish.NEED_IDS
             start, new = length - 1, [token]
         return StepRow(sid, new, start, length - state.prompt_len, state.temperature,
-                       state.top_p, state.top_k, state.seed, spec.cache_salt if spec is not None else "")
+                       state.top_p, state.top_k, state.seed, spec.cache_salt if spec is not None else "",
+                       state.num_logprobs, state.num_prompt_logprobs)
 
     def _take_transfer(self, spec: P.SeqSpec, length: int, protect: set[int]) -> int:
         """Positions whose KV arrived by transfer (0 when it did not: recompute)."""
@@ -348,7 +357,8 @@ class WorkerCore:
             self.pulled[spec.seq_id] = start + kv.shape[2]
         return start + kv.shape[2]
 
-    def _advance(self, run: "Started", rows: list[StepRow], tokens: list[int], partial=frozenset()) -> None:
+    def _advance(self, run: "Started", rows: list[StepRow], tokens: list[int], partial=frozenset(),
+                 lps=None) -> None:
         status, out, ended, seqs, max_len = run.status, run.out, run.ended, self.seqs, self.engine.max_len
         for row, token in zip(rows, tokens):
             sid = row.seq_id
@@ -369,6 +379,8 @@ class WorkerCore:
                 continue
             state.last_token = token
             out[sid].append(token)
+            if state.num_logprobs >= 0:
+                run.lps.setdefault(sid, []).append(lps.get(sid) if lps else None)
             length = row.start + (len(row.new_ids) or 1) + 1   # tokens, the new one included
             code = state.finish_after(token, row.index, length, max_len)
             status[sid] = code
@@ -415,11 +427,35 @@ class WorkerCore:
             if not (new or resend or ends):
                 continue
             start = run.first_index.get(sid, 0) + sent - len(resend)
-            shown.append((sid, start, resend + new, int(code) if (final or ends) else 0))
+            shown.append((sid, start, resend + new, int(code) if (final or ends) else 0, sent, len(resend)))
             sent_of[sid] = sent + len(new)
             if ends:
                 announced.add(sid)
-        return P.Tokens(P.pack_i64([x[0] for x in shown]), P.pack_i32([x[1] for x in shown]),
-                        P.pack_i32([len(x[2]) for x in shown]), P.pack_i32([t for x in shown for t in x[2]]),
-                        P.pack_u8([x[3] for x in shown]),
-                        P.pack_i32([run.cached.get(x[0], -1) for x in shown]) if run.cached else b"")
+        msg = P.Tokens(P.pack_i64([x[0] for x in shown]), P.pack_i32([x[1] for x in shown]),
+                       P.pack_i32([len(x[2]) for x in shown]), P.pack_i32([t for x in shown for t in x[2]]),
+                       P.pack_u8([x[3] for x in shown]),
+                       P.pack_i32([run.cached.get(x[0], -1) for x in shown]) if run.cached else b"")
+        return self._with_logprobs(run, msg, shown) if run.lps or run.prompt_lps else msg
+
+    @staticmethod
+    def _with_logprobs(run: "Started", msg: P.Tokens, shown: list[tuple]) -> P.Tokens:
+        """The Tokens with the logprobs of its rows that asked (a resent token has none), and
+        a prompt's with the row of its first token."""
+        entries, counts, prompts = [], [], []
+        for sid, start, tokens, _, sent, num_resent in shown:
+            made = run.lps.get(sid)
+            entries += [None] * num_resent
+            entries += made[sent:sent + len(tokens) - num_resent] if made is not None                 else [None] * (len(tokens) - num_resent)
+            prompt = run.prompt_lps.pop(sid, None) if start == 0 and tokens else None
+            counts.append(0 if prompt is None else len(prompt[0]))
+            if prompt is not None:
+                prompts += [(prompt[0], prompt[1], k) for k in range(len(prompt[0]))]
+        fields = {}
+        if any(e is not None for e in entries):
+            width, values, ids = P.pack_logprob_refs(entries, 1)
+            fields.update(lp_width=width, lp_values=values, lp_top_ids=ids)
+        if prompts:
+            width, values, ids = P.pack_logprob_refs(prompts, 2)
+            fields.update(prompt_counts=P.pack_i32(counts), prompt_width=width, prompt_values=values,
+                          prompt_top_ids=ids)
+        return dataclasses.replace(msg, **fields) if fields else msg

@@ -220,11 +220,12 @@ class BlockPool:
         return out
 
     # --- the prefix cache ----------------------------------------------------------------------
-    def admit(self, seq_id: int, ids, salt: str = "") -> int:
+    def admit(self, seq_id: int, ids, salt: str = "", reuse: bool = True) -> int:
         """Start seq_id (a prompt of `ids`) on the longest cached prefix of it, leaving at
-        least its last token to compute; the number of positions it starts with."""
+        least its last token to compute; the number of positions it starts with. Without
+        `reuse` it starts on none (its blocks are still cached for others as it writes them)."""
         self.release(seq_id)
-        most = (len(ids) - 1) // self.block_size
+        most = (len(ids) - 1) // self.block_size if reuse else 0
         blocks = self.prefix.match(seq_id, ids, salt, max_blocks=most)
         self.blocks[seq_id] = blocks
         if self.tier is not None and len(blocks) < most:

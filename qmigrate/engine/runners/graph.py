@@ -219,6 +219,12 @@ class GraphRunner:
         graph.replay()
         return self.static_logits[:b]
 
+    def forward_all(self, batch: StepBatch) -> torch.Tensor:
+        """logits [T, V] float32 of every token of the batch, eagerly (prompt logprobs)."""
+        x = self._inputs(batch)
+        x.last = torch.arange(batch.num_tokens, dtype=torch.int64, device=self.device)
+        return self._forward(x, batch.num_tokens, batch.max_query_len, batch.is_decode)
+
     @property
     def share_prefixes(self) -> bool:
         return self.step_groups is not None

@@ -94,6 +94,12 @@ class HFRunner:
             logits[torch.as_tensor(group, device=self.device)] = out
         return logits
 
+    def forward_all(self, batch: StepBatch) -> torch.Tensor:
+        """logits [T, V] float32 of every token of a batch of one row (prompt logprobs)."""
+        if batch.num_rows != 1:
+            raise ValueError("forward_all takes one row")
+        return self._forward(batch, [0], every_token=True)
+
     def groups(self, batch: StepBatch) -> list[list[int]]:
         lens = np.diff(batch.query_start)
         decode = [i for i in range(batch.num_rows) if lens[i] == 1]
@@ -112,7 +118,7 @@ class HFRunner:
             groups.append(group)
         return groups
 
-    def _forward(self, batch: StepBatch, group: list[int]) -> torch.Tensor:
+    def _forward(self, batch: StepBatch, group: list[int], every_token: bool = False) -> torch.Tensor:
         qs = batch.query_start
         lens = np.array([qs[i + 1] - qs[i] for i in group])
         seq_lens = batch.seq_lens[group].astype(np.int64)
@@ -138,7 +144,10 @@ class HFRunner:
         view = PagedView(self.pool, table, t(rr), t(cc), t(slots), total, is_decode=width == 1)
         out = self.base(input_ids=t(ids), attention_mask=mask[:, None], position_ids=pos_t,
                         use_cache=True, **{self.cache_arg: view})
-        last = out.last_hidden_state[torch.arange(g, device=dev), t(lens - 1)]
+        if every_token:
+            last = out.last_hidden_state[t(rr), t(cc)]
+        else:
+            last = out.last_hidden_state[torch.arange(g, device=dev), t(lens - 1)]
         logits = self.lm_head(last).float()
         if self.final_softcap:
             logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
