@@ -57,6 +57,8 @@ class SamplingDefaults(Section):
                                                          lambda x: 0 <= x <= P.MAX_TEMPERATURE))
     top_p: float = rules.setting(1.0, rules.number("a number in (0, 1]", lambda x: 0 < x <= 1))
     top_k: int = rules.setting(0, rules.non_negative)
+    # a structured output's grammar that does not compile within this is refused (its request only)
+    structured_output_compile_timeout_s: float = rules.setting(5.0, rules.positive)
 
 
 @dataclass(slots=True)

@@ -43,6 +43,7 @@ from aiohttp import web
 from qmigrate.ops import logs
 from qmigrate.wire import protocol as P
 from qmigrate.wire import transport
+from qmigrate.hub.grammars import Compiler, GrammarError
 from qmigrate.hub.tokenizer_info import load_tokenizer_info
 from qmigrate.ingest.guard import ClientLimit
 from qmigrate.ingest import utility_api
@@ -85,6 +86,9 @@ class HttpServer:
         # fast tokenizer is not safe to share between threads.
         self.tokenizer, self.max_context, self.eos_ids = load_tokenizer_info(model_path, trust_remote_code)
         self.max_context = min(self.max_context, max_model_len or self.max_context)   # the workers' limit
+        # structured outputs' grammars, compiled off both loops (and refused past the time limit)
+        self.grammars = Compiler(lambda: load_tokenizer_info(model_path, trust_remote_code)[0],
+                                 len(self.tokenizer), defaults.structured_output_compile_timeout_s)
         # Bodies are parsed and tokenized on this one thread, the only user of the tokenizer:
         # a long prompt costs its own request time, never the event loop's (/health, streams).
         self.parser = ThreadPoolExecutor(1, thread_name_prefix="http-parse")
@@ -309,6 +313,7 @@ class HttpServer:
 
     async def _generate(self, request, kind):
         req = await self.loop.run_in_executor(self.parser, self._parse, await self._read(request), kind)
+        await self._compile(req)
         seq_id = self._new_id()
         rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{seq_id:016x}"
         prompts = fan_out(req, rid)
@@ -348,6 +353,22 @@ class HttpServer:
                 for sid in live:
                     self.cancels.put(sid)
                 self._wake()
+
+    async def _compile(self, req) -> None:
+        """A 400 for a structured output whose grammar does not compile against the tokenizer in
+        `structured_output_compile_timeout_s`; the wait holds up this request only."""
+        grammar = req.prompt.grammar
+        if not grammar:
+            return
+        param = req.grammar_param
+        limit = self.grammars.timeout_s
+        try:
+            await asyncio.wait_for(asyncio.wrap_future(self.grammars.start(grammar, self.eos_ids)), limit)
+        except asyncio.TimeoutError:
+            raise ApiError(400, f"'{param}': the grammar did not compile within {limit:g} s "
+                           "(structured_output_compile_timeout_s)", param) from None
+        except GrammarError as exc:
+            raise ApiError(400, f"'{param}': {exc}", param) from None
 
     def _new_id(self) -> int:
         return self.id_base | next(self.counter) & self.id_mask

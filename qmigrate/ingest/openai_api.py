@@ -32,7 +32,8 @@ Kind = Literal["completion", "chat"]
 # Sampling fields the intake (prompts.parse_request) checks alike for stdin JSONL and HTTP.
 SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "seed", "presence_penalty", "frequency_penalty",
                    "logit_bias", "ignore_eos", "min_tokens", "cache_salt", "repetition_penalty", "min_p",
-                   "stop_token_ids")  # from top_k and ignore_eos on: extensions, as vLLM's
+                   "stop_token_ids", "response_format", "structured_outputs")
+# from top_k and ignore_eos on: extensions, as vLLM's (response_format on completions too)
 SUPPORTED_FIELDS = frozenset(["model", "max_tokens", "stop", "stream", "stream_options", "n", *SAMPLING_FIELDS])
 ONLY_FIELDS = {"completion": frozenset(["prompt"]), "chat": frozenset(["messages", "max_completion_tokens"])}
 # OpenAI's fields that change nothing this server generates: accepted, and ignored.
@@ -44,11 +45,11 @@ IGNORED_FIELDS = {"completion": frozenset(["user", "store", "metadata", "service
 # (a field of one endpoint only is refused by the other as unrecognized).
 NEUTRAL = {"logprobs": (False, 0), "top_logprobs": (0,), "echo": (False,), "best_of": (1,),
            "suffix": ("",), "tools": ([],), "tool_choice": ("none",), "functions": ([],),
-           "function_call": ("none",), "response_format": ({"type": "text"},), "modalities": (["text"],),
+           "function_call": ("none",), "modalities": (["text"],),
            "audio": (), "reasoning_effort": (), "verbosity": (), "web_search_options": ()}
 NEUTRAL_OF = {"completion": frozenset(["logprobs", "echo", "best_of", "suffix"]),
               "chat": frozenset(["logprobs", "top_logprobs", "tools", "tool_choice", "functions", "function_call",
-                                 "response_format", "modalities", "audio", "reasoning_effort", "verbosity",
+                                 "modalities", "audio", "reasoning_effort", "verbosity",
                                  "web_search_options"])}
 # The intake's names of fields the API names otherwise.
 _INTAKE_PARAM = {"prompt_ids": "prompt"}
@@ -76,6 +77,7 @@ class ApiRequest:
     stop: list[str] = field(default_factory=list)
     n: int = 1             # choices per prompt
     continuous_usage: bool = False   # vLLM's continuous_usage_stats: usage in every chunk too
+    grammar_param: str | None = None   # the field that asked for structured output
 
     @property
     def prompt(self) -> Prompt:
@@ -168,8 +170,9 @@ def parse_body(body, kind: Kind, *, model_names: Collection[str], tokenizer, max
             raise ApiError(400, f"prompt[{i}]: {message}" if of_prompt else message, param,
                            code="context_length_exceeded" if too_long else None) from None
     include = bool(options.get("include_usage"))
+    grammar_param = next((name for name in ("response_format", "structured_outputs") if name in body), None)
     return ApiRequest(kind, model, prompts, stream, include, stop, n,
-                      include and bool(options.get("continuous_usage_stats")))
+                      include and bool(options.get("continuous_usage_stats")), grammar_param)
 
 
 def fan_out(req: ApiRequest, rid: str) -> list[Prompt]:

@@ -26,6 +26,10 @@ JSONL input: one object per line with the keys
     min_p           number from 0 to 1: drop tokens less likely than min_p times the likeliest
     logit_bias      {"token id": bias from -100 to 100}, at most 1024 entries
     stop_token_ids  list of token ids that end the output as EOS does (with EOS, at most 64)
+    response_format, structured_outputs
+                    structured output as over HTTP (OpenAI's {"type": "json_object"} or
+                    {"type": "json_schema", "json_schema": {"schema", "strict"}}; vLLM's {"json" |
+                    "regex" | "choice" | "grammar": ...}): the output follows the grammar
 Exactly one of prompt / prompt_ids / messages. A line {"cancel": ID} (and nothing else)
 asks to cancel the running request ID. A key given as null takes its default. Stop strings are
 tokenized alone, without special tokens, so a stop string matches only when the model
@@ -58,7 +62,8 @@ MAX_JSON_DEPTH = 32
 KEYS = frozenset(
     ["id", "prompt", "prompt_ids", "messages", "max_new_tokens", "temperature", "top_p",
      "top_k", "seed", "stop", "ignore_eos", "min_tokens", "cache_salt", "presence_penalty",
-     "frequency_penalty", "repetition_penalty", "min_p", "logit_bias", "stop_token_ids"]
+     "frequency_penalty", "repetition_penalty", "min_p", "logit_bias", "stop_token_ids",
+     "response_format", "structured_outputs"]
 )
 CHAT_ROLES = frozenset(["system", "user", "assistant", "developer", "tool"])
 MESSAGE_KEYS = frozenset(["role", "content", "name"])
@@ -84,6 +89,7 @@ class Prompt:
     min_p: float = 0.0
     logit_bias: dict[int, float] = field(default_factory=dict)
     stop_token_ids: list[int] = field(default_factory=list)   # end the output as EOS does
+    grammar: str = ""         # structured output: a grammar text (hub/grammars.py); "" none
 
 
 @dataclass(slots=True, frozen=True)
@@ -92,6 +98,8 @@ class Defaults:
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0
+    structured_output_compile_timeout_s: float = 5.0
+
 
 
 @dataclass(slots=True, frozen=True)
@@ -165,7 +173,7 @@ def to_spec(prompt: Prompt, seq_id: int, seed: int, eos_ids: Collection[int]) ->
                      cache_salt=prompt.cache_salt, presence_penalty=prompt.presence_penalty,
                      frequency_penalty=prompt.frequency_penalty, repetition_penalty=prompt.repetition_penalty,
                      min_p=prompt.min_p, bias_ids=list(prompt.logit_bias),
-                     bias_values=list(prompt.logit_bias.values()))
+                     bias_values=list(prompt.logit_bias.values()), grammar=prompt.grammar)
 
 
 def seed_of(prompt: Prompt, rng) -> int:
@@ -391,12 +399,40 @@ def parse_request(
         fail(f"'stop_token_ids' holds at most {P.MAX_STOP_LEN - len(set(eos_ids))} ids beside the model's EOS",
              "stop_token_ids")
 
+    grammar = _parse_grammar(obj, fail)
+    if grammar and ignore_eos:
+        fail("'ignore_eos' cannot be combined with structured output: the grammar's end is an EOS", "ignore_eos")
+    if grammar and min_tokens:
+        fail("'min_tokens' cannot be combined with structured output: the grammar decides the length",
+             "min_tokens")
+
     prompt = _fit(Prompt(req_id, prompt_ids, max_new_tokens, float(temperature), float(top_p),
                          top_k, seed, stop_ids, ignore_eos=ignore_eos, min_tokens=min_tokens,
                          cache_salt=cache_salt, logit_bias=logit_bias, stop_token_ids=stop_token_ids,
-                         **penalties), max_context)
+                         grammar=grammar, **penalties), max_context)
     prompt.min_tokens = min(prompt.min_tokens, prompt.max_new_tokens)  # after a clamp to the context
     return check_prompt(prompt, eos_ids)
+
+
+def _parse_grammar(obj: dict, fail) -> str:
+    """The request's structured output as a grammar text ("" for none), its syntax checked
+    (compiling it against the tokenizer, which takes time, is `grammars.Compiler`'s)."""
+    from qmigrate.hub import grammars
+    if "response_format" in obj and "structured_outputs" in obj:
+        fail("give one of 'response_format' and 'structured_outputs'", "structured_outputs")
+    try:
+        if "structured_outputs" in obj:
+            grammar, param = grammars.from_structured_outputs(obj["structured_outputs"])
+        elif "response_format" in obj:
+            grammar, param = grammars.from_response_format(obj["response_format"])
+        else:
+            return ""
+        if grammar:
+            grammars.check_size(grammar, param)
+            grammars.check_syntax(grammar, param)
+    except grammars.GrammarError as exc:
+        fail(str(exc), exc.param)
+    return grammar
 
 
 def _raise(req_id: str, message: str, param: str | None = None):

@@ -185,6 +185,7 @@ class SeqSpec:
     min_p: float = 0.0
     bias_ids: list[int] = field(default_factory=list)      # logit_bias: token ids and what each adds
     bias_values: list[float] = field(default_factory=list)
+    grammar: str = ""         # structured output: an llguidance grammar text (hub/grammars.py); "" none
 
     @property
     def ids(self) -> np.ndarray:

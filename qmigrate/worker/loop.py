@@ -66,6 +66,7 @@ class Worker:
                                   load_format=topo.model.load_format)
             engine = Engine(model, self.cfg.engine_config())
         self.core = WorkerCore(engine)
+        engine.grammars.compiler = grammar_compiler(topo, engine.shape.vocab_size)
         self.trace = self.core.trace = tracer(f"worker-{name}", topo.trace_dir)
         flush_on_sigterm(self.trace)
         self.core.engine.warm_up()
@@ -383,3 +384,12 @@ def _serve(topo, name: str) -> None:
         raise worker.ranks.failed(exc) from None
     finally:
         worker.trace.flush()   # the stretch since the last heartbeat
+
+
+def grammar_compiler(topo, vocab_size: int):
+    """Structured output's compiler for this worker: the model's tokenizer, loaded on first use."""
+    from qmigrate.hub.grammars import Compiler
+    from qmigrate.hub.tokenizer_info import load_tokenizer_info
+    path, trust = resolve_model(topo.model.path), topo.model.trust_remote_code
+    return Compiler(lambda: load_tokenizer_info(path, trust)[0], vocab_size,
+                    topo.defaults.structured_output_compile_timeout_s)
