@@ -189,6 +189,12 @@ def run_serve(*, base_url: str, model: str | None, requests: list[ServeRequest],
                   f"{later['ttft_ms']['p50']:.1f}/{later['ttft_ms']['p99']:.1f} ms, prefix hits "
                   + ("-" if hits is None else f"{100 * hits:.0f}%"))
     for rate, s in runs:
+        if "plain" in s:
+            plain, structured = s["plain"], s["structured"]
+            p50 = lambda part: "-" if part["tpot_ms"]["p50"] is None else f"{part['tpot_ms']['p50']:.2f} ms"
+            print(f"  rate {rate}: TPOT p50 plain {p50(plain)} ({plain['calls']} calls), "
+                  f"structured {p50(structured)} ({structured['calls']} calls)")
+    for rate, s in runs:
         if s["failed"] or s["short_calls"]:
             print(f"  rate {rate}: {s['failed']} calls failed, {s['short_calls']} ended short of their length"
                   + (f"; e.g. {s['errors'][0]}" if s["errors"] else ""), file=sys.stderr)

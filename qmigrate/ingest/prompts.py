@@ -27,7 +27,7 @@ JSONL input: one object per line with the keys
     logit_bias      {"token id": bias from -100 to 100}, at most 1024 entries
     stop_token_ids  list of token ids that end the output as EOS does (with EOS, at most 64)
     response_format, structured_outputs
-                    structured output as over HTTP (OpenAI's {"type": "json_object"} or
+                    structured output as over HTTP (docs/http.md) (OpenAI's {"type": "json_object"} or
                     {"type": "json_schema", "json_schema": {"schema", "strict"}}; vLLM's {"json" |
                     "regex" | "choice" | "grammar": ...}): the output follows the grammar
 Exactly one of prompt / prompt_ids / messages. A line {"cancel": ID} (and nothing else)
