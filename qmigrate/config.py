@@ -164,6 +164,8 @@ class IngestConfig(Section):
     # an HTTP process not heard from for this long (stopped, or wedged) is killed and started again
     http_process_timeout_s: float = rules.setting(10.0, rules.positive)
     model_name: str | None = rules.setting(None, rules.optional_text)  # None: the model directory's name
+    # the format of the model's tool calls (ingest/tools.py); auto: the one its chat template writes
+    tool_call_parser: str = rules.setting("auto", rules.one_of("auto", "hermes", "llama3_json", "mistral"))
 
 
 @dataclass(slots=True)

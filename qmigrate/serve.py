@@ -41,6 +41,7 @@ class ServeOptions:
     api_server_count: int | None = None   # ingest.http_processes
     trace_dir: str | None = None          # the topology's trace_dir: every role's timeline (ops/trace.py)
     load_format: str | None = None        # model.load_format: auto or dummy
+    tool_call_parser: str | None = None   # ingest.tool_call_parser
 
 
 def visible_gpus() -> int:
@@ -111,6 +112,8 @@ def serve_topology(opts: ServeOptions, base: Topology | None = None, num_gpus: i
         ingest["model_name"] = opts.served_model_name
     if opts.api_key is not None:
         ingest["api_key"] = opts.api_key
+    if opts.tool_call_parser is not None:
+        ingest["tool_call_parser"] = opts.tool_call_parser
     if opts.api_server_count is not None:
         ingest["http_processes"] = opts.api_server_count
     elif num_gpus:

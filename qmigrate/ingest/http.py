@@ -49,6 +49,7 @@ from qmigrate.ingest.guard import ClientLimit
 from qmigrate.ingest import utility_api
 from qmigrate.ingest.handoff import HTTP_BIT, THREAD_ID_BITS
 from qmigrate.ingest.prompts import Defaults, check_json
+from qmigrate.ingest.tools import CallStream, delta_calls
 from qmigrate.ingest.streams import DONE, MARK, SHUTDOWN, SSE_HEADERS, Frame, Updates, sse
 from qmigrate.ingest.openai_api import (
     ApiError,
@@ -59,6 +60,7 @@ from qmigrate.ingest.openai_api import (
     models_list,
     parse_body,
     reply,
+    tool_chunk,
     usage_chunk,
 )
 
@@ -309,7 +311,8 @@ class HttpServer:
     def _parse(self, raw: bytes, kind):
         """On the parser thread: the body's JSON, checked and tokenized."""
         return parse_body(self._json(raw), kind, model_names=self.model_names, tokenizer=self.tokenizer,
-                          max_context=self.max_context, defaults=self.defaults, eos_ids=self.eos_ids)
+                          max_context=self.max_context, defaults=self.defaults, eos_ids=self.eos_ids,
+                          tool_parser=self.cfg.tool_call_parser)
 
     async def _generate(self, request, kind):
         req = await self.loop.run_in_executor(self.parser, self._parse, await self._read(request), kind)
@@ -434,6 +437,8 @@ class HttpServer:
         await response.prepare(request)
         trim, created, first, shown = StopTrimmer(req.stop), int(time.time()), True, 0
         frame = Frame(chunk(req, rid, created, MARK))
+        held = CallStream(req.tools) if req.tools is not None and req.tools.calls_expected else None
+        calls = []
         try:
             while True:
                 try:
@@ -449,6 +454,12 @@ class HttpServer:
                                                            type="server_error").body()) + DONE)
                         return response, True
                     out += trim.finish(code == P.Finish.STOP)
+                if held is not None:   # tool calls are held back, and sent whole at the end
+                    out = held.push(out)
+                    if code:
+                        rest, calls = held.finish()
+                        out += rest
+                        reason = "tool_calls" if calls and reason == "stop" else reason
                 # An event for every step that made tokens, its text empty where they complete
                 # no character yet (or may begin a stop string), as vLLM's streams have: a
                 # client times each token, not each character.
@@ -460,7 +471,8 @@ class HttpServer:
                     first = False
                 shown = num_tokens
                 if code:
-                    tail = sse(chunk(req, rid, created, None, reason, num_tokens=num_tokens))
+                    tail = b"".join(sse(tool_chunk(req, rid, created, d)) for d in delta_calls(calls))
+                    tail += sse(chunk(req, rid, created, None, reason, num_tokens=num_tokens))
                     if req.include_usage:
                         tail += sse(usage_chunk(req, rid, created, [(num_tokens, cached)]))
                     await response.write(tail + DONE)

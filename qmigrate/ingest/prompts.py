@@ -63,10 +63,10 @@ KEYS = frozenset(
     ["id", "prompt", "prompt_ids", "messages", "max_new_tokens", "temperature", "top_p",
      "top_k", "seed", "stop", "ignore_eos", "min_tokens", "cache_salt", "presence_penalty",
      "frequency_penalty", "repetition_penalty", "min_p", "logit_bias", "stop_token_ids",
-     "response_format", "structured_outputs"]
+     "response_format", "structured_outputs", "tools"]
 )
 CHAT_ROLES = frozenset(["system", "user", "assistant", "developer", "tool"])
-MESSAGE_KEYS = frozenset(["role", "content", "name"])
+MESSAGE_KEYS = frozenset(["role", "content", "name", "tool_calls", "tool_call_id"])
 
 
 @dataclass(slots=True)
@@ -351,8 +351,11 @@ def parse_request(
         check_chars(len(text), tokenizer, max_context, lambda message: fail(message, "prompt"))
         prompt_ids = _encode_prompt(text, tokenizer, eos_ids)
     elif "messages" in obj:
+        tools = obj.get("tools")
+        if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
+            fail("'tools' must be a list of tool objects", "tools")
         prompt_ids = encode_chat(obj["messages"], tokenizer, lambda message: fail(message, "messages"),
-                                 max_context=max_context)
+                                 max_context=max_context, tools=tools)
     else:
         prompt_ids = _check_ids(obj["prompt_ids"], "prompt_ids", vocab_size, fail)
 
@@ -449,11 +452,12 @@ def check_chars(num_chars: int, tokenizer, max_context: int, fail) -> None:
 
 
 def encode_chat(messages, tokenizer, fail, add_generation_prompt: bool = True,
-                max_context: int | None = None) -> list[int]:
+                max_context: int | None = None, tools: list[dict] | None = None) -> list[int]:
     """Token ids of a conversation through the model's chat template, the assistant's turn
     opened (unless not `add_generation_prompt`). The template writes any special tokens
     itself (BOS included), so none are added. With `max_context`, messages whose text alone
-    is surely longer are refused untokenized."""
+    is surely longer are refused untokenized. `tools` (OpenAI's tool objects) go to the
+    template too; assistant turns may carry `tool_calls`, and `tool` turns a `tool_call_id`."""
     if not isinstance(messages, list) or not messages:
         fail("'messages' must be a non-empty list of {\"role\", \"content\"} objects")
     turns = []
@@ -471,19 +475,50 @@ def encode_chat(messages, tokenizer, fail, add_generation_prompt: bool = True,
                        for p in content):
                 fail(f"'messages[{i}].content': only text parts ({{\"type\": \"text\", \"text\": ...}}) are supported")
             content = "".join(p["text"] for p in content)
+        calls = msg.get("tool_calls")
+        if content is None and role == "assistant" and calls:
+            content = ""
         if not isinstance(content, str):
             fail(f"'messages[{i}].content' must be a string")
-        turns.append({"role": role, "content": content})
+        turn = {"role": role, "content": content}
+        if calls is not None:
+            turn["tool_calls"] = _template_calls(calls, i, fail)
+        if isinstance(msg.get("tool_call_id"), str):
+            turn["tool_call_id"] = msg["tool_call_id"]
+        if isinstance(msg.get("name"), str):
+            turn["name"] = msg["name"]
+        turns.append(turn)
     if not getattr(tokenizer, "chat_template", None):
         fail("this model has no chat template; send a plain prompt instead of messages")
     if max_context is not None:  # the template only adds text
         check_chars(sum(len(turn["content"]) for turn in turns), tokenizer, max_context, fail)
     try:
-        text = tokenizer.apply_chat_template(turns, tokenize=False,
-                                             add_generation_prompt=add_generation_prompt)
+        text = tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                             **({"tools": tools} if tools else {}))
     except Exception as exc:  # noqa: BLE001 -- a template may raise anything (jinja, raise_exception)
         fail(f"the chat template refused these messages: {exc}")
     return list(tokenizer.encode(text, add_special_tokens=False))
+
+
+def _template_calls(calls, i: int, fail) -> list[dict]:
+    """An assistant turn's tool calls as templates read them: arguments as an object."""
+    if not isinstance(calls, list):
+        fail(f"'messages[{i}].tool_calls' must be a list of tool calls")
+    out = []
+    for call in calls:
+        fn = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            fail(f"'messages[{i}].tool_calls' must hold {{\"id\", \"type\": \"function\", \"function\": "
+                 "{\"name\", \"arguments\"}}}")
+        arguments = fn.get("arguments", {})
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments)
+            except json.JSONDecodeError:
+                pass
+        out.append({"id": call.get("id", ""), "type": "function",
+                    "function": {"name": fn["name"], "arguments": arguments}})
+    return out
 
 
 def _encode_prompt(text: str, tokenizer, eos_ids: Collection[int]) -> list[int]:
