@@ -94,16 +94,15 @@ CONTROLLED = [{**p, "id": f"c{i}", "presence_penalty": 0.8, "frequency_penalty":
               for i, p in enumerate(_prompts(8, seed=11))]
 
 # Structured output, greedy and seeded: the grammar's state is rebuilt from the ids that travel.
-STRUCTURED_SCHEMA = {"type": "object", "additionalProperties": False, "required": ["word", "n", "flag"],
-                     "properties": {"word": {"type": "string", "maxLength": 5},
-                                    "n": {"type": "integer", "minimum": 0, "maximum": 999},
+STRUCTURED_SCHEMA = {"type": "object", "additionalProperties": False, "required": ["n", "flag"],
+                     "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 999},
                                     "flag": {"type": "boolean"}}}
-STRUCTURED = [{**p, "id": f"j{i}", "max_new_tokens": 80,
+STRUCTURED = [{**p, "id": f"j{i}", "max_new_tokens": 40,
                **({"response_format": {"type": "json_schema", "json_schema": {
-                   "name": "t", "schema": STRUCTURED_SCHEMA, "strict": True}}} if i < 3
-                  else {"structured_outputs": {"regex": "[a-f]{3,6}( [0-9]{2,4}){3}"}}),
+                   "name": "t", "schema": STRUCTURED_SCHEMA, "strict": True}}} if i < 2
+                  else {"structured_outputs": {"regex": "[a-f]{3,6}( [0-9]{2,4}){2}"}}),
                **({"temperature": 0.9, "seed": 70 + i} if i % 2 else {})}
-              for i, p in enumerate(_prompts(5, seed=13))]
+              for i, p in enumerate(_prompts(4, seed=13))]
 # Malformed and invalid requests, each to get an error record while the others stream.
 BAD_LINES = ['{"id": "ok1", "prompt": "Hello", "max_new_tokens": 5}',
              '{"id": "empty", "prompt": ""}',
@@ -195,14 +194,14 @@ def test_structured_outputs_follow_their_grammar_on_one_worker_and_after_a_migra
     import jsonschema
     alone = on_one_worker.finals()
     finals, _ = drained_runs[num_workers][2].result()
-    assert len([p for p in STRUCTURED if p in drained_runs[num_workers][1]]) >= 4
+    assert len([p for p in STRUCTURED if p in drained_runs[num_workers][1]]) >= 3
     for p in STRUCTURED:
         for got in (alone[p["id"]], finals[p["id"]]):
             assert got["finish_reason"] == "eos", got
             if "response_format" in p:
                 jsonschema.validate(json.loads(got["text"]), STRUCTURED_SCHEMA)
             else:
-                assert re.fullmatch("[a-f]{3,6}( [0-9]{2,4}){3}", got["text"]), got["text"]
+                assert re.fullmatch("[a-f]{3,6}( [0-9]{2,4}){2}", got["text"]), got["text"]
 
 
 def test_seeded_sampling_is_not_greedy(tiny_model_dir, on_one_worker):

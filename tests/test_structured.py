@@ -70,13 +70,30 @@ def test_a_constraint_that_cannot_run_is_refused_naming_its_field(tiny, fields, 
     assert err.value.param == param, err.value.message
 
 
+class StuckCompiler(grammars.Compiler):
+    """Its grammars compile only once `release` is set (the tokenizer is ready at once)."""
+
+    def __init__(self, *args, **kw) -> None:
+        import threading
+        super().__init__(*args, **kw)
+        self.release = threading.Event()
+
+    def _build(self, grammar, tokenizer_future):
+        self.release.wait(60)
+        return super()._build(grammar, tokenizer_future)
+
+
 def test_a_grammar_past_the_time_limit_is_refused_and_a_good_one_compiles(tiny):
     path, _, tokenizer, eos_ids = tiny
-    slow = grammars.Compiler(lambda: tokenizer, len(tokenizer), 1e-4)
-    with pytest.raises(grammars.GrammarError, match="did not compile within"):
-        slow.matcher(_parse(tiny, response_format=RESPONSE_FORMAT).grammar, eos_ids)
+    grammar = _parse(tiny, response_format=RESPONSE_FORMAT).grammar
+    slow = StuckCompiler(lambda: tokenizer, len(tokenizer), 0.05)
+    try:
+        with pytest.raises(grammars.GrammarError, match="did not compile within"):
+            slow.matcher(grammar, eos_ids)
+    finally:
+        slow.release.set()
     fine = grammars.Compiler(lambda: tokenizer, len(tokenizer), 60.0)
-    assert not fine.matcher(_parse(tiny, response_format=RESPONSE_FORMAT).grammar, eos_ids).is_error()
+    assert not fine.matcher(grammar, eos_ids).is_error()
 
 
 # --- a worker's grammar state, moved -----------------------------------------------------------
@@ -88,6 +105,31 @@ def _core(tiny):
     core = WorkerCore(Engine(model, max_model_len=256, max_kv_tokens=4096, runner="hf"))
     core.engine.grammars.compiler = grammars.Compiler(lambda: tokenizer, model.config.vocab_size, 60.0)
     return core
+
+
+def _compiled(core, grammar, eos_ids):
+    """The core with `grammar` compiled (a worker answers NEED_IDS until it is)."""
+    core.engine.grammars.compiler.matcher(grammar, eos_ids)
+    return core
+
+
+def test_a_worker_never_waits_for_a_compile_and_fails_one_past_the_limit(tiny):
+    """A sequence whose grammar is still compiling is handed back (NEED_IDS: the router leases
+    it again) without a wait; past the time limit it fails, alone."""
+    import time
+    _, model, tokenizer, eos_ids = tiny
+    core = _core(tiny)
+    stuck = core.engine.grammars.compiler = StuckCompiler(lambda: tokenizer, model.config.vocab_size, 0.05)
+    stuck.tokenizer(eos_ids).result()
+    prompt = [1, 17, 99, 5]
+    spec = P.SeqSpec(1, P.pack_i32(prompt), len(prompt), 20, eos_ids=eos_ids,
+                     grammar=_parse(tiny, structured_outputs={"regex": "[a-z]+"}).grammar)
+    try:
+        assert _run(core, _lease(1, prompt, spec, 4)) == ([], P.Finish.NEED_IDS)
+        time.sleep(0.1)
+        assert _run(core, _lease(2, prompt, spec, 4)) == ([], P.Finish.ERROR)
+    finally:
+        stuck.release.set()
 
 
 def _lease(lease_id, ids, spec, num_steps):
@@ -112,19 +154,20 @@ def test_a_sequence_moved_mid_output_keeps_its_grammar_state_and_its_tokens(tiny
 
     plain, _ = _run(_core(tiny), _lease(1, prompt, P.SeqSpec(1, P.pack_i32(prompt), len(prompt), 40,
                                                               eos_ids=eos_ids), 40))
+    core_of = lambda: _compiled(_core(tiny), grammar, eos_ids)
     with pytest.raises(json.JSONDecodeError):
         json.loads(tokenizer.decode(plain, skip_special_tokens=True))
 
-    whole, code = _run(_core(tiny), _lease(1, prompt, spec(prompt), 120))
+    whole, code = _run(core_of(), _lease(1, prompt, spec(prompt), 120))
     assert code == P.Finish.EOS
-    core = _core(tiny)
+    core = core_of()
     first, code = _run(core, _lease(1, prompt, spec(prompt), 9))
     assert code == P.Finish.NONE and first == whole[:9]
     ids = prompt + first
     if move is None:
         rest, code = _run(core, _lease(2, ids, None, 120))
     else:
-        other = _core(tiny)
+        other = core_of()
         kw = {}
         if move == "transfer":
             other.receive_transfer(7, 1, core.engine.export_kv(1, len(ids) - 1))

@@ -3,7 +3,7 @@ token mask for the rows that have one.
 
 A sequence's matcher is rebuilt from what travels with it, never kept from one worker's past:
 when a worker takes the full form it compiles the grammar (`hub.grammars.Compiler`: a pool
-thread, cached by grammar) and replays the sequence's generated ids through a fresh matcher.
+thread, cached by grammar; the worker hands the sequence back until it is ready) and replays the sequence's generated ids through a fresh matcher.
 After that the matcher follows the tokens the steps sample, as `Engine.collect` hands them
 over; a step that asks for generated token i of a sequence whose matcher has consumed more
 (a step the router dropped) rolls it back first. So recompute, KV transfer and a step that ran
@@ -47,6 +47,14 @@ class GrammarTable:
         if self.compiler is None:
             raise GrammarError("this worker has no tokenizer for structured output")
         return self.compiler.matcher(grammar, eos_ids)
+
+    def ready(self, grammar: str, eos_ids):
+        """A fresh matcher, or None while its grammar compiles on the pool (GrammarError: it
+        does not compile, or not in time)."""
+        from qmigrate.hub.grammars import GrammarError
+        if self.compiler is None:
+            raise GrammarError("this worker has no tokenizer for structured output")
+        return self.compiler.ready(grammar, eos_ids)
 
     def set(self, seq_id: int, matcher, eos_ids, generated) -> bool:
         """Take a sequence's fresh matcher and replay its generated ids; False when they do not

@@ -17,8 +17,10 @@ deadline the caller gets `GrammarError` and the build is dropped when it ends.
 
 from __future__ import annotations
 
+import functools
 import json
 import threading
+import time
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -127,11 +129,18 @@ def check_size(grammar: str, param: str) -> None:
 
 def check_syntax(grammar: str, param: str) -> None:
     """The grammar's own errors (a bad regex, an unsupported schema keyword under `strict`),
-    found without the tokenizer: quick, so done where the request is parsed."""
+    found without the tokenizer: quick (a few ms for a large schema, once per grammar), so done
+    where the request is parsed."""
+    error = _syntax_error(grammar)
+    if error:
+        raise GrammarError(f"'{param}' does not compile: {error}", param)
+
+
+@functools.lru_cache(maxsize=CACHED_TEMPLATES)
+def _syntax_error(grammar: str) -> str:
     import llguidance
     is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar)
-    if is_error:
-        raise GrammarError(f"'{param}' does not compile: {messages[0] if messages else 'invalid grammar'}", param)
+    return (messages[0] if messages else "invalid grammar") if is_error else ""
 
 
 class Compiler:
@@ -145,6 +154,7 @@ class Compiler:
         self.lock = threading.Lock()
         self.tokenizers: dict[tuple[int, ...], Future] = {}
         self.templates: OrderedDict[tuple, Future] = OrderedDict()
+        self.started: dict[tuple, float] = {}   # when each compile still running began
 
     def _tokenizer(self, eos_ids: tuple[int, ...]):
         import llguidance.hf
@@ -159,13 +169,21 @@ class Compiler:
             raise GrammarError(f"the grammar does not compile: {matcher.get_error()}")
         return matcher
 
-    def start(self, grammar: str, eos_ids) -> Future:
-        """The template matcher of `grammar` (a future: compiling may still run)."""
+    def tokenizer(self, eos_ids) -> Future:
+        """The library's tokenizer (built once, in about half a second: the time limit counts
+        from when it is there, so that the first grammar a process sees is not refused for it)."""
         eos = tuple(sorted(eos_ids))
         with self.lock:
             tok = self.tokenizers.get(eos)
             if tok is None:
                 tok = self.tokenizers[eos] = self.pool.submit(self._tokenizer, eos)
+        return tok
+
+    def start(self, grammar: str, eos_ids) -> Future:
+        """The template matcher of `grammar` (a future: compiling may still run)."""
+        eos = tuple(sorted(eos_ids))
+        tok = self.tokenizer(eos)
+        with self.lock:
             key = (grammar, eos)
             future = self.templates.get(key)
             if future is None or (future.done() and future.exception() is not None):
@@ -181,8 +199,25 @@ class Compiler:
             tok = self.tokenizers.get(tuple(sorted(eos_ids)))
         return -(-tok.result().vocab_size // 32)
 
+    def ready(self, grammar: str, eos_ids):
+        """A fresh matcher if `grammar` is compiled, None while it compiles (never waits);
+        GrammarError when it failed or has run past the time limit."""
+        key = (grammar, tuple(sorted(eos_ids)))
+        if not self.tokenizer(eos_ids).done():
+            return None
+        future = self.start(grammar, eos_ids)
+        if not future.done():
+            began = self.started.setdefault(key, time.monotonic())
+            if time.monotonic() - began > self.timeout_s:
+                raise GrammarError(f"the grammar did not compile within {self.timeout_s:g} s "
+                                   "(structured_output_compile_timeout_s)")
+            return None
+        self.started.pop(key, None)
+        return future.result().deep_copy()
+
     def matcher(self, grammar: str, eos_ids, timeout_s: float | None = None, param: str | None = None):
         """A fresh matcher at the grammar's start; GrammarError when it does not compile in time."""
+        self.tokenizer(eos_ids).result()
         future = self.start(grammar, eos_ids)
         limit = self.timeout_s if timeout_s is None else timeout_s
         try:

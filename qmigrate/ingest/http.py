@@ -366,6 +366,7 @@ class HttpServer:
         param = req.grammar_param
         limit = self.grammars.timeout_s
         try:
+            await asyncio.wrap_future(self.grammars.tokenizer(self.eos_ids))
             await asyncio.wait_for(asyncio.wrap_future(self.grammars.start(grammar, self.eos_ids)), limit)
         except asyncio.TimeoutError:
             raise ApiError(400, f"'{param}': the grammar did not compile within {limit:g} s "

@@ -282,12 +282,14 @@ class WorkerCore:
             if length > self.engine.max_len:
                 return ERROR
             matcher = None
-            if spec.grammar:   # compiled on a pool thread (cached by grammar), at most its time limit
+            if spec.grammar:   # compiled on a pool thread (cached by grammar); the step never waits for it
                 try:
-                    matcher = self.engine.grammars.matcher(spec.grammar, spec.eos_ids)
+                    matcher = self.engine.grammars.ready(spec.grammar, spec.eos_ids)
                 except GrammarError as exc:
                     log.warning("sequence %d: %s", sid, exc)
                     return ERROR
+                if matcher is None:   # still compiling: the router leases it again (with its full form)
+                    return Finish.NEED_IDS
             state = self.seqs[sid] = SeqState.from_spec(spec, ids)
             self.filling.pop(sid, None)
             start = self._take_transfer(spec, length, protect)
