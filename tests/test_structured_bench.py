@@ -47,3 +47,17 @@ def test_a_mixed_run_reports_the_plain_calls_tpot_apart():
     assert s["plain"]["tpot_ms"]["p50"] == pytest.approx(10.0)
     assert s["structured"]["tpot_ms"]["p50"] == pytest.approx(50.0)
     assert "plain" not in summarize(records[:9], 0.0, 1.0)
+
+
+def test_a_real_node_runs_a_structured_mix_at_full_length(http_node, tmp_path, qmigrate):
+    """Half the calls with the builtin schema (which cannot close within the length): every call
+    runs its whole length, and the plain calls' figures come apart from the structured ones'."""
+    out = tmp_path / "serve.json"
+    run = qmigrate("bench", "serve", "--base-url", http_node.url, "--requests", "6", "--prompt-len", "4:16",
+                   "--output-len", "6:12", "--vocab", "10:1000", "--max-concurrency", "6",
+                   "--response-format-json-schema", "builtin", "--structured-fraction", "0.5", "--json", str(out))
+    assert run.returncode == 0, run.stderr
+    [r] = json.loads(out.read_text())["runs"]
+    assert (r["completed"], r["failed"], r["short_calls"]) == (6, 0, 0), r
+    assert r["plain"]["calls"] == 3 and r["structured"]["calls"] == 3
+    assert "TPOT p50 plain" in run.stdout
