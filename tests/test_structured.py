@@ -241,3 +241,42 @@ def test_a_bad_constraint_is_a_400_naming_its_field_and_others_go_on(client):
     assert err.value.body["param"] == "structured_outputs.regex"
     text, reason = _chat(client, max_tokens=20, extra_body={"structured_outputs": {"choice": ["fine"]}})
     assert text == "fine" and reason == "stop"
+
+
+def test_eos_is_in_the_mask_only_where_the_grammar_accepts(tiny):
+    from qmigrate.engine.grammar import GrammarTable
+    _, model, tokenizer, eos_ids = tiny
+    table = GrammarTable(model.config.vocab_size, __import__("torch").device("cpu"))
+    table.compiler = grammars.Compiler(lambda: tokenizer, model.config.vocab_size, 60.0)
+    grammar = _parse(tiny, structured_outputs={"regex": "ab(cd)?"}).grammar
+    text_ids = tokenizer.encode("abcd", add_special_tokens=False)
+    table.set(7, table.matcher(grammar, eos_ids), eos_ids, [])
+
+    def eos_allowed(index: int) -> bool:
+        rows, bits = table.masks([7], [index])
+        return bool((int(bits[0, eos_ids[0] >> 5]) >> (eos_ids[0] & 31)) & 1)
+    seen = []
+    for i, t in enumerate(text_ids):
+        seen.append((tokenizer.decode(text_ids[:i]), eos_allowed(i)))
+        table.note([7], [i], [t])
+    seen.append(("abcd", eos_allowed(len(text_ids))))
+    assert dict(seen) == {text: text in ("ab", "abcd") for text, _ in seen}
+    # a step the router dropped: the matcher goes back to where the row stands
+    assert not eos_allowed(0)
+
+
+def test_a_plain_row_beside_a_constrained_one_samples_as_alone(tiny):
+    _, _, tokenizer, eos_ids = tiny
+    grammar = _parse(tiny, structured_outputs={"regex": "[0-9]{20}"}).grammar
+    plain_prompt, prompt = [1, 40, 41, 42], [1, 17, 99, 5]
+    alone, _ = _run(_core(tiny), _lease(1, plain_prompt, P.SeqSpec(1, P.pack_i32(plain_prompt), 4, 12,
+                                                                    eos_ids=eos_ids), 12))
+    core = _compiled(_core(tiny), grammar, eos_ids)
+    specs = [P.SeqSpec(1, P.pack_i32(plain_prompt), 4, 12, eos_ids=eos_ids),
+             P.SeqSpec(2, P.pack_i32(prompt), 4, 12, eos_ids=eos_ids, grammar=grammar)]
+    lease = P.Lease(1, 1, 30.0, P.pack_i64([1, 2]), P.pack_i32([4, 4]), P.pack_i32([42, 5]), specs, b"", 12)
+    result, _ = core.run(lease)
+    counts = P.unpack_i32(result.counts).tolist()
+    tokens = P.unpack_i32(result.tokens).tolist()
+    assert tokens[:counts[0]] == alone
+    assert re.fullmatch("[0-9]+", tokenizer.decode(tokens[counts[0]:], skip_special_tokens=True))
