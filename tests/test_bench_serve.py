@@ -89,6 +89,9 @@ def test_shared_prefix_and_multi_turn_shapes():
     assert D.shared_prefix_dataset(2, 2, 8, 4, 3) == D.shared_prefix_dataset(2, 2, 8, 4, 3)
     sessions = D.multi_turn_dataset(sessions=3, turns=4, turn_len=6, output_len=5)
     assert len(sessions) == 3 and all(len(s.turns) == 4 and s.num_calls == 4 for s in sessions)
+    assert all(s.think_time_s == 0 for s in sessions)
+    thinking = D.multi_turn_dataset(sessions=3, turns=4, turn_len=6, output_len=5, think_time_s=2.5)
+    assert [s.turns for s in thinking] == [s.turns for s in sessions] and all(s.think_time_s == 2.5 for s in thinking)
 
 
 def test_jsonl_dataset(tmp_path):

@@ -113,7 +113,7 @@ def test_kv_ports_are_assigned_per_node_around_taken_ports():
     ("router", "port", True, "router.port: expected an integer"),
     ("router", "max_queued", 0, "router.max_queued: expected an integer >= 1, got 0"),
     ("router", "lease_timeout_s", 0, "router.lease_timeout_s: expected a number > 0"),
-    ("router", "policy", "random", "router.policy: expected 'affinity' or 'any', got 'random'"),
+    ("router", "policy", "random", "router.policy: expected one of 'affinity', 'pinned', 'any', got 'random'"),
     ("router", "migration", "copy", "router.migration: expected one of 'auto', 'recompute', 'transfer'"),
     ("router", "migrate_on_load", "yes please", "router.migrate_on_load: expected true or false"),
     ("router", "min_free_vram_fraction", 1.0, "router.min_free_vram_fraction: expected a number in [0, 1)"),
@@ -438,7 +438,7 @@ def test_boolean_settings_take_the_yaml_words(value, expected):
 
 
 def test_a_boolean_where_no_on_or_off_is_offered_is_still_refused():
-    assert "router.policy: expected 'affinity' or 'any', got True" in error_of(base(router={"node": "head", "policy": True}))
+    assert "router.policy: expected one of 'affinity', 'pinned', 'any', got True" in error_of(base(router={"node": "head", "policy": True}))
     assert "router.chain_leases: expected true or false, got 'maybe'" in error_of(
         base(router={"node": "head", "chain_leases": "maybe"}))
 
@@ -463,9 +463,10 @@ def test_the_engine_built_from_a_topology_gets_the_topologys_values():
                 "block_size": 8, "max_kv_tokens": 512, "gpu_memory_utilization": 0.5,
                 "cpu_kvcache_space_bytes": 1 << 26, "enforce_eager": True, "enable_prefix_caching": False,
                 "shared_prefix_attention": False, "prefill_chunk": 64, "prefill_tokens_per_step": 32,
-                "prefill_tokens_with_decode": 16, "prefill_spread_steps": 2, "max_padding": 0.5}
+                "prefill_tokens_with_decode": 16, "prefill_spread_steps": 2, "max_padding": 0.5,
+                "kv_offloading_size": 1.5, "quantization": "fp8", "kv_cache_dtype": "fp8"}
     data = base()
-    data["workers"][0].update(settings)
+    data["workers"][0].update(settings, device="cuda:0")   # FP8 is refused on a CPU worker
     engine = parse_topology(data).workers[0].engine_config()
     assert {k: getattr(engine, k) for k in settings} == settings
     from qmigrate.engine.config import EngineConfig

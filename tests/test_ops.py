@@ -112,9 +112,9 @@ def test_metrics_follow_the_scheduler_and_observer():
     obs.reported("w1", 50, 1600 - 160, 1.0)
     obs.shipped(10, 4096)
     obs.vram("n1", "GPU-a", 0, 80 << 30, 60 << 30, 20 << 30, 90)
-    fleet.s.counters.update(migrations_memory=3, migrations_by_transfer=3, stale_results=2, finished=4)
+    fleet.s.counters.update(migrations_memory=3, migrations_by_transfer=3, stale_results=2, finished=4, evictions=1)
     m.update(fleet.s, obs, {"malformed": 1})
-    fleet.s.counters.update(migrations_memory=2)
+    fleet.s.counters.update(migrations_memory=2, evictions=6)
     m.update(fleet.s, obs, {"malformed": 1})
     text = generate_latest(m.registry).decode()
     for line in ('qmigrate_migrations_total{cause="memory"} 5.0', 'qmigrate_kv_blocks_used{worker="w1"} 10.0',
@@ -122,6 +122,7 @@ def test_metrics_follow_the_scheduler_and_observer():
                  'qmigrate_migrations_by_mechanism_total{mechanism="transfer"} 3.0',
                  'qmigrate_errors_total{kind="stale_result"} 2.0', 'qmigrate_errors_total{kind="malformed"} 1.0',
                  'qmigrate_generated_tokens_total{worker="w1"} 50.0', 'qmigrate_requests_finished_total 4.0',
+                 'qmigrate_preemptions_total 7.0',
                  'qmigrate_gpu_memory_free_bytes{gpu="GPU-a",node="n1"} 2.147483648e+10'):
         assert line in text, line
 

@@ -735,8 +735,9 @@ def test_transfer_migration_ships_kv_from_the_old_owner():
     g = ask(s, "w1")
     rows = {r.seq_id: r for r in g.rows}
     assert set(rows) == {1, 2}
-    ((owner, sid, dest, transfer_id, num_tokens, start),) = g.shipments
+    ((owner, sid, dest, transfer_id, num_tokens, start, keys),) = g.shipments
     assert (owner, sid, dest, num_tokens) == ("w0", 1, "tcp://w1:5601", 400)  # 401 ids, last one is input
+    assert keys == []   # a migration, not a prefix pull
     assert 0 < transfer_id < 1 << 62
     assert (rows[1].spec.kv_from, rows[1].spec.transfer_id) == ("tcp://w0:5601", transfer_id)
     assert (rows[2].spec.kv_from, rows[2].spec.transfer_id) == ("", 0)  # short: recompute
@@ -841,7 +842,7 @@ class FleetSim:
             assert (row.spec is None) == (owners[row.seq_id] == name)
             if row.spec is not None:
                 assert row.spec.ids.tolist() == self.s.seqs[row.seq_id].token_ids
-        shipped = {sid: (owner, dest, tid, n) for owner, sid, dest, tid, n, _ in grant.shipments}
+        shipped = {sid: (owner, dest, tid, n) for owner, sid, dest, tid, n, _, _ in grant.shipments}
         for row in grant.rows:
             if row.length == CONTINUE:
                 continue

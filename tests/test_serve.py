@@ -52,6 +52,16 @@ def test_trace_names_the_topologys_trace_dir(tmp_path):
     assert serve_topology(ServeOptions(trace_dir=str(tmp_path)), num_gpus=0).trace_dir == str(tmp_path)
 
 
+def test_migration_policy_and_metrics_port_set_the_routers_settings():
+    from qmigrate.config import ConfigError
+    topo = serve_topology(ServeOptions(router_settings={"policy": "pinned"}, metrics_port=9300), num_gpus=0)
+    assert (topo.router.policy, topo.router.metrics_port, topo.detokenizer.metrics_port) == ("pinned", 9300, 9301)
+    default = serve_topology(ServeOptions(), num_gpus=0)
+    assert (default.router.policy, default.router.metrics_port) == ("affinity", None)
+    with pytest.raises(ConfigError, match="router.policy: expected one of"):
+        serve_topology(ServeOptions(router_settings={"policy": "off"}), num_gpus=0)
+
+
 def test_api_server_count_sets_the_ingest_http_processes():
     assert serve_topology(ServeOptions(api_server_count=4), num_gpus=0).ingest.http_processes == 4
     assert serve_topology(ServeOptions(api_server_count=3), num_gpus=2).ingest.http_processes == 3

@@ -23,6 +23,7 @@ from pathlib import Path
 from qmigrate.bench.serve_client import Client
 from qmigrate.bench.serve_send import send_all
 from qmigrate.bench.serve_data import ServeRequest
+from qmigrate.bench.serve_metrics import ServerCounters, describe
 from qmigrate.bench.serve_stats import CallRecord, format_rows, keep_up_warnings, summarize
 
 SESSIONS_AS = ("auto", "chat", "text")
@@ -43,6 +44,11 @@ def arrival_offsets(n: int, rate: float, burstiness: float = 1.0, seed: int = 0)
     return out
 
 
+class Share(float):
+    """A rate given as a share of the saturating rate (`0.8x`): the requests per second that the
+    last all-at-once run of the same sweep completed, times this."""
+
+
 def parse_rates(text: str) -> list[float]:
     rates = []
     for part in text.split(","):
@@ -50,22 +56,37 @@ def parse_rates(text: str) -> list[float]:
         if not part:
             continue
         try:
-            rate = math.inf if part in ("inf", "all") else float(part)
+            rate = math.inf if part in ("inf", "all") else Share(part[:-1]) if part.endswith("x") else float(part)
         except ValueError:
-            raise ValueError(f"request rate {part!r}: give numbers (requests/s) or inf, e.g. 2,4,8,inf") from None
+            raise ValueError(f"request rate {part!r}: give numbers (requests/s), inf, or shares of the inf run's "
+                             "requests/s such as 0.8x, e.g. 2,4,8,inf or inf,0.5x,0.8x,1x") from None
         if not rate > 0:
             raise ValueError(f"request rate {part!r} must be > 0")
+        if isinstance(rate, Share) and not any(math.isinf(r) for r in rates):
+            raise ValueError(f"request rate {part!r}: a share of the saturating rate needs an inf run before it")
         rates.append(rate)
     if not rates:
         raise ValueError("no request rate given")
     return rates
 
 
+def request_offsets(requests: list[ServeRequest], rate: float, burstiness: float = 1.0, seed: int = 0) -> list[float]:
+    """Send times: arrival_offsets per request, or, for requests of bursts (ServeRequest.burst),
+    one arrival per burst at rate / (requests a burst), every request of a burst at its time."""
+    bursts = sorted({r.burst for r in requests if r.burst >= 0})
+    if not bursts:
+        return arrival_offsets(len(requests), rate, burstiness, seed)
+    per_burst = len(requests) / len(bursts)
+    times = dict(zip(bursts, arrival_offsets(len(bursts), rate / per_burst, burstiness, seed)))
+    stray = iter(arrival_offsets(len(requests), rate, burstiness, seed + 1))
+    return [times[r.burst] if r.burst >= 0 else next(stray) for r in requests]
+
+
 async def run_load(client: Client, requests: list[ServeRequest], rate: float, *, burstiness: float = 1.0,
                    max_concurrency: int | None = None, seed: int = 0, name: str = "serve"):
     """All of `requests` at the given arrivals, from this process; returns (records, t0, end)."""
     from qmigrate.ops.progress import ProgressLine
-    offsets = arrival_offsets(len(requests), rate, burstiness, seed)
+    offsets = request_offsets(requests, rate, burstiness, seed)
     bodies = client.bodies(requests)
     progress = ProgressLine(f"  {name}")
     records: list[CallRecord] = []
@@ -88,7 +109,8 @@ def write_calls(out, rate: str, records: list[CallRecord], t0: float) -> None:
     for rec in records:
         out.write(json.dumps({"rate": rate, "start": round(rec.start - t0, 6),
                               "chunks": [round(t - t0, 6) for t in rec.chunks],
-                              "output_tokens": rec.output_tokens, "cached_tokens": rec.cached_tokens,
+                              "output_tokens": rec.output_tokens, "expected_tokens": rec.expected_tokens,
+                              "cached_tokens": rec.cached_tokens,
                               "error": rec.error}) + "\n")
 
 
@@ -101,11 +123,13 @@ def run_serve(*, base_url: str, model: str | None, requests: list[ServeRequest],
               seed: int = 0, warmup: int = 2, extensions: bool = True, json_path: Path | None = None,
               dataset: dict | None = None, pipeline_json: Path | None = None,
               sessions_as: str = "auto", calls_path: Path | None = None,
-              salt_runs: bool = True, processes: int = 1) -> list[tuple[str, dict]]:
+              salt_runs: bool = True, processes: int = 1, metrics_url: str | None = None) -> list[tuple[str, dict]]:
     """sessions_as: chat (chat messages), text (plain-text completions), or auto (chat unless
     the server has no chat template for its model). salt_runs: each run and the warm-up send a
     cache_salt of their own, so that no run starts on prefixes an earlier one cached.
-    processes: client processes sending the calls (serve_procs.py)."""
+    processes: client processes sending the calls (serve_procs.py). metrics_url: a qmigrate
+    router's /metrics, read before and after each run (serve_metrics.py). A Share rate runs at
+    that share of the requests per second of the last inf run before it."""
     if processes < 1:
         raise ValueError("the client needs at least one process")
     processes = min(processes, max_concurrency or processes, len(requests))   # each with a share of calls
@@ -122,10 +146,25 @@ def run_serve(*, base_url: str, model: str | None, requests: list[ServeRequest],
     warm_salt = f"{salt_base}-warm-up" if salt_runs else None
     runs = []
 
+    server = ServerCounters(metrics_url)
+    saturating = [0.0]   # requests/s of the last inf run
+
+    def resolve(rate: float) -> float:
+        return rate * saturating[0] if isinstance(rate, Share) else rate
+
     def ran(rate: float, records: list[CallRecord], t0: float, end: float) -> None:
-        runs.append((rate_label(rate), summarize(records, t0, end, slos)))
+        summary = summarize(records, t0, end, slos)
+        summary["t0_monotonic"] = t0   # time.perf_counter() at the run's start: the system's monotonic clock
+        if isinstance(rate, Share):
+            summary["share_of_saturation"] = float(rate)
+        if (counts := server.stop()) is not None:
+            summary["server"] = counts
+        if math.isinf(rate):
+            saturating[0] = summary["requests_per_s"]
+        label = rate_label(resolve(rate))
+        runs.append((label, summary))
         if calls is not None:
-            write_calls(calls, rate_label(rate), records, t0)
+            write_calls(calls, label, records, t0)
 
     async def probe() -> tuple[str, str]:
         """The model to name, and how sessions go."""
@@ -147,9 +186,10 @@ def run_serve(*, base_url: str, model: str | None, requests: list[ServeRequest],
                 await run_load(client, warm, math.inf, name="warm-up")
             for i, rate in enumerate(rates):
                 client.salt = salts[i]
-                ran(rate, *await run_load(client, requests, rate, burstiness=burstiness,
+                server.start()
+                ran(rate, *await run_load(client, requests, resolve(rate), burstiness=burstiness,
                                           max_concurrency=max_concurrency, seed=seed + i,
-                                          name=f"rate {rate_label(rate)}"))
+                                          name=f"rate {rate_label(resolve(rate))}"))
 
     def from_processes(served: str, sent_as: str) -> None:
         from qmigrate.bench.serve_procs import ClientProcesses
@@ -160,8 +200,9 @@ def run_serve(*, base_url: str, model: str | None, requests: list[ServeRequest],
             if warm:
                 pool.run(warm, [0.0] * len(warm), warm_salt, None)
             for i, rate in enumerate(rates):
-                progress = ProgressLine(f"  rate {rate_label(rate)}")
-                offsets = arrival_offsets(len(requests), rate, burstiness, seed + i)
+                progress = ProgressLine(f"  rate {rate_label(resolve(rate))}")
+                offsets = request_offsets(requests, resolve(rate), burstiness, seed + i)
+                server.start()
                 records, t0 = pool.run(requests, offsets, salts[i], max_concurrency, progress)
                 progress.clear()
                 ran(rate, records, t0, max((rec.chunks[-1] for rec in records if rec.chunks), default=t0))
@@ -197,6 +238,8 @@ def run_serve(*, base_url: str, model: str | None, requests: list[ServeRequest],
             p50 = lambda part: "-" if part["tpot_ms"]["p50"] is None else f"{part['tpot_ms']['p50']:.2f} ms"
             print(f"  rate {rate}: TPOT p50 plain {p50(plain)} ({plain['calls']} calls), "
                   f"structured {p50(structured)} ({structured['calls']} calls)")
+        if "server" in s:
+            print(f"  rate {rate}: {describe(s['server'])}")
     for rate, s in runs:
         if s["failed"] or s["short_calls"]:
             print(f"  rate {rate}: {s['failed']} calls failed, {s['short_calls']} ended short of their length"

@@ -8,6 +8,7 @@ template a session goes to /v1/completions instead, as one plain-text prompt (`t
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 from dataclasses import dataclass, field
@@ -34,6 +35,7 @@ class ServeRequest:
     answers: list[str] = field(default_factory=list)
     turn_output_lens: list[int] = field(default_factory=list)
     think_time_s: float = 0.0       # a session waits this long after an answer before its next turn
+    burst: int = -1                 # requests of one burst (>= 0) arrive together (burst_dataset)
     response_format: dict | None = None   # sent as the call's response_format (structured output)
 
     @property
@@ -84,11 +86,53 @@ def shared_prefix_dataset(groups: int = 64, prompts_per_group: int = 16, system_
     return out
 
 
-def multi_turn_dataset(sessions: int = 64, turns: int = 4, turn_len: int = 128, output_len: int = 128,
-                       seed: int = 1) -> list[ServeRequest]:
-    """Sessions of `turns` user messages of about `turn_len` words each; every answer `output_len` tokens."""
+def burst_dataset(bursts: int = 16, per_burst: int = 48, prefix_len: int = 1024, suffix_len: int = 32,
+                  output_len: tuple[int, int] = (512, 960), vocab: tuple[int, int] = (10, 31000), seed: int = 1,
+                  fmt: str = "ids", tokenizer=None) -> list[ServeRequest]:
+    """Bursts that placement at arrival cannot spread by what they will need: each burst is
+    `per_burst` requests that share a `prefix_len`-token document, each with a question of its
+    own and a long output drawn from `output_len`, all arriving at one instant. Placement that
+    follows the prefix cache sends a burst to the worker that computed its document, and their
+    outputs then grow in that worker's KV pool while the others have room."""
     r = random.Random(seed)
-    return [ServeRequest("", output_len, turns=[words(r, turn_len) for _ in range(turns)])
+    out = []
+    for b in range(bursts):
+        doc = [r.randint(*vocab) for _ in range(prefix_len)]
+        for _ in range(per_burst):
+            ids = doc + [r.randint(*vocab) for _ in range(suffix_len)]
+            out.append(ServeRequest(_as_prompt(ids, fmt, tokenizer), r.randint(*output_len), prompt_len=len(ids),
+                                    burst=b))
+    return out
+
+
+def with_long_outputs(requests: list[ServeRequest], fraction: float, span: tuple[int, int], seed: int = 0,
+                      max_model_len: int = 0) -> list[ServeRequest]:
+    """A share `fraction` of the completions (drawn with `seed`) asking an output length from
+    `span` instead of their own, e.g. a tenth of ShareGPT's requests answered at 2,048-4,096
+    tokens; with max_model_len, no prompt and output together pass it."""
+    if not 0 <= fraction <= 1:
+        raise ValueError(f"--long-output-fraction must be in [0, 1], got {fraction}")
+    r = random.Random(seed)
+    out = []
+    for req in requests:
+        if not req.is_session and r.random() < fraction:
+            n = r.randint(*span)
+            if max_model_len:
+                n = min(n, max_model_len - max(req.prompt_len, 1))
+                if n < 1:
+                    raise ValueError(f"--max-model-len {max_model_len} leaves no room for output after a "
+                                     f"prompt of {req.prompt_len} tokens")
+            req = dataclasses.replace(req, output_len=n)
+        out.append(req)
+    return out
+
+
+def multi_turn_dataset(sessions: int = 64, turns: int = 4, turn_len: int = 128, output_len: int = 128,
+                       seed: int = 1, think_time_s: float = 0.0) -> list[ServeRequest]:
+    """Sessions of `turns` user messages of about `turn_len` words each; every answer `output_len`
+    tokens; a session waits think_time_s after an answer before its next turn."""
+    r = random.Random(seed)
+    return [ServeRequest("", output_len, turns=[words(r, turn_len) for _ in range(turns)], think_time_s=think_time_s)
             for _ in range(sessions)]
 
 

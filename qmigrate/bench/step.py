@@ -49,14 +49,20 @@ def copy_bandwidth(device: str, nbytes: int = 1 << 30) -> float:
 
 
 def run_decode_steps(model_path: str, device: str, batches: list[int], context: int, runner: str,
-                     json_path: Path | None = None, profile: bool = False, load_format: str = "auto") -> list[dict]:
+                     json_path: Path | None = None, profile: bool = False, load_format: str = "auto",
+                     settings: dict | None = None, admission: bool = True) -> list[dict]:
+    """`settings`: engine settings beside the bench's own (quantization, kv_cache_dtype);
+    `admission` False skips the mixed and prefill steps (their figures are then NaN)."""
     from qmigrate.hub.loading import load_model
     from qmigrate.engine.rows import StepRow
     from qmigrate.engine.engine import Engine
     model, _ = load_model(model_path, device, "auto", load_format=load_format)
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    engine = Engine(model, max_num_seqs=max(batches) + 1, max_num_batched_tokens=16384, runner=runner)
+    engine = Engine(model, max_num_seqs=max(batches) + 1, max_num_batched_tokens=16384, runner=runner,
+                    **(settings or {}))
     del model
+    if engine.config.quantization != "none":   # the floor reads the weights as the runner holds them
+        weight_bytes = held_bytes(engine.runner.model)
     bandwidth = copy_bandwidth(device)
     floor_ms = weight_bytes / bandwidth * 1000
     print(f"{engine.describe()}; weights {weight_bytes / 1e9:.2f} GB, copy bandwidth "
@@ -107,9 +113,11 @@ def run_decode_steps(model_path: str, device: str, batches: list[int], context: 
         gpu_ms, decode = _device_ms(engine, rows_now(), device, 20)
         if profile and batch == 64:
             _profile_forward(engine, decode, device)
-        mixed_ms, prefill_ms = _admission_steps(engine, device, batch, rows_now, r)
-        mixed_gpu_ms = _mixed_device_ms(engine, device, batch, rows_now, r,
-                                        profile and batch == max(batches))
+        mixed_ms = prefill_ms = mixed_gpu_ms = float("nan")
+        if admission:
+            mixed_ms, prefill_ms = _admission_steps(engine, device, batch, rows_now, r)
+            mixed_gpu_ms = _mixed_device_ms(engine, device, batch, rows_now, r,
+                                            profile and batch == max(batches))
         for i in range(batch):
             engine.release(i)
         # the roofline: the weights the step reads and every row's KV of the context
@@ -141,6 +149,68 @@ def run_decode_steps(model_path: str, device: str, batches: list[int], context: 
                                          "weight_bytes": weight_bytes, "copy_bytes_per_s": bandwidth,
                                          "results": results}, indent=2))
     return results
+
+
+def held_bytes(model) -> int:
+    """Bytes of every tensor a fast-runner model holds (each once)."""
+    seen: dict[int, int] = {}
+
+    def walk(obj, depth=0):
+        if isinstance(obj, torch.Tensor):
+            seen.setdefault(obj.data_ptr(), obj.numel() * obj.element_size())
+        elif isinstance(obj, (list, tuple)):
+            for x in obj:
+                walk(x, depth + 1)
+        elif depth < 8 and not isinstance(obj, (int, float, str, bool, type(None), torch.device, torch.dtype)):
+            names = list(getattr(obj, "__dict__", {})) + [n for c in type(obj).__mro__
+                                                          for n in getattr(c, "__slots__", ())]
+            for name in names:
+                if name != "tp":
+                    walk(getattr(obj, name, None), depth + 1)
+    walk(model)
+    return sum(seen.values())
+
+
+def compare_decode_steps(model_path: str, device: str, batches: list[int], context: int, runner: str,
+                         variants: list[dict], json_path: Path | None = None, load_format: str = "auto") -> list:
+    """run_decode_steps once per variant of the engine settings (decode steps only), in this
+    process one after the other, then each variant's device ms against the first's and against
+    its own floor."""
+    import gc
+    runs = []
+    for settings in variants:
+        print(f"--- {_name(settings)}", file=sys.stderr)
+        runs.append(run_decode_steps(model_path, device, batches, context, runner, None, False, load_format,
+                                     settings, admission=False))
+        gc.collect()
+        torch.cuda.empty_cache()
+    base = runs[0]
+    print(f"decode step (gpu ms, device alone), context {context}: each variant against {_name(variants[0])}")
+    print(f"{'variant':>28} {'batch':>5} {'gpu ms':>8} {'speedup':>8} {'floor ms':>8} {'x floor':>8}")
+    for settings, results in zip(variants, runs):
+        for x, b in zip(results, base):
+            print(f"{_name(settings):>28} {x['batch']:5d} {x['gpu_ms']:8.2f} {b['gpu_ms'] / x['gpu_ms']:8.2f} "
+                  f"{x['floor_ms']:8.3f} {x['gpu_x_floor']:8.2f}")
+    if json_path is not None:
+        json_path.write_text(json.dumps([{"settings": v, "results": r} for v, r in zip(variants, runs)], indent=2))
+    return runs
+
+
+def setting_variants(quantization: str, kv_cache_dtype: str) -> list[dict]:
+    """Every combination of the comma-separated values, as engine settings (defaults left out)."""
+    from qmigrate.engine.config import KV_CACHE_DTYPES, QUANTIZATIONS
+    quants, kv_dtypes = quantization.split(","), kv_cache_dtype.split(",")
+    for flag, values, allowed in (("--quantization", quants, QUANTIZATIONS),
+                                  ("--kv-cache-dtype", kv_dtypes, KV_CACHE_DTYPES)):
+        if any(v not in allowed for v in values):
+            raise ValueError(f"{flag} takes {' or '.join(allowed)} (comma-separated for several), "
+                             f"got {','.join(values)!r}")
+    return [{k: v for k, v in (("quantization", q), ("kv_cache_dtype", d)) if v not in ("none", "auto")}
+            for q in quants for d in kv_dtypes]
+
+
+def _name(settings: dict) -> str:
+    return ", ".join(f"{k} {v}" for k, v in settings.items()) or "defaults"
 
 
 def _step_bytes(engine, weight_bytes: int):

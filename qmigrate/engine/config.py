@@ -11,6 +11,8 @@ from qmigrate import config_rules as rules
 from qmigrate.config_rules import Section
 
 RUNNERS = ("auto", "fast", "hf")
+QUANTIZATIONS = ("none", "fp8")            # engine/fp8.py
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 
 DEFAULT_CPU_KVCACHE_SPACE_BYTES = 2 << 30
 
@@ -33,6 +35,12 @@ class EngineConfig(Section):
     enforce_eager: bool = rules.setting(False, rules.boolean)     # true: no CUDA graphs
     # full blocks of known ids are kept and shared by prefix
     enable_prefix_caching: bool = rules.setting(True, rules.boolean)
+    # GiB of host memory for the KV tier (vLLM's kv_offloading_size): cached blocks the pool
+    # evicts are kept there and copied back on a hit instead of prefilled (engine/kv/host_tier.py).
+    # 0: off; -1: sized from host memory on a GPU (min(available RAM / 4 / GPUs here, 64 GiB)),
+    # off on the CPU, whose pool is host memory already; a positive size applies on the CPU too.
+    kv_offloading_size: float = rules.setting(0.0, rules.number("a number of GiB >= 0, or -1 (sized from host memory)",
+                                                                lambda x: x >= 0 or x == -1))
     # decode steps read a prefix that rows share (the same cached blocks) once per group of
     # rows, not once per row (fast runner; engine/kernels/shared_prefix.py)
     shared_prefix_attention: bool = rules.setting(True, rules.boolean)
@@ -46,5 +54,11 @@ class EngineConfig(Section):
     # ... or 1/N of the prompt tokens waiting in the step, if more: a backlog is spread over
     # at most N steps (0: the limit is fixed)
     prefill_spread_steps: int = rules.setting(4, rules.non_negative)
+    # fp8: the layers' projections in e4m3 with per-channel scales, activations quantized per
+    # token, matmuls on the FP8 tensor cores (compute capability 9.0; the fast runner)
+    quantization: str = rules.setting("none", rules.one_of(*QUANTIZATIONS))
+    # fp8 (fp8_e4m3): the KV pool stores e4m3 with a scale of 1.0, twice the tokens of bf16
+    # (compute capability 8.9; the fast runner); auto: the model's dtype
+    kv_cache_dtype: str = rules.setting("auto", rules.one_of(*KV_CACHE_DTYPES))
     # HF runner: padding allowed when grouping prefills, as a share of their real tokens
     max_padding: float = rules.setting(0.25, rules.number("a number >= 0", lambda x: x >= 0))

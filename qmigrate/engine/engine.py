@@ -25,9 +25,10 @@ import numpy as np
 import torch
 
 from qmigrate.engine.batch import StepBatch
+from qmigrate.engine.kv.host_tier import HostTier, export_by_keys, tier_bytes
 from qmigrate.engine.kv.pool import BlockPool, landed
 from qmigrate.engine.rows import REFUSED, Pending, StepRow, num_new, prompt_budget, share_prompt_budget
-from qmigrate.engine import startup
+from qmigrate.engine import fp8, startup
 from qmigrate.engine.config import EngineConfig
 from qmigrate.engine.runners.choice import make_runner
 from qmigrate.engine.controls import Controls, ControlTable
@@ -55,6 +56,11 @@ class Engine:
         self.max_len = min(cfg.max_model_len or self.max_context, self.max_context)
         param = next(model.parameters())
         self.device, self.dtype = (param.device if tp is None else tp.device), param.dtype
+        self.kv_dtype = fp8.kv_dtype(cfg.kv_cache_dtype, self.dtype)
+        for what, on, need in ((f"quantization {cfg.quantization}", cfg.quantization != "none", (9, 0)),
+                               (f"kv_cache_dtype {cfg.kv_cache_dtype}", cfg.kv_cache_dtype != "auto", (8, 9))):
+            if on and (why := fp8.unsupported(self.device, what, need)):
+                raise ValueError(why)
         if self.device.type == "cuda":
             # Triton launches and CUDA graph captures go to the current device: make it ours
             torch.cuda.set_device(self.device)
@@ -63,8 +69,9 @@ class Engine:
         # the pool holds this rank's KV heads (all of them without tensor parallelism)
         self.pool_kv_heads = shape.num_kv_heads if tp is None else tp.layout.kv_heads_per_rank
         self.pool = BlockPool(shape.num_layers, self.pool_kv_heads, shape.head_dim,
-                              self._num_blocks(), cfg.block_size, self.dtype, self.device,
+                              self._num_blocks(), cfg.block_size, self.kv_dtype, self.device,
                               prefix_cache=cfg.enable_prefix_caching, can_copy=tp is None or tp.world == 1)
+        self._attach_tier()
         self.runner.attach(self.pool)
         self.num_continued = 0   # steps built the array way (`_continue`)
         self.controls = ControlTable(self.shape.vocab_size, self.max_len, self.device)
@@ -77,19 +84,29 @@ class Engine:
     @property
     def kv_bytes_per_token(self) -> int:
         """KV bytes of one token of the whole model (all ranks: what a transfer ships)."""
-        return self.shape.kv_bytes_per_token(self.dtype.itemsize)
+        return self.shape.kv_bytes_per_token(self.kv_dtype.itemsize)
 
     def _num_blocks(self) -> int:
         blocks = startup.num_blocks_here(self)
         # every rank's pool has as many blocks as the smallest can hold: rank 0 places for all
         return blocks if self.tp is None else self.tp.min_int(blocks)
 
+    def _attach_tier(self) -> None:
+        """The host tier of kv_offloading_size, where it applies: a pool that caches prefixes
+        and copies its own blocks (not a tensor-parallel group's)."""
+        cfg = self.config
+        on_gpu = self.device.type == "cuda"
+        size = tier_bytes(cfg.kv_offloading_size, on_gpu, torch.cuda.device_count() if on_gpu else 1)
+        if size and self.pool.is_caching and self.pool.can_copy:
+            self.pool.attach_tier(HostTier(self.pool.kv, size))
+
     def describe(self) -> str:
         p = self.pool
         ranks = "" if self.tp is None else f", tensor parallel over {self.tp.world} ranks (pool per rank)"
+        tier = "" if p.tier is None else f", host tier of {p.tier.capacity * p.tier.block_bytes / 2**30:.2f} GiB"
         return (f"{self.runner.name} runner ({self.runner_reason}{ranks}), KV pool of {p.capacity_tokens:,} tokens "
-                f"({p.num_blocks - 1:,} blocks of {p.block_size}, "
-                f"{p.kv.numel() * p.kv.element_size() / 2**30:.2f} GiB)")
+                f"({p.num_blocks - 1:,} blocks of {p.block_size}, {str(p.dtype).removeprefix('torch.')}, "
+                f"{p.kv.numel() * p.kv.element_size() / 2**30:.2f} GiB){tier}")
 
     # --- KV store -------------------------------------------------------------------------
     def cached_len(self, seq_id: int) -> int:
@@ -125,6 +142,13 @@ class Engine:
         event after which the tensor holds it (None: it does now)."""
         return self.runner.export_kv(seq_id, num_tokens, start)
 
+    def export_prefix_started(self, keys: list[int]) -> tuple[torch.Tensor | None, object]:
+        """The KV of the leading blocks of `keys` cached here (either tier), for another
+        worker to start a sequence on; and the CUDA event after which the tensor holds it."""
+        if self.tp is not None and self.tp.world > 1:
+            return None, None   # a rank holds only its share of the heads
+        return export_by_keys(self.pool, keys)
+
     def import_kv(self, seq_id: int, kv: torch.Tensor, protect=frozenset(), start: int = 0) -> bool:
         """Shipped KV for seq_id; it never joins this worker's prefix cache (BlockPool.load)."""
         return self.runner.import_kv(seq_id, kv, protect, start)
@@ -145,6 +169,21 @@ class Engine:
     def take_prefix_events(self) -> list[int]:
         """Keys of blocks cached (key) and evicted (~key) since the last call."""
         return self.pool.prefix.take_events()
+
+    def take_tier_events(self) -> list[int]:
+        """Keys of blocks the host tier took (key) and dropped (~key) since the last call."""
+        return [] if self.pool.tier is None else self.pool.tier.take_events()
+
+    def tier_stats(self) -> dict[str, int]:
+        """Per tier, blocks held and hits, and bytes moved through the host tier (protocol's
+        TIER_STATS names); empty without a host tier."""
+        tier = self.pool.tier
+        if tier is None:
+            return {}
+        t, p = tier.stats(), self.pool.prefix.stats()
+        return {"gpu_blocks": p["cached_blocks"], "gpu_hits": p["cached_tokens"] // self.pool.block_size - t["hits"],
+                "host_blocks": t["blocks"], "host_hits": t["hits"], "host_bytes_in": t["bytes_in"],
+                "host_bytes_out": t["bytes_out"]}
 
     # --- a step -------------------------------------------------------------------------
     PROMPT_LIMITS = ("prefill_tokens_per_step", "prefill_tokens_with_decode", "prefill_spread_steps")

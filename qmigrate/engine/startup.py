@@ -45,7 +45,7 @@ def activation_bytes(engine) -> int:
     per_row = max(1, min(engine.max_len, cfg.max_num_batched_tokens // num_rows))
     blocks = num_rows * (-(-per_row // cfg.block_size)) + 1
     scratch = BlockPool(engine.shape.num_layers, engine.pool_kv_heads, engine.shape.head_dim, blocks, cfg.block_size,
-                        engine.dtype, engine.device, prefix_cache=False)
+                        engine.kv_dtype, engine.device, prefix_cache=False)
     engine.runner.attach(scratch, capture=False)
     seq_ids = list(range(num_rows))
     for sid in seq_ids:

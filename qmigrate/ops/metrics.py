@@ -68,11 +68,19 @@ class RouterMetrics:
                                      "prefix cache", ["worker"], registry=r)
         self.hit_rate = Gauge("qmigrate_prefix_cache_hit_rate", "Share of prompt tokens found cached (worker "
                               "'fleet': all workers)", ["worker"], registry=r)
+        self.tier_blocks = Gauge("qmigrate_kv_tier_blocks", "Cached KV blocks a worker holds, per tier (gpu, "
+                                 "host), for workers with a host tier", ["worker", "tier"], registry=r)
+        self.tier_hits = Counter("qmigrate_kv_tier_hits_total", "Cached KV blocks prompts started on, per tier",
+                                 ["worker", "tier"], registry=r)
+        self.tier_bytes = Counter("qmigrate_kv_tier_bytes_total", "KV bytes copied into a worker's host tier "
+                                  "(in) and back to its GPU (out)", ["worker", "tier", "direction"], registry=r)
         self.finished = Counter("qmigrate_requests_finished_total", "Sequences finished", registry=r)
         self.leases = Counter("qmigrate_leases_total", "Batches leased", registry=r)
         self.migrations = Counter("qmigrate_migrations_total", "Sequences moved between workers", ["cause"], registry=r)
         self.mechanisms = Counter("qmigrate_migrations_by_mechanism_total", "Sequences moved, by how",
                                   ["mechanism"], registry=r)
+        self.preemptions = Counter("qmigrate_preemptions_total", "Sequences whose KV a worker evicted for room "
+                                   "(recomputed where they run next)", registry=r)
         self.kv_bytes = Counter("qmigrate_kv_transfer_bytes_total", "KV cache bytes shipped between workers "
                                 "(as the router ordered them)", registry=r)
         self.errors = Counter("qmigrate_errors_total", "Errors and dropped messages, by kind", ["kind"], registry=r)
@@ -91,7 +99,8 @@ class RouterMetrics:
         states = {"up": 0, "draining": 0, "dead": 0}
         workers, _ = observer.snapshot(sched)
         for (name, _node, _dev, _uuid, state, owned, _leased, batch, rate, kv_used, kv_total, block,
-             tokens, _free, prompt_tokens, cached_tokens) in workers:
+             tokens, _free, prompt_tokens, cached_tokens, *tiers) in workers:
+            self._tiers(name, tiers)
             d.add(self.prompt_tokens.labels(name), ("prompt", name), prompt_tokens)
             d.add(self.cached_tokens.labels(name), ("cached", name), cached_tokens)
             if prompt_tokens:
@@ -122,10 +131,24 @@ class RouterMetrics:
         for kind, value in errors.items():
             d.add(self.errors.labels(kind), ("error", kind), value)
         d.add(self.kv_bytes, "kv_bytes", observer.kv_transfer_bytes)
+        d.add(self.preemptions, "evictions", c.get("evictions", 0))
         for node, uuid, _index, total, used, free, _util in observer.gpus.values():
             self.vram_total.labels(node, uuid).set(total)
             self.vram_used.labels(node, uuid).set(used)
             self.vram_free.labels(node, uuid).set(free)
+
+
+    def _tiers(self, name: str, tiers: list[int]) -> None:
+        """A worker's TIER_STATS columns (-1: it has no host tier)."""
+        if len(tiers) != 6 or tiers[0] < 0:
+            return
+        gpu_blocks, gpu_hits, host_blocks, host_hits, bytes_in, bytes_out = tiers
+        d = self._deltas
+        for tier, blocks, hits in (("gpu", gpu_blocks, gpu_hits), ("host", host_blocks, host_hits)):
+            self.tier_blocks.labels(name, tier).set(blocks)
+            d.add(self.tier_hits.labels(name, tier), ("tier_hits", name, tier), hits)
+        d.add(self.tier_bytes.labels(name, "host", "in"), ("tier_in", name), bytes_in)
+        d.add(self.tier_bytes.labels(name, "host", "out"), ("tier_out", name), bytes_out)
 
 
 class LatencyMetrics:

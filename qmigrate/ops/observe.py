@@ -12,9 +12,11 @@ from dataclasses import dataclass, field
 # Stats.workers rows and Stats.gpus rows, in this column order on the wire.
 WORKER_COLUMNS = ("name", "node", "device", "gpu_uuid", "state", "owned", "leased", "batch_size",
                   "tokens_per_s", "kv_used_tokens", "kv_total_tokens", "block_size", "tokens_total",
-                  "vram_free_fraction", "prompt_tokens", "cached_tokens")
+                  "vram_free_fraction", "prompt_tokens", "cached_tokens", "gpu_blocks", "gpu_hits",
+                  "host_blocks", "host_hits", "host_bytes_in", "host_bytes_out")
 GPU_COLUMNS = ("node", "uuid", "index", "total_bytes", "used_bytes", "free_bytes", "util_percent")
 
+NO_TIER = (-1,) * 6   # the tier columns of a worker without a host tier
 RATE_WINDOW_S = 5.0  # tokens/s is measured over about this long
 
 
@@ -87,7 +89,8 @@ class FleetObserver:
             rows.append([name, t.node, t.device, w.gpu_uuid, state, len(w.owned), w.num_leased,
                          t.batch_size, round(t.tokens_per_s, 1), kv_used, w.kv_tokens, w.block_size,
                          t.tokens_total, -1.0 if w.free_vram_fraction is None else round(w.free_vram_fraction, 4),
-                         sched.cache_queries[name], sched.cache_hits[name]])
+                         sched.cache_queries[name], sched.cache_hits[name],
+                         *sched.tier_stats.get(name, NO_TIER)])
         return rows, list(self.gpus.values())
 
 

@@ -47,6 +47,19 @@ def _kv(w: dict) -> str:
     return f"{100 * used / total:.0f}% {_count(total)}" if used >= 0 else f"? {_count(total)}"
 
 
+def kv_tiers(workers: list[dict]) -> list[str]:
+    """Per worker with a host tier: blocks held and hit on each tier, and GiB copied to the
+    host tier and back."""
+    out = []
+    for w in sorted(workers, key=lambda w: (w["node"], w["name"])):
+        if w.get("host_blocks", -1) < 0:
+            continue
+        out.append(f"  {w['name']} gpu {_count(w['gpu_blocks'])}/{_count(w['gpu_hits'])}, host "
+                   f"{_count(w['host_blocks'])}/{_count(w['host_hits'])}, "
+                   f"{w['host_bytes_in'] / GIB:.1f}/{w['host_bytes_out'] / GIB:.1f}")
+    return out
+
+
 def render(snap: dict, endpoint: str):
     from rich import box
     from rich.console import Group
@@ -79,6 +92,8 @@ def render(snap: dict, endpoint: str):
             for w in sorted(snap["workers"], key=lambda w: (w["node"], w["name"])) if w.get("prompt_tokens")]
     if hits:
         parts.append(Text("prefix cache hits: " + ", ".join(hits)))
+    if tiers := kv_tiers(snap["workers"]):
+        parts.append(Text("KV tiers (blocks held/hit, GiB to host and back):\n" + "\n".join(tiers)))
     if gpus:
         table = Table(title="GPUs (GiB)", **compact)
         for col in ("node", "index", "uuid", "used", "free", "total", "util %"):

@@ -26,7 +26,7 @@ from collections import Counter, deque
 from qmigrate.config import RouterConfig
 from qmigrate.router.migration import MovePolicy
 from qmigrate.router.prefix_index import LeasePrefill, PrefixIndex, place_new, seq_keys
-from qmigrate.router.records import Grant, LeaseRecord, Queue, Row, Seq, WorkerState
+from qmigrate.router.records import Grant, LeaseRecord, Queue, Row, Seq, WorkerState, choose_mechanism
 from qmigrate.wire.protocol import CONTINUE
 
 
@@ -222,6 +222,7 @@ class Lessor:
         revoked_at, seq.revoked_at = seq.revoked_at, None
         if seq.owner == w.name:
             return Row(seq.seq_id, len(seq.token_ids), seq.token_ids[-1], None)
+        seq.home = w.name
         if seq.lost_at is not None:
             self.move_delays.append(("dead", now - seq.lost_at))
             seq.lost_at = None
@@ -239,13 +240,42 @@ class Lessor:
                 transfer_id = self.new_transfer_id()
                 kv_from = owner.kv_endpoint
                 shipments.append((owner.name, seq.seq_id, w.kv_endpoint, transfer_id,
-                                  len(seq.token_ids) - 1, self._cached_start(seq, w)))
+                                  len(seq.token_ids) - 1, self._cached_start(seq, w), []))
             elif owner.alive:
                 owner.pending_drops.append(seq.seq_id)
+        elif seq.owner is None and (pull := self._pull(seq, w)) is not None:
+            holder, num_tokens, start, keys = pull
+            transfer_id, kv_from = self.new_transfer_id(), holder.kv_endpoint
+            shipments.append((holder.name, seq.seq_id, w.kv_endpoint, transfer_id, num_tokens, start, keys))
+            self.counters["prefix_pulls"] += 1
         seq.owner = None
         spec = seq.respec(kv_from, transfer_id)
         seq.resync = False
         return Row(seq.seq_id, len(seq.token_ids), seq.token_ids[-1], spec)
+
+    def _pull(self, seq: Seq, w: WorkerState):
+        """(holder, num_tokens, start, keys) when w should pull seq's prefix from the worker
+        that holds the most of it beyond what w holds: the blocks [start, num_tokens) of keys
+        `keys`, when shipping them costs less than prefilling them (prefix_pull); else None."""
+        cfg = self.config
+        if cfg.prefix_pull == "never" or not cfg.prefix_aware or not w.kv_endpoint or not len(self.prefix):
+            return None
+        keys = seq_keys(seq, w.block_size)
+        hits = self.prefix.match(keys)
+        mine = hits.get(w.name, 0)
+        holder, most = None, mine
+        for name, n in hits.items():
+            o = self.workers.get(name)
+            if n > most and o is not None and o is not w and o.alive and o.kv_endpoint \
+                    and o.block_size == w.block_size:
+                holder, most = o, n
+        if holder is None:
+            return None
+        gain = (most - mine) * w.block_size
+        if cfg.prefix_pull == "auto" and choose_mechanism(gain, holder.kv_bytes_per_token, holder.num_params,
+                                                          cfg.link_gbps, cfg.prefill_tflops) != "transfer":
+            return None
+        return holder, most * w.block_size, mine * w.block_size, keys[mine:most]
 
     def _cached_start(self, seq: Seq, w: WorkerState) -> int:
         """Leading positions of seq's KV that w holds cached (as it reported): a shipment to

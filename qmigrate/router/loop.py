@@ -60,8 +60,10 @@ class Router:
         costs = migration_costs(topo.model.path)
         if costs is None and self.config.migration == "auto":
             log.warning("the model's config.json is not readable on this node: every migration recomputes")
-        self.kv_bytes_per_token = {w.name: costs.kv_bytes_per_token(topo.model.dtype_for(w.device))
-                                   for w in topo.workers} if costs else {}
+        # a worker with kv_cache_dtype fp8 ships its KV in e4m3 (a receiver of another dtype converts)
+        self.kv_bytes_per_token = {w.name: costs.kv_bytes_per_token(
+            "float8_e4m3fn" if w.kv_cache_dtype != "auto" else topo.model.dtype_for(w.device))
+            for w in topo.workers} if costs else {}
         self.num_params = costs.num_params if costs else 0
         self.observer = FleetObserver()
         self.errors: Counter[str] = Counter()
@@ -298,6 +300,9 @@ class Router:
                     num_cached += min(n, len(seq.token_ids))
         if msg.prefix_events or num_prompt:
             self.sched.cache_report(name, P.unpack_i64(msg.prefix_events).tolist(), num_prompt, num_cached)
+        if msg.tier_events or msg.tier_stats:
+            self.sched.tier_report(name, P.unpack_i64(msg.tier_events).tolist(),
+                                   P.unpack_i64(msg.tier_stats).tolist() if msg.tier_stats else None)
 
     def on_tokens(self, sender: bytes, msg: P.Tokens, frame: bytes) -> None:
         """A worker's new tokens, sent on the socket of its results and before them: the
@@ -426,9 +431,10 @@ class Router:
                     progress = True
 
     def send_grant(self, grant, request_no: int) -> None:
-        for owner, seq_id, dest, transfer_id, num_tokens, start in grant.shipments:
+        for owner, seq_id, dest, transfer_id, num_tokens, start, keys in grant.shipments:
             if owner in self.identity:
-                self.reply(self.identity[owner], P.ShipKV(seq_id, dest, transfer_id, num_tokens, start))
+                self.reply(self.identity[owner], P.ShipKV(seq_id, dest, transfer_id, num_tokens, start,
+                                                          P.pack_i64(keys) if keys else b""))
                 self.observer.shipped(num_tokens - start, self.sched.workers[owner].kv_bytes_per_token)
         rows = grant.rows
         self.trace("grant", grant.worker, grant.lease_id, len(rows), grant.num_steps, request_no)

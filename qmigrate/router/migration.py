@@ -1,7 +1,8 @@
 """When a sequence should leave the worker that holds its KV, why, and how it travels.
 
 Pure rules over the router's worker records (shared with the Scheduler, which owns them):
-the causes of a move (dead, drain, memory, policy "any", load), how many sequences an
+the causes of a move (dead, drain, memory, policy "any", load; policy "pinned" keeps only
+the first two), how many sequences an
 overloaded worker may lose to another, how many sequences nobody holds a worker may take
 while others could take them too, which queued sequences a worker asking for work is
 offered and in what order, and recompute against KV transfer.
@@ -29,11 +30,27 @@ class MovePolicy:
         self.workers = workers
         self.queue = queue
 
+    @property
+    def on_load(self) -> bool:
+        return self.config.migrate_on_load and self.config.policy != "pinned"
+
+    @property
+    def on_memory(self) -> bool:
+        return self.config.migrate_on_memory and self.config.policy != "pinned"
+
+    def may_start(self, seq: Seq, w: WorkerState) -> bool:
+        """Policy "pinned": a sequence nobody holds that has run elsewhere (evicted there for
+        room) waits for that worker while it lives and takes work; else anyone may run it."""
+        if self.config.policy != "pinned" or seq.home is None or seq.home == w.name:
+            return True
+        home = self.workers.get(seq.home)
+        return home is None or not home.alive or home.draining
+
     def may_keep(self, w: WorkerState) -> bool:
         """False when some of w's sequences ought to move: they must come back to the queue."""
-        if w.draining or (self.config.migrate_on_memory and w.is_memory_short):
+        if w.draining or (self.on_memory and w.is_memory_short):
             return False
-        if not self.config.migrate_on_load:
+        if not self.on_load:
             return True
         if len(w.owned) > w.capacity:
             return False
@@ -43,7 +60,7 @@ class MovePolicy:
     def steal_quota(self, w: WorkerState) -> Counter[str]:
         """How many sequences each other worker may lose to `w` for load reasons."""
         quota: Counter[str] = Counter()
-        if not self.config.migrate_on_load:
+        if not self.on_load:
             return quota
         for other in self.workers.values():
             if other is w or not other.alive:
@@ -90,7 +107,7 @@ class MovePolicy:
             return "dead"
         if owner.draining:
             return "drain"
-        if self.config.migrate_on_memory and owner.is_memory_short:
+        if self.on_memory and owner.is_memory_short:
             return "memory"
         if self.config.policy == "any":
             return "any"
@@ -132,7 +149,7 @@ class MovePolicy:
         run them again, so they would wait the longest), its own, those held nowhere, then
         those that load balancing would move to it."""
         # Short of memory: it leaves its own sequences to whoever may take them (cause "memory").
-        shedding = self.config.migrate_on_memory and w.is_memory_short and any(
+        shedding = self.on_memory and w.is_memory_short and any(
             o.alive and not o.draining and o.may_prefill for o in self.workers.values() if o is not w)
         urgent, movable = [], []
         for owner, queued in queue.by_owner.items():
@@ -142,7 +159,10 @@ class MovePolicy:
         out = self._merged(urgent, quota, limit, [])
         if not shedding:
             out += [(seq, None) for seq in itertools.islice(queue.of(w.name).values(), limit - len(out))]
-        out += [(seq, None) for seq in itertools.islice(queue.of(None).values(), max(0, limit - len(out)))]
+        unheld = queue.of(None).values()
+        if self.config.policy == "pinned":
+            unheld = (seq for seq in unheld if self.may_start(seq, w))
+        out += [(seq, None) for seq in itertools.islice(unheld, max(0, limit - len(out)))]
         return self._merged(movable, quota, limit, out)
 
     def _merged(self, queues: list, quota: Counter[str], limit: int, out: list) -> list[tuple[Seq, str | None]]:

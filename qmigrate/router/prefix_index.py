@@ -1,13 +1,16 @@
 """The router's view of every worker's prefix cache, and where new sequences should start.
 
 Workers report the keys of blocks they cache and evict (`StepResult.prefix_events`: a key,
-or ~key when evicted); the index keeps, per key, the workers that hold it, for at most
-`max_keys` keys (least recently seen dropped first). A sequence's keys are those of its
-full blocks (`wire/prefix_keys.py`), so the number of its leading keys a worker holds is the
-number of its prompt's blocks that worker would not prefill.
+or ~key when evicted), and those their host tier takes and drops (`StepResult.tier_events`);
+the index keeps, per key and tier, the workers that hold it, for at most `max_keys` keys of
+each tier (least recently seen dropped first). A sequence's keys are those of its full blocks
+(`wire/prefix_keys.py`), so the number of its leading keys a worker holds on either tier is
+the number of its prompt's blocks that worker would not prefill; those on the host tier are
+copied back instead, at a fraction of a prefill (HOST_COPY_COST).
 
-Placement is by score: the prompt tokens a worker would not prefill, less a load penalty
-(its prompt times the share of the worker's batch places taken). A worker asking for work
+Placement is by score: the prompt tokens a worker would not prefill, less the copies from its
+host tier, less a load penalty (its prompt times the share of the worker's batch places
+taken): a worker holding a prefix gets no more work than its free places allow. A worker asking for work
 takes its hits first, and leaves a sequence that scores better on another worker, for up to
 `prefix_wait_s` after it was first offered, while that worker has room (batch places and KV
 blocks): a hit never piles work onto a worker that is full. A worker whose share of new
@@ -35,19 +38,30 @@ MAX_KEYS = 1 << 20
 # prompt fills over a few steps at most, so a longer wait means its computation stopped.
 MIN_SHARED_TOKENS = 32
 MAX_WAIT_LEASES = 8
+# What copying a block back from a worker's host tier costs, as a share of prefilling it, an
+# estimate: an 8B model's 128 KiB of KV a token crosses PCIe (~25 GB/s) in about 5 us, a
+# quarter of the ~20 us its prefill takes per token on an H100.
+HOST_COPY_COST = 0.25
 
 
 class PrefixIndex:
     def __init__(self, max_keys: int = MAX_KEYS):
         self.max_keys = max_keys
-        self.holders: OrderedDict[int, set[str]] = OrderedDict()
+        self.holders: OrderedDict[int, set[str]] = OrderedDict()   # key -> workers, GPU tier
+        self.host: OrderedDict[int, set[str]] = OrderedDict()      # key -> workers, host tier
 
     def __len__(self) -> int:
-        return len(self.holders)
+        return len(self.holders) + len(self.host)
 
     def apply(self, worker: str, events) -> None:
         """A worker's cache events, in the order they happened."""
-        holders = self.holders
+        self._apply(self.holders, worker, events)
+
+    def apply_tier(self, worker: str, events) -> None:
+        """A worker's host tier events (keys taken, ~keys dropped), in order."""
+        self._apply(self.host, worker, events)
+
+    def _apply(self, holders: OrderedDict, worker: str, events) -> None:
         for key in events:
             key = int(key)
             if key >= 0:
@@ -62,25 +76,34 @@ class PrefixIndex:
 
     def forget(self, worker: str) -> None:
         """A worker that died or restarted holds nothing."""
-        for key in [k for k, held in self.holders.items() if worker in held]:
-            held = self.holders[key]
-            held.discard(worker)
-            if not held:
-                del self.holders[key]
+        for holders in (self.holders, self.host):
+            for key in [k for k, held in holders.items() if worker in held]:
+                held = holders[key]
+                held.discard(worker)
+                if not held:
+                    del holders[key]
 
-    def match(self, keys: list[int]) -> dict[str, int]:
-        """Per worker, how many of the leading keys it holds (workers holding none are absent)."""
+    def match(self, keys: list[int], on_host: dict[str, int] | None = None) -> dict[str, int]:
+        """Per worker, how many of the leading keys it holds on either tier (workers holding
+        none are absent); `on_host` gets, per worker, how many of those are on its host tier
+        only (copied back, not prefilled)."""
         counts: dict[str, int] = {}
+        gpu_of, host_of = self.holders, self.host
         for i, key in enumerate(keys):
-            held = self.holders.get(key)
-            if not held:
+            gpu, host = gpu_of.get(key), host_of.get(key)
+            if not gpu and not host:
                 break
-            self.holders.move_to_end(key)
+            if gpu:
+                gpu_of.move_to_end(key)
+            if host:
+                host_of.move_to_end(key)
             grew = False
-            for name in held:
+            for name in (gpu or set()) | (host or set()):
                 if counts.get(name, 0) == i:
                     counts[name] = i + 1
                     grew = True
+                    if on_host is not None and not (gpu and name in gpu):
+                        on_host[name] = on_host.get(name, 0) + 1
             if not grew:
                 break
         return counts
@@ -107,10 +130,12 @@ def has_room(w: WorkerState) -> bool:
     return w.free_kv_tokens - w.block_size * (len(w.owned) + w.num_arriving + 1) > 0
 
 
-def score(seq: Seq, w: WorkerState, hits: dict[str, int]) -> float:
-    """Prompt tokens w would not prefill, less its load penalty."""
+def score(seq: Seq, w: WorkerState, hits: dict[str, int], on_host: dict[str, int] | None = None) -> float:
+    """Prompt tokens w would not prefill, less the cost of copying those on its host tier
+    back, less its load penalty."""
     n = len(seq.token_ids)
-    return hits.get(w.name, 0) * w.block_size - n * min(1.0, w.load / max(1, w.capacity))
+    saved = hits.get(w.name, 0) - HOST_COPY_COST * (on_host or {}).get(w.name, 0)
+    return saved * w.block_size - n * min(1.0, w.load / max(1, w.capacity))
 
 
 def place_new(index: PrefixIndex, w: WorkerState, workers: dict[str, WorkerState], candidates: list,
@@ -126,13 +151,14 @@ def place_new(index: PrefixIndex, w: WorkerState, workers: dict[str, WorkerState
     kept, gains = [], {}
     for i in new:
         seq = candidates[i][0]
-        hits = index.match(seq_keys(seq, w.block_size))
+        on_host: dict[str, int] = {}
+        hits = index.match(seq_keys(seq, w.block_size), on_host)
         if matched is not None:
             matched[seq.seq_id] = hits
         if seq.offered_at is None:
             seq.offered_at = now
-        mine = score(seq, w, hits)
-        if hits and now - seq.offered_at < wait_s and any(score(seq, o, hits) > mine for o in others):
+        mine = score(seq, w, hits, on_host)
+        if hits and now - seq.offered_at < wait_s and any(score(seq, o, hits, on_host) > mine for o in others):
             counters["prefix_held_back"] += 1
             continue   # another worker with room holds more of it: leave it for that one
         kept.append(i)

@@ -28,6 +28,7 @@ class Seq:
     prefix_keys: tuple | None = None   # (block size, length, keys of its full blocks): prefix_index.seq_keys
     offered_at: float | None = None    # when a worker was first offered it (cache-aware placement)
     num_waits: int = 0                 # leases it sat out for prefix blocks others computed (prefix_index)
+    home: str | None = None            # the worker it last came to (policy "pinned" keeps it there)
 
     @property
     def seq_id(self) -> int:
@@ -107,7 +108,8 @@ class Grant:
     rows: list[Row]
     drop_ids: list[int]
     # (owner, seq_id, dest, transfer_id, num_tokens, start): the KV of positions [start, num_tokens)
-    shipments: list[tuple[str, int, str, int, int, int]]
+    # (owner, seq_id, dest endpoint, transfer_id, num_tokens, start, block keys: a prefix pull)
+    shipments: list[tuple[str, int, str, int, int, int, list[int]]]
     num_steps: int = 1
 
 

@@ -58,6 +58,7 @@ class Scheduler:
         self.prefix = PrefixIndex()
         self.cache_hits: Counter[str] = Counter()     # per worker: prompt tokens admitted, found cached
         self.cache_queries: Counter[str] = Counter()
+        self.tier_stats: dict[str, list[int]] = {}    # per worker with a host tier: protocol.TIER_STATS
         # seq_id -> workers whose leases held it when it was cancelled: their tokens for it
         # in flight are expected, not a misbehaving worker's (at most MAX_CANCELLED kept)
         self.cancelled: OrderedDict[int, frozenset[str]] = OrderedDict()
@@ -168,7 +169,7 @@ class Scheduler:
         for w in self.workers.values():
             if w.gpu_uuid and w.gpu_uuid == gpu_uuid:
                 short = free_fraction < self.config.min_free_vram_fraction
-                if short and not w.is_memory_short and self.config.migrate_on_memory:
+                if short and not w.is_memory_short and self.moves.on_memory:
                     self.lessor.revoke_steps(w)
                     w.moving_since = now
                 w.free_vram_fraction = free_fraction
@@ -401,6 +402,14 @@ class Scheduler:
             self.cache_hits[name] += num_cached
             self.counters["prefix_prompt_tokens"] += num_prompt
             self.counters["prefix_cached_tokens"] += num_cached
+
+    def tier_report(self, name: str, events, stats: list[int] | None) -> None:
+        """A worker's host tier events (keys taken, ~keys dropped) and its tiers' totals
+        (protocol.TIER_STATS; None: not sent)."""
+        if name in self.workers:
+            self.prefix.apply_tier(name, events)
+            if stats is not None:
+                self.tier_stats[name] = stats
 
     def _forget_worker(self, w: WorkerState, cause: str, now: float = 0.0) -> None:
         if cause == "dead":

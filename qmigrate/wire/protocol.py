@@ -50,6 +50,9 @@ MAX_PENALTY = 2.0          # presence and frequency penalties are in [-2, 2] (Op
 MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 0.01, 100.0   # 1 is off
 MAX_LOGIT_BIAS = 1024      # entries of a request's logit_bias
 MAX_BIAS = 100.0           # a logit_bias value is in [-100, 100] (OpenAI's bounds)
+# A worker's KV tiers, as StepResult.tier_stats carries them: blocks held and hits (blocks a
+# prompt started on) per tier, and bytes copied into the host tier and back out of it
+TIER_STATS = ("gpu_blocks", "gpu_hits", "host_blocks", "host_hits", "host_bytes_in", "host_bytes_out")
 MAX_NOTE = 1024            # characters of a request's note and of an error message
 # One HTTP request fans out into one engine request per choice: `n` per prompt (at most
 # MAX_N), prompts × n at most MAX_CHOICES (one Submit's worth), checked before any is queued.
@@ -310,12 +313,18 @@ class StepResult:
     evicted_ids: bytes = b""  # int64: sequences whose KV this worker evicted to make room
     prefix_events: bytes = b""   # int64: keys of KV blocks cached (key) or evicted (~key), in order
     cached_tokens: bytes = b""   # int32 per row: positions found cached when it started here (-1: it did not)
+    tier_events: bytes = b""     # int64: keys of KV blocks its host tier took (key) or dropped (~key), in order
+    tier_stats: bytes = b""      # int64 per TIER_STATS name, totals so far (empty: no host tier)
 
     def validate(self) -> None:
         if self.cached_tokens and (len(self.cached_tokens) != len(self.seq_ids) // 2
                                    or unpack_i32(self.cached_tokens, "StepResult.cached_tokens").min() < -1):
             raise ProtocolError("StepResult.cached_tokens: one count (>= -1) per row")
         unpack_i64(self.prefix_events, "StepResult.prefix_events")
+        unpack_i64(self.tier_events, "StepResult.tier_events")
+        if self.tier_stats and (len(self.tier_stats) != 8 * len(TIER_STATS)
+                                or unpack_i64(self.tier_stats, "StepResult.tier_stats").min() < 0):
+            raise ProtocolError(f"StepResult.tier_stats: {len(TIER_STATS)} counts >= 0 ({', '.join(TIER_STATS)})")
         _rows_agree("StepResult", self.seq_ids, self.counts, self.status, self.tokens)
         status = unpack_u8(self.status, "StepResult.status")
         if not _step_codes_ok(status):
@@ -408,6 +417,14 @@ class ShipKV:
     transfer_id: int
     num_tokens: int
     start: int = 0            # ship positions [start, num_tokens): the receiver has the rest cached
+    # int64: the keys of the blocks of [start, num_tokens), which the sender holds cached (on
+    # either tier) for a sequence it does not run: a prefix pull. Empty: the sender runs seq_id.
+    keys: bytes = b""
+
+    def validate(self) -> None:
+        keys = unpack_i64(self.keys, "ShipKV.keys")
+        if len(keys) and (self.start < 0 or self.num_tokens <= self.start):
+            raise ProtocolError("ShipKV: a prefix pull ships positions [start, num_tokens), start >= 0")
 
 
 @message(MsgType.KV_HEADER)

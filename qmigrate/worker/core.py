@@ -111,6 +111,7 @@ class WorkerCore:
         self.filling: dict[int, tuple[np.ndarray, str, int]] = {}
         self.num_steps = 0
         self.num_kv_imported = 0   # sequences resumed from shipped KV (a failed import recomputes)
+        self.pulled: dict[int, int] = {}   # seq_id -> prompt positions a prefix pull brought, this lease
         self.trace = OFF   # the worker's step timeline (`trace.py`), when it keeps one
 
     @property
@@ -143,6 +144,11 @@ class WorkerCore:
         self.drop([seq_id])
         return kv, copied
 
+    def export_prefix_started(self, keys: list[int]) -> tuple[torch.Tensor | None, object]:
+        """The KV of the leading blocks of `keys` cached here, for another worker's sequence
+        (a prefix pull); nothing here is dropped. None when not even the first is held."""
+        return self.engine.export_prefix_started(keys)
+
     def awaited_transfers(self, lease: P.Lease) -> set[int]:
         return {s.transfer_id for s in lease.full if s.kv_from and s.transfer_id not in self.transfers}
 
@@ -154,6 +160,7 @@ class WorkerCore:
         before and not yet finished: rows chained to it (CONTINUE) feed the tokens its step
         samples straight from the device, so the next step is queued before that one ends."""
         self.drop(P.unpack_i64(lease.drop_ids, "drop_ids"))
+        self.pulled.clear()
         seq_ids = P.unpack_i64(lease.seq_ids, "seq_ids").tolist()
         lengths = P.unpack_i32(lease.lengths, "lengths").tolist()
         last = P.unpack_i32(lease.last_tokens, "last_tokens").tolist()
@@ -181,6 +188,8 @@ class WorkerCore:
             if self.filling:   # prompts under way take the step's prompt budget before new ones
                 run.rows.sort(key=lambda r: r.seq_id not in self.filling)
             run.pending = self.engine.launch(run.rows, after=after.pending if after else None, between=between)
+            for sid, n in self.pulled.items():   # not prefilled: found cached, on another worker
+                run.pending.cached.setdefault(sid, n)
             run.cached = run.pending.cached
             if self.trace is not OFF:
                 prompts = [r for r in run.rows if len(r.new_ids) > 1]
@@ -335,17 +344,23 @@ class WorkerCore:
         transfer = self.transfers.pop(spec.transfer_id, None)
         e = self.engine
         start = 0 if transfer is None else transfer.start
-        expected = (e.shape.num_layers, 2, length - 1 - start, e.shape.num_kv_heads, e.shape.head_dim)
+        expected = (e.shape.num_layers, 2, e.shape.num_kv_heads, e.shape.head_dim)
         if start and (not e.can_import_from or start % e.pool.block_size
                       or e.admit(spec.seq_id, spec.ids[:length], spec.cache_salt) < start):
             transfer = None   # what was not shipped is not cached here (any more): recompute
-        if transfer is None or transfer.kv is None or transfer.seq_id != spec.seq_id \
-                or tuple(transfer.kv.shape) != expected \
-                or not e.import_kv(spec.seq_id, transfer.kv, protect, start):
+        # All the KV but the last token's (a sequence that moved), or fewer positions (a
+        # prefix pulled from a worker that holds it cached): the rest is computed here.
+        kv = None if transfer is None else transfer.kv
+        if kv is None or transfer.seq_id != spec.seq_id or kv.dim() != 5 \
+                or (kv.shape[0], kv.shape[1], kv.shape[3], kv.shape[4]) != expected \
+                or not 0 < kv.shape[2] <= length - 1 - start \
+                or not e.import_kv(spec.seq_id, kv, protect, start):
             e.release(spec.seq_id)
             return 0
         self.num_kv_imported += 1
-        return length - 1
+        if start + kv.shape[2] < length - 1:
+            self.pulled[spec.seq_id] = start + kv.shape[2]
+        return start + kv.shape[2]
 
     def _advance(self, run: "Started", rows: list[StepRow], tokens: list[int], partial=frozenset()) -> None:
         status, out, ended, seqs, max_len = run.status, run.out, run.ended, self.seqs, self.engine.max_len
@@ -382,7 +397,15 @@ class WorkerCore:
                             P.pack_u8([int(run.status[s]) for s in sids]), self.free_tokens,
                             P.pack_i64(self.engine.take_evicted() + run.lost),
                             P.pack_i64(self.engine.take_prefix_events()),
-                            P.pack_i32([run.cached.get(s, -1) for s in sids]))
+                            P.pack_i32([run.cached.get(s, -1) for s in sids]),
+                            *self._tier_report())
+
+    def _tier_report(self) -> tuple[bytes, bytes]:
+        """StepResult's tier_events and tier_stats (empty without a host tier)."""
+        stats = self.engine.tier_stats()
+        if not stats:
+            return b"", b""
+        return P.pack_i64(self.engine.take_tier_events()), P.pack_i64([stats[k] for k in P.TIER_STATS])
 
     def unrun(self, lease: P.Lease) -> P.StepResult:
         """The answer to a lease withdrawn before it started: every row, no token, still running."""

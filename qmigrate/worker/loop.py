@@ -37,7 +37,8 @@ from qmigrate.ops.process import freeze_heap, run_until_fatal
 
 log = logging.getLogger("qmigrate.worker")
 
-KV_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+KV_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+             "float8_e4m3fn": torch.float8_e4m3fn}   # kv_cache_dtype fp8
 STARTUP_TIMEOUT_S = 60.0
 HELLO_RESEND_S = 2.0
 NVML_EVERY_S = 5.0  # how often NVML is asked what this process holds on its GPU
@@ -275,7 +276,10 @@ class Worker:
     def ship(self, msg: P.ShipKV) -> None:
         """Export the KV (queued on the device behind the steps in flight) and send it once
         it has reached host memory: the worker goes on stepping meanwhile."""
-        kv, copied = self.core.export_started(msg.seq_id, msg.num_tokens, msg.start)
+        if msg.keys:   # a prefix this worker holds cached, for another's sequence
+            kv, copied = self.core.export_prefix_started(P.unpack_i64(msg.keys, "ShipKV.keys").tolist())
+        else:
+            kv, copied = self.core.export_started(msg.seq_id, msg.num_tokens, msg.start)
         self.outbox.add(copied, lambda: self.send_kv(msg, kv))
 
     def send_kv(self, msg: P.ShipKV, kv: torch.Tensor | None) -> None:

@@ -20,6 +20,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from qmigrate.engine import fp8
+from qmigrate.engine.kv.pool import bits
+
 try:
     import triton
     import triton.language as tl
@@ -249,8 +252,8 @@ def _rope_and_write_kv_torch(qkv, positions, cos, sin, k_cache, v_cache, slot_ma
     slots = slot_mapping[valid].long()
     block_size = k_cache.shape[1]
     blocks, offsets = slots // block_size, slots % block_size
-    k_cache[blocks, offsets] = k[valid].to(k_cache.dtype)
-    v_cache[blocks, offsets] = v[valid].to(v_cache.dtype)
+    for cache, new in ((k_cache, k), (v_cache, v)):
+        bits(cache)[blocks, offsets] = bits(fp8.saturate(new[valid], cache.dtype))
     return q.contiguous()
 
 
@@ -264,7 +267,8 @@ def rope_and_write_kv(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Ten
     positions [T] int; cos, sin [max_positions, R] fp32 (see rope_tables); every
     position, padding rows' too, must index the tables. R < head_dim rotates the first R
     dims of each head and passes the rest through (partial rotary).
-    k_cache, v_cache [num_blocks, block_size, num_kv_heads, head_dim]; token t goes to flat
+    k_cache, v_cache [num_blocks, block_size, num_kv_heads, head_dim], in qkv's dtype or e4m3
+    (saturating casts: engine/fp8.py); token t goes to flat
     slot slot_mapping[t] = block * block_size + offset; a slot of -1 writes nothing.
     Returns q rotated, [T, num_heads, head_dim] contiguous.
     """

@@ -2,7 +2,7 @@
 
 Cache, one layer: k_cache, v_cache [num_blocks, block_size, num_kv_heads, head_dim]; block 0
 is an all-zero null block that padding entries of a block table may point at. A batch is
-q [T, Hq, D] (rows concatenated), query_start [B+1], seq_lens [B] (keys per row, this step's
+q [T, Hq, D] (rows concatenated; the cache in q's dtype or e4m3), query_start [B+1], seq_lens [B] (keys per row, this step's
 included: they are written before attention runs) and block_tables [B, max_blocks].
 Row b's i-th query sits at position seq_lens[b] - n_b + i and sees keys 0..that position.
 
@@ -50,8 +50,8 @@ def paged_attention_reference(q, k_cache, v_cache, query_start, seq_lens, block_
         assert num_q <= seq_len, f"row {b}: {num_q} queries but {seq_len} keys"
         pos = torch.arange(seq_len, device=q.device)
         blocks = block_tables[b].long()[pos // block_size]
-        k = k_cache[blocks, pos % block_size].float()                      # [L, Hkv, D]
-        v = v_cache[blocks, pos % block_size].float()
+        k = _gather(k_cache, blocks, pos % block_size)                     # [L, Hkv, D] fp32
+        v = _gather(v_cache, blocks, pos % block_size)
         qb = q[first:last].float().view(num_q, num_kv_heads, group, head_dim)
         scores = torch.einsum("nhgd,lhd->hgnl", qb, k) * scale              # [Hkv, G, n, L]
         if softcap:
@@ -63,6 +63,13 @@ def paged_attention_reference(q, k_cache, v_cache, query_start, seq_lens, block_
         o = torch.einsum("hgnl,lhd->nhgd", scores.softmax(-1), v)
         out[first:last] = o.reshape(num_q, num_heads, head_dim).to(q.dtype)
     return out
+
+
+def _gather(cache, blocks, offsets) -> torch.Tensor:
+    """cache[blocks, offsets] in fp32, through its bytes where it is e4m3."""
+    if cache.dtype == torch.float8_e4m3fn:
+        return cache.view(torch.uint8)[blocks, offsets].view(cache.dtype).float()
+    return cache[blocks, offsets].float()
 
 
 def paged_attention(q, k_cache, v_cache, query_start, seq_lens, block_tables, scale,
@@ -116,7 +123,8 @@ def _check(q, k_cache, v_cache, block_tables):
     assert num_heads % num_kv_heads == 0, f"{num_heads} query heads over {num_kv_heads} KV heads"
     assert head_dim & (head_dim - 1) == 0 and 16 <= head_dim <= 256, f"head_dim {head_dim}"
     assert block_size & (block_size - 1) == 0, f"block_size {block_size}"
-    assert q.dtype == k_cache.dtype == v_cache.dtype, "q and the cache must share a dtype"
+    assert k_cache.dtype == v_cache.dtype and k_cache.dtype in (q.dtype, torch.float8_e4m3fn), \
+        "the cache holds q's dtype or e4m3"
     assert q.stride(2) == 1 and k_cache.stride(3) == 1 and v_cache.stride(3) == 1
     assert block_tables.stride(1) == 1
     return num_heads // num_kv_heads, num_kv_heads, head_dim, block_size

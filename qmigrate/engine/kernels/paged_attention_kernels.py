@@ -1,5 +1,8 @@
 """Triton kernels behind paged_attention; imported only where triton is.
 
+The cache may hold e4m3 (kv_cache_dtype fp8): each tile of keys and values is upcast to the
+queries' dtype as it is loaded (its scale is 1.0, engine/fp8.py).
+
 Scores are kept in log2 units (the softmax scale is pre-multiplied by log2(e)) so the
 online softmax uses exp2. Tiles of keys are gathered row by row through the block table,
 so a tile of BLOCK_N keys may span several cache blocks in any order.
@@ -37,6 +40,9 @@ def _attend(acc, m_i, l_i, q, k_ptr, v_ptr, table_ptr, n0, key_end, qpos, offs_d
     else:
         k = tl.load(k_ptr + k_off[:, None] + offs_d[None, :])
         v = tl.load(v_ptr + v_off[:, None] + offs_d[None, :])
+    # an e4m3 cache (a scale of 1.0) is upcast to the queries' dtype; otherwise a no-op
+    k = k.to(q.dtype)
+    v = v.to(q.dtype)
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale     # [M, BLOCK_N]
     if SOFTCAP:
         s = cap_log2 * (1.0 - 2.0 / (tl.exp(2.0 * s) + 1.0))                # tanh without libdevice

@@ -1,7 +1,7 @@
 """A worker's KV pool: fixed-size blocks, one block table per cached sequence.
 
 Layout: `kv[layer, 0 or 1]` holds keys or values as [num_blocks, block_size, kv_heads,
-head_dim]; position p of a sequence lives in block `blocks[p // block_size]` at offset
+head_dim], in the model's dtype or in e4m3 (kv_cache_dtype fp8, a scale of 1.0: engine/fp8.py); position p of a sequence lives in block `blocks[p // block_size]` at offset
 `p % block_size`. The pool is allocated once; sequences of any length share it, and
 capacity is counted in tokens. Block 0 is never handed out: it stays zero, and padding
 entries of block tables point at it, so a gather past a row's end reads zeros, not stale
@@ -30,6 +30,7 @@ from collections import OrderedDict
 import numpy as np
 import torch
 
+from qmigrate.engine import fp8
 from qmigrate.engine.kv.prefix_cache import BasePrefixCache, NoPrefixCache, PrefixCache
 
 
@@ -42,8 +43,14 @@ def write_kv(k_cache, v_cache, slot_mapping, k, v) -> None:
     keep = (slot_mapping >= 0)[:, None, None]
     slots = slot_mapping.clamp(min=0).long()
     for cache, new in ((k_cache, k), (v_cache, v)):
-        flat = cache.view(-1, cache.shape[2], cache.shape[3])
-        flat.index_copy_(0, slots, torch.where(keep, new.to(cache.dtype), 0))
+        flat = bits(cache).view(-1, cache.shape[2], cache.shape[3])
+        flat.index_copy_(0, slots, bits(fp8.saturate(torch.where(keep, new, 0), cache.dtype)))
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """An e4m3 tensor as its bytes (uint8, the same shape), for the copies and gathers that
+    torch does not offer for float8; any other tensor as it is."""
+    return t.view(torch.uint8) if fp8.is_fp8(t.dtype) else t
 
 
 def landed(kv, copied):
@@ -83,6 +90,15 @@ class BlockPool:
         self.evicted: list[int] = []
         self.prefix: BasePrefixCache = PrefixCache(num_blocks, block_size) if prefix_cache else NoPrefixCache()
         self.can_copy = can_copy
+        self.tier = None   # a HostTier: cached blocks this pool evicts, found again by key
+
+    def attach_tier(self, tier) -> None:
+        """Blocks the prefix cache evicts are copied to `tier` (host_tier.HostTier) and come
+        back from it when a prompt's cached chain continues there."""
+        if not self.is_caching or not self.can_copy:
+            raise ValueError("a KV tier needs the prefix cache and a pool whose blocks may be copied")
+        self.tier = tier
+        self.prefix.on_evict = lambda blocks, keys: tier.save(self.kv, blocks, keys)
 
     @property
     def is_caching(self) -> bool:
@@ -139,7 +155,8 @@ class BlockPool:
                 self.release(seq_id)
                 return False
             old, new = blocks[-1], self._take(1)[0]
-            self.kv[:, :, new] = self.kv[:, :, old]
+            raw = bits(self.kv)
+            raw[:, :, new] = raw[:, :, old]
             self._unref([old])
             blocks[-1] = new
         return True
@@ -177,7 +194,7 @@ class BlockPool:
 
     def _zero(self, blocks: list[int]) -> None:
         if blocks:
-            self.kv[:, :, torch.as_tensor(blocks)] = 0
+            bits(self.kv)[:, :, torch.as_tensor(blocks)] = 0
             self.is_clean[blocks] = True
 
     def clean(self, blocks) -> None:
@@ -207,10 +224,35 @@ class BlockPool:
         """Start seq_id (a prompt of `ids`) on the longest cached prefix of it, leaving at
         least its last token to compute; the number of positions it starts with."""
         self.release(seq_id)
-        blocks = self.prefix.match(seq_id, ids, salt, max_blocks=(len(ids) - 1) // self.block_size)
+        most = (len(ids) - 1) // self.block_size
+        blocks = self.prefix.match(seq_id, ids, salt, max_blocks=most)
         self.blocks[seq_id] = blocks
+        if self.tier is not None and len(blocks) < most:
+            blocks += self._from_tier(seq_id, ids, most)
         self.length[seq_id] = n = len(blocks) * self.block_size
         return n
+
+    def _from_tier(self, seq_id: int, ids, most: int) -> list[int]:
+        """The blocks of seq_id's next keys that the tier holds, copied into blocks of this
+        pool that are free or idle (no sequence is evicted for them) and cached here again."""
+        tier, keys = self.tier, []
+        room = self.num_free_blocks
+        for key in self.prefix.next_keys(seq_id, ids, most):
+            if key not in tier or len(keys) == room:
+                break
+            keys.append(key)
+        if not keys:
+            return []
+        tier.touch(keys)   # taking blocks may evict idle ones into the tier: these stay
+        new = self._take(len(keys))
+        kept = next((i for i, k in enumerate(keys) if k not in tier), len(keys))
+        if kept < len(keys):
+            self._unref(new[kept:])
+            new, keys = new[:kept], keys[:kept]
+        if new:
+            tier.restore(self.kv, new, keys)
+            self.prefix.adopt(seq_id, ids, new, keys)
+        return new
 
     def note_sampled(self, seq_ids, seq_lens, tokens, skip=frozenset()) -> None:
         """Tokens sampled for rows of sequences at lengths seq_lens (those of `skip` sampled
@@ -227,6 +269,8 @@ class BlockPool:
         assert held[0] == 0 and 0 not in self.free
         assert len(set(self.free)) == len(self.free)
         self.prefix.check(held, self.free, self.blocks, self.length)
+        if self.tier is not None:
+            self.tier.check()
 
     # --- addressing ----------------------------------------------------------------------------
     def slot(self, seq_id: int, pos: int) -> int:
@@ -264,15 +308,15 @@ class BlockPool:
         if not 0 <= start < n <= self.length[seq_id]:
             raise ValueError(f"sequence {seq_id}: cannot export [{start}, {n}) of {self.length[seq_id]} positions")
         slots = torch.from_numpy(self.slots(seq_id, start, n))
-        flat = self.kv.view(self.num_layers, 2, -1, self.num_kv_heads, self.head_dim)
+        flat = bits(self.kv).view(self.num_layers, 2, -1, self.num_kv_heads, self.head_dim)
         if not self.kv.is_cuda:
-            return flat.index_select(2, slots).contiguous(), None
+            return flat.index_select(2, slots).contiguous().view(self.dtype), None
         gathered = flat.index_select(2, slots.pin_memory().to(self.device, non_blocking=True))
         host = torch.empty(gathered.shape, dtype=gathered.dtype, pin_memory=True)
         host.copy_(gathered, non_blocking=True)
         copied = torch.cuda.Event()
         copied.record()
-        return host, copied
+        return host.view(self.dtype), copied
 
     def load(self, seq_id: int, kv: torch.Tensor, protect, start: int = 0) -> bool:
         """Place shipped KV of positions [start, start + n) in free blocks; False when there
@@ -293,10 +337,11 @@ class BlockPool:
         self.grow(seq_id, start + n)
         # Through pinned memory and without waiting: a copy from pageable memory waits for the
         # step in flight, and the worker could not queue the next one meanwhile.
-        slots, kv = torch.from_numpy(self.slots(seq_id, start, start + n)), kv.to(self.dtype)
+        # KV of another dtype (a sender with another kv_cache_dtype) is converted here
+        slots, kv = torch.from_numpy(self.slots(seq_id, start, start + n)), bits(fp8.saturate(kv, self.dtype))
         if self.kv.is_cuda:
             slots, kv = slots.pin_memory(), kv.pin_memory()
-        flat = self.kv.view(self.num_layers, 2, -1, self.num_kv_heads, self.head_dim)
+        flat = bits(self.kv).view(self.num_layers, 2, -1, self.num_kv_heads, self.head_dim)
         flat.index_copy_(2, slots.to(self.device, non_blocking=True), kv.to(self.device, non_blocking=True))
         self.length[seq_id] = start + n
         self.prefix.note_loaded(seq_id)   # never cached (its first `start` positions stay so)

@@ -177,6 +177,7 @@ class PrefixCache(BasePrefixCache):
         self.events: list[int] = []
         self.num_prompt_tokens = 0                         # prompts admitted, and the part found cached
         self.num_cached_tokens = 0
+        self.on_evict = None                               # called with (blocks, keys) evicted, before reuse
 
     # --- references --------------------------------------------------------------------------
     def ref(self, blocks) -> None:
@@ -209,13 +210,16 @@ class PrefixCache(BasePrefixCache):
         """n idle blocks, least recently used first, their keys dropped."""
         if n > len(self.idle):
             raise RuntimeError(f"{n} blocks asked of {len(self.idle)} idle cached blocks")
-        out = []
+        out, keys = [], []
         for _ in range(n):
             b, _ = self.idle.popitem(last=False)
             key = self.key_of.pop(b)
             del self.by_key[key]
             self._event(~key)
             out.append(b)
+            keys.append(key)
+        if self.on_evict is not None and out:
+            self.on_evict(out, keys)
         return out
 
     # --- sequences ---------------------------------------------------------------------------
@@ -239,6 +243,26 @@ class PrefixCache(BasePrefixCache):
         self.num_prompt_tokens += len(ids)
         self.num_cached_tokens += len(blocks) * self.block_size
         return blocks
+
+    def next_keys(self, seq_id: int, ids, max_blocks: int):
+        """The keys of seq_id's blocks past those it matched, up to max_blocks in all."""
+        keys = self.keys[seq_id]
+        bs, done = self.block_size, len(keys)
+        parent = keys[-1] if keys else self.seeds[seq_id]
+        return iter_block_keys(ids[done * bs:], bs, max_blocks=max_blocks - done, parent=parent)
+
+    def adopt(self, seq_id: int, ids, blocks: list[int], keys: list[int]) -> None:
+        """seq_id, just matched, goes on onto `blocks` (referenced already), whose KV of the
+        next `keys` was copied in from another tier: they are cached under those keys."""
+        mine = self.keys[seq_id]
+        for block, key in zip(blocks, keys):
+            if key not in self.by_key:
+                self.key_of[block] = key
+                self.by_key[key] = block
+                self._event(key)
+            mine.append(key)
+        self.ids[seq_id] = _ints(ids[:len(mine) * self.block_size])
+        self.num_cached_tokens += len(blocks) * self.block_size
 
     def note_rows(self, rows: Iterable, blocks: Mapping, length: Mapping) -> None:
         for r in rows:

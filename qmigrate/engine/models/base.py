@@ -85,3 +85,24 @@ class DecoderModel:
 def output_head(model) -> Linear:
     head = model.get_output_embeddings()
     return Linear(head.weight.detach(), None if head.bias is None else head.bias.detach(), "vocab")
+
+
+def quantize_fp8(model: DecoderModel) -> tuple[int, int]:
+    """Every layer's projections to e4m3 weights (`Linear.quantize_fp8`): attention's q/k/v and
+    output, the MLP's gate/up and down, a mixture's shared expert. The embeddings, norms,
+    output head and a mixture's router and routed experts stay as they are. Returns (layers
+    quantized, layers whose shape the FP8 matmul cannot take, left as they were)."""
+    from qmigrate.engine.layers.mlp import GatedMLP
+    from qmigrate.engine.layers.moe import MoE
+    linears = []
+    for layer in model.layers:
+        linears += [layer.attn.qkv, layer.attn.o]
+        mlp = layer.mlp
+        if isinstance(mlp, MoE):
+            mlp = mlp.shared
+        if isinstance(mlp, GatedMLP):
+            linears += [mlp.gate_up, mlp.down]
+    done = sum(lin.quantize_fp8() for lin in linears)
+    if done and model.device.type == "cuda":
+        torch.cuda.empty_cache()   # the bf16 weights just dropped
+    return done, len(linears) - done

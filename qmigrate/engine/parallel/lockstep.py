@@ -17,7 +17,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from qmigrate.engine import fp8
 from qmigrate.engine.batch import StepBatch
+from qmigrate.engine.kv.pool import bits
 
 FORWARD, EXPORT, IMPORT, STOP = 1, 2, 3, 4
 HEADER = 8
@@ -43,19 +45,20 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
 
 
 def _flat(pool) -> torch.Tensor:
-    return pool.kv.view(pool.num_layers, 2, -1, pool.num_kv_heads, pool.head_dim)
+    """The pool's KV by slot, as bytes where it is e4m3 (kv/pool.py: bits)."""
+    return bits(pool.kv).view(pool.num_layers, 2, -1, pool.num_kv_heads, pool.head_dim)
 
 
 def _local_kv(pool, slots: np.ndarray) -> torch.Tensor:
     """This rank's KV at `slots`, [layers, 2, n, kv heads here, head_dim] on the CPU."""
     index = torch.from_numpy(np.ascontiguousarray(slots, dtype=np.int64)).to(pool.device)
-    return _flat(pool).index_select(2, index).cpu().contiguous()
+    return _flat(pool).index_select(2, index).cpu().contiguous().view(pool.dtype)
 
 
 def _store_kv(pool, slots: np.ndarray, kv: torch.Tensor) -> None:
     pool.clean(slots // pool.block_size)   # rank 0's pool zeroes a block as it hands it out; here on first use
     index = torch.from_numpy(np.ascontiguousarray(slots, dtype=np.int64)).to(pool.device)
-    _flat(pool).index_copy_(2, index, kv.to(device=pool.device, dtype=pool.dtype))
+    _flat(pool).index_copy_(2, index, bits(fp8.saturate(kv, pool.dtype)).to(pool.device))
 
 
 class Leader:
@@ -125,7 +128,7 @@ class Leader:
         pool, tp = self.engine.pool, self.tp
         if kv.dim() != 5 or kv.shape[3] != self.engine.shape.num_kv_heads:
             raise ValueError(f"KV of shape {tuple(kv.shape)}: the model has {self.engine.shape.num_kv_heads} KV heads")
-        kv = kv.to(pool.dtype)
+        kv = fp8.saturate(kv, pool.dtype)
         mine = tp.layout.kv_heads(0)
         if not pool.load(seq_id, kv[:, :, :, mine.start:mine.stop].contiguous(), protect):
             return False

@@ -29,7 +29,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from qmigrate.engine.layers.linear import Linear
 
@@ -228,7 +227,7 @@ class RowParallelLinear(Linear):
     __slots__ = ("tp",)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return self.tp.all_reduce(F.linear(x, self.weight, self.bias))
+        return self.tp.all_reduce(self.product(x))
 
 
 class VocabParallelHead(Linear):
@@ -237,7 +236,7 @@ class VocabParallelHead(Linear):
     __slots__ = ("tp", "vocab_size")
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        logits = self.tp.all_gather_last(F.linear(x, self.weight, self.bias))
+        logits = self.tp.all_gather_last(self.product(x))
         return logits if logits.shape[-1] == self.vocab_size else logits[:, :self.vocab_size].contiguous()
 
 

@@ -1,0 +1,88 @@
+"""benchmarks/four_gpu.py: the arithmetic over bench serve's calls (the saturating rate, what a
+drain did, a tensor-parallel shard's decode floor), its summary table, and one part run end to
+end on the CPU with the tiny model (a drain of one of two workers under load)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from benchmarks.four_gpu_report import table
+from benchmarks.four_gpu_lib import drain_effects, saturating_rate, shard_floor_ms
+from qmigrate.hub.shapes import shape_config
+
+
+def call(start, chunks, expected=None, error=""):
+    return {"start": start, "chunks": chunks, "output_tokens": len(chunks),
+            "expected_tokens": len(chunks) if expected is None else expected, "error": error}
+
+
+def test_the_saturating_rate_leaves_the_tail_out():
+    # 10 calls of 10 tokens: 80 tokens in the first second, then one call's 20 slow ones
+    calls = [call(0.0, [0.1 * (i + 1) for i in range(10)]) for _ in range(8)]
+    calls += [call(0.0, [1.0 + i for i in range(10)]) for _ in range(2)]
+    sat = saturating_rate(calls, share_of_tokens=0.8)
+    assert sat["tok_per_s"] == pytest.approx(80 / 1.0)
+    assert sat["mean_output_tokens"] == 10 and sat["requests_per_s"] == pytest.approx(8.0)
+    assert sat["whole_run_requests_per_s"] == pytest.approx(10 / 10.0)
+    with pytest.raises(ValueError):
+        saturating_rate([call(0.0, [], error="boom")])
+
+
+def test_a_drain_is_judged_by_lost_and_repeated_calls_pauses_and_tok_s():
+    steady = [call(s, [s + 0.01 * i for i in range(1, 200)]) for s in (0.0, 0.5, 1.0)]
+    paused = call(0.2, [0.2 + 0.01 * i for i in range(1, 100)] + [1.7 + 0.01 * i for i in range(100)])  # 0.51 s gap
+    short = call(0.3, [0.31, 0.32], expected=5)
+    twice = call(0.4, [0.41, 0.42, 0.43], expected=2)
+    failed = call(0.6, [], expected=4, error="HTTP 500: gone")
+    e = drain_effects([*steady, paused, short, twice, failed], drain_at=1.1, before_s=1.0, settle_s=0.1,
+                      arrivals_end=2.0)
+    assert (e["lost"], e["repeated"], e["calls"]) == (2, 1, 7)
+    assert e["lost_errors"] == ["HTTP 500: gone"]
+    assert e["streams_in_flight"] == 4 and e["max_pause_s"] == pytest.approx(0.51)
+    assert e["control_max_pause_s"] == pytest.approx(0.01, abs=1e-6)
+    assert e["tok_per_s_before"] > 0 and e["after_over_before"] == pytest.approx(
+        e["tok_per_s_after"] / e["tok_per_s_before"])
+
+
+def test_the_floor_of_one_gpus_shard_of_the_70b_shape():
+    config = shape_config("llama-3.1-70b")
+    one = shard_floor_ms(config, 1, 1, 512)
+    four = shard_floor_ms(config, 4, 1, 512)
+    assert one["weight_bytes_per_gpu"] == pytest.approx(141e9, rel=0.02)   # ~70.6 B parameters in bf16
+    assert four["floor_ms"] == pytest.approx(one["floor_ms"] / 4)
+    big = shard_floor_ms(config, 4, 256, 576)
+    # 320 KiB of KV a token (80 layers, 8 KV heads of 128, K and V, bf16), a quarter a GPU
+    assert big["kv_bytes_per_gpu"] == pytest.approx(256 * 576 * 327680 / 4)
+    assert big["floor_ms"] > four["floor_ms"]
+
+
+def test_the_table_names_every_figure_and_what_was_skipped():
+    point = {"rate": "10", "tok_per_s": 1000.0, "ttft_p50_ms": 10.0, "ttft_p99_ms": 40.0, "itl_p99_ms": 9.0,
+             "preemptions": 3, "migrations": {"load": 4}, "mechanisms": {"transfer": 4}, "kv_bytes_shipped": 2e6}
+    results = {"migration": {"m": {"workloads": {"burst": {
+        "saturation": {"requests_per_s": 12.5, "tok_per_s": 1500.0},
+        "points": {"0.8": {"affinity": {**point, "ttft_p99_pinned_over_this": 2.5, "tok_per_s_this_over_pinned": 1.1},
+                           "pinned": {**point, "ttft_p99_ms": 100.0, "migrations": {}, "mechanisms": {}}}}}}}},
+        "skipped": ["drain (needs ~180 s, 20 s left)"]}
+    text = table(results)
+    assert "saturating 12.5 req/s" in text and "load4; t4" in text and "2.50" in text and "1.10" in text
+    assert "skipped: drain" in text
+
+
+@pytest.mark.timeout(600)   # two servers' worth of CPU work on a shared machine
+def test_the_drain_part_end_to_end_on_the_cpu(tmp_path):
+    """Two CPU workers of the tiny model under load, one drained mid-run: nothing lost or
+    repeated, the drain moved sequences, and the figures came out."""
+    out = tmp_path / "out"
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.four_gpu", "drain", "--tiny", "--out", str(out),
+                           "--work", str(tmp_path / "work")], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads((out / "four-gpu-drain-tiny.json").read_text())["drain"]
+    assert result["lost"] == 0 and result["repeated"] == 0 and result["calls"] >= 8
+    assert result["run"]["migrations"].get("drain", 0) > 0 or result["streams_in_flight"] == 0
+    assert "drained" in result["router_said"].lower() or "drain" in result["router_said"].lower()
+    assert result["max_pause_s"] is not None and "drain w2 of 2" in proc.stdout
