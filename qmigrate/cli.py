@@ -200,6 +200,11 @@ def serve(
         "--load-format",
         help="auto: read the checkpoint; dummy: make random weights of the model's shapes on the device from "
              "its config.json alone (a directory of `qmigrate model shape`). Default: the topology's (auto).")] = None,
+    tool_call_parser: Annotated[Optional[str], typer.Option(
+        "--tool-call-parser",
+        help="The format of the model's tool calls: hermes (<tool_call> JSON: Hermes, Qwen2.5), llama3_json "
+             "(Llama 3.1), mistral ([TOOL_CALLS]) or auto (the one its chat template writes; "
+             "ingest.tool_call_parser).")] = None,
     migration_policy: Annotated[Optional[str], typer.Option(
         "--migration-policy",
         help="Where a sequence may run (router.policy): affinity (default: it stays with its KV but moves "
@@ -233,6 +238,9 @@ def serve(
         opts.api_server_count = api_server_count
         opts.trace_dir = None if trace is None else str(trace.absolute())
         opts.load_format = load_format
+        if tool_call_parser is not None and tool_call_parser not in ("auto", "hermes", "llama3_json", "mistral"):
+            fail("--tool-call-parser must be auto, hermes, llama3_json or mistral")
+        opts.tool_call_parser = tool_call_parser
         opts.router_settings = {} if migration_policy is None else {"policy": migration_policy}
         opts.metrics_port = metrics_port
         num_gpus = 0 if base is not None else visible_gpus()

@@ -398,6 +398,16 @@ def bench_serve(
         help="A `qmigrate bench --json` report of the same workload: print HTTP / pipeline for the "
              "all-at-once run.")] = None,
     json_out: Annotated[Optional[Path], typer.Option("--json", help="Write the results as JSON here.")] = None,
+    response_format_json_schema: Annotated[Optional[str], typer.Option(
+        "--response-format-json-schema",
+        help="Send requests with response_format json_schema: a schema file (JSON), or 'builtin' (an "
+             "array of short strings that cannot close within the output length, so that a structured "
+             "call runs its full length as a plain one with ignore_eos does).")] = None,
+    structured_fraction: Annotated[float, typer.Option(
+        "--structured-fraction", min=0.0, max=1.0,
+        help="With --response-format-json-schema: the fraction of requests that carry it, spread evenly; "
+             "with a mix, the summary (--json) gives the plain and structured calls' TTFT and TPOT "
+             "apart.")] = 1.0,
     calls_out: Annotated[Optional[Path], typer.Option(
         "--calls-jsonl",
         help="Write every timed call here, a line each: its rate, when it was sent and when each chunk "
@@ -471,6 +481,11 @@ def bench_serve(
                                        seed, max_model_len)
             described.update(long_output_fraction=long_output_fraction, long_output_len=long_output_len,
                              max_model_len=max_model_len)
+        if response_format_json_schema is not None:
+            response_format = D.json_schema_format(response_format_json_schema)
+            D.structure(reqs, response_format, structured_fraction)
+            described.update(response_format_json_schema=response_format_json_schema,
+                             structured_fraction=structured_fraction)
     except (ValueError, OSError) as exc:
         fail(str(exc))
     try:

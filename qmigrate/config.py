@@ -57,6 +57,8 @@ class SamplingDefaults(Section):
                                                          lambda x: 0 <= x <= P.MAX_TEMPERATURE))
     top_p: float = rules.setting(1.0, rules.number("a number in (0, 1]", lambda x: 0 < x <= 1))
     top_k: int = rules.setting(0, rules.non_negative)
+    # a structured output's grammar that does not compile within this is refused (its request only)
+    structured_output_compile_timeout_s: float = rules.setting(5.0, rules.positive)
 
 
 @dataclass(slots=True)
@@ -172,6 +174,8 @@ class IngestConfig(Section):
     # an HTTP process not heard from for this long (stopped, or wedged) is killed and started again
     http_process_timeout_s: float = rules.setting(10.0, rules.positive)
     model_name: str | None = rules.setting(None, rules.optional_text)  # None: the model directory's name
+    # the format of the model's tool calls (ingest/tools.py); auto: the one its chat template writes
+    tool_call_parser: str = rules.setting("auto", rules.one_of("auto", "hermes", "llama3_json", "mistral"))
 
 
 @dataclass(slots=True)

@@ -43,6 +43,7 @@ class ServeOptions:
     load_format: str | None = None        # model.load_format: auto or dummy
     router_settings: dict | None = None   # fields set on the router (e.g. policy)
     metrics_port: int | None = None       # Prometheus: the router's on it, the detokenizer's on it + 1
+    tool_call_parser: str | None = None   # ingest.tool_call_parser
 
 
 def visible_gpus() -> int:
@@ -116,6 +117,8 @@ def serve_topology(opts: ServeOptions, base: Topology | None = None, num_gpus: i
         ingest["model_name"] = opts.served_model_name
     if opts.api_key is not None:
         ingest["api_key"] = opts.api_key
+    if opts.tool_call_parser is not None:
+        ingest["tool_call_parser"] = opts.tool_call_parser
     if opts.api_server_count is not None:
         ingest["http_processes"] = opts.api_server_count
     elif num_gpus:

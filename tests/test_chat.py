@@ -63,7 +63,8 @@ def test_a_model_without_a_chat_template_is_a_per_request_error():
     ([{"role": "user"}], r"'messages\[0\].content' must be a string"),
     ([{"role": "user", "content": 5}], r"'messages\[0\].content' must be a string"),
     ([{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}], "only text parts"),
-    ([{"role": "user", "content": "x", "tool_calls": []}], "unsupported key 'tool_calls'"),
+    ([{"role": "assistant", "content": "x", "tool_calls": 3}], "'messages\\[0\\].tool_calls' must be a list"),
+    ([{"role": "user", "content": "x", "audio": []}], "unsupported key 'audio'"),
 ])
 def test_bad_messages_are_clear_errors(chat_tok, messages, message):
     with pytest.raises(PromptError, match=message):

@@ -157,7 +157,7 @@ def test_usage_counts_each_prompt_once_and_every_choice(tok):
     ({"model": MODEL, "messages": "hi"}, "messages", "non-empty list"),
     ({"model": MODEL, "messages": [{"role": "user", "content": 1}]}, "messages",
      "'messages[0].content' must be a string"),
-    ({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, "tools", "not supported"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, "tools[0]", "must be"),
     ({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "logprobs": 1}, "logprobs", "must be a boolean"),
     ({"model": MODEL, "prompt": "x"}, "prompt", "unrecognized"),
 ])

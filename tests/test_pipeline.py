@@ -100,6 +100,16 @@ LOGPROBS = [{**p, "id": f"l{i}", "logprobs": 3, "repetition_penalty": 1.2,
              **({"temperature": 0.8, "seed": 90 + i} if i % 2 else {}), **({"prompt_logprobs": 2} if i < 2 else {})}
             for i, p in enumerate(_prompts(6, seed=13))]
 
+# Structured output, greedy and seeded: the grammar's state is rebuilt from the ids that travel.
+STRUCTURED_SCHEMA = {"type": "object", "additionalProperties": False, "required": ["n", "flag"],
+                     "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 999},
+                                    "flag": {"type": "boolean"}}}
+STRUCTURED = [{**p, "id": f"j{i}", "max_new_tokens": 40,
+               **({"response_format": {"type": "json_schema", "json_schema": {
+                   "name": "t", "schema": STRUCTURED_SCHEMA, "strict": True}}} if i < 2
+                  else {"structured_outputs": {"regex": "[a-f]{3,6}( [0-9]{2,4}){2}"}}),
+               **({"temperature": 0.9, "seed": 70 + i} if i % 2 else {})}
+              for i, p in enumerate(_prompts(4, seed=13))]
 # Malformed and invalid requests, each to get an error record while the others stream.
 BAD_LINES = ['{"id": "ok1", "prompt": "Hello", "max_new_tokens": 5}',
              '{"id": "empty", "prompt": ""}',
@@ -116,7 +126,7 @@ def on_one_worker(tmp_path_factory, tiny_model_dir):
     """One `qmigrate sim` on one worker (nothing can move): the bad lines, then the seeded requests."""
     from conftest import run_qmigrate
     tmp = tmp_path_factory.mktemp("one-worker")
-    stdin = "\n".join(BAD_LINES) + "\n" + "".join(json.dumps(p) + "\n" for p in SEEDED + CONTROLLED + LOGPROBS)
+    stdin = "\n".join(BAD_LINES) + "\n" + "".join(json.dumps(p) + "\n" for p in SEEDED + CONTROLLED + LOGPROBS + STRUCTURED)
     trace_dir = tmp_path_factory.getbasetemp() / "one-worker-trace"
     run = run_qmigrate("sim", _topology(tmp, tiny_model_dir, 1, trace_dir=trace_dir), stdin=stdin)
     assert run.returncode == EXIT_REQUESTS_FAILED, run.stderr[-3000:]   # the bad lines failed
@@ -143,7 +153,7 @@ def drained_runs(tmp_path_factory, tiny_model_dir, on_one_worker):
         candidates = _prompts(12, seed=num_workers)
         expected = greedy_tokens_many(tiny_model_dir, [(p["prompt_ids"], p["max_new_tokens"]) for p in candidates])
         greedy[num_workers] = [p for p, tokens in zip(candidates, expected) if len(tokens) > MAX_LEASE_STEPS]
-    seeded = [p for p in SEEDED + CONTROLLED + LOGPROBS if len(alone[p["id"]]["token_ids"]) > MAX_LEASE_STEPS]
+    seeded = [p for p in SEEDED + CONTROLLED + LOGPROBS + STRUCTURED if len(alone[p["id"]]["token_ids"]) > MAX_LEASE_STEPS]
     ipc_dirs, runs = [], {}
     pool = ThreadPoolExecutor(len(DRAINED_RUNS))
     try:
@@ -226,6 +236,23 @@ def test_logprobs_are_the_same_after_a_move_and_equal_transformers(tiny_model_di
             for i, entry in enumerate(got[1:], start=1):
                 assert abs(entry["logprob"] - float(raw[i - 1, p["prompt_ids"][i]])) < 1e-4
                 assert len(entry["top_logprobs"]) == 2
+
+
+def test_structured_outputs_follow_their_grammar_on_one_worker_and_after_a_migration(
+        on_one_worker, drained_runs, num_workers):
+    """The same structured outputs on one worker and in a drained run (the equality is the
+    test above's), and each a document of its schema or a match of its regex."""
+    import jsonschema
+    alone = on_one_worker.finals()
+    finals, _ = drained_runs[num_workers][2].result()
+    assert len([p for p in STRUCTURED if p in drained_runs[num_workers][1]]) >= 3
+    for p in STRUCTURED:
+        for got in (alone[p["id"]], finals[p["id"]]):
+            assert got["finish_reason"] == "eos", got
+            if "response_format" in p:
+                jsonschema.validate(json.loads(got["text"]), STRUCTURED_SCHEMA)
+            else:
+                assert re.fullmatch("[a-f]{3,6}( [0-9]{2,4}){2}", got["text"]), got["text"]
 
 
 def test_seeded_sampling_is_not_greedy(tiny_model_dir, on_one_worker):

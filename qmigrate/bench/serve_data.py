@@ -36,6 +36,7 @@ class ServeRequest:
     turn_output_lens: list[int] = field(default_factory=list)
     think_time_s: float = 0.0       # a session waits this long after an answer before its next turn
     burst: int = -1                 # requests of one burst (>= 0) arrive together (burst_dataset)
+    response_format: dict | None = None   # sent as the call's response_format (structured output)
 
     @property
     def is_session(self) -> bool:
@@ -192,3 +193,29 @@ def jsonl_dataset(path: Path, default_output_len: int = 128) -> list[ServeReques
     if not out:
         raise ValueError(f"{path}: no requests")
     return out
+
+
+# A document that never closes within an output length: every structured call runs its whole length.
+BUILTIN_SCHEMA = {"type": "object", "additionalProperties": False, "required": ["notes"],
+                  "properties": {"notes": {"type": "array", "minItems": 100_000,
+                                           "items": {"type": "string", "maxLength": 24}}}}
+
+
+def json_schema_format(source: str) -> dict:
+    """OpenAI's response_format for a schema file, or 'builtin' (BUILTIN_SCHEMA)."""
+    if source == "builtin":
+        schema = BUILTIN_SCHEMA
+    else:
+        try:
+            schema = json.loads(Path(source).read_text())
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"--response-format-json-schema {source}: not JSON: {exc}") from None
+    return {"type": "json_schema", "json_schema": {"name": "bench", "schema": schema, "strict": True}}
+
+
+def structure(requests: list[ServeRequest], response_format: dict, fraction: float) -> None:
+    """Give `fraction` of the requests (spread evenly: the i-th when floor((i+1)f) > floor(if))
+    the response_format; sessions keep none."""
+    for i, r in enumerate(requests):
+        if not r.is_session and int((i + 1) * fraction) > int(i * fraction):
+            r.response_format = response_format

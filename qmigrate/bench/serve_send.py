@@ -25,7 +25,8 @@ async def send_all(client: Client, requests: list[ServeRequest], bodies: list[by
             await gate.acquire()
         try:
             if not req.is_session:
-                rec = CallRecord(0.0, expected_tokens=req.output_len, prompt_tokens=req.prompt_len)
+                rec = CallRecord(0.0, expected_tokens=req.output_len, prompt_tokens=req.prompt_len,
+                                 structured=req.response_format is not None)
                 records.append(rec)
                 await client.post_completion(body, rec)
                 on_call(rec)

@@ -27,6 +27,7 @@ class CallRecord:
     cached_tokens: int = -1              # usage.prompt_tokens_details.cached_tokens (-1: not said)
     error: str = ""
     turn: int = 0                        # a session's call: which of its turns (0: the first)
+    structured: bool = False             # sent with a response_format
 
     @property
     def ok(self) -> bool:
@@ -100,6 +101,11 @@ def summarize(records: list[CallRecord], t0: float, end: float, slos: dict[str, 
         "itl_ms": _dist([g for r in done for g in r.itls()]),
         "e2e_ms": _dist([r.e2e for r in done]),
     }
+    structured = [r for r in done if r.structured]
+    if structured and len(structured) < len(done):   # a mix: each kind's latencies apart
+        for name, part in (("plain", [r for r in done if not r.structured]), ("structured", structured)):
+            out[name] = {"calls": len(part), "ttft_ms": _dist([r.ttft for r in part]),
+                         "tpot_ms": _dist([t for r in part if (t := r.tpot) is not None])}
     later = [r for r in done if r.turn > 0]
     if later:   # a session's later turns: what a prefix cache serves from the earlier ones
         out["later_turns"] = {"calls": len(later), "ttft_ms": _dist([r.ttft for r in later]),

@@ -32,6 +32,7 @@ from qmigrate.engine import fp8, startup
 from qmigrate.engine.config import EngineConfig
 from qmigrate.engine.runners.choice import make_runner
 from qmigrate.engine.controls import Controls, ControlTable
+from qmigrate.engine.grammar import GrammarTable, apply_masks
 from qmigrate.engine.sampling import HostRows, SamplingRows, host_arrays, sample
 from qmigrate.engine import logprobs as lp
 from qmigrate.hub.shape import ModelShape
@@ -75,6 +76,7 @@ class Engine:
         self.runner.attach(self.pool)
         self.num_continued = 0   # steps built the array way (`_continue`)
         self.controls = ControlTable(self.shape.vocab_size, self.max_len, self.device)
+        self.grammars = GrammarTable(self.shape.vocab_size, self.device)   # structured output's matchers
         if tp is not None and tp.world > 1 and tp.is_leader:
             from qmigrate.engine.parallel.lockstep import Leader
             self.runner = Leader(self.runner, self)   # every step and KV move is sent to the others first
@@ -114,10 +116,16 @@ class Engine:
     def release(self, seq_id: int) -> None:
         self.pool.release(seq_id)
         self.controls.forget(seq_id)
+        self.grammars.forget(seq_id)
 
     def set_controls(self, seq_id: int, controls: Controls, ids, prompt_len: int) -> None:
         """A sequence's sampling controls, and its ids so far (its penalties count them)."""
         self.controls.set(seq_id, controls, ids, prompt_len)
+
+    def set_grammar(self, seq_id: int, matcher, eos_ids, generated) -> bool:
+        """A sequence's fresh grammar matcher (`grammars.matcher`), with its generated ids
+        replayed; False when they do not follow it."""
+        return self.grammars.set(seq_id, matcher, eos_ids, generated)
 
     def take_evicted(self) -> list[int]:
         return self.pool.take_evicted()
@@ -266,7 +274,7 @@ class Engine:
                              [r.seed for r in run], [r.index for r in run])
         asks = np.fromiter((r.num_logprobs for r in run), dtype=np.int32, count=len(run))
         pending.asks = asks if (asks >= 0).any() else None
-        return self._run(pending, batch, feed, params)
+        return self._run(pending, batch, feed, params, after)
 
     def _continue(self, rows: list[StepRow], after: "Pending") -> "Pending | None":
         """The common decode step, built with array operations: every row is a sequence of
@@ -308,12 +316,20 @@ class Engine:
         pending = Pending(rows, list(range(n)), dict(zip(seq_ids, range(n))))
         pending.asks = after.asks[src] if after.asks is not None else None
         self.num_continued += 1
-        return self._run(pending, batch, feed, (temperature, top_p, top_k, seed, index))
+        return self._run(pending, batch, feed, (temperature, top_p, top_k, seed, index), after)
 
-    def _run(self, pending: "Pending", batch: StepBatch, feed, params: HostRows) -> "Pending":
+    def _run(self, pending: "Pending", batch: StepBatch, feed, params: HostRows, after=None) -> "Pending":
         """Queue the forward pass and sampling of the placed rows; tokens come back to a
-        pinned host buffer without a wait."""
+        pinned host buffer without a wait. Rows with a grammar have their masks computed here
+        while the device runs the forward pass (after the step before is collected, when one
+        of them samples after a token of it)."""
         logits = self.runner.forward(batch, feed=feed)
+        if self.grammars:
+            if after is not None and after.result is None and self.grammars.lags(batch.seq_ids, params[4]):
+                self.collect(after)
+            masks = self.grammars.masks(batch.seq_ids, params[4])
+            if masks is not None:
+                logits = apply_masks(logits, *masks)
         controls = self.controls.step(batch.seq_ids, params[4]) if self.controls else None
         sampling = SamplingRows.from_arrays(params, self.device)
         asking = lp.asking_rows(pending.asks)
@@ -486,5 +502,7 @@ class Engine:
                     tokens[i] = token
                 if pending.batch is not None:   # a row cut short (partial) sampled no token of its sequence
                     self.pool.note_sampled(pending.batch.seq_ids, pending.batch.seq_lens, values, pending.partial)
+                    if self.grammars:
+                        self.grammars.note(pending.batch.seq_ids, pending.params[4], values, pending.partial)
             pending.result = tokens
         return pending.result

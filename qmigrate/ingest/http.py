@@ -43,12 +43,14 @@ from aiohttp import web
 from qmigrate.ops import logs
 from qmigrate.wire import protocol as P
 from qmigrate.wire import transport
+from qmigrate.hub.grammars import Compiler, GrammarError
 from qmigrate.hub.tokenizer_info import load_tokenizer_info
 from qmigrate.ingest.logprobs_api import TokenText
 from qmigrate.ingest.guard import ClientLimit
 from qmigrate.ingest import utility_api
 from qmigrate.ingest.handoff import HTTP_BIT, THREAD_ID_BITS
 from qmigrate.ingest.prompts import Defaults, check_json
+from qmigrate.ingest.tools import CallStream, delta_calls
 from qmigrate.ingest.streams import DONE, MARK, SHUTDOWN, SSE_HEADERS, Frame, Updates, sse
 from qmigrate.ingest.openai_api import (
     ApiError,
@@ -60,6 +62,7 @@ from qmigrate.ingest.openai_api import (
     models_list,
     parse_body,
     reply,
+    tool_chunk,
     usage_chunk,
 )
 
@@ -88,6 +91,11 @@ class HttpServer:
         self.tokenizer, self.max_context, self.eos_ids = load_tokenizer_info(model_path, trust_remote_code)
         self.token_text = TokenText(self.tokenizer)   # logprobs' token texts, decoded once per id
         self.max_context = min(self.max_context, max_model_len or self.max_context)   # the workers' limit
+        # structured outputs' grammars, compiled off both loops (and refused past the time limit)
+        self.grammars = Compiler(lambda: load_tokenizer_info(model_path, trust_remote_code)[0],
+                                 len(self.tokenizer), defaults.structured_output_compile_timeout_s)
+        if cfg.http_processes > 1:   # GPU hosts' fronts: wrapped before the first structured call needs it
+            self.grammars.tokenizer(self.eos_ids)
         # Bodies are parsed and tokenized on this one thread, the only user of the tokenizer:
         # a long prompt costs its own request time, never the event loop's (/health, streams).
         self.parser = ThreadPoolExecutor(1, thread_name_prefix="http-parse")
@@ -308,10 +316,12 @@ class HttpServer:
     def _parse(self, raw: bytes, kind):
         """On the parser thread: the body's JSON, checked and tokenized."""
         return parse_body(self._json(raw), kind, model_names=self.model_names, tokenizer=self.tokenizer,
-                          max_context=self.max_context, defaults=self.defaults, eos_ids=self.eos_ids)
+                          max_context=self.max_context, defaults=self.defaults, eos_ids=self.eos_ids,
+                          tool_parser=self.cfg.tool_call_parser)
 
     async def _generate(self, request, kind):
         req = await self.loop.run_in_executor(self.parser, self._parse, await self._read(request), kind)
+        await self._compile(req)
         seq_id = self._new_id()
         rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{seq_id:016x}"
         prompts = fan_out(req, rid)
@@ -351,6 +361,23 @@ class HttpServer:
                 for sid in live:
                     self.cancels.put(sid)
                 self._wake()
+
+    async def _compile(self, req) -> None:
+        """A 400 for a structured output whose grammar does not compile against the tokenizer in
+        `structured_output_compile_timeout_s`; the wait holds up this request only."""
+        grammar = req.prompt.grammar
+        if not grammar:
+            return
+        param = req.grammar_param
+        limit = self.grammars.timeout_s
+        try:
+            await asyncio.wrap_future(self.grammars.tokenizer(self.eos_ids))
+            await asyncio.wait_for(asyncio.wrap_future(self.grammars.start(grammar, self.eos_ids)), limit)
+        except asyncio.TimeoutError:
+            raise ApiError(400, f"'{param}': the grammar did not compile within {limit:g} s "
+                           "(structured_output_compile_timeout_s)", param) from None
+        except GrammarError as exc:
+            raise ApiError(400, f"'{param}': {exc}", param) from None
 
     def _new_id(self) -> int:
         return self.id_base | next(self.counter) & self.id_mask
@@ -424,6 +451,8 @@ class HttpServer:
         trim, created, first, shown = StopTrimmer(req.stop), int(time.time()), True, 0
         frame = Frame(chunk(req, rid, created, MARK))
         extra = ChoiceExtras(req, 0, self.token_text) if req.has_extras else None
+        held = CallStream(req.tools) if req.tools is not None and req.tools.calls_expected else None
+        calls = []
         try:
             while True:
                 try:
@@ -439,6 +468,12 @@ class HttpServer:
                                                            type="server_error").body()) + DONE)
                         return response, True
                     out += trim.finish(code == P.Finish.STOP)
+                if held is not None:   # tool calls are held back, and sent whole at the end
+                    out = held.push(out)
+                    if code:
+                        rest, calls = held.finish()
+                        out += rest
+                        reason = "tool_calls" if calls and reason == "stop" else reason
                 # An event for every step that made tokens, its text empty where they complete
                 # no character yet (or may begin a stop string), as vLLM's streams have: a
                 # client times each token, not each character.
@@ -451,7 +486,8 @@ class HttpServer:
                     first = False
                 shown = num_tokens
                 if code:
-                    tail = sse(chunk(req, rid, created, None, reason, num_tokens=num_tokens))
+                    tail = b"".join(sse(tool_chunk(req, rid, created, d)) for d in delta_calls(calls))
+                    tail += sse(chunk(req, rid, created, None, reason, num_tokens=num_tokens))
                     if req.include_usage:
                         tail += sse(usage_chunk(req, rid, created, [(num_tokens, cached)]))
                     await response.write(tail + DONE)

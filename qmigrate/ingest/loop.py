@@ -35,6 +35,7 @@ from qmigrate.wire import transport
 from qmigrate.hub.loading import resolve_model
 from qmigrate.hub.tokenizer_info import load_tokenizer_info
 from qmigrate.ingest.handoff import THREAD_ID_BITS, HandoffOrder, reply_rows
+from qmigrate.hub.grammars import Compiler, GrammarError
 from qmigrate.ingest.prompts import CancelRequest, Defaults, PromptError, parse_line, seed_of, to_spec
 from qmigrate.wire.security import Guard
 from qmigrate.ops.process import freeze_heap, run_until_fatal
@@ -68,10 +69,14 @@ class Ingest:
         self.chat = cfg.chat
         self.max_pending = cfg.max_pending
         d = topo.defaults
-        self.defaults = Defaults(d.max_new_tokens, d.temperature, d.top_p, d.top_k)
+        self.defaults = Defaults(d.max_new_tokens, d.temperature, d.top_p, d.top_k,
+                                 d.structured_output_compile_timeout_s)
         model_path = resolve_model(topo.model.path)
         self.tokenizer, self.max_context, self.eos_ids = load_tokenizer_info(model_path, topo.model.trust_remote_code)
         self.max_context = min(self.max_context, topo.max_model_len or self.max_context)
+        trust = topo.model.trust_remote_code
+        self.grammars = Compiler(lambda: load_tokenizer_info(model_path, trust)[0], len(self.tokenizer),
+                                 d.structured_output_compile_timeout_s)
         self.router_addr = topo.endpoint("router").connect
         self.router = transport.socket(zmq.DEALER, connect=self.router_addr,
                                        identity=f"ingest-{os.getpid()}")
@@ -219,6 +224,11 @@ class Ingest:
             if prompt.req_id in self.live:
                 raise PromptError(prompt.req_id, f"duplicate id {prompt.req_id!r}: a request with this "
                                   "id is still running; this one is refused")
+            if prompt.grammar:   # stdin's requests wait in line anyway: compiled here, within the limit
+                try:
+                    self.grammars.matcher(prompt.grammar, self.eos_ids)
+                except GrammarError as exc:
+                    raise PromptError(prompt.req_id, f"structured output: {exc}", "structured_outputs") from None
         except PromptError as exc:
             self.errors.append(error_record(exc.req_id, exc.message, self.id_base | self.num_requests))
             return

@@ -26,6 +26,8 @@ from typing import Literal
 from qmigrate.wire import protocol as P
 from qmigrate.ingest import logprobs_api as LP
 from qmigrate.ingest.logprobs_api import ChoiceExtras
+from qmigrate.ingest.tools import (Tools, ToolError, forced_grammar, message_calls, parse_calls, parse_tools,
+                                   parser_of)
 from qmigrate.ingest.prompts import MAX_SEED, Defaults, Prompt, PromptError, is_int_list, parse_request
 
 Kind = Literal["completion", "chat"]
@@ -34,25 +36,24 @@ Kind = Literal["completion", "chat"]
 # Sampling fields the intake (prompts.parse_request) checks alike for stdin JSONL and HTTP.
 SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "seed", "presence_penalty", "frequency_penalty",
                    "logit_bias", "ignore_eos", "min_tokens", "cache_salt", "repetition_penalty", "min_p",
-                   "stop_token_ids")  # from top_k and ignore_eos on: extensions, as vLLM's
+                   "stop_token_ids", "response_format", "structured_outputs")
+# from top_k and ignore_eos on: extensions, as vLLM's (response_format on completions too)
 SUPPORTED_FIELDS = frozenset(["model", "max_tokens", "stop", "stream", "stream_options", "n", "prompt_logprobs",
                               *SAMPLING_FIELDS])
 ONLY_FIELDS = {"completion": frozenset(["prompt", "logprobs", "echo"]),
-               "chat": frozenset(["messages", "max_completion_tokens", "logprobs", "top_logprobs"])}
+               "chat": frozenset(["messages", "max_completion_tokens", "logprobs", "top_logprobs", "tools",
+                                  "tool_choice", "parallel_tool_calls"])}
 # OpenAI's fields that change nothing this server generates: accepted, and ignored.
 IGNORED_FIELDS = {"completion": frozenset(["user", "store", "metadata", "service_tier", "prompt_cache_key",
                                            "safety_identifier"]),
                   "chat": frozenset(["user", "store", "metadata", "service_tier", "prompt_cache_key",
-                                     "safety_identifier", "prediction", "parallel_tool_calls"])}
+                                     "safety_identifier", "prediction"])}
 # Fields that would change the output, accepted only at the value that changes nothing
 # (a field of one endpoint only is refused by the other as unrecognized).
-NEUTRAL = {"best_of": (1,),
-           "suffix": ("",), "tools": ([],), "tool_choice": ("none",), "functions": ([],),
-           "function_call": ("none",), "response_format": ({"type": "text"},), "modalities": (["text"],),
-           "audio": (), "reasoning_effort": (), "verbosity": (), "web_search_options": ()}
+NEUTRAL = {"best_of": (1,), "suffix": ("",), "functions": ([],), "function_call": ("none",),
+           "modalities": (["text"],), "audio": (), "reasoning_effort": (), "verbosity": (), "web_search_options": ()}
 NEUTRAL_OF = {"completion": frozenset(["best_of", "suffix"]),
-              "chat": frozenset(["tools", "tool_choice", "functions", "function_call",
-                                 "response_format", "modalities", "audio", "reasoning_effort", "verbosity",
+              "chat": frozenset(["functions", "function_call", "modalities", "audio", "reasoning_effort", "verbosity",
                                  "web_search_options"])}
 # The intake's names of fields the API names otherwise.
 _INTAKE_PARAM = {"prompt_ids": "prompt"}
@@ -84,6 +85,8 @@ class ApiRequest:
     prompt_logprobs: int = -1    # vLLM's: >= 0, the prompt's, with this many alternatives
     echo: bool = False     # completions: the prompt's text (and logprobs) before the choice's
     prompt_texts: list[str] = field(default_factory=list)   # with echo: each prompt's text
+    grammar_param: str | None = None   # the field that asked for structured output
+    tools: Tools | None = None       # chat's tools, tool_choice and the parser of their calls
 
     @property
     def prompt(self) -> Prompt:
@@ -118,7 +121,8 @@ def _same(value, neutral) -> bool:
 
 
 def parse_body(body, kind: Kind, *, model_names: Collection[str], tokenizer, max_context: int,
-               defaults: Defaults = Defaults(), eos_ids: Collection[int] = ()) -> ApiRequest:
+               defaults: Defaults = Defaults(), eos_ids: Collection[int] = (),
+               tool_parser: str = "auto") -> ApiRequest:
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
     known = SUPPORTED_FIELDS | ONLY_FIELDS[kind] | IGNORED_FIELDS[kind] | NEUTRAL_OF[kind]
@@ -171,6 +175,7 @@ def parse_body(body, kind: Kind, *, model_names: Collection[str], tokenizer, max
     stop = _parse_stop(body.get("stop", []))
     if stop:
         request["stop"] = stop
+    tools = _tools(body, request, tool_parser, tokenizer, stream and n > 1) if kind == "chat" else None
     items = [{"messages": body.get("messages")}] if kind == "chat" else _completion_prompts(body.get("prompt"))
     if len(items) * n > P.MAX_CHOICES:
         raise ApiError(400, f"{len(items)} prompt(s) with n={n} is {len(items) * n} choices; this server "
@@ -190,8 +195,11 @@ def parse_body(body, kind: Kind, *, model_names: Collection[str], tokenizer, max
     include = bool(options.get("include_usage"))
     texts = [item["prompt"] if "prompt" in item else tokenizer.decode(item["prompt_ids"]) for item in items] \
         if echo else []
+    grammar_param = next((name for name in ("response_format", "structured_outputs") if name in body),
+                         "tool_choice" if tools is not None and tools.is_forced else None)
     return ApiRequest(kind, model, prompts, stream, include, stop, n,
-                      include and bool(options.get("continuous_usage_stats")), num_logprobs, num_prompt, echo, texts)
+                      include and bool(options.get("continuous_usage_stats")), num_logprobs, num_prompt, echo, texts,
+                      grammar_param, tools)
 
 
 def _parse_logprobs(body: dict, kind: Kind) -> tuple[int, bool]:
@@ -217,6 +225,25 @@ def _parse_logprobs(body: dict, kind: Kind) -> tuple[int, bool]:
     if not isinstance(echo, bool):
         raise ApiError(400, "'echo' must be a boolean", "echo")
     return num, echo
+
+
+def _tools(body: dict, request: dict, parser: str, tokenizer, streams_choices: bool) -> Tools | None:
+    """Chat's tools: into the template, and a forced call's grammar into the intake's request."""
+    try:
+        tools = parse_tools(body, parser_of(parser, getattr(tokenizer, "chat_template", None)))
+    except ToolError as exc:
+        raise ApiError(400, str(exc), exc.param) from None
+    if tools is None:
+        return None
+    request["tools"] = tools.template_tools()
+    if tools.calls_expected and streams_choices:
+        raise ApiError(400, "'n' > 1 with 'tools' is not streamed: send 'stream': false", "n")
+    if tools.is_forced:
+        if "response_format" in request or "structured_outputs" in request:
+            raise ApiError(400, "'tool_choice' required or a named function cannot be combined with "
+                           "'response_format' or 'structured_outputs'", "tool_choice")
+        request["structured_outputs"] = {"grammar": forced_grammar(tools)}
+    return tools
 
 
 def fan_out(req: ApiRequest, rid: str) -> list[Prompt]:
@@ -363,7 +390,13 @@ def reply(req: ApiRequest, rid: str, created: int, outcomes: list[tuple[str, str
         extra = extras[i] if extras else None
         logprobs = extra.whole() if extra is not None else None
         if req.kind == "chat":
-            choices.append({"index": i, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
+            message = {"role": "assistant", "content": text}
+            if req.tools is not None and req.tools.calls_expected:
+                content, calls = parse_calls(text, req.tools)
+                if calls:
+                    message = {"role": "assistant", "content": content, "tool_calls": message_calls(calls)}
+                    finish = "tool_calls" if finish == "stop" else finish
+            choices.append({"index": i, "message": message, "logprobs": logprobs,
                             "finish_reason": finish})
         else:
             choices.append({"index": i, "text": extra.with_echo(text) if extra else text,
@@ -405,6 +438,12 @@ def chunk(req: ApiRequest, rid: str, created: int, text: str | None, finish: str
         if req.continuous_usage:
             out["usage"] = usage(len(req.prompts[index // req.n].prompt_ids), num_tokens)
     return out
+
+
+def tool_chunk(req: ApiRequest, rid: str, created: int, deltas: list[dict]) -> dict:
+    """A streamed event of tool call deltas (chat's one choice)."""
+    return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": req.model,
+            "choices": [{"index": 0, "delta": {"tool_calls": deltas}, "logprobs": None, "finish_reason": None}]}
 
 
 def usage_chunk(req: ApiRequest, rid: str, created: int, counts: list[tuple[int, int]]) -> dict:

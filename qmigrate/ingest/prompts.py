@@ -29,6 +29,10 @@ JSONL input: one object per line with the keys
     logprobs        integer from 0 to 20: each generated token's logprob and that many likeliest
                     alternatives' (vLLM's; the final record's "logprobs")
     prompt_logprobs integer from 0 to 20: the same for each prompt token after the first
+    response_format, structured_outputs
+                    structured output as over HTTP (docs/http.md) (OpenAI's {"type": "json_object"} or
+                    {"type": "json_schema", "json_schema": {"schema", "strict"}}; vLLM's {"json" |
+                    "regex" | "choice" | "grammar": ...}): the output follows the grammar
 Exactly one of prompt / prompt_ids / messages. A line {"cancel": ID} (and nothing else)
 asks to cancel the running request ID. A key given as null takes its default. Stop strings are
 tokenized alone, without special tokens, so a stop string matches only when the model
@@ -52,7 +56,7 @@ from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Literal
 
-from qmigrate.hub.tokenizer_info import max_token_chars
+from qmigrate.ingest.chat import CHAT_ROLES, MESSAGE_KEYS, check_chars, encode_chat  # noqa: F401 -- theirs
 from qmigrate.wire import protocol as P
 from qmigrate.wire import codec
 
@@ -62,10 +66,8 @@ KEYS = frozenset(
     ["id", "prompt", "prompt_ids", "messages", "max_new_tokens", "temperature", "top_p",
      "top_k", "seed", "stop", "ignore_eos", "min_tokens", "cache_salt", "presence_penalty",
      "frequency_penalty", "repetition_penalty", "min_p", "logit_bias", "stop_token_ids", "logprobs",
-     "prompt_logprobs"]
+     "prompt_logprobs", "response_format", "structured_outputs", "tools"]
 )
-CHAT_ROLES = frozenset(["system", "user", "assistant", "developer", "tool"])
-MESSAGE_KEYS = frozenset(["role", "content", "name"])
 
 
 @dataclass(slots=True)
@@ -90,6 +92,7 @@ class Prompt:
     stop_token_ids: list[int] = field(default_factory=list)   # end the output as EOS does
     num_logprobs: int = -1          # >= 0: each token's logprob with this many alternatives
     num_prompt_logprobs: int = -1   # >= 0: the prompt's too
+    grammar: str = ""         # structured output: a grammar text (hub/grammars.py); "" none
 
 
 @dataclass(slots=True, frozen=True)
@@ -98,6 +101,8 @@ class Defaults:
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0
+    structured_output_compile_timeout_s: float = 5.0
+
 
 
 @dataclass(slots=True, frozen=True)
@@ -172,7 +177,7 @@ def to_spec(prompt: Prompt, seq_id: int, seed: int, eos_ids: Collection[int]) ->
                      frequency_penalty=prompt.frequency_penalty, repetition_penalty=prompt.repetition_penalty,
                      min_p=prompt.min_p, bias_ids=list(prompt.logit_bias),
                      bias_values=list(prompt.logit_bias.values()), num_logprobs=prompt.num_logprobs,
-                     num_prompt_logprobs=prompt.num_prompt_logprobs)
+                     num_prompt_logprobs=prompt.num_prompt_logprobs, grammar=prompt.grammar)
 
 
 def seed_of(prompt: Prompt, rng) -> int:
@@ -350,8 +355,11 @@ def parse_request(
         check_chars(len(text), tokenizer, max_context, lambda message: fail(message, "prompt"))
         prompt_ids = _encode_prompt(text, tokenizer, eos_ids)
     elif "messages" in obj:
+        tools = obj.get("tools")
+        if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
+            fail("'tools' must be a list of tool objects", "tools")
         prompt_ids = encode_chat(obj["messages"], tokenizer, lambda message: fail(message, "messages"),
-                                 max_context=max_context)
+                                 max_context=max_context, tools=tools)
     else:
         prompt_ids = _check_ids(obj["prompt_ids"], "prompt_ids", vocab_size, fail)
 
@@ -404,64 +412,44 @@ def parse_request(
         if value != -1 and (not _is_int(value) or not 0 <= value <= P.MAX_LOGPROBS):
             fail(f"'{name}' must be an integer from 0 to {P.MAX_LOGPROBS}", name)
         logprobs[f"num_{name}"] = value
+    grammar = _parse_grammar(obj, fail)
+    if grammar and ignore_eos:
+        fail("'ignore_eos' cannot be combined with structured output: the grammar's end is an EOS", "ignore_eos")
+    if grammar and min_tokens:
+        fail("'min_tokens' cannot be combined with structured output: the grammar decides the length",
+             "min_tokens")
 
     prompt = _fit(Prompt(req_id, prompt_ids, max_new_tokens, float(temperature), float(top_p),
                          top_k, seed, stop_ids, ignore_eos=ignore_eos, min_tokens=min_tokens,
                          cache_salt=cache_salt, logit_bias=logit_bias, stop_token_ids=stop_token_ids,
-                         **penalties, **logprobs), max_context)
+                         grammar=grammar, **penalties, **logprobs), max_context)
     prompt.min_tokens = min(prompt.min_tokens, prompt.max_new_tokens)  # after a clamp to the context
     return check_prompt(prompt, eos_ids)
 
 
+def _parse_grammar(obj: dict, fail) -> str:
+    """The request's structured output as a grammar text ("" for none), its syntax checked
+    (compiling it against the tokenizer, which takes time, is `grammars.Compiler`'s)."""
+    from qmigrate.hub import grammars
+    if "response_format" in obj and "structured_outputs" in obj:
+        fail("give one of 'response_format' and 'structured_outputs'", "structured_outputs")
+    try:
+        if "structured_outputs" in obj:
+            grammar, param = grammars.from_structured_outputs(obj["structured_outputs"])
+        elif "response_format" in obj:
+            grammar, param = grammars.from_response_format(obj["response_format"])
+        else:
+            return ""
+        if grammar:
+            grammars.check_size(grammar, param)
+            grammars.check_syntax(grammar, param)
+    except grammars.GrammarError as exc:
+        fail(str(exc), exc.param)
+    return grammar
+
+
 def _raise(req_id: str, message: str, param: str | None = None):
     raise PromptError(req_id, message, param)
-
-
-def check_chars(num_chars: int, tokenizer, max_context: int, fail) -> None:
-    """Refuse a text that is surely longer than the context before tokenizing it: a prompt
-    near the body limit costs a tokenizer most of a second and hundreds of MiB."""
-    per_token = max_token_chars(tokenizer)
-    if num_chars > max_context * per_token:
-        fail(f"prompt is at least {-(-num_chars // per_token)} tokens ({num_chars} characters, at most "
-             f"{per_token} a token); the model's context is {max_context}")
-
-
-def encode_chat(messages, tokenizer, fail, add_generation_prompt: bool = True,
-                max_context: int | None = None) -> list[int]:
-    """Token ids of a conversation through the model's chat template, the assistant's turn
-    opened (unless not `add_generation_prompt`). The template writes any special tokens
-    itself (BOS included), so none are added. With `max_context`, messages whose text alone
-    is surely longer are refused untokenized."""
-    if not isinstance(messages, list) or not messages:
-        fail("'messages' must be a non-empty list of {\"role\", \"content\"} objects")
-    turns = []
-    for i, msg in enumerate(messages):
-        if not isinstance(msg, dict):
-            fail(f"'messages[{i}]' must be an object with 'role' and 'content'")
-        unknown = sorted(set(msg) - MESSAGE_KEYS)
-        if unknown:
-            fail(f"'messages[{i}]' has an unsupported key {unknown[0]!r}")
-        role, content = msg.get("role"), msg.get("content")
-        if role not in CHAT_ROLES:
-            fail(f"'messages[{i}].role' must be one of {', '.join(sorted(CHAT_ROLES))}")
-        if isinstance(content, list):  # OpenAI's content parts; text parts only
-            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
-                       for p in content):
-                fail(f"'messages[{i}].content': only text parts ({{\"type\": \"text\", \"text\": ...}}) are supported")
-            content = "".join(p["text"] for p in content)
-        if not isinstance(content, str):
-            fail(f"'messages[{i}].content' must be a string")
-        turns.append({"role": role, "content": content})
-    if not getattr(tokenizer, "chat_template", None):
-        fail("this model has no chat template; send a plain prompt instead of messages")
-    if max_context is not None:  # the template only adds text
-        check_chars(sum(len(turn["content"]) for turn in turns), tokenizer, max_context, fail)
-    try:
-        text = tokenizer.apply_chat_template(turns, tokenize=False,
-                                             add_generation_prompt=add_generation_prompt)
-    except Exception as exc:  # noqa: BLE001 -- a template may raise anything (jinja, raise_exception)
-        fail(f"the chat template refused these messages: {exc}")
-    return list(tokenizer.encode(text, add_special_tokens=False))
 
 
 def _encode_prompt(text: str, tokenizer, eos_ids: Collection[int]) -> list[int]:

@@ -195,6 +195,7 @@ class SeqSpec:
     # Logprobs (engine/logprobs.py): >= 0 asks for them with that many alternatives; -1: none
     num_logprobs: int = -1          # of every generated token
     num_prompt_logprobs: int = -1   # of the prompt's tokens, once, with the first generated token
+    grammar: str = ""         # structured output: an llguidance grammar text (hub/grammars.py); "" none
 
     @property
     def ids(self) -> np.ndarray:

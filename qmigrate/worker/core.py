@@ -24,6 +24,7 @@ import torch
 
 from qmigrate.wire import protocol as P
 from qmigrate.engine.controls import Controls
+from qmigrate.hub.grammars import GrammarError
 from qmigrate.engine.kv.pool import landed
 from qmigrate.engine.rows import REFUSED, StepRow
 from qmigrate.engine.engine import Engine
@@ -297,11 +298,24 @@ class WorkerCore:
                 return ERROR
             if length > self.engine.max_len:
                 return ERROR
+            matcher = None
+            if spec.grammar:   # compiled on a pool thread (cached by grammar); the step never waits for it
+                try:
+                    matcher = self.engine.grammars.ready(spec.grammar, spec.eos_ids)
+                except GrammarError as exc:
+                    log.warning("sequence %d: %s", sid, exc)
+                    return ERROR
+                if matcher is None:   # still compiling: the router leases it again (with its full form)
+                    return Finish.NEED_IDS
             state = self.seqs[sid] = SeqState.from_spec(spec, ids)
             self.filling.pop(sid, None)
             start = self._take_transfer(spec, length, protect)
             # after the transfer, which may release the sequence here (and its controls with it)
             self.engine.set_controls(sid, Controls.of_spec(spec), ids, spec.prompt_len)
+            if matcher is not None and not self.engine.set_grammar(sid, matcher, spec.eos_ids,
+                                                                   ids[spec.prompt_len:]):
+                self.drop([sid])
+                return ERROR
             new = ids[start:].tolist()
         elif sid in self.filling and (state := self.seqs.get(sid)) is not None \
                 and length in (P.CONTINUE, len(self.filling[sid][0])):

@@ -67,6 +67,7 @@ class Worker:
                                   load_format=topo.model.load_format)
             engine = Engine(model, self.cfg.engine_config())
         self.core = WorkerCore(engine)
+        engine.grammars.compiler = grammar_compiler(topo, engine.shape.vocab_size, prepare=device.startswith("cuda"))
         self.trace = self.core.trace = tracer(f"worker-{name}", topo.trace_dir)
         flush_on_sigterm(self.trace)
         self.core.engine.warm_up()
@@ -387,3 +388,16 @@ def _serve(topo, name: str) -> None:
         raise worker.ranks.failed(exc) from None
     finally:
         worker.trace.flush()   # the stretch since the last heartbeat
+
+
+def grammar_compiler(topo, vocab_size: int, prepare: bool = False):
+    """Structured output's compiler for this worker: the model's tokenizer, loaded on first use
+    or, with `prepare` (a GPU worker: a step must not wait for it), on a pool thread now."""
+    from qmigrate.hub.grammars import Compiler
+    from qmigrate.hub.tokenizer_info import load_tokenizer_info
+    path, trust = resolve_model(topo.model.path), topo.model.trust_remote_code
+    compiler = Compiler(lambda: load_tokenizer_info(path, trust)[0], vocab_size,
+                        topo.defaults.structured_output_compile_timeout_s)
+    if prepare:
+        compiler.pool.submit(lambda: compiler.tokenizer(load_tokenizer_info(path, trust)[2]))
+    return compiler

@@ -1,0 +1,109 @@
+"""The two grammar libraries side by side on the CPU: a JSON schema's compile time and the
+per-token mask time over SmolLM2's 49,152-token vocabulary, following a valid document.
+
+    python -m benchmarks.grammar_libs [--model smollm2] [--repeat 3]
+
+Prints one table (milliseconds). Needs `llguidance` and, for its column, `xgrammar`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 40},
+        "age": {"type": "integer", "minimum": 0, "maximum": 150},
+        "email": {"type": "string", "pattern": "^[a-z0-9.]+@[a-z0-9]+\\.[a-z]{2,4}$"},
+        "role": {"enum": ["admin", "user", "guest"]},
+        "tags": {"type": "array", "items": {"type": "string"}, "maxItems": 5},
+        "address": {"type": "object", "properties": {"street": {"type": "string"}, "city": {"type": "string"},
+                                                     "zip": {"type": "string", "pattern": "^[0-9]{5}$"}},
+                    "required": ["street", "city", "zip"], "additionalProperties": False},
+        "active": {"type": "boolean"},
+    },
+    "required": ["name", "age", "email", "role", "tags", "address", "active"],
+    "additionalProperties": False,
+}
+DOCUMENT = {"name": "Ada Lovelace", "age": 36, "email": "ada@example.org", "role": "admin",
+            "tags": ["math", "engines", "poetry"],
+            "address": {"street": "12 St James's Square", "city": "London", "zip": "01234"}, "active": True}
+
+
+def _ms(t0: float) -> float:
+    return (time.perf_counter() - t0) * 1e3
+
+
+def llguidance_times(tok, ids: list[int], repeat: int) -> dict[str, float]:
+    import llguidance
+    import llguidance.hf
+    import llguidance.torch
+    t0 = time.perf_counter()
+    lltok = llguidance.hf.from_tokenizer(tok, n_vocab=len(tok))
+    wrap = _ms(t0)
+    grammar = llguidance.grammar_from("json_schema", json.dumps(SCHEMA))
+    compiles, masks = [], []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        m = llguidance.LLMatcher(lltok, grammar)
+        bitmask = llguidance.torch.allocate_token_bitmask(1, lltok.vocab_size)
+        llguidance.torch.fill_next_token_bitmask(m, bitmask, 0)   # the first mask is part of the start
+        compiles.append(_ms(t0))
+        assert not m.is_error(), m.get_error()
+        m.consume_token(ids[0])
+        t0 = time.perf_counter()
+        for t in ids[1:]:
+            llguidance.torch.fill_next_token_bitmask(m, bitmask, 0)
+            assert m.consume_token(t), m.get_error()
+        masks.append(_ms(t0) / (len(ids) - 1))
+    return {"tokenizer": wrap, "compile": min(compiles), "first": compiles[0], "mask": min(masks)}
+
+
+def xgrammar_times(tok, ids: list[int], repeat: int) -> dict[str, float]:
+    import xgrammar
+    t0 = time.perf_counter()
+    info = xgrammar.TokenizerInfo.from_huggingface(tok, vocab_size=len(tok))
+    wrap = _ms(t0)
+    compiles, masks = [], []
+    for _ in range(repeat):
+        compiler = xgrammar.GrammarCompiler(info, cache_enabled=False)
+        t0 = time.perf_counter()
+        compiled = compiler.compile_json_schema(json.dumps(SCHEMA), any_whitespace=False, separators=(",", ":"))
+        m = xgrammar.GrammarMatcher(compiled)
+        bitmask = xgrammar.allocate_token_bitmask(1, info.vocab_size)
+        m.fill_next_token_bitmask(bitmask)
+        compiles.append(_ms(t0))
+        m.accept_token(ids[0])
+        t0 = time.perf_counter()
+        for t in ids[1:]:
+            m.fill_next_token_bitmask(bitmask)
+            assert m.accept_token(t)
+        masks.append(_ms(t0) / (len(ids) - 1))
+    return {"tokenizer": wrap, "compile": min(compiles), "first": compiles[0], "mask": min(masks)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="smollm2")
+    ap.add_argument("--repeat", type=int, default=3)
+    args = ap.parse_args()
+    from transformers import AutoTokenizer
+    from qmigrate.hub.loading import resolve_model
+    tok = AutoTokenizer.from_pretrained(resolve_model(args.model))
+    ids = tok.encode(json.dumps(DOCUMENT, separators=(",", ":")), add_special_tokens=False)
+    rows = {"llguidance": llguidance_times(tok, ids, args.repeat)}
+    try:
+        rows["xgrammar"] = xgrammar_times(tok, ids, args.repeat)
+    except ImportError:
+        pass
+    print(f"vocabulary {len(tok):,}, document {len(ids)} tokens; ms")
+    print(f"{'library':12} {'tokenizer':>10} {'compile(1st)':>13} {'compile':>9} {'mask/token':>11}")
+    for name, r in rows.items():
+        print(f"{name:12} {r['tokenizer']:10.1f} {r['first']:13.1f} {r['compile']:9.1f} {r['mask']:11.3f}")
+
+
+if __name__ == "__main__":
+    main()

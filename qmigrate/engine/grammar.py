@@ -1,0 +1,150 @@
+"""Structured output in the step: a grammar matcher per constrained sequence, and each step's
+token mask for the rows that have one.
+
+A sequence's matcher is rebuilt from what travels with it, never kept from one worker's past:
+when a worker takes the full form it compiles the grammar (`hub.grammars.Compiler`: a pool
+thread, cached by grammar; the worker hands the sequence back until it is ready) and replays the sequence's generated ids through a fresh matcher.
+After that the matcher follows the tokens the steps sample, as `Engine.collect` hands them
+over; a step that asks for generated token i of a sequence whose matcher has consumed more
+(a step the router dropped) rolls it back first. So recompute, KV transfer and a step that ran
+twice all find the same grammar state, and the same mask.
+
+The mask is computed on the host while the device runs the step's forward pass (the step is
+queued before `masks` is called), into a pinned buffer of packed bits (one int32 per 32
+tokens, llguidance's layout), and applied on the device as one masked fill of the constrained
+rows. Rows without a grammar pay nothing; a step with no constrained row does no work here.
+EOS is in a row's mask only where its grammar accepts.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import torch
+
+log = logging.getLogger(__name__)
+
+
+class GrammarTable:
+    """The matchers of the constrained sequences a worker holds."""
+
+    def __init__(self, vocab_size: int, device) -> None:
+        self.vocab_size, self.device = vocab_size, device
+        self.compiler = None          # hub.grammars.Compiler, set by whoever has the tokenizer
+        self.matchers: dict[int, list] = {}   # seq_id -> [matcher, tokens consumed, EOS ids]
+        self.executor = None
+        self.buffers: list[torch.Tensor] = []  # two pinned bitmasks, used in turn
+        self.turn = 0
+        self.width = 0                # int32 words of a row's mask
+
+    def __bool__(self) -> bool:
+        return bool(self.matchers)
+
+    def matcher(self, grammar: str, eos_ids):
+        """A fresh matcher of `grammar` (GrammarError: it does not compile, or not in time)."""
+        from qmigrate.hub.grammars import GrammarError
+        if self.compiler is None:
+            raise GrammarError("this worker has no tokenizer for structured output")
+        return self.compiler.matcher(grammar, eos_ids)
+
+    def ready(self, grammar: str, eos_ids):
+        """A fresh matcher, or None while its grammar compiles on the pool (GrammarError: it
+        does not compile, or not in time)."""
+        from qmigrate.hub.grammars import GrammarError
+        if self.compiler is None:
+            raise GrammarError("this worker has no tokenizer for structured output")
+        return self.compiler.ready(grammar, eos_ids)
+
+    def set(self, seq_id: int, matcher, eos_ids, generated) -> bool:
+        """Take a sequence's fresh matcher and replay its generated ids; False when they do not
+        follow the grammar (the sequence cannot go on under it)."""
+        self.forget(seq_id)
+        generated = [int(t) for t in generated]
+        if generated and not matcher.consume_tokens(generated):
+            log.warning("sequence %d: its %d generated ids do not follow its grammar: %s", seq_id,
+                        len(generated), matcher.get_error())
+            return False
+        self.matchers[seq_id] = [matcher, len(generated), sorted(eos_ids)]
+        self.width = self.width or self.compiler.mask_words(eos_ids)
+        return True
+
+    def forget(self, seq_id: int) -> None:
+        self.matchers.pop(seq_id, None)
+
+    def _at(self, entry: list, index: int) -> bool:
+        """Bring a matcher back to `index` tokens consumed; False when it has fewer."""
+        if entry[1] > index:
+            entry[0].rollback(entry[1] - index)
+            entry[1] = index
+        return entry[1] == index
+
+    def lags(self, seq_ids, index) -> bool:
+        """Whether a constrained row samples past what its matcher has consumed (its last token
+        is still on the device)."""
+        matchers = self.matchers
+        return any(s in matchers and matchers[s][1] < i for s, i in zip(seq_ids, np.asarray(index).tolist()))
+
+    def note(self, seq_ids, index, tokens, partial=frozenset()) -> None:
+        """The tokens a step sampled: row k's is generated token index[k] of seq_ids[k]."""
+        matchers = self.matchers
+        for s, i, t in zip(seq_ids, np.asarray(index).tolist(), tokens):
+            entry = matchers.get(s)
+            if entry is None or s in partial or not self._at(entry, i):
+                continue
+            if entry[0].consume_token(int(t)):
+                entry[1] += 1
+            else:
+                log.warning("sequence %d: token %d does not follow its grammar: %s", s, t, entry[0].get_error())
+
+    def masks(self, seq_ids, index) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(rows, packed bits) of a step's constrained rows, on the device; None when it has none."""
+        import llguidance
+        import llguidance.torch as llt
+        matchers = self.matchers
+        index = np.asarray(index).tolist()
+        rows = [k for k, s in enumerate(seq_ids) if s in matchers]
+        if not rows:
+            return None
+        bits = self._buffer(len(rows))
+        pairs = []
+        for j, k in enumerate(rows):
+            entry = matchers[seq_ids[k]]
+            if not self._at(entry, index[k]):
+                log.warning("sequence %d: its grammar is %d tokens behind; only EOS is allowed",
+                            seq_ids[k], index[k] - entry[1])
+                bits[j] = 0
+                continue
+            pairs.append((entry[0], j))
+        if len(pairs) > 1:
+            if self.executor is None:
+                self.executor = llguidance.LLExecutor()
+            llt.fill_next_token_bitmask_par(self.executor, pairs, bits)
+        elif pairs:
+            llt.fill_next_token_bitmask(pairs[0][0], bits, pairs[0][1])
+        host = bits.numpy().view(np.uint32)
+        for j in np.flatnonzero(~host.any(axis=1)).tolist():   # nothing allowed (ended, or lost): EOS
+            for t in matchers[seq_ids[rows[j]]][2]:
+                host[j, t >> 5] |= np.uint32(1 << (t & 31))
+        dev_rows = torch.tensor(rows, dtype=torch.int64).to(self.device, non_blocking=True)
+        return dev_rows, bits.to(self.device, non_blocking=True)
+
+    def _buffer(self, num_rows: int) -> torch.Tensor:
+        width = self.width
+        pinned = self.device.type == "cuda"
+        self.turn ^= 1
+        while len(self.buffers) < 2:
+            self.buffers.append(torch.empty(0, width, dtype=torch.int32))
+        buf = self.buffers[self.turn]
+        if buf.shape[0] < num_rows or buf.shape[1] != width:
+            buf = self.buffers[self.turn] = torch.empty(max(num_rows, 2 * buf.shape[0]), width, dtype=torch.int32,
+                                                        pin_memory=pinned)
+        return buf[:num_rows]
+
+
+def apply_masks(logits: torch.Tensor, rows: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
+    """logits [B, V] with every token a constrained row's grammar forbids at -inf (in place)."""
+    shifts = torch.arange(32, device=bits.device, dtype=torch.int32)
+    allowed = ((bits[:, :, None] >> shifts) & 1).bool().reshape(bits.shape[0], -1)[:, :logits.shape[1]]
+    logits[rows] = logits[rows].masked_fill(~allowed, float("-inf"))
+    return logits

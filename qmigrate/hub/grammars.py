@@ -1,0 +1,230 @@
+"""Structured output's grammars, importable without the engine: a request's constraint
+(`response_format`, vLLM's `structured_outputs`) as one grammar text, and that text compiled
+against a tokenizer off the caller's thread, within a time limit.
+
+The library is llguidance (docs/http.md, "Structured output", has the measurement behind the
+choice): a grammar text is its serialized form, so what travels in a `SeqSpec` is plain data
+that any worker compiles again. JSON schemas are compiled compact (no free whitespace: a small
+model under a grammar that allows whitespace anywhere can spend its tokens on it) with
+OpenAI's separators; `strict` refuses schema keywords the library does not enforce, where
+non-strict ignores them.
+
+Compiling builds the grammar's lexer over the tokenizer's vocabulary: milliseconds for
+ordinary schemas, more for huge ones. `Compiler.matcher` builds on a small thread pool and
+caches a template matcher per (grammar, EOS ids), copied for each sequence; past its
+deadline the caller gets `GrammarError` and the build is dropped when it ends.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import threading
+import time
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+
+MAX_GRAMMAR_CHARS = 1 << 16     # a grammar text travels in one SeqSpec string field
+MAX_CHOICES = 1024              # strings of a `choice`
+CACHED_TEMPLATES = 64           # compiled grammars a process keeps
+FORMATS = ("json", "regex", "choice", "grammar")   # vLLM's structured_outputs keys we take
+
+
+class GrammarError(ValueError):
+    """A constraint that does not compile (or not in time); its message names the field."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+def _json_schema_grammar(schema, strict: bool, param: str) -> str:
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except json.JSONDecodeError as exc:
+            raise GrammarError(f"'{param}' is not valid JSON: {exc}", param) from None
+    if not isinstance(schema, (dict, bool)):
+        raise GrammarError(f"'{param}' must be a JSON schema (an object)", param)
+    options = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": ",
+               "lenient": not strict}
+    if isinstance(schema, dict) and isinstance(schema.get("x-guidance"), dict):
+        options.update(schema["x-guidance"])
+    body = dict(schema, **{"x-guidance": options}) if isinstance(schema, dict) else schema
+    return json.dumps({"grammars": [{"json_schema": body}]}, separators=(",", ":"))
+
+
+def from_response_format(value) -> tuple[str, str]:
+    """OpenAI's `response_format` as (grammar text, the field it came from); "" for plain text."""
+    param = "response_format"
+    if not isinstance(value, dict) or not isinstance(value.get("type"), str):
+        raise GrammarError("'response_format' must be {\"type\": \"text\" | \"json_object\" | \"json_schema\", ...}",
+                           param)
+    kind = value["type"]
+    if kind == "text":
+        return "", param
+    if kind == "json_object":
+        return _json_schema_grammar({"type": "object"}, False, param), param
+    if kind == "json_schema":
+        spec = value.get("json_schema")
+        if not isinstance(spec, dict) or "schema" not in spec and "json_schema" not in spec:
+            raise GrammarError("'response_format.json_schema' must be {\"name\", \"schema\", \"strict\"}",
+                               "response_format.json_schema")
+        strict = spec.get("strict") or False
+        if not isinstance(strict, bool):
+            raise GrammarError("'response_format.json_schema.strict' must be a boolean",
+                               "response_format.json_schema.strict")
+        schema = spec.get("schema", spec.get("json_schema"))
+        where = "response_format.json_schema.schema"
+        return _json_schema_grammar(schema, strict, where), where
+    raise GrammarError(f"'response_format.type' must be text, json_object or json_schema, got {kind!r}",
+                       "response_format.type")
+
+
+def from_structured_outputs(value) -> tuple[str, str]:
+    """vLLM's `structured_outputs`: exactly one of `json` (a schema), `regex`, `choice` (a list of
+    strings), `grammar` (EBNF: GBNF or Lark, as llguidance reads it), as (grammar text, the field);
+    "" for none."""
+    param = "structured_outputs"
+    if not isinstance(value, dict):
+        raise GrammarError("'structured_outputs' must be an object with one of json, regex, choice, grammar", param)
+    given = {k: v for k, v in value.items() if v is not None and k in FORMATS}
+    unknown = sorted(k for k, v in value.items() if v is not None and k not in FORMATS
+                     and k not in ("disable_any_whitespace", "whitespace_pattern"))
+    if unknown:
+        raise GrammarError(f"'structured_outputs.{unknown[0]}' is not supported (one of {', '.join(FORMATS)})",
+                           f"structured_outputs.{unknown[0]}")
+    if len(given) > 1:
+        raise GrammarError("'structured_outputs' takes one of json, regex, choice, grammar", param)
+    if not given:
+        return "", param
+    (kind, text), = given.items()
+    where = f"structured_outputs.{kind}"
+    if kind == "json":
+        return _json_schema_grammar(text, False, where), where
+    if kind == "choice":
+        if not isinstance(text, list) or not text or len(text) > MAX_CHOICES \
+                or not all(isinstance(c, str) and c for c in text):
+            raise GrammarError(f"'{where}' must be a list of 1 to {MAX_CHOICES} non-empty strings", where)
+        return _from("choice", json.dumps(text), where), where
+    if not isinstance(text, str) or not text:
+        raise GrammarError(f"'{where}' must be a non-empty string", where)
+    return _from("regex" if kind == "regex" else "grammar", text, where), where
+
+
+def _from(fmt: str, text: str, param: str) -> str:
+    import llguidance
+    try:
+        return llguidance.grammar_from(fmt, text)
+    except Exception as exc:  # noqa: BLE001 -- the library's message, for the client
+        raise GrammarError(f"'{param}' does not compile: {exc}", param) from None
+
+
+def check_size(grammar: str, param: str) -> None:
+    if len(grammar) > MAX_GRAMMAR_CHARS:
+        raise GrammarError(f"'{param}' is too large: {len(grammar)} characters compiled, at most "
+                           f"{MAX_GRAMMAR_CHARS}", param)
+
+
+def check_syntax(grammar: str, param: str) -> None:
+    """The grammar's own errors (a bad regex, an unsupported schema keyword under `strict`),
+    found without the tokenizer: quick (a few ms for a large schema, once per grammar), so done
+    where the request is parsed."""
+    error = _syntax_error(grammar)
+    if error:
+        raise GrammarError(f"'{param}' does not compile: {error}", param)
+
+
+@functools.lru_cache(maxsize=CACHED_TEMPLATES)
+def _syntax_error(grammar: str) -> str:
+    import llguidance
+    is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar)
+    return (messages[0] if messages else "invalid grammar") if is_error else ""
+
+
+class Compiler:
+    """Grammars compiled against one tokenizer, off the caller's thread, cached by key."""
+
+    def __init__(self, load_tokenizer, vocab_size: int, timeout_s: float, threads: int = 2) -> None:
+        """`load_tokenizer()`: a transformers tokenizer of the model, called once on the pool
+        (a fast tokenizer is not shared between threads); `vocab_size`: the model's logits."""
+        self.load_tokenizer, self.vocab_size, self.timeout_s = load_tokenizer, vocab_size, timeout_s
+        self.pool = ThreadPoolExecutor(threads, thread_name_prefix="grammar")
+        self.lock = threading.Lock()
+        self.tokenizers: dict[tuple[int, ...], Future] = {}
+        self.templates: OrderedDict[tuple, Future] = OrderedDict()
+        self.started: dict[tuple, float] = {}   # when each compile still running began
+
+    def _tokenizer(self, eos_ids: tuple[int, ...]):
+        import llguidance.hf
+        hf_tokenizer = self.load_tokenizer()
+        size = max(self.vocab_size, len(hf_tokenizer))
+        return llguidance.hf.from_tokenizer(hf_tokenizer, n_vocab=size, eos_token=list(eos_ids) or None)
+
+    def _build(self, grammar: str, tokenizer_future: Future):
+        import llguidance
+        matcher = llguidance.LLMatcher(tokenizer_future.result(), grammar, log_level=0)
+        if matcher.is_error():
+            raise GrammarError(f"the grammar does not compile: {matcher.get_error()}")
+        return matcher
+
+    def tokenizer(self, eos_ids) -> Future:
+        """The library's tokenizer (built once, in about half a second: the time limit counts
+        from when it is there, so that the first grammar a process sees is not refused for it)."""
+        eos = tuple(sorted(eos_ids))
+        with self.lock:
+            tok = self.tokenizers.get(eos)
+            if tok is None:
+                tok = self.tokenizers[eos] = self.pool.submit(self._tokenizer, eos)
+        return tok
+
+    def start(self, grammar: str, eos_ids) -> Future:
+        """The template matcher of `grammar` (a future: compiling may still run)."""
+        eos = tuple(sorted(eos_ids))
+        tok = self.tokenizer(eos)
+        with self.lock:
+            key = (grammar, eos)
+            future = self.templates.get(key)
+            if future is None or (future.done() and future.exception() is not None):
+                future = self.templates[key] = self.pool.submit(self._build, grammar, tok)
+            self.templates.move_to_end(key)
+            while len(self.templates) > CACHED_TEMPLATES:
+                self.templates.popitem(last=False)
+        return future
+
+    def mask_words(self, eos_ids) -> int:
+        """int32 words of one row's token mask (32 tokens each)."""
+        with self.lock:
+            tok = self.tokenizers.get(tuple(sorted(eos_ids)))
+        return -(-tok.result().vocab_size // 32)
+
+    def ready(self, grammar: str, eos_ids):
+        """A fresh matcher if `grammar` is compiled, None while it compiles (never waits);
+        GrammarError when it failed or has run past the time limit."""
+        key = (grammar, tuple(sorted(eos_ids)))
+        if not self.tokenizer(eos_ids).done():
+            return None
+        future = self.start(grammar, eos_ids)
+        if not future.done():
+            began = self.started.setdefault(key, time.monotonic())
+            if time.monotonic() - began > self.timeout_s:
+                raise GrammarError(f"the grammar did not compile within {self.timeout_s:g} s "
+                                   "(structured_output_compile_timeout_s)")
+            return None
+        self.started.pop(key, None)
+        return future.result().deep_copy()
+
+    def matcher(self, grammar: str, eos_ids, timeout_s: float | None = None, param: str | None = None):
+        """A fresh matcher at the grammar's start; GrammarError when it does not compile in time."""
+        self.tokenizer(eos_ids).result()
+        future = self.start(grammar, eos_ids)
+        limit = self.timeout_s if timeout_s is None else timeout_s
+        try:
+            template = future.result(timeout=limit)
+        except FutureTimeout:
+            raise GrammarError(f"the grammar did not compile within {limit:g} s "
+                               "(structured_output_compile_timeout_s)", param) from None
+        except GrammarError as exc:
+            raise GrammarError(str(exc), param) from None
+        return template.deep_copy()

@@ -1,0 +1,282 @@
+"""Structured output: the intake's forms and refusals, a worker's grammar state across a
+migration (recompute and KV transfer), and the official client's requests on a random-weight
+model, whose output is valid only because the grammar makes it so."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import jsonschema
+import pytest
+
+from qmigrate.hub import grammars
+from qmigrate.hub.builders import build_tiny_model
+from qmigrate.hub.loading import load_model
+from qmigrate.hub.tokenizer_info import load_tokenizer_info
+from qmigrate.ingest.prompts import PromptError, parse_request
+from qmigrate.wire import protocol as P
+
+SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", "count", "ok", "tags"],
+          "properties": {"name": {"type": "string", "maxLength": 6},
+                         "count": {"type": "integer", "minimum": 0, "maximum": 99},
+                         "ok": {"type": "boolean"}, "kind": {"enum": ["a", "bb", "ccc"]},
+                         "tags": {"type": "array", "items": {"enum": ["x", "y"]}, "maxItems": 3}}}
+RESPONSE_FORMAT = {"type": "json_schema", "json_schema": {"name": "thing", "schema": SCHEMA, "strict": True}}
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    path = build_tiny_model(tmp_path_factory.mktemp("structured-model") / "tiny")
+    tokenizer, _, eos_ids = load_tokenizer_info(path)
+    return path, load_model(path, "cpu")[0], tokenizer, eos_ids
+
+
+# --- the intake -------------------------------------------------------------------------------
+
+def _parse(tiny, **fields):
+    _, _, tokenizer, eos_ids = tiny
+    return parse_request({"prompt": "hello", **fields}, "r", tokenizer=tokenizer, max_context=256, eos_ids=eos_ids)
+
+
+def test_every_form_becomes_a_grammar_and_plain_text_none(tiny):
+    assert _parse(tiny, response_format={"type": "text"}).grammar == ""
+    assert _parse(tiny).grammar == ""
+    forms = [{"response_format": {"type": "json_object"}}, {"response_format": RESPONSE_FORMAT},
+             {"structured_outputs": {"json": SCHEMA}}, {"structured_outputs": {"json": json.dumps(SCHEMA)}},
+             {"structured_outputs": {"regex": "[a-c]{2,4}"}}, {"structured_outputs": {"choice": ["yes", "no"]}},
+             {"structured_outputs": {"grammar": 'root ::= "x" [0-9]+'}}]
+    texts = [_parse(tiny, **form).grammar for form in forms]
+    assert all(texts) and len(set(texts)) == len(texts) - 1   # the schema as an object or a string: one grammar
+
+
+@pytest.mark.parametrize("fields, param", [
+    ({"structured_outputs": {"regex": "[a-"}}, "structured_outputs.regex"),
+    ({"structured_outputs": {"choice": []}}, "structured_outputs.choice"),
+    ({"structured_outputs": {"json": "{not json"}}, "structured_outputs.json"),
+    ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs"),
+    ({"structured_outputs": {"xml": "a"}}, "structured_outputs.xml"),
+    ({"structured_outputs": {"grammar": "root ::= missing"}}, "structured_outputs.grammar"),
+    ({"response_format": {"type": "yaml"}}, "response_format.type"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "strict": True,
+                                                                 "schema": {"type": "string", "format": "nope"}}}},
+     "response_format.json_schema.schema"),
+    ({"response_format": {"type": "json_object"}, "ignore_eos": True}, "ignore_eos"),
+    ({"response_format": {"type": "json_object"}, "min_tokens": 3}, "min_tokens"),
+])
+def test_a_constraint_that_cannot_run_is_refused_naming_its_field(tiny, fields, param):
+    with pytest.raises(PromptError) as err:
+        _parse(tiny, **fields)
+    assert err.value.param == param, err.value.message
+
+
+class StuckCompiler(grammars.Compiler):
+    """Its grammars compile only once `release` is set (the tokenizer is ready at once)."""
+
+    def __init__(self, *args, **kw) -> None:
+        import threading
+        super().__init__(*args, **kw)
+        self.release = threading.Event()
+
+    def _build(self, grammar, tokenizer_future):
+        self.release.wait(60)
+        return super()._build(grammar, tokenizer_future)
+
+
+def test_a_grammar_past_the_time_limit_is_refused_and_a_good_one_compiles(tiny):
+    path, _, tokenizer, eos_ids = tiny
+    grammar = _parse(tiny, response_format=RESPONSE_FORMAT).grammar
+    slow = StuckCompiler(lambda: tokenizer, len(tokenizer), 0.05)
+    try:
+        with pytest.raises(grammars.GrammarError, match="did not compile within"):
+            slow.matcher(grammar, eos_ids)
+    finally:
+        slow.release.set()
+    fine = grammars.Compiler(lambda: tokenizer, len(tokenizer), 60.0)
+    assert not fine.matcher(grammar, eos_ids).is_error()
+
+
+# --- a worker's grammar state, moved -----------------------------------------------------------
+
+def _core(tiny):
+    from qmigrate.engine.engine import Engine
+    from qmigrate.worker.core import WorkerCore
+    _, model, tokenizer, _ = tiny
+    core = WorkerCore(Engine(model, max_model_len=256, max_kv_tokens=4096, runner="hf"))
+    core.engine.grammars.compiler = grammars.Compiler(lambda: tokenizer, model.config.vocab_size, 60.0)
+    return core
+
+
+def _compiled(core, grammar, eos_ids):
+    """The core with `grammar` compiled (a worker answers NEED_IDS until it is)."""
+    core.engine.grammars.compiler.matcher(grammar, eos_ids)
+    return core
+
+
+def test_a_worker_never_waits_for_a_compile_and_fails_one_past_the_limit(tiny):
+    """A sequence whose grammar is still compiling is handed back (NEED_IDS: the router leases
+    it again) without a wait; past the time limit it fails, alone."""
+    import time
+    _, model, tokenizer, eos_ids = tiny
+    core = _core(tiny)
+    stuck = core.engine.grammars.compiler = StuckCompiler(lambda: tokenizer, model.config.vocab_size, 0.05)
+    stuck.tokenizer(eos_ids).result()
+    prompt = [1, 17, 99, 5]
+    spec = P.SeqSpec(1, P.pack_i32(prompt), len(prompt), 20, eos_ids=eos_ids,
+                     grammar=_parse(tiny, structured_outputs={"regex": "[a-z]+"}).grammar)
+    try:
+        assert _run(core, _lease(1, prompt, spec, 4)) == ([], P.Finish.NEED_IDS)
+        time.sleep(0.1)
+        assert _run(core, _lease(2, prompt, spec, 4)) == ([], P.Finish.ERROR)
+    finally:
+        stuck.release.set()
+
+
+def _lease(lease_id, ids, spec, num_steps):
+    return P.Lease(lease_id, lease_id, 30.0, P.pack_i64([1]), P.pack_i32([len(ids)]), P.pack_i32([ids[-1]]),
+                   [spec] if spec is not None else [], b"", num_steps)
+
+
+def _run(core, lease):
+    result, _ = core.run(lease)
+    return P.unpack_i32(result.tokens).tolist(), P.Finish(P.unpack_u8(result.status)[0])
+
+
+@pytest.mark.parametrize("move", [None, "recompute", "transfer"])
+def test_a_sequence_moved_mid_output_keeps_its_grammar_state_and_its_tokens(tiny, move):
+    """Greedy multi-step leases on one worker, or moved after 9 tokens to a fresh worker that
+    only has the ids that travel (and, by transfer, the KV): the same tokens, a document that
+    validates against its schema, where the same prompt unconstrained gives no JSON at all."""
+    _, _, tokenizer, eos_ids = tiny
+    prompt = [1, 17, 99, 5, 42, 17, 250, 7]
+    grammar = _parse(tiny, response_format=RESPONSE_FORMAT).grammar
+    spec = lambda ids, **kw: P.SeqSpec(1, P.pack_i32(ids), len(prompt), 120, eos_ids=eos_ids, grammar=grammar, **kw)
+
+    plain, _ = _run(_core(tiny), _lease(1, prompt, P.SeqSpec(1, P.pack_i32(prompt), len(prompt), 40,
+                                                              eos_ids=eos_ids), 40))
+    core_of = lambda: _compiled(_core(tiny), grammar, eos_ids)
+    with pytest.raises(json.JSONDecodeError):
+        json.loads(tokenizer.decode(plain, skip_special_tokens=True))
+
+    whole, code = _run(core_of(), _lease(1, prompt, spec(prompt), 120))
+    assert code == P.Finish.EOS
+    core = core_of()
+    first, code = _run(core, _lease(1, prompt, spec(prompt), 9))
+    assert code == P.Finish.NONE and first == whole[:9]
+    ids = prompt + first
+    if move is None:
+        rest, code = _run(core, _lease(2, ids, None, 120))
+    else:
+        other = core_of()
+        kw = {}
+        if move == "transfer":
+            other.receive_transfer(7, 1, core.engine.export_kv(1, len(ids) - 1))
+            kw = {"kv_from": "w1", "transfer_id": 7}
+        rest, code = _run(other, _lease(2, ids, spec(ids, **kw), 120))
+        if move == "transfer":
+            assert other.num_kv_imported == 1
+    assert first + rest == whole and code == P.Finish.EOS
+    document = json.loads(tokenizer.decode(whole, skip_special_tokens=True))
+    jsonschema.validate(document, SCHEMA)
+
+
+# --- the official client -----------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def client(http_node):
+    return http_node.client
+
+
+def _chat(client, stream=False, **kw):
+    args = dict(model="tiny", messages=[{"role": "user", "content": "Give me a thing."}], **kw)
+    if not stream:
+        out = client.chat.completions.create(**args)
+        return out.choices[0].message.content, out.choices[0].finish_reason
+    text, reason = "", None
+    for chunk in client.chat.completions.create(stream=True, **args):
+        for choice in chunk.choices:
+            text += choice.delta.content or ""
+            reason = choice.finish_reason or reason
+    return text, reason
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_json_schema_strict_output_validates_streamed_and_not(client, stream):
+    for seed in range(3):
+        text, reason = _chat(client, stream, response_format=RESPONSE_FORMAT, max_tokens=200, temperature=1.0,
+                             seed=seed)
+        assert reason == "stop", text
+        jsonschema.validate(json.loads(text), SCHEMA)
+
+
+def test_json_object_regex_choice_and_grammar_hold_on_both_endpoints(client, tiny_chat_model_dir):
+    # json_object: any object; '}' favoured (the grammar still decides where it may go) so it ends
+    tokenizer = load_tokenizer_info(tiny_chat_model_dir)[0]
+    close = [t for t in range(len(tokenizer)) if tokenizer.decode([t]).startswith("}")]
+    text, reason = _chat(client, response_format={"type": "json_object"}, max_tokens=200,
+                         logit_bias={str(t): 30 for t in close[:50]})
+    assert reason == "stop" and isinstance(json.loads(text), dict), text
+    for seed in range(3):
+        out = client.completions.create(model="tiny", prompt="Code:", max_tokens=40, seed=seed, temperature=1.0,
+                                        extra_body={"structured_outputs": {"regex": "[a-c]{2,5}-[0-9]{3}"}})
+        assert re.fullmatch("[a-c]{2,5}-[0-9]{3}", out.choices[0].text), out.choices[0].text
+        assert out.choices[0].finish_reason == "stop"
+        text, reason = _chat(client, stream=bool(seed % 2), max_tokens=20, seed=seed, temperature=1.0,
+                             extra_body={"structured_outputs": {"choice": ["left", "right", "up or down"]}})
+        assert text in ("left", "right", "up or down") and reason == "stop", text
+        text, reason = _chat(client, max_tokens=30, seed=seed, temperature=1.0, extra_body={
+            "structured_outputs": {"grammar": 'root ::= "n=" digit digit? " " ("ok" | "no")\ndigit ::= [0-9]'}})
+        assert re.fullmatch(r"n=[0-9]{1,2} (ok|no)", text) and reason == "stop", text
+
+
+def test_max_tokens_cuts_a_document_short_as_length(client):
+    text, reason = _chat(client, response_format=RESPONSE_FORMAT, max_tokens=3)
+    assert reason == "length" and text.startswith("{")
+
+
+def test_a_bad_constraint_is_a_400_naming_its_field_and_others_go_on(client):
+    import openai
+    with pytest.raises(openai.BadRequestError) as err:
+        _chat(client, max_tokens=5, extra_body={"structured_outputs": {"regex": "(unclosed"}})
+    assert err.value.body["param"] == "structured_outputs.regex"
+    text, reason = _chat(client, max_tokens=20, extra_body={"structured_outputs": {"choice": ["fine"]}})
+    assert text == "fine" and reason == "stop"
+
+
+def test_eos_is_in_the_mask_only_where_the_grammar_accepts(tiny):
+    from qmigrate.engine.grammar import GrammarTable
+    _, model, tokenizer, eos_ids = tiny
+    table = GrammarTable(model.config.vocab_size, __import__("torch").device("cpu"))
+    table.compiler = grammars.Compiler(lambda: tokenizer, model.config.vocab_size, 60.0)
+    grammar = _parse(tiny, structured_outputs={"regex": "ab(cd)?"}).grammar
+    text_ids = tokenizer.encode("abcd", add_special_tokens=False)
+    table.set(7, table.matcher(grammar, eos_ids), eos_ids, [])
+
+    def eos_allowed(index: int) -> bool:
+        rows, bits = table.masks([7], [index])
+        return bool((int(bits[0, eos_ids[0] >> 5]) >> (eos_ids[0] & 31)) & 1)
+    seen = []
+    for i, t in enumerate(text_ids):
+        seen.append((tokenizer.decode(text_ids[:i]), eos_allowed(i)))
+        table.note([7], [i], [t])
+    seen.append(("abcd", eos_allowed(len(text_ids))))
+    assert dict(seen) == {text: text in ("ab", "abcd") for text, _ in seen}
+    # a step the router dropped: the matcher goes back to where the row stands
+    assert not eos_allowed(0)
+
+
+def test_a_plain_row_beside_a_constrained_one_samples_as_alone(tiny):
+    _, _, tokenizer, eos_ids = tiny
+    grammar = _parse(tiny, structured_outputs={"regex": "[0-9]{20}"}).grammar
+    plain_prompt, prompt = [1, 40, 41, 42], [1, 17, 99, 5]
+    alone, _ = _run(_core(tiny), _lease(1, plain_prompt, P.SeqSpec(1, P.pack_i32(plain_prompt), 4, 12,
+                                                                    eos_ids=eos_ids), 12))
+    core = _compiled(_core(tiny), grammar, eos_ids)
+    specs = [P.SeqSpec(1, P.pack_i32(plain_prompt), 4, 12, eos_ids=eos_ids),
+             P.SeqSpec(2, P.pack_i32(prompt), 4, 12, eos_ids=eos_ids, grammar=grammar)]
+    lease = P.Lease(1, 1, 30.0, P.pack_i64([1, 2]), P.pack_i32([4, 4]), P.pack_i32([42, 5]), specs, b"", 12)
+    result, _ = core.run(lease)
+    counts = P.unpack_i32(result.counts).tolist()
+    tokens = P.unpack_i32(result.tokens).tolist()
+    assert tokens[:counts[0]] == alone
+    assert re.fullmatch("[0-9]+", tokenizer.decode(tokens[counts[0]:], skip_special_tokens=True))
