@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import pytest
+from conftest import stop_group
 
 from benchmarks.four_gpu_report import table
 from benchmarks.four_gpu_lib import drain_effects, saturating_rate, shard_floor_ms
@@ -78,11 +79,18 @@ def test_the_drain_part_end_to_end_on_the_cpu(tmp_path):
     """Two CPU workers of the tiny model under load, one drained mid-run: nothing lost or
     repeated, the drain moved sequences, and the figures came out."""
     out = tmp_path / "out"
-    proc = subprocess.run([sys.executable, "-m", "benchmarks.four_gpu", "drain", "--tiny", "--out", str(out),
-                           "--work", str(tmp_path / "work")], capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    # its own session, stopped with SIGTERM whatever happens: the driver then stops the servers
+    # it started (each in a session of its own, out of reach of a signal to this one)
+    proc = subprocess.Popen([sys.executable, "-m", "benchmarks.four_gpu", "drain", "--tiny", "--out", str(out),
+                             "--work", str(tmp_path / "work")], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=560)
+    finally:
+        stop_group(proc, grace_s=30)
+    assert proc.returncode == 0, stderr[-3000:]
     result = json.loads((out / "four-gpu-drain-tiny.json").read_text())["drain"]
     assert result["lost"] == 0 and result["repeated"] == 0 and result["calls"] >= 8
     assert result["run"]["migrations"].get("drain", 0) > 0 or result["streams_in_flight"] == 0
     assert "drained" in result["router_said"].lower() or "drain" in result["router_said"].lower()
-    assert result["max_pause_s"] is not None and "drain w2 of 2" in proc.stdout
+    assert result["max_pause_s"] is not None and "drain w2 of 2" in stdout

@@ -238,6 +238,7 @@ def test_logprobs_are_the_same_after_a_move_and_equal_transformers(tiny_model_di
                 assert len(entry["top_logprobs"]) == 2
 
 
+@pytest.mark.parametrize("num_workers", list(DRAINED_RUNS))
 def test_structured_outputs_follow_their_grammar_on_one_worker_and_after_a_migration(
         on_one_worker, drained_runs, num_workers):
     """The same structured outputs on one worker and in a drained run (the equality is the
