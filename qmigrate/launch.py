@@ -204,6 +204,10 @@ def run_node(topo: Topology, config_path: Path, node: str, *, read_stdin: bool,
     if (problem := device_problem(topo, node)) is not None:
         print(f"error: {problem}", file=sys.stderr)
         return 2
+    if wait_for_workers:
+        # imported before any role starts: a Ctrl-C that lands mid-import is turned into an
+        # ImportError by zmq's backend loader, and would print a traceback instead of stopping
+        from qmigrate.wire import transport  # noqa: F401
     old = catch_signals()
     children: list[Child] = []
     try:

@@ -94,8 +94,6 @@ class HttpServer:
         # structured outputs' grammars, compiled off both loops (and refused past the time limit)
         self.grammars = Compiler(lambda: load_tokenizer_info(model_path, trust_remote_code)[0],
                                  len(self.tokenizer), defaults.structured_output_compile_timeout_s)
-        if cfg.http_processes > 1:   # GPU hosts' fronts: wrapped before the first structured call needs it
-            self.grammars.tokenizer(self.eos_ids)
         # Bodies are parsed and tokenized on this one thread, the only user of the tokenizer:
         # a long prompt costs its own request time, never the event loop's (/health, streams).
         self.parser = ThreadPoolExecutor(1, thread_name_prefix="http-parse")
