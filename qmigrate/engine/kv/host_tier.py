@@ -26,8 +26,9 @@ from collections import OrderedDict
 import numpy as np
 import torch
 
+from qmigrate.engine.kv.prefix_cache import EventLog
+
 CHUNK_BYTES = 256 << 20     # host memory is allocated in pieces of this size as the tier fills
-MAX_EVENTS = 1 << 16
 
 
 class HostTier:
@@ -48,7 +49,7 @@ class HostTier:
         self.free: list[int] = []
         self.landing: dict[int, object] = {}                # slot -> CUDA event of its copy in flight
         self.stream = torch.cuda.Stream(pool_kv.device) if self.on_device else None
-        self.events: list[int] = []
+        self.events = EventLog()
         self.num_hits = 0          # blocks copied back for a prompt
         self.bytes_in = 0          # copied into this tier
         self.bytes_out = 0         # copied back to the pool
@@ -161,13 +162,10 @@ class HostTier:
 
     # --- reports -----------------------------------------------------------------------------
     def _event(self, key: int) -> None:
-        self.events.append(key)
-        if len(self.events) > 2 * MAX_EVENTS:
-            del self.events[:-MAX_EVENTS]
+        self.events.add(key)
 
     def take_events(self) -> list[int]:
-        out, self.events = self.events, []
-        return out
+        return self.events.take()
 
     def stats(self) -> dict[str, int]:
         return {"blocks": len(self.slots), "capacity_blocks": self.capacity, "hits": self.num_hits,

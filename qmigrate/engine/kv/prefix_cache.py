@@ -28,6 +28,23 @@ from qmigrate.wire.prefix_keys import block_keys, iter_block_keys, seed_key
 MAX_EVENTS = 1 << 16   # events kept while no one takes them (the oldest are dropped)
 
 
+class EventLog:
+    """Keys a cache reports to the router (a key added, ~key dropped), bounded while no one
+    takes them: past twice MAX_EVENTS only the newest MAX_EVENTS are kept."""
+
+    def __init__(self) -> None:
+        self.keys: list[int] = []
+
+    def add(self, key: int) -> None:
+        self.keys.append(key)
+        if len(self.keys) > 2 * MAX_EVENTS:
+            del self.keys[:-MAX_EVENTS]
+
+    def take(self) -> list[int]:
+        out, self.keys = self.keys, []
+        return out
+
+
 class BasePrefixCache(ABC):
     """What the pool asks of a prefix cache. `blocks` and `length` are the pool's own maps
     (seq_id -> its blocks, seq_id -> positions written), read here, never changed."""
@@ -174,7 +191,7 @@ class PrefixCache(BasePrefixCache):
         self.ids: dict[int, list[int] | None] = {}         # seq_id -> ids at its positions (None: unknown)
         self.keys: dict[int, list[int]] = {}               # seq_id -> keys of its first blocks
         self.seeds: dict[int, int] = {}                    # seq_id -> parent key of its first block
-        self.events: list[int] = []
+        self.events = EventLog()
         self.num_prompt_tokens = 0                         # prompts admitted, and the part found cached
         self.num_cached_tokens = 0
         self.on_evict = None                               # called with (blocks, keys) evicted, before reuse
@@ -341,13 +358,10 @@ class PrefixCache(BasePrefixCache):
 
     # --- reports -----------------------------------------------------------------------------
     def _event(self, key: int) -> None:
-        self.events.append(key)
-        if len(self.events) > 2 * MAX_EVENTS:
-            del self.events[:-MAX_EVENTS]
+        self.events.add(key)
 
     def take_events(self) -> list[int]:
-        out, self.events = self.events, []
-        return out
+        return self.events.take()
 
     def stats(self) -> dict[str, int]:
         return {"prompt_tokens": self.num_prompt_tokens, "cached_tokens": self.num_cached_tokens,
