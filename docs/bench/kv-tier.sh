@@ -33,18 +33,7 @@ reqs = multi_turn_dataset($SESSIONS, $TURNS, $WORDS, $ANSWER)
 print(sum(len(tok(transcript(r.turns, []))["input_ids"]) + $TURNS * $ANSWER for r in reqs))
 EOF
 }
-serve_up() {   # serve_up LOG ARGS...: qmigrate serve on port 8000, waits until ready
-    local log=$1; shift
-    python -m qmigrate serve "$@" --port ${PORT:-8000} > "$log" 2>&1 &
-    SERVER=$!
-    for _ in $(seq 1 300); do
-        kill -0 $SERVER 2>/dev/null || { tail -20 "$log"; return 1; }
-        grep -q "^ready:" "$log" && return 0
-        sleep 1
-    done
-    return 1
-}
-serve_down() { kill $SERVER; wait $SERVER; sleep 2; }
+. "$(dirname "$0")/serve-lib.sh"   # serve_up, serve_down
 sessions() {   # sessions NAME: the multi-turn run, then the router's figures
     q bench serve --base-url http://127.0.0.1:${PORT:-8000} --dataset multi-turn --sessions $SESSIONS --turns $TURNS \
         --question-len $WORDS --answer-len $ANSWER --think-time-s $THINK --json "$out/$1.json"

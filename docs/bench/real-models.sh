@@ -20,18 +20,7 @@ L8=.shapes/llama-3.1-8b Q3=.shapes/qwen3-30b-a3b
  python -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
  date -u) > "$out/machine.txt" 2>&1
 
-serve_up() {   # serve_up LOG [FLAGS...]: qmigrate serve on port 8000 with defaults, waits until ready
-    local log=$1; shift
-    python -m qmigrate serve $L8 --load-format dummy --port 8000 "$@" > "$log" 2>&1 &
-    SERVER=$!
-    for _ in $(seq 1 300); do
-        kill -0 $SERVER 2>/dev/null || { tail -20 "$log"; return 1; }
-        grep -q "^ready:" "$log" && return 0
-        sleep 1
-    done
-    return 1
-}
-serve_down() { kill $SERVER; wait $SERVER; sleep 2; }
+. "$(dirname "$0")/serve-lib.sh"   # serve_up, serve_down
 sg() { q bench serve --base-url http://127.0.0.1:8000 --tokenizer $L8 "$@"; }
 
 decode8b() {
@@ -39,7 +28,7 @@ decode8b() {
         --context 512 --json "$out/l8-decode.json" 2>&1 | grep -v "^ *warm"
 }
 cache_on() {
-    serve_up "$out/serve-cache-on.log" || return 1
+    serve_up "$out/serve-cache-on.log" $L8 --load-format dummy || return 1
     sg --dataset sharegpt --requests 1000 --request-rate inf --json "$out/l8-sharegpt-inf.json"
     sg --dataset sharegpt --requests 30 --request-rate 1 --json "$out/l8-sharegpt-1.json"
     sg --dataset sharegpt --requests 60 --request-rate 4 --json "$out/l8-sharegpt-4.json"
@@ -48,7 +37,7 @@ cache_on() {
     serve_down
 }
 cache_off() {
-    serve_up "$out/serve-cache-off.log" --worker-setting enable_prefix_caching=false || return 1
+    serve_up "$out/serve-cache-off.log" $L8 --load-format dummy --worker-setting enable_prefix_caching=false || return 1
     sg --dataset sharegpt-multi-turn --sessions 128 --turns 4 --think-time-s 1 --json "$out/l8-multiturn-cache-off.json"
     serve_down
 }
