@@ -104,7 +104,6 @@ class Defaults:
     structured_output_compile_timeout_s: float = 5.0
 
 
-
 @dataclass(slots=True, frozen=True)
 class CancelRequest:
     req_id: str
