@@ -302,6 +302,10 @@ class WorkerCore:
             if spec.grammar:   # compiled on a pool thread (cached by grammar); the step never waits for it
                 try:
                     matcher = self.engine.grammars.ready(spec.grammar, spec.eos_ids)
+                    if matcher is None and spec.kv_from:
+                        # a moved sequence whose KV comes here: handed back, it would lose the
+                        # shipment, so its grammar is waited for (once per grammar on a worker)
+                        matcher = self.engine.grammars.matcher(spec.grammar, spec.eos_ids)
                 except GrammarError as exc:
                     log.warning("sequence %d: %s", sid, exc)
                     return ERROR
