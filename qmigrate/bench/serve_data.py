@@ -146,13 +146,22 @@ def sharegpt_dataset(num_requests: int, tokenizer, seed: int = 0, path: Path | N
 
 
 def sharegpt_sessions(num_sessions: int, tokenizer, max_turns: int = 8, think_time_s: float = 0.0, seed: int = 0,
-                      path: Path | None = None) -> list[ServeRequest]:
+                      path: Path | None = None, max_model_len: int = 0) -> list[ServeRequest]:
     """ShareGPT conversations as sessions: each turn carries the earlier turns and the dataset's
-    replies, and asks for as many tokens as the dataset's reply to it has."""
+    replies, and asks for as many tokens as the dataset's reply to it has. With max_model_len, a
+    session ends before the turn whose prompt (the transcript's labels counted) and reply would
+    pass it; else sessions stop at sharegpt.MAX_SESSION_TOKENS."""
     from qmigrate.bench import sharegpt
-    sessions = sharegpt.sample_sessions(sharegpt.read_conversations(path), tokenizer, num_sessions, max_turns, seed)
+    limit = max_model_len - TRANSCRIPT_LABEL_TOKENS * max_turns if max_model_len else sharegpt.MAX_SESSION_TOKENS
+    if limit < 2 * sharegpt.MIN_TOKENS:
+        raise ValueError(f"--max-model-len {max_model_len} leaves no room for a session of {max_turns} turns")
+    sessions = sharegpt.sample_sessions(sharegpt.read_conversations(path), tokenizer, num_sessions, max_turns, seed,
+                                        limit)
     return [ServeRequest("", s.output_lens[0], turns=s.turns, answers=s.answers, turn_output_lens=s.output_lens,
                          think_time_s=think_time_s) for s in sessions]
+
+
+TRANSCRIPT_LABEL_TOKENS = 24   # a turn's "User: ", "\nAssistant:" and newline: 16 in the bench model's tokenizer, with room
 
 
 def transcript(turns: list[str], answers: list[str]) -> str:

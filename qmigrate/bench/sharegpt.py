@@ -23,6 +23,7 @@ DATA_FILE = "ShareGPT_V3_unfiltered_cleaned_split.json"
 MIN_TOKENS = 4
 MAX_PROMPT_TOKENS = 1024
 MAX_PAIR_TOKENS = 2048
+MAX_SESSION_TOKENS = 4096   # a session stops before the turn that would take it past this
 TOKENIZE_BATCH = 256
 
 
@@ -139,7 +140,7 @@ def sample_pairs(conversations, tokenizer, num_requests: int, seed: int = 0) -> 
 
 
 def sample_sessions(conversations, tokenizer, num_sessions: int, max_turns: int = 8, seed: int = 0,
-                    max_session_tokens: int = 4096) -> list[Session]:
+                    max_session_tokens: int = MAX_SESSION_TOKENS) -> list[Session]:
     """Sessions of 2 to `max_turns` turns: a conversation's exchanges from its first human
     turn, cut before the first turn or reply under 4 tokens, a reply over 1,024 tokens, or
     the one that would take the whole conversation past `max_session_tokens`."""

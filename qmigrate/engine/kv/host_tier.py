@@ -7,7 +7,10 @@ GPU blocks instead of being prefilled. The tier has its own LRU and a fixed capa
 blocks; when full, its least recently used block is dropped.
 
 Blocks are raw bytes: the pool is viewed as uint8, so the tier holds blocks of any KV dtype
-unchanged. Host memory is allocated in chunks as the tier fills (pinned on a GPU).
+unchanged. Host memory is allocated in chunks: on a GPU all of it, page-locked, when the tier is
+made (page-locking takes the driver for tens of milliseconds a chunk, which must not fall inside
+steps: it did, and made a capped multi-turn run slower with the tier than without); on the CPU as
+the tier fills.
 
 On a GPU no copy stalls a step: evicted blocks are gathered on the current stream (a device
 copy, ordered before any step that writes them again) and copied to host on a stream of the
@@ -21,12 +24,16 @@ router's index of which worker holds which block on which tier.
 
 from __future__ import annotations
 
+import logging
+import time
 from collections import OrderedDict
 
 import numpy as np
 import torch
 
 from qmigrate.engine.kv.prefix_cache import EventLog
+
+log = logging.getLogger(__name__)
 
 CHUNK_BYTES = 256 << 20     # host memory is allocated in pieces of this size as the tier fills
 
@@ -53,6 +60,12 @@ class HostTier:
         self.num_hits = 0          # blocks copied back for a prompt
         self.bytes_in = 0          # copied into this tier
         self.bytes_out = 0         # copied back to the pool
+        if self.pin:
+            started = time.perf_counter()
+            while sum(len(c) for c in self.chunks) < self.capacity:
+                self._add_chunk()
+            log.info("host KV tier: %d blocks (%.1f GiB) page-locked in %.1f s", self.capacity,
+                     self.capacity * self.block_bytes / 2**30, time.perf_counter() - started)
 
     # --- looking up -------------------------------------------------------------------------
     def __len__(self) -> int:
@@ -103,20 +116,23 @@ class HostTier:
     def _slot(self) -> int:
         """A free slot: a new chunk's while the tier is below capacity, else the LRU key's."""
         if not self.free:
-            allocated = sum(len(c) for c in self.chunks)
-            if allocated < self.capacity:
-                n = min(self.chunk_blocks, self.capacity - allocated)
-                # a tensor of its own, not an inference tensor (a step's evictions come under
-                # inference mode, a shipment's outside it: both write into the chunk)
-                with torch.inference_mode(False):
-                    chunk = torch.empty((n, *self.block_shape), dtype=torch.uint8, pin_memory=self.pin)
-                self.chunks.append(chunk)
-                self.free.extend(range(allocated + n - 1, allocated - 1, -1))
+            if sum(len(c) for c in self.chunks) < self.capacity:
+                self._add_chunk()
             else:
                 key, slot = self.slots.popitem(last=False)
                 self._event(~key)
                 return slot
         return self.free.pop()
+
+    def _add_chunk(self) -> None:
+        allocated = sum(len(c) for c in self.chunks)
+        n = min(self.chunk_blocks, self.capacity - allocated)
+        # a tensor of its own, not an inference tensor (a step's evictions come under inference
+        # mode, a shipment's outside it: both write into the chunk)
+        with torch.inference_mode(False):
+            chunk = torch.empty((n, *self.block_shape), dtype=torch.uint8, pin_memory=self.pin)
+        self.chunks.append(chunk)
+        self.free[:0] = range(allocated + n - 1, allocated - 1, -1)   # lower slots are taken first
 
     # --- back to the pool ------------------------------------------------------------------------
     def restore(self, pool_kv: torch.Tensor, blocks: list[int], keys: list[int]) -> None:
