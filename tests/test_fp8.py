@@ -227,25 +227,27 @@ def test_fp8_kv_pool_holds_twice_the_tokens():
 
 
 def test_weight_read_kernel_indexing_under_the_interpreter():
-    """The few-rows kernel's tiles, masks and scale/bias epilogue (kernels/fp8_gemm.py), in fp32:
-    numpy, which runs triton's interpreter, has no bf16 or e4m3 (tests/test_fp8_gpu.py runs it
-    on e4m3 weights on a GPU)."""
+    """The few-rows kernel's tiles, masks, split-K partials and scale/bias epilogue
+    (kernels/fp8_gemm.py), in fp32: numpy, which runs triton's interpreter, has no bf16 or
+    e4m3 (tests/test_fp8_gpu.py runs it on e4m3 weights on a GPU)."""
     from qmigrate.engine.kernels import paged_attention as pa
     if not (torch.cuda.is_available() or (pa.triton is not None and pa.is_interpreted())):
         pytest.skip("no CUDA, and triton was imported before TRITON_INTERPRET")
-    import triton
-    from qmigrate.engine.kernels.fp8_gemm import w8_gemm_kernel
+    from qmigrate.engine.kernels.fp8_gemm import w8_matmul
     device = "cuda" if torch.cuda.is_available() else "cpu"
     g = torch.Generator().manual_seed(5)
-    for m, n, k in ((1, 96, 576), (5, 70, 600)):
+    for m, n, k, tiling in ((1, 96, 576, (32, 128, 1)), (1, 70, 600, (16, 128, 3)), (5, 70, 600, (32, 128, 1)),
+                            (5, 96, 512, (32, 64, 4)), (17, 40, 256, (16, 64, 2)), (5, 70, 600, (32, 128, 2, True)),
+                            (33, 200, 512, (64, 128, 1, True))):
         x, w = torch.randn(m, k, generator=g), torch.randn(n, k, generator=g) * 0.05
         scale, bias = torch.rand(n, 1, generator=g) + 0.5, torch.randn(n, generator=g)
         x, w, scale, bias = (t.to(device) for t in (x, w, scale, bias))
-        out = torch.full((m, n), float("nan"), device=device)
-        w8_gemm_kernel[(triton.cdiv(n, 32),)](x, w, scale, bias, out, m, n, k, x.stride(0), w.stride(0),
-                                              out.stride(0), HAS_BIAS=True, BLOCK_M=16, BLOCK_N=32, BLOCK_K=128)
-        want = x @ (w * scale).t() + bias
-        assert (out - want).norm() / want.norm() < 1e-2
+        for b in (bias, None):
+            block_n, block_k, split_k, *swap = tiling
+            out = w8_matmul(x, w, scale, b, block_n, block_k, split_k, num_warps=4, num_stages=2, swap=bool(swap))
+            want = x @ (w * scale).t() + (0 if b is None else b)
+            assert out.shape == (m, n)
+            assert (out - want).norm() / want.norm() < 1e-4, (m, n, k, tiling)
 
 
 def test_quality_agreement_counts_exact_answers_and_the_agreeing_prefix():
@@ -285,3 +287,51 @@ def test_bench_settings_combine_and_bad_values_name_the_flag():
                                                                      {"kv_cache_dtype": "fp8"}]
     with pytest.raises(ValueError, match="--variants"):
         parse_variants("fp8")
+
+
+def test_fp8_plan_buckets_and_untuned_tilings_fill_the_multiprocessors():
+    from qmigrate.engine import fp8_plan
+    assert [fp8_plan.bucket(m) for m in (1, 2, 16, 17, 64, 65)] == [1, 16, 16, 64, 64, None]
+    fp8_plan.forget()
+    assert fp8_plan.choice(65, 4096, 4096) is fp8_plan.SCALED_MM
+    assert fp8_plan.choice(40, 4096, 4096) is fp8_plan.SCALED_MM      # past 16 rows untuned: _scaled_mm
+    for m in (1, 8):
+        for n, k in ((4096, 4096), (6144, 4096), (28672, 4096), (4096, 14336), (576, 1536)):
+            t = fp8_plan.choice(m, n, k)
+            programs = -(-n // t.block_n) * t.split_k
+            assert programs >= 2 * 132 or t.split_k == 4 or k < 4 * t.split_k * t.block_k, (m, n, k, t)
+            assert t.split_k * t.block_k <= k
+    assert fp8_plan.choice(1, 4096, 4096).split_k > 1                 # 4096 columns alone: too few programs
+    assert fp8_plan.choice(1, 28672, 4096).split_k == 1
+
+
+def test_a_tuned_choice_applies_to_its_bucket_only():
+    from qmigrate.engine import fp8_plan
+    fp8_plan.forget()
+    try:
+        fp8_plan._chosen[(16, 4096, 4096)] = fp8_plan.W8(64, 128, 1)
+        fp8_plan._chosen[(64, 4096, 4096)] = fp8_plan.SCALED_MM
+        assert fp8_plan.choice(9, 4096, 4096) == fp8_plan.W8(64, 128, 1)
+        assert fp8_plan.choice(1, 4096, 4096) == fp8_plan.default(1, 4096, 4096)
+        assert fp8_plan.choice(30, 4096, 4096) is fp8_plan.SCALED_MM
+        assert fp8_plan.choice(9, 4096, 2048) == fp8_plan.default(9, 4096, 2048)   # another shape
+    finally:
+        fp8_plan.forget()
+
+
+def test_release_unheld_empties_only_what_the_built_model_does_not_hold():
+    from qmigrate.engine.layers.linear import Linear
+    from qmigrate.engine.models.base import held_storages, release_unheld
+    src = torch.nn.ModuleDict({"q": torch.nn.Linear(8, 16, bias=False), "k": torch.nn.Linear(8, 16, bias=False),
+                               "o": torch.nn.Linear(16, 8), "norm": torch.nn.LayerNorm(8)})
+    fused = Linear.of(src["q"], src["k"], parallel="column")          # a copy: q and k are no longer needed
+    o = Linear.of(src["o"], parallel="row")                           # the same tensors as the source's
+    built = {"layers": [fused, o], "norm": src["norm"].weight.detach()}
+    assert held_storages(built)[o.weight.untyped_storage().data_ptr()] == 16 * 8 * 4
+    released = release_unheld(src, built)
+    # q and k (fused into a copy), o's bias (Linear.of copies biases) and the norm's unused bias
+    assert released == 2 * 16 * 8 * 4 + 8 * 4 + 8 * 4
+    assert src["q"].weight.numel() == 0 and src["k"].weight.numel() == 0 and src["norm"].bias.numel() == 0
+    assert src["o"].bias.numel() == 0
+    assert src["o"].weight.shape == (8, 16) and src["norm"].weight.shape == (8,)
+    assert fused.weight.shape == (32, 8) and torch.isfinite(fused.weight).all()

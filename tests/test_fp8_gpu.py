@@ -39,19 +39,92 @@ def test_quantize_rows_kernel_matches_the_torch_arithmetic():
     assert same > 0.999, same   # a value on a rounding tie may go either way after a division
 
 
-@pytest.mark.parametrize("m", [1, 7, 64, 300])
+@pytest.mark.parametrize("m", [1, 7, 16, 40, 64, 300])
 def test_scaled_matmul_matches_the_reference(m):
     g = torch.Generator().manual_seed(m)
     x = torch.randn(m, 512, generator=g).to(torch.bfloat16)
     w = torch.randn(384, 512, generator=g) * 0.05
     bias = torch.randn(384, generator=g).to(torch.bfloat16)
     wq, ws = fp8.quantize_rows(w)
-    if m <= fp8.SMALL_M:   # the weight-read kernel: x as it is, the weight upcast as it is read
+    if fp8.weight_only(m, 384, 512):   # the weight-read kernel: x as it is, the weight upcast as it is read
         want = (x.float() @ fp8.dequantize(wq, ws).t() + bias.float())
     else:                  # torch._scaled_mm: x quantized per token too, as the CPU reference does
         want = fp8.matmul(x, wq, ws, bias).float()
     got = fp8.matmul(x.cuda(), wq.cuda(), ws.cuda(), bias.cuda()).float().cpu()
     assert (got - want).norm() / want.norm() < 1e-2
+
+
+@pytest.mark.parametrize("m", [1, 3, 16, 33])
+@pytest.mark.parametrize("tiling", [(16, 512, 1), (32, 256, 2), (16, 128, 4), (64, 64, 3), (64, 128, 2, 4, 3, True),
+                                    (128, 64, 1, 8, 3, True)])
+def test_weight_read_kernel_tilings_match_the_weight_only_product(m, tiling):
+    """Every tiling the tuner may pick, split-K included, on a k that no slice divides evenly
+    (1040) and one that they do (2048), with and without a bias; the output poisoned first."""
+    from qmigrate.engine.fp8_plan import W8
+    g = torch.Generator().manual_seed(m * 7 + tiling[2])
+    for n, k, with_bias in ((200, 1040, True), (96, 2048, False)):
+        x = torch.randn(m, k, generator=g).to(torch.bfloat16)
+        w = torch.randn(n, k, generator=g) * 0.05
+        bias = torch.randn(n, generator=g).to(torch.bfloat16) if with_bias else None
+        wq, ws = fp8.quantize_rows(w)
+        want = x.float() @ fp8.dequantize(wq, ws).t() + (bias.float() if with_bias else 0)
+        got = fp8.product(x.cuda(), wq.cuda(), ws.cuda(), bias.cuda() if with_bias else None, W8(*tiling))
+        assert got.shape == (m, n) and got.dtype == torch.bfloat16
+        got = got.float().cpu()
+        assert not got.isnan().any()
+        assert (got - want).norm() / want.norm() < 1e-2, (n, k)
+
+
+def test_tuning_keeps_a_choice_per_bucket_and_times_every_candidate():
+    from qmigrate.engine import fp8_plan
+    g = torch.Generator().manual_seed(3)
+    weights = [fp8.quantize_rows((torch.randn(256, 1024, generator=g) * 0.05).cuda()) for _ in range(3)]
+    report = []
+    fp8_plan.forget()
+    try:
+        made = fp8_plan.tune({(256, 1024): weights}, torch.bfloat16, report)
+        assert set(made) == {(b, 256, 1024) for b in fp8_plan.BUCKETS}
+        assert len(report) == sum(len(c) for c in fp8_plan.CANDIDATES.values())
+        assert all(us > 0 for *_, us in report)
+        for b in fp8_plan.BUCKETS:
+            assert fp8_plan.choice(b, 256, 1024) == made[(b, 256, 1024)]
+    finally:
+        fp8_plan.forget()
+
+
+def test_the_pool_is_sized_after_the_checkpoint_tensors_fp8_replaced_are_freed(medium_model_dir, monkeypatch):
+    """An engine handed its model frees the checkpoint's tensors its runner does not hold (the
+    layers' bf16 weights, replaced by e4m3 ones and fused copies) before it sizes the pool:
+    the memory held when the pool's budget is taken is lower by at least those bytes, where
+    an engine whose caller keeps the model leaves it whole."""
+    import gc
+    from qmigrate.engine import startup
+    from qmigrate.hub.loading import load_model
+    from qmigrate.engine.engine import Engine
+    held_at_sizing = []
+    budget = startup.gpu_kv_budget
+
+    def spy(device, utilization, activation_bytes):
+        torch.cuda.synchronize(device)
+        held_at_sizing.append(torch.cuda.memory_allocated(device))
+        return budget(device, utilization, activation_bytes)
+
+    monkeypatch.setattr(startup, "gpu_kv_budget", spy)
+    kw = dict(runner="fast", max_num_seqs=8, quantization="fp8", max_kv_tokens=1 << 12)
+    kept, _ = load_model(medium_model_dir, "cuda:0", "bfloat16")
+    layer_bytes = sum(p.numel() * p.element_size() for layer in kept.model.layers
+                      for mod in (layer.self_attn, layer.mlp) for p in mod.parameters())
+    a = Engine(kept, **kw)
+    assert all(p.numel() > 0 for p in kept.parameters())    # a caller that keeps its model keeps it whole
+    del a, kept
+    gc.collect()
+    torch.cuda.empty_cache()
+    handed, _ = load_model(medium_model_dir, "cuda:0", "bfloat16")
+    b = Engine(handed, own_model=True, **kw)
+    assert all(p.numel() == 0 for layer in handed.model.layers for p in layer.self_attn.parameters())
+    assert b.runner.model.layers[0].attn.qkv.weight.dtype == fp8.DTYPE
+    assert len(held_at_sizing) == 2
+    assert held_at_sizing[0] - held_at_sizing[1] >= layer_bytes, (held_at_sizing, layer_bytes)
 
 
 def _cache(num_blocks=40, block_size=16, heads=2, dim=64, seed=0):

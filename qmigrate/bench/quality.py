@@ -162,7 +162,7 @@ def run_quality(model_path: str, device: str, variants=VARIANTS, num_prompts: in
     for settings in variants:
         model, _ = load_model(model_path, device, "auto")
         engine = Engine(model, runner=runner, max_num_seqs=max(64, num_prompts), enable_prefix_caching=False,
-                        max_kv_tokens=1 << 16, **settings)
+                        max_kv_tokens=1 << 16, own_model=True, **settings)
         del model
         answers = generate(engine, prompts, new_tokens)
         ppl = perplexity(engine, text_ids)

@@ -59,7 +59,7 @@ def run_decode_steps(model_path: str, device: str, batches: list[int], context: 
     model, _ = load_model(model_path, device, "auto", load_format=load_format)
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     engine = Engine(model, max_num_seqs=max(batches) + 1, max_num_batched_tokens=16384, runner=runner,
-                    **(settings or {}))
+                    own_model=True, **(settings or {}))
     del model
     if engine.config.quantization != "none":   # the floor reads the weights as the runner holds them
         weight_bytes = held_bytes(engine.runner.model)
@@ -152,23 +152,9 @@ def run_decode_steps(model_path: str, device: str, batches: list[int], context: 
 
 
 def held_bytes(model) -> int:
-    """Bytes of every tensor a fast-runner model holds (each once)."""
-    seen: dict[int, int] = {}
-
-    def walk(obj, depth=0):
-        if isinstance(obj, torch.Tensor):
-            seen.setdefault(obj.data_ptr(), obj.numel() * obj.element_size())
-        elif isinstance(obj, (list, tuple)):
-            for x in obj:
-                walk(x, depth + 1)
-        elif depth < 8 and not isinstance(obj, (int, float, str, bool, type(None), torch.device, torch.dtype)):
-            names = list(getattr(obj, "__dict__", {})) + [n for c in type(obj).__mro__
-                                                          for n in getattr(c, "__slots__", ())]
-            for name in names:
-                if name != "tp":
-                    walk(getattr(obj, name, None), depth + 1)
-    walk(model)
-    return sum(seen.values())
+    """Bytes of every tensor a fast-runner model holds (each storage once)."""
+    from qmigrate.engine.models.base import held_storages
+    return sum(held_storages(model).values())
 
 
 def compare_decode_steps(model_path: str, device: str, batches: list[int], context: int, runner: str,

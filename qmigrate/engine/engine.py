@@ -43,13 +43,17 @@ DEFAULT_CONTEXT = 2048   # positions of a model whose config does not say
 
 
 class Engine:
-    def __init__(self, model, config: EngineConfig | None = None, *, tp=None, use_runner=None, **overrides):
+    def __init__(self, model, config: EngineConfig | None = None, *, tp=None, use_runner=None, own_model=False,
+                 **overrides):
         """`tp`: this process's rank of a tensor-parallel group (parallel.sharding.TensorParallel); the
         model is then the whole checkpoint on the CPU on rank 0, and on the other ranks may be
         its structure only (meta tensors: scatter.py sends their shards); the runner keeps
         this rank's shard on tp.device. Without it (tensor_parallel_size 1) nothing here differs
         from one device. `use_runner`: a Runner built elsewhere (one that skips the model, to
-        time what surrounds the forward pass) in place of the one the settings choose."""
+        time what surrounds the forward pass) in place of the one the settings choose. `own_model`:
+        the caller hands the model over and drops it after: on a GPU the checkpoint's tensors the
+        fast runner does not hold (those it fused into copies, those FP8 replaced) are freed
+        before the KV pool is sized, so the pool gets their memory."""
         cfg = self.config = dataclasses.replace(config or EngineConfig(), **overrides)
         self.shape = shape = ModelShape.of_model(model)
         self.tp = tp
@@ -67,6 +71,8 @@ class Engine:
             torch.cuda.set_device(self.device)
         self.runner, self.runner_reason = ((use_runner, "given") if use_runner is not None
                                            else make_runner(model, cfg, self.device, tp))
+        if own_model and tp is None and use_runner is None and self.device.type == "cuda":
+            startup.release_checkpoint(self.runner, model)
         # the pool holds this rank's KV heads (all of them without tensor parallelism)
         self.pool_kv_heads = shape.num_kv_heads if tp is None else tp.layout.kv_heads_per_rank
         self.pool = BlockPool(shape.num_layers, self.pool_kv_heads, shape.head_dim,

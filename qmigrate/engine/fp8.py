@@ -2,9 +2,12 @@
 how a value gets there and back.
 
 Weights are quantized once, per output channel: w ≈ q * scale[row], q in e4m3, scale =
-amax(|row|) / 448. Activations are quantized per token at each matmul the same way (scale =
-amax(|token|) / 448), and the matmul runs on the FP8 tensor cores with both scales applied
-to its fp32 accumulator (`torch._scaled_mm`, rowwise scaling: Hopper and later). The KV cache
+amax(|row|) / 448. A product of few rows (up to 64: decode steps, bound by the weight read)
+reads the e4m3 weight and upcasts it in registers, the activations staying in their dtype
+(kernels/fp8_gemm.py, tiled per weight shape by fp8_plan). Past that, activations are
+quantized per token the same way (scale = amax(|token|) / 448, one fused kernel) and the
+matmul runs on the FP8 tensor cores with both scales applied to its fp32 accumulator
+(`torch._scaled_mm`, rowwise scaling: Hopper and later). The KV cache
 stores K and V cast to e4m3 with a scale of 1.0 (vLLM's default): values past ±448 saturate.
 
 Every cast here saturates at ±448 (a value past it becomes the largest finite e4m3, never
@@ -14,6 +17,8 @@ NaN), and NaN stays NaN.
 from __future__ import annotations
 
 import torch
+
+from qmigrate.engine import fp8_plan
 
 try:
     import triton
@@ -78,23 +83,42 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.
 def matmul(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
            bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [T, K] (bf16/fp16) @ dequantize(weight [N, K], weight_scale [N, 1]).T + bias, in x's
-    dtype. On CUDA the product runs in FP8 with x quantized per token, or for up to SMALL_M
-    rows (decode steps, bound by the weight read) in x's dtype with the weight upcast as it is
-    read (kernels/fp8_gemm.py); elsewhere x is quantized as on CUDA and the product is taken in
-    fp32 (the reference)."""
+    dtype. On CUDA the product takes the path fp8_plan chose for its row count and weight
+    shape: up to 64 rows (a step bound by the weight read) the weight-read kernel, x in its own
+    dtype and the weight upcast as it is read (kernels/fp8_gemm.py); past that, x quantized
+    per token and the product on the FP8 tensor cores. Elsewhere x is quantized per token and
+    the product taken in fp32 (the reference of the second path)."""
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
-    if x.is_cuda and triton is not None and x2.shape[0] <= SMALL_M:
-        return _few_rows(x2, weight, weight_scale, bias).view(*lead, weight.shape[0])
-    xq, xs = quantize_rows(x2)
     if x.is_cuda:
-        out = torch._scaled_mm(xq, weight.t(), scale_a=xs, scale_b=weight_scale.view(1, -1),
-                               out_dtype=x.dtype)
-    else:
-        out = (dequantize(xq, xs) @ dequantize(weight, weight_scale).t()).to(x.dtype)
+        how = fp8_plan.choice(x2.shape[0], *weight.shape) if triton is not None else fp8_plan.SCALED_MM
+        return product(x2, weight, weight_scale, bias, how).view(*lead, weight.shape[0])
+    xq, xs = quantize_rows(x2)
+    out = (dequantize(xq, xs) @ dequantize(weight, weight_scale).t()).to(x.dtype)
     if bias is not None:
         out = out + bias
     return out.view(*lead, weight.shape[0])
+
+
+def weight_only(m: int, n: int, k: int) -> bool:
+    """Whether m rows against an [n, k] weight run the weight-read kernel on CUDA (x not
+    quantized) rather than per-token quantization and torch._scaled_mm."""
+    return triton is not None and fp8_plan.choice(m, n, k) is not fp8_plan.SCALED_MM
+
+
+def product(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None,
+            how) -> torch.Tensor:
+    """x [M, K] on CUDA through one path: a tiling of the weight-read kernel (fp8_plan.W8) or
+    fp8_plan.SCALED_MM."""
+    if how is not fp8_plan.SCALED_MM:
+        from qmigrate.engine.kernels.fp8_gemm import w8_matmul
+        if x.stride(1) != 1:
+            x = x.contiguous()
+        return w8_matmul(x, weight, weight_scale, bias, how.block_n, how.block_k, how.split_k, how.num_warps,
+                         how.num_stages, how.swap)
+    xq, xs = quantize_rows(x)
+    out = torch._scaled_mm(xq, weight.t(), scale_a=xs, scale_b=weight_scale.view(1, -1), out_dtype=x.dtype)
+    return out if bias is None else out + bias
 
 
 def can_quantize(weight: torch.Tensor) -> bool:
@@ -103,29 +127,7 @@ def can_quantize(weight: torch.Tensor) -> bool:
 
 
 MAX_FUSED_K = 32768
-# rows up to which the weight-read kernel runs instead of torch._scaled_mm: on an H200 it was
-# the faster at 1 row and the slower at 64 (docs/benchmarks.md); `python -m benchmarks.fp8_gemm`
-# times both at each row count
-SMALL_M = 16
 
-
-def _few_rows(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
-              bias: torch.Tensor | None) -> torch.Tensor:
-    from qmigrate.engine.kernels.fp8_gemm import w8_gemm_kernel
-    m, k = x.shape
-    n = weight.shape[0]
-    if x.stride(1) != 1:
-        x = x.contiguous()
-    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    if m == 0:
-        return out
-    block_m = max(16, triton.next_power_of_2(m))
-    block_n = 64 if n >= 8192 else 32
-    w8_gemm_kernel[(triton.cdiv(n, block_n),)](
-        x, weight, weight_scale, bias if bias is not None else weight_scale, out, m, n, k, x.stride(0),
-        weight.stride(0), out.stride(0), HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n,
-        BLOCK_K=256 if block_m <= 32 else (128 if block_m <= 64 else 64), num_warps=4, num_stages=4)
-    return out
 
 if triton is not None:
     @triton.jit

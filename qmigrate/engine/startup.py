@@ -16,6 +16,19 @@ from qmigrate.engine.sampling import SamplingRows, sample
 log = logging.getLogger(__name__)
 
 
+def release_checkpoint(runner, model) -> None:
+    """Free the checkpoint's GPU tensors the fast runner's model does not hold (handed over
+    by the engine's caller, before the pool is sized from the free memory)."""
+    built = getattr(runner, "model", None)
+    if built is None or built is model:
+        return
+    from qmigrate.engine.models.base import release_unheld
+    released = release_unheld(model, built)
+    torch.cuda.empty_cache()
+    log.info("%.2f GiB of checkpoint tensors the runner does not hold released before sizing the KV pool",
+             released / 2**30)
+
+
 def num_blocks_here(engine) -> int:
     """KV blocks this process's pool can hold: from the device's memory after the weights and
     a measured step's activations (a GPU), or cpu_kvcache_space_bytes, capped by max_kv_tokens."""

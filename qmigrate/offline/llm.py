@@ -45,7 +45,7 @@ class LLM:
             path = fetch_hub_model(path)
         loaded, _ = load_model(path, worker.device, dtype, trust_remote_code=trust_remote_code,
                                load_format=load_format)
-        engine = Engine(loaded, worker.engine_config())
+        engine = Engine(loaded, worker.engine_config(), own_model=True)
         del loaded
         engine.warm_up()
         tokenizer, _, eos_ids = load_tokenizer_info(path, trust_remote_code)

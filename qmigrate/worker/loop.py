@@ -65,7 +65,7 @@ class Worker:
             model, _ = load_model(resolve_model(topo.model.path), device, topo.model.dtype,
                                   trust_remote_code=topo.model.trust_remote_code,
                                   load_format=topo.model.load_format)
-            engine = Engine(model, self.cfg.engine_config())
+            engine = Engine(model, self.cfg.engine_config(), own_model=True)
         self.core = WorkerCore(engine)
         engine.grammars.compiler = grammar_compiler(topo, engine.shape.vocab_size, prepare=device.startswith("cuda"))
         self.trace = self.core.trace = tracer(f"worker-{name}", topo.trace_dir)

@@ -87,10 +87,11 @@ def output_head(model) -> Linear:
     return Linear(head.weight.detach(), None if head.bias is None else head.bias.detach(), "vocab")
 
 
-def quantize_fp8(model: DecoderModel) -> tuple[int, int]:
+def quantize_fp8(model: DecoderModel, tune: bool = True) -> tuple[int, int]:
     """Every layer's projections to e4m3 weights (`Linear.quantize_fp8`): attention's q/k/v and
     output, the MLP's gate/up and down, a mixture's shared expert. The embeddings, norms,
-    output head and a mixture's router and routed experts stay as they are. Returns (layers
+    output head and a mixture's router and routed experts stay as they are. On a GPU, `tune`
+    times the FP8 matmul's paths for each weight shape (fp8_plan.tune). Returns (layers
     quantized, layers whose shape the FP8 matmul cannot take, left as they were)."""
     from qmigrate.engine.layers.mlp import GatedMLP
     from qmigrate.engine.layers.moe import MoE
@@ -105,4 +106,53 @@ def quantize_fp8(model: DecoderModel) -> tuple[int, int]:
     done = sum(lin.quantize_fp8() for lin in linears)
     if done and model.device.type == "cuda":
         torch.cuda.empty_cache()   # the bf16 weights just dropped
+        if tune:
+            from qmigrate.engine import fp8, fp8_plan
+            if fp8.triton is not None:
+                groups: dict[tuple[int, int], list] = {}
+                for lin in linears:
+                    if lin.scale is not None:
+                        groups.setdefault(tuple(lin.weight.shape), []).append((lin.weight, lin.scale))
+                fp8_plan.tune(groups, model.dtype)
+                torch.cuda.empty_cache()   # the timings' graphs and outputs
     return done, len(linears) - done
+
+
+def held_storages(obj) -> dict[int, int]:
+    """The storages (data pointer -> bytes) of every tensor a fast-runner model (or any object
+    of tensors, lists and attributes) holds, each once."""
+    seen: dict[int, int] = {}
+
+    def walk(obj, depth=0):
+        if isinstance(obj, torch.Tensor):
+            storage = obj.untyped_storage()
+            seen.setdefault(storage.data_ptr(), storage.nbytes())
+        elif isinstance(obj, (list, tuple)):
+            for x in obj:
+                walk(x, depth + 1)
+        elif isinstance(obj, dict):
+            for x in obj.values():
+                walk(x, depth + 1)
+        elif depth < 8 and not isinstance(obj, (int, float, str, bool, type(None), torch.device, torch.dtype)):
+            names = list(getattr(obj, "__dict__", {})) + [n for c in type(obj).__mro__
+                                                          for n in getattr(c, "__slots__", ())]
+            for name in names:
+                if name != "tp":
+                    walk(getattr(obj, name, None), depth + 1)
+    walk(obj)
+    return seen
+
+
+def release_unheld(source: torch.nn.Module, built) -> int:
+    """Empty every parameter of `source` (the checkpoint's model, handed over) whose storage the
+    built model does not hold: the q/k/v and gate/up the build fused into copies, the weights
+    FP8 replaced. Returns the bytes released (freed once nothing else holds them)."""
+    held = held_storages(built)
+    released = 0
+    with torch.no_grad():
+        for p in source.parameters():
+            storage = p.untyped_storage()
+            if p.device.type != "meta" and storage.nbytes() and storage.data_ptr() not in held:
+                released += storage.nbytes()
+                p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+    return released
