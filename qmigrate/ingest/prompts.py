@@ -41,7 +41,7 @@ generates that exact token sequence.
 Every problem raises PromptError with a message meant for the user, the request id, and the
 field at fault (named in quotes in the message, as the HTTP API's errors do).
 A prompt that leaves no room for one new token is an error; a max_new_tokens that does
-not fit the context is clamped to what fits. The bounds are the wire's (protocol.py), and a
+not fit the context is clamped to what fits. The bounds are the wire's (wire/limits.py), and a
 request that passes here is checked once more as the router will decode it (`check_prompt`),
 so what ingest accepts the router accepts. Strings must be encodable (no lone surrogates)
 and JSON at most MAX_JSON_DEPTH deep.
