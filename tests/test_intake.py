@@ -247,7 +247,7 @@ def test_an_unreadable_id_leaves_the_line_number(tok, line):
 
 
 def test_check_json_looks_into_lists_of_numbers_only_for_depth():
-    from qmigrate.ingest.prompts import MAX_JSON_DEPTH, check_json
+    from qmigrate.ingest.json_checks import MAX_JSON_DEPTH, check_json
     deep, empty = [1, 2], []
     for _ in range(MAX_JSON_DEPTH - 2):
         deep = [deep]

@@ -48,7 +48,8 @@ from qmigrate.ingest.logprobs_api import TokenText
 from qmigrate.ingest.guard import ClientLimit
 from qmigrate.ingest import answers, utility_api
 from qmigrate.ingest.handoff import HTTP_BIT, THREAD_ID_BITS
-from qmigrate.ingest.prompts import Defaults, check_json
+from qmigrate.ingest.json_checks import check_json
+from qmigrate.ingest.prompts import Defaults
 from qmigrate.ingest.streams import SHUTDOWN, Updates
 from qmigrate.ingest.openai_api import ApiError, fan_out, models_list, parse_body
 
