@@ -1,6 +1,6 @@
 """The `qmigrate` command. Each command resolves its configuration and calls one function.
-The bench and model commands are in cli_bench.py and cli_model.py; what commands share, in
-cli_common.py."""
+The bench and model commands are in cli_bench.py (bench serve in cli_bench_serve.py) and
+cli_model.py; what commands share, in cli_common.py."""
 
 from __future__ import annotations
 

@@ -3,22 +3,21 @@
 from __future__ import annotations
 
 import dataclasses
-import logging
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any, Mapping
 
 from .config_rules import ConfigError  # noqa: F401 -- the rest of the package imports it from here
 from . import config_rules as rules
 from .config_rules import Section
 from .wire import protocol as P
+from .config_endpoints import SHORT_TMP  # noqa: F401 -- launch.py imports it from here
+from .config_endpoints import SERVICES, Endpoint, assign_ports, endpoint
+from .config_renamed import log_renamed, rename_worker_keys
 from .config_yaml import build_section, check_keys, kind_of, parse_settings, read_settings, read_yaml, write_yaml
 from .engine.config import EngineConfig
 
-log = logging.getLogger(__name__)
-
-DEFAULT_KV_PORT = 5560
 # A GPU worker of `qmigrate serve` (and the pipeline bench): sequences and new tokens per step
 # as a serving engine runs them (vLLM's default max_num_seqs), not the topology's modest defaults.
 GPU_SERVE_MAX_NUM_SEQS = 256
@@ -28,10 +27,6 @@ LARGE_GPU_SERVE_MAX_NUM_SEQS = 1024
 LARGE_GPU_BYTES = 70 << 30
 # ingest.http_processes: a front's index is bits 32-38 of its sequence ids (ingest.handoff)
 MAX_HTTP_PROCESSES = 128
-# sun_path is 108 bytes on Linux, including the terminating NUL.
-MAX_IPC_PATH = 107
-# where sockets go when the temp directory is too long a path for them
-SHORT_TMP = "/tmp"
 
 
 @dataclass(slots=True)
@@ -214,61 +209,6 @@ class WorkerConfig(EngineConfig):
         return EngineConfig(**{f.name: getattr(self, f.name) for f in dataclasses.fields(EngineConfig)})
 
 
-def _gib_to_bytes(value: Any) -> int:
-    return int(rules.positive(value) * 2**30)
-
-
-# Worker keys under their names of the release before, accepted (with a notice) for one more:
-# old name -> (new name, the old value as the new one's value or None for the same, a note)
-RENAMED_WORKER_KEYS: dict[str, tuple[str, Callable[[Any], Any] | None, str]] = {
-    "max_seqs": ("max_num_seqs", None, ""),
-    "max_tokens": ("max_num_batched_tokens", None, ""),
-    "cpu_kv_gib": ("cpu_kvcache_space_bytes", _gib_to_bytes, ", in bytes"),
-    "cuda_graphs": ("enforce_eager", lambda on: not rules.boolean(on), ", its opposite"),
-    "prefix_cache": ("enable_prefix_caching", None, ""),
-    "tensor_parallel": ("tensor_parallel_size", None, ""),
-}
-
-
-def rename_worker_keys(data: Any, path: str, renamed: dict[str, list[str]]) -> Any:
-    """A worker's mapping with its old keys under their new names; each old key's place is
-    added to `renamed[old]` (for one notice per key). Both names at once is a ConfigError."""
-    if not isinstance(data, dict) or not any(old in data for old in RENAMED_WORKER_KEYS):
-        return data
-    out = dict(data)
-    for old, (new, convert, _) in RENAMED_WORKER_KEYS.items():
-        if old not in out:
-            continue
-        if new in out:
-            raise ConfigError(f"{path}.{old}", f"{old!r} is the old name of {new!r}, which is also given: "
-                              f"keep only {new!r}")
-        value = out.pop(old)
-        try:
-            out[new] = convert(value) if convert is not None else value
-        except rules.Invalid as e:
-            raise ConfigError(f"{path}.{old}", f"expected {e}, got {value!r}") from None
-        renamed.setdefault(old, []).append(f"{path}.{old}")
-    return out
-
-
-def log_renamed(renamed: dict[str, list[str]], source: str) -> None:
-    """One line per old key, however many workers use it."""
-    for old, places in renamed.items():
-        where = ", ".join(places) if source == "<dict>" else f"{source}: {', '.join(places)}"
-        new, _, note = RENAMED_WORKER_KEYS[old]
-        log.warning("%s: %r is deprecated, use %r%s (the old name is accepted for one release)",
-                    where, old, new, note)
-
-
-@dataclass(frozen=True, slots=True)
-class Endpoint:
-    bind: str
-    connect: str
-
-
-_SERVICES = {"router": ("router", "port"), "telemetry": ("router", "telemetry_port"),
-             "ingest": ("ingest", "port"), "ingest_reply": ("ingest", "reply_port"),
-             "detokenizer": ("detokenizer", "port")}
 _SECTIONS = {"model": ModelConfig, "defaults": SamplingDefaults, "security": SecurityConfig, "router": RouterConfig,
              "ingest": IngestConfig, "detokenizer": DetokenizerConfig, "monitor": MonitorConfig}
 _LISTS = {"nodes": NodeConfig, "workers": WorkerConfig}
@@ -315,7 +255,7 @@ class Topology(Section):
         for i, name in enumerate(self.security.operators):
             if name not in names:
                 raise ConfigError(f"security.operators[{i}]", f"no node named {name!r} (nodes: {', '.join(names)})")
-        self._assign_ports()
+        assign_ports(self)
 
     def _check_gpus(self) -> None:
         """A tensor-parallel worker takes N GPUs from its device on: no other worker of its node
@@ -356,31 +296,6 @@ class Topology(Section):
         return self.transport == "tcp" and not all(_is_loopback(n.address) and _is_loopback(n.bind_host)
                                                    for n in self.nodes)
 
-    def _assign_ports(self) -> None:
-        used: dict[tuple[str, int], str] = {}
-        claims = [(self.router.node, self.router.port, "router.port"),
-                  (self.router.node, self.router.telemetry_port, "router.telemetry_port"),
-                  (self.ingest.node, self.ingest.port, "ingest.port"),
-                  (self.ingest.node, self.ingest.reply_port, "ingest.reply_port"),
-                  (self.detokenizer.node, self.detokenizer.port, "detokenizer.port")]
-        claims += [(getattr(self, r).node, getattr(self, r).metrics_port, f"{r}.metrics_port")
-                   for r in ("router", "detokenizer") if getattr(self, r).metrics_port]
-        claims += [(w.node, w.kv_port, f"workers[{i}].kv_port")
-                   for i, w in enumerate(self.workers) if w.kv_port is not None]
-        if self.ingest.http_port is not None:
-            claims.append((self.ingest.node, self.ingest.http_port, "ingest.http_port"))
-        for node, port, where in claims:
-            if (node, port) in used:
-                raise ConfigError(where, f"port {port} on node {node!r} is already used by {used[node, port]}")
-            used[node, port] = where
-        for i, w in enumerate(self.workers):
-            if w.kv_port is None:
-                port = DEFAULT_KV_PORT
-                while (w.node, port) in used:
-                    port += 1
-                w.kv_port = port
-                used[w.node, port] = f"workers[{i}].kv_port"
-
     def node(self, name: str) -> NodeConfig:
         return _find(self.nodes, name, "node")
 
@@ -388,29 +303,11 @@ class Topology(Section):
         return _find(self.workers, name, "worker")
 
     def endpoint(self, kind: str, name: str | None = None) -> Endpoint:
-        if kind == "kv":
-            if name is None:
-                raise ConfigError(None, "endpoint kind 'kv' needs a worker name")
-            worker = self.worker(name)
-            node_name, port, label = worker.node, worker.kv_port, f"kv-{name}"
-        elif kind in _SERVICES:
-            section, attr = _SERVICES[kind]
-            node_name, port, label = getattr(self, section).node, getattr(getattr(self, section), attr), kind
-        else:
-            raise ConfigError(None, f"unknown endpoint kind {kind!r} (kinds: {', '.join(_SERVICES)}, kv)")
-        if self.transport == "ipc":
-            if not self.ipc_dir:
-                raise ConfigError("ipc_dir", "required for transport 'ipc' to build endpoints")
-            path = f"{self.ipc_dir}/{label}.sock"
-            if len(path.encode()) > MAX_IPC_PATH:
-                raise ConfigError("ipc_dir", f"socket path {path!r} is longer than {MAX_IPC_PATH} bytes")
-            return Endpoint(f"ipc://{path}", f"ipc://{path}")
-        node = self.node(node_name)
-        return Endpoint(f"tcp://{_bracket(node.bind_host)}:{port}", f"tcp://{_bracket(node.address)}:{port}")
+        return endpoint(self, kind, name)
 
     def check_endpoints(self) -> None:
         """Raise ConfigError for an endpoint that cannot be built (an ipc:// path too long)."""
-        for kind in _SERVICES:
+        for kind in SERVICES:
             self.endpoint(kind)
         for w in self.workers:
             self.endpoint("kv", w.name)
@@ -431,10 +328,6 @@ def _find(items: list, name: str, what: str) -> Any:
         if item.name == name:
             return item
     raise ConfigError(None, f"no {what} named {name!r} ({what}s: {', '.join(i.name for i in items)})")
-
-
-def _bracket(host: str) -> str:
-    return f"[{host}]" if ":" in host and not host.startswith("[") else host
 
 
 def parse_topology(data: Mapping[str, Any], source: str = "<dict>", *, warn_renamed: bool = True) -> Topology:

@@ -412,6 +412,7 @@ def test_a_frame_is_the_chunk_it_stands_for(kind):
 
 def test_what_arrived_together_leaves_together():
     from types import SimpleNamespace
+    from qmigrate.ingest.answers import next_all
     from qmigrate.ingest.http import HttpServer
     from qmigrate.ingest.streams import SHUTDOWN as _SHUTDOWN, Updates as _Updates
 
@@ -422,19 +423,19 @@ def test_what_arrived_together_leaves_together():
         updates = server.streams[1] = _Updates()
         for row in [(1, "a", 0, 1), (1, "b", 0, 2, -1), (1, "c", 2, 3, 16), (1, "late", 0, 4, -1)]:
             updates.push(row)
-        got = [await server._next_all(updates), await server._next_all(updates)]
+        got = [await next_all(server.loop, updates), await next_all(server.loop, updates)]
         asyncio.get_running_loop().call_later(0.01, updates.push, (1, "woken", 0, 5, -1))
-        got.append(await server._next_all(updates))  # a row wakes the wait
+        got.append(await next_all(server.loop, updates))  # a row wakes the wait
         for row in [(1, "x", 0, 6, -1), _SHUTDOWN, (1, "after", 0, 7, -1)]:
             updates.push(row)
-        got.append(await server._next_all(updates))  # the text before a shutdown still leaves
+        got.append(await next_all(server.loop, updates))  # the text before a shutdown still leaves
         with pytest.raises(Exception, match="shutting down"):
-            await server._next_all(updates)
+            await next_all(server.loop, updates)
         server.cfg.http_timeout_s = 0.05  # one watchdog ends waits that last past the limit
         watchdog = asyncio.create_task(server._watch())
         updates.rows.clear()
         with pytest.raises(Exception, match="no output within"):
-            await asyncio.wait_for(server._next_all(updates), 5)
+            await asyncio.wait_for(next_all(server.loop, updates), 5)
         watchdog.cancel()
         return got
 

@@ -3,7 +3,7 @@ import json
 import pytest
 
 from qmigrate.detokenizer.decoder import IncrementalDecoder
-from qmigrate.detokenizer.sinks import JsonlSink, TextSink, make_sink
+from qmigrate.detokenizer.formats import JsonlSink, TextSink, make_sink
 from tokenizer_util import build_sentencepiece_tokenizer, build_tokenizer
 
 TEXTS = [

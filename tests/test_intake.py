@@ -164,7 +164,7 @@ def test_jsonl_stop_single_string(tok):
     ({"prompt": "x", "stop": [5]}, "'stop[0]' must be a string or a list of token ids"),
     ({"prompt": "x", "stop": [[]]}, "'stop[0]' must be a non-empty list of token ids"),
     ({"prompt": "x", "stop": [[1, 900]]}, "'stop[0][1]' = 900 is out of range [0, 512)"),
-    # the wire's bounds (protocol.py), refused here rather than by the router
+    # the wire's bounds (wire/limits.py), refused here rather than by the router
     ({"prompt": "x", "top_k": 2**30 + 1}, "'top_k' must be an integer from 0 (off) to 1073741824"),
     ({"prompt": "x", "top_k": 2**64}, "'top_k' must be an integer from 0 (off) to 1073741824"),
     ({"prompt": "x", "temperature": 1e5}, "'temperature' must be a number from 0 to 2"),
@@ -247,7 +247,7 @@ def test_an_unreadable_id_leaves_the_line_number(tok, line):
 
 
 def test_check_json_looks_into_lists_of_numbers_only_for_depth():
-    from qmigrate.ingest.prompts import MAX_JSON_DEPTH, check_json
+    from qmigrate.ingest.json_checks import MAX_JSON_DEPTH, check_json
     deep, empty = [1, 2], []
     for _ in range(MAX_JSON_DEPTH - 2):
         deep = [deep]

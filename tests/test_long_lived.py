@@ -213,7 +213,8 @@ def test_many_thousands_of_requests_leave_every_structure_bounded(tmp_path):
     latency table every cancelled one, the router every error record: each grew with the
     number of requests served. 30,000 requests (finished, errored, cancelled, and tokens for
     requests that never start) through the pure cores: every size stays under its bound."""
-    from qmigrate.detokenizer.sinks import MAX_UNSTARTED, JsonlSink
+    from qmigrate.detokenizer.formats import JsonlSink
+    from qmigrate.detokenizer.sinks import MAX_UNSTARTED
     from qmigrate.router.journal import OutputLog
     from tokenizer_util import build_tokenizer
     tok = build_tokenizer()

@@ -7,7 +7,7 @@ import copy
 import pytest
 
 from conftest import CHAT_TEMPLATE
-from qmigrate.detokenizer.sinks import make_sink
+from qmigrate.detokenizer.formats import make_sink
 from qmigrate.ingest.openai_api import (ApiError, StopTrimmer, chunk, fan_out, parse_body, reply, total_usage,
                                         usage_chunk)
 from qmigrate.ingest.prompts import to_spec

@@ -313,7 +313,7 @@ def test_an_unreachable_hub_model_is_one_line(monkeypatch):
 def test_a_clamped_max_new_tokens_is_said_in_the_final_record():
     from tokenizer_util import build_tokenizer
 
-    from qmigrate.detokenizer.sinks import JsonlSink
+    from qmigrate.detokenizer.formats import JsonlSink
     from qmigrate.ingest.prompts import Defaults, parse_line
     tok = build_tokenizer()
     prompt = parse_line(json.dumps({"id": "a", "prompt_ids": [5, 6, 7], "max_new_tokens": 100}) + "\n",

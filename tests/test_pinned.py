@@ -8,7 +8,7 @@ import random
 import pytest
 
 from qmigrate.config import ConfigError, RouterConfig
-from test_scheduler import ask, check_invariants, diff_ids, full_ids, give, join, make_sched, migrations, report, \
+from scheduler_util import ask, check_invariants, diff_ids, full_ids, give, join, make_sched, migrations, report, \
     row_ids, spec
 
 

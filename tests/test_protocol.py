@@ -109,9 +109,9 @@ def bad_values(hint) -> list:
 # --- round trips ------------------------------------------------------------------------
 
 def test_examples_cover_every_registered_message():
-    assert {type(m) for m in EXAMPLES} == set(P._BY_TYPE.values())
-    assert set(P._BY_TYPE) == {int(t) for t in P.MsgType}
-    assert all(int(cls.TYPE) == key for key, cls in P._BY_TYPE.items())
+    assert {type(m) for m in EXAMPLES} == set(P.MESSAGE_TYPES.values())
+    assert set(P.MESSAGE_TYPES) == {int(t) for t in P.MsgType}
+    assert all(int(cls.TYPE) == key for key, cls in P.MESSAGE_TYPES.items())
 
 
 @pytest.mark.parametrize("msg", EXAMPLES, ids=lambda m: type(m).__name__)
@@ -358,7 +358,7 @@ def test_fuzz_only_protocol_error_escapes():
             num_rejected += 1
             continue
         num_decoded += 1
-        assert type(msg) in P._BY_TYPE.values()
+        assert type(msg) in P.MESSAGE_TYPES.values()
         again = codec.encode(msg)  # whatever decodes is well-typed enough to encode again
         assert codec.encode(codec.decode(again)) == again
     assert num_rejected > 1000 and num_decoded > 0

@@ -10,7 +10,8 @@ import pytest
 jsonschema = pytest.importorskip("jsonschema")   # the test extra; absent where only the GPU tests run
 
 from qmigrate.ingest import tools as T
-from qmigrate.ingest.prompts import PromptError, encode_chat
+from qmigrate.ingest.chat import encode_chat
+from qmigrate.ingest.prompts import PromptError
 
 WEATHER = {"type": "object", "additionalProperties": False, "required": ["city", "unit"],
            "properties": {"city": {"enum": ["Paris", "Oslo", "Lima"]}, "unit": {"enum": ["c", "f"]},

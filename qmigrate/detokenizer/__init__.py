@@ -1,4 +1,4 @@
-"""The detokenizer role: loop.py around the pure incremental decoder (decoder.py) and output sinks (sinks.py)."""
+"""The detokenizer role: loop.py around the pure incremental decoder (decoder.py) and output sinks (sinks.py, their formats in formats.py)."""
 
 # The detokenizer's exit status once its input is done (sim) when a request it printed failed
 # (refused by ingest, or ended by a worker's error); the node then exits with it.

@@ -26,7 +26,7 @@ from qmigrate.wire import protocol as P
 from qmigrate.wire import codec
 from qmigrate.wire import transport
 from qmigrate.detokenizer import EXIT_REQUESTS_FAILED
-from qmigrate.detokenizer.sinks import make_sink
+from qmigrate.detokenizer.formats import make_sink
 from qmigrate.hub.loading import resolve_model
 from qmigrate.hub.tokenizer_info import load_tokenizer_info
 from qmigrate.router.journal import Journal

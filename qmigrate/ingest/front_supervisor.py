@@ -24,7 +24,7 @@ from collections import deque
 import numpy as np
 import zmq
 
-from qmigrate.config import MAX_IPC_PATH, SHORT_TMP
+from qmigrate.config_endpoints import MAX_IPC_PATH, SHORT_TMP
 from qmigrate.ingest.handoff import front_index, split_by_front
 from qmigrate.wire import protocol as P
 from qmigrate.wire import codec

@@ -20,7 +20,7 @@ choice takes a path of its own, with nothing per token for choices it does not h
 The same server runs in each HTTP front process (ingest/front_process.py) when ingest has
 several: there it shares the port with the others (`reuse_port`) and, with `admission`, a
 request waits for ingest's word that it took the request (`admit`) before it answers, so that
-a refusal is still a 429.
+a refusal is still a 429. How a request's rows become its reply or stream is answers.py.
 """
 
 from __future__ import annotations
@@ -41,30 +41,17 @@ import zmq
 from aiohttp import web
 
 from qmigrate.ops import logs
-from qmigrate.wire import protocol as P
 from qmigrate.wire import transport
 from qmigrate.hub.grammars import Compiler, GrammarError
 from qmigrate.hub.tokenizer_info import load_tokenizer_info
 from qmigrate.ingest.logprobs_api import TokenText
 from qmigrate.ingest.guard import ClientLimit
-from qmigrate.ingest import utility_api
+from qmigrate.ingest import answers, utility_api
 from qmigrate.ingest.handoff import HTTP_BIT, THREAD_ID_BITS
-from qmigrate.ingest.prompts import Defaults, check_json
-from qmigrate.ingest.tools import CallStream, delta_calls
-from qmigrate.ingest.streams import DONE, MARK, SHUTDOWN, SSE_HEADERS, Frame, Updates, sse
-from qmigrate.ingest.openai_api import (
-    ApiError,
-    ChoiceExtras,
-    Choices,
-    StopTrimmer,
-    chunk,
-    fan_out,
-    models_list,
-    parse_body,
-    reply,
-    tool_chunk,
-    usage_chunk,
-)
+from qmigrate.ingest.json_checks import check_json
+from qmigrate.ingest.prompts import Defaults
+from qmigrate.ingest.streams import SHUTDOWN, Updates
+from qmigrate.ingest.openai_api import ApiError, fan_out, models_list, parse_body
 
 log = logging.getLogger("qmigrate.http")
 
@@ -343,12 +330,12 @@ class HttpServer:
                 raise _at_capacity()
             if len(seq_ids) > 1:
                 if req.stream:
-                    return await self._stream_choices(request, req, rid, updates, live)
-                return await self._collect_choices(req, rid, updates, live)
+                    return await answers.stream_choices(self.loop, request, req, rid, updates, live, self.token_text)
+                return await answers.collect_choices(self.loop, req, rid, updates, live, self.token_text)
             if req.stream:
-                response, ended = await self._stream(request, req, rid, updates)
+                response, ended = await answers.stream(self.loop, request, req, rid, updates, self.token_text)
             else:
-                response, ended = await self._collect(req, rid, updates), True
+                response, ended = await answers.collect(self.loop, req, rid, updates, self.token_text), True
             if ended:
                 live.clear()
             return response
@@ -386,158 +373,3 @@ class HttpServer:
         except asyncio.TimeoutError:
             raise ApiError(503, "the server did not take the request in time; retry later",
                            type="server_error", code="timeout") from None
-
-    async def _next(self, updates: Updates) -> tuple:
-        if not updates.rows:
-            updates.since = self.loop.time()
-            updates.waiter = self.loop.create_future()
-            try:
-                await updates.waiter  # woken by a row, or failed by the watchdog
-            finally:
-                updates.waiter = None
-        row = updates.rows.popleft()
-        if row is SHUTDOWN:
-            raise ApiError(503, "the server is shutting down; retry on another server or later",
-                           type="server_error", code="shutdown")
-        return row
-
-    async def _next_all(self, updates: Updates, extra=None) -> tuple[str, int, int, int]:
-        """(text, finish code, tokens so far, cached) of every row waiting (at least one): what
-        arrived together leaves together, in one event. Stops at a finish, which ends the stream.
-        `extra` (openai_api.ChoiceExtras) takes the rows' logprobs."""
-        row = await self._next(updates)
-        rows, text = updates.rows, row[1]
-        if extra is not None:
-            extra.push(*(row[5:7] if len(row) > 5 else (None, None)))
-        if rows and not row[2]:
-            parts = [text]
-            while rows and not row[2] and rows[0] is not SHUTDOWN:  # a shutdown ends the stream next call
-                row = rows.popleft()
-                parts.append(row[1])
-                if extra is not None:
-                    extra.push(*(row[5:7] if len(row) > 5 else (None, None)))
-            text = "".join(parts)
-        return text, row[2], row[3], row[4] if len(row) > 4 else -1
-
-    async def _next_rows(self, updates: Updates) -> list[tuple]:
-        """Every row waiting (at least one), up to a shutdown, which the next call raises."""
-        out = [await self._next(updates)]
-        rows = updates.rows
-        while rows and rows[0] is not SHUTDOWN:
-            out.append(rows.popleft())
-        return out
-
-    async def _collect(self, req, rid: str, updates: Updates):
-        trim, parts, created = StopTrimmer(req.stop), [], int(time.time())
-        extra = ChoiceExtras(req, 0, self.token_text) if req.has_extras else None
-        while True:
-            text, code, num_tokens, cached = await self._next_all(updates, extra)
-            parts.append(trim.push(text))
-            if code:
-                break
-        reason = P.Finish(code).openai_reason
-        if reason is None:
-            raise ApiError(500, "the worker could not run this request", type="server_error")
-        parts.append(trim.finish(code == P.Finish.STOP))
-        return web.json_response(reply(req, rid, created, [("".join(parts), reason, num_tokens, cached)],
-                                       [extra] if extra is not None else None))
-
-    async def _stream(self, request, req, rid: str, updates: Updates):
-        """SSE; returns (response, whether the request ended)."""
-        response = web.StreamResponse(headers=SSE_HEADERS)
-        await response.prepare(request)
-        trim, created, first, shown = StopTrimmer(req.stop), int(time.time()), True, 0
-        frame = Frame(chunk(req, rid, created, MARK))
-        extra = ChoiceExtras(req, 0, self.token_text) if req.has_extras else None
-        held = CallStream(req.tools) if req.tools is not None and req.tools.calls_expected else None
-        calls = []
-        try:
-            while True:
-                try:
-                    text, code, num_tokens, cached = await self._next_all(updates, extra)
-                except ApiError as exc:
-                    await response.write(sse(exc.body()) + DONE)
-                    return response, False
-                out = trim.push(text)
-                if code:
-                    reason = P.Finish(code).openai_reason
-                    if reason is None:
-                        await response.write(sse(ApiError(500, "the worker could not run this request",
-                                                           type="server_error").body()) + DONE)
-                        return response, True
-                    out += trim.finish(code == P.Finish.STOP)
-                if held is not None:   # tool calls are held back, and sent whole at the end
-                    out = held.push(out)
-                    if code:
-                        rest, calls = held.finish()
-                        out += rest
-                        reason = "tool_calls" if calls and reason == "stop" else reason
-                # An event for every step that made tokens, its text empty where they complete
-                # no character yet (or may begin a stop string), as vLLM's streams have: a
-                # client times each token, not each character.
-                if out or (first and req.kind == "chat") or (num_tokens > shown and not code):
-                    if first or req.continuous_usage or extra is not None:
-                        await response.write(sse(chunk(req, rid, created, out, first=first, num_tokens=num_tokens,
-                                                       extra=extra)))
-                    else:
-                        await response.write(frame(out))
-                    first = False
-                shown = num_tokens
-                if code:
-                    tail = b"".join(sse(tool_chunk(req, rid, created, d)) for d in delta_calls(calls))
-                    tail += sse(chunk(req, rid, created, None, reason, num_tokens=num_tokens))
-                    if req.include_usage:
-                        tail += sse(usage_chunk(req, rid, created, [(num_tokens, cached)]))
-                    await response.write(tail + DONE)
-                    await response.write_eof()
-                    return response, True
-        except ConnectionResetError:  # the client went away mid-stream
-            return response, False
-
-    # --- requests of several choices --------------------------------------------------------
-    async def _collect_choices(self, req, rid: str, updates: Updates, live: dict[int, int]):
-        """The whole answer of every choice; `live` loses each choice as it ends."""
-        choices, created = Choices(req, live, self.token_text), int(time.time())
-        parts: list[list[str]] = [[] for _ in choices.ends]
-        while live:
-            texts, _ = choices.take(await self._next_rows(updates))
-            for i, text in texts.items():
-                parts[i].append(text)
-        outcomes = [("".join(p), *end) for p, end in zip(parts, choices.ends)]
-        return web.json_response(reply(req, rid, created, outcomes, choices.extras))
-
-    async def _stream_choices(self, request, req, rid: str, updates: Updates, live: dict[int, int]):
-        """SSE of every choice, interleaved as their text comes, each chunk naming its choice's
-        index and each choice ending with its own finish chunk; one usage chunk (if asked for)
-        and one `[DONE]` after all. `live` loses each choice as it ends."""
-        response = web.StreamResponse(headers=SSE_HEADERS)
-        await response.prepare(request)
-        choices, created = Choices(req, live, self.token_text), int(time.time())
-        extras = choices.extras or [None] * len(live)
-        frames = [Frame(chunk(req, rid, created, MARK, index=i)) for i in range(len(choices.ends))]
-        try:
-            if req.kind == "chat":  # each choice opens with the assistant's role, as vLLM's do
-                await response.write(b"".join(sse(chunk(req, rid, created, "", first=True, index=i))
-                                              for i in range(len(frames))))
-            while live:
-                try:
-                    texts, ended = choices.take(await self._next_rows(updates))
-                except ApiError as exc:  # timeout, shutdown, or a choice a worker could not run
-                    await response.write(sse(exc.body()) + DONE)
-                    return response
-                if req.continuous_usage or choices.extras:
-                    out = [sse(chunk(req, rid, created, text, index=i, num_tokens=choices.num_tokens[i],
-                                     extra=extras[i]))
-                           for i, text in texts.items() if text or i not in ended]
-                else:
-                    out = [frames[i](text) for i, text in texts.items() if text or i not in ended]
-                out += [sse(chunk(req, rid, created, None, choices.ends[i][0], index=i,
-                                  num_tokens=choices.num_tokens[i])) for i in ended]
-                if out:
-                    await response.write(b"".join(out))
-            tail = sse(usage_chunk(req, rid, created, choices.counts())) if req.include_usage else b""
-            await response.write(tail + DONE)
-            await response.write_eof()
-            return response
-        except ConnectionResetError:  # the client went away mid-stream: its choices are cancelled
-            return response

@@ -41,7 +41,7 @@ generates that exact token sequence.
 Every problem raises PromptError with a message meant for the user, the request id, and the
 field at fault (named in quotes in the message, as the HTTP API's errors do).
 A prompt that leaves no room for one new token is an error; a max_new_tokens that does
-not fit the context is clamped to what fits. The bounds are the wire's (protocol.py), and a
+not fit the context is clamped to what fits. The bounds are the wire's (wire/limits.py), and a
 request that passes here is checked once more as the router will decode it (`check_prompt`),
 so what ingest accepts the router accepts. Strings must be encodable (no lone surrogates)
 and JSON at most MAX_JSON_DEPTH deep.
@@ -50,18 +50,18 @@ and JSON at most MAX_JSON_DEPTH deep.
 from __future__ import annotations
 
 import json
-import math
-import re
 from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Literal
 
-from qmigrate.ingest.chat import CHAT_ROLES, MESSAGE_KEYS, check_chars, encode_chat  # noqa: F401 -- theirs
+from qmigrate.ingest.chat import check_chars, encode_chat
+from qmigrate.ingest.json_checks import (
+    MAX_JSON_DEPTH, check_json, is_int, is_int_list, is_number, readable_id, reject_constant,
+)
 from qmigrate.wire import protocol as P
 from qmigrate.wire import codec
 
 MAX_SEED = P.MAX_SEED + 1  # exclusive: seeds are in [0, 2**63)
-MAX_JSON_DEPTH = 32
 KEYS = frozenset(
     ["id", "prompt", "prompt_ids", "messages", "max_new_tokens", "temperature", "top_p",
      "top_k", "seed", "stop", "ignore_eos", "min_tokens", "cache_salt", "presence_penalty",
@@ -120,52 +120,6 @@ class PromptError(ValueError):
         self.param = param
 
 
-def _is_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_number(value) -> bool:
-    return (_is_int(value) or isinstance(value, float)) and math.isfinite(value)
-
-
-def _reject_constant(name: str):
-    raise ValueError(f"{name} is not valid JSON")
-
-
-def check_json(obj) -> None:
-    """Raise ValueError for a decoded JSON value nested deeper than MAX_JSON_DEPTH or holding
-    a string that is not valid Unicode (a lone surrogate from a \\ud800 escape). Iterative:
-    a deep value cannot exhaust the stack here. A list's numbers are skipped by type in C: a
-    prompt of token ids costs no Python step per id."""
-    stack = [(obj, 1)]
-    while stack:
-        value, depth = stack.pop()
-        if depth > MAX_JSON_DEPTH:
-            raise ValueError(f"nested deeper than {MAX_JSON_DEPTH} levels")
-        if isinstance(value, str):
-            try:
-                value.encode("utf-8")
-            except UnicodeEncodeError:
-                raise ValueError("a string holds a lone surrogate (not valid Unicode)") from None
-        elif isinstance(value, dict):
-            stack.extend((k, depth + 1) for k in value)
-            stack.extend((v, depth + 1) for v in value.values())
-        elif isinstance(value, list) and value:
-            if depth >= MAX_JSON_DEPTH:
-                raise ValueError(f"nested deeper than {MAX_JSON_DEPTH} levels")
-            if not _SCALARS.issuperset(map(type, value)):
-                stack.extend((v, depth + 1) for v in value if type(v) not in _SCALARS)
-
-
-_SCALARS = frozenset((int, float, bool, type(None)))
-_INT = frozenset((int,))
-
-
-def is_int_list(value: list) -> bool:
-    """Every item an int and none a bool (an id list), checked in C."""
-    return _INT.issuperset(map(type, value))
-
-
 def to_spec(prompt: Prompt, seq_id: int, seed: int, eos_ids: Collection[int]) -> P.SeqSpec:
     """The request's full form as the router and the workers take it."""
     ends = set(prompt.stop_token_ids) if prompt.ignore_eos else set(eos_ids).union(prompt.stop_token_ids)
@@ -193,57 +147,6 @@ def check_prompt(prompt: Prompt, eos_ids: Collection[int] = ()) -> Prompt:
     except P.ProtocolError as exc:
         raise PromptError(prompt.req_id, f"the request is past the protocol's bounds: {exc}") from None
     return prompt
-
-
-# A JSON string, or one structural character: enough to walk an object's top level in C
-# without decoding (or recursing into) its values.
-_JSON_TOKEN = re.compile(r'"(?:[^"\\]|\\.)*"|[][{},:]')
-
-
-def readable_id(line: str) -> str | None:
-    """The top-level "id" of a JSONL line that json.loads or check_json refused for something
-    elsewhere in it (a lone surrogate, NaN, nesting past 32 levels, an integer past Python's
-    4,300 digits), when that id on its own is one parse_line would take; else None. The line is
-    walked token by token, so a value nested 100,000 deep costs no recursion."""
-    if not line.lstrip().startswith("{"):
-        return None
-    depth, key, value_at, found = 0, None, None, None
-    expect_key = False
-    for m in _JSON_TOKEN.finditer(line):
-        t = m.group()
-        if depth == 1 and t in ",}" and key == '"id"' and value_at is not None:
-            found = _id_value(line[value_at:m.start()])
-        if t == "{" or t == "[":
-            depth += 1
-            expect_key = depth == 1
-        elif t == "}" or t == "]":
-            depth -= 1
-            if depth <= 0:
-                break
-        elif depth == 1:
-            if t == ",":
-                expect_key, key, value_at = True, None, None
-            elif t == ":":
-                value_at = m.end()
-            elif expect_key:
-                key, expect_key = t, False
-    return found
-
-
-def _id_value(text: str) -> str | None:
-    try:
-        value = json.loads(text, parse_constant=_reject_constant)
-    except ValueError:
-        return None
-    if _is_int(value):
-        value = str(value)
-    if not isinstance(value, str) or not value or len(value) > P.MAX_REQ_ID:
-        return None
-    try:
-        value.encode("utf-8")
-    except UnicodeEncodeError:
-        return None
-    return value
 
 
 def parse_line(
@@ -288,7 +191,7 @@ def parse_line(
     if not line.strip():
         raise PromptError(req_id, "empty line")
     try:
-        obj = json.loads(line, parse_constant=_reject_constant)
+        obj = json.loads(line, parse_constant=reject_constant)
         check_json(obj)
     except ValueError as exc:
         raise PromptError(readable_id(line) or req_id, f"invalid JSON: {exc}") from None
@@ -300,7 +203,7 @@ def parse_line(
 
     if set(obj) == {"cancel"}:
         target = obj["cancel"]
-        if _is_int(target) or (isinstance(target, str) and target):
+        if is_int(target) or (isinstance(target, str) and target):
             return CancelRequest(str(target))
         raise PromptError(req_id, "'cancel' must name a request id (a non-empty string or an integer)", "cancel")
     raw_id = obj.get("id")
@@ -309,7 +212,7 @@ def parse_line(
             if len(raw_id) > P.MAX_REQ_ID:
                 raise PromptError(req_id, f"'id' is longer than {P.MAX_REQ_ID} characters", "id")
             req_id = raw_id
-        elif _is_int(raw_id):
+        elif is_int(raw_id):
             req_id = str(raw_id)
         else:
             raise PromptError(req_id, "'id' must be a non-empty string or an integer", "id")
@@ -363,26 +266,26 @@ def parse_request(
         prompt_ids = _check_ids(obj["prompt_ids"], "prompt_ids", vocab_size, fail)
 
     max_new_tokens = obj.get("max_new_tokens", defaults.max_new_tokens)
-    if not _is_int(max_new_tokens) or max_new_tokens < 1:
+    if not is_int(max_new_tokens) or max_new_tokens < 1:
         fail("'max_new_tokens' must be an integer >= 1", "max_new_tokens")
     temperature = obj.get("temperature", defaults.temperature)
-    if not _is_number(temperature) or not 0 <= temperature <= P.MAX_TEMPERATURE:
+    if not is_number(temperature) or not 0 <= temperature <= P.MAX_TEMPERATURE:
         fail(f"'temperature' must be a number from 0 to {P.MAX_TEMPERATURE:g}", "temperature")
     top_p = obj.get("top_p", defaults.top_p)
-    if not _is_number(top_p) or not 0 < top_p <= 1:
+    if not is_number(top_p) or not 0 < top_p <= 1:
         fail("'top_p' must be a number in (0, 1]", "top_p")
     top_k = obj.get("top_k", defaults.top_k)
-    if not _is_int(top_k) or not 0 <= top_k <= P.MAX_TOP_K:
+    if not is_int(top_k) or not 0 <= top_k <= P.MAX_TOP_K:
         fail(f"'top_k' must be an integer from 0 (off) to {P.MAX_TOP_K}", "top_k")
     seed = obj.get("seed")
-    if seed is not None and (not _is_int(seed) or not 0 <= seed < MAX_SEED):
+    if seed is not None and (not is_int(seed) or not 0 <= seed < MAX_SEED):
         fail("'seed' must be an integer in [0, 2**63)", "seed")
     stop_ids = _parse_stop(obj.get("stop", []), tokenizer, vocab_size, fail)
     ignore_eos = obj.get("ignore_eos", False)
     if not isinstance(ignore_eos, bool):
         fail("'ignore_eos' must be a boolean", "ignore_eos")
     min_tokens = obj.get("min_tokens", 0)
-    if not _is_int(min_tokens) or not 0 <= min_tokens <= max_new_tokens:
+    if not is_int(min_tokens) or not 0 <= min_tokens <= max_new_tokens:
         fail(f"'min_tokens' must be an integer from 0 to 'max_new_tokens' ({max_new_tokens})",
              "min_tokens")
     cache_salt = obj.get("cache_salt", "")
@@ -395,7 +298,7 @@ def parse_request(
                             ("repetition_penalty", P.MIN_REPETITION_PENALTY, P.MAX_REPETITION_PENALTY),
                             ("min_p", 0, 1)):
         value = obj.get(name, 1.0 if name == "repetition_penalty" else 0.0)
-        if not _is_number(value) or not low <= value <= high:
+        if not is_number(value) or not low <= value <= high:
             fail(f"'{name}' must be a number from {low:g} to {high:g}", name)
         penalties[name] = float(value)
     logit_bias = _parse_logit_bias(obj.get("logit_bias", {}), vocab_size, fail)
@@ -408,7 +311,7 @@ def parse_request(
     logprobs = {}
     for name in ("logprobs", "prompt_logprobs"):
         value = obj.get(name, -1)
-        if value != -1 and (not _is_int(value) or not 0 <= value <= P.MAX_LOGPROBS):
+        if value != -1 and (not is_int(value) or not 0 <= value <= P.MAX_LOGPROBS):
             fail(f"'{name}' must be an integer from 0 to {P.MAX_LOGPROBS}", name)
         logprobs[f"num_{name}"] = value
     grammar = _parse_grammar(obj, fail)
@@ -465,7 +368,7 @@ def _check_ids(value, name: str, vocab_size: int, fail) -> list[int]:
     if is_int_list(value) and 0 <= min(value) and max(value) < vocab_size:
         return list(value)  # checked in C; the loop below finds what is wrong, and says where
     for i, token_id in enumerate(value):
-        if not _is_int(token_id):
+        if not is_int(token_id):
             fail(f"'{name}[{i}]' must be an integer token id, got {json.dumps(token_id)}", param)
         if not 0 <= token_id < vocab_size:
             fail(f"'{name}[{i}]' = {token_id} is out of range [0, {vocab_size})", param)
@@ -480,9 +383,9 @@ def _parse_logit_bias(value, vocab_size: int, fail) -> dict[int, float]:
     out = {}
     for key, bias in value.items():
         token = int(key) if isinstance(key, str) and key.isascii() and key.isdigit() else key
-        if not _is_int(token) or not 0 <= token < vocab_size:
+        if not is_int(token) or not 0 <= token < vocab_size:
             fail(f"'logit_bias' key {key!r} is not a token id in [0, {vocab_size})", "logit_bias")
-        if not _is_number(bias) or not -P.MAX_BIAS <= bias <= P.MAX_BIAS:
+        if not is_number(bias) or not -P.MAX_BIAS <= bias <= P.MAX_BIAS:
             fail(f"'logit_bias[{key}]' must be a number from {-P.MAX_BIAS:g} to {P.MAX_BIAS:g}", "logit_bias")
         if bias:
             out[token] = float(bias)

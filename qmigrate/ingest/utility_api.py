@@ -13,7 +13,9 @@ from collections.abc import Collection
 
 from qmigrate import __version__
 from qmigrate.ingest.openai_api import ApiError, not_found
-from qmigrate.ingest.prompts import PromptError, encode_chat, is_int_list
+from qmigrate.ingest.chat import encode_chat
+from qmigrate.ingest.json_checks import is_int_list
+from qmigrate.ingest.prompts import PromptError
 
 TOKENIZE_FIELDS = {"prompt": frozenset(["model", "prompt", "add_special_tokens", "return_token_strs"]),
                    "messages": frozenset(["model", "messages", "add_generation_prompt", "add_special_tokens",

@@ -21,7 +21,8 @@ from qmigrate.config_yaml import build_section
 from qmigrate.engine.engine import Engine
 from qmigrate.hub.loading import fetch_hub_model, load_model, resolve_model
 from qmigrate.hub.tokenizer_info import load_tokenizer_info
-from qmigrate.ingest.prompts import PromptError, is_int_list, parse_request, seed_of, to_spec
+from qmigrate.ingest.json_checks import is_int_list
+from qmigrate.ingest.prompts import PromptError, parse_request, seed_of, to_spec
 from qmigrate.offline.loop import OfflineSeq, run_to_end
 from qmigrate.offline.params import CompletionOutput, RequestOutput, SamplingParams, message_of
 from qmigrate.wire.protocol import Finish

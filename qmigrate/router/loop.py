@@ -1,7 +1,9 @@
 """Router: the id queue. A poller loop around the pure Scheduler.
 
 It is also the one way into the detokenizer, through `Output` (output.py): what it forwards
-there, held while the detokenizer does not read, and kept in a journal until printed."""
+there, held while the detokenizer does not read, and kept in a journal until printed. What it
+reads from messages and builds into them (a worker's state, a lease, the rows of tokens a
+worker may send) is messages.py."""
 
 from __future__ import annotations
 
@@ -9,7 +11,6 @@ import logging
 import time
 from collections import Counter, deque
 
-import numpy as np
 import zmq
 
 from qmigrate.wire import protocol as P
@@ -17,7 +18,8 @@ from qmigrate.wire import codec
 from qmigrate.wire import transport
 from qmigrate.ops.observe import FleetObserver
 from qmigrate.router.output import Output
-from qmigrate.router.scheduler import Scheduler, WorkerState
+from qmigrate.router.messages import is_vram_entry, kept_rows, kv_bytes_per_token, lease_of, worker_state
+from qmigrate.router.scheduler import Scheduler
 from qmigrate.router.stats import stats_counters
 from qmigrate.wire.security import Guard
 from qmigrate.hub.model_facts import migration_costs
@@ -60,10 +62,7 @@ class Router:
         costs = migration_costs(topo.model.path)
         if costs is None and self.config.migration == "auto":
             log.warning("the model's config.json is not readable on this node: every migration recomputes")
-        # a worker with kv_cache_dtype fp8 ships its KV in e4m3 (a receiver of another dtype converts)
-        self.kv_bytes_per_token = {w.name: costs.kv_bytes_per_token(
-            "float8_e4m3fn" if w.kv_cache_dtype != "auto" else topo.model.dtype_for(w.device))
-            for w in topo.workers} if costs else {}
+        self.kv_bytes_per_token = kv_bytes_per_token(topo, costs)
         self.num_params = costs.num_params if costs else 0
         self.observer = FleetObserver()
         self.errors: Counter[str] = Counter()
@@ -186,9 +185,7 @@ class Router:
 
     def on_vram(self, msg: P.VramReport) -> None:
         for gpu in msg.gpus:
-            numbers = gpu[1:5] if len(gpu) >= 5 else ()
-            if (isinstance(gpu[0], str) and len(numbers) == 4
-                    and all(type(x) is int and x >= 0 for x in numbers) and 0 <= gpu[4] <= gpu[2] and gpu[2] > 0):
+            if is_vram_entry(gpu):
                 self.sched.set_vram(gpu[0], gpu[2], gpu[4], time.monotonic())
                 index, util = (gpu[1], gpu[5]) if len(gpu) >= 6 else (gpu[1], -1)
                 self.observer.vram(msg.node[:64], gpu[0][:128], index, gpu[2], gpu[3], gpu[4],
@@ -211,23 +208,12 @@ class Router:
                 log.warning("refused a hello as live worker %s from another peer %r", msg.name, sender)
                 self.reply(sender, P.Reject(f"worker {msg.name} is already connected"))
                 return
-            info = msg.info
-            inflight = P.info_int(info, "inflight", 2, 1, 64)
-            device = P.info_str(info, "device", 64)
-            state = WorkerState(
-                msg.name, max_seqs=P.info_int(info, "max_seqs", 64, 1, 1 << 20),
-                max_tokens=P.info_int(info, "max_tokens", 8192, 1, 1 << 30), inflight=inflight,
-                kv_endpoint=P.info_str(info, "kv_endpoint"), gpu_uuid=P.info_str(info, "gpu_uuid"),
-                kv_bytes_per_token=self.kv_bytes_per_token.get(msg.name, 0), num_params=self.num_params,
-                kv_tokens=P.info_int(info, "kv_tokens", 0),
-                block_size=P.info_int(info, "block_size", 16, 1, 1 << 16),
-                is_caching=bool(P.info_int(info, "prefix_cache", 0, 0, 1)),
-                held_bytes=P.info_int(info, "held_bytes", 0))
+            state, inflight, device = worker_state(msg, self.kv_bytes_per_token.get(msg.name, 0), self.num_params)
             self.identity[msg.name] = sender
             self.parked[msg.name] = deque(maxlen=inflight)
             self.sched.register(state, time.monotonic())
             self.observer.joined(msg.name, self.nodes.get(msg.name, ""), device, time.monotonic())
-            log.info("worker %s joined (%s)", msg.name, info.get("device", "?"))
+            log.info("worker %s joined (%s)", msg.name, msg.info.get("device", "?"))
         elif msg.role == "ingest":
             self.on_ingest_hello(sender)
         self.reply(sender, P.Welcome(P.PROTOCOL_VERSION, self.heartbeat_interval_s, self.config.lease_timeout_s))
@@ -329,13 +315,7 @@ class Router:
             self.errors["tokens_never_leased"] += never
             self.dropped_log.warning("dropped tokens of %d sequences never leased to worker %s", never, name)
         if any(mine):
-            keep = np.array(mine)
-            counts = P.unpack_i32(msg.counts)
-            tokens = P.unpack_i32(msg.tokens)[np.repeat(keep, counts)]
-            kept = P.Tokens(P.pack_i64(seq_ids[keep]), P.pack_i32(P.unpack_i32(msg.start)[keep]),
-                            P.pack_i32(counts[keep]), P.pack_i32(tokens), P.pack_u8(P.unpack_u8(msg.finish)[keep]),
-                            P.pack_i32(P.unpack_i32(msg.cached_tokens)[keep]) if msg.cached_tokens else b"")
-            self.out.forward(codec.encode(P.logprob_rows(msg, kept, keep)))
+            self.out.forward(codec.encode(kept_rows(msg, seq_ids, mine)))
 
     def on_submit(self, sender: bytes, msg: P.Submit) -> None:
         if self.ingest is None:   # this router restarted: ingest said its hello to the one before
@@ -435,15 +415,9 @@ class Router:
                 self.reply(self.identity[owner], P.ShipKV(seq_id, dest, transfer_id, num_tokens, start,
                                                           P.pack_i64(keys) if keys else b""))
                 self.observer.shipped(num_tokens - start, self.sched.workers[owner].kv_bytes_per_token)
-        rows = grant.rows
-        self.trace("grant", grant.worker, grant.lease_id, len(rows), grant.num_steps, request_no)
-        self.observer.leased(grant.worker, len(rows))
-        lease = P.Lease(
-            grant.lease_id, request_no, self.config.lease_timeout_s,
-            P.pack_i64([r.seq_id for r in rows]), P.pack_i32([r.length for r in rows]),
-            P.pack_i32([r.last_token for r in rows]), [r.spec for r in rows if r.spec is not None],
-            P.pack_i64(grant.drop_ids), grant.num_steps)
-        self.reply(self.identity[grant.worker], lease)
+        self.trace("grant", grant.worker, grant.lease_id, len(grant.rows), grant.num_steps, request_no)
+        self.observer.leased(grant.worker, len(grant.rows))
+        self.reply(self.identity[grant.worker], lease_of(grant, request_no, self.config.lease_timeout_s))
 
     def send_revokes(self) -> None:
         for worker, lease_id, seq_ids in self.sched.take_revokes():

@@ -1,4 +1,4 @@
-"""Encoding and decoding of the messages in protocol.py.
+"""Encoding and decoding of the messages that protocol.py names.
 
 A message is one msgpack array, [type, field1, field2, ...]. Decoding is msgpack with hard
 size limits, then a check of every field against its declared type, the ranges below, and
@@ -14,8 +14,9 @@ import typing
 
 import msgpack
 
+from qmigrate.wire.packed import unpack_array
+from qmigrate.wire.registry import MESSAGE_TYPES
 from qmigrate.wire.protocol import (
-    _BY_TYPE,
     MAX_ARRAY_LEN,
     MAX_CACHE_SALT,
     MAX_MESSAGE_BYTES,
@@ -29,7 +30,6 @@ from qmigrate.wire.protocol import (
     MAX_TOP_K,
     ProtocolError,
     SeqSpec,
-    _unpack,
 )
 
 def _to_wire(value):
@@ -67,7 +67,7 @@ def decode(data: bytes):
         raise ProtocolError(f"undecodable message: {exc}") from None
     if not isinstance(body, list) or not body or type(body[0]) is not int:
         raise ProtocolError("message is not [type, fields...]")
-    cls = _BY_TYPE.get(body[0])
+    cls = MESSAGE_TYPES.get(body[0])
     if cls is None:
         raise ProtocolError(f"unknown message type {body[0]}")
     try:
@@ -130,7 +130,7 @@ def _build(cls, values: list, where: str):
         if bounds is not None and not bounds[0] <= value <= bounds[1]:
             raise ProtocolError(f"{where}.{name}: {value!r} outside [{bounds[0]}, {bounds[1]}]")
         if array is not None:
-            items = _unpack(value, array[0], f"{where}.{name}")
+            items = unpack_array(value, array[0], f"{where}.{name}")
             if array[1] and items.size and items.min() < 0:
                 raise ProtocolError(f"{where}.{name}: negative id")
         if max_len is not None and len(value) > max_len:

@@ -32,7 +32,7 @@ def pack_f32(values) -> bytes:
     return np.ascontiguousarray(values, dtype="<f4").tobytes()
 
 
-def _unpack(data: bytes, dtype: str, what: str) -> np.ndarray:
+def unpack_array(data: bytes, dtype: str, what: str) -> np.ndarray:
     itemsize = np.dtype(dtype).itemsize
     if len(data) % itemsize:
         raise ProtocolError(f"{what}: {len(data)} bytes is not a whole number of {dtype} items")
@@ -40,26 +40,26 @@ def _unpack(data: bytes, dtype: str, what: str) -> np.ndarray:
 
 
 def unpack_ids(data: bytes, what: str = "ids") -> np.ndarray:
-    ids = _unpack(data, "<i4", what)
+    ids = unpack_array(data, "<i4", what)
     if ids.size and (ids.min() < 0):
         raise ProtocolError(f"{what}: negative token id")
     return ids
 
 
 def unpack_i32(data: bytes, what: str = "i32") -> np.ndarray:
-    return _unpack(data, "<i4", what)
+    return unpack_array(data, "<i4", what)
 
 
 def unpack_i64(data: bytes, what: str = "i64") -> np.ndarray:
-    return _unpack(data, "<i8", what)
+    return unpack_array(data, "<i8", what)
 
 
 def unpack_u8(data: bytes, what: str = "u8") -> np.ndarray:
-    return _unpack(data, "u1", what)
+    return unpack_array(data, "u1", what)
 
 
 def unpack_f32(data: bytes, what: str = "f32") -> np.ndarray:
-    return _unpack(data, "<f4", what)
+    return unpack_array(data, "<f4", what)
 
 
 # Logprobs (Tokens, Replies): per token a row of values (its logprob[, rank], then its
