@@ -6,7 +6,8 @@
 #   open     every call with docs/bench/schema-open.json (no maxLength)
 #   lp5      every call with logprobs and 5 alternatives                 (bar: tok/s >= 0.9x plain)
 #   mix      10% of the calls with the builtin schema (bar: the plain calls' TPOT p50 within 5% of plain's)
-# and the mask's own cost on the CPU (docs/bench/mask_cost.py). Prints the table last
+# and the mask's own cost on the CPU (docs/bench/mask_cost.py); the first round's runs also print the
+# busiest processes (docs/bench/cpu_busy.py). Prints the table last
 # (docs/bench/cost_table.py); the runs' JSON go to OUT_DIR.
 # Usage: docs/bench/cost.sh OUT_DIR [ROUNDS] (about 4 minutes with 2 rounds on one H100)
 set -u
@@ -15,16 +16,18 @@ mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 q() { python -m qmigrate "$@"; }
 here=$(dirname "$0")
-[ -f .bench/bench-model/config.json ] || q model bench .bench/bench-model > "$out/model.log" 2>&1 || exit 1
+model=${MODEL:-.bench/bench-model}   # MODEL, BENCH_FLAGS (added to every run): a smaller try
+[ -f $model/config.json ] || q model bench $model > "$out/model.log" 2>&1 || exit 1
 (nvidia-smi --query-gpu=name,driver_version --format=csv,noheader; nproc; git rev-parse --short HEAD) \
     > "$out/machine.txt" 2>&1
-python "$here/mask_cost.py" .bench/bench-model 8 60 2>&1 | tee "$out/mask_cost.txt"
+python "$here/mask_cost.py" $model 8 60 2>&1 | tee "$out/mask_cost.txt"
 . "$here/serve-lib.sh"   # serve_up, serve_down
-serve_up "$out/serve.log" .bench/bench-model || exit 1
+serve_up "$out/serve.log" $model || exit 1
 url=http://127.0.0.1:${PORT:-8000}
-run() {   # run NAME [bench serve flags]
-    local name=$1; shift
-    q bench serve --base-url $url --json "$out/$name.json" "$@" > "$out/$name.txt" 2>&1 \
+run() {   # run NAME [bench serve flags]: the first round's with the busiest processes (cpu_busy.py)
+    local name=$1 busy=(); shift
+    [ "${name##*-}" = 1 ] && busy=(python "$here/cpu_busy.py" --match qmigrate --)
+    "${busy[@]}" python -m qmigrate bench serve --base-url $url --json "$out/$name.json" ${BENCH_FLAGS:-} "$@" > "$out/$name.txt" 2>&1 \
         || { echo "$name failed"; tail -5 "$out/$name.txt"; }
 }
 for r in $(seq 1 $rounds); do
@@ -35,4 +38,7 @@ for r in $(seq 1 $rounds); do
     run mix-$r --response-format-json-schema builtin --structured-fraction 0.1
 done
 serve_down
+for name in plain-1 schema-1 lp5-1 mix-1; do
+    echo "== $name"; sed -n '/^busiest/,$p' "$out/$name.txt" | head -9
+done
 python "$here/cost_table.py" "$out"

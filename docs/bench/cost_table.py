@@ -27,10 +27,10 @@ def main() -> None:
         cells = []
         for kind in KINDS:
             run = runs[kind]
-            cells.append(f"{'-':>14}" if run is None else
+            cells.append(f"{'-':>14}" if run is None or not plain['output_tok_per_s'] else
                          f"{run['output_tok_per_s']:7,.0f} {run['output_tok_per_s'] / plain['output_tok_per_s']:5.2f}x")
         mix = runs["mix"]
-        tpot = "-" if mix is None else (f"{plain['tpot_ms']['p50']:.2f} / {mix['plain']['tpot_ms']['p50']:.2f} "
+        tpot = "-" if mix is None or not plain['tpot_ms'].get('p50') or 'plain' not in mix else (f"{plain['tpot_ms']['p50']:.2f} / {mix['plain']['tpot_ms']['p50']:.2f} "
                                         f"({mix['plain']['tpot_ms']['p50'] / plain['tpot_ms']['p50']:.2f}x)")
         print(f"{r:>5} {plain['output_tok_per_s']:12,.0f} " + " ".join(cells) + f" {tpot:>31}")
 
