@@ -323,9 +323,8 @@ class Engine:
         """Queue the forward pass and sampling of the placed rows; tokens come back to a
         pinned host buffer without a wait. Rows with a grammar have their masks computed
         while the device runs the forward pass. When one of them samples after a token that
-        the step `after` has not yet brought to the host, the sampling waits (`_settle`:
-        when the next step is launched or this one collected), and collecting `after` starts
-        the masks: the worker's work on that step and the forward pass run meanwhile."""
+        the step `after` has not yet brought to the host, the sampling waits until `after` is
+        collected (`_note_grammars`), while the device runs the forward pass."""
         logits = self.runner.forward(batch, feed=feed)
         pending.batch, pending.params = batch, params
         if self.grammars and after is not None and after.result is None \
@@ -363,16 +362,13 @@ class Engine:
             pending.event = torch.cuda.Event()
             pending.event.record()
 
-    @torch.inference_mode()
     def _settle(self, pending: "Pending | None") -> None:
-        """Queue the sampling of a step that waits for its masks (`_run`), collecting the step
-        before it first if no one has; nothing for any other step."""
-        if pending is None or pending.logits is None:
-            return
-        self.collect(pending.waits_on)
-        logits, pending.logits, pending.waits_on = pending.logits, None, None
-        self._sample(pending, logits, self.grammars.finish(pending.masks))
-        pending.masks = None
+        """Queue the sampling of a step that waits for its masks (`_run`): collecting the step
+        before it does (`_note_grammars`); nothing for any other step."""
+        if pending is not None and pending.logits is not None:
+            self.collect(pending.waits_on)
+            if pending.logits is not None:   # that step was collected before this one waited on it
+                self._sample_waiting(pending, None)
 
     def _admit(self, rows: list[StepRow]) -> tuple[list[StepRow], dict[int, int]]:
         """Prompts (rows from position 0) start on their longest cached prefix; the rows to
@@ -429,14 +425,21 @@ class Engine:
             pending.result = tokens
         return pending.result
 
+    @torch.inference_mode()
     def _note_grammars(self, pending: "Pending", values: list[int]) -> None:
-        """The matchers take a collected step's tokens; a step that waits for them to sample
-        (`_run`) has its masks started with them, on the grammars' thread."""
+        """The matchers take a collected step's tokens. A step launched after it that waits for
+        them (`_run`: its forward pass is queued) has its masks filled and its sampling queued
+        here at once, while the device still runs that forward pass: the worker's own work on
+        the collected step comes after, beside the device, as for a step without grammars."""
         then, pending.then = pending.then, None
-        if not self.grammars:
-            return
         noted = (pending.batch.seq_ids, pending.params[4], values, pending.partial)
         if then is not None and then.logits is not None:
-            then.masks = self.grammars.begin(then.batch.seq_ids, then.params[4], noted)
-        else:
+            self._sample_waiting(then, noted)
+        elif self.grammars:
             self.grammars.note(*noted)
+
+    @torch.inference_mode()
+    def _sample_waiting(self, pending: "Pending", noted) -> None:
+        masks = self.grammars.masks(pending.batch.seq_ids, pending.params[4], noted) if self.grammars else None
+        logits, pending.logits, pending.waits_on = pending.logits, None, None
+        self._sample(pending, logits, masks)

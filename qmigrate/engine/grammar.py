@@ -13,12 +13,11 @@ The mask is computed on the host while the device runs the step's forward pass (
 queued before the mask is asked for), into a pinned buffer of packed bits (one int32 per 32
 tokens, llguidance's layout), and applied on the device as one masked fill of the constrained
 rows. A step whose constrained rows sample after a token of the step before it that is still
-on the device (`lags`) is sampled later (`Engine._settle`): when that step is collected,
-`begin` hands its tokens to the matchers and fills the masks on a pool thread (the library
-releases the interpreter lock and fills rows in parallel), while the worker's own work on the
-collected step goes on and the device runs the forward pass. Rows without a grammar pay
-nothing of this; a step with no constrained row does no work here. EOS is in a row's mask
-only where its grammar accepts.
+on the device (`lags`) is sampled when that step is collected (`Engine._note_grammars`): the
+matchers take its tokens, the masks are filled (by the library's threads, in parallel) and
+the sampling is queued while the device still runs the forward pass, before the worker's
+own work on the collected step. Rows without a grammar pay nothing of this; a step with no
+constrained row does no work here. EOS is in a row's mask only where its grammar accepts.
 
 What a mask costs depends on the grammar's state, not only on the row count: llguidance skips
 whole slices of the vocabulary where the lexer allows any string character, but a string with a
@@ -29,7 +28,6 @@ a row on the CPU (bench `docs/bench/mask_cost.py`).
 from __future__ import annotations
 
 import logging
-from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 import torch
@@ -48,17 +46,9 @@ class GrammarTable:
         self.buffers: list[torch.Tensor] = []  # two pinned bitmasks, used in turn
         self.turn = 0
         self.width = 0                # int32 words of a row's mask
-        self.pool: ThreadPoolExecutor | None = None   # one thread: the masks being filled (`begin`)
-        self.job: Future | None = None  # in flight on it; every other use of the matchers waits for it
 
     def __bool__(self) -> bool:
         return bool(self.matchers)
-
-    def _settled(self) -> None:
-        """Wait for the masks in flight (the matchers are the pool thread's until then)."""
-        if self.job is not None:
-            job, self.job = self.job, None
-            job.result()
 
     def matcher(self, grammar: str, eos_ids):
         """A fresh matcher of `grammar` (GrammarError: it does not compile, or not in time)."""
@@ -78,7 +68,7 @@ class GrammarTable:
     def set(self, seq_id: int, matcher, eos_ids, generated) -> bool:
         """Take a sequence's fresh matcher and replay its generated ids; False when they do not
         follow the grammar (the sequence cannot go on under it)."""
-        self.forget(seq_id)   # (waits for masks in flight)
+        self.forget(seq_id)
         generated = [int(t) for t in generated]
         if generated and not matcher.consume_tokens(generated):
             log.warning("sequence %d: its %d generated ids do not follow its grammar: %s", seq_id,
@@ -89,7 +79,6 @@ class GrammarTable:
         return True
 
     def forget(self, seq_id: int) -> None:
-        self._settled()
         self.matchers.pop(seq_id, None)
 
     def _at(self, entry: list, index: int) -> bool:
@@ -102,16 +91,11 @@ class GrammarTable:
     def lags(self, seq_ids, index) -> bool:
         """Whether a constrained row samples past what its matcher has consumed (its last token
         is still on the device)."""
-        self._settled()
         matchers = self.matchers
         return any(s in matchers and matchers[s][1] < i for s, i in zip(seq_ids, np.asarray(index).tolist()))
 
     def note(self, seq_ids, index, tokens, partial=frozenset()) -> None:
         """The tokens a step sampled: row k's is generated token index[k] of seq_ids[k]."""
-        self._settled()
-        self._note(seq_ids, index, tokens, partial)
-
-    def _note(self, seq_ids, index, tokens, partial) -> None:
         matchers = self.matchers
         for s, i, t in zip(seq_ids, np.asarray(index).tolist(), tokens):
             entry = matchers.get(s)
@@ -122,40 +106,26 @@ class GrammarTable:
             else:
                 log.warning("sequence %d: token %d does not follow its grammar: %s", s, t, entry[0].get_error())
 
-    def masks(self, seq_ids, index) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(rows, packed bits) of a step's constrained rows, on the device; None when it has none."""
-        return self.finish(self.begin(seq_ids, index))
-
-    def begin(self, seq_ids, index, noted=None) -> "MaskJob | None":
-        """Start filling the masks of a step's constrained rows on the pool thread, after it
-        hands `noted` (seq_ids, index, tokens, partial: the step before, just collected) to
-        the matchers; `finish` waits for them. None when no row is constrained (`noted` is
-        then consumed here)."""
-        self._settled()
-        matchers = self.matchers
-        rows = [k for k, s in enumerate(seq_ids) if s in matchers]
-        if not rows:
-            if noted is not None:
-                self._note(*noted)
-            return None
-        if self.pool is None:
-            self.pool = ThreadPoolExecutor(1, thread_name_prefix="grammar-masks")
-        job = MaskJob(rows, [matchers[seq_ids[k]] for k in rows], np.asarray(index)[rows].tolist(),
-                      [seq_ids[k] for k in rows], self._buffer(len(rows)))
-        self.job = job.future = self.pool.submit(self._fill, job, noted)
-        return job
-
-    def _fill(self, job: "MaskJob", noted) -> None:
-        """On the pool thread: the matchers take the tokens of the step before, then the masks."""
+    def masks(self, seq_ids, index, noted=None) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(rows, packed bits) of a step's constrained rows, on the device; None when it has none.
+        `noted`: (seq_ids, index, tokens, partial) of the step before, just collected, which
+        the matchers take first (`note`)."""
         import llguidance
         import llguidance.torch as llt
         if noted is not None:
-            self._note(*noted)
-        bits, pairs = job.bits, []
-        for j, (entry, index) in enumerate(zip(job.entries, job.index)):
-            if not self._at(entry, index):
+            self.note(*noted)
+        matchers = self.matchers
+        index = np.asarray(index).tolist()
+        rows = [k for k, s in enumerate(seq_ids) if s in matchers]
+        if not rows:
+            return None
+        bits = self._buffer(len(rows))
+        pairs = []
+        for j, k in enumerate(rows):
+            entry = matchers[seq_ids[k]]
+            if not self._at(entry, index[k]):
                 log.warning("sequence %d: its grammar is %d tokens behind; only EOS is allowed",
-                            job.seq_ids[j], index - entry[1])
+                            seq_ids[k], index[k] - entry[1])
                 bits[j] = 0
                 continue
             pairs.append((entry[0], j))
@@ -167,18 +137,10 @@ class GrammarTable:
             llt.fill_next_token_bitmask(pairs[0][0], bits, pairs[0][1])
         host = bits.numpy().view(np.uint32)
         for j in np.flatnonzero(~host.any(axis=1)).tolist():   # nothing allowed (ended, or lost): EOS
-            for t in job.entries[j][2]:
+            for t in matchers[seq_ids[rows[j]]][2]:
                 host[j, t >> 5] |= np.uint32(1 << (t & 31))
-
-    def finish(self, job: "MaskJob | None") -> tuple[torch.Tensor, torch.Tensor] | None:
-        """The masks `begin` started, uploaded (rows, packed bits); None for no job."""
-        if job is None:
-            return None
-        job.future.result()
-        if self.job is job.future:
-            self.job = None
-        dev_rows = torch.tensor(job.rows, dtype=torch.int64).to(self.device, non_blocking=True)
-        return dev_rows, job.bits.to(self.device, non_blocking=True)
+        dev_rows = torch.tensor(rows, dtype=torch.int64).to(self.device, non_blocking=True)
+        return dev_rows, bits.to(self.device, non_blocking=True)
 
     def _buffer(self, num_rows: int) -> torch.Tensor:
         width = self.width
@@ -191,16 +153,6 @@ class GrammarTable:
             buf = self.buffers[self.turn] = torch.empty(max(num_rows, 2 * buf.shape[0]), width, dtype=torch.int32,
                                                         pin_memory=pinned)
         return buf[:num_rows]
-
-
-class MaskJob:
-    """The masks of one step's constrained rows, being filled (`GrammarTable.begin`)."""
-
-    __slots__ = ("rows", "entries", "index", "seq_ids", "bits", "future")
-
-    def __init__(self, rows, entries, index, seq_ids, bits) -> None:
-        self.rows, self.entries, self.index, self.seq_ids, self.bits = rows, entries, index, seq_ids, bits
-        self.future: Future | None = None
 
 
 def apply_masks(logits: torch.Tensor, rows: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:

@@ -53,10 +53,9 @@ class Pending:
     logprobs: object = None                 # logprobs.StepLogprobs of the asking rows
     prompt_logprobs: dict = dataclasses.field(default_factory=dict)   # seq_id -> (values, top ids)
     # a step whose constrained rows sample after a token of the step before, still on the
-    # device: its logits wait (Engine._settle) for the masks that collecting `waits_on` starts
+    # device: its logits wait for the masks that collecting `waits_on` fills (Engine._note_grammars)
     logits: torch.Tensor | None = None
     waits_on: "Pending | None" = None
-    masks: object = None                    # grammar.MaskJob being filled for it
     then: "Pending | None" = None           # the step launched after this one that waits on it
 
 
