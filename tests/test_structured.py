@@ -98,11 +98,14 @@ def test_a_grammar_past_the_time_limit_is_refused_and_a_good_one_compiles(tiny):
 
 # --- a worker's grammar state, moved -----------------------------------------------------------
 
-def _core(tiny):
+def _core(tiny, runner="hf"):
+    """`runner` "fast" (eager on the CPU) feeds each step's tokens on the device: a constrained
+    step then samples only once the step before is collected."""
     from qmigrate.engine.engine import Engine
     from qmigrate.worker.core import WorkerCore
     _, model, tokenizer, _ = tiny
-    core = WorkerCore(Engine(model, max_model_len=256, max_kv_tokens=4096, runner="hf"))
+    core = WorkerCore(Engine(model, max_model_len=256, max_kv_tokens=4096, runner=runner,
+                             enforce_eager=runner == "fast"))
     core.engine.grammars.compiler = grammars.Compiler(lambda: tokenizer, model.config.vocab_size, 60.0)
     return core
 
@@ -142,8 +145,9 @@ def _run(core, lease):
     return P.unpack_i32(result.tokens).tolist(), P.Finish(P.unpack_u8(result.status)[0])
 
 
+@pytest.mark.parametrize("runner", ["hf", "fast"])
 @pytest.mark.parametrize("move", [None, "recompute", "transfer"])
-def test_a_sequence_moved_mid_output_keeps_its_grammar_state_and_its_tokens(tiny, move):
+def test_a_sequence_moved_mid_output_keeps_its_grammar_state_and_its_tokens(tiny, move, runner):
     """Greedy multi-step leases on one worker, or moved after 9 tokens to a fresh worker that
     only has the ids that travel (and, by transfer, the KV): the same tokens, a document that
     validates against its schema, where the same prompt unconstrained gives no JSON at all."""
@@ -152,9 +156,9 @@ def test_a_sequence_moved_mid_output_keeps_its_grammar_state_and_its_tokens(tiny
     grammar = _parse(tiny, response_format=RESPONSE_FORMAT).grammar
     spec = lambda ids, **kw: P.SeqSpec(1, P.pack_i32(ids), len(prompt), 120, eos_ids=eos_ids, grammar=grammar, **kw)
 
-    plain, _ = _run(_core(tiny), _lease(1, prompt, P.SeqSpec(1, P.pack_i32(prompt), len(prompt), 40,
-                                                              eos_ids=eos_ids), 40))
-    core_of = lambda: _compiled(_core(tiny), grammar, eos_ids)
+    plain, _ = _run(_core(tiny, runner), _lease(1, prompt, P.SeqSpec(1, P.pack_i32(prompt), len(prompt), 40,
+                                                                      eos_ids=eos_ids), 40))
+    core_of = lambda: _compiled(_core(tiny, runner), grammar, eos_ids)
     with pytest.raises(json.JSONDecodeError):
         json.loads(tokenizer.decode(plain, skip_special_tokens=True))
 
