@@ -98,11 +98,14 @@ def test_a_grammar_past_the_time_limit_is_refused_and_a_good_one_compiles(tiny):
 
 # --- a worker's grammar state, moved -----------------------------------------------------------
 
-def _core(tiny):
+def _core(tiny, runner="hf"):
+    """`runner` "fast" (eager on the CPU) feeds each step's tokens on the device: a constrained
+    step then samples only once the step before is collected."""
     from qmigrate.engine.engine import Engine
     from qmigrate.worker.core import WorkerCore
     _, model, tokenizer, _ = tiny
-    core = WorkerCore(Engine(model, max_model_len=256, max_kv_tokens=4096, runner="hf"))
+    core = WorkerCore(Engine(model, max_model_len=256, max_kv_tokens=4096, runner=runner,
+                             enforce_eager=runner == "fast"))
     core.engine.grammars.compiler = grammars.Compiler(lambda: tokenizer, model.config.vocab_size, 60.0)
     return core
 
@@ -142,8 +145,9 @@ def _run(core, lease):
     return P.unpack_i32(result.tokens).tolist(), P.Finish(P.unpack_u8(result.status)[0])
 
 
+@pytest.mark.parametrize("runner", ["hf", "fast"])
 @pytest.mark.parametrize("move", [None, "recompute", "transfer"])
-def test_a_sequence_moved_mid_output_keeps_its_grammar_state_and_its_tokens(tiny, move):
+def test_a_sequence_moved_mid_output_keeps_its_grammar_state_and_its_tokens(tiny, move, runner):
     """Greedy multi-step leases on one worker, or moved after 9 tokens to a fresh worker that
     only has the ids that travel (and, by transfer, the KV): the same tokens, a document that
     validates against its schema, where the same prompt unconstrained gives no JSON at all."""
@@ -152,9 +156,9 @@ def test_a_sequence_moved_mid_output_keeps_its_grammar_state_and_its_tokens(tiny
     grammar = _parse(tiny, response_format=RESPONSE_FORMAT).grammar
     spec = lambda ids, **kw: P.SeqSpec(1, P.pack_i32(ids), len(prompt), 120, eos_ids=eos_ids, grammar=grammar, **kw)
 
-    plain, _ = _run(_core(tiny), _lease(1, prompt, P.SeqSpec(1, P.pack_i32(prompt), len(prompt), 40,
-                                                              eos_ids=eos_ids), 40))
-    core_of = lambda: _compiled(_core(tiny), grammar, eos_ids)
+    plain, _ = _run(_core(tiny, runner), _lease(1, prompt, P.SeqSpec(1, P.pack_i32(prompt), len(prompt), 40,
+                                                                      eos_ids=eos_ids), 40))
+    core_of = lambda: _compiled(_core(tiny, runner), grammar, eos_ids)
     with pytest.raises(json.JSONDecodeError):
         json.loads(tokenizer.decode(plain, skip_special_tokens=True))
 
@@ -280,3 +284,49 @@ def test_a_plain_row_beside_a_constrained_one_samples_as_alone(tiny):
     tokens = P.unpack_i32(result.tokens).tolist()
     assert tokens[:counts[0]] == alone
     assert re.fullmatch("[0-9]+", tokenizer.decode(tokens[counts[0]:], skip_special_tokens=True))
+
+
+def test_a_pipelined_constrained_step_samples_as_one_collected_first(tiny):
+    """A step launched before the one it follows is collected leaves its sampling until the
+    masks, which need that step's tokens, are filled; the tokens, sampled or not, are those of
+    the same rows run one collected step at a time, and the constrained row's text matches."""
+    from qmigrate.engine.engine import Engine
+    from qmigrate.engine.rows import StepRow
+    _, model, tokenizer, eos_ids = tiny
+    grammar = _parse(tiny, structured_outputs={"regex": "[0-9]{30}"}).grammar
+    prompts = {1: [1, 40, 41, 42], 2: [1, 17, 99, 5], 3: [1, 7, 7, 300, 12]}
+    sampling = {1: (0.0, 0), 2: (1.0, 11), 3: (0.8, 12)}
+
+    def engine():   # the fast runner (eager on the CPU) feeds a step's tokens on the device
+        e = Engine(model, max_model_len=256, max_kv_tokens=4096, runner="fast", enforce_eager=True)
+        e.grammars.compiler = grammars.Compiler(lambda: tokenizer, model.config.vocab_size, 60.0)
+        for sid in (2, 3):
+            assert e.set_grammar(sid, e.grammars.matcher(grammar, eos_ids), eos_ids, [])
+        return e
+
+    def row(sid, new_ids, start, index):
+        return StepRow(sid, new_ids, start, index, sampling[sid][0], seed=sampling[sid][1])
+
+    steps, alone = 12, engine()
+    one_by_one = {sid: [] for sid in prompts}
+    for i in range(steps):
+        rows = [row(sid, p + one_by_one[sid] if i == 0 else one_by_one[sid][-1:],
+                    0 if i == 0 else len(p) + i - 1, i) for sid, p in prompts.items()]
+        for sid, t in zip(prompts, alone.step(rows)):
+            one_by_one[sid].append(t)
+
+    e = engine()
+    pending = e.launch([row(sid, p, 0, 0) for sid, p in prompts.items()])
+    piped, deferred = {sid: [] for sid in prompts}, 0
+    for i in range(1, steps + 1):
+        nxt = None
+        if i < steps:
+            nxt = e.launch([row(sid, [], len(p) + i - 1, i) for sid, p in prompts.items()], after=pending)
+            deferred += nxt.logits is not None
+        for sid, t in zip(prompts, e.collect(pending)):
+            piped[sid].append(t)
+        pending = nxt
+    assert deferred == steps - 1
+    assert piped == one_by_one
+    for sid in (2, 3):
+        assert re.fullmatch("[0-9]{12,30}", tokenizer.decode(piped[sid], skip_special_tokens=True))

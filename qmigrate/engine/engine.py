@@ -27,8 +27,8 @@ import torch
 from qmigrate.engine.batch import StepBatch
 from qmigrate.engine.kv.host_tier import HostTier, export_by_keys, tier_bytes
 from qmigrate.engine.kv.pool import BlockPool, landed
-from qmigrate.engine.rows import REFUSED, Pending, StepRow, num_new, prompt_budget, share_prompt_budget
-from qmigrate.engine import fp8, startup
+from qmigrate.engine.rows import REFUSED, Pending, StepRow, prompt_budget, share_prompt_budget
+from qmigrate.engine import fp8, placement, prefill, startup
 from qmigrate.engine.config import EngineConfig
 from qmigrate.engine.runners.choice import make_runner
 from qmigrate.engine.controls import Controls, ControlTable
@@ -244,6 +244,7 @@ class Engine:
         past the budget runs only its first part, or none of it. Such a row's sequence is in
         `Pending.partial`: its token is no sample (the KV of the part that ran is kept), and a
         later step carries the rest from cached_len on."""
+        self._settle(after)   # its tokens are read on the device from here on
         if after is not None and after.batch is not None and rows and not any(r.new_ids for r in rows):
             pending = self._continue(rows, after)
             if pending is not None:
@@ -258,9 +259,9 @@ class Engine:
         if bad or any(r.new_ids and r.new_ids[0] == REFUSED for r in rows):
             raise ValueError("a row feeds a token its previous step did not sample")
         rows, cached = self._admit(rows)
-        rows, refused_whole, prompt_lps = self._prompt_pass(rows, between)
+        rows, refused_whole, prompt_lps = prefill.prompt_pass(self, rows, between)
         rows, cut, deferred = share_prompt_budget(rows, prompt_budget(rows, self.config))
-        rows, refused = self._prefill_chunks(rows, between, skip=deferred)
+        rows, refused = prefill.prefill_chunks(self, rows, between, skip=deferred)
         refused |= refused_whole
         kept = [i for i in range(len(rows)) if i not in refused and i not in deferred]
         placed = [kept[k] for k in self.place([rows[i] for i in kept], {r.seq_id for r in rows})]
@@ -326,16 +327,29 @@ class Engine:
 
     def _run(self, pending: "Pending", batch: StepBatch, feed, params: HostRows, after=None) -> "Pending":
         """Queue the forward pass and sampling of the placed rows; tokens come back to a
-        pinned host buffer without a wait. Rows with a grammar have their masks computed here
-        while the device runs the forward pass (after the step before is collected, when one
-        of them samples after a token of it)."""
+        pinned host buffer without a wait. Rows with a grammar have their masks computed
+        while the device runs the forward pass. When one of them samples after a token that
+        the step `after` has not yet brought to the host, the sampling waits until `after` is
+        collected (`_note_grammars`), while the device runs the forward pass."""
         logits = self.runner.forward(batch, feed=feed)
-        if self.grammars:
-            if after is not None and after.result is None and self.grammars.lags(batch.seq_ids, params[4]):
-                self.collect(after)
-            masks = self.grammars.masks(batch.seq_ids, params[4])
-            if masks is not None:
-                logits = apply_masks(logits, *masks)
+        pending.batch, pending.params = batch, params
+        if self.grammars and after is not None and after.result is None \
+                and self.grammars.lags(batch.seq_ids, params[4]):
+            pending.logits, pending.waits_on, after.then = logits, after, pending
+        else:
+            self._sample(pending, logits, self.grammars.masks(batch.seq_ids, params[4]) if self.grammars else None)
+        # the rows' ids, unless every row decodes a token not yet known here
+        some_known = feed is None or len(feed[0]) < batch.num_rows
+        self.pool.mark_written(batch.seq_ids, batch.seq_lens,
+                               (pending.rows[i] for i in pending.placed) if some_known else None)
+        return pending
+
+    def _sample(self, pending: "Pending", logits: torch.Tensor, masks) -> None:
+        """Queue the sampling of a step whose forward pass is queued (and its logprobs, and the
+        copy of its tokens to the host)."""
+        batch, params = pending.batch, pending.params
+        if masks is not None:
+            logits = apply_masks(logits, *masks)
         controls = self.controls.step(batch.seq_ids, params[4]) if self.controls else None
         sampling = SamplingRows.from_arrays(params, self.device)
         asking = lp.asking_rows(pending.asks)
@@ -348,17 +362,19 @@ class Engine:
         if asking is not None:   # one log-softmax, gather and top-k over the asking rows only
             pending.logprobs = lp.sampled_logprobs(processed[0], sampling.temperature, pending.tokens,
                                                    *asking).to_host(self.device.type == "cuda")
-        pending.batch, pending.params = batch, params
         if self.device.type == "cuda":
             pending.host = torch.empty(batch.num_rows, dtype=torch.int64, pin_memory=True)
             pending.host.copy_(pending.tokens, non_blocking=True)
             pending.event = torch.cuda.Event()
             pending.event.record()
-        # the rows' ids, unless every row decodes a token not yet known here
-        some_known = feed is None or len(feed[0]) < batch.num_rows
-        self.pool.mark_written(batch.seq_ids, batch.seq_lens,
-                               (pending.rows[i] for i in pending.placed) if some_known else None)
-        return pending
+
+    def _settle(self, pending: "Pending | None") -> None:
+        """Queue the sampling of a step that waits for its masks (`_run`): collecting the step
+        before it does (`_note_grammars`); nothing for any other step."""
+        if pending is not None and pending.logits is not None:
+            self.collect(pending.waits_on)
+            if pending.logits is not None:   # that step was collected before this one waited on it
+                self._sample_waiting(pending, None)
 
     def _admit(self, rows: list[StepRow]) -> tuple[list[StepRow], dict[int, int]]:
         """Prompts (rows from position 0) start on their longest cached prefix; the rows to
@@ -370,50 +386,10 @@ class Engine:
             if r.start == 0 and r.new_ids:
                 # a prompt whose logprobs are asked for computes every position
                 n = cached[r.seq_id] = self.pool.admit(r.seq_id, r.new_ids, r.cache_salt,
-                                                       reuse=not self._wants_prompt_logprobs(r))
+                                                       reuse=not prefill.wants_prompt_logprobs(self, r))
                 if n:
                     out[i] = dataclasses.replace(r, new_ids=r.new_ids[n:], start=n)
         return out, cached
-
-    def _wants_prompt_logprobs(self, r: StepRow) -> bool:
-        return (r.num_prompt_logprobs >= 0 and r.index == 0 and r.start == 0 and len(r.new_ids) > 1
-                and hasattr(self.runner, "forward_all"))
-
-    def _prompt_pass(self, rows: list[StepRow], between) -> tuple[list[StepRow], set[int], dict]:
-        """Rows that ask for their prompt's logprobs (at the step of their first token) run
-        all of the prompt but its last token here, a chunk at a time, keeping the logprobs of
-        each next prompt token; the step proper runs the last one. Returns the rows left for
-        the step, the indices of rows the pool had no room for, and seq_id -> (values [P - 1,
-        2 + k], top ids [P - 1, k]) (engine/logprobs.py)."""
-        out: dict = {}
-        if not any(self._wants_prompt_logprobs(r) for r in rows):
-            return rows, set(), out
-        chunk = min(self.config.prefill_chunk or 512, 512)   # bounds the [chunk, V] logits
-        rows, refused, protect = list(rows), set(), {r.seq_id for r in rows}
-        for i, r in enumerate(rows):
-            if not self._wants_prompt_logprobs(r):
-                continue
-            ids, n = r.new_ids, len(r.new_ids) - 1
-            targets = torch.as_tensor(ids[1:], dtype=torch.int64).to(self.device)
-            parts = []
-            for start in range(0, n, chunk):
-                piece = StepRow(r.seq_id, ids[start:min(n, start + chunk)], start, r.index)
-                if self.place([piece], protect) != [0]:
-                    refused.add(i)
-                    break
-                logits = self.runner.forward_all(StepBatch.build(self.pool, [r.seq_id], [piece.new_ids], [start]))
-                parts.append(lp.prompt_logprobs(logits, targets[start:start + len(piece.new_ids)],
-                                                r.num_prompt_logprobs))
-                self.pool.mark_written([r.seq_id], [start + len(piece.new_ids)], [piece])
-                if between is not None:
-                    between()
-            if i in refused:
-                continue
-            values, top_ids = (torch.cat([p[k] for p in parts]) for k in (0, 1))
-            whole = lp.StepLogprobs(np.zeros(0, dtype=np.int64), values, top_ids).to_host(self.device.type == "cuda")
-            out[r.seq_id] = (whole.values, whole.top_ids)
-            rows[i] = dataclasses.replace(r, new_ids=ids[n:], start=n)
-        return rows, refused, out
 
     def take_logprobs(self, pending: "Pending") -> tuple[dict, dict]:
         """Of a collected step: seq_id -> (values, top ids, row) of each asking row's sampled
@@ -427,74 +403,15 @@ class Engine:
         prompts = {sid: (v.numpy(), t.numpy()) for sid, (v, t) in pending.prompt_logprobs.items()}
         return tokens, prompts
 
-    def _prefill_chunks(self, rows: list[StepRow], between, skip=frozenset()) -> tuple[list[StepRow], set[int]]:
-        """Fill all but the last chunk of long prompts (but rows in `skip`); the rows left for
-        the step proper, and the indices of rows the pool had no room for."""
-        chunk = self.config.prefill_chunk
-        if not chunk or all(len(r.new_ids) <= chunk for r in rows):
-            return rows, set()
-        rows, refused, protect = list(rows), set(), {r.seq_id for r in rows}
-        for i, r in enumerate(rows):
-            if i in skip:
-                continue
-            start, new = r.start, r.new_ids
-            while len(new) > chunk:
-                piece = StepRow(r.seq_id, new[:chunk], start, r.index)
-                if self.place([piece], protect) != [0]:
-                    refused.add(i)
-                    break
-                self.runner.forward(StepBatch.build(self.pool, [r.seq_id], [piece.new_ids], [start]))
-                self.pool.mark_written([r.seq_id], [start + chunk], [piece])
-                start, new = start + chunk, new[chunk:]
-                if between is not None:
-                    between()
-            rows[i] = dataclasses.replace(r, new_ids=new, start=start)
-        return rows, refused
-
     def place(self, rows: list[StepRow], protect=()) -> list[int]:
         """Blocks for every row that can have them; the indices of the rows that run.
         Sequences in `protect` (and the rows') are never evicted for room."""
-        pool, lost = self.pool, set()
-        for i, r in enumerate(rows):
-            cached = pool.cached_len(r.seq_id)
-            if r.start > 0 and cached < r.start:
-                raise ValueError(f"sequence {r.seq_id}: KV for {r.start} positions is not here")
-            if r.start + num_new(r) > self.max_len:
-                raise ValueError(f"sequence {r.seq_id}: {r.start + num_new(r)} positions exceed {self.max_len}")
-            if r.start == 0 and cached > 0:
-                pool.release(r.seq_id)
-            elif cached >= 0 and not pool.truncate(r.seq_id, r.start):
-                lost.add(i)   # no block for a copy of its shared last block
-        need = {i: self._blocks_needed(r) for i, r in enumerate(rows) if i not in lost}
-        protect = {r.seq_id for r in rows} | set(protect)
-        running = [i for i in range(len(rows)) if i not in lost]
-        if not pool.make_room(sum(need.values()), protect):
-            running = self._refuse(rows, need, running)
-        for i in running:
-            r = rows[i]
-            pool.grow(r.seq_id, r.start + num_new(r))
-            pool.touch(r.seq_id)
-        return running
-
-    def _blocks_needed(self, r: StepRow) -> int:
-        held = len(self.pool.blocks.get(r.seq_id, ()))
-        return max(0, self.pool.blocks_for(r.start + num_new(r)) - held)
-
-    def _refuse(self, rows, need, running) -> list[int]:
-        pool = self.pool
-        prefills = sorted((i for i in running if len(rows[i].new_ids) > 1), key=lambda i: -need[i])
-        decodes = [i for i in reversed(running) if len(rows[i].new_ids) <= 1]
-        refused = set()
-        for i in prefills + decodes:
-            if pool.num_free_blocks >= sum(need[j] for j in running if j not in refused):
-                break
-            refused.add(i)
-            pool.release(rows[i].seq_id)
-        return [i for i in running if i not in refused]
+        return placement.place(self.pool, rows, self.max_len, protect)
 
     def collect(self, pending: "Pending", while_waiting=None) -> list[int]:
         """Wait for a launched step: its sampled tokens in row order (the step's one host sync).
         `while_waiting()` is called until the step is done, for as long as it returns True."""
+        self._settle(pending)
         if pending.result is None:
             tokens = [REFUSED] * len(pending.rows)
             if pending.placed:
@@ -502,13 +419,33 @@ class Engine:
                     if while_waiting is not None:
                         while not pending.event.query() and while_waiting():
                             pass
+                        if pending.result is not None:   # collected by what while_waiting launched
+                            return pending.result
                     pending.event.synchronize()
                 values = (pending.host if pending.host is not None else pending.tokens).tolist()
                 for i, token in zip(pending.placed, values):
                     tokens[i] = token
                 if pending.batch is not None:   # a row cut short (partial) sampled no token of its sequence
                     self.pool.note_sampled(pending.batch.seq_ids, pending.batch.seq_lens, values, pending.partial)
-                    if self.grammars:
-                        self.grammars.note(pending.batch.seq_ids, pending.params[4], values, pending.partial)
+                    self._note_grammars(pending, values)
             pending.result = tokens
         return pending.result
+
+    @torch.inference_mode()
+    def _note_grammars(self, pending: "Pending", values: list[int]) -> None:
+        """The matchers take a collected step's tokens. A step launched after it that waits for
+        them (`_run`: its forward pass is queued) has its masks filled and its sampling queued
+        here at once, while the device still runs that forward pass: the worker's own work on
+        the collected step comes after, beside the device, as for a step without grammars."""
+        then, pending.then = pending.then, None
+        noted = (pending.batch.seq_ids, pending.params[4], values, pending.partial)
+        if then is not None and then.logits is not None:
+            self._sample_waiting(then, noted)
+        elif self.grammars:
+            self.grammars.note(*noted)
+
+    @torch.inference_mode()
+    def _sample_waiting(self, pending: "Pending", noted) -> None:
+        masks = self.grammars.masks(pending.batch.seq_ids, pending.params[4], noted) if self.grammars else None
+        logits, pending.logits, pending.waits_on = pending.logits, None, None
+        self._sample(pending, logits, masks)

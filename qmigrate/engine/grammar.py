@@ -10,10 +10,19 @@ over; a step that asks for generated token i of a sequence whose matcher has con
 twice all find the same grammar state, and the same mask.
 
 The mask is computed on the host while the device runs the step's forward pass (the step is
-queued before `masks` is called), into a pinned buffer of packed bits (one int32 per 32
+queued before the mask is asked for), into a pinned buffer of packed bits (one int32 per 32
 tokens, llguidance's layout), and applied on the device as one masked fill of the constrained
-rows. Rows without a grammar pay nothing; a step with no constrained row does no work here.
-EOS is in a row's mask only where its grammar accepts.
+rows. A step whose constrained rows sample after a token of the step before it that is still
+on the device (`lags`) is sampled when that step is collected (`Engine._note_grammars`): the
+matchers take its tokens, the masks are filled (by the library's threads, in parallel) and
+the sampling is queued while the device still runs the forward pass, before the worker's
+own work on the collected step. Rows without a grammar pay nothing of this; a step with no
+constrained row does no work here. EOS is in a row's mask only where its grammar accepts.
+
+What a mask costs depends on the grammar's state, not only on the row count: llguidance skips
+whole slices of the vocabulary where the lexer allows any string character, but a string with a
+`maxLength` near its end (or any lexeme the slices do not cover) walks the token trie, ~1-20 ms
+a row on the CPU (bench `docs/bench/mask_cost.py`).
 """
 
 from __future__ import annotations
@@ -97,10 +106,14 @@ class GrammarTable:
             else:
                 log.warning("sequence %d: token %d does not follow its grammar: %s", s, t, entry[0].get_error())
 
-    def masks(self, seq_ids, index) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(rows, packed bits) of a step's constrained rows, on the device; None when it has none."""
+    def masks(self, seq_ids, index, noted=None) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(rows, packed bits) of a step's constrained rows, on the device; None when it has none.
+        `noted`: (seq_ids, index, tokens, partial) of the step before, just collected, which
+        the matchers take first (`note`)."""
         import llguidance
         import llguidance.torch as llt
+        if noted is not None:
+            self.note(*noted)
         matchers = self.matchers
         index = np.asarray(index).tolist()
         rows = [k for k, s in enumerate(seq_ids) if s in matchers]

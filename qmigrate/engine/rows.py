@@ -52,6 +52,11 @@ class Pending:
     asks: np.ndarray | None = None          # int32 per placed row: its num_logprobs (None: no row asks)
     logprobs: object = None                 # logprobs.StepLogprobs of the asking rows
     prompt_logprobs: dict = dataclasses.field(default_factory=dict)   # seq_id -> (values, top ids)
+    # a step whose constrained rows sample after a token of the step before, still on the
+    # device: its logits wait for the masks that collecting `waits_on` fills (Engine._note_grammars)
+    logits: torch.Tensor | None = None
+    waits_on: "Pending | None" = None
+    then: "Pending | None" = None           # the step launched after this one that waits on it
 
 
 def prompt_budget(rows: list[StepRow], cfg: EngineConfig) -> int:

@@ -13,7 +13,7 @@ from aiohttp import web
 from qmigrate.ingest.openai_api import (
     ApiError, ChoiceExtras, Choices, StopTrimmer, chunk, reply, tool_chunk, usage_chunk,
 )
-from qmigrate.ingest.streams import DONE, MARK, SHUTDOWN, SSE_HEADERS, Frame, Updates, sse
+from qmigrate.ingest.streams import DONE, MARK, SHUTDOWN, SSE_HEADERS, Frame, LogprobsFrame, Updates, sse
 from qmigrate.ingest.tools import CallStream, delta_calls
 from qmigrate.wire import protocol as P
 
@@ -82,7 +82,7 @@ async def stream(loop, request, req, rid: str, updates: Updates, token_text):
     response = web.StreamResponse(headers=SSE_HEADERS)
     await response.prepare(request)
     trim, created, first, shown = StopTrimmer(req.stop), int(time.time()), True, 0
-    frame = Frame(chunk(req, rid, created, MARK))
+    frame, lp_frame = Frame(chunk(req, rid, created, MARK)), None
     extra = ChoiceExtras(req, 0, token_text) if req.has_extras else None
     held = CallStream(req.tools) if req.tools is not None and req.tools.calls_expected else None
     calls = []
@@ -111,7 +111,12 @@ async def stream(loop, request, req, rid: str, updates: Updates, token_text):
             # no character yet (or may begin a stop string), as vLLM's streams have: a
             # client times each token, not each character.
             if out or (first and req.kind == "chat") or (num_tokens > shown and not code):
-                if first or req.continuous_usage or extra is not None:
+                if not (first or req.continuous_usage) and extra is not None \
+                        and (lps := extra.fresh_json()) is not None:
+                    if lp_frame is None:
+                        lp_frame = LogprobsFrame(chunk(req, rid, created, MARK))
+                    await response.write(lp_frame(out, lps))
+                elif first or req.continuous_usage or extra is not None:
                     await response.write(sse(chunk(req, rid, created, out, first=first, num_tokens=num_tokens,
                                                    extra=extra)))
                 else:

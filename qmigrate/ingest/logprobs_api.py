@@ -14,10 +14,16 @@ position's is (values, top ids) with its rank in values[1] (engine/logprobs.py).
   position's token and the likeliest alternatives.
 A token's text is what the tokenizer decodes for it alone, its bytes that text's UTF-8.
 `ChoiceExtras` gathers one choice's as the detokenizer's rows come (with an echoed prompt).
+
+A stream's events carry each token's logprobs once: there (without echo or prompt logprobs)
+the tokens wait as they came, and `ChoiceExtras.fresh_json` writes their JSON text straight
+from them, each token's text and bytes encoded once per id (`TokenText.json`), instead of
+building the dicts and encoding them whole; the stream's HTTP process does this per token.
 """
 
 from __future__ import annotations
 
+import json
 import math
 
 
@@ -28,11 +34,21 @@ class TokenText:
         self.tokenizer = tokenizer
         self.known: dict[int, tuple[str, list[int]]] = {}
 
+        self.encoded: dict[int, tuple[str, str, str]] = {}
+
     def __call__(self, token_id: int) -> tuple[str, list[int]]:
         out = self.known.get(token_id)
         if out is None:
             text = self.tokenizer.decode([token_id]) if token_id >= 0 else ""
             out = self.known[token_id] = (text, list(text.encode("utf-8")))
+        return out
+
+    def json(self, token_id: int) -> tuple[str, str, str]:
+        """The token's text, and the JSON of its text and of its bytes (as json.dumps writes them)."""
+        out = self.encoded.get(token_id)
+        if out is None:
+            text, raw = self(token_id)
+            out = self.encoded[token_id] = (text, json.dumps(text, ensure_ascii=False), json.dumps(raw))
         return out
 
 
@@ -43,6 +59,30 @@ def _value(v) -> float | None:
 
 def _top(values, ids, num: int, skip: int) -> list[tuple[int, float]]:
     return [(t, v) for t, v in zip(ids[:num], values[skip:skip + num]) if t >= 0]
+
+
+def _num(v) -> str:
+    """A logprob's JSON, as _value and json.dumps make it."""
+    v = float(v)
+    return "null" if math.isnan(v) else repr(max(v, -9999.0))
+
+
+def chat_content_json(entries, num_top: int, text: TokenText) -> str:
+    """chat_content's JSON text."""
+    items, enc = [], text.json
+    for token_id, values, ids in entries:
+        _, token, raw = enc(token_id)
+        if values is None:
+            items.append(f'{{"token": {token}, "logprob": null, "bytes": {raw}, "top_logprobs": []}}')
+            continue
+        top = []
+        for t, v in zip(ids[:num_top], values[1:1 + num_top]):
+            if t >= 0:
+                _, s, b = enc(t)
+                top.append(f'{{"token": {s}, "logprob": {repr(max(v, -9999.0))}, "bytes": {b}}}')
+        items.append(f'{{"token": {token}, "logprob": {_num(values[0])}, "bytes": {raw}, '
+                     f'"top_logprobs": [{", ".join(top)}]}}')
+    return "[" + ", ".join(items) + "]"
 
 
 def chat_content(entries, num_top: int, text: TokenText) -> list[dict]:
@@ -108,6 +148,32 @@ class CompletionLogprobs:
         start, self.fresh = self.fresh, len(self.whole["tokens"])
         return {k: v[start:] for k, v in self.whole.items()}
 
+    def tokens_json(self, entries) -> str:
+        """The JSON of what add_tokens(entries) then take() give, without keeping them (a
+        stream's): only the text offset goes on."""
+        enc, num, tokens, lps, tops, offsets = self.text.json, self.num_top, [], [], [], []
+        for token_id, values, ids in entries:
+            token, token_json, _ = enc(token_id)
+            tokens.append(token_json)
+            offsets.append(str(self.offset))
+            self.offset += len(token)
+            if values is None:
+                lps.append("null")
+                tops.append("null")
+                continue
+            logprob = _num(values[0])
+            lps.append(logprob)
+            top = {}   # a text two ids decode to: where it came first, the later logprob (as a dict)
+            for t, v in zip(ids[:num], values[1:1 + num]):
+                if t >= 0:
+                    s, s_json, _ = enc(t)
+                    top[s] = f"{s_json}: {repr(max(v, -9999.0))}"
+            if token not in top:
+                top[token] = f"{token_json}: {logprob}"
+            tops.append("{" + ", ".join(top.values()) + "}")
+        return (f'{{"tokens": [{", ".join(tokens)}], "token_logprobs": [{", ".join(lps)}], '
+                f'"top_logprobs": [{", ".join(tops)}], "text_offset": [{", ".join(offsets)}]}}')
+
 
 def prompt_logprobs(prompt_ids: list[int], positions, num_top: int, text: TokenText) -> list:
     """vLLM's prompt_logprobs of a prompt: None for its first token, then a dict per position."""
@@ -137,8 +203,15 @@ class ChoiceExtras:
         self.prompt: list | None = None     # vLLM's prompt_logprobs, once they came
         self.prompt_sent = False
         self.started = False
+        # a stream's tokens wait here as they came, until its next event takes them
+        self.waiting: list | None = [] if req.stream and not req.echo and req.prompt_logprobs < 0 \
+            and req.logprobs >= 0 else None
 
     def push(self, lps, positions) -> None:
+        if self.waiting is not None:
+            if lps:
+                self.waiting += lps
+            return
         req = self.req
         if not self.started:   # the prompt's part comes with the first row
             self.started = True
@@ -158,7 +231,25 @@ class ChoiceExtras:
             text, self.echo_text = self.echo_text + text, ""
         return text
 
+    def _take_waiting(self) -> None:
+        """Give the waiting tokens to the dict-building path."""
+        lps, self.waiting = self.waiting, None
+        if lps:
+            self.push(lps, None)
+        self.waiting = []
+
+    def fresh_json(self) -> str | None:
+        """The JSON text of fresh() for a stream whose tokens wait (None for any other)."""
+        if self.waiting is None:
+            return None
+        lps, self.waiting = self.waiting, []
+        if self.completion is not None:
+            return self.completion.tokens_json(lps)
+        return f'{{"content": {chat_content_json(lps, self.req.logprobs, self.text)}}}'
+
     def fresh(self) -> dict | None:
+        if self.waiting is not None:
+            self._take_waiting()
         if self.completion is not None:
             return self.completion.take()
         if self.req.logprobs < 0:

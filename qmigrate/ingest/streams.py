@@ -32,6 +32,26 @@ class Frame:
         return self.head + json.dumps(text, ensure_ascii=False).encode() + self.tail
 
 
+LOGPROBS_MARK = "\ue000logprobs\ue000"   # where a frame's logprobs go (LogprobsFrame)
+
+
+class LogprobsFrame:
+    """A middle chunk's SSE event with logprobs: fixed parts around the JSON string of the text
+    and the logprobs' JSON text (logprobs_api.ChoiceExtras.fresh_json)."""
+
+    def __init__(self, obj: dict):
+        """`obj`: a chunk of one choice with MARK as its text (its logprobs are set here)."""
+        obj["choices"][0]["logprobs"] = LOGPROBS_MARK
+        head, _, rest = sse(obj).partition(json.dumps(MARK, ensure_ascii=False).encode())
+        mid, found, tail = rest.partition(json.dumps(LOGPROBS_MARK, ensure_ascii=False).encode())
+        if not found:
+            raise ValueError("the frame's logprobs come before its text")
+        self.head, self.mid, self.tail = head, mid, tail
+
+    def __call__(self, text: str, logprobs: str) -> bytes:
+        return self.head + json.dumps(text, ensure_ascii=False).encode() + self.mid + logprobs.encode() + self.tail
+
+
 class Updates:
     """One request's rows from the detokenizer, (seq_id, text, finish code, tokens so far[,
     prompt tokens found cached]), in order, and the future its handler waits on while there
