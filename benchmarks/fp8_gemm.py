@@ -1,7 +1,7 @@
 """The projections of a decode step in bf16 and in FP8, each path timed alone on the GPU:
 Llama-3.1-8B's four matmuls of a layer (q/k/v, o, gate/up, down) at several row counts.
 
-First the engine's own tuning (engine/fp8_plan.py) runs on COPIES weights of each shape and
+First the engine's own tuning (engine/fp8_tune.py) runs on COPIES weights of each shape and
 its table is printed: every candidate tiling of the weight-read kernel, and per-token
 quantization with torch._scaled_mm at 64 rows, in microseconds a call. Then, per row count,
 the paths: `bf16` (F.linear, cuBLAS), `fp8` (engine/fp8.py's matmul as the engine calls it,
@@ -21,8 +21,8 @@ import argparse
 import torch
 import torch.nn.functional as F
 
-from qmigrate.engine import fp8, fp8_plan
-from qmigrate.engine.fp8_plan import _time_us
+from qmigrate.engine import fp8, fp8_plan, fp8_tune
+from qmigrate.engine.fp8_tune import time_us
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
 COPIES = 8
@@ -41,7 +41,7 @@ def main() -> None:
         quant[name] = [fp8.quantize_rows(w) for w, _ in bf16[name]]
     report = []
     fp8_plan.forget()
-    fp8_plan.tune({SHAPES[name]: ws for name, ws in quant.items()}, torch.bfloat16, report)
+    fp8_tune.tune({SHAPES[name]: ws for name, ws in quant.items()}, torch.bfloat16, report)
     print("tuning (us a call, graph over the copies): bucket rows, weight [n, k], candidate")
     for b, n, k, cand, us in report:
         mark = " <" if fp8_plan.choice(b, n, k) == _parse(cand) else ""
@@ -58,7 +58,7 @@ def main() -> None:
                      "rowwise": (lambda w, s: fp8.product(x, w, s, None, fp8_plan.SCALED_MM), quant[name])}
             for p, (call, weights) in calls.items():
                 try:
-                    total[p] += _time_us(call, weights)
+                    total[p] += time_us(call, weights)
                 except Exception as exc:   # noqa: BLE001 -- a path this torch or GPU lacks
                     total[p] = float("nan")
                     print(f"{p} at {m} rows of {name}: {str(exc).splitlines()[0][:100]}")

@@ -76,13 +76,13 @@ def test_weight_read_kernel_tilings_match_the_weight_only_product(m, tiling):
 
 
 def test_tuning_keeps_a_choice_per_bucket_and_times_every_candidate():
-    from qmigrate.engine import fp8_plan
+    from qmigrate.engine import fp8_plan, fp8_tune
     g = torch.Generator().manual_seed(3)
     weights = [fp8.quantize_rows((torch.randn(256, 1024, generator=g) * 0.05).cuda()) for _ in range(3)]
     report = []
     fp8_plan.forget()
     try:
-        made = fp8_plan.tune({(256, 1024): weights}, torch.bfloat16, report)
+        made = fp8_tune.tune({(256, 1024): weights}, torch.bfloat16, report)
         assert set(made) == {(b, 256, 1024) for b in fp8_plan.BUCKETS}
         assert len(report) == sum(len(c) for c in fp8_plan.CANDIDATES.values())
         assert all(us > 0 for *_, us in report)

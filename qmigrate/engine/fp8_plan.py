@@ -2,7 +2,7 @@
 
 Up to 64 rows a step is bound by reading the weights, and the right tiles depend on the
 shape: a 4096-wide projection needs its k cut (split-K) to give every multiprocessor work, a
-28672-wide one does not. So when a model's projections are quantized (`tune`), each distinct
+28672-wide one does not. So when a model's projections are quantized (`fp8_tune.tune`), each distinct
 weight shape is timed on the device at 1, 16 and 64 rows with a few candidate tilings of the
 weight-read kernel (kernels/fp8_gemm.py), and at 64 rows against per-token quantization with
 `torch._scaled_mm`; the fastest is kept for the rows of its bucket (1; 2-16; 17-64). Each
@@ -87,66 +87,6 @@ def forget() -> None:
     _chosen.clear()
 
 
-def tune(groups: dict[tuple[int, int], list[tuple[torch.Tensor, torch.Tensor]]], dtype: torch.dtype,
-         report: list | None = None) -> dict:
-    """Time the candidates for each weight shape (n, k) -> [(e4m3 weight, scale)] of one model
-    on their device and keep the fastest per bucket. `report`, when given, gets one row
-    (bucket, n, k, candidate, microseconds per call) per timing. Returns the choices made."""
-    from qmigrate.engine import fp8
-    made = {}
-    for (n, k), weights in groups.items():
-        device = weights[0][0].device
-        gen = torch.Generator(device=device).manual_seed(n * 131 + k)
-        for b in BUCKETS:
-            x = torch.randn(b, k, device=device, dtype=dtype, generator=gen)
-            best, best_us = None, float("inf")
-            for cand in CANDIDATES[b]:
-                try:
-                    if cand is not SCALED_MM and (err := _error(x, *weights[0], cand)) > MAX_ERROR:
-                        log.warning("fp8 tune: %s at %d rows of [%d, %d] is %.3g off the reference: not used",
-                                    cand, b, n, k, err)
-                        continue
-                    us = _time_us(lambda w, s: fp8.product(x, w, s, None, cand), weights)
-                except Exception as exc:   # noqa: BLE001 -- a tiling this GPU cannot take: skip it
-                    log.info("fp8 tune %s at %d rows of [%d, %d]: %s", cand or "scaled_mm", b, n, k,
-                             str(exc).splitlines()[0][:120])
-                    continue
-                if report is not None:
-                    report.append((b, n, k, str(cand or "scaled_mm"), us))
-                if us < best_us:
-                    best, best_us = cand, us
-            _chosen[(b, n, k)] = made[(b, n, k)] = best     # none ran: torch._scaled_mm
-            log.info("fp8 matmul of [%d, %d] at %d rows: %s, %.1f us a call", n, k, b, best or "scaled_mm", best_us)
-    return made
-
-
-def _error(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, how: W8, cols: int = 256) -> float:
-    """How far a tiling's product is from the weight-only reference in fp32 (relative norm),
-    over the first `cols` columns: a tiling this compiler gets wrong is never chosen."""
-    from qmigrate.engine import fp8
-    cols = min(cols, weight.shape[0])
-    want = x.float() @ (weight[:cols].float() * scale[:cols]).t()
-    got = fp8.product(x, weight, scale, None, how)[:, :cols].float()
-    return float((got - want).norm() / want.norm().clamp_min(1e-30))
-
-
-def _time_us(call, weights, replays: int = 5) -> float:
-    """Microseconds per call of `call(weight, scale)` over every weight, from CUDA graph replays."""
-    for w, s in weights[:2]:       # compile, and the first launch's set-up
-        call(w, s)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for w, s in weights:
-            call(w, s)
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(replays):
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    del graph
-    return sorted(times)[len(times) // 2] * 1000 / len(weights)
+def record(bucket_rows: int, n: int, k: int, how: W8 | None) -> None:
+    """Keep `how` for the rows of a bucket against an [n, k] weight (what `fp8_tune.tune` found)."""
+    _chosen[(bucket_rows, n, k)] = how

@@ -91,7 +91,7 @@ def quantize_fp8(model: DecoderModel, tune: bool = True) -> tuple[int, int]:
     """Every layer's projections to e4m3 weights (`Linear.quantize_fp8`): attention's q/k/v and
     output, the MLP's gate/up and down, a mixture's shared expert. The embeddings, norms,
     output head and a mixture's router and routed experts stay as they are. On a GPU, `tune`
-    times the FP8 matmul's paths for each weight shape (fp8_plan.tune). Returns (layers
+    times the FP8 matmul's paths for each weight shape (fp8_tune.tune). Returns (layers
     quantized, layers whose shape the FP8 matmul cannot take, left as they were)."""
     from qmigrate.engine.layers.mlp import GatedMLP
     from qmigrate.engine.layers.moe import MoE
@@ -107,13 +107,13 @@ def quantize_fp8(model: DecoderModel, tune: bool = True) -> tuple[int, int]:
     if done and model.device.type == "cuda":
         torch.cuda.empty_cache()   # the bf16 weights just dropped
         if tune:
-            from qmigrate.engine import fp8, fp8_plan
+            from qmigrate.engine import fp8, fp8_tune
             if fp8.triton is not None:
                 groups: dict[tuple[int, int], list] = {}
                 for lin in linears:
                     if lin.scale is not None:
                         groups.setdefault(tuple(lin.weight.shape), []).append((lin.weight, lin.scale))
-                fp8_plan.tune(groups, model.dtype)
+                fp8_tune.tune(groups, model.dtype)
                 torch.cuda.empty_cache()   # the timings' graphs and outputs
     return done, len(linears) - done
 
