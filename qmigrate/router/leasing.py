@@ -84,11 +84,13 @@ class Lessor:
             return None
         max_seqs = min(max_seqs, w.max_seqs)
         w.free_kv_tokens = free_kv_tokens
+        # KV of moves away told to it with its last lease is freed in this report
+        w.kv_released, w.kv_delivered = w.kv_released - w.kv_delivered, 0
         held = self.held(w)
         chainable = [seq for seq in held if seq.next_lease is None] if self.may_chain(w) else []
         quota = self.moves.steal_quota(w)
         # Look at a bounded stretch of the queue: a request costs what it can return.
-        candidates = self.moves.candidates(w, self.queue, quota, max_seqs + 64)
+        candidates = self.moves.candidates(w, self.queue, quota, max_seqs + 64, now)
         matched: dict[int, dict[str, int]] = {}
         if self.config.prefix_aware:
             candidates = place_new(self.prefix, w, self.workers, candidates, now, self.config.prefix_wait_s,
@@ -169,6 +171,7 @@ class Lessor:
         w.num_leased += len(rows)
         w.num_arriving += num_arriving
         drops, w.pending_drops = w.pending_drops, []
+        w.kv_delivered = w.kv_released
         self.counters["leases"] += 1
         self.counters["leased_rows"] += len(rows)
         return Grant(lease_id, name, rows, drops, shipments, num_steps)
@@ -236,6 +239,9 @@ class Lessor:
             self.counters[f"migrations_{cause}"] += 1
             self.counters[f"migrations_by_{mechanism}"] += 1
             owner.owned.discard(seq.seq_id)
+            if cause in ("kv", "load"):
+                seq.moved_at = now
+            owner.kv_released += len(seq.token_ids)
             if mechanism == "transfer":
                 transfer_id = self.new_transfer_id()
                 kv_from = owner.kv_endpoint
