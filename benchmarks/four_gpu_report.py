@@ -33,6 +33,10 @@ def table(results: dict) -> str:
         if not isinstance(res, dict) or "workloads" not in res:
             continue
         for wl, data in res["workloads"].items():
+            for policy, r in data.get("router", {}).items():
+                free = ",".join(f"{w}:{_f(v, '.0f')}" for w, v in r.get("kv_free_blocks_min", {}).items()) or "-"
+                lines.append(f"migration {key} {wl} {policy}: router queue max {_f(r.get('queue_max'), '.0f')}, "
+                             f"mean {_f(r.get('queue_mean'))}; least free KV blocks {free}")
             sat = data.get("saturation", {})
             lines.append(f"migration {key} {wl}: saturating {_f(sat.get('requests_per_s'))} req/s "
                          f"({_f(sat.get('tok_per_s'), ',.0f')} tok/s)")
