@@ -157,3 +157,18 @@ def test_a_growing_fleet_moves_before_a_pool_overflows_and_never_back_and_forth(
     assert min(least.values()) >= 0, least
     assert s.counters["migrations_kv"] == len(moves)
     assert not s.counters["migrations_load"]
+
+
+def test_a_kv_short_owners_multi_step_lease_gives_back_its_shortest_rows():
+    """w0 runs its sequences in a multi-step lease when it falls short: w1, with nothing
+    queued to take, has that lease revoked for the shortest of them."""
+    s = fleet(max_lease_steps=16)
+    s.admit([spec(sid, n) for sid, n in LENGTHS.items()])
+    g = ask(s, "w0")
+    report(s, g)
+    g = ask(s, "w0", free_kv_tokens=1500)
+    assert g.num_steps > 1
+    s.workers["w0"].free_kv_tokens = 64       # as it reports with its next request, ahead
+    assert ask(s, "w1", free_kv_tokens=2000) is None    # nothing queued: it waits for the revoke
+    (worker, lease_id, rows), = s.take_revokes()
+    assert (worker, lease_id) == ("w0", g.lease_id) and rows and set(rows) <= {2, 4, 6}

@@ -203,7 +203,10 @@ class Lessor:
             if n <= 0 or room <= 0 or not other.alive or not any(
                     self.leases[i].num_steps > 1 and not self.leases[i].is_revoked for i in other.lease_ids):
                 continue
-            take = [seq.seq_id for seq in self.held(other)][-min(n, room):]
+            held = self.held(other)
+            if self.moves.is_kv_short(other):   # the cheapest to move: the shortest
+                held.sort(key=lambda seq: len(seq.token_ids), reverse=True)
+            take = [seq.seq_id for seq in held][-min(n, room):]
             self.revoke_steps(other, take, for_load_at=now)
             room -= len(take)
 

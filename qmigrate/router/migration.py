@@ -2,9 +2,10 @@
 
 Pure rules over the router's worker records (shared with the Scheduler, which owns them):
 the causes of a move (dead, drain, memory, policy "any", kv, load; policy "pinned" keeps
-only the first two), how many sequences an overloaded or KV-short worker may lose to another, how many sequences nobody holds a worker may take
-while others could take them too, which queued sequences a worker asking for work is
-offered and in what order, and recompute against KV transfer.
+only the first two), how many sequences an overloaded or KV-short worker may lose to
+another, how many sequences nobody holds a worker may take while others could take them
+too, which queued sequences a worker asking for work is offered and in what order, and
+recompute against KV transfer.
 
 New work is placed before placed work moves: a sequence nobody holds costs the same prefill
 anywhere, while a load move costs a KV shipment or a second prefill. So while such
@@ -92,7 +93,8 @@ class MovePolicy:
         has in its own batch; and only past `rebalance_threshold` sequences of difference,
         and only once new work is placed (see admission_room)."""
         gap = len(owner.owned) - len(taker.owned)
-        if not self.on_load or gap < self.config.rebalance_threshold or (self.config.spread_new_work and self.queue.of(None)):
+        if not self.on_load or gap < self.config.rebalance_threshold or (
+                self.config.spread_new_work and self.queue.of(None)):
             return 0
         return max(0, min(gap // 2, len(owner.owned) - owner.max_seqs, taker.max_seqs - len(taker.owned)))
 
