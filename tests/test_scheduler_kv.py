@@ -172,3 +172,29 @@ def test_a_kv_short_owners_multi_step_lease_gives_back_its_shortest_rows():
     assert ask(s, "w1", free_kv_tokens=2000) is None    # nothing queued: it waits for the revoke
     (worker, lease_id, rows), = s.take_revokes()
     assert (worker, lease_id) == ("w0", g.lease_id) and rows and set(rows) <= {2, 4, 6}
+
+
+def test_a_kv_short_worker_leaves_new_work_to_a_worker_with_room():
+    own = {1: 300, 2: 40}
+    for free, takes_new in ((40, False), (1500, True)):    # 20 a sequence: short; 750: not
+        s = fleet()
+        place(s, "w0", own, free=1500)
+        s.config.spread_new_work = True        # new work from now on is shared
+        s.workers["w1"].free_kv_tokens = 2000   # as w1 last reported
+        s.admit([spec(sid) for sid in (21, 22, 23)])
+        g = ask(s, "w0", free_kv_tokens=free)
+        assert set(own) & set(row_ids(g))       # its own (short, it may leave some to w1)
+        assert bool({21, 22, 23} & set(row_ids(g))) == takes_new, free
+
+
+def test_a_kv_short_owner_leaves_its_shortest_queued_sequences_for_a_taker():
+    s = fleet()
+    place(s, "w0", LENGTHS, free=1500)
+    s.workers["w1"].free_kv_tokens = 2000     # as w1 last reported
+    g = ask(s, "w0", free_kv_tokens=64)
+    left = set(LENGTHS) - set(row_ids(g))
+    assert left and left <= {2, 4, 6} and 4 in left
+    s.workers["w1"].free_kv_tokens = 100      # no taker with room: it runs them all
+    report(s, g)
+    g = ask(s, "w0", free_kv_tokens=64)
+    assert sorted(row_ids(g)) == sorted(LENGTHS)

@@ -122,9 +122,11 @@ class Lessor:
             cost, shared = (len(seq.token_ids) if is_prompt else 1), 0
             if is_prompt and prefill is not None:
                 cost, shared = prefill.cost(seq)
-            if is_new and new_room is not None and new_room <= 0 and cost >= len(seq.token_ids):
+            if is_new and new_room is not None and new_room <= 0 and (
+                    cost >= len(seq.token_ids) or self.moves.is_kv_short(w)):
                 # its share of new work is taken: the rest is for the others, but not the
-                # sequences whose prefix it holds (place_new has left them to it)
+                # sequences whose prefix it holds (place_new has left them to it) unless it
+                # is short of KV, when they would only grow into an eviction or a move
                 continue
             if is_new and is_prompt and prefill is not None and prefill.should_wait(seq, shared):
                 self.counters["prefix_waits"] += 1

@@ -127,11 +127,18 @@ class MovePolicy:
         fits = (taker.free_kv_tokens - mark * taker.load) // (per_seq + mark)
         return int(max(0, min(need, fits, taker.max_seqs - taker.load, len(owner.owned))))
 
+    def num_to_shed(self, w: WorkerState) -> int:
+        """How many of its queued sequences a KV-short worker leaves for a worker that would
+        take them (num_to_relieve), rather than run them into an eviction."""
+        if not self.is_kv_short(w):
+            return 0
+        return max((self.num_to_relieve(w, o) for o in self.workers.values() if o is not w), default=0)
+
     def admission_room(self, w: WorkerState) -> int | None:
         """How many queued sequences that nobody holds w may take now (None: no limit). When
         other workers have room for them too (batch places, and KV blocks as they last
         reported), w gets its share of all the work placed on these workers or waiting, in
-        proportion to max_seqs, less what it holds already."""
+        proportion to max_seqs, less what it holds already; none while it is short of KV."""
         waiting = len(self.queue.of(None))
         if not waiting or not self.config.spread_new_work:
             return None
@@ -139,7 +146,7 @@ class MovePolicy:
                  and o.may_prefill and o.load < o.capacity and self._has_kv_room(o)]
         if not peers:
             return None
-        if w.load >= w.capacity:
+        if w.load >= w.capacity or self.is_kv_short(w):
             return 0
         peers.append(w)
         total = sum(o.load for o in peers) + waiting
@@ -191,7 +198,8 @@ class MovePolicy:
                    now: float = 0.0) -> list[tuple[Seq, str | None]]:
         """Up to `limit` queued sequences this worker may run, best first, with the migration
         cause: those that must leave a draining or memory-short owner (their owner will not
-        run them again, so they would wait the longest), its own, those a KV-short owner
+        run them again, so they would wait the longest), its own (short of KV, less those it
+        leaves for a taker, the shortest), those a KV-short owner
         gives up (the shortest first: the cheapest to move), those held nowhere, then those
         that load balancing would move to it. A sequence moved for KV or load within
         move_cooldown_s stays."""
@@ -208,7 +216,11 @@ class MovePolicy:
                     (urgent if cause in ("drain", "memory") and w.may_prefill else movable).append(queued.values())
         out = self._merged(urgent, quota, limit, [], now)
         if not shedding:
-            out += [(seq, None) for seq in itertools.islice(queue.of(w.name).values(), limit - len(out))]
+            own = queue.of(w.name).values()
+            if leave := self.num_to_shed(w):   # short of KV: its cheapest wait for a taker
+                left = {seq.seq_id for seq in heapq.nsmallest(leave, own, key=lambda seq: len(seq.token_ids))}
+                own = (seq for seq in own if seq.seq_id not in left)
+            out += [(seq, None) for seq in itertools.islice(own, limit - len(out))]
         for queued in relieving:
             self._merged([queued], quota, limit, out, now)
         unheld = queue.of(None).values()
