@@ -198,3 +198,19 @@ def test_a_kv_short_owner_leaves_its_shortest_queued_sequences_for_a_taker():
     report(s, g)
     g = ask(s, "w0", free_kv_tokens=64)
     assert sorted(row_ids(g)) == sorted(LENGTHS)
+
+
+def test_a_kv_short_owner_runs_what_it_took_within_the_cooldown():
+    """Sequences that just moved to a worker are not left in the queue when it falls short:
+    nobody may take them, and they would stall."""
+    s = fleet(move_cooldown_s=2.0)
+    place(s, "w0", {i: 100 for i in range(1, 9)}, free=200)
+    g = ask(s, "w1", 0.0, free_kv_tokens=2000)
+    moved = set(row_ids(g))
+    report(s, g)
+    s.workers["w0"].free_kv_tokens = 2000
+    g = ask(s, "w1", 1.0, free_kv_tokens=20)      # short, with a taker that has room
+    assert set(row_ids(g)) == moved
+    report(s, g, 1.0)
+    g = ask(s, "w1", 3.0, free_kv_tokens=20)      # past it, the shortest wait for w0 again
+    assert moved - set(row_ids(g))

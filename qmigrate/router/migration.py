@@ -198,11 +198,10 @@ class MovePolicy:
                    now: float = 0.0) -> list[tuple[Seq, str | None]]:
         """Up to `limit` queued sequences this worker may run, best first, with the migration
         cause: those that must leave a draining or memory-short owner (their owner will not
-        run them again, so they would wait the longest), its own (short of KV, less those it
-        leaves for a taker, the shortest), those a KV-short owner
-        gives up (the shortest first: the cheapest to move), those held nowhere, then those
-        that load balancing would move to it. A sequence moved for KV or load within
-        move_cooldown_s stays."""
+        run them again, so they would wait the longest), its own (short of KV, less the
+        shortest, which it leaves for a taker), those a KV-short owner gives up (the shortest
+        first: the cheapest to move), those held nowhere, then those that load balancing would
+        move to it. A sequence moved for KV or load within move_cooldown_s stays."""
         # Short of memory: it leaves its own sequences to whoever may take them (cause "memory").
         shedding = self.on_memory and w.is_memory_short and any(
             o.alive and not o.draining and o.may_prefill for o in self.workers.values() if o is not w)
@@ -218,7 +217,8 @@ class MovePolicy:
         if not shedding:
             own = queue.of(w.name).values()
             if leave := self.num_to_shed(w):   # short of KV: its cheapest wait for a taker
-                left = {seq.seq_id for seq in heapq.nsmallest(leave, own, key=lambda seq: len(seq.token_ids))}
+                movable_now = (seq for seq in own if not self.cooling(seq, now))
+                left = {seq.seq_id for seq in heapq.nsmallest(leave, movable_now, key=lambda seq: len(seq.token_ids))}
                 own = (seq for seq in own if seq.seq_id not in left)
             out += [(seq, None) for seq in itertools.islice(own, limit - len(out))]
         for queued in relieving:
@@ -229,11 +229,14 @@ class MovePolicy:
         out += [(seq, None) for seq in itertools.islice(unheld, max(0, limit - len(out)))]
         return self._merged(movable, quota, limit, out, now)
 
+    def cooling(self, seq: Seq, now: float) -> bool:
+        """seq moved for KV or load less than move_cooldown_s ago: it stays where it is."""
+        return seq.moved_at is not None and now - seq.moved_at < self.config.move_cooldown_s
+
     def _merged(self, queues: list, quota: Counter[str], limit: int, out: list,
                 now: float) -> list[tuple[Seq, str | None]]:
         """out, then the sequences of these owners' queues in the router's order (one queue:
         its own order), with their cause."""
-        cooldown = self.config.move_cooldown_s
         merged = queues[0] if len(queues) == 1 else heapq.merge(*queues, key=lambda seq: seq.queue_pos)
         for seq in merged:
             if len(out) >= limit:
@@ -241,7 +244,7 @@ class MovePolicy:
             owner = self.workers[seq.owner]
             if (cause := self.cause(owner, quota)) is not None:
                 if cause in ("kv", "load"):
-                    if seq.moved_at is not None and now - seq.moved_at < cooldown:
+                    if self.cooling(seq, now):
                         continue
                     quota[owner.name] -= 1
                 out.append((seq, cause))
