@@ -143,7 +143,7 @@ def _point(run: dict) -> dict:
             "tpot_p50_ms": run["tpot_ms"]["p50"], "failed": run["failed"], "short": run["short_calls"],
             "migrations": server.get("migrations_by_cause"), "mechanisms": server.get("migrations_by_mechanism"),
             "preemptions": server.get("preemptions"), "kv_bytes_shipped": server.get("kv_bytes_shipped"),
-            "tokens_by_worker": server.get("tokens_by_worker"),
+            "resends": server.get("resends"), "tokens_by_worker": server.get("tokens_by_worker"),
             "prefix_hit_rate": server.get("prefix_hit_rate", run.get("prefix_hit_rate"))}
 
 
