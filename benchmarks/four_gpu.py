@@ -7,8 +7,12 @@ GPUs with tensor parallelism, and linear scaling. Parts, any of them comma-separ
              saturating rate (measured first, on the default server, all at once) of two loads:
              ShareGPT with a tenth of the requests asking 2,048-4,096 tokens (EOS ignored; cut
              to the model's context), and bursts of requests that share a document and arrive
-             together. TTFT p50/p99, ITL p99, tok/s, and the server's migrations by cause and
-             mechanism, preemptions and KV bytes shipped, per run.
+             together. Each worker's KV pool is capped at half a burst's KV (--kv-tokens-*), so
+             that a burst overflows the worker holding its document while the fleet has room,
+             and long outputs fill a worker. TTFT p50/p99, ITL p99, tok/s, and the server's
+             migrations by cause and mechanism, preemptions, KV bytes shipped and tokens per
+             worker, per run; the router's queue depth and each pool's least free blocks,
+             sampled through each policy's run of a workload.
   drain      M on four workers at 80% of the saturating rate (ShareGPT); `qmigrate drain` of one
              worker mid-run: calls lost or repeated, the pauses of the streams in flight at the
              drain (at the client), tok/s before and after.
@@ -42,16 +46,17 @@ import sys
 import time
 from pathlib import Path
 
-from benchmarks.four_gpu_lib import (PY, Budget, Server, bench_serve, drain_effects, finish_bench, read_calls,
-                                     saturating_rate, shard_floor_ms)
+from benchmarks.four_gpu_lib import (PY, Budget, RouterSampler, Server, bench_serve, burst_kv_tokens, drain_effects,
+                                     finish_bench, read_calls, saturating_rate, shard_floor_ms)
 from benchmarks.four_gpu_report import PARTS, ratios, table
 
 POLICIES = ("affinity", "pinned", "any")
 # burst workload per model: requests a burst, tokens of the document they share, output lengths.
-# M (2,048 positions, a KV pool of ~3M tokens on an H100): 256 at once put past max_num_seqs
-# (1,024) a worker that takes two or more bursts, by cache-aware placement; L8 (~430k tokens of
-# KV a worker): a burst holds ~270k tokens once its outputs are long, two fill a worker's pool.
+# Each worker's KV pool is capped (burst_kv_tokens) so that a burst, which cache-aware placement
+# sends to the worker holding its document, overflows that worker's pool and fits the fleet's:
+# M 107,008 tokens a worker, L8 136,192 (uncapped an H200 holds ~1.6M of M's, and nothing fills).
 BURSTS = {"m": (256, 1024, "512:1024"), "l8": (128, 2048, "1024:3072")}
+QUESTION_LEN = 64
 
 
 def q(*args: str, check: bool = True) -> str:
@@ -94,12 +99,18 @@ class Setup:
         self.serve_flags = []
         self.client = []
 
-    def model_flags(self, key: str) -> list[str]:
+    def model_flags(self, key: str, migration: bool = False) -> list[str]:
+        """Serve flags for a model; `migration`: the migration part's, whose KV pools are
+        capped from the burst's size unless --kv-tokens-* says otherwise (elsewhere only a
+        size given there caps them)."""
         if self.tiny:
             return ["--max-num-seqs", "16", "--worker-setting", "max_kv_tokens=2048"]
         flags = [] if key == "m" else ["--load-format", "dummy"]
         kv = {"m": self.a.kv_tokens_m, "l8": self.a.kv_tokens_l8}.get(key, 0)
-        return flags + (["--worker-setting", f"max_kv_tokens={kv}"] if kv else [])
+        if kv < 0 and migration:
+            per, doc, out = BURSTS[key]
+            kv = burst_kv_tokens(per, doc, QUESTION_LEN, out)
+        return flags + (["--worker-setting", f"max_kv_tokens={kv}"] if kv > 0 else [])
 
     def sharegpt(self, key: str, n: int, long: bool = True) -> list[str]:
         if self.tiny:   # the tiny model's 512 positions: random prompts of ShareGPT-like spread
@@ -117,7 +128,7 @@ class Setup:
                     "--question-len", "8", "--output-len", "40:80", "--vocab", "10:1000"]
         per, doc, out = BURSTS[key]
         return ["--dataset", "burst", "--groups", str(bursts), "--prompts-per-group", str(per), "--system-len",
-                str(doc), "--question-len", "64", "--output-len", out, "--vocab", "10:31000"]
+                str(doc), "--question-len", str(QUESTION_LEN), "--output-len", out, "--vocab", "10:31000"]
 
     def per_burst(self, key: str) -> int:
         return 6 if self.tiny else BURSTS[key][0]
@@ -132,6 +143,7 @@ def _point(run: dict) -> dict:
             "tpot_p50_ms": run["tpot_ms"]["p50"], "failed": run["failed"], "short": run["short_calls"],
             "migrations": server.get("migrations_by_cause"), "mechanisms": server.get("migrations_by_mechanism"),
             "preemptions": server.get("preemptions"), "kv_bytes_shipped": server.get("kv_bytes_shipped"),
+            "resends": server.get("resends"), "tokens_by_worker": server.get("tokens_by_worker"),
             "prefix_hit_rate": server.get("prefix_hit_rate", run.get("prefix_hit_rate"))}
 
 
@@ -148,7 +160,7 @@ def migration(s: Setup, budget: Budget, out: Path, results: dict) -> dict:
         for policy in POLICIES:
             if not budget.allows(f"migration {key} policy {policy}", 60 + 2 * (point_s + 30) * len(loads)):
                 continue
-            flags = [*s.serve_flags, *s.model_flags(key), "--migration-policy", policy]
+            flags = [*s.serve_flags, *s.model_flags(key, migration=True), "--migration-policy", policy]
             with Server(model, out / f"serve-{key}-{policy}.log", flags) as srv:
                 for wl in a.workloads.split(","):
                     tag = f"{key}-{wl}-{policy}"
@@ -165,9 +177,11 @@ def migration(s: Setup, budget: Budget, out: Path, results: dict) -> dict:
                     n = max(8, min(a.max_requests, int(max(r for _, r in todo) * point_s)))
                     args = s.sharegpt(key, n) if wl == "sharegpt" else s.burst(key, max(2, n // s.per_burst(key)))
                     rate_list = ",".join(f"{r:.3f}" for _, r in todo)
-                    report = bench_serve(srv.url, [*args, *s.client, "--request-rate", rate_list], out, tag,
-                                         metrics_url=srv.metrics_url)
-                    points = res["workloads"].setdefault(wl, {}).setdefault("points", {})
+                    with RouterSampler(srv.metrics_url) as sampled:   # queueing and pools, all loads together
+                        report = bench_serve(srv.url, [*args, *s.client, "--request-rate", rate_list], out, tag,
+                                             metrics_url=srv.metrics_url)
+                    res["workloads"].setdefault(wl, {}).setdefault("router", {})[policy] = sampled.summary()
+                    points = res["workloads"][wl].setdefault("points", {})
                     for (load, _), run in zip(todo, report["runs"]):
                         points.setdefault(f"{load:g}", {})[policy] = _point(run)
         ratios(res)
@@ -325,10 +339,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--point-s", type=float, default=30.0, help="migration: seconds of arrivals a point")
     p.add_argument("--max-requests", type=int, default=6000, help="requests a point at most")
     p.add_argument("--saturation-requests", type=int, default=3000, help="requests of the all-at-once runs")
-    p.add_argument("--kv-tokens-m", type=int, default=0,
-                   help="migration: KV pool of each M worker in tokens (0: from memory, the default), e.g. "
-                        "65536 for a pool that the loads fill")
-    p.add_argument("--kv-tokens-l8", type=int, default=0, help="migration: the same for L8 (0: from memory)")
+    p.add_argument("--kv-tokens-m", type=int, default=-1,
+                   help="migration: KV pool of each M worker in tokens (-1, the default: half a burst's KV, "
+                        "so that a burst overflows one worker and fits four; 0: from memory)")
+    p.add_argument("--kv-tokens-l8", type=int, default=-1, help="migration: the same for L8")
     p.add_argument("--drain-load", type=float, default=0.8)
     p.add_argument("--drain-point-s", type=float, default=60.0, help="drain: seconds of arrivals at most")
     p.add_argument("--drain-requests", type=int, default=12000, help="drain: requests at most")

@@ -1,7 +1,8 @@
 """What `benchmarks/four_gpu.py` needs besides its parts: a `qmigrate serve` it starts and
-stops, `qmigrate bench serve` and `qmigrate bench` run as commands, and the pure arithmetic
-over their outputs (the saturating rate, a drain's pauses and lost calls, a decode step's
-floor on one GPU's shard).
+stops, `qmigrate bench serve` and `qmigrate bench` run as commands, the router's queue and
+KV pools sampled while they run, and the pure arithmetic over their outputs (the saturating
+rate, a drain's pauses and lost calls, a decode step's floor on one GPU's shard, the KV pool
+that a burst overflows).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -152,7 +154,64 @@ def read_calls(path: Path) -> dict[str, list[dict]]:
     return runs
 
 
+class RouterSampler:
+    """The router's queue depth and each worker's free KV blocks, read from /metrics every
+    `every_s` while a `with` block runs (queueing and pool pressure, which the counters
+    before and after a run do not show)."""
+
+    def __init__(self, metrics_url: str | None, every_s: float = 0.25):
+        self.url, self.every_s = metrics_url, every_s
+        self.queue: list[float] = []
+        self.kv_free_min: dict[str, float] = {}
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def __enter__(self) -> "RouterSampler":
+        if self.url:
+            self._thread = threading.Thread(target=self._run, daemon=True)
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(10)
+
+    def _run(self) -> None:
+        from qmigrate.bench.serve_metrics import scrape
+        while not self._stop.wait(self.every_s):
+            try:
+                samples = scrape(self.url, timeout_s=2.0)
+            except (OSError, ValueError):
+                continue
+            self.add(samples)
+
+    def add(self, samples: dict) -> None:
+        for (name, labels), value in samples.items():
+            if name == "qmigrate_queue_depth":
+                self.queue.append(value)
+            elif name == "qmigrate_kv_blocks_free" and (worker := dict(labels).get("worker")):
+                self.kv_free_min[worker] = min(value, self.kv_free_min.get(worker, value))
+
+    def summary(self) -> dict:
+        q = sorted(self.queue)
+        return {"samples": len(q), "queue_max": q[-1] if q else None,
+                "queue_mean": sum(q) / len(q) if q else None, "queue_p90": q[int(0.9 * (len(q) - 1))] if q else None,
+                "kv_free_blocks_min": dict(sorted(self.kv_free_min.items()))}
+
+
 # --- pure arithmetic ---------------------------------------------------------------------
+
+def burst_kv_tokens(per_burst: int, doc_len: int, question_len: int, output_len: str, block_size: int = 16) -> int:
+    """A worker's KV pool for the burst workload: half of what one burst holds at its outputs'
+    mean length (the shared document once, each request's question and output), in whole
+    blocks. Cache-aware placement sends a burst to the worker holding its document, which it
+    then overflows twice over, while four such pools hold it with room for the next."""
+    lo, hi = (int(x) for x in output_len.split(":"))
+    burst = doc_len + per_burst * (question_len + (lo + hi) / 2)
+    return int(-(-burst / 2 // block_size) * block_size)
+
+
 
 def saturating_rate(calls: list[dict], share_of_tokens: float = 0.8) -> dict:
     """Requests per second the fleet sustains, from a run that sent everything at once: its

@@ -33,18 +33,23 @@ def table(results: dict) -> str:
         if not isinstance(res, dict) or "workloads" not in res:
             continue
         for wl, data in res["workloads"].items():
+            for policy, r in data.get("router", {}).items():
+                free = ",".join(f"{w}:{_f(v, '.0f')}" for w, v in r.get("kv_free_blocks_min", {}).items()) or "-"
+                lines.append(f"migration {key} {wl} {policy}: router queue max {_f(r.get('queue_max'), '.0f')}, "
+                             f"mean {_f(r.get('queue_mean'))}; least free KV blocks {free}")
             sat = data.get("saturation", {})
             lines.append(f"migration {key} {wl}: saturating {_f(sat.get('requests_per_s'))} req/s "
                          f"({_f(sat.get('tok_per_s'), ',.0f')} tok/s)")
             lines.append(f"  {'load':>4} {'policy':>8} {'tok/s':>9} {'TTFT p50/p99 ms':>18} {'ITL p99':>8} "
-                         f"{'preempt':>7} {'moves (cause; how)':<28} {'MB':>7} {'p99 x':>6} {'tok x':>6}")
+                         f"{'ev/resend':>9} {'moves (cause; how)':<28} {'MB':>7} {'p99 x':>6} {'tok x':>6}")
             for load, by_policy in data.get("points", {}).items():
                 for policy, p in by_policy.items():
                     moves = ",".join(f"{k}{v}" for k, v in sorted((p["migrations"] or {}).items())) or "0"
                     how = ",".join(f"{k[0]}{v}" for k, v in sorted((p["mechanisms"] or {}).items()))
                     lines.append(f"  {load:>4} {policy:>8} {p['tok_per_s']:9,.0f} "
                                  f"{_f(p['ttft_p50_ms']) + '/' + _f(p['ttft_p99_ms']):>18} {_f(p['itl_p99_ms']):>8} "
-                                 f"{_f(p['preemptions'], 'd'):>7} {moves + ('; ' + how if how else ''):<28} "
+                                 f"{_f(p['preemptions'], 'd') + '/' + _f(p.get('resends'), 'd'):>9} "
+                                 f"{moves + ('; ' + how if how else ''):<28} "
                                  f"{_f((p['kv_bytes_shipped'] or 0) / 1e6, ',.0f'):>7} "
                                  f"{_f(p.get('ttft_p99_pinned_over_this'), '.2f'):>6} "
                                  f"{_f(p.get('tok_per_s_this_over_pinned'), '.2f'):>6}")

@@ -111,6 +111,13 @@ class RouterConfig(Section):
     policy: str = rules.setting("affinity", rules.one_of(*ROUTER_POLICIES))
     migrate_on_load: bool = rules.setting(True, rules.boolean)
     migrate_on_memory: bool = rules.setting(True, rules.boolean)
+    # KV pressure: an owner whose free KV (as it last reported) would last its sequences fewer
+    # than kv_pressure_steps more tokens each gives sequences to a worker that keeps twice that
+    # after taking them, before it has to evict (preempt) any; a sequence moved for KV or load
+    # stays put for move_cooldown_s
+    migrate_on_kv: bool = rules.setting(True, rules.boolean)
+    kv_pressure_steps: int = rules.setting(32, rules.count)
+    move_cooldown_s: float = rules.setting(2.0, rules.number("a number >= 0", lambda x: x >= 0))
     min_free_vram_fraction: float = rules.setting(0.05, rules.number("a number in [0, 1)", lambda x: 0 <= x < 1))
     # a worker takes no new prefills below this (never below min_free_vram_fraction)
     admit_free_vram_fraction: float = rules.setting(0.07, rules.number("a number in [0, 1)", lambda x: 0 <= x < 1))

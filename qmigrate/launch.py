@@ -316,7 +316,8 @@ def print_summary(topo: Topology) -> None:
              if k.startswith("migrations_") and v}
     detail = ", ".join(f"{k} {v}" for k, v in moves.items()) or "none"
     print(f"qmigrate: {stats.get('finished', 0)} sequences finished in {stats.get('leases', 0)} "
-          f"batches, {stats.get('kv_imported', 0)} resumed from shipped KV; migrations: {detail}", file=sys.stderr)
+          f"batches, {stats.get('kv_imported', 0)} resumed from shipped KV; migrations: {detail}; "
+          f"evictions {stats.get('evictions', 0)}, resends {stats.get('resends', 0)}", file=sys.stderr)
 
 
 def single_node(topo: Topology, ipc_dir: str, model_path: str) -> Topology:

@@ -65,6 +65,7 @@ qmigrate_migrations_total{cause="load"} 2.0
 qmigrate_migrations_by_mechanism_total{mechanism="transfer"} 2.0
 qmigrate_kv_transfer_bytes_total 1000.0
 qmigrate_preemptions_total 1.0
+qmigrate_resends_total 2.0
 qmigrate_prefix_prompt_tokens_total{worker="w1"} 100.0
 qmigrate_prefix_cached_tokens_total{worker="w1"} 50.0
 """
@@ -74,6 +75,7 @@ qmigrate_migrations_by_mechanism_total{mechanism="transfer"} 6.0
 qmigrate_migrations_by_mechanism_total{mechanism="recompute"} 4.0
 qmigrate_kv_transfer_bytes_total 5000.0
 qmigrate_preemptions_total 4.0
+qmigrate_resends_total 7.0
 qmigrate_prefix_prompt_tokens_total{worker="w1"} 300.0
 qmigrate_prefix_prompt_tokens_total{worker="w2"} 100.0
 qmigrate_prefix_cached_tokens_total{worker="w1"} 250.0
@@ -85,7 +87,7 @@ def test_the_counters_of_a_run_are_the_growth_between_two_scrapes():
     c = run_counts(parse(METRICS_BEFORE), parse(METRICS_AFTER))
     assert c["migrations"] == 8 and c["migrations_by_cause"] == {"load": 5, "memory": 3}
     assert c["migrations_by_mechanism"] == {"transfer": 4, "recompute": 4}
-    assert (c["kv_bytes_shipped"], c["preemptions"]) == (4000, 3)
+    assert (c["kv_bytes_shipped"], c["preemptions"], c["resends"]) == (4000, 3, 5)
     assert (c["prefix_prompt_tokens"], c["prefix_cached_tokens"]) == (300, 200)
     assert c["prefix_hit_rate"] == pytest.approx(200 / 300) and c["tokens_by_worker"] == {"w2": 42}
 

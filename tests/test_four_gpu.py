@@ -12,7 +12,7 @@ import pytest
 from conftest import stop_group
 
 from benchmarks.four_gpu_report import table
-from benchmarks.four_gpu_lib import drain_effects, saturating_rate, shard_floor_ms
+from benchmarks.four_gpu_lib import RouterSampler, burst_kv_tokens, drain_effects, saturating_rate, shard_floor_ms
 from qmigrate.hub.shapes import shape_config
 
 
@@ -47,6 +47,31 @@ def test_a_drain_is_judged_by_lost_and_repeated_calls_pauses_and_tok_s():
     assert e["control_max_pause_s"] == pytest.approx(0.01, abs=1e-6)
     assert e["tok_per_s_before"] > 0 and e["after_over_before"] == pytest.approx(
         e["tok_per_s_after"] / e["tok_per_s_before"])
+
+
+def test_a_burst_overflows_one_capped_pool_and_fits_four():
+    per, doc, question, out = 256, 1024, 64, "512:1024"
+    pool = burst_kv_tokens(per, doc, question, out)
+    burst = doc + per * (question + 768)
+    assert pool % 16 == 0 and pool < burst <= 2 * pool < 4 * pool
+    assert burst_kv_tokens(per, doc, question, "2048:2048") > pool
+
+
+def test_the_router_sampler_keeps_the_queue_and_each_pools_least_free_blocks():
+    r = RouterSampler(None)
+    for depth, free in ((0, (90, 50)), (12, (10, 60)), (3, (40, 5))):
+        r.add({("qmigrate_queue_depth", ()): float(depth),
+               ("qmigrate_kv_blocks_free", (("worker", "w1"),)): float(free[0]),
+               ("qmigrate_kv_blocks_free", (("worker", "w2"),)): float(free[1]),
+               ("qmigrate_kv_blocks_used", (("worker", "w1"),)): 1.0})
+    sm = r.summary()
+    assert (sm["samples"], sm["queue_max"], sm["queue_mean"]) == (3, 12.0, 5.0)
+    assert sm["kv_free_blocks_min"] == {"w1": 10.0, "w2": 5.0}
+    with RouterSampler(None) as idle:   # no URL: nothing sampled, nothing started
+        pass
+    assert idle.summary()["queue_max"] is None
+    text = table({"migration": {"m": {"workloads": {"burst": {"router": {"affinity": sm}}}}}})
+    assert "router queue max 12, mean 5.0; least free KV blocks w1:10,w2:5" in text
 
 
 def test_the_floor_of_one_gpus_shard_of_the_70b_shape():

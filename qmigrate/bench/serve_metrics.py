@@ -61,6 +61,7 @@ def run_counts(before: dict, after: dict) -> dict:
     return {"migrations": sum(causes.values()), "migrations_by_cause": causes,
             "migrations_by_mechanism": _by_label(before, after, "qmigrate_migrations_by_mechanism_total", "mechanism"),
             "preemptions": int(round(_total(before, after, "qmigrate_preemptions_total"))),
+            "resends": int(round(_total(before, after, "qmigrate_resends_total"))),
             "kv_bytes_shipped": int(round(_total(before, after, "qmigrate_kv_transfer_bytes_total"))),
             "prefix_prompt_tokens": int(prompt), "prefix_cached_tokens": int(cached),
             "prefix_hit_rate": cached / prompt if prompt else None,

@@ -81,6 +81,8 @@ class RouterMetrics:
                                   ["mechanism"], registry=r)
         self.preemptions = Counter("qmigrate_preemptions_total", "Sequences whose KV a worker evicted for room "
                                    "(recomputed where they run next)", registry=r)
+        self.resends = Counter("qmigrate_resends_total", "Sequences a worker gave back for their ids: it had no KV "
+                               "for them (rows refused for room, or KV lost)", registry=r)
         self.kv_bytes = Counter("qmigrate_kv_transfer_bytes_total", "KV cache bytes shipped between workers "
                                 "(as the router ordered them)", registry=r)
         self.errors = Counter("qmigrate_errors_total", "Errors and dropped messages, by kind", ["kind"], registry=r)
@@ -132,6 +134,7 @@ class RouterMetrics:
             d.add(self.errors.labels(kind), ("error", kind), value)
         d.add(self.kv_bytes, "kv_bytes", observer.kv_transfer_bytes)
         d.add(self.preemptions, "evictions", c.get("evictions", 0))
+        d.add(self.resends, "resends", c.get("resends", 0))
         for node, uuid, _index, total, used, free, _util in observer.gpus.values():
             self.vram_total.labels(node, uuid).set(total)
             self.vram_used.labels(node, uuid).set(used)

@@ -84,11 +84,13 @@ class Lessor:
             return None
         max_seqs = min(max_seqs, w.max_seqs)
         w.free_kv_tokens = free_kv_tokens
+        # KV of moves away told to it with its last lease is freed in this report
+        w.kv_released, w.kv_delivered = w.kv_released - w.kv_delivered, 0
         held = self.held(w)
         chainable = [seq for seq in held if seq.next_lease is None] if self.may_chain(w) else []
         quota = self.moves.steal_quota(w)
         # Look at a bounded stretch of the queue: a request costs what it can return.
-        candidates = self.moves.candidates(w, self.queue, quota, max_seqs + 64)
+        candidates = self.moves.candidates(w, self.queue, quota, max_seqs + 64, now)
         matched: dict[int, dict[str, int]] = {}
         if self.config.prefix_aware:
             candidates = place_new(self.prefix, w, self.workers, candidates, now, self.config.prefix_wait_s,
@@ -120,9 +122,11 @@ class Lessor:
             cost, shared = (len(seq.token_ids) if is_prompt else 1), 0
             if is_prompt and prefill is not None:
                 cost, shared = prefill.cost(seq)
-            if is_new and new_room is not None and new_room <= 0 and cost >= len(seq.token_ids):
+            if is_new and new_room is not None and new_room <= 0 and (
+                    cost >= len(seq.token_ids) or self.moves.is_kv_short(w)):
                 # its share of new work is taken: the rest is for the others, but not the
-                # sequences whose prefix it holds (place_new has left them to it)
+                # sequences whose prefix it holds (place_new has left them to it) unless it
+                # is short of KV, when they would only grow into an eviction or a move
                 continue
             if is_new and is_prompt and prefill is not None and prefill.should_wait(seq, shared):
                 self.counters["prefix_waits"] += 1
@@ -169,6 +173,7 @@ class Lessor:
         w.num_leased += len(rows)
         w.num_arriving += num_arriving
         drops, w.pending_drops = w.pending_drops, []
+        w.kv_delivered = w.kv_released
         self.counters["leases"] += 1
         self.counters["leased_rows"] += len(rows)
         return Grant(lease_id, name, rows, drops, shipments, num_steps)
@@ -200,7 +205,10 @@ class Lessor:
             if n <= 0 or room <= 0 or not other.alive or not any(
                     self.leases[i].num_steps > 1 and not self.leases[i].is_revoked for i in other.lease_ids):
                 continue
-            take = [seq.seq_id for seq in self.held(other)][-min(n, room):]
+            held = self.held(other)
+            if self.moves.is_kv_short(other):   # the cheapest to move: the shortest
+                held.sort(key=lambda seq: len(seq.token_ids), reverse=True)
+            take = [seq.seq_id for seq in held][-min(n, room):]
             self.revoke_steps(other, take, for_load_at=now)
             room -= len(take)
 
@@ -236,6 +244,9 @@ class Lessor:
             self.counters[f"migrations_{cause}"] += 1
             self.counters[f"migrations_by_{mechanism}"] += 1
             owner.owned.discard(seq.seq_id)
+            if cause in ("kv", "load"):
+                seq.moved_at = now
+            owner.kv_released += len(seq.token_ids)
             if mechanism == "transfer":
                 transfer_id = self.new_transfer_id()
                 kv_from = owner.kv_endpoint

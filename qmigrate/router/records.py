@@ -29,6 +29,7 @@ class Seq:
     offered_at: float | None = None    # when a worker was first offered it (cache-aware placement)
     num_waits: int = 0                 # leases it sat out for prefix blocks others computed (prefix_index)
     home: str | None = None            # the worker it last came to (policy "pinned" keeps it there)
+    moved_at: float | None = None      # when it last moved for KV or load (move_cooldown_s)
 
     @property
     def seq_id(self) -> int:
@@ -77,6 +78,8 @@ class WorkerState:
     num_leased: int = 0
     num_arriving: int = 0   # sequences leased to it whose KV it does not hold yet (new to it)
     free_kv_tokens: int | None = None  # as it reported with its last request for work
+    kv_released: int = 0    # KV tokens of sequences moved away that its last report did not free yet
+    kv_delivered: int = 0   # of those, what its last lease told it to free (its next report has freed)
     pending_drops: list[int] = field(default_factory=list)
     lease_ids: dict[int, None] = field(default_factory=dict)  # its open leases, oldest first
     moving_since: float | None = None  # when its sequences were told to leave (drain, memory, death)

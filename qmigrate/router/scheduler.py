@@ -4,8 +4,9 @@ Every live sequence is either queued here or leased to exactly one worker (invar
 A worker that finishes a step for a sequence becomes its KV owner: it then holds KV for
 all of the sequence's tokens but the last. A request for work is answered with the
 requester's own sequences first (affinity), then sequences nobody owns, then sequences
-that should move: their owner is dead, draining, short of memory or holds more than it
-can batch (load), or the policy is "any". Times are plain floats supplied by the caller.
+that should move: their owner is dead, draining, short of memory or of KV, or holds more
+than it can batch (load), or the policy is "any" (migration.py has the order in full).
+Times are plain floats supplied by the caller.
 
 How a request for work becomes a lease (chained steps, multi-step leases and their revokes)
 is leasing.py's, over the records kept here.
