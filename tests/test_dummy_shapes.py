@@ -188,3 +188,51 @@ def test_load_format_is_a_model_setting_and_a_serve_flag(tmp_path, tiny_model_di
     assert json.loads((tmp_path / "m" / "config.json").read_text())["sliding_window"] == 4096
     run = qmigrate("model", "shape", "gpt-5", str(tmp_path / "g"), "--tokenizer", str(tiny_model_dir))
     assert run.returncode != 0 and "known: llama-3.1-8b" in run.stderr
+
+
+@pytest.mark.parametrize("kind", ["dense", "moe", "tied"])
+def test_each_rank_makes_the_slices_of_the_dummy_model_it_holds(shapes, kind, tmp_path, tiny_model_dir):
+    """A tensor-parallel rank makes its own shard from the model's structure (dummy_shard.py),
+    one layer at a time: every tensor equals, in order, shape, dtype and value, the one cut for
+    that rank from the whole dummy model load_model makes (rotary tables, norms, vocab-split
+    embeddings and head, each expert's slice), and the structure is left on the meta device."""
+    from qmigrate.engine import models
+    from qmigrate.engine.parallel.dummy_shard import dummy_shard
+    from qmigrate.engine.parallel.scatter import shard_tensors
+    from qmigrate.engine.parallel.sharding import TensorParallel, shard_model
+    from qmigrate.hub.loading import load_structure
+    shape = (write_shape(dict(TINY_DENSE, tie_word_embeddings=True), tiny_model_dir, tmp_path / "tied")
+             if kind == "tied" else shapes[kind])
+    for dtype in ("float32", "bfloat16"):
+        whole = models.build(load_model(shape, "cpu", dtype, load_format="dummy")[0])
+        for rank in range(2):
+            cut = shard_tensors(shard_model(whole, TensorParallel(rank, 2, "cpu")))
+            structure = load_structure(shape, dtype)
+            made = shard_tensors(dummy_shard(structure, TensorParallel(rank, 2, "cpu")))
+            assert len(made) == len(cut)
+            for i, (a, b) in enumerate(zip(made, cut)):
+                assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b), (dtype, rank, i)
+            assert all(p.device.type == "meta" for p in structure.parameters())
+            assert all(b.device.type == "meta" for b in structure.buffers())
+
+
+def test_a_rank_holds_one_whole_layer_at_a_time(shapes):
+    """The layers are made on the device as the shard asks for them: when one is handed out,
+    every other layer's module is still (or again) on the meta device."""
+    from qmigrate.engine import models
+    from qmigrate.engine.parallel.dummy_shard import _layers_made
+    from qmigrate.hub.dummy import materialize
+    from qmigrate.hub.loading import load_structure
+    model = load_structure(shapes["moe"], "float32")
+    layers = model.model.layers
+    saved, model.model.layers = layers, torch.nn.ModuleList()
+    materialize(model, model, torch.device("cpu"))
+    model.model.layers = saved
+    made = []
+    for i, layer in enumerate(_layers_made(model, models.decoder_layers(model), torch.device("cpu"), 0)):
+        real = [j for j, m in enumerate(layers) if any(p.device.type != "meta" for p in m.parameters())]
+        assert real == [i]
+        assert layer.attn.qkv.weight.device.type == "cpu"
+        made.append(i)
+    assert made == list(range(len(layers)))
+    assert all(p.device.type == "meta" for m in layers for p in m.parameters())
