@@ -41,6 +41,8 @@ def dummy_shard(model, tp: TensorParallel, seed: int = 0):
         return shard_model(models.build(model, layers=[]), tp, layers=_layers_made(model, stream, tp.device, seed))
     finally:
         model.to("meta")
+        if tp.device.type == "cuda":   # the whole layers and ends made: not held, not to be counted as held
+            torch.cuda.empty_cache()
 
 
 def _layers_made(model, stream: Iterator, device: torch.device, seed: int) -> Iterator:
