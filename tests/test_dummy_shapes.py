@@ -236,3 +236,27 @@ def test_a_rank_holds_one_whole_layer_at_a_time(shapes):
         made.append(i)
     assert made == list(range(len(layers)))
     assert all(p.device.type == "meta" for m in layers for p in m.parameters())
+
+
+@pytest.mark.parametrize("family", ["llama3", "qwen2", "qwen3", "mistral", "gemma2", "gemma3", "phi3", "mixtral",
+                                    "qwen2_moe", "qwen3_moe"])
+def test_every_family_shard_made_by_a_rank_is_the_dummy_models_slice(family, tmp_path):
+    """The same for every fast-runner family (tests/families.py's configs): tied embeddings,
+    rotary tables per layer type (Gemma 3), LongRoPE (Phi-3), a shared expert and dense layers
+    among the experts (Qwen2-MoE)."""
+    import families
+    from qmigrate.engine import models
+    from qmigrate.engine.parallel.dummy_shard import dummy_shard
+    from qmigrate.engine.parallel.scatter import shard_tensors
+    from qmigrate.engine.parallel.sharding import TensorParallel, shard_model
+    from qmigrate.hub.dummy import build_dummy_model
+    from qmigrate.hub.loading import attention_implementation, model_structure
+    config = families.family_config(family)
+    config.save_pretrained(tmp_path)
+    whole = models.build(build_dummy_model(tmp_path, "cpu", torch.float32, attention=attention_implementation))
+    for rank in range(2):
+        cut = shard_tensors(shard_model(whole, TensorParallel(rank, 2, "cpu")))
+        made = shard_tensors(dummy_shard(model_structure(config, "float32"), TensorParallel(rank, 2, "cpu")))
+        assert len(made) == len(cut)
+        for i, (a, b) in enumerate(zip(made, cut)):
+            assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b), (rank, i)
