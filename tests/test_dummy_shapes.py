@@ -260,3 +260,24 @@ def test_every_family_shard_made_by_a_rank_is_the_dummy_models_slice(family, tmp
         assert len(made) == len(cut)
         for i, (a, b) in enumerate(zip(made, cut)):
             assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b), (rank, i)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("kind", ["dense", "moe"])
+def test_on_a_gpu_each_rank_makes_the_slices_of_the_dummy_model(shapes, kind):
+    """As on the CPU, with the weights drawn on the GPU in bf16 (CUDA's generator): each
+    shard a rank makes equals the slice of the whole dummy model load_model makes there."""
+    from qmigrate.engine import models
+    from qmigrate.engine.parallel.dummy_shard import dummy_shard
+    from qmigrate.engine.parallel.scatter import shard_tensors
+    from qmigrate.engine.parallel.sharding import TensorParallel, shard_model
+    from qmigrate.hub.loading import load_structure
+    whole = models.build(load_model(shapes[kind], "cuda", "bfloat16", load_format="dummy")[0])
+    for rank in range(2):
+        cut = shard_tensors(shard_model(whole, TensorParallel(rank, 2, "cuda:0")))
+        made = shard_tensors(dummy_shard(load_structure(shapes[kind], "bfloat16"), TensorParallel(rank, 2, "cuda:0")))
+        assert len(made) == len(cut)
+        for i, (a, b) in enumerate(zip(made, cut)):
+            assert a.device.type == "cuda" and a.dtype == b.dtype and a.shape == b.shape, (rank, i)
+            assert torch.equal(a, b), (rank, i)
