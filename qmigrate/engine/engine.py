@@ -50,9 +50,9 @@ class Engine:
         its structure only (meta tensors: scatter.py sends their shards); the runner keeps
         this rank's shard on tp.device; with `load_format` "dummy" every rank's model is its
         structure only and each makes its own shard of dummy weights (parallel/dummy_shard.py).
-        Without it (tensor_parallel_size 1) nothing here differs
-        from one device. `use_runner`: a Runner built elsewhere (one that skips the model, to
-        time what surrounds the forward pass) in place of the one the settings choose. `own_model`:
+        Without it (tensor_parallel_size 1) nothing here differs from one device. `use_runner`:
+        a Runner built elsewhere (one that skips the model, to time what surrounds the forward
+        pass) in place of the one the settings choose. `own_model`:
         the caller hands the model over and drops it after: on a GPU the checkpoint's tensors the
         fast runner does not hold (those it fused into copies, those FP8 replaced) are freed
         before the KV pool is sized, so the pool gets their memory."""

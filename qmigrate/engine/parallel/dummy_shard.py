@@ -52,4 +52,3 @@ def _layers_made(model, stream: Iterator, device: torch.device, seed: int) -> It
         materialize(model, module, device, seed)
         yield next(stream)
         module.to("meta")
-
