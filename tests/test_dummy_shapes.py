@@ -188,3 +188,96 @@ def test_load_format_is_a_model_setting_and_a_serve_flag(tmp_path, tiny_model_di
     assert json.loads((tmp_path / "m" / "config.json").read_text())["sliding_window"] == 4096
     run = qmigrate("model", "shape", "gpt-5", str(tmp_path / "g"), "--tokenizer", str(tiny_model_dir))
     assert run.returncode != 0 and "known: llama-3.1-8b" in run.stderr
+
+
+@pytest.mark.parametrize("kind", ["dense", "moe", "tied"])
+def test_each_rank_makes_the_slices_of_the_dummy_model_it_holds(shapes, kind, tmp_path, tiny_model_dir):
+    """A tensor-parallel rank makes its own shard from the model's structure (dummy_shard.py),
+    one layer at a time: every tensor equals, in order, shape, dtype and value, the one cut for
+    that rank from the whole dummy model load_model makes (rotary tables, norms, vocab-split
+    embeddings and head, each expert's slice), and the structure is left on the meta device."""
+    from qmigrate.engine import models
+    from qmigrate.engine.parallel.dummy_shard import dummy_shard
+    from qmigrate.engine.parallel.scatter import shard_tensors
+    from qmigrate.engine.parallel.sharding import TensorParallel, shard_model
+    from qmigrate.hub.loading import load_structure
+    shape = (write_shape(dict(TINY_DENSE, tie_word_embeddings=True), tiny_model_dir, tmp_path / "tied")
+             if kind == "tied" else shapes[kind])
+    for dtype in ("float32", "bfloat16"):
+        whole = models.build(load_model(shape, "cpu", dtype, load_format="dummy")[0])
+        for rank in range(2):
+            cut = shard_tensors(shard_model(whole, TensorParallel(rank, 2, "cpu")))
+            structure = load_structure(shape, dtype)
+            made = shard_tensors(dummy_shard(structure, TensorParallel(rank, 2, "cpu")))
+            assert len(made) == len(cut)
+            for i, (a, b) in enumerate(zip(made, cut)):
+                assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b), (dtype, rank, i)
+            assert all(p.device.type == "meta" for p in structure.parameters())
+            assert all(b.device.type == "meta" for b in structure.buffers())
+
+
+def test_a_rank_holds_one_whole_layer_at_a_time(shapes):
+    """The layers are made on the device as the shard asks for them: when one is handed out,
+    every other layer's module is still (or again) on the meta device."""
+    from qmigrate.engine import models
+    from qmigrate.engine.parallel.dummy_shard import _layers_made
+    from qmigrate.hub.dummy import materialize
+    from qmigrate.hub.loading import load_structure
+    model = load_structure(shapes["moe"], "float32")
+    layers = model.model.layers
+    saved, model.model.layers = layers, torch.nn.ModuleList()
+    materialize(model, model, torch.device("cpu"))
+    model.model.layers = saved
+    made = []
+    for i, layer in enumerate(_layers_made(model, models.decoder_layers(model), torch.device("cpu"), 0)):
+        real = [j for j, m in enumerate(layers) if any(p.device.type != "meta" for p in m.parameters())]
+        assert real == [i]
+        assert layer.attn.qkv.weight.device.type == "cpu"
+        made.append(i)
+    assert made == list(range(len(layers)))
+    assert all(p.device.type == "meta" for m in layers for p in m.parameters())
+
+
+@pytest.mark.parametrize("family", ["llama3", "qwen2", "qwen3", "mistral", "gemma2", "gemma3", "phi3", "mixtral",
+                                    "qwen2_moe", "qwen3_moe"])
+def test_every_family_shard_made_by_a_rank_is_the_dummy_models_slice(family, tmp_path):
+    """The same for every fast-runner family (tests/families.py's configs): tied embeddings,
+    rotary tables per layer type (Gemma 3), LongRoPE (Phi-3), a shared expert and dense layers
+    among the experts (Qwen2-MoE)."""
+    import families
+    from qmigrate.engine import models
+    from qmigrate.engine.parallel.dummy_shard import dummy_shard
+    from qmigrate.engine.parallel.scatter import shard_tensors
+    from qmigrate.engine.parallel.sharding import TensorParallel, shard_model
+    from qmigrate.hub.dummy import build_dummy_model
+    from qmigrate.hub.loading import attention_implementation, model_structure
+    config = families.family_config(family)
+    config.save_pretrained(tmp_path)
+    whole = models.build(build_dummy_model(tmp_path, "cpu", torch.float32, attention=attention_implementation))
+    for rank in range(2):
+        cut = shard_tensors(shard_model(whole, TensorParallel(rank, 2, "cpu")))
+        made = shard_tensors(dummy_shard(model_structure(config, "float32"), TensorParallel(rank, 2, "cpu")))
+        assert len(made) == len(cut)
+        for i, (a, b) in enumerate(zip(made, cut)):
+            assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b), (rank, i)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("kind", ["dense", "moe"])
+def test_on_a_gpu_each_rank_makes_the_slices_of_the_dummy_model(shapes, kind):
+    """As on the CPU, with the weights drawn on the GPU in bf16 (CUDA's generator): each
+    shard a rank makes equals the slice of the whole dummy model load_model makes there."""
+    from qmigrate.engine import models
+    from qmigrate.engine.parallel.dummy_shard import dummy_shard
+    from qmigrate.engine.parallel.scatter import shard_tensors
+    from qmigrate.engine.parallel.sharding import TensorParallel, shard_model
+    from qmigrate.hub.loading import load_structure
+    whole = models.build(load_model(shapes[kind], "cuda", "bfloat16", load_format="dummy")[0])
+    for rank in range(2):
+        cut = shard_tensors(shard_model(whole, TensorParallel(rank, 2, "cuda:0")))
+        made = shard_tensors(dummy_shard(load_structure(shapes[kind], "bfloat16"), TensorParallel(rank, 2, "cuda:0")))
+        assert len(made) == len(cut)
+        for i, (a, b) in enumerate(zip(made, cut)):
+            assert a.device.type == "cuda" and a.dtype == b.dtype and a.shape == b.shape, (rank, i)
+            assert torch.equal(a, b), (rank, i)

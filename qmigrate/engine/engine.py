@@ -44,13 +44,15 @@ DEFAULT_CONTEXT = 2048   # positions of a model whose config does not say
 
 class Engine:
     def __init__(self, model, config: EngineConfig | None = None, *, tp=None, use_runner=None, own_model=False,
-                 **overrides):
+                 load_format: str = "auto", **overrides):
         """`tp`: this process's rank of a tensor-parallel group (parallel.sharding.TensorParallel); the
         model is then the whole checkpoint on the CPU on rank 0, and on the other ranks may be
         its structure only (meta tensors: scatter.py sends their shards); the runner keeps
-        this rank's shard on tp.device. Without it (tensor_parallel_size 1) nothing here differs
-        from one device. `use_runner`: a Runner built elsewhere (one that skips the model, to
-        time what surrounds the forward pass) in place of the one the settings choose. `own_model`:
+        this rank's shard on tp.device; with `load_format` "dummy" every rank's model is its
+        structure only and each makes its own shard of dummy weights (parallel/dummy_shard.py).
+        Without it (tensor_parallel_size 1) nothing here differs from one device. `use_runner`:
+        a Runner built elsewhere (one that skips the model, to time what surrounds the forward
+        pass) in place of the one the settings choose. `own_model`:
         the caller hands the model over and drops it after: on a GPU the checkpoint's tensors the
         fast runner does not hold (those it fused into copies, those FP8 replaced) are freed
         before the KV pool is sized, so the pool gets their memory."""
@@ -70,7 +72,7 @@ class Engine:
             # Triton launches and CUDA graph captures go to the current device: make it ours
             torch.cuda.set_device(self.device)
         self.runner, self.runner_reason = ((use_runner, "given") if use_runner is not None
-                                           else make_runner(model, cfg, self.device, tp))
+                                           else make_runner(model, cfg, self.device, tp, load_format))
         if own_model and tp is None and use_runner is None and self.device.type == "cuda":
             startup.release_checkpoint(self.runner, model)
         # the pool holds this rank's KV heads (all of them without tensor parallelism)

@@ -4,9 +4,11 @@ Rank 0 is the worker process the router knows. It spawns ranks 1..N-1 as child p
 (`python -m qmigrate.worker.ranks`), which join it through torch.distributed with a file://
 rendezvous in a private temporary directory. Rank 0 alone loads the checkpoint, on the CPU;
 the followers build the model from its config without weights, and rank 0 sends each its
-shard (engine/parallel/scatter.py). Every rank keeps its shard on its own device (rank r of a worker
-on cuda:K uses cuda:K+r) and builds the same engine; then the followers do what rank 0
-sends them (engine/parallel/lockstep.py).
+shard (engine/parallel/scatter.py). With load_format dummy no rank loads anything: each builds
+the model without weights and makes its own shard on its device (engine/parallel/
+dummy_shard.py). Every rank keeps its shard on its own device (rank r of a worker on cuda:K
+uses cuda:K+r) and builds the same engine; then the followers do what rank 0 sends them
+(engine/parallel/lockstep.py).
 
 Failure: rank 0 polls its followers; when one exits, it says which and why, stops the
 others and exits, so the router sees a dead worker and moves its sequences. A follower
@@ -56,17 +58,18 @@ def load_dtype(dtype: str, device: str) -> str:
 
 def build_engine(topo, name: str, model_path: str, tp: TensorParallel):
     """This rank's engine, sharded onto tp.device: on rank 0 from the checkpoint loaded on the
-    CPU (or, with load_format dummy, random weights made there); on the others from the
-    model's config, their shards' values sent by rank 0."""
+    CPU, on the others from the model's config, their shards' values sent by rank 0; with
+    load_format dummy every rank from the config, its shard's random weights made on its device."""
     from qmigrate.hub.loading import load_model, load_structure
     from qmigrate.engine.engine import Engine
     cfg = topo.worker(name)
     dtype, trust = load_dtype(topo.model.dtype, cfg.device), topo.model.trust_remote_code
-    if tp.is_leader:
-        model, _ = load_model(model_path, "cpu", dtype, trust_remote_code=trust, load_format=topo.model.load_format)
+    load_format = topo.model.load_format
+    if tp.is_leader and load_format != "dummy":
+        model, _ = load_model(model_path, "cpu", dtype, trust_remote_code=trust)
     else:
         model = load_structure(model_path, dtype, trust_remote_code=trust)
-    return Engine(model, cfg.engine_config(), tp=tp)
+    return Engine(model, cfg.engine_config(), tp=tp, load_format=load_format)
 
 
 def check_model(name: str, model_path: str, world: int, trust_remote_code: bool = False) -> None:

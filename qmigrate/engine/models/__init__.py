@@ -9,7 +9,7 @@ import importlib
 import torch
 
 from qmigrate.engine.layers.mlp import ACTIVATIONS
-from qmigrate.engine.layers.rotary import unsupported_rope
+from qmigrate.engine.layers.rotary import tables_for, unsupported_rope
 from qmigrate.hub.shape import ModelShape
 
 # model_type -> module of engine/models/ that builds it
@@ -46,5 +46,16 @@ def unsupported(model, device: torch.device) -> str | None:
     return None
 
 
-def build(model):
-    return importlib.import_module(f".{FAMILIES[model.config.model_type]}", __name__).build(model)
+def _module(model):
+    return importlib.import_module(f".{FAMILIES[model.config.model_type]}", __name__)
+
+
+def build(model, layers=None):
+    """The DecoderModel of a checkpoint; `layers`: its layers built (and perhaps cut) elsewhere."""
+    return _module(model).build(model, layers)
+
+
+def decoder_layers(model):
+    """The checkpoint's DecoderLayers one at a time, each built from its module when it is
+    asked for (so a module's weights may be made just before and dropped just after)."""
+    return _module(model).decoder_layers(model, tables_for(model, model.config.max_position_embeddings))

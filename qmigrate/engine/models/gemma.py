@@ -5,6 +5,8 @@ windows on the layers their config marks, attention soft-capping (Gemma 2) or q/
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 from qmigrate.engine.layers.attention import Attention, layer_windows
 from qmigrate.engine.layers.mlp import GatedMLP
 from qmigrate.engine.layers.norms import RMSNorm
@@ -14,20 +16,25 @@ from qmigrate.engine.models.base import DecoderLayer, DecoderModel, output_head
 MODEL_TYPES = ("gemma2", "gemma3_text")
 
 
-def build(model) -> DecoderModel:
+def build(model, layers: list[DecoderLayer] | None = None) -> DecoderModel:
+    """`layers`: those to hold in place of the ones decoder_layers builds from the checkpoint."""
     cfg, base = model.config, model.model
-    max_positions = cfg.max_position_embeddings
-    tables = tables_for(model, max_positions)
+    if layers is None:
+        layers = list(decoder_layers(model, tables_for(model, cfg.max_position_embeddings)))
+    return DecoderModel(base.embed_tokens.weight.detach(), layers, RMSNorm.of(base.norm), output_head(model),
+                        max_positions=cfg.max_position_embeddings, embed_scale=cfg.hidden_size ** 0.5,
+                        final_softcap=float(getattr(cfg, "final_logit_softcapping", None) or 0.0))
+
+
+def decoder_layers(model, tables) -> Iterator[DecoderLayer]:
+    """Each layer, built from its module when it is asked for; `tables`: tables_for's."""
+    cfg = model.config
     types = cfg.layer_types
     act = getattr(cfg, "hidden_activation", None) or cfg.hidden_act
-    layers = []
-    for i, (layer, window) in enumerate(zip(base.layers, layer_windows(cfg))):
+    for i, (layer, window) in enumerate(zip(model.model.layers, layer_windows(cfg))):
         rope = tables.get(types[i], tables.get(None))
-        layers.append(DecoderLayer(
+        yield DecoderLayer(
             RMSNorm.of(layer.input_layernorm), Attention.of(layer.self_attn, cfg, rope, window),
             RMSNorm.of(layer.pre_feedforward_layernorm), GatedMLP.of(layer.mlp, act),
             post_attn_norm=RMSNorm.of(layer.post_attention_layernorm),
-            post_mlp_norm=RMSNorm.of(layer.post_feedforward_layernorm)))
-    return DecoderModel(base.embed_tokens.weight.detach(), layers, RMSNorm.of(base.norm), output_head(model),
-                        max_positions=max_positions, embed_scale=cfg.hidden_size ** 0.5,
-                        final_softcap=float(getattr(cfg, "final_logit_softcapping", None) or 0.0))
+            post_mlp_norm=RMSNorm.of(layer.post_feedforward_layernorm))

@@ -4,6 +4,8 @@ differences read from the checkpoint's modules and config."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 from qmigrate.engine.layers.attention import Attention, layer_windows
 from qmigrate.engine.layers.mlp import GatedMLP
 from qmigrate.engine.layers.norms import RMSNorm
@@ -13,16 +15,21 @@ from qmigrate.engine.models.base import DecoderLayer, DecoderModel, output_head
 MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
 
-def build(model) -> DecoderModel:
+def build(model, layers: list[DecoderLayer] | None = None) -> DecoderModel:
+    """`layers`: those to hold in place of the ones decoder_layers builds from the checkpoint."""
     cfg, base = model.config, model.model
-    max_positions = cfg.max_position_embeddings
-    tables = tables_for(model, max_positions)
+    if layers is None:
+        layers = list(decoder_layers(model, tables_for(model, cfg.max_position_embeddings)))
+    return DecoderModel(base.embed_tokens.weight.detach(), layers, RMSNorm.of(base.norm), output_head(model),
+                        max_positions=cfg.max_position_embeddings)
+
+
+def decoder_layers(model, tables) -> Iterator[DecoderLayer]:
+    """Each layer, built from its module when it is asked for; `tables`: tables_for's."""
+    cfg = model.config
     types = getattr(cfg, "layer_types", None)
     act = getattr(cfg, "hidden_act", "silu")
-    layers = []
-    for i, (layer, window) in enumerate(zip(base.layers, layer_windows(cfg))):
+    for i, (layer, window) in enumerate(zip(model.model.layers, layer_windows(cfg))):
         rope = tables.get(types[i] if types else None, tables.get(None))
-        layers.append(DecoderLayer(RMSNorm.of(layer.input_layernorm), Attention.of(layer.self_attn, cfg, rope, window),
-                                   RMSNorm.of(layer.post_attention_layernorm), GatedMLP.of(layer.mlp, act)))
-    return DecoderModel(base.embed_tokens.weight.detach(), layers, RMSNorm.of(base.norm), output_head(model),
-                        max_positions=max_positions)
+        yield DecoderLayer(RMSNorm.of(layer.input_layernorm), Attention.of(layer.self_attn, cfg, rope, window),
+                           RMSNorm.of(layer.post_attention_layernorm), GatedMLP.of(layer.mlp, act))

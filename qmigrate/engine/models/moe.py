@@ -5,6 +5,8 @@ dense layer, the gated MLP."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 from qmigrate.engine.layers.attention import Attention, layer_windows
 from qmigrate.engine.layers.mlp import GatedMLP
 from qmigrate.engine.layers.moe import MoE
@@ -15,20 +17,26 @@ from qmigrate.engine.models.base import DecoderLayer, DecoderModel, output_head
 MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe")
 
 
-def build(model) -> DecoderModel:
+def build(model, layers: list[DecoderLayer] | None = None) -> DecoderModel:
+    """`layers`: those to hold in place of the ones decoder_layers builds from the checkpoint."""
     cfg, base = model.config, model.model
-    max_positions = cfg.max_position_embeddings
-    (rope,) = tables_for(model, max_positions).values()
+    if layers is None:
+        layers = list(decoder_layers(model, tables_for(model, cfg.max_position_embeddings)))
+    return DecoderModel(base.embed_tokens.weight.detach(), layers, RMSNorm.of(base.norm), output_head(model),
+                        max_positions=cfg.max_position_embeddings)
+
+
+def decoder_layers(model, tables) -> Iterator[DecoderLayer]:
+    """Each layer, built from its module when it is asked for; `tables`: tables_for's."""
+    cfg = model.config
+    (rope,) = tables.values()
     act = getattr(cfg, "hidden_act", "silu")
     qwen = cfg.model_type != "mixtral"   # Qwen's routers cast their weights to the model dtype
-    layers = []
-    for layer, window in zip(base.layers, layer_windows(cfg)):
+    for layer, window in zip(model.model.layers, layer_windows(cfg)):
         block = getattr(layer, "block_sparse_moe", None) or layer.mlp
         mlp = MoE.of(block, cfg, act, qwen) if hasattr(block, "experts") else GatedMLP.of(block, act)
-        layers.append(DecoderLayer(RMSNorm.of(layer.input_layernorm), Attention.of(layer.self_attn, cfg, rope, window),
-                                   RMSNorm.of(layer.post_attention_layernorm), mlp))
-    return DecoderModel(base.embed_tokens.weight.detach(), layers, RMSNorm.of(base.norm), output_head(model),
-                        max_positions=max_positions)
+        yield DecoderLayer(RMSNorm.of(layer.input_layernorm), Attention.of(layer.self_attn, cfg, rope, window),
+                           RMSNorm.of(layer.post_attention_layernorm), mlp)
 
 
 def active_weight_bytes(model: DecoderModel, batch: int) -> tuple[int, int]:

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 from qmigrate.engine.layers.attention import Attention, layer_windows
 from qmigrate.engine.layers.mlp import GatedMLP
 from qmigrate.engine.layers.norms import RMSNorm
@@ -12,12 +14,19 @@ from qmigrate.engine.models.base import DecoderLayer, DecoderModel, output_head
 MODEL_TYPES = ("phi3",)
 
 
-def build(model) -> DecoderModel:
+def build(model, layers: list[DecoderLayer] | None = None) -> DecoderModel:
+    """`layers`: those to hold in place of the ones decoder_layers builds from the checkpoint."""
     cfg, base = model.config, model.model
-    max_positions = cfg.max_position_embeddings
-    (rope,) = tables_for(model, max_positions).values()
-    layers = [DecoderLayer(RMSNorm.of(layer.input_layernorm), Attention.of(layer.self_attn, cfg, rope, window),
-                           RMSNorm.of(layer.post_attention_layernorm), GatedMLP.of(layer.mlp, cfg.hidden_act))
-              for layer, window in zip(base.layers, layer_windows(cfg))]
+    if layers is None:
+        layers = list(decoder_layers(model, tables_for(model, cfg.max_position_embeddings)))
     return DecoderModel(base.embed_tokens.weight.detach(), layers, RMSNorm.of(base.norm), output_head(model),
-                        max_positions=max_positions)
+                        max_positions=cfg.max_position_embeddings)
+
+
+def decoder_layers(model, tables) -> Iterator[DecoderLayer]:
+    """Each layer, built from its module when it is asked for; `tables`: tables_for's."""
+    cfg = model.config
+    (rope,) = tables.values()
+    for layer, window in zip(model.model.layers, layer_windows(cfg)):
+        yield DecoderLayer(RMSNorm.of(layer.input_layernorm), Attention.of(layer.self_attn, cfg, rope, window),
+                           RMSNorm.of(layer.post_attention_layernorm), GatedMLP.of(layer.mlp, cfg.hidden_act))

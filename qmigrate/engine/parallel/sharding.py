@@ -281,23 +281,28 @@ def shard_linear(linear: Linear, tp: TensorParallel, rows: list[range] | None = 
     return Linear(to(linear.weight), to(linear.bias), kind, linear.parts)
 
 
-def shard_model(model, tp: TensorParallel, fill: bool = True):
+def shard_model(model, tp: TensorParallel, fill: bool = True, layers=None):
     """Rank tp.rank's shard of a DecoderModel, on tp.device; the model itself is left as it
     was (its tensors stay shared with the shard where the shard's need no copy). Every layer
     is cut by its `parallel` kind; attention by heads (layout: check_layout). With `fill`
     off the shard's tensors are new and their values yet to come (engine/parallel/scatter.py), and
-    the model's may be on the meta device."""
+    the model's may be on the meta device. `layers`: an iterator of the model's layers, cut in
+    place of model.layers one at a time as they come (each may be dropped once cut: dummy
+    weights are made a layer at a time, engine/parallel/dummy_shard.py)."""
     from qmigrate.engine.layers.attention import Attention
     from qmigrate.engine.layers.moe import MoE
-    first = next(layer.attn for layer in model.layers)
-    widths = tuple(sorted({w for layer in model.layers for w in _mlp_widths(layer.mlp)}))
-    tp.layout = check_layout(tp.world, first.num_heads, first.num_kv_heads, widths)
-    moved: dict[int, torch.Tensor] = {}   # tensors shared by layers (rotary tables) move once
+    if layers is None:
+        first = next(layer.attn for layer in model.layers)
+        widths = tuple(sorted({w for layer in model.layers for w in _mlp_widths(layer.mlp)}))
+        tp.layout = check_layout(tp.world, first.num_heads, first.num_kv_heads, widths)
+    # tensors shared by layers (rotary tables) move once; the source is kept with its copy, so
+    # that its id is not reused while this runs (a layer that came from `layers` may be gone)
+    moved: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def to(t):
         if id(t) not in moved:
-            moved[id(t)] = place(t, tp.device, fill)
-        return moved[id(t)]
+            moved[id(t)] = (t, place(t, tp.device, fill))
+        return moved[id(t)][1]
 
     def walk(obj):
         if isinstance(obj, Attention):
@@ -319,7 +324,14 @@ def shard_model(model, tp: TensorParallel, fill: bool = True):
     model = copy.copy(model)
     model.vocab_rows = vocab_range(model.embed.shape[0], tp.rank, tp.world)
     model.embed = to(split_vocab(model.embed.detach(), tp.rank, tp.world))
-    model.layers = [walk(layer) for layer in model.layers]
+    shards = []
+    for layer in (model.layers if layers is None else layers):
+        if layers is not None:   # each layer's widths checked as it comes
+            tp.layout = check_layout(tp.world, layer.attn.num_heads, layer.attn.num_kv_heads,
+                                     tuple(_mlp_widths(layer.mlp)))
+        shards.append(walk(layer))
+        del layer   # before the next is made
+    model.layers = shards
     model.norm = walk(model.norm)
     model.lm_head = shard_linear(model.lm_head, tp, fill=fill)
     if model.embed_scale is not None:

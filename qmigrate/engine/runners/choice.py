@@ -15,19 +15,20 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-def make_runner(model, cfg: EngineConfig, device: torch.device, tp=None) -> tuple[Runner, str]:
+def make_runner(model, cfg: EngineConfig, device: torch.device, tp=None,
+                load_format: str = "auto") -> tuple[Runner, str]:
     """(runner, why it was chosen): the fast runner on a GPU for every family engine/models/
     defines, or when forced; the transformers runner otherwise (saying why). Tensor
     parallelism needs the fast runner: its model is sharded for this rank, the shards of
-    the other ranks sent from rank 0 (scatter.py)."""
+    the other ranks sent from rank 0 (scatter.py), or with load_format "dummy" each rank's
+    made on its own device from the model's structure (dummy_shard.py)."""
     if tp is not None:
         from qmigrate.engine import models
         from qmigrate.engine.runners.graph import GraphRunner
-        from qmigrate.engine.parallel.scatter import scatter_shards
         reason = models.unsupported(model, device) or ("runner 'hf' was asked for" if cfg.runner == "hf" else None)
         if reason is not None:
             raise ValueError(f"tensor parallelism needs the fast runner, which cannot run this model: {reason}")
-        return GraphRunner(quantized(scatter_shards(models.build(model), tp), cfg), max_batch=cfg.max_num_seqs,
+        return GraphRunner(quantized(_shard(model, tp, load_format), cfg), max_batch=cfg.max_num_seqs,
                            max_tokens=cfg.max_num_batched_tokens, cuda_graphs=not cfg.enforce_eager,
                            shared_prefix_attention=cfg.shared_prefix_attention), \
             f"{models.family(model)} family, tensor parallel rank {tp.rank} of {tp.world}"
@@ -52,6 +53,16 @@ def make_runner(model, cfg: EngineConfig, device: torch.device, tp=None) -> tupl
         raise ValueError(f"{needs_fast} needs the fast runner, which cannot run this model: {reason}")
     log.warning("the fast runner cannot run this model (%s): using the transformers runner", reason)
     return HFRunner(model, max_padding=cfg.max_padding), reason
+
+
+def _shard(model, tp, load_format: str):
+    """This rank's shard: made here (dummy weights), or cut from rank 0's checkpoint."""
+    if load_format == "dummy":
+        from qmigrate.engine.parallel.dummy_shard import dummy_shard
+        return dummy_shard(model, tp)
+    from qmigrate.engine import models
+    from qmigrate.engine.parallel.scatter import scatter_shards
+    return scatter_shards(models.build(model), tp)
 
 
 def fp8_settings(cfg: EngineConfig) -> str:
