@@ -1,0 +1,246 @@
+"""CPU workers started as forks of one process that has done their imports once.
+
+A worker process spends most of its start importing torch and transformers (seconds of CPU
+each time). A node with CPU workers starts one zygote, `python -m qmigrate.ops.zygote`, as it
+starts any role (it dies with the node, ignores Ctrl-C); the zygote imports what a CPU worker
+imports and then forks one child per worker it is asked for. The child runs
+`qmigrate role worker NAME ...` from there, exactly as an exec'd worker would, in the node's
+session and with its stdout and stderr. The zygote never touches CUDA, and GPU workers are
+never forked: they start as processes of their own (a CUDA context does not survive a fork).
+
+The node talks to its zygote over two pipes, one JSON object a line: `{"argv": [...]}` asks
+for a child, `{"pid": N}` answers it, and `{"pid": N, "exit": CODE}` tells that a child ended
+(CODE as subprocess gives it: the exit status, or minus the signal that killed it).
+`Forked` shows such a child to the node as subprocess.Popen shows any other role.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import signal
+import subprocess
+import sys
+import time
+
+from qmigrate.ops.process import die_with
+
+
+class Zygote:
+    """The node's end: starts the zygote on first use, and again if it has died."""
+
+    def __init__(self, spawn):
+        self._spawn = spawn   # launch._spawn: how the node starts a role process
+        self.proc: subprocess.Popen | None = None
+        self._ask: int | None = None
+        self._hear: int | None = None
+        self._buffer = b""
+        self.exits: dict[int, int] = {}   # pid -> exit code, of children that ended
+        self.children: set[int] = set()
+
+    def start(self) -> None:
+        """Start the zygote unless it runs: it begins its imports at once."""
+        if self._hear is None or self.proc is None or self.proc.poll() is not None:
+            self._start()
+
+    def fork(self, argv: list[str]) -> "Forked | None":
+        """A child running `qmigrate *argv`; None if the zygote could not give one (it died
+        before it answered): the caller then starts the role as a process of its own."""
+        self.start()
+        try:
+            os.write(self._ask, (json.dumps({"argv": argv}) + "\n").encode())
+        except OSError:
+            self._gone()
+            return None
+        while self._hear is not None:   # the first answer waits for the zygote's imports
+            for message in self._read(None):
+                if "exit" not in message:
+                    self.children.add(message["pid"])
+                    return Forked(self, message["pid"], argv)
+        return None
+
+    def _start(self) -> None:
+        self.close()
+        ask_r, ask_w = os.pipe()
+        hear_r, hear_w = os.pipe()
+        try:
+            self.proc = self._spawn([sys.executable, "-m", "qmigrate.ops.zygote", str(ask_r), str(hear_w)],
+                                    subprocess.DEVNULL, pass_fds=(ask_r, hear_w))
+        except BaseException:
+            os.close(ask_w)
+            os.close(hear_r)
+            raise
+        finally:
+            os.close(ask_r)
+            os.close(hear_w)
+        self._ask, self._hear, self._buffer = ask_w, hear_r, b""
+
+    def _read(self, timeout: float | None) -> list[dict]:
+        """The messages that came within `timeout` (None: wait for at least one, or the end)."""
+        messages: list[dict] = []
+        while not messages and self._hear is not None:
+            ready, _, _ = select.select([self._hear], [], [], timeout)
+            if not ready:
+                break
+            chunk = os.read(self._hear, 65536)
+            if not chunk:
+                self._gone()
+                break
+            self._buffer += chunk
+            *lines, self._buffer = self._buffer.split(b"\n")
+            messages = [json.loads(line) for line in lines if line]
+        for m in messages:
+            if "exit" in m:
+                self.exits[m["pid"]] = m["exit"]
+        return messages
+
+    def _gone(self) -> None:
+        """The zygote is gone or going: its children were sent SIGTERM as it died (or are the
+        node's to have stopped first), and are counted as ended so."""
+        for fd in (self._ask, self._hear):
+            if fd is not None:
+                os.close(fd)
+        self._ask = self._hear = None
+        for pid in self.children - self.exits.keys():
+            self.exits[pid] = -signal.SIGTERM
+
+    def exit_code(self, pid: int, timeout: float | None) -> int | None:
+        """The child's exit code once it has ended (waiting up to `timeout`), else None. A
+        zygote that died took its children with it."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while pid not in self.exits and self._hear is not None:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            self._read(left)
+            if deadline is not None and time.monotonic() >= deadline:
+                break
+        return self.exits.get(pid)
+
+    def close(self, grace_s: float = 5.0) -> None:
+        """Stop the zygote (its children are the node's to stop first)."""
+        self._gone()
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(grace_s)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.proc = None
+
+
+class Forked:
+    """A role forked by the zygote, with what the node uses of subprocess.Popen."""
+
+    def __init__(self, zygote: Zygote, pid: int, args: list[str]):
+        self.zygote, self.pid, self.args = zygote, pid, args
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            self.returncode = self.zygote.exit_code(self.pid, 0)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        if self.returncode is None:
+            self.returncode = self.zygote.exit_code(self.pid, timeout)
+        if self.returncode is None:
+            raise subprocess.TimeoutExpired(self.args, timeout)
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:
+            try:
+                os.kill(self.pid, sig)
+            except ProcessLookupError:
+                pass
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
+# --- the zygote process ---------------------------------------------------------------------
+
+def _preload() -> None:
+    """What a CPU worker imports before it serves: torch, transformers' model classes, the
+    worker's own modules and the command line that runs it. Nothing here initializes CUDA."""
+    import torch  # noqa: F401
+    import transformers.modeling_utils  # noqa: F401
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer  # noqa: F401
+    import qmigrate.cli  # noqa: F401
+    import qmigrate.worker.loop  # noqa: F401
+
+
+def _child(argv: list[str], zygote: int, fds: tuple[int, ...]) -> int:
+    for fd in fds:
+        os.close(fd)
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)   # SIGINT stays ignored, as for every role
+    die_with(zygote)
+    sys.argv = ["qmigrate", *argv]
+    from qmigrate.cli import app
+    try:
+        app(argv, prog_name="qmigrate")
+        code = 0
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+        if isinstance(exc.code, str):
+            print(exc.code, file=sys.stderr)
+    except BaseException:   # noqa: BLE001 -- as the interpreter would: the traceback, status 1
+        import traceback
+        traceback.print_exc()
+        code = 1
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    return code
+
+
+def main(ask: int, hear: int) -> None:
+    import gc
+    import warnings
+    try:
+        from setproctitle import setproctitle
+        setproctitle("qmigrate zygote")
+    except ImportError:
+        pass
+    _preload()
+    gc.collect()
+    gc.freeze()   # the children share these pages: no collection of theirs writes to them
+    # Python 3.12 warns of a fork in a process with threads; the only other thread here is the
+    # BLAS library's idle pool, which is made safe across fork by the library itself.
+    warnings.filterwarnings("ignore", message=r".*fork\(\) may lead to deadlocks", category=DeprecationWarning)
+    me = os.getpid()
+    buffer = b""
+    while True:
+        ready, _, _ = select.select([ask], [], [], 0.2)
+        while True:   # report every child that ended
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                break
+            if pid == 0:
+                break
+            os.write(hear, (json.dumps({"pid": pid, "exit": os.waitstatus_to_exitcode(status)}) + "\n").encode())
+        if not ready:
+            continue
+        chunk = os.read(ask, 65536)
+        if not chunk:   # the node closed its end: it has stopped its roles
+            return
+        buffer += chunk
+        *lines, buffer = buffer.split(b"\n")
+        for line in filter(None, lines):
+            argv = json.loads(line)["argv"]
+            pid = os.fork()
+            if pid == 0:
+                os._exit(_child(argv, me, (ask, hear)))
+            os.write(hear, (json.dumps({"pid": pid}) + "\n").encode())
+
+
+if __name__ == "__main__":
+    main(int(sys.argv[1]), int(sys.argv[2]))
