@@ -35,7 +35,7 @@ class Child:
     proc: subprocess.Popen | Forked | None
     cmd: list[str] = dataclasses.field(default_factory=list)
     stdin: object = None
-    zygote: Zygote | None = None   # a CPU worker is forked from the node's zygote (ops/zygote.py)
+    zygote: Zygote | None = None   # forked from the node's zygote (ops/zygote.py), not exec'd
     num_restarts: int = 0
     exited: bool = False
 
@@ -118,9 +118,12 @@ def _start(c: Child) -> subprocess.Popen | Forked:
 
 def start_roles(topo: Topology, config_path: Path, roles: list[tuple[str, str]], *,
                 read_stdin: bool, log_level: str, wait_for_workers: int = 0) -> list[Child]:
-    """The roles' processes; CPU workers forked from one zygote, which imports torch and
-    transformers once for all of them, started first and asked last so that its imports
-    overlap the other roles' starts."""
+    """The roles' processes. On a node with CPU workers, one zygote imports torch and
+    transformers once, and the workers are forked from it, with the detokenizer and an ingest
+    that reads no stdin (they import transformers' tokenizers); the roles it does not fork
+    start first, while it imports: the router at once, as ingest and workers give up on a
+    router that does not answer at startup. GPU workers and the monitor always start as
+    processes of their own."""
     children = []
     serving = is_serving(topo)
     zygote = None
@@ -138,8 +141,9 @@ def start_roles(topo: Topology, config_path: Path, roles: list[tuple[str, str]],
         if read_stdin and role == "detokenizer" and not serving:
             extra.append("--exit-when-done")
         cmd = role_command(config_path, role, name, *extra)
-        forked = zygote if role == "worker" and topo.worker(name).device == "cpu" else None
-        children.append(Child(role, name, None, cmd, stdin, zygote=forked))
+        forkable = (topo.worker(name).device == "cpu" if role == "worker"
+                    else role in ("ingest", "detokenizer") and stdin is subprocess.DEVNULL)
+        children.append(Child(role, name, None, cmd, stdin, zygote=zygote if forkable else None))
     try:
         for c in sorted(children, key=lambda c: c.zygote is not None):
             c.proc = _start(c)

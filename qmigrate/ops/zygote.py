@@ -1,10 +1,11 @@
-"""CPU workers started as forks of one process that has done their imports once.
+"""Roles started as forks of one process that has done their imports once.
 
 A worker process spends most of its start importing torch and transformers (seconds of CPU
-each time). A node with CPU workers starts one zygote, `python -m qmigrate.ops.zygote`, as it
-starts any role (it dies with the node, ignores Ctrl-C); the zygote imports what a CPU worker
-imports and then forks one child per worker it is asked for. The child runs
-`qmigrate role worker NAME ...` from there, exactly as an exec'd worker would, in the node's
+each time), an ingest or a detokenizer a second importing transformers for its tokenizer. A
+node with CPU workers starts one zygote, `python -m qmigrate.ops.zygote`, as it starts any role
+(it dies with the node, ignores Ctrl-C); the zygote imports what those roles import and then
+forks one child per role it is asked for (launch.start_roles says which). The child runs
+`qmigrate role ROLE NAME ...` from there, exactly as an exec'd role would, in the node's
 session and with its stdout and stderr. The zygote never touches CUDA, and GPU workers are
 never forked: they start as processes of their own (a CUDA context does not survive a fork).
 
@@ -165,12 +166,15 @@ class Forked:
 # --- the zygote process ---------------------------------------------------------------------
 
 def _preload() -> None:
-    """What a CPU worker imports before it serves: torch, transformers' model classes, the
-    worker's own modules and the command line that runs it. Nothing here initializes CUDA."""
+    """What the forked roles import before they serve: torch, transformers' model and
+    tokenizer classes, the roles' own modules and the command line that runs them. Nothing
+    here initializes CUDA."""
     import torch  # noqa: F401
     import transformers.modeling_utils  # noqa: F401
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer  # noqa: F401
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast  # noqa: F401
     import qmigrate.cli  # noqa: F401
+    import qmigrate.detokenizer.loop  # noqa: F401
+    import qmigrate.ingest.loop  # noqa: F401
     import qmigrate.worker.loop  # noqa: F401
 
 
