@@ -24,6 +24,7 @@ import signal
 import subprocess
 import sys
 import time
+from typing import NoReturn
 
 from qmigrate.ops.process import die_with
 
@@ -178,7 +179,9 @@ def _preload() -> None:
     import qmigrate.worker.loop  # noqa: F401
 
 
-def _child(argv: list[str], zygote: int, fds: tuple[int, ...]) -> int:
+def _child(argv: list[str], zygote: int, fds: tuple[int, ...]) -> NoReturn:
+    """The forked child: `qmigrate *argv`, ending as that process would (its exit status, a
+    traceback for an uncaught exception, the interpreter's own exit: atexit, flushed output)."""
     for fd in fds:
         os.close(fd)
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
@@ -186,23 +189,8 @@ def _child(argv: list[str], zygote: int, fds: tuple[int, ...]) -> int:
     die_with(zygote)
     sys.argv = ["qmigrate", *argv]
     from qmigrate.cli import app
-    try:
-        app(argv, prog_name="qmigrate")
-        code = 0
-    except SystemExit as exc:
-        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
-        if isinstance(exc.code, str):
-            print(exc.code, file=sys.stderr)
-    except BaseException:   # noqa: BLE001 -- as the interpreter would: the traceback, status 1
-        import traceback
-        traceback.print_exc()
-        code = 1
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (OSError, ValueError):
-            pass
-    return code
+    app(argv, prog_name="qmigrate")   # raises SystemExit with the command's status
+    raise SystemExit(0)
 
 
 def main(ask: int, hear: int) -> None:
@@ -242,7 +230,7 @@ def main(ask: int, hear: int) -> None:
             argv = json.loads(line)["argv"]
             pid = os.fork()
             if pid == 0:
-                os._exit(_child(argv, me, (ask, hear)))
+                _child(argv, me, (ask, hear))   # unwinds this stack: nothing below runs in the child
             os.write(hear, (json.dumps({"pid": pid}) + "\n").encode())
 
 
