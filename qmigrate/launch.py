@@ -2,7 +2,8 @@
 
 Each role runs as `python -m qmigrate role ROLE NAME --config FILE`, re-reading the same
 resolved topology file, so a role started here behaves exactly like one started by hand
-on another machine.
+on another machine. On a node with CPU workers some roles run that same command in a child
+forked from the node's zygote (ops/zygote.py), which has done their imports once.
 """
 
 from __future__ import annotations
