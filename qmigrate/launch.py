@@ -2,7 +2,8 @@
 
 Each role runs as `python -m qmigrate role ROLE NAME --config FILE`, re-reading the same
 resolved topology file, so a role started here behaves exactly like one started by hand
-on another machine.
+on another machine. On a node with CPU workers some roles run that same command in a child
+forked from the node's zygote (ops/zygote.py), which has done their imports once.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from pathlib import Path
 from .config import SHORT_TMP, ConfigError, Topology, dump_topology, parse_topology
 from .detokenizer import EXIT_REQUESTS_FAILED
 from .ops.process import die_with
+from .ops.zygote import Forked, Zygote
 
 log = logging.getLogger("qmigrate.launch")
 
@@ -31,9 +33,10 @@ CORE_ROLES = ("router", "ingest", "detokenizer")
 class Child:
     role: str
     name: str
-    proc: subprocess.Popen
+    proc: subprocess.Popen | Forked | None
     cmd: list[str] = dataclasses.field(default_factory=list)
     stdin: object = None
+    zygote: Zygote | None = None   # forked from the node's zygote (ops/zygote.py), not exec'd
     num_restarts: int = 0
     exited: bool = False
 
@@ -96,22 +99,38 @@ def role_command(config_path: Path, role: str, name: str, *extra: str) -> list[s
     return [sys.executable, "-m", "qmigrate", "role", role, name, "--config", str(config_path), *extra]
 
 
-def _spawn(cmd: list[str], stdin) -> subprocess.Popen:
+def _spawn(cmd: list[str], stdin, **popen) -> subprocess.Popen:
     # A Ctrl-C between the fork and the child's own handlers would run the supervisor's
     # handler in the child (inside the interpreter's after-fork hooks) and print a traceback:
     # the stop signals stay blocked across the fork; the parent takes any that came after.
     mask = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
     try:
         return subprocess.Popen(cmd, stdin=stdin, start_new_session=False,
-                                preexec_fn=_die_with(os.getpid(), mask))
+                                preexec_fn=_die_with(os.getpid(), mask), **popen)
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, mask)
 
 
+def _start(c: Child) -> subprocess.Popen | Forked:
+    if c.zygote is not None and (forked := c.zygote.fork(c.cmd[3:])) is not None:
+        return forked
+    return _spawn(c.cmd, c.stdin)
+
+
 def start_roles(topo: Topology, config_path: Path, roles: list[tuple[str, str]], *,
                 read_stdin: bool, log_level: str, wait_for_workers: int = 0) -> list[Child]:
+    """The roles' processes. On a node with CPU workers, one zygote imports torch and
+    transformers once, and the workers are forked from it, with the detokenizer and an ingest
+    that reads no stdin (they import transformers' tokenizers); the roles it does not fork
+    start first, while it imports: the router at once, as ingest and workers give up on a
+    router that does not answer at startup. GPU workers and the monitor always start as
+    processes of their own."""
     children = []
     serving = is_serving(topo)
+    zygote = None
+    if any(role == "worker" and topo.worker(name).device == "cpu" for role, name in roles):
+        zygote = Zygote(_spawn)
+        zygote.start()
     for role, name in roles:
         extra = ["--log-level", log_level]
         stdin = subprocess.DEVNULL
@@ -123,7 +142,15 @@ def start_roles(topo: Topology, config_path: Path, roles: list[tuple[str, str]],
         if read_stdin and role == "detokenizer" and not serving:
             extra.append("--exit-when-done")
         cmd = role_command(config_path, role, name, *extra)
-        children.append(Child(role, name, _spawn(cmd, stdin), cmd, stdin))
+        forkable = (topo.worker(name).device == "cpu" if role == "worker"
+                    else role in ("ingest", "detokenizer") and stdin is subprocess.DEVNULL)
+        children.append(Child(role, name, None, cmd, stdin, zygote=zygote if forkable else None))
+    try:
+        for c in sorted(children, key=lambda c: c.zygote is not None):
+            c.proc = _start(c)
+    except BaseException:   # a signal while the zygote imports: stop what has started
+        stop(children)
+        raise
     return children
 
 
@@ -134,15 +161,19 @@ def is_serving(topo: Topology) -> bool:
 
 def stop(children: list[Child], grace_s: float = 5.0) -> None:
     for c in children:
-        if c.proc.poll() is None:
+        if c.proc is not None and c.proc.poll() is None:
             c.proc.terminate()
     deadline = time.monotonic() + grace_s
     for c in children:
+        if c.proc is None:
+            continue
         try:
             c.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             c.proc.kill()
             c.proc.wait()
+    for zygote in {id(c.zygote): c.zygote for c in children if c.zygote is not None}.values():
+        zygote.close()
 
 
 def supervise(children: list[Child], *, until_done: bool, max_restarts: int = 0, tick=None) -> int:
@@ -162,7 +193,7 @@ def supervise(children: list[Child], *, until_done: bool, max_restarts: int = 0,
                 c.num_restarts += 1
                 print(f"qmigrate: {c.label} exited with status {rc}; starting it again "
                       f"({c.num_restarts} of {max_restarts})", file=sys.stderr)
-                c.proc = _spawn(c.cmd, c.stdin)
+                c.proc = _start(c)
                 continue
             if c.role in CORE_ROLES:
                 return _failed(c, rc)

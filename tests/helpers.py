@@ -155,6 +155,22 @@ def _state(pid: int) -> str:
         return ""
 
 
+def _title(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace").strip()
+    except OSError:
+        return ""
+
+
+def parent_of(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def pid_of(node: subprocess.Popen, title: str) -> int | None:
     """The pid of the node's role whose process title is `title` (a running one), or None."""
     for name, pid in roles_of(node).items():

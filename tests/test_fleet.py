@@ -71,6 +71,14 @@ def test_join_drain_and_kill_under_load_lose_nothing(fleet, tiny_model_dir):
     for node, title in ((head, "qmigrate router"), (head, "qmigrate worker w1"), (head, "qmigrate worker w2"),
                         (head, "qmigrate ingest"), (head, "qmigrate detokenizer"), (late, "qmigrate worker w3")):
         assert H.pid_of(node, title), (title, H.roles_of(node))
+    # the head's CPU workers and its detokenizer are forks of its zygote; the router, and an
+    # ingest that reads the node's stdin, are processes the node started itself
+    zygote = H.pid_of(head, "qmigrate zygote")
+    assert zygote and H.parent_of(zygote) == head.pid, H.roles_of(head)
+    for title in ("qmigrate worker w1", "qmigrate worker w2", "qmigrate detokenizer"):
+        assert H.parent_of(H.pid_of(head, title)) == zygote, (title, H.roles_of(head))
+    for title in ("qmigrate router", "qmigrate ingest"):
+        assert H.parent_of(H.pid_of(head, title)) == head.pid, (title, H.roles_of(head))
     H.feed(path, second)
     H.wait_for("w3 to own sequences", lambda s: s.get("owned_w3", 0) > 0, router)
     H.wait_for("the requests so far to finish", lambda s: s.get("live", 1) == 0, router)

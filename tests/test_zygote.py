@@ -1,0 +1,63 @@
+"""The zygote a node forks its CPU workers from (qmigrate/ops/zygote.py), on its own: what a
+forked role is, how its end is told, and what happens when the zygote itself dies."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+import yaml
+
+import helpers as H
+from qmigrate.launch import _spawn
+from qmigrate.ops.zygote import Zygote
+
+pytestmark = pytest.mark.timeout(240)
+
+
+def _gone(pid: int, timeout: float = 30.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if H._state(pid) in ("", "Z"):
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def _ignored(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        return int(next(line for line in f if line.startswith("SigIgn:")).split()[1], 16)
+
+
+def test_forked_roles_exit_as_processes_do_and_die_with_their_zygote(tmp_path, ipc_dir, tiny_model_dir):
+    # a worker whose router never answers: it loads its model and keeps saying hello
+    topo = tmp_path / "topo.yaml"
+    topo.write_text(yaml.safe_dump({
+        "transport": "ipc", "ipc_dir": str(ipc_dir), "model": {"path": str(tiny_model_dir)},
+        "nodes": [{"name": "local"}], "router": {"node": "local"}, "ingest": {"node": "local"},
+        "detokenizer": {"node": "local"}, "workers": [{"name": "w1", "node": "local", "device": "cpu"}]}))
+    zygote = Zygote(_spawn)
+    try:
+        assert zygote.fork(["--version"]).wait(120) == 0
+        assert zygote.fork(["role", "no-such-role", "x", "--config", str(topo)]).wait(60) == 2   # a usage error
+        worker = zygote.fork(["role", "worker", "w1", "--config", str(topo)])
+        assert worker.poll() is None
+        first = zygote.proc.pid
+        assert H.parent_of(worker.pid) == first and H.parent_of(first) == os.getpid()
+        deadline = time.monotonic() + 60
+        while H._title(worker.pid) != "qmigrate worker w1":
+            assert time.monotonic() < deadline, H._title(worker.pid)
+            time.sleep(0.05)
+        assert _ignored(worker.pid) & (1 << (signal.SIGINT - 1)), "Ctrl-C is the node's to handle"
+        assert not _ignored(worker.pid) & (1 << (signal.SIGTERM - 1))
+
+        os.kill(first, signal.SIGKILL)   # the worker goes with its zygote
+        assert worker.wait(30) == -signal.SIGTERM
+        assert _gone(worker.pid), "a forked role outlived its zygote"
+
+        again = zygote.fork(["--version"])   # a new zygote, as a node's restart of a worker needs
+        assert zygote.proc.pid != first and again.wait(120) == 0
+    finally:
+        zygote.close()
