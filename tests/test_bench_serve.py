@@ -336,7 +336,7 @@ def test_request_extensions_parse():
 def test_min_new_tokens_holds_off_eos_and_stop_sequences():
     from qmigrate.wire import protocol as P
     from qmigrate.wire import codec
-    from qmigrate.worker.core import SeqState
+    from qmigrate.worker.state import SeqState
     spec = P.SeqSpec(1, P.pack_i32([5, 6]), 2, 10, stop_ids=[[7, 8]], eos_ids=[2], min_new_tokens=3)
     state = SeqState.from_spec(spec, spec.ids)
     assert state.finish_after(2, 0, 3, 100) == P.Finish.NONE       # EOS as token 1 of 3

@@ -26,7 +26,7 @@ from qmigrate.ingest.prompts import PromptError, parse_request, seed_of, to_spec
 from qmigrate.offline.loop import OfflineSeq, run_to_end
 from qmigrate.offline.params import CompletionOutput, RequestOutput, SamplingParams, message_of
 from qmigrate.wire.protocol import Finish
-from qmigrate.worker.core import SeqState
+from qmigrate.worker.state import SeqState
 
 
 class LLM:

@@ -6,7 +6,7 @@ A sequence that ends on a token learned at a collect has one more step in flight
 that step's token is dropped. A row the KV pool had no room for (the engine refuses it at
 launch) goes back to the queue once its last token is known, and is recomputed from its
 prompt and the tokens it had: seeded sampling draws from (seed, token index), so its output
-is the same. When to stop is the worker's rule (`worker.core.SeqState.finish_after`).
+is the same. When to stop is the worker's rule (`worker.state.SeqState.finish_after`).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 from qmigrate.engine.rows import REFUSED, StepRow, num_new
 from qmigrate.wire.protocol import Finish
-from qmigrate.worker.core import SeqState
+from qmigrate.worker.state import SeqState
 
 RUNNING = Finish.NONE
 

@@ -10,6 +10,8 @@ that also carry the decode rows. Until its last part has run, the sequence's ids
 (`filling`) and each lease reports it with no token; the router leases it on as any
 sequence whose KV is here (a diff or a chained row), and the worker feeds it its next part.
 Its first token is sampled in the step of its last part.
+
+Its bookkeeping types are in `state.py`; the messages it builds from them, in `reports.py`.
 """
 
 from __future__ import annotations
@@ -17,7 +19,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -30,81 +31,13 @@ from qmigrate.engine.rows import REFUSED, StepRow
 from qmigrate.engine.engine import Engine
 from qmigrate.wire.protocol import Finish
 from qmigrate.ops.trace import OFF
+from qmigrate.worker.reports import step_result, tokens_of, unrun_result
+from qmigrate.worker.state import SeqState, Started, Transfer
 
 log = logging.getLogger(__name__)
 
 ERROR = Finish.ERROR
 MAX_TRANSFERS = 64  # shipments kept while their lease has not come
-
-
-@dataclass(slots=True)
-class SeqState:
-    prompt_len: int
-    max_new_tokens: int
-    temperature: float
-    top_p: float
-    top_k: int
-    seed: int
-    stop_ids: list[list[int]]
-    eos_ids: frozenset[int]
-    tail: list[int] = field(default_factory=list)   # recent tokens, for stop sequences
-    last_token: int = -1                            # sampled here, not yet in the KV
-    min_new_tokens: int = 0
-    num_logprobs: int = -1
-    num_prompt_logprobs: int = -1
-
-    @classmethod
-    def from_spec(cls, spec: P.SeqSpec, ids: np.ndarray) -> "SeqState":
-        keep = max((len(s) for s in spec.stop_ids), default=0)
-        seed = spec.seed if spec.seed >= 0 else spec.seq_id
-        tail = ids[spec.prompt_len:].tolist()[-keep:] if keep else []
-        return cls(spec.prompt_len, spec.max_new_tokens, spec.temperature, spec.top_p, spec.top_k,
-                   seed, spec.stop_ids, frozenset(spec.eos_ids), tail, min_new_tokens=spec.min_new_tokens,
-                   num_logprobs=spec.num_logprobs, num_prompt_logprobs=spec.num_prompt_logprobs)
-
-    def finish_after(self, token: int, index: int, length: int, max_len: int) -> Finish:
-        """Status once `token`, generated token number `index`, joined a sequence of `length`."""
-        early = index + 1 < self.min_new_tokens
-        if token in self.eos_ids and not early:
-            return Finish.EOS
-        if self.stop_ids:
-            self.tail.append(token)
-            keep = max(len(s) for s in self.stop_ids)
-            del self.tail[:-keep]
-            if not early and any(self.tail[-len(s):] == s for s in self.stop_ids if s):
-                return Finish.STOP
-        if index + 1 >= self.max_new_tokens or length >= max_len:
-            return Finish.LENGTH
-        return Finish.NONE
-
-
-@dataclass(slots=True)
-class Started:
-    """A lease whose first step is on the device."""
-
-    lease: P.Lease
-    seq_ids: list[int]
-    status: dict[int, Finish]
-    out: dict[int, list[int]]
-    rows: list[StepRow] = field(default_factory=list)
-    first_index: dict[int, int] = field(default_factory=dict)
-    resend: dict[int, list[int]] = field(default_factory=dict)
-    pending: object = None
-    shown: dict[int, int] = field(default_factory=dict)   # tokens already sent to the detokenizer
-    announced: set[int] = field(default_factory=set)      # rows whose end it has been sent
-    ended: set[int] = field(default_factory=set)          # rows whose status is a finish (cheap to test)
-    lost: list[int] = field(default_factory=list)         # rows cut short with their KV dropped
-    cached: dict[int, int] = field(default_factory=dict)  # rows started here: positions found cached
-    lps: dict[int, list] = field(default_factory=dict)    # rows asking: each token's logprobs, as out
-    prompt_lps: dict[int, tuple] = field(default_factory=dict)   # rows whose prompt's logprobs are made
-
-
-@dataclass(slots=True)
-class Transfer:
-    seq_id: int
-    kv: torch.Tensor | None   # None: the owner had nothing to send
-    arrived: float
-    start: int = 0            # kv holds positions [start, start + n)
 
 
 class WorkerCore:
@@ -153,6 +86,10 @@ class WorkerCore:
         """The KV of the leading blocks of `keys` cached here, for another worker's sequence
         (a prefix pull); nothing here is dropped. None when not even the first is held."""
         return self.engine.export_prefix_started(keys)
+
+    def unrun(self, lease: P.Lease) -> P.StepResult:
+        """The answer to a lease withdrawn before it started (`reports.unrun_result`)."""
+        return unrun_result(lease, self.free_tokens)
 
     def awaited_transfers(self, lease: P.Lease) -> set[int]:
         return {s.transfer_id for s in lease.full if s.kv_from and s.transfer_id not in self.transfers}
@@ -259,8 +196,8 @@ class WorkerCore:
             self._advance(run, pending.rows, tokens, pending.partial, lps)
             pending = nxt
             if pending is not None and on_step is not None:
-                revoked = on_step(self._tokens(run, final=False))
-        return self._result(run), self._tokens(run, final=True)
+                revoked = on_step(tokens_of(run, final=False))
+        return step_result(run, self.engine), tokens_of(run, final=True)
 
     def _continuing(self, run: "Started", pending, revoked: frozenset[int] | None) -> list[StepRow]:
         """Rows of the next step of a multi-step lease, fed the tokens `pending` samples.
@@ -405,75 +342,3 @@ class WorkerCore:
             if code is not Finish.NONE:
                 ended.add(sid)
                 self.drop([sid])
-
-    def _result(self, run: "Started") -> P.StepResult:
-        sids = run.seq_ids
-        return P.StepResult(run.lease.lease_id, P.pack_i64(sids), P.pack_i32([len(run.out[s]) for s in sids]),
-                            P.pack_i32([t for s in sids for t in run.out[s]]),
-                            P.pack_u8([int(run.status[s]) for s in sids]), self.free_tokens,
-                            P.pack_i64(self.engine.take_evicted() + run.lost),
-                            P.pack_i64(self.engine.take_prefix_events()),
-                            P.pack_i32([run.cached.get(s, -1) for s in sids]),
-                            *self._tier_report())
-
-    def _tier_report(self) -> tuple[bytes, bytes]:
-        """StepResult's tier_events and tier_stats (empty without a host tier)."""
-        stats = self.engine.tier_stats()
-        if not stats:
-            return b"", b""
-        return P.pack_i64(self.engine.take_tier_events()), P.pack_i64([stats[k] for k in P.TIER_STATS])
-
-    def unrun(self, lease: P.Lease) -> P.StepResult:
-        """The answer to a lease withdrawn before it started: every row, no token, still running."""
-        n = len(P.unpack_i64(lease.seq_ids, "seq_ids"))
-        return P.StepResult(lease.lease_id, lease.seq_ids, P.pack_i32([0] * n), b"", P.pack_u8([0] * n),
-                            self.free_tokens)
-
-    def _tokens(self, run: "Started", final: bool) -> P.Tokens:
-        """For the detokenizer: tokens not sent yet (after any it may have missed), and the
-        end of rows that ended; in the `final` one a row's code is its status at the end."""
-        shown, sent_of, out, ended, announced = [], run.shown, run.out, run.ended, run.announced
-        for sid in run.seq_ids:
-            tokens = out[sid]
-            sent = sent_of.get(sid, 0)
-            ends = sid in ended and sid not in announced
-            resend = run.resend.pop(sid, []) if run.resend else []
-            if not (len(tokens) > sent or resend or ends or final):
-                continue
-            code = run.status[sid]
-            new = tokens[sent:]
-            if not (new or resend or ends):
-                continue
-            start = run.first_index.get(sid, 0) + sent - len(resend)
-            shown.append((sid, start, resend + new, int(code) if (final or ends) else 0, sent, len(resend)))
-            sent_of[sid] = sent + len(new)
-            if ends:
-                announced.add(sid)
-        msg = P.Tokens(P.pack_i64([x[0] for x in shown]), P.pack_i32([x[1] for x in shown]),
-                       P.pack_i32([len(x[2]) for x in shown]), P.pack_i32([t for x in shown for t in x[2]]),
-                       P.pack_u8([x[3] for x in shown]),
-                       P.pack_i32([run.cached.get(x[0], -1) for x in shown]) if run.cached else b"")
-        return self._with_logprobs(run, msg, shown) if run.lps or run.prompt_lps else msg
-
-    @staticmethod
-    def _with_logprobs(run: "Started", msg: P.Tokens, shown: list[tuple]) -> P.Tokens:
-        """The Tokens with the logprobs of its rows that asked (a resent token has none), and
-        a prompt's with the row of its first token."""
-        entries, counts, prompts = [], [], []
-        for sid, start, tokens, _, sent, num_resent in shown:
-            made = run.lps.get(sid)
-            entries += [None] * num_resent
-            entries += made[sent:sent + len(tokens) - num_resent] if made is not None                 else [None] * (len(tokens) - num_resent)
-            prompt = run.prompt_lps.pop(sid, None) if start == 0 and tokens else None
-            counts.append(0 if prompt is None else len(prompt[0]))
-            if prompt is not None:
-                prompts += [(prompt[0], prompt[1], k) for k in range(len(prompt[0]))]
-        fields = {}
-        if any(e is not None for e in entries):
-            width, values, ids = P.pack_logprob_refs(entries, 1)
-            fields.update(lp_width=width, lp_values=values, lp_top_ids=ids)
-        if prompts:
-            width, values, ids = P.pack_logprob_refs(prompts, 2)
-            fields.update(prompt_counts=P.pack_i32(counts), prompt_width=width, prompt_values=values,
-                          prompt_top_ids=ids)
-        return dataclasses.replace(msg, **fields) if fields else msg
