@@ -402,7 +402,7 @@ def test_a_real_node_gives_exact_lengths(node, tmp_path, qmigrate):
 def test_a_frame_is_the_chunk_it_stands_for(kind):
     from types import SimpleNamespace
     from qmigrate.ingest.streams import MARK as _MARK, Frame as _Frame, sse as _sse
-    from qmigrate.ingest.openai_api import chunk
+    from qmigrate.ingest.openai_replies import chunk
     for usage in (False, True):
         req = SimpleNamespace(kind=kind, model="m\u00e9", include_usage=usage, continuous_usage=False)
         frame = _Frame(chunk(req, "cmpl-1", 7, _MARK))

@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from qmigrate.ingest.logprobs_api import ChoiceExtras, TokenText
-from qmigrate.ingest.openai_api import ApiRequest, chunk
+from qmigrate.ingest.openai_api import ApiRequest
+from qmigrate.ingest.openai_replies import chunk
 from qmigrate.ingest.prompts import Prompt
 from qmigrate.ingest.streams import MARK, LogprobsFrame, sse
 

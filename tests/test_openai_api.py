@@ -8,8 +8,8 @@ import pytest
 
 from conftest import CHAT_TEMPLATE
 from qmigrate.detokenizer.formats import make_sink
-from qmigrate.ingest.openai_api import (ApiError, StopTrimmer, chunk, fan_out, parse_body, reply, total_usage,
-                                        usage_chunk)
+from qmigrate.ingest.openai_api import ApiError, fan_out, parse_body
+from qmigrate.ingest.openai_replies import StopTrimmer, chunk, reply, total_usage, usage_chunk
 from qmigrate.ingest.prompts import to_spec
 from tokenizer_util import build_tokenizer
 
@@ -282,7 +282,7 @@ def test_cancel_ends_a_request_once_and_drops_later_tokens():
 
 
 def test_usage_carries_cached_prompt_tokens_when_known():
-    from qmigrate.ingest.openai_api import usage
+    from qmigrate.ingest.openai_replies import usage
     assert usage(10, 4) == {"prompt_tokens": 10, "completion_tokens": 4, "total_tokens": 14}
     assert usage(10, 4, 8)["prompt_tokens_details"] == {"cached_tokens": 8}
     assert usage(10, 4, 0)["prompt_tokens_details"] == {"cached_tokens": 0}

@@ -10,9 +10,9 @@ import time
 
 from aiohttp import web
 
-from qmigrate.ingest.openai_api import (
-    ApiError, ChoiceExtras, Choices, StopTrimmer, chunk, reply, tool_chunk, usage_chunk,
-)
+from qmigrate.ingest.logprobs_api import ChoiceExtras
+from qmigrate.ingest.openai_api import ApiError
+from qmigrate.ingest.openai_replies import Choices, StopTrimmer, chunk, reply, tool_chunk, usage_chunk
 from qmigrate.ingest.streams import DONE, MARK, SHUTDOWN, SSE_HEADERS, Frame, LogprobsFrame, Updates, sse
 from qmigrate.ingest.tools import CallStream, delta_calls
 from qmigrate.wire import protocol as P
@@ -36,7 +36,7 @@ async def next_row(loop, updates: Updates) -> tuple:
 async def next_all(loop, updates: Updates, extra=None) -> tuple[str, int, int, int]:
     """(text, finish code, tokens so far, cached) of every row waiting (at least one): what
     arrived together leaves together, in one event. Stops at a finish, which ends the stream.
-    `extra` (openai_api.ChoiceExtras) takes the rows' logprobs."""
+    `extra` (logprobs_api.ChoiceExtras) takes the rows' logprobs."""
     row = await next_row(loop, updates)
     rows, text = updates.rows, row[1]
     if extra is not None:

@@ -51,7 +51,8 @@ from qmigrate.ingest.handoff import HTTP_BIT, THREAD_ID_BITS
 from qmigrate.ingest.json_checks import check_json
 from qmigrate.ingest.prompts import Defaults
 from qmigrate.ingest.streams import SHUTDOWN, Updates
-from qmigrate.ingest.openai_api import ApiError, fan_out, models_list, parse_body
+from qmigrate.ingest.openai_api import ApiError, fan_out, parse_body
+from qmigrate.ingest.openai_replies import models_list
 
 log = logging.getLogger("qmigrate.http")
 
