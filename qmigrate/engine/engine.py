@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from qmigrate.engine.batch import StepBatch
-from qmigrate.engine.kv.host_tier import HostTier, export_by_keys, tier_bytes
+from qmigrate.engine.kv.host_tier import HostTier, export_by_keys, tier_bytes, tier_stats
 from qmigrate.engine.kv.pool import BlockPool, landed
 from qmigrate.engine.rows import REFUSED, Pending, StepRow, prompt_budget, share_prompt_budget
 from qmigrate.engine import fp8, placement, prefill, startup
@@ -186,13 +186,7 @@ class Engine:
     def tier_stats(self) -> dict[str, int]:
         """Per tier, blocks held and hits, and bytes moved through the host tier (protocol's
         TIER_STATS names); empty without a host tier."""
-        tier = self.pool.tier
-        if tier is None:
-            return {}
-        t, p = tier.stats(), self.pool.prefix.stats()
-        return {"gpu_blocks": p["cached_blocks"], "gpu_hits": p["cached_tokens"] // self.pool.block_size - t["hits"],
-                "host_blocks": t["blocks"], "host_hits": t["hits"], "host_bytes_in": t["bytes_in"],
-                "host_bytes_out": t["bytes_out"]}
+        return tier_stats(self.pool)
 
     # --- a step -------------------------------------------------------------------------
     PROMPT_LIMITS = ("prefill_tokens_per_step", "prefill_tokens_with_decode", "prefill_spread_steps")
@@ -260,7 +254,7 @@ class Engine:
         bad = [i for i in feed if after.row_of.get(rows[i].seq_id) is None]
         if bad or any(r.new_ids and r.new_ids[0] == REFUSED for r in rows):
             raise ValueError("a row feeds a token its previous step did not sample")
-        rows, cached = self._admit(rows)
+        rows, cached = prefill.admit_prompts(self, rows)
         rows, refused_whole, prompt_lps = prefill.prompt_pass(self, rows, between)
         rows, cut, deferred = share_prompt_budget(rows, prompt_budget(rows, self.config))
         rows, refused = prefill.prefill_chunks(self, rows, between, skip=deferred)
@@ -378,32 +372,11 @@ class Engine:
             if pending.logits is not None:   # that step was collected before this one waited on it
                 self._sample_waiting(pending, None)
 
-    def _admit(self, rows: list[StepRow]) -> tuple[list[StepRow], dict[int, int]]:
-        """Prompts (rows from position 0) start on their longest cached prefix; the rows to
-        run, and the positions each prompt found cached."""
-        if not self.pool.is_caching:   # nothing to look in: what a prompt finds is unknown (no entry), not 0
-            return rows, {}
-        cached, out = {}, list(rows)
-        for i, r in enumerate(rows):
-            if r.start == 0 and r.new_ids:
-                # a prompt whose logprobs are asked for computes every position
-                n = cached[r.seq_id] = self.pool.admit(r.seq_id, r.new_ids, r.cache_salt,
-                                                       reuse=not prefill.wants_prompt_logprobs(self, r))
-                if n:
-                    out[i] = dataclasses.replace(r, new_ids=r.new_ids[n:], start=n)
-        return out, cached
-
     def take_logprobs(self, pending: "Pending") -> tuple[dict, dict]:
         """Of a collected step: seq_id -> (values, top ids, row) of each asking row's sampled
         token (a reference into the step's arrays: wire/packed.py), and seq_id -> (values, top
         ids) of each prompt whose logprobs it computed (numpy arrays: engine/logprobs.py)."""
-        tokens = {}
-        if pending.logprobs is not None:
-            values, ids = pending.logprobs.arrays()
-            placed, rows = pending.placed, pending.rows
-            tokens = {rows[placed[r]].seq_id: (values, ids, k) for k, r in enumerate(pending.logprobs.rows.tolist())}
-        prompts = {sid: (v.numpy(), t.numpy()) for sid, (v, t) in pending.prompt_logprobs.items()}
-        return tokens, prompts
+        return lp.taken(pending)
 
     def place(self, rows: list[StepRow], protect=()) -> list[int]:
         """Blocks for every row that can have them; the indices of the rows that run.

@@ -80,3 +80,16 @@ def prompt_logprobs(logits: torch.Tensor, targets: torch.Tensor, width: int) -> 
     rank = (lp > chosen).sum(dim=-1, keepdim=True).float() + 1
     top = lp.topk(width, dim=-1)
     return torch.cat([chosen, rank, top.values], dim=1), top.indices.to(torch.int32)
+
+
+def taken(pending) -> tuple[dict, dict]:
+    """Of a collected step: seq_id -> (values, top ids, row) of each asking row's sampled
+    token (a reference into the step's arrays: wire/packed.py), and seq_id -> (values, top
+    ids) of each prompt whose logprobs it computed (numpy arrays: `prompt_logprobs`)."""
+    tokens = {}
+    if pending.logprobs is not None:
+        values, ids = pending.logprobs.arrays()
+        placed, rows = pending.placed, pending.rows
+        tokens = {rows[placed[r]].seq_id: (values, ids, k) for k, r in enumerate(pending.logprobs.rows.tolist())}
+    prompts = {sid: (v.numpy(), t.numpy()) for sid, (v, t) in pending.prompt_logprobs.items()}
+    return tokens, prompts

@@ -1,6 +1,6 @@
-"""The parts of a step that run before its forward pass proper: a prompt's logprobs (all of
-the prompt but its last token, a chunk at a time) and the leading chunks of long prompts.
-Both are `Engine.launch`'s, given the engine."""
+"""The parts of a step that run before its forward pass proper: prompts started on their
+cached prefix, a prompt's logprobs (all of the prompt but its last token, a chunk at a time)
+and the leading chunks of long prompts. All are `Engine.launch`'s, given the engine."""
 
 from __future__ import annotations
 
@@ -12,6 +12,22 @@ import torch
 from qmigrate.engine import logprobs as lp
 from qmigrate.engine.batch import StepBatch
 from qmigrate.engine.rows import StepRow
+
+
+def admit_prompts(engine, rows: list[StepRow]) -> tuple[list[StepRow], dict[int, int]]:
+    """Prompts (rows from position 0) start on their longest cached prefix; the rows to
+    run, and the positions each prompt found cached."""
+    if not engine.pool.is_caching:   # nothing to look in: what a prompt finds is unknown (no entry), not 0
+        return rows, {}
+    cached, out = {}, list(rows)
+    for i, r in enumerate(rows):
+        if r.start == 0 and r.new_ids:
+            # a prompt whose logprobs are asked for computes every position
+            n = cached[r.seq_id] = engine.pool.admit(r.seq_id, r.new_ids, r.cache_salt,
+                                                     reuse=not wants_prompt_logprobs(engine, r))
+            if n:
+                out[i] = dataclasses.replace(r, new_ids=r.new_ids[n:], start=n)
+    return out, cached
 
 
 def wants_prompt_logprobs(engine, r: StepRow) -> bool:

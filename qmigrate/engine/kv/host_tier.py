@@ -253,6 +253,18 @@ def export_by_keys(pool, keys: list[int]) -> tuple[torch.Tensor | None, object]:
     return host.view(pool.kv.dtype).reshape(shape), copied
 
 
+def tier_stats(pool) -> dict[str, int]:
+    """Of a pool: per tier, blocks held and hits, and bytes moved through the host tier (protocol's
+    TIER_STATS names); empty without a host tier."""
+    tier = pool.tier
+    if tier is None:
+        return {}
+    t, p = tier.stats(), pool.prefix.stats()
+    return {"gpu_blocks": p["cached_blocks"], "gpu_hits": p["cached_tokens"] // pool.block_size - t["hits"],
+            "host_blocks": t["blocks"], "host_hits": t["hits"], "host_bytes_in": t["bytes_in"],
+            "host_bytes_out": t["bytes_out"]}
+
+
 def _to_device(index: torch.Tensor, device) -> torch.Tensor:
     """Block ids to the device without waiting (a copy from pageable memory would wait for the
     step in flight)."""
