@@ -71,7 +71,8 @@ def _with_logprobs(run: Started, msg: P.Tokens, shown: list[tuple]) -> P.Tokens:
     for sid, start, tokens, _, sent, num_resent in shown:
         made = run.lps.get(sid)
         entries += [None] * num_resent
-        entries += made[sent:sent + len(tokens) - num_resent] if made is not None                 else [None] * (len(tokens) - num_resent)
+        entries += (made[sent:sent + len(tokens) - num_resent] if made is not None
+                    else [None] * (len(tokens) - num_resent))
         prompt = run.prompt_lps.pop(sid, None) if start == 0 and tokens else None
         counts.append(0 if prompt is None else len(prompt[0]))
         if prompt is not None:
