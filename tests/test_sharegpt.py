@@ -1,6 +1,6 @@
 """ShareGPT traffic (bench/sharegpt.py) from tiny files of the dataset's shape written here: a
 file cut off mid-way read to its last whole conversation, vLLM's sampling rules, multi-turn
-sessions that carry the dataset's replies with a think time, and the same workload on
+sessions that carry the server's replies (or the dataset's) with a think time, and the same workload on
 `qmigrate bench`'s in-process path and through `bench serve` against a fake server."""
 
 from __future__ import annotations
@@ -89,7 +89,7 @@ def test_sessions_carry_the_datasets_replies_with_a_think_time(tmp_path, tokeniz
     items = [conv(i, *[(who, text(6 + j, i + j)) for j in range(3) for who in ("human", "gpt")]) for i in range(3)]
     items.append(conv(9, ("human", text(6)), ("gpt", text(6))))      # one turn: not a session
     path = write(tmp_path / "m.json", items)
-    reqs = D.sharegpt_sessions(3, tokenizer, max_turns=2, think_time_s=0.2, path=path)
+    reqs = D.sharegpt_sessions(3, tokenizer, max_turns=2, think_time_s=0.2, path=path, replies="dataset")
     assert [len(r.turns) for r in reqs] == [2, 2, 2]
     for r in reqs:
         assert r.turn_output_lens == [len(tokenizer(a).input_ids) for a in r.answers]
@@ -109,6 +109,48 @@ def test_sessions_carry_the_datasets_replies_with_a_think_time(tmp_path, tokeniz
         second = next(b for b in server.bodies if len(b["messages"]) == 3 and b["messages"][0]["content"] == r.turns[0])
         assert [m["content"] for m in second["messages"]] == [r.turns[0], r.answers[0], r.turns[1]]
         assert second["max_tokens"] == r.turn_output_lens[1]
+
+
+def fake_reply(n: int) -> str:   # what FakeServer streams for n tokens
+    return "".join(f"t{i} " for i in range(n))
+
+
+@pytest.mark.parametrize("chat", [True, False])
+def test_sessions_carry_the_servers_replies_by_default(tmp_path, tokenizer, chat):
+    items = [conv(i, *[(who, text(6 + j, i + j)) for j in range(3) for who in ("human", "gpt")]) for i in range(2)]
+    reqs = D.sharegpt_sessions(2, tokenizer, max_turns=3, path=write(tmp_path / "m.json", items))
+    assert all(len(r.turns) == 3 and not r.answers for r in reqs)
+    dataset = D.sharegpt_sessions(2, tokenizer, max_turns=3, path=tmp_path / "m.json", replies="dataset")
+    assert [r.turn_output_lens for r in reqs] == [r.turn_output_lens for r in dataset]   # the same work
+    with pytest.raises(ValueError, match="replies"):
+        D.sharegpt_sessions(2, tokenizer, path=tmp_path / "m.json", replies="gpt")
+    server = FakeServer(has_chat_template=chat)
+    try:
+        [(_, s)] = run_serve(base_url=server.url, model="fake", requests=reqs, rates=[math.inf], warmup=0)
+    finally:
+        server.close()
+    assert s["completed"] == 6 and s["output_tokens"] == sum(sum(r.turn_output_lens) for r in reqs)
+    for r, d in zip(reqs, dataset):
+        replies = [fake_reply(n) for n in r.turn_output_lens[:2]]
+        assert replies != d.answers[:2]
+        if chat:
+            [third] = [b for b in server.bodies if len(b.get("messages", [])) == 5
+                       and b["messages"][0]["content"] == r.turns[0]]
+            assert [m["content"] for m in third["messages"]] == [r.turns[0], replies[0], r.turns[1], replies[1],
+                                                                 r.turns[2]]
+            assert [m["role"] for m in third["messages"]] == ["user", "assistant"] * 2 + ["user"]
+        else:
+            [third] = [b for b in server.bodies if b.get("prompt") == D.transcript(r.turns, replies)]
+        assert third["max_tokens"] == r.turn_output_lens[2] and third["ignore_eos"]
+
+
+def test_bench_serve_takes_dataset_replies_only_for_sharegpt_sessions(qmigrate):
+    run = qmigrate("bench", "serve", "--base-url", "http://127.0.0.1:9", "--dataset", "multi-turn",
+                   "--session-replies", "dataset")
+    assert run.returncode != 0 and "--session-replies dataset needs --dataset sharegpt-multi-turn" in run.stderr
+    run = qmigrate("bench", "serve", "--base-url", "http://127.0.0.1:9", "--dataset", "sharegpt-multi-turn",
+                   "--session-replies", "echo")
+    assert run.returncode != 0 and "--session-replies must be one of model, dataset" in run.stderr
 
 
 def test_the_same_workload_runs_in_process_and_names_its_size(tmp_path, tiny_model_dir):

@@ -19,28 +19,30 @@ q() { python -m qmigrate "$@"; }
 [ -f .bench/bench-model/config.json ] || q model bench .bench/bench-model
 [ -f .shapes/llama-3.1-8b/config.json ] || q model shape llama-3.1-8b .shapes/llama-3.1-8b ${TOKENIZER:+--tokenizer "$TOKENIZER"}
 M=.bench/bench-model L8=.shapes/llama-3.1-8b
-# 128 ShareGPT sessions of up to 6 turns, each turn carrying the conversation so far and asking for as many
-# tokens as the dataset's reply; 4 s between an answer and the next turn; every session inside the context
-SESSIONS=${SESSIONS:-128} TURNS=6 THINK=4
+# 128 ShareGPT sessions of up to 6 turns, each turn carrying the conversation so far (the replies the server
+# gave; SESSION_REPLIES=dataset: the dataset's) and asking for as many tokens as the dataset's reply; 4 s
+# between an answer and the next turn; every session inside the context
+SESSIONS=${SESSIONS:-128} TURNS=6 THINK=4 SESSION_REPLIES=${SESSION_REPLIES:-model}
 TIER_GIB=${TIER_GIB:-32}
 (nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader; free -g | head -2; date -u) \
     > "$out/machine.txt" 2>&1
 
 context() { case $1 in $M) echo 2048 ;; *) echo 4096 ;; esac; }   # --max-model-len of each model
-working_set() {   # working_set MODEL_DIR: KV tokens of every session's whole conversation
+working_set() {   # working_set MODEL_DIR: KV tokens of every session's whole conversation (replies as long as the dataset's)
     python - "$1" "$(context $1)" <<EOF
 import sys
 from transformers import AutoTokenizer
 from qmigrate.bench.serve_data import sharegpt_sessions, transcript
 tok = AutoTokenizer.from_pretrained(sys.argv[1])
-reqs = sharegpt_sessions($SESSIONS, tok, $TURNS, max_model_len=int(sys.argv[2]))
+reqs = sharegpt_sessions($SESSIONS, tok, $TURNS, max_model_len=int(sys.argv[2]), replies="dataset")
 print(sum(len(tok(transcript(r.turns, r.answers[:-1]))["input_ids"]) + r.turn_output_lens[-1] for r in reqs))
 EOF
 }
 . "$(dirname "$0")/serve-lib.sh"   # serve_up, serve_down
 sessions() {   # sessions NAME MODEL: the multi-turn run, then the router's figures
     q bench serve --base-url http://127.0.0.1:${PORT:-8000} --tokenizer $2 --dataset sharegpt-multi-turn \
-        --sessions $SESSIONS --turns $TURNS --think-time-s $THINK --max-model-len $(context $2) --json "$out/$1.json"
+        --sessions $SESSIONS --turns $TURNS --think-time-s $THINK --max-model-len $(context $2) \
+        --session-replies $SESSION_REPLIES --json "$out/$1.json"
     q status "$(grep -o '/[^ ]*/topology.yaml' "$out/$1.log" | head -1)" --json > "$out/$1.status.json"
 }
 one_gpu() {   # one_gpu TAG MODEL WHICH [serve flags]: WHICH capped, fits or both: host tier on / off

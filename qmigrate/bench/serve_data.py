@@ -30,8 +30,8 @@ class ServeRequest:
     output_len: int
     turns: list[str] = field(default_factory=list)   # a multi-turn session: its user turns, in order
     prompt_len: int = 0             # ids in the prompt, where known (token-id prompts)
-    # a session's answers as the dataset gives them (sent in place of the server's), and each
-    # turn's output length (else output_len each)
+    # a session's answers as the dataset gives them, sent in place of the server's (empty: each
+    # later turn carries what the server answered), and each turn's output length (else output_len each)
     answers: list[str] = field(default_factory=list)
     turn_output_lens: list[int] = field(default_factory=list)
     think_time_s: float = 0.0       # a session waits this long after an answer before its next turn
@@ -145,20 +145,27 @@ def sharegpt_dataset(num_requests: int, tokenizer, seed: int = 0, path: Path | N
             for p in pairs]
 
 
+SESSION_REPLIES = ("model", "dataset")
+
+
 def sharegpt_sessions(num_sessions: int, tokenizer, max_turns: int = 8, think_time_s: float = 0.0, seed: int = 0,
-                      path: Path | None = None, max_model_len: int = 0) -> list[ServeRequest]:
-    """ShareGPT conversations as sessions: each turn carries the earlier turns and the dataset's
-    replies, and asks for as many tokens as the dataset's reply to it has. With max_model_len, a
-    session ends before the turn whose prompt (the transcript's labels counted) and reply would
-    pass it; else sessions stop at sharegpt.MAX_SESSION_TOKENS."""
+                      path: Path | None = None, max_model_len: int = 0, replies: str = "model") -> list[ServeRequest]:
+    """ShareGPT conversations as sessions: each turn carries the earlier turns and the replies to
+    them, and asks for as many tokens as the dataset's reply to it has. replies: model (what the
+    server answered, as a chat client sends back) or dataset (the dataset's replies, whatever the
+    server answered). With max_model_len, a session ends before the turn whose prompt (the
+    transcript's labels counted) and reply would pass it; else sessions stop at
+    sharegpt.MAX_SESSION_TOKENS."""
     from qmigrate.bench import sharegpt
+    if replies not in SESSION_REPLIES:
+        raise ValueError(f"session replies must be {' or '.join(SESSION_REPLIES)}, not {replies!r}")
     limit = max_model_len - TRANSCRIPT_LABEL_TOKENS * max_turns if max_model_len else sharegpt.MAX_SESSION_TOKENS
     if limit < 2 * sharegpt.MIN_TOKENS:
         raise ValueError(f"--max-model-len {max_model_len} leaves no room for a session of {max_turns} turns")
     sessions = sharegpt.sample_sessions(sharegpt.read_conversations(path), tokenizer, num_sessions, max_turns, seed,
                                         limit)
-    return [ServeRequest("", s.output_lens[0], turns=s.turns, answers=s.answers, turn_output_lens=s.output_lens,
-                         think_time_s=think_time_s) for s in sessions]
+    return [ServeRequest("", s.output_lens[0], turns=s.turns, answers=s.answers if replies == "dataset" else [],
+                         turn_output_lens=s.output_lens, think_time_s=think_time_s) for s in sessions]
 
 
 TRANSCRIPT_LABEL_TOKENS = 24   # a turn's "User: ", "\nAssistant:" and newline: 16 in the bench model's tokenizer, with room

@@ -7,8 +7,18 @@ conversation. Single-turn sampling follows vLLM's rules: conversations shuffled 
 a conversation's first human turn is the prompt and the reply after it sets the output length
 (its token count; EOS ignored), pairs with a prompt or output under 4 tokens, a prompt over
 1,024 tokens or both over 2,048 are dropped. A multi-turn session sends a conversation's human
-turns in order, each prompt carrying every earlier turn and the dataset's reply to it (so every
-run sends the same prompts), each turn's output as long as that reply.
+turns in order, each prompt carrying every earlier turn and the reply to it (what the server
+answered, or with `--session-replies dataset` the dataset's, so that every run sends the same
+prompts), each turn's output as long as the dataset's reply (EOS ignored: every run does the
+same work).
+
+What a prefix cache can find of a later turn with the server's replies: the earlier turns' prompts,
+and each reply as far as its text re-tokenizes to the ids the model generated (chat: the template
+then closes the turn with tokens of its own, as it did not when the reply was generated). Trained
+weights mostly write text that re-tokenizes to itself, so nearly the whole conversation so far can
+hit; random weights (the benchmark model, dummy shapes) write ids that seldom do, and with EOS
+ignored a reply that passes a special token loses it from the text, so the cache stops there. With
+the dataset's replies only the earlier prompts can hit.
 """
 
 from __future__ import annotations
