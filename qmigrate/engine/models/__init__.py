@@ -9,7 +9,9 @@ import importlib
 import torch
 
 from qmigrate.engine.layers.mlp import ACTIVATIONS
+from qmigrate.engine.layers.norms import RMSNorm
 from qmigrate.engine.layers.rotary import tables_for, unsupported_rope
+from qmigrate.engine.models.base import DecoderModel, output_head
 from qmigrate.hub.shape import ModelShape
 
 # model_type -> module of engine/models/ that builds it
@@ -51,8 +53,15 @@ def _module(model):
 
 
 def build(model, layers=None):
-    """The DecoderModel of a checkpoint; `layers`: its layers built (and perhaps cut) elsewhere."""
-    return _module(model).build(model, layers)
+    """The DecoderModel of a checkpoint; `layers`: its layers built (and perhaps cut) elsewhere.
+    A family's module gives its layers (`decoder_layers`) and, where it has any, the model's
+    settings beyond the shared ones (`model_options(config)`)."""
+    cfg, base = model.config, model.model
+    if layers is None:
+        layers = list(decoder_layers(model))
+    options = getattr(_module(model), "model_options", None)
+    return DecoderModel(base.embed_tokens.weight.detach(), layers, RMSNorm.of(base.norm), output_head(model),
+                        max_positions=cfg.max_position_embeddings, **(options(cfg) if options else {}))
 
 
 def decoder_layers(model):

@@ -10,20 +10,15 @@ from collections.abc import Iterator
 from qmigrate.engine.layers.attention import Attention, layer_windows
 from qmigrate.engine.layers.mlp import GatedMLP
 from qmigrate.engine.layers.norms import RMSNorm
-from qmigrate.engine.layers.rotary import tables_for
-from qmigrate.engine.models.base import DecoderLayer, DecoderModel, output_head
+from qmigrate.engine.models.base import DecoderLayer
 
 MODEL_TYPES = ("gemma2", "gemma3_text")
 
 
-def build(model, layers: list[DecoderLayer] | None = None) -> DecoderModel:
-    """`layers`: those to hold in place of the ones decoder_layers builds from the checkpoint."""
-    cfg, base = model.config, model.model
-    if layers is None:
-        layers = list(decoder_layers(model, tables_for(model, cfg.max_position_embeddings)))
-    return DecoderModel(base.embed_tokens.weight.detach(), layers, RMSNorm.of(base.norm), output_head(model),
-                        max_positions=cfg.max_position_embeddings, embed_scale=cfg.hidden_size ** 0.5,
-                        final_softcap=float(getattr(cfg, "final_logit_softcapping", None) or 0.0))
+def model_options(cfg) -> dict:
+    """DecoderModel's settings beyond the shared ones: the embeddings' scale, the final soft-cap."""
+    return {"embed_scale": cfg.hidden_size ** 0.5,
+            "final_softcap": float(getattr(cfg, "final_logit_softcapping", None) or 0.0)}
 
 
 def decoder_layers(model, tables) -> Iterator[DecoderLayer]:

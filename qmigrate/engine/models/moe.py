@@ -11,19 +11,9 @@ from qmigrate.engine.layers.attention import Attention, layer_windows
 from qmigrate.engine.layers.mlp import GatedMLP
 from qmigrate.engine.layers.moe import MoE
 from qmigrate.engine.layers.norms import RMSNorm
-from qmigrate.engine.layers.rotary import tables_for
-from qmigrate.engine.models.base import DecoderLayer, DecoderModel, output_head
+from qmigrate.engine.models.base import DecoderLayer, DecoderModel
 
 MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe")
-
-
-def build(model, layers: list[DecoderLayer] | None = None) -> DecoderModel:
-    """`layers`: those to hold in place of the ones decoder_layers builds from the checkpoint."""
-    cfg, base = model.config, model.model
-    if layers is None:
-        layers = list(decoder_layers(model, tables_for(model, cfg.max_position_embeddings)))
-    return DecoderModel(base.embed_tokens.weight.detach(), layers, RMSNorm.of(base.norm), output_head(model),
-                        max_positions=cfg.max_position_embeddings)
 
 
 def decoder_layers(model, tables) -> Iterator[DecoderLayer]:
