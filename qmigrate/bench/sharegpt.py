@@ -15,8 +15,9 @@ same work).
 What a prefix cache can find of a later turn with the server's replies: the earlier turns' prompts,
 and each reply as far as its text re-tokenizes to the ids the model generated (chat: the template
 then closes the turn with tokens of its own, as it did not when the reply was generated). Trained
-weights mostly write text that re-tokenizes to itself, so nearly the whole conversation so far can
-hit; random weights (the benchmark model, dummy shapes) write ids that seldom do, and with EOS
+weights mostly write text that re-tokenizes to itself, so most of the conversation so far can hit
+(SmolLM2-135M on the CPU, 6 sessions: 68% of later turns' prompt tokens, 30% with the dataset's
+replies); random weights (the benchmark model, dummy shapes) write ids that seldom do, and with EOS
 ignored a reply that passes a special token loses it from the text, so the cache stops there. With
 the dataset's replies only the earlier prompts can hit.
 """
