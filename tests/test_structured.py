@@ -330,3 +330,38 @@ def test_a_pipelined_constrained_step_samples_as_one_collected_first(tiny):
     assert piped == one_by_one
     for sid in (2, 3):
         assert re.fullmatch("[0-9]{12,30}", tokenizer.decode(piped[sid], skip_special_tokens=True))
+
+
+def test_masks_of_many_rows_equal_each_row_alone_without_the_torch_helpers(tiny):
+    """Several rows' masks (the library's threads) are each row's own; and filling them never
+    imports `llguidance.torch`, whose import compiles a function (seconds of a worker's first
+    constrained step), checked in a fresh interpreter."""
+    import subprocess
+    import sys
+    import torch
+    from qmigrate.engine.grammar import GrammarTable
+    path, model, tokenizer, eos_ids = tiny
+    vocab = model.config.vocab_size
+    grammar = _parse(tiny, response_format=RESPONSE_FORMAT).grammar
+    texts = ['{"name": "ab', '{"name": "abc", "count": 1', '{', '{"name": "a", "count": 12, "ok": tr']
+    table = GrammarTable(vocab, torch.device("cpu"))
+    table.compiler = grammars.Compiler(lambda: tokenizer, vocab, 60.0)
+    ids = [tokenizer.encode(t, add_special_tokens=False) for t in texts]
+    for s, generated in enumerate(ids):
+        assert table.set(s, table.matcher(grammar, eos_ids), eos_ids, generated)
+    _, together = table.masks(list(range(len(ids))), [len(g) for g in ids])
+    together = together.clone()
+    for s, generated in enumerate(ids):
+        _, alone = table.masks([s], [len(generated)])
+        assert torch.equal(alone[0], together[s])
+    assert len({tuple(row.tolist()) for row in together}) == len(ids)   # the states differ
+    probe = ("import sys, torch; from qmigrate.engine.grammar import GrammarTable; "
+             "from qmigrate.hub import grammars; from qmigrate.hub.tokenizer_info import load_tokenizer_info; "
+             f"tok, _, eos = load_tokenizer_info({str(path)!r}); v = {vocab}; "
+             "t = GrammarTable(v, torch.device('cpu')); t.compiler = grammars.Compiler(lambda: tok, v, 60.0); "
+             "g = grammars.from_structured_outputs({'regex': '[0-9]+'})[0]; "
+             "[t.set(s, t.matcher(g, eos), eos, []) for s in (1, 2)]; t.masks([1, 2], [0, 0]); t.masks([1], [0]); "
+             "print('llguidance.torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=100)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "False"

@@ -110,8 +110,6 @@ class GrammarTable:
         """(rows, packed bits) of a step's constrained rows, on the device; None when it has none.
         `noted`: (seq_ids, index, tokens, partial) of the step before, just collected, which
         the matchers take first (`note`)."""
-        import llguidance
-        import llguidance.torch as llt
         if noted is not None:
             self.note(*noted)
         matchers = self.matchers
@@ -129,12 +127,17 @@ class GrammarTable:
                 bits[j] = 0
                 continue
             pairs.append((entry[0], j))
+        # The library's own calls, not its `llguidance.torch` helpers: importing those compiles a
+        # function with torch.compile, seconds of a worker's first constrained step.
+        row_bytes = bits.shape[1] * 4
         if len(pairs) > 1:
             if self.executor is None:
+                import llguidance
                 self.executor = llguidance.LLExecutor()
-            llt.fill_next_token_bitmask_par(self.executor, pairs, bits)
+            self.executor.unsafe_compute_mask_ptr(pairs, bits.data_ptr(), row_bytes, bits.shape[0])
         elif pairs:
-            llt.fill_next_token_bitmask(pairs[0][0], bits, pairs[0][1])
+            matcher, j = pairs[0]
+            matcher.unsafe_compute_mask_ptr(bits[j].data_ptr(), row_bytes)
         host = bits.numpy().view(np.uint32)
         for j in np.flatnonzero(~host.any(axis=1)).tolist():   # nothing allowed (ended, or lost): EOS
             for t in matchers[seq_ids[rows[j]]][2]:
