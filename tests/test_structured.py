@@ -93,7 +93,7 @@ def test_a_grammar_past_the_time_limit_is_refused_and_a_good_one_compiles(tiny):
     finally:
         slow.release.set()
     fine = grammars.Compiler(lambda: tokenizer, len(tokenizer), 60.0)
-    assert not fine.matcher(grammar, eos_ids).is_error()
+    assert not fine.matcher(grammar, eos_ids).matcher.is_error()
 
 
 # --- a worker's grammar state, moved -----------------------------------------------------------
@@ -332,10 +332,34 @@ def test_a_pipelined_constrained_step_samples_as_one_collected_first(tiny):
         assert re.fullmatch("[0-9]{12,30}", tokenizer.decode(piped[sid], skip_special_tokens=True))
 
 
+def _grown(compiler, grammar, eos_ids, size: int) -> None:
+    """Copies asked of `compiler` until `grammar`'s family has `size` templates (each copy asks
+    the pool for one more while it is short)."""
+    import time
+    compiler.family_size = size
+    key = (grammar, tuple(sorted(eos_ids)))
+    deadline = time.monotonic() + 60
+    while len(compiler.families.get(key, ())) < size:
+        assert time.monotonic() < deadline, "the family did not grow"
+        compiler.matcher(grammar, eos_ids)
+        time.sleep(0.01)
+
+
+def test_a_grammar_in_use_grows_a_family_and_its_copies_take_turns(tiny):
+    _, model, tokenizer, eos_ids = tiny
+    grammar = _parse(tiny, response_format=RESPONSE_FORMAT).grammar
+    compiler = grammars.Compiler(lambda: tokenizer, model.config.vocab_size, 60.0)
+    _grown(compiler, grammar, eos_ids, 3)
+    copies = [compiler.matcher(grammar, eos_ids) for _ in range(6)]
+    assert sorted(c.family for c in copies) == [0, 0, 1, 1, 2, 2]
+    key = (grammar, tuple(sorted(eos_ids)))
+    assert len({id(t) for t in compiler.families[key]}) == 3 and len(compiler.families[key]) == 3
+
+
 def test_masks_of_many_rows_equal_each_row_alone_without_the_torch_helpers(tiny):
-    """Several rows' masks (the library's threads) are each row's own; and filling them never
-    imports `llguidance.torch`, whose import compiles a function (seconds of a worker's first
-    constrained step), checked in a fresh interpreter."""
+    """Several rows' masks (the library's threads, rows of three template families) are each
+    row's own; and filling them never imports `llguidance.torch`, whose import compiles a
+    function (seconds of a worker's first constrained step), checked in a fresh interpreter."""
     import subprocess
     import sys
     import torch
@@ -346,9 +370,14 @@ def test_masks_of_many_rows_equal_each_row_alone_without_the_torch_helpers(tiny)
     texts = ['{"name": "ab', '{"name": "abc", "count": 1', '{', '{"name": "a", "count": 12, "ok": tr']
     table = GrammarTable(vocab, torch.device("cpu"))
     table.compiler = grammars.Compiler(lambda: tokenizer, vocab, 60.0)
+    _grown(table.compiler, grammar, eos_ids, 3)
     ids = [tokenizer.encode(t, add_special_tokens=False) for t in texts]
+    families = set()
     for s, generated in enumerate(ids):
-        assert table.set(s, table.matcher(grammar, eos_ids), eos_ids, generated)
+        fresh = table.matcher(grammar, eos_ids)
+        families.add(fresh.family)
+        assert table.set(s, fresh, eos_ids, generated)
+    assert len(families) == 3
     _, together = table.masks(list(range(len(ids))), [len(g) for g in ids])
     together = together.clone()
     for s, generated in enumerate(ids):

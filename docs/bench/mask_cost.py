@@ -37,7 +37,7 @@ def cost(compiler, schema: dict, eos: list[int], vocab: int, rows: int, tokens: 
     import llguidance.torch as llt
     grammar, _ = grammars.from_response_format({"type": "json_schema",
                                                 "json_schema": {"name": "b", "schema": schema, "strict": True}})
-    matchers = [compiler.matcher(grammar, eos) for _ in range(rows)]
+    matchers = [compiler.matcher(grammar, eos).matcher for _ in range(rows)]
     bits = torch.zeros(rows, (vocab + 31) // 32, dtype=torch.int32)
     gen, times = torch.Generator().manual_seed(0), []
     shifts = torch.arange(32, dtype=torch.int32)

@@ -130,10 +130,10 @@ class Engine:
         """A sequence's sampling controls, and its ids so far (its penalties count them)."""
         self.controls.set(seq_id, controls, ids, prompt_len)
 
-    def set_grammar(self, seq_id: int, matcher, eos_ids, generated) -> bool:
-        """A sequence's fresh grammar matcher (`grammars.matcher`), with its generated ids
-        replayed; False when they do not follow it."""
-        return self.grammars.set(seq_id, matcher, eos_ids, generated)
+    def set_grammar(self, seq_id: int, fresh, eos_ids, generated) -> bool:
+        """A sequence's fresh grammar matcher (`grammars.matcher`: a `hub.grammars.Copy`), with
+        its generated ids replayed; False when they do not follow it."""
+        return self.grammars.set(seq_id, fresh, eos_ids, generated)
 
     def take_evicted(self) -> list[int]:
         return self.pool.take_evicted()

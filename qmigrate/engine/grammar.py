@@ -41,7 +41,7 @@ class GrammarTable:
     def __init__(self, vocab_size: int, device) -> None:
         self.vocab_size, self.device = vocab_size, device
         self.compiler = None          # hub.grammars.Compiler, set by whoever has the tokenizer
-        self.matchers: dict[int, list] = {}   # seq_id -> [matcher, tokens consumed, EOS ids]
+        self.matchers: dict[int, list] = {}   # seq_id -> [matcher, tokens consumed, EOS ids, family]
         self.executor = None
         self.buffers: list[torch.Tensor] = []  # two pinned bitmasks, used in turn
         self.turn = 0
@@ -65,16 +65,17 @@ class GrammarTable:
             raise GrammarError("this worker has no tokenizer for structured output")
         return self.compiler.ready(grammar, eos_ids)
 
-    def set(self, seq_id: int, matcher, eos_ids, generated) -> bool:
-        """Take a sequence's fresh matcher and replay its generated ids; False when they do not
-        follow the grammar (the sequence cannot go on under it)."""
+    def set(self, seq_id: int, fresh, eos_ids, generated) -> bool:
+        """Take a sequence's fresh matcher (a `hub.grammars.Copy`) and replay its generated ids;
+        False when they do not follow the grammar (the sequence cannot go on under it)."""
         self.forget(seq_id)
+        matcher = fresh.matcher
         generated = [int(t) for t in generated]
         if generated and not matcher.consume_tokens(generated):
             log.warning("sequence %d: its %d generated ids do not follow its grammar: %s", seq_id,
                         len(generated), matcher.get_error())
             return False
-        self.matchers[seq_id] = [matcher, len(generated), sorted(eos_ids)]
+        self.matchers[seq_id] = [matcher, len(generated), sorted(eos_ids), fresh.family]
         self.width = self.width or self.compiler.mask_words(eos_ids)
         return True
 
@@ -126,17 +127,21 @@ class GrammarTable:
                             seq_ids[k], index[k] - entry[1])
                 bits[j] = 0
                 continue
-            pairs.append((entry[0], j))
+            pairs.append((entry[0], j, entry[3]))
         # The library's own calls, not its `llguidance.torch` helpers: importing those compiles a
         # function with torch.compile, seconds of a worker's first constrained step.
+        # The rows in order of their template's family: each thread then takes a run of rows that
+        # share a lock (hub/grammars.py), rather than all threads waiting on each lock in turn.
         row_bytes = bits.shape[1] * 4
         if len(pairs) > 1:
             if self.executor is None:
                 import llguidance
-                self.executor = llguidance.LLExecutor()
-            self.executor.unsafe_compute_mask_ptr(pairs, bits.data_ptr(), row_bytes, bits.shape[0])
+                from qmigrate.hub.grammars import mask_threads
+                self.executor = llguidance.LLExecutor(mask_threads())
+            pairs.sort(key=lambda p: p[2])
+            self.executor.unsafe_compute_mask_ptr([p[:2] for p in pairs], bits.data_ptr(), row_bytes, bits.shape[0])
         elif pairs:
-            matcher, j = pairs[0]
+            matcher, j, _ = pairs[0]
             matcher.unsafe_compute_mask_ptr(bits[j].data_ptr(), row_bytes)
         host = bits.numpy().view(np.uint32)
         for j in np.flatnonzero(~host.any(axis=1)).tolist():   # nothing allowed (ended, or lost): EOS

@@ -13,22 +13,45 @@ Compiling builds the grammar's lexer over the tokenizer's vocabulary: millisecon
 ordinary schemas, more for huge ones. `Compiler.matcher` builds on a small thread pool and
 caches a template matcher per (grammar, EOS ids), copied for each sequence; past its
 deadline the caller gets `GrammarError` and the build is dropped when it ends.
+
+The copies of one template share its lexer, behind one lock: a step whose rows all copy one
+template fills their masks nearly one at a time, whatever the threads. So a grammar has a
+family of templates, up to the threads that fill masks (`mask_threads`): as many as compile
+with the first within FAMILY_BUILD_S, the rest one by one on the pool as copies are asked
+for; each new sequence copies the next (`Copy.family`), and the engine hands a step's rows
+to the threads family by family (engine/grammar.py). The figures: docs/benchmarks.md.
 """
 
 from __future__ import annotations
 
 import functools
 import json
+import os
 import threading
 import time
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
+from typing import NamedTuple
 
 MAX_GRAMMAR_CHARS = 1 << 16     # a grammar text travels in one SeqSpec string field
 MAX_CHOICES = 1024              # strings of a `choice`
 CACHED_TEMPLATES = 64           # compiled grammars a process keeps
 FORMATS = ("json", "regex", "choice", "grammar")   # vLLM's structured_outputs keys we take
+FAMILY_BUILD_S = 0.02           # compile time a grammar's first build may add for its family
+
+
+def mask_threads() -> int:
+    """Threads that fill a step's masks: llguidance's executor default, 80% of the cores this
+    process may use, at most 32."""
+    return max(1, min(32, len(os.sched_getaffinity(0)) * 80 // 100))
+
+
+class Copy(NamedTuple):
+    """A sequence's matcher at its grammar's start, and which of the grammar's templates it
+    was copied from: copies of one template share a lock (the module's docstring)."""
+    matcher: object
+    family: int
 
 
 class GrammarError(ValueError):
@@ -155,6 +178,10 @@ class Compiler:
         self.tokenizers: dict[tuple[int, ...], Future] = {}
         self.templates: OrderedDict[tuple, Future] = OrderedDict()
         self.started: dict[tuple, float] = {}   # when each compile still running began
+        self.families: dict[tuple, list] = {}   # key -> its templates: the first, then those grown
+        self.turns: dict[tuple, int] = {}       # key -> copies handed out
+        self.growing: set[tuple] = set()        # keys with a template compiling for their family
+        self.family_size = mask_threads()
 
     def _tokenizer(self, eos_ids: tuple[int, ...]):
         import llguidance.hf
@@ -168,6 +195,20 @@ class Compiler:
         if matcher.is_error():
             raise GrammarError(f"the grammar does not compile: {matcher.get_error()}")
         return matcher
+
+    def _build_family(self, key: tuple, grammar: str, tokenizer_future: Future):
+        """The first template of `grammar` (which the time limit waits for), then as many of
+        its family as compile within FAMILY_BUILD_S more (a schema's next compiles take well
+        under a millisecond: a burst of its requests finds the family whole); the rest grow
+        one by one as copies are asked for (`_copy`)."""
+        first = self._build(grammar, tokenizer_future)
+        family, began = [first], time.monotonic()
+        while len(family) < self.family_size and time.monotonic() - began < FAMILY_BUILD_S:
+            family.append(self._build(grammar, tokenizer_future))
+        with self.lock:
+            if key in self.templates:
+                self.families[key] = family
+        return first
 
     def tokenizer(self, eos_ids) -> Future:
         """The library's tokenizer (built once, in about half a second: the time limit counts
@@ -187,10 +228,12 @@ class Compiler:
             key = (grammar, eos)
             future = self.templates.get(key)
             if future is None or (future.done() and future.exception() is not None):
-                future = self.templates[key] = self.pool.submit(self._build, grammar, tok)
+                future = self.templates[key] = self.pool.submit(self._build_family, key, grammar, tok)
             self.templates.move_to_end(key)
             while len(self.templates) > CACHED_TEMPLATES:
-                self.templates.popitem(last=False)
+                gone, _ = self.templates.popitem(last=False)
+                self.families.pop(gone, None)
+                self.turns.pop(gone, None)
         return future
 
     def mask_words(self, eos_ids) -> int:
@@ -199,7 +242,7 @@ class Compiler:
             tok = self.tokenizers.get(tuple(sorted(eos_ids)))
         return -(-tok.result().vocab_size // 32)
 
-    def ready(self, grammar: str, eos_ids):
+    def ready(self, grammar: str, eos_ids) -> Copy | None:
         """A fresh matcher if `grammar` is compiled, None while it compiles (never waits);
         GrammarError when it failed or has run past the time limit."""
         key = (grammar, tuple(sorted(eos_ids)))
@@ -213,9 +256,9 @@ class Compiler:
                                    "(structured_output_compile_timeout_s)")
             return None
         self.started.pop(key, None)
-        return future.result().deep_copy()
+        return self._copy(key, future.result(), grammar)
 
-    def matcher(self, grammar: str, eos_ids, timeout_s: float | None = None, param: str | None = None):
+    def matcher(self, grammar: str, eos_ids, timeout_s: float | None = None, param: str | None = None) -> Copy:
         """A fresh matcher at the grammar's start; GrammarError when it does not compile in time."""
         self.tokenizer(eos_ids).result()
         future = self.start(grammar, eos_ids)
@@ -227,4 +270,30 @@ class Compiler:
                                "(structured_output_compile_timeout_s)", param) from None
         except GrammarError as exc:
             raise GrammarError(str(exc), param) from None
-        return template.deep_copy()
+        return self._copy((grammar, tuple(sorted(eos_ids))), template, grammar)
+
+    def _copy(self, key: tuple, first, grammar: str) -> Copy:
+        """A copy of the next template of `key`'s family (the first while no other is built),
+        and one more template asked of the pool while the family is short."""
+        with self.lock:
+            family = self.families.setdefault(key, [first])
+            turn = self.turns[key] = self.turns.get(key, -1) + 1
+            index = turn % self.family_size
+            if index >= len(family):
+                index = 0
+            template = family[index]
+            if len(family) < self.family_size and key not in self.growing and key in self.templates:
+                self.growing.add(key)
+                self.pool.submit(self._grow, key, grammar)
+        return Copy(template.deep_copy(), index)
+
+    def _grow(self, key: tuple, grammar: str) -> None:
+        try:
+            template = self._build(grammar, self.tokenizer(key[1]))
+        except Exception:  # noqa: BLE001 -- the family stays as it is; its copies are as correct
+            template = None
+        with self.lock:
+            self.growing.discard(key)
+            family = self.families.get(key)
+            if template is not None and family is not None and len(family) < self.family_size:
+                family.append(template)
