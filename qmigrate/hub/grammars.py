@@ -273,14 +273,12 @@ class Compiler:
         return self._copy((grammar, tuple(sorted(eos_ids))), template, grammar)
 
     def _copy(self, key: tuple, first, grammar: str) -> Copy:
-        """A copy of the next template of `key`'s family (the first while no other is built),
-        and one more template asked of the pool while the family is short."""
+        """A copy of the next template of `key`'s family, in turn among those built, and one
+        more template asked of the pool while the family is short."""
         with self.lock:
             family = self.families.setdefault(key, [first])
             turn = self.turns[key] = self.turns.get(key, -1) + 1
-            index = turn % self.family_size
-            if index >= len(family):
-                index = 0
+            index = turn % len(family)
             template = family[index]
             if len(family) < self.family_size and key not in self.growing and key in self.templates:
                 self.growing.add(key)
