@@ -44,7 +44,8 @@ FAMILY_BUILD_S = 0.02           # compile time a grammar's first build may add f
 def mask_threads() -> int:
     """Threads that fill a step's masks: llguidance's executor default, 80% of the cores this
     process may use, at most 32."""
-    return max(1, min(32, len(os.sched_getaffinity(0)) * 80 // 100))
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, min(32, cores * 80 // 100))
 
 
 class Copy(NamedTuple):
