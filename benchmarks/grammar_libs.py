@@ -5,10 +5,11 @@ per-token mask time over SmolLM2's 49,152-token vocabulary, following a valid do
     python -m benchmarks.grammar_libs --walk ROWS [--steps N] [--model DIR]
 
 Prints one table (milliseconds). Needs `llguidance` and, for its column, `xgrammar`. With
-`--walk`, each library instead runs ROWS matchers of `bench serve`'s builtin schema for N
-steps (compact: no free whitespace, OpenAI's separators, as the server compiles it), each row drawing its next token uniformly from its mask (as a random-weight model under
-the grammar does), one row at a time on one thread: the mean and p99 of a row's mask, and the
-mean over steps of the slowest row's, which bounds a step whatever the threads.
+`--walk`, each library instead runs ROWS matchers of `bench serve`'s builtin schema for N steps
+(compact: no free whitespace, OpenAI's separators, as the server compiles it), each row drawing
+its next token uniformly from its mask (as a random-weight model under the grammar does), one
+row at a time on one thread: the mean and p99 of a row's mask, and the mean over steps of the
+slowest row's, which bounds a step whatever the threads.
 """
 
 from __future__ import annotations
@@ -94,7 +95,8 @@ def _walk_stats(times: list[list[float]]) -> dict[str, float]:
     import numpy as np
     flat = np.array([t for step in times for t in step])
     return {"mean": float(flat.mean()), "p99": float(np.percentile(flat, 99)),
-            "step_max": float(np.mean([max(step) for step in times])), "step_sum": float(np.mean([sum(step) for step in times]))}
+            "step_max": float(np.mean([max(step) for step in times])),
+            "step_sum": float(np.mean([sum(step) for step in times]))}
 
 
 def _draw(rng, bits, vocab: int) -> int:
@@ -147,13 +149,20 @@ def xgrammar_walk(tok, schema: dict, rows: int, steps: int) -> dict[str, float]:
     return _walk_stats(times)
 
 
-def walk(tok, rows: int, steps: int) -> None:
-    from qmigrate.bench.serve_data import BUILTIN_SCHEMA
-    results = {"llguidance": llguidance_walk(tok, BUILTIN_SCHEMA, rows, steps)}
+def _libraries(llguidance_run, xgrammar_run) -> dict[str, dict[str, float]]:
+    """Each library's figures; xgrammar's only where it is installed."""
+    out = {"llguidance": llguidance_run()}
     try:
-        results["xgrammar"] = xgrammar_walk(tok, BUILTIN_SCHEMA, rows, steps)
+        out["xgrammar"] = xgrammar_run()
     except ImportError:
         pass
+    return out
+
+
+def walk(tok, rows: int, steps: int) -> None:
+    from qmigrate.bench.serve_data import BUILTIN_SCHEMA
+    results = _libraries(lambda: llguidance_walk(tok, BUILTIN_SCHEMA, rows, steps),
+                         lambda: xgrammar_walk(tok, BUILTIN_SCHEMA, rows, steps))
     print(f"builtin schema, {rows} rows x {steps} steps, vocabulary {len(tok):,}, one thread; ms")
     print(f"{'library':12} {'row mean':>9} {'row p99':>9} {'step: slowest row':>18} {'step: all rows':>15}")
     for name, r in results.items():
@@ -173,11 +182,7 @@ def main() -> None:
     if args.walk:
         return walk(tok, args.walk, args.steps)
     ids = tok.encode(json.dumps(DOCUMENT, separators=(",", ":")), add_special_tokens=False)
-    rows = {"llguidance": llguidance_times(tok, ids, args.repeat)}
-    try:
-        rows["xgrammar"] = xgrammar_times(tok, ids, args.repeat)
-    except ImportError:
-        pass
+    rows = _libraries(lambda: llguidance_times(tok, ids, args.repeat), lambda: xgrammar_times(tok, ids, args.repeat))
     print(f"vocabulary {len(tok):,}, document {len(ids)} tokens; ms")
     print(f"{'library':12} {'tokenizer':>10} {'compile(1st)':>13} {'compile':>9} {'mask/token':>11}")
     for name, r in rows.items():
