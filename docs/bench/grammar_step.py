@@ -34,7 +34,6 @@ def schemas() -> dict[str, dict]:
 
 def run(compiler, schema, eos, vocab, rows, steps, par_consume: bool, threads: int, families: int) -> dict[str, float]:
     import llguidance
-    import llguidance.torch as llt
     grammar, _ = grammars.from_response_format({"type": "json_schema",
                                                 "json_schema": {"name": "b", "schema": schema, "strict": True}})
     table = GrammarTable(vocab, torch.device("cpu"))
@@ -57,7 +56,7 @@ def run(compiler, schema, eos, vocab, rows, steps, par_consume: bool, threads: i
         if tokens is not None:
             if par_consume:
                 pairs = [(table.matchers[s][0], t) for s, t in zip(seq_ids, tokens)]
-                llt.consume_token_par(executor, pairs)
+                executor.consume_token_par(pairs)
                 for s in seq_ids:
                     table.matchers[s][1] += 1
             else:

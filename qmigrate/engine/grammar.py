@@ -3,26 +3,30 @@ token mask for the rows that have one.
 
 A sequence's matcher is rebuilt from what travels with it, never kept from one worker's past:
 when a worker takes the full form it compiles the grammar (`hub.grammars.Compiler`: a pool
-thread, cached by grammar; the worker hands the sequence back until it is ready) and replays the sequence's generated ids through a fresh matcher.
-After that the matcher follows the tokens the steps sample, as `Engine.collect` hands them
-over; a step that asks for generated token i of a sequence whose matcher has consumed more
-(a step the router dropped) rolls it back first. So recompute, KV transfer and a step that ran
-twice all find the same grammar state, and the same mask.
+thread, cached by grammar; the worker hands the sequence back until it is ready) and replays
+the sequence's generated ids through a fresh matcher. After that the matcher follows the tokens
+the steps sample, as `Engine.collect` hands them over; a step that asks for generated token i
+of a sequence whose matcher has consumed more (a step the router dropped) rolls it back first.
+So recompute, KV transfer and a step that ran twice all find the same grammar state, and the
+same mask.
 
 The mask is computed on the host while the device runs the step's forward pass (the step is
 queued before the mask is asked for), into a pinned buffer of packed bits (one int32 per 32
 tokens, llguidance's layout), and applied on the device as one masked fill of the constrained
 rows. A step whose constrained rows sample after a token of the step before it that is still
 on the device (`lags`) is sampled when that step is collected (`Engine._note_grammars`): the
-matchers take its tokens, the masks are filled (by the library's threads, in parallel) and
+matchers take its tokens, the masks are filled (by the library's threads, the rows handed
+to them family by family of their templates: hub/grammars.py) and
 the sampling is queued while the device still runs the forward pass, before the worker's
 own work on the collected step. Rows without a grammar pay nothing of this; a step with no
 constrained row does no work here. EOS is in a row's mask only where its grammar accepts.
 
 What a mask costs depends on the grammar's state, not only on the row count: llguidance skips
 whole slices of the vocabulary where the lexer allows any string character, but a string with a
-`maxLength` near its end (or any lexeme the slices do not cover) walks the token trie, ~1-20 ms
-a row on the CPU (bench `docs/bench/mask_cost.py`).
+`maxLength` (or any lexeme the slices do not cover) walks the token trie: on random walks
+through `bench serve`'s schema, 0.21 ms a row on average and 0.86 ms at the 99th percentile on
+the 2-core CPU machine (`python -m benchmarks.grammar_libs --walk 128`; `docs/bench/mask_cost.py`
+by schema).
 """
 
 from __future__ import annotations
@@ -128,10 +132,10 @@ class GrammarTable:
                 bits[j] = 0
                 continue
             pairs.append((entry[0], j, entry[3]))
-        # The library's own calls, not its `llguidance.torch` helpers: importing those compiles a
-        # function with torch.compile, seconds of a worker's first constrained step.
-        # The rows in order of their template's family: each thread then takes a run of rows that
-        # share a lock (hub/grammars.py), rather than all threads waiting on each lock in turn.
+        # The library's own calls, not its `llguidance.torch` helpers (importing those compiles a
+        # function with torch.compile: seconds of a worker's first constrained step); the rows in
+        # order of their template's family, so that each thread takes a run of rows sharing a
+        # lock (hub/grammars.py) rather than every thread waiting on each lock in turn.
         row_bytes = bits.shape[1] * 4
         if len(pairs) > 1:
             if self.executor is None:
