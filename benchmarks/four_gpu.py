@@ -157,7 +157,7 @@ def migration(s: Setup, budget: Budget, out: Path, results: dict) -> dict:
         model, res = s.models[key], {"workloads": {}}
         results[key] = res
         rates: dict[str, float] = {}
-        for policy in POLICIES:
+        for policy in a.policies.split(","):
             if not budget.allows(f"migration {key} policy {policy}", 60 + 2 * (point_s + 30) * len(loads)):
                 continue
             flags = [*s.serve_flags, *s.model_flags(key, migration=True), "--migration-policy", policy]
@@ -335,6 +335,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="tokenizer directory for the shapes (default $TOKENIZER; else SmolLM2's, fetched)")
     p.add_argument("--models", default="m", help="migration: m and/or l8")
     p.add_argument("--workloads", default="sharegpt,burst", help="migration: sharegpt and/or burst")
+    p.add_argument("--policies", default=",".join(POLICIES), help="migration: router policies, run in this order")
     p.add_argument("--loads", default="0.8", help="migration: shares of the saturating rate, e.g. 0.5,0.8,1")
     p.add_argument("--point-s", type=float, default=30.0, help="migration: seconds of arrivals a point")
     p.add_argument("--max-requests", type=int, default=6000, help="requests a point at most")
@@ -353,6 +354,8 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     a.parts = [x.strip() for x in a.parts.split(",") if x.strip()]
     a.models = [x.strip() for x in a.models.split(",") if x.strip()]
+    if bad := [x for x in a.policies.split(",") if x not in POLICIES]:
+        p.error(f"unknown policy(ies) {', '.join(bad)}; policies: {', '.join(POLICIES)}")
     if bad := [x for x in a.parts if x not in PARTS]:
         p.error(f"unknown part(s) {', '.join(bad)}; parts: {', '.join(PARTS)}")
     out = Path(a.out)

@@ -31,6 +31,10 @@ def build_dummy_model(path: str | os.PathLike, device: str, torch_dtype, *, trus
                                                  attn_implementation=attention(config),
                                                  trust_remote_code=trust_remote_code)
     fill_dummy(model, seed)
+    with torch.no_grad():   # the rotary frequencies as materialize and a checkpoint's load make them
+        for sub in model.modules():   # (computed on the CPU, then copied), not on `device`
+            if hasattr(sub, "inv_freq"):
+                model._init_weights(sub)
     return model.eval()
 
 
