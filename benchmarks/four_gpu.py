@@ -156,7 +156,7 @@ def migration(s: Setup, budget: Budget, out: Path, results: dict) -> dict:
     for key in keys:
         model, res = s.models[key], {"workloads": {}}
         results[key] = res
-        rates: dict[str, float] = {}
+        rates: dict[str, float] = dict(a.saturation_rps)   # given: that workload's all-at-once run is not made
         for policy in a.policies.split(","):
             if not budget.allows(f"migration {key} policy {policy}", 60 + 2 * (point_s + 30) * len(loads)):
                 continue
@@ -339,6 +339,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--loads", default="0.8", help="migration: shares of the saturating rate, e.g. 0.5,0.8,1")
     p.add_argument("--point-s", type=float, default=30.0, help="migration: seconds of arrivals a point")
     p.add_argument("--max-requests", type=int, default=6000, help="requests a point at most")
+    p.add_argument("--saturation-rps", default="", help="migration: WORKLOAD=REQ_PER_S,... saturating rates "
+                   "measured before (e.g. sharegpt=20.5), for which no all-at-once run is made")
     p.add_argument("--saturation-requests", type=int, default=3000, help="requests of the all-at-once runs")
     p.add_argument("--kv-tokens-m", type=int, default=-1,
                    help="migration: KV pool of each M worker in tokens (-1, the default: half a burst's KV, "
@@ -354,6 +356,10 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     a.parts = [x.strip() for x in a.parts.split(",") if x.strip()]
     a.models = [x.strip() for x in a.models.split(",") if x.strip()]
+    try:
+        a.saturation_rps = {k.strip(): float(v) for k, v in (x.split("=") for x in a.saturation_rps.split(",") if x)}
+    except ValueError:
+        p.error(f"--saturation-rps takes WORKLOAD=REQ_PER_S,...: {a.saturation_rps!r}")
     if bad := [x for x in a.policies.split(",") if x not in POLICIES]:
         p.error(f"unknown policy(ies) {', '.join(bad)}; policies: {', '.join(POLICIES)}")
     if bad := [x for x in a.parts if x not in PARTS]:
