@@ -162,6 +162,49 @@ def test_a_transferred_row_costs_one_token_of_budget():
     assert len({t[3] for t in g.shipments}) == 2  # transfer ids are unique
 
 
+def test_choose_mechanism_counts_what_each_end_already_has_to_do():
+    """1,000 tokens: 19 ms over a free 10 Gbit/s link against 22 ms of prefill, so transfer;
+    behind 5 ms of shipments already on the link, recompute; behind 5 ms of recomputes on
+    the taker as well, transfer again."""
+    args = (1000, LLAMA_KV, LLAMA_PARAMS, 10.0, 100.0)
+    assert choose_mechanism(*args) == "transfer"
+    assert choose_mechanism(*args, link_wait_s=5e-3) == "recompute"
+    assert choose_mechanism(*args, link_wait_s=5e-3, prefill_wait_s=5e-3) == "transfer"
+
+
+def test_a_drain_of_many_sequences_splits_them_between_the_link_and_recompute():
+    """Twenty sequences of 1,000 tokens leave a draining worker at once. Each alone would go
+    by transfer (19 ms against 22), but the owner's one link ships them in turn: all twenty
+    by transfer would keep the last waiting 380 ms. The router counts what it has put on the
+    link and on the taker's prefill, so about half go each way and both are done near the
+    same time, in about half of that. Once the link's work is done, a move ships again."""
+    s = make_sched(link_gbps=10.0, prefill_tflops=100.0)
+    for name in ("w0", "w1"):
+        join(s, name, max_seqs=32, max_tokens=1 << 16, kv_endpoint=f"tcp://{name}:5601", gpu_uuid=f"GPU-{name}",
+             kv_bytes_per_token=LLAMA_KV, num_params=LLAMA_PARAMS)
+    give(s, "w0", list(range(1, 21)), prompt_len=1000)
+    s.drain("w0")
+    g = ask(s, "w1", now=10.0, max_seqs=64)
+    assert sorted(row_ids(g)) == list(range(1, 21))
+    shipped = {t[1] for t in g.shipments}
+    assert 8 <= len(shipped) <= 12, len(shipped)
+    assert all((r.spec.kv_from != "") == (r.seq_id in shipped) for r in g.rows)
+    w0, w1 = s.workers["w0"], s.workers["w1"]
+    link_s, prefill_s = w0.link_free_at - 10.0, w1.recompute_free_at - 10.0
+    assert 0.15 < link_s < 0.25 and 0.15 < prefill_s < 0.25, (link_s, prefill_s)
+    assert abs(link_s - prefill_s) <= 0.022
+    assert migrations(s) == {"migrations_drain": 20, "migrations_by_transfer": len(shipped),
+                             "migrations_by_recompute": 20 - len(shipped)}
+    check_invariants(s)
+    # later, the link idle again: a sequence moved alone goes by transfer
+    report(s, g, now=10.5)
+    s.drain("w1")
+    join(s, "w2", now=11.0, kv_endpoint="tcp://w2:5601", gpu_uuid="GPU-w2",
+         kv_bytes_per_token=LLAMA_KV, num_params=LLAMA_PARAMS)
+    g2 = ask(s, "w2", now=11.0, max_seqs=1)
+    assert len(g2.rows) == 1 and len(g2.shipments) == 1
+
+
 def test_forced_recompute_and_missing_endpoints_never_transfer():
     s = transfer_fleet(migration="recompute")
     give(s, "w0", [1], prompt_len=400)

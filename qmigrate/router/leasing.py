@@ -26,7 +26,8 @@ from collections import Counter, deque
 from qmigrate.config import RouterConfig
 from qmigrate.router.migration import MovePolicy
 from qmigrate.router.prefix_index import LeasePrefill, PrefixIndex, place_new, seq_keys
-from qmigrate.router.records import Grant, LeaseRecord, Queue, Row, Seq, WorkerState, choose_mechanism
+from qmigrate.router.records import (Grant, LeaseRecord, Queue, Row, Seq, WorkerState, choose_mechanism,
+                                     recompute_seconds, transfer_seconds)
 from qmigrate.wire.protocol import CONTINUE
 
 
@@ -116,7 +117,7 @@ class Lessor:
             if not is_diff and not w.may_prefill:
                 break  # short of memory: only sequences whose KV it holds
             is_new = seq.owner is None
-            mechanism = None if cause is None else self.moves.mechanism(seq, w)
+            mechanism = None if cause is None else self.moves.mechanism(seq, w, now)
             kv_cost = 0 if is_diff else len(seq.token_ids) + w.block_size
             is_prompt = not is_diff and mechanism != "transfer"   # w computes its KV from its ids
             cost, shared = (len(seq.token_ids) if is_prompt else 1), 0
@@ -250,21 +251,32 @@ class Lessor:
             if mechanism == "transfer":
                 transfer_id = self.new_transfer_id()
                 kv_from = owner.kv_endpoint
+                start = self._cached_start(seq, w)
                 shipments.append((owner.name, seq.seq_id, w.kv_endpoint, transfer_id,
-                                  len(seq.token_ids) - 1, self._cached_start(seq, w), []))
-            elif owner.alive:
-                owner.pending_drops.append(seq.seq_id)
-        elif seq.owner is None and (pull := self._pull(seq, w)) is not None:
+                                  len(seq.token_ids) - 1, start, []))
+                self._ship(owner, len(seq.token_ids) - 1 - start, now)
+            else:
+                w.recompute_free_at = max(now, w.recompute_free_at) + recompute_seconds(
+                    len(seq.token_ids), owner.num_params, self.config.prefill_tflops)
+                if owner.alive:
+                    owner.pending_drops.append(seq.seq_id)
+        elif seq.owner is None and (pull := self._pull(seq, w, now)) is not None:
             holder, num_tokens, start, keys = pull
             transfer_id, kv_from = self.new_transfer_id(), holder.kv_endpoint
             shipments.append((holder.name, seq.seq_id, w.kv_endpoint, transfer_id, num_tokens, start, keys))
+            self._ship(holder, num_tokens - start, now)
             self.counters["prefix_pulls"] += 1
         seq.owner = None
         spec = seq.respec(kv_from, transfer_id)
         seq.resync = False
         return Row(seq.seq_id, len(seq.token_ids), seq.token_ids[-1], spec)
 
-    def _pull(self, seq: Seq, w: WorkerState):
+    def _ship(self, sender: WorkerState, num_tokens: int, now: float) -> None:
+        """sender was told to ship num_tokens of KV: its link is busy that much longer."""
+        sender.link_free_at = max(now, sender.link_free_at) + transfer_seconds(
+            num_tokens, sender.kv_bytes_per_token, self.config.link_gbps)
+
+    def _pull(self, seq: Seq, w: WorkerState, now: float):
         """(holder, num_tokens, start, keys) when w should pull seq's prefix from the worker
         that holds the most of it beyond what w holds: the blocks [start, num_tokens) of keys
         `keys`, when shipping them costs less than prefilling them (prefix_pull); else None."""
@@ -283,8 +295,9 @@ class Lessor:
         if holder is None:
             return None
         gain = (most - mine) * w.block_size
-        if cfg.prefix_pull == "auto" and choose_mechanism(gain, holder.kv_bytes_per_token, holder.num_params,
-                                                          cfg.link_gbps, cfg.prefill_tflops) != "transfer":
+        if cfg.prefix_pull == "auto" and choose_mechanism(
+                gain, holder.kv_bytes_per_token, holder.num_params, cfg.link_gbps, cfg.prefill_tflops,
+                link_wait_s=max(0.0, holder.link_free_at - now)) != "transfer":
             return None
         return holder, most * w.block_size, mine * w.block_size, keys[mine:most]
 

@@ -166,14 +166,20 @@ class MovePolicy:
             return "kv" if self.is_kv_short(owner) else "load"
         return None
 
-    def mechanism(self, seq: Seq, dest: WorkerState) -> str:
+    def mechanism(self, seq: Seq, dest: WorkerState, now: float) -> str:
+        """How seq travels from its owner to dest: by recompute where either end has no KV
+        link; else as the migration setting says, and under "auto" whichever ends sooner,
+        counting what the owner's link is already shipping and what dest already recomputes
+        (the moves given to each and not yet done, as the router estimates them)."""
         owner = self.workers[seq.owner]
         if not owner.alive or not owner.kv_endpoint or not dest.kv_endpoint:
             return "recompute"
         if self.config.migration != "auto":
             return self.config.migration
         return choose_mechanism(len(seq.token_ids) - 1, owner.kv_bytes_per_token, owner.num_params,
-                                self.config.link_gbps, self.config.prefill_tflops)
+                                self.config.link_gbps, self.config.prefill_tflops,
+                                link_wait_s=max(0.0, owner.link_free_at - now),
+                                prefill_wait_s=max(0.0, dest.recompute_free_at - now))
 
     @staticmethod
     def kv_room(w: WorkerState, held: list[Seq]) -> float:

@@ -83,6 +83,8 @@ class WorkerState:
     pending_drops: list[int] = field(default_factory=list)
     lease_ids: dict[int, None] = field(default_factory=dict)  # its open leases, oldest first
     moving_since: float | None = None  # when its sequences were told to leave (drain, memory, death)
+    link_free_at: float = 0.0     # when the KV shipments it was told to start should have left its link
+    recompute_free_at: float = 0.0  # when the moved sequences it was given to recompute should be prefilled
 
     @property
     def capacity(self) -> int:
@@ -133,20 +135,35 @@ class Outcome:
     finished: list[tuple[int, Finish]] = field(default_factory=list)
 
 
-def choose_mechanism(num_tokens: int, kv_bytes_per_token: int, num_params: int,
-                     link_gbps: float, prefill_tflops: float) -> str:
-    """KV transfer when shipping the cache beats recomputing it.
+def transfer_seconds(num_tokens: int, kv_bytes_per_token: int, link_gbps: float) -> float:
+    """How long shipping num_tokens of KV takes a link alone: a fixed 1 ms to set it up, then
+    the bytes at link_gbps."""
+    return 1e-3 + num_tokens * kv_bytes_per_token * 8 / (link_gbps * 1e9)
 
-    transfer ≈ num_tokens · kv_bytes_per_token / link bandwidth
-    recompute ≈ num_tokens · 2 · num_params / prefill FLOP rate
-    Both grow linearly in length, so the choice is really between bytes per token over
-    the link and FLOPs per token on the GPU; a fixed 1 ms setup cost for a transfer tips
-    short sequences towards recompute.
+
+def recompute_seconds(num_tokens: int, num_params: int, prefill_tflops: float) -> float:
+    """How long prefilling num_tokens again takes a GPU alone: 2 FLOPs a parameter a token."""
+    return num_tokens * 2 * num_params / (prefill_tflops * 1e12)
+
+
+def choose_mechanism(num_tokens: int, kv_bytes_per_token: int, num_params: int,
+                     link_gbps: float, prefill_tflops: float, *, link_wait_s: float = 0.0,
+                     prefill_wait_s: float = 0.0) -> str:
+    """KV transfer when shipping the cache ends sooner than recomputing it.
+
+    transfer ≈ link_wait_s + num_tokens · kv_bytes_per_token / link bandwidth
+    recompute ≈ prefill_wait_s + num_tokens · 2 · num_params / prefill FLOP rate
+    Alone, both grow linearly in length, so the choice is between bytes per token over the
+    link and FLOPs per token on the GPU; a fixed 1 ms setup cost for a transfer tips short
+    sequences towards recompute. The waits are the work already given to the link (the
+    shipments it has started) and to the taker's prefill (the moves it recomputes), so a
+    drain that moves many sequences at once splits them between the two instead of queuing
+    them all on one link.
     """
     if num_tokens <= 0 or kv_bytes_per_token <= 0 or num_params <= 0:
         return "recompute"
-    transfer_s = 1e-3 + num_tokens * kv_bytes_per_token * 8 / (link_gbps * 1e9)
-    recompute_s = num_tokens * 2 * num_params / (prefill_tflops * 1e12)
+    transfer_s = link_wait_s + transfer_seconds(num_tokens, kv_bytes_per_token, link_gbps)
+    recompute_s = prefill_wait_s + recompute_seconds(num_tokens, num_params, prefill_tflops)
     return "transfer" if transfer_s < recompute_s else "recompute"
 
 
