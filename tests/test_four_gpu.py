@@ -119,3 +119,16 @@ def test_the_drain_part_end_to_end_on_the_cpu(tmp_path):
     assert result["run"]["migrations"].get("drain", 0) > 0 or result["streams_in_flight"] == 0
     assert "drained" in result["router_said"].lower() or "drain" in result["router_said"].lower()
     assert result["max_pause_s"] is not None and "drain w2 of 2" in stdout
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["migration", "--policies", "affinity,nowhere"], "unknown policy(ies) nowhere"),
+    (["migration", "--saturation-rps", "sharegpt"], "--saturation-rps takes WORKLOAD=REQ_PER_S"),
+    (["migration", "--saturation-rps", "sharegpt=fast"], "--saturation-rps takes WORKLOAD=REQ_PER_S"),
+])
+def test_a_bad_policy_or_saturating_rate_is_refused_before_anything_starts(argv, says, tmp_path, capsys):
+    from benchmarks import four_gpu
+    with pytest.raises(SystemExit) as stop:
+        four_gpu.main([*argv, "--out", str(tmp_path / "out"), "--work", str(tmp_path / "work")])
+    assert stop.value.code == 2 and says in capsys.readouterr().err
+    assert not (tmp_path / "work").exists()
