@@ -21,7 +21,7 @@ GPUs with tensor parallelism, and linear scaling. Parts, any of them comma-separ
              against the floor of one GPU's shard; ShareGPT; the same ShareGPT on two TP=2
              workers (part tp70b-tp2, separate: it needs a second start of the model).
   scaling    `qmigrate bench --paths pipeline` with N workers and N x 256 requests against one
-             with 256, N = 2 and 4; `qmigrate serve` on four GPUs against one: mixed N x 256
+             with 256, N = 2 and 4; `qmigrate serve` on four GPUs against one: mixed N x 1,024
              tok/s, and the shared-prefix workload's prefix hit rate.
 
 Every step checks the wall-time budget (--budget-s) and is skipped, and said so, when it would
@@ -294,13 +294,16 @@ def scaling(s: Setup, budget: Budget, out: Path) -> dict:
         if one and n != 1:
             r["over_n_times_one"] = r["tok_per_s"] / (n * one["tok_per_s"])
     key = "tiny" if s.tiny else "m"
+    # serve: 1,024 requests a worker, so that a run lasts seconds, not its first prefills (256 a
+    # worker ran 1.4 s on one H200, and measured the start of a burst)
+    serve_per = per if s.tiny else 1024
     fleets = [("all", None, 2 if s.tiny else 4), ("one", "0", 1)]
     for name, gpus, workers in fleets:
         if not budget.allows(f"scaling serve {name}", 120):
             continue
         flags = [*s.model_flags(key)] + (["--cpu-workers", str(workers)] if s.tiny else [])
         with Server(s.models[key], out / f"serve-scaling-{name}.log", flags, gpus=gpus) as srv:
-            mixed = ["--dataset", "random", "--requests", str(per * workers)] + (
+            mixed = ["--dataset", "random", "--requests", str(serve_per * workers)] + (
                 ["--prompt-len", "8:16", "--output-len", "8:16", "--vocab", "10:1000"] if s.tiny else [])
             r_mixed = bench_serve(srv.url, [*mixed, *s.client, "--request-rate", "inf"], out, f"serve-{name}-mixed",
                                   metrics_url=srv.metrics_url)["runs"][0]
@@ -309,7 +312,7 @@ def scaling(s: Setup, budget: Budget, out: Path) -> dict:
                  "--answer-len", "8", "--vocab", "10:1000"] if s.tiny else [])
             r_shared = bench_serve(srv.url, [*shared, *s.client, "--request-rate", "inf"], out,
                                    f"serve-{name}-shared-prefix", metrics_url=srv.metrics_url)["runs"][0]
-            res["serve"][name] = {"workers": workers, "mixed_requests": per * workers,
+            res["serve"][name] = {"workers": workers, "mixed_requests": serve_per * workers,
                                   "mixed_tok_per_s": r_mixed["output_tok_per_s"],
                                   "shared_prefix_hit_rate_usage": r_shared.get("prefix_hit_rate"),
                                   "shared_prefix_hit_rate_router": (r_shared.get("server") or {}).get("prefix_hit_rate"),
