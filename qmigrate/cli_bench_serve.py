@@ -137,9 +137,10 @@ def bench_serve(
 ):
     """Send a dataset to an OpenAI-compatible server over streamed HTTP and print output tok/s,
     requests/s, TTFT, TPOT, ITL and end-to-end latency at p50/p90/p99 (and goodput under SLOs),
-    one line per request rate, in two tables of 80 columns. A rate the server completed under
-    90% of warns that it did not keep up. The default workload (256 requests of up to 512
-    output tokens) takes minutes on CPU workers."""
+    one line per request rate, in two tables of 80 columns. A rate at which TTFT grew over the
+    run (the last quarter of its calls against the first) warns that the server did not keep
+    up; one it completed under 90% of, with TTFT held, that its tail made the shortfall. The
+    default workload (256 requests of up to 512 output tokens) takes minutes on CPU workers."""
     from qmigrate.bench import serve_data as D
     from qmigrate.bench.core import Workload
     from qmigrate.bench.serve import SESSIONS_AS, parse_rates, run_serve

@@ -505,6 +505,33 @@ def test_the_table_fits_80_columns_and_a_rate_not_kept_up_with_is_named():
     assert len(keep_up_warnings([("1", fast)], calls_per_request=5.0)) == 1
 
 
+def test_a_growing_queue_is_told_from_a_long_tail_by_ttft_over_the_run():
+    """Completions short of the offered rate mean a growing queue only when TTFT grows over
+    the run: 40 calls sent over 10 s (4/s) whose TTFT holds at 20 ms while one output lasts
+    until 40 s complete 1/s, which is the run's tail; the same calls with TTFT rising from
+    20 ms to 2 s did not keep up, even where the completions kept the rate."""
+    from qmigrate.bench.serve_stats import CallRecord, keep_up_warnings, summarize
+    starts = [i * 0.25 for i in range(40)]
+
+    def run(ttft, end_of_last):
+        recs = [CallRecord(t, [t + ttft(i), t + ttft(i) + 0.5], 2, 2) for i, t in enumerate(starts)]
+        recs[-1].chunks[-1] = end_of_last
+        return summarize(recs, 0.0, end_of_last)
+
+    tail = run(lambda i: 0.02, 40.0)
+    assert tail["ttft_p50_ms_by_quarter"] == pytest.approx([20.0] * 4)
+    (said,) = keep_up_warnings([("4", tail)])
+    assert "completed 1.00 requests/s of the 4 offered" in said and "the shortfall is the run's tail" in said
+    queue = run(lambda i: 0.02 + 0.05 * i, 40.0)
+    q = queue["ttft_p50_ms_by_quarter"]
+    assert q[0] < q[1] < q[2] < q[3] and q[3] > 5 * q[0]
+    (said,) = keep_up_warnings([("4", queue)])
+    assert "did not keep up" in said and "include its queue" in said
+    kept = run(lambda i: 0.02 + 0.05 * i, 12.0)   # the completions keep the rate; TTFT still grew
+    assert kept["requests_per_s"] > 0.9 * 4 * 0.8 and "did not keep up" in keep_up_warnings([("3", kept)])[0]
+    assert keep_up_warnings([("3", run(lambda i: 0.02, 12.0))]) == []
+
+
 def test_logprobs_option_asks_every_call_for_them(fake_server):
     """--logprobs N: completions send logprobs=N, chat turns logprobs and top_logprobs=N (from
     the client processes too); without it no call asks."""

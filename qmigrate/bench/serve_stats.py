@@ -100,6 +100,7 @@ def summarize(records: list[CallRecord], t0: float, end: float, slos: dict[str, 
         "tpot_ms": _dist([t for r in done if (t := r.tpot) is not None]),
         "itl_ms": _dist([g for r in done for g in r.itls()]),
         "e2e_ms": _dist([r.e2e for r in done]),
+        "ttft_p50_ms_by_quarter": ttft_by_quarter(done),
     }
     structured = [r for r in done if r.structured]
     if structured and len(structured) < len(done):   # a mix: each kind's latencies apart
@@ -142,23 +143,51 @@ def format_rows(runs: list[tuple[str, dict]]) -> str:
     return "\n".join(lines + [""] + latencies)
 
 
-# A run whose server completed fewer requests a second than this share of the offered rate
-# did not keep up: its latencies measure the server's queue more than its speed.
+def ttft_by_quarter(done: list[CallRecord]) -> list[float | None]:
+    """TTFT p50 (ms) of the calls sent in each quarter of the run's sending window: a server
+    that keeps up holds it, one whose queue grows raises it quarter by quarter."""
+    if not done:
+        return [None] * 4
+    first, last = min(r.start for r in done), max(r.start for r in done)
+    span = max(last - first, 1e-9)
+    quarters: list[list[float]] = [[], [], [], []]
+    for r in done:
+        quarters[min(3, int(4 * (r.start - first) / span))].append(r.ttft)
+    return [float(np.percentile(q, 50)) * 1000 if q else None for q in quarters]
+
+
+# A run whose server completed fewer requests a second than this share of the offered rate,
+# or whose TTFT p50 grew this many times from the first quarter of its sends to the last (and
+# by more than QUEUE_GROWTH_MS), did not keep up: its latencies measure the server's queue
+# more than its speed. A shortfall in completions alone, with TTFT held, is the run's tail:
+# a run ends with its longest request.
 KEEP_UP_SHARE = 0.9
+QUEUE_GROWTH = 2.0
+QUEUE_GROWTH_MS = 50.0
 
 
 def keep_up_warnings(runs: list[tuple[str, dict]], calls_per_request: float = 1.0) -> list[str]:
-    """A line for each run at a finite rate that the server did not keep up with.
+    """A line for each run at a finite rate that the server did not keep up with, or whose
+    completions fell short of the rate only because of its tail.
     `calls_per_request`: a session of several turns is one request of the rate."""
     out = []
     for rate, s in runs:
         if rate == "inf":
             continue
         offered, achieved = float(rate), s["requests_per_s"] / calls_per_request
-        if achieved < KEEP_UP_SHARE * offered:
-            out.append(f"rate {rate}: the server completed {achieved:.2f} requests/s of the {offered:g} offered "
-                       f"({achieved / offered:.0%}): it did not keep up, and this rate's latencies include "
+        q = s.get("ttft_p50_ms_by_quarter") or [None] * 4
+        grew = q[0] is not None and q[-1] is not None and q[-1] > QUEUE_GROWTH * q[0] \
+            and q[-1] - q[0] > QUEUE_GROWTH_MS
+        trend = "" if q[0] is None or q[-1] is None else \
+            f"TTFT p50 {q[0]:.0f} ms for the first quarter of its calls, {q[-1]:.0f} ms for the last"
+        short = f"the server completed {achieved:.2f} requests/s of the {offered:g} offered ({achieved / offered:.0%})"
+        if grew:
+            out.append(f"rate {rate}: it did not keep up ({short}; {trend}): this rate's latencies include "
                        f"its queue")
+        elif achieved < KEEP_UP_SHARE * offered:
+            out.append(f"rate {rate}: {short}, " + (
+                f"but held {trend}: the shortfall is the run's tail (it ends with its longest request), "
+                f"not a queue" if trend else "and its latencies may include its queue"))
     return out
 
 
