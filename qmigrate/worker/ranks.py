@@ -1,8 +1,10 @@
 """The ranks of a tensor-parallel worker (`tensor_parallel_size: N` in its topology section).
 
-Rank 0 is the worker process the router knows. It spawns ranks 1..N-1 as child processes
-(`python -m qmigrate.worker.ranks`), which join it through torch.distributed with a file://
-rendezvous in a private temporary directory. Rank 0 alone loads the checkpoint, on the CPU;
+Rank 0 is the worker process the router knows. It starts ranks 1..N-1 as child processes,
+which join it through torch.distributed with a file:// rendezvous in a private temporary
+directory: on a GPU each is spawned (`python -m qmigrate.worker.ranks`: a CUDA context does
+not survive a fork); on the CPU each is forked from rank 0 before it loads anything, its
+imports (torch, transformers) already done. Rank 0 alone loads the checkpoint, on the CPU;
 the followers build the model from its config without weights, and rank 0 sends each its
 shard (engine/parallel/scatter.py). With load_format dummy no rank loads anything: each builds
 the model without weights and makes its own shard on its device (engine/parallel/
@@ -98,9 +100,12 @@ class Ranks:
             init = f"file://{self.dir}/rendezvous"
             parent = os.getpid()
             for rank in range(1, self.world):
-                self.procs.append(subprocess.Popen(
-                    [sys.executable, "-m", "qmigrate.worker.ranks", str(topo_path), name, model_path, str(rank),
-                     init], preexec_fn=lambda: die_with(parent)))
+                args = (str(topo_path), name, model_path, rank, init)
+                if cfg.device.startswith("cuda"):
+                    self.procs.append(subprocess.Popen([sys.executable, "-m", "qmigrate.worker.ranks", *map(str, args)],
+                                                       preexec_fn=lambda: die_with(parent)))
+                else:
+                    self.procs.append(ForkedRank(args, parent))
             self.watcher = threading.Thread(target=self._watch, name="tp-ranks", daemon=True)
             self.watcher.start()
             self.tp = TensorParallel.init(0, self.world, init, rank_device(cfg.device, 0))
@@ -164,6 +169,39 @@ class Ranks:
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
+class ForkedRank:
+    """A CPU follower forked from rank 0 (`follow` in the child), with what Ranks uses of
+    subprocess.Popen: its exit code as Popen gives it, minus the signal that killed it."""
+
+    def __init__(self, args: tuple, parent: int):
+        import multiprocessing
+        self.proc = multiprocessing.get_context("fork").Process(
+            target=_forked_follow, args=(parent, *args), name=f"rank {args[3]} of {args[1]}", daemon=True)
+        self.proc.start()
+        self.pid = self.proc.pid
+
+    def poll(self) -> int | None:
+        return self.proc.exitcode
+
+    def wait(self, timeout: float | None = None) -> int:
+        self.proc.join(timeout)
+        if self.proc.exitcode is None:
+            raise subprocess.TimeoutExpired(f"rank {self.proc.name}", timeout)
+        return self.proc.exitcode
+
+    def kill(self) -> None:
+        if self.proc.exitcode is None:
+            self.proc.kill()
+
+
+def _forked_follow(parent: int, *args) -> None:
+    die_with(parent)
+    code = follow(*args)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    sys.exit(code)
+
+
 def follow(topo_path: str, name: str, model_path: str, rank: int, init_method: str) -> int:
     """A follower rank's whole life: join, build the same engine as rank 0, follow it."""
     from qmigrate.engine.parallel import lockstep
@@ -171,7 +209,8 @@ def follow(topo_path: str, name: str, model_path: str, rank: int, init_method: s
     set_title("rank", f"{rank} of {name}")
     topo = load_topology(topo_path)
     cfg = topo.worker(name)
-    logging.basicConfig(level=logging.WARNING, format=f"%(asctime)s worker {name} rank {rank}: %(message)s")
+    logging.basicConfig(level=logging.WARNING, format=f"%(asctime)s worker {name} rank {rank}: %(message)s",
+                        force=True)   # a forked rank's own, not rank 0's
     share_cpu_threads(topo, cfg)
     tp = TensorParallel.init(rank, cfg.tensor_parallel_size, init_method, rank_device(cfg.device, rank))
     engine = build_engine(topo, name, model_path, tp)
