@@ -197,8 +197,7 @@ def test_the_physical_limit_counts_bytes_and_flops_of_the_steps():
 @pytest.mark.timeout(400)
 def test_transformers_continuous_batching_runs_the_same_workload(tmp_path, tiny_model_dir):
     """The installed peer beside the in-process engine: every request gets its own length
-    (EOS off), and the run reports both. (Slow: transformers' manager takes over a minute to
-    start on the CPU.)"""
+    (EOS off), and the run reports both."""
     from qmigrate.bench.core import run_bench
     items = [conv(i, ("human", text(5 + i, i)), ("gpt", text(4 + 2 * i, i))) for i in range(3)]
     work = S.ShareGPTWorkload(str(tiny_model_dir), 3, 0, str(write(tmp_path / "s.json", items)))

@@ -229,7 +229,7 @@ def run_bench(*, model_path: str, devices: list[str], dtype: str, workload: Work
                                          profile and attempt == 0, runner, worker_overrides, load_format))
     if "transformers-cb" in paths:
         from qmigrate.bench.peer import run_transformers_cb
-        results.append(run_transformers_cb(model_path, devices[0], dtype, requests, load_format))
+        results.append(run_transformers_cb(model_path, devices[0], dtype, requests, load_format, max_tokens))
     if "hf-static" in paths:
         results.append(run_hf_static(model_path, devices[0], dtype, requests, hf_batch, load_format))
     table = format_table(results)

@@ -13,9 +13,13 @@ RESULT_WAIT_S = 1.0
 STALL_S = 600.0   # no request finishing for this long: the peer's thread has died or hangs
 
 
-def run_transformers_cb(model_path: str, device: str, dtype: str, requests, load_format: str = "auto") -> PathResult:
+def run_transformers_cb(model_path: str, device: str, dtype: str, requests, load_format: str = "auto",
+                        max_tokens: int = 2048) -> PathResult:
     """(prompt ids, output length) per request, all submitted at time 0; TTFT is not seen
-    (the manager hands a request over when it ends), TPOT neither."""
+    (the manager hands a request over when it ends), TPOT neither. On the CPU the cache holds
+    the whole workload and a step up to `max_tokens` tokens (the engine's budget) or the
+    longest prompt: transformers sizes it from the host's free memory otherwise, and fills an
+    attention mask of that many tokens squared as it starts (a minute of CPU time)."""
     from transformers import GenerationConfig
     from qmigrate.hub.loading import load_model
     model, _ = load_model(model_path, device, dtype, load_format=load_format)
@@ -25,7 +29,8 @@ def run_transformers_cb(model_path: str, device: str, dtype: str, requests, load
                               use_cuda_graph=False)
     lengths = [n for _, n in requests]
     progress = Progress("transformers-cb", len(requests), len(requests))
-    manager = model.init_continuous_batching(generation_config=config)
+    manager = model.init_continuous_batching(generation_config=config,
+                                             **(_cpu_cache(requests, max_tokens) if device == "cpu" else {}))
     manager.start()
     try:
         _warm_up(manager, requests[0][0])
@@ -59,6 +64,25 @@ def run_transformers_cb(model_path: str, device: str, dtype: str, requests, load
     del model, manager
     free(device)
     return PathResult("transformers-cb", seconds, generated)
+
+
+def _cpu_cache(requests, max_tokens: int) -> dict:
+    """init_continuous_batching's cache settings for the workload ({}: transformers' own, where
+    this release has no ContinuousBatchingConfig to give them in)."""
+    import inspect
+    try:
+        from transformers.generation.configuration_utils import ContinuousBatchingConfig
+        from transformers.generation.continuous_batching.continuous_api import ContinuousMixin
+    except ImportError:
+        return {}
+    if "continuous_batching_config" not in inspect.signature(ContinuousMixin.init_continuous_batching).parameters:
+        return {}
+    page = getattr(ContinuousBatchingConfig(), "page_size", None) or ContinuousBatchingConfig().block_size
+    # every request's whole length at once; the warm-up (up to 20 tokens) runs alone before them
+    blocks = max(sum(-(-(len(ids) + n + 1) // page) for ids, n in requests), -(-21 // page))
+    longest = max(len(ids) for ids, _ in requests)
+    return {"continuous_batching_config": ContinuousBatchingConfig(num_blocks=blocks,
+                                                                   max_batch_tokens=max(max_tokens, longest + 1))}
 
 
 def _warm_up(manager, ids) -> None:
