@@ -376,9 +376,12 @@ def fleet(tmp_path, tiny_model_dir):
         path = tmp_path / f"fleet-{migration}.yaml"
         path.write_text(yaml.safe_dump(data))
         out, err = open(tmp_path / "head.out", "a+"), open(tmp_path / "head.err", "a+")
+        tmp = tmp_path / "node-tmp"   # the temp directory of the node's processes
+        tmp.mkdir(exist_ok=True)
         proc = subprocess.Popen([sys.executable, "-m", "qmigrate", "node", str(path), "--node", "head"],
-                                stdin=subprocess.DEVNULL, stdout=out, stderr=err, text=True, start_new_session=True)
-        proc.out, proc.err = out, err
+                                stdin=subprocess.DEVNULL, stdout=out, stderr=err, text=True, start_new_session=True,
+                                env={**os.environ, "TMPDIR": str(tmp)})
+        proc.out, proc.err, proc.tmp = out, err, tmp
         procs.append(proc)
         router = f"tcp://127.0.0.1:{ports[0]}"
         stats = lambda: _stats(router)  # noqa: E731
@@ -486,3 +489,11 @@ def test_a_rank_that_dies_takes_its_worker_down_and_nothing_is_lost(fleet, tiny_
     check_outputs(out, prompts, tiny_model_dir)
     proc.err.seek(0)
     assert "tensor-parallel rank 1 exited" in proc.err.read()
+    # w1 was started again, over two ranks: stopped with its node, it leaves neither a rank
+    # nor the ranks' directory behind
+    deadline = time.monotonic() + 60
+    while not list(proc.tmp.glob("qm-tp-w1-*")) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert list(proc.tmp.glob("qm-tp-w1-*")), "w1 was not started again over two ranks"
+    stop_group(proc)
+    assert not list(proc.tmp.glob("qm-tp-*"))

@@ -1,5 +1,5 @@
 """What every role process does around its loop: freeze the startup heap, exit with one line,
-and die with the process that started it."""
+die with the process that started it, and tidy up before SIGTERM ends it."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import gc
 import os
 import signal
 import sys
+import threading
 from typing import Callable
 
 PR_SET_PDEATHSIG = 1
@@ -60,3 +61,35 @@ def run_until_fatal(serve: Callable[[], None]) -> int:
             return 1
         raise
     return 0
+
+
+def before_sigterm(fn: Callable[[], None]) -> None:
+    """Run `fn` when SIGTERM comes (as a node stops its roles), then end as the signal would
+    have ended the process: its exit status still says SIGTERM. A role dies of the signal
+    without unwinding, so what must not outlive it (a trace's last stretch, a tensor-parallel
+    worker's follower ranks and their directory) is registered here. Called from the main
+    thread; elsewhere it does nothing (only the main thread may set a handler)."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    if not _at_sigterm:
+        signal.signal(signal.SIGTERM, _tidy_and_end)
+    _at_sigterm.append(fn)
+
+
+_at_sigterm: list[Callable[[], None]] = []
+
+
+def forget_sigterm() -> None:
+    """In a child forked from a process that registered clean-ups: none of them is its own."""
+    _at_sigterm.clear()
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
+def _tidy_and_end(signum, frame) -> None:
+    signal.signal(signum, signal.SIG_DFL)   # a second SIGTERM ends it at once
+    for fn in _at_sigterm:
+        try:
+            fn()
+        except Exception as exc:   # the rest still runs, and the process still ends
+            print(f"at SIGTERM: {type(exc).__name__}: {exc}", file=sys.stderr)
+    os.kill(os.getpid(), signum)

@@ -29,11 +29,11 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import statistics
-import threading
 import time
 from pathlib import Path
+
+from qmigrate.ops.process import before_sigterm
 
 GAP_S = 0.002  # a stretch with no step on the device longer than this is listed
 
@@ -73,25 +73,12 @@ def tracer(label: str, directory: str | None) -> Tracer | _Off:
     return Tracer(directory, label)
 
 
-_flushed_at_exit: list[Tracer] = []
-
-
 def flush_on_sigterm(trace: Tracer | _Off) -> None:
     """A role stopped with SIGTERM (as its node stops it) writes its last stretch first, then
     ends as the signal would have ended it. Only a traced process changes its handler; it is
     called from the role's main thread."""
-    if trace is OFF or threading.current_thread() is not threading.main_thread():
-        return
-    if not _flushed_at_exit:
-        signal.signal(signal.SIGTERM, _flush_and_end)
-    _flushed_at_exit.append(trace)
-
-
-def _flush_and_end(signum, frame) -> None:
-    for trace in _flushed_at_exit:
-        trace.flush()
-    signal.signal(signum, signal.SIG_DFL)
-    os.kill(os.getpid(), signum)
+    if trace is not OFF:
+        before_sigterm(trace.flush)
 
 
 # --- reading a trace back ---------------------------------------------------------------

@@ -33,7 +33,7 @@ from pathlib import Path
 from qmigrate.config import dump_topology, load_topology
 from qmigrate.engine.parallel.sharding import TensorParallel
 from qmigrate.hub.shape import ModelShape
-from qmigrate.ops.process import die_with
+from qmigrate.ops.process import before_sigterm, die_with, forget_sigterm
 from qmigrate.worker.threads import share_cpu_threads
 
 log = logging.getLogger("qmigrate.worker")
@@ -106,6 +106,7 @@ class Ranks:
                                                        preexec_fn=lambda: die_with(parent)))
                 else:
                     self.procs.append(ForkedRank(args, parent))
+            before_sigterm(self._kill_all)   # a worker stopped by its node: no follower or directory left
             self.watcher = threading.Thread(target=self._watch, name="tp-ranks", daemon=True)
             self.watcher.start()
             self.tp = TensorParallel.init(0, self.world, init, rank_device(cfg.device, 0))
@@ -195,6 +196,7 @@ class ForkedRank:
 
 
 def _forked_follow(parent: int, *args) -> None:
+    forget_sigterm()   # rank 0's clean-up is rank 0's
     die_with(parent)
     code = follow(*args)
     sys.stdout.flush()
