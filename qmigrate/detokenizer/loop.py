@@ -57,7 +57,7 @@ class Detokenizer:
         self.router = transport.socket(zmq.DEALER, connect=topo.endpoint("router").connect,
                                        identity=f"detokenizer-{os.getpid()}")
         self.replies = transport.socket(zmq.PUSH, connect=topo.endpoint("ingest_reply").connect, hwm=100_000)
-        self.outbox: list[tuple[int, str, int, int]] = []
+        self.outbox: list[tuple] = []   # Replies rows: the arguments of reply()
         self.journal = Journal(topo.detokenizer.journal) if topo.detokenizer.journal else None
         self.expected: int | None = None
         self.last_printed = 0.0
@@ -87,19 +87,21 @@ class Detokenizer:
             self.out(text)
 
     def reply(self, seq_id: int, text: str, finish: int, num_tokens: int, cached_tokens: int = -1,
-              logprobs=None, prompt=None) -> None:
+              logprobs=None, prompt=None, ids=None) -> None:
         if not self.replaying:
-            self.outbox.append((seq_id, text, finish, num_tokens, cached_tokens, logprobs, prompt))
+            self.outbox.append((seq_id, text, finish, num_tokens, cached_tokens, logprobs, prompt, ids))
 
     def send_replies(self) -> None:
         if not self.outbox:
             return
-        seq_ids, texts, finish, counts, cached, lps, prompts = zip(*self.outbox)
+        seq_ids, texts, finish, counts, cached, lps, prompts, ids = zip(*self.outbox)
         self.outbox = []
         self.trace("out", len(seq_ids))
         msg = P.Replies(P.pack_i64(seq_ids), P.pack_u8(finish), P.pack_i32(counts), list(texts), P.pack_i32(cached))
         if any(x is not None for x in lps) or any(x is not None for x in prompts):
             msg = P.replies_with_logprobs(msg, lps, prompts)
+        if any(x is not None for x in ids):
+            msg = P.replies_with_ids(msg, ids)
         if not transport.send(self.replies, msg, flags=zmq.NOBLOCK):
             # Ingest gone or far behind: its HTTP clients time out rather than this loop stall.
             log.warning("ingest is not taking replies; dropped %d", len(seq_ids))

@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from qmigrate.detokenizer.decoder import IncrementalDecoder
-from qmigrate.wire.protocol import Finish
+from qmigrate.wire.protocol import ROUTE_INGEST_IDS, Finish
 
 MAX_OUT_OF_ORDER = 1 << 16
 MAX_UNSTARTED = 256          # sequences with tokens but no start yet (normally none): the oldest go
@@ -41,14 +41,15 @@ class Recent:
         return len(self._items)
 
 
-Reply = Callable[[int, str, int, int], None]  # (seq_id, new text, finish code or 0, tokens so far)
+# (seq_id, new text, finish code or 0, tokens so far[, cached, logprobs, prompt logprobs, token ids])
+Reply = Callable[..., None]
 
 
 @dataclass(slots=True)
 class SinkSeq:
     req_id: str | None
     seq_id: int = -1
-    route: int = 0     # 0: this sink prints it; else its text goes to `reply`
+    route: int = 0     # 0: this sink prints it; else its text goes to `reply` (with its ids: ROUTE_INGEST_IDS)
     decoder: IncrementalDecoder | None = None
     token_ids: list[int] = field(default_factory=list)
     waiting: dict[int, int] = field(default_factory=dict)  # index -> id, after a gap
@@ -237,7 +238,8 @@ class Sink:
                 lps = [(t, seq.lp_waiting.pop(i, None)) for i, t in enumerate(ready, first)]
                 if not seq.route:
                     seq.logprobs += lps
-            self._emit(seq, seq.decoder.push(ready), advanced=True, logprobs=lps)
+            self._emit(seq, seq.decoder.push(ready), advanced=True, logprobs=lps,
+                       ids=ready if seq.route == ROUTE_INGEST_IDS else None)
         if seq.finish_reason is None:
             return
         if seq.num_tokens_expected is not None and len(seq.token_ids) < seq.num_tokens_expected:
@@ -256,18 +258,19 @@ class Sink:
         if self._reply is not None:  # for a printed request: "it ended", so its id is free again
             self._reply(seq_id, "", Finish.from_reason(seq.finish_reason), len(seq.token_ids), seq.cached_tokens)
 
-    def _emit(self, seq: SinkSeq, delta: str, advanced: bool = False, logprobs=None) -> None:
+    def _emit(self, seq: SinkSeq, delta: str, advanced: bool = False, logprobs=None, ids=None) -> None:
         """New text of seq. A request answered elsewhere hears of every step that `advanced`
         its tokens, text or none (a token may complete no character yet): a stream sends an
         event per step, as vLLM's does, so its client sees every token's time. `logprobs`:
-        the advanced tokens' (id, logprobs or None); a prompt's go with its first reply."""
+        the advanced tokens' (id, logprobs or None); a prompt's go with its first reply.
+        `ids`: the advanced tokens' ids, for a request that asked for them."""
         if seq.route:
             if delta or advanced:
-                if logprobs is None and seq.prompt_lps is None:
+                if logprobs is None and seq.prompt_lps is None and ids is None:
                     self._reply(seq.seq_id, delta, 0, len(seq.token_ids))
                 else:
                     prompt, seq.prompt_lps = seq.prompt_lps, None
-                    self._reply(seq.seq_id, delta, 0, len(seq.token_ids), -1, logprobs, prompt)
+                    self._reply(seq.seq_id, delta, 0, len(seq.token_ids), -1, logprobs, prompt, ids)
         elif delta:
             seq.text.append(delta)
             self._on_delta(seq, delta)

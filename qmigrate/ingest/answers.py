@@ -40,14 +40,14 @@ async def next_all(loop, updates: Updates, extra=None) -> tuple[str, int, int, i
     row = await next_row(loop, updates)
     rows, text = updates.rows, row[1]
     if extra is not None:
-        extra.push(*(row[5:7] if len(row) > 5 else (None, None)))
+        extra.push_row(row)
     if rows and not row[2]:
         parts = [text]
         while rows and not row[2] and rows[0] is not SHUTDOWN:  # a shutdown ends the stream next call
             row = rows.popleft()
             parts.append(row[1])
             if extra is not None:
-                extra.push(*(row[5:7] if len(row) > 5 else (None, None)))
+                extra.push_row(row)
         text = "".join(parts)
     return text, row[2], row[3], row[4] if len(row) > 4 else -1
 
@@ -109,8 +109,9 @@ async def stream(loop, request, req, rid: str, updates: Updates, token_text):
                     reason = "tool_calls" if calls and reason == "stop" else reason
             # An event for every step that made tokens, its text empty where they complete
             # no character yet (or may begin a stop string), as vLLM's streams have: a
-            # client times each token, not each character.
-            if out or (first and req.kind == "chat") or (num_tokens > shown and not code):
+            # client times each token, not each character. Ids asked for leave before the end.
+            if out or (first and req.kind == "chat") or (num_tokens > shown and not code) \
+                    or (extra is not None and extra.ids_due):
                 if not (first or req.continuous_usage) and extra is not None \
                         and (lps := extra.fresh_json()) is not None:
                     if lp_frame is None:
@@ -159,18 +160,18 @@ async def stream_choices(loop, request, req, rid: str, updates: Updates, live: d
     frames = [Frame(chunk(req, rid, created, MARK, index=i)) for i in range(len(choices.ends))]
     try:
         if req.kind == "chat":  # each choice opens with the assistant's role, as vLLM's do
-            await response.write(b"".join(sse(chunk(req, rid, created, "", first=True, index=i))
-                                          for i in range(len(frames))))
+            await response.write(b"".join(sse(_opening(req, rid, created, i, extras[i])) for i in range(len(frames))))
         while live:
             try:
                 texts, ended = choices.take(await next_rows(loop, updates))
             except ApiError as exc:  # timeout, shutdown, or a choice a worker could not run
                 await response.write(sse(exc.body()) + DONE)
                 return response
-            if req.continuous_usage or choices.extras:
+            if req.continuous_usage or choices.extras:   # (ids asked for leave before a choice's end)
                 out = [sse(chunk(req, rid, created, text, index=i, num_tokens=choices.num_tokens[i],
                                  extra=extras[i]))
-                       for i, text in texts.items() if text or i not in ended]
+                       for i, text in texts.items()
+                       if text or i not in ended or (req.return_token_ids and extras[i].ids_due)]
             else:
                 out = [frames[i](text) for i, text in texts.items() if text or i not in ended]
             out += [sse(chunk(req, rid, created, None, choices.ends[i][0], index=i,
@@ -183,3 +184,11 @@ async def stream_choices(loop, request, req, rid: str, updates: Updates, live: d
         return response
     except ConnectionResetError:  # the client went away mid-stream: its choices are cancelled
         return response
+
+
+def _opening(req, rid: str, created: int, index: int, extra) -> dict:
+    """A chat stream's first event of a choice: the assistant's role (and the prompt's ids)."""
+    out = chunk(req, rid, created, "", first=True, index=index)
+    if req.return_token_ids:
+        out["prompt_token_ids"] = extra.take_prompt_ids()
+    return out

@@ -26,7 +26,7 @@ import time
 import zmq
 
 from qmigrate.config import IngestConfig
-from qmigrate.ingest.handoff import FRONT_ID_BITS, HandoffOrder, front_base, reply_rows
+from qmigrate.ingest.handoff import FRONT_ID_BITS, HandoffOrder, front_base, http_route, reply_rows
 from qmigrate.ingest.http import WAKE_ENDPOINT, HttpServer
 from qmigrate.ingest.prompts import Defaults, seed_of, to_spec
 from qmigrate.ops.process import die_with, freeze_heap
@@ -74,7 +74,7 @@ class Bridge:
             cancels.append(server.cancels.get())
         if now := self.order.cancel(cancels):   # their Submit went before: the Cancel follows it
             transport.send(self.sock, P.Cancel(P.pack_i64(now)))
-        specs, req_ids, notes = [], [], []
+        specs, req_ids, notes, routes = [], [], [], []
         while True:
             try:
                 choices = server.submissions.get_nowait()
@@ -85,13 +85,14 @@ class Bridge:
                     specs.append(to_spec(prompt, seq_id, seed_of(prompt, self.rng), server.eos_ids))
                     req_ids.append(prompt.req_id)
                     notes.append(prompt.note)
+                    routes.append(http_route(prompt))
         while specs:
             n = P.submit_count(specs)
-            self.submit(specs[:n], req_ids[:n], notes[:n])
-            del specs[:n], req_ids[:n], notes[:n]
+            self.submit(specs[:n], req_ids[:n], notes[:n], routes[:n])
+            del specs[:n], req_ids[:n], notes[:n], routes[:n]
 
-    def submit(self, specs: list[P.SeqSpec], req_ids: list[str], notes: list[str]) -> None:
-        msg = P.Submit(specs, req_ids, [], -1, P.pack_u8([P.ROUTE_INGEST] * len(specs)), notes)
+    def submit(self, specs: list[P.SeqSpec], req_ids: list[str], notes: list[str], routes: list[int]) -> None:
+        msg = P.Submit(specs, req_ids, [], -1, P.pack_u8(routes), notes)
         if not transport.send(self.sock, msg):   # ingest is not reading: as good as refused
             self.server.admit([spec.seq_id for spec in specs], False)
 

@@ -20,6 +20,11 @@ FRONT_ID_BITS = FRONT_SHIFT  # a front's counter
 THREAD_ID_BITS = 39          # the in-thread server's counter
 
 
+def http_route(prompt) -> int:
+    """Where an HTTP request's text goes: back to ingest, with its token ids if it asked."""
+    return P.ROUTE_INGEST_IDS if prompt.return_token_ids else P.ROUTE_INGEST
+
+
 def front_base(id_base: int, index: int) -> int:
     """The high part of front `index`'s sequence ids (ingest's `id_base`: bits 40 and up)."""
     assert 0 <= index < MAX_FRONTS
@@ -33,15 +38,28 @@ def front_index(seq_ids: np.ndarray) -> np.ndarray:
 
 
 def reply_rows(msg: P.Replies) -> list[tuple]:
-    """(seq_id, text, finish code, tokens so far, prompt tokens found cached or -1) a row: what
-    HttpServer.deliver takes, in the ingest loop and in a front alike."""
+    """(seq_id, text, finish code, tokens so far, prompt tokens found cached or -1[, its tokens'
+    logprobs, its prompt's[, its token ids]]) a row: what HttpServer.deliver takes, in the
+    ingest loop and in a front alike."""
     ids = P.unpack_i64(msg.seq_ids).tolist()
     cached = P.unpack_i32(msg.cached_tokens).tolist() if msg.cached_tokens else [-1] * len(ids)
     rows = zip(ids, msg.texts, P.unpack_u8(msg.finish).tolist(), P.unpack_i32(msg.num_tokens).tolist(), cached)
-    if msg.lp_width < 0 and msg.prompt_width < 0:
+    if msg.lp_width < 0 and msg.prompt_width < 0 and not msg.id_counts:
         return list(rows)
     lps, prompts = logprobs_of(msg)
-    return [(*row, lp, prompt) for row, lp, prompt in zip(rows, lps, prompts)]
+    if not msg.id_counts:
+        return [(*row, lp, prompt) for row, lp, prompt in zip(rows, lps, prompts)]
+    return [(*row, lp, prompt, tokens) for row, lp, prompt, tokens in zip(rows, lps, prompts, token_ids_of(msg))]
+
+
+def token_ids_of(msg: P.Replies) -> list[list[int]]:
+    """Per row of a Replies: the token ids it carries (empty: none)."""
+    counts, ids = P.unpack_i32(msg.id_counts).tolist(), P.unpack_i32(msg.token_ids).tolist()
+    out, pos = [], 0
+    for count in counts:
+        out.append(ids[pos:pos + count])
+        pos += count
+    return out
 
 
 def logprobs_of(msg: P.Replies) -> tuple[list, list]:
@@ -78,7 +96,7 @@ def rows_of(msg: P.Replies, rows: np.ndarray) -> P.Replies:
     cached = P.pack_i32(P.unpack_i32(msg.cached_tokens)[rows]) if msg.cached_tokens else b""
     out = P.Replies(P.pack_i64(ids[rows]), P.pack_u8(finish[rows]),
                     P.pack_i32(P.unpack_i32(msg.num_tokens)[rows]), [msg.texts[i] for i in rows.tolist()], cached)
-    if msg.lp_width < 0 and msg.prompt_width < 0:
+    if msg.lp_width < 0 and msg.prompt_width < 0 and not msg.id_counts:
         return out
     keep = np.zeros(len(ids), dtype=bool)
     keep[rows] = True

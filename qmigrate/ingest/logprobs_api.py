@@ -187,9 +187,9 @@ def prompt_logprobs(prompt_ids: list[int], positions, num_top: int, text: TokenT
 
 
 class ChoiceExtras:
-    """What a choice carries beside its text (logprobs, prompt logprobs, an echoed prompt), fed
-    the detokenizer's rows as they come: `fresh()` what came since the last call (a stream's
-    chunk), `whole()` all of it."""
+    """What a choice carries beside its text (logprobs, prompt logprobs, an echoed prompt, token
+    ids), fed the detokenizer's rows as they come: `fresh()` what came since the last call (a
+    stream's chunk), `whole()` all of it; `fresh_ids()` and `ids` likewise."""
 
     def __init__(self, req, index: int, text: TokenText) -> None:
         """`req`: the request (openai_api.ApiRequest); `index`: the choice's."""
@@ -203,9 +203,37 @@ class ChoiceExtras:
         self.prompt: list | None = None     # vLLM's prompt_logprobs, once they came
         self.prompt_sent = False
         self.started = False
+        self.ids: list[int] = []   # with return_token_ids: the generated ids so far
+        self.num_ids_sent = 0
+        self.prompt_ids_sent = False
         # a stream's tokens wait here as they came, until its next event takes them
         self.waiting: list | None = [] if req.stream and not req.echo and req.prompt_logprobs < 0 \
-            and req.logprobs >= 0 else None
+            and req.logprobs >= 0 and not req.return_token_ids else None
+
+    def push_row(self, row: tuple) -> None:
+        """A detokenizer's row (ingest.handoff.reply_rows): its logprobs, its prompt's, its ids."""
+        if len(row) > 5:
+            self.push(row[5], row[6])
+            if len(row) > 7:
+                self.ids += row[7]
+        else:
+            self.push(None, None)
+
+    @property
+    def ids_due(self) -> bool:
+        """Ids came that no chunk has carried yet."""
+        return len(self.ids) > self.num_ids_sent
+
+    def fresh_ids(self) -> list[int]:
+        start, self.num_ids_sent = self.num_ids_sent, len(self.ids)
+        return self.ids[start:]
+
+    def take_prompt_ids(self) -> list[int] | None:
+        """The prompt's ids, once (a stream's first chunk of the choice carries them)."""
+        if self.prompt_ids_sent:
+            return None
+        self.prompt_ids_sent = True
+        return list(self.prompt_ids)
 
     def push(self, lps, positions) -> None:
         if self.waiting is not None:

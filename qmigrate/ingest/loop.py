@@ -17,7 +17,6 @@ until the request it cannot take is alone, and that one becomes an error record.
 
 from __future__ import annotations
 
-import itertools
 import logging
 import os
 import queue
@@ -34,7 +33,7 @@ from qmigrate.wire import protocol as P
 from qmigrate.wire import transport
 from qmigrate.hub.loading import resolve_model
 from qmigrate.hub.tokenizer_info import load_tokenizer_info
-from qmigrate.ingest.handoff import THREAD_ID_BITS, HandoffOrder, reply_rows
+from qmigrate.ingest.handoff import THREAD_ID_BITS, HandoffOrder, http_route, reply_rows
 from qmigrate.hub.grammars import Compiler, GrammarError
 from qmigrate.ingest.prompts import CancelRequest, Defaults, PromptError, parse_line, seed_of, to_spec
 from qmigrate.wire.security import Guard
@@ -257,7 +256,7 @@ class Ingest:
                 return
             for seq_id, prompt in choices:
                 if self.order.take(seq_id):
-                    self.enqueue(seq_id, prompt, P.ROUTE_INGEST)
+                    self.enqueue(seq_id, prompt, http_route(prompt))
 
     def on_fronts(self) -> None:
         """The HTTP front processes' requests, taken while fewer than max_pending wait for the
@@ -268,7 +267,7 @@ class Ingest:
                 continue
             is_accepted = len(self.pending) < self.max_pending
             if is_accepted:
-                self.pending.extend(zip(msg.seqs, msg.req_ids, itertools.repeat(P.ROUTE_INGEST), msg.notes))
+                self.pending.extend(zip(msg.seqs, msg.req_ids, P.unpack_u8(msg.routes).tolist(), msg.notes))
             self.fronts.admit(front, msg, is_accepted)
 
     def cancel(self, seq_ids: list[int]) -> None:
@@ -383,9 +382,9 @@ class Ingest:
             spec, req_id, route, _ = self.pending.popleft()
             self.live.pop(self.live_ids.pop(spec.seq_id, None), None)
             self.cancel_after_ack.discard(spec.seq_id)
-            if route == P.ROUTE_INGEST and self.http is not None:
+            if route in P.INGEST_ROUTES and self.http is not None:
                 self.http.deliver([(spec.seq_id, "", int(P.Finish.ERROR), 0)])
-            elif route == P.ROUTE_INGEST and self.fronts is not None:
+            elif route in P.INGEST_ROUTES and self.fronts is not None:
                 self.fronts.fail(spec.seq_id)
             else:
                 self.errors.insert(0, error_record(req_id, f"refused by the router: {reason}", spec.seq_id))

@@ -33,7 +33,7 @@ SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "seed", "presence_penalty", 
                    "stop_token_ids", "response_format", "structured_outputs")
 # from top_k and ignore_eos on: extensions, as vLLM's (response_format on completions too)
 SUPPORTED_FIELDS = frozenset(["model", "max_tokens", "stop", "stream", "stream_options", "n", "prompt_logprobs",
-                              *SAMPLING_FIELDS])
+                              "return_token_ids", *SAMPLING_FIELDS])
 ONLY_FIELDS = {"completion": frozenset(["prompt", "logprobs", "echo"]),
                "chat": frozenset(["messages", "max_completion_tokens", "logprobs", "top_logprobs", "tools",
                                   "tool_choice", "parallel_tool_calls"])}
@@ -81,6 +81,7 @@ class ApiRequest:
     prompt_texts: list[str] = field(default_factory=list)   # with echo: each prompt's text
     grammar_param: str | None = None   # the field that asked for structured output
     tools: Tools | None = None       # chat's tools, tool_choice and the parser of their calls
+    return_token_ids: bool = False   # vLLM's: the prompt's ids and each choice's generated ids too
 
     @property
     def prompt(self) -> Prompt:
@@ -92,8 +93,8 @@ class ApiRequest:
 
     @property
     def has_extras(self) -> bool:
-        """Its choices carry more than text: logprobs, or an echo."""
-        return self.logprobs >= 0 or self.prompt_logprobs >= 0 or self.echo
+        """Its choices carry more than text: logprobs, an echo, or token ids."""
+        return self.logprobs >= 0 or self.prompt_logprobs >= 0 or self.echo or self.return_token_ids
 
 
 def not_found(model: str, model_names: Collection[str]) -> ApiError:
@@ -149,6 +150,9 @@ def parse_body(body, kind: Kind, *, model_names: Collection[str], tokenizer, max
                        "\"continuous_usage_stats\": true|false}", "stream_options")
     if options and not stream:
         raise ApiError(400, "'stream_options' is only allowed with 'stream': true", "stream_options")
+    return_ids = body.get("return_token_ids", False)
+    if not isinstance(return_ids, bool):
+        raise ApiError(400, "'return_token_ids' must be a boolean", "return_token_ids")
 
     request = {}
     max_name = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
@@ -186,6 +190,8 @@ def parse_body(body, kind: Kind, *, model_names: Collection[str], tokenizer, max
             of_prompt = param in ("prompt", "messages") and len(items) > 1
             raise ApiError(400, f"prompt[{i}]: {message}" if of_prompt else message, param,
                            code="context_length_exceeded" if too_long else None) from None
+    for prompt in prompts:
+        prompt.return_token_ids = return_ids
     include = bool(options.get("include_usage"))
     texts = [item["prompt"] if "prompt" in item else tokenizer.decode(item["prompt_ids"]) for item in items] \
         if echo else []
@@ -193,7 +199,7 @@ def parse_body(body, kind: Kind, *, model_names: Collection[str], tokenizer, max
                          "tool_choice" if tools is not None and tools.is_forced else None)
     return ApiRequest(kind, model, prompts, stream, include, stop, n,
                       include and bool(options.get("continuous_usage_stats")), num_logprobs, num_prompt, echo, texts,
-                      grammar_param, tools)
+                      grammar_param, tools, return_ids)
 
 
 def _parse_logprobs(body: dict, kind: Kind) -> tuple[int, bool]:

@@ -66,7 +66,7 @@ class Choices:
             i = self.index[row[0]]
             self.num_tokens[i] = row[3]
             if self.extras is not None:
-                self.extras[i].push(*(row[5:7] if len(row) > 5 else (None, None)))
+                self.extras[i].push_row(row)
             text = self.trims[i].push(row[1])
             if row[2]:
                 del self.live[row[0]]
@@ -131,9 +131,15 @@ def reply(req: ApiRequest, rid: str, created: int, outcomes: list[tuple[str, str
                             "logprobs": logprobs, "finish_reason": finish})
             if extra is not None and req.prompt_logprobs >= 0:
                 choices[-1]["prompt_logprobs"] = extra.take_prompt()
+            if req.return_token_ids:   # vLLM's place: each choice, its prompt's too
+                choices[-1]["prompt_token_ids"] = extra.take_prompt_ids()
+        if req.return_token_ids:
+            choices[-1]["token_ids"] = extra.ids
     out = {"id": rid, "object": "chat.completion" if req.kind == "chat" else "text_completion",
            "created": created, "model": req.model, "choices": choices,
            "usage": total_usage(req, [(num, cached) for _, _, num, cached in outcomes])}
+    if req.kind == "chat" and req.return_token_ids:
+        out["prompt_token_ids"] = list(req.prompt.prompt_ids)   # vLLM's place: the request's one prompt
     if req.kind == "chat" and req.prompt_logprobs >= 0 and extras:
         out["prompt_logprobs"] = extras[0].take_prompt()   # vLLM's place: the request's one prompt
     return out
@@ -143,7 +149,8 @@ def chunk(req: ApiRequest, rid: str, created: int, text: str | None, finish: str
           first: bool = False, index: int = 0, num_tokens: int = 0, extra: ChoiceExtras | None = None) -> dict:
     """One streamed event of choice `index`: new text (None in its last, which carries the
     finish reason); with continuous usage, the usage of that choice's `num_tokens` so far;
-    with `extra`, the logprobs that came since its last event (and the prompt's, once)."""
+    with `extra`, the logprobs that came since its last event (and the prompt's, once), and
+    with return_token_ids the ids (and the prompt's, in the choice's first event)."""
     logprobs = extra.fresh() if extra is not None and text is not None else None
     if req.kind == "chat":
         delta = {} if text is None else {"content": text}
@@ -158,6 +165,10 @@ def chunk(req: ApiRequest, rid: str, created: int, text: str | None, finish: str
             choice["prompt_logprobs"] = prompt
     out = {"id": rid, "object": "chat.completion.chunk" if req.kind == "chat" else "text_completion",
            "created": created, "model": req.model, "choices": [choice]}
+    if extra is not None and req.return_token_ids and text is not None:
+        if (prompt_ids := extra.take_prompt_ids()) is not None:   # vLLM's places, as in `reply`
+            (out if req.kind == "chat" else choice)["prompt_token_ids"] = prompt_ids
+        choice["token_ids"] = extra.fresh_ids()
     if req.kind == "chat" and extra is not None and req.prompt_logprobs >= 0 \
             and (prompt := extra.take_prompt()) is not None:
         out["prompt_logprobs"] = prompt

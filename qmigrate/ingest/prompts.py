@@ -93,6 +93,7 @@ class Prompt:
     num_logprobs: int = -1          # >= 0: each token's logprob with this many alternatives
     num_prompt_logprobs: int = -1   # >= 0: the prompt's too
     grammar: str = ""         # structured output: a grammar text (hub/grammars.py); "" none
+    return_token_ids: bool = False   # HTTP: its reply carries the prompt's and the output's ids
 
 
 @dataclass(slots=True, frozen=True)

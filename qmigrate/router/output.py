@@ -109,7 +109,7 @@ class Output:
 
     def answered_over_http(self) -> list[int]:
         """The requests not yet printed whose answers go back to ingest (its HTTP clients)."""
-        return [sid for sid, (route, _) in self.outputs.extras.items() if route == P.ROUTE_INGEST]
+        return [sid for sid, (route, _) in self.outputs.extras.items() if route in P.INGEST_ROUTES]
 
     def printed(self, msg: P.Printed) -> None:
         seq_ids = P.unpack_i64(msg.seq_ids, "seq_ids").tolist()

@@ -10,6 +10,8 @@ MAX_STR = 1 << 16            # characters in any string field
 CONTINUE = -1
 ROUTE_STDOUT = 0   # a request's text is printed by the detokenizer
 ROUTE_INGEST = 1   # a request's text goes back to the ingest node that took it (HTTP)
+ROUTE_INGEST_IDS = 2   # as ROUTE_INGEST, with each step's token ids beside its text (return_token_ids)
+INGEST_ROUTES = (ROUTE_INGEST, ROUTE_INGEST_IDS)
 MAX_REPLY_TEXT = 1 << 16
 # One Submit carries up to this many prompts, and this many ids in all (16 MiB): a burst
 # reaches the router in a few acknowledged messages, so its first leases are full ones.

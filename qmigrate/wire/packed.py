@@ -117,8 +117,13 @@ def _prompt_rows(msg, keep: np.ndarray) -> dict:
 
 
 def replies_rows(msg, kept, keep: np.ndarray):
-    """A Replies `kept` (the rows `keep`, a boolean mask, of `msg`) with those rows' logprobs."""
+    """A Replies `kept` (the rows `keep`, a boolean mask, of `msg`) with those rows' logprobs
+    and token ids."""
     fields = {}
+    if msg.id_counts:
+        counts = unpack_i32(msg.id_counts)
+        fields.update(id_counts=pack_i32(counts[keep]),
+                      token_ids=unpack_i32(msg.token_ids)[np.repeat(keep, counts)].tobytes())
     if msg.lp_width >= 0:
         counts, k = unpack_i32(msg.lp_counts), msg.lp_width
         per_token = np.repeat(keep, counts)
@@ -127,6 +132,13 @@ def replies_rows(msg, kept, keep: np.ndarray):
                       lp_values=unpack_f32(msg.lp_values).reshape(-1, 1 + k)[per_token].tobytes(),
                       lp_top_ids=unpack_i32(msg.lp_top_ids).reshape(-1, k)[per_token].tobytes())
     return dataclasses.replace(kept, **fields, **_prompt_rows(msg, keep))
+
+
+def replies_with_ids(msg, ids):
+    """A Replies with its rows' token ids: ids[i] those of row i (None: none)."""
+    flat = [t for row in ids if row for t in row]
+    return dataclasses.replace(msg, id_counts=pack_i32([len(row) if row else 0 for row in ids]),
+                               token_ids=pack_i32(flat))
 
 
 def replies_with_logprobs(msg, lps, prompts):

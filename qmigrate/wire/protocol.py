@@ -27,14 +27,14 @@ from qmigrate.wire.finish import (
 )
 from qmigrate.wire.limits import (
     PROTOCOL_VERSION, MAX_MESSAGE_BYTES, MAX_ARRAY_LEN, MAX_ID, MAX_STR, CONTINUE, ROUTE_STDOUT,
-    ROUTE_INGEST, MAX_REPLY_TEXT, SUBMIT_MAX_SEQS, SUBMIT_MAX_IDS, MAX_NEW_TOKENS, MAX_TOP_K,
+    ROUTE_INGEST, ROUTE_INGEST_IDS, INGEST_ROUTES, MAX_REPLY_TEXT, SUBMIT_MAX_SEQS, SUBMIT_MAX_IDS, MAX_NEW_TOKENS, MAX_TOP_K,
     MAX_TEMPERATURE, MAX_SEED, MAX_STOP_SEQS, MAX_STOP_LEN, MAX_REQ_ID, MAX_CACHE_SALT, MAX_PENALTY,
     MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY, MAX_LOGIT_BIAS, MAX_BIAS, TIER_STATS, MAX_NOTE,
     MAX_N, MAX_LOGPROBS, MAX_CHOICES,
 )
 from qmigrate.wire.packed import (
     ProtocolError, logprob_rows, pack_f32, pack_i32, pack_i64, pack_logprob_refs, pack_u8,
-    replies_rows, replies_with_logprobs, unpack_f32, unpack_i32, unpack_i64, unpack_ids,
+    replies_rows, replies_with_ids, replies_with_logprobs, unpack_f32, unpack_i32, unpack_i64, unpack_ids,
     unpack_array, unpack_logprob_block, unpack_u8,
 )
 from qmigrate.wire.registry import (
@@ -50,12 +50,14 @@ __all__ = [
     "Hello", "Welcome", "Reject", "Heartbeat", "Pulse", "Drain", "DrainAck", "Exit", "VramReport",
     "FeedLines", "FeedAck", "StatsRequest", "Stats", "FrontHello", "FrontStatus", "FrontAdmit",
     "info_int", "info_str", "Finish", "PROTOCOL_VERSION", "MAX_MESSAGE_BYTES", "MAX_ARRAY_LEN",
-    "MAX_ID", "MAX_STR", "CONTINUE", "ROUTE_STDOUT", "ROUTE_INGEST", "MAX_REPLY_TEXT",
+    "MAX_ID", "MAX_STR", "CONTINUE", "ROUTE_STDOUT", "ROUTE_INGEST", "ROUTE_INGEST_IDS", "INGEST_ROUTES",
+    "MAX_REPLY_TEXT",
     "SUBMIT_MAX_SEQS", "SUBMIT_MAX_IDS", "MAX_NEW_TOKENS", "MAX_TOP_K", "MAX_TEMPERATURE",
     "MAX_SEED", "MAX_STOP_SEQS", "MAX_STOP_LEN", "MAX_REQ_ID", "MAX_CACHE_SALT", "MAX_PENALTY",
     "MIN_REPETITION_PENALTY", "MAX_REPETITION_PENALTY", "MAX_LOGIT_BIAS", "MAX_BIAS", "TIER_STATS",
     "MAX_NOTE", "MAX_N", "MAX_LOGPROBS", "MAX_CHOICES", "ProtocolError", "logprob_rows", "pack_f32",
-    "pack_i32", "pack_i64", "pack_logprob_refs", "pack_u8", "replies_rows", "replies_with_logprobs",
+    "pack_i32", "pack_i64", "pack_logprob_refs", "pack_u8", "replies_rows", "replies_with_ids",
+    "replies_with_logprobs",
     "unpack_f32", "unpack_i32", "unpack_i64", "unpack_ids", "unpack_array", "unpack_logprob_block", "unpack_u8",
     "MESSAGE_TYPES", "MsgType", "message", "SeqSpec", "submit_count", "WorkRequest", "Lease",
     "StepResult", "Tokens", "Submit", "SubmitAck", "RequestMeta", "RequestError", "InputClosed",

@@ -10,8 +10,8 @@ import numpy as np
 
 from qmigrate.wire.finish import REPLY_CODES, step_codes_ok
 from qmigrate.wire.limits import (
-    MAX_BIAS, MAX_ID, MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_NOTE, MAX_REPLY_TEXT, MAX_REQ_ID, MAX_STOP_LEN,
-    MAX_STOP_SEQS, ROUTE_INGEST, ROUTE_STDOUT, SUBMIT_MAX_IDS, SUBMIT_MAX_SEQS, TIER_STATS,
+    INGEST_ROUTES, MAX_BIAS, MAX_ID, MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_NOTE, MAX_REPLY_TEXT, MAX_REQ_ID,
+    MAX_STOP_LEN, MAX_STOP_SEQS, ROUTE_STDOUT, SUBMIT_MAX_IDS, SUBMIT_MAX_SEQS, TIER_STATS,
 )
 from qmigrate.wire.packed import ProtocolError, unpack_f32, unpack_i32, unpack_i64, unpack_ids, unpack_u8
 from qmigrate.wire.registry import MsgType, field_table, message
@@ -220,11 +220,12 @@ class RequestMeta:
     seq_id: int
     req_id: str
     prompt_ids: bytes         # int32, for priming the incremental decoder
-    route: int = ROUTE_STDOUT  # where the text goes: stdout, or back to the ingest node (HTTP)
+    # where the text goes: stdout, or back to the ingest node (HTTP), there with its ids or not
+    route: int = ROUTE_STDOUT
     note: str = ""            # for the final record, e.g. that max_new_tokens was clamped
 
     def validate(self) -> None:
-        if self.route not in (ROUTE_STDOUT, ROUTE_INGEST):
+        if self.route != ROUTE_STDOUT and self.route not in INGEST_ROUTES:
             raise ProtocolError(f"RequestMeta.route: unknown route {self.route}")
 
 
@@ -317,9 +318,17 @@ class Replies:
     prompt_top_ids: bytes = b""
     lp_counts: bytes = b""       # int32 per row
     lp_token_ids: bytes = b""    # int32
+    # The ids of rows whose request asked for them (RequestMeta.route ROUTE_INGEST_IDS):
+    # id_counts[i] of token_ids for row i, the tokens its text was made of (empty: no row's)
+    id_counts: bytes = b""       # int32 per row
+    token_ids: bytes = b""       # int32
 
     def validate(self) -> None:
         n = len(unpack_i64(self.seq_ids, "Replies.seq_ids"))
+        if self.id_counts or self.token_ids:
+            counts = unpack_i32(self.id_counts, "Replies.id_counts")
+            if len(counts) != n or (n and counts.min() < 0) or int(counts.sum()) != len(self.token_ids) // 4:
+                raise ProtocolError("Replies.id_counts: one count (>= 0) per row, adding up to token_ids")
         if self.lp_width >= 0:
             counts = unpack_i32(self.lp_counts, "Replies.lp_counts")
             if len(counts) != n or (n and counts.min() < 0) or int(counts.sum()) != len(self.lp_token_ids) // 4:
