@@ -58,15 +58,19 @@ def bench_serve(
         min=1, help="multi-turn: turns per session; sharegpt-multi-turn: at most this many.")] = 4,
     sessions_as: Annotated[str, typer.Option(
         help="multi-turn: chat (messages to /v1/chat/completions), text (the earlier turns and answers "
-             "as one plain-text prompt to /v1/completions, for models without a chat template), or auto "
-             "(chat unless the server refuses it for want of a chat template).")] = "auto",
+             "as one plain-text prompt to /v1/completions, for models without a chat template), ids (token "
+             "ids to /v1/completions, as agent and RL clients send them: each turn the prompt before it, the "
+             "ids the server returned for its answer (return_token_ids), then the next user turn through "
+             "--tokenizer's chat template, or as text has it where there is none), or auto (chat unless the "
+             "server refuses it for want of a chat template).")] = "auto",
     session_replies: Annotated[str, typer.Option(
         "--session-replies",
         help="sharegpt-multi-turn: what each later turn carries as the replies to the turns before: model "
              "(what the server answered, as a chat client sends back: a prefix cache can find the whole "
              "conversation so far) or dataset (the dataset's replies: the same prompts every run, but only "
-             "the earlier prompts can be found in a cache). Each turn asks for as many tokens as the "
-             "dataset's reply either way. multi-turn and jsonl sessions always carry the server's answers.")] = "model",
+             "the earlier prompts can be found in a cache; with --sessions-as ids, the replies tokenized by "
+             "--tokenizer). Each turn asks for as many tokens as the dataset's reply either way. multi-turn "
+             "and jsonl sessions always carry the server's answers.")] = "model",
     long_output_fraction: Annotated[float, typer.Option(
         "--long-output-fraction", min=0.0, max=1.0,
         help="This share of the completions (drawn with --seed) ask an output length from --long-output-len "
@@ -211,6 +215,12 @@ def bench_serve(
                                        seed, max_model_len)
             described.update(long_output_fraction=long_output_fraction, long_output_len=long_output_len,
                              max_model_len=max_model_len)
+        if sessions_as == "ids":
+            if tok is None:
+                raise ValueError("--sessions-as ids needs --tokenizer (the served model's directory): it writes "
+                                 "the user turns as token ids")
+            reqs = D.with_turn_ids(reqs, tok)
+            described.update(sessions_as="ids")
         if response_format_json_schema is not None:
             response_format = D.json_schema_format(response_format_json_schema)
             D.structure(reqs, response_format, structured_fraction)

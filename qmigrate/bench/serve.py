@@ -3,7 +3,8 @@
 Every call streams (SSE) from /v1/completions, or /v1/chat/completions for multi-turn sessions,
 and is timestamped chunk by chunk as it arrives (serve_client.py); serve_stats.py turns that
 into the figures. Sessions go as plain-text completions when asked, or when the server
-refuses chat messages for want of a chat template. Calls go out from one process, or from
+refuses chat messages for want of a chat template; or as token-id completions that carry the
+ids the server returned for each answer (serve_data.with_turn_ids). Calls go out from one process, or from
 several (serve_procs.py). Calls arrive all at once, or at a Poisson or gamma rate, optionally under a concurrency cap;
 a list of rates is a sweep. `ignore_eos` and `min_tokens` (vLLM's extensions, which qmigrate
 accepts) make every output exactly as long as asked, and a `cache_salt` of its own for each run
@@ -26,7 +27,7 @@ from qmigrate.bench.serve_data import ServeRequest
 from qmigrate.bench.serve_metrics import ServerCounters, describe
 from qmigrate.bench.serve_stats import CallRecord, format_rows, keep_up_warnings, summarize
 
-SESSIONS_AS = ("auto", "chat", "text")
+SESSIONS_AS = ("auto", "chat", "text", "ids")
 
 
 def arrival_offsets(n: int, rate: float, burstiness: float = 1.0, seed: int = 0) -> list[float]:
@@ -125,8 +126,9 @@ def run_serve(*, base_url: str, model: str | None, requests: list[ServeRequest],
               sessions_as: str = "auto", calls_path: Path | None = None,
               salt_runs: bool = True, processes: int = 1, metrics_url: str | None = None,
               logprobs: int = -1) -> list[tuple[str, dict]]:
-    """sessions_as: chat (chat messages), text (plain-text completions), or auto (chat unless
-    the server has no chat template for its model). salt_runs: each run and the warm-up send a
+    """sessions_as: chat (chat messages), text (plain-text completions), ids (token-id
+    completions; the sessions carry turn_ids), or auto (chat unless the server has no chat
+    template for its model). salt_runs: each run and the warm-up send a
     cache_salt of their own, so that no run starts on prefixes an earlier one cached.
     processes: client processes sending the calls (serve_procs.py). metrics_url: a qmigrate
     router's /metrics, read before and after each run (serve_metrics.py). A Share rate runs at
@@ -138,10 +140,13 @@ def run_serve(*, base_url: str, model: str | None, requests: list[ServeRequest],
     processes = min(processes, max_concurrency or processes, len(requests))   # each with a share of calls
     if sessions_as not in SESSIONS_AS:
         raise ValueError(f"sessions go as {' or '.join(SESSIONS_AS)}, not {sessions_as!r}")
+    if sessions_as == "ids" and any(r.is_session and len(r.turn_ids) != len(r.turns) for r in requests):
+        raise ValueError("sessions as token ids need each turn's ids (serve_data.with_turn_ids)")
 
     calls = open(calls_path, "w") if calls_path is not None else None
     salt_base = f"bench-{random.SystemRandom().getrandbits(48):012x}"
-    warm = [ServeRequest(r.prompt, min(r.output_len, 8), r.turns[:1], r.prompt_len) for r in requests[:warmup]]
+    warm = [ServeRequest(r.prompt, min(r.output_len, 8), r.turns[:1], r.prompt_len, turn_ids=r.turn_ids[:1])
+            for r in requests[:warmup]]
     formats = [r.response_format for r in requests if r.response_format is not None]
     if formats and warm:   # the server's first structured call compiles its grammar: not in the timed runs
         warm[-1].response_format = formats[0]

@@ -1,6 +1,7 @@
 """The HTTP client of `qmigrate bench serve`: one streamed call at a time per coroutine,
 timestamped chunk by chunk as its events arrive, read cheaply (`EventTexts`).
-Sessions go as chat messages, or as plain-text completions (`serve_data.transcript`)."""
+Sessions go as chat messages, as plain-text completions (`serve_data.transcript`), or as
+token-id completions that ask for the answer's ids back (`return_token_ids`, vLLM's)."""
 
 from __future__ import annotations
 
@@ -82,7 +83,7 @@ class Client:
         self.base_url, self.model = base_url.rstrip("/"), model
         self.logprobs = logprobs         # >= 0: every call asks for logprobs with this many alternatives
         self.extensions, self.temperature = extensions, temperature
-        self.sessions_as = sessions_as   # chat, or text: plain-text completions
+        self.sessions_as = sessions_as   # chat, text (plain-text completions) or ids (token-id completions)
         self.salt: str | None = None     # the cache_salt every call sends, if any
         self.session = None
 
@@ -131,8 +132,17 @@ class Client:
             body.update(logprobs=True, top_logprobs=self.logprobs)
         return await self._stream("/v1/chat/completions", body, rec, chat=True)
 
-    async def _stream(self, path: str, body: dict | bytes, rec: CallRecord, chat: bool) -> str:
-        """Sends one call and reads its events; the text is returned, timings go to `rec`."""
+    async def complete_ids(self, prompt: list[int], output_len: int, rec: CallRecord) -> list[int]:
+        """A completion of a token-id prompt; the ids of its answer, as the server returned them."""
+        ids: list[int] = []
+        await self._stream("/v1/completions", self._payload(output_len) | {"prompt": prompt, "return_token_ids": True},
+                           rec, chat=False, ids=ids)
+        return ids
+
+    async def _stream(self, path: str, body: dict | bytes, rec: CallRecord, chat: bool,
+                      ids: list[int] | None = None) -> str:
+        """Sends one call and reads its events; the text is returned, timings go to `rec`, and
+        the events' token ids to `ids` (a list; every event is then parsed in full)."""
         parts, chunks = [], 0
         if isinstance(body, dict):
             body = json.dumps(body).encode()
@@ -149,7 +159,7 @@ class Client:
                     now = time.perf_counter()
                     *events, buf = (buf + data).split(b"\n\n")
                     for raw in events:
-                        if (text := texts.text_of(raw)) is not None:   # a middle event
+                        if ids is None and (text := texts.text_of(raw)) is not None:   # a middle event
                             rec.chunks.append(now)
                             parts.append(text)
                             chunks += 1
@@ -174,6 +184,8 @@ class Client:
                                 rec.chunks.append(now)
                                 parts.append(text)
                                 chunks += 1
+                            if ids is not None and isinstance(choice.get("token_ids"), list):
+                                ids += choice["token_ids"]
                         usage = event.get("usage")
                         if isinstance(text, str) and len(choices) == 1 and not usage \
                                 and choices[0].get("finish_reason") is None:

@@ -4,6 +4,9 @@ A request is a completion (a prompt of token ids or text, and an exact output le
 the multi-turn dataset, a session: user turns sent one after another on /v1/chat/completions,
 each carrying every earlier turn and the server's answers to them. For a model without a chat
 template a session goes to /v1/completions instead, as one plain-text prompt (`transcript`).
+Sessions sent as token ids (`with_turn_ids`) go to /v1/completions as the ids of the
+conversation so far: each turn's prompt is the one before, the ids of the answer to it, and
+the ids of the next user turn.
 """
 
 from __future__ import annotations
@@ -37,6 +40,10 @@ class ServeRequest:
     think_time_s: float = 0.0       # a session waits this long after an answer before its next turn
     burst: int = -1                 # requests of one burst (>= 0) arrive together (burst_dataset)
     response_format: dict | None = None   # sent as the call's response_format (structured output)
+    # a session sent as token ids: the ids before each answer (the first turn's prompt, then
+    # what closes an answer and opens the next turn), and the dataset's answers' ids
+    turn_ids: list[list[int]] = field(default_factory=list)
+    answer_ids: list[list[int]] = field(default_factory=list)
 
     @property
     def is_session(self) -> bool:
@@ -177,6 +184,44 @@ def transcript(turns: list[str], answers: list[str]) -> str:
     one before and its answer, so a prefix cache finds the conversation as with chat."""
     return "".join(f"User: {turn}\nAssistant:" + (f"{answers[i]}\n" if i < len(answers) else "")
                    for i, turn in enumerate(turns))
+
+
+REPLY_MARK = "\ue000reply-{}\ue000"   # where an answer goes in a rendered template (private-use characters)
+
+
+def turn_pieces(turns: list[str], tokenizer) -> list[list[int]]:
+    """The ids of a conversation's user turns as token-id prompts take them: the first turn's
+    whole prompt, then for each later turn the ids from the end of the answer before it to
+    where its own answer starts. Through the chat template where the tokenizer has one (the
+    template's end of an answer, the next user turn, the opening of the assistant's), else as
+    `transcript` writes them."""
+    if not getattr(tokenizer, "chat_template", None):
+        return [tokenizer.encode(f"User: {turns[0]}\nAssistant:")] + \
+            [tokenizer.encode(f"\nUser: {turn}\nAssistant:", add_special_tokens=False) for turn in turns[1:]]
+    messages = []
+    for i, turn in enumerate(turns):
+        messages.append({"role": "user", "content": turn})
+        if i + 1 < len(turns):
+            messages.append({"role": "assistant", "content": REPLY_MARK.format(i)})
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    pieces = []
+    for i in range(len(turns) - 1):
+        piece, found, text = text.partition(REPLY_MARK.format(i))
+        if not found:
+            raise ValueError("the chat template does not write an assistant's answer as it was given: "
+                             "sessions cannot go as token ids")
+        pieces.append(piece)
+    return [tokenizer.encode(piece, add_special_tokens=False) for piece in [*pieces, text]]
+
+
+def with_turn_ids(requests: list[ServeRequest], tokenizer) -> list[ServeRequest]:
+    """Sessions to send as token ids (`turn_pieces`); the dataset's answers, where a session
+    has them, as ids too."""
+    for r in requests:
+        if r.is_session:
+            r.turn_ids = turn_pieces(r.turns, tokenizer)
+            r.answer_ids = [tokenizer.encode(a, add_special_tokens=False) for a in r.answers]
+    return requests
 
 
 def jsonl_dataset(path: Path, default_output_len: int = 128) -> list[ServeRequest]:

@@ -31,6 +31,9 @@ async def send_all(client: Client, requests: list[ServeRequest], bodies: list[by
                 await client.post_completion(body, rec)
                 on_call(rec)
                 return
+            if client.sessions_as == "ids":
+                await _id_session(client, req, records, on_call)
+                return
             answers = []
             for i in range(len(req.turns)):  # each turn carries the earlier turns and their answers
                 if i and req.think_time_s:
@@ -48,3 +51,23 @@ async def send_all(client: Client, requests: list[ServeRequest], bodies: list[by
                 gate.release()
 
     await asyncio.gather(*(one(req, body, off) for req, body, off in zip(requests, bodies, offsets)))
+
+
+async def _id_session(client: Client, req: ServeRequest, records: list[CallRecord], on_call) -> None:
+    """A session as token ids: each turn's prompt is the one before, the ids of the answer to it
+    (the server's, or the dataset's where the session has them) and the next turn's ids."""
+    prompt: list[int] = []
+    answer: list[int] = []
+    for i, piece in enumerate(req.turn_ids):
+        if i and req.think_time_s:
+            await asyncio.sleep(req.think_time_s)
+        prompt = prompt + answer + piece
+        n = req.turn_output_len(i)
+        rec = CallRecord(0.0, expected_tokens=n, turn=i, prompt_tokens=len(prompt))
+        records.append(rec)
+        answer = await client.complete_ids(prompt, n, rec)
+        if req.answer_ids:
+            answer = req.answer_ids[i]
+        on_call(rec)
+        if not rec.ok:
+            return
