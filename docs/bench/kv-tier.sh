@@ -10,7 +10,10 @@
 #           tier: conversations placed away from their worker pull their prefix / recompute it
 # Each run writes OUT_DIR/NAME.json (`bench serve --json`) and OUT_DIR/NAME.status.json (the router's
 # counters and per-tier figures at the end). The Llama shape needs SmolLM2's tokenizer: TOKENIZER=DIR
-# (default: the smollm2 built-in model's, which needs the network on first use).
+# (default: the smollm2 built-in model's, which needs the network on first use). SESSIONS_AS=ids sends
+# each turn as token ids (`bench serve --sessions-as ids`: the turn before, the ids the server returned
+# for its answer, the next user turn), so a cache finds the whole conversation whatever the model wrote;
+# default auto (chat messages, or plain text for a model without a chat template).
 set -u
 part=$1 out=$2
 mkdir -p "$out" .shapes
@@ -22,7 +25,7 @@ M=.bench/bench-model L8=.shapes/llama-3.1-8b
 # 128 ShareGPT sessions of up to 6 turns, each turn carrying the conversation so far (the replies the server
 # gave; SESSION_REPLIES=dataset: the dataset's) and asking for as many tokens as the dataset's reply; 4 s
 # between an answer and the next turn; every session inside the context
-SESSIONS=${SESSIONS:-128} TURNS=6 THINK=4 SESSION_REPLIES=${SESSION_REPLIES:-model}
+SESSIONS=${SESSIONS:-128} TURNS=6 THINK=4 SESSION_REPLIES=${SESSION_REPLIES:-model} SESSIONS_AS=${SESSIONS_AS:-auto}
 TIER_GIB=${TIER_GIB:-32}
 (nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader; free -g | head -2; date -u) \
     > "$out/machine.txt" 2>&1
@@ -32,17 +35,20 @@ working_set() {   # working_set MODEL_DIR: KV tokens of every session's whole co
     python - "$1" "$(context $1)" <<EOF
 import sys
 from transformers import AutoTokenizer
-from qmigrate.bench.serve_data import sharegpt_sessions, transcript
+from qmigrate.bench.serve_data import sharegpt_sessions, transcript, with_turn_ids
 tok = AutoTokenizer.from_pretrained(sys.argv[1])
 reqs = sharegpt_sessions($SESSIONS, tok, $TURNS, max_model_len=int(sys.argv[2]), replies="dataset")
-print(sum(len(tok(transcript(r.turns, r.answers[:-1]))["input_ids"]) + r.turn_output_lens[-1] for r in reqs))
+if "$SESSIONS_AS" == "ids":   # the turns' ids and every answer at its asked length
+    print(sum(sum(map(len, r.turn_ids)) + sum(r.turn_output_lens) for r in with_turn_ids(reqs, tok)))
+else:
+    print(sum(len(tok(transcript(r.turns, r.answers[:-1]))["input_ids"]) + r.turn_output_lens[-1] for r in reqs))
 EOF
 }
 . "$(dirname "$0")/serve-lib.sh"   # serve_up, serve_down
 sessions() {   # sessions NAME MODEL: the multi-turn run, then the router's figures
     q bench serve --base-url http://127.0.0.1:${PORT:-8000} --tokenizer $2 --dataset sharegpt-multi-turn \
         --sessions $SESSIONS --turns $TURNS --think-time-s $THINK --max-model-len $(context $2) \
-        --session-replies $SESSION_REPLIES --json "$out/$1.json"
+        --session-replies $SESSION_REPLIES --sessions-as $SESSIONS_AS --json "$out/$1.json"
     q status "$(grep -o '/[^ ]*/topology.yaml' "$out/$1.log" | head -1)" --json > "$out/$1.status.json"
 }
 one_gpu() {   # one_gpu TAG MODEL WHICH [serve flags]: WHICH capped, fits or both: host tier on / off
