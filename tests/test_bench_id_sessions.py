@@ -97,8 +97,12 @@ def test_each_turn_extends_the_one_before_and_the_cache_finds_it(http_node, tiny
             assert len(answer) == 21 and prompt == before + answer + r.turn_ids[k]
             assert rec.prompt_tokens == len(prompt)
             assert rec.cached_tokens == (len(before) + len(answer) - 1) // BLOCK * BLOCK, (k, len(before), rec)
-    later = s["later_turns"]
+    later, found = s["later_turns"], [c for c in calls if c[2].turn > 0]
     assert later["calls"] == 6 and later["prefix_hit_rate"] > 0.6
+    assert later["earlier_hit_rate"] == pytest.approx(sum(c[2].cached_tokens for c in found) /
+                                                      sum(c[2].earlier_tokens for c in found))
+    assert all(c[2].earlier_tokens == len(c[0]) - len(r.turn_ids[c[2].turn]) for r, session in
+               zip(requests, _by_session(calls, requests)) for c in session)
 
 
 def test_with_the_datasets_replies_each_turn_carries_them(http_node, tiny_chat_model_dir, monkeypatch):

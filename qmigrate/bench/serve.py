@@ -238,9 +238,11 @@ def run_serve(*, base_url: str, model: str | None, requests: list[ServeRequest],
         if "later_turns" in s:
             later = s["later_turns"]
             hits = later["prefix_hit_rate"]
+            earlier = later.get("earlier_hit_rate")
             print(f"  rate {rate}: turns after the first: {later['calls']} calls, TTFT p50/p99 "
                   f"{later['ttft_ms']['p50']:.1f}/{later['ttft_ms']['p99']:.1f} ms, prefix hits "
-                  + ("-" if hits is None else f"{100 * hits:.0f}%"))
+                  + ("-" if hits is None else f"{100 * hits:.0f}%")
+                  + ("" if earlier is None else f" ({100 * earlier:.0f}% of the conversation before them)"))
     for rate, s in runs:
         if "plain" in s:
             plain, structured = s["plain"], s["structured"]

@@ -61,9 +61,10 @@ async def _id_session(client: Client, req: ServeRequest, records: list[CallRecor
     for i, piece in enumerate(req.turn_ids):
         if i and req.think_time_s:
             await asyncio.sleep(req.think_time_s)
+        earlier = len(prompt) + len(answer)
         prompt = prompt + answer + piece
         n = req.turn_output_len(i)
-        rec = CallRecord(0.0, expected_tokens=n, turn=i, prompt_tokens=len(prompt))
+        rec = CallRecord(0.0, expected_tokens=n, turn=i, prompt_tokens=len(prompt), earlier_tokens=earlier)
         records.append(rec)
         answer = await client.complete_ids(prompt, n, rec)
         if req.answer_ids:

@@ -27,6 +27,7 @@ class CallRecord:
     cached_tokens: int = -1              # usage.prompt_tokens_details.cached_tokens (-1: not said)
     error: str = ""
     turn: int = 0                        # a session's call: which of its turns (0: the first)
+    earlier_tokens: int = 0              # ids sessions: the turn before's prompt and answer, which this prompt begins with
     structured: bool = False             # sent with a response_format
 
     @property
@@ -111,6 +112,10 @@ def summarize(records: list[CallRecord], t0: float, end: float, slos: dict[str, 
     if later:   # a session's later turns: what a prefix cache serves from the earlier ones
         out["later_turns"] = {"calls": len(later), "ttft_ms": _dist([r.ttft for r in later]),
                               "prefix_hit_rate": _hit_rate(later)}
+        known = [r for r in later if r.earlier_tokens > 0 and r.cached_tokens >= 0]
+        if known:   # of what the turns before left (the new user turn cannot hit), the share found
+            out["later_turns"]["earlier_hit_rate"] = \
+                sum(r.cached_tokens for r in known) / sum(r.earlier_tokens for r in known)
     if slos:
         good = sum(1 for r in records if meets(r, slos))
         out["goodput"] = {"slos_ms": {k: v * 1000 for k, v in slos.items()}, "good_calls": good,
