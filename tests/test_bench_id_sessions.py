@@ -128,3 +128,15 @@ def test_sessions_as_ids_need_their_ids_and_a_tokenizer(qmigrate, tiny_model_dir
     run = qmigrate("bench", "serve", "--base-url", "http://127.0.0.1:9", "--dataset", "multi-turn",
                    "--sessions-as", "ids")
     assert run.returncode != 0 and "--sessions-as ids needs --tokenizer" in run.stderr
+
+
+def test_ids_sessions_run_from_several_client_processes(http_node, tiny_chat_model_dir):
+    tok = _tokenizer(tiny_chat_model_dir)
+    requests = D.with_turn_ids(D.multi_turn_dataset(sessions=2, turns=2, turn_len=20, output_len=40), tok)
+    [(_, s)] = run_serve(base_url=http_node.url, model="tiny", requests=requests, rates=[math.inf], warmup=0,
+                         sessions_as="ids", processes=2)
+    assert (s["completed"], s["failed"], s["short_calls"]) == (4, 0, 0), s
+    # every whole block of the turn before was found: its prompt and its answer but the last token
+    earlier = [len(r.turn_ids[0]) + 40 for r in requests]
+    assert s["later_turns"]["earlier_hit_rate"] == pytest.approx(sum((n - 1) // BLOCK * BLOCK for n in earlier)
+                                                                 / sum(earlier))

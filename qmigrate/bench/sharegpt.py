@@ -19,7 +19,9 @@ weights mostly write text that re-tokenizes to itself, so most of the conversati
 (SmolLM2-135M on the CPU, 6 sessions: 68% of later turns' prompt tokens, 30% with the dataset's
 replies); random weights (the benchmark model, dummy shapes) write ids that seldom do, and with EOS
 ignored a reply that passes a special token loses it from the text, so the cache stops there. With
-the dataset's replies only the earlier prompts can hit.
+the dataset's replies only the earlier prompts can hit. Sessions sent as token ids
+(`--sessions-as ids`) carry the ids the server returned, so all of the conversation so far can
+hit whatever the weights write.
 """
 
 from __future__ import annotations
