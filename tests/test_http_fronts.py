@@ -162,6 +162,35 @@ def test_choices_and_several_prompts_fan_out_through_a_front(node, expected):
     assert chunks[-1].usage.completion_tokens == batch.usage.completion_tokens
 
 
+def test_token_ids_come_back_through_each_front_beside_requests_without(node, expected, tiny_model_dir):
+    """Requests that ask for their ids and requests that do not, at once through both fronts:
+    a Replies message then holds rows of both kinds for both fronts, and each is split with
+    its ids (ingest.handoff.split_by_front)."""
+    from conftest import greedy_tokens
+    prompts = [expected.tok.encode(p) for p in PROMPTS]
+    wanted = {tuple(p): greedy_tokens(tiny_model_dir, p, 6) for p in prompts}
+
+    def one(i: int):
+        prompt, asks = prompts[i % len(prompts)], i % 4 < 2
+        extra = {"extra_body": {"return_token_ids": True}} if asks else {}
+        if i % 2:
+            choice = node.client.completions.create(model=MODEL, prompt=prompt, max_tokens=6, temperature=0,
+                                                    **extra).choices[0]
+            return prompt, asks, (choice.model_extra or {}).get("token_ids"), choice.text
+        ids, text, chunks = [], "", node.client.completions.create(model=MODEL, prompt=prompt, max_tokens=6,
+                                                                   temperature=0, stream=True, **extra)
+        for chunk in chunks:
+            ids += (chunk.choices[0].model_extra or {}).get("token_ids") or []
+            text += chunk.choices[0].text
+        return prompt, asks, ids if asks else None, text
+
+    with ThreadPoolExecutor(16) as pool:
+        results = list(pool.map(one, range(32)))
+    for prompt, asks, ids, text in results:
+        assert ids == (wanted[tuple(prompt)] if asks else None)
+        assert text == expected(prompt, 6)[0]
+
+
 def test_a_client_that_closes_mid_stream_frees_its_sequence(node):
     before = node.stats().get("cancelled", 0)
     for _ in range(4):   # on whichever front the kernel picks, most likely both

@@ -58,6 +58,7 @@ class Detokenizer:
                                        identity=f"detokenizer-{os.getpid()}")
         self.replies = transport.socket(zmq.PUSH, connect=topo.endpoint("ingest_reply").connect, hwm=100_000)
         self.outbox: list[tuple] = []   # Replies rows: the arguments of reply()
+        self.outbox_has_ids = False     # a row of the outbox carries token ids
         self.journal = Journal(topo.detokenizer.journal) if topo.detokenizer.journal else None
         self.expected: int | None = None
         self.last_printed = 0.0
@@ -90,17 +91,18 @@ class Detokenizer:
               logprobs=None, prompt=None, ids=None) -> None:
         if not self.replaying:
             self.outbox.append((seq_id, text, finish, num_tokens, cached_tokens, logprobs, prompt, ids))
+            self.outbox_has_ids |= ids is not None
 
     def send_replies(self) -> None:
         if not self.outbox:
             return
         seq_ids, texts, finish, counts, cached, lps, prompts, ids = zip(*self.outbox)
-        self.outbox = []
+        has_ids, self.outbox, self.outbox_has_ids = self.outbox_has_ids, [], False
         self.trace("out", len(seq_ids))
         msg = P.Replies(P.pack_i64(seq_ids), P.pack_u8(finish), P.pack_i32(counts), list(texts), P.pack_i32(cached))
         if any(x is not None for x in lps) or any(x is not None for x in prompts):
             msg = P.replies_with_logprobs(msg, lps, prompts)
-        if any(x is not None for x in ids):
+        if has_ids:
             msg = P.replies_with_ids(msg, ids)
         if not transport.send(self.replies, msg, flags=zmq.NOBLOCK):
             # Ingest gone or far behind: its HTTP clients time out rather than this loop stall.
