@@ -4,6 +4,7 @@ between workers; the ids travel from the detokenizer to ingest only for requests
 
 from __future__ import annotations
 
+import json
 import threading
 
 import numpy as np
@@ -13,6 +14,7 @@ import helpers as H
 from qmigrate.detokenizer.formats import make_sink
 from qmigrate.ingest.handoff import http_route, reply_rows, rows_of, split_by_front, front_base
 from qmigrate.ingest.openai_api import ApiError, fan_out, parse_body
+from qmigrate.ingest.prompts import PromptError, parse_line
 from qmigrate.wire import codec
 from qmigrate.wire import protocol as P
 
@@ -32,6 +34,13 @@ def test_the_flag_is_a_boolean_and_routes_each_choice_back_with_its_ids(tiny_mod
         with pytest.raises(ApiError) as err:
             _parse({"prompt": [5, 6], "return_token_ids": value})
         assert err.value.status == 400 and err.value.param == "return_token_ids"
+        with pytest.raises(PromptError) as refused:   # stdin JSONL refuses the same, naming the field
+            parse_line(f'{{"prompt_ids": [5, 6], "return_token_ids": {json.dumps(value)}}}', mode="jsonl",
+                       line_no=1, tokenizer=tok, max_context=512)
+        assert refused.value.param == "return_token_ids" and refused.value.message == err.value.message
+    # there it is taken (its final record carries "token_ids" either way)
+    assert parse_line('{"prompt_ids": [5, 6], "return_token_ids": true}', mode="jsonl", line_no=1, tokenizer=tok,
+                      max_context=512).return_token_ids
     req = _parse({"prompt": [[5, 6], [7]], "n": 2, "return_token_ids": True})
     assert req.return_token_ids and req.has_extras
     choices = fan_out(req, "cmpl-1")

@@ -27,13 +27,14 @@ from qmigrate.ingest.prompts import MAX_SEED, Defaults, Prompt, PromptError, is_
 Kind = Literal["completion", "chat"]
 
 # Every field a client may send, by what this server does with it (docs/http.md lists them).
-# Sampling fields the intake (prompts.parse_request) checks alike for stdin JSONL and HTTP.
+# Sampling fields (and return_token_ids) the intake (prompts.parse_request) checks alike for
+# stdin JSONL and HTTP.
 SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "seed", "presence_penalty", "frequency_penalty",
                    "logit_bias", "ignore_eos", "min_tokens", "cache_salt", "repetition_penalty", "min_p",
-                   "stop_token_ids", "response_format", "structured_outputs")
+                   "stop_token_ids", "response_format", "structured_outputs", "return_token_ids")
 # from top_k and ignore_eos on: extensions, as vLLM's (response_format on completions too)
 SUPPORTED_FIELDS = frozenset(["model", "max_tokens", "stop", "stream", "stream_options", "n", "prompt_logprobs",
-                              "return_token_ids", *SAMPLING_FIELDS])
+                              *SAMPLING_FIELDS])
 ONLY_FIELDS = {"completion": frozenset(["prompt", "logprobs", "echo"]),
                "chat": frozenset(["messages", "max_completion_tokens", "logprobs", "top_logprobs", "tools",
                                   "tool_choice", "parallel_tool_calls"])}
@@ -150,9 +151,6 @@ def parse_body(body, kind: Kind, *, model_names: Collection[str], tokenizer, max
                        "\"continuous_usage_stats\": true|false}", "stream_options")
     if options and not stream:
         raise ApiError(400, "'stream_options' is only allowed with 'stream': true", "stream_options")
-    return_ids = body.get("return_token_ids", False)
-    if not isinstance(return_ids, bool):
-        raise ApiError(400, "'return_token_ids' must be a boolean", "return_token_ids")
 
     request = {}
     max_name = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
@@ -190,8 +188,6 @@ def parse_body(body, kind: Kind, *, model_names: Collection[str], tokenizer, max
             of_prompt = param in ("prompt", "messages") and len(items) > 1
             raise ApiError(400, f"prompt[{i}]: {message}" if of_prompt else message, param,
                            code="context_length_exceeded" if too_long else None) from None
-    for prompt in prompts:
-        prompt.return_token_ids = return_ids
     include = bool(options.get("include_usage"))
     texts = [item["prompt"] if "prompt" in item else tokenizer.decode(item["prompt_ids"]) for item in items] \
         if echo else []
@@ -199,7 +195,7 @@ def parse_body(body, kind: Kind, *, model_names: Collection[str], tokenizer, max
                          "tool_choice" if tools is not None and tools.is_forced else None)
     return ApiRequest(kind, model, prompts, stream, include, stop, n,
                       include and bool(options.get("continuous_usage_stats")), num_logprobs, num_prompt, echo, texts,
-                      grammar_param, tools, return_ids)
+                      grammar_param, tools, prompts[0].return_token_ids)
 
 
 def _parse_logprobs(body: dict, kind: Kind) -> tuple[int, bool]:

@@ -29,6 +29,7 @@ JSONL input: one object per line with the keys
     logprobs        integer from 0 to 20: each generated token's logprob and that many likeliest
                     alternatives' (vLLM's; the final record's "logprobs")
     prompt_logprobs integer from 0 to 20: the same for each prompt token after the first
+    return_token_ids  boolean, HTTP's (vLLM's); the final record carries "token_ids" either way
     response_format, structured_outputs
                     structured output as over HTTP (docs/http.md) (OpenAI's {"type": "json_object"} or
                     {"type": "json_schema", "json_schema": {"schema", "strict"}}; vLLM's {"json" |
@@ -66,7 +67,7 @@ KEYS = frozenset(
     ["id", "prompt", "prompt_ids", "messages", "max_new_tokens", "temperature", "top_p",
      "top_k", "seed", "stop", "ignore_eos", "min_tokens", "cache_salt", "presence_penalty",
      "frequency_penalty", "repetition_penalty", "min_p", "logit_bias", "stop_token_ids", "logprobs",
-     "prompt_logprobs", "response_format", "structured_outputs", "tools"]
+     "prompt_logprobs", "response_format", "structured_outputs", "tools", "return_token_ids"]
 )
 
 
@@ -315,6 +316,9 @@ def parse_request(
         if value != -1 and (not is_int(value) or not 0 <= value <= P.MAX_LOGPROBS):
             fail(f"'{name}' must be an integer from 0 to {P.MAX_LOGPROBS}", name)
         logprobs[f"num_{name}"] = value
+    return_ids = obj.get("return_token_ids", False)
+    if not isinstance(return_ids, bool):
+        fail("'return_token_ids' must be a boolean", "return_token_ids")
     grammar = _parse_grammar(obj, fail)
     if grammar and ignore_eos:
         fail("'ignore_eos' cannot be combined with structured output: the grammar's end is an EOS", "ignore_eos")
@@ -325,7 +329,7 @@ def parse_request(
     prompt = _fit(Prompt(req_id, prompt_ids, max_new_tokens, float(temperature), float(top_p),
                          top_k, seed, stop_ids, ignore_eos=ignore_eos, min_tokens=min_tokens,
                          cache_salt=cache_salt, logit_bias=logit_bias, stop_token_ids=stop_token_ids,
-                         grammar=grammar, **penalties, **logprobs), max_context)
+                         grammar=grammar, return_token_ids=return_ids, **penalties, **logprobs), max_context)
     prompt.min_tokens = min(prompt.min_tokens, prompt.max_new_tokens)  # after a clamp to the context
     return check_prompt(prompt, eos_ids)
 
