@@ -24,8 +24,8 @@ q() { python -m qmigrate "$@"; }
 M=.bench/bench-model L8=.shapes/llama-3.1-8b
 # 128 ShareGPT sessions of up to 6 turns, each turn carrying the conversation so far (the replies the server
 # gave; SESSION_REPLIES=dataset: the dataset's) and asking for as many tokens as the dataset's reply; 4 s
-# between an answer and the next turn; every session inside the context
-SESSIONS=${SESSIONS:-128} TURNS=6 THINK=4 SESSION_REPLIES=${SESSION_REPLIES:-model} SESSIONS_AS=${SESSIONS_AS:-auto}
+# between an answer and the next turn (THINK=S); every session inside the context
+SESSIONS=${SESSIONS:-128} TURNS=6 THINK=${THINK:-4} SESSION_REPLIES=${SESSION_REPLIES:-model} SESSIONS_AS=${SESSIONS_AS:-auto}
 TIER_GIB=${TIER_GIB:-32}
 (nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader; free -g | head -2; date -u) \
     > "$out/machine.txt" 2>&1
