@@ -214,3 +214,35 @@ def test_ids_after_a_forced_migration_are_those_of_one_worker(tmp_path, ipc_dir,
     for i, prompt in enumerate(prompts):
         assert isinstance(got.get(i), list), got.get(i)
         reference(prompt, 24, got[i], f"request {i}")
+
+
+def test_ids_past_the_tokenizer_are_taken_up_to_the_models_embedding_rows(tiny_model_dir, tmp_path):
+    """A model can emit any id its embedding has (a padded vocabulary, a shape served with a
+    smaller tokenizer); a client sending its output back as ids is refused only past those."""
+    import shutil
+    from qmigrate.hub.tokenizer_info import load_tokenizer_info, token_id_bound
+    tok = _tokenizer(tiny_model_dir)
+    n = len(tok)
+    model = tmp_path / "wide"
+    shutil.copytree(tiny_model_dir, model)
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "vocab_size": n + 500}))
+    assert token_id_bound(tiny_model_dir, tok) == n
+    assert token_id_bound(model, load_tokenizer_info(model)[0]) == n + 500
+    nested = tmp_path / "nested"
+    nested.mkdir()
+    (nested / "config.json").write_text(json.dumps({"text_config": {"vocab_size": n + 7}}))
+    assert token_id_bound(nested, tok) == n + 7
+    (nested / "config.json").write_text(json.dumps({"vocab_size": n - 100}))   # fewer rows: the tokenizer's ids
+    assert token_id_bound(nested, tok) == n
+
+    _parse = lambda vocab, ids: parse_body({"model": "m", "prompt": ids}, "completion", model_names=["m"],
+                                           tokenizer=tok, max_context=4096, vocab_size=vocab)
+    assert _parse(n + 500, [5, n, n + 499]).prompt.prompt_ids == [5, n, n + 499]
+    for vocab, ids in ((n + 500, [5, n + 500]), (None, [5, n])):
+        with pytest.raises(ApiError) as err:
+            _parse(vocab, ids)
+        assert err.value.status == 400 and err.value.param == "prompt" and "out of range" in err.value.message
+    line = json.dumps({"prompt_ids": [5, n + 3]})
+    assert parse_line(line, mode="jsonl", line_no=1, tokenizer=tok, max_context=4096,
+                      vocab_size=n + 500).prompt_ids == [5, n + 3]

@@ -109,3 +109,16 @@ def max_token_chars(tokenizer) -> int:
         except AttributeError:  # a tokenizer class with slots: computed again each time
             pass
     return cached
+
+
+def token_id_bound(path: str | os.PathLike, tokenizer) -> int:
+    """Prompt, stop and logit-bias ids a request may name: [0, this). Every id the tokenizer
+    has, and every row of the model's embedding where it has more (a vocabulary padded past
+    the tokenizer's, or a model shape served with a smaller tokenizer): such a model can emit
+    those ids, and a client that sends its output back as ids must be able to."""
+    try:
+        config = json.loads((Path(path) / "config.json").read_text())
+        rows = (config.get("text_config") or config).get("vocab_size")
+    except (OSError, ValueError, AttributeError):
+        rows = None
+    return max(len(tokenizer), rows) if isinstance(rows, int) and not isinstance(rows, bool) else len(tokenizer)

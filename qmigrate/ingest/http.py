@@ -43,7 +43,7 @@ from aiohttp import web
 from qmigrate.ops import logs
 from qmigrate.wire import transport
 from qmigrate.hub.grammars import Compiler, GrammarError
-from qmigrate.hub.tokenizer_info import load_tokenizer_info
+from qmigrate.hub.tokenizer_info import load_tokenizer_info, token_id_bound
 from qmigrate.ingest.logprobs_api import TokenText
 from qmigrate.ingest.guard import ClientLimit
 from qmigrate.ingest import answers, utility_api
@@ -78,6 +78,7 @@ class HttpServer:
         # fast tokenizer is not safe to share between threads.
         self.tokenizer, self.max_context, self.eos_ids = load_tokenizer_info(model_path, trust_remote_code)
         self.token_text = TokenText(self.tokenizer)   # logprobs' token texts, decoded once per id
+        self.id_bound = token_id_bound(model_path, self.tokenizer)
         self.max_context = min(self.max_context, max_model_len or self.max_context)   # the workers' limit
         # structured outputs' grammars, compiled off both loops (and refused past the time limit)
         self.grammars = Compiler(lambda: load_tokenizer_info(model_path, trust_remote_code)[0],
@@ -303,7 +304,7 @@ class HttpServer:
         """On the parser thread: the body's JSON, checked and tokenized."""
         return parse_body(self._json(raw), kind, model_names=self.model_names, tokenizer=self.tokenizer,
                           max_context=self.max_context, defaults=self.defaults, eos_ids=self.eos_ids,
-                          tool_parser=self.cfg.tool_call_parser)
+                          tool_parser=self.cfg.tool_call_parser, vocab_size=self.id_bound)
 
     async def _generate(self, request, kind):
         req = await self.loop.run_in_executor(self.parser, self._parse, await self._read(request), kind)

@@ -32,7 +32,7 @@ import zmq
 from qmigrate.wire import protocol as P
 from qmigrate.wire import transport
 from qmigrate.hub.loading import resolve_model
-from qmigrate.hub.tokenizer_info import load_tokenizer_info
+from qmigrate.hub.tokenizer_info import load_tokenizer_info, token_id_bound
 from qmigrate.ingest.handoff import THREAD_ID_BITS, HandoffOrder, http_route, reply_rows
 from qmigrate.hub.grammars import Compiler, GrammarError
 from qmigrate.ingest.prompts import CancelRequest, Defaults, PromptError, parse_line, seed_of, to_spec
@@ -73,6 +73,7 @@ class Ingest:
         model_path = resolve_model(topo.model.path)
         self.tokenizer, self.max_context, self.eos_ids = load_tokenizer_info(model_path, topo.model.trust_remote_code)
         self.max_context = min(self.max_context, topo.max_model_len or self.max_context)
+        self.id_bound = token_id_bound(model_path, self.tokenizer)
         trust = topo.model.trust_remote_code
         self.grammars = Compiler(lambda: load_tokenizer_info(model_path, trust)[0], len(self.tokenizer),
                                  d.structured_output_compile_timeout_s)
@@ -212,7 +213,7 @@ class Ingest:
                 raise PromptError(str(self.line_no), str(line))
             prompt = parse_line(line, mode=self.mode, line_no=self.line_no, tokenizer=self.tokenizer,
                                 max_context=self.max_context, defaults=self.defaults,
-                                eos_ids=self.eos_ids, chat=self.chat)
+                                eos_ids=self.eos_ids, vocab_size=self.id_bound, chat=self.chat)
             if isinstance(prompt, CancelRequest):
                 seq_id = self.live.get(prompt.req_id)
                 if seq_id is None:

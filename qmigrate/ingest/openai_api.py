@@ -118,7 +118,8 @@ def _same(value, neutral) -> bool:
 
 def parse_body(body, kind: Kind, *, model_names: Collection[str], tokenizer, max_context: int,
                defaults: Defaults = Defaults(), eos_ids: Collection[int] = (),
-               tool_parser: str = "auto") -> ApiRequest:
+               tool_parser: str = "auto", vocab_size: int | None = None) -> ApiRequest:
+    """`vocab_size` bounds the ids a request names (default: the tokenizer's)."""
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
     known = SUPPORTED_FIELDS | ONLY_FIELDS[kind] | IGNORED_FIELDS[kind] | NEUTRAL_OF[kind]
@@ -180,7 +181,7 @@ def parse_body(body, kind: Kind, *, model_names: Collection[str], tokenizer, max
     for i, item in enumerate(items):  # every prompt is checked before any is submitted
         try:
             prompts.append(parse_request({**request, **item}, "", tokenizer=tokenizer, max_context=max_context,
-                                         defaults=defaults, eos_ids=eos_ids))
+                                         defaults=defaults, eos_ids=eos_ids, vocab_size=vocab_size))
         except PromptError as exc:
             too_long = "the model's context" in exc.message
             param = _api_param(exc.param, kind, max_name)
