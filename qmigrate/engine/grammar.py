@@ -93,6 +93,11 @@ class GrammarTable:
             entry[1] = index
         return entry[1] == index
 
+    def consumed(self, seq_id: int) -> int | None:
+        """Tokens the sequence's matcher has taken (None: the sequence has no grammar)."""
+        entry = self.matchers.get(seq_id)
+        return None if entry is None else entry[1]
+
     def lags(self, seq_ids, index) -> bool:
         """Whether a constrained row samples past what its matcher has consumed (its last token
         is still on the device)."""
