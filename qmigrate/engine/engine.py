@@ -307,11 +307,9 @@ class Engine:
             extra = [r for r in rows if r.new_ids]
             rows = [r for r in rows if not r.new_ids]
         n = len(rows)
-        if not n:
-            return None
         seq_ids = [r.seq_id for r in rows]
         src = np.fromiter((row_of.get(s, -1) for s in seq_ids), dtype=np.int64, count=n)
-        if (src < 0).any() or len(set(seq_ids)) != n:
+        if not n or (src < 0).any() or len(set(seq_ids)) != n:
             return None
         starts = np.fromiter((r.start for r in rows), dtype=np.int64, count=n)
         index = np.fromiter((r.index for r in rows), dtype=np.int64, count=n)
@@ -350,8 +348,8 @@ class Engine:
         """Queue the forward pass and sampling of the placed rows; tokens come back to a
         pinned host buffer without a wait. Rows with a grammar have their masks computed
         while the device runs the forward pass. When one of them samples after a token that
-        the step `after` has not yet brought to the host, the sampling waits until `after` is
-        collected (`_note_grammars`), while the device runs the forward pass."""
+        the step `after` has not yet brought to the host (rows with a grammar only: beside a
+        plain row it sat out), the sampling waits until `after` is collected (`_note_grammars`)."""
         logits = self.runner.forward(batch, feed=feed)
         pending.batch, pending.params = batch, params
         if self.grammars and after is not None and after.result is None \
