@@ -5,7 +5,8 @@ sample without constrained rows, and constrained rows what they sample alone, on
 across chained leases and after a move (recompute and KV transfer). A step of constrained rows
 only waits for its masks, as before.
 
-The fast runner, eager on the CPU, feeds each step's tokens on the device as on a GPU."""
+The fast runner, eager on the CPU, feeds each step's tokens on the device as on a GPU; the
+`gpu` variants run it on one, with its CUDA graphs, pinned copies and events."""
 
 from __future__ import annotations
 
@@ -14,24 +15,40 @@ import re
 
 import numpy as np
 import pytest
+import torch
 jsonschema = pytest.importorskip("jsonschema")   # the test extra
 
 from qmigrate.engine.rows import StepRow
 from qmigrate.hub import grammars
 from qmigrate.wire import protocol as P
-from test_structured import RESPONSE_FORMAT, SCHEMA, _compiled, _core, _parse, tiny  # noqa: F401 (fixture)
+from qmigrate.worker.core import WorkerCore
+from test_structured import RESPONSE_FORMAT, SCHEMA, _compiled, _parse, tiny  # noqa: F401 (fixture)
 
 PLAIN, CONSTRAINED = (1, 2), (3, 4)
 PROMPTS = {1: [1, 40, 41, 42], 2: [1, 17, 99, 5], 3: [1, 7, 7, 300, 12], 4: [1, 250, 7, 42, 17, 9]}
 SAMPLING = {1: (0.0, 0), 2: (1.0, 11), 3: (0.0, 0), 4: (0.8, 12)}   # (temperature, seed): greedy and seeded
 MAX_NEW = {1: 40, 2: 40, 3: 120, 4: 120}
 LOGPROBS = {1: 2, 4: 3}   # rows that ask for their tokens' logprobs, with this many alternatives
+DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU")])]
+_MODELS: dict[str, object] = {}
 
 
-def _engine(tiny, constrained=CONSTRAINED):
+def _model(tiny, device: str):
+    """The tiny model on `device` (float32 on a GPU)."""
+    if device == "cpu":
+        return tiny[1]
+    if device not in _MODELS:
+        from qmigrate.hub.loading import load_model
+        _MODELS[device] = load_model(tiny[0], "cuda:0", "float32")[0]
+    return _MODELS[device]
+
+
+def _engine(tiny, constrained=CONSTRAINED, device="cpu"):
     from qmigrate.engine.engine import Engine
-    _, model, tokenizer, eos_ids = tiny
-    e = Engine(model, max_model_len=256, max_kv_tokens=4096, runner="fast", enforce_eager=True)
+    _, _, tokenizer, eos_ids = tiny
+    model = _model(tiny, device)
+    e = Engine(model, max_model_len=256, max_kv_tokens=4096, runner="fast", enforce_eager=device == "cpu")
     e.grammars.compiler = grammars.Compiler(lambda: tokenizer, model.config.vocab_size, 60.0)
     grammar = _parse(tiny, response_format=RESPONSE_FORMAT).grammar
     for sid in constrained:
@@ -63,18 +80,18 @@ def _done(sid, out, eos_ids) -> bool:
     return len(out) >= MAX_NEW[sid] or (sid in CONSTRAINED and bool(out) and out[-1] in eos_ids)
 
 
-_ALONE: dict[tuple, tuple] = {}   # (sids, constrained) -> tokens and logprobs: the same for every test
+_ALONE: dict[tuple, tuple] = {}   # (sids, constrained, device) -> tokens and logprobs: the same for every test
 
 
-def _one_by_one(tiny, sids, constrained) -> tuple[dict, dict]:
+def _one_by_one(tiny, sids, constrained, device="cpu") -> tuple[dict, dict]:
     """Each step collected before the next is launched: nothing is fed on the device."""
-    if (sids, constrained) not in _ALONE:
-        _ALONE[sids, constrained] = _stepped(tiny, sids, constrained)
-    return _ALONE[sids, constrained]
+    if (sids, constrained, device) not in _ALONE:
+        _ALONE[sids, constrained, device] = _stepped(tiny, sids, constrained, device)
+    return _ALONE[sids, constrained, device]
 
 
-def _stepped(tiny, sids, constrained) -> tuple[dict, dict]:
-    e, eos_ids = _engine(tiny, constrained), tiny[3]
+def _stepped(tiny, sids, constrained, device) -> tuple[dict, dict]:
+    e, eos_ids = _engine(tiny, constrained, device), tiny[3]
     out, lps = {sid: [] for sid in sids}, {sid: [] for sid in sids}
     while live := [s for s in sids if not _done(s, out[s], eos_ids)]:
         rows = [_row(s, PROMPTS[s] + out[s] if not out[s] else out[s][-1:],
@@ -83,12 +100,12 @@ def _stepped(tiny, sids, constrained) -> tuple[dict, dict]:
     return out, lps
 
 
-def _pipelined(tiny, sids, constrained):
+def _pipelined(tiny, sids, constrained, device="cpu"):
     """Each step launched before the one before is collected, as a worker does: a row goes on
     fed from the device, and a row that sat a step out goes to the next as it was. The tokens,
     the logprobs, and per launched step (placed sequences, those that sat out, whether its
     sampling waits, whether it was built the array way)."""
-    e, eos_ids = _engine(tiny, constrained), tiny[3]
+    e, eos_ids = _engine(tiny, constrained, device), tiny[3]
     out, lps, launched = {sid: [] for sid in sids}, {sid: [] for sid in sids}, []
     pending = e.launch([_row(s, PROMPTS[s], 0, 0) for s in sids])
     while pending is not None:
@@ -115,10 +132,11 @@ def _check_document(tiny, tokens):
     jsonschema.validate(document, SCHEMA)
 
 
-def test_constrained_rows_sit_out_every_other_pipelined_step_and_sample_as_alone(tiny):
-    plain_alone, plain_lps, _ = _pipelined(tiny, PLAIN, ())
-    constrained_alone, constrained_lps = _one_by_one(tiny, CONSTRAINED, CONSTRAINED)
-    got, lps, launched = _pipelined(tiny, PLAIN + CONSTRAINED, CONSTRAINED)
+@pytest.mark.parametrize("device", DEVICES)
+def test_constrained_rows_sit_out_every_other_pipelined_step_and_sample_as_alone(tiny, device):
+    plain_alone, plain_lps, _ = _pipelined(tiny, PLAIN, (), device)
+    constrained_alone, constrained_lps = _one_by_one(tiny, CONSTRAINED, CONSTRAINED, device)
+    got, lps, launched = _pipelined(tiny, PLAIN + CONSTRAINED, CONSTRAINED, device)
     for sid in PLAIN:
         assert got[sid] == plain_alone[sid], sid
     for sid in CONSTRAINED:
@@ -180,8 +198,9 @@ def _taken(result, out, ended) -> dict[int, int]:
     return counts
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("move", [None, "recompute", "transfer"])
-def test_sitting_out_holds_across_chained_leases_and_after_a_move(tiny, move):
+def test_sitting_out_holds_across_chained_leases_and_after_a_move(tiny, move, device):
     """Leases of 6, 3 and 2 steps, each chained behind the last step of the one before (and
     launched before that lease's step before it is collected): the constrained rows decode
     every other step, from one lease into the next, whether they sat out the last step of a
@@ -191,9 +210,9 @@ def test_sitting_out_holds_across_chained_leases_and_after_a_move(tiny, move):
     constrained rows alone."""
     eos_ids = tiny[3]
     grammar = _parse(tiny, response_format=RESPONSE_FORMAT).grammar
-    new_core = lambda: _compiled(_core(tiny, "fast"), grammar, eos_ids)
-    plain, _ = _one_by_one(tiny, PLAIN, ())
-    constrained, _ = _one_by_one(tiny, CONSTRAINED, CONSTRAINED)
+    new_core = lambda: _compiled(WorkerCore(_engine(tiny, (), device)), grammar, eos_ids)
+    plain, _ = _one_by_one(tiny, PLAIN, (), device)
+    constrained, _ = _one_by_one(tiny, CONSTRAINED, CONSTRAINED, device)
     sids = PLAIN + CONSTRAINED
     core, out, ended = new_core(), {sid: [] for sid in sids}, set()
     run = core.start(_lease(1, sids, [len(PROMPTS[s]) for s in sids], [PROMPTS[s][-1] for s in sids],
