@@ -290,6 +290,52 @@ def test_a_plain_row_beside_a_constrained_one_samples_as_alone(tiny):
     assert re.fullmatch("[0-9]+", tokenizer.decode(tokens[counts[0]:], skip_special_tokens=True))
 
 
+def test_a_pipelined_constrained_step_samples_as_one_collected_first(tiny):
+    """A step launched before the one it follows is collected leaves its sampling until the
+    masks, which need that step's tokens, are filled; the tokens, sampled or not, are those of
+    the same rows run one collected step at a time, and the constrained row's text matches."""
+    from qmigrate.engine.engine import Engine
+    from qmigrate.engine.rows import StepRow
+    _, model, tokenizer, eos_ids = tiny
+    grammar = _parse(tiny, structured_outputs={"regex": "[0-9]{30}"}).grammar
+    prompts = {1: [1, 40, 41, 42], 2: [1, 17, 99, 5], 3: [1, 7, 7, 300, 12]}
+    sampling = {1: (0.0, 0), 2: (1.0, 11), 3: (0.8, 12)}
+
+    def engine():   # the fast runner (eager on the CPU) feeds a step's tokens on the device
+        e = Engine(model, max_model_len=256, max_kv_tokens=4096, runner="fast", enforce_eager=True)
+        e.grammars.compiler = grammars.Compiler(lambda: tokenizer, model.config.vocab_size, 60.0)
+        for sid in (2, 3):
+            assert e.set_grammar(sid, e.grammars.matcher(grammar, eos_ids), eos_ids, [])
+        return e
+
+    def row(sid, new_ids, start, index):
+        return StepRow(sid, new_ids, start, index, sampling[sid][0], seed=sampling[sid][1])
+
+    steps, alone = 12, engine()
+    one_by_one = {sid: [] for sid in prompts}
+    for i in range(steps):
+        rows = [row(sid, p + one_by_one[sid] if i == 0 else one_by_one[sid][-1:],
+                    0 if i == 0 else len(p) + i - 1, i) for sid, p in prompts.items()]
+        for sid, t in zip(prompts, alone.step(rows)):
+            one_by_one[sid].append(t)
+
+    e = engine()
+    pending = e.launch([row(sid, p, 0, 0) for sid, p in prompts.items()])
+    piped, deferred = {sid: [] for sid in prompts}, 0
+    for i in range(1, steps + 1):
+        nxt = None
+        if i < steps:
+            nxt = e.launch([row(sid, [], len(p) + i - 1, i) for sid, p in prompts.items()], after=pending)
+            deferred += nxt.logits is not None
+        for sid, t in zip(prompts, e.collect(pending)):
+            piped[sid].append(t)
+        pending = nxt
+    assert deferred == steps - 1
+    assert piped == one_by_one
+    for sid in (2, 3):
+        assert re.fullmatch("[0-9]{12,30}", tokenizer.decode(piped[sid], skip_special_tokens=True))
+
+
 def _grown(compiler, grammar, eos_ids, size: int) -> None:
     """Copies asked of `compiler` until `grammar`'s family has `size` templates (each copy asks
     the pool for one more while it is short)."""

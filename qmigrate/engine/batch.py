@@ -93,14 +93,3 @@ class StepBatch:
         slots = table[np.arange(n), starts // bs].astype(np.int64) * bs + starts % bs
         return StepBatch(list(seq_ids), np.zeros(n, dtype=np.int64), starts, slots,
                          np.arange(n + 1, dtype=np.int32), (starts + 1).astype(np.int32), table, 1)
-
-    def followed_by(self, other: "StepBatch") -> "StepBatch":
-        """This decode step's rows, then `other`'s (one token a row, both): one step."""
-        width = max(self.block_table.shape[1], other.block_table.shape[1])
-        pad = lambda t: np.pad(t, ((0, 0), (0, width - t.shape[1])))
-        n = self.num_rows + other.num_rows
-        return StepBatch(self.seq_ids + other.seq_ids, np.concatenate((self.ids, other.ids)),
-                         np.concatenate((self.positions, other.positions)),
-                         np.concatenate((self.slot_mapping, other.slot_mapping)), np.arange(n + 1, dtype=np.int32),
-                         np.concatenate((self.seq_lens, other.seq_lens)),
-                         np.concatenate((pad(self.block_table), pad(other.block_table))), 1)

@@ -28,7 +28,7 @@ from qmigrate.engine.batch import StepBatch
 from qmigrate.engine.kv.host_tier import HostTier, export_by_keys, tier_bytes, tier_stats
 from qmigrate.engine.kv.pool import BlockPool, landed
 from qmigrate.engine.rows import REFUSED, Pending, StepRow, prompt_budget, share_prompt_budget
-from qmigrate.engine import fp8, placement, prefill, sit_out, startup
+from qmigrate.engine import fp8, placement, prefill, startup
 from qmigrate.engine.config import EngineConfig
 from qmigrate.engine.runners.choice import make_runner
 from qmigrate.engine.controls import Controls, ControlTable
@@ -239,26 +239,10 @@ class Engine:
         the step's prompt rows (several new ids) share that many tokens in row order: a row
         past the budget runs only its first part, or none of it. Such a row's sequence is in
         `Pending.partial`: its token is no sample (the KV of the part that ran is kept), and a
-        later step carries the rest from cached_len on.
-
-        A constrained row fed from `after` sits the step out while `after` is not collected,
-        if the step has a plain row (sit_out.py): it is in `Pending.sat_out`, samples nothing,
-        and is given to the next step as it was, which feeds it its token from the host."""
+        later step carries the rest from cached_len on."""
         self._settle(after)   # its tokens are read on the device from here on
-        sitting, back = (), ()
-        if after is not None and (after.sat_out or self.grammars):
-            rows, sitting, back = sit_out.split(self, rows, after)
-        pending = self._launch(rows, after, between, back)
-        if sitting:
-            sit_out.note(pending, sitting, after)
-        return pending
-
-    def _launch(self, rows: list[StepRow], after: "Pending | None", between, back) -> "Pending":
-        """`launch`'s step of the rows that run (`back`: sequences given their last token
-        after sitting the step `after` out)."""
-        if after is not None and after.batch is not None and rows \
-                and not any(r.new_ids and r.seq_id not in back for r in rows):
-            pending = self._continue(rows, after, back)
+        if after is not None and after.batch is not None and rows and not any(r.new_ids for r in rows):
+            pending = self._continue(rows, after)
             if pending is not None:
                 return pending
         feed = [i for i, r in enumerate(rows) if not r.new_ids]
@@ -295,21 +279,16 @@ class Engine:
         pending.asks = asks if (asks >= 0).any() else None
         return self._run(pending, batch, feed, params, after)
 
-    def _continue(self, rows: list[StepRow], after: "Pending", back=()) -> "Pending | None":
+    def _continue(self, rows: list[StepRow], after: "Pending") -> "Pending | None":
         """The common decode step, built with array operations: every row is a sequence of
-        the step `after`, one token further, with the sampling parameters it had there; or
-        one of `back`, which sat `after` out, decoding its known token (joined at the end).
+        the step `after`, one token further, with the sampling parameters it had there.
         None when that does not hold or a new block cannot be had without evicting (the
         general path then places the rows, refusing some if it must)."""
         pool, prev, row_of = self.pool, after.batch, after.row_of
-        extra = []
-        if back:
-            extra = [r for r in rows if r.new_ids]
-            rows = [r for r in rows if not r.new_ids]
         n = len(rows)
         seq_ids = [r.seq_id for r in rows]
         src = np.fromiter((row_of.get(s, -1) for s in seq_ids), dtype=np.int64, count=n)
-        if not n or (src < 0).any() or len(set(seq_ids)) != n:
+        if (src < 0).any() or len(set(seq_ids)) != n:
             return None
         starts = np.fromiter((r.start for r in rows), dtype=np.int64, count=n)
         index = np.fromiter((r.index for r in rows), dtype=np.int64, count=n)
@@ -320,36 +299,34 @@ class Engine:
         if (not (prev.seq_lens[src] == starts).all() or not (prev_index + 1 == index).all()
                 or int(starts.max()) + 1 > self.max_len
                 or any(length.get(s) != p for s, p in zip(seq_ids, starts.tolist()))
-                or not all((a == b).all() for a, b in zip(given, (temperature, top_p, top_k, seed)))
-                or (extra and not sit_out.may_join(self, extra, seq_ids))):
+                or not all((a == b).all() for a, b in zip(given, (temperature, top_p, top_k, seed)))):
             return None
-        every, at = seq_ids, starts
-        if extra:
-            every = seq_ids + [r.seq_id for r in extra]
-            at = np.concatenate((starts, np.fromiter((r.start for r in extra), dtype=np.int64, count=len(extra))))
-        if not placement.open_blocks(pool, every, at):
+        bs = pool.block_size
+        opening = [i for i in np.flatnonzero(starts % bs == 0).tolist()
+                   if len(pool.blocks[seq_ids[i]]) * bs <= starts[i]]
+        if opening and not pool.make_room(len(opening), set(seq_ids)):
             return None
+        for i in opening:
+            pool.grow(seq_ids[i], int(starts[i]) + 1)
+        for s in seq_ids:
+            pool.touch(s)
         batch = prev.continued(pool, seq_ids, src)
         if self.runner.can_feed:
             feed = (np.arange(n), src, after.tokens)
         else:
             batch.ids = np.asarray(self.collect(after), dtype=np.int64)[np.asarray(after.placed)[src]]
             feed = None
-        params, asks = (temperature, top_p, top_k, seed, index), after.asks[src] if after.asks is not None else None
-        if extra:
-            batch, params, asks = sit_out.joined(pool, batch, params, asks, extra)
-            rows = rows + extra
-        pending = Pending(rows, list(range(len(rows))), dict(zip(every, range(len(rows)))))
-        pending.asks = asks
+        pending = Pending(rows, list(range(n)), dict(zip(seq_ids, range(n))))
+        pending.asks = after.asks[src] if after.asks is not None else None
         self.num_continued += 1
-        return self._run(pending, batch, feed, params, after)
+        return self._run(pending, batch, feed, (temperature, top_p, top_k, seed, index), after)
 
     def _run(self, pending: "Pending", batch: StepBatch, feed, params: HostRows, after=None) -> "Pending":
         """Queue the forward pass and sampling of the placed rows; tokens come back to a
         pinned host buffer without a wait. Rows with a grammar have their masks computed
         while the device runs the forward pass. When one of them samples after a token that
-        the step `after` has not yet brought to the host (rows with a grammar only: beside a
-        plain row it sat out), the sampling waits until `after` is collected (`_note_grammars`)."""
+        the step `after` has not yet brought to the host, the sampling waits until `after` is
+        collected (`_note_grammars`), while the device runs the forward pass."""
         logits = self.runner.forward(batch, feed=feed)
         pending.batch, pending.params = batch, params
         if self.grammars and after is not None and after.result is None \
@@ -427,8 +404,6 @@ class Engine:
                     self.pool.note_sampled(pending.batch.seq_ids, pending.batch.seq_lens, values, pending.partial)
                     self._note_grammars(pending, values)
             pending.result = tokens
-            if pending.sat_out_from is not None:   # the tokens of the rows that sat it out
-                sit_out.last_tokens(self, pending)
         return pending.result
 
     @torch.inference_mode()

@@ -13,15 +13,13 @@ same mask.
 The mask is computed on the host while the device runs the step's forward pass (the step is
 queued before the mask is asked for), into a pinned buffer of packed bits (one int32 per 32
 tokens, llguidance's layout), and applied on the device as one masked fill of the constrained
-rows (filled by the library's threads, the rows handed to them family by family of their
-templates: hub/grammars.py). Beside plain rows, a constrained row whose last token is still on
-the device sits the step out (engine/sit_out.py), so its mask is filled in the next step, from
-a token on the host. A step of constrained rows only that sample after a token of the step
-before it still on the device (`lags`) is sampled when that step is collected
-(`Engine._note_grammars`): the matchers take its tokens, the masks are filled and the sampling
-is queued while the device still runs the forward pass, before the worker's own work on the
-collected step. Rows without a grammar pay nothing of this; a step with no constrained row does
-no work here. EOS is in a row's mask only where its grammar accepts.
+rows. A step whose constrained rows sample after a token of the step before it that is still
+on the device (`lags`) is sampled when that step is collected (`Engine._note_grammars`): the
+matchers take its tokens, the masks are filled (by the library's threads, the rows handed
+to them family by family of their templates: hub/grammars.py) and
+the sampling is queued while the device still runs the forward pass, before the worker's
+own work on the collected step. Rows without a grammar pay nothing of this; a step with no
+constrained row does no work here. EOS is in a row's mask only where its grammar accepts.
 
 What a mask costs depends on the grammar's state, not only on the row count: llguidance skips
 whole slices of the vocabulary where the lexer allows any string character, but a string with a
@@ -94,11 +92,6 @@ class GrammarTable:
             entry[0].rollback(entry[1] - index)
             entry[1] = index
         return entry[1] == index
-
-    def consumed(self, seq_id: int) -> int | None:
-        """Tokens the sequence's matcher has taken (None: the sequence has no grammar)."""
-        entry = self.matchers.get(seq_id)
-        return None if entry is None else entry[1]
 
     def lags(self, seq_ids, index) -> bool:
         """Whether a constrained row samples past what its matcher has consumed (its last token

@@ -4,8 +4,6 @@ rows of the step itself: prefills first (largest first), then decode rows from t
 
 from __future__ import annotations
 
-import numpy as np
-
 from qmigrate.engine.kv.pool import BlockPool
 from qmigrate.engine.rows import StepRow, num_new
 
@@ -34,21 +32,6 @@ def place(pool: BlockPool, rows: list[StepRow], max_len: int, protect=()) -> lis
         pool.grow(r.seq_id, r.start + num_new(r))
         pool.touch(r.seq_id)
     return running
-
-
-def open_blocks(pool: BlockPool, seq_ids: list[int], starts) -> bool:
-    """Decode rows (seq_ids, each writing position starts[i]): a block for each whose position
-    opens one, evicting only sequences outside the rows; False when even that cannot cover
-    them (the caller then places the rows, refusing some)."""
-    bs = pool.block_size
-    opening = [i for i in np.flatnonzero(starts % bs == 0).tolist() if len(pool.blocks[seq_ids[i]]) * bs <= starts[i]]
-    if opening and not pool.make_room(len(opening), set(seq_ids)):
-        return False
-    for i in opening:
-        pool.grow(seq_ids[i], int(starts[i]) + 1)
-    for s in seq_ids:
-        pool.touch(s)
-    return True
 
 
 def _blocks_needed(pool: BlockPool, r: StepRow) -> int:

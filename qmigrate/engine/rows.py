@@ -57,16 +57,6 @@ class Pending:
     logits: torch.Tensor | None = None
     waits_on: "Pending | None" = None
     then: "Pending | None" = None           # the step launched after this one that waits on it
-    # constrained rows that sat out this step, their last token still on the device when it was
-    # launched (engine/sit_out.py): seq_id -> that token, read from `sat_out_from` once it is known
-    sat_out: dict[int, int] = dataclasses.field(default_factory=dict)
-    sat_out_from: "Pending | None" = None
-
-    @property
-    def unsampled(self) -> set[int]:
-        """Sequences among the rows that sampled nothing and go on in a later step: a prompt
-        cut short (`partial`), a constrained row that sat out (`sat_out`)."""
-        return self.partial | self.sat_out.keys() if self.sat_out else self.partial
 
 
 def prompt_budget(rows: list[StepRow], cfg: EngineConfig) -> int:

@@ -193,15 +193,14 @@ class WorkerCore:
             self.num_steps += 1
             lps, prompts = self.engine.take_logprobs(pending)
             run.prompt_lps.update(prompts)
-            self._advance(run, pending.rows, tokens, pending.unsampled, lps)
+            self._advance(run, pending.rows, tokens, pending.partial, lps)
             pending = nxt
             if pending is not None and on_step is not None:
                 revoked = on_step(tokens_of(run, final=False))
         return step_result(run, self.engine), tokens_of(run, final=True)
 
     def _continuing(self, run: "Started", pending, revoked: frozenset[int] | None) -> list[StepRow]:
-        """Rows of the next step of a multi-step lease, fed the tokens `pending` samples; a
-        row that sat `pending` out (engine/sit_out.py) goes on as it was, fed its last token.
+        """Rows of the next step of a multi-step lease, fed the tokens `pending` samples.
         (Runs every step for every row: kept to plain lookups.)"""
         if revoked is None:
             return []
@@ -209,9 +208,6 @@ class WorkerCore:
         if pending.partial:
             rows = [self._next_part(r) for r in pending.rows
                     if r.seq_id in pending.partial and r.seq_id not in revoked and r.seq_id in seqs]
-        if pending.sat_out:
-            rows += [r for r in pending.rows if r.seq_id in pending.sat_out and r.seq_id not in ended
-                     and r.seq_id not in revoked and r.seq_id in seqs]
         for i in pending.placed:
             r = pending.rows[i]
             sid = r.seq_id
@@ -274,9 +270,8 @@ class WorkerCore:
             if state is None:  # dropped here meanwhile (the router took it back): resend it whole
                 return Finish.NEED_IDS
             in_flight = after is not None and sid in after.out
-            if in_flight and after.pending is not None and (sid in after.pending.row_of
-                                                            or sid in after.pending.sat_out):
-                start, new = self.engine.cached_len(sid), []   # fed its last token by the engine
+            if in_flight and after.pending is not None and sid in after.pending.row_of:
+                start, new = self.engine.cached_len(sid), []   # fed on the device
             elif in_flight or state is None or state.last_token < 0 or self.engine.cached_len(sid) < 0:
                 return Finish.NEED_IDS
             else:
