@@ -139,6 +139,17 @@ def stop_group(proc: subprocess.Popen, grace_s: float = 10.0) -> None:
 
 
 @pytest.fixture
+def node_tmp():
+    """A TMPDIR for the nodes a test starts, to see what they leave behind: short, so that a
+    node's ipc:// sockets fit in it (a node whose socket paths would not fit makes its directory
+    in /tmp instead, out of the test's sight, whatever the length of pytest's own temp path)."""
+    import shutil
+    path = Path(tempfile.mkdtemp(prefix="qm-t-", dir="/tmp"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
 def qmigrate():
     return run_qmigrate
 

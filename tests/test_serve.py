@@ -214,10 +214,9 @@ def _stream(port: int, results: list, started: threading.Event) -> None:
 
 @pytest.mark.slow
 @pytest.mark.timeout(180)
-def test_serve_on_the_cpu_answers_once_ready_and_sigterm_stops_everything(tiny_model_dir, tmp_path):
+def test_serve_on_the_cpu_answers_once_ready_and_sigterm_stops_everything(tiny_model_dir, node_tmp):
     (port,) = reserve_ports(1)
-    tmp = tmp_path / "tmp"
-    tmp.mkdir()
+    tmp = node_tmp
     proc = subprocess.Popen([sys.executable, "-m", "qmigrate", "serve", str(tiny_model_dir), "--port", str(port),
                              "--cpu-workers", "1", "--served-model-name", "tiny", "--api-key", "k"],
                             stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -245,6 +244,7 @@ def test_serve_on_the_cpu_answers_once_ready_and_sigterm_stops_everything(tiny_m
         assert status == 200 and body["usage"]["completion_tokens"] == 4, body
         roles = [pid for pid in H.roles_of(proc).values() if pid != proc.pid]
         assert len(roles) >= 4, H.roles_of(proc)  # router, ingest, detokenizer, the worker
+        assert any(d.name.startswith("qm-serve-") for d in tmp.iterdir()), "the node's directory is not in TMPDIR"
         results: list = []
         started = [threading.Event() for _ in range(16)]  # 8,000 tokens: still running at the signal
         clients = [threading.Thread(target=_stream, args=(port, results, e)) for e in started]

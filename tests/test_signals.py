@@ -47,15 +47,15 @@ def _kill_session(proc) -> None:
         os.kill(pid, signal.SIGKILL)
 
 
-def test_sigterm_during_startup_stops_every_role_and_leaves_no_temp_dir(tmp_path, tiny_model_dir):
-    tmp = tmp_path / "tmp"
-    tmp.mkdir()
+def test_sigterm_during_startup_stops_every_role_and_leaves_no_temp_dir(node_tmp, tiny_model_dir):
+    tmp = node_tmp
     sim = subprocess.Popen([sys.executable, "-m", "qmigrate", "sim", "--workers", "2", "--model", str(tiny_model_dir)],
                            stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                            env={**os.environ, "TMPDIR": str(tmp)}, start_new_session=True)
     try:
         # Roles started, workers still loading: the supervisor waits for the fleet.
         assert _wait(lambda: any(t.startswith("qmigrate worker") for t in H.roles_of(sim))), "no role started"
+        assert any(d.name.startswith("qm-") for d in tmp.iterdir()), "the node's directory is not in TMPDIR"
         roles = list(H.roles_of(sim).values())
         sim.send_signal(signal.SIGTERM)
         _, err = sim.communicate(timeout=30)

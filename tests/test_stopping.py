@@ -23,9 +23,8 @@ def _spawn(args: list[str], tmp, **kw) -> subprocess.Popen:
                             start_new_session=True, **kw)
 
 
-def test_sigterm_to_bench_stops_its_roles_and_removes_its_temp_dirs(tmp_path, tiny_model_dir):
-    tmp = tmp_path / "tmp"
-    tmp.mkdir()
+def test_sigterm_to_bench_stops_its_roles_and_removes_its_temp_dirs(node_tmp, tiny_model_dir):
+    tmp = node_tmp
     bench = _spawn(["bench", "--model", str(tiny_model_dir), "--paths", "pipeline", "--requests", "8",
                     "--output-len", "400:400"], tmp, stdin=subprocess.DEVNULL)
     try:
@@ -42,13 +41,13 @@ def test_sigterm_to_bench_stops_its_roles_and_removes_its_temp_dirs(tmp_path, ti
         _kill_session(bench)
 
 
-def test_ctrl_c_while_roles_import_prints_no_traceback(tmp_path, tiny_model_dir):
+def test_ctrl_c_while_roles_import_prints_no_traceback(node_tmp, tiny_model_dir):
+    tmp = node_tmp
     """Ctrl-C at a terminal reaches every process of the foreground group at once."""
-    tmp = tmp_path / "tmp"
-    tmp.mkdir()
     sim = _spawn(["sim", "--workers", "2", "--model", str(tiny_model_dir)], tmp, stdin=subprocess.PIPE)
     try:
         assert _wait(lambda: len(H.roles_of(sim)) >= 4), H.roles_of(sim)  # started, still importing
+        assert any(d.name.startswith("qm-") for d in tmp.iterdir()), "the node's directory is not in TMPDIR"
         roles = [pid for pid in H.roles_of(sim).values() if pid != sim.pid]
         os.killpg(sim.pid, signal.SIGINT)  # the group: this test's own session
         _, err = sim.communicate(timeout=60)
