@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import re
 import signal
 import socket
@@ -21,10 +22,31 @@ from pathlib import Path
 PY = sys.executable
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def free_ports(n: int, taken=()) -> int:
+    """The first of n consecutive TCP ports on 127.0.0.1 that are free to bind now, none in
+    `taken`. Drawn below the kernel's ephemeral range and under the range the test suite
+    reserves its ports from: no outgoing connection takes one of these as its source port
+    before the server binds it (`serve --metrics-port P` binds P and P + 1)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    top = max(2048, low - 12000)
+    rng = random.Random()
+    for _ in range(1000):
+        first = rng.randrange(1024, top - n)
+        ports = range(first, first + n)
+        if set(ports) & set(taken):
+            continue
+        try:
+            for port in ports:
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", port))
+        except OSError:
+            continue
+        return first
+    raise RuntimeError(f"no {n} consecutive free ports")
 
 
 class Budget:
@@ -52,9 +74,8 @@ class Server:
 
     def __init__(self, model: str, log: Path, flags: list[str], *, gpus: str | None = None,
                  ready_timeout_s: float = 300.0):
-        self.port, self.metrics_port = free_port(), free_port()
-        while self.metrics_port + 1 == self.port:
-            self.metrics_port = free_port()
+        self.port = free_ports(1)
+        self.metrics_port = free_ports(2, taken=(self.port,))   # the router's, the detokenizer's
         self.url = f"http://127.0.0.1:{self.port}"
         self.metrics_url = f"http://127.0.0.1:{self.metrics_port}/metrics"
         self.cmd = [PY, "-m", "qmigrate", "serve", model, "--port", str(self.port),

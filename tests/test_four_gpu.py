@@ -132,3 +132,19 @@ def test_a_bad_policy_or_saturating_rate_is_refused_before_anything_starts(argv,
         four_gpu.main([*argv, "--out", str(tmp_path / "out"), "--work", str(tmp_path / "work")])
     assert stop.value.code == 2 and says in capsys.readouterr().err
     assert not (tmp_path / "work").exists()
+
+
+def test_a_servers_ports_are_free_together_and_outside_the_ephemeral_range():
+    """`serve --metrics-port P` binds P and P + 1: both must be free, and drawn where no outgoing
+    connection takes one as its source port before the server binds it (a detokenizer that
+    found P + 1 taken exited, and the node stopped under the driver's load)."""
+    import socket
+    from benchmarks.four_gpu_lib import free_ports
+    low = int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
+    for _ in range(20):
+        port = free_ports(1)
+        first = free_ports(2, taken=(port,))
+        assert port not in (first, first + 1) and first + 1 < low and port < low
+        for p in (first, first + 1):
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", p))
