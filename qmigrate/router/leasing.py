@@ -256,8 +256,7 @@ class Lessor:
                                   len(seq.token_ids) - 1, start, []))
                 self._ship(owner, len(seq.token_ids) - 1 - start, now)
             else:
-                w.recompute_free_at = max(now, w.recompute_free_at) + recompute_seconds(
-                    len(seq.token_ids), owner.num_params, self.config.prefill_tflops)
+                self._recompute(w, len(seq.token_ids), owner.num_params, now)
                 if owner.alive:
                     owner.pending_drops.append(seq.seq_id)
         elif seq.owner is None and (pull := self._pull(seq, w, now)) is not None:
@@ -275,6 +274,12 @@ class Lessor:
         """sender was told to ship num_tokens of KV: its link is busy that much longer."""
         sender.link_free_at = max(now, sender.link_free_at) + transfer_seconds(
             num_tokens, sender.kv_bytes_per_token, self.config.link_gbps)
+
+    def _recompute(self, taker: WorkerState, num_tokens: int, num_params: int, now: float) -> None:
+        """taker was given num_tokens of a moved sequence to prefill again: its prefill is busy
+        that much longer."""
+        taker.recompute_free_at = max(now, taker.recompute_free_at) + recompute_seconds(
+            num_tokens, num_params, self.config.prefill_tflops)
 
     def _pull(self, seq: Seq, w: WorkerState, now: float):
         """(holder, num_tokens, start, keys) when w should pull seq's prefix from the worker
