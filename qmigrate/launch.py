@@ -21,7 +21,7 @@ from pathlib import Path
 
 from .config import SHORT_TMP, ConfigError, Topology, dump_topology, parse_topology
 from .detokenizer import EXIT_REQUESTS_FAILED
-from .ops.process import die_with
+from .ops.process import die_with, holds_role_imports
 from .ops.zygote import Forked, Zygote
 
 log = logging.getLogger("qmigrate.launch")
@@ -112,7 +112,7 @@ def _spawn(cmd: list[str], stdin, **popen) -> subprocess.Popen:
 
 
 def _start(c: Child) -> subprocess.Popen | Forked:
-    if c.zygote is not None and (forked := c.zygote.fork(c.cmd[3:])) is not None:
+    if c.zygote is not None and (forked := c.zygote.fork(c.cmd[3:], stdin=c.stdin is None)) is not None:
         return forked
     return _spawn(c.cmd, c.stdin)
 
@@ -123,12 +123,14 @@ def start_roles(topo: Topology, config_path: Path, roles: list[tuple[str, str]],
     transformers once, and the workers are forked from it, with the detokenizer and an ingest
     that reads no stdin (they import transformers' tokenizers); the roles it does not fork
     start first, while it imports: the router at once, as ingest and workers give up on a
-    router that does not answer at startup. GPU workers and the monitor always start as
+    router that does not answer at startup. A node whose own process holds those imports
+    (forked from one that made them) forks its zygote from itself, ready at once, and that
+    zygote forks the router and every ingest too. GPU workers and the monitor always start as
     processes of their own."""
     children = []
     serving = is_serving(topo)
     zygote = None
-    if any(role == "worker" and topo.worker(name).device == "cpu" for role, name in roles):
+    if holds_role_imports() or any(role == "worker" and topo.worker(name).device == "cpu" for role, name in roles):
         zygote = Zygote(_spawn)
         zygote.start()
     for role, name in roles:
@@ -142,8 +144,12 @@ def start_roles(topo: Topology, config_path: Path, roles: list[tuple[str, str]],
         if read_stdin and role == "detokenizer" and not serving:
             extra.append("--exit-when-done")
         cmd = role_command(config_path, role, name, *extra)
-        forkable = (topo.worker(name).device == "cpu" if role == "worker"
-                    else role in ("ingest", "detokenizer") and stdin is subprocess.DEVNULL)
+        if role == "worker":
+            forkable = topo.worker(name).device == "cpu"
+        elif zygote is not None and zygote.forks_every_role:
+            forkable = role in CORE_ROLES
+        else:
+            forkable = role in ("ingest", "detokenizer") and stdin is subprocess.DEVNULL
         children.append(Child(role, name, None, cmd, stdin, zygote=zygote if forkable else None))
     try:
         for c in sorted(children, key=lambda c: c.zygote is not None):

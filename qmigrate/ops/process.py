@@ -9,7 +9,7 @@ import os
 import signal
 import sys
 import threading
-from typing import Callable
+from typing import Callable, NoReturn
 
 PR_SET_PDEATHSIG = 1
 
@@ -93,3 +93,41 @@ def _tidy_and_end(signum, frame) -> None:
         except Exception as exc:   # the rest still runs, and the process still ends
             print(f"at SIGTERM: {type(exc).__name__}: {exc}", file=sys.stderr)
     os.kill(os.getpid(), signum)
+
+
+_role_imports = False
+
+
+def roles_imported() -> None:
+    """Say that this process holds what the roles import (the zygote's preload ran here)."""
+    global _role_imports
+    _role_imports = True
+
+
+def holds_role_imports() -> bool:
+    """Whether this process, or the one it was forked from, did the zygote's imports: a zygote
+    started from here is then a fork of it (ops/zygote.py)."""
+    return _role_imports
+
+
+def exit_as_main(run) -> NoReturn:
+    """Run `run()` in a forked process and end it as the interpreter ends a script, without
+    returning into the frames it was forked from: its exit status (SystemExit's code, 1 and a
+    traceback for another exception), non-daemon threads joined, atexit run, output flushed."""
+    try:
+        run()
+        code = 0
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+        if not isinstance(exc.code, (int, type(None))):
+            print(exc.code, file=sys.stderr)
+    except BaseException:  # noqa: BLE001 -- reported as an uncaught exception would be
+        sys.excepthook(*sys.exc_info())
+        code = 1
+    try:
+        threading._shutdown()   # what the interpreter does first at exit
+        atexit._run_exitfuncs()
+        for stream in (sys.stdout, sys.stderr):
+            stream.flush()
+    finally:
+        os._exit(code & 0xFF)

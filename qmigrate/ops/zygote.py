@@ -13,17 +13,29 @@ The node talks to its zygote over two pipes, one JSON object a line: `{"argv": [
 for a child, `{"pid": N}` answers it, and `{"pid": N, "exit": CODE}` tells that a child ended
 (CODE as subprocess gives it: the exit status, or minus the signal that killed it).
 `Forked` shows such a child to the node as subprocess.Popen shows any other role.
+
+A node whose own process already holds those imports (it was forked from a process that made
+them, as the test suite starts its nodes) does not start a second interpreter to import them
+again: its zygote is a fork of the node itself (`ForkedZygote`), which lets go of everything
+the node holds (its handlers, exit hooks and open files) and runs the same loop.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import runpy
 import select
 import signal
 import subprocess
 import sys
 import time
+
+from qmigrate.ops import process
+from qmigrate.ops.process import die_with
+
+
+ZYGOTE_MODULE = "qmigrate.ops.zygote_process"
 
 
 class Zygote:
@@ -43,12 +55,19 @@ class Zygote:
         if self._hear is None or self.proc is None or self.proc.poll() is not None:
             self._start()
 
-    def fork(self, argv: list[str]) -> "Forked | None":
-        """A child running `qmigrate *argv`; None if the zygote could not give one (it died
-        before it answered): the caller then starts the role as a process of its own."""
+    @property
+    def forks_every_role(self) -> bool:
+        """A zygote forked from the node has the node's stdin and is ready at once: it forks
+        the router and an ingest that reads stdin too (a GPU worker never)."""
+        return isinstance(self.proc, ForkedZygote)
+
+    def fork(self, argv: list[str], *, stdin: bool = False) -> "Forked | None":
+        """A child running `qmigrate *argv` (with the node's stdin: only from a zygote that
+        forks every role); None if the zygote could not give one (it died before it
+        answered): the caller then starts the role as a process of its own."""
         self.start()
         try:
-            os.write(self._ask, (json.dumps({"argv": argv}) + "\n").encode())
+            os.write(self._ask, (json.dumps({"argv": argv, **({"stdin": True} if stdin else {})}) + "\n").encode())
         except OSError:
             self._gone()
             return None
@@ -64,8 +83,11 @@ class Zygote:
         ask_r, ask_w = os.pipe()
         hear_r, hear_w = os.pipe()
         try:
-            self.proc = self._spawn([sys.executable, "-m", "qmigrate.ops.zygote_process", str(ask_r), str(hear_w)],
-                                    subprocess.DEVNULL, pass_fds=(ask_r, hear_w))
+            if process.holds_role_imports():   # this process holds the imports: the zygote is a fork of it
+                self.proc = ForkedZygote(ask_r, hear_w)
+            else:
+                self.proc = self._spawn([sys.executable, "-m", ZYGOTE_MODULE, str(ask_r), str(hear_w)],
+                                        subprocess.DEVNULL, pass_fds=(ask_r, hear_w))
         except BaseException:
             os.close(ask_w)
             os.close(hear_r)
@@ -145,6 +167,87 @@ class Forked:
             self.returncode = self.zygote.exit_code(self.pid, timeout)
         if self.returncode is None:
             raise subprocess.TimeoutExpired(self.args, timeout)
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:
+            try:
+                os.kill(self.pid, sig)
+            except ProcessLookupError:
+                pass
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
+class ForkedZygote:
+    """The zygote as a fork of this process (which has done its imports), with what the node
+    uses of subprocess.Popen. The child keeps only the two pipes, its output and a copy of the
+    node's stdin for the role that reads it (its own stdin is /dev/null); the node's signal
+    handlers and exit hooks are dropped, SIGINT is ignored as for every role, and it dies
+    with the node."""
+
+    def __init__(self, ask: int, hear: int):
+        self.args = ["qmigrate zygote"]
+        self.returncode: int | None = None
+        node = os.getpid()
+        stops = (signal.SIGINT, signal.SIGTERM)
+        mask = signal.pthread_sigmask(signal.SIG_BLOCK, stops)   # no node handler runs in the child
+        for stream in (sys.stdout, sys.stderr):
+            stream.flush()
+        pid = os.fork()
+        if pid == 0:
+            process.exit_as_main(lambda: self._become(node, ask, hear, mask))
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+        self.pid = pid
+
+    @staticmethod
+    def _become(node: int, ask: int, hear: int, mask) -> None:
+        import atexit
+        atexit._clear()
+        for sig in signal.valid_signals():
+            try:
+                if callable(signal.getsignal(sig)):
+                    signal.signal(sig, signal.SIG_DFL)
+            except (OSError, ValueError):
+                pass
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        stdin = os.dup(0)   # kept for the role that reads it
+        null = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(null, 0)
+        keep = {0, 1, 2, ask, hear, stdin}
+        for fd in map(int, os.listdir("/proc/self/fd")) if os.path.isdir("/proc/self/fd") else ():
+            if fd not in keep:
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
+        die_with(node)
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+        # the zygote's program, run as `python -m` runs it, in this interpreter (which has its imports)
+        sys.argv = [ZYGOTE_MODULE, str(ask), str(hear), str(stdin)]
+        sys.modules.pop(ZYGOTE_MODULE, None)   # run as a program, not as the module imported here
+        runpy.run_module(ZYGOTE_MODULE, run_name="__main__", alter_sys=True)
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            try:
+                pid, status = os.waitpid(self.pid, os.WNOHANG)
+            except ChildProcessError:
+                pid, status = self.pid, 0
+            if pid:
+                self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() >= deadline:
+                raise subprocess.TimeoutExpired(self.args, timeout)
+            time.sleep(0.01)
         return self.returncode
 
     def send_signal(self, sig: int) -> None:

@@ -11,6 +11,7 @@ import signal
 import sys
 from typing import NoReturn
 
+from qmigrate.ops import process
 from qmigrate.ops.process import die_with
 
 
@@ -25,11 +26,15 @@ def _preload() -> None:
     import qmigrate.detokenizer.loop  # noqa: F401
     import qmigrate.ingest.loop  # noqa: F401
     import qmigrate.worker.loop  # noqa: F401
+    process.roles_imported()
 
 
-def _child(argv: list[str], zygote: int, fds: tuple[int, ...]) -> NoReturn:
+def _child(argv: list[str], zygote: int, fds: tuple[int, ...], stdin: int | None = None) -> NoReturn:
     """The forked child: `qmigrate *argv`, ending as that process would (its exit status, a
-    traceback for an uncaught exception, the interpreter's own exit: atexit, flushed output)."""
+    traceback for an uncaught exception, the interpreter's own exit: atexit, flushed output).
+    `stdin`: the node's stdin kept by a zygote forked from the node, for the role that reads it."""
+    if stdin is not None:
+        os.dup2(stdin, 0)
     for fd in fds:
         os.close(fd)
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
@@ -41,7 +46,9 @@ def _child(argv: list[str], zygote: int, fds: tuple[int, ...]) -> NoReturn:
     raise SystemExit(0)
 
 
-def main(ask: int, hear: int) -> None:
+def main(ask: int, hear: int, stdin: int | None = None) -> None:
+    """Fork a child for each request on `ask`, and tell `hear` its pid and its end. `stdin`:
+    the node's stdin, which a zygote forked from the node keeps for the role that reads it."""
     import gc
     import warnings
     try:
@@ -49,7 +56,8 @@ def main(ask: int, hear: int) -> None:
         setproctitle("qmigrate zygote")
     except ImportError:
         pass
-    _preload()
+    if not process.holds_role_imports():
+        _preload()
     gc.collect()
     gc.freeze()   # the children share these pages: no collection of theirs writes to them
     # Python 3.12 warns of a fork in a process with threads; the only other thread here is the
@@ -75,12 +83,13 @@ def main(ask: int, hear: int) -> None:
         buffer += chunk
         *lines, buffer = buffer.split(b"\n")
         for line in filter(None, lines):
-            argv = json.loads(line)["argv"]
+            request = json.loads(line)
+            kept = (ask, hear) if stdin is None else (ask, hear, stdin)
             pid = os.fork()
-            if pid == 0:
-                _child(argv, me, (ask, hear))   # unwinds this stack: nothing below runs in the child
+            if pid == 0:   # unwinds this stack: nothing below runs in the child
+                _child(request["argv"], me, kept, stdin if request.get("stdin") else None)
             os.write(hear, (json.dumps({"pid": pid}) + "\n").encode())
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]), int(sys.argv[2]))
+    main(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]) if len(sys.argv) > 3 else None)

@@ -28,6 +28,16 @@ _keyring = None         # security.Keyring: every socket made here uses CURVE wi
 _authenticator = None   # the ZAP handler of this process's context while a keyring is set
 
 
+def _forget_in_child() -> None:
+    """A forked child starts with none of these: a context's I/O threads, and the
+    authenticator's, do not survive a fork, and a child secures its own sockets if it is to."""
+    global _context, _keyring, _authenticator
+    _context = _keyring = _authenticator = None
+
+
+os.register_at_fork(after_in_child=_forget_in_child)
+
+
 def context() -> zmq.Context:
     global _context
     if _context is None or _context.closed:
