@@ -18,6 +18,8 @@ from pathlib import Path
 import pytest
 import torch
 
+import warm
+
 if not torch.cuda.is_available():
     # Triton picks the interpreter when it is first imported, for every kernel of the process
     # (its own library included): decide it here, before any test module imports it, so kernel
@@ -39,6 +41,7 @@ def pytest_configure(config):
     leaving the processes its tests started running: as an interrupt, the finally blocks and
     fixtures that stop them still run."""
     signal.signal(signal.SIGTERM, _interrupted)
+    config.add_cleanup(warm.MOTHER.stop)
     config.addinivalue_line("markers", "early(scenario=f, beside=file): run f(tmp_path, tiny_model_dir) "
                                        "from the first test of that file on, in a thread (early_run)")
 
@@ -114,9 +117,8 @@ class Run:
 
 def run_qmigrate(*args: str, stdin: str = "", timeout: float = 180, env: dict | None = None) -> Run:
     """Run the real CLI in a child process and wait for it (no process is left behind)."""
-    proc = subprocess.Popen([sys.executable, "-m", "qmigrate", *args], stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, **(env or {})}, start_new_session=True)
+    proc = warm.popen(list(args), stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                      env={**os.environ, **(env or {})}, start_new_session=True)
     try:
         out, err = proc.communicate(stdin, timeout=timeout)
     except subprocess.TimeoutExpired:

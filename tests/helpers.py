@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
+import warm
 
 from qmigrate.wire import protocol as P
 from qmigrate.wire import transport
@@ -26,10 +27,12 @@ class Nodes:
         self.out_dir = out_dir
         self.procs: list[subprocess.Popen] = []
 
-    def start(self, path, node: str, stdin_text: str | None = None, *, keep_stdin: bool = False) -> subprocess.Popen:
+    def start(self, path, node: str, stdin_text: str | None = None, *, keep_stdin: bool = False,
+              cold: bool = False) -> subprocess.Popen:
         """Start `node` of the topology at `path`. With stdin_text (or keep_stdin) its ingest
-        reads this command's stdin; keep_stdin leaves the pipe open for the test to write."""
-        args = [sys.executable, "-m", "qmigrate", "node", str(path), "--node", node]
+        reads this command's stdin; keep_stdin leaves the pipe open for the test to write.
+        Started warm (tests/warm.py) unless `cold`: then a process of its own, as a user's."""
+        args = ["node", str(path), "--node", node]
         if stdin_text is not None or keep_stdin:
             args.append("--stdin")
         # Files, not pipes: a pipe nobody reads while the test polls would stall the node.
@@ -37,8 +40,8 @@ class Nodes:
         # read must not move where the node writes (it overwrote output mid-run in "w+").
         out = open(self.out_dir / f"{node}.out", "a+")
         err = open(self.out_dir / f"{node}.err", "a+")
-        proc = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=out, stderr=err, text=True,
-                                start_new_session=True)
+        proc = warm.popen(args, stdin=subprocess.PIPE, stdout=out, stderr=err, text=True, start_new_session=True,
+                          cold=cold)
         if stdin_text is not None:
             proc.stdin.write(stdin_text)
         if not keep_stdin:
@@ -306,7 +309,7 @@ class HttpNode:
         self.stdout = tmp / "stdout.jsonl"
         self.stderr = tmp / "stderr.txt"
         with open(self.stdout, "w") as out, open(self.stderr, "w") as err:
-            self.proc = subprocess.Popen([sys.executable, "-m", "qmigrate", "node", str(self.config), "--node", "local"],
+            self.proc = warm.popen(["node", str(self.config), "--node", "local"],
                                          stdin=subprocess.DEVNULL, stdout=out, stderr=err, start_new_session=True)
         self.url = f"http://127.0.0.1:{self.port}"
         self.client = openai.OpenAI(base_url=f"{self.url}/v1", api_key="none", max_retries=0, timeout=60)

@@ -14,6 +14,8 @@ import threading
 
 import msgpack
 import pytest
+
+import warm
 import yaml
 import zmq
 
@@ -44,7 +46,7 @@ class _Sim:
     reads its output); result() waits for it."""
 
     def __init__(self, config: str, stdin: bytes):
-        self.proc = subprocess.Popen([sys.executable, "-m", "qmigrate", "sim", config], stdin=subprocess.PIPE,
+        self.proc = warm.popen(["sim", config], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
         self.output = (b"", b"")
         self.thread = threading.Thread(target=self._communicate, args=(stdin,), daemon=True)

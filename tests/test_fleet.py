@@ -64,7 +64,7 @@ def test_join_drain_and_kill_under_load_lose_nothing(fleet, tiny_model_dir):
     this process, and at the end on the head's stdin, whose end the node then runs to."""
     path, nodes, router = fleet
     second = H.prompts(12, "b", n=8, new_tokens=80)
-    head = nodes.start(path, "head", keep_stdin=True)
+    head = nodes.start(path, "head", keep_stdin=True, cold=True)   # started as a user's: its roles' parents below
     H.wait_for("the first two workers", lambda s: s.get("workers") == 2, router)
     late = nodes.start(path, "late")  # loads its model while the fleet works
     first = _keep_busy_until_w3_joins(path, router)

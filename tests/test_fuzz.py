@@ -13,6 +13,8 @@ import time
 
 import msgpack
 import pytest
+
+import warm
 import yaml
 import zmq
 
@@ -123,7 +125,7 @@ def test_a_fuzzed_fleet_serves_every_request_exactly(tmp_path, tiny_model_dir):
     path = tmp_path / "topo.yaml"
     path.write_text(yaml.safe_dump(data))
     out, err = open(tmp_path / "out", "a+"), open(tmp_path / "err", "a+")
-    node = subprocess.Popen([sys.executable, "-m", "qmigrate", "node", str(path), "--node", "head"],
+    node = warm.popen(["node", str(path), "--node", "head"],
                             stdin=subprocess.DEVNULL, stdout=out, stderr=err, start_new_session=True)
     router, ingest = f"tcp://127.0.0.1:{ports[0]}", f"tcp://127.0.0.1:{ports[2]}"
     ctx = transport.context()

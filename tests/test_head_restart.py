@@ -16,6 +16,7 @@ import yaml
 
 from conftest import check_outputs, reserve_ports, stop_group
 import helpers as H
+import warm
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -49,7 +50,7 @@ def _restarted_head(tmp_path, tiny_model_dir) -> list[tuple[str, list[dict]]]:
     def start(node: str, run: int) -> subprocess.Popen:
         # Append mode: the test reads with seek(), which must not move where the node writes.
         out, err = open(tmp_path / f"{node}{run}.out", "a+"), open(tmp_path / f"{node}{run}.err", "a+")
-        proc = subprocess.Popen([sys.executable, "-m", "qmigrate", "node", str(path), "--node", node],
+        proc = warm.popen(["node", str(path), "--node", node],
                                 stdin=subprocess.DEVNULL, stdout=out, stderr=err, start_new_session=True)
         proc.out, proc.err = out, err
         procs.append(proc)

@@ -13,6 +13,8 @@ import time
 import urllib.request
 
 import pytest
+
+import warm
 import yaml
 from typer.testing import CliRunner
 
@@ -80,7 +82,7 @@ def node(tmp_path, tiny_model_dir):
             "workers": [{"name": "w1", "node": "local", "max_num_seqs": 8}, {"name": "w2", "node": "local", "max_num_seqs": 2}]}
     path = tmp_path / "topo.yaml"
     path.write_text(yaml.safe_dump(topo))
-    proc = subprocess.Popen([sys.executable, "-m", "qmigrate", "node", str(path), "--node", "local", "--stdin"],
+    proc = warm.popen(["node", str(path), "--node", "local", "--stdin"],
                             stdin=subprocess.PIPE, stdout=(tmp_path / "out.jsonl").open("w"),
                             stderr=(tmp_path / "err.txt").open("w"), text=True,
                             start_new_session=True)

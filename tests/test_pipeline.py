@@ -11,6 +11,7 @@ import pytest
 import yaml
 
 import helpers as H
+import warm
 from conftest import greedy_tokens_many
 from qmigrate.detokenizer import EXIT_REQUESTS_FAILED
 
@@ -312,7 +313,7 @@ def test_text_mode_streams_every_request_and_status_looks_inside(tiny_model_dir)
 
     from qmigrate.cli import app
     master, slave = pty.openpty()
-    proc = subprocess.Popen([sys.executable, "-m", "qmigrate", "sim", "--workers", "1", "--model", str(tiny_model_dir),
+    proc = warm.popen(["sim", "--workers", "1", "--model", str(tiny_model_dir),
                              "--max-new-tokens", "8"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                             stderr=slave, text=True, start_new_session=True)
     os.close(slave)

@@ -16,6 +16,7 @@ import yaml
 
 from conftest import reserve_ports  # noqa: E402
 import helpers as H
+import warm
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -68,7 +69,7 @@ def test_router_detokenizer_and_worker_restarts_lose_nothing(tmp_path, tiny_mode
     prompts = H.prompts(5, "r", n=8, new_tokens=450)  # outlasts three restarts; fits 512 positions
     # Append mode: the test reads with seek(), which must not move where the node writes.
     out, err = open(tmp_path / "out", "a+"), open(tmp_path / "err", "a+")
-    node = subprocess.Popen([sys.executable, "-m", "qmigrate", "node", str(path), "--node", "head", "--stdin"],
+    node = warm.popen(["node", str(path), "--node", "head", "--stdin"],
                             stdin=subprocess.PIPE, stdout=out, stderr=err, text=True, start_new_session=True)
     node.stdin.write("".join(json.dumps(p) + "\n" for p in prompts))
     node.stdin.close()
@@ -137,7 +138,7 @@ def test_a_killed_stdin_ingest_stops_the_node_and_says_what_is_lost(tmp_path, ti
     router = f"tcp://127.0.0.1:{ports[0]}"
     prompts = H.prompts(7, "k", n=12, new_tokens=300)
     out, err = open(tmp_path / "out", "a+"), open(tmp_path / "err", "a+")
-    node = subprocess.Popen([sys.executable, "-m", "qmigrate", "node", str(path), "--node", "head", "--stdin"],
+    node = warm.popen(["node", str(path), "--node", "head", "--stdin"],
                             stdin=subprocess.PIPE, stdout=out, stderr=err, text=True, start_new_session=True)
     try:
         node.stdin.write("".join(json.dumps(p) + "\n" for p in prompts))

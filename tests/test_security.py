@@ -17,6 +17,8 @@ import time
 from pathlib import Path
 
 import pytest
+
+import warm
 import yaml
 import zmq
 import zmq.auth
@@ -357,18 +359,21 @@ def test_two_nodes_over_loopback_with_security_on(tmp_path, tiny_model_dir):
     path.write_text(yaml.safe_dump(data))
     prompts = [{"id": f"p{i}", "prompt_ids": [1, 5 + i, 70, 300 + i], "max_new_tokens": 4} for i in range(3)]
     gpu_err = open(tmp_path / "gpu1.err", "a+")
-    gpu = subprocess.Popen([sys.executable, "-m", "qmigrate", "node", str(path), "--node", "gpu1"],
+    gpu = warm.popen(["node", str(path), "--node", "gpu1"],
                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=gpu_err,
                            start_new_session=True)
     try:
-        head = subprocess.run([sys.executable, "-m", "qmigrate", "node", str(path), "--node", "head", "--stdin"],
-                              input="".join(json.dumps(p) + "\n" for p in prompts), text=True,
-                              capture_output=True, timeout=180)
-        assert head.returncode == 0, head.stderr[-3000:]
-        finals = {r["id"]: r for r in map(json.loads, head.stdout.splitlines()) if r.get("done")}
+        head = warm.popen(["node", str(path), "--node", "head", "--stdin"], stdin=subprocess.PIPE,
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+        try:
+            out, err = head.communicate("".join(json.dumps(p) + "\n" for p in prompts), timeout=180)
+        finally:
+            stop_group(head)   # when it hung
+        assert head.returncode == 0, err[-3000:]
+        finals = {r["id"]: r for r in map(json.loads, out.splitlines()) if r.get("done")}
         assert sorted(finals) == [p["id"] for p in prompts]
         assert all(len(finals[p["id"]]["token_ids"]) == p["max_new_tokens"] for p in prompts)
-        assert "refused" not in head.stderr
+        assert "refused" not in err
     finally:
         stop_group(gpu)
     gpu_err.seek(0)
@@ -456,7 +461,7 @@ def test_the_http_api_serves_with_security_on(tmp_path, tiny_model_dir, http_pro
     path = tmp_path / "secure-http.yaml"
     path.write_text(yaml.safe_dump(data))
     err = open(tmp_path / "head.err", "a+")
-    node = subprocess.Popen([sys.executable, "-m", "qmigrate", "node", str(path), "--node", "head"],
+    node = warm.popen(["node", str(path), "--node", "head"],
                             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err, start_new_session=True)
     body = json.dumps({"model": "tiny", "prompt": [1, 5, 70, 300], "max_tokens": 4, "temperature": 0}).encode()
     try:

@@ -17,6 +17,8 @@ import time
 
 import pytest
 
+import warm
+
 from conftest import reserve_ports  # noqa: E402
 from qmigrate.config import local_topology
 from qmigrate.serve import MAX_HTTP_PROCESSES, ServeOptions, default_api_servers, local_url, serve_topology
@@ -279,7 +281,7 @@ def test_serve_is_ready_only_once_every_worker_has_joined(tiny_model_dir, tmp_pa
     (port,) = reserve_ports(1)
     err_path = tmp_path / "serve.err"
     with open(err_path, "w") as err_file:
-        proc = subprocess.Popen([sys.executable, "-m", "qmigrate", "serve", str(tiny_model_dir), "--port", str(port),
+        proc = warm.popen(["serve", str(tiny_model_dir), "--port", str(port),
                                  "--cpu-workers", "2"], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                 stderr=err_file, text=True, start_new_session=True)
     try:
@@ -342,7 +344,7 @@ def test_serve_on_the_gpus_with_defaults_answers_with_the_monitor_on(tiny_model_
     (port,) = reserve_ports(1)
     err_path = tmp_path / "serve.err"
     with open(err_path, "w") as err_file:  # a file: nothing blocks on a full pipe while it serves
-        proc = subprocess.Popen([sys.executable, "-m", "qmigrate", "serve", str(tiny_model_dir), "--port", str(port)],
+        proc = warm.popen(["serve", str(tiny_model_dir), "--port", str(port)],
                                 stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=err_file, text=True,
                                 start_new_session=True)
     try:

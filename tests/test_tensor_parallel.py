@@ -17,6 +17,8 @@ import threading
 import time
 
 import pytest
+
+import warm
 import torch
 import yaml
 from typer.testing import CliRunner
@@ -378,7 +380,7 @@ def fleet(tmp_path, tiny_model_dir):
         out, err = open(tmp_path / "head.out", "a+"), open(tmp_path / "head.err", "a+")
         tmp = tmp_path / "node-tmp"   # the temp directory of the node's processes
         tmp.mkdir(exist_ok=True)
-        proc = subprocess.Popen([sys.executable, "-m", "qmigrate", "node", str(path), "--node", "head"],
+        proc = warm.popen(["node", str(path), "--node", "head"],
                                 stdin=subprocess.DEVNULL, stdout=out, stderr=err, text=True, start_new_session=True,
                                 env={**os.environ, "TMPDIR": str(tmp)})
         proc.out, proc.err, proc.tmp = out, err, tmp

@@ -61,3 +61,39 @@ def test_forked_roles_exit_as_processes_do_and_die_with_their_zygote(tmp_path, i
         assert zygote.proc.pid != first and again.wait(120) == 0
     finally:
         zygote.close()
+
+
+def test_a_node_that_holds_the_imports_forks_its_zygote_and_every_core_role(tiny_model_dir):
+    """A node forked from a process that made the roles' imports (tests/warm.py) does not import
+    them again: its zygote is a fork of the node, and forks the router and the ingest that reads
+    the node's stdin as well as the workers and the detokenizer."""
+    import subprocess
+
+    import warm
+    if os.environ.get("QMIGRATE_TEST_COLD"):
+        pytest.skip("QMIGRATE_TEST_COLD: every node starts cold")
+    node = warm.popen(["sim", "--workers", "2", "--model", str(tiny_model_dir), "--max-new-tokens", "4"],
+                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                      start_new_session=True)
+    try:
+        assert isinstance(node, warm.WarmProcess)
+        titles = ("qmigrate router", "qmigrate ingest", "qmigrate detokenizer", "qmigrate worker w1",
+                  "qmigrate worker w2")
+        deadline = time.monotonic() + 60
+        while not all(H.pid_of(node, t) for t in titles):
+            assert time.monotonic() < deadline and node.poll() is None, H.roles_of(node)
+            time.sleep(0.05)
+        zygote = H.pid_of(node, "qmigrate zygote")
+        assert zygote and H.parent_of(zygote) == node.pid, H.roles_of(node)
+        for title in titles:
+            assert H.parent_of(H.pid_of(node, title)) == zygote, (title, H.roles_of(node))
+        assert os.readlink(f"/proc/{zygote}/fd/0") == os.devnull
+        assert os.readlink(f"/proc/{H.pid_of(node, 'qmigrate ingest')}/fd/0") == os.readlink(f"/proc/{node.pid}/fd/0")
+        out, err = node.communicate("Hello\nName three colours.\n", timeout=120)
+        assert node.returncode == 0, err[-3000:]
+        assert "[1]" in out and "[2]" in out, out
+        assert "2 sequences finished" in err
+    finally:
+        if node.poll() is None:
+            os.killpg(node.pid, signal.SIGKILL)
+            node.wait(30)
