@@ -14,9 +14,10 @@ import time
 from pathlib import Path
 
 import pytest
+import yaml
 
 from conftest import check_outputs, reserve_ports, stop_group
-from helpers import Nodes, drain, feed_here, fleet_topology, wait_for
+from helpers import Nodes, drain, feed_here, fleet_topology, pause, resume, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -32,9 +33,13 @@ def _prompts(prefix: str, n: int = 10) -> list[dict]:
 @pytest.mark.parametrize("policy", ["any", "affinity"])
 def test_a_rogue_workers_kv_changes_no_other_clients_answer(tmp_path, tiny_model_dir, policy):
     path = tmp_path / "topology.yaml"
-    router = fleet_topology(path, tiny_model_dir, 3, reserve_ports(8), late=1,
+    router = fleet_topology(path, tiny_model_dir, 3, reserve_ports(8), late=3,
                             router={"policy": policy, "migration": "transfer"},
                             worker={"max_seqs": 4})
+    data = yaml.safe_load(path.read_text())   # w3 on a node of its own, which only the rogue plays
+    data["nodes"].append({"name": "rogue", "address": "127.0.0.1", "bind": "127.0.0.1"})
+    data["workers"][2]["node"] = "rogue"
+    path.write_text(yaml.safe_dump(data))
     nodes = Nodes(tmp_path)
     err = open(tmp_path / "rogue.err", "a+")
     rogue = subprocess.Popen([sys.executable, str(HERE / "rogue_worker.py"), str(path), "w3"],
@@ -42,12 +47,21 @@ def test_a_rogue_workers_kv_changes_no_other_clients_answer(tmp_path, tiny_model
                              start_new_session=True, env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
     try:
         head = nodes.start(path, "head")
-        wait_for("three workers", lambda s: s.get("workers", 0) == 3, router, timeout=150)
-        first = _prompts("a")
-        feed_here(path, first)
-        if policy == "affinity":   # the rogue's sequences move when it is drained
+        # The rogue first holds every sequence, paused before it has run one: the honest
+        # workers join, and they take the sequences over with the rogue's KV (its drain moves
+        # them under affinity; under "any" they move at every step)
+        wait_for("the rogue to ask for work", lambda s: s.get("asking_w3", 0) > 0, router, timeout=150)
+        pause(rogue.pid)
+        try:
+            first = _prompts("a")
+            feed_here(path, first)
             wait_for("a lease to the rogue", lambda s: s.get("leased_w3", 0) > 0, router)
-            drain(router, "w3")
+            nodes.start(path, "late")   # w1 and w2
+            wait_for("three workers", lambda s: s.get("workers", 0) == 3, router, timeout=150)
+            if policy == "affinity":
+                drain(router, "w3")
+        finally:
+            resume(rogue.pid)
         _wait_done(head, {p["id"] for p in first})
         got = wait_for("imports", lambda s: s.get("kv_imported", 0) > 0, router, timeout=10)
         assert got.get("kv_imported_w1", 0) + got.get("kv_imported_w2", 0) > 0, got
@@ -60,6 +74,8 @@ def test_a_rogue_workers_kv_changes_no_other_clients_answer(tmp_path, tiny_model
         records = _wait_done(head, {p["id"] for p in second})
         check_outputs("\n".join(r for r in records if json.loads(r)["id"].startswith("b")), second, tiny_model_dir)
     finally:
+        if rogue.poll() is None:
+            resume(rogue.pid)
         stop_group(rogue)
         nodes.stop_all()
         err.close()
