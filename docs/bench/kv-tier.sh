@@ -13,7 +13,8 @@
 # (default: the smollm2 built-in model's, which needs the network on first use). SESSIONS_AS=ids sends
 # each turn as token ids (`bench serve --sessions-as ids`: the turn before, the ids the server returned
 # for its answer, the next user turn), so a cache finds the whole conversation whatever the model wrote;
-# default auto (chat messages, or plain text for a model without a chat template).
+# default auto (chat messages, or plain text for a model without a chat template). CALLS=1 writes every
+# call's times and tokens to OUT_DIR/NAME.calls.jsonl (`bench serve --calls-jsonl`).
 set -u
 part=$1 out=$2
 mkdir -p "$out" .shapes
@@ -48,7 +49,8 @@ EOF
 sessions() {   # sessions NAME MODEL: the multi-turn run, then the router's figures
     q bench serve --base-url http://127.0.0.1:${PORT:-8000} --tokenizer $2 --dataset sharegpt-multi-turn \
         --sessions $SESSIONS --turns $TURNS --think-time-s $THINK --max-model-len $(context $2) \
-        --session-replies $SESSION_REPLIES --sessions-as $SESSIONS_AS --json "$out/$1.json"
+        --session-replies $SESSION_REPLIES --sessions-as $SESSIONS_AS --json "$out/$1.json" \
+        ${CALLS:+--calls-jsonl "$out/$1.calls.jsonl"}
     q status "$(grep -o '/[^ ]*/topology.yaml' "$out/$1.log" | head -1)" --json > "$out/$1.status.json"
 }
 one_gpu() {   # one_gpu TAG MODEL WHICH [serve flags]: WHICH capped, fits or both: host tier on / off
