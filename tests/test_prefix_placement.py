@@ -173,40 +173,6 @@ def test_hits_come_first_within_a_worker_s_share():
     assert sorted(ids_of(s.schedule("a", 2, 1 << 20, 0.0, None))) == [10, 11]
 
 
-def test_a_sequence_passed_over_for_hits_goes_first_once_it_has_waited_long_enough():
-    """Hits first starves a miss while hits keep coming; MAX_PASSED_OVER_S bounds its wait."""
-    from qmigrate.router.prefix_index import MAX_PASSED_OVER_S
-    s = make_sched(spread_new_work=False)
-    join(s, "a", max_seqs=1)
-    cached_on(s, "a", SYSTEMS[0])
-    s.admit([spec(1, prompt(1, 1)), spec(10, prompt(0, 0))])
-    assert ids_of(s.schedule("a", 1, 1 << 20, 0.0, None)) == [10]    # the hit first
-    s.admit([spec(11, prompt(0, 1))])                                # another hit comes
-    assert ids_of(s.schedule("a", 1, 1 << 20, 0.5, None)) == [11]    # the miss still waits
-    s.admit([spec(12, prompt(0, 2))])
-    assert MAX_PASSED_OVER_S <= 1.5
-    assert ids_of(s.schedule("a", 1, 1 << 20, 1.5, None)) == [1]     # passed over long enough: first
-    assert ids_of(s.schedule("a", 1, 1 << 20, 1.6, None)) == [12]
-
-
-def test_the_kv_that_frees_up_is_kept_for_a_passed_over_sequence_until_it_fits():
-    """A long miss that does not fit would otherwise wait while short hits take every block that
-    frees up; once passed over long enough, nothing new goes ahead of it."""
-    s = make_sched(spread_new_work=False)
-    join(s, "a", kv_tokens=4096)
-    cached_on(s, "a", SYSTEMS[0])
-    long_miss = [2] + [3 + (11 * j) % 1400 for j in range(300)]   # 301 tokens, no block cached
-    s.admit([spec(1, long_miss), spec(10, prompt(0, 0))])
-    free = 200   # the hit fits, the miss does not
-    assert ids_of(s.schedule("a", 8, 1 << 20, 0.0, free)) == [10]
-    s.admit([spec(11, prompt(0, 1))])
-    assert ids_of(s.schedule("a", 8, 1 << 20, 0.5, free)) == [11]     # not passed over long: the hit goes
-    s.admit([spec(12, prompt(0, 2))])
-    # room for the new hit beside the two leased, not for the miss: kept for the miss, nothing goes
-    assert s.schedule("a", 8, 1 << 20, 1.5, free + 90) is None
-    assert ids_of(s.schedule("a", 8, 1 << 20, 1.6, 800)) == [1, 12]    # it fits: it goes first
-
-
 def test_salted_prefixes_match_only_their_salt():
     s = make_sched(spread_new_work=False)
     join(s, "a")

@@ -25,7 +25,7 @@ from collections import Counter, deque
 
 from qmigrate.config import RouterConfig
 from qmigrate.router.migration import MovePolicy
-from qmigrate.router.prefix_index import LeasePrefill, PrefixIndex, passed_over, place_new, seq_keys
+from qmigrate.router.prefix_index import LeasePrefill, PrefixIndex, place_new, seq_keys
 from qmigrate.router.records import (Grant, LeaseRecord, Queue, Row, Seq, WorkerState, choose_mechanism,
                                      recompute_seconds, transfer_seconds)
 from qmigrate.wire.protocol import CONTINUE
@@ -133,8 +133,6 @@ class Lessor:
                 self.counters["prefix_waits"] += 1
                 continue   # it starts on those blocks once they are cached
             if kv_cost and kv_cost > room:
-                if is_new and passed_over(seq, now):
-                    room = 0   # what frees up is kept for it: nothing new goes ahead of it again
                 continue
             if rows and cost > budget:
                 continue

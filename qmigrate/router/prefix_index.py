@@ -38,11 +38,6 @@ MAX_KEYS = 1 << 20
 # prompt fills over a few steps at most, so a longer wait means its computation stopped.
 MIN_SHARED_TOKENS = 32
 MAX_WAIT_LEASES = 8
-# A worker takes its hits first; a sequence it has passed over this long goes before them, and
-# the KV that frees up is kept for it. A steady stream of cheap hits (conversations coming back
-# to a host tier) otherwise kept the misses out of a full worker until the stream ended: TTFT
-# p99 25 s against 7.8 s without hits.
-MAX_PASSED_OVER_S = 1.0
 # What copying a block back from a worker's host tier costs, as a share of prefilling it, an
 # estimate: an 8B model's 128 KiB of KV a token crosses PCIe (~25 GB/s) in about 5 us, a
 # quarter of the ~20 us its prefill takes per token on an H100.
@@ -143,17 +138,10 @@ def score(seq: Seq, w: WorkerState, hits: dict[str, int], on_host: dict[str, int
     return saved * w.block_size - n * min(1.0, w.load / max(1, w.capacity))
 
 
-def passed_over(seq: Seq, now: float) -> bool:
-    """Whether a new sequence has waited MAX_PASSED_OVER_S since it was first offered: it then
-    goes before the hits, and the KV that frees up is kept for it until it fits (leasing.py)."""
-    return seq.offered_at is not None and now - seq.offered_at >= MAX_PASSED_OVER_S
-
-
 def place_new(index: PrefixIndex, w: WorkerState, workers: dict[str, WorkerState], candidates: list,
               now: float, wait_s: float, counters, matched: dict[int, dict[str, int]] | None = None) -> list:
     """The candidates for w with sequences nobody holds reordered by w's hits (best first,
-    in their queue positions otherwise kept; those first offered MAX_PASSED_OVER_S ago or more
-    before any, in queue order) and those better started elsewhere left out.
+    in their queue positions otherwise kept) and those better started elsewhere left out.
     `matched` collects each new sequence's hits (seq_id -> the index's match), for the
     lease's costs to reuse: the index does not change while a lease is built."""
     new = [i for i, (seq, cause) in enumerate(candidates) if seq.owner is None and cause is None]
@@ -175,8 +163,7 @@ def place_new(index: PrefixIndex, w: WorkerState, workers: dict[str, WorkerState
             continue   # another worker with room holds more of it: leave it for that one
         kept.append(i)
         gains[i] = hits.get(w.name, 0)
-    # hits first, but not forever: one passed over for MAX_PASSED_OVER_S goes first, in queue order
-    order = sorted(kept, key=lambda i: (not passed_over(candidates[i][0], now), -gains[i]))
+    order = sorted(kept, key=lambda i: -gains[i])
     out, it, skipped = [], iter(order), set(new) - set(kept)
     for i, entry in enumerate(candidates):
         if i in skipped:
