@@ -10,7 +10,6 @@ import random
 import signal
 import socket
 import subprocess
-import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,6 +40,7 @@ def pytest_configure(config):
     leaving the processes its tests started running: as an interrupt, the finally blocks and
     fixtures that stop them still run."""
     signal.signal(signal.SIGTERM, _interrupted)
+    warm.MOTHER.spawn()
     config.add_cleanup(warm.MOTHER.stop)
     config.addinivalue_line("markers", "early(scenario=f, beside=file): run f(tmp_path, tiny_model_dir) "
                                        "from the first test of that file on, in a thread (early_run)")

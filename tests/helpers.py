@@ -13,8 +13,8 @@ import time
 from pathlib import Path
 
 import pytest
-import warm
 
+import warm
 from qmigrate.wire import protocol as P
 from qmigrate.wire import transport
 
@@ -310,7 +310,7 @@ class HttpNode:
         self.stderr = tmp / "stderr.txt"
         with open(self.stdout, "w") as out, open(self.stderr, "w") as err:
             self.proc = warm.popen(["node", str(self.config), "--node", "local"],
-                                         stdin=subprocess.DEVNULL, stdout=out, stderr=err, start_new_session=True)
+                                   stdin=subprocess.DEVNULL, stdout=out, stderr=err, start_new_session=True)
         self.url = f"http://127.0.0.1:{self.port}"
         self.client = openai.OpenAI(base_url=f"{self.url}/v1", api_key="none", max_retries=0, timeout=60)
 

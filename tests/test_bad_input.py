@@ -9,15 +9,14 @@ import json
 import os
 import random
 import subprocess
-import sys
 import threading
 
 import msgpack
 import pytest
-
-import warm
 import yaml
 import zmq
+
+import warm
 
 from qmigrate.config import local_topology
 from qmigrate.detokenizer import EXIT_REQUESTS_FAILED
@@ -47,7 +46,7 @@ class _Sim:
 
     def __init__(self, config: str, stdin: bytes):
         self.proc = warm.popen(["sim", config], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
         self.output = (b"", b"")
         self.thread = threading.Thread(target=self._communicate, args=(stdin,), daemon=True)
         self.thread.start()

@@ -8,15 +8,14 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 
 import msgpack
 import pytest
-
-import warm
 import yaml
 import zmq
+
+import warm
 
 hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import HealthCheck, Phase, given, settings  # noqa: E402
@@ -126,7 +125,7 @@ def test_a_fuzzed_fleet_serves_every_request_exactly(tmp_path, tiny_model_dir):
     path.write_text(yaml.safe_dump(data))
     out, err = open(tmp_path / "out", "a+"), open(tmp_path / "err", "a+")
     node = warm.popen(["node", str(path), "--node", "head"],
-                            stdin=subprocess.DEVNULL, stdout=out, stderr=err, start_new_session=True)
+                      stdin=subprocess.DEVNULL, stdout=out, stderr=err, start_new_session=True)
     router, ingest = f"tcp://127.0.0.1:{ports[0]}", f"tcp://127.0.0.1:{ports[2]}"
     ctx = transport.context()
     socks = []

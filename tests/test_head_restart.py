@@ -8,7 +8,6 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 import time
 
 import pytest
@@ -51,7 +50,7 @@ def _restarted_head(tmp_path, tiny_model_dir) -> list[tuple[str, list[dict]]]:
         # Append mode: the test reads with seek(), which must not move where the node writes.
         out, err = open(tmp_path / f"{node}{run}.out", "a+"), open(tmp_path / f"{node}{run}.err", "a+")
         proc = warm.popen(["node", str(path), "--node", node],
-                                stdin=subprocess.DEVNULL, stdout=out, stderr=err, start_new_session=True)
+                          stdin=subprocess.DEVNULL, stdout=out, stderr=err, start_new_session=True)
         proc.out, proc.err = out, err
         procs.append(proc)
         return proc

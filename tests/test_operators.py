@@ -7,16 +7,15 @@ import json
 import random
 import re
 import subprocess
-import sys
 import threading
 import time
 import urllib.request
 
 import pytest
-
-import warm
 import yaml
 from typer.testing import CliRunner
+
+import warm
 
 from qmigrate.cli import app
 from conftest import reserve_ports, stop_group
@@ -83,9 +82,9 @@ def node(tmp_path, tiny_model_dir):
     path = tmp_path / "topo.yaml"
     path.write_text(yaml.safe_dump(topo))
     proc = warm.popen(["node", str(path), "--node", "local", "--stdin"],
-                            stdin=subprocess.PIPE, stdout=(tmp_path / "out.jsonl").open("w"),
-                            stderr=(tmp_path / "err.txt").open("w"), text=True,
-                            start_new_session=True)
+                      stdin=subprocess.PIPE, stdout=(tmp_path / "out.jsonl").open("w"),
+                      stderr=(tmp_path / "err.txt").open("w"), text=True,
+                      start_new_session=True)
     # output goes to files: a pipe nobody reads until the end would block the detokenizer
     proc.out_path, proc.err_path = tmp_path / "out.jsonl", tmp_path / "err.txt"
     yield proc, path, router_metrics, detok_metrics

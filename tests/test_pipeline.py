@@ -306,7 +306,6 @@ def test_text_mode_streams_every_request_and_status_looks_inside(tiny_model_dir)
     import pty
     import select
     import subprocess
-    import sys
     import time
 
     from typer.testing import CliRunner
@@ -314,8 +313,8 @@ def test_text_mode_streams_every_request_and_status_looks_inside(tiny_model_dir)
     from qmigrate.cli import app
     master, slave = pty.openpty()
     proc = warm.popen(["sim", "--workers", "1", "--model", str(tiny_model_dir),
-                             "--max-new-tokens", "8"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            stderr=slave, text=True, start_new_session=True)
+                      "--max-new-tokens", "8"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                      stderr=slave, text=True, start_new_session=True)
     os.close(slave)
     terminal = b""
     try:

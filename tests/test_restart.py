@@ -8,7 +8,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 
 import pytest
@@ -70,7 +69,7 @@ def test_router_detokenizer_and_worker_restarts_lose_nothing(tmp_path, tiny_mode
     # Append mode: the test reads with seek(), which must not move where the node writes.
     out, err = open(tmp_path / "out", "a+"), open(tmp_path / "err", "a+")
     node = warm.popen(["node", str(path), "--node", "head", "--stdin"],
-                            stdin=subprocess.PIPE, stdout=out, stderr=err, text=True, start_new_session=True)
+                      stdin=subprocess.PIPE, stdout=out, stderr=err, text=True, start_new_session=True)
     node.stdin.write("".join(json.dumps(p) + "\n" for p in prompts))
     node.stdin.close()
 
@@ -139,7 +138,7 @@ def test_a_killed_stdin_ingest_stops_the_node_and_says_what_is_lost(tmp_path, ti
     prompts = H.prompts(7, "k", n=12, new_tokens=300)
     out, err = open(tmp_path / "out", "a+"), open(tmp_path / "err", "a+")
     node = warm.popen(["node", str(path), "--node", "head", "--stdin"],
-                            stdin=subprocess.PIPE, stdout=out, stderr=err, text=True, start_new_session=True)
+                      stdin=subprocess.PIPE, stdout=out, stderr=err, text=True, start_new_session=True)
     try:
         node.stdin.write("".join(json.dumps(p) + "\n" for p in prompts))
         node.stdin.flush()   # left open: ingest is still reading when it is killed

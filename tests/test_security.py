@@ -17,8 +17,6 @@ import time
 from pathlib import Path
 
 import pytest
-
-import warm
 import yaml
 import zmq
 import zmq.auth
@@ -29,6 +27,7 @@ from qmigrate.wire import codec
 from qmigrate.wire import security, transport
 from qmigrate.config import parse_topology
 from conftest import reserve_ports, stop_group
+import warm
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -360,8 +359,8 @@ def test_two_nodes_over_loopback_with_security_on(tmp_path, tiny_model_dir):
     prompts = [{"id": f"p{i}", "prompt_ids": [1, 5 + i, 70, 300 + i], "max_new_tokens": 4} for i in range(3)]
     gpu_err = open(tmp_path / "gpu1.err", "a+")
     gpu = warm.popen(["node", str(path), "--node", "gpu1"],
-                           stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=gpu_err,
-                           start_new_session=True)
+                     stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=gpu_err,
+                     start_new_session=True)
     try:
         head = warm.popen(["node", str(path), "--node", "head", "--stdin"], stdin=subprocess.PIPE,
                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
@@ -462,7 +461,7 @@ def test_the_http_api_serves_with_security_on(tmp_path, tiny_model_dir, http_pro
     path.write_text(yaml.safe_dump(data))
     err = open(tmp_path / "head.err", "a+")
     node = warm.popen(["node", str(path), "--node", "head"],
-                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err, start_new_session=True)
+                      stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err, start_new_session=True)
     body = json.dumps({"model": "tiny", "prompt": [1, 5, 70, 300], "max_tokens": 4, "temperature": 0}).encode()
     try:
         deadline, answer = time.monotonic() + 120, None

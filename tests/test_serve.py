@@ -282,8 +282,8 @@ def test_serve_is_ready_only_once_every_worker_has_joined(tiny_model_dir, tmp_pa
     err_path = tmp_path / "serve.err"
     with open(err_path, "w") as err_file:
         proc = warm.popen(["serve", str(tiny_model_dir), "--port", str(port),
-                                 "--cpu-workers", "2"], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                stderr=err_file, text=True, start_new_session=True)
+                          "--cpu-workers", "2"], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                          stderr=err_file, text=True, start_new_session=True)
     try:
         assert _wait(lambda: re.search(r"qmigrate status (\S+)", err_path.read_text()), 60), err_path.read_text()
         router = load_topology(re.search(r"qmigrate status (\S+)", err_path.read_text()).group(1)
@@ -344,7 +344,7 @@ def test_serve_on_the_gpus_with_defaults_answers_with_the_monitor_on(tiny_model_
     (port,) = reserve_ports(1)
     err_path = tmp_path / "serve.err"
     with open(err_path, "w") as err_file:  # a file: nothing blocks on a full pipe while it serves
-        proc = warm.popen(["serve", str(tiny_model_dir), "--port", str(port)],
+        proc = subprocess.Popen([sys.executable, "-m", "qmigrate", "serve", str(tiny_model_dir), "--port", str(port)],
                                 stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=err_file, text=True,
                                 start_new_session=True)
     try:

@@ -17,13 +17,12 @@ import threading
 import time
 
 import pytest
-
-import warm
 import torch
 import yaml
 from typer.testing import CliRunner
 
 from conftest import check_outputs, reserve_ports, stop_group
+import warm
 from qmigrate.cli import app
 from qmigrate.wire import protocol as P
 from qmigrate.wire import transport
@@ -381,8 +380,8 @@ def fleet(tmp_path, tiny_model_dir):
         tmp = tmp_path / "node-tmp"   # the temp directory of the node's processes
         tmp.mkdir(exist_ok=True)
         proc = warm.popen(["node", str(path), "--node", "head"],
-                                stdin=subprocess.DEVNULL, stdout=out, stderr=err, text=True, start_new_session=True,
-                                env={**os.environ, "TMPDIR": str(tmp)})
+                          stdin=subprocess.DEVNULL, stdout=out, stderr=err, text=True, start_new_session=True,
+                          env={**os.environ, "TMPDIR": str(tmp)})
         proc.out, proc.err, proc.tmp = out, err, tmp
         procs.append(proc)
         router = f"tcp://127.0.0.1:{ports[0]}"

@@ -9,9 +9,10 @@ caller's stdin, stdout, stderr, environment and working directory; the command t
 imports already). What the caller gets is a child of the mother, not of the test process:
 `WarmProcess` shows it with what tests use of subprocess.Popen, the mother telling its end.
 
-A command whose environment differs from the mother's in anything but TMPDIR, or any command
-while QMIGRATE_TEST_COLD is set, starts as a process of its own instead (`subprocess.Popen`),
-as a user's does; so do the tests of the zygote and of a cold start themselves.
+A command whose environment differs from the mother's in a variable read at import
+(`_READ_AT_IMPORT`), or any command while QMIGRATE_TEST_COLD is set, starts as a process of its
+own instead (`subprocess.Popen`), as a user's does; so do the tests of the zygote, of signals
+during a start and of serve's own start and stop.
 
 The mother and a caller speak over a Unix socket, one connection a command: the request is
 one JSON object with the three file descriptors beside it; the answers are `{"pid": N}`, then
@@ -31,7 +32,11 @@ import tempfile
 import threading
 import time
 
-_ALLOWED_TO_DIFFER = {"TMPDIR", "PYTEST_CURRENT_TEST"}
+# Variables read when modules are imported or the interpreter starts: the mother imported with
+# its own, so a command that sets them otherwise starts cold. Any other variable is the
+# command's own (the child's environment is replaced before the command runs).
+_READ_AT_IMPORT = ("PYTHON", "TRITON_", "TORCH", "HF_", "TRANSFORMERS_", "CUDA_", "NCCL_",
+                   "OMP_", "MKL_", "OPENBLAS_", "LD_", "MALLOC_", "QMIGRATE_TEST_")
 
 
 # --- the mother -------------------------------------------------------------------------------
@@ -132,13 +137,21 @@ class _Mother:
         self._dir: str | None = None
         self._lock = threading.Lock()
 
+    def spawn(self) -> None:
+        """Start the mother now (it imports while the session collects its tests), unless
+        every command is to start cold."""
+        with self._lock:
+            if not os.environ.get("QMIGRATE_TEST_COLD") and self.proc is None:
+                self._spawn()
+
     def address(self) -> str:
         with self._lock:
             if self.proc is None or self.proc.poll() is not None:
-                self._start()
+                self._spawn()
+            self._wait_ready()
             return self.path
 
-    def _start(self) -> None:
+    def _spawn(self) -> None:
         self._dir = tempfile.mkdtemp(prefix="qm-warm-", dir="/tmp")
         self.path = os.path.join(self._dir, "mother.sock")
         self.env = dict(os.environ)
@@ -146,6 +159,8 @@ class _Mother:
         root = os.path.dirname(os.path.dirname(os.path.abspath(qmigrate.__file__)))
         self.proc = subprocess.Popen([sys.executable, __file__, self.path, str(os.getpid()), root],
                                      stdin=subprocess.DEVNULL, start_new_session=True)
+
+    def _wait_ready(self) -> None:
         deadline = time.monotonic() + 120
         while not os.path.exists(self.path):
             if self.proc.poll() is not None or time.monotonic() > deadline:
@@ -179,7 +194,7 @@ def warm(env: dict[str, str]) -> bool:
         base = os.environ
     else:
         base = MOTHER.env
-    keys = (set(env) | set(base)) - _ALLOWED_TO_DIFFER
+    keys = {k for k in set(env) | set(base) if k.startswith(_READ_AT_IMPORT)}
     return all(env.get(k) == base.get(k) for k in keys)
 
 
