@@ -35,7 +35,7 @@ import time
 # Variables read when modules are imported or the interpreter starts: the mother imported with
 # its own, so a command that sets them otherwise starts cold. Any other variable is the
 # command's own (the child's environment is replaced before the command runs).
-_READ_AT_IMPORT = ("PYTHON", "TRITON_", "TORCH", "HF_", "TRANSFORMERS_", "CUDA_", "NCCL_",
+_READ_AT_IMPORT = ("PYTHON", "TRITON_", "TORCH_", "HF_", "TRANSFORMERS_", "CUDA_", "NCCL_",
                    "OMP_", "MKL_", "OPENBLAS_", "LD_", "MALLOC_", "QMIGRATE_TEST_")
 
 
