@@ -32,6 +32,12 @@ import tempfile
 import threading
 import time
 
+if __name__ == "__main__":   # the mother: the qmigrate the tests import, and not this directory
+    sys.path[0] = sys.argv[3]
+
+from qmigrate.ops.process import children_ended  # noqa: E402
+from qmigrate.ops.zygote import PopenSignals  # noqa: E402
+
 # Variables read when modules are imported or the interpreter starts: the mother imported with
 # its own, so a command that sets them otherwise starts cold. Any other variable is the
 # command's own (the child's environment is replaced before the command runs).
@@ -42,11 +48,9 @@ _READ_AT_IMPORT = ("PYTHON", "TRITON_", "TORCH_", "HF_", "TRANSFORMERS_", "CUDA_
 # --- the mother -------------------------------------------------------------------------------
 
 
-def _mother(path: str, parent: int, root: str) -> None:
+def _mother(path: str, parent: int) -> None:
     import gc
     import signal
-
-    sys.path[0] = root   # the qmigrate the tests import, and not this directory
 
     from qmigrate.ops import process, zygote_process
     from qmigrate.ops.process import die_with
@@ -68,17 +72,11 @@ def _mother(path: str, parent: int, root: str) -> None:
     signal.signal(signal.SIGTERM, lambda *_: os._exit(0))   # no teardown of what gc.freeze holds
     while True:
         ready, _, _ = select.select([server], [], [], 0.05)
-        while waiting:
-            try:
-                pid, status = os.waitpid(-1, os.WNOHANG)
-            except ChildProcessError:
-                break
-            if pid == 0:
-                break
+        for pid, code in children_ended():
             conn = waiting.pop(pid, None)
             if conn is not None:
                 try:
-                    conn.sendall((json.dumps({"exit": os.waitstatus_to_exitcode(status)}) + "\n").encode())
+                    conn.sendall((json.dumps({"exit": code}) + "\n").encode())
                 except OSError:
                     pass
                 conn.close()
@@ -225,7 +223,7 @@ def _ends(spec, target: int, for_writing_by_child: bool):
     return spec.fileno(), None, None
 
 
-class WarmProcess:
+class WarmProcess(PopenSignals):
     """A command forked by the mother, with what tests use of subprocess.Popen."""
 
     def __init__(self, args, *, stdin, stdout, stderr, text, env, cwd, start_new_session):
@@ -325,21 +323,7 @@ class WarmProcess:
                 stream.close()
         return out[0], out[1]
 
-    def send_signal(self, sig: int) -> None:
-        if self.poll() is None:
-            try:
-                os.kill(self.pid, sig)
-            except ProcessLookupError:
-                pass
-
-    def terminate(self) -> None:
-        import signal
-        self.send_signal(signal.SIGTERM)
-
-    def kill(self) -> None:
-        import signal
-        self.send_signal(signal.SIGKILL)
 
 
 if __name__ == "__main__":
-    _mother(sys.argv[1], int(sys.argv[2]), sys.argv[3])
+    _mother(sys.argv[1], int(sys.argv[2]))

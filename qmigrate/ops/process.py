@@ -131,3 +131,16 @@ def exit_as_main(run) -> NoReturn:
             stream.flush()
     finally:
         os._exit(code & 0xFF)
+
+
+def children_ended() -> list[tuple[int, int]]:
+    """(pid, exit code as subprocess gives it) of each child that has ended, without waiting."""
+    ended = []
+    while True:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return ended
+        if pid == 0:
+            return ended
+        ended.append((pid, os.waitstatus_to_exitcode(status)))

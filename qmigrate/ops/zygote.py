@@ -150,7 +150,25 @@ class Zygote:
         self.proc = None
 
 
-class Forked:
+class PopenSignals:
+    """subprocess.Popen's signal methods for a process object with `pid` and `poll()`: a
+    process that has ended (its pid perhaps reused) is sent nothing."""
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:
+            try:
+                os.kill(self.pid, sig)
+            except ProcessLookupError:
+                pass
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
+class Forked(PopenSignals):
     """A role forked by the zygote, with what the node uses of subprocess.Popen."""
 
     def __init__(self, zygote: Zygote, pid: int, args: list[str]):
@@ -169,21 +187,9 @@ class Forked:
             raise subprocess.TimeoutExpired(self.args, timeout)
         return self.returncode
 
-    def send_signal(self, sig: int) -> None:
-        if self.poll() is None:
-            try:
-                os.kill(self.pid, sig)
-            except ProcessLookupError:
-                pass
-
-    def terminate(self) -> None:
-        self.send_signal(signal.SIGTERM)
-
-    def kill(self) -> None:
-        self.send_signal(signal.SIGKILL)
 
 
-class ForkedZygote:
+class ForkedZygote(PopenSignals):
     """The zygote as a fork of this process (which has done its imports), with what the node
     uses of subprocess.Popen. The child keeps only the two pipes, its output and a copy of the
     node's stdin for the role that reads it (its own stdin is /dev/null); the node's signal
@@ -250,15 +256,3 @@ class ForkedZygote:
             time.sleep(0.01)
         return self.returncode
 
-    def send_signal(self, sig: int) -> None:
-        if self.poll() is None:
-            try:
-                os.kill(self.pid, sig)
-            except ProcessLookupError:
-                pass
-
-    def terminate(self) -> None:
-        self.send_signal(signal.SIGTERM)
-
-    def kill(self) -> None:
-        self.send_signal(signal.SIGKILL)

@@ -12,7 +12,7 @@ import sys
 from typing import NoReturn
 
 from qmigrate.ops import process
-from qmigrate.ops.process import die_with
+from qmigrate.ops.process import children_ended, die_with
 
 
 def _preload() -> None:
@@ -67,14 +67,8 @@ def main(ask: int, hear: int, stdin: int | None = None) -> None:
     buffer = b""
     while True:
         ready, _, _ = select.select([ask], [], [], 0.2)
-        while True:   # report every child that ended
-            try:
-                pid, status = os.waitpid(-1, os.WNOHANG)
-            except ChildProcessError:
-                break
-            if pid == 0:
-                break
-            os.write(hear, (json.dumps({"pid": pid, "exit": os.waitstatus_to_exitcode(status)}) + "\n").encode())
+        for pid, code in children_ended():   # report every child that ended
+            os.write(hear, (json.dumps({"pid": pid, "exit": code}) + "\n").encode())
         if not ready:
             continue
         chunk = os.read(ask, 65536)
