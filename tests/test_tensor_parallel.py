@@ -12,7 +12,6 @@ import random
 import shutil
 import signal
 import subprocess
-import sys
 import threading
 import time
 
@@ -34,6 +33,7 @@ from qmigrate.hub.shape import ModelShape
 
 import families
 import tp_ranks
+import tp_spawn
 
 # --- layouts -------------------------------------------------------------------------------
 
@@ -144,38 +144,27 @@ def test_a_worker_of_n_gpus_may_not_share_them():
 # --- a sharded engine, ranks in processes --------------------------------------------------
 
 
-def start_world(world: int, tiny_dir, tmp_path, device: str = "cpu", weightless_dir=None, env: dict | None = None):
-    """The ranks of a world (tp_ranks.run_world), started; finish_world waits for them. `env`:
-    changes to this process's environment that the ranks start with (None: removed)."""
+def start_world(world: int, tiny_dir, tmp_path, device: str = "cpu", weightless_dir=None, interpreted: bool = True):
+    """The ranks of a world (tp_ranks.run_world), started; finish_world waits for them.
+    `interpreted` False: a CPU world without Triton's interpreter (tp_spawn.run_world_compiled)."""
     ctx = mp.get_context("spawn")
     out = tmp_path / f"world{world}.json"
     init = f"file://{tmp_path}/rendezvous{world}"
     extra = () if weightless_dir is None else (str(weightless_dir),)
     if device == "cpu":   # one process that forks the ranks (tp_ranks.run_world)
-        procs = [ctx.Process(target=tp_ranks.run_world, args=(world, init, str(tiny_dir), str(out), device, *extra))]
+        target = tp_ranks.run_world if interpreted else tp_spawn.run_world_compiled
+        procs = [ctx.Process(target=target, args=(world, init, str(tiny_dir), str(out), device, *extra))]
     else:   # CUDA and NCCL in forked children are not safe: a GPU world's ranks start as workers' do
         procs = [ctx.Process(target=tp_ranks.run_rank, args=(r, world, init, str(tiny_dir), str(out), device, *extra),
                              daemon=True)
                  for r in range(world)]
-    saved = {k: os.environ.get(k) for k in env or {}}
     try:
-        _set_environ(env or {})
         for p in procs:
             p.start()
     except BaseException:
         stop_world((world, procs, out, tmp_path))
         raise
-    finally:
-        _set_environ(saved)
     return world, procs, out, tmp_path
-
-
-def _set_environ(values: dict) -> None:
-    for key, value in values.items():
-        if value is None:
-            os.environ.pop(key, None)
-        else:
-            os.environ[key] = value
 
 
 def stop_world(started) -> None:
@@ -220,25 +209,30 @@ def _weightless_copy(model_dir, tmp_path):
     return weightless
 
 
-@pytest.fixture(scope="module")
-def cpu_worlds(tiny_model_dir, tmp_path_factory):
-    """The 2-rank and the 4-rank world of the test below, started together: each is mostly one
-    rank at work while the others wait for it, so the two share the machine's cores. The
-    4-rank world starts without the Triton interpreter (read when triton is imported, by the
-    process that forks the world's ranks)."""
-    tmp = tmp_path_factory.mktemp("worlds")
-    worlds = {4: start_world(4, tiny_model_dir, tmp, env={"TRITON_INTERPRET": None})}
+def _cpu_worlds(tmp_path, tiny_model_dir) -> dict:
+    """The 2-rank and the 4-rank world of the test below, run together beside in-process tests
+    (conftest's `early` lane): each is mostly one rank at work while the others wait for it,
+    so the two share the machine's cores with the test process. The 4-rank world runs without
+    the Triton interpreter. Returns each world's result, or what finishing it raised."""
+    worlds = {4: start_world(4, tiny_model_dir, tmp_path, interpreted=False)}
     try:
-        worlds[2] = start_world(2, tiny_model_dir, tmp, weightless_dir=_weightless_copy(tiny_model_dir, tmp))
-        yield worlds
+        worlds[2] = start_world(2, tiny_model_dir, tmp_path, weightless_dir=_weightless_copy(tiny_model_dir, tmp_path))
+        results = {}
+        for world, started in worlds.items():
+            try:
+                results[world] = finish_world(started)
+            except Exception as exc:   # the other world's test still gets its result
+                results[world] = exc
+        return results
     finally:
         for started in worlds.values():
             stop_world(started)
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.early(scenario=_cpu_worlds, beside="test_fp8.py")   # in-process tests on one core
 @pytest.mark.parametrize("world", [2, 4])
-def test_sharded_engine_matches_one_rank_and_generate(world, cpu_worlds):
+def test_sharded_engine_matches_one_rank_and_generate(world, early_run):
     """2 ranks run the Triton kernels where the CPU has the interpreter (a rank's share of the
     heads, the experts' thinner matrices); 4 ranks, the torch reference path: the same layouts
     with KV heads replicated, at a fraction of the interpreter's time.
@@ -249,7 +243,9 @@ def test_sharded_engine_matches_one_rank_and_generate(world, cpu_worlds):
     that built different models stop at startup, both naming the first tensor that differs,
     rather than filling wrong shapes or waiting."""
     kernels = world == 2 and os.environ.get("TRITON_INTERPRET") == "1"
-    result = finish_world(cpu_worlds[world])
+    result = early_run.result()[world]
+    if isinstance(result, Exception):
+        raise result
     if world == 2:
         mismatch, followers = result.pop("mismatch"), result.pop("followers")
         said = ("tensor-parallel startup: rank 0 sends rank 1 a shard of 21 tensors, rank 1 expects 21; "
