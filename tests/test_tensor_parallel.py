@@ -352,10 +352,11 @@ def _title(pid: int) -> str:
 @pytest.fixture
 def fleet(tmp_path, tiny_model_dir):
     """start(migration, prompts): a node running every role, w1 over 2 ranks and w2 on one;
-    once both workers have joined, the prompts are fed to it. stats() reads the router's counters."""
+    once both workers have joined, the prompts are fed to it. stats() reads the router's counters.
+    `cold`: the node starts as a user's does, not forked from tests/warm.py's mother."""
     procs = []
 
-    def start(migration: str, prompts: list[dict]):
+    def start(migration: str, prompts: list[dict], cold: bool = False):
         ports = reserve_ports(7)
         data = {
             "transport": "tcp", "model": {"path": str(tiny_model_dir)},
@@ -377,7 +378,7 @@ def fleet(tmp_path, tiny_model_dir):
         tmp.mkdir(exist_ok=True)
         proc = warm.popen(["node", str(path), "--node", "head"],
                           stdin=subprocess.DEVNULL, stdout=out, stderr=err, text=True, start_new_session=True,
-                          env={**os.environ, "TMPDIR": str(tmp)})
+                          env={**os.environ, "TMPDIR": str(tmp)}, cold=cold)
         proc.out, proc.err, proc.tmp = out, err, tmp
         procs.append(proc)
         router = f"tcp://127.0.0.1:{ports[0]}"
@@ -470,7 +471,9 @@ def test_a_drained_two_rank_worker_moves_its_sequences_to_a_one_rank_worker(migr
 @pytest.mark.timeout(300)
 def test_a_rank_that_dies_takes_its_worker_down_and_nothing_is_lost(fleet, tiny_model_dir):
     prompts = _prompts()
-    _, proc, stats = fleet("auto", prompts)
+    # cold, as a user's node: started warm, this test left the ranks' directory behind in one
+    # full run of four (the stop reaching the restarted w1 early in its start; not explained)
+    _, proc, stats = fleet("auto", prompts, cold=True)
     _wait_for("w1 to hold unfinished sequences", lambda s: s.get("owned_w1", 0) >= 1 and s.get("live", 0) >= 2, stats)
     rank1 = _follower_of(proc)
     assert rank1 is not None

@@ -94,8 +94,6 @@ class Ranks:
         self.dir = Path(tempfile.mkdtemp(prefix=f"qm-tp-{name}-"))
         self.is_stopping = False
         self.procs: list[subprocess.Popen] = []
-        # from its first moment, a worker stopped by its node leaves no follower or directory
-        before_sigterm(self._kill_all)
         try:
             topo_path = self.dir / "topology.yaml"
             dump_topology(topo, topo_path)
@@ -108,6 +106,7 @@ class Ranks:
                                                        preexec_fn=lambda: die_with(parent)))
                 else:
                     self.procs.append(ForkedRank(args, parent))
+            before_sigterm(self._kill_all)   # a worker stopped by its node: no follower or directory left
             self.watcher = threading.Thread(target=self._watch, name="tp-ranks", daemon=True)
             self.watcher.start()
             self.tp = TensorParallel.init(0, self.world, init, rank_device(cfg.device, 0))
