@@ -271,7 +271,7 @@ def test_serve_on_the_cpu_answers_once_ready_and_sigterm_stops_everything(tiny_m
 
 @pytest.mark.slow
 @pytest.mark.timeout(180)
-def test_serve_is_ready_only_once_every_worker_has_joined(tiny_model_dir, tmp_path):
+def test_serve_is_ready_only_once_every_worker_has_joined(tiny_model_dir, tmp_path, node_tmp):
     """Ready means every worker serve started is up (as vLLM's): with one of two CPU workers
     held stopped before it joins, /health stays 503 and no "ready:" prints while the other
     serves the router; once it joins, both come."""
@@ -281,9 +281,11 @@ def test_serve_is_ready_only_once_every_worker_has_joined(tiny_model_dir, tmp_pa
     (port,) = reserve_ports(1)
     err_path = tmp_path / "serve.err"
     with open(err_path, "w") as err_file:
+        # its temp directories in node_tmp: the session is killed at the end, so serve cannot remove them
         proc = warm.popen(["serve", str(tiny_model_dir), "--port", str(port),
                           "--cpu-workers", "2"], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                          stderr=err_file, text=True, start_new_session=True)
+                          stderr=err_file, text=True, start_new_session=True,
+                          env={**os.environ, "TMPDIR": str(node_tmp)})
     try:
         assert _wait(lambda: re.search(r"qmigrate status (\S+)", err_path.read_text()), 60), err_path.read_text()
         router = load_topology(re.search(r"qmigrate status (\S+)", err_path.read_text()).group(1)
