@@ -34,7 +34,10 @@ def _prompts(prefix: str, n: int = 10) -> list[dict]:
 def test_a_rogue_workers_kv_changes_no_other_clients_answer(tmp_path, tiny_model_dir, policy):
     path = tmp_path / "topology.yaml"
     router = fleet_topology(path, tiny_model_dir, 3, reserve_ports(8), late=3,
-                            router={"policy": policy, "migration": "transfer"},
+                            # the rogue is paused while the honest workers' node starts (seconds,
+                            # when it starts cold): it must not be taken for dead meanwhile
+                            router={"policy": policy, "migration": "transfer", "heartbeat_timeout_s": 120,
+                                    "lease_timeout_s": 120},
                             worker={"max_seqs": 4})
     data = yaml.safe_load(path.read_text())   # w3 on a node of its own, which only the rogue plays
     data["nodes"].append({"name": "rogue", "address": "127.0.0.1", "bind": "127.0.0.1"})

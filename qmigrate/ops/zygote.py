@@ -188,7 +188,6 @@ class Forked(PopenSignals):
         return self.returncode
 
 
-
 class ForkedZygote(PopenSignals):
     """The zygote as a fork of this process (which has done its imports), with what the node
     uses of subprocess.Popen. The child keeps only the two pipes, its output and a copy of the
@@ -225,11 +224,12 @@ class ForkedZygote(PopenSignals):
         null = os.open(os.devnull, os.O_RDONLY)
         os.dup2(null, 0)
         keep = {0, 1, 2, ask, hear, stdin}
-        for fd in map(int, os.listdir("/proc/self/fd")) if os.path.isdir("/proc/self/fd") else ():
+        open_fds = os.listdir("/proc/self/fd") if os.path.isdir("/proc/self/fd") else []   # Linux only
+        for fd in map(int, open_fds):   # the node's files
             if fd not in keep:
                 try:
                     os.close(fd)
-                except OSError:
+                except OSError:   # the directory's own descriptor, closed already
                     pass
         die_with(node)
         signal.pthread_sigmask(signal.SIG_SETMASK, mask)
@@ -255,4 +255,3 @@ class ForkedZygote(PopenSignals):
                 raise subprocess.TimeoutExpired(self.args, timeout)
             time.sleep(0.01)
         return self.returncode
-

@@ -64,6 +64,7 @@ def main(ask: int, hear: int, stdin: int | None = None) -> None:
     # BLAS library's idle pool, which is made safe across fork by the library itself.
     warnings.filterwarnings("ignore", message=r".*fork\(\) may lead to deadlocks", category=DeprecationWarning)
     me = os.getpid()
+    kept = (ask, hear) if stdin is None else (ask, hear, stdin)   # what a child closes
     buffer = b""
     while True:
         ready, _, _ = select.select([ask], [], [], 0.2)
@@ -78,7 +79,6 @@ def main(ask: int, hear: int, stdin: int | None = None) -> None:
         *lines, buffer = buffer.split(b"\n")
         for line in filter(None, lines):
             request = json.loads(line)
-            kept = (ask, hear) if stdin is None else (ask, hear, stdin)
             pid = os.fork()
             if pid == 0:   # unwinds this stack: nothing below runs in the child
                 _child(request["argv"], me, kept, stdin if request.get("stdin") else None)
