@@ -86,3 +86,30 @@ def test_roles_exit_when_their_supervisor_is_killed(tmp_path, tiny_model_dir):
         assert _wait(lambda: not _alive(roles), 15), f"roles outlived their supervisor: {_alive(roles)}"
     finally:
         _kill_session(node)
+
+
+def test_a_second_sigterm_does_not_cut_a_roles_clean_up_short(tmp_path):
+    """A node stopping sends SIGTERM to its group and then to each role: what a role registered
+    to run at SIGTERM finishes, and the role still ends by the signal."""
+    done = tmp_path / "done"
+    program = f"""
+import os, signal, time
+from qmigrate.ops.process import before_sigterm
+def tidy():
+    os.kill(os.getpid(), signal.SIGTERM)   # the second, while the first's clean-up runs
+    time.sleep(0.3)
+    open({str(done)!r}, "w").close()
+before_sigterm(tidy)
+print("ready", flush=True)
+time.sleep(60)
+"""
+    proc = subprocess.Popen([sys.executable, "-c", program], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "ready"
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == -signal.SIGTERM
+        assert done.exists(), "the clean-up was cut short"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

@@ -295,6 +295,11 @@ class _Follower:
     def kill(self):
         self.after = 0
 
+    def wait(self, timeout=None):
+        if (code := self.poll()) is None:
+            raise subprocess.TimeoutExpired("rank 1", timeout)
+        return code
+
 
 def test_a_failed_collective_names_the_rank_that_died_though_its_exit_shows_later(monkeypatch, tmp_path):
     from qmigrate.worker import ranks
@@ -322,9 +327,10 @@ def test_a_forked_cpu_rank_shows_its_end_as_a_spawned_one_does(tmp_path, tiny_mo
         "nodes": [{"name": "n"}], "router": {"node": "n"}, "ingest": {"node": "n"}, "detokenizer": {"node": "n"},
         "workers": [{"name": "w1", "node": "n", "device": "cpu", "tensor_parallel_size": 2}]}))
     init = f"file://{tmp_path}/rendezvous"
-    failed = ranks.ForkedRank((str(tmp_path / "missing.yaml"), "w1", str(tiny_model_dir), 1, init), os.getpid())
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, ())   # this process's, for the followers to restore
+    failed = ranks.ForkedRank((str(tmp_path / "missing.yaml"), "w1", str(tiny_model_dir), 1, init), os.getpid(), mask)
     assert failed.wait(120) == 1
-    waiting = ranks.ForkedRank((str(topo), "w1", str(tiny_model_dir), 1, init), os.getpid())
+    waiting = ranks.ForkedRank((str(topo), "w1", str(tiny_model_dir), 1, init), os.getpid(), mask)
     try:
         deadline = time.monotonic() + 60
         while not _title(waiting.pid).startswith("qmigrate rank 1 of w1"):   # then it waits for rank 0
@@ -352,11 +358,10 @@ def _title(pid: int) -> str:
 @pytest.fixture
 def fleet(tmp_path, tiny_model_dir):
     """start(migration, prompts): a node running every role, w1 over 2 ranks and w2 on one;
-    once both workers have joined, the prompts are fed to it. stats() reads the router's counters.
-    `cold`: the node starts as a user's does, not forked from tests/warm.py's mother."""
+    once both workers have joined, the prompts are fed to it. stats() reads the router's counters."""
     procs = []
 
-    def start(migration: str, prompts: list[dict], cold: bool = False):
+    def start(migration: str, prompts: list[dict]):
         ports = reserve_ports(7)
         data = {
             "transport": "tcp", "model": {"path": str(tiny_model_dir)},
@@ -378,7 +383,7 @@ def fleet(tmp_path, tiny_model_dir):
         tmp.mkdir(exist_ok=True)
         proc = warm.popen(["node", str(path), "--node", "head"],
                           stdin=subprocess.DEVNULL, stdout=out, stderr=err, text=True, start_new_session=True,
-                          env={**os.environ, "TMPDIR": str(tmp)}, cold=cold)
+                          env={**os.environ, "TMPDIR": str(tmp)})
         proc.out, proc.err, proc.tmp = out, err, tmp
         procs.append(proc)
         router = f"tcp://127.0.0.1:{ports[0]}"
@@ -471,9 +476,7 @@ def test_a_drained_two_rank_worker_moves_its_sequences_to_a_one_rank_worker(migr
 @pytest.mark.timeout(300)
 def test_a_rank_that_dies_takes_its_worker_down_and_nothing_is_lost(fleet, tiny_model_dir):
     prompts = _prompts()
-    # cold, as a user's node: started warm, this test left the ranks' directory behind in one
-    # full run of four (the stop reaching the restarted w1 early in its start; not explained)
-    _, proc, stats = fleet("auto", prompts, cold=True)
+    _, proc, stats = fleet("auto", prompts)
     _wait_for("w1 to hold unfinished sequences", lambda s: s.get("owned_w1", 0) >= 1 and s.get("live", 0) >= 2, stats)
     rank1 = _follower_of(proc)
     assert rank1 is not None

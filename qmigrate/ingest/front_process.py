@@ -111,7 +111,7 @@ class Bridge:
 
 def _stop(signum, frame):
     """SIGTERM (ingest stops, or died): unwind, so that open requests are answered first."""
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)   # a second must not cut the answers short: ingest kills one that lingers
     raise SystemExit(128 + signum)
 
 

@@ -413,7 +413,9 @@ class Ingest:
 
 def _stop(signum, frame):
     """SIGTERM: unwind the loop, so that open HTTP requests are answered before the exit."""
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a second one ends the process at once
+    # ignored from here: a stop sends more than one (to the node's group, then to each role)
+    # and they must not cut the answers short; one that hangs is killed after the node's grace
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     raise SystemExit(128 + signum)
 
 

@@ -86,12 +86,16 @@ def forget_sigterm() -> None:
 
 
 def _tidy_and_end(signum, frame) -> None:
-    signal.signal(signum, signal.SIG_DFL)   # a second SIGTERM ends it at once
+    # A node stopping sends SIGTERM to its whole group and then to each role, and a zygote to its
+    # children: the second must not cut the clean-up short (a stuck one ends by SIGKILL, which a
+    # node sends after its grace)
+    signal.signal(signum, signal.SIG_IGN)
     for fn in _at_sigterm:
         try:
             fn()
         except Exception as exc:   # the rest still runs, and the process still ends
             print(f"at SIGTERM: {type(exc).__name__}: {exc}", file=sys.stderr)
+    signal.signal(signum, signal.SIG_DFL)
     os.kill(os.getpid(), signum)
 
 

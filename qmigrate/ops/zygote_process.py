@@ -9,10 +9,13 @@ import os
 import select
 import signal
 import sys
+import time
 from typing import NoReturn
 
 from qmigrate.ops import process
 from qmigrate.ops.process import children_ended, die_with
+
+STOP_GRACE_S = 10.0   # longer than a node's own: while the node lives, it is the one that kills
 
 
 def _preload() -> None:
@@ -29,10 +32,11 @@ def _preload() -> None:
     process.roles_imported()
 
 
-def _child(argv: list[str], zygote: int, fds: tuple[int, ...], stdin: int | None = None) -> NoReturn:
+def _child(argv: list[str], zygote: int, fds: tuple[int, ...], stdin: int | None, mask) -> NoReturn:
     """The forked child: `qmigrate *argv`, ending as that process would (its exit status, a
     traceback for an uncaught exception, the interpreter's own exit: atexit, flushed output).
-    `stdin`: the node's stdin kept by a zygote forked from the node, for the role that reads it."""
+    `stdin`: the node's stdin kept by a zygote forked from the node, for the role that reads it.
+    `mask`: the signal mask to restore once the child's own handlers are set."""
     if stdin is not None:
         os.dup2(stdin, 0)
     for fd in fds:
@@ -40,6 +44,7 @@ def _child(argv: list[str], zygote: int, fds: tuple[int, ...], stdin: int | None
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)   # SIGINT stays ignored, as for every role
     die_with(zygote)
+    signal.pthread_sigmask(signal.SIG_SETMASK, mask)
     sys.argv = ["qmigrate", *argv]
     from qmigrate.cli import app
     app(argv, prog_name="qmigrate")   # raises SystemExit with the command's status
@@ -65,12 +70,14 @@ def main(ask: int, hear: int, stdin: int | None = None) -> None:
     warnings.filterwarnings("ignore", message=r".*fork\(\) may lead to deadlocks", category=DeprecationWarning)
     me = os.getpid()
     kept = (ask, hear) if stdin is None else (ask, hear, stdin)   # what a child closes
+    live: set[int] = set()
+    stopping: list[int] = []
+    signal.signal(signal.SIGTERM, lambda signum, frame: stopping.append(signum))
     buffer = b""
-    while True:
+    while not stopping:
         ready, _, _ = select.select([ask], [], [], 0.2)
-        for pid, code in children_ended():   # report every child that ended
-            os.write(hear, (json.dumps({"pid": pid, "exit": code}) + "\n").encode())
-        if not ready:
+        _report(children_ended(), live, hear)
+        if not ready or stopping:
             continue
         chunk = os.read(ask, 65536)
         if not chunk:   # the node closed its end: it has stopped its roles
@@ -79,10 +86,54 @@ def main(ask: int, hear: int, stdin: int | None = None) -> None:
         *lines, buffer = buffer.split(b"\n")
         for line in filter(None, lines):
             request = json.loads(line)
+            mask = signal.pthread_sigmask(signal.SIG_BLOCK, (signal.SIGTERM,))   # the child's is its own
             pid = os.fork()
             if pid == 0:   # unwinds this stack: nothing below runs in the child
-                _child(request["argv"], me, kept, stdin if request.get("stdin") else None)
-            os.write(hear, (json.dumps({"pid": pid}) + "\n").encode())
+                _child(request["argv"], me, kept, stdin if request.get("stdin") else None, mask)
+            signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+            live.add(pid)
+            _send(hear, {"pid": pid})
+    _stop_children(live, hear)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    os.kill(me, signal.SIGTERM)   # ended as the signal ends a process
+
+
+def _send(hear: int, message: dict) -> None:
+    try:
+        os.write(hear, (json.dumps(message) + "\n").encode())
+    except OSError:   # the node is gone: nobody to tell
+        pass
+
+
+def _report(ended: list[tuple[int, int]], live: set[int], hear: int) -> None:
+    """Tell the node of every child that ended."""
+    for pid, code in ended:
+        live.discard(pid)
+        _send(hear, {"pid": pid, "exit": code})
+
+
+def _stop_children(live: set[int], hear: int) -> None:
+    """SIGTERM stops the zygote (its node stopping, or dead): it stops its children first and
+    waits for them, so that a node which waits for its roles waits for their clean-up too
+    (their children, their temp directories), not only for the zygote. One that lingers past
+    STOP_GRACE_S is killed."""
+    for pid in live:
+        _signal(pid, signal.SIGTERM)
+    deadline = time.monotonic() + STOP_GRACE_S
+    while live:
+        _report(children_ended(), live, hear)
+        if live and time.monotonic() > deadline:
+            for pid in live:
+                _signal(pid, signal.SIGKILL)
+            deadline = float("inf")
+        time.sleep(0.02)
+
+
+def _signal(pid: int, sig: int) -> None:
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:
+        pass
 
 
 if __name__ == "__main__":

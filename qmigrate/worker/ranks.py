@@ -23,6 +23,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -91,10 +92,17 @@ class Ranks:
     def __init__(self, topo, name: str, model_path: str):
         cfg = topo.worker(name)
         self.name, self.world = name, cfg.tensor_parallel_size
-        self.dir = Path(tempfile.mkdtemp(prefix=f"qm-tp-{name}-"))
         self.is_stopping = False
         self.procs: list[subprocess.Popen] = []
+        self.dir: Path | None = None
+        # A node that stops while this starts sends SIGTERM at any point: the clean-up is
+        # registered before the directory exists (a worker stopped by its node leaves neither a
+        # follower nor the directory behind), and this thread holds the signal until the
+        # followers have started, so none starts with rank 0's clean-up as its own.
+        before_sigterm(self._kill_all)
+        mask = signal.pthread_sigmask(signal.SIG_BLOCK, (signal.SIGTERM,))
         try:
+            self.dir = Path(tempfile.mkdtemp(prefix=f"qm-tp-{name}-"))
             topo_path = self.dir / "topology.yaml"
             dump_topology(topo, topo_path)
             init = f"file://{self.dir}/rendezvous"
@@ -103,10 +111,15 @@ class Ranks:
                 args = (str(topo_path), name, model_path, rank, init)
                 if cfg.device.startswith("cuda"):
                     self.procs.append(subprocess.Popen([sys.executable, "-m", "qmigrate.worker.ranks", *map(str, args)],
-                                                       preexec_fn=lambda: die_with(parent)))
+                                                       preexec_fn=lambda: _follower_starts(parent, mask)))
                 else:
-                    self.procs.append(ForkedRank(args, parent))
-            before_sigterm(self._kill_all)   # a worker stopped by its node: no follower or directory left
+                    self.procs.append(ForkedRank(args, parent, mask))
+        except BaseException:
+            self._kill_all()
+            raise
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, mask)   # a SIGTERM that came runs _kill_all now
+        try:
             self.watcher = threading.Thread(target=self._watch, name="tp-ranks", daemon=True)
             self.watcher.start()
             self.tp = TensorParallel.init(0, self.world, init, rank_device(cfg.device, 0))
@@ -141,7 +154,8 @@ class Ranks:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
-        shutil.rmtree(self.dir, ignore_errors=True)
+        if self.dir is not None:
+            shutil.rmtree(self.dir, ignore_errors=True)
 
     def failed(self, exc: Exception) -> SystemExit:
         """A collective failed (a peer's connection closed): the other ranks are stopped, and
@@ -164,20 +178,29 @@ class Ranks:
         return [(r, code) for r, p in enumerate(self.procs, start=1) if (code := p.poll()) is not None]
 
     def _kill_all(self) -> None:
+        """Kill the followers, and remove the directory once they are gone: one still polling
+        the rendezvous file would make it again inside a directory being removed."""
+        self.is_stopping = True   # the followers' exits are this one's doing: the watcher says nothing
         for proc in self.procs:
             if proc.poll() is None:
                 proc.kill()
-        shutil.rmtree(self.dir, ignore_errors=True)
+        for proc in self.procs:
+            try:
+                proc.wait(EXIT_GRACE_S)
+            except subprocess.TimeoutExpired:   # stuck in the driver: the directory goes anyway
+                pass
+        if self.dir is not None:
+            shutil.rmtree(self.dir, ignore_errors=True)
 
 
 class ForkedRank:
     """A CPU follower forked from rank 0 (`follow` in the child), with what Ranks uses of
     subprocess.Popen: its exit code as Popen gives it, minus the signal that killed it."""
 
-    def __init__(self, args: tuple, parent: int):
+    def __init__(self, args: tuple, parent: int, mask):
         import multiprocessing
         self.proc = multiprocessing.get_context("fork").Process(
-            target=_forked_follow, args=(parent, *args), name=f"rank {args[3]} of {args[1]}", daemon=True)
+            target=_forked_follow, args=(parent, mask, *args), name=f"rank {args[3]} of {args[1]}", daemon=True)
         self.proc.start()
         self.pid = self.proc.pid
 
@@ -195,9 +218,16 @@ class ForkedRank:
             self.proc.kill()
 
 
-def _forked_follow(parent: int, *args) -> None:
-    forget_sigterm()   # rank 0's clean-up is rank 0's
+def _follower_starts(parent: int, mask) -> None:
+    """In a follower before it runs anything of its own: rank 0's SIGTERM clean-up is rank 0's,
+    the follower dies with rank 0, and the signals rank 0 held across the start come through."""
+    forget_sigterm()
     die_with(parent)
+    signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+
+
+def _forked_follow(parent: int, mask, *args) -> None:
+    _follower_starts(parent, mask)
     code = follow(*args)
     sys.stdout.flush()
     sys.stderr.flush()
