@@ -7,7 +7,8 @@
 #                                                            pool uncapped: on / off
 #   bench-capped, bench-fits, l8-capped, l8-fits: one half of those
 #   pull    two workers sharing the GPU, each capped to a quarter of the working set, both with a host
-#           tier: conversations placed away from their worker pull their prefix / recompute it
+#           tier, new turns placed by load alone: conversations placed away from their worker pull
+#           their prefix / recompute it
 # Each run writes OUT_DIR/NAME.json (`bench serve --json`) and OUT_DIR/NAME.status.json (the router's
 # counters and per-tier figures at the end). The Llama shape needs SmolLM2's tokenizer: TOKENIZER=DIR
 # (default: the smollm2 built-in model's, which needs the network on first use). SESSIONS_AS=ids sends
@@ -72,7 +73,11 @@ one_gpu() {   # one_gpu TAG MODEL WHICH [serve flags]: WHICH capped, fits or bot
 pull() {
     local ws; ws=$(working_set $M) || return 1
     for mode in always never; do
-        sed -e "s/prefix_pull: always/prefix_pull: $mode/" configs/two-workers-kv-pull.yaml > "$out/pull-$mode.yaml"
+        # prefix_wait_s 0: a new turn goes to the first worker that asks for work, never held for the one
+        # holding its conversation, so about half the later turns land away from their KV and either pull
+        # it (always) or prefill it again (never); the index still knows every holder
+        sed -e "s/prefix_pull: always/prefix_pull: $mode/" -e "s/prefix_aware: true/prefix_aware: true\n  prefix_wait_s: 0/" \
+            configs/two-workers-kv-pull.yaml > "$out/pull-$mode.yaml"
         serve_up "$out/pull-$mode.log" $M --config "$out/pull-$mode.yaml" --max-model-len $(context $M) \
             --kv-offloading-size $TIER_GIB --worker-setting max_kv_tokens=$((ws / 4)) || return 1
         sessions pull-$mode $M

@@ -11,7 +11,10 @@ copied back instead, at a fraction of a prefill (HOST_COPY_COST).
 Placement is by score: the prompt tokens a worker would not prefill, less the copies from its
 host tier, less a load penalty (its prompt times the share of the worker's batch places
 taken): a worker holding a prefix gets no more work than its free places allow. A worker asking for work
-takes its hits first, and leaves a sequence that scores better on another worker, for up to
+takes its hits early, each ahead of the sequences offered before it by no more than the time
+its cached tokens would take to prefill (`prefill_tflops`): a hit goes first as the shorter job
+does, and a miss waits behind a stream of hits for a bounded time, never for as long as hits keep
+coming. It leaves a sequence that scores better on another worker, for up to
 `prefix_wait_s` after it was first offered, while that worker has room (batch places and KV
 blocks): a hit never piles work onto a worker that is full. A worker whose share of new
 work is taken (`spread_new_work`) still takes the sequences whose prefix it holds: the other
@@ -29,7 +32,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-from qmigrate.router.records import Seq, WorkerState
+from qmigrate.router.records import Seq, WorkerState, recompute_seconds
 from qmigrate.wire.prefix_keys import block_keys
 
 MAX_KEYS = 1 << 20
@@ -139,9 +142,11 @@ def score(seq: Seq, w: WorkerState, hits: dict[str, int], on_host: dict[str, int
 
 
 def place_new(index: PrefixIndex, w: WorkerState, workers: dict[str, WorkerState], candidates: list,
-              now: float, wait_s: float, counters, matched: dict[int, dict[str, int]] | None = None) -> list:
-    """The candidates for w with sequences nobody holds reordered by w's hits (best first,
-    in their queue positions otherwise kept) and those better started elsewhere left out.
+              now: float, wait_s: float, counters, matched: dict[int, dict[str, int]] | None = None,
+              prefill_tflops: float = 100.0) -> list:
+    """The candidates for w with sequences nobody holds reordered by when they were first
+    offered, each hit moved earlier by the time its saved prefill would take (in their queue
+    positions otherwise kept), and those better started elsewhere left out.
     `matched` collects each new sequence's hits (seq_id -> the index's match), for the
     lease's costs to reuse: the index does not change while a lease is built."""
     new = [i for i, (seq, cause) in enumerate(candidates) if seq.owner is None and cause is None]
@@ -162,8 +167,9 @@ def place_new(index: PrefixIndex, w: WorkerState, workers: dict[str, WorkerState
             counters["prefix_held_back"] += 1
             continue   # another worker with room holds more of it: leave it for that one
         kept.append(i)
-        gains[i] = hits.get(w.name, 0)
-    order = sorted(kept, key=lambda i: -gains[i])
+        saved = max(0.0, hits.get(w.name, 0) - HOST_COPY_COST * on_host.get(w.name, 0)) * w.block_size
+        gains[i] = seq.offered_at - recompute_seconds(int(saved), w.num_params, prefill_tflops)
+    order = sorted(kept, key=lambda i: gains[i])
     out, it, skipped = [], iter(order), set(new) - set(kept)
     for i, entry in enumerate(candidates):
         if i in skipped:
