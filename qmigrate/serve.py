@@ -145,10 +145,13 @@ def local_url(host: str, port: int) -> str:
 
 
 class ReadyNotice:
-    """Polls /health from the supervisor's loop; prints the URL once it answers 200."""
+    """Polls /health from the supervisor's loop; prints the URL once it answers 200 and every
+    Prometheus endpoint in `metrics` ((host, port) pairs) answers too, so that a script which
+    waits for "ready:" may scrape at once."""
 
-    def __init__(self, host: str, port: int, out=None):
+    def __init__(self, host: str, port: int, out=None, metrics: tuple[tuple[str, int], ...] = ()):
         self.host, self.port, self.url = _loopback(host), port, local_url(host, port)
+        self.metrics = [(_loopback(h), p) for h, p in metrics]
         self.out = out or sys.stdout
         self.is_ready = False
         self.checked_at = 0.0
@@ -157,7 +160,8 @@ class ReadyNotice:
         if self.is_ready or (now := time.monotonic()) - self.checked_at < READY_POLL_S:
             return
         self.checked_at = now
-        if health_status(self.host, self.port) == 200:
+        if health_status(self.host, self.port) == 200 and \
+                all(health_status(h, p, path="/metrics") == 200 for h, p in self.metrics):
             self.is_ready = True
             print(f"ready: {self.url} (OpenAI API at {self.url}/v1)", file=self.out, flush=True)
 
@@ -183,10 +187,10 @@ def bind_problem(host: str, port: int) -> str | None:
     return None
 
 
-def health_status(host: str, port: int, timeout_s: float = 0.3) -> int | None:
+def health_status(host: str, port: int, timeout_s: float = 0.3, path: str = "/health") -> int | None:
     conn = http.client.HTTPConnection(host, port, timeout=timeout_s)
     try:
-        conn.request("GET", "/health")
+        conn.request("GET", path)
         return conn.getresponse().status
     except (OSError, http.client.HTTPException):
         return None
@@ -201,7 +205,10 @@ def run_serve(topo: Topology, model_path: str, log_level: str = "warning") -> in
         print(f"qmigrate: serving {model_path} with {len(local.workers)} worker"
               f"{'s' if len(local.workers) != 1 else ''} ({', '.join(devices)}); live view: "
               f"qmigrate status {path}", file=sys.stderr, flush=True)
-        notice = ReadyNotice(local.ingest.http_host, local.ingest.http_port)
+        metrics = tuple((local.node(getattr(local, r).node).bind_host.replace("*", "").strip("[]"),
+                         getattr(local, r).metrics_port)
+                        for r in ("router", "detokenizer") if getattr(local, r).metrics_port)
+        notice = ReadyNotice(local.ingest.http_host, local.ingest.http_port, metrics=metrics)
         # ready (as vLLM's): every worker started here has joined the router, within the
         # node's join_timeout_s, before /health answers 200 and "ready:" prints
         return run_node(local, path, "local", read_stdin=False, log_level=log_level, wait_for_workers=True,

@@ -81,7 +81,8 @@ def main(ask: int, hear: int, stdin: int | None = None) -> None:
             continue
         chunk = os.read(ask, 65536)
         if not chunk:   # the node closed its end: it has stopped its roles
-            return
+            _stop_children(live, hear)
+            _end(0)
         buffer += chunk
         *lines, buffer = buffer.split(b"\n")
         for line in filter(None, lines):
@@ -94,8 +95,20 @@ def main(ask: int, hear: int, stdin: int | None = None) -> None:
             live.add(pid)
             _send(hear, {"pid": pid})
     _stop_children(live, hear)
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    os.kill(me, signal.SIGTERM)   # ended as the signal ends a process
+    _end(-signal.SIGTERM)
+
+
+def _end(code: int) -> NoReturn:
+    """End the zygote without the interpreter's teardown, which has nothing of the zygote's to
+    do (its children are gone) and would print what the libraries it imported leave behind:
+    with code 0, or by the signal -code, as the process would have died of it."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if code < 0:
+        signal.signal(-code, signal.SIG_DFL)
+        os.kill(os.getpid(), -code)
+        code = 128 - code   # not reached: the signal ends it
+    os._exit(code)
 
 
 def _send(hear: int, message: dict) -> None:
