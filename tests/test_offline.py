@@ -204,3 +204,22 @@ def test_llm_takes_what_model_takes_none_the_built_in_tiny_model(monkeypatch, tm
     assert default.generate(prompt, params)[0].outputs[0].token_ids == llm.generate(prompt, params)[0].outputs[0].token_ids
     with pytest.raises(ModelNotFound, match="model directory not found"):
         LLM(str(tmp_path / "nowhere"), device="cpu")
+
+
+def test_prompt_ids_up_to_the_embedding_rows_are_taken_past_the_tokenizer(tiny_model_dir, tmp_path):
+    """A model whose embedding has more rows than its tokenizer has ids emits ids past the
+    tokenizer: a prompt naming them runs, as serve takes it; one past the rows is refused."""
+    import json
+    import shutil
+    from transformers import AutoTokenizer
+    wide = tmp_path / "wide"
+    shutil.copytree(tiny_model_dir, wide)
+    n = len(AutoTokenizer.from_pretrained(wide))
+    config = json.loads((wide / "config.json").read_text())
+    assert config["vocab_size"] == n
+    (wide / "config.json").write_text(json.dumps({**config, "vocab_size": n + 64}))
+    llm = LLM(str(wide), device="cpu", max_kv_tokens=1024, max_num_seqs=2, load_format="dummy")
+    out = llm.generate([[5, n, n + 63]], SamplingParams(max_tokens=2, temperature=0.0))
+    assert len(out[0].outputs[0].token_ids) == 2
+    with pytest.raises(ValueError, match=rf"'prompt_ids\[1\]' = {n + 64} is out of range"):
+        llm.generate([5, n + 64])

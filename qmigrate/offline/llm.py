@@ -62,7 +62,10 @@ class LLM:
 
     def _attach(self, engine, tokenizer, eos_ids, seed) -> None:
         self.engine, self.tokenizer, self.eos_ids = engine, tokenizer, sorted(eos_ids)
-        self.vocab_size = engine.shape.vocab_size if tokenizer is None else min(engine.shape.vocab_size, len(tokenizer))
+        # the ids a prompt may name: every row of the embedding, whatever the tokenizer's size (a
+        # padded vocabulary, or a shape with a smaller tokenizer, emits ids past it; serve's
+        # ingest takes those too), and none past it, which the engine could not embed
+        self.vocab_size = engine.shape.vocab_size
         self.rng = random.Random(seed)
         self._request_ids = itertools.count()
 
