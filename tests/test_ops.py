@@ -55,6 +55,15 @@ def test_draining_the_last_live_worker_is_refused_with_a_reason(router):
     assert not router.sched.workers["w2"].draining
 
 
+def test_a_drain_says_how_many_sequences_it_moves(router):
+    _hello(router, "w1"), _hello(router, "w2"), _hello(router, "w3")
+    router.sched.workers["w2"].owned.update({7, 8, 9})
+    router.on_drain(b"cli", P.Drain("w2"))
+    assert router.sent[-1][1] == P.DrainAck(True, "draining w2: 3 sequences to move")
+    router.on_drain(b"cli", P.Drain("w3"))
+    assert router.sent[-1][1] == P.DrainAck(True, "draining w3: 0 sequences to move")
+
+
 def test_requests_waiting_with_no_worker_are_said_once(router, caplog):
     from qmigrate.router.loop import STRANDED_NOTICE_S
     router.on_submit(b"ingest", P.Submit([P.SeqSpec(1, P.pack_i32([1, 5, 6]), 3, 4)]))

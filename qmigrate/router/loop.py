@@ -360,7 +360,11 @@ class Router:
                                           f"so its sequences would have nowhere to go (start another first)"))
             return
         ok = self.sched.drain(msg.worker, time.monotonic())
-        text = f"draining {msg.worker}" if ok else f"no live worker named {msg.worker!r}"
+        if ok:   # what it holds now moves, but for a sequence whose last token is in flight
+            n = len(w.owned)
+            text = f"draining {msg.worker}: {n} sequence{'s' if n != 1 else ''} to move"
+        else:
+            text = f"no live worker named {msg.worker!r}"
         self.reply(sender, P.DrainAck(ok, text))
 
     def on_stats(self, sender: bytes, msg: P.StatsRequest) -> None:
