@@ -101,10 +101,13 @@ def test_the_table_names_every_figure_and_what_was_skipped():
 
 
 @pytest.mark.timeout(600)   # two servers' worth of CPU work on a shared machine
-def test_the_drain_part_end_to_end_on_the_cpu(tmp_path):
+def test_the_drain_part_end_to_end_on_the_cpu(tmp_path, tiny_model_dir):
     """Two CPU workers of the tiny model under load, one drained mid-run: nothing lost or
     repeated, the drain moved sequences, and the figures came out."""
+    import shutil
     out = tmp_path / "out"
+    # the driver's tiny model, the session's (the same build: the driver finds it made)
+    shutil.copytree(tiny_model_dir, tmp_path / "work" / "tiny")
     # its own session, stopped with SIGTERM whatever happens: the driver then stops the servers
     # it started (each in a session of its own, out of reach of a signal to this one)
     proc = subprocess.Popen([sys.executable, "-m", "benchmarks.four_gpu", "drain", "--tiny", "--out", str(out),
