@@ -11,7 +11,9 @@ never forked: they start as processes of their own (a CUDA context does not surv
 
 The node talks to its zygote over two pipes, one JSON object a line: `{"argv": [...]}` asks
 for a child, `{"pid": N}` answers it, and `{"pid": N, "exit": CODE}` tells that a child ended
-(CODE as subprocess gives it: the exit status, or minus the signal that killed it).
+(CODE as subprocess gives it: the exit status, or minus the signal that killed it). SIGTERM
+stops the zygote as it stops a node: it stops its children, reports their exits and only then
+ends, so a node that waits for its roles waits for their clean-up too.
 `Forked` shows such a child to the node as subprocess.Popen shows any other role.
 
 A node whose own process already holds those imports (it was forked from a process that made
@@ -117,8 +119,10 @@ class Zygote:
         return messages
 
     def _gone(self) -> None:
-        """The zygote is gone or going: its children were sent SIGTERM as it died (or are the
-        node's to have stopped first), and are counted as ended so."""
+        """The zygote is gone or going. A zygote stopped by SIGTERM stops its children and
+        reports each exit before it ends; those it did not report (it was killed outright, and
+        the kernel sent them SIGTERM as it died, or they are the node's to have stopped first)
+        are counted as ended so."""
         for fd in (self._ask, self._hear):
             if fd is not None:
                 os.close(fd)
