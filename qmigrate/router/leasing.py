@@ -95,7 +95,7 @@ class Lessor:
         matched: dict[int, dict[str, int]] = {}
         if self.config.prefix_aware:
             candidates = place_new(self.prefix, w, self.workers, candidates, now, self.config.prefix_wait_s,
-                                   self.counters, matched, self.config.prefill_tflops)
+                                   self.config.prefill_tflops, self.counters, matched)
         if ahead and w.num_leased and not chainable and len(candidates) < max_seqs:
             return None
         # The batch in flight goes on at a token a row: those tokens are kept from the budget

@@ -142,8 +142,8 @@ def score(seq: Seq, w: WorkerState, hits: dict[str, int], on_host: dict[str, int
 
 
 def place_new(index: PrefixIndex, w: WorkerState, workers: dict[str, WorkerState], candidates: list,
-              now: float, wait_s: float, counters, matched: dict[int, dict[str, int]] | None = None,
-              prefill_tflops: float = 100.0) -> list:
+              now: float, wait_s: float, prefill_tflops: float, counters,
+              matched: dict[int, dict[str, int]] | None = None) -> list:
     """The candidates for w with sequences nobody holds reordered by when they were first
     offered, each hit moved earlier by the time its saved prefill would take (in their queue
     positions otherwise kept), and those better started elsewhere left out.
