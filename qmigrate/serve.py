@@ -205,8 +205,8 @@ def run_serve(topo: Topology, model_path: str, log_level: str = "warning") -> in
         print(f"qmigrate: serving {model_path} with {len(local.workers)} worker"
               f"{'s' if len(local.workers) != 1 else ''} ({', '.join(devices)}); live view: "
               f"qmigrate status {path}", file=sys.stderr, flush=True)
-        metrics = tuple((local.node(getattr(local, r).node).bind_host.replace("*", "").strip("[]"),
-                         getattr(local, r).metrics_port)
+        from qmigrate.ops.metrics import listen_address
+        metrics = tuple((listen_address(local.node(getattr(local, r).node).bind_host), getattr(local, r).metrics_port)
                         for r in ("router", "detokenizer") if getattr(local, r).metrics_port)
         notice = ReadyNotice(local.ingest.http_host, local.ingest.http_port, metrics=metrics)
         # ready (as vLLM's): every worker started here has joined the router, within the

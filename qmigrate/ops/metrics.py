@@ -27,9 +27,14 @@ ERROR_COUNTERS = {"rejected_specs": "rejected_spec", "stale_results": "stale_res
                   "leases_expired": "lease_expired", "workers_lost": "worker_lost"}
 
 
+def listen_address(bind: str) -> str:
+    """The address /metrics listens on for a node's `bind` ("*" or "": every interface)."""
+    return "0.0.0.0" if bind in ("*", "") else bind.strip("[]")
+
+
 def serve(registry: CollectorRegistry, port: int, bind: str) -> None:
     """Serve /metrics on a daemon thread; a port that is taken is a one-line error."""
-    addr = "0.0.0.0" if bind in ("*", "") else bind.strip("[]")
+    addr = listen_address(bind)
     try:
         start_http_server(port, addr=addr, registry=registry)
     except OSError as exc:

@@ -95,8 +95,23 @@ def _tidy_and_end(signum, frame) -> None:
             fn()
         except Exception as exc:   # the rest still runs, and the process still ends
             print(f"at SIGTERM: {type(exc).__name__}: {exc}", file=sys.stderr)
+    end_by_signal(signum)
+
+
+def end_by_signal(signum: int) -> NoReturn:
+    """End this process as `signum` ends it, its exit status saying so, without the
+    interpreter's teardown."""
     signal.signal(signum, signal.SIG_DFL)
     os.kill(os.getpid(), signum)
+    os._exit(128 + signum)   # not reached: the signal ends it
+
+
+def send_signal(pid: int, sig: int) -> None:
+    """Signal `pid`, if it is still there."""
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:
+        pass
 
 
 _role_imports = False

@@ -160,10 +160,7 @@ class PopenSignals:
 
     def send_signal(self, sig: int) -> None:
         if self.poll() is None:
-            try:
-                os.kill(self.pid, sig)
-            except ProcessLookupError:
-                pass
+            process.send_signal(self.pid, sig)
 
     def terminate(self) -> None:
         self.send_signal(signal.SIGTERM)

@@ -13,7 +13,7 @@ import time
 from typing import NoReturn
 
 from qmigrate.ops import process
-from qmigrate.ops.process import children_ended, die_with
+from qmigrate.ops.process import children_ended, die_with, end_by_signal, send_signal
 
 STOP_GRACE_S = 10.0   # longer than a node's own: while the node lives, it is the one that kills
 
@@ -82,7 +82,8 @@ def main(ask: int, hear: int, stdin: int | None = None) -> None:
         chunk = os.read(ask, 65536)
         if not chunk:   # the node closed its end: it has stopped its roles
             _stop_children(live, hear)
-            _end(0)
+            _flush()
+            os._exit(0)
         buffer += chunk
         *lines, buffer = buffer.split(b"\n")
         for line in filter(None, lines):
@@ -95,20 +96,15 @@ def main(ask: int, hear: int, stdin: int | None = None) -> None:
             live.add(pid)
             _send(hear, {"pid": pid})
     _stop_children(live, hear)
-    _end(-signal.SIGTERM)
+    _flush()
+    end_by_signal(signal.SIGTERM)
 
 
-def _end(code: int) -> NoReturn:
-    """End the zygote without the interpreter's teardown, which has nothing of the zygote's to
-    do (its children are gone) and would print what the libraries it imported leave behind:
-    with code 0, or by the signal -code, as the process would have died of it."""
+def _flush() -> None:
+    """Before the zygote ends without the interpreter's teardown, which has nothing of the
+    zygote's to do and would print what the libraries it imported leave behind."""
     sys.stdout.flush()
     sys.stderr.flush()
-    if code < 0:
-        signal.signal(-code, signal.SIG_DFL)
-        os.kill(os.getpid(), -code)
-        code = 128 - code   # not reached: the signal ends it
-    os._exit(code)
 
 
 def _send(hear: int, message: dict) -> None:
@@ -131,22 +127,15 @@ def _stop_children(live: set[int], hear: int) -> None:
     (their children, their temp directories), not only for the zygote. One that lingers past
     STOP_GRACE_S is killed."""
     for pid in live:
-        _signal(pid, signal.SIGTERM)
+        send_signal(pid, signal.SIGTERM)
     deadline = time.monotonic() + STOP_GRACE_S
     while live:
         _report(children_ended(), live, hear)
         if live and time.monotonic() > deadline:
             for pid in live:
-                _signal(pid, signal.SIGKILL)
+                send_signal(pid, signal.SIGKILL)
             deadline = float("inf")
         time.sleep(0.02)
-
-
-def _signal(pid: int, sig: int) -> None:
-    try:
-        os.kill(pid, sig)
-    except ProcessLookupError:
-        pass
 
 
 if __name__ == "__main__":

@@ -136,9 +136,12 @@ def has_room(w: WorkerState) -> bool:
 def score(seq: Seq, w: WorkerState, hits: dict[str, int], on_host: dict[str, int] | None = None) -> float:
     """Prompt tokens w would not prefill, less the cost of copying those on its host tier
     back, less its load penalty."""
-    n = len(seq.token_ids)
-    saved = hits.get(w.name, 0) - HOST_COPY_COST * (on_host or {}).get(w.name, 0)
-    return saved * w.block_size - n * min(1.0, w.load / max(1, w.capacity))
+    return saved_tokens(w, hits, on_host) - len(seq.token_ids) * min(1.0, w.load / max(1, w.capacity))
+
+
+def saved_tokens(w: WorkerState, hits: dict[str, int], on_host: dict[str, int] | None = None) -> float:
+    """Prompt tokens w would not prefill, its host tier's copies counted at HOST_COPY_COST."""
+    return (hits.get(w.name, 0) - HOST_COPY_COST * (on_host or {}).get(w.name, 0)) * w.block_size
 
 
 def place_new(index: PrefixIndex, w: WorkerState, workers: dict[str, WorkerState], candidates: list,
@@ -153,7 +156,7 @@ def place_new(index: PrefixIndex, w: WorkerState, workers: dict[str, WorkerState
     if not new or not len(index):
         return candidates
     others = [o for o in workers.values() if o is not w and has_room(o)]
-    kept, gains = [], {}
+    kept, priority = [], {}   # kept: when each should have been offered, its saved prefill taken off
     for i in new:
         seq = candidates[i][0]
         on_host: dict[str, int] = {}
@@ -167,14 +170,14 @@ def place_new(index: PrefixIndex, w: WorkerState, workers: dict[str, WorkerState
             counters["prefix_held_back"] += 1
             continue   # another worker with room holds more of it: leave it for that one
         kept.append(i)
-        saved = max(0.0, hits.get(w.name, 0) - HOST_COPY_COST * on_host.get(w.name, 0)) * w.block_size
-        gains[i] = seq.offered_at - recompute_seconds(int(saved), w.num_params, prefill_tflops)
-    order = sorted(kept, key=lambda i: gains[i])
+        saved = recompute_seconds(int(saved_tokens(w, hits, on_host)), w.num_params, prefill_tflops)
+        priority[i] = seq.offered_at - saved
+    order = sorted(kept, key=priority.__getitem__)
     out, it, skipped = [], iter(order), set(new) - set(kept)
     for i, entry in enumerate(candidates):
         if i in skipped:
             continue
-        out.append(candidates[next(it)] if i in gains or i in new else entry)
+        out.append(candidates[next(it)] if i in priority else entry)   # a kept new one's place
     return out
 
 
