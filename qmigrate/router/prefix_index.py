@@ -156,7 +156,8 @@ def place_new(index: PrefixIndex, w: WorkerState, workers: dict[str, WorkerState
     if not new or not len(index):
         return candidates
     others = [o for o in workers.values() if o is not w and has_room(o)]
-    kept, priority = [], {}   # kept: when each should have been offered, its saved prefill taken off
+    token_s = recompute_seconds(1, w.num_params, prefill_tflops)   # a token's prefill on w
+    kept, priority = [], {}   # priority: when a kept one was offered, less its saved prefill
     for i in new:
         seq = candidates[i][0]
         on_host: dict[str, int] = {}
@@ -170,8 +171,8 @@ def place_new(index: PrefixIndex, w: WorkerState, workers: dict[str, WorkerState
             counters["prefix_held_back"] += 1
             continue   # another worker with room holds more of it: leave it for that one
         kept.append(i)
-        saved = recompute_seconds(int(saved_tokens(w, hits, on_host)), w.num_params, prefill_tflops)
-        priority[i] = seq.offered_at - saved
+        saved = int(saved_tokens(w, hits, on_host)) if w.name in hits else 0
+        priority[i] = seq.offered_at - saved * token_s
     order = sorted(kept, key=priority.__getitem__)
     out, it, skipped = [], iter(order), set(new) - set(kept)
     for i, entry in enumerate(candidates):
