@@ -351,6 +351,7 @@ def role(
     wait_for_workers: Annotated[int, typer.Option("--wait-for-workers", min=0, help="Ingest: submit nothing "
                                                   "until this many workers have joined the router.")] = 0,
     log_level: LogLevel = "warning",
+    restarted: Annotated[bool, typer.Option("--restarted", hidden=True)] = False,
 ):
     """Run one role in this process (used by `node` and `sim`)."""
     from .launch import set_title
@@ -370,7 +371,7 @@ def role(
         secure(topo, node)
         if role is Role.ingest:
             code = module.run(topo, name, read_stdin=stdin, exit_when_done=exit_when_done,
-                              wait_for_workers=wait_for_workers)
+                              wait_for_workers=wait_for_workers, restarted=restarted)
         elif role is Role.detokenizer:
             code = module.run(topo, name, exit_when_done=exit_when_done)
         else:

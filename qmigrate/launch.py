@@ -111,10 +111,13 @@ def _spawn(cmd: list[str], stdin, **popen) -> subprocess.Popen:
         signal.pthread_sigmask(signal.SIG_SETMASK, mask)
 
 
-def _start(c: Child) -> subprocess.Popen | Forked:
-    if c.zygote is not None and (forked := c.zygote.fork(c.cmd[3:], stdin=c.stdin is None)) is not None:
+def _start(c: Child, *, restarted: bool = False) -> subprocess.Popen | Forked:
+    """`restarted`: the role is told that the process before it died, whose own children (an
+    ingest's HTTP processes) may still be ending and holding what the new one needs."""
+    cmd = c.cmd + ["--restarted"] if restarted else c.cmd
+    if c.zygote is not None and (forked := c.zygote.fork(cmd[3:], stdin=c.stdin is None)) is not None:
         return forked
-    return _spawn(c.cmd, c.stdin)
+    return _spawn(cmd, c.stdin)
 
 
 def start_roles(topo: Topology, config_path: Path, roles: list[tuple[str, str]], *,
@@ -199,7 +202,7 @@ def supervise(children: list[Child], *, until_done: bool, max_restarts: int = 0,
                 c.num_restarts += 1
                 print(f"qmigrate: {c.label} exited with status {rc}; starting it again "
                       f"({c.num_restarts} of {max_restarts})", file=sys.stderr)
-                c.proc = _start(c)
+                c.proc = _start(c, restarted=True)
                 continue
             if c.role in CORE_ROLES:
                 return _failed(c, rc)

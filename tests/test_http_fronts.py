@@ -5,6 +5,7 @@ a taken port, without a node."""
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
 import os
@@ -23,6 +24,7 @@ from qmigrate.config import parse_topology
 from qmigrate.ingest.front_supervisor import Fronts
 from qmigrate.ingest.handoff import front_index
 from qmigrate.ingest.prompts import Defaults
+from qmigrate.wire import transport
 
 openai = pytest.importorskip("openai")
 pytestmark = pytest.mark.slow
@@ -73,13 +75,50 @@ def is_alive(pid: int) -> bool:
         return False
 
 
+@contextlib.contextmanager
+def held_streams(node, count: int):
+    """`count` streams sent, and taken by the router, while the worker is stopped (SIGSTOP):
+    none can reach its end, so each is open when ingest goes, however fast the worker is.
+    Yields their connections; the worker goes on at the end."""
+    def counters() -> dict:
+        try:
+            return node.stats(timeout_s=1)
+        except transport.Unreachable:   # a loaded machine: asked again
+            return {}
+    before = wait_for(counters, what="the router's counters")["live"]
+    pid = H.pid_of(node.proc, "qmigrate worker")
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        conns = []
+        for _ in range(count):
+            conn = http.client.HTTPConnection("127.0.0.1", node.port, timeout=60)
+            conn.request("POST", "/v1/completions", json.dumps(
+                {"model": MODEL, "stream": True, "prompt": "Hello", "max_tokens": 400, "ignore_eos": True}),
+                {"Content-Type": "application/json"})
+            conns.append(conn)
+        wait_for(lambda: counters().get("live", 0) >= before + count, what=f"{count} streams at the router")
+        yield conns
+    finally:
+        os.kill(pid, signal.SIGCONT)
+
+
+def assert_each_ends_with_shutdown(conns) -> None:
+    for conn in conns:
+        resp = conn.getresponse()
+        try:
+            tail = resp.read()
+        except http.client.IncompleteRead as exc:   # the process ended before the chunked body's end
+            tail = exc.partial
+        assert tail.endswith(b"data: [DONE]\n\n") and b'"code": "shutdown"' in tail, tail[-300:]
+
+
 def wait_for(condition, timeout_s: float = 30.0, what: str = ""):
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if got := condition():
             return got
         time.sleep(0.05)
-    pytest.fail(f"not within {timeout_s} s: {what}")
+    pytest.fail(f"not within {timeout_s} s: {what() if callable(what) else what}")
 
 
 @pytest.mark.parametrize("shared", [False, True], ids=["plain", "reuse_port"])
@@ -108,6 +147,33 @@ def test_a_taken_port_is_one_line_and_no_front_is_left(tiny_chat_model_dir, tmp_
             fronts.stop()
     assert len(pids) == (0 if shared else 2) and not any(is_alive(pid) for pid in pids)
     assert list(tmp_path.iterdir()) == []   # the socket's directory is gone with them
+
+
+def test_an_ingest_started_again_waits_for_the_port_its_predecessors_fronts_hold(tiny_chat_model_dir, tmp_path):
+    """The fronts of an ingest killed outright end their open streams before they let the port
+    go, while the node has already started a new ingest: that one waits for the port."""
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    port = taken.getsockname()[1]
+    topo = parse_topology({"transport": "ipc", "ipc_dir": str(tmp_path), "model": {"path": str(tiny_chat_model_dir)},
+                           "nodes": [{"name": "local"}], "router": {"node": "local"},
+                           "detokenizer": {"node": "local"}, "workers": [{"name": "w1", "node": "local"}],
+                           "ingest": {"node": "local", "http_port": port, "http_processes": 2}})
+    fronts = Fronts(topo, str(tiny_chat_model_dir), Defaults(), 5 << 40, port_wait_s=30.0)
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            started = pool.submit(fronts.start)
+            time.sleep(1.0)
+            assert not started.done() and fronts.pids == []   # waiting, no front started yet
+            taken.close()
+            started.result(timeout=60)
+        assert len(fronts.pids) == 2 and all(is_alive(pid) for pid in fronts.pids)
+    finally:
+        taken.close()
+        pids = fronts.pids
+        fronts.stop()
+    assert not any(is_alive(pid) for pid in pids)
 
 
 def test_concurrent_streamed_and_whole_requests_from_both_fronts_equal_generate(node, expected):
@@ -278,16 +344,9 @@ def test_sigterm_to_ingest_ends_every_open_stream_and_every_front(node):
     """Last in this module: it stops ingest (the node starts it again)."""
     pids = front_pids(node)
     assert sorted(pids) == [0, 1]
-    streams = [open_stream(node, {"prompt": "Hello", "max_tokens": 400, "ignore_eos": True}) for _ in range(6)]
-    for resp in streams:
-        first_event(resp)
-    os.kill(H.pid_of(node.proc, "qmigrate ingest"), signal.SIGTERM)
-    for resp in streams:
-        try:
-            tail = resp.read()
-        except http.client.IncompleteRead as exc:   # the process ended before the chunked body's end
-            tail = exc.partial
-        assert tail.endswith(b"data: [DONE]\n\n") and b'"code": "shutdown"' in tail
+    with held_streams(node, 6) as conns:
+        os.kill(H.pid_of(node.proc, "qmigrate ingest"), signal.SIGTERM)
+        assert_each_ends_with_shutdown(conns)
     wait_for(lambda: not any(is_alive(pid) for pid in pids.values()), what="every front process gone")
 
 
@@ -298,24 +357,20 @@ def test_sigkill_to_ingest_ends_every_open_stream_with_an_error_event(node):
     wait_for(lambda: sorted(front_pids(node)) == [0, 1] and node.stats(timeout_s=1).get("workers", 0) >= 1,
              timeout_s=60, what="ingest and both fronts back")
     pids = front_pids(node)
-    streams = []
-    for _ in range(100):
+    answered = set()
+
+    def both_fronts_answer():   # a connection of its own each: the kernel picks a front for it
         try:
-            resp = open_stream(node, {"prompt": "Hello", "max_tokens": 400, "ignore_eos": True})
-            first_event(resp)
-        except (ConnectionError, http.client.HTTPException):   # a front still starting
-            time.sleep(0.2)
-            continue
-        streams.append(resp)
-        if len(streams) == 6:
-            break
-    assert len(streams) == 6
-    os.kill(H.pid_of(node.proc, "qmigrate ingest"), signal.SIGKILL)
-    for resp in streams:
-        try:
-            tail = resp.read()
-        except http.client.IncompleteRead as exc:
-            tail = exc.partial
-        assert tail.endswith(b"data: [DONE]\n\n") and b'"code": "shutdown"' in tail, tail[-300:]
+            resp = open_stream(node, {"prompt": [5, 6], "max_tokens": 1, "stream": False})
+            answered.add(front_of(json.loads(resp.read())["id"]))
+        except (ConnectionError, http.client.HTTPException, KeyError):   # a front still starting
+            pass
+        return answered == {0, 1}
+    wait_for(both_fronts_answer, what="an answer from each new front")
+
+    with held_streams(node, 6) as conns:
+        os.kill(H.pid_of(node.proc, "qmigrate ingest"), signal.SIGKILL)
+        assert_each_ends_with_shutdown(conns)
     wait_for(lambda: not any(is_alive(pid) for pid in pids.values()), what="every old front gone")
-    wait_for(lambda: sorted(front_pids(node)) == [0, 1], timeout_s=60, what="ingest's fronts started again")
+    wait_for(lambda: sorted(front_pids(node)) == [0, 1], timeout_s=60,
+             what=lambda: f"ingest's fronts started again; the node said:\n{node.stderr.read_text()[-3000:]}")

@@ -61,8 +61,9 @@ def _private_dir(parent: str | None) -> str:
 
 
 class Fronts:
-    def __init__(self, topo, model_path: str, defaults, id_base: int):
+    def __init__(self, topo, model_path: str, defaults, id_base: int, port_wait_s: float = 0.0):
         cfg = topo.ingest
+        self.port_wait_s = port_wait_s   # how long start() waits for a taken port to be let go
         self.host, self.port = cfg.http_host, cfg.http_port
         self.url = f"http://{cfg.http_host}:{cfg.http_port}"
         # Its directory goes in the node's own, if it has one: the launcher removes that, so a
@@ -93,8 +94,11 @@ class Fronts:
         """Start every front and wait until each serves; a front that cannot is one line and
         the end of ingest, as for the in-thread server."""
         from qmigrate.serve import bind_problem
-        if (why := bind_problem(self.host, self.port)) is not None:
-            self._cannot(why)
+        deadline = time.monotonic() + self.port_wait_s
+        while (why := bind_problem(self.host, self.port)) is not None:
+            if time.monotonic() >= deadline:
+                self._cannot(why)
+            time.sleep(0.1)
         self.dir = _private_dir(self.ipc_dir)
         endpoint = f"ipc://{self.dir}/fronts.sock"
         self.sock = transport.socket(zmq.ROUTER, bind=endpoint, hwm=HWM, curve=False)

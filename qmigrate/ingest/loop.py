@@ -62,7 +62,7 @@ def error_record(req_id: str, message: str, number: int) -> tuple[str, str, int]
 
 
 class Ingest:
-    def __init__(self, topo, read_stdin: bool, wait_for_workers: int = 0):
+    def __init__(self, topo, read_stdin: bool, wait_for_workers: int = 0, restarted: bool = False):
         cfg = topo.ingest
         self.mode = cfg.input
         self.chat = cfg.chat
@@ -89,8 +89,11 @@ class Ingest:
         self.http = None     # the API on a thread of this process
         self.fronts = None   # or in http_processes processes of its own
         if cfg.http_port is not None and cfg.http_processes > 1:
-            from qmigrate.ingest.front_supervisor import Fronts
-            self.fronts = Fronts(topo, model_path, self.defaults, self.id_base)
+            from qmigrate.ingest.front_supervisor import START_TIMEOUT_S, Fronts
+            # Started again after a death, the HTTP processes of the ingest before may still be
+            # answering their last requests on the port: it is waited for
+            self.fronts = Fronts(topo, model_path, self.defaults, self.id_base,
+                                 port_wait_s=START_TIMEOUT_S if restarted else 0.0)
         elif cfg.http_port is not None:
             from qmigrate.ingest.http import WAKE_ENDPOINT, HttpServer
             self.wake = transport.socket(zmq.PULL, bind=WAKE_ENDPOINT, hwm=1)
@@ -419,5 +422,7 @@ def _stop(signum, frame):
     raise SystemExit(128 + signum)
 
 
-def run(topo, name: str, read_stdin: bool = False, exit_when_done: bool = False, wait_for_workers: int = 0) -> int:
-    return run_until_fatal(lambda: Ingest(topo, read_stdin, wait_for_workers).serve_forever(exit_on_eof=exit_when_done))
+def run(topo, name: str, read_stdin: bool = False, exit_when_done: bool = False, wait_for_workers: int = 0,
+        restarted: bool = False) -> int:
+    return run_until_fatal(lambda: Ingest(topo, read_stdin, wait_for_workers, restarted)
+                           .serve_forever(exit_on_eof=exit_when_done))
