@@ -75,20 +75,32 @@ def is_alive(pid: int) -> bool:
         return False
 
 
+def counters(node) -> dict:
+    """The router's counters, or {} while it does not answer (a loaded machine)."""
+    try:
+        return node.stats(timeout_s=1)
+    except transport.Unreachable:
+        return {}
+
+
 @contextlib.contextmanager
-def held_streams(node, count: int):
-    """`count` streams sent, and taken by the router, while the worker is stopped (SIGSTOP):
-    none can reach its end, so each is open when ingest goes, however fast the worker is.
-    Yields their connections; the worker goes on at the end."""
-    def counters() -> dict:
-        try:
-            return node.stats(timeout_s=1)
-        except transport.Unreachable:   # a loaded machine: asked again
-            return {}
-    before = wait_for(counters, what="the router's counters")["live"]
-    pid = H.pid_of(node.proc, "qmigrate worker")
+def worker_stopped(node, pid: int | None = None):
+    """The worker held (SIGSTOP): no sequence makes a token, so none reaches its end, however
+    fast the worker is; it goes on at the end. `pid`: the worker's, when looked up before."""
+    pid = pid or H.pid_of(node.proc, "qmigrate worker")
     os.kill(pid, signal.SIGSTOP)
     try:
+        yield
+    finally:
+        os.kill(pid, signal.SIGCONT)
+
+
+@contextlib.contextmanager
+def held_streams(node, count: int):
+    """`count` streams sent, and taken by the router, while the worker is stopped: each is
+    open when ingest goes. Yields their connections."""
+    wait_for(lambda: counters(node).get("live") == 0, what="no sequence live")
+    with worker_stopped(node):
         conns = []
         for _ in range(count):
             conn = http.client.HTTPConnection("127.0.0.1", node.port, timeout=60)
@@ -96,10 +108,8 @@ def held_streams(node, count: int):
                 {"model": MODEL, "stream": True, "prompt": "Hello", "max_tokens": 400, "ignore_eos": True}),
                 {"Content-Type": "application/json"})
             conns.append(conn)
-        wait_for(lambda: counters().get("live", 0) >= before + count, what=f"{count} streams at the router")
+        wait_for(lambda: counters(node).get("live", 0) == count, what=f"{count} streams at the router")
         yield conns
-    finally:
-        os.kill(pid, signal.SIGCONT)
 
 
 def assert_each_ends_with_shutdown(conns) -> None:
@@ -258,13 +268,17 @@ def test_token_ids_come_back_through_each_front_beside_requests_without(node, ex
 
 
 def test_a_client_that_closes_mid_stream_frees_its_sequence(node):
+    """Each stream closed after its first event, with the worker held so that it cannot end
+    first; the router counts a cancel as it hears of it."""
     before = node.stats().get("cancelled", 0)
-    for _ in range(4):   # on whichever front the kernel picks, most likely both
+    worker = H.pid_of(node.proc, "qmigrate worker")
+    for i in range(4):   # on whichever front the kernel picks, most likely both
         resp = open_stream(node, {"prompt": "Once upon a time", "max_tokens": 500, "ignore_eos": True})
         first_event(resp)
-        resp.close()
-    wait_for(lambda: (s := node.stats()).get("cancelled", 0) == before + 4 and s["live"] == 0,
-             what="four cancels at the router")
+        with worker_stopped(node, worker):
+            resp.close()
+            wait_for(lambda: counters(node).get("cancelled", 0) == before + i + 1, what=f"cancel {i + 1} at the router")
+    wait_for(lambda: counters(node).get("live") == 0, what="no sequence live")
 
 
 def test_a_full_ingest_answers_429_and_the_requests_it_took_still_run(node):
