@@ -64,7 +64,10 @@ class NodeConfig(Section):
     monitor: bool = rules.setting(False, rules.boolean)
     public_key: str | None = rules.setting(None, rules.optional_text)  # inline Z85 key, a key file, or a directory
     secret_key: str | None = rules.setting(None, rules.optional_text)  # None: <security.keys_dir>/<name>.key_secret
-    max_restarts: int = rules.setting(3, rules.non_negative)   # a role that dies is started again this many times
+    # A role that dies is started again, up to max_restarts times within restart_window_s: one
+    # that fails now and then always comes back, one that keeps failing stops the node.
+    max_restarts: int = rules.setting(3, rules.non_negative)
+    restart_window_s: float = rules.setting(600.0, rules.positive)
     # sim and serve start only once every worker of the node has joined the router (loaded
     # its model): after this many seconds without it they stop with an error
     join_timeout_s: float = rules.setting(600.0, rules.positive)

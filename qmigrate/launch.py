@@ -37,7 +37,7 @@ class Child:
     cmd: list[str] = dataclasses.field(default_factory=list)
     stdin: object = None
     zygote: Zygote | None = None   # forked from the node's zygote (ops/zygote.py), not exec'd
-    num_restarts: int = 0
+    restarted_at: list[float] = dataclasses.field(default_factory=list)   # monotonic times
     exited: bool = False
 
     @property
@@ -185,10 +185,12 @@ def stop(children: list[Child], grace_s: float = 5.0) -> None:
         zygote.close()
 
 
-def supervise(children: list[Child], *, until_done: bool, max_restarts: int = 0, tick=None) -> int:
+def supervise(children: list[Child], *, until_done: bool, max_restarts: int = 0, restart_window_s: float = 600.0,
+              tick=None) -> int:
     """Wait until the detokenizer finishes (until_done), or forever as a service. A role that
-    dies is started again, up to max_restarts times; 1 if a role failed for good. `tick`,
-    when given, is called on every round (the progress line)."""
+    dies is started again, unless it has been max_restarts times within the last
+    restart_window_s; 1 if a role failed for good. `tick`, when given, is called on every
+    round (the progress line)."""
     while True:
         for c in children:
             if c.exited or (rc := c.proc.poll()) is None:
@@ -198,10 +200,12 @@ def supervise(children: list[Child], *, until_done: bool, max_restarts: int = 0,
             if rc == 0 and c.role in ("ingest", "worker", "monitor"):
                 c.exited = True  # done reading, drained, or no NVML here: not a failure
                 continue
-            if c.may_restart and c.num_restarts < max_restarts:
-                c.num_restarts += 1
+            now = time.monotonic()
+            c.restarted_at = [t for t in c.restarted_at if now - t < restart_window_s]
+            if c.may_restart and len(c.restarted_at) < max_restarts:
+                c.restarted_at.append(now)
                 print(f"qmigrate: {c.label} exited with status {rc}; starting it again "
-                      f"({c.num_restarts} of {max_restarts})", file=sys.stderr)
+                      f"({len(c.restarted_at)} of {max_restarts} in {restart_window_s:g} s)", file=sys.stderr)
                 c.proc = _start(c, restarted=True)
                 continue
             if c.role in CORE_ROLES:
@@ -266,6 +270,7 @@ def run_node(topo: Topology, config_path: Path, node: str, *, read_stdin: bool,
         try:
             rc = supervise(children, until_done=read_stdin and has_detok and not is_serving(topo),
                            max_restarts=topo.node(node).max_restarts,
+                           restart_window_s=topo.node(node).restart_window_s,
                            tick=progress.tick if progress and progress.line.enabled else tick)
         finally:
             if progress is not None:
@@ -368,6 +373,7 @@ def single_node(topo: Topology, ipc_dir: str, model_path: str) -> Topology:
     data["model"]["path"] = model_path
     data["nodes"] = [{"name": "local", "monitor": any(w["device"].startswith("cuda") for w in data["workers"]),
                       "max_restarts": data["nodes"][0]["max_restarts"],
+                      "restart_window_s": data["nodes"][0]["restart_window_s"],
                       "join_timeout_s": data["nodes"][0]["join_timeout_s"]}]
     # Journals in the run's own directory: a role the supervisor starts again loses nothing.
     data["router"]["journal"] = data["router"]["journal"] or f"{ipc_dir}/router.journal"
