@@ -98,14 +98,22 @@ def test_a_grammar_past_the_time_limit_is_refused_and_a_good_one_compiles(tiny):
 
 # --- a worker's grammar state, moved -----------------------------------------------------------
 
+def _fast_ops(engine):
+    """The fast runner with its torch ops: what these tests check is the grammar's state and
+    its masks, and the kernels (test_paged_attention, test_families) would run interpreted."""
+    if engine.runner.name == "fast":
+        engine.runner.use_kernels = False
+    return engine
+
+
 def _core(tiny, runner="hf"):
     """`runner` "fast" (eager on the CPU) feeds each step's tokens on the device: a constrained
     step then samples only once the step before is collected."""
     from qmigrate.engine.engine import Engine
     from qmigrate.worker.core import WorkerCore
     _, model, tokenizer, _ = tiny
-    core = WorkerCore(Engine(model, max_model_len=256, max_kv_tokens=4096, runner=runner,
-                             enforce_eager=runner == "fast"))
+    core = WorkerCore(_fast_ops(Engine(model, max_model_len=256, max_kv_tokens=4096, runner=runner,
+                                       enforce_eager=runner == "fast")))
     core.engine.grammars.compiler = grammars.Compiler(lambda: tokenizer, model.config.vocab_size, 60.0)
     return core
 
@@ -302,7 +310,7 @@ def test_a_pipelined_constrained_step_samples_as_one_collected_first(tiny):
     sampling = {1: (0.0, 0), 2: (1.0, 11), 3: (0.8, 12)}
 
     def engine():   # the fast runner (eager on the CPU) feeds a step's tokens on the device
-        e = Engine(model, max_model_len=256, max_kv_tokens=4096, runner="fast", enforce_eager=True)
+        e = _fast_ops(Engine(model, max_model_len=256, max_kv_tokens=4096, runner="fast", enforce_eager=True))
         e.grammars.compiler = grammars.Compiler(lambda: tokenizer, model.config.vocab_size, 60.0)
         for sid in (2, 3):
             assert e.set_grammar(sid, e.grammars.matcher(grammar, eos_ids), eos_ids, [])
