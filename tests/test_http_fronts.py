@@ -131,6 +131,15 @@ def wait_for(condition, timeout_s: float = 30.0, what: str = ""):
     pytest.fail(f"not within {timeout_s} s: {what() if callable(what) else what}")
 
 
+def two_fronts(model_dir, tmp_path, port: int, port_wait_s: float = 0.0) -> Fronts:
+    """An ingest's two HTTP processes on `port`, not yet started, without a node."""
+    topo = parse_topology({"transport": "ipc", "ipc_dir": str(tmp_path), "model": {"path": str(model_dir)},
+                           "nodes": [{"name": "local"}], "router": {"node": "local"},
+                           "detokenizer": {"node": "local"}, "workers": [{"name": "w1", "node": "local"}],
+                           "ingest": {"node": "local", "http_port": port, "http_processes": 2}})
+    return Fronts(topo, str(model_dir), Defaults(), 5 << 40, port_wait_s=port_wait_s)
+
+
 @pytest.mark.parametrize("shared", [False, True], ids=["plain", "reuse_port"])
 def test_a_taken_port_is_one_line_and_no_front_is_left(tiny_chat_model_dir, tmp_path, shared, monkeypatch):
     """Taken by another server's fronts (SO_REUSEPORT), the fronts could bind and would share
@@ -143,11 +152,7 @@ def test_a_taken_port_is_one_line_and_no_front_is_left(tiny_chat_model_dir, tmp_
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        topo = parse_topology({"transport": "ipc", "ipc_dir": str(tmp_path), "model": {"path": str(tiny_chat_model_dir)},
-                               "nodes": [{"name": "local"}], "router": {"node": "local"},
-                               "detokenizer": {"node": "local"}, "workers": [{"name": "w1", "node": "local"}],
-                               "ingest": {"node": "local", "http_port": port, "http_processes": 2}})
-        fronts = Fronts(topo, str(tiny_chat_model_dir), Defaults(), 5 << 40)
+        fronts = two_fronts(tiny_chat_model_dir, tmp_path, port)
         try:
             with pytest.raises(SystemExit, match=f"^ingest: cannot serve HTTP on http://127.0.0.1:{port}: "
                                                  f"{'' if shared else 'OSError: '}.*(?i:address already in use)"):
@@ -166,11 +171,7 @@ def test_an_ingest_started_again_waits_for_the_port_its_predecessors_fronts_hold
     taken.bind(("127.0.0.1", 0))
     taken.listen()
     port = taken.getsockname()[1]
-    topo = parse_topology({"transport": "ipc", "ipc_dir": str(tmp_path), "model": {"path": str(tiny_chat_model_dir)},
-                           "nodes": [{"name": "local"}], "router": {"node": "local"},
-                           "detokenizer": {"node": "local"}, "workers": [{"name": "w1", "node": "local"}],
-                           "ingest": {"node": "local", "http_port": port, "http_processes": 2}})
-    fronts = Fronts(topo, str(tiny_chat_model_dir), Defaults(), 5 << 40, port_wait_s=30.0)
+    fronts = two_fronts(tiny_chat_model_dir, tmp_path, port, port_wait_s=30.0)
     try:
         with ThreadPoolExecutor(1) as pool:
             started = pool.submit(fronts.start)
