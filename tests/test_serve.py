@@ -214,14 +214,14 @@ def _stream(port: int, results: list, started: threading.Event) -> None:
     results.append([e for e in events if e.startswith(b"data: ")])
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(180)
 def _as_a_user(**env) -> dict:
     """This process's environment less what the suite sets for itself (Triton's interpreter,
     which a user's CPU node does not run), plus `env`."""
     return {**{k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}, **env}
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(180)
 def test_serve_on_the_cpu_answers_once_ready_and_sigterm_stops_everything(tiny_model_dir, node_tmp):
     (port,) = reserve_ports(1)
     tmp = node_tmp
@@ -429,15 +429,15 @@ def test_ready_waits_for_the_metrics_endpoints_too(monkeypatch):
     metrics_port = H.free_port()
     out = io.StringIO()
     notice = S.ReadyNotice("127.0.0.1", api.server_address[1], out, metrics=(("", metrics_port),))
+    servers = [api]
     try:
         notice()
         assert not notice.is_ready and out.getvalue() == ""   # /health answers, /metrics does not yet
-        scrape = ThreadingHTTPServer(("127.0.0.1", metrics_port), Ok)
-        threading.Thread(target=scrape.serve_forever, daemon=True).start()
+        servers.append(ThreadingHTTPServer(("127.0.0.1", metrics_port), Ok))
+        threading.Thread(target=servers[-1].serve_forever, daemon=True).start()
         notice()
         assert notice.is_ready and out.getvalue().startswith(f"ready: http://127.0.0.1:{api.server_address[1]}")
-        scrape.shutdown()
-        scrape.server_close()
     finally:
-        api.shutdown()
-        api.server_close()
+        for server in servers:
+            server.shutdown()
+            server.server_close()
