@@ -1196,3 +1196,17 @@ def drive_one(engine: Engine, prompt: list[int], n: int) -> list[int]:
     job = Job(1, prompt, n)
     drive(engine, [job])
     return job.out
+
+
+def test_the_prefill_rate_is_timed_on_a_step_of_prompts_that_leaves_nothing_behind(model):
+    from qmigrate.engine import startup
+    engine = make_engine(model, enable_prefix_caching=False, prefill_chunk=64, max_num_batched_tokens=256)
+    free = engine.pool.num_free_blocks
+    assert startup.prefill_rate(engine, repeats=2) > 0
+    assert engine.pool.num_free_blocks == free and not engine.pool.blocks
+    # a pool without room for the step: not timed, and nothing left behind either
+    small = make_engine(model, kv_tokens=128, enable_prefix_caching=False, prefill_chunk=64,
+                        max_num_batched_tokens=1024)   # a pool of 256 tokens (max_len), a step of 1,024
+    free = small.pool.num_free_blocks
+    assert startup.prefill_rate(small) == 0
+    assert small.pool.num_free_blocks == free and not small.pool.blocks

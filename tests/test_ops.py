@@ -75,7 +75,7 @@ def test_requests_waiting_with_no_worker_are_said_once(router, caplog):
 
 
 def test_stats_carry_worker_and_gpu_rows(router):
-    _hello(router, "w1")
+    _hello(router, "w1", prefill_tokens_per_s=41_000)
     router.sched.admit([P.SeqSpec(1, P.pack_i32([1, 5, 6]), 3, 4)])
     router.observer.asked("w1", 1024 - 64)
     router.observer.vram("n1", "CPU-w1", 0, 1000, 960, 40, 7)
@@ -85,6 +85,7 @@ def test_stats_carry_worker_and_gpu_rows(router):
     (w,) = as_dicts(WORKER_COLUMNS, stats.workers)
     assert (w["name"], w["node"], w["state"], w["kv_used_tokens"], w["vram_free_fraction"]) == \
         ("w1", "n1", "memory-short", 64, 0.04)
+    assert w["prefill_tokens_per_s"] == 41_000   # as its hello said (what a recompute is costed at)
     assert as_dicts(GPU_COLUMNS, stats.gpus)[0]["free_bytes"] == 40
     assert stats.counters["queued"] == 1
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 
+from qmigrate.router.records import Seq
 from qmigrate.router.scheduler import Scheduler, choose_mechanism
 from scheduler_util import (
     ask, check_invariants, full_ids, give, join, make_sched, migrations, report, row_ids, spec,
@@ -112,6 +113,20 @@ def test_choose_mechanism_without_sizes_recomputes():
     assert choose_mechanism(0, LLAMA_KV, LLAMA_PARAMS, 10.0, 100.0) == "recompute"
     assert choose_mechanism(10_000, 0, LLAMA_PARAMS, 10.0, 100.0) == "recompute"
     assert choose_mechanism(10_000, LLAMA_KV, 0, 10.0, 100.0) == "recompute"
+
+
+def test_a_move_is_costed_at_the_prefill_rate_its_destination_measured():
+    """A 4,000-token sequence of TinyLlama's shape: at the prefill_tflops setting (100 TFLOP/s)
+    recomputing it takes 88 ms, shipping its KV over 10 Gb/s 73 ms; a destination that timed
+    100,000 prompt tokens a second at its start recomputes it in 40 ms."""
+    s = transfer_fleet(migration="auto")
+    owner, dest = s.workers["w0"], s.workers["w1"]
+    seq = Seq(spec(1, 4000), list(range(4001)), owner="w0")
+    assert s.moves.mechanism(seq, dest, 0.0) == "transfer"
+    dest.prefill_tokens_per_s = 100_000
+    assert s.moves.mechanism(seq, dest, 0.0) == "recompute"
+    owner.prefill_tokens_per_s, dest.prefill_tokens_per_s = 100_000, 0   # the owner's rate is not the cost
+    assert s.moves.mechanism(seq, dest, 0.0) == "transfer"
 
 
 def transfer_fleet(**config) -> Scheduler:

@@ -157,3 +157,31 @@ def test_a_prefix_pull_request_travels_and_is_checked():
     assert codec.decode(codec.encode(msg)) == msg
     with pytest.raises(P.ProtocolError, match="prefix pull"):
         codec.decode(codec.encode(P.ShipKV(1, "tcp://a:1", 77, 16, 16, keys=P.pack_i64([3]))))
+
+
+def test_a_pull_is_costed_at_the_prefill_rate_the_worker_measured():
+    # an 8B model: at the prefill_tflops setting (100 TFLOP/s) shipping 64 tokens of KV over a
+    # 10 Gb/s link looks cheaper than prefilling them (the case above); a taker that measured
+    # 40,000 prompt tokens a second at its start prefills them in 1.6 ms, a fifth of the shipment
+    kw = {"kv_bytes_per_token": 128 << 10, "num_params": 8 << 30}
+    s = make_sched(spread_new_work=False, prefix_pull="auto")
+    join(s, "a", kv_endpoint="tcp://a:1", prefill_tokens_per_s=40_000, **kw)
+    b = join(s, "b", max_seqs=2, inflight=1, kv_endpoint="tcp://b:1", **kw)
+    s.tier_report("b", block_keys(SYSTEMS[1], BS), None)
+    s.admit([spec(100 + i, [200 + i] * 40) for i in range(2)])
+    assert len(ids_of(ask(s, "b"))) == 2 and b.load >= b.capacity
+    s.admit([spec(1, prompt(1, 1))])
+    grant = ask(s, "a")
+    assert ids_of(grant) == [1] and grant.shipments == [] and not grant.rows[0].spec.kv_from
+    assert s.counters["prefix_pulls"] == 0
+
+
+def test_a_workers_measured_prefill_rate_comes_with_its_hello():
+    from qmigrate.router.messages import worker_state
+    hello = P.Hello("worker", "w0", info={"max_seqs": 8, "prefill_tokens_per_s": 52_000})
+    state, _, _ = worker_state(hello, 1024, 10 ** 9)
+    assert state.prefill_tokens_per_s == 52_000
+    assert worker_state(P.Hello("worker", "w0", info={}), 1024, 10 ** 9)[0].prefill_tokens_per_s == 0
+    for bad in (-1, 1.5, "fast"):
+        with pytest.raises(P.ProtocolError, match="prefill_tokens_per_s"):
+            worker_state(P.Hello("worker", "w0", info={"prefill_tokens_per_s": bad}), 1024, 10 ** 9)

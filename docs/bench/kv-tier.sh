@@ -8,7 +8,8 @@
 #   bench-capped, bench-fits, l8-capped, l8-fits: one half of those
 #   pull    two workers sharing the GPU, each capped to a quarter of the working set, both with a host
 #           tier, new turns placed by load alone: conversations placed away from their worker pull
-#           their prefix / recompute it
+#           their prefix / recompute it (the benchmark model); pull-l8: the same with the Llama shape;
+#           PULL_MODES="always never auto" adds the default choice (link against prefill)
 # Each run writes OUT_DIR/NAME.json (`bench serve --json`) and OUT_DIR/NAME.status.json (the router's
 # counters and per-tier figures at the end). The Llama shape needs SmolLM2's tokenizer: TOKENIZER=DIR
 # (default: the smollm2 built-in model's, which needs the network on first use). SESSIONS_AS=ids sends
@@ -70,17 +71,18 @@ one_gpu() {   # one_gpu TAG MODEL WHICH [serve flags]: WHICH capped, fits or bot
         serve_down
     done
 }
-pull() {
-    local ws; ws=$(working_set $M) || return 1
-    for mode in always never; do
+pull() {   # pull TAG MODEL [serve flags]
+    local tag=$1 model=$2; shift 2
+    local ws; ws=$(working_set $model) || return 1
+    for mode in ${PULL_MODES:-always never}; do
         # prefix_wait_s 0: a new turn goes to the first worker that asks for work, never held for the one
         # holding its conversation, so about half the later turns land away from their KV and either pull
         # it (always) or prefill it again (never); the index still knows every holder
         sed -e "s/prefix_pull: always/prefix_pull: $mode/" -e "s/prefix_aware: true/prefix_aware: true\n  prefix_wait_s: 0/" \
-            configs/two-workers-kv-pull.yaml > "$out/pull-$mode.yaml"
-        serve_up "$out/pull-$mode.log" $M --config "$out/pull-$mode.yaml" --max-model-len $(context $M) \
-            --kv-offloading-size $TIER_GIB --worker-setting max_kv_tokens=$((ws / 4)) || return 1
-        sessions pull-$mode $M
+            configs/two-workers-kv-pull.yaml > "$out/$tag-$mode.yaml"
+        serve_up "$out/$tag-$mode.log" $model --config "$out/$tag-$mode.yaml" --max-model-len $(context $model) \
+            --kv-offloading-size $TIER_GIB --worker-setting max_kv_tokens=$((ws / 4)) "$@" || return 1
+        sessions $tag-$mode $model
         serve_down
     done
 }
@@ -90,7 +92,8 @@ for p in ${part//,/ }; do
         bench-capped|bench-fits) one_gpu bench $M ${p#bench-} ;;
         l8) one_gpu l8 $L8 both --load-format dummy ;;
         l8-capped|l8-fits) one_gpu l8 $L8 ${p#l8-} --load-format dummy ;;
-        pull) pull ;;
+        pull) pull pull $M ;;
+        pull-l8) pull pull-l8 $L8 --load-format dummy ;;
         *) echo "unknown part $p"; exit 2 ;;
     esac
 done

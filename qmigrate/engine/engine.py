@@ -83,6 +83,7 @@ class Engine:
         self._attach_tier()
         self.runner.attach(self.pool)
         self.num_continued = 0   # steps built the array way (`_continue`)
+        self.prefill_tokens_per_s = 0   # one prefill step's rate, timed by warm_up (0: not timed)
         self.controls = ControlTable(self.shape.vocab_size, self.max_len, self.device)
         self.grammars = GrammarTable(self.shape.vocab_size, self.device)   # structured output's matchers
         if tp is not None and tp.world > 1 and tp.is_leader:
@@ -206,7 +207,8 @@ class Engine:
     @torch.inference_mode()
     def warm_up(self) -> None:
         """A few prefills and decode steps of throwaway rows, so that kernels are compiled
-        (and their caches loaded) before the first real request waits on them. Only on a GPU:
+        (and their caches loaded) before the first real request waits on them, then one prefill
+        step timed (`prefill_tokens_per_s`: the router costs a recompute by it). Only on a GPU:
         the CPU runs no compiled kernels, and there it would only cost time."""
         if self.device.type != "cuda":
             return
@@ -215,6 +217,7 @@ class Engine:
                                           prefill_spread_steps=0)
         try:
             startup.warm_up(self)
+            self.prefill_tokens_per_s = startup.prefill_rate(self)
         finally:
             self.config = config
 

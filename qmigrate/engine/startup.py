@@ -1,10 +1,11 @@
 """What an engine does once, before it serves: size its KV pool from the device's memory
 (after measuring the largest step's activations on a scratch pool), and warm its kernels up
-with throwaway steps."""
+with throwaway steps, then time one step of prompts."""
 
 from __future__ import annotations
 
 import logging
+import time
 
 import torch
 
@@ -121,6 +122,35 @@ def warm_up(engine) -> None:
             engine.release(r.seq_id)
         if REFUSED in tokens:
             break
+
+
+def prefill_rate(engine, repeats: int = 3) -> int:
+    """Prompt tokens a second of one step of prompts alone, the fastest of `repeats` (0 when the
+    pool has no room for it): a step of up to 4,096 tokens in chunks of `prefill_chunk`, as a
+    burst of prompts runs. The router weighs shipping a sequence's KV against prefilling it
+    again by this rate; a FLOP rate set by hand was five times off on one GPU."""
+    n = max(2, min(engine.config.prefill_chunk or 512, engine.max_len - 4))
+    total = max(n, min(engine.config.max_num_batched_tokens, 4096, n * engine.config.max_num_seqs))
+    lengths = [n] * (total // n) + ([total % n] if total % n else [])
+    best = 0.0
+    for _ in range(repeats):
+        rows = [StepRow(-200 - i, made_up_ids(k, engine.shape.vocab_size), 0, 0) for i, k in enumerate(lengths)]
+        sync(engine.device)
+        t0 = time.perf_counter()
+        tokens = engine.step(rows)   # waits for the step's tokens
+        sync(engine.device)
+        elapsed = time.perf_counter() - t0
+        for r in rows:
+            engine.release(r.seq_id)
+        if REFUSED in tokens:
+            return 0
+        best = max(best, sum(lengths) / elapsed)
+    return int(best)
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def gpu_kv_budget(device: torch.device, utilization: float, activation_bytes: int) -> int:

@@ -106,7 +106,7 @@ class RouterMetrics:
         states = {"up": 0, "draining": 0, "dead": 0}
         workers, _ = observer.snapshot(sched)
         for (name, _node, _dev, _uuid, state, owned, _leased, batch, rate, kv_used, kv_total, block,
-             tokens, _free, prompt_tokens, cached_tokens, *tiers) in workers:
+             tokens, _free, prompt_tokens, cached_tokens, *tiers, _prefill_rate) in workers:
             self._tiers(name, tiers)
             d.add(self.prompt_tokens.labels(name), ("prompt", name), prompt_tokens)
             d.add(self.cached_tokens.labels(name), ("cached", name), cached_tokens)

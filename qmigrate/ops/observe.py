@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 WORKER_COLUMNS = ("name", "node", "device", "gpu_uuid", "state", "owned", "leased", "batch_size",
                   "tokens_per_s", "kv_used_tokens", "kv_total_tokens", "block_size", "tokens_total",
                   "vram_free_fraction", "prompt_tokens", "cached_tokens", "gpu_blocks", "gpu_hits",
-                  "host_blocks", "host_hits", "host_bytes_in", "host_bytes_out")
+                  "host_blocks", "host_hits", "host_bytes_in", "host_bytes_out", "prefill_tokens_per_s")
 GPU_COLUMNS = ("node", "uuid", "index", "total_bytes", "used_bytes", "free_bytes", "util_percent")
 
 NO_TIER = (-1,) * 6   # the tier columns of a worker without a host tier
@@ -90,7 +90,7 @@ class FleetObserver:
                          t.batch_size, round(t.tokens_per_s, 1), kv_used, w.kv_tokens, w.block_size,
                          t.tokens_total, -1.0 if w.free_vram_fraction is None else round(w.free_vram_fraction, 4),
                          sched.cache_queries[name], sched.cache_hits[name],
-                         *sched.tier_stats.get(name, NO_TIER)])
+                         *sched.tier_stats.get(name, NO_TIER), w.prefill_tokens_per_s])
         return rows, list(self.gpus.values())
 
 

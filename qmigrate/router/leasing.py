@@ -27,7 +27,7 @@ from qmigrate.config import RouterConfig
 from qmigrate.router.migration import MovePolicy
 from qmigrate.router.prefix_index import LeasePrefill, PrefixIndex, place_new, seq_keys
 from qmigrate.router.records import (Grant, LeaseRecord, Queue, Row, Seq, WorkerState, choose_mechanism,
-                                     recompute_seconds, transfer_seconds)
+                                     prefill_tflops_of, recompute_seconds, transfer_seconds)
 from qmigrate.wire.protocol import CONTINUE
 
 
@@ -279,7 +279,7 @@ class Lessor:
         """taker was given num_tokens of a moved sequence to prefill again: its prefill is busy
         that much longer."""
         taker.recompute_free_at = max(now, taker.recompute_free_at) + recompute_seconds(
-            num_tokens, num_params, self.config.prefill_tflops)
+            num_tokens, num_params, prefill_tflops_of(taker, self.config.prefill_tflops))
 
     def _pull(self, seq: Seq, w: WorkerState, now: float):
         """(holder, num_tokens, start, keys) when w should pull seq's prefix from the worker
@@ -301,7 +301,8 @@ class Lessor:
             return None
         gain = (most - mine) * w.block_size
         if cfg.prefix_pull == "auto" and choose_mechanism(
-                gain, holder.kv_bytes_per_token, holder.num_params, cfg.link_gbps, cfg.prefill_tflops,
+                gain, holder.kv_bytes_per_token, holder.num_params, cfg.link_gbps,
+                prefill_tflops_of(w, cfg.prefill_tflops),
                 link_wait_s=max(0.0, holder.link_free_at - now)) != "transfer":
             return None
         return holder, most * w.block_size, mine * w.block_size, keys[mine:most]

@@ -22,6 +22,7 @@ def worker_state(msg: P.Hello, kv_bytes_per_token: int, num_params: int) -> tupl
         kv_endpoint=P.info_str(info, "kv_endpoint"), gpu_uuid=P.info_str(info, "gpu_uuid"),
         kv_bytes_per_token=kv_bytes_per_token, num_params=num_params,
         kv_tokens=P.info_int(info, "kv_tokens", 0),
+        prefill_tokens_per_s=P.info_int(info, "prefill_tokens_per_s", 0, 0, 1 << 40),
         block_size=P.info_int(info, "block_size", 16, 1, 1 << 16),
         is_caching=bool(P.info_int(info, "prefix_cache", 0, 0, 1)),
         held_bytes=P.info_int(info, "held_bytes", 0))

@@ -29,7 +29,7 @@ import itertools
 from collections import Counter
 
 from qmigrate.config import RouterConfig
-from qmigrate.router.records import Queue, Seq, WorkerState, choose_mechanism
+from qmigrate.router.records import Queue, Seq, WorkerState, choose_mechanism, prefill_tflops_of
 
 
 class MovePolicy:
@@ -177,7 +177,7 @@ class MovePolicy:
         if self.config.migration != "auto":
             return self.config.migration
         return choose_mechanism(len(seq.token_ids) - 1, owner.kv_bytes_per_token, owner.num_params,
-                                self.config.link_gbps, self.config.prefill_tflops,
+                                self.config.link_gbps, prefill_tflops_of(dest, self.config.prefill_tflops),
                                 link_wait_s=max(0.0, owner.link_free_at - now),
                                 prefill_wait_s=max(0.0, dest.recompute_free_at - now))
 

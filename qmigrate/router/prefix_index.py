@@ -12,9 +12,9 @@ Placement is by score: the prompt tokens a worker would not prefill, less the co
 host tier, less a load penalty (its prompt times the share of the worker's batch places
 taken): a worker holding a prefix gets no more work than its free places allow. A worker asking for work
 takes its hits early, each ahead of the sequences offered before it by no more than the time
-its cached tokens would take to prefill (`prefill_tflops`): a hit goes first as the shorter job
-does, and a miss waits behind a stream of hits for a bounded time, never for as long as hits keep
-coming. It leaves a sequence that scores better on another worker, for up to
+its cached tokens would take to prefill (at the rate the worker measured at its start, else
+`prefill_tflops`): a hit goes first as the shorter job does, and a miss waits behind a stream
+of hits for a bounded time, never for as long as hits keep coming. It leaves a sequence that scores better on another worker, for up to
 `prefix_wait_s` after it was first offered, while that worker has room (batch places and KV
 blocks): a hit never piles work onto a worker that is full. A worker whose share of new
 work is taken (`spread_new_work`) still takes the sequences whose prefix it holds: the other
@@ -32,7 +32,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-from qmigrate.router.records import Seq, WorkerState, recompute_seconds
+from qmigrate.router.records import Seq, WorkerState, prefill_tflops_of, recompute_seconds
 from qmigrate.wire.prefix_keys import block_keys
 
 MAX_KEYS = 1 << 20
@@ -156,7 +156,7 @@ def place_new(index: PrefixIndex, w: WorkerState, workers: dict[str, WorkerState
     if not new or not len(index):
         return candidates
     others = [o for o in workers.values() if o is not w and has_room(o)]
-    token_s = recompute_seconds(1, w.num_params, prefill_tflops)   # a token's prefill on w
+    token_s = recompute_seconds(1, w.num_params, prefill_tflops_of(w, prefill_tflops))   # a token's prefill on w
     kept, priority = [], {}   # priority: when a kept one was offered, less its saved prefill
     for i in new:
         seq = candidates[i][0]

@@ -63,6 +63,7 @@ class WorkerState:
     gpu_uuid: str = ""
     kv_bytes_per_token: int = 0
     num_params: int = 0
+    prefill_tokens_per_s: int = 0   # one prefill step's prompt tokens a second, timed at its start; 0: not timed
     kv_tokens: int = 0        # KV pool capacity in tokens; 0: unknown
     block_size: int = 16      # KV block size: a new sequence takes whole blocks
     is_caching: bool = False  # its pool keeps a prefix cache (a prompt prefills only what it misses)
@@ -144,6 +145,16 @@ def transfer_seconds(num_tokens: int, kv_bytes_per_token: int, link_gbps: float)
 def recompute_seconds(num_tokens: int, num_params: int, prefill_tflops: float) -> float:
     """How long prefilling num_tokens again takes a GPU alone: 2 FLOPs a parameter a token."""
     return num_tokens * 2 * num_params / (prefill_tflops * 1e12)
+
+
+def prefill_tflops_of(w: WorkerState, setting: float) -> float:
+    """The prefill rate w's recomputes are costed at: what its own prefill measured at its start
+    (as FLOP/s of its model), else the `prefill_tflops` setting (a worker that did not time one,
+    as a CPU worker does not). A setting of 100 TFLOP/s is five times too slow for an 8B model
+    on an H200, which made shipping KV look cheaper than it is (docs/benchmarks.md)."""
+    if w.prefill_tokens_per_s > 0 and w.num_params > 0:
+        return w.prefill_tokens_per_s * 2 * w.num_params / 1e12
+    return setting
 
 
 def choose_mechanism(num_tokens: int, kv_bytes_per_token: int, num_params: int,

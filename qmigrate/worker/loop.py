@@ -70,7 +70,9 @@ class Worker:
         engine.grammars.compiler = grammar_compiler(topo, engine.shape.vocab_size, prepare=device.startswith("cuda"))
         self.trace = self.core.trace = tracer(f"worker-{name}", topo.trace_dir)
         flush_on_sigterm(self.trace)
-        self.core.engine.warm_up()
+        engine.warm_up()
+        if engine.prefill_tokens_per_s:
+            log.info("worker %s: a step of prompts alone runs %s tokens/s", name, f"{engine.prefill_tokens_per_s:,}")
         del model
         self.device = device
         self.router = transport.socket(zmq.DEALER, connect=self.router_addr, identity=name)
@@ -106,6 +108,7 @@ class Worker:
                 "max_seqs": self.cfg.max_num_seqs, "max_tokens": self.cfg.max_num_batched_tokens,
                 "inflight": self.cfg.inflight, "kv_bytes_per_token": engine.kv_bytes_per_token,
                 "num_params": engine.shape.num_params, "gpu_uuid": uuid or "",
+                "prefill_tokens_per_s": engine.prefill_tokens_per_s,
                 "kv_tokens": engine.pool.capacity_tokens, "block_size": engine.pool.block_size,
                 "prefix_cache": int(engine.pool.is_caching),
                 "held_bytes": self.held_bytes()}
