@@ -224,12 +224,14 @@ def test_a_killed_ingest_starts_again_and_its_clients_requests_are_cancelled(nod
     import threading
     import helpers as H
 
+    errors = []
+
     def long_call():
         try:
             node.client.completions.create(model=MODEL, prompt=[1, 5, 9], max_tokens=480, n=8, stream=True,
                                            extra_body={"ignore_eos": True}).response.read()
-        except Exception:   # noqa: BLE001 -- its connection dies with the ingest
-            pass
+        except Exception as exc:   # noqa: BLE001 -- its connection dies with the ingest
+            errors.append(repr(exc))
 
     before = node.stats()
     calls = [threading.Thread(target=long_call, daemon=True) for _ in range(4)]   # 32 sequences of 480
@@ -238,7 +240,7 @@ def test_a_killed_ingest_starts_again_and_its_clients_requests_are_cancelled(nod
     deadline = time.monotonic() + 30
     while node.stats().get("live", 0) < 16 and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert node.stats().get("live", 0) >= 16, node.stats()
+    assert node.stats().get("live", 0) >= 16, (node.stats(), errors, node.stderr.read_text()[-3000:])
     os.kill(H.pid_of(node.proc, "qmigrate ingest"), signal.SIGKILL)
     deadline = time.monotonic() + 60
     while node.stats().get("live", 0) and time.monotonic() < deadline:
