@@ -47,8 +47,25 @@ def _kill_session(proc) -> None:
         os.kill(pid, signal.SIGKILL)
 
 
-def test_sigterm_during_startup_stops_every_role_and_leaves_no_temp_dir(node_tmp, tiny_model_dir):
-    tmp = node_tmp
+def _short_tmp(scenario):
+    """scenario(tmp, tiny_model_dir) with tmp a short new directory (a node's ipc:// sockets fit),
+    removed after: an `early` scenario has no fixtures."""
+    def run(tmp_path, tiny_model_dir):
+        import shutil
+        import tempfile
+        from pathlib import Path
+        tmp = Path(tempfile.mkdtemp(prefix="qm-t-", dir="/tmp"))
+        try:
+            return scenario(tmp, tiny_model_dir)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    run.__name__ = scenario.__name__
+    return run
+
+
+@_short_tmp
+def _sigterm_during_startup(tmp, tiny_model_dir) -> None:
+    """Cold processes, as a user's: run beside in-process tests, on the core they leave idle."""
     sim = subprocess.Popen([sys.executable, "-m", "qmigrate", "sim", "--workers", "2", "--model", str(tiny_model_dir)],
                            stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                            env={**os.environ, "TMPDIR": str(tmp)}, start_new_session=True)
@@ -66,7 +83,13 @@ def test_sigterm_during_startup_stops_every_role_and_leaves_no_temp_dir(node_tmp
         _kill_session(sim)
 
 
-def test_roles_exit_when_their_supervisor_is_killed(tmp_path, tiny_model_dir):
+@pytest.mark.early(scenario=_sigterm_during_startup, beside="test_host_tier.py")
+def test_sigterm_during_startup_stops_every_role_and_leaves_no_temp_dir(early_run):
+    early_run.result()   # raises what the scenario's checks raised
+
+
+def _supervisor_killed(tmp_path, tiny_model_dir) -> None:
+    """A cold node (run beside in-process tests, on the core they leave idle)."""
     ports = reserve_ports(6)
     data = {"transport": "tcp", "model": {"path": str(tiny_model_dir)},
             "nodes": [{"name": "head", "address": "127.0.0.1", "bind": "127.0.0.1"}],
@@ -86,6 +109,11 @@ def test_roles_exit_when_their_supervisor_is_killed(tmp_path, tiny_model_dir):
         assert _wait(lambda: not _alive(roles), 15), f"roles outlived their supervisor: {_alive(roles)}"
     finally:
         _kill_session(node)
+
+
+@pytest.mark.early(scenario=_supervisor_killed, beside="test_moe.py")
+def test_roles_exit_when_their_supervisor_is_killed(early_run):
+    early_run.result()
 
 
 def test_a_second_sigterm_does_not_cut_a_roles_clean_up_short(tmp_path):

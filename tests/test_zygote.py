@@ -31,7 +31,19 @@ def _ignored(pid: int) -> int:
         return int(next(line for line in f if line.startswith("SigIgn:")).split()[1], 16)
 
 
-def test_forked_roles_exit_as_processes_do_and_die_with_their_zygote(tmp_path, ipc_dir, tiny_model_dir):
+def _roles_and_their_zygote(tmp_path, tiny_model_dir) -> None:
+    """A zygote's forks exit as processes do, and die with it (cold: two zygotes import
+    everything; run beside in-process tests, on the core they leave idle)."""
+    import shutil
+    import tempfile
+    ipc_dir = tempfile.mkdtemp(prefix="qm-")   # short: an ipc:// socket path is at most 107 bytes
+    try:
+        _forked_roles(tmp_path, ipc_dir, tiny_model_dir)
+    finally:
+        shutil.rmtree(ipc_dir, ignore_errors=True)
+
+
+def _forked_roles(tmp_path, ipc_dir, tiny_model_dir) -> None:
     # a worker whose router never answers: it loads its model and keeps saying hello
     topo = tmp_path / "topo.yaml"
     topo.write_text(yaml.safe_dump({
@@ -61,6 +73,11 @@ def test_forked_roles_exit_as_processes_do_and_die_with_their_zygote(tmp_path, i
         assert zygote.proc.pid != first and again.wait(120) == 0
     finally:
         zygote.close()
+
+
+@pytest.mark.early(scenario=_roles_and_their_zygote, beside="test_paged_attention.py")
+def test_forked_roles_exit_as_processes_do_and_die_with_their_zygote(early_run):
+    early_run.result()   # raises what the scenario's checks raised
 
 
 def test_a_node_that_holds_the_imports_forks_its_zygote_and_every_core_role(tiny_model_dir):
