@@ -277,10 +277,11 @@ def fleet_topology(path: Path, model_dir, num_workers: int, ports: list[int] | N
 
 
 def free_port() -> int:
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port for a server a test starts (conftest.reserve_ports): below the kernel's ephemeral
+    range, so that no outgoing connection of another test takes it as its source port before
+    the server binds it or while the server restarts, and held for this run alone."""
+    from conftest import reserve_ports
+    return reserve_ports(1)[0]
 
 
 class HttpNode:

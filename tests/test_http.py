@@ -19,9 +19,8 @@ from qmigrate.ingest.http import HttpServer
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    from conftest import reserve_ports
+    return reserve_ports(1)[0]   # outside the ephemeral range (helpers.free_port)
 
 
 LONG = 100
