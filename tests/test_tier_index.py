@@ -132,24 +132,53 @@ def _pull_fleet(pull: str, **holder):
 
 def test_a_worker_pulls_a_prefix_another_holds():
     s, grant = _pull_fleet("always")
-    assert ids_of(grant) == [1]
-    (owner, sid, dest, transfer_id, num_tokens, start, keys), = grant.shipments
+    assert grant is None   # the sequence waits for its prefix, leased to nobody; a runs on meanwhile
+    (owner, sid, dest, transfer_id, num_tokens, start, keys), = s.take_shipments()
     assert (owner, sid, dest, start) == ("b", 1, "tcp://a:1", 0)
     assert num_tokens == 4 * BS and keys == block_keys(SYSTEMS[1], BS)
+    assert s.counters["prefix_pulls"] == 1
+    assert ask(s, "a", now=0.5) is None and s.take_shipments() == []   # not there yet, not pulled twice
+    s.kv_arrived("b", [transfer_id])   # only the taker's word counts
+    assert ask(s, "a", now=0.6) is None
+    s.kv_arrived("a", [transfer_id])
+    grant = ask(s, "a", now=0.7)
+    assert ids_of(grant) == [1] and grant.shipments == []
     row = grant.rows[0]
     assert row.spec.kv_from == "tcp://b:1" and row.spec.transfer_id == transfer_id
-    assert s.counters["prefix_pulls"] == 1
+
+
+def test_a_pull_that_does_not_arrive_in_time_is_prefilled():
+    from qmigrate.router.leasing import PULL_WAIT_S
+    s, _ = _pull_fleet("always")
+    (_, _, _, transfer_id, *_), = s.take_shipments()
+    join(s, "c", kv_endpoint="tcp://c:1")
+    assert ask(s, "c", now=1.0) is None   # on its way to a: nobody else takes it meanwhile
+    grant = ask(s, "c", now=PULL_WAIT_S + 0.1)   # given up: prefilled where it goes, never pulled again
+    assert ids_of(grant) == [1] and grant.shipments == [] and not grant.rows[0].spec.kv_from
+    assert s.counters["prefix_pulls_given_up"] == 1 and s.take_shipments() == []
+    s.kv_arrived("a", [transfer_id])   # too late: nothing changes
+    assert s.seqs[1].pull is None
+
+
+def test_a_pull_whose_taker_dies_is_prefilled_elsewhere():
+    s, _ = _pull_fleet("always")
+    assert len(s.take_shipments()) == 1
+    join(s, "c", kv_endpoint="tcp://c:1")
+    s.workers["a"].alive = False
+    grant = ask(s, "c", now=0.1)
+    assert ids_of(grant) == [1] and not grant.rows[0].spec.kv_from
 
 
 def test_a_pull_that_costs_more_than_prefill_is_not_made():
     # a model so small that 64 tokens prefill faster than their KV crosses a 10 Gb/s link
-    _, grant = _pull_fleet("auto", kv_bytes_per_token=1 << 20, num_params=1000)
+    s, grant = _pull_fleet("auto", kv_bytes_per_token=1 << 20, num_params=1000)
     assert ids_of(grant) == [1] and grant.shipments == [] and not grant.rows[0].spec.kv_from
+    assert s.take_shipments() == []
     # an 8B model: shipping 64 tokens of KV beats computing them
-    _, grant = _pull_fleet("auto", kv_bytes_per_token=128 << 10, num_params=8 << 30)
-    assert len(grant.shipments) == 1
-    _, grant = _pull_fleet("never", kv_bytes_per_token=128 << 10, num_params=8 << 30)
-    assert grant.shipments == []
+    s, grant = _pull_fleet("auto", kv_bytes_per_token=128 << 10, num_params=8 << 30)
+    assert grant is None and len(s.take_shipments()) == 1
+    s, grant = _pull_fleet("never", kv_bytes_per_token=128 << 10, num_params=8 << 30)
+    assert ids_of(grant) == [1] and grant.shipments == [] and s.take_shipments() == []
 
 
 def test_a_prefix_pull_request_travels_and_is_checked():

@@ -14,6 +14,14 @@ lease: it ends at the worker's next step boundary and its rows come back like an
 (a chained lease not yet begun is revoked too, and then runs one step).
 Revokes to send collect in `revokes`; the router sends them once per loop turn.
 
+A prefix pull does not hold up a lease. The worker that will take a new sequence is told to
+wait for nothing: the holder is sent a ShipKV at once, and the sequence stays queued, leased
+to nobody, until the taker says the KV arrived (its heartbeat's `kv_arrived`); then it is
+leased there and imports the KV as its lease starts. Rows leased meanwhile run as usual. A
+shipment that has not arrived within PULL_WAIT_S is given up and the sequence prefilled.
+Shipments decided while building a lease that ends up empty wait in `shipments` for the
+router, which sends them once per loop turn too.
+
 Pure bookkeeping over the Scheduler's records, which it shares (the Scheduler owns them).
 """
 
@@ -26,9 +34,11 @@ from collections import Counter, deque
 from qmigrate.config import RouterConfig
 from qmigrate.router.migration import MovePolicy
 from qmigrate.router.prefix_index import LeasePrefill, PrefixIndex, place_new, seq_keys
-from qmigrate.router.records import (Grant, LeaseRecord, Queue, Row, Seq, WorkerState, choose_mechanism,
+from qmigrate.router.records import (Grant, LeaseRecord, Pull, Queue, Row, Seq, WorkerState, choose_mechanism,
                                      prefill_tflops_of, recompute_seconds, transfer_seconds)
 from qmigrate.wire.protocol import CONTINUE
+
+PULL_WAIT_S = 2.0   # a pulled prefix not there by then is prefilled (the worker's transfer_wait_s)
 
 
 class Lessor:
@@ -38,6 +48,8 @@ class Lessor:
         self.leases, self.moves, self.prefix, self.counters = leases, moves, prefix, counters
         self._lease_ids = itertools.count(1)
         self.revokes: list[tuple[str, int, list[int]]] = []  # (worker, lease_id, seq_ids; [] = all)
+        self.shipments: list = []   # pulls decided for no lease (Grant.shipments' form), to send
+        self.pulls: dict[int, int] = {}   # transfer id -> seq_id of the pulls on the way
         # (cause, seconds from the decision to move to the lease on the new worker)
         self.move_delays: deque[tuple[str, float]] = deque(maxlen=4096)
 
@@ -56,6 +68,19 @@ class Lessor:
     def take_revokes(self) -> list[tuple[str, int, list[int]]]:
         revokes, self.revokes = self.revokes, []
         return revokes
+
+    def take_shipments(self) -> list:
+        shipments, self.shipments = self.shipments, []
+        return shipments
+
+    def kv_arrived(self, name: str, transfer_ids) -> None:
+        """name has these shipments: a sequence whose pull it was may now be leased there."""
+        for transfer_id in transfer_ids:
+            seq = self.seqs.get(self.pulls.get(transfer_id, -1))
+            if seq is not None and seq.pull is not None and seq.pull.transfer_id == transfer_id \
+                    and seq.pull.worker == name:
+                seq.pull.arrived = True
+                del self.pulls[transfer_id]
 
     def revoke_steps(self, w: WorkerState, seq_ids: list[int] | None = None, *, for_load_at: float | None = None) -> None:
         """End w's multi-step leases at its next step boundary; with seq_ids, end every lease
@@ -132,6 +157,8 @@ class Lessor:
             if is_new and is_prompt and prefill is not None and prefill.should_wait(seq, shared):
                 self.counters["prefix_waits"] += 1
                 continue   # it starts on those blocks once they are cached
+            if is_new and self._waits_for_pull(seq, w, now, shipments):
+                continue   # its prefix is on the way to a worker: leased there once it is in
             if kv_cost and kv_cost > room:
                 continue
             if rows and cost > budget:
@@ -154,6 +181,7 @@ class Lessor:
         if len(rows) < max_seqs:
             self._feed_from_leases(w, quota, max_seqs - len(rows), now)
         if not rows:
+            self.shipments += shipments   # pulls started for sequences that wait for them
             return None
         if prefill is not None:
             prefill.granted()
@@ -259,12 +287,9 @@ class Lessor:
                 self._recompute(w, len(seq.token_ids), owner.num_params, now)
                 if owner.alive:
                     owner.pending_drops.append(seq.seq_id)
-        elif seq.owner is None and (pull := self._pull(seq, w, now)) is not None:
-            holder, num_tokens, start, keys = pull
-            transfer_id, kv_from = self.new_transfer_id(), holder.kv_endpoint
-            shipments.append((holder.name, seq.seq_id, w.kv_endpoint, transfer_id, num_tokens, start, keys))
-            self._ship(holder, num_tokens - start, now)
-            self.counters["prefix_pulls"] += 1
+        elif seq.owner is None and seq.pull is not None:   # its pulled prefix is here (_waits_for_pull)
+            kv_from, transfer_id = seq.pull.kv_from, seq.pull.transfer_id
+            seq.pull = None
         seq.owner = None
         spec = seq.respec(kv_from, transfer_id)
         seq.resync = False
@@ -280,6 +305,34 @@ class Lessor:
         that much longer."""
         taker.recompute_free_at = max(now, taker.recompute_free_at) + recompute_seconds(
             num_tokens, num_params, prefill_tflops_of(taker, self.config.prefill_tflops))
+
+    def _waits_for_pull(self, seq: Seq, w: WorkerState, now: float, shipments: list) -> bool:
+        """Whether new sequence seq sits this lease out for a prefix pull: one on the way to w
+        (or to another worker) that has not arrived, or one started now (its ShipKV among
+        `shipments`). One that did not arrive in time, or whose taker died, is given up."""
+        p = seq.pull
+        if p is not None:
+            taker = self.workers.get(p.worker)
+            if p.arrived and p.worker == w.name:
+                return False
+            if now < p.deadline and taker is not None and taker.alive and not taker.draining:
+                return True
+            self.pulls.pop(p.transfer_id, None)
+            seq.pull, seq.pull_given_up = None, True
+            self.counters["prefix_pulls_given_up"] += 1
+            return False
+        if seq.pull_given_up or (pull := self._pull(seq, w, now)) is None:
+            return False
+        holder, num_tokens, start, keys = pull
+        transfer_id = self.new_transfer_id()
+        shipments.append((holder.name, seq.seq_id, w.kv_endpoint, transfer_id, num_tokens, start, keys))
+        self._ship(holder, num_tokens - start, now)
+        seq.pull = Pull(w.name, holder.kv_endpoint, transfer_id, now + PULL_WAIT_S)
+        if len(self.pulls) > 4 * len(self.seqs) + 64:   # ids of pulls whose sequences ended
+            self.pulls = {t: sid for t, sid in self.pulls.items() if sid in self.seqs}
+        self.pulls[transfer_id] = seq.seq_id
+        self.counters["prefix_pulls"] += 1
+        return True
 
     def _pull(self, seq: Seq, w: WorkerState, now: float):
         """(holder, num_tokens, start, keys) when w should pull seq's prefix from the worker

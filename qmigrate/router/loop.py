@@ -107,7 +107,7 @@ class Router:
             if (ready or ticked) and not self.out.backlog:  # no new work while output waits
                 self.serve_parked(now)
                 self.release_drained()
-            if self.sched.revokes:
+            if self.sched.revokes or self.sched.lessor.shipments:
                 self.send_revokes()
             if now - last_metrics > METRICS_INTERVAL_S:
                 self.trace.flush()
@@ -245,6 +245,8 @@ class Router:
             self.sched.set_held(name, msg.held_bytes, now)
             self.worker_times[name] = (msg.busy_ms, msg.idle_ms)
             self.kv_imported[name] = msg.num_kv_imported
+            if msg.kv_arrived:
+                self.sched.kv_arrived(name, P.unpack_i64(msg.kv_arrived, "Heartbeat.kv_arrived").tolist())
 
     def on_pulse(self, sender: bytes, msg: P.Pulse) -> None:
         """From a worker's pulse thread, on a socket of its own: no reply (it does not read).
@@ -413,20 +415,25 @@ class Router:
                     self.send_grant(grant, req.request_no)
                     progress = True
 
-    def send_grant(self, grant, request_no: int) -> None:
-        for owner, seq_id, dest, transfer_id, num_tokens, start, keys in grant.shipments:
+    def send_shipments(self, shipments) -> None:
+        for owner, seq_id, dest, transfer_id, num_tokens, start, keys in shipments:
             if owner in self.identity:
                 self.reply(self.identity[owner], P.ShipKV(seq_id, dest, transfer_id, num_tokens, start,
                                                           P.pack_i64(keys) if keys else b""))
                 self.observer.shipped(num_tokens - start, self.sched.workers[owner].kv_bytes_per_token)
+
+    def send_grant(self, grant, request_no: int) -> None:
+        self.send_shipments(grant.shipments)
         self.trace("grant", grant.worker, grant.lease_id, len(grant.rows), grant.num_steps, request_no)
         self.observer.leased(grant.worker, len(grant.rows))
         self.reply(self.identity[grant.worker], lease_of(grant, request_no, self.config.lease_timeout_s))
 
     def send_revokes(self) -> None:
+        """The revokes, and the prefix pulls' shipments decided for no lease, of this turn."""
         for worker, lease_id, seq_ids in self.sched.take_revokes():
             if worker in self.identity:
                 self.reply(self.identity[worker], P.Revoke(lease_id, P.pack_i64(seq_ids)))
+        self.send_shipments(self.sched.take_shipments())
 
     def release_drained(self) -> None:
         for name, w in self.sched.workers.items():

@@ -30,6 +30,8 @@ class Seq:
     num_waits: int = 0                 # leases it sat out for prefix blocks others computed (prefix_index)
     home: str | None = None            # the worker it last came to (policy "pinned" keeps it there)
     moved_at: float | None = None      # when it last moved for KV or load (move_cooldown_s)
+    pull: "Pull | None" = None         # its prefix is on the way to a worker (Lessor: leased once there)
+    pull_given_up: bool = False        # a pull of it did not arrive in time: it is prefilled instead
 
     @property
     def seq_id(self) -> int:
@@ -117,6 +119,19 @@ class Grant:
     # (owner, seq_id, dest endpoint, transfer_id, num_tokens, start, block keys: a prefix pull)
     shipments: list[tuple[str, int, str, int, int, int, list[int]]]
     num_steps: int = 1
+
+
+@dataclass(slots=True)
+class Pull:
+    """A new sequence's prefix, shipped from `kv_from` to `worker` under `transfer_id`: the
+    sequence waits in the queue, leased to nobody, until that worker says the KV arrived (then
+    it is leased there, the KV imported as its lease starts) or until `deadline` (then it is
+    prefilled wherever it goes)."""
+    worker: str
+    kv_from: str
+    transfer_id: int
+    deadline: float
+    arrived: bool = False
 
 
 @dataclass(slots=True)

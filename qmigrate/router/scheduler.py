@@ -81,6 +81,14 @@ class Scheduler:
     def take_revokes(self) -> list[tuple[str, int, list[int]]]:
         return self.lessor.take_revokes()
 
+    def take_shipments(self) -> list:
+        """KV shipments of prefix pulls decided for no lease (Grant.shipments' form), to send."""
+        return self.lessor.take_shipments()
+
+    def kv_arrived(self, name: str, transfer_ids) -> None:
+        """name says these KV shipments reached it (its heartbeat's kv_arrived)."""
+        self.lessor.kv_arrived(name, transfer_ids)
+
     # --- membership --------------------------------------------------------------------
     def register(self, worker: WorkerState, now: float) -> None:
         old = self.workers.get(worker.name)

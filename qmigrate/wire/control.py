@@ -44,6 +44,7 @@ class Heartbeat:
     lease_ids: bytes = b""    # int64: leases received and not yet answered; the router renews them
     held_bytes: int = -1      # device memory this worker holds (weights, KV pool, graphs); -1: unknown
     num_kv_imported: int = 0  # sequences that resumed here from KV shipped by another worker
+    kv_arrived: bytes = b""   # int64: transfer ids of KV shipments received since the last heartbeat
 
 
 @message(MsgType.PULSE)

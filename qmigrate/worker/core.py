@@ -45,6 +45,7 @@ class WorkerCore:
         self.engine = engine
         self.seqs: dict[int, SeqState] = {}
         self.transfers: dict[int, Transfer] = {}
+        self.arrived: list[int] = []   # transfer ids received since the router was last told
         # seq_id -> (ids, cache salt, positions found cached) of a prompt not all in the KV yet
         self.filling: dict[int, tuple[np.ndarray, str, int]] = {}
         self.num_steps = 0
@@ -64,6 +65,7 @@ class WorkerCore:
 
     def receive_transfer(self, transfer_id: int, seq_id: int, kv: torch.Tensor | None, start: int = 0) -> None:
         self.transfers[transfer_id] = Transfer(seq_id, kv, time.monotonic(), start)
+        self.arrived.append(transfer_id)
         if len(self.transfers) > MAX_TRANSFERS:
             oldest = min(self.transfers, key=lambda t: self.transfers[t].arrived)
             del self.transfers[oldest]

@@ -339,14 +339,18 @@ class Worker:
         self.pulse.turned()
         # Sent on schedule even while results flow: it also carries the busy/idle counters.
         # After a KV import it goes at once, so the router counts the import before it sees
-        # any token that used it.
+        # any token that used it; after a shipment arrives too, so that a sequence waiting
+        # for its pulled prefix is leased here without delay.
         imported = self.core.num_kv_imported
-        if self.leases.heartbeat_due(time.monotonic()) or imported != self.num_kv_imported_sent:
+        if self.leases.heartbeat_due(time.monotonic()) or imported != self.num_kv_imported_sent \
+                or self.core.arrived:
             self.trace.flush()
             self.num_kv_imported_sent = imported
+            arrived, self.core.arrived = self.core.arrived, []
             self.send_router(P.Heartbeat(self.name, len(self.core.seqs), self.core.free_tokens,
                                          int(self.busy_s * 1000), int(self.idle_s * 1000),
-                                         P.pack_i64(self.leases.held_lease_ids()), self.held_bytes(), imported))
+                                         P.pack_i64(self.leases.held_lease_ids()), self.held_bytes(), imported,
+                                         P.pack_i64(arrived)))
 
     def held_bytes(self) -> int:
         """Device memory this process holds: weights, KV pool, graphs and activations, and its
