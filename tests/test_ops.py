@@ -74,6 +74,17 @@ def test_requests_waiting_with_no_worker_are_said_once(router, caplog):
     assert said == ["1 requests are waiting and no worker has joined; they run when a worker joins"]
 
 
+def test_a_heartbeat_passes_on_the_shipments_that_reached_its_worker(router, monkeypatch):
+    _hello(router, "w1")
+    told = []
+    monkeypatch.setattr(router.sched, "kv_arrived", lambda name, ids: told.append((name, ids)))
+    router.on_heartbeat(b"w1", P.Heartbeat("w1", kv_arrived=P.pack_i64([77, 78])))
+    router.on_heartbeat(b"w1", P.Heartbeat("w1"))   # nothing arrived: nothing to pass on
+    assert told == [("w1", [77, 78])]
+    with pytest.raises(P.ProtocolError, match="kv_arrived"):   # the loop drops such a message
+        router.on_heartbeat(b"w1", P.Heartbeat("w1", kv_arrived=b"\x01\x02\x03"))
+
+
 def test_stats_carry_worker_and_gpu_rows(router):
     _hello(router, "w1", prefill_tokens_per_s=41_000)
     router.sched.admit([P.SeqSpec(1, P.pack_i32([1, 5, 6]), 3, 4)])

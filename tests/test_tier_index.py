@@ -214,3 +214,14 @@ def test_a_workers_measured_prefill_rate_comes_with_its_hello():
     for bad in (-1, 1.5, "fast"):
         with pytest.raises(P.ProtocolError, match="prefill_tokens_per_s"):
             worker_state(P.Hello("worker", "w0", info={"prefill_tokens_per_s": bad}), 1024, 10 ** 9)
+
+
+def test_a_workers_heartbeat_says_which_shipments_reached_it():
+    from qmigrate.worker.core import WorkerCore
+    core = WorkerCore.__new__(WorkerCore)
+    core.transfers, core.arrived = {}, []
+    core.receive_transfer(77, 1, None)
+    core.receive_transfer(78, 2, None)
+    assert core.arrived == [77, 78]
+    beat = P.Heartbeat("a", kv_arrived=P.pack_i64(core.arrived))
+    assert P.unpack_i64(codec.decode(codec.encode(beat)).kv_arrived, "kv_arrived").tolist() == [77, 78]

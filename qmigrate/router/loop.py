@@ -107,7 +107,7 @@ class Router:
             if (ready or ticked) and not self.out.backlog:  # no new work while output waits
                 self.serve_parked(now)
                 self.release_drained()
-            if self.sched.revokes or self.sched.lessor.shipments:
+            if self.sched.revokes or self.sched.shipments:
                 self.send_revokes()
             if now - last_metrics > METRICS_INTERVAL_S:
                 self.trace.flush()
