@@ -14,10 +14,16 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-import pytest
-import torch
+# numpy's OpenBLAS on one thread, set before anything imports it: a scenario of the early lane
+# that starts a process with a preexec_fn forks from its thread, and OpenBLAS's fork handler
+# shuts its thread pool down under a matmul the main thread is running (a Triton-interpreted
+# kernel's tl.dot), which then spins forever; one thread has no pool to shut down
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
-import warm
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+import warm  # noqa: E402
 
 if not torch.cuda.is_available():
     # Triton picks the interpreter when it is first imported, for every kernel of the process
