@@ -157,7 +157,7 @@ class Lessor:
             if is_new and is_prompt and prefill is not None and prefill.should_wait(seq, shared):
                 self.counters["prefix_waits"] += 1
                 continue   # it starts on those blocks once they are cached
-            if is_new and self._waits_for_pull(seq, w, now, shipments):
+            if is_new and self._waits_for_pull(seq, w, now, shipments, matched.get(seq.seq_id)):
                 continue   # its prefix is on the way to a worker: leased there once it is in
             if kv_cost and kv_cost > room:
                 continue
@@ -306,10 +306,12 @@ class Lessor:
         taker.recompute_free_at = max(now, taker.recompute_free_at) + recompute_seconds(
             num_tokens, num_params, prefill_tflops_of(taker, self.config.prefill_tflops))
 
-    def _waits_for_pull(self, seq: Seq, w: WorkerState, now: float, shipments: list) -> bool:
+    def _waits_for_pull(self, seq: Seq, w: WorkerState, now: float, shipments: list,
+                        hits: dict[str, int] | None = None) -> bool:
         """Whether new sequence seq sits this lease out for a prefix pull: one on the way to w
         (or to another worker) that has not arrived, or one started now (its ShipKV among
-        `shipments`). One that did not arrive in time, or whose taker died, is given up."""
+        `shipments`). One that did not arrive in time, or whose taker died, is given up.
+        `hits`: the index's match for seq that placement found for this lease, if it did."""
         p = seq.pull
         if p is not None:
             taker = self.workers.get(p.worker)
@@ -321,7 +323,7 @@ class Lessor:
             seq.pull, seq.pull_given_up = None, True
             self.counters["prefix_pulls_given_up"] += 1
             return False
-        if seq.pull_given_up or (pull := self._pull(seq, w, now)) is None:
+        if seq.pull_given_up or (pull := self._pull(seq, w, now, hits)) is None:
             return False
         holder, num_tokens, start, keys = pull
         transfer_id = self.new_transfer_id()
@@ -334,15 +336,17 @@ class Lessor:
         self.counters["prefix_pulls"] += 1
         return True
 
-    def _pull(self, seq: Seq, w: WorkerState, now: float):
+    def _pull(self, seq: Seq, w: WorkerState, now: float, hits: dict[str, int] | None = None):
         """(holder, num_tokens, start, keys) when w should pull seq's prefix from the worker
         that holds the most of it beyond what w holds: the blocks [start, num_tokens) of keys
-        `keys`, when shipping them costs less than prefilling them (prefix_pull); else None."""
+        `keys`, when shipping them costs less than prefilling them (prefix_pull); else None.
+        `hits`: the index's match for seq's keys, when placement already made it."""
         cfg = self.config
         if cfg.prefix_pull == "never" or not cfg.prefix_aware or not w.kv_endpoint or not len(self.prefix):
             return None
         keys = seq_keys(seq, w.block_size)
-        hits = self.prefix.match(keys)
+        if hits is None:
+            hits = self.prefix.match(keys)
         mine = hits.get(w.name, 0)
         holder, most = None, mine
         for name, n in hits.items():
