@@ -12,10 +12,8 @@ import select
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 import time
-from pathlib import Path
 
 import pytest
 
@@ -222,20 +220,11 @@ def _as_a_user(**env) -> dict:
     return {**{k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}, **env}
 
 
-def _serve_then_sigterm(tmp_path, tiny_model_dir) -> None:
-    """`qmigrate serve` as a user starts it (cold, no Triton interpreter), healthy once ready,
-    then SIGTERM with 16 streams open: each ends with an error event, every role exits and
-    the node's directory goes. Run beside in-process tests, on the core they leave idle."""
-    import shutil
-    tmp = Path(tempfile.mkdtemp(prefix="qm-t-", dir="/tmp"))   # short: the node's ipc:// sockets fit
-    try:
-        _serve_and_stop(tiny_model_dir, tmp)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-
-
-def _serve_and_stop(tiny_model_dir, tmp) -> None:
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_serve_on_the_cpu_answers_once_ready_and_sigterm_stops_everything(tiny_model_dir, node_tmp):
     (port,) = reserve_ports(1)
+    tmp = node_tmp
     proc = subprocess.Popen([sys.executable, "-m", "qmigrate", "serve", str(tiny_model_dir), "--port", str(port),
                              "--cpu-workers", "1", "--served-model-name", "tiny", "--api-key", "k"],
                             stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -252,8 +241,7 @@ def _serve_and_stop(tiny_model_dir, tmp) -> None:
                 assert body["status"] == "starting" and body["workers"] == 0
             time.sleep(0.1)
         if seen[-1] != 200 and proc.poll() is not None:
-            raise AssertionError(f"never healthy: {seen[-5:]}, exit {proc.returncode}; "
-                                 f"stderr: {proc.stderr.read()[-3000:]}")
+            pytest.fail(f"never healthy: {seen[-5:]}, exit {proc.returncode}; stderr: {proc.stderr.read()[-3000:]}")
         assert seen[-1] == 200, f"never healthy: {seen[-5:]}, exit {proc.poll()}"
         assert set(seen) <= {None, 503, 200}
         assert proc.stdout.readline().startswith(f"ready: http://127.0.0.1:{port}")
@@ -285,12 +273,6 @@ def _serve_and_stop(tiny_model_dir, tmp) -> None:
         assert list(tmp.iterdir()) == [], "the temp directory was left behind"
     finally:
         _kill_session(proc)
-
-
-@pytest.mark.slow
-@pytest.mark.early(scenario=_serve_then_sigterm, beside="test_prefix_cache.py")
-def test_serve_on_the_cpu_answers_once_ready_and_sigterm_stops_everything(early_run):
-    early_run.result()   # raises what the scenario's checks raised
 
 
 @pytest.mark.slow

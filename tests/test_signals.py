@@ -47,25 +47,8 @@ def _kill_session(proc) -> None:
         os.kill(pid, signal.SIGKILL)
 
 
-def _short_tmp(scenario):
-    """scenario(tmp, tiny_model_dir) with tmp a short new directory (a node's ipc:// sockets fit),
-    removed after: an `early` scenario has no fixtures."""
-    def run(tmp_path, tiny_model_dir):
-        import shutil
-        import tempfile
-        from pathlib import Path
-        tmp = Path(tempfile.mkdtemp(prefix="qm-t-", dir="/tmp"))
-        try:
-            return scenario(tmp, tiny_model_dir)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
-    run.__name__ = scenario.__name__
-    return run
-
-
-@_short_tmp
-def _sigterm_during_startup(tmp, tiny_model_dir) -> None:
-    """Cold processes, as a user's: run beside in-process tests, on the core they leave idle."""
+def test_sigterm_during_startup_stops_every_role_and_leaves_no_temp_dir(node_tmp, tiny_model_dir):
+    tmp = node_tmp
     sim = subprocess.Popen([sys.executable, "-m", "qmigrate", "sim", "--workers", "2", "--model", str(tiny_model_dir)],
                            stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                            env={**os.environ, "TMPDIR": str(tmp)}, start_new_session=True)
@@ -81,11 +64,6 @@ def _sigterm_during_startup(tmp, tiny_model_dir) -> None:
         assert list(tmp.iterdir()) == [], "the temp directory was left behind"
     finally:
         _kill_session(sim)
-
-
-@pytest.mark.early(scenario=_sigterm_during_startup, beside="test_host_tier.py")
-def test_sigterm_during_startup_stops_every_role_and_leaves_no_temp_dir(early_run):
-    early_run.result()   # raises what the scenario's checks raised
 
 
 def _supervisor_killed(tmp_path, tiny_model_dir) -> None:
