@@ -111,46 +111,44 @@ def warm_up(engine) -> None:
     # few token counts: one step of each, so that no request waits on a matmul's first
     # run at a new shape (a first launch took several times as long as the later ones:
     # docs/benchmarks-history.md).
-    n = max(2, min(engine.config.prefill_chunk or 512, engine.max_len - 4))
     for size in engine.runner.eager_sizes():
-        if -(-size // n) > engine.config.max_num_seqs:
+        if -(-size // _chunk(engine)) > engine.config.max_num_seqs:
             break  # no step of so many tokens fits in max_num_seqs rows of a chunk each
-        lengths = [n] * (size // n) + ([size % n] if size % n else [])
-        rows = [StepRow(-100 - i, made_up_ids(k, engine.shape.vocab_size), 0, 0) for i, k in enumerate(lengths)]
-        tokens = engine.step(rows)
-        for r in rows:
-            engine.release(r.seq_id)
-        if REFUSED in tokens:
+        if REFUSED in _burst_step(engine, size):
             break
+
+
+def _chunk(engine) -> int:
+    """Tokens a throwaway prompt row takes in one step: a chunk, as a long prompt does."""
+    return max(2, min(engine.config.prefill_chunk or 512, engine.max_len - 4))
+
+
+def _burst_step(engine, num_tokens: int) -> list[int]:
+    """One step of throwaway prompts of num_tokens in all, a chunk a row, as a burst of prompts
+    runs; their KV released after. The tokens it sampled (REFUSED where the pool had no room)."""
+    n = _chunk(engine)
+    lengths = [n] * (num_tokens // n) + ([num_tokens % n] if num_tokens % n else [])
+    rows = [StepRow(-100 - i, made_up_ids(k, engine.shape.vocab_size), 0, 0) for i, k in enumerate(lengths)]
+    tokens = engine.step(rows)   # waits for the step: its tokens are on the host
+    for r in rows:
+        engine.release(r.seq_id)
+    return tokens
 
 
 def prefill_rate(engine, repeats: int = 3) -> int:
     """Prompt tokens a second of one step of prompts alone, the fastest of `repeats` (0 when the
     pool has no room for it): a step of up to 4,096 tokens in chunks of `prefill_chunk`, as a
     burst of prompts runs. The router weighs shipping a sequence's KV against prefilling it
-    again by this rate; a FLOP rate set by hand was five times off on one GPU."""
-    n = max(2, min(engine.config.prefill_chunk or 512, engine.max_len - 4))
-    total = max(n, min(engine.config.max_num_batched_tokens, 4096, n * engine.config.max_num_seqs))
-    lengths = [n] * (total // n) + ([total % n] if total % n else [])
+    again by this rate rather than by the `prefill_tflops` setting."""
+    cfg = engine.config
+    total = max(_chunk(engine), min(cfg.max_num_batched_tokens, 4096, _chunk(engine) * cfg.max_num_seqs))
     best = 0.0
     for _ in range(repeats):
-        rows = [StepRow(-200 - i, made_up_ids(k, engine.shape.vocab_size), 0, 0) for i, k in enumerate(lengths)]
-        sync(engine.device)
-        t0 = time.perf_counter()
-        tokens = engine.step(rows)   # waits for the step's tokens
-        sync(engine.device)
-        elapsed = time.perf_counter() - t0
-        for r in rows:
-            engine.release(r.seq_id)
-        if REFUSED in tokens:
+        t0 = time.perf_counter()   # the steps before have been collected: nothing else runs
+        if REFUSED in _burst_step(engine, total):
             return 0
-        best = max(best, sum(lengths) / elapsed)
+        best = max(best, total / (time.perf_counter() - t0))
     return int(best)
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def gpu_kv_budget(device: torch.device, utilization: float, activation_bytes: int) -> int:

@@ -20,7 +20,7 @@ to nobody, until the taker says the KV arrived (its heartbeat's `kv_arrived`); t
 leased there and imports the KV as its lease starts. Rows leased meanwhile run as usual. A
 shipment that has not arrived within PULL_WAIT_S is given up and the sequence prefilled.
 Shipments decided while building a lease that ends up empty wait in `shipments` for the
-router, which sends them once per loop turn too.
+router, which takes them once per loop turn.
 
 Pure bookkeeping over the Scheduler's records, which it shares (the Scheduler owns them).
 """
@@ -70,7 +70,9 @@ class Lessor:
         return revokes
 
     def take_shipments(self) -> list:
-        shipments, self.shipments = self.shipments, []
+        shipments = self.shipments
+        if shipments:   # asked every loop turn: no new list while there are none
+            self.shipments = []
         return shipments
 
     def kv_arrived(self, name: str, transfer_ids) -> None:

@@ -107,8 +107,10 @@ class Router:
             if (ready or ticked) and not self.out.backlog:  # no new work while output waits
                 self.serve_parked(now)
                 self.release_drained()
-            if self.sched.revokes or self.sched.shipments:
+            if self.sched.revokes:
                 self.send_revokes()
+            if shipments := self.sched.take_shipments():   # prefix pulls decided for no lease
+                self.send_shipments(shipments)
             if now - last_metrics > METRICS_INTERVAL_S:
                 self.trace.flush()
                 self.notice_stranded(now)
@@ -429,11 +431,9 @@ class Router:
         self.reply(self.identity[grant.worker], lease_of(grant, request_no, self.config.lease_timeout_s))
 
     def send_revokes(self) -> None:
-        """The revokes, and the prefix pulls' shipments decided for no lease, of this turn."""
         for worker, lease_id, seq_ids in self.sched.take_revokes():
             if worker in self.identity:
                 self.reply(self.identity[worker], P.Revoke(lease_id, P.pack_i64(seq_ids)))
-        self.send_shipments(self.sched.take_shipments())
 
     def release_drained(self) -> None:
         for name, w in self.sched.workers.items():

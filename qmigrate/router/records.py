@@ -165,8 +165,8 @@ def recompute_seconds(num_tokens: int, num_params: int, prefill_tflops: float) -
 def prefill_tflops_of(w: WorkerState, setting: float) -> float:
     """The prefill rate w's recomputes are costed at: what its own prefill measured at its start
     (as FLOP/s of its model), else the `prefill_tflops` setting (a worker that did not time one,
-    as a CPU worker does not). A setting of 100 TFLOP/s is five times too slow for an 8B model
-    on an H200, which made shipping KV look cheaper than it is (docs/benchmarks.md)."""
+    as a CPU worker does not). Costed at the setting, an 8B model on an H200 pulled prefixes that
+    took longer to ship than to prefill (docs/benchmarks.md)."""
     if w.prefill_tokens_per_s > 0 and w.num_params > 0:
         return w.prefill_tokens_per_s * 2 * w.num_params / 1e12
     return setting

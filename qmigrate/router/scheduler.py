@@ -75,10 +75,6 @@ class Scheduler:
         return self.lessor.revokes
 
     @property
-    def shipments(self) -> list:
-        return self.lessor.shipments
-
-    @property
     def move_delays(self) -> deque[tuple[str, float]]:
         return self.lessor.move_delays
 
