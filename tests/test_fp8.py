@@ -238,16 +238,18 @@ def test_weight_read_kernel_indexing_under_the_interpreter():
     g = torch.Generator().manual_seed(5)
     for m, n, k, tiling in ((1, 96, 576, (32, 128, 1)), (1, 70, 600, (16, 128, 3)), (5, 70, 600, (32, 128, 1)),
                             (5, 96, 512, (32, 64, 4)), (17, 40, 256, (16, 64, 2)), (5, 70, 600, (32, 128, 2, True)),
-                            (33, 200, 512, (64, 128, 1, True))):
+                            (33, 200, 512, (64, 128, 1, True)), (1, 96, 576, (32, 128, 1, True, True)),
+                            (1, 70, 600, (16, 128, 3, True, True)), (5, 70, 600, (32, 128, 2, False, True))):
         x, w = torch.randn(m, k, generator=g), torch.randn(n, k, generator=g) * 0.05
         scale, bias = torch.rand(n, 1, generator=g) + 0.5, torch.randn(n, generator=g)
         x, w, scale, bias = (t.to(device) for t in (x, w, scale, bias))
         for b in (bias, None):
-            block_n, block_k, split_k, *swap = tiling
-            out = w8_matmul(x, w, scale, b, block_n, block_k, split_k, num_warps=4, num_stages=2, swap=bool(swap))
+            block_n, block_k, split_k, swap, f16 = (*tiling, False, False)[:5]
+            out = w8_matmul(x, w, scale, b, block_n, block_k, split_k, num_warps=4, num_stages=2, swap=swap, f16=f16)
             want = x @ (w * scale).t() + (0 if b is None else b)
             assert out.shape == (m, n)
-            assert (out - want).norm() / want.norm() < 1e-4, (m, n, k, tiling)
+            # f16: x and w rounded to fp16's 11 bits before the product
+            assert (out - want).norm() / want.norm() < (2e-3 if f16 else 1e-4), (m, n, k, tiling)
 
 
 def test_quality_agreement_counts_exact_answers_and_the_agreeing_prefix():

@@ -40,7 +40,7 @@ def tier_engine(model, gib=0.01, **kw):
 
 
 def test_the_setting():
-    assert EngineConfig().kv_offloading_size == 0                  # off until measured as a gain on a GPU
+    assert EngineConfig().kv_offloading_size == -1                 # sized from host memory on a GPU, off on the CPU
     with pytest.raises(ConfigError, match="kv_offloading_size"):
         EngineConfig(kv_offloading_size=-2)
     assert tier_bytes(0.5, on_gpu=False) == 1 << 29                  # explicit: on the CPU too
@@ -174,6 +174,29 @@ def test_host_memory_grows_by_chunks_up_to_the_capacity(monkeypatch):
     tier.check()
     for b, key in zip([3, 4, 5, 6, 7], [30, 40, 50, 60, 70]):
         assert torch.equal(tier.read(key), pool.kv[:, :, b].view(torch.uint8))
+
+
+def test_a_tier_that_grows_while_idle_holds_only_what_its_chunks_hold(monkeypatch):
+    """A GPU's pinned tier: one chunk when made, the others only from `grow` (the worker calls
+    it while it has nothing to run), never from a save inside a step."""
+    from qmigrate.engine.kv import host_tier
+    pool = BlockPool(1, 1, 1, 8, 2, torch.float32, torch.device("cpu"))
+    monkeypatch.setattr(host_tier, "PINNED_CHUNK_BYTES", 2 * tier_block_bytes(pool))
+    tier = HostTier(pool.kv, 5 * tier_block_bytes(pool), pin=False, grows_idle=True)
+    assert tier.allocated() == 2 and tier.capacity == 5
+    tier.save(pool.kv, [1, 2, 3], [10, 20, 30])        # the last two fit; no chunk added
+    assert tier.allocated() == 2 and 10 not in tier and 20 in tier and 30 in tier
+    tier.save(pool.kv, [4], [40])                      # the LRU (20) makes room
+    assert 20 not in tier and [len(c) for c in tier.chunks] == [2]
+    tier.check()
+    assert tier.grow() and tier.grow() and not tier.grow()
+    assert [len(c) for c in tier.chunks] == [2, 2, 1] and tier.allocated() == 5
+    tier.save(pool.kv, [5, 6, 7], [50, 60, 70])
+    assert len(tier) == 5 and {30, 40, 50, 60, 70} <= set(tier.slots)
+    for b, key in zip([5, 6, 7], [50, 60, 70]):
+        assert torch.equal(tier.read(key), pool.kv[:, :, b].view(torch.uint8))
+    tier.check()
+    assert not HostTier(pool.kv, 5 * tier_block_bytes(pool)).grow()   # grows as it fills instead
 
 
 def test_tier_lru_and_events():

@@ -63,3 +63,22 @@ def test_engine_with_a_host_tier_on_cuda_matches_generate_in_fp32(tiny_model_dir
         assert out == greedy(prompt, 6), sid
     assert engine.pool.tier.num_hits > 0
     engine.pool.check()
+
+
+def test_a_gpu_engine_has_a_pinned_tier_by_default(tiny_model_dir):
+    from qmigrate.engine.engine import Engine
+    from qmigrate.engine.kv.host_tier import available_ram
+    from qmigrate.hub.loading import load_model
+    model, _ = load_model(tiny_model_dir, "cuda:0", "float32")
+    ram = available_ram()
+    engine = Engine(model, runner="hf", max_model_len=128, max_kv_tokens=128)
+    tier = engine.pool.tier
+    assert tier is not None and tier.pin and tier.chunks[0].is_pinned()
+    held = tier.capacity * tier.block_bytes
+    assert 0 < held <= min(ram / 4 / torch.cuda.device_count(), 64 << 30)
+    assert "allocated while idle" in engine.describe()
+    first = tier.allocated()
+    assert first < tier.capacity and engine.grow_tier() and tier.allocated() > first
+    assert tier.chunks[-1].is_pinned()
+    tier.check()
+    assert Engine(model, runner="hf", max_model_len=128, max_kv_tokens=128, kv_offloading_size=0).pool.tier is None

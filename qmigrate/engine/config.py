@@ -37,9 +37,10 @@ class EngineConfig(Section):
     enable_prefix_caching: bool = rules.setting(True, rules.boolean)
     # GiB of host memory for the KV tier (vLLM's kv_offloading_size): cached blocks the pool
     # evicts are kept there and copied back on a hit instead of prefilled (engine/kv/host_tier.py).
-    # 0: off; -1: sized from host memory on a GPU (min(available RAM / 4 / GPUs here, 64 GiB)),
-    # off on the CPU, whose pool is host memory already; a positive size applies on the CPU too.
-    kv_offloading_size: float = rules.setting(0.0, rules.number("a number of GiB >= 0, or -1 (sized from host memory)",
+    # -1 (the default): sized from host memory on a GPU (min(available RAM / 4 / GPUs here,
+    # 64 GiB)) and page-locked while the worker idles, off on the CPU, whose pool is host
+    # memory already; 0: off; a positive size applies on the CPU too.
+    kv_offloading_size: float = rules.setting(-1.0, rules.number("a number of GiB >= 0, or -1 (sized from host memory)",
                                                                 lambda x: x >= 0 or x == -1))
     # decode steps read a prefix that rows share (the same cached blocks) once per group of
     # rows, not once per row (fast runner; engine/kernels/shared_prefix.py)

@@ -113,7 +113,8 @@ class Engine:
     def describe(self) -> str:
         p = self.pool
         ranks = "" if self.tp is None else f", tensor parallel over {self.tp.world} ranks (pool per rank)"
-        tier = "" if p.tier is None else f", host tier of {p.tier.capacity * p.tier.block_bytes / 2**30:.2f} GiB"
+        tier = "" if p.tier is None else (f", host tier of {p.tier.capacity * p.tier.block_bytes / 2**30:.2f} GiB"
+                                          + (" (allocated while idle)" if p.tier.grows_idle else ""))
         return (f"{self.runner.name} runner ({self.runner_reason}{ranks}), KV pool of {p.capacity_tokens:,} tokens "
                 f"({p.num_blocks - 1:,} blocks of {p.block_size}, {str(p.dtype).removeprefix('torch.')}, "
                 f"{p.kv.numel() * p.kv.element_size() / 2**30:.2f} GiB){tier}")
@@ -179,6 +180,11 @@ class Engine:
     def take_prefix_events(self) -> list[int]:
         """Keys of blocks cached (key) and evicted (~key) since the last call."""
         return self.pool.prefix.take_events()
+
+    def grow_tier(self) -> bool:
+        """Page-lock one more chunk of the host tier (`HostTier.grow`), for a worker with nothing
+        to run; False when there is no tier or it is whole."""
+        return self.pool.tier is not None and self.pool.tier.grow()
 
     def take_tier_events(self) -> list[int]:
         """Keys of blocks the host tier took (key) and dropped (~key) since the last call."""

@@ -115,7 +115,7 @@ def product(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, b
         if x.stride(1) != 1:
             x = x.contiguous()
         return w8_matmul(x, weight, weight_scale, bias, how.block_n, how.block_k, how.split_k, how.num_warps,
-                         how.num_stages, how.swap)
+                         how.num_stages, how.swap, how.f16)
     xq, xs = quantize_rows(x)
     out = torch._scaled_mm(xq, weight.t(), scale_a=xs, scale_b=weight_scale.view(1, -1), out_dtype=x.dtype)
     return out if bias is None else out + bias

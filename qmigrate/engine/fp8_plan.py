@@ -2,7 +2,10 @@
 
 Up to 64 rows a step is bound by reading the weights, and the right tiles depend on the
 shape: a 4096-wide projection needs its k cut (split-K) to give every multiprocessor work, a
-28672-wide one does not. So when a model's projections are quantized (`fp8_tune.tune`), each distinct
+28672-wide one does not. From 2 to 16 rows the tensor cores multiplying in fp16 win (Hopper
+converts e4m3 to fp16 two values an instruction, to bf16 in several steps): on an H200, a
+Llama-3.1-8B layer's four projections at 16 rows took 84.5 us against 97.0 in the bf16 form.
+So when a model's projections are quantized (`fp8_tune.tune`), each distinct
 weight shape is timed on the device at 1, 16 and 64 rows with a few candidate tilings of the
 weight-read kernel (kernels/fp8_gemm.py), and at 64 rows against per-token quantization with
 `torch._scaled_mm`; the fastest is kept for the rows of its bucket (1; 2-16; 17-64). Each
@@ -34,10 +37,11 @@ class W8:
     num_warps: int = 4
     num_stages: int = 3
     swap: bool = False      # the product as (w @ x.T).T (kernels/fp8_gemm.py)
+    f16: bool = False       # the tensor cores multiply in fp16, one row included (kernels/fp8_gemm.py)
 
     def __str__(self) -> str:
         return (f"w8 {self.block_n}x{self.block_k} split {self.split_k} w{self.num_warps} s{self.num_stages}"
-                + (" swap" if self.swap else ""))
+                + (" swap" if self.swap else "") + (" f16" if self.f16 else ""))
 
 
 SCALED_MM = None            # the choice of per-token quantization and torch._scaled_mm
@@ -45,8 +49,10 @@ SCALED_MM = None            # the choice of per-token quantization and torch._sc
 CANDIDATES = {
     1: (W8(16, 512, 1), W8(32, 512, 1), W8(16, 512, 2), W8(32, 512, 2), W8(64, 256, 1, 8), W8(16, 256, 4),
         W8(32, 1024, 1, 8), W8(16, 1024, 2, 8)),
-    16: (W8(16, 256, 1), W8(32, 256, 1), W8(16, 256, 2), W8(32, 256, 2), W8(64, 128, 1), W8(16, 128, 4),
-         W8(32, 128, 4), W8(64, 128, 1, swap=True), W8(64, 128, 4, swap=True), W8(128, 128, 2, 8, swap=True)),
+    16: (W8(32, 256, 1), W8(32, 256, 2), W8(32, 128, 4), W8(64, 128, 4, swap=True),
+         W8(64, 128, 4, swap=True, f16=True), W8(32, 256, 1, 4, 4, swap=True, f16=True),
+         W8(64, 256, 2, 4, 4, swap=True, f16=True), W8(32, 256, 4, 4, 4, swap=True, f16=True),
+         W8(128, 128, 1, 8, swap=True, f16=True)),
     64: (W8(32, 128, 1), W8(64, 128, 1), W8(32, 128, 2), W8(64, 64, 2), W8(64, 128, 1, swap=True),
          W8(64, 128, 4, swap=True), W8(128, 64, 2, 8, swap=True), W8(128, 128, 1, 8, swap=True), SCALED_MM),
 }

@@ -28,7 +28,7 @@ def tune(groups: dict[tuple[int, int], list[tuple[torch.Tensor, torch.Tensor]]],
             best, best_us = None, float("inf")
             for cand in CANDIDATES[b]:
                 try:
-                    if cand is not SCALED_MM and (err := _error(x, *weights[0], cand)) > MAX_ERROR:
+                    if cand is not SCALED_MM and (err := tiling_error(x, *weights[0], cand)) > MAX_ERROR:
                         log.warning("fp8 tune: %s at %d rows of [%d, %d] is %.3g off the reference: not used",
                                     cand, b, n, k, err)
                         continue
@@ -47,7 +47,7 @@ def tune(groups: dict[tuple[int, int], list[tuple[torch.Tensor, torch.Tensor]]],
     return made
 
 
-def _error(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, how: W8, cols: int = 256) -> float:
+def tiling_error(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, how: W8, cols: int = 256) -> float:
     """How far a tiling's product is from the weight-only reference in fp32 (relative norm),
     over the first `cols` columns: a tiling this compiler gets wrong is never chosen."""
     cols = min(cols, weight.shape[0])

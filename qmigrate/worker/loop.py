@@ -42,6 +42,9 @@ KV_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": to
 STARTUP_TIMEOUT_S = 60.0
 HELLO_RESEND_S = 2.0
 NVML_EVERY_S = 5.0  # how often NVML is asked what this process holds on its GPU
+# A GPU worker's host tier is page-locked a chunk at a time (engine/kv/host_tier.py) once the
+# worker has had no lease for this long: never between a busy run's leases.
+GROW_TIER_IDLE_S = 0.5
 
 
 class Worker:
@@ -84,6 +87,7 @@ class Worker:
         self.deferred: deque = deque()  # router messages that came during a multi-step lease
         self.outbox = KVOutbox()
         self.busy_s = self.idle_s = 0.0
+        self.last_busy = time.monotonic()
         self.num_kv_imported_sent = 0
         self.gpu_memory = None  # this process's memory on its GPU as NVML reports it
         self.nvml_at, self.nvml_bytes = -NVML_EVERY_S, 0
@@ -145,18 +149,27 @@ class Worker:
         self.poller.register(self.kv_in, zmq.POLLIN)
         while True:
             now = time.monotonic()
+            idle_s = self.idle_since(now)
             self.ask(now)
             action, arg = self.leases.next_action(now, self.core.awaited_transfers)
             if action == START:
                 self.start_lease(arg)
             elif action == FINISH:
                 self.finish_lease(arg)
+            elif idle_s >= GROW_TIER_IDLE_S and self.core.engine.grow_tier():
+                arg = 0.0      # idle a while: the host tier took a chunk; look at the sockets and go on
             if self.receive(arg if action == WAIT else 0.0):
                 while self.leases.on_device:
                     self.finish_lease(self.leases.on_device[0].handle)
                 self.close()
                 return
             self.keep_alive()
+
+    def idle_since(self, now: float) -> float:
+        """Seconds since this worker last had a lease queued or on the device (0 while it has)."""
+        if self.leases.queued or self.leases.on_device:
+            self.last_busy = now
+        return now - self.last_busy
 
     def ask(self, now: float) -> None:
         """Ask for the batches missing from those in flight (Leases.requests)."""

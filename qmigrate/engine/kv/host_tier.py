@@ -7,10 +7,12 @@ GPU blocks instead of being prefilled. The tier has its own LRU and a fixed capa
 blocks; when full, its least recently used block is dropped.
 
 Blocks are raw bytes: the pool is viewed as uint8, so the tier holds blocks of any KV dtype
-unchanged. Host memory is allocated in chunks: on a GPU all of it, page-locked, when the tier is
-made (page-locking takes the driver for tens of milliseconds a chunk, which must not fall inside
-steps: it did, and made a capped multi-turn run slower with the tier than without); on the CPU as
-the tier fills.
+unchanged. Host memory is allocated in chunks. On the CPU they are added as the tier fills. On
+a GPU they are page-locked, which must not fall inside steps (it did, and made a capped
+multi-turn run slower with the tier than without) nor hold up a start (on an H200, 30 GiB took
+16.8 s to page-lock, doubling the benchmark model's `serve` start): the first chunk is pinned
+when the tier is made, and the rest one chunk at a time once the worker has had no lease for
+a while (`grow`; worker/loop.py's GROW_TIER_IDLE_S; about 50 ms a chunk there). Until then the tier holds what its pinned chunks hold.
 
 On a GPU no copy stalls a step: evicted blocks are gathered on the current stream (a device
 copy, ordered before any step that writes them again) and copied to host on a stream of the
@@ -36,12 +38,15 @@ from qmigrate.engine.kv.prefix_cache import EventLog
 log = logging.getLogger(__name__)
 
 CHUNK_BYTES = 256 << 20     # host memory is allocated in pieces of this size as the tier fills
+PINNED_CHUNK_BYTES = 64 << 20   # on a GPU: a piece page-locked between steps while idle
 
 
 class HostTier:
-    def __init__(self, pool_kv: torch.Tensor, capacity_bytes: int, pin: bool | None = None):
+    def __init__(self, pool_kv: torch.Tensor, capacity_bytes: int, pin: bool | None = None,
+                 grows_idle: bool | None = None):
         """`pool_kv`: the pool's [layers, 2, blocks, block_size, heads, head_dim] tensor;
-        `pin`: page-locked host memory (default: when the pool is on a GPU)."""
+        `pin`: page-locked host memory (default: when the pool is on a GPU); `grows_idle`: chunks
+        after the first are added only by `grow` (default: when pinned)."""
         raw = _bytes_view(pool_kv)
         self.block_shape = (raw.shape[0], raw.shape[1], *raw.shape[3:])
         self.block_bytes = int(np.prod(self.block_shape))
@@ -50,8 +55,11 @@ class HostTier:
             raise ValueError(f"kv_offloading_size: {capacity_bytes} bytes hold no KV block of {self.block_bytes}")
         self.on_device = pool_kv.is_cuda
         self.pin = self.on_device if pin is None else pin
-        self.chunk_blocks = max(1, min(self.capacity, CHUNK_BYTES // self.block_bytes))
+        self.grows_idle = self.pin if grows_idle is None else grows_idle
+        chunk = PINNED_CHUNK_BYTES if self.grows_idle else CHUNK_BYTES
+        self.chunk_blocks = max(1, min(self.capacity, chunk // self.block_bytes))
         self.chunks: list[torch.Tensor] = []
+        self.allocated_blocks = 0
         self.slots: OrderedDict[int, int] = OrderedDict()   # key -> slot, least recently used first
         self.free: list[int] = []
         self.landing: dict[int, object] = {}                # slot -> CUDA event of its copy in flight
@@ -60,12 +68,9 @@ class HostTier:
         self.num_hits = 0          # blocks copied back for a prompt
         self.bytes_in = 0          # copied into this tier
         self.bytes_out = 0         # copied back to the pool
-        if self.pin:
-            started = time.perf_counter()
-            while sum(len(c) for c in self.chunks) < self.capacity:
-                self._add_chunk()
-            log.info("host KV tier: %d blocks (%.1f GiB) page-locked in %.1f s", self.capacity,
-                     self.capacity * self.block_bytes / 2**30, time.perf_counter() - started)
+        self.pin_s = 0.0           # seconds spent in `grow` so far
+        if self.grows_idle:
+            self.grow()
 
     # --- looking up -------------------------------------------------------------------------
     def __len__(self) -> int:
@@ -85,7 +90,9 @@ class HostTier:
         key held already is only touched."""
         new = [(b, k) for b, k in zip(blocks, keys) if k not in self.slots]
         self.touch([k for k in keys if k in self.slots])
-        new = new[-self.capacity:]   # more than fit: the last ones (the eviction order puts parents later)
+        # more than fit: the last ones (the eviction order puts parents later)
+        room = self.allocated() if self.grows_idle else self.capacity
+        new = new[max(0, len(new) - room):]
         if not new:
             return
         slots = [self._slot() for _ in new]
@@ -114,9 +121,10 @@ class HostTier:
         self.bytes_in += len(new) * self.block_bytes
 
     def _slot(self) -> int:
-        """A free slot: a new chunk's while the tier is below capacity, else the LRU key's."""
+        """A free slot: on the CPU a new chunk's while the tier is below capacity, else the LRU
+        key's (a tier that grows while idle grows only in `grow`)."""
         if not self.free:
-            if sum(len(c) for c in self.chunks) < self.capacity:
+            if not self.grows_idle and self.allocated() < self.capacity:
                 self._add_chunk()
             else:
                 key, slot = self.slots.popitem(last=False)
@@ -124,14 +132,32 @@ class HostTier:
                 return slot
         return self.free.pop()
 
+    def allocated(self) -> int:
+        """Blocks of host memory allocated so far."""
+        return self.allocated_blocks
+
+    def grow(self) -> bool:
+        """Page-lock one more chunk of a tier that grows while idle, below its capacity (called
+        while the worker has nothing to run); False when there is nothing to do."""
+        if not self.grows_idle or self.allocated() >= self.capacity:
+            return False
+        started = time.perf_counter()
+        self._add_chunk()
+        self.pin_s += time.perf_counter() - started
+        if self.allocated() >= self.capacity and len(self.chunks) > 1:
+            log.info("host KV tier: %d blocks (%.1f GiB) allocated while idle, %.1f s in all", self.capacity,
+                     self.capacity * self.block_bytes / 2**30, self.pin_s)
+        return True
+
     def _add_chunk(self) -> None:
-        allocated = sum(len(c) for c in self.chunks)
+        allocated = self.allocated()
         n = min(self.chunk_blocks, self.capacity - allocated)
         # a tensor of its own, not an inference tensor (a step's evictions come under inference
         # mode, a shipment's outside it: both write into the chunk)
         with torch.inference_mode(False):
             chunk = torch.empty((n, *self.block_shape), dtype=torch.uint8, pin_memory=self.pin)
         self.chunks.append(chunk)
+        self.allocated_blocks += n
         self.free[:0] = range(allocated + n - 1, allocated - 1, -1)   # lower slots are taken first
 
     # --- back to the pool ------------------------------------------------------------------------
@@ -190,6 +216,7 @@ class HostTier:
     def check(self) -> None:
         """Assert the tier's invariants (for tests)."""
         allocated = sum(len(c) for c in self.chunks)
+        assert allocated == self.allocated_blocks
         used = list(self.slots.values())
         assert len(set(used)) == len(used), "two keys share a host slot"
         assert not set(used) & set(self.free) and len(set(self.free)) == len(self.free)
