@@ -192,7 +192,7 @@ def migration(s: Setup, budget: Budget, out: Path, results: dict) -> dict:
 def drain(s: Setup, budget: Budget, out: Path) -> dict:
     a = s.a
     key = "tiny" if s.tiny else "m"
-    point_s = 8.0 if s.tiny else a.drain_point_s
+    point_s = 5.0 if s.tiny else a.drain_point_s
     if not budget.allows("drain", 60 + 2 * point_s + 60):
         return {}
     with Server(s.models[key], out / "serve-drain.log", [*s.serve_flags, *s.model_flags(key)]) as srv:

@@ -19,8 +19,8 @@ from conftest import check_outputs, greedy_tokens_many, reserve_ports
 pytestmark = pytest.mark.timeout(300)
 
 
-@pytest.fixture
-def fleet(tmp_path, tiny_model_dir):
+def _fleet_changes(tmp_path, tiny_model_dir) -> None:
+    """The test below, run beside in-process tests (conftest's `early` lane)."""
     path = tmp_path / "fleet.yaml"
     router = H.fleet_topology(path, tiny_model_dir, 3, reserve_ports(8), late=1, worker={"max_num_seqs": 1}, router={
         "heartbeat_interval_s": 0.2, "heartbeat_timeout_s": 6.0, "lease_timeout_s": 30.0,
@@ -28,8 +28,10 @@ def fleet(tmp_path, tiny_model_dir):
         # sequence to its end, and a worker would never hold several for the drain.
         "rebalance_threshold": 2, "max_lease_steps": 1})
     nodes = H.Nodes(tmp_path)
-    yield path, nodes, router
-    nodes.stop_all()
+    try:
+        _join_drain_and_kill((path, nodes, router), tiny_model_dir)
+    finally:
+        nodes.stop_all()
 
 
 _WAVE = H.prompts(100, "a", n=16, new_tokens=100)
@@ -58,10 +60,15 @@ def _keep_busy_until_w3_joins(path, router, timeout: float = 120.0) -> list[dict
     pytest.fail(f"w3 did not join within {timeout:g} s; last stats {H.stats(router)}")
 
 
-def test_join_drain_and_kill_under_load_lose_nothing(fleet, tiny_model_dir):
+@pytest.mark.early(scenario=_fleet_changes, beside="test_controls.py")   # in-process tests on one core
+def test_join_drain_and_kill_under_load_lose_nothing(early_run):
     """One run of a fleet that changes three times: w3 joins while the others work, w1 is
     drained, and w2 is killed. Prompts arrive on ingest's socket, by `qmigrate feed` and from
     this process, and at the end on the head's stdin, whose end the node then runs to."""
+    early_run.result()   # raises what the scenario's checks raised
+
+
+def _join_drain_and_kill(fleet, tiny_model_dir) -> None:
     path, nodes, router = fleet
     second = H.prompts(12, "b", n=8, new_tokens=80)
     head = nodes.start(path, "head", keep_stdin=True, cold=True)   # started as a user's: its roles' parents below

@@ -4,6 +4,8 @@ moved both ways between world sizes (KV transferred or recomputed), and a migrat
 
 from __future__ import annotations
 
+import contextlib
+
 import io
 import json
 import multiprocessing as mp
@@ -357,6 +359,12 @@ def _title(pid: int) -> str:
 
 @pytest.fixture
 def fleet(tmp_path, tiny_model_dir):
+    with _fleet_of(tmp_path, tiny_model_dir) as start:
+        yield start
+
+
+@contextlib.contextmanager
+def _fleet_of(tmp_path, tiny_model_dir):
     """start(migration, prompts): a node running every role, w1 over 2 ranks and w2 on one;
     once both workers have joined, the prompts are fed to it. stats() reads the router's counters."""
     procs = []
@@ -395,9 +403,11 @@ def fleet(tmp_path, tiny_model_dir):
         threading.Thread(target=feed_lines, args=(f"tcp://127.0.0.1:{ports[2]}", lines, 30.0), daemon=True).start()
         return path, proc, stats
 
-    yield start
-    for proc in procs:
-        stop_group(proc)
+    try:
+        yield start
+    finally:
+        for proc in procs:
+            stop_group(proc)
 
 
 def _stats(router: str) -> dict:
@@ -472,9 +482,20 @@ def test_a_drained_two_rank_worker_moves_its_sequences_to_a_one_rank_worker(migr
     assert _follower_of(proc) is None, "the drained worker's second rank did not exit"
 
 
+def _rank_dies(tmp_path, tiny_model_dir) -> None:
+    """The test below, run beside in-process tests (conftest's `early` lane)."""
+    with _fleet_of(tmp_path, tiny_model_dir) as fleet:
+        _a_rank_dies(fleet, tiny_model_dir)
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_a_rank_that_dies_takes_its_worker_down_and_nothing_is_lost(fleet, tiny_model_dir):
+@pytest.mark.early(scenario=_rank_dies, beside="test_prefix_cache.py")   # in-process tests on one core
+def test_a_rank_that_dies_takes_its_worker_down_and_nothing_is_lost(early_run):
+    early_run.result()   # raises what the scenario's checks raised
+
+
+def _a_rank_dies(fleet, tiny_model_dir) -> None:
     prompts = _prompts()
     _, proc, stats = fleet("auto", prompts)
     _wait_for("w1 to hold unfinished sequences", lambda s: s.get("owned_w1", 0) >= 1 and s.get("live", 0) >= 2, stats)

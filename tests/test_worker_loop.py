@@ -329,3 +329,27 @@ def test_kv_shipments_go_once_their_copy_has_landed_and_in_order():
     last = _Copy()
     box.add(last, lambda: sent.append("last"))
     assert box.flush(wait=True) == 1 and last.waited and sent[-1] == "last"   # leaving: wait for it
+
+
+def test_the_host_tier_grows_only_after_half_a_second_without_a_lease():
+    """A GPU worker page-locks its host tier a piece at a time in its loop, never between a busy
+    run's leases: only once it has had none queued or on the device for GROW_TIER_IDLE_S."""
+    from types import SimpleNamespace
+
+    from qmigrate.worker.loop import GROW_TIER_IDLE_S, Worker
+    grown = []
+    worker = Worker.__new__(Worker)
+    worker.leases = SimpleNamespace(queued=["lease"], on_device=[])
+    worker.core = SimpleNamespace(engine=SimpleNamespace(grow_tier=lambda: grown.append(1) or True))
+    worker.last_busy = 0.0
+    worker.note_busy(100.0)
+    worker.leases.queued = []
+    assert not worker.grow_while_idle(100.0 + GROW_TIER_IDLE_S / 2) and not grown
+    worker.note_busy(100.0 + GROW_TIER_IDLE_S / 2)                  # nothing queued: still idle since 100
+    assert worker.grow_while_idle(100.0 + GROW_TIER_IDLE_S) and grown == [1]
+    worker.leases.on_device = ["lease"]
+    worker.note_busy(101.0)
+    worker.leases.on_device = []
+    assert not worker.grow_while_idle(101.0 + GROW_TIER_IDLE_S / 2) and grown == [1]
+    worker.core.engine.grow_tier = lambda: False                    # the tier is whole, or there is none
+    assert not worker.grow_while_idle(103.0)

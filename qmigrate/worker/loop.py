@@ -149,15 +149,15 @@ class Worker:
         self.poller.register(self.kv_in, zmq.POLLIN)
         while True:
             now = time.monotonic()
-            idle_s = self.idle_since(now)
+            self.note_busy(now)
             self.ask(now)
             action, arg = self.leases.next_action(now, self.core.awaited_transfers)
             if action == START:
                 self.start_lease(arg)
             elif action == FINISH:
                 self.finish_lease(arg)
-            elif idle_s >= GROW_TIER_IDLE_S and self.core.engine.grow_tier():
-                arg = 0.0      # idle a while: the host tier took a chunk; look at the sockets and go on
+            elif self.grow_while_idle(now):
+                arg = 0.0      # the host tier took a piece: look at the sockets and go on
             if self.receive(arg if action == WAIT else 0.0):
                 while self.leases.on_device:
                     self.finish_lease(self.leases.on_device[0].handle)
@@ -165,11 +165,15 @@ class Worker:
                 return
             self.keep_alive()
 
-    def idle_since(self, now: float) -> float:
-        """Seconds since this worker last had a lease queued or on the device (0 while it has)."""
+    def note_busy(self, now: float) -> None:
+        """Mark `now` as busy if a lease is queued or on the device."""
         if self.leases.queued or self.leases.on_device:
             self.last_busy = now
-        return now - self.last_busy
+
+    def grow_while_idle(self, now: float) -> bool:
+        """Page-lock one more piece of the host tier once this worker has had no lease for
+        GROW_TIER_IDLE_S (engine/kv/host_tier.py); True when it did."""
+        return now - self.last_busy >= GROW_TIER_IDLE_S and self.core.engine.grow_tier()
 
     def ask(self, now: float) -> None:
         """Ask for the batches missing from those in flight (Leases.requests)."""
