@@ -100,8 +100,10 @@ def test_the_table_names_every_figure_and_what_was_skipped():
     assert "skipped: drain" in text
 
 
-def _drain_part(tmp_path, tiny_model_dir) -> None:
-    """The test below, run beside in-process tests (conftest's `early` lane)."""
+@pytest.mark.timeout(600)   # two servers' worth of CPU work on a shared machine
+def test_the_drain_part_end_to_end_on_the_cpu(tmp_path, tiny_model_dir):
+    """Two CPU workers of the tiny model under load, one drained mid-run: nothing lost or
+    repeated, the drain moved sequences, and the figures came out."""
     import shutil
     out = tmp_path / "out"
     # the driver's tiny model, the session's (the same build: the driver finds it made)
@@ -122,14 +124,6 @@ def _drain_part(tmp_path, tiny_model_dir) -> None:
     held = int(re.fullmatch(r"draining w2: (\d+) sequences? to move", result["router_said"]).group(1))
     assert result["run"]["migrations"].get("drain", 0) > 0 or held == 0, result["router_said"]
     assert result["max_pause_s"] is not None and "drain w2 of 2" in stdout
-
-
-@pytest.mark.timeout(600)   # two servers' worth of CPU work on a shared machine
-@pytest.mark.early(scenario=_drain_part, beside="test_scheduler.py")   # in-process tests on one core
-def test_the_drain_part_end_to_end_on_the_cpu(early_run):
-    """Two CPU workers of the tiny model under load, one drained mid-run: nothing lost or
-    repeated, the drain moved sequences, and the figures came out."""
-    early_run.result()   # raises what the scenario's checks raised
 
 
 @pytest.mark.parametrize("argv, says", [
