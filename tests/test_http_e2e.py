@@ -85,17 +85,28 @@ def test_64_concurrent_streaming_clients_all_complete(node, expected):
 
 
 def test_a_client_that_closes_mid_stream_frees_its_sequence(node):
-    before = node.stats().get("cancelled", 0)
-    stream = node.client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=500, stream=True)
-    next(iter(stream))  # generating now; 500 tokens take far longer than the test waits
-    stream.close()
-    deadline = time.monotonic() + 20
-    while time.monotonic() < deadline:
-        stats = node.stats()
-        if stats.get("cancelled", 0) > before and stats["live"] == 0:
+    """The closed stream's sequence is cancelled. The tiny model can write its 500 tokens in a
+    few seconds; on a loaded machine the close may reach the router after that, and the
+    sequence then finishes instead: that race is tried again, up to three times."""
+    tries = []
+    for _ in range(3):
+        before = node.stats()
+        stream = node.client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=500, stream=True)
+        next(iter(stream))  # generating now
+        stream.close()
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            stats = node.stats()
+            if stats["live"] == 0 and (stats.get("cancelled", 0) > before.get("cancelled", 0)
+                                       or stats.get("finished", 0) > before.get("finished", 0)):
+                break
+            time.sleep(0.05)
+        cancelled = stats.get("cancelled", 0) - before.get("cancelled", 0)
+        finished = stats.get("finished", 0) - before.get("finished", 0)
+        tries.append((cancelled, finished, stats["live"]))
+        if cancelled or not finished:
             break
-        time.sleep(0.05)
-    assert stats.get("cancelled", 0) == before + 1 and stats["live"] == 0, stats
+    assert tries[-1] == (1, 0, 0), f"(cancelled, finished, live) per try: {tries}; last stats {stats}"
 
 
 def test_bad_input_gets_4xx_and_the_server_keeps_serving(node):
