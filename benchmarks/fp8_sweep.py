@@ -56,9 +56,9 @@ def main() -> None:
                     print(f"  {name} at {m} rows: {how}: {str(exc).splitlines()[0][:100]}")
             rows.sort()
             plain = min(r for r in rows if " f16" not in r[1])
-            print(f"{name} m={m}: bf16 {base:.1f} us ({n * k * 2 / base / 1e3:.0f} GB/s); fastest {rows[0][1]} "
-                  f"{rows[0][0]:.1f} us ({n * k / rows[0][0] / 1e3:.0f} GB/s); without f16 {plain[1]} {plain[0]:.1f} us",
-                  flush=True)
+            print(f"{name} m={m}: bf16 {base:.1f} us ({n * k * 2 / base / 1e3:.0f} GB/s); "
+                  f"fastest {rows[0][1]} {rows[0][0]:.1f} us ({n * k / rows[0][0] / 1e3:.0f} GB/s); "
+                  f"without f16 {plain[1]} {plain[0]:.1f} us", flush=True)
             for us, how in rows[:6]:
                 print(f"    {how:40s} {us:7.1f}")
             for i, us in enumerate((base, rows[0][0], plain[0])):

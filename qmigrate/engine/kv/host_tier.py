@@ -12,7 +12,8 @@ a GPU they are page-locked, which must not fall inside steps (it did, and made a
 multi-turn run slower with the tier than without) nor hold up a start (on an H200, 30 GiB took
 16.8 s to page-lock, doubling the benchmark model's `serve` start): the first chunk is pinned
 when the tier is made, and the rest one chunk at a time once the worker has had no lease for
-a while (`grow`; worker/loop.py's GROW_TIER_IDLE_S; about 50 ms a chunk there). Until then the tier holds what its pinned chunks hold.
+a while (`grow`; worker/loop.py's GROW_TIER_IDLE_S; about 50 ms a chunk there). Until then
+the tier holds what its pinned chunks hold.
 
 On a GPU no copy stalls a step: evicted blocks are gathered on the current stream (a device
 copy, ordered before any step that writes them again) and copied to host on a stream of the
