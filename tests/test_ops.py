@@ -65,7 +65,7 @@ def test_a_drain_says_how_many_sequences_it_moves(router):
 
 
 def test_requests_waiting_with_no_worker_are_said_once(router, caplog):
-    from qmigrate.router.loop import STRANDED_NOTICE_S
+    from qmigrate.router.stranded import STRANDED_NOTICE_S
     router.on_submit(b"ingest", P.Submit([P.SeqSpec(1, P.pack_i32([1, 5, 6]), 3, 4)]))
     with caplog.at_level(logging.WARNING, logger="qmigrate.router"):
         for t in (0.0, 1.0, STRANDED_NOTICE_S + 0.5, STRANDED_NOTICE_S + 10):

@@ -21,6 +21,7 @@ from qmigrate.router.output import Output
 from qmigrate.router.messages import is_vram_entry, kept_rows, kv_bytes_per_token, lease_of, worker_state
 from qmigrate.router.scheduler import Scheduler
 from qmigrate.router.stats import stats_counters
+from qmigrate.router.stranded import StrandedNotice
 from qmigrate.wire.security import Guard
 from qmigrate.hub.model_facts import migration_costs
 from qmigrate.ops import logs
@@ -32,7 +33,6 @@ log = logging.getLogger("qmigrate.router")
 POLL_S = 0.02
 MAX_BURST = 512
 METRICS_INTERVAL_S = 1.0
-STRANDED_NOTICE_S = 5.0  # requests waiting this long with no worker get one line on stderr
 FORWARDED_AS_SENT = (P.Tokens, P.Cancel)  # their handlers forward the received frame itself
 
 
@@ -67,8 +67,7 @@ class Router:
         self.observer = FleetObserver()
         self.errors: Counter[str] = Counter()
         self.metrics = None
-        self.stranded_since: float | None = None
-        self.told_stranded = False
+        self.stranded = StrandedNotice()
         self.turn = 0   # which waiting worker serve_parked asks first
         if rc.metrics_port:
             from qmigrate.ops.metrics import RouterMetrics, serve
@@ -382,16 +381,10 @@ class Router:
     # --- periodic ------------------------------------------------------------------------
     def notice_stranded(self, now: float) -> None:
         """Say once, not in silence, when requests wait and no worker can take them."""
-        if not self.sched.seqs or any(w.alive and not w.draining for w in self.sched.workers.values()):
-            self.stranded_since, self.told_stranded = None, False
-            return
-        if self.stranded_since is None:
-            self.stranded_since = now
-        elif not self.told_stranded and now - self.stranded_since >= STRANDED_NOTICE_S:
-            why = "every worker has left" if self.sched.workers else "no worker has joined"
-            log.warning("%d requests are waiting and %s; they run when a worker joins",
-                        len(self.sched.seqs), why)
-            self.told_stranded = True
+        workers = self.sched.workers.values()
+        up = any(w.alive and not w.draining for w in workers)
+        if (line := self.stranded.check(len(self.sched.seqs), up, bool(workers), now)) is not None:
+            log.warning("%s", line)
 
     def serve_parked(self, now: float) -> None:
         """Answer waiting requests, one lease per worker per round, rotating who goes first."""

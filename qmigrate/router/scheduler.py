@@ -20,6 +20,7 @@ from __future__ import annotations
 from collections import Counter, OrderedDict, deque
 
 from qmigrate.config import RouterConfig
+from qmigrate.router.gpu_memory import GpuMemory
 from qmigrate.router.leasing import Lessor
 from qmigrate.router.records import (
     Grant,
@@ -38,7 +39,6 @@ from qmigrate.wire.protocol import Finish, SeqSpec
 __all__ = ["Grant", "Outcome", "Row", "Scheduler", "Seq", "WorkerState",
            "choose_mechanism"]
 
-MAX_GPUS = 4096  # GPUs whose last memory report is kept
 MAX_CANCELLED = 1 << 14  # cancelled sequences whose late tokens are recognised
 MAX_LAPSED = 1 << 14     # sequences whose leases ended without a result, for the same
 
@@ -55,7 +55,7 @@ class Scheduler:
         self.leases: dict[int, LeaseRecord] = {}
         self.counters: Counter[str] = Counter()
         self.lost: list[tuple[str, str, int]] = []  # (worker, why, sequences it held) to log
-        self.vram: dict[str, tuple[int, int]] = {}  # GPU uuid -> (total, free) bytes, as last reported
+        self.vram = GpuMemory(self.workers)   # the monitors' reports
         self.prefix = PrefixIndex()
         self.cache_hits: Counter[str] = Counter()     # per worker: prompt tokens admitted, found cached
         self.cache_queries: Counter[str] = Counter()
@@ -146,12 +146,8 @@ class Scheduler:
             w.alive = False
 
     def set_vram(self, gpu_uuid: str, total: int, free: int, now: float = 0.0) -> None:
-        """A monitor's report of one GPU, in bytes. The watermarks compare the free share of
-        the memory the fleet's own workers do not hold on that GPU: their KV pools, weights
-        and graphs are theirs by design, and only what other processes take is pressure."""
-        if gpu_uuid not in self.vram and len(self.vram) >= MAX_GPUS:
-            self.vram.pop(next(iter(self.vram)))
-        self.vram[gpu_uuid] = (total, free)
+        """A monitor's report of one GPU, in bytes (gpu_memory.py: what the watermarks compare)."""
+        self.vram.report(gpu_uuid, total, free)
         self._apply_vram(gpu_uuid, now)
 
     def set_held(self, name: str, held_bytes: int, now: float = 0.0) -> None:
@@ -163,12 +159,7 @@ class Scheduler:
 
     def free_vram_fraction(self, gpu_uuid: str) -> float | None:
         """Free memory over the memory the fleet does not hold, on that GPU; None: no report."""
-        if (report := self.vram.get(gpu_uuid)) is None:
-            return None
-        total, free = report
-        held = sum(w.held_bytes for w in self.workers.values() if w.alive and w.gpu_uuid == gpu_uuid)
-        others = total - held  # free memory plus what other processes hold
-        return 1.0 if others <= 0 else min(1.0, max(0.0, free / others))
+        return self.vram.free_fraction(gpu_uuid)
 
     def _apply_vram(self, gpu_uuid: str, now: float) -> None:
         if gpu_uuid and (fraction := self.free_vram_fraction(gpu_uuid)) is not None:
