@@ -406,3 +406,45 @@ def test_masks_of_many_rows_equal_each_row_alone_without_the_torch_helpers(tiny)
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=100)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == "False"
+
+
+def test_a_job_on_the_tables_thread_gives_the_masks_of_one_done_in_place(tiny):
+    """The tokens of a collected step taken and the next step's masks filled by a job on the
+    table's thread (`start`) while a sequence of the step is forgotten and the caller reads
+    none of the matchers: the masks and the tokens each matcher has taken are those of the
+    same work done in place (`masks`), and the interpreter's switch interval is back to what it
+    was once the job is finished."""
+    import sys
+    import torch
+    from qmigrate.engine.grammar import GrammarTable
+    _, model, tokenizer, eos_ids = tiny
+    vocab = model.config.vocab_size
+    grammar = _parse(tiny, response_format=RESPONSE_FORMAT).grammar
+    texts = ['{"name": "ab', '{"name": "abc", "count": 1', '{', '{"name": "a", "count": 12, "ok": tr']
+    ids = [tokenizer.encode(t, add_special_tokens=False) for t in texts]
+    nexts = [tokenizer.encode(t, add_special_tokens=False)[0] for t in ('c', ',', '"', 'ue')]
+
+    def table():
+        t = GrammarTable(vocab, torch.device("cpu"))
+        t.compiler = grammars.Compiler(lambda: tokenizer, vocab, 60.0)
+        for s, generated in enumerate(ids):
+            assert t.set(s, t.matcher(grammar, eos_ids), eos_ids, generated)
+        return t
+
+    seqs, before = list(range(len(ids))), [len(g) for g in ids]
+    noted = (seqs, before, nexts, frozenset())
+    in_place = table()
+    _, expected = in_place.masks(seqs, [i + 1 for i in before], noted)
+    switch = sys.getswitchinterval()
+    threaded = table()
+    job = threaded.start(seqs, [i + 1 for i in before], noted)
+    assert job.future is not None   # on the thread
+    threaded.forget(2)              # a sequence that ended with the collected step
+    rows, bits = threaded.finish(job)
+    assert rows.tolist() == seqs
+    assert torch.equal(bits, expected)
+    assert [threaded.matchers[s][1] for s in (0, 1, 3)] == [in_place.matchers[s][1] for s in (0, 1, 3)] \
+        == [before[s] + 1 for s in (0, 1, 3)]
+    assert sys.getswitchinterval() == switch
+    later = threaded.start([0], [before[0] + 1])   # the next use finds the table as `masks` left it
+    assert torch.equal(threaded.finish(later)[1][0], expected[0])
