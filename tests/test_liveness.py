@@ -13,12 +13,12 @@ in-process tests of test_families (conftest's `early` marker), and this test che
 from __future__ import annotations
 
 import subprocess
-import sys
 import time
 
 import pytest
 
 import helpers as H
+import warm
 from conftest import check_outputs, reserve_ports, stop_group
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
@@ -74,9 +74,9 @@ def _long_step_stopped_and_stuck(tmp_path, tiny_model_dir) -> tuple[str, list[di
         "lease_timeout_s": LEASE_TIMEOUT_S})
     nodes = H.Nodes(tmp_path)
     worker_err = open(tmp_path / "w1.err", "a+")
-    worker = subprocess.Popen([sys.executable, "-c", _WORKER, str(path), str(tmp_path / "hold"), str(tmp_path / "release")],
-                              stdin=subprocess.DEVNULL, stdout=worker_err, stderr=worker_err, text=True,
-                              start_new_session=True)
+    worker = warm.popen_python(["-c", _WORKER, str(path), str(tmp_path / "hold"), str(tmp_path / "release")],
+                               stdin=subprocess.DEVNULL, stdout=worker_err, stderr=worker_err, text=True,
+                               start_new_session=True)
     try:
         head = nodes.start(path, "head")
         H.wait_for("w1 to join", lambda s: s.get("workers") == 1, router)

@@ -6,8 +6,10 @@ so it keeps one process per test session, the mother (this file run as a script)
 made those imports once. `popen` asks the mother to fork a `qmigrate` command with the
 caller's stdin, stdout, stderr, environment and working directory; the command then runs as
 `python -m qmigrate ...` would, and a node's zygote is a fork of the node itself (it holds the
-imports already). What the caller gets is a child of the mother, not of the test process:
-`WarmProcess` shows it with what tests use of subprocess.Popen, the mother telling its end.
+imports already). `popen_python` does the same for a test's own script (`python SCRIPT ...`
+or `python -c PROGRAM ...`) that runs qmigrate's roles with a part replaced. What the caller
+gets is a child of the mother, not of the test process: `WarmProcess` shows it with what
+tests use of subprocess.Popen, the mother telling its end.
 
 A command whose environment differs from the mother's in a variable read at import
 (`_READ_AT_IMPORT`), or any command while QMIGRATE_TEST_COLD is set, starts as a process of its
@@ -114,12 +116,24 @@ def _command(ask: dict, fds: list[int]) -> None:
     os.environ.update(ask["env"])
     tempfile.tempdir = None   # TMPDIR is read again
     argv = ask["argv"]
-    sys.argv = ["qmigrate", *argv]
+    python = ask.get("python")   # `python *argv`: a script's path or -c and a program first
     try:
         from setproctitle import setproctitle
-        setproctitle(" ".join([sys.executable, "-m", "qmigrate", *argv]))
+        shown = (["-c", *argv[2:]] if argv[0] == "-c" else argv) if python else ["-m", "qmigrate", *argv]
+        setproctitle(" ".join([sys.executable, *shown]))
     except ImportError:
         pass
+    if python:
+        if argv[0] == "-c":
+            sys.argv = ["-c", *argv[2:]]
+            exec(compile(argv[1], "<string>", "exec"), {"__name__": "__main__", "__builtins__": __builtins__})
+        else:
+            import runpy
+            sys.argv = list(argv)
+            sys.path.insert(0, os.path.dirname(os.path.abspath(argv[0])))
+            runpy.run_path(argv[0], run_name="__main__")
+        return
+    sys.argv = ["qmigrate", *argv]
     from qmigrate.cli import app
     app(argv, prog_name="qmigrate")
 
@@ -208,6 +222,20 @@ def popen(args: list[str], *, stdin=None, stdout=None, stderr=None, text: bool =
                        start_new_session=start_new_session)
 
 
+def popen_python(args: list[str], *, stdin=None, stdout=None, stderr=None, text: bool = False,
+                 env: dict | None = None, cwd=None, start_new_session: bool = False):
+    """`python *args` (a script and its arguments, or -c, a program and its arguments) that
+    imports the qmigrate the tests import, started warm where it may be, as `popen` does a
+    command. Cold, it finds that qmigrate through PYTHONPATH (this process's sys.path)."""
+    env = dict(os.environ if env is None else env)
+    if not warm(env):
+        env["PYTHONPATH"] = os.pathsep.join(sys.path)
+        return subprocess.Popen([sys.executable, *args], stdin=stdin, stdout=stdout, stderr=stderr, text=text,
+                                env=env, cwd=cwd, start_new_session=start_new_session)
+    return WarmProcess(args, stdin=stdin, stdout=stdout, stderr=stderr, text=text, env=env, cwd=cwd,
+                       start_new_session=start_new_session, python=True)
+
+
 def _ends(spec, target: int, for_writing_by_child: bool):
     """(the fd the child gets, the caller's end or None, an fd to close here after the fork)."""
     if spec is None:
@@ -226,12 +254,13 @@ def _ends(spec, target: int, for_writing_by_child: bool):
 class WarmProcess(PopenSignals):
     """A command forked by the mother, with what tests use of subprocess.Popen."""
 
-    def __init__(self, args, *, stdin, stdout, stderr, text, env, cwd, start_new_session):
-        self.args = [sys.executable, "-m", "qmigrate", *args]
+    def __init__(self, args, *, stdin, stdout, stderr, text, env, cwd, start_new_session, python=False):
+        self.args = [sys.executable, *([] if python else ["-m", "qmigrate"]), *args]
         self.returncode: int | None = None
         self._text = text
         ends = [_ends(stdin, 0, False), _ends(stdout, 1, True), _ends(stderr, 2, True)]
-        ask = {"argv": list(args), "env": env, "cwd": str(cwd or os.getcwd()), "session": start_new_session}
+        ask = {"argv": list(args), "env": env, "cwd": str(cwd or os.getcwd()), "session": start_new_session,
+               "python": python}
         self._conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             self._conn.connect(MOTHER.address())
