@@ -60,7 +60,7 @@ def _keep_busy_until_w3_joins(path, router, timeout: float = 120.0) -> list[dict
     pytest.fail(f"w3 did not join within {timeout:g} s; last stats {H.stats(router)}")
 
 
-@pytest.mark.early(scenario=_fleet_changes, beside="test_cli.py")   # few CPU-bound tests until test_engine's
+@pytest.mark.early(scenario=_fleet_changes, beside="test_engine.py")   # in-process tests on one core
 def test_join_drain_and_kill_under_load_lose_nothing(early_run):
     """One run of a fleet that changes three times: w3 joins while the others work, w1 is
     drained, and w2 is killed. Prompts arrive on ingest's socket, by `qmigrate feed` and from

@@ -1,7 +1,7 @@
 """The head node (router, ingest, detokenizer) stopped and started again while a worker node
 runs on: the worker says hello to the new router and serves it, and its node never restarts
 it. Two real `qmigrate node` processes on loopback TCP, as services fed by `qmigrate feed`.
-The run is in a thread beside the suite's first files (conftest's `early` marker)."""
+The run is in a thread beside the in-process tests of test_engine (conftest's `early` marker)."""
 
 from __future__ import annotations
 
@@ -83,7 +83,7 @@ def _restarted_head(tmp_path, tiny_model_dir) -> list[tuple[str, list[dict]]]:
             stop_group(proc)
 
 
-@pytest.mark.early(scenario=_restarted_head, beside="test_cli.py")   # after the fleet's, in the lane
+@pytest.mark.early(scenario=_restarted_head, beside="test_engine.py")
 def test_a_restarted_head_node_is_rejoined_by_the_running_workers(early_run, tiny_model_dir):
     for out, prompts in early_run.result():
         check_outputs(out, prompts, tiny_model_dir)

@@ -232,7 +232,7 @@ def _cpu_worlds(tmp_path, tiny_model_dir) -> dict:
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.early(scenario=_cpu_worlds, beside="test_engine.py")   # in-process tests on one core
+@pytest.mark.early(scenario=_cpu_worlds, beside="test_fp8.py")   # in-process tests on one core
 @pytest.mark.parametrize("world", [2, 4])
 def test_sharded_engine_matches_one_rank_and_generate(world, early_run):
     """2 ranks run the Triton kernels where the CPU has the interpreter (a rank's share of the
