@@ -249,11 +249,11 @@ class Engine:
         past the budget runs only its first part, or none of it. Such a row's sequence is in
         `Pending.partial`: its token is no sample (the KV of the part that ran is kept), and a
         later step carries the rest from cached_len on."""
+        self._settle(after)   # its tokens are read on the device from here on
         if after is not None and after.batch is not None and rows and not any(r.new_ids for r in rows):
-            pending = self._continue(rows, after)   # settles `after` just before its forward pass
+            pending = self._continue(rows, after)
             if pending is not None:
                 return pending
-        self._settle(after)   # its tokens are read on the device from here on
         feed = [i for i, r in enumerate(rows) if not r.new_ids]
         if feed and (after is None or not self.runner.can_feed):
             known = dict(zip((r.seq_id for r in after.rows), self.collect(after))) if after else {}
@@ -281,7 +281,7 @@ class Engine:
         batch = StepBatch.build(self.pool, [r.seq_id for r in run], [r.new_ids or [0] for r in run],
                                 [r.start for r in run])
         fed = [k for k, r in enumerate(run) if not r.new_ids]
-        feed = (fed, [after.row_of[run[k].seq_id] for k in fed]) if fed else None
+        feed = (fed, [after.row_of[run[k].seq_id] for k in fed], after.tokens) if fed else None
         params = host_arrays([r.temperature for r in run], [r.top_p for r in run], [r.top_k for r in run],
                              [r.seed for r in run], [r.index for r in run])
         asks = np.fromiter((r.num_logprobs for r in run), dtype=np.int32, count=len(run))
@@ -321,7 +321,7 @@ class Engine:
             pool.touch(s)
         batch = prev.continued(pool, seq_ids, src)
         if self.runner.can_feed:
-            feed = (np.arange(n), src)
+            feed = (np.arange(n), src, after.tokens)
         else:
             batch.ids = np.asarray(self.collect(after), dtype=np.int64)[np.asarray(after.placed)[src]]
             feed = None
@@ -335,10 +335,8 @@ class Engine:
         pinned host buffer without a wait. Rows with a grammar have their masks computed
         while the device runs the forward pass. When one of them samples after a token that
         the step `after` has not yet brought to the host, the sampling waits until `after` is
-        collected (`_note_grammars`), while the device runs the forward pass. A step `after`
-        still waiting for its own masks has its sampling queued first: this step reads its tokens."""
-        self._settle(after)
-        logits = self.runner.forward(batch, feed=None if feed is None else (*feed, after.tokens))
+        collected (`_note_grammars`), while the device runs the forward pass."""
+        logits = self.runner.forward(batch, feed=feed)
         pending.batch, pending.params = batch, params
         if self.grammars and after is not None and after.result is None \
                 and self.grammars.lags(batch.seq_ids, params[4]):
@@ -376,23 +374,12 @@ class Engine:
             pending.event.record()
 
     def _settle(self, pending: "Pending | None") -> None:
-        """Queue the sampling of a step that waits for its masks (`_run`): its masks once they
-        are filled (collecting the step before it starts them: `_note_grammars`); nothing for
-        any other step."""
+        """Queue the sampling of a step that waits for its masks (`_run`): collecting the step
+        before it does (`_note_grammars`); nothing for any other step."""
         if pending is not None and pending.logits is not None:
-            if pending.masks is None:
-                self.collect(pending.waits_on)
+            self.collect(pending.waits_on)
             if pending.logits is not None:   # that step was collected before this one waited on it
-                self._sample_waiting(pending)
-
-    def sample_if_ready(self, pending: "Pending | None") -> None:
-        """Queue the sampling of a step that waits only for masks that are now filled (the
-        worker asks between its own pieces of work on the step before: the sooner the device
-        has it, the less it waits); nothing otherwise: launching the step after it, or
-        collecting it, queues it in any case."""
-        if pending is not None and pending.logits is not None and pending.masks is not None \
-                and pending.masks.ready():
-            self._sample_waiting(pending)
+                self._sample_waiting(pending, None)
 
     def take_logprobs(self, pending: "Pending") -> tuple[dict, dict]:
         """Of a collected step: seq_id -> (values, top ids, row) of each asking row's sampled
@@ -431,23 +418,18 @@ class Engine:
     @torch.inference_mode()
     def _note_grammars(self, pending: "Pending", values: list[int]) -> None:
         """The matchers take a collected step's tokens. A step launched after it that waits for
-        them (`_run`: its forward pass is queued) has its masks started at once on the grammar
-        table's thread (`GrammarTable.start`), while the device still runs that forward pass
-        and this thread does the worker's own work on the collected step; its sampling is
-        queued when it is collected or the step after it is launched (`_settle`)."""
+        them (`_run`: its forward pass is queued) has its masks filled and its sampling queued
+        here at once, while the device still runs that forward pass: the worker's own work on
+        the collected step comes after, beside the device, as for a step without grammars."""
         then, pending.then = pending.then, None
         noted = (pending.batch.seq_ids, pending.params[4], values, pending.partial)
         if then is not None and then.logits is not None:
-            then.masks = self.grammars.start(then.batch.seq_ids, then.params[4], noted)
+            self._sample_waiting(then, noted)
         elif self.grammars:
             self.grammars.note(*noted)
 
     @torch.inference_mode()
-    def _sample_waiting(self, pending: "Pending") -> None:
-        job = pending.masks
-        if job is None:
-            masks = self.grammars.masks(pending.batch.seq_ids, pending.params[4]) if self.grammars else None
-        else:
-            masks = self.grammars.finish(job)
-        logits, pending.logits, pending.waits_on, pending.masks = pending.logits, None, None, None
+    def _sample_waiting(self, pending: "Pending", noted) -> None:
+        masks = self.grammars.masks(pending.batch.seq_ids, pending.params[4], noted) if self.grammars else None
+        logits, pending.logits, pending.waits_on = pending.logits, None, None
         self._sample(pending, logits, masks)

@@ -57,7 +57,6 @@ class Pending:
     logits: torch.Tensor | None = None
     waits_on: "Pending | None" = None
     then: "Pending | None" = None           # the step launched after this one that waits on it
-    masks: object = None                    # its masks being filled (grammar.MaskJob)
 
 
 def prompt_budget(rows: list[StepRow], cfg: EngineConfig) -> int:

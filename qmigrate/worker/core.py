@@ -196,11 +196,9 @@ class WorkerCore:
             lps, prompts = self.engine.take_logprobs(pending)
             run.prompt_lps.update(prompts)
             self._advance(run, pending.rows, tokens, pending.partial, lps)
-            self.engine.sample_if_ready(nxt)   # a step waiting for masks filled meanwhile
             pending = nxt
             if pending is not None and on_step is not None:
                 revoked = on_step(tokens_of(run, final=False))
-                self.engine.sample_if_ready(pending)
         return step_result(run, self.engine), tokens_of(run, final=True)
 
     def _continuing(self, run: "Started", pending, revoked: frozenset[int] | None) -> list[StepRow]:
