@@ -5,7 +5,6 @@ moved both ways between world sizes (KV transferred or recomputed), and a migrat
 from __future__ import annotations
 
 import contextlib
-
 import io
 import json
 import multiprocessing as mp

@@ -9,19 +9,18 @@ the number of its prompt's blocks that worker would not prefill; those on the ho
 copied back instead, at a fraction of a prefill (HOST_COPY_COST).
 
 Placement is by score: the prompt tokens a worker would not prefill, less the copies from its
-host tier, less a load penalty (its prompt times the share of the worker's batch places
-taken): a worker holding a prefix gets no more work than its free places allow. A worker
-asking for work takes its hits early, each ahead of the sequences offered before it by no more than the time
-its cached tokens would take to prefill (at the rate the worker measured at its start, else
-`prefill_tflops`): a hit goes first as the shorter job does, and a miss waits behind a stream
-of hits for a bounded time, never for as long as hits keep coming. It leaves a sequence that
-scores better on another worker, for up to `prefix_wait_s` after it was first offered,
-while that worker has room (batch places and KV blocks): a hit never piles work onto a worker
-that is full. A worker whose share of new
-work is taken (`spread_new_work`) still takes the sequences whose prefix it holds: the other
-workers leave those to it, so skipping them would leave them waiting for nobody. A
-conversation's next turn is a new sequence whose prefix the last turn's worker holds, so it
-goes back there the same way.
+host tier, less a load penalty (its prompt times the share of the worker's batch places taken):
+a worker holding a prefix gets no more work than its free places allow. A worker asking for work
+takes its hits early, each ahead of the sequences offered before it by no more than the time its
+cached tokens would take to prefill (at the rate the worker measured at its start, else
+`prefill_tflops`): a hit goes first as the shorter job does, and a miss waits behind a stream of
+hits for a bounded time, never for as long as hits keep coming. It leaves a sequence that scores
+better on another worker, for up to `prefix_wait_s` after it was first offered, while that
+worker has room (batch places and KV blocks): a hit never piles work onto a worker that is full.
+A worker whose share of new work is taken (`spread_new_work`) still takes the sequences whose
+prefix it holds: the other workers leave those to it, so skipping them would leave them waiting
+for nobody. A conversation's next turn is a new sequence whose prefix the last turn's worker
+holds, so it goes back there the same way.
 
 A lease is charged the prefill its worker will do (`LeasePrefill`): a prompt less the blocks
 the index says that worker holds. A new sequence whose next blocks another sequence at that
