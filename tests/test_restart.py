@@ -4,8 +4,10 @@ with journals in the test's directory; victims are found among the node's own pr
 
 from __future__ import annotations
 
+import collections
 import json
 import os
+import re
 import signal
 import subprocess
 import time
@@ -59,19 +61,36 @@ def _holds_work(router: str, name: str) -> bool:
     return any(w["name"] == name and w["state"] == "up" and (w["owned"] or w["leased"]) for w in workers)
 
 
+def _freeze_while_holding(router: str, node, name: str, err) -> int:
+    """SIGSTOP worker `name` while the router counts a sequence on it, checked after the stop:
+    a reply the worker sent just before it stopped may still have been on its way, and a worker
+    frozen idle lets the others end the run before the router notices anything."""
+    for _ in range(10):
+        _wait(f"{name} to hold a sequence", lambda: _holds_work(router, name), err=err)
+        pid = H.pid_of(node, f"qmigrate worker {name}")
+        H.pause(pid)
+        time.sleep(0.3)
+        if _holds_work(router, name):
+            return pid
+        H.resume(pid)
+    pytest.fail(f"{name} was never frozen while holding a sequence")
+
+
 def test_router_detokenizer_and_worker_restarts_lose_nothing(tmp_path, tiny_model_dir):
     from conftest import greedy_reference, greedy_tokens_many
     ports = reserve_ports(7)
     path = tmp_path / "topo.yaml"
     path.write_text(yaml.safe_dump(_topology(tmp_path, tiny_model_dir, ports)))
     router = f"tcp://127.0.0.1:{ports[0]}"
-    prompts = H.prompts(5, "r", n=8, new_tokens=450)  # outlasts three restarts; fits 512 positions
+    prompts = H.prompts(5, "r", n=8, new_tokens=450)  # fits 512 positions
     # Append mode: the test reads with seek(), which must not move where the node writes.
     out, err = open(tmp_path / "out", "a+"), open(tmp_path / "err", "a+")
     node = warm.popen(["node", str(path), "--node", "head", "--stdin"],
                       stdin=subprocess.PIPE, stdout=out, stderr=err, text=True, start_new_session=True)
-    node.stdin.write("".join(json.dumps(p) + "\n" for p in prompts))
-    node.stdin.close()
+
+    def feed(batch: list[dict]) -> None:
+        node.stdin.write("".join(json.dumps(p) + "\n" for p in batch))
+        node.stdin.flush()
 
     def printed() -> str:
         out.seek(0)
@@ -81,28 +100,38 @@ def test_router_detokenizer_and_worker_restarts_lose_nothing(tmp_path, tiny_mode
         err.seek(0)
         return err.read()
 
+    def streaming() -> bool:
+        """A request has printed three tokens and is not done: hundreds of tokens remain to it."""
+        complete = printed().rpartition("\n")[0]  # a line being written is not read yet
+        records = [json.loads(line) for line in complete.splitlines()]
+        done = {r["id"] for r in records if r["done"]}
+        deltas = collections.Counter(r["id"] for r in records if not r["done"])
+        return any(n >= 3 and rid not in done for rid, n in deltas.items())
+
+    # Each fault comes while the run provably has work: the prompts arrive in four parts on the
+    # node's open stdin, and a loaded machine cannot end the run between a check and a fault.
     try:
-        _wait("output to start", lambda: printed().count('"delta"') >= 3, err=err)
+        feed(prompts[:2])
+        _wait("output to start", streaming, err=err)
         os.kill(H.pid_of(node, "qmigrate router"), signal.SIGKILL)
+        feed(prompts[2:4])  # while the router is down: ingest keeps them until it is back
         _wait("the router to be started again", lambda: "router exited with status -9; starting" in stderr())
         _wait("both workers to rejoin the new router", lambda: H.stats(router).get("workers") == 2)
-        assert H.stats(router).get("unprinted", 0) > 0, "the run ended before the kill; the test proves nothing"
+        recovered = re.search(r"recovered (\d+) unfinished requests", stderr())
+        assert recovered and int(recovered[1]) > 0, "nothing was under way at the kill; the test proves nothing"
 
-        # Frozen while it holds a sequence, the run cannot end before the router notices: under
-        # load, a worker frozen idle let the other finish the run first, and nothing was noticed.
-        _wait("w2 to hold a sequence", lambda: _holds_work(router, "w2"), err=err)
-        w2 = H.pid_of(node, "qmigrate worker w2")
-        os.kill(w2, signal.SIGSTOP)
+        feed(prompts[4:6])
+        w2 = _freeze_while_holding(router, node, "w2", err)
         try:  # the router's log, not its stats: those go when the run ends
             _wait("the router to notice the frozen worker", lambda: "worker w2 lost: silent for" in stderr(), err=err)
         finally:
-            os.kill(w2, signal.SIGCONT)
+            H.resume(w2)
         _wait("the frozen worker to rejoin", lambda: H.stats(router).get("workers") == 2)
 
-        before = printed().count('"done": true')
+        feed(prompts[6:])  # just fed, 450 tokens each: they are still to be printed at the kill
         os.kill(H.pid_of(node, "qmigrate detokenizer"), signal.SIGKILL)
         _wait("the detokenizer to be started again", lambda: "detokenizer exited with status -9; starting" in stderr())
-        assert before < len(prompts), "the run ended before the kill; the test proves nothing"
+        node.stdin.close()
         node.wait(timeout=180)
     finally:
         if node.poll() is None:
