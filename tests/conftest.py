@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import functools
 import json
@@ -64,8 +65,9 @@ def tiny_model_dir(tmp_path_factory) -> Path:
 class _Early:
     """The scenarios of the selected tests marked `early`, run one after another in one thread.
     A scenario starts with the first test of the module it is to run beside (`beside`, a test
-    file's name: one whose tests run in this process on one core, leaving the other core
-    idle), or with its own test when that comes first or no module is named."""
+    file's name: one whose tests leave a core idle, in-process tests on one core or nodes that
+    mostly wait, while the lane has nothing else to run), or with its own test when that comes
+    first or no module is named."""
 
     def __init__(self, items, tmp_path_factory):
         from concurrent.futures import ThreadPoolExecutor
@@ -146,15 +148,23 @@ def stop_group(proc: subprocess.Popen, grace_s: float = 10.0) -> None:
             proc.wait()
 
 
-@pytest.fixture
-def node_tmp():
+@contextlib.contextmanager
+def node_tmpdir():
     """A TMPDIR for the nodes a test starts, to see what they leave behind: short, so that a
     node's ipc:// sockets fit in it (a node whose socket paths would not fit makes its directory
     in /tmp instead, out of the test's sight, whatever the length of pytest's own temp path)."""
     import shutil
     path = Path(tempfile.mkdtemp(prefix="qm-t-", dir="/tmp"))
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
+def node_tmp():
+    with node_tmpdir() as path:
+        yield path
 
 
 @pytest.fixture

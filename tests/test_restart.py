@@ -76,7 +76,9 @@ def _freeze_while_holding(router: str, node, name: str, err) -> int:
     pytest.fail(f"{name} was never frozen while holding a sequence")
 
 
-def test_router_detokenizer_and_worker_restarts_lose_nothing(tmp_path, tiny_model_dir):
+def _restarts(tmp_path, tiny_model_dir) -> None:
+    """The test below, run beside other tests (conftest's `early` lane): one node of two CPU
+    workers, mostly waiting out a heartbeat timeout and restarts."""
     from conftest import greedy_reference, greedy_tokens_many
     ports = reserve_ports(7)
     path = tmp_path / "topo.yaml"
@@ -154,6 +156,11 @@ def test_router_detokenizer_and_worker_restarts_lose_nothing(tmp_path, tiny_mode
     check = greedy_reference(tiny_model_dir)
     for p in prompts:
         check(p["prompt_ids"], p["max_new_tokens"], finals[p["id"]]["token_ids"], p["id"])
+
+
+@pytest.mark.early(scenario=_restarts, beside="test_http_fronts.py")
+def test_router_detokenizer_and_worker_restarts_lose_nothing(early_run):
+    early_run.result()
 
 
 def test_a_killed_stdin_ingest_stops_the_node_and_says_what_is_lost(tmp_path, tiny_model_dir):

@@ -19,7 +19,7 @@ import pytest
 
 import warm
 
-from conftest import reserve_ports  # noqa: E402
+from conftest import node_tmpdir, reserve_ports  # noqa: E402
 from qmigrate.config import local_topology
 from qmigrate.serve import MAX_HTTP_PROCESSES, ServeOptions, default_api_servers, local_url, serve_topology
 import helpers as H  # noqa: E402
@@ -220,59 +220,68 @@ def _as_a_user(**env) -> dict:
     return {**{k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}, **env}
 
 
+def _serve_on_the_cpu(tmp_path, tiny_model_dir) -> None:
+    """The test below, run beside other tests (conftest's `early` lane): a cold start is mostly
+    one process importing, on one core."""
+    (port,) = reserve_ports(1)
+    with node_tmpdir() as tmp:
+        proc = subprocess.Popen([sys.executable, "-m", "qmigrate", "serve", str(tiny_model_dir), "--port", str(port),
+                                 "--cpu-workers", "1", "--served-model-name", "tiny", "--api-key", "k"],
+                                stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                env=_as_a_user(TMPDIR=str(tmp)), start_new_session=True)
+        try:
+            seen = []
+            deadline = time.monotonic() + 120
+            while time.monotonic() < deadline and proc.poll() is None:
+                status, body = _get(port, "/health")
+                seen.append(status)
+                if status == 200:
+                    break
+                if status == 503:
+                    assert body["status"] == "starting" and body["workers"] == 0
+                time.sleep(0.1)
+            if seen[-1] != 200 and proc.poll() is not None:
+                pytest.fail(f"never healthy: {seen[-5:]}, exit {proc.returncode}; "
+                            f"stderr: {proc.stderr.read()[-3000:]}")
+            assert seen[-1] == 200, f"never healthy: {seen[-5:]}, exit {proc.poll()}"
+            assert set(seen) <= {None, 503, 200}
+            assert proc.stdout.readline().startswith(f"ready: http://127.0.0.1:{port}")
+            status, body = _complete(port, {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 4})
+            assert status == 401  # --api-key
+            status, body = _complete(port, {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 4},
+                                     {"Authorization": "Bearer k"})
+            assert status == 200 and body["usage"]["completion_tokens"] == 4, body
+            roles = [pid for pid in H.roles_of(proc).values() if pid != proc.pid]
+            assert len(roles) >= 4, H.roles_of(proc)  # router, ingest, detokenizer, the worker
+            assert any(d.name.startswith("qm-serve-") for d in tmp.iterdir()), "the node's directory is not in TMPDIR"
+            results: list = []
+            started = [threading.Event() for _ in range(16)]  # 8,000 tokens: still running at the signal
+            clients = [threading.Thread(target=_stream, args=(port, results, e)) for e in started]
+            for c in clients:
+                c.start()
+            assert all(e.wait(60) for e in started)
+            proc.send_signal(signal.SIGTERM)
+            for c in clients:
+                c.join(60)
+            _, err = proc.communicate(timeout=30)
+            assert proc.returncode == 128 + signal.SIGTERM, err
+            # no role ends in the interpreter's teardown noise
+            assert "Traceback" not in err and "leaked" not in err, err
+            # Streams cut by the shutdown end with an error event and [DONE], as finished ones do.
+            assert len(results) == 16 and all(r[-1] == b"data: [DONE]" for r in results), results
+            cut = [json.loads(r[-2].removeprefix(b"data: ")) for r in results if b'"error"' in r[-2]]
+            assert cut and all(e["error"]["code"] == "shutdown" for e in cut), results
+            assert _wait(lambda: not _alive(roles), 10), f"roles left running: {_alive(roles)}"
+            assert list(tmp.iterdir()) == [], "the temp directory was left behind"
+        finally:
+            _kill_session(proc)
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(180)
-def test_serve_on_the_cpu_answers_once_ready_and_sigterm_stops_everything(tiny_model_dir, node_tmp):
-    (port,) = reserve_ports(1)
-    tmp = node_tmp
-    proc = subprocess.Popen([sys.executable, "-m", "qmigrate", "serve", str(tiny_model_dir), "--port", str(port),
-                             "--cpu-workers", "1", "--served-model-name", "tiny", "--api-key", "k"],
-                            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=_as_a_user(TMPDIR=str(tmp)), start_new_session=True)
-    try:
-        seen = []
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline and proc.poll() is None:
-            status, body = _get(port, "/health")
-            seen.append(status)
-            if status == 200:
-                break
-            if status == 503:
-                assert body["status"] == "starting" and body["workers"] == 0
-            time.sleep(0.1)
-        if seen[-1] != 200 and proc.poll() is not None:
-            pytest.fail(f"never healthy: {seen[-5:]}, exit {proc.returncode}; stderr: {proc.stderr.read()[-3000:]}")
-        assert seen[-1] == 200, f"never healthy: {seen[-5:]}, exit {proc.poll()}"
-        assert set(seen) <= {None, 503, 200}
-        assert proc.stdout.readline().startswith(f"ready: http://127.0.0.1:{port}")
-        status, body = _complete(port, {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 4})
-        assert status == 401  # --api-key
-        status, body = _complete(port, {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 4},
-                                 {"Authorization": "Bearer k"})
-        assert status == 200 and body["usage"]["completion_tokens"] == 4, body
-        roles = [pid for pid in H.roles_of(proc).values() if pid != proc.pid]
-        assert len(roles) >= 4, H.roles_of(proc)  # router, ingest, detokenizer, the worker
-        assert any(d.name.startswith("qm-serve-") for d in tmp.iterdir()), "the node's directory is not in TMPDIR"
-        results: list = []
-        started = [threading.Event() for _ in range(16)]  # 8,000 tokens: still running at the signal
-        clients = [threading.Thread(target=_stream, args=(port, results, e)) for e in started]
-        for c in clients:
-            c.start()
-        assert all(e.wait(60) for e in started)
-        proc.send_signal(signal.SIGTERM)
-        for c in clients:
-            c.join(60)
-        _, err = proc.communicate(timeout=30)
-        assert proc.returncode == 128 + signal.SIGTERM, err
-        assert "Traceback" not in err and "leaked" not in err, err   # no role ends in the interpreter's teardown noise
-        # Streams cut by the shutdown end with an error event and [DONE], as finished ones do.
-        assert len(results) == 16 and all(r[-1] == b"data: [DONE]" for r in results), results
-        cut = [json.loads(r[-2].removeprefix(b"data: ")) for r in results if b'"error"' in r[-2]]
-        assert cut and all(e["error"]["code"] == "shutdown" for e in cut), results
-        assert _wait(lambda: not _alive(roles), 10), f"roles left running: {_alive(roles)}"
-        assert list(tmp.iterdir()) == [], "the temp directory was left behind"
-    finally:
-        _kill_session(proc)
+@pytest.mark.early(scenario=_serve_on_the_cpu, beside="test_http_limits.py")
+def test_serve_on_the_cpu_answers_once_ready_and_sigterm_stops_everything(early_run):
+    early_run.result()
 
 
 @pytest.mark.slow

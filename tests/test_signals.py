@@ -12,7 +12,7 @@ import time
 import pytest
 import yaml
 
-from conftest import reserve_ports  # noqa: E402
+from conftest import node_tmpdir, reserve_ports  # noqa: E402
 import helpers as H
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
@@ -47,23 +47,31 @@ def _kill_session(proc) -> None:
         os.kill(pid, signal.SIGKILL)
 
 
-def test_sigterm_during_startup_stops_every_role_and_leaves_no_temp_dir(node_tmp, tiny_model_dir):
-    tmp = node_tmp
-    sim = subprocess.Popen([sys.executable, "-m", "qmigrate", "sim", "--workers", "2", "--model", str(tiny_model_dir)],
-                           stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                           env={**os.environ, "TMPDIR": str(tmp)}, start_new_session=True)
-    try:
-        # Roles started, workers still loading: the supervisor waits for the fleet.
-        assert _wait(lambda: any(t.startswith("qmigrate worker") for t in H.roles_of(sim))), "no role started"
-        assert any(d.name.startswith("qm-") for d in tmp.iterdir()), "the node's directory is not in TMPDIR"
-        roles = list(H.roles_of(sim).values())
-        sim.send_signal(signal.SIGTERM)
-        _, err = sim.communicate(timeout=30)
-        assert sim.returncode == 128 + signal.SIGTERM, err
-        assert _wait(lambda: not _alive(roles), 10), f"roles left running: {_alive(roles)}"
-        assert list(tmp.iterdir()) == [], "the temp directory was left behind"
-    finally:
-        _kill_session(sim)
+def _sigterm_during_startup(tmp_path, tiny_model_dir) -> None:
+    """The test below, run beside other tests (conftest's `early` lane): a cold start is mostly
+    one process importing, on one core."""
+    with node_tmpdir() as tmp:
+        sim = subprocess.Popen([sys.executable, "-m", "qmigrate", "sim", "--workers", "2",
+                                "--model", str(tiny_model_dir)], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
+                               stderr=subprocess.PIPE, text=True, env={**os.environ, "TMPDIR": str(tmp)},
+                               start_new_session=True)
+        try:
+            # Roles started, workers still loading: the supervisor waits for the fleet.
+            assert _wait(lambda: any(t.startswith("qmigrate worker") for t in H.roles_of(sim))), "no role started"
+            assert any(d.name.startswith("qm-") for d in tmp.iterdir()), "the node's directory is not in TMPDIR"
+            roles = list(H.roles_of(sim).values())
+            sim.send_signal(signal.SIGTERM)
+            _, err = sim.communicate(timeout=30)
+            assert sim.returncode == 128 + signal.SIGTERM, err
+            assert _wait(lambda: not _alive(roles), 10), f"roles left running: {_alive(roles)}"
+            assert list(tmp.iterdir()) == [], "the temp directory was left behind"
+        finally:
+            _kill_session(sim)
+
+
+@pytest.mark.early(scenario=_sigterm_during_startup, beside="test_real_model.py")
+def test_sigterm_during_startup_stops_every_role_and_leaves_no_temp_dir(early_run):
+    early_run.result()
 
 
 def _supervisor_killed(tmp_path, tiny_model_dir) -> None:

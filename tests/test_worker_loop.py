@@ -122,6 +122,23 @@ def test_the_wait_for_kv_never_outlasts_the_lease():
     assert loop.queued[0].wait_until == pytest.approx(0.5)
 
 
+def test_a_heartbeat_renews_a_lease_waiting_for_kv_which_starts_when_its_wait_is_over():
+    """The router pushes a held lease's deadline on at each heartbeat that names it, and so
+    does the worker: a lease whose shipment never comes starts (recomputing) when its wait is
+    over, rather than expiring unstarted while the router still counts it as running."""
+    loop = Leases(WorkerConfig(transfer_wait_s=2.0))
+    never = lambda l: {3}                          # noqa: E731
+    loop.on_lease(lease(1, timeout_s=0.5), 0.0)
+    assert loop.next_action(0.0, never)[0] == WAIT   # waits until 0.5, its deadline then
+    loop.renewed(0.4)                              # a heartbeat named it: due at 0.9 now
+    assert start_next(loop, 0.6, never).lease_id == 1
+    loop.finished()
+    # Without a heartbeat the router takes it back at its deadline, and so does the worker.
+    loop.on_lease(lease(2, timeout_s=0.5), 1.0)
+    assert loop.next_action(1.0, never)[0] == WAIT
+    assert loop.drop_expired(1.6) == [2] and not loop.queued
+
+
 def test_heartbeats_name_held_leases_and_revokes_apply_only_to_them():
     loop = Leases(WorkerConfig(), heartbeat_s=0.5)
     assert loop.heartbeat_due(0.0) and not loop.heartbeat_due(0.4) and loop.heartbeat_due(0.6)

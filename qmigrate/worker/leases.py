@@ -117,6 +117,15 @@ class Leases:
             held.append(self.starting)
         return held
 
+    def renewed(self, now: float) -> None:
+        """A heartbeat naming the held leases went out at `now`: the router pushes their
+        deadlines on as it reads it, and the queued ones' deadlines here move on with them
+        (from the send, a little before the router's). A lease waiting for KV that never
+        comes then starts when its wait is over, recomputing, instead of expiring here unstarted
+        while the router still counts it as running."""
+        for q in self.queued:
+            q.deadline = max(q.deadline, now + q.lease.timeout_s)
+
     def heartbeat_due(self, now: float) -> bool:
         if now - self.last_heartbeat > self.heartbeat_s:
             self.last_heartbeat = now

@@ -368,6 +368,7 @@ class Worker:
                                          int(self.busy_s * 1000), int(self.idle_s * 1000),
                                          P.pack_i64(self.leases.held_lease_ids()), self.held_bytes(), imported,
                                          P.pack_i64(arrived)))
+            self.leases.renewed(time.monotonic())
 
     def held_bytes(self) -> int:
         """Device memory this process holds: weights, KV pool, graphs and activations, and its
