@@ -85,28 +85,31 @@ def test_64_concurrent_streaming_clients_all_complete(node, expected):
 
 
 def test_a_client_that_closes_mid_stream_frees_its_sequence(node):
-    """The closed stream's sequence is cancelled. The tiny model can write its 500 tokens in a
-    few seconds; on a loaded machine the close may reach the router after that, and the
-    sequence then finishes instead: that race is tried again, up to three times."""
-    tries = []
-    for _ in range(3):
-        before = node.stats()
-        stream = node.client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=500, stream=True)
-        next(iter(stream))  # generating now
-        stream.close()
-        deadline = time.monotonic() + 20
-        while time.monotonic() < deadline:
-            stats = node.stats()
-            if stats["live"] == 0 and (stats.get("cancelled", 0) > before.get("cancelled", 0)
-                                       or stats.get("finished", 0) > before.get("finished", 0)):
-                break
+    """The closed stream's sequence is cancelled. Its worker is held (SIGSTOP) from the first
+    token on, so the close reaches the router before the sequence can end, however fast the
+    worker writes its 500 tokens (about a second on a quiet machine)."""
+    import helpers as H
+
+    def stats_once(done, timeout_s: float = 30.0) -> dict:
+        deadline = time.monotonic() + timeout_s
+        while not done(stats := node.stats()) and time.monotonic() < deadline:
             time.sleep(0.05)
-        cancelled = stats.get("cancelled", 0) - before.get("cancelled", 0)
-        finished = stats.get("finished", 0) - before.get("finished", 0)
-        tries.append((cancelled, finished, stats["live"]))
-        if cancelled or not finished:
-            break
-    assert tries[-1] == (1, 0, 0), f"(cancelled, finished, live) per try: {tries}; last stats {stats}"
+        return stats
+
+    before = node.stats()
+    stream = node.client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=500, stream=True)
+    next(iter(stream))  # generating now
+    worker = H.pid_of(node.proc, "qmigrate worker")
+    H.pause(worker)
+    try:
+        stream.close()
+        stats_once(lambda s: s.get("cancelled", 0) > before.get("cancelled", 0))
+    finally:
+        H.resume(worker)
+    stats = stats_once(lambda s: s["live"] == 0)
+    counts = (stats.get("cancelled", 0) - before.get("cancelled", 0),
+              stats.get("finished", 0) - before.get("finished", 0), stats["live"])
+    assert counts == (1, 0, 0), f"(cancelled, finished, live): {counts}; stats {stats}"
 
 
 def test_bad_input_gets_4xx_and_the_server_keeps_serving(node):

@@ -75,3 +75,32 @@ def test_malformed_shipments_are_dropped_and_the_next_one_arrives(pair):
     assert torch.equal(transfers[43].kv, kv) and torch.equal(transfers[46].kv, kv)
     assert transfers[44].kv is None and transfers[45].kv is None   # filed as "no KV": recomputed
     assert set(transfers) == {43, 44, 45, 46}
+
+
+_SEND_AND_LEAVE = """
+import os, sys
+import zmq
+from qmigrate.wire import transport
+sock = transport.socket(zmq.PUSH, connect=sys.argv[1])
+sock.send(b"kv" * 50_000)
+sock.close(linger=2000)
+transport.end()
+os._exit(0)   # as a role forked from its zygote ends
+"""
+
+
+def test_a_process_that_ships_and_leaves_at_once_delivers_the_shipment(ipc_dir):
+    """A drained worker ships its last sequences' KV, to a peer it may never have sent to,
+    and leaves at once (Worker.close). A process ending without `transport.end` took the
+    message along unsent, every time: its socket had not even connected yet."""
+    import subprocess
+    import sys
+    address = f"ipc://{ipc_dir}/kv-in.sock"
+    sink = transport.socket(zmq.PULL, bind=address)
+    try:
+        for _ in range(3):
+            subprocess.run([sys.executable, "-c", _SEND_AND_LEAVE, address], check=True, timeout=60)
+            assert sink.poll(5000), "the shipment was lost when its sender ended"
+            assert sink.recv() == b"kv" * 50_000
+    finally:
+        sink.close(linger=0)

@@ -56,6 +56,21 @@ def secure(keyring) -> None:
         _authenticator = keyring.start(context())
 
 
+def end() -> None:
+    """Deliver what this process's closed sockets still queue, each within the linger it was
+    closed with, then end its context: for a role leaving on purpose, once it has closed its
+    sockets. A process that ends without this loses what they hold (os._exit takes zmq's I/O
+    thread along, and a socket connected just before, as a KV shipment's to a new peer is, has
+    usually sent nothing yet). A socket still open is closed at once, its messages dropped."""
+    global _context, _authenticator
+    if _authenticator is not None:
+        _authenticator.stop()
+        _authenticator = None
+    if _context is not None:
+        _context.destroy(linger=0)   # sockets closed before keep their own linger
+        _context = None
+
+
 def is_secure() -> bool:
     return _keyring is not None
 

@@ -340,7 +340,8 @@ class Worker:
                                        header.start)
 
     def close(self) -> None:
-        """Leaving on purpose: let queued tokens, results and KV reach their peers first."""
+        """Leaving on purpose: let queued tokens, results and KV reach their peers first (a
+        drained worker's last shipments go out just before it leaves)."""
         self.outbox.flush(wait=True)
         self.pulse.stop()
         self.router.close(linger=5000)
@@ -348,6 +349,7 @@ class Worker:
             sock.close(linger=2000)
         if self.ranks is not None:
             self.ranks.stop(self.core.engine.runner)
+        transport.end()
 
     def send_router(self, msg) -> None:
         transport.send(self.router, msg)
