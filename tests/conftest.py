@@ -67,7 +67,12 @@ class _Early:
     A scenario starts with the first test of the module it is to run beside (`beside`, a test
     file's name: one whose tests leave a core idle, in-process tests on one core or nodes that
     mostly wait, while the lane has nothing else to run), or with its own test when that comes
-    first or no module is named."""
+    first or no module is named.
+
+    A scenario gives each process it starts through subprocess an environment of its own
+    (`env=`): one started with the process's own (env None) is exec'd from a vfork child that
+    shares memory with the main thread, and once failed with EFAULT ("Bad address") in exec,
+    as if the environment had changed under it."""
 
     def __init__(self, items, tmp_path_factory):
         from concurrent.futures import ThreadPoolExecutor

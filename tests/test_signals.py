@@ -86,7 +86,7 @@ def _supervisor_killed(tmp_path, tiny_model_dir) -> None:
     path.write_text(yaml.safe_dump(data))
     node = subprocess.Popen([sys.executable, "-m", "qmigrate", "node", str(path), "--node", "head"],
                             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            start_new_session=True)
+                            env=dict(os.environ), start_new_session=True)
     try:
         assert _wait(lambda: len(H.roles_of(node)) >= 5), H.roles_of(node)  # the node and its 4 roles
         roles = [pid for pid in H.roles_of(node).values() if pid != node.pid]

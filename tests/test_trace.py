@@ -4,6 +4,7 @@ read back into the figures that locate a pipeline's gaps."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -126,7 +127,7 @@ def test_the_token_path_after_the_router_is_timed_hop_by_hop(tmp_path):
 def _bench_trace(tmp_path, tiny_model_dir):
     return tmp_path, subprocess.run([sys.executable, "-m", "qmigrate", "bench", "--paths", "pipeline",
                                      "--requests", "8", "--trace", str(tmp_path)],
-                                    capture_output=True, text=True, timeout=170)
+                                    capture_output=True, text=True, timeout=170, env=dict(os.environ))
 
 
 @pytest.mark.timeout(180)
