@@ -290,6 +290,26 @@ def test_a_chain_withdrawn_after_the_step_before_it_ended_puts_its_rows_back():
     check_invariants(s)
 
 
+def test_a_chain_its_worker_answers_unrun_is_not_offered_again_on_the_same_step():
+    """A worker that no longer holds the step a chain follows (it dropped that lease) answers
+    the chain at once, unrun. Offered the same chain again, it would answer again, as fast as
+    the two can talk, until the router took the step's lease back; those rows are chained
+    again only on their next step."""
+    s = chained_fleet()
+    running = ask(s, "w0")
+    chain = s.schedule("w0", 64, 1 << 20, 0.0, ahead=True)
+    assert all(r.length == CONTINUE for r in chain.rows)
+    assert s.complete(chain.lease_id, "w0", [1, 2], [0, 0], [], [int(Finish.NEED_IDS)] * 2, 0.0).accepted
+    assert s.schedule("w0", 64, 1 << 20, 0.0, ahead=True) is None
+    check_invariants(s)
+    assert report(s, running).accepted
+    nxt = ask(s, "w0")
+    assert sorted(diff_ids(nxt)) == [1, 2]
+    again = s.schedule("w0", 64, 1 << 20, 0.0, ahead=True)   # the next step chains as before
+    assert sorted(row_ids(again)) == [1, 2] and all(r.length == CONTINUE for r in again.rows)
+    check_invariants(s)
+
+
 def test_a_full_worker_keeps_its_multi_step_lease_when_requests_arrive():
     s = make_sched(max_lease_steps=8)
     join(s, "w0", max_seqs=2)

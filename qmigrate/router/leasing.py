@@ -115,7 +115,7 @@ class Lessor:
         # KV of moves away told to it with its last lease is freed in this report
         w.kv_released, w.kv_delivered = w.kv_released - w.kv_delivered, 0
         held = self.held(w)
-        chainable = [seq for seq in held if seq.next_lease is None] if self.may_chain(w) else []
+        chainable = [seq for seq in held if is_chainable(seq)] if self.may_chain(w) else []
         quota = self.moves.steal_quota(w)
         # Look at a bounded stretch of the queue: a request costs what it can return.
         candidates = self.moves.candidates(w, self.queue, quota, max_seqs + 64, now)
@@ -247,7 +247,7 @@ class Lessor:
         w = self.workers.get(name)
         if w is None or not w.alive or not self.may_chain(w):
             return 0
-        return sum(1 for seq in self.held(w) if seq.next_lease is None)
+        return sum(1 for seq in self.held(w) if is_chainable(seq))
 
     def held(self, w: WorkerState) -> list[Seq]:
         """Sequences whose current step is at w (a lease record may list stale ones)."""
@@ -374,3 +374,10 @@ class Lessor:
         num_kv = len(seq.token_ids) - 1
         blocks = self.prefix.match(seq_keys(seq, w.block_size)).get(w.name, 0)
         return min(blocks, (num_kv - 1) // w.block_size) * w.block_size if num_kv > 0 else 0
+
+
+def is_chainable(seq: Seq) -> bool:
+    """seq's next step may be leased as a chain of the step it is running: none is yet, and
+    its worker did not answer one on this step without running it (a worker that lost the
+    step would answer each new chain so, as fast as the two can talk)."""
+    return seq.next_lease is None and seq.unchainable != seq.lease_id

@@ -318,6 +318,8 @@ class Scheduler:
             if seq is None or seq.lease_id != lease_id or sid in reported:
                 if seq is not None and seq.next_lease == lease_id:
                     seq.next_lease = None   # a chain answered before the step it followed: withdrawn
+                    if not lease.is_revoked:   # by the worker, which cannot continue that step
+                        seq.unchainable = seq.lease_id
                 continue
             reported.add(sid)
             seq.lease_id, chained, seq.next_lease = None, seq.next_lease, None
