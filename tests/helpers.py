@@ -313,6 +313,7 @@ class HttpNode:
             self.proc = warm.popen(["node", str(self.config), "--node", "local"],
                                    stdin=subprocess.DEVNULL, stdout=out, stderr=err, start_new_session=True)
         self.url = f"http://127.0.0.1:{self.port}"
+        self.router = f"ipc://{self.ipc}/router.sock"
         self.client = openai.OpenAI(base_url=f"{self.url}/v1", api_key="none", max_retries=0, timeout=60)
 
     def wait_ready(self, timeout_s: float = 90) -> None:
@@ -330,7 +331,7 @@ class HttpNode:
         pytest.fail(f"node not ready in {timeout_s} s:\n{self.stderr.read_text()[-3000:]}")
 
     def stats(self, timeout_s: float = 5.0) -> dict:
-        return transport.request(f"ipc://{self.ipc}/router.sock", P.StatsRequest(), timeout_s=timeout_s,
+        return transport.request(self.router, P.StatsRequest(), timeout_s=timeout_s,
                                  expect=P.Stats).counters
 
     def feed(self, *lines: str) -> None:

@@ -90,16 +90,9 @@ def test_a_client_that_closes_mid_stream_frees_its_sequence(node):
     the tiny model can write all of its 500 tokens first (its first event comes after a lease
     of several steps), and such a try is made again."""
     import helpers as H
-
-    def stats_when(done, timeout_s: float = 30.0) -> dict:
-        deadline = time.monotonic() + timeout_s
-        while not done(stats := node.stats()) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        return stats
-
     worker = H.pid_of(node.proc, "qmigrate worker")
     for _ in range(5):
-        before = stats_when(lambda s: s["live"] == 0)
+        before = H.wait_for("no sequence live", lambda s: s["live"] == 0, node.router, timeout=30)
         stream = node.client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=500, stream=True)
         next(iter(stream))  # generating now
         H.pause(worker)
@@ -107,14 +100,15 @@ def test_a_client_that_closes_mid_stream_frees_its_sequence(node):
             live = node.stats()["live"]
             stream.close()
             if live:
-                stats_when(lambda s: s.get("cancelled", 0) > before.get("cancelled", 0))
+                H.wait_for("the cancel at the router", lambda s: s.get("cancelled", 0) > before.get("cancelled", 0),
+                           node.router, timeout=30)
         finally:
             H.resume(worker)
         if live:
             break
     else:
         pytest.fail("every try's sequence ended before its worker was held")
-    stats = stats_when(lambda s: s["live"] == 0)
+    stats = H.wait_for("no sequence live", lambda s: s["live"] == 0, node.router, timeout=30)
     counts = (stats.get("cancelled", 0) - before.get("cancelled", 0),
               stats.get("finished", 0) - before.get("finished", 0), stats["live"])
     assert counts == (1, 0, 0), f"(cancelled, finished, live): {counts}; stats {stats}"

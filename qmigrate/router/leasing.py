@@ -376,6 +376,15 @@ class Lessor:
         return min(blocks, (num_kv - 1) // w.block_size) * w.block_size if num_kv > 0 else 0
 
 
+def chain_answered_first(seq: Seq, chain: LeaseRecord) -> None:
+    """seq's chain was answered before the step it followed: withdrawn after a revoke, or
+    answered unrun by a worker that no longer holds that step (it dropped that lease), which
+    cannot continue it and so gets no chain on that step again (is_chainable)."""
+    seq.next_lease = None
+    if not chain.is_revoked:
+        seq.unchainable = seq.lease_id
+
+
 def is_chainable(seq: Seq) -> bool:
     """seq's next step may be leased as a chain of the step it is running: none is yet, and
     its worker did not answer one on this step without running it (a worker that lost the

@@ -32,8 +32,7 @@ class Seq:
     moved_at: float | None = None      # when it last moved for KV or load (move_cooldown_s)
     pull: "Pull | None" = None         # its prefix is on the way to a worker (Lessor: leased once there)
     pull_given_up: bool = False        # a pull of it did not arrive in time: it is prefilled instead
-    # The lease whose step a chain of it was answered without running (not revoked): its
-    # worker cannot continue that step, so no chain is offered on it again (Lessor.lease)
+    # the lease whose step its worker could not chain on (leasing.chain_answered_first)
     unchainable: int | None = None
 
     @property

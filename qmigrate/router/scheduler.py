@@ -21,7 +21,7 @@ from collections import Counter, OrderedDict, deque
 
 from qmigrate.config import RouterConfig
 from qmigrate.router.gpu_memory import GpuMemory
-from qmigrate.router.leasing import Lessor
+from qmigrate.router.leasing import Lessor, chain_answered_first
 from qmigrate.router.records import (
     Grant,
     LeaseRecord,
@@ -317,9 +317,7 @@ class Scheduler:
             seq = seqs.get(sid)
             if seq is None or seq.lease_id != lease_id or sid in reported:
                 if seq is not None and seq.next_lease == lease_id:
-                    seq.next_lease = None   # a chain answered before the step it followed: withdrawn
-                    if not lease.is_revoked:   # by the worker, which cannot continue that step
-                        seq.unchainable = seq.lease_id
+                    chain_answered_first(seq, lease)
                 continue
             reported.add(sid)
             seq.lease_id, chained, seq.next_lease = None, seq.next_lease, None
