@@ -100,16 +100,31 @@ class GrammarTable:
         return any(s in matchers and matchers[s][1] < i for s, i in zip(seq_ids, np.asarray(index).tolist()))
 
     def note(self, seq_ids, index, tokens, partial=frozenset()) -> None:
-        """The tokens a step sampled: row k's is generated token index[k] of seq_ids[k]."""
-        matchers = self.matchers
+        """The tokens a step sampled: row k's is generated token index[k] of seq_ids[k]. Several
+        rows take theirs on the library's threads, family by family (as `masks` fills them)."""
+        matchers, taking = self.matchers, []
         for s, i, t in zip(seq_ids, np.asarray(index).tolist(), tokens):
             entry = matchers.get(s)
             if entry is None or s in partial or not self._at(entry, i):
                 continue
-            if entry[0].consume_token(int(t)):
+            taking.append((entry[3], s, entry, int(t)))
+        if len(taking) > 1:
+            taking.sort(key=lambda x: x[0])
+            taken = self._executor().consume_token_par([(entry[0], t) for _, _, entry, t in taking])
+        else:
+            taken = [entry[0].consume_token(t) for _, _, entry, t in taking]
+        for (_, s, entry, t), ok in zip(taking, taken):
+            if ok:
                 entry[1] += 1
             else:
                 log.warning("sequence %d: token %d does not follow its grammar: %s", s, t, entry[0].get_error())
+
+    def _executor(self):
+        if self.executor is None:
+            import llguidance
+            from qmigrate.hub.grammars import mask_threads
+            self.executor = llguidance.LLExecutor(mask_threads())
+        return self.executor
 
     def masks(self, seq_ids, index, noted=None) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(rows, packed bits) of a step's constrained rows, on the device; None when it has none.
@@ -138,12 +153,8 @@ class GrammarTable:
         # lock (hub/grammars.py) rather than every thread waiting on each lock in turn.
         row_bytes = bits.shape[1] * 4
         if len(pairs) > 1:
-            if self.executor is None:
-                import llguidance
-                from qmigrate.hub.grammars import mask_threads
-                self.executor = llguidance.LLExecutor(mask_threads())
             pairs.sort(key=lambda p: p[2])
-            self.executor.unsafe_compute_mask_ptr([p[:2] for p in pairs], bits.data_ptr(), row_bytes, bits.shape[0])
+            self._executor().unsafe_compute_mask_ptr([p[:2] for p in pairs], bits.data_ptr(), row_bytes, bits.shape[0])
         elif pairs:
             matcher, j, _ = pairs[0]
             matcher.unsafe_compute_mask_ptr(bits[j].data_ptr(), row_bytes)
