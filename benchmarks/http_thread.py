@@ -10,7 +10,9 @@ and the client's TTFT; `--hold` keeps every token back until all requests are in
 admission figures count nothing else.
 
 Run: `python -m benchmarks.http_thread --streams 256 --tokens 256 [--step-ms 2]`, or
-`--mixed` for mixed-256's shape (prompts of 64-512 ids, outputs of 32-512 tokens).
+`--mixed` for mixed-256's shape (prompts of 64-512 ids, outputs of 32-512 tokens); `--logprobs
+5` has every call ask for logprobs and every token carry them (`--model` a real tokenizer, so
+that the alternatives' texts are a real vocabulary's).
 """
 
 from __future__ import annotations
@@ -39,10 +41,13 @@ from qmigrate.wire import transport
 WARMUP = 2  # the client's warm-up calls, before the timed ones
 
 
-def fake_ingest(server, step_s: float, stop: threading.Event, taken: list[float], hold: int = 0) -> None:
+def fake_ingest(server, step_s: float, stop: threading.Event, taken: list[float], hold: int = 0,
+                logprobs: int = -1, vocab: int = 1000) -> None:
     """Takes submissions and emits one token per running request per step; with `hold` (a
     run's requests), none while a run's requests are not all in. `taken` gets the time of each
-    take."""
+    take. With `logprobs` >= 0 each token comes with its logprob and that many alternatives',
+    as the detokenizer sends them (ingest.handoff.reply_rows), ids drawn from `vocab`."""
+    ids = iter(range(1 << 62))
     wake = transport.socket(zmq.PULL, bind="inproc://ingest-http-wake")
     running: dict[int, list[int]] = {}   # seq_id -> [tokens sent, tokens asked]
     while not stop.is_set():
@@ -65,7 +70,13 @@ def fake_ingest(server, step_s: float, stop: threading.Event, taken: list[float]
         for seq_id, state in list(running.items()):
             state[0] += 1
             done = state[0] >= state[1]
-            rows.append((seq_id, " tok", int(P.Finish.LENGTH) if done else 0, state[0]))
+            row = (seq_id, " tok", int(P.Finish.LENGTH) if done else 0, state[0])
+            if logprobs >= 0:
+                k = next(ids)
+                top = [(k * 7919 + j * 104729) % vocab for j in range(logprobs)]
+                values = [-0.25 - 0.5 * j for j in range(logprobs + 1)]
+                row = (*row, -1, [((k * 31) % vocab, values, top)], None)
+            rows.append(row)
             if done:
                 del running[seq_id]
         server.deliver(rows)
@@ -91,7 +102,7 @@ def _stamped_server():
 
 
 def run_client(url: str, streams: int, prompt_len: tuple[int, int], output_len: tuple[int, int],
-               runs: int, out: Path) -> None:
+               runs: int, out: Path, logprobs: int = -1) -> None:
     """`qmigrate bench serve`'s client, `runs` times: a warm-up, then `streams` calls sent at
     once; the figures of each, with the process's CPU time over it, go in `out`."""
     from qmigrate.bench import serve_data as D
@@ -104,7 +115,7 @@ def run_client(url: str, streams: int, prompt_len: tuple[int, int], output_len: 
     async def main() -> list[dict]:
         report = []
         for _ in range(runs):  # each as `bench serve` runs: new connections, after its warm-up
-            async with Client(url, "m") as client:
+            async with Client(url, "m", logprobs=logprobs) as client:
                 await run_load(client, [D.ServeRequest(r.prompt, 8) for r in reqs[:WARMUP]], math.inf, name="warm-up")
                 cpu = time.process_time()
                 records, t0, end = await run_load(client, reqs, math.inf)
@@ -136,6 +147,8 @@ def main(argv=None) -> None:
     ap.add_argument("--hold", action="store_true", help="No token until every request is in.")
     ap.add_argument("--runs", type=int, default=3, help="Loads one after another; the medians are printed.")
     ap.add_argument("--model", default=None, help="Tokenizer directory (default: the tiny model).")
+    ap.add_argument("--logprobs", type=int, default=-1,
+                    help="Every call asks for logprobs with this many alternatives, and every token has them.")
     ap.add_argument("--profile", action="store_true",
                     help="Print where the HTTP thread's CPU time goes (cProfile on the thread's clock).")
     ap.add_argument("--client", nargs=4, metavar=("URL", "STREAMS", "PROMPT", "OUTPUT"), help=argparse.SUPPRESS)
@@ -143,7 +156,8 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
     if args.client:
         url, streams, prompt, output = args.client
-        return run_client(url, int(streams), _span(prompt), _span(output), args.runs, args.client_json)
+        return run_client(url, int(streams), _span(prompt), _span(output), args.runs, args.client_json,
+                          args.logprobs)
     prompt_len, output_len = ("64:512", "32:512") if args.mixed else \
         (args.prompt_len, args.output_len or f"{args.tokens}:{args.tokens}")
     tmp = Path(tempfile.mkdtemp(prefix="qm-http-"))
@@ -177,13 +191,14 @@ def _measure(args, tmp: Path, prompt_len: str, output_len: str) -> dict:
         server.loop.call_soon_threadsafe(prof.enable)
     stop, taken = threading.Event(), []
     feeder = threading.Thread(target=fake_ingest, daemon=True,
-                              args=(server, args.step_ms / 1000, stop, taken, args.streams if args.hold else 0))
+                              args=(server, args.step_ms / 1000, stop, taken, args.streams if args.hold else 0,
+                                    args.logprobs, len(server.tokenizer)))
     feeder.start()
     out = tmp / "client.json"
     http = next(t for t in threading.enumerate() if t.name == "http")
     clock = time.pthread_getcpuclockid(http.ident)
     argv, env = module_command("http_thread", "--client", server.url, str(args.streams), prompt_len, output_len,
-                               "--runs", str(args.runs), "--client-json", str(out))
+                               "--runs", str(args.runs), "--client-json", str(out), "--logprobs", str(args.logprobs))
     run = subprocess.run(argv, env=env, check=False)
     http_end = time.clock_gettime(clock)  # while the thread lives
     stop.set()
