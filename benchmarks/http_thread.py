@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import math
 import queue
@@ -47,7 +48,7 @@ def fake_ingest(server, step_s: float, stop: threading.Event, taken: list[float]
     run's requests), none while a run's requests are not all in. `taken` gets the time of each
     take. With `logprobs` >= 0 each token comes with its logprob and that many alternatives',
     as the detokenizer sends them (ingest.handoff.reply_rows), ids drawn from `vocab`."""
-    ids = iter(range(1 << 62))
+    ids = itertools.count()
     wake = transport.socket(zmq.PULL, bind="inproc://ingest-http-wake")
     running: dict[int, list[int]] = {}   # seq_id -> [tokens sent, tokens asked]
     while not stop.is_set():
