@@ -61,19 +61,22 @@ def _holds_work(router: str, name: str) -> bool:
     return any(w["name"] == name and w["state"] == "up" and (w["owned"] or w["leased"]) for w in workers)
 
 
-def _freeze_while_holding(router: str, node, name: str, err) -> int:
-    """SIGSTOP worker `name` while the router counts a sequence on it, checked after the stop:
-    a reply the worker sent just before it stopped may still have been on its way, and a worker
-    frozen idle lets the others end the run before the router notices anything."""
+def _freeze_while_holding(router: str, node, names: tuple[str, ...], err) -> tuple[str, int]:
+    """SIGSTOP a worker of `names` while the router counts a sequence on it, checked after the
+    stop: a reply the worker sent just before it stopped may still have been on its way, and a
+    worker frozen idle lets the others end the run before the router notices anything. Which
+    worker holds work is the router's choice (a few requests may all fit one worker's batch),
+    so the one frozen is whichever holds some. Returns its name and pid."""
     for _ in range(10):
-        _wait(f"{name} to hold a sequence", lambda: _holds_work(router, name), err=err)
+        name = _wait("a worker to hold a sequence",
+                     lambda: next((n for n in names if _holds_work(router, n)), None), err=err)
         pid = H.pid_of(node, f"qmigrate worker {name}")
         H.pause(pid)
         time.sleep(0.3)
         if _holds_work(router, name):
-            return pid
+            return name, pid
         H.resume(pid)
-    pytest.fail(f"{name} was never frozen while holding a sequence")
+    pytest.fail("no worker was frozen while holding a sequence")
 
 
 def _restarts(tmp_path, tiny_model_dir) -> None:
@@ -123,11 +126,12 @@ def _restarts(tmp_path, tiny_model_dir) -> None:
         assert recovered and int(recovered[1]) > 0, "nothing was under way at the kill; the test proves nothing"
 
         feed(prompts[4:6])
-        w2 = _freeze_while_holding(router, node, "w2", err)
+        frozen, pid = _freeze_while_holding(router, node, ("w1", "w2"), err)
         try:  # the router's log, not its stats: those go when the run ends
-            _wait("the router to notice the frozen worker", lambda: "worker w2 lost: silent for" in stderr(), err=err)
+            _wait("the router to notice the frozen worker",
+                  lambda: f"worker {frozen} lost: silent for" in stderr(), err=err)
         finally:
-            H.resume(w2)
+            H.resume(pid)
         _wait("the frozen worker to rejoin", lambda: H.stats(router).get("workers") == 2)
 
         feed(prompts[6:])  # just fed, 450 tokens each: they are still to be printed at the kill
