@@ -329,7 +329,7 @@ def test_a_pipelined_constrained_step_samples_as_one_collected_first(tiny):
 
     e = engine()
     pending = e.launch([row(sid, p, 0, 0) for sid, p in prompts.items()])
-    piped, deferred = {sid: [] for sid in prompts}, 0
+    piped, deferred, beside = {sid: [] for sid in prompts}, 0, 0
     for i in range(1, steps + 1):
         nxt = None
         if i < steps:
@@ -337,11 +337,25 @@ def test_a_pipelined_constrained_step_samples_as_one_collected_first(tiny):
             deferred += nxt.logits is not None
         for sid, t in zip(prompts, e.collect(pending)):
             piped[sid].append(t)
+        # the next step's masks are being filled on the table's thread, its sampling not yet queued
+        beside += nxt is not None and nxt.masking is not None and nxt.logits is not None
         pending = nxt
-    assert deferred == steps - 1
+    assert deferred == beside == steps - 1
     assert piped == one_by_one
     for sid in (2, 3):
         assert re.fullmatch("[0-9]{12,30}", tokenizer.decode(piped[sid], skip_special_tokens=True))
+
+    # A sequence dropped, and another's matcher set afresh, while a job fills their masks: the
+    # step still samples, and the rows left follow their grammar as before.
+    e = engine()
+    pending = e.launch([row(sid, p, 0, 0) for sid, p in prompts.items()])
+    nxt = e.launch([row(sid, [], len(p), 1) for sid, p in prompts.items()], after=pending)
+    first = e.collect(pending)
+    assert nxt.masking is not None
+    e.release(2)
+    assert e.set_grammar(3, e.grammars.matcher(grammar, eos_ids), eos_ids, [first[2]])
+    second = e.collect(nxt)
+    assert [first[2], second[2]] == one_by_one[3][:2] and second[0] == one_by_one[1][1]
 
 
 def _grown(compiler, grammar, eos_ids, size: int) -> None:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 
 import numpy as np
 import torch
@@ -36,6 +37,7 @@ from qmigrate.engine.grammar import GrammarTable, apply_masks
 from qmigrate.engine.sampling import HostRows, SamplingRows, host_arrays, sample
 from qmigrate.engine import logprobs as lp
 from qmigrate.hub.shape import ModelShape
+from qmigrate.ops.trace import OFF
 
 log = logging.getLogger(__name__)
 
@@ -86,6 +88,7 @@ class Engine:
         self.prefill_tokens_per_s = 0   # one prefill step's rate, timed by warm_up (0: not timed)
         self.controls = ControlTable(self.shape.vocab_size, self.max_len, self.device)
         self.grammars = GrammarTable(self.shape.vocab_size, self.device)   # structured output's matchers
+        self.trace = OFF   # the worker's step timeline (ops/trace.py), when it keeps one
         if tp is not None and tp.world > 1 and tp.is_leader:
             from qmigrate.engine.parallel.lockstep import Leader
             self.runner = Leader(self.runner, self)   # every step and KV move is sent to the others first
@@ -249,11 +252,13 @@ class Engine:
         past the budget runs only its first part, or none of it. Such a row's sequence is in
         `Pending.partial`: its token is no sample (the KV of the part that ran is kept), and a
         later step carries the rest from cached_len on."""
-        self._settle(after)   # its tokens are read on the device from here on
         if after is not None and after.batch is not None and rows and not any(r.new_ids for r in rows):
             pending = self._continue(rows, after)
             if pending is not None:
                 return pending
+        # before any forward pass of this step's prompts: those may replay a graph whose output
+        # holds the logits `after` waits to sample
+        self._settle(after)
         feed = [i for i, r in enumerate(rows) if not r.new_ids]
         if feed and (after is None or not self.runner.can_feed):
             known = dict(zip((r.seq_id for r in after.rows), self.collect(after))) if after else {}
@@ -281,7 +286,7 @@ class Engine:
         batch = StepBatch.build(self.pool, [r.seq_id for r in run], [r.new_ids or [0] for r in run],
                                 [r.start for r in run])
         fed = [k for k, r in enumerate(run) if not r.new_ids]
-        feed = (fed, [after.row_of[run[k].seq_id] for k in fed], after.tokens) if fed else None
+        feed = (fed, [after.row_of[run[k].seq_id] for k in fed]) if fed else None
         params = host_arrays([r.temperature for r in run], [r.top_p for r in run], [r.top_k for r in run],
                              [r.seed for r in run], [r.index for r in run])
         asks = np.fromiter((r.num_logprobs for r in run), dtype=np.int32, count=len(run))
@@ -321,7 +326,7 @@ class Engine:
             pool.touch(s)
         batch = prev.continued(pool, seq_ids, src)
         if self.runner.can_feed:
-            feed = (np.arange(n), src, after.tokens)
+            feed = (np.arange(n), src)
         else:
             batch.ids = np.asarray(self.collect(after), dtype=np.int64)[np.asarray(after.placed)[src]]
             feed = None
@@ -335,7 +340,15 @@ class Engine:
         pinned host buffer without a wait. Rows with a grammar have their masks computed
         while the device runs the forward pass. When one of them samples after a token that
         the step `after` has not yet brought to the host, the sampling waits until `after` is
-        collected (`_note_grammars`), while the device runs the forward pass."""
+        collected (`_note_grammars` starts its masks) and the worker has done its own work on
+        that step (`_settle`), while the device runs the forward pass.
+
+        `feed`: (rows, their rows in `after`) of the rows fed a token `after` samples. A decode
+        step (`_continue`) settles `after` here, not before it is built, so that the masks are
+        filled while the host builds it."""
+        self._settle(after)   # its tokens are read on the device from here on
+        if feed is not None:
+            feed = (*feed, after.tokens)
         logits = self.runner.forward(batch, feed=feed)
         pending.batch, pending.params = batch, params
         if self.grammars and after is not None and after.result is None \
@@ -374,12 +387,13 @@ class Engine:
             pending.event.record()
 
     def _settle(self, pending: "Pending | None") -> None:
-        """Queue the sampling of a step that waits for its masks (`_run`): collecting the step
-        before it does (`_note_grammars`); nothing for any other step."""
+        """Queue the sampling of a step that waits for its masks (`_run`), collecting the step
+        before it if that is still to do (`_note_grammars` starts the masks); nothing for any
+        other step."""
         if pending is not None and pending.logits is not None:
-            self.collect(pending.waits_on)
-            if pending.logits is not None:   # that step was collected before this one waited on it
-                self._sample_waiting(pending, None)
+            if pending.masking is None:
+                self.collect(pending.waits_on)
+            self._sample_waiting(pending)
 
     def take_logprobs(self, pending: "Pending") -> tuple[dict, dict]:
         """Of a collected step: seq_id -> (values, top ids, row) of each asking row's sampled
@@ -415,21 +429,27 @@ class Engine:
             pending.result = tokens
         return pending.result
 
-    @torch.inference_mode()
     def _note_grammars(self, pending: "Pending", values: list[int]) -> None:
         """The matchers take a collected step's tokens. A step launched after it that waits for
-        them (`_run`: its forward pass is queued) has its masks filled and its sampling queued
-        here at once, while the device still runs that forward pass: the worker's own work on
-        the collected step comes after, beside the device, as for a step without grammars."""
+        them (`_run`: its forward pass is queued) has them taken and its masks filled on the
+        table's thread (`GrammarTable.start`), while the worker does its own work on the
+        collected step and the device runs that forward pass; its sampling is queued when it is
+        settled (`_settle`: the next launch, or its collect)."""
         then, pending.then = pending.then, None
         noted = (pending.batch.seq_ids, pending.params[4], values, pending.partial)
         if then is not None and then.logits is not None:
-            self._sample_waiting(then, noted)
+            then.masking = self.grammars.start(then.batch.seq_ids, then.params[4], noted)
         elif self.grammars:
             self.grammars.note(*noted)
 
     @torch.inference_mode()
-    def _sample_waiting(self, pending: "Pending", noted) -> None:
-        masks = self.grammars.masks(pending.batch.seq_ids, pending.params[4], noted) if self.grammars else None
+    def _sample_waiting(self, pending: "Pending") -> None:
+        job, pending.masking = pending.masking, None
+        if job is not None:
+            began = time.perf_counter()
+            masks, took = self.grammars.finish(job)
+            self.trace("masks", len(masks[0]) if masks else 0, took, time.perf_counter() - began)
+        else:   # the step it waited on was collected before it waited: the matchers took its tokens then
+            masks = self.grammars.masks(pending.batch.seq_ids, pending.params[4]) if self.grammars else None
         logits, pending.logits, pending.waits_on = pending.logits, None, None
         self._sample(pending, logits, masks)

@@ -14,12 +14,14 @@ The mask is computed on the host while the device runs the step's forward pass (
 queued before the mask is asked for), into a pinned buffer of packed bits (one int32 per 32
 tokens, llguidance's layout), and applied on the device as one masked fill of the constrained
 rows. A step whose constrained rows sample after a token of the step before it that is still
-on the device (`lags`) is sampled when that step is collected (`Engine._note_grammars`): the
-matchers take its tokens, the masks are filled (by the library's threads, the rows handed
-to them family by family of their templates: hub/grammars.py) and
-the sampling is queued while the device still runs the forward pass, before the worker's
-own work on the collected step. Rows without a grammar pay nothing of this; a step with no
-constrained row does no work here. EOS is in a row's mask only where its grammar accepts.
+on the device (`lags`) is sampled once that step is collected: collecting it
+(`Engine._note_grammars`) starts a job on the table's own thread (`start`), where the matchers
+take its tokens and the masks are filled (by the library's threads, the rows handed to them
+family by family of their templates: hub/grammars.py). Meanwhile the worker does its own work on
+the collected step and builds the next one; launching that one (or collecting the waiting
+step) takes the masks (`finish`) and queues the sampling, just before the next forward pass.
+Rows without a grammar pay nothing of this; a step with no constrained row does no work here.
+EOS is in a row's mask only where its grammar accepts.
 
 What a mask costs depends on the grammar's state, not only on the row count: llguidance skips
 whole slices of the vocabulary where the lexer allows any string character, but a string with a
@@ -32,11 +34,16 @@ by schema).
 from __future__ import annotations
 
 import logging
+import sys
+import time
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 
 import numpy as np
 import torch
 
 log = logging.getLogger(__name__)
+
+SWITCH_INTERVAL_S = 0.0002   # the longest a thread keeps the interpreter's lock while another waits (`start`)
 
 
 class GrammarTable:
@@ -47,6 +54,8 @@ class GrammarTable:
         self.compiler = None          # hub.grammars.Compiler, set by whoever has the tokenizer
         self.matchers: dict[int, list] = {}   # seq_id -> [matcher, tokens consumed, EOS ids, family]
         self.executor = None
+        self.jobs = None              # one thread: a step's masks filled beside the worker's own work
+        self.job = None               # the last job asked for (a Future)
         self.buffers: list[torch.Tensor] = []  # two pinned bitmasks, used in turn
         self.turn = 0
         self.width = 0                # int32 words of a row's mask
@@ -72,6 +81,7 @@ class GrammarTable:
     def set(self, seq_id: int, fresh, eos_ids, generated) -> bool:
         """Take a sequence's fresh matcher (a `hub.grammars.Copy`) and replay its generated ids;
         False when they do not follow the grammar (the sequence cannot go on under it)."""
+        self._join()
         self.forget(seq_id)
         matcher = fresh.matcher
         generated = [int(t) for t in generated]
@@ -96,12 +106,17 @@ class GrammarTable:
     def lags(self, seq_ids, index) -> bool:
         """Whether a constrained row samples past what its matcher has consumed (its last token
         is still on the device)."""
+        self._join()
         matchers = self.matchers
         return any(s in matchers and matchers[s][1] < i for s, i in zip(seq_ids, np.asarray(index).tolist()))
 
     def note(self, seq_ids, index, tokens, partial=frozenset()) -> None:
         """The tokens a step sampled: row k's is generated token index[k] of seq_ids[k]. Several
         rows take theirs on the library's threads, family by family (as `masks` fills them)."""
+        self._join()
+        self._note(seq_ids, index, tokens, partial)
+
+    def _note(self, seq_ids, index, tokens, partial=frozenset()) -> None:
         matchers, taking = self.matchers, []
         for s, i, t in zip(seq_ids, np.asarray(index).tolist(), tokens):
             entry = matchers.get(s)
@@ -130,17 +145,64 @@ class GrammarTable:
         """(rows, packed bits) of a step's constrained rows, on the device; None when it has none.
         `noted`: (seq_ids, index, tokens, partial) of the step before, just collected, which
         the matchers take first (`note`)."""
+        self._join()
+        return self._on_device(self._host_masks(seq_ids, index, noted))
+
+    def start(self, seq_ids, index, noted) -> Future:
+        """`masks`, on a thread of the table's: the matchers take the tokens `noted` and fill the
+        masks there while the caller goes on (the library's calls leave the interpreter's lock);
+        `finish` takes them. Jobs run in the order asked, and every other call on the table
+        waits for the last one first, so the matchers are never used from two places at once
+        (`forget` only drops a sequence from the table: a job in flight has its entries)."""
+        self._join()
+        if self.jobs is None:   # on a GPU the thread's device is the table's (its pinned buffers)
+            on_gpu = self.device.type == "cuda"
+            self.jobs = ThreadPoolExecutor(1, thread_name_prefix="masks",
+                                           initializer=(lambda: torch.cuda.set_device(self.device)) if on_gpu else None)
+            # The job holds the interpreter's lock only between the library's calls, but it waits
+            # for it while the worker's thread runs Python: by default up to 5 ms at each turn,
+            # longer than the whole job, so it would start only once the worker waits for it.
+            sys.setswitchinterval(min(sys.getswitchinterval(), SWITCH_INTERVAL_S))
+        self.job = self.jobs.submit(self._timed, seq_ids, index, noted)
+        return self.job
+
+    def finish(self, job: Future) -> tuple[tuple[torch.Tensor, torch.Tensor] | None, float]:
+        """The masks of a job `start` began, on the device (waits for it), and the seconds the
+        job took on its thread."""
+        host, took = job.result()
+        return self._on_device(host), took
+
+    def _timed(self, seq_ids, index, noted):
+        began = time.perf_counter()
+        return self._host_masks(seq_ids, index, noted), time.perf_counter() - began
+
+    def _join(self) -> None:
+        job = self.job
+        if job is not None:
+            self.job = None
+            wait([job])   # its outcome (an error too) is the caller of `finish`'s
+
+    def _on_device(self, host) -> tuple[torch.Tensor, torch.Tensor] | None:
+        if host is None:
+            return None
+        rows, bits = host
+        dev_rows = torch.tensor(rows, dtype=torch.int64).to(self.device, non_blocking=True)
+        return dev_rows, bits.to(self.device, non_blocking=True)
+
+    def _host_masks(self, seq_ids, index, noted) -> tuple[list[int], torch.Tensor] | None:
+        """(rows, packed bits in a pinned buffer) of a step's constrained rows; None: none."""
         if noted is not None:
-            self.note(*noted)
+            self._note(*noted)
         matchers = self.matchers
         index = np.asarray(index).tolist()
-        rows = [k for k, s in enumerate(seq_ids) if s in matchers]
+        entries = [matchers.get(s) for s in seq_ids]
+        rows = [k for k, entry in enumerate(entries) if entry is not None]
         if not rows:
             return None
         bits = self._buffer(len(rows))
         pairs = []
         for j, k in enumerate(rows):
-            entry = matchers[seq_ids[k]]
+            entry = entries[k]
             if not self._at(entry, index[k]):
                 log.warning("sequence %d: its grammar is %d tokens behind; only EOS is allowed",
                             seq_ids[k], index[k] - entry[1])
@@ -160,10 +222,9 @@ class GrammarTable:
             matcher.unsafe_compute_mask_ptr(bits[j].data_ptr(), row_bytes)
         host = bits.numpy().view(np.uint32)
         for j in np.flatnonzero(~host.any(axis=1)).tolist():   # nothing allowed (ended, or lost): EOS
-            for t in matchers[seq_ids[rows[j]]][2]:
+            for t in entries[rows[j]][2]:
                 host[j, t >> 5] |= np.uint32(1 << (t & 31))
-        dev_rows = torch.tensor(rows, dtype=torch.int64).to(self.device, non_blocking=True)
-        return dev_rows, bits.to(self.device, non_blocking=True)
+        return rows, bits
 
     def _buffer(self, num_rows: int) -> torch.Tensor:
         width = self.width

@@ -56,6 +56,7 @@ class Pending:
     # device: its logits wait for the masks that collecting `waits_on` fills (Engine._note_grammars)
     logits: torch.Tensor | None = None
     waits_on: "Pending | None" = None
+    masking: object = None                  # its masks being filled (GrammarTable.start: a Future)
     then: "Pending | None" = None           # the step launched after this one that waits on it
 
 

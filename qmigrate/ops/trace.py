@@ -11,7 +11,8 @@ Worker events: ask (request no.), lease (id, steps, rows, full forms), start_beg
 start_end (lease id), prompts (a launched step's prompt rows, their new tokens, the
 positions of those found cached), launch (rows), collect_begin (rows) / collect_end, finish_begin /
 finish_end (lease id), withdrawn (lease id: a chain revoked before it started, answered
-unrun). Router events: submit (sequences offered, taken), request (worker, request no.),
+unrun), masks (a step's constrained rows, seconds their masks took on the grammar table's
+thread, seconds the worker waited for them). Router events: submit (sequences offered, taken), request (worker, request no.),
 grant (worker, lease id, rows, steps, request no.), result (worker, lease id), tokens
 (worker, rows: a step's tokens on their way to the detokenizer). The token path after
 the router: the detokenizer's in (rows of a Tokens message) and out (replies sent to ingest),
@@ -144,7 +145,20 @@ def worker_summary(label: str, events: list) -> list[str]:
             f"  no step on the device {idle * 1000:.0f} ms ({idle / span:.1%}); "
             f"{len(gaps)} stretches over {GAP_S * 1000:g} ms, longest {max(gaps, default=0) * 1000:.1f} ms",
             f"  host waited for the device {blocked * 1000:.0f} ms ({blocked / span:.1%}); "
-            f"host time {(span - blocked) / max(1, steps) * 1000:.2f} ms a step"] + _step_lines(events)
+            f"host time {(span - blocked) / max(1, steps) * 1000:.2f} ms a step"] + _step_lines(events) \
+        + _mask_lines(events)
+
+
+def _mask_lines(events: list) -> list[str]:
+    """Steps with constrained rows: how long their masks took on the grammar table's thread,
+    and how long the worker then waited for them."""
+    masks = [e for e in events if e[1] == "masks"]
+    if not masks:
+        return []
+    rows, took, waited = ([e[i] for e in masks] for i in (2, 3, 4))
+    return [f"  {len(masks)} steps waited for masks ({statistics.median(rows):.0f} constrained rows p50): "
+            f"filled in p50 {_ms(took, 0.5)} ms, p90 {_ms(took, 0.9)}; waited for p50 {_ms(waited, 0.5)} ms, "
+            f"p90 {_ms(waited, 0.9)}"]
 
 
 def _ms(values: list[float], q: float) -> str:

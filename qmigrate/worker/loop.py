@@ -71,7 +71,7 @@ class Worker:
             engine = Engine(model, self.cfg.engine_config(), own_model=True)
         self.core = WorkerCore(engine)
         engine.grammars.compiler = grammar_compiler(topo, engine.shape.vocab_size, prepare=device.startswith("cuda"))
-        self.trace = self.core.trace = tracer(f"worker-{name}", topo.trace_dir)
+        self.trace = self.core.trace = engine.trace = tracer(f"worker-{name}", topo.trace_dir)
         flush_on_sigterm(self.trace)
         engine.warm_up()
         if engine.prefill_tokens_per_s:
