@@ -436,3 +436,48 @@ def test_a_flood_of_one_kind_hides_no_other_kind():
         warn.warning("flood %d", i)
     warn.warning("other %d", 1)
     assert seen == ["flood 0", "flood 1", "flood 2", "flood 3", "other 1"]  # then one per 10 s
+
+
+def test_a_submit_lost_with_a_router_that_restarted_goes_again_without_waiting_for_its_ack(topo, monkeypatch):
+    """Ingest learns the router's incarnation from its acks and stats. A Submit sent to a router
+    that then dies is sent again as soon as a router of another incarnation answers a stats
+    request (asked for while the ack is late), not after ACK_TIMEOUT_S: requests typed while
+    the router restarted do not wait that long."""
+    from qmigrate.ingest import loop as ingest_loop
+    from qmigrate.ingest.prompts import Prompt
+    from qmigrate.router.loop import Router
+    monkeypatch.setattr(ingest_loop, "ACK_TIMEOUT_S", 1e9)   # the ack timeout never fires here
+    ingest = ingest_loop.Ingest(topo, read_stdin=False)
+    router = Router(topo)
+    second = None
+
+    def offer(r: int, router) -> None:
+        ingest.enqueue(ingest.id_base | r, Prompt(f"r{r}", [1, 2, 3], 2, 0.0, 1.0, 0, 1, []), P.ROUTE_STDOUT)
+
+    def run_until(router, done, rounds: int = 400) -> bool:
+        for _ in range(rounds):
+            ingest.submit()
+            if router.work.poll(5):
+                router.drain_socket()
+            if ingest.router.poll(5):
+                ingest.on_router()
+            if done():
+                return True
+        return False
+
+    try:
+        offer(1, router)
+        assert run_until(router, lambda: not ingest.pending and not ingest.awaiting_ack)
+        assert ingest.router_incarnation == router.incarnation
+        offer(2, router)
+        ingest.submit()
+        assert ingest.awaiting_ack
+        _close(router.work, router.telemetry, router.out.detok)   # it dies with the Submit unread
+        second = Router(topo)
+        assert second.incarnation != router.incarnation
+        assert run_until(second, lambda: len(second.sched.seqs) == 1 and not ingest.awaiting_ack)
+        assert {second.out.outputs.req_ids[s] for s in second.sched.seqs} == {"r2"}
+    finally:
+        _close(ingest.router, ingest.feed, ingest.replies)
+        if second is not None:
+            _close(second.work, second.telemetry, second.out.detok)

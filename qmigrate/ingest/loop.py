@@ -115,6 +115,8 @@ class Ingest:
         self.closing_in_flight = False
         self.awaiting_ack = False
         self.sent_at = 0.0
+        self.router_incarnation = 0   # of the router that answered last (P.Stats.incarnation; 0: none yet)
+        self.sent_to = 0              # ... when the Submit awaiting its ack went out
         self.retry_at = 0.0
         self.line_no = 0
         self.num_requests = 0
@@ -318,6 +320,8 @@ class Ingest:
             self.awaiting_ack = False
             if self.in_flight > 1:
                 self.max_batch = self.in_flight // 2
+        elif self.awaiting_ack and now - self.sent_at > WORKERS_POLL_S:
+            self.ask_for_workers()   # a restarted router is found by its Stats (`on_router`)
         closing = (self.read_stdin and self.stdin_done and not self.closed_sent and not self.pending
                    and self.lines.empty() and len(self.errors) <= P.SUBMIT_MAX_SEQS)
         if self.awaiting_ack or now < self.retry_at or not (self.pending or self.errors or closing):
@@ -332,6 +336,7 @@ class Ingest:
                                              P.pack_u8([b[2] for b in batch]), [b[3] for b in batch],
                                              P.pack_i64([n for _, _, n in errors])))
         self.in_flight, self.sent_at, self.awaiting_ack = len(batch), now, True
+        self.sent_to = self.router_incarnation
 
     def ask_for_workers(self, every_s: float = WORKERS_POLL_S) -> None:
         if (now := time.monotonic()) - self.asked_at >= every_s:
@@ -343,6 +348,12 @@ class Ingest:
         while (got := transport.recv(self.router, 0)) is not None:
             msg = got[1]
             if isinstance(msg, P.Stats):
+                if self.awaiting_ack and self.sent_to and msg.incarnation and msg.incarnation != self.sent_to:
+                    # the Submit went to a router that has since restarted: its ack will not come,
+                    # so it goes again now rather than after ACK_TIMEOUT_S (stats come every
+                    # WORKERS_POLL_S); the router ignores what it already has
+                    self.awaiting_ack = False
+                self.router_incarnation = msg.incarnation or self.router_incarnation
                 if msg.counters.get("workers", 0) >= self.wait_for_workers:
                     self.wait_for_workers = 0
                 serving = msg.counters.get("serving", msg.counters.get("workers", 0))
@@ -355,6 +366,8 @@ class Ingest:
                     self.fronts.set_serving(serving)
             if isinstance(msg, P.Reject) and self.awaiting_ack and not msg.is_unknown_peer:
                 self.on_refused(msg.reason)
+            if isinstance(msg, P.SubmitAck):
+                self.router_incarnation = msg.incarnation or self.router_incarnation
             if isinstance(msg, P.SubmitAck) and self.awaiting_ack and msg.is_deferred:
                 self.awaiting_ack, self.in_flight, self.errors_in_flight = False, 0, 0
                 self.closing_in_flight = False

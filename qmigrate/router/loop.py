@@ -8,6 +8,7 @@ worker may send) is messages.py."""
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections import Counter, deque
 
@@ -41,6 +42,7 @@ class Router:
         rc = topo.router
         self.trace = tracer("router", topo.trace_dir)
         flush_on_sigterm(self.trace)
+        self.incarnation = int.from_bytes(os.urandom(6), "big") | 1   # told with Stats and SubmitAck
         self.config = rc
         self.heartbeat_interval_s = rc.heartbeat_interval_s
         self.sched = Scheduler(self.config)
@@ -327,7 +329,7 @@ class Router:
             # The detokenizer is not reading: admit nothing (its names, errors and end would
             # only add to what waits for it); ingest keeps the Submit and sends it later.
             self.sched.counters["submits_deferred"] += 1
-            self.reply(sender, P.SubmitAck(0, 0, is_deferred=True))
+            self.reply(sender, P.SubmitAck(0, 0, is_deferred=True, incarnation=self.incarnation))
             return
         offered = msg.seqs[:self.sched.num_free]
         for spec in offered:
@@ -342,7 +344,7 @@ class Router:
                 # theirs can reach it before this handler is done.
                 self.serve_parked(time.monotonic())
             self.out.announce(new)
-        self.reply(sender, P.SubmitAck(taken, self.sched.num_free))
+        self.reply(sender, P.SubmitAck(taken, self.sched.num_free, incarnation=self.incarnation))
 
     def on_cancel(self, sender: bytes, msg: P.Cancel, frame: bytes) -> None:
         self.sched.cancel(P.unpack_i64(msg.seq_ids, "seq_ids").tolist())
@@ -376,7 +378,7 @@ class Router:
                                   dropped_sends=transport.num_dropped, parked=self.parked,
                                   kv_imported=self.kv_imported, worker_times=self.worker_times, errors=self.errors)
         workers, gpus = self.observer.snapshot(self.sched)
-        self.reply(sender, P.Stats(counters, workers, gpus))
+        self.reply(sender, P.Stats(counters, workers, gpus, self.incarnation))
 
     # --- periodic ------------------------------------------------------------------------
     def notice_stranded(self, now: float) -> None:

@@ -108,6 +108,7 @@ class Stats:
     counters: dict[str, typing.Any]
     workers: list[list[typing.Any]] = field(default_factory=list)  # rows of observe.WORKER_COLUMNS
     gpus: list[list[typing.Any]] = field(default_factory=list)     # rows of observe.GPU_COLUMNS
+    incarnation: int = 0   # drawn by the router at its start: another one is a restarted router (0: unknown)
 
 # --- ingest and its HTTP front processes (http_processes >= 2) ----------------------------
 # A front sends ingest `Submit`s (its requests' choices as specs, ROUTE_INGEST) and `Cancel`s;

@@ -213,6 +213,7 @@ class SubmitAck:
     num_accepted: int
     num_free: int
     is_deferred: bool = False  # nothing of the Submit was taken, errors and end included: send it later
+    incarnation: int = 0       # the router's (Stats.incarnation)
 
 
 @message(MsgType.REQUEST_META)
