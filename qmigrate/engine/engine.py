@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from qmigrate.engine.batch import StepBatch
-from qmigrate.engine.kv.host_tier import HostTier, export_by_keys, tier_bytes, tier_stats
+from qmigrate.engine.kv.host_tier import export_by_keys, tier_stats
 from qmigrate.engine.kv.pool import BlockPool, landed
 from qmigrate.engine.rows import REFUSED, Pending, StepRow, prompt_budget, share_prompt_budget
 from qmigrate.engine import fp8, placement, prefill, startup
@@ -82,7 +82,7 @@ class Engine:
         self.pool = BlockPool(shape.num_layers, self.pool_kv_heads, shape.head_dim,
                               self._num_blocks(), cfg.block_size, self.kv_dtype, self.device,
                               prefix_cache=cfg.enable_prefix_caching, can_copy=tp is None or tp.world == 1)
-        self._attach_tier()
+        startup.attach_tier(self)
         self.runner.attach(self.pool)
         self.num_continued = 0   # steps built the array way (`_continue`)
         self.prefill_tokens_per_s = 0   # one prefill step's rate, timed by warm_up (0: not timed)
@@ -104,23 +104,8 @@ class Engine:
         # every rank's pool has as many blocks as the smallest can hold: rank 0 places for all
         return blocks if self.tp is None else self.tp.min_int(blocks)
 
-    def _attach_tier(self) -> None:
-        """The host tier of kv_offloading_size, where it applies: a pool that caches prefixes
-        and copies its own blocks (not a tensor-parallel group's)."""
-        cfg = self.config
-        on_gpu = self.device.type == "cuda"
-        size = tier_bytes(cfg.kv_offloading_size, on_gpu, torch.cuda.device_count() if on_gpu else 1)
-        if size and self.pool.is_caching and self.pool.can_copy:
-            self.pool.attach_tier(HostTier(self.pool.kv, size))
-
     def describe(self) -> str:
-        p = self.pool
-        ranks = "" if self.tp is None else f", tensor parallel over {self.tp.world} ranks (pool per rank)"
-        tier = "" if p.tier is None else (f", host tier of {p.tier.capacity * p.tier.block_bytes / 2**30:.2f} GiB"
-                                          + (" (allocated while idle)" if p.tier.grows_idle else ""))
-        return (f"{self.runner.name} runner ({self.runner_reason}{ranks}), KV pool of {p.capacity_tokens:,} tokens "
-                f"({p.num_blocks - 1:,} blocks of {p.block_size}, {str(p.dtype).removeprefix('torch.')}, "
-                f"{p.kv.numel() * p.kv.element_size() / 2**30:.2f} GiB){tier}")
+        return startup.describe(self)
 
     # --- KV store -------------------------------------------------------------------------
     def cached_len(self, seq_id: int) -> int:

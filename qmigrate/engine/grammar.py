@@ -141,12 +141,10 @@ class GrammarTable:
             self.executor = llguidance.LLExecutor(mask_threads())
         return self.executor
 
-    def masks(self, seq_ids, index, noted=None) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(rows, packed bits) of a step's constrained rows, on the device; None when it has none.
-        `noted`: (seq_ids, index, tokens, partial) of the step before, just collected, which
-        the matchers take first (`note`)."""
+    def masks(self, seq_ids, index) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(rows, packed bits) of a step's constrained rows, on the device; None when it has none."""
         self._join()
-        return self._on_device(self._host_masks(seq_ids, index, noted))
+        return self._on_device(self._host_masks(seq_ids, index, None))
 
     def start(self, seq_ids, index, noted) -> Future:
         """`masks`, on a thread of the table's: the matchers take the tokens `noted` and fill the
@@ -190,7 +188,9 @@ class GrammarTable:
         return dev_rows, bits.to(self.device, non_blocking=True)
 
     def _host_masks(self, seq_ids, index, noted) -> tuple[list[int], torch.Tensor] | None:
-        """(rows, packed bits in a pinned buffer) of a step's constrained rows; None: none."""
+        """(rows, packed bits in a pinned buffer) of a step's constrained rows; None: none.
+        `noted`: (seq_ids, index, tokens, partial) of the step before, just collected, which
+        the matchers take first (`note`), or None."""
         if noted is not None:
             self._note(*noted)
         matchers = self.matchers

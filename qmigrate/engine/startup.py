@@ -1,5 +1,6 @@
 """What an engine does once, before it serves: size its KV pool from the device's memory
-(after measuring the largest step's activations on a scratch pool), and warm its kernels up
+(after measuring the largest step's activations on a scratch pool) and give it its host tier,
+say what it runs on, and warm its kernels up
 with throwaway steps, then time one step of prompts."""
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import time
 import torch
 
 from qmigrate.engine.batch import StepBatch
+from qmigrate.engine.kv.host_tier import HostTier, tier_bytes
 from qmigrate.engine.kv.pool import BlockPool
 from qmigrate.engine.rows import REFUSED, StepRow
 from qmigrate.engine.sampling import SamplingRows, sample
@@ -28,6 +30,26 @@ def release_checkpoint(runner, model) -> None:
     torch.cuda.empty_cache()
     log.info("%.2f GiB of checkpoint tensors the runner does not hold released before sizing the KV pool",
              released / 2**30)
+
+
+def attach_tier(engine) -> None:
+    """The host tier of kv_offloading_size, where it applies: a pool that caches prefixes and
+    copies its own blocks (not a tensor-parallel group's)."""
+    on_gpu = engine.device.type == "cuda"
+    size = tier_bytes(engine.config.kv_offloading_size, on_gpu, torch.cuda.device_count() if on_gpu else 1)
+    if size and engine.pool.is_caching and engine.pool.can_copy:
+        engine.pool.attach_tier(HostTier(engine.pool.kv, size))
+
+
+def describe(engine) -> str:
+    """One line of what the engine runs on: its runner, its KV pool and host tier."""
+    p, tp = engine.pool, engine.tp
+    ranks = "" if tp is None else f", tensor parallel over {tp.world} ranks (pool per rank)"
+    tier = "" if p.tier is None else (f", host tier of {p.tier.capacity * p.tier.block_bytes / 2**30:.2f} GiB"
+                                      + (" (allocated while idle)" if p.tier.grows_idle else ""))
+    return (f"{engine.runner.name} runner ({engine.runner_reason}{ranks}), KV pool of {p.capacity_tokens:,} tokens "
+            f"({p.num_blocks - 1:,} blocks of {p.block_size}, {str(p.dtype).removeprefix('torch.')}, "
+            f"{p.kv.numel() * p.kv.element_size() / 2**30:.2f} GiB){tier}")
 
 
 def num_blocks_here(engine) -> int:

@@ -347,13 +347,14 @@ class Ingest:
     def on_router(self) -> None:
         while (got := transport.recv(self.router, 0)) is not None:
             msg = got[1]
+            if isinstance(msg, (P.Stats, P.SubmitAck)) and msg.incarnation:
+                self.router_incarnation = msg.incarnation
             if isinstance(msg, P.Stats):
                 if self.awaiting_ack and self.sent_to and msg.incarnation and msg.incarnation != self.sent_to:
                     # the Submit went to a router that has since restarted: its ack will not come,
                     # so it goes again now rather than after ACK_TIMEOUT_S (stats come every
                     # WORKERS_POLL_S); the router ignores what it already has
                     self.awaiting_ack = False
-                self.router_incarnation = msg.incarnation or self.router_incarnation
                 if msg.counters.get("workers", 0) >= self.wait_for_workers:
                     self.wait_for_workers = 0
                 serving = msg.counters.get("serving", msg.counters.get("workers", 0))
@@ -366,8 +367,6 @@ class Ingest:
                     self.fronts.set_serving(serving)
             if isinstance(msg, P.Reject) and self.awaiting_ack and not msg.is_unknown_peer:
                 self.on_refused(msg.reason)
-            if isinstance(msg, P.SubmitAck):
-                self.router_incarnation = msg.incarnation or self.router_incarnation
             if isinstance(msg, P.SubmitAck) and self.awaiting_ack and msg.is_deferred:
                 self.awaiting_ack, self.in_flight, self.errors_in_flight = False, 0, 0
                 self.closing_in_flight = False

@@ -12,8 +12,9 @@ start_end (lease id), prompts (a launched step's prompt rows, their new tokens, 
 positions of those found cached), launch (rows), collect_begin (rows) / collect_end, finish_begin /
 finish_end (lease id), withdrawn (lease id: a chain revoked before it started, answered
 unrun), masks (a step's constrained rows, seconds their masks took on the grammar table's
-thread, seconds the worker waited for them). Router events: submit (sequences offered, taken), request (worker, request no.),
-grant (worker, lease id, rows, steps, request no.), result (worker, lease id), tokens
+thread, seconds the worker waited for them). Router events: submit (sequences offered,
+taken), request (worker, request no.), grant (worker, lease id, rows, steps, request no.),
+result (worker, lease id), tokens
 (worker, rows: a step's tokens on their way to the detokenizer). The token path after
 the router: the detokenizer's in (rows of a Tokens message) and out (replies sent to ingest),
 ingest's in (replies received) and each HTTP process's in (replies it takes from ingest).
