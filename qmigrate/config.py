@@ -213,6 +213,9 @@ class WorkerConfig(EngineConfig):
     # GPUs (processes) one worker spans, from `device` on (cuda:K .. cuda:K+N-1); the model's
     # heads and MLP width must divide by it (checked when the worker loads the model)
     tensor_parallel_size: int = rules.setting(1, rules.count)
+    # where structured output's matchers fill a step's masks: a process of their own beside the
+    # worker ("process"), or a thread of the worker's ("thread"); "auto": a process on a GPU
+    grammar_masks: str = rules.setting("auto", rules.one_of("auto", "process", "thread"))
 
     def engine_config(self) -> EngineConfig:
         """The engine's settings exactly as this section holds them."""

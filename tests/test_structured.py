@@ -8,6 +8,7 @@ import json
 import re
 
 import pytest
+import torch
 jsonschema = pytest.importorskip("jsonschema")   # the test extra; absent where only the GPU tests run
 
 from qmigrate.hub import grammars
@@ -118,6 +119,22 @@ def _core(tiny, runner="hf"):
     return core
 
 
+@pytest.fixture
+def masks_process(tiny):
+    """`use(table)`: the table's matchers in a process of their own (hub/masks.py), closed after
+    the test."""
+    path, *_ = tiny
+    tables = []
+
+    def use(table):
+        table.use_process(path, False, 60.0)
+        tables.append(table)
+        return table
+    yield use
+    for table in tables:
+        table.close()
+
+
 def _compiled(core, grammar, eos_ids):
     """The core with `grammar` compiled (a worker answers NEED_IDS until it is)."""
     core.engine.grammars.compiler.matcher(grammar, eos_ids)
@@ -194,6 +211,58 @@ def test_a_sequence_moved_mid_output_keeps_its_grammar_state_and_its_tokens(tiny
     assert first + rest == whole and code == P.Finish.EOS
     document = json.loads(tokenizer.decode(whole, skip_special_tokens=True))
     jsonschema.validate(document, SCHEMA)
+
+
+@pytest.mark.parametrize("move", [None, "recompute"])
+def test_matchers_in_a_process_of_their_own_give_the_same_tokens_moved_or_not(tiny, move, masks_process):
+    """The fast runner (a constrained step samples once the step before is collected) with its
+    matchers in their own process: the tokens of the matchers on the worker's thread, on one
+    worker or moved after 9 tokens to another whose matchers are in a process too."""
+    _, _, tokenizer, eos_ids = tiny
+    prompt = [1, 17, 99, 5, 42, 17, 250, 7]
+    grammar = _parse(tiny, response_format=RESPONSE_FORMAT).grammar
+    spec = lambda ids: P.SeqSpec(1, P.pack_i32(ids), len(prompt), 120, eos_ids=eos_ids, grammar=grammar)
+    whole, code = _run(_compiled(_core(tiny, "fast"), grammar, eos_ids), _lease(1, prompt, spec(prompt), 120))
+    assert code == P.Finish.EOS
+
+    def core_of():
+        core = _core(tiny, "fast")
+        masks_process(core.engine.grammars)
+        return _compiled(core, grammar, eos_ids)
+    core = core_of()
+    if move is None:
+        assert _run(core, _lease(1, prompt, spec(prompt), 120)) == (whole, P.Finish.EOS)
+        return
+    first, code = _run(core, _lease(1, prompt, spec(prompt), 9))
+    assert code == P.Finish.NONE and first == whole[:9]
+    ids = prompt + first
+    rest, code = _run(core_of(), _lease(2, ids, spec(ids), 120))
+    assert first + rest == whole and code == P.Finish.EOS
+    jsonschema.validate(json.loads(tokenizer.decode(whole, skip_special_tokens=True)), SCHEMA)
+
+
+def test_a_mask_process_that_dies_is_an_error_and_one_whose_worker_leaves_ends(tiny, masks_process):
+    from qmigrate.engine.grammar import GrammarTable
+    _, model, tokenizer, eos_ids = tiny
+    grammar = _parse(tiny, structured_outputs={"regex": "[0-9]{5}"}).grammar
+
+    def table():
+        t = GrammarTable(model.config.vocab_size, torch.device("cpu"))
+        t.compiler = grammars.Compiler(lambda: tokenizer, model.config.vocab_size, 60.0)
+        masks_process(t)
+        assert t.set(1, t.matcher(grammar, eos_ids), eos_ids, [])
+        return t
+    gone = table()
+    masks = gone.masks([5, 1], [0, 0])
+    assert masks[0].tolist() == [1]
+    gone.process.proc.kill()
+    gone.process.proc.wait(10)
+    with pytest.raises(RuntimeError, match="mask process has ended"):
+        gone.masks([1], [0])
+    # the worker's side closed (as when it exits): the process ends by itself
+    left = table()
+    left.process.conn.close()
+    assert left.process.proc.wait(10) == 0
 
 
 # --- the official client -----------------------------------------------------------------------
@@ -298,7 +367,8 @@ def test_a_plain_row_beside_a_constrained_one_samples_as_alone(tiny):
     assert re.fullmatch("[0-9]+", tokenizer.decode(tokens[counts[0]:], skip_special_tokens=True))
 
 
-def test_a_pipelined_constrained_step_samples_as_one_collected_first(tiny):
+@pytest.mark.parametrize("where", ["thread", "process"])
+def test_a_pipelined_constrained_step_samples_as_one_collected_first(tiny, where, masks_process):
     """A step launched before the one it follows is collected leaves its sampling until the
     masks, which need that step's tokens, are filled; the tokens, sampled or not, are those of
     the same rows run one collected step at a time, and the constrained row's text matches."""
@@ -312,6 +382,8 @@ def test_a_pipelined_constrained_step_samples_as_one_collected_first(tiny):
     def engine():   # the fast runner (eager on the CPU) feeds a step's tokens on the device
         e = _fast_ops(Engine(model, max_model_len=256, max_kv_tokens=4096, runner="fast", enforce_eager=True))
         e.grammars.compiler = grammars.Compiler(lambda: tokenizer, model.config.vocab_size, 60.0)
+        if where == "process":
+            masks_process(e.grammars)
         for sid in (2, 3):
             assert e.set_grammar(sid, e.grammars.matcher(grammar, eos_ids), eos_ids, [])
         return e
@@ -337,7 +409,7 @@ def test_a_pipelined_constrained_step_samples_as_one_collected_first(tiny):
             deferred += nxt.logits is not None
         for sid, t in zip(prompts, e.collect(pending)):
             piped[sid].append(t)
-        # the next step's masks are being filled on the table's thread, its sampling not yet queued
+        # the next step's masks are being filled beside the worker, its sampling not yet queued
         beside += nxt is not None and nxt.masking is not None and nxt.logits is not None
         pending = nxt
     assert deferred == beside == steps - 1

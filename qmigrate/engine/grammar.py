@@ -15,9 +15,10 @@ queued before the mask is asked for), into a pinned buffer of packed bits (one i
 tokens, llguidance's layout), and applied on the device as one masked fill of the constrained
 rows. A step whose constrained rows sample after a token of the step before it that is still
 on the device (`lags`) is sampled once that step is collected: collecting it
-(`Engine._note_grammars`) starts a job on the table's own thread (`start`), where the matchers
-take its tokens and the masks are filled (by the library's threads, the rows handed to them
-family by family of their templates: hub/grammars.py). Meanwhile the worker does its own work on
+(`Engine._note_grammars`) starts a job (`start`) where the matchers are: on the table's own
+thread, or in a process of the matchers' own (a GPU worker's, hub/masks.py says why). There the
+matchers take its tokens and the masks are filled (by the library's threads, the rows handed to
+them family by family of their templates: hub/grammars.py). Meanwhile the worker does its own work on
 the collected step and builds the next one; launching that one (or collecting the waiting
 step) takes the masks (`finish`) and queues the sampling, just before the next forward pass.
 Rows without a grammar pay nothing of this; a step with no constrained row does no work here.
@@ -33,27 +34,33 @@ by schema).
 
 from __future__ import annotations
 
-import logging
 import sys
 import time
 from concurrent.futures import Future, ThreadPoolExecutor, wait
+from typing import NamedTuple
 
 import numpy as np
 import torch
 
-log = logging.getLogger(__name__)
+from qmigrate.hub.masks import Matchers, MaskProcess
 
 SWITCH_INTERVAL_S = 0.0002   # the longest a thread keeps the interpreter's lock while another waits (`start`)
 
 
 class GrammarTable:
-    """The matchers of the constrained sequences a worker holds."""
+    """The matchers of the constrained sequences a worker holds: in this process (`Matchers`,
+    a step's masks filled on a thread of the table's) or in a process of their own
+    (`use_process`: hub/masks.py), behind the same calls. What each matcher has consumed is
+    also counted here, on the worker's thread, so that a step knows without asking whether
+    its constrained rows wait for the step before it (`lags`)."""
 
     def __init__(self, vocab_size: int, device) -> None:
         self.vocab_size, self.device = vocab_size, device
         self.compiler = None          # hub.grammars.Compiler, set by whoever has the tokenizer
-        self.matchers: dict[int, list] = {}   # seq_id -> [matcher, tokens consumed, EOS ids, family]
-        self.executor = None
+        self.counts: dict[int, int] = {}   # seq_id -> tokens its matcher has consumed
+        self.local = Matchers()       # the matchers, unless they have a process of their own
+        self.process: MaskProcess | None = None
+        self.warmed: set[tuple] = set()    # grammars the process was told to compile
         self.jobs = None              # one thread: a step's masks filled beside the worker's own work
         self.job = None               # the last job asked for (a Future)
         self.buffers: list[torch.Tensor] = []  # two pinned bitmasks, used in turn
@@ -61,13 +68,32 @@ class GrammarTable:
         self.width = 0                # int32 words of a row's mask
 
     def __bool__(self) -> bool:
-        return bool(self.matchers)
+        return bool(self.counts)
+
+    def use_process(self, tokenizer_path, trust_remote_code: bool, timeout_s: float) -> None:
+        """Keep the matchers in a process of their own from now on (before any is set)."""
+        assert not self.counts, "matchers already set here"
+        self.process = MaskProcess(tokenizer_path, trust_remote_code, self.vocab_size, timeout_s)
+        if self.compiler is not None:   # this process's copies only prove that a grammar compiles
+            self.compiler.family_size = 1
+
+    def close(self) -> None:
+        self._join()
+        if self.process is not None:
+            self.process.close()
+
+    def _warm(self, grammar: str, eos_ids) -> None:
+        key = (grammar, tuple(sorted(eos_ids)))
+        if self.process is not None and key not in self.warmed:
+            self.warmed.add(key)
+            self.process.warm(grammar, eos_ids)
 
     def matcher(self, grammar: str, eos_ids):
         """A fresh matcher of `grammar` (GrammarError: it does not compile, or not in time)."""
         from qmigrate.hub.grammars import GrammarError
         if self.compiler is None:
             raise GrammarError("this worker has no tokenizer for structured output")
+        self._warm(grammar, eos_ids)
         return self.compiler.matcher(grammar, eos_ids)
 
     def ready(self, grammar: str, eos_ids):
@@ -76,6 +102,7 @@ class GrammarTable:
         from qmigrate.hub.grammars import GrammarError
         if self.compiler is None:
             raise GrammarError("this worker has no tokenizer for structured output")
+        self._warm(grammar, eos_ids)
         return self.compiler.ready(grammar, eos_ids)
 
     def set(self, seq_id: int, fresh, eos_ids, generated) -> bool:
@@ -83,76 +110,79 @@ class GrammarTable:
         False when they do not follow the grammar (the sequence cannot go on under it)."""
         self._join()
         self.forget(seq_id)
-        matcher = fresh.matcher
         generated = [int(t) for t in generated]
-        if generated and not matcher.consume_tokens(generated):
-            log.warning("sequence %d: its %d generated ids do not follow its grammar: %s", seq_id,
-                        len(generated), matcher.get_error())
-            return False
-        self.matchers[seq_id] = [matcher, len(generated), sorted(eos_ids), fresh.family]
-        self.width = self.width or self.compiler.mask_words(eos_ids)
-        return True
+        if self.process is not None:
+            ok = self.process.set(seq_id, fresh.grammar, eos_ids, generated)
+        else:
+            ok = self.local.set(seq_id, fresh, eos_ids, generated)
+        if ok:
+            self.counts[seq_id] = len(generated)
+            self.width = self.width or self.compiler.mask_words(eos_ids)
+        return ok
 
     def forget(self, seq_id: int) -> None:
-        self.matchers.pop(seq_id, None)
-
-    def _at(self, entry: list, index: int) -> bool:
-        """Bring a matcher back to `index` tokens consumed; False when it has fewer."""
-        if entry[1] > index:
-            entry[0].rollback(entry[1] - index)
-            entry[1] = index
-        return entry[1] == index
+        """Drop a sequence (a job in flight still fills its row: nothing waits for it)."""
+        if self.counts.pop(seq_id, None) is not None:
+            if self.process is not None:
+                self.process.forget(seq_id)
+            else:
+                self.local.forget(seq_id)
 
     def lags(self, seq_ids, index) -> bool:
         """Whether a constrained row samples past what its matcher has consumed (its last token
         is still on the device)."""
-        self._join()
-        matchers = self.matchers
-        return any(s in matchers and matchers[s][1] < i for s, i in zip(seq_ids, np.asarray(index).tolist()))
+        counts = self.counts
+        return any(s in counts and counts[s] < i for s, i in zip(seq_ids, np.asarray(index).tolist()))
+
+    def _noted(self, seq_ids, index, tokens, partial=frozenset()):
+        """The constrained rows of a step's sampled tokens (row k's is generated token index[k]
+        of seq_ids[k]), as (seq_ids, index, tokens) lists, or None; counted as consumed."""
+        counts, taken = self.counts, ([], [], [])
+        for s, i, t in zip(seq_ids, np.asarray(index).tolist(), tokens):
+            c = counts.get(s)
+            if c is not None and s not in partial:
+                taken[0].append(s)
+                taken[1].append(i)
+                taken[2].append(int(t))
+                if c >= i:   # a matcher ahead of the row goes back first; one behind it stays there
+                    counts[s] = i + 1
+        return taken if taken[0] else None
+
+    def _rows(self, seq_ids, index) -> tuple[list[int], list[int], list[int]]:
+        """(rows, their seq_ids, their index) of a step's constrained rows."""
+        counts = self.counts
+        rows = [k for k, s in enumerate(seq_ids) if s in counts]
+        index = np.asarray(index)
+        return rows, [seq_ids[k] for k in rows], index[rows].tolist()
 
     def note(self, seq_ids, index, tokens, partial=frozenset()) -> None:
-        """The tokens a step sampled: row k's is generated token index[k] of seq_ids[k]. Several
-        rows take theirs on the library's threads, family by family (as `masks` fills them)."""
-        self._join()
-        self._note(seq_ids, index, tokens, partial)
-
-    def _note(self, seq_ids, index, tokens, partial=frozenset()) -> None:
-        matchers, taking = self.matchers, []
-        for s, i, t in zip(seq_ids, np.asarray(index).tolist(), tokens):
-            entry = matchers.get(s)
-            if entry is None or s in partial or not self._at(entry, i):
-                continue
-            taking.append((entry[3], s, entry, int(t)))
-        if len(taking) > 1:
-            taking.sort(key=lambda x: x[0])
-            taken = self._executor().consume_token_par([(entry[0], t) for _, _, entry, t in taking])
+        """The tokens a step sampled: row k's is generated token index[k] of seq_ids[k]."""
+        noted = self._noted(seq_ids, index, tokens, partial)
+        if noted is None:
+            return
+        if self.process is not None:
+            self.process.note(noted)
         else:
-            taken = [entry[0].consume_token(t) for _, _, entry, t in taking]
-        for (_, s, entry, t), ok in zip(taking, taken):
-            if ok:
-                entry[1] += 1
-            else:
-                log.warning("sequence %d: token %d does not follow its grammar: %s", s, t, entry[0].get_error())
-
-    def _executor(self):
-        if self.executor is None:
-            import llguidance
-            from qmigrate.hub.grammars import mask_threads
-            self.executor = llguidance.LLExecutor(mask_threads())
-        return self.executor
+            self._join()
+            self.local.note(*noted)
 
     def masks(self, seq_ids, index) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(rows, packed bits) of a step's constrained rows, on the device; None when it has none."""
-        self._join()
-        return self._on_device(self._host_masks(seq_ids, index, None))
+        return self.finish(self.start(seq_ids, index, None))[0]
 
-    def start(self, seq_ids, index, noted) -> Future:
-        """`masks`, on a thread of the table's: the matchers take the tokens `noted` and fill the
-        masks there while the caller goes on (the library's calls leave the interpreter's lock);
-        `finish` takes them. Jobs run in the order asked, and every other call on the table
-        waits for the last one first, so the matchers are never used from two places at once
-        (`forget` only drops a sequence from the table: a job in flight has its entries)."""
+    def start(self, seq_ids, index, noted) -> "Job":
+        """`masks`, filled beside the caller: the matchers take the tokens `noted` (`note`'s
+        arguments) and fill the masks on the table's thread, or in the matchers' process,
+        while the caller goes on (the library's calls leave the interpreter's lock); `finish`
+        takes them. Jobs run in the order asked, and every other call on the table waits for
+        the last one first, so the matchers are never used from two places at once."""
         self._join()
+        taken = self._noted(*noted) if noted is not None else None
+        rows, ids, index = self._rows(seq_ids, index)
+        bits = self._buffer(len(rows))
+        host = bits.numpy().view(np.uint32)
+        if self.process is not None:
+            return Job(rows, bits, self.process.start(taken, ids, index, host))
         if self.jobs is None:   # on a GPU the thread's device is the table's (its pinned buffers)
             on_gpu = self.device.type == "cuda"
             self.jobs = ThreadPoolExecutor(1, thread_name_prefix="masks",
@@ -161,70 +191,35 @@ class GrammarTable:
             # for it while the worker's thread runs Python: by default up to 5 ms at each turn,
             # longer than the whole job, so it would start only once the worker waits for it.
             sys.setswitchinterval(min(sys.getswitchinterval(), SWITCH_INTERVAL_S))
-        self.job = self.jobs.submit(self._timed, seq_ids, index, noted)
-        return self.job
+        self.job = self.jobs.submit(self._fill, taken, ids, index, host)
+        return Job(rows, bits, self.job)
 
-    def finish(self, job: Future) -> tuple[tuple[torch.Tensor, torch.Tensor] | None, float]:
+    def finish(self, job: "Job") -> tuple[tuple[torch.Tensor, torch.Tensor] | None, float]:
         """The masks of a job `start` began, on the device (waits for it), and the seconds the
-        job took on its thread."""
-        host, took = job.result()
-        return self._on_device(host), took
+        job took where it ran."""
+        if isinstance(job.handle, Future):
+            took = job.handle.result()
+        else:
+            took = self.process.result(job.handle)
+        if not job.rows:
+            return None, took
+        dev_rows = torch.tensor(job.rows, dtype=torch.int64).to(self.device, non_blocking=True)
+        return (dev_rows, job.bits.to(self.device, non_blocking=True)), took
 
-    def _timed(self, seq_ids, index, noted):
+    def _fill(self, taken, seq_ids, index, host) -> float:
         began = time.perf_counter()
-        return self._host_masks(seq_ids, index, noted), time.perf_counter() - began
+        if taken is not None:
+            self.local.note(*taken)
+        self.local.fill(seq_ids, index, host)
+        return time.perf_counter() - began
 
     def _join(self) -> None:
+        if self.process is not None:
+            self.process.join()
         job = self.job
         if job is not None:
             self.job = None
             wait([job])   # its outcome (an error too) is the caller of `finish`'s
-
-    def _on_device(self, host) -> tuple[torch.Tensor, torch.Tensor] | None:
-        if host is None:
-            return None
-        rows, bits = host
-        dev_rows = torch.tensor(rows, dtype=torch.int64).to(self.device, non_blocking=True)
-        return dev_rows, bits.to(self.device, non_blocking=True)
-
-    def _host_masks(self, seq_ids, index, noted) -> tuple[list[int], torch.Tensor] | None:
-        """(rows, packed bits in a pinned buffer) of a step's constrained rows; None: none.
-        `noted`: (seq_ids, index, tokens, partial) of the step before, just collected, which
-        the matchers take first (`note`), or None."""
-        if noted is not None:
-            self._note(*noted)
-        matchers = self.matchers
-        index = np.asarray(index).tolist()
-        entries = [matchers.get(s) for s in seq_ids]
-        rows = [k for k, entry in enumerate(entries) if entry is not None]
-        if not rows:
-            return None
-        bits = self._buffer(len(rows))
-        pairs = []
-        for j, k in enumerate(rows):
-            entry = entries[k]
-            if not self._at(entry, index[k]):
-                log.warning("sequence %d: its grammar is %d tokens behind; only EOS is allowed",
-                            seq_ids[k], index[k] - entry[1])
-                bits[j] = 0
-                continue
-            pairs.append((entry[0], j, entry[3]))
-        # The library's own calls, not its `llguidance.torch` helpers (importing those compiles a
-        # function with torch.compile: seconds of a worker's first constrained step); the rows in
-        # order of their template's family, so that each thread takes a run of rows sharing a
-        # lock (hub/grammars.py) rather than every thread waiting on each lock in turn.
-        row_bytes = bits.shape[1] * 4
-        if len(pairs) > 1:
-            pairs.sort(key=lambda p: p[2])
-            self._executor().unsafe_compute_mask_ptr([p[:2] for p in pairs], bits.data_ptr(), row_bytes, bits.shape[0])
-        elif pairs:
-            matcher, j, _ = pairs[0]
-            matcher.unsafe_compute_mask_ptr(bits[j].data_ptr(), row_bytes)
-        host = bits.numpy().view(np.uint32)
-        for j in np.flatnonzero(~host.any(axis=1)).tolist():   # nothing allowed (ended, or lost): EOS
-            for t in entries[rows[j]][2]:
-                host[j, t >> 5] |= np.uint32(1 << (t & 31))
-        return rows, bits
 
     def _buffer(self, num_rows: int) -> torch.Tensor:
         width = self.width
@@ -237,6 +232,14 @@ class GrammarTable:
             buf = self.buffers[self.turn] = torch.empty(max(num_rows, 2 * buf.shape[0]), width, dtype=torch.int32,
                                                         pin_memory=pinned)
         return buf[:num_rows]
+
+
+class Job(NamedTuple):
+    """A step's masks being filled (`GrammarTable.start`): its constrained rows, the pinned
+    rows of bits they go to, and the thread's Future or the process's job."""
+    rows: list[int]
+    bits: torch.Tensor
+    handle: object
 
 
 def apply_masks(logits: torch.Tensor, rows: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:

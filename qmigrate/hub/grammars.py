@@ -50,9 +50,11 @@ def mask_threads() -> int:
 
 class Copy(NamedTuple):
     """A sequence's matcher at its grammar's start, and which of the grammar's templates it
-    was copied from: copies of one template share a lock (the module's docstring)."""
+    was copied from: copies of one template share a lock (the module's docstring); and the
+    grammar's text (what a process of the matchers' own compiles: hub/masks.py)."""
     matcher: object
     family: int
+    grammar: str = ""
 
 
 class GrammarError(ValueError):
@@ -184,6 +186,17 @@ class Compiler:
         self.growing: set[tuple] = set()        # keys with a template compiling for their family
         self.family_size = mask_threads()
 
+    @classmethod
+    def for_model(cls, path, trust_remote_code: bool, vocab_size: int, timeout_s: float,
+                  prepare: bool = False) -> "Compiler":
+        """A model's compiler: its tokenizer loaded on first use or, with `prepare` (a step must
+        not wait for it), on a pool thread now."""
+        from qmigrate.hub.tokenizer_info import load_tokenizer_info
+        compiler = cls(lambda: load_tokenizer_info(path, trust_remote_code)[0], vocab_size, timeout_s)
+        if prepare:
+            compiler.pool.submit(lambda: compiler.tokenizer(load_tokenizer_info(path, trust_remote_code)[2]))
+        return compiler
+
     def _tokenizer(self, eos_ids: tuple[int, ...]):
         import llguidance.hf
         hf_tokenizer = self.load_tokenizer()
@@ -284,7 +297,7 @@ class Compiler:
             if len(family) < self.family_size and key not in self.growing and key in self.templates:
                 self.growing.add(key)
                 self.pool.submit(self._grow, key, grammar)
-        return Copy(template.deep_copy(), index)
+        return Copy(template.deep_copy(), index, grammar)
 
     def _grow(self, key: tuple, grammar: str) -> None:
         try:

@@ -71,6 +71,9 @@ class Worker:
             engine = Engine(model, self.cfg.engine_config(), own_model=True)
         self.core = WorkerCore(engine)
         engine.grammars.compiler = grammar_compiler(topo, engine.shape.vocab_size, prepare=device.startswith("cuda"))
+        if self.cfg.grammar_masks == "process" or (self.cfg.grammar_masks == "auto" and device.startswith("cuda")):
+            engine.grammars.use_process(resolve_model(topo.model.path), topo.model.trust_remote_code,
+                                        topo.defaults.structured_output_compile_timeout_s)
         self.trace = self.core.trace = engine.trace = tracer(f"worker-{name}", topo.trace_dir)
         flush_on_sigterm(self.trace)
         engine.warm_up()
@@ -349,6 +352,7 @@ class Worker:
             sock.close(linger=2000)
         if self.ranks is not None:
             self.ranks.stop(self.core.engine.runner)
+        self.core.engine.grammars.close()
         transport.end()
 
     def send_router(self, msg) -> None:
@@ -421,10 +425,5 @@ def grammar_compiler(topo, vocab_size: int, prepare: bool = False):
     """Structured output's compiler for this worker: the model's tokenizer, loaded on first use
     or, with `prepare` (a GPU worker: a step must not wait for it), on a pool thread now."""
     from qmigrate.hub.grammars import Compiler
-    from qmigrate.hub.tokenizer_info import load_tokenizer_info
-    path, trust = resolve_model(topo.model.path), topo.model.trust_remote_code
-    compiler = Compiler(lambda: load_tokenizer_info(path, trust)[0], vocab_size,
-                        topo.defaults.structured_output_compile_timeout_s)
-    if prepare:
-        compiler.pool.submit(lambda: compiler.tokenizer(load_tokenizer_info(path, trust)[2]))
-    return compiler
+    return Compiler.for_model(resolve_model(topo.model.path), topo.model.trust_remote_code, vocab_size,
+                              topo.defaults.structured_output_compile_timeout_s, prepare)

@@ -1,0 +1,261 @@
+"""Structured output's matchers and their token masks, without torch: the matchers of the
+constrained sequences a worker holds (`Matchers`), and a process of their own that keeps them
+beside a GPU worker (`MaskProcess`; its loop is `serve`).
+
+Why a process: filling a step's masks is mostly the library's work on its own threads, which
+leave the interpreter's lock, but the Python around it (taking each row's token, ordering the
+rows, the EOS fallback) holds the lock for a fraction of a millisecond a step. On a thread of the
+worker's, that time is taken from the worker's own Python, and a GPU worker's step is bound by
+its Python: measured on an H200, the worker's host time per step rose from 2.35 to 3.31 ms with
+a tenth of its rows constrained, while it waited for the masks only 0.39 ms of that
+(docs/benchmarks-history.md). In a process of their own the matchers share no lock with the
+worker: the worker sends each collected step's tokens of the constrained rows, goes on with its
+own work, and reads the masks back into its pinned buffer when it queues the sampling.
+
+The process is the worker's child: it is given a socket and nothing else, compiles the
+grammars it is told of itself (the worker compiles them too, to refuse one past the time
+limit; here the same grammar compiles again), and ends when the socket closes, so a worker
+that dies leaves nothing behind. Messages are pickled over that socket (parent and child only),
+answered in the order asked; only `set` and `fill` have answers.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import subprocess
+import sys
+import time
+from multiprocessing.connection import Connection
+
+import numpy as np
+
+log = logging.getLogger(__name__)
+
+SOCKET_BUFFER_BYTES = 8 << 20   # a step's masks (6 KB a row with a 49k vocabulary) sent whole
+
+
+class Matchers:
+    """The matchers of the constrained sequences, by sequence: what each has consumed, and
+    each step's masks of packed bits (one 32-bit word per 32 tokens, llguidance's layout)."""
+
+    def __init__(self) -> None:
+        self.entries: dict[int, list] = {}   # seq_id -> [matcher, tokens consumed, EOS ids, family]
+        self.executor = None
+
+    def set(self, seq_id: int, fresh, eos_ids, generated) -> bool:
+        """Take a sequence's fresh matcher (a `hub.grammars.Copy`) and replay its generated ids;
+        False when they do not follow the grammar (the sequence cannot go on under it)."""
+        self.entries.pop(seq_id, None)
+        matcher = fresh.matcher
+        generated = [int(t) for t in generated]
+        if generated and not matcher.consume_tokens(generated):
+            log.warning("sequence %d: its %d generated ids do not follow its grammar: %s", seq_id,
+                        len(generated), matcher.get_error())
+            return False
+        self.entries[seq_id] = [matcher, len(generated), sorted(eos_ids), fresh.family]
+        return True
+
+    def forget(self, seq_id: int) -> None:
+        self.entries.pop(seq_id, None)
+
+    @staticmethod
+    def _at(entry: list, index: int) -> bool:
+        """Bring a matcher back to `index` tokens consumed; False when it has fewer."""
+        if entry[1] > index:
+            entry[0].rollback(entry[1] - index)
+            entry[1] = index
+        return entry[1] == index
+
+    def note(self, seq_ids, index, tokens) -> None:
+        """The tokens a step sampled for its constrained rows: seq_ids[k]'s generated token
+        index[k] is tokens[k]. Several rows take theirs on the library's threads, family by
+        family (as `fill` fills them)."""
+        taking = []
+        for s, i, t in zip(seq_ids, index, tokens):
+            entry = self.entries.get(s)
+            if entry is not None and self._at(entry, i):
+                taking.append((entry[3], s, entry, int(t)))
+        if len(taking) > 1:
+            taking.sort(key=lambda x: x[0])
+            taken = self._executor().consume_token_par([(entry[0], t) for _, _, entry, t in taking])
+        else:
+            taken = [entry[0].consume_token(t) for _, _, entry, t in taking]
+        for (_, s, entry, t), ok in zip(taking, taken):
+            if ok:
+                entry[1] += 1
+            else:
+                log.warning("sequence %d: token %d does not follow its grammar: %s", s, t, entry[0].get_error())
+
+    def _executor(self):
+        if self.executor is None:
+            import llguidance
+            from qmigrate.hub.grammars import mask_threads
+            self.executor = llguidance.LLExecutor(mask_threads())
+        return self.executor
+
+    def fill(self, seq_ids, index, bits: np.ndarray) -> None:
+        """Row j of `bits` (uint32, C-ordered) becomes the mask of seq_ids[j] at its generated
+        token index[j]: what its grammar allows, only EOS where it allows nothing (ended, or a
+        matcher behind its sequence), every token for a sequence it does not know."""
+        pairs, eos_only = [], []
+        for j, (s, i) in enumerate(zip(seq_ids, index)):
+            entry = self.entries.get(s)
+            if entry is None:
+                log.warning("sequence %d: no grammar here; its row is not constrained", s)
+                bits[j] = 0xFFFFFFFF
+            elif not self._at(entry, i):
+                log.warning("sequence %d: its grammar is %d tokens behind; only EOS is allowed", s, i - entry[1])
+                eos_only.append(j)
+            else:
+                pairs.append((entry[0], j, entry[3]))
+        # The library's own calls, not its `llguidance.torch` helpers (importing those compiles a
+        # function with torch.compile: seconds of a worker's first constrained step); the rows in
+        # order of their template's family, so that each thread takes a run of rows sharing a
+        # lock (hub/grammars.py) rather than every thread waiting on each lock in turn.
+        row_bytes = bits.shape[1] * 4
+        if len(pairs) > 1:
+            pairs.sort(key=lambda p: p[2])
+            self._executor().unsafe_compute_mask_ptr([p[:2] for p in pairs], bits.ctypes.data, row_bytes,
+                                                     bits.shape[0])
+        elif pairs:
+            matcher, j, _ = pairs[0]
+            matcher.unsafe_compute_mask_ptr(bits[j].ctypes.data, row_bytes)
+        if pairs:
+            eos_only += np.flatnonzero(~bits.any(axis=1)).tolist()
+        for j in eos_only:
+            bits[j] = 0
+            for t in self.entries[seq_ids[j]][2] if seq_ids[j] in self.entries else ():
+                bits[j, t >> 5] |= np.uint32(1 << (t & 31))
+
+
+class MaskProcess:
+    """The worker's side of the matchers' own process: the same calls as `Matchers`, sent over
+    the socket; `start` asks for a step's masks and `result` reads them (waiting for them)."""
+
+    def __init__(self, tokenizer_path: str, trust_remote_code: bool, vocab_size: int, timeout_s: float) -> None:
+        mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        for end in (mine, theirs):
+            end.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCKET_BUFFER_BYTES)
+            end.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SOCKET_BUFFER_BYTES)
+        self.proc = subprocess.Popen([sys.executable, "-m", "qmigrate.hub.masks", str(theirs.fileno())],
+                                     pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL)
+        theirs.close()
+        self.conn = Connection(mine.detach())
+        self.conn.send((str(tokenizer_path), bool(trust_remote_code), int(vocab_size), float(timeout_s)))
+        self.waiting: list | None = None    # the fill asked for and not yet read: [bits]
+
+    def _send(self, message) -> None:
+        try:
+            self.conn.send(message)
+        except OSError as exc:
+            raise RuntimeError(f"structured output's mask process has ended ({exc})") from None
+
+    def _recv(self):
+        try:
+            return self.conn.recv()
+        except (EOFError, OSError) as exc:
+            raise RuntimeError(f"structured output's mask process has ended (exit code {self.proc.poll()})") \
+                from exc
+
+    def warm(self, grammar: str, eos_ids) -> None:
+        """Compile `grammar` there now (on its pool), so that the first `set` finds it built."""
+        self._send(("warm", grammar, [int(e) for e in eos_ids]))
+
+    def set(self, seq_id: int, grammar: str, eos_ids, generated) -> bool:
+        self.join()
+        self._send(("set", seq_id, grammar, [int(e) for e in eos_ids], [int(t) for t in generated]))
+        return self._recv()
+
+    def forget(self, seq_id: int) -> None:
+        self._send(("forget", seq_id))
+
+    def note(self, noted) -> None:
+        self._send(("note", noted))
+
+    def start(self, noted, seq_ids, index, bits: np.ndarray) -> list:
+        """Ask for the masks of seq_ids (at index) after the matchers take `noted`; `result`
+        reads them into `bits` (uint32 rows)."""
+        self.join()
+        self._send(("fill", noted, seq_ids, index, bits.shape[1]))
+        self.waiting = job = [bits, None]
+        return job
+
+    def result(self, job: list) -> float:
+        """Wait for a job's masks (in its `bits`); the seconds it took there."""
+        if job[1] is None:
+            took, error = self._recv()
+            if error:
+                raise RuntimeError(f"structured output's mask process: {error}")
+            bits = job[0]
+            if bits.shape[0]:
+                self.conn.recv_bytes_into(memoryview(bits).cast("B"))
+            job[1] = took
+            if self.waiting is job:
+                self.waiting = None
+        return job[1]
+
+    def join(self) -> None:
+        if self.waiting is not None:
+            self.result(self.waiting)
+
+    def close(self) -> None:
+        self.conn.close()
+        try:
+            self.proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+
+def serve(conn: Connection) -> None:
+    """The matchers' process: answer the worker's messages until it closes the socket."""
+    import llguidance.hf  # noqa: F401 -- imported whole here, not by two pool threads at once (transformers' lazy modules)
+    from qmigrate.hub.grammars import Compiler, GrammarError
+    path, trust, vocab_size, timeout_s = conn.recv()
+    compiler = Compiler.for_model(path, trust, vocab_size, timeout_s, prepare=True)
+    matchers, bits = Matchers(), np.empty((0, 0), dtype=np.uint32)
+    while True:
+        try:
+            message = conn.recv()
+        except EOFError:
+            return
+        op = message[0]
+        if op == "fill":
+            _, noted, seq_ids, index, width = message
+            began, error = time.perf_counter(), ""
+            if bits.shape[0] < len(seq_ids) or bits.shape[1] != width:
+                bits = np.empty((max(len(seq_ids), 2 * bits.shape[0]), width), dtype=np.uint32)
+            rows = bits[:len(seq_ids)]
+            try:
+                if noted:
+                    matchers.note(*noted)
+                matchers.fill(seq_ids, index, rows)
+            except Exception as exc:  # noqa: BLE001 -- the worker reports it
+                log.exception("filling masks")
+                error = f"{type(exc).__name__}: {exc}"
+            conn.send((time.perf_counter() - began, error))
+            if not error and len(seq_ids):
+                conn.send_bytes(memoryview(rows).cast("B"))
+        elif op == "set":
+            _, seq_id, grammar, eos, generated = message
+            try:
+                ok = matchers.set(seq_id, compiler.matcher(grammar, eos), eos, generated)
+            except GrammarError as exc:
+                log.warning("sequence %d: %s", seq_id, exc)
+                ok = False
+            conn.send(ok)
+        elif op == "forget":
+            matchers.forget(message[1])
+        elif op == "note":
+            matchers.note(*message[1])
+        elif op == "warm":
+            compiler.start(message[1], message[2])
+
+
+def main() -> None:
+    logging.basicConfig(level=logging.WARNING, format="masks %(levelname)s %(message)s")
+    serve(Connection(int(sys.argv[1])))
+
+
+if __name__ == "__main__":
+    main()
