@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 
 import pytest
 import torch
@@ -401,7 +402,7 @@ def test_a_pipelined_constrained_step_samples_as_one_collected_first(tiny, where
 
     e = engine()
     pending = e.launch([row(sid, p, 0, 0) for sid, p in prompts.items()])
-    piped, deferred, beside = {sid: [] for sid in prompts}, 0, 0
+    piped, deferred, beside, early = {sid: [] for sid in prompts}, 0, 0, 0
     for i in range(1, steps + 1):
         nxt = None
         if i < steps:
@@ -411,8 +412,13 @@ def test_a_pipelined_constrained_step_samples_as_one_collected_first(tiny, where
             piped[sid].append(t)
         # the next step's masks are being filled beside the worker, its sampling not yet queued
         beside += nxt is not None and nxt.masking is not None and nxt.logits is not None
+        if nxt is not None and i % 2:   # every other step sampled as soon as its masks are filled
+            while not e.grammars.done(nxt.masking):
+                time.sleep(0.001)
+            e.settle(nxt)
+            early += nxt.logits is None
         pending = nxt
-    assert deferred == beside == steps - 1
+    assert deferred == beside == steps - 1 and early == steps // 2
     assert piped == one_by_one
     for sid in (2, 3):
         assert re.fullmatch("[0-9]{12,30}", tokenizer.decode(piped[sid], skip_special_tokens=True))

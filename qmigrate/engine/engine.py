@@ -238,6 +238,7 @@ class Engine:
         `Pending.partial`: its token is no sample (the KV of the part that ran is kept), and a
         later step carries the rest from cached_len on."""
         if after is not None and after.batch is not None and rows and not any(r.new_ids for r in rows):
+            self.settle(after)
             pending = self._continue(rows, after)
             if pending is not None:
                 return pending
@@ -378,6 +379,15 @@ class Engine:
         if pending is not None and pending.logits is not None:
             if pending.masking is None:
                 self.collect(pending.waits_on)
+            self._sample_waiting(pending)
+
+    def settle(self, pending: "Pending | None") -> None:
+        """Queue the sampling of a step that waits for its masks if they are filled, never
+        waiting for them: a worker asks as it goes through its own work on the step before, so
+        that the sampling runs on the device while the worker builds the next step (which
+        otherwise settles it, waiting if it must, just before its forward pass: `_run`)."""
+        if pending is not None and pending.logits is not None and pending.masking is not None \
+                and self.grammars.done(pending.masking):
             self._sample_waiting(pending)
 
     def take_logprobs(self, pending: "Pending") -> tuple[dict, dict]:

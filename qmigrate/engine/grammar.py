@@ -194,6 +194,10 @@ class GrammarTable:
         self.job = self.jobs.submit(self._fill, taken, ids, index, host)
         return Job(rows, bits, self.job)
 
+    def done(self, job: "Job") -> bool:
+        """Whether a job's masks are filled (`finish` would not wait)."""
+        return job.handle.done() if isinstance(job.handle, Future) else self.process.ready(job.handle)
+
     def finish(self, job: "Job") -> tuple[tuple[torch.Tensor, torch.Tensor] | None, float]:
         """The masks of a job `start` began, on the device (waits for it), and the seconds the
         job took where it ran."""

@@ -195,6 +195,10 @@ class MaskProcess:
                 self.waiting = None
         return job[1]
 
+    def ready(self, job: list) -> bool:
+        """Whether `result` would not wait for the job (its answer has come)."""
+        return job[1] is not None or (self.waiting is job and self.conn.poll(0))
+
     def join(self) -> None:
         if self.waiting is not None:
             self.result(self.waiting)

@@ -178,6 +178,7 @@ class WorkerCore:
         while pending is not None:
             nxt = None
             if more and launched < max(1, run.lease.num_steps):
+                self.engine.settle(pending)   # its masks filled while the tokens before went out
                 rows = self._continuing(run, pending, revoked)
                 nxt = self.engine.launch(rows, after=pending) if rows else None
                 if nxt is not None:
