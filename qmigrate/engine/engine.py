@@ -338,10 +338,11 @@ class Engine:
         logits = self.runner.forward(batch, feed=feed)
         pending.batch, pending.params = batch, params
         if self.grammars and after is not None and after.result is None \
-                and self.grammars.lags(batch.seq_ids, params[4]):
+                and self.grammars.lags(batch.seq_ids, params[4], pending.row_of):
             pending.logits, pending.waits_on, after.then = logits, after, pending
         else:
-            self._sample(pending, logits, self.grammars.masks(batch.seq_ids, params[4]) if self.grammars else None)
+            self._sample(pending, logits, self.grammars.masks(batch.seq_ids, params[4], pending.row_of)
+                         if self.grammars else None)
         # the rows' ids, unless every row decodes a token not yet known here
         some_known = feed is None or len(feed[0]) < batch.num_rows
         self.pool.mark_written(batch.seq_ids, batch.seq_lens,
@@ -431,9 +432,9 @@ class Engine:
         collected step and the device runs that forward pass; its sampling is queued when it is
         settled (`_settle`: the next launch, or its collect)."""
         then, pending.then = pending.then, None
-        noted = (pending.batch.seq_ids, pending.params[4], values, pending.partial)
+        noted = (pending.batch.seq_ids, pending.params[4], values, pending.partial, pending.row_of)
         if then is not None and then.logits is not None:
-            then.masking = self.grammars.start(then.batch.seq_ids, then.params[4], noted)
+            then.masking = self.grammars.start(then.batch.seq_ids, then.params[4], noted, then.row_of)
         elif self.grammars:
             self.grammars.note(*noted)
 
@@ -445,6 +446,7 @@ class Engine:
             masks, took = self.grammars.finish(job)
             self.trace("masks", len(masks[0]) if masks else 0, took, time.perf_counter() - began)
         else:   # the step it waited on was collected before it waited: the matchers took its tokens then
-            masks = self.grammars.masks(pending.batch.seq_ids, pending.params[4]) if self.grammars else None
+            masks = self.grammars.masks(pending.batch.seq_ids, pending.params[4], pending.row_of) \
+                if self.grammars else None
         logits, pending.logits, pending.waits_on = pending.logits, None, None
         self._sample(pending, logits, masks)

@@ -63,7 +63,7 @@ class GrammarTable:
         self.warmed: set[tuple] = set()    # grammars the process was told to compile
         self.jobs = None              # one thread: a step's masks filled beside the worker's own work
         self.job = None               # the last job asked for (a Future)
-        self.buffers: list[torch.Tensor] = []  # two pinned bitmasks, used in turn
+        self.buffers: list[tuple] = []  # two pinned (bitmasks, rows), used in turn
         self.turn = 0
         self.width = 0                # int32 words of a row's mask
 
@@ -128,36 +128,44 @@ class GrammarTable:
             else:
                 self.local.forget(seq_id)
 
-    def lags(self, seq_ids, index) -> bool:
+    def _constrained(self, seq_ids, row_of=None) -> list[tuple[int, int]]:
+        """(row, seq_id) of a step's constrained rows, in row order; `row_of` (seq_id -> row:
+        the step's `Pending.row_of`) saves a pass over every row when few are constrained."""
+        counts = self.counts
+        if row_of is not None and len(counts) < len(row_of):
+            return sorted((row_of[s], s) for s in counts if s in row_of)
+        return [(k, s) for k, s in enumerate(seq_ids) if s in counts]
+
+    def lags(self, seq_ids, index, row_of=None) -> bool:
         """Whether a constrained row samples past what its matcher has consumed (its last token
         is still on the device)."""
         counts = self.counts
-        return any(s in counts and counts[s] < i for s, i in zip(seq_ids, np.asarray(index).tolist()))
+        return any(counts[s] < index[k] for k, s in self._constrained(seq_ids, row_of))
 
-    def _noted(self, seq_ids, index, tokens, partial=frozenset()):
+    def _noted(self, seq_ids, index, tokens, partial=frozenset(), row_of=None):
         """The constrained rows of a step's sampled tokens (row k's is generated token index[k]
         of seq_ids[k]), as (seq_ids, index, tokens) lists, or None; counted as consumed."""
         counts, taken = self.counts, ([], [], [])
-        for s, i, t in zip(seq_ids, np.asarray(index).tolist(), tokens):
-            c = counts.get(s)
-            if c is not None and s not in partial:
-                taken[0].append(s)
-                taken[1].append(i)
-                taken[2].append(int(t))
-                if c >= i:   # a matcher ahead of the row goes back first; one behind it stays there
-                    counts[s] = i + 1
+        for k, s in self._constrained(seq_ids, row_of):
+            if s in partial:
+                continue
+            i = int(index[k])
+            taken[0].append(s)
+            taken[1].append(i)
+            taken[2].append(int(tokens[k]))
+            if counts[s] >= i:   # a matcher ahead of the row goes back first; one behind it stays there
+                counts[s] = i + 1
         return taken if taken[0] else None
 
-    def _rows(self, seq_ids, index) -> tuple[list[int], list[int], list[int]]:
+    def _rows(self, seq_ids, index, row_of=None) -> tuple[list[int], list[int], list[int]]:
         """(rows, their seq_ids, their index) of a step's constrained rows."""
-        counts = self.counts
-        rows = [k for k, s in enumerate(seq_ids) if s in counts]
-        index = np.asarray(index)
-        return rows, [seq_ids[k] for k in rows], index[rows].tolist()
+        found = self._constrained(seq_ids, row_of)
+        rows = [k for k, _ in found]
+        return rows, [s for _, s in found], np.asarray(index)[rows].tolist()
 
-    def note(self, seq_ids, index, tokens, partial=frozenset()) -> None:
+    def note(self, seq_ids, index, tokens, partial=frozenset(), row_of=None) -> None:
         """The tokens a step sampled: row k's is generated token index[k] of seq_ids[k]."""
-        noted = self._noted(seq_ids, index, tokens, partial)
+        noted = self._noted(seq_ids, index, tokens, partial, row_of)
         if noted is None:
             return
         if self.process is not None:
@@ -166,11 +174,11 @@ class GrammarTable:
             self._join()
             self.local.note(*noted)
 
-    def masks(self, seq_ids, index) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def masks(self, seq_ids, index, row_of=None) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(rows, packed bits) of a step's constrained rows, on the device; None when it has none."""
-        return self.finish(self.start(seq_ids, index, None))[0]
+        return self.finish(self.start(seq_ids, index, None, row_of))[0]
 
-    def start(self, seq_ids, index, noted) -> "Job":
+    def start(self, seq_ids, index, noted, row_of=None) -> "Job":
         """`masks`, filled beside the caller: the matchers take the tokens `noted` (`note`'s
         arguments) and fill the masks on the table's thread, or in the matchers' process,
         while the caller goes on (the library's calls leave the interpreter's lock); `finish`
@@ -178,11 +186,12 @@ class GrammarTable:
         the last one first, so the matchers are never used from two places at once."""
         self._join()
         taken = self._noted(*noted) if noted is not None else None
-        rows, ids, index = self._rows(seq_ids, index)
-        bits = self._buffer(len(rows))
+        rows, ids, index = self._rows(seq_ids, index, row_of)
+        bits, at = self._buffer(len(rows))
+        at.numpy()[:] = rows
         host = bits.numpy().view(np.uint32)
         if self.process is not None:
-            return Job(rows, bits, self.process.start(taken, ids, index, host))
+            return Job(at, bits, self.process.start(taken, ids, index, host))
         if self.jobs is None:   # on a GPU the thread's device is the table's (its pinned buffers)
             on_gpu = self.device.type == "cuda"
             self.jobs = ThreadPoolExecutor(1, thread_name_prefix="masks",
@@ -192,7 +201,7 @@ class GrammarTable:
             # longer than the whole job, so it would start only once the worker waits for it.
             sys.setswitchinterval(min(sys.getswitchinterval(), SWITCH_INTERVAL_S))
         self.job = self.jobs.submit(self._fill, taken, ids, index, host)
-        return Job(rows, bits, self.job)
+        return Job(at, bits, self.job)
 
     def done(self, job: "Job") -> bool:
         """Whether a job's masks are filled (`finish` would not wait)."""
@@ -205,10 +214,10 @@ class GrammarTable:
             took = job.handle.result()
         else:
             took = self.process.result(job.handle)
-        if not job.rows:
+        if not len(job.rows):
             return None, took
-        dev_rows = torch.tensor(job.rows, dtype=torch.int64).to(self.device, non_blocking=True)
-        return (dev_rows, job.bits.to(self.device, non_blocking=True)), took
+        # both from pinned memory: a copy from pageable memory may wait for the step in flight
+        return (job.rows.to(self.device, non_blocking=True), job.bits.to(self.device, non_blocking=True)), took
 
     def _fill(self, taken, seq_ids, index, host) -> float:
         began = time.perf_counter()
@@ -225,23 +234,26 @@ class GrammarTable:
             self.job = None
             wait([job])   # its outcome (an error too) is the caller of `finish`'s
 
-    def _buffer(self, num_rows: int) -> torch.Tensor:
+    def _buffer(self, num_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The next turn's (bits [num_rows, width] int32, rows [num_rows] int64), pinned on a GPU:
+        a job's buffers stay untouched until the job after next, when its copies are done."""
         width = self.width
         pinned = self.device.type == "cuda"
         self.turn ^= 1
         while len(self.buffers) < 2:
-            self.buffers.append(torch.empty(0, width, dtype=torch.int32))
-        buf = self.buffers[self.turn]
-        if buf.shape[0] < num_rows or buf.shape[1] != width:
-            buf = self.buffers[self.turn] = torch.empty(max(num_rows, 2 * buf.shape[0]), width, dtype=torch.int32,
-                                                        pin_memory=pinned)
-        return buf[:num_rows]
+            self.buffers.append((torch.empty(0, width, dtype=torch.int32), torch.empty(0, dtype=torch.int64)))
+        bits, rows = self.buffers[self.turn]
+        if bits.shape[0] < num_rows or bits.shape[1] != width:
+            size = max(num_rows, 2 * bits.shape[0])
+            bits, rows = self.buffers[self.turn] = (torch.empty(size, width, dtype=torch.int32, pin_memory=pinned),
+                                                    torch.empty(size, dtype=torch.int64, pin_memory=pinned))
+        return bits[:num_rows], rows[:num_rows]
 
 
 class Job(NamedTuple):
-    """A step's masks being filled (`GrammarTable.start`): its constrained rows, the pinned
-    rows of bits they go to, and the thread's Future or the process's job."""
-    rows: list[int]
+    """A step's masks being filled (`GrammarTable.start`): its constrained rows and the rows
+    of bits they go to (pinned), and the thread's Future or the process's job."""
+    rows: torch.Tensor
     bits: torch.Tensor
     handle: object
 
