@@ -243,8 +243,12 @@ class Engine:
             if pending is not None:
                 return pending
         # before any forward pass of this step's prompts: those may replay a graph whose output
-        # holds the logits `after` waits to sample
-        self._settle(after)
+        # holds the logits `after` waits to sample; with no prompt, `_run` settles it, and the
+        # masks are filled while this step is placed and built
+        if any(r.new_ids for r in rows):
+            self._settle(after)
+        else:
+            self.settle(after)
         feed = [i for i, r in enumerate(rows) if not r.new_ids]
         if feed and (after is None or not self.runner.can_feed):
             known = dict(zip((r.seq_id for r in after.rows), self.collect(after))) if after else {}

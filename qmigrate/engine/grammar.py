@@ -258,9 +258,14 @@ class Job(NamedTuple):
     handle: object
 
 
+_SHIFTS: dict = {}   # device -> int32 [0..31], the bit of each token in its word
+
+
 def apply_masks(logits: torch.Tensor, rows: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
     """logits [B, V] with every token a constrained row's grammar forbids at -inf (in place)."""
-    shifts = torch.arange(32, device=bits.device, dtype=torch.int32)
-    allowed = ((bits[:, :, None] >> shifts) & 1).bool().reshape(bits.shape[0], -1)[:, :logits.shape[1]]
-    logits[rows] = logits[rows].masked_fill(~allowed, float("-inf"))
+    shifts = _SHIFTS.get(bits.device)
+    if shifts is None:
+        shifts = _SHIFTS[bits.device] = torch.arange(32, device=bits.device, dtype=torch.int32)
+    forbidden = ((bits[:, :, None] >> shifts) & 1).eq(0).view(bits.shape[0], -1)[:, :logits.shape[1]]
+    logits.index_put_((rows,), logits.index_select(0, rows).masked_fill_(forbidden, float("-inf")))
     return logits
