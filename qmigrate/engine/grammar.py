@@ -19,8 +19,9 @@ on the device (`lags`) is sampled once that step is collected: collecting it
 thread, or in a process of the matchers' own (a GPU worker's, hub/masks.py says why). There the
 matchers take its tokens and the masks are filled (by the library's threads, the rows handed to
 them family by family of their templates: hub/grammars.py). Meanwhile the worker does its own work on
-the collected step and builds the next one; launching that one (or collecting the waiting
-step) takes the masks (`finish`) and queues the sampling, just before the next forward pass.
+the collected step, asking as it goes whether the masks are filled (`Engine.settle`): once they
+are, it takes them (`finish`) and queues the sampling, so that the device samples while the
+worker builds the next step; at the latest, that step's forward pass waits for them.
 Rows without a grammar pay nothing of this; a step with no constrained row does no work here.
 EOS is in a row's mask only where its grammar accepts.
 
