@@ -43,7 +43,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from qmigrate.hub.masks import Matchers, MaskProcess
+from qmigrate.hub.masks import TRAILER_BYTES, Matchers, MaskProcess
 
 SWITCH_INTERVAL_S = 0.0002   # the longest a thread keeps the interpreter's lock while another waits (`start`)
 
@@ -64,7 +64,7 @@ class GrammarTable:
         self.warmed: set[tuple] = set()    # grammars the process was told to compile
         self.jobs = None              # one thread: a step's masks filled beside the worker's own work
         self.job = None               # the last job asked for (a Future)
-        self.buffers: list[tuple] = []  # two pinned (bitmasks, rows), used in turn
+        self.buffers: list[tuple] = []  # two pinned (bitmasks, rows) and their numpy views, used in turn
         self.turn = 0
         self.width = 0                # int32 words of a row's mask
 
@@ -188,11 +188,10 @@ class GrammarTable:
         self._join()
         taken = self._noted(*noted) if noted is not None else None
         rows, ids, index = self._rows(seq_ids, index, row_of)
-        bits, at = self._buffer(len(rows))
-        at.numpy()[:] = rows
-        host = bits.numpy().view(np.uint32)
+        bits, at, host, host_rows, answer = self._buffer(len(rows))
+        host_rows[:] = rows
         if self.process is not None:
-            return Job(at, bits, self.process.start(taken, ids, index, host))
+            return Job(at, bits, self.process.start(taken, ids, index, self.width, answer))
         if self.jobs is None:   # on a GPU the thread's device is the table's (its pinned buffers)
             on_gpu = self.device.type == "cuda"
             self.jobs = ThreadPoolExecutor(1, thread_name_prefix="masks",
@@ -235,20 +234,29 @@ class GrammarTable:
             self.job = None
             wait([job])   # its outcome (an error too) is the caller of `finish`'s
 
-    def _buffer(self, num_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The next turn's (bits [num_rows, width] int32, rows [num_rows] int64), pinned on a GPU:
-        a job's buffers stay untouched until the job after next, when its copies are done."""
+    def _buffer(self, num_rows: int) -> tuple:
+        """The next turn's bits [num_rows, width] (int32) and rows [num_rows] (int64), pinned on a
+        GPU, numpy views of them (uint32 bits), and the bytes from the bits on that the process's
+        answer fills: a job's buffers stay untouched until the job after next, when its copies
+        are done."""
         width = self.width
-        pinned = self.device.type == "cuda"
         self.turn ^= 1
         while len(self.buffers) < 2:
-            self.buffers.append((torch.empty(0, width, dtype=torch.int32), torch.empty(0, dtype=torch.int64)))
-        bits, rows = self.buffers[self.turn]
+            self.buffers.append(self._allocate(0, width))
+        bits, rows, host, host_rows, whole = self.buffers[self.turn]
         if bits.shape[0] < num_rows or bits.shape[1] != width:
-            size = max(num_rows, 2 * bits.shape[0])
-            bits, rows = self.buffers[self.turn] = (torch.empty(size, width, dtype=torch.int32, pin_memory=pinned),
-                                                    torch.empty(size, dtype=torch.int64, pin_memory=pinned))
-        return bits[:num_rows], rows[:num_rows]
+            bits, rows, host, host_rows, whole = self.buffers[self.turn] = self._allocate(
+                max(num_rows, 2 * bits.shape[0]), width)
+        answer = whole.reshape(-1)[:num_rows * width * 4 + TRAILER_BYTES]   # the process's answer: rows, trailer
+        return bits[:num_rows], rows[:num_rows], host[:num_rows], host_rows[:num_rows], answer
+
+    def _allocate(self, size: int, width: int) -> tuple:
+        """Rows of bits past `size` hold the matchers' process's trailer (hub/masks.py)."""
+        pinned = self.device.type == "cuda" and size > 0
+        spare = -(-TRAILER_BYTES // (4 * width)) if width else 0
+        whole = torch.empty(size + spare, width, dtype=torch.int32, pin_memory=pinned)
+        rows = torch.empty(size, dtype=torch.int64, pin_memory=pinned)
+        return whole[:size], rows, whole.numpy().view(np.uint32)[:size], rows.numpy(), whole.numpy().view(np.uint8)
 
 
 class Job(NamedTuple):

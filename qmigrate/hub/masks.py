@@ -15,24 +15,28 @@ own work, and reads the masks back into its pinned buffer when it queues the sam
 The process is the worker's child: it is given a socket and nothing else, compiles the
 grammars it is told of itself (the worker compiles them too, to refuse one past the time
 limit; here the same grammar compiles again), and ends when the socket closes, so a worker
-that dies leaves nothing behind. Messages are pickled over that socket (parent and child only),
-answered in the order asked; only `set` and `fill` have answers.
+that dies leaves nothing behind. Messages are msgpack over that socket (as on every wire of the
+project, nothing that runs code when read), answered in the order asked; only `set` and `fill`
+have answers, and a fill's bits come as raw bytes after its answer.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import socket
 import subprocess
 import sys
 import time
 from multiprocessing.connection import Connection
 
+import msgpack
 import numpy as np
 
 log = logging.getLogger(__name__)
 
 SOCKET_BUFFER_BYTES = 8 << 20   # a step's masks (6 KB a row with a 49k vocabulary) sent whole
+TRAILER_BYTES = 16              # after a step's masks: the seconds they took, and 1.0 if filling failed
 
 
 class Matchers:
@@ -138,22 +142,25 @@ class MaskProcess:
         for end in (mine, theirs):
             end.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCKET_BUFFER_BYTES)
             end.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SOCKET_BUFFER_BYTES)
-        self.proc = subprocess.Popen([sys.executable, "-m", "qmigrate.hub.masks", str(theirs.fileno())],
+        # the child imports this very package, whatever its working directory holds
+        root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        start = f"import sys; sys.path.insert(0, {root!r}); from qmigrate.hub.masks import main; main()"
+        self.proc = subprocess.Popen([sys.executable, "-c", start, str(theirs.fileno())],
                                      pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL)
         theirs.close()
         self.conn = Connection(mine.detach())
-        self.conn.send((str(tokenizer_path), bool(trust_remote_code), int(vocab_size), float(timeout_s)))
+        self._send((str(tokenizer_path), bool(trust_remote_code), int(vocab_size), float(timeout_s)))
         self.waiting: list | None = None    # the fill asked for and not yet read: [bits]
 
     def _send(self, message) -> None:
         try:
-            self.conn.send(message)
+            self.conn.send_bytes(msgpack.packb(message))
         except OSError as exc:
             raise RuntimeError(f"structured output's mask process has ended ({exc})") from None
 
     def _recv(self):
         try:
-            return self.conn.recv()
+            return msgpack.unpackb(self.conn.recv_bytes())
         except (EOFError, OSError) as exc:
             raise RuntimeError(f"structured output's mask process has ended (exit code {self.proc.poll()})") \
                 from exc
@@ -173,24 +180,27 @@ class MaskProcess:
     def note(self, noted) -> None:
         self._send(("note", noted))
 
-    def start(self, noted, seq_ids, index, bits: np.ndarray) -> list:
+    def start(self, noted, seq_ids, index, width: int, answer: np.ndarray) -> list:
         """Ask for the masks of seq_ids (at index) after the matchers take `noted`; `result`
-        reads them into `bits` (uint32 rows)."""
+        reads them into `answer` (uint8: the rows of `width` 32-bit words, then TRAILER_BYTES)."""
         self.join()
-        self._send(("fill", noted, seq_ids, index, bits.shape[1]))
-        self.waiting = job = [bits, None]
+        self._send(("fill", noted, seq_ids, index, width))
+        self.waiting = job = [answer, None]
         return job
 
     def result(self, job: list) -> float:
-        """Wait for a job's masks (in its `bits`); the seconds it took there."""
+        """Wait for a job's masks (in its `answer`); the seconds it took there."""
         if job[1] is None:
-            took, error = self._recv()
-            if error:
-                raise RuntimeError(f"structured output's mask process: {error}")
-            bits = job[0]
-            if bits.shape[0]:
-                self.conn.recv_bytes_into(memoryview(bits).cast("B"))
-            job[1] = took
+            answer = job[0]
+            try:
+                self.conn.recv_bytes_into(memoryview(answer))
+            except (EOFError, OSError) as exc:
+                raise RuntimeError("structured output's mask process has ended "
+                                   f"(exit code {self.proc.poll()})") from exc
+            took, failed = answer[-TRAILER_BYTES:].view(np.float64)
+            if failed:
+                raise RuntimeError("structured output's mask process failed to fill a step's masks (its log says why)")
+            job[1] = float(took)
             if self.waiting is job:
                 self.waiting = None
         return job[1]
@@ -215,31 +225,35 @@ def serve(conn: Connection) -> None:
     """The matchers' process: answer the worker's messages until it closes the socket."""
     import llguidance.hf  # noqa: F401 -- imported whole here, not by two pool threads at once (transformers' lazy modules)
     from qmigrate.hub.grammars import Compiler, GrammarError
-    path, trust, vocab_size, timeout_s = conn.recv()
+    send = lambda message: conn.send_bytes(msgpack.packb(message))
+    path, trust, vocab_size, timeout_s = msgpack.unpackb(conn.recv_bytes())
     compiler = Compiler.for_model(path, trust, vocab_size, timeout_s, prepare=True)
     matchers, bits = Matchers(), np.empty((0, 0), dtype=np.uint32)
     while True:
         try:
-            message = conn.recv()
+            message = msgpack.unpackb(conn.recv_bytes())
         except EOFError:
             return
         op = message[0]
         if op == "fill":
             _, noted, seq_ids, index, width = message
-            began, error = time.perf_counter(), ""
-            if bits.shape[0] < len(seq_ids) or bits.shape[1] != width:
-                bits = np.empty((max(len(seq_ids), 2 * bits.shape[0]), width), dtype=np.uint32)
+            began, failed = time.perf_counter(), 0.0
+            if bits.shape[0] < len(seq_ids) + 1 or bits.shape[1] != width:   # a row more: the trailer
+                bits = np.empty((max(len(seq_ids), 2 * bits.shape[0]) + -(-TRAILER_BYTES // (4 * width)), width),
+                                dtype=np.uint32)
             rows = bits[:len(seq_ids)]
             try:
                 if noted:
                     matchers.note(*noted)
                 matchers.fill(seq_ids, index, rows)
-            except Exception as exc:  # noqa: BLE001 -- the worker reports it
+            except Exception:  # noqa: BLE001 -- the worker stops with it; the reason goes to the log
                 log.exception("filling masks")
-                error = f"{type(exc).__name__}: {exc}"
-            conn.send((time.perf_counter() - began, error))
-            if not error and len(seq_ids):
-                conn.send_bytes(memoryview(rows).cast("B"))
+                rows[:] = 0
+                failed = 1.0
+            answer = bits.reshape(-1).view(np.uint8)
+            end = rows.size * 4
+            answer[end:end + TRAILER_BYTES].view(np.float64)[:] = (time.perf_counter() - began, failed)
+            conn.send_bytes(memoryview(answer[:end + TRAILER_BYTES]))
         elif op == "set":
             _, seq_id, grammar, eos, generated = message
             try:
@@ -247,7 +261,10 @@ def serve(conn: Connection) -> None:
             except GrammarError as exc:
                 log.warning("sequence %d: %s", seq_id, exc)
                 ok = False
-            conn.send(ok)
+            except Exception:  # noqa: BLE001 -- the tokenizer or the library failed: this sequence's error
+                log.exception("sequence %d: its grammar's matcher", seq_id)
+                ok = False
+            send(ok)
         elif op == "forget":
             matchers.forget(message[1])
         elif op == "note":
