@@ -150,7 +150,7 @@ class MaskProcess:
         theirs.close()
         self.conn = Connection(mine.detach())
         self._send((str(tokenizer_path), bool(trust_remote_code), int(vocab_size), float(timeout_s)))
-        self.waiting: list | None = None    # the fill asked for and not yet read: [bits]
+        self.waiting: list | None = None    # the fill asked for and not yet read: [answer, seconds]
 
     def _send(self, message) -> None:
         try:
@@ -158,8 +158,11 @@ class MaskProcess:
         except OSError as exc:
             raise RuntimeError(f"structured output's mask process has ended ({exc})") from None
 
-    def _recv(self):
+    def _recv(self, into=None):
+        """The next message (msgpack), or its bytes read into `into`."""
         try:
+            if into is not None:
+                return self.conn.recv_bytes_into(into)
             return msgpack.unpackb(self.conn.recv_bytes())
         except (EOFError, OSError) as exc:
             raise RuntimeError(f"structured output's mask process has ended (exit code {self.proc.poll()})") \
@@ -192,11 +195,7 @@ class MaskProcess:
         """Wait for a job's masks (in its `answer`); the seconds it took there."""
         if job[1] is None:
             answer = job[0]
-            try:
-                self.conn.recv_bytes_into(memoryview(answer))
-            except (EOFError, OSError) as exc:
-                raise RuntimeError("structured output's mask process has ended "
-                                   f"(exit code {self.proc.poll()})") from exc
+            self._recv(memoryview(answer))
             took, failed = answer[-TRAILER_BYTES:].view(np.float64)
             if failed:
                 raise RuntimeError("structured output's mask process failed to fill a step's masks (its log says why)")
