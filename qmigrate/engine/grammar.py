@@ -184,7 +184,8 @@ class GrammarTable:
         arguments) and fill the masks on the table's thread, or in the matchers' process,
         while the caller goes on (the library's calls leave the interpreter's lock); `finish`
         takes them. Jobs run in the order asked, and every other call on the table waits for
-        the last one first, so the matchers are never used from two places at once."""
+        the last one first (the process takes its messages in order), so the matchers are
+        never used from two places at once."""
         self._join()
         taken = self._noted(*noted) if noted is not None else None
         rows, ids, index = self._rows(seq_ids, index, row_of)

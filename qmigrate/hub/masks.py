@@ -105,8 +105,8 @@ class Matchers:
         pairs, eos_only = [], []
         for j, (s, i) in enumerate(zip(seq_ids, index)):
             entry = self.entries.get(s)
-            if entry is None:
-                log.warning("sequence %d: no grammar here; its row is not constrained", s)
+            if entry is None:   # dropped while its step's masks were asked for
+                log.debug("sequence %d: no grammar here; its row is not constrained", s)
                 bits[j] = 0xFFFFFFFF
             elif not self._at(entry, i):
                 log.warning("sequence %d: its grammar is %d tokens behind; only EOS is allowed", s, i - entry[1])
@@ -129,7 +129,8 @@ class Matchers:
             eos_only += np.flatnonzero(~bits.any(axis=1)).tolist()
         for j in eos_only:
             bits[j] = 0
-            for t in self.entries[seq_ids[j]][2] if seq_ids[j] in self.entries else ():
+            entry = self.entries.get(seq_ids[j])   # (a drop may take it meanwhile on the worker's thread)
+            for t in entry[2] if entry is not None else ():
                 bits[j, t >> 5] |= np.uint32(1 << (t & 31))
 
 
