@@ -64,6 +64,13 @@ EXAMPLES = [
     P.FrontHello(3, 4242, "cannot serve HTTP on http://127.0.0.1:8000: address in use"),
     P.FrontStatus(2),
     P.FrontAdmit(P.pack_i64([7, 8]), True),
+    P.MaskOpen("/models/tiny", False, 512, 5.0),
+    P.MaskWarm('{"grammars": []}', P.pack_i32([2])),
+    P.MaskSet(7, '{"grammars": []}', P.pack_i32([2]), P.pack_i32([17, 18])),
+    P.MaskSetAck(True),
+    P.MaskForget(7),
+    P.MaskNote(P.pack_i64([7, 9]), P.pack_i64([3, 0]), P.pack_i32([17, 5])),
+    P.MaskFill(P.pack_i64([7]), P.pack_i64([4]), 16, P.pack_i64([7]), P.pack_i64([3]), P.pack_i32([17])),
 ]
 
 

@@ -242,24 +242,35 @@ def test_matchers_in_a_process_of_their_own_give_the_same_tokens_after_a_move(ti
     jsonschema.validate(json.loads(tokenizer.decode(whole, skip_special_tokens=True)), SCHEMA)
 
 
-def test_a_mask_process_that_dies_is_an_error(tiny, masks_process):
+def test_a_mask_process_drops_foreign_messages_and_one_that_stops_or_dies_is_an_error(tiny, masks_process):
+    """Garbage and another wire's message are dropped and the process goes on; one that stops
+    answering, or dies, stops its worker with a clear error instead of a hang."""
+    import signal
     from qmigrate.engine.grammar import GrammarTable
+    from qmigrate.wire import codec
     _, model, tokenizer, eos_ids = tiny
     grammar = _parse(tiny, structured_outputs={"regex": "[0-9]{5}"}).grammar
-
-    def table():
-        t = GrammarTable(model.config.vocab_size, torch.device("cpu"))
-        t.compiler = grammars.Compiler(lambda: tokenizer, model.config.vocab_size, 60.0)
-        masks_process(t)
-        assert t.set(1, t.matcher(grammar, eos_ids), eos_ids, [])
-        return t
-    gone = table()
-    masks = gone.masks([5, 1], [0, 0])
-    assert masks[0].tolist() == [1]
-    gone.process.proc.kill()
-    gone.process.proc.wait(10)
+    t = GrammarTable(model.config.vocab_size, torch.device("cpu"))
+    t.compiler = grammars.Compiler(lambda: tokenizer, model.config.vocab_size, 60.0)
+    masks_process(t)
+    t.process.conn.send_bytes(b"\x93not a message")
+    t.process.conn.send_bytes(codec.encode(P.Cancel(P.pack_i64([1]))))
+    assert t.set(1, t.matcher(grammar, eos_ids), eos_ids, [])
+    rows, bits = t.masks([5, 1], [0, 0])
+    allowed = [k for k in range(model.config.vocab_size) if int(bits[0, k >> 5]) >> (k & 31) & 1]
+    assert rows.tolist() == [1] and allowed
+    assert all(re.fullmatch("[0-9]{1,5}", tokenizer.decode([k])) for k in allowed)
+    proc = t.process.proc
+    t.process.answer_timeout_s = 0.5
+    proc.send_signal(signal.SIGSTOP)
+    try:
+        with pytest.raises(RuntimeError, match="did not answer within 0.5 s"):
+            t.masks([1], [0])
+    finally:
+        proc.kill()
+        proc.wait(10)
     with pytest.raises(RuntimeError, match="mask process has ended"):
-        gone.masks([1], [0])
+        t.masks([1], [0])
 
 
 # --- the official client -----------------------------------------------------------------------

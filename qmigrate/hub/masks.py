@@ -15,9 +15,9 @@ own work, and reads the masks back into its pinned buffer when it queues the sam
 The process is the worker's child: it is given a socket and nothing else, compiles the
 grammars it is told of itself (the worker compiles them too, to refuse one past the time
 limit; here the same grammar compiles again), and ends when the socket closes, so a worker
-that dies leaves nothing behind. Messages are msgpack over that socket (as on every wire of the
-project, nothing that runs code when read), answered in the order asked; only `set` and `fill`
-have answers, and a fill's bits come as raw bytes after its answer.
+that dies leaves nothing behind. Its messages are the protocol's (wire/masks.py), answered in
+the order asked; only a set and a fill have answers, a fill's as one raw frame: the masks and a
+trailer, read straight into the worker's pinned buffer.
 """
 
 from __future__ import annotations
@@ -30,13 +30,16 @@ import sys
 import time
 from multiprocessing.connection import Connection
 
-import msgpack
 import numpy as np
+
+from qmigrate.wire import codec
+from qmigrate.wire import protocol as P
 
 log = logging.getLogger(__name__)
 
 SOCKET_BUFFER_BYTES = 8 << 20   # a step's masks (6 KB a row with a 49k vocabulary) sent whole
 TRAILER_BYTES = 16              # after a step's masks: the seconds they took, and 1.0 if filling failed
+ANSWER_TIMEOUT_S = 60.0         # the longest the worker waits for an answer (beyond a grammar's compile)
 
 
 class Matchers:
@@ -136,7 +139,9 @@ class Matchers:
 
 class MaskProcess:
     """The worker's side of the matchers' own process: the same calls as `Matchers`, sent over
-    the socket; `start` asks for a step's masks and `result` reads them (waiting for them)."""
+    the socket; `start` asks for a step's masks and `result` reads them (waiting for them, at
+    most ANSWER_TIMEOUT_S: a process that stops answering stops its worker, which the node
+    starts again)."""
 
     def __init__(self, tokenizer_path: str, trust_remote_code: bool, vocab_size: int, timeout_s: float) -> None:
         mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -150,45 +155,56 @@ class MaskProcess:
                                      pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL)
         theirs.close()
         self.conn = Connection(mine.detach())
-        self._send((str(tokenizer_path), bool(trust_remote_code), int(vocab_size), float(timeout_s)))
+        self.answer_timeout_s = ANSWER_TIMEOUT_S + timeout_s   # a set may wait for its grammar's compile
+        self._send(P.MaskOpen(str(tokenizer_path), bool(trust_remote_code), int(vocab_size), float(timeout_s)))
         self.waiting: list | None = None    # the fill asked for and not yet read: [answer, seconds]
 
-    def _send(self, message) -> None:
+    def _send(self, msg) -> None:
         try:
-            self.conn.send_bytes(msgpack.packb(message))
+            self.conn.send_bytes(codec.encode(msg))
         except OSError as exc:
             raise RuntimeError(f"structured output's mask process has ended ({exc})") from None
 
     def _recv(self, into=None):
-        """The next message (msgpack), or its bytes read into `into`."""
+        """The next answer (a message), or its bytes read into `into`."""
         try:
+            if not self.conn.poll(self.answer_timeout_s):
+                raise RuntimeError(f"structured output's mask process did not answer within "
+                                   f"{self.answer_timeout_s:g} s")
             if into is not None:
                 return self.conn.recv_bytes_into(into)
-            return msgpack.unpackb(self.conn.recv_bytes())
+            return codec.decode(self.conn.recv_bytes())
         except (EOFError, OSError) as exc:
             raise RuntimeError(f"structured output's mask process has ended (exit code {self.proc.poll()})") \
                 from exc
 
     def warm(self, grammar: str, eos_ids) -> None:
         """Compile `grammar` there now (on its pool), so that the first `set` finds it built."""
-        self._send(("warm", grammar, [int(e) for e in eos_ids]))
+        self._send(P.MaskWarm(grammar, P.pack_i32(eos_ids)))
 
     def set(self, seq_id: int, grammar: str, eos_ids, generated) -> bool:
         self.join()
-        self._send(("set", seq_id, grammar, [int(e) for e in eos_ids], [int(t) for t in generated]))
-        return self._recv()
+        self._send(P.MaskSet(seq_id, grammar, P.pack_i32(eos_ids), P.pack_i32(generated)))
+        answer = self._recv()
+        if not isinstance(answer, P.MaskSetAck):
+            raise RuntimeError(f"structured output's mask process answered a set with {type(answer).__name__}")
+        return answer.ok
 
     def forget(self, seq_id: int) -> None:
-        self._send(("forget", seq_id))
+        self._send(P.MaskForget(seq_id))
 
     def note(self, noted) -> None:
-        self._send(("note", noted))
+        seq_ids, index, tokens = noted
+        self._send(P.MaskNote(P.pack_i64(seq_ids), P.pack_i64(index), P.pack_i32(tokens)))
 
     def start(self, noted, seq_ids, index, width: int, answer: np.ndarray) -> list:
-        """Ask for the masks of seq_ids (at index) after the matchers take `noted`; `result`
-        reads them into `answer` (uint8: the rows of `width` 32-bit words, then TRAILER_BYTES)."""
+        """Ask for the masks of seq_ids (at index) after the matchers take `noted` (`note`'s
+        lists, or None); `result` reads them into `answer` (uint8: the rows of `width` 32-bit
+        words, then TRAILER_BYTES)."""
         self.join()
-        self._send(("fill", noted, seq_ids, index, width))
+        taken = noted or ((), (), ())
+        self._send(P.MaskFill(P.pack_i64(seq_ids), P.pack_i64(index), width,
+                              P.pack_i64(taken[0]), P.pack_i64(taken[1]), P.pack_i32(taken[2])))
         self.waiting = job = [answer, None]
         return job
 
@@ -221,56 +237,90 @@ class MaskProcess:
             self.proc.kill()
 
 
+class _Server:
+    """The matchers' process: its compiler, its matchers, and a handler per message type."""
+
+    def __init__(self, conn: Connection, opened: P.MaskOpen) -> None:
+        from qmigrate.hub.grammars import Compiler
+        self.conn = conn
+        self.compiler = Compiler.for_model(opened.tokenizer_path, opened.trust_remote_code, opened.vocab_size,
+                                           opened.timeout_s, prepare=True)
+        self.matchers = Matchers()
+        self.bits = np.empty((0, 0), dtype=np.uint32)   # rows of masks, and room for the trailer
+        self.handlers = {P.MaskFill: self.fill, P.MaskSet: self.set, P.MaskNote: self.note,
+                         P.MaskForget: self.forget, P.MaskWarm: self.warm}
+
+    def handle(self, msg) -> None:
+        handler = self.handlers.get(type(msg))
+        if handler is None:
+            log.error("dropped a %s: not a message for the matchers' process", type(msg).__name__)
+        else:
+            handler(msg)
+
+    def fill(self, msg: P.MaskFill) -> None:
+        seq_ids, index, width = P.unpack_i64(msg.seq_ids).tolist(), P.unpack_i64(msg.index).tolist(), msg.width
+        began, failed = time.perf_counter(), 0.0
+        if self.bits.shape[0] < len(seq_ids) + 1 or self.bits.shape[1] != width:   # a row more: the trailer
+            rows = max(len(seq_ids), 2 * self.bits.shape[0]) + -(-TRAILER_BYTES // (4 * width))
+            self.bits = np.empty((rows, width), dtype=np.uint32)
+        rows = self.bits[:len(seq_ids)]
+        try:
+            if msg.noted_seq_ids:
+                self.matchers.note(P.unpack_i64(msg.noted_seq_ids).tolist(), P.unpack_i64(msg.noted_index).tolist(),
+                                   P.unpack_i32(msg.noted_tokens).tolist())
+            self.matchers.fill(seq_ids, index, rows)
+        except Exception:  # noqa: BLE001 -- the worker stops with it; the reason goes to the log
+            log.exception("filling masks")
+            rows[:] = 0
+            failed = 1.0
+        answer = self.bits.reshape(-1).view(np.uint8)
+        end = rows.size * 4
+        answer[end:end + TRAILER_BYTES].view(np.float64)[:] = (time.perf_counter() - began, failed)
+        self.conn.send_bytes(memoryview(answer[:end + TRAILER_BYTES]))
+
+    def set(self, msg: P.MaskSet) -> None:
+        from qmigrate.hub.grammars import GrammarError
+        eos = P.unpack_i32(msg.eos_ids).tolist()
+        try:
+            ok = self.matchers.set(msg.seq_id, self.compiler.matcher(msg.grammar, eos), eos,
+                                   P.unpack_i32(msg.generated).tolist())
+        except GrammarError as exc:
+            log.warning("sequence %d: %s", msg.seq_id, exc)
+            ok = False
+        except Exception:  # noqa: BLE001 -- the tokenizer or the library failed: this sequence's error
+            log.exception("sequence %d: its grammar's matcher", msg.seq_id)
+            ok = False
+        self.conn.send_bytes(codec.encode(P.MaskSetAck(ok)))
+
+    def note(self, msg: P.MaskNote) -> None:
+        self.matchers.note(P.unpack_i64(msg.seq_ids).tolist(), P.unpack_i64(msg.index).tolist(),
+                           P.unpack_i32(msg.tokens).tolist())
+
+    def forget(self, msg: P.MaskForget) -> None:
+        self.matchers.forget(msg.seq_id)
+
+    def warm(self, msg: P.MaskWarm) -> None:
+        self.compiler.start(msg.grammar, P.unpack_i32(msg.eos_ids).tolist())
+
+
 def serve(conn: Connection) -> None:
     """The matchers' process: answer the worker's messages until it closes the socket."""
     import llguidance.hf  # noqa: F401 -- imported whole here, not by two pool threads at once (transformers' lazy modules)
-    from qmigrate.hub.grammars import Compiler, GrammarError
-    send = lambda message: conn.send_bytes(msgpack.packb(message))
-    path, trust, vocab_size, timeout_s = msgpack.unpackb(conn.recv_bytes())
-    compiler = Compiler.for_model(path, trust, vocab_size, timeout_s, prepare=True)
-    matchers, bits = Matchers(), np.empty((0, 0), dtype=np.uint32)
+    opened = codec.decode(conn.recv_bytes())
+    if not isinstance(opened, P.MaskOpen):
+        raise SystemExit(f"the matchers' process expected MaskOpen first, got {type(opened).__name__}")
+    server = _Server(conn, opened)
     while True:
         try:
-            message = msgpack.unpackb(conn.recv_bytes())
+            data = conn.recv_bytes()
         except EOFError:
             return
-        op = message[0]
-        if op == "fill":
-            _, noted, seq_ids, index, width = message
-            began, failed = time.perf_counter(), 0.0
-            if bits.shape[0] < len(seq_ids) + 1 or bits.shape[1] != width:   # a row more: the trailer
-                bits = np.empty((max(len(seq_ids), 2 * bits.shape[0]) + -(-TRAILER_BYTES // (4 * width)), width),
-                                dtype=np.uint32)
-            rows = bits[:len(seq_ids)]
-            try:
-                if noted:
-                    matchers.note(*noted)
-                matchers.fill(seq_ids, index, rows)
-            except Exception:  # noqa: BLE001 -- the worker stops with it; the reason goes to the log
-                log.exception("filling masks")
-                rows[:] = 0
-                failed = 1.0
-            answer = bits.reshape(-1).view(np.uint8)
-            end = rows.size * 4
-            answer[end:end + TRAILER_BYTES].view(np.float64)[:] = (time.perf_counter() - began, failed)
-            conn.send_bytes(memoryview(answer[:end + TRAILER_BYTES]))
-        elif op == "set":
-            _, seq_id, grammar, eos, generated = message
-            try:
-                ok = matchers.set(seq_id, compiler.matcher(grammar, eos), eos, generated)
-            except GrammarError as exc:
-                log.warning("sequence %d: %s", seq_id, exc)
-                ok = False
-            except Exception:  # noqa: BLE001 -- the tokenizer or the library failed: this sequence's error
-                log.exception("sequence %d: its grammar's matcher", seq_id)
-                ok = False
-            send(ok)
-        elif op == "forget":
-            matchers.forget(message[1])
-        elif op == "note":
-            matchers.note(*message[1])
-        elif op == "warm":
-            compiler.start(message[1], message[2])
+        try:
+            msg = codec.decode(data)
+        except P.ProtocolError as exc:
+            log.error("dropped a malformed message: %s", exc)
+            continue
+        server.handle(msg)
 
 
 def main() -> None:

@@ -2,7 +2,8 @@
 
 The messages live beside this module by what they carry: sequences.py (a sequence's full
 form, submits, leases, results, tokens, replies, KV shipments), control.py (handshake,
-liveness, drains, stats, ingest's fronts); registry.py numbers the message types, limits.py
+liveness, drains, stats, ingest's fronts), masks.py (a GPU worker and its structured output
+matchers' process); registry.py numbers the message types, limits.py
 holds the bounds, finish.py the finish codes, packed.py the packed arrays. Roles import
 them from here.
 
@@ -37,6 +38,9 @@ from qmigrate.wire.packed import (
     replies_rows, replies_with_ids, replies_with_logprobs, unpack_f32, unpack_i32, unpack_i64, unpack_ids,
     unpack_array, unpack_logprob_block, unpack_u8,
 )
+from qmigrate.wire.masks import (
+    MaskOpen, MaskWarm, MaskSet, MaskSetAck, MaskForget, MaskNote, MaskFill,
+)
 from qmigrate.wire.registry import (
     MESSAGE_TYPES, MsgType, message,
 )
@@ -62,5 +66,5 @@ __all__ = [
     "MESSAGE_TYPES", "MsgType", "message", "SeqSpec", "submit_count", "WorkRequest", "Lease",
     "StepResult", "Tokens", "Submit", "SubmitAck", "RequestMeta", "RequestError", "InputClosed",
     "ShipKV", "KVHeader", "Revoke", "Cancel", "Replies", "Resync", "Printed", "check_logprobs",
-    "rows_agree",
+    "rows_agree", "MaskOpen", "MaskWarm", "MaskSet", "MaskSetAck", "MaskForget", "MaskNote", "MaskFill",
 ]

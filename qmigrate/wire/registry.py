@@ -41,6 +41,13 @@ class MsgType(enum.IntEnum):
     FRONT_HELLO = 38
     FRONT_STATUS = 39
     FRONT_ADMIT = 40
+    MASK_OPEN = 41
+    MASK_WARM = 42
+    MASK_SET = 43
+    MASK_SET_ACK = 44
+    MASK_FORGET = 45
+    MASK_NOTE = 46
+    MASK_FILL = 47
 
 
 MESSAGE_TYPES: dict[int, type] = {}   # message type -> its class
