@@ -408,6 +408,8 @@ def test_a_pipelined_constrained_step_samples_as_one_collected_first(tiny, where
             one_by_one[sid].append(t)
 
     e = engine()
+    traced = []
+    e.trace = lambda kind, *fields: traced.append((kind, *fields))
     pending = e.launch([row(sid, p, 0, 0) for sid, p in prompts.items()])
     piped, deferred, beside, early = {sid: [] for sid in prompts}, 0, 0, 0
     for i in range(1, steps + 1):
@@ -426,6 +428,8 @@ def test_a_pipelined_constrained_step_samples_as_one_collected_first(tiny, where
             early += nxt.logits is None
         pending = nxt
     assert deferred == beside == steps - 1 and early == steps // 2
+    masks = [fields for kind, *fields in traced if kind == "masks"]
+    assert len(masks) == deferred and sum(f[-1] for f in masks) == early and all(f[0] == 2 for f in masks)
     assert piped == one_by_one
     for sid in (2, 3):
         assert re.fullmatch("[0-9]{12,30}", tokenizer.decode(piped[sid], skip_special_tokens=True))

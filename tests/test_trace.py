@@ -76,6 +76,17 @@ def test_the_worker_summary_counts_device_gaps_and_host_waits():
     assert trace.worker_summary("worker-w2", _events((0.0, "ask", 1))) == ["worker-w2: no lease ran"]
 
 
+def test_the_worker_summary_times_the_masks_and_counts_those_had_before_the_next_step():
+    events = _events(
+        (0.000, "lease", 1, 3, 4, 0), (0.001, "start_end", 1), (0.002, "launch", 4),
+        (0.003, "masks", 2, 0.0010, 0.0001, 1), (0.004, "collect_begin", 4), (0.0045, "collect_end"),
+        (0.005, "masks", 4, 0.0030, 0.0020, 0), (0.006, "collect_begin", 4), (0.0065, "collect_end"),
+        (0.007, "masks", 3, 0.0020, 0.0002, 1), (0.008, "finish_end", 1))
+    text = "\n".join(trace.worker_summary("worker-w1", events))
+    assert ("3 steps waited for masks (3 constrained rows p50): filled in p50 2.00 ms, p90 3.00; "
+            "waited for p50 0.20 ms, p90 2.00; sampled before the next step was built in 2") in text, text
+
+
 def test_the_worker_summary_takes_an_admission_apart():
     # A step ends at 10 ms; the prompt lease 3 arrives 1 ms later, takes 2.5 ms to start, and
     # lease 4 is started behind it (1.4 ms) before its step is collected at 16 ms.

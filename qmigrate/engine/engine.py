@@ -393,7 +393,7 @@ class Engine:
         otherwise settles it, waiting if it must, just before its forward pass: `_run`)."""
         if pending is not None and pending.logits is not None and pending.masking is not None \
                 and self.grammars.done(pending.masking):
-            self._sample_waiting(pending)
+            self._sample_waiting(pending, early=True)
 
     def take_logprobs(self, pending: "Pending") -> tuple[dict, dict]:
         """Of a collected step: seq_id -> (values, top ids, row) of each asking row's sampled
@@ -443,12 +443,12 @@ class Engine:
             self.grammars.note(*noted)
 
     @torch.inference_mode()
-    def _sample_waiting(self, pending: "Pending") -> None:
+    def _sample_waiting(self, pending: "Pending", early: bool = False) -> None:
         job, pending.masking = pending.masking, None
         if job is not None:
             began = time.perf_counter()
             masks, took = self.grammars.finish(job)
-            self.trace("masks", len(masks[0]) if masks else 0, took, time.perf_counter() - began)
+            self.trace("masks", len(masks[0]) if masks else 0, took, time.perf_counter() - began, int(early))
         else:   # the step it waited on was collected before it waited: the matchers took its tokens then
             masks = self.grammars.masks(pending.batch.seq_ids, pending.params[4], pending.row_of) \
                 if self.grammars else None

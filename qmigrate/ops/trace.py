@@ -11,8 +11,9 @@ Worker events: ask (request no.), lease (id, steps, rows, full forms), start_beg
 start_end (lease id), prompts (a launched step's prompt rows, their new tokens, the
 positions of those found cached), launch (rows), collect_begin (rows) / collect_end, finish_begin /
 finish_end (lease id), withdrawn (lease id: a chain revoked before it started, answered
-unrun), masks (a step's constrained rows, seconds their masks took on the grammar table's
-thread, seconds the worker waited for them). Router events: submit (sequences offered,
+unrun), masks (a step's constrained rows, seconds their masks took where the matchers are,
+seconds the worker took to have them, 1 if it had them before building the next step:
+`Engine.settle`). Router events: submit (sequences offered,
 taken), request (worker, request no.), grant (worker, lease id, rows, steps, request no.),
 result (worker, lease id), tokens
 (worker, rows: a step's tokens on their way to the detokenizer). The token path after
@@ -151,15 +152,16 @@ def worker_summary(label: str, events: list) -> list[str]:
 
 
 def _mask_lines(events: list) -> list[str]:
-    """Steps with constrained rows: how long their masks took on the grammar table's thread,
-    and how long the worker then waited for them."""
+    """Steps with constrained rows: how long their masks took where the matchers are, how long
+    the worker then took to have them, and how often it had them before building the next step."""
     masks = [e for e in events if e[1] == "masks"]
     if not masks:
         return []
     rows, took, waited = ([e[i] for e in masks] for i in (2, 3, 4))
+    early = sum(e[5] for e in masks if len(e) > 5)
     return [f"  {len(masks)} steps waited for masks ({statistics.median(rows):.0f} constrained rows p50): "
             f"filled in p50 {_ms(took, 0.5)} ms, p90 {_ms(took, 0.9)}; waited for p50 {_ms(waited, 0.5)} ms, "
-            f"p90 {_ms(waited, 0.9)}"]
+            f"p90 {_ms(waited, 0.9)}; sampled before the next step was built in {early}"]
 
 
 def _ms(values: list[float], q: float) -> str:
