@@ -429,7 +429,9 @@ def test_a_pipelined_constrained_step_samples_as_one_collected_first(tiny, where
         pending = nxt
     assert deferred == beside == steps - 1 and early == steps // 2
     masks = [fields for kind, *fields in traced if kind == "masks"]
-    assert len(masks) == deferred and sum(f[-1] for f in masks) == early and all(f[0] == 2 for f in masks)
+    # marked early: those sampled by settle() above, and any whose masks were filled by the next launch
+    assert len(masks) == deferred and early <= sum(f[-1] for f in masks) <= deferred
+    assert all(f[0] == 2 for f in masks)
     assert piped == one_by_one
     for sid in (2, 3):
         assert re.fullmatch("[0-9]{12,30}", tokenizer.decode(piped[sid], skip_special_tokens=True))
