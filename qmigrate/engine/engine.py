@@ -431,10 +431,11 @@ class Engine:
 
     def _note_grammars(self, pending: "Pending", values: list[int]) -> None:
         """The matchers take a collected step's tokens. A step launched after it that waits for
-        them (`_run`: its forward pass is queued) has them taken and its masks filled on the
-        table's thread (`GrammarTable.start`), while the worker does its own work on the
-        collected step and the device runs that forward pass; its sampling is queued when it is
-        settled (`_settle`: the next launch, or its collect)."""
+        them (`_run`: its forward pass is queued) has them taken and its masks filled where the
+        matchers are (`GrammarTable.start`: the table's thread, or their own process), while the
+        worker does its own work on the collected step and the device runs that forward pass;
+        its sampling is queued as soon as the worker finds the masks filled (`settle`), at the
+        latest when it is settled (`_settle`: the next step's forward pass, or its collect)."""
         then, pending.then = pending.then, None
         noted = (pending.batch.seq_ids, pending.params[4], values, pending.partial, pending.row_of)
         if then is not None and then.logits is not None:
