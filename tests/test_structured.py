@@ -134,9 +134,9 @@ def masks_process(tiny):
         return table
     yield use
     for table in tables:
-        alive = table.process.proc.poll() is None
-        table.process.conn.close()
-        assert table.process.proc.wait(30) == 0 or not alive
+        alive = table.matchers.proc.poll() is None
+        table.matchers.conn.close()
+        assert table.matchers.proc.wait(30) == 0 or not alive
 
 
 def _compiled(core, grammar, eos_ids):
@@ -253,15 +253,15 @@ def test_a_mask_process_drops_foreign_messages_and_one_that_stops_or_dies_is_an_
     t = GrammarTable(model.config.vocab_size, torch.device("cpu"))
     t.compiler = grammars.Compiler(lambda: tokenizer, model.config.vocab_size, 60.0)
     masks_process(t)
-    t.process.conn.send_bytes(b"\x93not a message")
-    t.process.conn.send_bytes(codec.encode(P.Cancel(P.pack_i64([1]))))
+    t.matchers.conn.send_bytes(b"\x93not a message")
+    t.matchers.conn.send_bytes(codec.encode(P.Cancel(P.pack_i64([1]))))
     assert t.set(1, t.matcher(grammar, eos_ids), eos_ids, [])
     rows, bits = t.masks([5, 1], [0, 0])
     allowed = [k for k in range(model.config.vocab_size) if int(bits[0, k >> 5]) >> (k & 31) & 1]
     assert rows.tolist() == [1] and allowed
     assert all(re.fullmatch("[0-9]{1,5}", tokenizer.decode([k])) for k in allowed)
-    proc = t.process.proc
-    t.process.answer_timeout_s = 0.5
+    proc = t.matchers.proc
+    t.matchers.answer_timeout_s = 0.5
     proc.send_signal(signal.SIGSTOP)
     try:
         with pytest.raises(RuntimeError, match="did not answer within 0.5 s"):

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import time
 
 import numpy as np
 import torch
@@ -29,12 +28,12 @@ from qmigrate.engine.batch import StepBatch
 from qmigrate.engine.kv.host_tier import export_by_keys, tier_stats
 from qmigrate.engine.kv.pool import BlockPool, landed
 from qmigrate.engine.rows import REFUSED, Pending, StepRow, prompt_budget, share_prompt_budget
-from qmigrate.engine import fp8, placement, prefill, startup
+from qmigrate.engine import fp8, placement, prefill, startup, step_sampling
 from qmigrate.engine.config import EngineConfig
 from qmigrate.engine.runners.choice import make_runner
 from qmigrate.engine.controls import Controls, ControlTable
-from qmigrate.engine.grammar import GrammarTable, apply_masks
-from qmigrate.engine.sampling import HostRows, SamplingRows, host_arrays, sample
+from qmigrate.engine.grammar import GrammarTable
+from qmigrate.engine.sampling import HostRows, host_arrays
 from qmigrate.engine import logprobs as lp
 from qmigrate.hub.shape import ModelShape
 from qmigrate.ops.trace import OFF
@@ -237,18 +236,16 @@ class Engine:
         past the budget runs only its first part, or none of it. Such a row's sequence is in
         `Pending.partial`: its token is no sample (the KV of the part that ran is kept), and a
         later step carries the rest from cached_len on."""
-        if after is not None and after.batch is not None and rows and not any(r.new_ids for r in rows):
-            self.settle(after)
-            pending = self._continue(rows, after)
-            if pending is not None:
-                return pending
-        # before any forward pass of this step's prompts: those may replay a graph whose output
-        # holds the logits `after` waits to sample; with no prompt, `_run` settles it, and the
-        # masks are filled while this step is placed and built
         if any(r.new_ids for r in rows):
-            self._settle(after)
-        else:
+            # before any forward pass of this step's prompts: those may replay a graph whose
+            # output holds the logits `after` waits to sample
+            step_sampling.settle(self, after)
+        else:   # `_run` settles it at the latest: its masks are filled while this step is built
             self.settle(after)
+            if after is not None and after.batch is not None and rows:
+                pending = self._continue(rows, after)
+                if pending is not None:
+                    return pending
         feed = [i for i, r in enumerate(rows) if not r.new_ids]
         if feed and (after is None or not self.runner.can_feed):
             known = dict(zip((r.seq_id for r in after.rows), self.collect(after))) if after else {}
@@ -330,13 +327,13 @@ class Engine:
         pinned host buffer without a wait. Rows with a grammar have their masks computed
         while the device runs the forward pass. When one of them samples after a token that
         the step `after` has not yet brought to the host, the sampling waits until `after` is
-        collected (`_note_grammars` starts its masks) and the worker has done its own work on
-        that step (`_settle`), while the device runs the forward pass.
+        collected (`step_sampling.note_collected` starts its masks) and its masks are filled
+        (`step_sampling.settle`), while the device runs the forward pass.
 
         `feed`: (rows, their rows in `after`) of the rows fed a token `after` samples. A decode
         step (`_continue`) settles `after` here, not before it is built, so that the masks are
         filled while the host builds it."""
-        self._settle(after)   # its tokens are read on the device from here on
+        step_sampling.settle(self, after)   # its tokens are read on the device from here on
         if feed is not None:
             feed = (*feed, after.tokens)
         logits = self.runner.forward(batch, feed=feed)
@@ -345,7 +342,7 @@ class Engine:
                 and self.grammars.lags(batch.seq_ids, params[4], pending.row_of):
             pending.logits, pending.waits_on, after.then = logits, after, pending
         else:
-            self._sample(pending, logits, self.grammars.masks(batch.seq_ids, params[4], pending.row_of)
+            step_sampling.queue(self, pending, logits, self.grammars.masks(batch.seq_ids, params[4], pending.row_of)
                          if self.grammars else None)
         # the rows' ids, unless every row decodes a token not yet known here
         some_known = feed is None or len(feed[0]) < batch.num_rows
@@ -353,47 +350,12 @@ class Engine:
                                (pending.rows[i] for i in pending.placed) if some_known else None)
         return pending
 
-    def _sample(self, pending: "Pending", logits: torch.Tensor, masks) -> None:
-        """Queue the sampling of a step whose forward pass is queued (and its logprobs, and the
-        copy of its tokens to the host)."""
-        batch, params = pending.batch, pending.params
-        if masks is not None:
-            logits = apply_masks(logits, *masks)
-        controls = self.controls.step(batch.seq_ids, params[4]) if self.controls else None
-        sampling = SamplingRows.from_arrays(params, self.device)
-        asking = lp.asking_rows(pending.asks)
-        processed = [] if asking is not None else None
-        if controls is None:
-            pending.tokens = sample(logits, sampling, logits_out=processed)
-        else:
-            pending.tokens = sample(logits, sampling, controls, self.controls.slab, logits_out=processed)
-            self.controls.record(controls, pending.tokens)
-        if asking is not None:   # one log-softmax, gather and top-k over the asking rows only
-            pending.logprobs = lp.sampled_logprobs(processed[0], sampling.temperature, pending.tokens,
-                                                   *asking).to_host(self.device.type == "cuda")
-        if self.device.type == "cuda":
-            pending.host = torch.empty(batch.num_rows, dtype=torch.int64, pin_memory=True)
-            pending.host.copy_(pending.tokens, non_blocking=True)
-            pending.event = torch.cuda.Event()
-            pending.event.record()
-
-    def _settle(self, pending: "Pending | None") -> None:
-        """Queue the sampling of a step that waits for its masks (`_run`), collecting the step
-        before it if that is still to do (`_note_grammars` starts the masks); nothing for any
-        other step."""
-        if pending is not None and pending.logits is not None:
-            if pending.masking is None:
-                self.collect(pending.waits_on)
-            self._sample_waiting(pending)
-
     def settle(self, pending: "Pending | None") -> None:
         """Queue the sampling of a step that waits for its masks if they are filled, never
         waiting for them: a worker asks as it goes through its own work on the step before, so
         that the sampling runs on the device while the worker builds the next step (which
         otherwise settles it, waiting if it must, just before its forward pass: `_run`)."""
-        if pending is not None and pending.logits is not None and pending.masking is not None \
-                and self.grammars.done(pending.masking):
-            self._sample_waiting(pending, early=True)
+        step_sampling.settle(self, pending, wait=False)
 
     def take_logprobs(self, pending: "Pending") -> tuple[dict, dict]:
         """Of a collected step: seq_id -> (values, top ids, row) of each asking row's sampled
@@ -409,7 +371,7 @@ class Engine:
     def collect(self, pending: "Pending", while_waiting=None) -> list[int]:
         """Wait for a launched step: its sampled tokens in row order (the step's one host sync).
         `while_waiting()` is called until the step is done, for as long as it returns True."""
-        self._settle(pending)
+        step_sampling.settle(self, pending)
         if pending.result is None:
             tokens = [REFUSED] * len(pending.rows)
             if pending.placed:
@@ -425,33 +387,6 @@ class Engine:
                     tokens[i] = token
                 if pending.batch is not None:   # a row cut short (partial) sampled no token of its sequence
                     self.pool.note_sampled(pending.batch.seq_ids, pending.batch.seq_lens, values, pending.partial)
-                    self._note_grammars(pending, values)
+                    step_sampling.note_collected(self, pending, values)
             pending.result = tokens
         return pending.result
-
-    def _note_grammars(self, pending: "Pending", values: list[int]) -> None:
-        """The matchers take a collected step's tokens. A step launched after it that waits for
-        them (`_run`: its forward pass is queued) has them taken and its masks filled where the
-        matchers are (`GrammarTable.start`: the table's thread, or their own process), while the
-        worker does its own work on the collected step and the device runs that forward pass;
-        its sampling is queued as soon as the worker finds the masks filled (`settle`), at the
-        latest when it is settled (`_settle`: the next step's forward pass, or its collect)."""
-        then, pending.then = pending.then, None
-        noted = (pending.batch.seq_ids, pending.params[4], values, pending.partial, pending.row_of)
-        if then is not None and then.logits is not None:
-            then.masking = self.grammars.start(then.batch.seq_ids, then.params[4], noted, then.row_of)
-        elif self.grammars:
-            self.grammars.note(*noted)
-
-    @torch.inference_mode()
-    def _sample_waiting(self, pending: "Pending", early: bool = False) -> None:
-        job, pending.masking = pending.masking, None
-        if job is not None:
-            began = time.perf_counter()
-            masks, took = self.grammars.finish(job)
-            self.trace("masks", len(masks[0]) if masks else 0, took, time.perf_counter() - began, int(early))
-        else:   # the step it waited on was collected before it waited: the matchers took its tokens then
-            masks = self.grammars.masks(pending.batch.seq_ids, pending.params[4], pending.row_of) \
-                if self.grammars else None
-        logits, pending.logits, pending.waits_on = pending.logits, None, None
-        self._sample(pending, logits, masks)

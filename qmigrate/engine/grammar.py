@@ -15,10 +15,10 @@ queued before the mask is asked for), into a pinned buffer of packed bits (one i
 tokens, llguidance's layout), and applied on the device as one masked fill of the constrained
 rows. A step whose constrained rows sample after a token of the step before it that is still
 on the device (`lags`) is sampled once that step is collected: collecting it
-(`Engine._note_grammars`) starts a job (`start`) where the matchers are: on the table's own
-thread, or in a process of the matchers' own (a GPU worker's, hub/masks.py says why). There the
-matchers take its tokens and the masks are filled (by the library's threads, the rows handed to
-them family by family of their templates: hub/grammars.py). Meanwhile the worker does its own work on
+(`step_sampling.note_collected`) starts a job (`start`) where the matchers are: on a thread of
+theirs, or in a process of their own (a GPU worker's, hub/masks.py says why). There the matchers
+take its tokens and the masks are filled (by the library's threads, the rows handed to them
+family by family of their templates: hub/grammars.py). Meanwhile the worker does its own work on
 the collected step, asking as it goes whether the masks are filled (`Engine.settle`): once they
 are, it takes them (`finish`) and queues the sampling, so that the device samples while the
 worker builds the next step; at the latest, that step's forward pass waits for them.
@@ -35,23 +35,18 @@ by schema).
 
 from __future__ import annotations
 
-import sys
-import time
-from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import NamedTuple
 
 import numpy as np
 import torch
 
-from qmigrate.hub.masks import TRAILER_BYTES, Matchers, MaskProcess
-
-SWITCH_INTERVAL_S = 0.0002   # the longest a thread keeps the interpreter's lock while another waits (`start`)
+from qmigrate.hub.masks import TRAILER_BYTES, MaskProcess, MaskThread
 
 
 class GrammarTable:
-    """The matchers of the constrained sequences a worker holds: in this process (`Matchers`,
-    a step's masks filled on a thread of the table's) or in a process of their own
-    (`use_process`: hub/masks.py), behind the same calls. What each matcher has consumed is
+    """The matchers of the constrained sequences a worker holds: in this process, a step's masks
+    filled on a thread (`MaskThread`), or in a process of their own (`use_process`:
+    `MaskProcess`), behind the same calls (hub/masks.py). What each matcher has consumed is
     also counted here, on the worker's thread, so that a step knows without asking whether
     its constrained rows wait for the step before it (`lags`)."""
 
@@ -59,11 +54,7 @@ class GrammarTable:
         self.vocab_size, self.device = vocab_size, device
         self.compiler = None          # hub.grammars.Compiler, set by whoever has the tokenizer
         self.counts: dict[int, int] = {}   # seq_id -> tokens its matcher has consumed
-        self.local = Matchers()       # the matchers, unless they have a process of their own
-        self.process: MaskProcess | None = None
-        self.warmed: set[tuple] = set()    # grammars the process was told to compile
-        self.jobs = None              # one thread: a step's masks filled beside the worker's own work
-        self.job = None               # the last job asked for (a Future)
+        self.matchers: MaskThread | MaskProcess = MaskThread()
         self.buffers: list[tuple] = []  # two pinned (bitmasks, rows) and their numpy views, used in turn
         self.turn = 0
         self.width = 0                # int32 words of a row's mask
@@ -74,48 +65,37 @@ class GrammarTable:
     def use_process(self, tokenizer_path, trust_remote_code: bool, timeout_s: float) -> None:
         """Keep the matchers in a process of their own from now on (before any is set)."""
         assert not self.counts, "matchers already set here"
-        self.process = MaskProcess(tokenizer_path, trust_remote_code, self.vocab_size, timeout_s)
+        self.matchers = MaskProcess(tokenizer_path, trust_remote_code, self.vocab_size, timeout_s)
         if self.compiler is not None:   # this process's copies only prove that a grammar compiles
             self.compiler.family_size = 1
 
     def close(self) -> None:
-        self._join()
-        if self.process is not None:
-            self.process.close()
+        self.matchers.join()
+        self.matchers.close()
 
-    def _warm(self, grammar: str, eos_ids) -> None:
-        key = (grammar, tuple(sorted(eos_ids)))
-        if self.process is not None and key not in self.warmed:
-            self.warmed.add(key)
-            self.process.warm(grammar, eos_ids)
-
-    def matcher(self, grammar: str, eos_ids):
-        """A fresh matcher of `grammar` (GrammarError: it does not compile, or not in time)."""
+    def _compiler(self, grammar: str, eos_ids):
         from qmigrate.hub.grammars import GrammarError
         if self.compiler is None:
             raise GrammarError("this worker has no tokenizer for structured output")
-        self._warm(grammar, eos_ids)
-        return self.compiler.matcher(grammar, eos_ids)
+        self.matchers.warm(grammar, eos_ids)
+        return self.compiler
+
+    def matcher(self, grammar: str, eos_ids):
+        """A fresh matcher of `grammar` (GrammarError: it does not compile, or not in time)."""
+        return self._compiler(grammar, eos_ids).matcher(grammar, eos_ids)
 
     def ready(self, grammar: str, eos_ids):
         """A fresh matcher, or None while its grammar compiles on the pool (GrammarError: it
         does not compile, or not in time)."""
-        from qmigrate.hub.grammars import GrammarError
-        if self.compiler is None:
-            raise GrammarError("this worker has no tokenizer for structured output")
-        self._warm(grammar, eos_ids)
-        return self.compiler.ready(grammar, eos_ids)
+        return self._compiler(grammar, eos_ids).ready(grammar, eos_ids)
 
     def set(self, seq_id: int, fresh, eos_ids, generated) -> bool:
         """Take a sequence's fresh matcher (a `hub.grammars.Copy`) and replay its generated ids;
         False when they do not follow the grammar (the sequence cannot go on under it)."""
-        self._join()
+        self.matchers.join()
         self.forget(seq_id)
         generated = [int(t) for t in generated]
-        if self.process is not None:
-            ok = self.process.set(seq_id, fresh.grammar, eos_ids, generated)
-        else:
-            ok = self.local.set(seq_id, fresh, eos_ids, generated)
+        ok = self.matchers.set(seq_id, fresh, eos_ids, generated)
         if ok:
             self.counts[seq_id] = len(generated)
             self.width = self.width or self.compiler.mask_words(eos_ids)
@@ -124,10 +104,7 @@ class GrammarTable:
     def forget(self, seq_id: int) -> None:
         """Drop a sequence (a job in flight still fills its row: nothing waits for it)."""
         if self.counts.pop(seq_id, None) is not None:
-            if self.process is not None:
-                self.process.forget(seq_id)
-            else:
-                self.local.forget(seq_id)
+            self.matchers.forget(seq_id)
 
     def _constrained(self, seq_ids, row_of=None) -> list[tuple[int, int]]:
         """(row, seq_id) of a step's constrained rows, in row order; `row_of` (seq_id -> row:
@@ -167,13 +144,8 @@ class GrammarTable:
     def note(self, seq_ids, index, tokens, partial=frozenset(), row_of=None) -> None:
         """The tokens a step sampled: row k's is generated token index[k] of seq_ids[k]."""
         noted = self._noted(seq_ids, index, tokens, partial, row_of)
-        if noted is None:
-            return
-        if self.process is not None:
-            self.process.note(noted)
-        else:
-            self._join()
-            self.local.note(*noted)
+        if noted is not None:
+            self.matchers.note(noted)
 
     def masks(self, seq_ids, index, row_of=None) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(rows, packed bits) of a step's constrained rows, on the device; None when it has none."""
@@ -181,59 +153,27 @@ class GrammarTable:
 
     def start(self, seq_ids, index, noted, row_of=None) -> "Job":
         """`masks`, filled beside the caller: the matchers take the tokens `noted` (`note`'s
-        arguments) and fill the masks on the table's thread, or in the matchers' process,
-        while the caller goes on (the library's calls leave the interpreter's lock); `finish`
-        takes them. Jobs run in the order asked, and every other call on the table waits for
-        the last one first (the process takes its messages in order), so the matchers are
-        never used from two places at once."""
-        self._join()
+        arguments) and fill the masks on their thread, or in their process, while the caller
+        goes on (the library's calls leave the interpreter's lock); `finish` takes them. Jobs
+        run in the order asked."""
         taken = self._noted(*noted) if noted is not None else None
         rows, ids, index = self._rows(seq_ids, index, row_of)
         bits, at, host, host_rows, answer = self._buffer(len(rows))
         host_rows[:] = rows
-        if self.process is not None:
-            return Job(at, bits, self.process.start(taken, ids, index, self.width, answer))
-        if self.jobs is None:   # on a GPU the thread's device is the table's (its pinned buffers)
-            on_gpu = self.device.type == "cuda"
-            self.jobs = ThreadPoolExecutor(1, thread_name_prefix="masks",
-                                           initializer=(lambda: torch.cuda.set_device(self.device)) if on_gpu else None)
-            # The job holds the interpreter's lock only between the library's calls, but it waits
-            # for it while the worker's thread runs Python: by default up to 5 ms at each turn,
-            # longer than the whole job, so it would start only once the worker waits for it.
-            sys.setswitchinterval(min(sys.getswitchinterval(), SWITCH_INTERVAL_S))
-        self.job = self.jobs.submit(self._fill, taken, ids, index, host)
-        return Job(at, bits, self.job)
+        return Job(at, bits, self.matchers.start(taken, ids, index, host, answer))
 
     def done(self, job: "Job") -> bool:
         """Whether a job's masks are filled (`finish` would not wait)."""
-        return job.handle.done() if isinstance(job.handle, Future) else self.process.ready(job.handle)
+        return self.matchers.ready(job.handle)
 
     def finish(self, job: "Job") -> tuple[tuple[torch.Tensor, torch.Tensor] | None, float]:
         """The masks of a job `start` began, on the device (waits for it), and the seconds the
         job took where it ran."""
-        if isinstance(job.handle, Future):
-            took = job.handle.result()
-        else:
-            took = self.process.result(job.handle)
+        took = self.matchers.result(job.handle)
         if not len(job.rows):
             return None, took
         # both from pinned memory: a copy from pageable memory may wait for the step in flight
         return (job.rows.to(self.device, non_blocking=True), job.bits.to(self.device, non_blocking=True)), took
-
-    def _fill(self, taken, seq_ids, index, host) -> float:
-        began = time.perf_counter()
-        if taken is not None:
-            self.local.note(*taken)
-        self.local.fill(seq_ids, index, host)
-        return time.perf_counter() - began
-
-    def _join(self) -> None:
-        if self.process is not None:
-            self.process.join()
-        job = self.job
-        if job is not None:
-            self.job = None
-            wait([job])   # its outcome (an error too) is the caller of `finish`'s
 
     def _buffer(self, num_rows: int) -> tuple:
         """The next turn's bits [num_rows, width] (int32) and rows [num_rows] (int64), pinned on a
@@ -262,7 +202,7 @@ class GrammarTable:
 
 class Job(NamedTuple):
     """A step's masks being filled (`GrammarTable.start`): its constrained rows and the rows
-    of bits they go to (pinned), and the thread's Future or the process's job."""
+    of bits they go to (pinned), and the thread's Future or the process's job (hub/masks.py)."""
     rows: torch.Tensor
     bits: torch.Tensor
     handle: object

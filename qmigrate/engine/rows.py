@@ -53,10 +53,10 @@ class Pending:
     logprobs: object = None                 # logprobs.StepLogprobs of the asking rows
     prompt_logprobs: dict = dataclasses.field(default_factory=dict)   # seq_id -> (values, top ids)
     # a step whose constrained rows sample after a token of the step before, still on the
-    # device: its logits wait for the masks that collecting `waits_on` fills (Engine._note_grammars)
+    # device: its logits wait for the masks that collecting `waits_on` fills (engine/step_sampling.py)
     logits: torch.Tensor | None = None
     waits_on: "Pending | None" = None
-    masking: object = None                  # its masks being filled (GrammarTable.start: a Future)
+    masking: object = None                  # its masks being filled (GrammarTable.start: a grammar.Job)
     then: "Pending | None" = None           # the step launched after this one that waits on it
 
 

@@ -1,6 +1,7 @@
 """Structured output's matchers and their token masks, without torch: the matchers of the
-constrained sequences a worker holds (`Matchers`), and a process of their own that keeps them
-beside a GPU worker (`MaskProcess`; its loop is `serve`).
+constrained sequences a worker holds (`Matchers`), kept in the worker's process with a thread
+that fills a step's masks (`MaskThread`), or in a process of their own beside a GPU worker
+(`MaskProcess`; its loop is `serve`), behind the same calls.
 
 Why a process: filling a step's masks is mostly the library's work on its own threads, which
 leave the interpreter's lock, but the Python around it (taking each row's token, ordering the
@@ -30,6 +31,7 @@ import socket
 import subprocess
 import sys
 import time
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from multiprocessing.connection import Connection
 
 import numpy as np
@@ -41,6 +43,7 @@ log = logging.getLogger(__name__)
 
 SOCKET_BUFFER_BYTES = 8 << 20   # a step's masks (6 KB a row with a 49k vocabulary) sent whole
 TRAILER_BYTES = 16              # after a step's masks: the seconds they took, and 1.0 if filling failed
+SWITCH_INTERVAL_S = 0.0002      # the longest a thread keeps the interpreter's lock while another waits
 ANSWER_TIMEOUT_S = 60.0         # the longest the worker waits for an answer (beyond a grammar's compile)
 
 
@@ -139,6 +142,67 @@ class Matchers:
                 bits[j, t >> 5] |= np.uint32(1 << (t & 31))
 
 
+class MaskThread:
+    """The matchers in the worker's own process, behind `MaskProcess`'s calls: a step's masks
+    filled on a thread of their own (`grammar_masks: thread`, the CPU's default). Every call
+    but `forget` waits for the job in flight first, so the matchers are never used from two
+    threads at once (a sequence dropped meanwhile only leaves its row unconstrained)."""
+
+    def __init__(self) -> None:
+        self.matchers = Matchers()
+        self.jobs = None              # one thread: a step's masks filled beside the worker's own work
+        self.job = None               # the last job asked for (a Future)
+
+    def warm(self, grammar: str, eos_ids) -> None:
+        """Nothing to do: the worker's compiler builds what `set` is given."""
+
+    def set(self, seq_id: int, fresh, eos_ids, generated) -> bool:
+        self.join()
+        return self.matchers.set(seq_id, fresh, eos_ids, generated)
+
+    def forget(self, seq_id: int) -> None:
+        self.matchers.forget(seq_id)
+
+    def note(self, noted) -> None:
+        self.join()
+        self.matchers.note(*noted)
+
+    def start(self, noted, seq_ids, index, bits: np.ndarray, answer: np.ndarray) -> Future:
+        """Fill the masks of seq_ids (at index) into `bits` (uint32 rows) on the thread, after
+        the matchers take `noted` (`note`'s lists, or None); `result` waits for them."""
+        self.join()
+        if self.jobs is None:
+            self.jobs = ThreadPoolExecutor(1, thread_name_prefix="masks")
+            # The job holds the interpreter's lock only between the library's calls, but it waits
+            # for it while the worker's thread runs Python: by default up to 5 ms at each turn,
+            # longer than the whole job, so it would start only once the worker waits for it.
+            sys.setswitchinterval(min(sys.getswitchinterval(), SWITCH_INTERVAL_S))
+        self.job = self.jobs.submit(self._fill, noted, seq_ids, index, bits)
+        return self.job
+
+    def _fill(self, noted, seq_ids, index, bits) -> float:
+        began = time.perf_counter()
+        if noted is not None:
+            self.matchers.note(*noted)
+        self.matchers.fill(seq_ids, index, bits)
+        return time.perf_counter() - began
+
+    def result(self, job: Future) -> float:
+        """Wait for a job's masks; the seconds it took on the thread."""
+        return job.result()
+
+    def ready(self, job: Future) -> bool:
+        return job.done()
+
+    def join(self) -> None:
+        job, self.job = self.job, None
+        if job is not None:
+            wait([job])   # its outcome (an error too) is the caller of `result`'s
+
+    def close(self) -> None:
+        self.join()
+
+
 class MaskProcess:
     """The worker's side of the matchers' own process: the same calls as `Matchers`, sent over
     the socket; `start` asks for a step's masks and `result` reads them (waiting for them, at
@@ -160,6 +224,7 @@ class MaskProcess:
         self.answer_timeout_s = ANSWER_TIMEOUT_S + timeout_s   # a set may wait for its grammar's compile
         self._send(P.MaskOpen(str(tokenizer_path), bool(trust_remote_code), int(vocab_size), float(timeout_s)))
         self.waiting: list | None = None    # the fill asked for and not yet read: [answer, seconds]
+        self.warmed: set[tuple] = set()     # grammars it was told to compile
 
     def _send(self, msg) -> None:
         try:
@@ -182,11 +247,15 @@ class MaskProcess:
 
     def warm(self, grammar: str, eos_ids) -> None:
         """Compile `grammar` there now (on its pool), so that the first `set` finds it built."""
-        self._send(P.MaskWarm(grammar, P.pack_i32(eos_ids)))
+        key = (grammar, tuple(sorted(eos_ids)))
+        if key not in self.warmed:
+            self.warmed.add(key)
+            self._send(P.MaskWarm(grammar, P.pack_i32(eos_ids)))
 
-    def set(self, seq_id: int, grammar: str, eos_ids, generated) -> bool:
+    def set(self, seq_id: int, fresh, eos_ids, generated) -> bool:
+        """`Matchers.set` there, of `fresh`'s grammar (the copy itself stays here)."""
         self.join()
-        self._send(P.MaskSet(seq_id, grammar, P.pack_i32(eos_ids), P.pack_i32(generated)))
+        self._send(P.MaskSet(seq_id, fresh.grammar, P.pack_i32(eos_ids), P.pack_i32(generated)))
         answer = self._recv()
         if not isinstance(answer, P.MaskSetAck):
             raise RuntimeError(f"structured output's mask process answered a set with {type(answer).__name__}")
@@ -199,13 +268,13 @@ class MaskProcess:
         seq_ids, index, tokens = noted
         self._send(P.MaskNote(P.pack_i64(seq_ids), P.pack_i64(index), P.pack_i32(tokens)))
 
-    def start(self, noted, seq_ids, index, width: int, answer: np.ndarray) -> list:
+    def start(self, noted, seq_ids, index, bits: np.ndarray, answer: np.ndarray) -> list:
         """Ask for the masks of seq_ids (at index) after the matchers take `noted` (`note`'s
-        lists, or None); `result` reads them into `answer` (uint8: the rows of `width` 32-bit
-        words, then TRAILER_BYTES)."""
+        lists, or None); `result` reads them into `answer` (uint8: the rows of `bits`, then
+        TRAILER_BYTES)."""
         self.join()
         taken = noted or ((), (), ())
-        self._send(P.MaskFill(P.pack_i64(seq_ids), P.pack_i64(index), width,
+        self._send(P.MaskFill(P.pack_i64(seq_ids), P.pack_i64(index), bits.shape[1],
                               P.pack_i64(taken[0]), P.pack_i64(taken[1]), P.pack_i32(taken[2])))
         self.waiting = job = [answer, None]
         return job

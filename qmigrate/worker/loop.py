@@ -70,8 +70,9 @@ class Worker:
                                   load_format=topo.model.load_format)
             engine = Engine(model, self.cfg.engine_config(), own_model=True)
         self.core = WorkerCore(engine)
-        engine.grammars.compiler = grammar_compiler(topo, engine.shape.vocab_size, prepare=device.startswith("cuda"))
-        if self.cfg.grammar_masks == "process" or (self.cfg.grammar_masks == "auto" and device.startswith("cuda")):
+        on_gpu = device.startswith("cuda")
+        engine.grammars.compiler = grammar_compiler(topo, engine.shape.vocab_size, prepare=on_gpu)
+        if self.cfg.grammar_masks == "process" or (self.cfg.grammar_masks == "auto" and on_gpu):
             engine.grammars.use_process(resolve_model(topo.model.path), topo.model.trust_remote_code,
                                         topo.defaults.structured_output_compile_timeout_s)
         self.trace = self.core.trace = engine.trace = tracer(f"worker-{name}", topo.trace_dir)
