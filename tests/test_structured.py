@@ -8,6 +8,7 @@ import json
 import re
 import time
 
+import numpy as np
 import pytest
 import torch
 jsonschema = pytest.importorskip("jsonschema")   # the test extra; absent where only the GPU tests run
@@ -25,6 +26,13 @@ SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", 
                          "ok": {"type": "boolean"}, "kind": {"enum": ["a", "bb", "ccc"]},
                          "tags": {"type": "array", "items": {"enum": ["x", "y"]}, "maxItems": 3}}}
 RESPONSE_FORMAT = {"type": "json_schema", "json_schema": {"name": "thing", "schema": SCHEMA, "strict": True}}
+# the same but for numeric bounds, which xgrammar does not enforce: this one compiles with xgrammar
+XSCHEMA = dict(SCHEMA, properties=dict(SCHEMA["properties"], count={"enum": [1, 22, 333]}))
+SCHEMAS = {"llguidance": SCHEMA, "xgrammar": XSCHEMA}
+
+
+def _response_format(library):
+    return {"type": "json_schema", "json_schema": {"name": "thing", "schema": SCHEMAS[library], "strict": True}}
 
 
 @pytest.fixture(scope="module")
@@ -174,26 +182,29 @@ def _run(core, lease):
     return P.unpack_i32(result.tokens).tolist(), P.Finish(P.unpack_u8(result.status)[0])
 
 
-_UNMOVED: dict[str, tuple] = {}   # runner -> the tokens unconstrained, and (tokens, end) constrained
+_UNMOVED: dict[tuple, tuple] = {}   # (runner, library) -> the tokens unconstrained, and (tokens, end) constrained
 
 
+@pytest.mark.parametrize("library", ["llguidance", "xgrammar"])
 @pytest.mark.parametrize("runner", ["hf", "fast"])
 @pytest.mark.parametrize("move", [None, "recompute", "transfer"])
-def test_a_sequence_moved_mid_output_keeps_its_grammar_state_and_its_tokens(tiny, move, runner):
+def test_a_sequence_moved_mid_output_keeps_its_grammar_state_and_its_tokens(tiny, move, runner, library):
     """Greedy multi-step leases on one worker, or moved after 9 tokens to a fresh worker that
     only has the ids that travel (and, by transfer, the KV): the same tokens, a document that
-    validates against its schema, where the same prompt unconstrained gives no JSON at all."""
+    validates against its schema, where the same prompt unconstrained gives no JSON at all;
+    with a schema of either library's."""
     _, _, tokenizer, eos_ids = tiny
     prompt = [1, 17, 99, 5, 42, 17, 250, 7]
-    grammar = _parse(tiny, response_format=RESPONSE_FORMAT).grammar
+    grammar = _parse(tiny, response_format=_response_format(library)).grammar
+    assert (grammars.xgrammar_schema(grammar) is not None) == (library == "xgrammar")
     spec = lambda ids, **kw: P.SeqSpec(1, P.pack_i32(ids), len(prompt), 120, eos_ids=eos_ids, grammar=grammar, **kw)
 
     core_of = lambda: _compiled(_core(tiny, runner), grammar, eos_ids)
-    if runner not in _UNMOVED:   # the same for every move: run once a runner
+    if (runner, library) not in _UNMOVED:   # the same for every move: run once a runner and library
         plain, _ = _run(_core(tiny, runner), _lease(1, prompt, P.SeqSpec(1, P.pack_i32(prompt), len(prompt), 40,
                                                                           eos_ids=eos_ids), 40))
-        _UNMOVED[runner] = plain, _run(core_of(), _lease(1, prompt, spec(prompt), 120))
-    plain, (whole, code) = _UNMOVED[runner]
+        _UNMOVED[runner, library] = plain, _run(core_of(), _lease(1, prompt, spec(prompt), 120))
+    plain, (whole, code) = _UNMOVED[runner, library]
     with pytest.raises(json.JSONDecodeError):
         json.loads(tokenizer.decode(plain, skip_special_tokens=True))
     assert code == P.Finish.EOS
@@ -214,17 +225,18 @@ def test_a_sequence_moved_mid_output_keeps_its_grammar_state_and_its_tokens(tiny
             assert other.num_kv_imported == 1
     assert first + rest == whole and code == P.Finish.EOS
     document = json.loads(tokenizer.decode(whole, skip_special_tokens=True))
-    jsonschema.validate(document, SCHEMA)
+    jsonschema.validate(document, SCHEMAS[library])
 
 
-def test_matchers_in_a_process_of_their_own_give_the_same_tokens_after_a_move(tiny, masks_process):
+@pytest.mark.parametrize("library", ["llguidance", "xgrammar"])
+def test_matchers_in_a_process_of_their_own_give_the_same_tokens_after_a_move(tiny, masks_process, library):
     """The fast runner (a constrained step samples once the step before is collected) with its
     matchers in their own process: the tokens of the matchers on the worker's thread, moved
     after 9 tokens to another worker whose matchers are in a process too (unmoved: the
     pipelined test above)."""
     _, _, tokenizer, eos_ids = tiny
     prompt = [1, 17, 99, 5, 42, 17, 250, 7]
-    grammar = _parse(tiny, response_format=RESPONSE_FORMAT).grammar
+    grammar = _parse(tiny, response_format=_response_format(library)).grammar
     spec = lambda ids: P.SeqSpec(1, P.pack_i32(ids), len(prompt), 120, eos_ids=eos_ids, grammar=grammar)
     whole, code = _run(_compiled(_core(tiny, "fast"), grammar, eos_ids), _lease(1, prompt, spec(prompt), 120))
     assert code == P.Finish.EOS
@@ -239,7 +251,93 @@ def test_matchers_in_a_process_of_their_own_give_the_same_tokens_after_a_move(ti
     ids = prompt + first
     rest, code = _run(core_of(), _lease(2, ids, spec(ids), 120))
     assert first + rest == whole and code == P.Finish.EOS
-    jsonschema.validate(json.loads(tokenizer.decode(whole, skip_special_tokens=True)), SCHEMA)
+    jsonschema.validate(json.loads(tokenizer.decode(whole, skip_special_tokens=True)), SCHEMAS[library])
+
+
+def test_a_json_schema_compiles_with_xgrammar_only_where_it_enforces_every_keyword(tiny):
+    from qmigrate.bench.serve_data import BUILTIN_SCHEMA
+    routed = lambda **form: grammars.xgrammar_schema(_parse(tiny, **form).grammar)
+    assert json.loads(routed(structured_outputs={"json": BUILTIN_SCHEMA})) == BUILTIN_SCHEMA
+    assert json.loads(routed(response_format=_response_format("xgrammar"))) == XSCHEMA
+    nested = {"$defs": {"n": {"type": "object", "properties": {"v": {"anyOf": [{"type": "string", "minLength": 2},
+                                                                                {"const": 1}]}}}},
+              "type": "array", "items": {"$ref": "#/$defs/n"}, "title": "t", "minItems": 1}
+    assert json.loads(routed(structured_outputs={"json": nested})) == nested
+    refused = [{"type": "object"}, {"type": "array", "items": {"type": "string"}},   # no string with a bound
+               {"type": "object", "properties": {"maxLength": {"type": "string"}}},   # a property's name
+               SCHEMA,   # minimum, maximum
+               {"type": "string", "maxLength": 3, "pattern": "a+"}, {"type": "string", "maxLength": 10, "format": "date"},
+               {"oneOf": [{"type": "string", "maxLength": 3}, {"type": "integer"}]},
+               {"type": "object", "properties": {"a": {"type": "string", "maxLength": 3}},
+                "additionalProperties": {"type": "integer"}},
+               {"type": "object", "properties": {"a": {"type": "string", "maxLength": 3}}, "required": ["b"]},
+               {"type": "array", "items": {"type": "string", "maxLength": 3}, "uniqueItems": True},
+               {"type": "string", "maxLength": 3, "x-guidance": {"whitespace_flexible": True}}]
+    assert [routed(structured_outputs={"json": schema}) for schema in refused] == [None] * len(refused)
+    assert routed(response_format={"type": "json_object"}) is None
+    for form in ({"structured_outputs": {"regex": "[a-c]+"}}, {"structured_outputs": {"choice": ["a", "b"]}},
+                 {"structured_outputs": {"grammar": 'root ::= "x"'}}):
+        assert routed(**form) is None
+
+
+def _walks(tiny, grammar, rng, walks=30, steps=200, allowed_too=False):
+    """Random walks through a grammar's masks (`Matchers`): each step samples uniformly among
+    what the mask allows (EOS, where allowed, one time in four; a token that closes a string, an
+    array or an object, where one is allowed, one time in three); the documents of the walks
+    that ended, and every token a mask allowed."""
+    from qmigrate.hub.masks import Matchers
+    _, model, tokenizer, eos_ids = tiny
+    compiler = grammars.Compiler(lambda: tokenizer, model.config.vocab_size, 60.0)
+    width = -(-model.config.vocab_size // 32)
+    matchers, ended, seen = Matchers(), [], set()
+    closing = {t for t in range(len(tokenizer)) if tokenizer.decode([t]) and not tokenizer.decode([t]).strip('"]}')}
+    for walk in range(walks):
+        fresh = compiler.matcher(grammar, eos_ids)
+        if allowed_too:   # every token of the tokenizer's (xgrammar's masks also allow the model's padding ids)
+            fresh = fresh._replace(allowed=np.packbits(np.arange(width * 32) < len(tokenizer),
+                                                       bitorder="little").view(np.uint32))
+        assert matchers.set(walk, fresh, eos_ids, [])
+        out = []
+        for i in range(steps):
+            bits = np.zeros((1, width), dtype=np.uint32)
+            matchers.fill([walk], [i], bits)
+            allowed = np.flatnonzero(np.unpackbits(bits.view(np.uint8), bitorder="little")).tolist()
+            seen.update(allowed)
+            ends = [t for t in allowed if t in eos_ids]
+            closers = [t for t in allowed if t in closing]
+            if ends and rng.random() < 0.25:
+                token = ends[0]
+            else:
+                token = int(rng.choice(closers if closers and rng.random() < 1 / 3 else allowed))
+            if token in eos_ids:
+                ended.append(tokenizer.decode(out, skip_special_tokens=True))
+                break
+            matchers.note([walk], [i], [token])
+            out.append(token)
+    return ended, seen
+
+
+NOTES = {"type": "object", "additionalProperties": False, "required": ["notes"],   # bench serve's, closing
+         "properties": {"notes": {"type": "array", "maxItems": 4, "items": {"type": "string", "maxLength": 24}}}}
+
+
+@pytest.mark.parametrize("schema", ["SCHEMA", "XSCHEMA", "NOTES", "object"])
+def test_random_walks_through_either_librarys_masks_always_validate(tiny, schema):
+    """Whatever a mask allows leads to a document that validates; xgrammar's masks, as they
+    come from the library, also allow raw control characters inside a string with a length
+    bound (which no JSON text holds: `json.loads` refuses them), so each is ANDed with what a
+    JSON text may hold."""
+    _, _, tokenizer, eos_ids = tiny
+    schema = {"SCHEMA": SCHEMA, "XSCHEMA": XSCHEMA, "NOTES": NOTES, "object": {"type": "object"}}[schema]
+    grammar = _parse(tiny, structured_outputs={"json": schema}).grammar
+    control = {t for t in range(len(tokenizer)) if any(ord(c) < 0x20 for c in tokenizer.decode([t]))}
+    ended, seen = _walks(tiny, grammar, np.random.default_rng(0))
+    assert len(ended) >= 10 and not seen & control
+    for text in ended:
+        jsonschema.validate(json.loads(text), schema)
+    if schema is XSCHEMA or schema is NOTES:   # xgrammar's, with strings of a bounded length
+        _, raw = _walks(tiny, grammar, np.random.default_rng(0), walks=30, allowed_too=True)
+        assert raw & control   # what the AND is for
 
 
 def test_a_mask_process_drops_foreign_messages_and_one_that_stops_or_dies_is_an_error(tiny, masks_process):

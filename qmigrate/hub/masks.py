@@ -52,8 +52,9 @@ class Matchers:
     each step's masks of packed bits (one 32-bit word per 32 tokens, llguidance's layout)."""
 
     def __init__(self) -> None:
-        self.entries: dict[int, list] = {}   # seq_id -> [matcher, tokens consumed, EOS ids, family]
-        self.executor = None
+        self.entries: dict[int, list] = {}   # seq_id -> [matcher, tokens consumed, EOS ids, family, allowed]
+        self.executor = None        # llguidance's threads
+        self.batch = None           # xgrammar's
 
     def set(self, seq_id: int, fresh, eos_ids, generated) -> bool:
         """Take a sequence's fresh matcher (a `hub.grammars.Copy`) and replay its generated ids;
@@ -61,11 +62,15 @@ class Matchers:
         self.entries.pop(seq_id, None)
         matcher = fresh.matcher
         generated = [int(t) for t in generated]
-        if generated and not matcher.consume_tokens(generated):
+        if fresh.allowed is not None:   # xgrammar's
+            taken = all(matcher.accept_token(t) for t in generated)
+        else:
+            taken = not generated or matcher.consume_tokens(generated)
+        if not taken:
             log.warning("sequence %d: its %d generated ids do not follow its grammar: %s", seq_id,
-                        len(generated), matcher.get_error())
+                        len(generated), _error(matcher))
             return False
-        self.entries[seq_id] = [matcher, len(generated), sorted(eos_ids), fresh.family]
+        self.entries[seq_id] = [matcher, len(generated), sorted(eos_ids), fresh.family, fresh.allowed]
         return True
 
     def forget(self, seq_id: int) -> None:
@@ -83,21 +88,25 @@ class Matchers:
         """The tokens a step sampled for its constrained rows: seq_ids[k]'s generated token
         index[k] is tokens[k]. Several rows take theirs on the library's threads, family by
         family (as `fill` fills them)."""
-        taking = []
+        taking, xtaking = [], []
         for s, i, t in zip(seq_ids, index, tokens):
             entry = self.entries.get(s)
             if entry is not None and self._at(entry, i):
-                taking.append((entry[3], s, entry, int(t)))
+                (taking if entry[4] is None else xtaking).append((entry[3], s, entry, int(t)))
         if len(taking) > 1:
             taking.sort(key=lambda x: x[0])
             taken = self._executor().consume_token_par([(entry[0], t) for _, _, entry, t in taking])
         else:
             taken = [entry[0].consume_token(t) for _, _, entry, t in taking]
-        for (_, s, entry, t), ok in zip(taking, taken):
+        if xtaking:
+            import xgrammar
+            taken += xgrammar.BatchGrammarMatcher.batch_accept_token([e[0] for _, _, e, _ in xtaking],
+                                                                     [t for _, _, _, t in xtaking])
+        for (_, s, entry, t), ok in zip(taking + xtaking, taken):
             if ok:
                 entry[1] += 1
             else:
-                log.warning("sequence %d: token %d does not follow its grammar: %s", s, t, entry[0].get_error())
+                log.warning("sequence %d: token %d does not follow its grammar: %s", s, t, _error(entry[0]))
 
     def _executor(self):
         if self.executor is None:
@@ -106,11 +115,27 @@ class Matchers:
             self.executor = llguidance.LLExecutor(mask_threads())
         return self.executor
 
+    def _fill_xgrammar(self, xpairs, bits: np.ndarray) -> None:
+        """xgrammar's rows (matcher, row, allowed): filled on its threads, each then ANDed with
+        the tokens a JSON text may hold (hub/grammars.py)."""
+        if self.batch is None:
+            import xgrammar
+            from qmigrate.hub.grammars import mask_threads
+            self.batch = xgrammar.BatchGrammarMatcher(max_threads=mask_threads())
+        rows = [j for _, j, _ in xpairs]
+        self.batch.batch_fill_next_token_bitmask([m for m, _, _ in xpairs], bits.view(np.int32), indices=rows)
+        allowed = xpairs[0][2]
+        if all(a is allowed for _, _, a in xpairs):   # one tokenizer: every row at once
+            bits[rows] &= allowed
+        else:
+            for _, j, a in xpairs:
+                bits[j] &= a
+
     def fill(self, seq_ids, index, bits: np.ndarray) -> None:
         """Row j of `bits` (uint32, C-ordered) becomes the mask of seq_ids[j] at its generated
         token index[j]: what its grammar allows, only EOS where it allows nothing (ended, or a
         matcher behind its sequence), every token for a sequence it does not know."""
-        pairs, eos_only = [], []
+        pairs, xpairs, eos_only = [], [], []
         for j, (s, i) in enumerate(zip(seq_ids, index)):
             entry = self.entries.get(s)
             if entry is None:   # dropped while its step's masks were asked for
@@ -119,8 +144,14 @@ class Matchers:
             elif not self._at(entry, i):
                 log.warning("sequence %d: its grammar is %d tokens behind; only EOS is allowed", s, i - entry[1])
                 eos_only.append(j)
-            else:
+            elif entry[4] is None:
                 pairs.append((entry[0], j, entry[3]))
+            elif entry[0].is_terminated():   # past its EOS (a step built before it was seen): xgrammar has no mask
+                eos_only.append(j)
+            else:
+                xpairs.append((entry[0], j, entry[4]))
+        if xpairs:
+            self._fill_xgrammar(xpairs, bits)
         # The library's own calls, not its `llguidance.torch` helpers (importing those compiles a
         # function with torch.compile: seconds of a worker's first constrained step); the rows in
         # order of their template's family, so that each thread takes a run of rows sharing a
@@ -133,13 +164,18 @@ class Matchers:
         elif pairs:
             matcher, j, _ = pairs[0]
             matcher.unsafe_compute_mask_ptr(bits[j].ctypes.data, row_bytes)
-        if pairs:
+        if pairs or xpairs:
             eos_only += np.flatnonzero(~bits.any(axis=1)).tolist()
         for j in eos_only:
             bits[j] = 0
             entry = self.entries.get(seq_ids[j])   # (a drop may take it meanwhile on the worker's thread)
             for t in entry[2] if entry is not None else ():
                 bits[j, t >> 5] |= np.uint32(1 << (t & 31))
+
+
+def _error(matcher) -> str:
+    """Why a matcher refused a token, where its library says (xgrammar does not)."""
+    return matcher.get_error() if hasattr(matcher, "get_error") else "refused by its grammar"
 
 
 class MaskThread:
