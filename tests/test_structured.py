@@ -280,6 +280,26 @@ def test_a_json_schema_compiles_with_xgrammar_only_where_it_enforces_every_keywo
         assert routed(**form) is None
 
 
+def test_a_front_compiles_with_llguidance_and_a_schema_xgrammar_refuses_falls_back_to_it(tiny, monkeypatch):
+    """Where a request is parsed, the compile that proves a grammar compiles in time is
+    llguidance's (no xgrammar, nor torch, in the HTTP processes); a schema xgrammar fails to
+    compile is llguidance's everywhere, as the same text gives the same choice."""
+    _, model, tokenizer, eos_ids = tiny
+    grammar = _parse(tiny, response_format=_response_format("xgrammar")).grammar
+    make = lambda **kw: grammars.Compiler(lambda: tokenizer, model.config.vocab_size, 60.0, **kw)
+    assert make().matcher(grammar, eos_ids).allowed is not None
+    assert make(xgrammar=False).matcher(grammar, eos_ids).allowed is None
+
+    class Refusing:
+        def compile_json_schema(self, *args, **kwargs):
+            raise RuntimeError("not this one")
+    build = grammars.Compiler._xtokenizer
+    monkeypatch.setattr(grammars.Compiler, "_xtokenizer",
+                        lambda self, eos: grammars.XTokenizer(Refusing(), build(self, eos).allowed))
+    fresh = make().matcher(grammar, eos_ids)
+    assert fresh.allowed is None and hasattr(fresh.matcher, "consume_token")
+
+
 def _walks(tiny, grammar, rng, walks=30, steps=200, allowed_too=False):
     """Random walks through a grammar's masks (`Matchers`): each step samples uniformly among
     what the mask allows (EOS, where allowed, one time in four; a token that closes a string, an

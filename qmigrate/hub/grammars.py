@@ -276,10 +276,15 @@ def _syntax_error(grammar: str) -> str:
 class Compiler:
     """Grammars compiled against one tokenizer, off the caller's thread, cached by key."""
 
-    def __init__(self, load_tokenizer, vocab_size: int, timeout_s: float, threads: int = 2) -> None:
+    def __init__(self, load_tokenizer, vocab_size: int, timeout_s: float, threads: int = 2,
+                 xgrammar: bool = True) -> None:
         """`load_tokenizer()`: a transformers tokenizer of the model, called once on the pool
-        (a fast tokenizer is not shared between threads); `vocab_size`: the model's logits."""
+        (a fast tokenizer is not shared between threads); `vocab_size`: the model's logits;
+        `xgrammar` False: every grammar with llguidance (where a request is parsed: only to
+        refuse one that does not compile in time, without importing xgrammar and torch into
+        the HTTP processes; the workers compile with both, each compile within the limit)."""
         self.load_tokenizer, self.vocab_size, self.timeout_s = load_tokenizer, vocab_size, timeout_s
+        self.xgrammar = xgrammar
         self.pool = ThreadPoolExecutor(threads, thread_name_prefix="grammar")
         self.lock = threading.Lock()
         self.tokenizers: dict[tuple[int, ...], Future] = {}
@@ -322,8 +327,11 @@ class Compiler:
         return XTokenizer(xgrammar.GrammarCompiler(info, max_threads=1),
                           _allowed(info.decoded_vocab, special, eos_ids, size))
 
+    def _xgrammar_schema(self, grammar: str) -> str | None:
+        return xgrammar_schema(grammar) if self.xgrammar else None
+
     def _build(self, grammar: str, eos_ids: tuple[int, ...]):
-        schema = xgrammar_schema(grammar)
+        schema = self._xgrammar_schema(grammar)
         if schema is not None:
             xtok = self.xtokenizer(eos_ids).result()
             try:
@@ -378,7 +386,7 @@ class Compiler:
     def _tokenizers(self, grammar: str, eos_ids) -> list[Future]:
         """What compiling `grammar` needs first, and the time limit does not count."""
         tok = [self.tokenizer(eos_ids)]
-        return tok + [self.xtokenizer(eos_ids)] if xgrammar_schema(grammar) is not None else tok
+        return tok + [self.xtokenizer(eos_ids)] if self._xgrammar_schema(grammar) is not None else tok
 
     def start(self, grammar: str, eos_ids) -> Future:
         """The template matcher of `grammar` (a future: compiling may still run)."""

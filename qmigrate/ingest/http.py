@@ -82,7 +82,7 @@ class HttpServer:
         self.max_context = min(self.max_context, max_model_len or self.max_context)   # the workers' limit
         # structured outputs' grammars, compiled off both loops (and refused past the time limit)
         self.grammars = Compiler(lambda: load_tokenizer_info(model_path, trust_remote_code)[0],
-                                 len(self.tokenizer), defaults.structured_output_compile_timeout_s)
+                                 len(self.tokenizer), defaults.structured_output_compile_timeout_s, xgrammar=False)
         # Bodies are parsed and tokenized on this one thread, the only user of the tokenizer:
         # a long prompt costs its own request time, never the event loop's (/health, streams).
         self.parser = ThreadPoolExecutor(1, thread_name_prefix="http-parse")

@@ -76,7 +76,7 @@ class Ingest:
         self.id_bound = token_id_bound(model_path, self.tokenizer)
         trust = topo.model.trust_remote_code
         self.grammars = Compiler(lambda: load_tokenizer_info(model_path, trust)[0], len(self.tokenizer),
-                                 d.structured_output_compile_timeout_s)
+                                 d.structured_output_compile_timeout_s, xgrammar=False)
         self.router_addr = topo.endpoint("router").connect
         self.router = transport.socket(zmq.DEALER, connect=self.router_addr,
                                        identity=f"ingest-{os.getpid()}")
