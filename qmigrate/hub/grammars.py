@@ -364,24 +364,22 @@ class Compiler:
         return first
 
     def tokenizer(self, eos_ids) -> Future:
-        """The library's tokenizer (built once, in about half a second: the time limit counts
+        """llguidance's tokenizer (built once, in about half a second: the time limit counts
         from when it is there, so that the first grammar a process sees is not refused for it)."""
-        eos = tuple(sorted(eos_ids))
-        with self.lock:
-            tok = self.tokenizers.get(eos)
-            if tok is None:
-                tok = self.tokenizers[eos] = self.pool.submit(self._tokenizer, eos)
-        return tok
+        return self._once(self.tokenizers, self._tokenizer, eos_ids)
 
     def xtokenizer(self, eos_ids) -> Future:
         """xgrammar's tokenizer and compiler (the library imported and the vocabulary read
         once, in about 1.5 s: like `tokenizer`, before the time limit counts)."""
+        return self._once(self.xtokenizers, self._xtokenizer, eos_ids)
+
+    def _once(self, built: dict, build, eos_ids) -> Future:
         eos = tuple(sorted(eos_ids))
         with self.lock:
-            tok = self.xtokenizers.get(eos)
-            if tok is None:
-                tok = self.xtokenizers[eos] = self.pool.submit(self._xtokenizer, eos)
-        return tok
+            future = built.get(eos)
+            if future is None:
+                future = built[eos] = self.pool.submit(build, eos)
+        return future
 
     def _tokenizers(self, grammar: str, eos_ids) -> list[Future]:
         """What compiling `grammar` needs first, and the time limit does not count."""
