@@ -1,5 +1,7 @@
-"""Structured output's matchers and their token masks, without torch: the matchers of the
-constrained sequences a worker holds (`Matchers`), kept in the worker's process with a thread
+"""Structured output's matchers and their token masks, importable without torch (xgrammar's
+matchers, where a sequence has one, bring it: hub/grammars.py says which library): the
+matchers of the constrained sequences a worker holds (`Matchers`), kept in the worker's
+process with a thread
 that fills a step's masks (`MaskThread`), or in a process of their own beside a GPU worker
 (`MaskProcess`; its loop is `serve`), behind the same calls.
 
