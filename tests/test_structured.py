@@ -136,15 +136,16 @@ def masks_process(tiny):
     path, *_ = tiny
     tables = []
 
-    def use(table):
-        table.use_process(path, False, 60.0)
+    def use(table, processes=1):
+        table.use_process(path, False, 60.0, processes)
         tables.append(table)
         return table
     yield use
     for table in tables:
-        alive = table.matchers.proc.poll() is None
-        table.matchers.conn.close()
-        assert table.matchers.proc.wait(30) == 0 or not alive
+        for process in getattr(table.matchers, "shards", [table.matchers]):
+            alive = process.proc.poll() is None
+            process.conn.close()
+            assert process.proc.wait(30) == 0 or not alive
 
 
 def _compiled(core, grammar, eos_ids):
@@ -493,11 +494,13 @@ def test_a_plain_row_beside_a_constrained_one_samples_as_alone(tiny):
     assert re.fullmatch("[0-9]+", tokenizer.decode(tokens[counts[0]:], skip_special_tokens=True))
 
 
-@pytest.mark.parametrize("where", ["thread", "process"])
+@pytest.mark.parametrize("where", ["thread", "process", "processes"])
 def test_a_pipelined_constrained_step_samples_as_one_collected_first(tiny, where, masks_process):
     """A step launched before the one it follows is collected leaves its sampling until the
     masks, which need that step's tokens, are filled; the tokens, sampled or not, are those of
-    the same rows run one collected step at a time, and the constrained row's text matches."""
+    the same rows run one collected step at a time, and the constrained row's text matches.
+    "processes": the matchers spread over three processes, which take the constrained rows
+    (sequences 2 and 3) in the other order than the step's."""
     from qmigrate.engine.engine import Engine
     from qmigrate.engine.rows import StepRow
     _, model, tokenizer, eos_ids = tiny
@@ -508,8 +511,8 @@ def test_a_pipelined_constrained_step_samples_as_one_collected_first(tiny, where
     def engine(place=where):   # the fast runner (eager on the CPU) feeds a step's tokens on the device
         e = _fast_ops(Engine(model, max_model_len=256, max_kv_tokens=4096, runner="fast", enforce_eager=True))
         e.grammars.compiler = grammars.Compiler(lambda: tokenizer, model.config.vocab_size, 60.0)
-        if place == "process":
-            masks_process(e.grammars)
+        if place in ("process", "processes"):
+            masks_process(e.grammars, 3 if place == "processes" else 1)
         for sid in (2, 3):
             assert e.set_grammar(sid, e.grammars.matcher(grammar, eos_ids), eos_ids, [])
         return e

@@ -40,7 +40,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from qmigrate.hub.masks import TRAILER_BYTES, MaskProcess, MaskThread
+from qmigrate.hub.masks import TRAILER_BYTES, MaskProcess, MaskShards, MaskThread
 
 
 class GrammarTable:
@@ -54,7 +54,7 @@ class GrammarTable:
         self.vocab_size, self.device = vocab_size, device
         self.compiler = None          # hub.grammars.Compiler, set by whoever has the tokenizer
         self.counts: dict[int, int] = {}   # seq_id -> tokens its matcher has consumed
-        self.matchers: MaskThread | MaskProcess = MaskThread()
+        self.matchers: MaskThread | MaskProcess | MaskShards = MaskThread()
         self.buffers: list[tuple] = []  # two pinned (bitmasks, rows) and their numpy views, used in turn
         self.turn = 0
         self.width = 0                # int32 words of a row's mask
@@ -62,10 +62,14 @@ class GrammarTable:
     def __bool__(self) -> bool:
         return bool(self.counts)
 
-    def use_process(self, tokenizer_path, trust_remote_code: bool, timeout_s: float) -> None:
-        """Keep the matchers in a process of their own from now on (before any is set)."""
+    def use_process(self, tokenizer_path, trust_remote_code: bool, timeout_s: float, processes: int = 1) -> None:
+        """Keep the matchers in a process of their own from now on (before any is set), or
+        spread over `processes` of them."""
         assert not self.counts, "matchers already set here"
-        self.matchers = MaskProcess(tokenizer_path, trust_remote_code, self.vocab_size, timeout_s)
+        if processes > 1:
+            self.matchers = MaskShards(processes, tokenizer_path, trust_remote_code, self.vocab_size, timeout_s)
+        else:
+            self.matchers = MaskProcess(tokenizer_path, trust_remote_code, self.vocab_size, timeout_s)
         if self.compiler is not None:   # this process's copies only prove that a grammar compiles
             self.compiler.family_size = 1
 
@@ -136,8 +140,9 @@ class GrammarTable:
         return taken if taken[0] else None
 
     def _rows(self, seq_ids, index, row_of=None) -> tuple[list[int], list[int], list[int]]:
-        """(rows, their seq_ids, their index) of a step's constrained rows."""
-        found = self._constrained(seq_ids, row_of)
+        """(rows, their seq_ids, their index) of a step's constrained rows, in the order the
+        matchers fill them (`arrange`: row order, or process by process)."""
+        found = self.matchers.arrange(self._constrained(seq_ids, row_of))
         rows = [k for k, _ in found]
         return rows, [s for _, s in found], np.asarray(index)[rows].tolist()
 

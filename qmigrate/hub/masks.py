@@ -53,8 +53,9 @@ class Matchers:
     """The matchers of the constrained sequences, by sequence: what each has consumed, and
     each step's masks of packed bits (one 32-bit word per 32 tokens, llguidance's layout)."""
 
-    def __init__(self) -> None:
+    def __init__(self, threads: int | None = None) -> None:
         self.entries: dict[int, list] = {}   # seq_id -> [matcher, tokens consumed, EOS ids, family, allowed]
+        self.threads = threads      # the libraries' threads (None: hub/grammars.py's mask_threads)
         self.executor = None        # llguidance's threads
         self.batch = None           # xgrammar's
 
@@ -114,7 +115,7 @@ class Matchers:
         if self.executor is None:
             import llguidance
             from qmigrate.hub.grammars import mask_threads
-            self.executor = llguidance.LLExecutor(mask_threads())
+            self.executor = llguidance.LLExecutor(self.threads or mask_threads())
         return self.executor
 
     def _fill_xgrammar(self, xpairs, bits: np.ndarray) -> None:
@@ -123,7 +124,7 @@ class Matchers:
         if self.batch is None:
             import xgrammar
             from qmigrate.hub.grammars import mask_threads
-            self.batch = xgrammar.BatchGrammarMatcher(max_threads=mask_threads())
+            self.batch = xgrammar.BatchGrammarMatcher(max_threads=self.threads or mask_threads())
         rows = [j for _, j, _ in xpairs]
         self.batch.batch_fill_next_token_bitmask([m for m, _, _ in xpairs], bits.view(np.int32), indices=rows)
         allowed = xpairs[0][2]
@@ -194,6 +195,11 @@ class MaskThread:
     def warm(self, grammar: str, eos_ids) -> None:
         """Nothing to do: the worker's compiler builds what `set` is given."""
 
+    @staticmethod
+    def arrange(found: list) -> list:
+        """A step's constrained (row, seq_id) in the order their masks are asked for."""
+        return found
+
     def set(self, seq_id: int, fresh, eos_ids, generated) -> bool:
         self.join()
         return self.matchers.set(seq_id, fresh, eos_ids, generated)
@@ -247,7 +253,11 @@ class MaskProcess:
     most ANSWER_TIMEOUT_S: a process that stops answering stops its worker, which the node
     starts again)."""
 
-    def __init__(self, tokenizer_path: str, trust_remote_code: bool, vocab_size: int, timeout_s: float) -> None:
+    arrange = staticmethod(MaskThread.arrange)
+
+    def __init__(self, tokenizer_path: str, trust_remote_code: bool, vocab_size: int, timeout_s: float,
+                 threads: int = 0) -> None:
+        """`threads`: the libraries' threads there (0: their default)."""
         mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         for end in (mine, theirs):
             end.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCKET_BUFFER_BYTES)
@@ -255,7 +265,7 @@ class MaskProcess:
         # the child imports this very package, whatever its working directory holds
         root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         start = f"import sys; sys.path.insert(0, {root!r}); from qmigrate.hub.masks import main; main()"
-        self.proc = subprocess.Popen([sys.executable, "-c", start, str(theirs.fileno())],
+        self.proc = subprocess.Popen([sys.executable, "-c", start, str(theirs.fileno()), str(threads)],
                                      pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL)
         theirs.close()
         self.conn = Connection(mine.detach())
@@ -346,15 +356,97 @@ class MaskProcess:
             self.proc.kill()
 
 
+class MaskShards:
+    """The matchers spread over several processes of their own, by sequence id, behind
+    `MaskProcess`'s calls: a step's masks asked of each at once, so that each takes its rows'
+    tokens and fills their masks beside the others (a process's Python between the libraries'
+    calls runs on one core). A step's rows are asked for process by process (`arrange`), so each
+    process's masks are a run of the step's rows of bits; its answer's trailer lands on the next
+    run's first bytes, so answers are read in process order, each before the next overwrites it."""
+
+    def __init__(self, processes: int, tokenizer_path: str, trust_remote_code: bool, vocab_size: int,
+                 timeout_s: float) -> None:
+        from qmigrate.hub.grammars import mask_threads
+        threads = max(1, mask_threads() // processes)
+        self.shards = [MaskProcess(tokenizer_path, trust_remote_code, vocab_size, timeout_s, threads)
+                       for _ in range(processes)]
+
+    def _of(self, seq_id: int) -> MaskProcess:
+        return self.shards[seq_id % len(self.shards)]
+
+    def arrange(self, found: list) -> list:
+        n = len(self.shards)
+        return sorted(found, key=lambda row_seq: (row_seq[1] % n, row_seq[0]))
+
+    def _split(self, noted) -> list:
+        """`note`'s lists, split by process (None where a process has none)."""
+        parts = [([], [], []) for _ in self.shards]
+        for s, i, t in zip(*noted):
+            part = parts[s % len(self.shards)]
+            part[0].append(s)
+            part[1].append(i)
+            part[2].append(t)
+        return [part if part[0] else None for part in parts]
+
+    def warm(self, grammar: str, eos_ids) -> None:
+        for shard in self.shards:
+            shard.warm(grammar, eos_ids)
+
+    def set(self, seq_id: int, fresh, eos_ids, generated) -> bool:
+        self.join()
+        return self._of(seq_id).set(seq_id, fresh, eos_ids, generated)
+
+    def forget(self, seq_id: int) -> None:
+        self._of(seq_id).forget(seq_id)
+
+    def note(self, noted) -> None:
+        self.join()
+        for shard, part in zip(self.shards, self._split(noted)):
+            if part is not None:
+                shard.note(part)
+
+    def start(self, noted, seq_ids, index, bits: np.ndarray, answer: np.ndarray) -> list:
+        """Each process's run of rows (seq_ids in `arrange`'s order) and the tokens it notes."""
+        self.join()
+        parts = self._split(noted) if noted else [None] * len(self.shards)
+        n, row_bytes, jobs, at = len(self.shards), bits.shape[1] * 4, [], 0
+        for k, shard in enumerate(self.shards):
+            end = at
+            while end < len(seq_ids) and seq_ids[end] % n == k:
+                end += 1
+            if end > at or parts[k] is not None:
+                view = answer[at * row_bytes:end * row_bytes + TRAILER_BYTES]
+                jobs.append((shard, shard.start(parts[k], seq_ids[at:end], index[at:end], bits[at:end], view)))
+            at = end
+        return jobs
+
+    def result(self, jobs: list) -> float:
+        """Wait for every process's masks, in process order; the longest that one took there."""
+        return max((shard.result(job) for shard, job in jobs), default=0.0)
+
+    def ready(self, jobs: list) -> bool:
+        return all(shard.ready(job) for shard, job in jobs)
+
+    def join(self) -> None:
+        for shard in self.shards:   # in order: see the class's docstring
+            shard.join()
+
+    def close(self) -> None:
+        for shard in self.shards:
+            shard.close()
+
+
 class _Server:
     """The matchers' process: its compiler, its matchers, and a handler per message type."""
 
-    def __init__(self, conn: Connection, opened: P.MaskOpen) -> None:
+    def __init__(self, conn: Connection, opened: P.MaskOpen, threads: int = 0) -> None:
         from qmigrate.hub.grammars import Compiler
         self.conn = conn
         self.compiler = Compiler.for_model(opened.tokenizer_path, opened.trust_remote_code, opened.vocab_size,
                                            opened.timeout_s, prepare=True)
-        self.matchers = Matchers()
+        if threads:
+            self.compiler.family_size = threads
+        self.matchers = Matchers(threads or None)
         self.bits = np.empty((0, 0), dtype=np.uint32)   # rows of masks, and room for the trailer
         self.handlers = {P.MaskFill: self.fill, P.MaskSet: self.set, P.MaskNote: self.note,
                          P.MaskForget: self.forget, P.MaskWarm: self.warm}
@@ -412,13 +504,13 @@ class _Server:
         self.compiler.start(msg.grammar, P.unpack_i32(msg.eos_ids).tolist())
 
 
-def serve(conn: Connection) -> None:
+def serve(conn: Connection, threads: int = 0) -> None:
     """The matchers' process: answer the worker's messages until it closes the socket."""
     import llguidance.hf  # noqa: F401 -- imported whole here, not by two pool threads at once (transformers' lazy modules)
     opened = codec.decode(conn.recv_bytes())
     if not isinstance(opened, P.MaskOpen):
         raise SystemExit(f"the matchers' process expected MaskOpen first, got {type(opened).__name__}")
-    server = _Server(conn, opened)
+    server = _Server(conn, opened, threads)
     while True:
         try:
             data = conn.recv_bytes()
@@ -434,7 +526,7 @@ def serve(conn: Connection) -> None:
 
 def main() -> None:
     logging.basicConfig(level=logging.WARNING, format="masks %(levelname)s %(message)s")
-    serve(Connection(int(sys.argv[1])))
+    serve(Connection(int(sys.argv[1])), int(sys.argv[2]) if len(sys.argv) > 2 else 0)
 
 
 if __name__ == "__main__":
