@@ -301,6 +301,37 @@ def test_a_front_compiles_with_llguidance_and_a_schema_xgrammar_refuses_falls_ba
     assert fresh.allowed is None and hasattr(fresh.matcher, "consume_token")
 
 
+@pytest.mark.parametrize("library", ["llguidance", "xgrammar"])
+def test_rows_past_a_sequences_eos_are_eos_only_quietly_and_a_step_run_again_goes_back(tiny, library, caplog):
+    """The rows of steps built before a sequence's EOS was seen take no token and allow only
+    EOS, without a warning; a step that runs its EOS again finds the document complete."""
+    import logging
+    from qmigrate.hub.masks import Matchers
+    _, model, tokenizer, eos_ids = tiny
+    schema = {"SCHEMA": SCHEMA, "XSCHEMA": XSCHEMA}["XSCHEMA" if library == "xgrammar" else "SCHEMA"]
+    grammar = _parse(tiny, structured_outputs={"json": schema}).grammar
+    compiler = grammars.Compiler(lambda: tokenizer, model.config.vocab_size, 60.0)
+    document = tokenizer.encode('{"name": "ab", "count": 1, "ok": true, "tags": []}', add_special_tokens=False)
+    width, eos = -(-model.config.vocab_size // 32), eos_ids[0]
+    allows = lambda bits, t: bool(int(bits[0, t >> 5]) >> (t & 31) & 1)
+    matchers = Matchers()
+    fresh = compiler.matcher(grammar, eos_ids)
+    assert (fresh.allowed is not None) == (library == "xgrammar")
+    assert matchers.set(1, fresh, eos_ids, document)
+    n = len(document)
+    caplog.set_level(logging.WARNING, logger="qmigrate.hub.masks")
+    matchers.note([1], [n], [eos])                       # the sequence's EOS
+    for i in (n + 1, n + 2):                             # steps built before it was seen
+        bits = np.zeros((1, width), dtype=np.uint32)
+        matchers.fill([1], [i], bits)
+        assert np.flatnonzero(np.unpackbits(bits.view(np.uint8), bitorder="little")).tolist() == sorted(eos_ids)
+        matchers.note([1], [i], [eos])
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+    bits = np.zeros((1, width), dtype=np.uint32)
+    matchers.fill([1], [n], bits)                        # the EOS's step again: the matcher goes back
+    assert allows(bits, eos) and matchers.entries[1][1] == n
+
+
 def _walks(tiny, grammar, rng, walks=30, steps=200, allowed_too=False):
     """Random walks through a grammar's masks (`Matchers`): each step samples uniformly among
     what the mask allows (EOS, where allowed, one time in four; a token that closes a string, an

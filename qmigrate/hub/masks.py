@@ -80,6 +80,15 @@ class Matchers:
         self.entries.pop(seq_id, None)
 
     @staticmethod
+    def _ended(entry: list, index: int) -> bool:
+        """Whether a matcher took its EOS before generated token `index`: rows of a step built
+        before the EOS was seen. They take no token (counted, one would make a later rollback
+        go too far) and allow only EOS (xgrammar has no mask there)."""
+        if entry[1] > index:
+            return False
+        return entry[0].is_terminated() if entry[4] is not None else entry[0].is_stopped()
+
+    @staticmethod
     def _at(entry: list, index: int) -> bool:
         """Bring a matcher back to `index` tokens consumed; False when it has fewer."""
         if entry[1] > index:
@@ -94,7 +103,9 @@ class Matchers:
         taking, xtaking = [], []
         for s, i, t in zip(seq_ids, index, tokens):
             entry = self.entries.get(s)
-            if entry is not None and self._at(entry, i):
+            if entry is None or self._ended(entry, i):
+                continue
+            if self._at(entry, i):
                 (taking if entry[4] is None else xtaking).append((entry[3], s, entry, int(t)))
         if len(taking) > 1:
             taking.sort(key=lambda x: x[0])
@@ -144,13 +155,13 @@ class Matchers:
             if entry is None:   # dropped while its step's masks were asked for
                 log.debug("sequence %d: no grammar here; its row is not constrained", s)
                 bits[j] = 0xFFFFFFFF
+            elif self._ended(entry, i):
+                eos_only.append(j)
             elif not self._at(entry, i):
                 log.warning("sequence %d: its grammar is %d tokens behind; only EOS is allowed", s, i - entry[1])
                 eos_only.append(j)
             elif entry[4] is None:
                 pairs.append((entry[0], j, entry[3]))
-            elif entry[0].is_terminated():   # past its EOS (a step built before it was seen): xgrammar has no mask
-                eos_only.append(j)
             else:
                 xpairs.append((entry[0], j, entry[4]))
         if xpairs:
