@@ -130,7 +130,7 @@ def _core(tiny, runner="hf"):
 
 @pytest.fixture
 def masks_process(tiny):
-    """`use(table)`: the table's matchers in a process of their own (hub/masks.py). Closing the
+    """`use(table)`: the table's matchers in a process of their own (hub/mask_process.py). Closing the
     worker's side ends each process by itself (as when a worker exits), checked after the test
     for those still running."""
     path, *_ = tiny

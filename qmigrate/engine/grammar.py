@@ -16,7 +16,7 @@ tokens, llguidance's layout), and applied on the device as one masked fill of th
 rows. A step whose constrained rows sample after a token of the step before it that is still
 on the device (`lags`) is sampled once that step is collected: collecting it
 (`step_sampling.note_collected`) starts a job (`start`) where the matchers are: on a thread of
-theirs, or in a process of their own (a GPU worker's, hub/masks.py says why). There the matchers
+theirs, or in a process of their own (a GPU worker's, hub/mask_process.py says why). There the matchers
 take its tokens and the masks are filled (by the library's threads, the rows handed to them
 family by family of their templates: hub/grammars.py). Meanwhile the worker does its own work on
 the collected step, asking as it goes whether the masks are filled (`Engine.settle`): once they
@@ -40,15 +40,16 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from qmigrate.hub.masks import TRAILER_BYTES, MaskProcess, MaskShards, MaskThread
+from qmigrate.hub.mask_process import MaskProcess, MaskShards
+from qmigrate.hub.masks import TRAILER_BYTES, MaskThread
 
 
 class GrammarTable:
     """The matchers of the constrained sequences a worker holds: in this process, a step's masks
-    filled on a thread (`MaskThread`), or in a process of their own (`use_process`:
-    `MaskProcess`), behind the same calls (hub/masks.py). What each matcher has consumed is
-    also counted here, on the worker's thread, so that a step knows without asking whether
-    its constrained rows wait for the step before it (`lags`)."""
+    filled on a thread (`MaskThread`), or in a process of their own or several (`use_process`:
+    `MaskProcess`, `MaskShards`), behind the same calls (hub/masks.py, hub/mask_process.py).
+    What each matcher has consumed is also counted here, on the worker's thread, so that a
+    step knows without asking whether its constrained rows wait for the step before it (`lags`)."""
 
     def __init__(self, vocab_size: int, device) -> None:
         self.vocab_size, self.device = vocab_size, device
@@ -197,7 +198,7 @@ class GrammarTable:
         return bits[:num_rows], rows[:num_rows], host[:num_rows], host_rows[:num_rows], answer
 
     def _allocate(self, size: int, width: int) -> tuple:
-        """Rows of bits past `size` hold the matchers' process's trailer (hub/masks.py)."""
+        """Rows of bits past `size` hold the matchers' process's trailer (hub/mask_process.py)."""
         pinned = self.device.type == "cuda" and size > 0
         spare = -(-TRAILER_BYTES // (4 * width)) if width else 0
         whole = torch.empty(size + spare, width, dtype=torch.int32, pin_memory=pinned)
@@ -207,7 +208,7 @@ class GrammarTable:
 
 class Job(NamedTuple):
     """A step's masks being filled (`GrammarTable.start`): its constrained rows and the rows
-    of bits they go to (pinned), and the thread's Future or the process's job (hub/masks.py)."""
+    of bits they go to (pinned), and the thread's Future or the processes' jobs."""
     rows: torch.Tensor
     bits: torch.Tensor
     handle: object

@@ -10,10 +10,12 @@ xgrammar instead (`xgrammar_schema`): near the end of such a string llguidance w
 token trie, and xgrammar's masks cost 2.5 to 16 times less there; elsewhere llguidance's cost
 less (docs/http.md, "Structured output", has the figures). Every other grammar (regexes,
 choices, EBNF, schemas without such a string, or with `pattern`, `format`, numeric bounds,
-`oneOf`, ...) compiles with llguidance. Which library a text compiles with depends on the text alone, so every
-worker that runs a sequence builds the same matcher. xgrammar's masks allow some tokens no JSON
-text may hold (raw control characters inside strings, the tokenizer's special tokens), so a row
-of its masks is ANDed with `XTemplate.allowed`; llguidance's masks are used as they are.
+`oneOf`, ...) compiles with llguidance. Which library a text compiles with depends on the text
+alone, so every worker that runs a sequence builds the same matcher. xgrammar's masks allow
+some tokens no JSON text may hold (raw control characters inside strings, the tokenizer's
+special tokens), so a row of its masks is ANDed with `XTemplate.allowed`; llguidance's masks
+are used as they are. The fronts (HTTP, stdin) check a grammar's compile time with llguidance
+alone (`Compiler(xgrammar=False)`).
 
 JSON schemas are compiled compact (no free whitespace: a small model under a grammar that
 allows whitespace anywhere can spend its tokens on it) with OpenAI's separators; `strict`
@@ -45,7 +47,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import NamedTuple
 
-import numpy as np
+from qmigrate.hub.xgrammar_json import XTemplate, XTokenizer, xgrammar_schema
 
 log = logging.getLogger(__name__)
 
@@ -66,99 +68,12 @@ def mask_threads() -> int:
 class Copy(NamedTuple):
     """A sequence's matcher at its grammar's start, and which of the grammar's templates it
     was copied from: copies of one template share a lock (the module's docstring); the
-    grammar's text (what a process of the matchers' own compiles: hub/masks.py); and, for an
+    grammar's text (what a process of the matchers' own compiles: hub/mask_process.py); and, for an
     xgrammar matcher, the tokens its masks may allow at all (`XTemplate.allowed`)."""
     matcher: object
     family: int
     grammar: str = ""
     allowed: object = None
-
-
-XGRAMMAR_KEYWORDS = frozenset({   # what xgrammar enforces as JSON Schema means it
-    "type", "properties", "required", "additionalProperties", "items", "minItems", "maxItems",
-    "enum", "const", "anyOf", "$ref", "$defs", "definitions", "minLength", "maxLength"})
-ANNOTATIONS = frozenset({"title", "description", "$schema", "$id", "$comment", "examples", "default"})
-XGRAMMAR_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
-
-
-def _xgrammar_enforces(schema, bounds: list) -> bool:
-    """Whether xgrammar enforces every keyword of `schema` (and of each schema inside it);
-    each string length bound met is appended to `bounds`."""
-    if not isinstance(schema, dict):
-        return False
-    inner = lambda s: _xgrammar_enforces(s, bounds)
-    for key, value in schema.items():
-        if key in ANNOTATIONS:
-            continue
-        if key not in XGRAMMAR_KEYWORDS:
-            return False
-        if key in ("properties", "$defs", "definitions"):
-            if not isinstance(value, dict) or not all(map(inner, value.values())):
-                return False
-        elif key == "items" and not inner(value):
-            return False
-        elif key == "anyOf" and not (isinstance(value, list) and value and all(map(inner, value))):
-            return False
-        elif key == "additionalProperties" and not isinstance(value, bool):
-            return False
-        elif key == "required" and not (isinstance(value, list) and set(value) <= set(schema.get("properties", {}))):
-            return False   # a required property the schema does not describe: llguidance's
-        elif key == "$ref" and not (isinstance(value, str) and value.startswith(("#/$defs/", "#/definitions/"))):
-            return False
-        elif key in ("minLength", "maxLength"):
-            bounds.append(value)
-    return True
-
-
-@functools.lru_cache(maxsize=CACHED_TEMPLATES)
-def xgrammar_schema(grammar: str) -> str | None:
-    """The JSON schema (as JSON) that xgrammar compiles for a grammar text, or None where
-    llguidance compiles it: not a JSON schema, options of the client's own (`x-guidance`), a
-    keyword outside XGRAMMAR_KEYWORDS, or no string with a length bound (where llguidance's
-    masks cost less: the module's docstring)."""
-    if not grammar.startswith('{"grammars":[{"json_schema":'):
-        return None
-    try:
-        (spec,) = json.loads(grammar)["grammars"]
-    except (ValueError, KeyError, TypeError):
-        return None
-    body = spec.get("json_schema") if len(spec) == 1 else None
-    if not isinstance(body, dict):
-        return None
-    options = dict(body.get("x-guidance") or {})
-    options.pop("lenient", None)   # strict or not, the keywords it takes are all enforced
-    schema = {k: v for k, v in body.items() if k != "x-guidance"}
-    bounds: list = []
-    if options != XGRAMMAR_OPTIONS or not _xgrammar_enforces(schema, bounds) or not bounds:
-        return None
-    return json.dumps(schema)
-
-
-class XTemplate:
-    """An xgrammar grammar compiled against a tokenizer: each sequence's matcher is a new one
-    (they share nothing that locks); `allowed`, the packed bits of the tokens a JSON text may
-    hold at all, with which every mask row of its matchers is ANDed."""
-
-    def __init__(self, compiled, eos_ids, allowed: np.ndarray) -> None:
-        self.compiled, self.eos_ids, self.allowed = compiled, list(eos_ids), allowed
-
-    def matcher(self):
-        import xgrammar
-        return xgrammar.GrammarMatcher(self.compiled, override_stop_tokens=self.eos_ids)
-
-
-class XTokenizer(NamedTuple):
-    """xgrammar's view of a tokenizer (with one set of EOS ids) and its compiler."""
-    compiler: object
-    allowed: np.ndarray     # packed uint32 words: no special token but EOS, no control character
-
-
-def _allowed(decoded_vocab, special: set[int], eos_ids, size: int) -> np.ndarray:
-    ok = np.zeros(-(-size // 32) * 32, dtype=bool)
-    for i, text in enumerate(decoded_vocab[:size]):
-        ok[i] = bool(text) and min(text) >= 0x20 and i not in special   # JSON holds no raw control character
-    ok[[i for i in eos_ids if i < size]] = True
-    return np.packbits(ok, bitorder="little").view(np.uint32)
 
 
 class GrammarError(ValueError):
@@ -318,14 +233,8 @@ class Compiler:
         return llguidance.hf.from_tokenizer(hf_tokenizer, n_vocab=size, eos_token=list(eos_ids) or None)
 
     def _xtokenizer(self, eos_ids: tuple[int, ...]) -> XTokenizer:
-        import xgrammar
         hf_tokenizer = self.load_tokenizer()
-        size = max(self.vocab_size, len(hf_tokenizer))
-        info = xgrammar.TokenizerInfo.from_huggingface(hf_tokenizer, vocab_size=size, stop_token_ids=list(eos_ids))
-        special = {i for i, t in hf_tokenizer.added_tokens_decoder.items() if t.special}
-        special |= set(hf_tokenizer.all_special_ids)
-        return XTokenizer(xgrammar.GrammarCompiler(info, max_threads=1),
-                          _allowed(info.decoded_vocab, special, eos_ids, size))
+        return XTokenizer.of(hf_tokenizer, max(self.vocab_size, len(hf_tokenizer)), eos_ids)
 
     def _xgrammar_schema(self, grammar: str) -> str | None:
         return xgrammar_schema(grammar) if self.xgrammar else None
@@ -333,14 +242,10 @@ class Compiler:
     def _build(self, grammar: str, eos_ids: tuple[int, ...]):
         schema = self._xgrammar_schema(grammar)
         if schema is not None:
-            xtok = self.xtokenizer(eos_ids).result()
             try:
-                compiled = xtok.compiler.compile_json_schema(schema, any_whitespace=False, separators=(", ", ": "),
-                                                             strict_mode=False)
+                return self.xtokenizer(eos_ids).result().template(schema, eos_ids)
             except Exception as exc:  # noqa: BLE001 -- llguidance then (the same everywhere: the same text)
                 log.info("xgrammar does not compile a schema (%s); llguidance does it", exc)
-            else:
-                return XTemplate(compiled, eos_ids, xtok.allowed)
         import llguidance
         matcher = llguidance.LLMatcher(self.tokenizer(eos_ids).result(), grammar, log_level=0)
         if matcher.is_error():

@@ -1,9 +1,9 @@
 """The messages between a GPU worker and the process that keeps its structured output's
-matchers (hub/masks.py): a local socket pair, parent and child, decoded like every other wire.
+matchers (hub/mask_process.py): a local socket pair, parent and child, decoded like every other wire.
 
 Token ids travel packed as int32, sequence ids and token indices as int64. Only `MaskSet` and
 `MaskFill` are answered: a set with `MaskSetAck`, a fill with one raw frame, the step's masks
-(rows of 32-bit words, one bit a token) followed by a trailer (hub/masks.py)."""
+(rows of 32-bit words, one bit a token) followed by a trailer (hub/mask_process.py)."""
 
 from __future__ import annotations
 
