@@ -1,7 +1,6 @@
 """What an engine does once, before it serves: size its KV pool from the device's memory
-(after measuring the largest step's activations on a scratch pool) and give it its host tier,
-say what it runs on, and warm its kernels up
-with throwaway steps, then time one step of prompts."""
+(after measuring the largest step's activations on a scratch pool), give it its host tier, say
+what it runs on, and warm its kernels up with throwaway steps, then time one step of prompts."""
 
 from __future__ import annotations
 

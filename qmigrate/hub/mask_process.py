@@ -168,18 +168,21 @@ class MaskShards:
         self.shards = [MaskProcess(tokenizer_path, trust_remote_code, vocab_size, timeout_s, threads)
                        for _ in range(processes)]
 
+    def _index(self, seq_id: int) -> int:
+        """The process that keeps a sequence's matcher."""
+        return seq_id % len(self.shards)
+
     def _of(self, seq_id: int) -> MaskProcess:
-        return self.shards[seq_id % len(self.shards)]
+        return self.shards[self._index(seq_id)]
 
     def arrange(self, found: list) -> list:
-        n = len(self.shards)
-        return sorted(found, key=lambda row_seq: (row_seq[1] % n, row_seq[0]))
+        return sorted(found, key=lambda row_seq: (self._index(row_seq[1]), row_seq[0]))
 
     def _split(self, noted) -> list:
         """`note`'s lists, split by process (None where a process has none)."""
         parts = [([], [], []) for _ in self.shards]
         for s, i, t in zip(*noted):
-            part = parts[s % len(self.shards)]
+            part = parts[self._index(s)]
             part[0].append(s)
             part[1].append(i)
             part[2].append(t)
@@ -206,10 +209,10 @@ class MaskShards:
         """Each process's run of rows (seq_ids in `arrange`'s order) and the tokens it notes."""
         self.join()
         parts = self._split(noted) if noted else [None] * len(self.shards)
-        n, row_bytes, jobs, at = len(self.shards), bits.shape[1] * 4, [], 0
+        row_bytes, jobs, at = bits.shape[1] * 4, [], 0
         for k, shard in enumerate(self.shards):
             end = at
-            while end < len(seq_ids) and seq_ids[end] % n == k:
+            while end < len(seq_ids) and self._index(seq_ids[end]) == k:
                 end += 1
             if end > at or parts[k] is not None:
                 view = answer[at * row_bytes:end * row_bytes + TRAILER_BYTES]

@@ -103,7 +103,7 @@ class Matchers:
 
     def _fill_xgrammar(self, xpairs, bits: np.ndarray) -> None:
         """xgrammar's rows (matcher, row, allowed): filled on its threads, each then ANDed with
-        the tokens a JSON text may hold (hub/grammars.py)."""
+        the tokens a JSON text may hold (hub/xgrammar_json.py)."""
         if self.batch is None:
             import xgrammar
             from qmigrate.hub.grammars import mask_threads
