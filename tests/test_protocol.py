@@ -71,6 +71,8 @@ EXAMPLES = [
     P.MaskForget(7),
     P.MaskNote(P.pack_i64([7, 9]), P.pack_i64([3, 0]), P.pack_i32([17, 5])),
     P.MaskFill(P.pack_i64([7]), P.pack_i64([4]), 16, P.pack_i64([7]), P.pack_i64([3]), P.pack_i32([17])),
+    P.MaskFill(P.pack_i64([7]), P.pack_i64([4]), 16, turn=1, job=(1 << 32) - 1),
+    P.MaskShare("/proc/1/fd/3", 256, 1536),
 ]
 
 
@@ -412,6 +414,17 @@ def test_spec_ids_are_validated():
         spec(token_ids=P.pack_i32([1, -2])).ids
     with pytest.raises(ProtocolError):
         spec(token_ids=b"\x01\x02\x03").ids
+
+
+@pytest.mark.parametrize("bad", [
+    P.MaskFill(P.pack_i64([7]), P.pack_i64([4]), 16, turn=2, job=1),
+    P.MaskFill(P.pack_i64([7]), P.pack_i64([4]), 16, turn=0, job=1 << 32),
+    P.MaskShare("/proc/1/fd/3", 0, 1536),
+    P.MaskShare("/proc/1/fd/3", 256, 1 << 21),
+])
+def test_a_mask_fill_or_share_out_of_range_is_refused_at_decode(bad):
+    with pytest.raises(ProtocolError, match="out of range"):
+        codec.decode(codec.encode(bad))
 
 
 def test_messages_are_immutable():

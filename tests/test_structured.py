@@ -4,6 +4,7 @@ model, whose output is valid only because the grammar makes it so."""
 
 from __future__ import annotations
 
+import ctypes
 import json
 import re
 import time
@@ -136,16 +137,38 @@ def masks_process(tiny):
     path, *_ = tiny
     tables = []
 
-    def use(table, processes=1):
-        table.use_process(path, False, 60.0, processes)
+    def use(table, processes=1, shared=False):
+        """`shared`: the masks written to memory shared with the processes, and waited for by
+        a GPU's stream, or on the CPU by the caller's thread (HostWaits)."""
+        table.use_process(path, False, 60.0, processes, rows=8 if shared else 0,
+                          waits=HostWaits() if shared and table.device.type == "cpu" else None)
         tables.append(table)
         return table
     yield use
     for table in tables:
+        table.closing.set()
         for process in getattr(table.matchers, "shards", [table.matchers]):
             alive = process.proc.poll() is None
             process.conn.close()
             assert process.proc.wait(30) == 0 or not alive
+
+
+class HostWaits:
+    """engine/device_wait.py's `Waits` for the CPU: host memory is the device's, and a wait
+    spins on the caller's thread until the word reaches its value (or 30 s pass)."""
+
+    def register(self, address, size):
+        return address
+
+    def unregister(self, address):
+        pass
+
+    def wait(self, address, value, stream=None):
+        from qmigrate.engine.device_wait import reached
+        word, deadline = ctypes.c_uint32.from_address(address), time.monotonic() + 30
+        while not reached(word.value, value):
+            assert time.monotonic() < deadline, f"the word stayed at {word.value}, waited for {value}"
+            time.sleep(0.0002)
 
 
 def _compiled(core, grammar, eos_ids):
@@ -229,12 +252,15 @@ def test_a_sequence_moved_mid_output_keeps_its_grammar_state_and_its_tokens(tiny
     jsonschema.validate(document, SCHEMAS[library])
 
 
+@pytest.mark.parametrize("shared", [False, True])
 @pytest.mark.parametrize("library", ["llguidance", "xgrammar"])
-def test_matchers_in_a_process_of_their_own_give_the_same_tokens_after_a_move(tiny, masks_process, library):
+def test_matchers_in_a_process_of_their_own_give_the_same_tokens_after_a_move(tiny, masks_process, library,
+                                                                              shared):
     """The fast runner (a constrained step samples once the step before is collected) with its
     matchers in their own process: the tokens of the matchers on the worker's thread, moved
     after 9 tokens to another worker whose matchers are in a process too (unmoved: the
-    pipelined test above)."""
+    pipelined test above); `shared`: their masks written to memory shared with the process,
+    waited for where the device would."""
     _, _, tokenizer, eos_ids = tiny
     prompt = [1, 17, 99, 5, 42, 17, 250, 7]
     grammar = _parse(tiny, response_format=_response_format(library)).grammar
@@ -244,14 +270,16 @@ def test_matchers_in_a_process_of_their_own_give_the_same_tokens_after_a_move(ti
 
     def core_of():
         core = _core(tiny, "fast")
-        masks_process(core.engine.grammars)
+        masks_process(core.engine.grammars, shared=shared)
         return _compiled(core, grammar, eos_ids)
     core = core_of()
     first, code = _run(core, _lease(1, prompt, spec(prompt), 9))
     assert code == P.Finish.NONE and first == whole[:9]
     ids = prompt + first
-    rest, code = _run(core_of(), _lease(2, ids, spec(ids), 120))
+    other = core_of()
+    rest, code = _run(other, _lease(2, ids, spec(ids), 120))
     assert first + rest == whole and code == P.Finish.EOS
+    assert shared == (core.engine.grammars.regions is not None) == (other.engine.grammars.regions is not None)
     jsonschema.validate(json.loads(tokenizer.decode(whole, skip_special_tokens=True)), SCHEMAS[library])
 
 
@@ -423,6 +451,37 @@ def test_a_mask_process_drops_foreign_messages_and_one_that_stops_or_dies_is_an_
         t.masks([1], [0])
 
 
+@pytest.mark.parametrize("fault", ["stopped", "killed"])
+def test_a_device_waiting_for_a_stopped_or_dead_mask_process_is_released_and_the_worker_stops(
+        tiny, masks_process, fault):
+    """Masks the device waits for: a process that stops answering, or dies, while a step's
+    sampling waits for its word does not hang the device; the worker's next call is the error."""
+    import signal
+    from qmigrate.engine.grammar import GrammarTable
+    _, model, tokenizer, eos_ids = tiny
+    grammar = _parse(tiny, structured_outputs={"regex": "[0-9]{5}"}).grammar
+    t = GrammarTable(model.config.vocab_size, torch.device("cpu"))
+    t.compiler = grammars.Compiler(lambda: tokenizer, model.config.vocab_size, 60.0)
+    masks_process(t, shared=True)
+    assert t.set(1, t.matcher(grammar, eos_ids), eos_ids, [])
+    rows, bits = t.masks([5, 1], [0, 0])
+    allowed = [k for k in range(model.config.vocab_size) if int(bits[0, k >> 5]) >> (k & 31) & 1]
+    assert t.regions is not None and rows.tolist() == [1] and allowed
+    assert all(re.fullmatch("[0-9]{1,5}", tokenizer.decode([k])) for k in allowed)
+    proc = t.matchers.proc
+    t.timeout_s = 0.5
+    proc.send_signal(signal.SIGSTOP if fault == "stopped" else signal.SIGKILL)
+    try:
+        began = time.monotonic()
+        t.masks([1], [1])   # the word never comes: released by the watch (HostWaits gives up after 30 s)
+        assert time.monotonic() - began < 10
+        with pytest.raises(RuntimeError, match="did not answer within 0.5 s" if fault == "stopped" else "has ended"):
+            t.masks([1], [1])
+    finally:
+        proc.kill()
+        proc.wait(10)
+
+
 # --- the official client -----------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
@@ -525,13 +584,20 @@ def test_a_plain_row_beside_a_constrained_one_samples_as_alone(tiny):
     assert re.fullmatch("[0-9]+", tokenizer.decode(tokens[counts[0]:], skip_special_tokens=True))
 
 
-@pytest.mark.parametrize("where", ["thread", "process", "processes"])
+@pytest.mark.parametrize("where", ["thread", "process", "processes", "shared", "shared-processes",
+                                   pytest.param("shared-gpu", marks=pytest.mark.skipif(
+                                       not torch.cuda.is_available(), reason="needs a CUDA GPU"))])
 def test_a_pipelined_constrained_step_samples_as_one_collected_first(tiny, where, masks_process):
     """A step launched before the one it follows is collected leaves its sampling until the
     masks, which need that step's tokens, are filled; the tokens, sampled or not, are those of
     the same rows run one collected step at a time, and the constrained row's text matches.
     "processes": the matchers spread over three processes, which take the constrained rows
-    (sequences 2 and 3) in the other order than the step's."""
+    (sequences 2 and 3) in the other order than the step's. "shared": the masks written to
+    memory shared with the process(es) and waited for where the device would: the sampling is
+    queued as soon as the step before is collected ("shared-gpu": by the GPU's stream, both
+    engines on the GPU)."""
+    import copy
+    shared = where.startswith("shared")
     from qmigrate.engine.engine import Engine
     from qmigrate.engine.rows import StepRow
     _, model, tokenizer, eos_ids = tiny
@@ -539,11 +605,14 @@ def test_a_pipelined_constrained_step_samples_as_one_collected_first(tiny, where
     prompts = {1: [1, 40, 41, 42], 2: [1, 17, 99, 5], 3: [1, 7, 7, 300, 12]}
     sampling = {1: (0.0, 0), 2: (1.0, 11), 3: (0.8, 12)}
 
+    if where == "shared-gpu":
+        model = copy.deepcopy(model).to("cuda")
+
     def engine(place=where):   # the fast runner (eager on the CPU) feeds a step's tokens on the device
         e = _fast_ops(Engine(model, max_model_len=256, max_kv_tokens=4096, runner="fast", enforce_eager=True))
         e.grammars.compiler = grammars.Compiler(lambda: tokenizer, model.config.vocab_size, 60.0)
-        if place in ("process", "processes"):
-            masks_process(e.grammars, 3 if place == "processes" else 1)
+        if place != "thread":
+            masks_process(e.grammars, 3 if place.endswith("processes") else 1, shared=place.startswith("shared"))
         for sid in (2, 3):
             assert e.set_grammar(sid, e.grammars.matcher(grammar, eos_ids), eos_ids, [])
         return e
@@ -551,7 +620,7 @@ def test_a_pipelined_constrained_step_samples_as_one_collected_first(tiny, where
     def row(sid, new_ids, start, index):
         return StepRow(sid, new_ids, start, index, sampling[sid][0], seed=sampling[sid][1])
 
-    steps, alone = 12, engine("thread")   # the reference: one collected step at a time
+    steps, alone = 12, engine("thread")   # the reference: one collected step at a time, on the same device
     one_by_one = {sid: [] for sid in prompts}
     for i in range(steps):
         rows = [row(sid, p + one_by_one[sid] if i == 0 else one_by_one[sid][-1:],
@@ -572,17 +641,22 @@ def test_a_pipelined_constrained_step_samples_as_one_collected_first(tiny, where
         for sid, t in zip(prompts, e.collect(pending)):
             piped[sid].append(t)
         # the next step's masks are being filled beside the worker, its sampling not yet queued
+        # (shared: queued at once, behind the wait for them)
         beside += nxt is not None and nxt.masking is not None and nxt.logits is not None
-        if nxt is not None and i % 2:   # every other step sampled as soon as its masks are filled
+        early += shared and nxt is not None and nxt.logits is None
+        if nxt is not None and i % 2 and not shared:   # every other step sampled as soon as its masks are filled
             while not e.grammars.done(nxt.masking):
                 time.sleep(0.001)
             e.settle(nxt)
             early += nxt.logits is None
         pending = nxt
-    assert deferred == beside == steps - 1 and early == steps // 2
+    assert deferred == steps - 1
+    assert (beside, early) == ((0, deferred) if shared else (deferred, steps // 2))
     masks = [fields for kind, *fields in traced if kind == "masks"]
     # marked early: those sampled by settle() above, and any whose masks were filled by the next launch
     assert len(masks) == deferred and early <= sum(f[-1] for f in masks) <= deferred
+    assert shared == (e.grammars.regions is not None)
+    assert (where == "shared-gpu") == (type(e.grammars.waits).__name__ == "Waits")
     assert all(f[0] == 2 for f in masks)
     assert piped == one_by_one
     for sid in (2, 3):
@@ -594,11 +668,21 @@ def test_a_pipelined_constrained_step_samples_as_one_collected_first(tiny, where
     pending = e.launch([row(sid, p, 0, 0) for sid, p in prompts.items()])
     nxt = e.launch([row(sid, [], len(p), 1) for sid, p in prompts.items()], after=pending)
     first = e.collect(pending)
-    assert nxt.masking is not None
+    assert (nxt.masking, nxt.logits) == (None, None) if shared else nxt.masking is not None
     e.release(2)
     assert e.set_grammar(3, e.grammars.matcher(grammar, eos_ids), eos_ids, [first[2]])
     second = e.collect(nxt)
     assert [first[2], second[2]] == one_by_one[3][:2] and second[0] == one_by_one[1][1]
+
+    # Three steps launched before any is collected: the third's launch collects the first, which
+    # starts the second's masks (and, shared, queues its sampling), and waits for them.
+    e = engine()
+    launched = [e.launch([row(sid, p, 0, 0) for sid, p in prompts.items()])]
+    for i in (1, 2):
+        launched.append(e.launch([row(sid, [], len(p) + i - 1, i) for sid, p in prompts.items()],
+                                 after=launched[-1]))
+    got = [e.collect(step) for step in launched]
+    assert [[t[k] for t in got] for k in range(3)] == [one_by_one[sid][:3] for sid in prompts]
 
 
 def _grown(compiler, grammar, eos_ids, size: int) -> None:

@@ -2,7 +2,8 @@
 # Issue 39's cost bars, this tree against another (OLD_TREE, e.g. `git worktree add /tmp/old REV`), ROUNDS
 # rounds, each variant on a fresh `qmigrate serve` of the benchmark model with defaults: plain, the 10% mix once
 # to warm and once measured, the open schema, the builtin schema, logprobs with 5 alternatives. VARIANTS adds
-# "thr" (this tree with `--worker-setting grammar_masks=thread`). Prints one line a variant and round.
+# "thr" (this tree with `--worker-setting grammar_masks=thread`) and "mp2" (`grammar_mask_processes=2`).
+# Prints one line a variant and round.
 # Usage: docs/bench/ab-structured.sh OUT_DIR OLD_TREE [ROUNDS] (about 4 minutes with 2 rounds on one H200);
 # MODEL, BENCH_FLAGS (added to every run): a smaller try
 set -u
@@ -14,7 +15,7 @@ export PYTHONUNBUFFERED=1
 [ -f $model/config.json ] || python -m qmigrate model bench $model > "$out/model.log" 2>&1 || exit 1
 . "$root/docs/bench/serve-lib.sh"   # serve_up, serve_down
 url=http://127.0.0.1:${PORT:-8000}
-b() { python -m qmigrate bench serve --base-url $url --json "$out/$1.json" ${BENCH_FLAGS:-} "${@:2}" > "$out/$1.txt" 2>&1 \
+b() { timeout ${RUN_TIMEOUT:-120} python -m qmigrate bench serve --base-url $url --json "$out/$1.json" ${BENCH_FLAGS:-} "${@:2}" > "$out/$1.txt" 2>&1 \
         || tail -3 "$out/$1.txt"; }
 mix=(--response-format-json-schema builtin --structured-fraction 0.1)
 path=${PYTHONPATH:-}
@@ -23,6 +24,7 @@ for r in $(seq 1 $rounds); do
     tree=$root flags=()
     [ $v = old ] && tree=$old
     [ $v = thr ] && flags=(--worker-setting grammar_masks=thread)
+    [ $v = mp2 ] && flags=(--worker-setting grammar_mask_processes=2)
     cd $tree; export PYTHONPATH=$tree${path:+:$path}   # the server and the client of that tree
     serve_up "$out/serve-$v-$r.log" $model "${flags[@]}" || { echo "$v $r: no server"; continue; }
     b $v-$r-plain; b $v-$r-mixwarm "${mix[@]}"; b $v-$r-mix "${mix[@]}"
@@ -49,6 +51,7 @@ for r in range(1, rounds + 1):
             continue
         pt, a, b = p["output_tok_per_s"], p["tpot_ms"]["p50"], m.get("plain", m)["tpot_ms"]["p50"]
         x = lambda run: f"{run['output_tok_per_s'] / pt:.2f}x" if run else "-"
+        c = m["structured"]["tpot_ms"]["p50"] if "structured" in m else float("nan")
         print(f"round {r} {v:3s}: plain {pt:7,.0f} tok/s TPOT {a:.2f}; mix plain calls' TPOT {b:.2f} ({b / a:.2f}x), "
-              f"mix {m['output_tok_per_s']:,.0f} tok/s; open {x(o)}; schema {x(s)}; lp5 {x(lp)}")
+              f"structured {c:.2f}, mix {m['output_tok_per_s']:,.0f} tok/s; open {x(o)}; schema {x(s)}; lp5 {x(lp)}")
 PY

@@ -35,13 +35,21 @@ length-bounded string compiles with xgrammar (hub/grammars.py says which, and wh
 
 from __future__ import annotations
 
+import logging
+import threading
+import time
 from typing import NamedTuple
 
 import numpy as np
 import torch
 
-from qmigrate.hub.mask_process import MaskProcess, MaskShards
+from qmigrate.engine.device_wait import Waits, reached
+from qmigrate.hub.mask_process import ANSWER_TIMEOUT_S, MaskProcess, MaskShards
 from qmigrate.hub.masks import TRAILER_BYTES, MaskThread
+
+log = logging.getLogger(__name__)
+
+WATCH_EVERY_S = 0.05   # how often a worker whose device waits for masks checks their processes
 
 
 class GrammarTable:
@@ -59,13 +67,27 @@ class GrammarTable:
         self.buffers: list[tuple] = []  # two pinned (bitmasks, rows) and their numpy views, used in turn
         self.turn = 0
         self.width = 0                # int32 words of a row's mask
+        # masks the device waits for (`use_process` with rows): the driver's calls, each process's
+        # shared region and its word's device address (made at the first fill), the last fill's number
+        self.waits: Waits | None = None
+        self.capacity = 0             # rows a shared fill holds
+        self.timeout_s = ANSWER_TIMEOUT_S
+        self.regions: list | None = None
+        self.sources: list = []       # per region, per turn: its rows as a CPU tensor (copied from)
+        self.number = 0
+        self.issued = (0, 0.0)        # (the last shared fill's number, when it was asked)
+        self.failure: str | None = None
+        self.closing = threading.Event()
 
     def __bool__(self) -> bool:
         return bool(self.counts)
 
-    def use_process(self, tokenizer_path, trust_remote_code: bool, timeout_s: float, processes: int = 1) -> None:
+    def use_process(self, tokenizer_path, trust_remote_code: bool, timeout_s: float, processes: int = 1,
+                    rows: int = 0, waits: Waits | None = None) -> None:
         """Keep the matchers in a process of their own from now on (before any is set), or
-        spread over `processes` of them."""
+        spread over `processes` of them. `rows` > 0: a step of up to that many constrained rows
+        has its masks written by the processes into memory shared with them, and the device
+        waits for them (`waits`: the driver's calls, made here for a GPU that takes them)."""
         assert not self.counts, "matchers already set here"
         if processes > 1:
             self.matchers = MaskShards(processes, tokenizer_path, trust_remote_code, self.vocab_size, timeout_s)
@@ -73,10 +95,66 @@ class GrammarTable:
             self.matchers = MaskProcess(tokenizer_path, trust_remote_code, self.vocab_size, timeout_s)
         if self.compiler is not None:   # this process's copies only prove that a grammar compiles
             self.compiler.family_size = 1
+        if rows > 0:
+            self.waits = waits or Waits.make(self.device)
+            self.capacity = rows
+            self.timeout_s = ANSWER_TIMEOUT_S + timeout_s   # as MaskProcess's own wait
+
+    def _processes(self) -> list:
+        return getattr(self.matchers, "shards", [self.matchers])
 
     def close(self) -> None:
+        self.closing.set()
+        if self.regions is not None:
+            self._release()
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)   # no copy from the regions in flight
+            for region, _ in self.regions:
+                self.waits.unregister(region.address)
+            self.sources = []
         self.matchers.join()
         self.matchers.close()
+
+    def _shared(self) -> list | None:
+        """Each process's shared region and its word's device address, made at the first fill
+        (the width is known then); None without device waits, or where a process could not map
+        its region (the host waits for masks from then on)."""
+        if self.regions is None and self.waits is not None and self.width:
+            regions = [p.share(self.capacity, self.width) for p in self._processes()]
+            if any(r is None for r in regions):
+                log.warning("structured output's masks are waited for on the host: a process could not map "
+                            "the shared region")
+                self.waits = None
+                return None
+            self.regions = [(r, self.waits.register(r.address, r.size)) for r in regions]
+            self.sources = [[torch.from_numpy(t.view(np.int32)) for t in r.turns] for r in regions]
+            log.info("structured output's masks: written by %d process(es) to shared memory, waited for by the "
+                     "device (steps of up to %d constrained rows)", len(regions), self.capacity)
+            threading.Thread(target=self._watch, name="masks-watch", daemon=True).start()
+        return self.regions
+
+    def _watch(self) -> None:
+        """Release the device from its waits when a process has ended, or has not written a
+        fill's masks within the answer timeout; the worker then stops at its next call here."""
+        while not self.closing.wait(WATCH_EVERY_S):
+            number, asked = self.issued
+            ended = [p.proc.returncode for p in self._processes() if p.proc.poll() is not None]
+            late = any(not reached(int(r.word[0]), number) for r, _ in self.regions) \
+                and time.monotonic() - asked > self.timeout_s
+            if ended or late:
+                self.failure = (f"structured output's mask process has ended (exit code {ended[0]})" if ended else
+                                f"structured output's mask process did not answer within {self.timeout_s:g} s")
+                self._release()
+                return
+
+    def _release(self) -> None:
+        """Every region's word at the last fill asked for: no wait on the device outlasts it."""
+        for region, _ in self.regions:
+            region.word[0] = self.issued[0]
+
+    def _check(self) -> None:
+        if self.failure is not None:
+            raise RuntimeError(self.failure)
 
     def _compiler(self, grammar: str, eos_ids):
         from qmigrate.hub.grammars import GrammarError
@@ -97,6 +175,7 @@ class GrammarTable:
     def set(self, seq_id: int, fresh, eos_ids, generated) -> bool:
         """Take a sequence's fresh matcher (a `hub.grammars.Copy`) and replay its generated ids;
         False when they do not follow the grammar (the sequence cannot go on under it)."""
+        self._check()
         self.matchers.join()
         self.forget(seq_id)
         generated = [int(t) for t in generated]
@@ -149,6 +228,7 @@ class GrammarTable:
 
     def note(self, seq_ids, index, tokens, partial=frozenset(), row_of=None) -> None:
         """The tokens a step sampled: row k's is generated token index[k] of seq_ids[k]."""
+        self._check()
         noted = self._noted(seq_ids, index, tokens, partial, row_of)
         if noted is not None:
             self.matchers.note(noted)
@@ -162,24 +242,51 @@ class GrammarTable:
         arguments) and fill the masks on their thread, or in their process, while the caller
         goes on (the library's calls leave the interpreter's lock); `finish` takes them. Jobs
         run in the order asked."""
+        self._check()
         taken = self._noted(*noted) if noted is not None else None
         rows, ids, index = self._rows(seq_ids, index, row_of)
         bits, at, host, host_rows, answer = self._buffer(len(rows))
         host_rows[:] = rows
-        return Job(at, bits, self.matchers.start(taken, ids, index, host, answer))
+        shared = self._shared() if len(rows) <= self.capacity else None
+        if shared is None:
+            return Job(at, bits, self.matchers.start(taken, ids, index, host, answer))
+        self.number = (self.number + 1) & 0xFFFFFFFF
+        handle = self.matchers.start(taken, ids, index, host, None, self.turn, self.number)
+        runs = self.matchers.runs(ids) if len(shared) > 1 else [(0, len(ids))]
+        plan = [(word, self.number, self.sources[k][self.turn], first, end)
+                for k, ((_, word), (first, end)) in enumerate(zip(shared, runs)) if end > first]
+        self.issued = (self.number, time.monotonic())
+        return Job(at, bits, handle, plan)
 
     def done(self, job: "Job") -> bool:
-        """Whether a job's masks are filled (`finish` would not wait)."""
-        return self.matchers.ready(job.handle)
+        """Whether a job's masks are filled (`finish` would not wait): always, for masks the
+        device waits for."""
+        return job.plan is not None or self.matchers.ready(job.handle)
 
     def finish(self, job: "Job") -> tuple[tuple[torch.Tensor, torch.Tensor] | None, float]:
         """The masks of a job `start` began, on the device (waits for it), and the seconds the
-        job took where it ran."""
+        job took where it ran; masks the device waits for are queued at once (behind a wait for
+        each process's word), and their seconds are not known here (0)."""
+        if job.plan is not None:
+            return self._queued(job), 0.0
         took = self.matchers.result(job.handle)
         if not len(job.rows):
             return None, took
         # both from pinned memory: a copy from pageable memory may wait for the step in flight
         return (job.rows.to(self.device, non_blocking=True), job.bits.to(self.device, non_blocking=True)), took
+
+    def _queued(self, job: "Job") -> tuple[torch.Tensor, torch.Tensor] | None:
+        """A shared job's masks on the device: each process's run copied from its region once
+        the device has seen its word (the process's answer, the trailer, is read at the next
+        call that joins it)."""
+        self._check()
+        if not len(job.rows):
+            return None
+        bits = torch.empty(len(job.rows), self.width, dtype=torch.int32, device=self.device)
+        for word, number, source, first, end in job.plan:
+            self.waits.wait(word, number)
+            bits[first:end].copy_(source[:end - first], non_blocking=True)
+        return job.rows.to(self.device, non_blocking=True), bits
 
     def _buffer(self, num_rows: int) -> tuple:
         """The next turn's bits [num_rows, width] (int32) and rows [num_rows] (int64), pinned on a
@@ -208,10 +315,13 @@ class GrammarTable:
 
 class Job(NamedTuple):
     """A step's masks being filled (`GrammarTable.start`): its constrained rows and the rows
-    of bits they go to (pinned), and the thread's Future or the processes' jobs."""
+    of bits they go to (pinned), the thread's Future or the processes' jobs, and for masks the
+    device waits for, per process with rows: (its word's device address, the fill's number,
+    its region's turn, the first and end row of its run)."""
     rows: torch.Tensor
     bits: torch.Tensor
     handle: object
+    plan: list | None = None
 
 
 _SHIFTS: dict = {}   # device -> int32 [0..31], the bit of each token in its word

@@ -54,6 +54,8 @@ def settle(engine, pending, wait: bool = True) -> None:
         return
     if pending.masking is None:
         engine.collect(pending.waits_on)
+        if pending.logits is None:   # queued by that collect (masks the device waits for)
+            return
     _sample_waiting(engine, pending)
 
 
@@ -66,6 +68,8 @@ def note_collected(engine, pending, values: list[int]) -> None:
     noted = (pending.batch.seq_ids, pending.params[4], values, pending.partial, pending.row_of)
     if then is not None and then.logits is not None:
         then.masking = engine.grammars.start(then.batch.seq_ids, then.params[4], noted, then.row_of)
+        if then.masking.plan is not None:   # masks the device waits for: its sampling is queued now
+            _sample_waiting(engine, then, early=True)
     elif engine.grammars:
         engine.grammars.note(*noted)
 

@@ -34,6 +34,7 @@ from multiprocessing.connection import Connection
 
 import numpy as np
 
+from qmigrate.hub.mask_shared import SharedMasks
 from qmigrate.hub.masks import TRAILER_BYTES, Matchers, MaskThread
 from qmigrate.wire import codec
 from qmigrate.wire import protocol as P
@@ -70,6 +71,8 @@ class MaskProcess:
         self._send(P.MaskOpen(str(tokenizer_path), bool(trust_remote_code), int(vocab_size), float(timeout_s)))
         self.waiting: list | None = None    # the fill asked for and not yet read: [answer, seconds]
         self.warmed: set[tuple] = set()     # grammars it was told to compile
+        self.shared: SharedMasks | None = None   # where it writes masks the device waits for (`share`)
+        self.trailer = np.zeros(TRAILER_BYTES, dtype=np.uint8)   # a shared fill's answer
 
     def _send(self, msg) -> None:
         try:
@@ -109,20 +112,35 @@ class MaskProcess:
     def forget(self, seq_id: int) -> None:
         self._send(P.MaskForget(seq_id))
 
+    def share(self, rows: int, width: int) -> SharedMasks | None:
+        """A region shared with the process, for fills of up to `rows` rows of `width` words
+        that name a turn of it (`start`); None where the process could not map it."""
+        self.join()
+        region = SharedMasks(rows, width)
+        self._send(P.MaskShare(region.path, rows, width))
+        answer = self._recv()
+        if not (isinstance(answer, P.MaskSetAck) and answer.ok):
+            region.close()
+            return None
+        self.shared = region
+        return region
+
     def note(self, noted) -> None:
         seq_ids, index, tokens = noted
         self._send(P.MaskNote(P.pack_i64(seq_ids), P.pack_i64(index), P.pack_i32(tokens)))
 
-    def start(self, noted, seq_ids, index, bits: np.ndarray, answer: np.ndarray) -> list:
+    def start(self, noted, seq_ids, index, bits: np.ndarray, answer: np.ndarray | None,
+              turn: int = -1, job: int = 0) -> list:
         """Ask for the masks of seq_ids (at index) after the matchers take `noted` (`note`'s
         lists, or None); `result` reads them into `answer` (uint8: the rows of `bits`, then
-        TRAILER_BYTES)."""
+        TRAILER_BYTES). With a `turn` (and `answer` None) they go to that turn of the shared
+        region, and its word is set to `job` once they are there."""
         self.join()
         taken = noted or ((), (), ())
         self._send(P.MaskFill(P.pack_i64(seq_ids), P.pack_i64(index), bits.shape[1],
-                              P.pack_i64(taken[0]), P.pack_i64(taken[1]), P.pack_i32(taken[2])))
-        self.waiting = job = [answer, None]
-        return job
+                              P.pack_i64(taken[0]), P.pack_i64(taken[1]), P.pack_i32(taken[2]), turn, job))
+        self.waiting = handle = [self.trailer if answer is None else answer, None]
+        return handle
 
     def result(self, job: list) -> float:
         """Wait for a job's masks (in its `answer`); the seconds it took there."""
@@ -151,6 +169,9 @@ class MaskProcess:
             self.proc.wait(timeout=5)
         except subprocess.TimeoutExpired:
             self.proc.kill()
+        if self.shared is not None:
+            self.shared.close()
+            self.shared = None
 
 
 class MaskShards:
@@ -205,19 +226,29 @@ class MaskShards:
             if part is not None:
                 shard.note(part)
 
-    def start(self, noted, seq_ids, index, bits: np.ndarray, answer: np.ndarray) -> list:
-        """Each process's run of rows (seq_ids in `arrange`'s order) and the tokens it notes."""
-        self.join()
-        parts = self._split(noted) if noted else [None] * len(self.shards)
-        row_bytes, jobs, at = bits.shape[1] * 4, [], 0
-        for k, shard in enumerate(self.shards):
+    def runs(self, seq_ids) -> list[tuple[int, int]]:
+        """(first, end) of each process's run of a step's rows (seq_ids in `arrange`'s order)."""
+        out, at = [], 0
+        for k in range(len(self.shards)):
             end = at
             while end < len(seq_ids) and self._index(seq_ids[end]) == k:
                 end += 1
-            if end > at or parts[k] is not None:
-                view = answer[at * row_bytes:end * row_bytes + TRAILER_BYTES]
-                jobs.append((shard, shard.start(parts[k], seq_ids[at:end], index[at:end], bits[at:end], view)))
+            out.append((at, end))
             at = end
+        return out
+
+    def start(self, noted, seq_ids, index, bits: np.ndarray, answer: np.ndarray | None,
+              turn: int = -1, job: int = 0) -> list:
+        """Each process's run of rows (seq_ids in `arrange`'s order) and the tokens it notes;
+        with a `turn`, each writes its run to the first rows of that turn of its own region."""
+        self.join()
+        parts = self._split(noted) if noted else [None] * len(self.shards)
+        row_bytes, jobs = bits.shape[1] * 4, []
+        for k, (shard, (at, end)) in enumerate(zip(self.shards, self.runs(seq_ids))):
+            if end > at or parts[k] is not None or turn >= 0:   # every word moves on, run or not
+                view = None if answer is None else answer[at * row_bytes:end * row_bytes + TRAILER_BYTES]
+                jobs.append((shard, shard.start(parts[k], seq_ids[at:end], index[at:end], bits[at:end], view,
+                                                turn, job)))
         return jobs
 
     def result(self, jobs: list) -> float:
@@ -248,8 +279,9 @@ class _Server:
             self.compiler.family_size = threads
         self.matchers = Matchers(threads or None)
         self.bits = np.empty((0, 0), dtype=np.uint32)   # rows of masks, and room for the trailer
+        self.shared: SharedMasks | None = None           # the worker's region, where it gave one
         self.handlers = {P.MaskFill: self.fill, P.MaskSet: self.set, P.MaskNote: self.note,
-                         P.MaskForget: self.forget, P.MaskWarm: self.warm}
+                         P.MaskForget: self.forget, P.MaskWarm: self.warm, P.MaskShare: self.share}
 
     def handle(self, msg) -> None:
         handler = self.handlers.get(type(msg))
@@ -261,10 +293,16 @@ class _Server:
     def fill(self, msg: P.MaskFill) -> None:
         seq_ids, index, width = P.unpack_i64(msg.seq_ids).tolist(), P.unpack_i64(msg.index).tolist(), msg.width
         began, failed = time.perf_counter(), 0.0
-        if self.bits.shape[0] < len(seq_ids) + 1 or self.bits.shape[1] != width:   # a row more: the trailer
-            rows = max(len(seq_ids), 2 * self.bits.shape[0]) + -(-TRAILER_BYTES // (4 * width))
+        shared = self.shared if msg.turn >= 0 else None
+        if shared is not None and (len(seq_ids) > shared.rows or width != shared.width):
+            log.error("a fill of %d rows of %d words does not fit the shared region", len(seq_ids), width)
+            shared.word[0] = msg.job   # the device must not wait for it forever: the worker stops
+            self.conn.send_bytes(np.array([0.0, 1.0]).tobytes())
+            return
+        if shared is None and (self.bits.shape[0] < len(seq_ids) + 1 or self.bits.shape[1] != width):
+            rows = max(len(seq_ids), 2 * self.bits.shape[0]) + -(-TRAILER_BYTES // (4 * width))  # + the trailer
             self.bits = np.empty((rows, width), dtype=np.uint32)
-        rows = self.bits[:len(seq_ids)]
+        rows = self.bits[:len(seq_ids)] if shared is None else shared.turns[msg.turn][:len(seq_ids)]
         try:
             if msg.noted_seq_ids:
                 self.matchers.note(P.unpack_i64(msg.noted_seq_ids).tolist(), P.unpack_i64(msg.noted_index).tolist(),
@@ -272,8 +310,12 @@ class _Server:
             self.matchers.fill(seq_ids, index, rows)
         except Exception:  # noqa: BLE001 -- the worker stops with it; the reason goes to the log
             log.exception("filling masks")
-            rows[:] = 0
+            rows[:] = 0xFFFFFFFF   # the device may sample these before the worker hears: nothing forbidden
             failed = 1.0
+        if shared is not None:   # the masks first, then the word the device waits for
+            shared.word[0] = msg.job
+            self.conn.send_bytes(np.array([time.perf_counter() - began, failed]).tobytes())
+            return
         answer = self.bits.reshape(-1).view(np.uint8)
         end = rows.size * 4
         answer[end:end + TRAILER_BYTES].view(np.float64)[:] = (time.perf_counter() - began, failed)
@@ -303,6 +345,13 @@ class _Server:
     def warm(self, msg: P.MaskWarm) -> None:
         self.compiler.start(msg.grammar, P.unpack_i32(msg.eos_ids).tolist())
 
+    def share(self, msg: P.MaskShare) -> None:
+        try:
+            self.shared = SharedMasks.attach(msg.path, msg.rows, msg.width)
+        except OSError as exc:
+            log.warning("the worker's shared region: %s", exc)
+        self.conn.send_bytes(codec.encode(P.MaskSetAck(self.shared is not None)))
+
 
 def serve(conn: Connection, threads: int = 0) -> None:
     """The matchers' process: answer the worker's messages until it closes the socket."""
@@ -314,7 +363,7 @@ def serve(conn: Connection, threads: int = 0) -> None:
     while True:
         try:
             data = conn.recv_bytes()
-        except EOFError:
+        except (EOFError, ConnectionResetError):   # closed, with or without an answer unread
             return
         try:
             msg = codec.decode(data)

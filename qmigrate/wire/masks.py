@@ -1,9 +1,10 @@
 """The messages between a GPU worker and the process that keeps its structured output's
 matchers (hub/mask_process.py): a local socket pair, parent and child, decoded like every other wire.
 
-Token ids travel packed as int32, sequence ids and token indices as int64. Only `MaskSet` and
-`MaskFill` are answered: a set with `MaskSetAck`, a fill with one raw frame, the step's masks
-(rows of 32-bit words, one bit a token) followed by a trailer (hub/mask_process.py)."""
+Token ids travel packed as int32, sequence ids and token indices as int64. Only `MaskSet`,
+`MaskShare` and `MaskFill` are answered: the first two with `MaskSetAck`, a fill with one raw
+frame, the step's masks (rows of 32-bit words, one bit a token) followed by a trailer, or the
+trailer alone when the masks went to the shared region (hub/mask_process.py)."""
 
 from __future__ import annotations
 
@@ -77,12 +78,30 @@ class MaskFill:
     noted_seq_ids: bytes = b""    # int64
     noted_index: bytes = b""      # int64
     noted_tokens: bytes = b""     # int32
+    turn: int = -1            # >= 0: written to that turn of the shared region (`MaskShare`), then its word
+    job: int = 0              # ... set to this (the answer is then the trailer alone)
 
     def validate(self) -> None:
         _same_rows((self.seq_ids, self.index), b"", "MaskFill", tokens=False)
         _same_rows((self.noted_seq_ids, self.noted_index), self.noted_tokens, "MaskFill.noted")
         if not 0 < self.width <= 1 << 20:
             raise ProtocolError("MaskFill.width: out of range")
+        if self.turn not in (-1, 0, 1) or not 0 <= self.job < 1 << 32:
+            raise ProtocolError("MaskFill.turn or job: out of range")
+
+
+@message(MsgType.MASK_SHARE)
+class MaskShare:
+    """Write the masks of fills that name a turn into the worker's shared region
+    (hub/mask_shared.py) at `path`; answered with `MaskSetAck` (False: it could not be mapped)."""
+
+    path: str
+    rows: int
+    width: int
+
+    def validate(self) -> None:
+        if not (0 < self.rows <= 1 << 16 and 0 < self.width <= 1 << 20):
+            raise ProtocolError("MaskShare.rows or width: out of range")
 
 
 def _same_rows(int64s: tuple[bytes, bytes], int32s: bytes, what: str, tokens: bool = True) -> None:

@@ -39,7 +39,7 @@ from qmigrate.wire.packed import (
     unpack_array, unpack_logprob_block, unpack_u8,
 )
 from qmigrate.wire.masks import (
-    MaskOpen, MaskWarm, MaskSet, MaskSetAck, MaskForget, MaskNote, MaskFill,
+    MaskOpen, MaskWarm, MaskSet, MaskSetAck, MaskForget, MaskNote, MaskFill, MaskShare,
 )
 from qmigrate.wire.registry import (
     MESSAGE_TYPES, MsgType, message,
@@ -66,5 +66,5 @@ __all__ = [
     "MESSAGE_TYPES", "MsgType", "message", "SeqSpec", "submit_count", "WorkRequest", "Lease",
     "StepResult", "Tokens", "Submit", "SubmitAck", "RequestMeta", "RequestError", "InputClosed",
     "ShipKV", "KVHeader", "Revoke", "Cancel", "Replies", "Resync", "Printed", "check_logprobs",
-    "rows_agree", "MaskOpen", "MaskWarm", "MaskSet", "MaskSetAck", "MaskForget", "MaskNote", "MaskFill",
+    "rows_agree", "MaskOpen", "MaskWarm", "MaskSet", "MaskSetAck", "MaskForget", "MaskNote", "MaskFill", "MaskShare",
 ]

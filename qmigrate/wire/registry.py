@@ -48,6 +48,7 @@ class MsgType(enum.IntEnum):
     MASK_FORGET = 45
     MASK_NOTE = 46
     MASK_FILL = 47
+    MASK_SHARE = 48
 
 
 MESSAGE_TYPES: dict[int, type] = {}   # message type -> its class

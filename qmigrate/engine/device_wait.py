@@ -1,0 +1,123 @@
+"""A stream that waits on the device for a word of host memory: the GPU worker's sampling
+queued behind masks another process has not written yet (engine/grammar.py says why).
+
+CUDA's stream memory operations (`cuStreamWaitValue32`): the stream stops at the wait until a
+32-bit word of host memory, mapped for the device, reaches a value (a cyclic comparison:
+`(int32)(word - value) >= 0`, so a counter may wrap), and what is queued after it runs once it
+does. The worker queues the wait, the copy of the masks and the sampling, and goes on; the
+matchers' process writes the masks, then the word. Called through the driver's library with
+ctypes (torch does not expose these calls); on a machine whose driver refuses them, `Waits`
+cannot be made and the worker waits for the masks itself, as on the CPU.
+
+The ordering it relies on (the masks written before the word, seen in that order by the
+device) is the x86-64 store order; elsewhere `Waits.make` says no.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import platform
+
+log = logging.getLogger(__name__)
+
+CU_MEMHOSTREGISTER_PORTABLE = 0x01
+CU_MEMHOSTREGISTER_DEVICEMAP = 0x02
+CU_STREAM_WAIT_VALUE_GEQ = 0x0
+
+
+class DeviceWaitError(RuntimeError):
+    pass
+
+
+class Waits:
+    """The driver's calls for waits on host words: `register` maps host memory for the device,
+    `wait` queues a wait on the current stream."""
+
+    def __init__(self, lib) -> None:
+        self.lib = lib
+        self._wait = _symbol(lib, "cuStreamWaitValue32_v2", "cuStreamWaitValue32")
+        self._register = _symbol(lib, "cuMemHostRegister_v2", "cuMemHostRegister")
+        self._unregister = _symbol(lib, "cuMemHostUnregister")
+        self._pointer = _symbol(lib, "cuMemHostGetDevicePointer_v2", "cuMemHostGetDevicePointer")
+        self._wait.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_uint]
+        self._register.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint]
+        self._unregister.argtypes = [ctypes.c_void_p]
+        self._pointer.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.c_void_p, ctypes.c_uint]
+
+    @classmethod
+    def make(cls, device) -> "Waits | None":
+        """The calls for `device`, or None where the worker must wait for masks itself (not a
+        CUDA device, not x86-64, no driver library, or it refuses a wait: logged)."""
+        if getattr(device, "type", None) != "cuda":
+            return None
+        if platform.machine() not in ("x86_64", "AMD64"):
+            log.info("masks waited for on the host: device-side waits are used on x86-64 only")
+            return None
+        try:
+            waits = cls(ctypes.CDLL("libcuda.so.1"))
+            waits.check(device)
+        except (OSError, AttributeError, DeviceWaitError) as exc:
+            log.warning("masks waited for on the host: the driver refuses device-side waits (%s)", exc)
+            return None
+        return waits
+
+    def register(self, address: int, size: int) -> int:
+        """Map host memory [address, address + size) (page-aligned) for the device; its
+        address there."""
+        _ok(self._register(address, size, CU_MEMHOSTREGISTER_PORTABLE | CU_MEMHOSTREGISTER_DEVICEMAP),
+            "cuMemHostRegister")
+        pointer = ctypes.c_uint64()
+        _ok(self._pointer(ctypes.byref(pointer), address, 0), "cuMemHostGetDevicePointer")
+        return pointer.value
+
+    def unregister(self, address: int) -> None:
+        self._unregister(address)
+
+    def wait(self, device_address: int, value: int, stream: int | None = None) -> None:
+        """Queue on `stream` (a CUstream handle; the current stream by default): wait until the
+        word reaches `value`."""
+        if stream is None:
+            import torch
+            stream = torch.cuda.current_stream().cuda_stream
+        _ok(self._wait(stream, device_address, value & 0xFFFFFFFF, CU_STREAM_WAIT_VALUE_GEQ), "cuStreamWaitValue32")
+
+    def check(self, device) -> None:
+        """One wait on a word already past its value, on a stream of its own: raises where the
+        driver refuses the call."""
+        import mmap
+
+        import numpy as np
+        import torch
+        page = mmap.mmap(-1, mmap.PAGESIZE)
+        word = np.frombuffer(page, dtype=np.uint32)
+        word[0] = 1
+        address = word.ctypes.data
+        device_address = self.register(address, mmap.PAGESIZE)
+        try:
+            stream = torch.cuda.Stream(device)
+            self.wait(device_address, 1, stream.cuda_stream)
+            stream.synchronize()
+        finally:
+            self.unregister(address)
+            del word
+            page.close()
+
+
+def reached(word: int, value: int) -> bool:
+    """The device's comparison: whether a word has reached `value` (cyclically, as it may wrap)."""
+    return (word - value) & 0xFFFFFFFF < 1 << 31
+
+
+def _symbol(lib, *names):
+    for name in names:
+        fn = getattr(lib, name, None)
+        if fn is not None:
+            fn.restype = ctypes.c_int
+            return fn
+    raise AttributeError(f"the driver has none of {', '.join(names)}")
+
+
+def _ok(code: int, what: str) -> None:
+    if code != 0:
+        raise DeviceWaitError(f"{what} failed (CUresult {code})")
