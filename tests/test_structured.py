@@ -358,6 +358,11 @@ def test_rows_past_a_sequences_eos_are_eos_only_quietly_and_a_step_run_again_goe
     bits = np.zeros((1, width), dtype=np.uint32)
     matchers.fill([1], [n], bits)                        # the EOS's step again: the matcher goes back
     assert allows(bits, eos) and matchers.entries[1][1] == n
+    matchers.fill([1], [n - 2], np.zeros((1, width), dtype=np.uint32))   # further back, then on again:
+    matchers.note([1], [n - 2], [document[n - 2]])                        # no longer ended
+    bits = np.zeros((1, width), dtype=np.uint32)
+    matchers.fill([1], [n - 1], bits)
+    assert allows(bits, document[n - 1]) and not allows(bits, eos)
 
 
 def _walks(tiny, grammar, rng, walks=30, steps=200, allowed_too=False):

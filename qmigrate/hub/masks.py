@@ -26,7 +26,9 @@ class Matchers:
     each step's masks of packed bits (one 32-bit word per 32 tokens, llguidance's layout)."""
 
     def __init__(self, threads: int | None = None) -> None:
-        self.entries: dict[int, list] = {}   # seq_id -> [matcher, tokens consumed, EOS ids, family, allowed]
+        # seq_id -> [matcher, tokens consumed, EOS ids, family, allowed, ended]; `allowed` is
+        # xgrammar's (None: llguidance's), `ended` whether an xgrammar matcher's last token is its EOS
+        self.entries: dict[int, list] = {}
         self.threads = threads      # the libraries' threads (None: hub/grammars.py's mask_threads)
         self.executor = None        # llguidance's threads
         self.batch = None           # xgrammar's
@@ -45,7 +47,8 @@ class Matchers:
             log.warning("sequence %d: its %d generated ids do not follow its grammar: %s", seq_id,
                         len(generated), _error(matcher))
             return False
-        self.entries[seq_id] = [matcher, len(generated), sorted(eos_ids), fresh.family, fresh.allowed]
+        ended = fresh.allowed is not None and matcher.is_terminated()
+        self.entries[seq_id] = [matcher, len(generated), sorted(eos_ids), fresh.family, fresh.allowed, ended]
         return True
 
     def forget(self, seq_id: int) -> None:
@@ -55,10 +58,11 @@ class Matchers:
     def _ended(entry: list, index: int) -> bool:
         """Whether a matcher took its EOS before generated token `index`: rows of a step built
         before the EOS was seen. They take no token (counted, one would make a later rollback
-        go too far) and allow only EOS (xgrammar has no mask there)."""
+        go too far) and allow only EOS (xgrammar has no mask there). An xgrammar matcher ends
+        only by taking an EOS, which `note` sees (asking it costs a call a row a step)."""
         if entry[1] > index:
             return False
-        return entry[0].is_terminated() if entry[4] is not None else entry[0].is_stopped()
+        return entry[5] if entry[4] is not None else entry[0].is_stopped()
 
     @staticmethod
     def _at(entry: list, index: int) -> bool:
@@ -66,6 +70,7 @@ class Matchers:
         if entry[1] > index:
             entry[0].rollback(entry[1] - index)
             entry[1] = index
+            entry[5] = False   # nothing follows an EOS: going back takes it back
         return entry[1] == index
 
     def note(self, seq_ids, index, tokens) -> None:
@@ -91,6 +96,8 @@ class Matchers:
         for (_, s, entry, t), ok in zip(taking + xtaking, taken):
             if ok:
                 entry[1] += 1
+                if entry[4] is not None and t in entry[2]:
+                    entry[5] = True
             else:
                 log.warning("sequence %d: token %d does not follow its grammar: %s", s, t, _error(entry[0]))
 
@@ -112,7 +119,10 @@ class Matchers:
         self.batch.batch_fill_next_token_bitmask([m for m, _, _ in xpairs], bits.view(np.int32), indices=rows)
         allowed = xpairs[0][2]
         if all(a is allowed for _, _, a in xpairs):   # one tokenizer: every row at once
-            bits[rows] &= allowed
+            if rows[-1] - rows[0] == len(rows) - 1:   # (in order, as they come:) a slice, not a gather
+                bits[rows[0]:rows[-1] + 1] &= allowed
+            else:
+                bits[rows] &= allowed
         else:
             for _, j, a in xpairs:
                 bits[j] &= a
