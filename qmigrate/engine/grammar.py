@@ -11,17 +11,26 @@ So recompute, KV transfer and a step that ran twice all find the same grammar st
 same mask.
 
 The mask is computed on the host while the device runs the step's forward pass (the step is
-queued before the mask is asked for), into a pinned buffer of packed bits (one int32 per 32
-tokens, llguidance's layout), and applied on the device as one masked fill of the constrained
-rows. A step whose constrained rows sample after a token of the step before it that is still
-on the device (`lags`) is sampled once that step is collected: collecting it
+queued before the mask is asked for), as packed bits (one int32 per 32 tokens, llguidance's
+layout), and applied on the device as one masked fill of the constrained rows. A step whose
+constrained rows sample after a token of the step before it that is still on the device
+(`lags`) is sampled once that step is collected: collecting it
 (`step_sampling.note_collected`) starts a job (`start`) where the matchers are: on a thread of
 theirs, or in a process of their own (a GPU worker's, hub/mask_process.py says why). There the matchers
 take its tokens and the masks are filled (by the library's threads, the rows handed to them
-family by family of their templates: hub/grammars.py). Meanwhile the worker does its own work on
-the collected step, asking as it goes whether the masks are filled (`Engine.settle`): once they
-are, it takes them (`finish`) and queues the sampling, so that the device samples while the
-worker builds the next step; at the latest, that step's forward pass waits for them.
+family by family of their templates: hub/grammars.py).
+
+On a GPU that takes waits on host memory (engine/device_wait.py), the worker then takes no part:
+the processes write the masks into memory shared with them (hub/mask_shared.py) and then
+a counter word, and the worker queues at once, behind the step's forward pass, the device's
+wait for each process's word, the copies of the masks and the sampling (`_queued`), and goes
+on to build the next step. Only the device waits, and only when the masks outlast the
+forward pass; a watch thread releases it if a process ends or stops answering (the worker
+stops at its next call here). Elsewhere the masks come back into a pinned buffer, and the
+worker asks as it does its own work on the collected step whether they are filled
+(`Engine.settle`): once they are, it takes them (`finish`) and queues the sampling, so that the
+device samples while the worker builds the next step; at the latest, that step's forward
+pass waits for them.
 Rows without a grammar pay nothing of this; a step with no constrained row does no work here.
 EOS is in a row's mask only where its grammar accepts.
 
@@ -55,7 +64,8 @@ WATCH_EVERY_S = 0.05   # how often a worker whose device waits for masks checks 
 class GrammarTable:
     """The matchers of the constrained sequences a worker holds: in this process, a step's masks
     filled on a thread (`MaskThread`), or in a process of their own or several (`use_process`:
-    `MaskProcess`, `MaskShards`), behind the same calls (hub/masks.py, hub/mask_process.py).
+    `MaskProcess`, `MaskShards`), behind the same calls (hub/masks.py, hub/mask_process.py),
+    their masks written to memory the device waits on where it can.
     What each matcher has consumed is also counted here, on the worker's thread, so that a
     step knows without asking whether its constrained rows wait for the step before it (`lags`)."""
 

@@ -18,8 +18,11 @@ The process is the worker's child: it is given a socket and nothing else, compil
 grammars it is told of itself (the worker compiles them too, to refuse one past the time
 limit; here the same grammar compiles again), and ends when the socket closes, so a worker
 that dies leaves nothing behind. Its messages are the protocol's (wire/masks.py), answered in
-the order asked; only a set and a fill have answers, a fill's as one raw frame: the masks and a
-trailer, read straight into the worker's pinned buffer.
+the order asked; only a set, a share and a fill have answers, a fill's as one raw frame: the
+masks and a trailer, read straight into the worker's pinned buffer; or, for a fill that names
+a turn of the region the worker shared with it (`MaskShare`, hub/mask_shared.py), the trailer
+alone, the masks having gone to that region before its word (the device waits for the word:
+engine/grammar.py).
 """
 
 from __future__ import annotations
