@@ -145,12 +145,14 @@ def masks_process(tiny):
         tables.append(table)
         return table
     yield use
-    for table in tables:
+    processes = []
+    for table in tables:   # every socket closed first: the processes end side by side
         table.closing.set()
         for process in getattr(table.matchers, "shards", [table.matchers]):
-            alive = process.proc.poll() is None
+            processes.append((process, process.proc.poll() is None))
             process.conn.close()
-            assert process.proc.wait(30) == 0 or not alive
+    for process, alive in processes:
+        assert process.proc.wait(30) == 0 or not alive
 
 
 class HostWaits:
@@ -680,8 +682,12 @@ def test_a_pipelined_constrained_step_samples_as_one_collected_first(tiny, where
     assert [first[2], second[2]] == one_by_one[3][:2] and second[0] == one_by_one[1][1]
 
     # Three steps launched before any is collected: the third's launch collects the first, which
-    # starts the second's masks (and, shared, queues its sampling), and waits for them.
-    e = engine()
+    # starts the second's masks (and, shared, queues its sampling), and waits for them. (The same
+    # engine, its sequences started afresh.)
+    for sid in prompts:
+        e.release(sid)
+    for sid in (2, 3):
+        assert e.set_grammar(sid, e.grammars.matcher(grammar, eos_ids), eos_ids, [])
     launched = [e.launch([row(sid, p, 0, 0) for sid, p in prompts.items()])]
     for i in (1, 2):
         launched.append(e.launch([row(sid, [], len(p) + i - 1, i) for sid, p in prompts.items()],
