@@ -379,6 +379,11 @@ def serve(conn: Connection, threads: int = 0) -> None:
 def main() -> None:
     logging.basicConfig(level=logging.WARNING, format="masks %(levelname)s %(message)s")
     serve(Connection(int(sys.argv[1])), int(sys.argv[2]) if len(sys.argv) > 2 else 0)
+    # Nothing is left to write: the interpreter's teardown of the libraries (their thread pools,
+    # torch) would take most of a second, which a worker that stops or restarts waits for.
+    logging.shutdown()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
