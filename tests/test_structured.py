@@ -147,7 +147,8 @@ def masks_process(tiny):
     yield use
     processes = []
     for table in tables:   # every socket closed first: the processes end side by side
-        table.closing.set()
+        if table.device_masks is not None:
+            table.device_masks.closing.set()
         for process in getattr(table.matchers, "shards", [table.matchers]):
             processes.append((process, process.proc.poll() is None))
             process.conn.close()
@@ -171,6 +172,12 @@ class HostWaits:
         while not reached(word.value, value):
             assert time.monotonic() < deadline, f"the word stayed at {word.value}, waited for {value}"
             time.sleep(0.0002)
+
+
+def _device_waits(table) -> bool:
+    """Whether a GrammarTable's masks went to memory shared with its processes (the device's
+    wait, or HostWaits's)."""
+    return table.device_masks is not None and table.device_masks.regions is not None
 
 
 def _compiled(core, grammar, eos_ids):
@@ -281,7 +288,7 @@ def test_matchers_in_a_process_of_their_own_give_the_same_tokens_after_a_move(ti
     other = core_of()
     rest, code = _run(other, _lease(2, ids, spec(ids), 120))
     assert first + rest == whole and code == P.Finish.EOS
-    assert shared == (core.engine.grammars.regions is not None) == (other.engine.grammars.regions is not None)
+    assert shared == _device_waits(core.engine.grammars) == _device_waits(other.engine.grammars)
     jsonschema.validate(json.loads(tokenizer.decode(whole, skip_special_tokens=True)), SCHEMAS[library])
 
 
@@ -473,10 +480,10 @@ def test_a_device_waiting_for_a_stopped_or_dead_mask_process_is_released_and_the
     assert t.set(1, t.matcher(grammar, eos_ids), eos_ids, [])
     rows, bits = t.masks([5, 1], [0, 0])
     allowed = [k for k in range(model.config.vocab_size) if int(bits[0, k >> 5]) >> (k & 31) & 1]
-    assert t.regions is not None and rows.tolist() == [1] and allowed
+    assert _device_waits(t) and rows.tolist() == [1] and allowed
     assert all(re.fullmatch("[0-9]{1,5}", tokenizer.decode([k])) for k in allowed)
     proc = t.matchers.proc
-    t.timeout_s = 0.5
+    t.device_masks.timeout_s = 0.5
     proc.send_signal(signal.SIGSTOP if fault == "stopped" else signal.SIGKILL)
     try:
         began = time.monotonic()
@@ -662,8 +669,8 @@ def test_a_pipelined_constrained_step_samples_as_one_collected_first(tiny, where
     masks = [fields for kind, *fields in traced if kind == "masks"]
     # marked early: those sampled by settle() above, and any whose masks were filled by the next launch
     assert len(masks) == deferred and early <= sum(f[-1] for f in masks) <= deferred
-    assert shared == (e.grammars.regions is not None)
-    assert (where == "shared-gpu") == (type(e.grammars.waits).__name__ == "Waits")
+    assert shared == _device_waits(e.grammars)
+    assert (where == "shared-gpu") == (shared and type(e.grammars.device_masks.waits).__name__ == "Waits")
     assert all(f[0] == 2 for f in masks)
     assert piped == one_by_one
     for sid in (2, 3):

@@ -10,7 +10,8 @@ ctypes (torch does not expose these calls); on a machine whose driver refuses th
 cannot be made and the worker waits for the masks itself, as on the CPU.
 
 The ordering it relies on (the masks written before the word, seen in that order by the
-device) is the x86-64 store order; elsewhere `Waits.make` says no.
+device) is the x86-64 store order; elsewhere `Waits.make` says no. `DeviceMasks` keeps the
+regions shared with the mask processes, the fills' numbers and the watch over the processes.
 """
 
 from __future__ import annotations
@@ -18,12 +19,15 @@ from __future__ import annotations
 import ctypes
 import logging
 import platform
+import threading
+import time
 
 log = logging.getLogger(__name__)
 
 CU_MEMHOSTREGISTER_PORTABLE = 0x01
 CU_MEMHOSTREGISTER_DEVICEMAP = 0x02
 CU_STREAM_WAIT_VALUE_GEQ = 0x0
+WATCH_EVERY_S = 0.05   # how often a worker whose device waits for masks checks their processes
 
 
 class DeviceWaitError(RuntimeError):
@@ -102,6 +106,98 @@ class Waits:
             self.unregister(address)
             del word
             page.close()
+
+
+class DeviceMasks:
+    """Structured output's masks the device waits for (engine/grammar.py): each mask process's
+    region of memory shared with it (hub/mask_shared.py), mapped for the device, made at the
+    first fill (the mask's width is known then); the fills' numbers, which each process writes
+    to its region's word once the masks are there; and a watch thread that releases the
+    device from its waits if a process ends or stops answering (`failure` then says why,
+    and the worker stops at its next call: `check`)."""
+
+    def __init__(self, waits: Waits, rows: int, timeout_s: float, device) -> None:
+        self.waits, self.rows, self.timeout_s, self.device = waits, rows, timeout_s, device
+        self.processes: list = []
+        self.regions: list | None = None   # (region, its word's device address) per process
+        self.sources: list = []           # per region, per turn: its rows as a CPU tensor (copied from)
+        self.number = 0
+        self.issued = (0, 0.0)            # (the last fill's number, when it was asked)
+        self.failure: str | None = None
+        self.closing = threading.Event()
+
+    def open(self, processes: list, width: int) -> bool:
+        """Share a region with each process (MaskProcess.share) and map it; False where one
+        could not (the host waits for masks from then on)."""
+        import numpy as np
+        import torch
+        regions = [p.share(self.rows, width) for p in processes]
+        if any(r is None for r in regions):
+            log.warning("structured output's masks are waited for on the host: a process could not map "
+                        "the shared region")
+            return False
+        self.processes = processes
+        self.regions = [(r, self.waits.register(r.address, r.size)) for r in regions]
+        self.sources = [[torch.from_numpy(t.view(np.int32)) for t in r.turns] for r in regions]
+        log.info("structured output's masks: written by %d process(es) to shared memory, waited for by the "
+                 "device (steps of up to %d constrained rows)", len(regions), self.rows)
+        threading.Thread(target=self._watch, name="masks-watch", daemon=True).start()
+        return True
+
+    def next(self) -> int:
+        """The number of the next fill (the word its processes write)."""
+        self.number = (self.number + 1) & 0xFFFFFFFF
+        self.issued = (self.number, time.monotonic())
+        return self.number
+
+    def plan(self, runs: list[tuple[int, int]], turn: int, number: int) -> list:
+        """Per process with rows (its (first, end) run of the step's rows, in `runs`): its word's
+        device address, the fill's number, its region's turn, its run."""
+        return [(word, number, self.sources[k][turn], first, end)
+                for k, ((_, word), (first, end)) in enumerate(zip(self.regions, runs)) if end > first]
+
+    def queue(self, plan: list, num_rows: int, width: int):
+        """The plan's masks on the device [num_rows, width] (int32), copied from each region
+        once the device has seen its word: queued, not waited for."""
+        import torch
+        self.check()
+        bits = torch.empty(num_rows, width, dtype=torch.int32, device=self.device)
+        for word, number, source, first, end in plan:
+            self.waits.wait(word, number)
+            bits[first:end].copy_(source[:end - first], non_blocking=True)
+        return bits
+
+    def check(self) -> None:
+        if self.failure is not None:
+            raise RuntimeError(self.failure)
+
+    def _watch(self) -> None:
+        while not self.closing.wait(WATCH_EVERY_S):
+            number, asked = self.issued
+            ended = [p.proc.returncode for p in self.processes if p.proc.poll() is not None]
+            late = any(not reached(int(r.word[0]), number) for r, _ in self.regions) \
+                and time.monotonic() - asked > self.timeout_s
+            if ended or late:
+                self.failure = (f"structured output's mask process has ended (exit code {ended[0]})" if ended else
+                                f"structured output's mask process did not answer within {self.timeout_s:g} s")
+                self._release()
+                return
+
+    def _release(self) -> None:
+        """Every region's word at the last fill asked for: no wait on the device outlasts it."""
+        for region, _ in self.regions:
+            region.word[0] = self.issued[0]
+
+    def close(self) -> None:
+        self.closing.set()
+        if self.regions is not None:
+            self._release()
+            if self.device.type == "cuda":
+                import torch
+                torch.cuda.synchronize(self.device)   # no copy from the regions in flight
+            for region, _ in self.regions:
+                self.waits.unregister(region.address)
+            self.sources = []
 
 
 def reached(word: int, value: int) -> bool:

@@ -23,10 +23,10 @@ family by family of their templates: hub/grammars.py).
 On a GPU that takes waits on host memory (engine/device_wait.py), the worker then takes no part:
 the processes write the masks into memory shared with them (hub/mask_shared.py) and then
 a counter word, and the worker queues at once, behind the step's forward pass, the device's
-wait for each process's word, the copies of the masks and the sampling (`_queued`), and goes
-on to build the next step. Only the device waits, and only when the masks outlast the
-forward pass; a watch thread releases it if a process ends or stops answering (the worker
-stops at its next call here). Elsewhere the masks come back into a pinned buffer, and the
+wait for each process's word, the copies of the masks and the sampling (`_queued`,
+`device_wait.DeviceMasks`), and goes on to build the next step. Only the device waits, and
+only when the masks outlast the forward pass; a watch thread releases it if a process ends
+or stops answering (the worker stops at its next call here). Elsewhere the masks come back into a pinned buffer, and the
 worker asks as it does its own work on the collected step whether they are filled
 (`Engine.settle`): once they are, it takes them (`finish`) and queues the sampling, so that the
 device samples while the worker builds the next step; at the latest, that step's forward
@@ -44,21 +44,14 @@ length-bounded string compiles with xgrammar (hub/grammars.py says which, and wh
 
 from __future__ import annotations
 
-import logging
-import threading
-import time
 from typing import NamedTuple
 
 import numpy as np
 import torch
 
-from qmigrate.engine.device_wait import Waits, reached
+from qmigrate.engine.device_wait import DeviceMasks, Waits
 from qmigrate.hub.mask_process import ANSWER_TIMEOUT_S, MaskProcess, MaskShards
 from qmigrate.hub.masks import TRAILER_BYTES, MaskThread
-
-log = logging.getLogger(__name__)
-
-WATCH_EVERY_S = 0.05   # how often a worker whose device waits for masks checks their processes
 
 
 class GrammarTable:
@@ -77,17 +70,7 @@ class GrammarTable:
         self.buffers: list[tuple] = []  # two pinned (bitmasks, rows) and their numpy views, used in turn
         self.turn = 0
         self.width = 0                # int32 words of a row's mask
-        # masks the device waits for (`use_process` with rows): the driver's calls, each process's
-        # shared region and its word's device address (made at the first fill), the last fill's number
-        self.waits: Waits | None = None
-        self.capacity = 0             # rows a shared fill holds
-        self.timeout_s = ANSWER_TIMEOUT_S
-        self.regions: list | None = None
-        self.sources: list = []       # per region, per turn: its rows as a CPU tensor (copied from)
-        self.number = 0
-        self.issued = (0, 0.0)        # (the last shared fill's number, when it was asked)
-        self.failure: str | None = None
-        self.closing = threading.Event()
+        self.device_masks: DeviceMasks | None = None   # masks the device waits for (`use_process`)
 
     def __bool__(self) -> bool:
         return bool(self.counts)
@@ -105,66 +88,33 @@ class GrammarTable:
             self.matchers = MaskProcess(tokenizer_path, trust_remote_code, self.vocab_size, timeout_s)
         if self.compiler is not None:   # this process's copies only prove that a grammar compiles
             self.compiler.family_size = 1
-        if rows > 0:
-            self.waits = waits or Waits.make(self.device)
-            self.capacity = rows
-            self.timeout_s = ANSWER_TIMEOUT_S + timeout_s   # as MaskProcess's own wait
+        waits = (waits or Waits.make(self.device)) if rows > 0 else None
+        if waits is not None:   # a process's own answer timeout: the same
+            self.device_masks = DeviceMasks(waits, rows, ANSWER_TIMEOUT_S + timeout_s, self.device)
 
     def _processes(self) -> list:
         return getattr(self.matchers, "shards", [self.matchers])
 
     def close(self) -> None:
-        self.closing.set()
-        if self.regions is not None:
-            self._release()
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)   # no copy from the regions in flight
-            for region, _ in self.regions:
-                self.waits.unregister(region.address)
-            self.sources = []
+        if self.device_masks is not None:
+            self.device_masks.close()
         self.matchers.join()
         self.matchers.close()
 
-    def _shared(self) -> list | None:
-        """Each process's shared region and its word's device address, made at the first fill
-        (the width is known then); None without device waits, or where a process could not map
-        its region (the host waits for masks from then on)."""
-        if self.regions is None and self.waits is not None and self.width:
-            regions = [p.share(self.capacity, self.width) for p in self._processes()]
-            if any(r is None for r in regions):
-                log.warning("structured output's masks are waited for on the host: a process could not map "
-                            "the shared region")
-                self.waits = None
-                return None
-            self.regions = [(r, self.waits.register(r.address, r.size)) for r in regions]
-            self.sources = [[torch.from_numpy(t.view(np.int32)) for t in r.turns] for r in regions]
-            log.info("structured output's masks: written by %d process(es) to shared memory, waited for by the "
-                     "device (steps of up to %d constrained rows)", len(regions), self.capacity)
-            threading.Thread(target=self._watch, name="masks-watch", daemon=True).start()
-        return self.regions
-
-    def _watch(self) -> None:
-        """Release the device from its waits when a process has ended, or has not written a
-        fill's masks within the answer timeout; the worker then stops at its next call here."""
-        while not self.closing.wait(WATCH_EVERY_S):
-            number, asked = self.issued
-            ended = [p.proc.returncode for p in self._processes() if p.proc.poll() is not None]
-            late = any(not reached(int(r.word[0]), number) for r, _ in self.regions) \
-                and time.monotonic() - asked > self.timeout_s
-            if ended or late:
-                self.failure = (f"structured output's mask process has ended (exit code {ended[0]})" if ended else
-                                f"structured output's mask process did not answer within {self.timeout_s:g} s")
-                self._release()
-                return
-
-    def _release(self) -> None:
-        """Every region's word at the last fill asked for: no wait on the device outlasts it."""
-        for region, _ in self.regions:
-            region.word[0] = self.issued[0]
+    def _shared(self, num_rows: int) -> DeviceMasks | None:
+        """The masks the device waits for, where a step of num_rows constrained rows may use them
+        (their regions made at the first such step)."""
+        masks = self.device_masks
+        if masks is None or num_rows > masks.rows or not self.width:
+            return None
+        if masks.regions is None and not masks.open(self._processes(), self.width):
+            self.device_masks = None
+            return None
+        return masks
 
     def _check(self) -> None:
-        if self.failure is not None:
-            raise RuntimeError(self.failure)
+        if self.device_masks is not None:
+            self.device_masks.check()
 
     def _compiler(self, grammar: str, eos_ids):
         from qmigrate.hub.grammars import GrammarError
@@ -257,16 +207,13 @@ class GrammarTable:
         rows, ids, index = self._rows(seq_ids, index, row_of)
         bits, at, host, host_rows, answer = self._buffer(len(rows))
         host_rows[:] = rows
-        shared = self._shared() if len(rows) <= self.capacity else None
+        shared = self._shared(len(rows))
         if shared is None:
             return Job(at, bits, self.matchers.start(taken, ids, index, host, answer))
-        self.number = (self.number + 1) & 0xFFFFFFFF
-        handle = self.matchers.start(taken, ids, index, host, None, self.turn, self.number)
-        runs = self.matchers.runs(ids) if len(shared) > 1 else [(0, len(ids))]
-        plan = [(word, self.number, self.sources[k][self.turn], first, end)
-                for k, ((_, word), (first, end)) in enumerate(zip(shared, runs)) if end > first]
-        self.issued = (self.number, time.monotonic())
-        return Job(at, bits, handle, plan)
+        number = shared.next()
+        handle = self.matchers.start(taken, ids, index, host, None, self.turn, number)
+        runs = self.matchers.runs(ids) if len(shared.regions) > 1 else [(0, len(ids))]
+        return Job(at, bits, handle, shared.plan(runs, self.turn, number))
 
     def done(self, job: "Job") -> bool:
         """Whether a job's masks are filled (`finish` would not wait): always, for masks the
@@ -286,16 +233,12 @@ class GrammarTable:
         return (job.rows.to(self.device, non_blocking=True), job.bits.to(self.device, non_blocking=True)), took
 
     def _queued(self, job: "Job") -> tuple[torch.Tensor, torch.Tensor] | None:
-        """A shared job's masks on the device: each process's run copied from its region once
-        the device has seen its word (the process's answer, the trailer, is read at the next
-        call that joins it)."""
+        """A shared job's masks on the device, queued behind the device's wait for each
+        process's word (the process's answer, the trailer, is read at the next call that joins it)."""
         self._check()
         if not len(job.rows):
             return None
-        bits = torch.empty(len(job.rows), self.width, dtype=torch.int32, device=self.device)
-        for word, number, source, first, end in job.plan:
-            self.waits.wait(word, number)
-            bits[first:end].copy_(source[:end - first], non_blocking=True)
+        bits = self.device_masks.queue(job.plan, len(job.rows), self.width)
         return job.rows.to(self.device, non_blocking=True), bits
 
     def _buffer(self, num_rows: int) -> tuple:
