@@ -465,6 +465,15 @@ def test_a_mask_process_drops_foreign_messages_and_one_that_stops_or_dies_is_an_
         t.masks([1], [0])
 
 
+def test_a_word_reaches_its_value_cyclically_and_the_cpu_takes_no_device_waits():
+    """The device's comparison (`(int32)(word - value) >= 0`), which a counter past 2**32 keeps;
+    a CPU engine's masks are waited for on the host."""
+    from qmigrate.engine.device_wait import Waits, reached
+    assert reached(5, 5) and reached(6, 5) and not reached(4, 5)
+    assert reached(3, 0xFFFFFFF0) and not reached(0xFFFFFFF0, 3)   # wrapped: 3 comes after
+    assert Waits.make(torch.device("cpu")) is None
+
+
 @pytest.mark.parametrize("fault", ["stopped", "killed"])
 def test_a_device_waiting_for_a_stopped_or_dead_mask_process_is_released_and_the_worker_stops(
         tiny, masks_process, fault):
