@@ -342,8 +342,8 @@ class Engine:
                 and self.grammars.lags(batch.seq_ids, params[4], pending.row_of):
             pending.logits, pending.waits_on, after.then = logits, after, pending
         else:
-            step_sampling.queue(self, pending, logits, self.grammars.masks(batch.seq_ids, params[4], pending.row_of)
-                         if self.grammars else None)
+            masks = self.grammars.masks(batch.seq_ids, params[4], pending.row_of) if self.grammars else None
+            step_sampling.queue(self, pending, logits, masks)
         # the rows' ids, unless every row decodes a token not yet known here
         some_known = feed is None or len(feed[0]) < batch.num_rows
         self.pool.mark_written(batch.seq_ids, batch.seq_lens,

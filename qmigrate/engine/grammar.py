@@ -205,6 +205,8 @@ class GrammarTable:
         self._check()
         taken = self._noted(*noted) if noted is not None else None
         rows, ids, index = self._rows(seq_ids, index, row_of)
+        if not rows and taken is None:   # nothing to take and no row to fill: the matchers are not asked
+            return Job(None, None, None, [])
         bits, at, host, host_rows, answer = self._buffer(len(rows))
         host_rows[:] = rows
         shared = self._shared(len(rows))
@@ -217,7 +219,7 @@ class GrammarTable:
 
     def done(self, job: "Job") -> bool:
         """Whether a job's masks are filled (`finish` would not wait): always, for masks the
-        device waits for."""
+        device waits for, and for a job with nothing to ask."""
         return job.plan is not None or self.matchers.ready(job.handle)
 
     def finish(self, job: "Job") -> tuple[tuple[torch.Tensor, torch.Tensor] | None, float]:
@@ -235,8 +237,7 @@ class GrammarTable:
     def _queued(self, job: "Job") -> tuple[torch.Tensor, torch.Tensor] | None:
         """A shared job's masks on the device, queued behind the device's wait for each
         process's word (the process's answer, the trailer, is read at the next call that joins it)."""
-        self._check()
-        if not len(job.rows):
+        if not job.plan:   # no row: nothing to wait for
             return None
         bits = self.device_masks.queue(job.plan, len(job.rows), self.width)
         return job.rows.to(self.device, non_blocking=True), bits
@@ -270,7 +271,8 @@ class Job(NamedTuple):
     """A step's masks being filled (`GrammarTable.start`): its constrained rows and the rows
     of bits they go to (pinned), the thread's Future or the processes' jobs, and for masks the
     device waits for, per process with rows: (its word's device address, the fill's number,
-    its region's turn, the first and end row of its run)."""
+    its region's turn, the first and end row of its run); an empty plan, no rows, for a job the
+    matchers were not asked for."""
     rows: torch.Tensor
     bits: torch.Tensor
     handle: object

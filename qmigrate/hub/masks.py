@@ -21,14 +21,18 @@ TRAILER_BYTES = 16              # after a step's masks: the seconds they took, a
 SWITCH_INTERVAL_S = 0.0002      # the longest a thread keeps the interpreter's lock while another waits
 
 
+# a sequence's entry (Matchers.entries): its matcher, the tokens it consumed, its EOS ids, its
+# template's family, xgrammar's `allowed` (None: llguidance's matcher), and whether an xgrammar
+# matcher's last token is its EOS
+MATCHER, CONSUMED, EOS, FAMILY, ALLOWED, ENDED = range(6)
+
+
 class Matchers:
     """The matchers of the constrained sequences, by sequence: what each has consumed, and
     each step's masks of packed bits (one 32-bit word per 32 tokens, llguidance's layout)."""
 
     def __init__(self, threads: int | None = None) -> None:
-        # seq_id -> [matcher, tokens consumed, EOS ids, family, allowed, ended]; `allowed` is
-        # xgrammar's (None: llguidance's), `ended` whether an xgrammar matcher's last token is its EOS
-        self.entries: dict[int, list] = {}
+        self.entries: dict[int, list] = {}   # seq_id -> its entry (MATCHER, CONSUMED, ... above)
         self.threads = threads      # the libraries' threads (None: hub/grammars.py's mask_threads)
         self.executor = None        # llguidance's threads
         self.batch = None           # xgrammar's
@@ -60,18 +64,18 @@ class Matchers:
         before the EOS was seen. They take no token (counted, one would make a later rollback
         go too far) and allow only EOS (xgrammar has no mask there). An xgrammar matcher ends
         only by taking an EOS, which `note` sees (asking it costs a call a row a step)."""
-        if entry[1] > index:
+        if entry[CONSUMED] > index:
             return False
-        return entry[5] if entry[4] is not None else entry[0].is_stopped()
+        return entry[ENDED] if entry[ALLOWED] is not None else entry[MATCHER].is_stopped()
 
     @staticmethod
     def _at(entry: list, index: int) -> bool:
         """Bring a matcher back to `index` tokens consumed; False when it has fewer."""
-        if entry[1] > index:
-            entry[0].rollback(entry[1] - index)
-            entry[1] = index
-            entry[5] = False   # nothing follows an EOS: going back takes it back
-        return entry[1] == index
+        if entry[CONSUMED] > index:
+            entry[MATCHER].rollback(entry[CONSUMED] - index)
+            entry[CONSUMED] = index
+            entry[ENDED] = False   # nothing follows an EOS: going back takes it back
+        return entry[CONSUMED] == index
 
     def note(self, seq_ids, index, tokens) -> None:
         """The tokens a step sampled for its constrained rows: seq_ids[k]'s generated token
@@ -83,23 +87,23 @@ class Matchers:
             if entry is None or self._ended(entry, i):
                 continue
             if self._at(entry, i):
-                (taking if entry[4] is None else xtaking).append((entry[3], s, entry, int(t)))
+                (taking if entry[ALLOWED] is None else xtaking).append((entry[FAMILY], s, entry, int(t)))
         if len(taking) > 1:
             taking.sort(key=lambda x: x[0])
-            taken = self._executor().consume_token_par([(entry[0], t) for _, _, entry, t in taking])
+            taken = self._executor().consume_token_par([(entry[MATCHER], t) for _, _, entry, t in taking])
         else:
-            taken = [entry[0].consume_token(t) for _, _, entry, t in taking]
+            taken = [entry[MATCHER].consume_token(t) for _, _, entry, t in taking]
         if xtaking:
             import xgrammar
-            taken += xgrammar.BatchGrammarMatcher.batch_accept_token([e[0] for _, _, e, _ in xtaking],
+            taken += xgrammar.BatchGrammarMatcher.batch_accept_token([e[MATCHER] for _, _, e, _ in xtaking],
                                                                      [t for _, _, _, t in xtaking])
         for (_, s, entry, t), ok in zip(taking + xtaking, taken):
             if ok:
-                entry[1] += 1
-                if entry[4] is not None and t in entry[2]:
-                    entry[5] = True
+                entry[CONSUMED] += 1
+                if entry[ALLOWED] is not None and t in entry[EOS]:
+                    entry[ENDED] = True
             else:
-                log.warning("sequence %d: token %d does not follow its grammar: %s", s, t, _error(entry[0]))
+                log.warning("sequence %d: token %d does not follow its grammar: %s", s, t, _error(entry[MATCHER]))
 
     def _executor(self):
         if self.executor is None:
@@ -140,12 +144,12 @@ class Matchers:
             elif self._ended(entry, i):
                 eos_only.append(j)
             elif not self._at(entry, i):
-                log.warning("sequence %d: its grammar is %d tokens behind; only EOS is allowed", s, i - entry[1])
+                log.warning("sequence %d: its grammar is %d tokens behind; only EOS is allowed", s, i - entry[CONSUMED])
                 eos_only.append(j)
-            elif entry[4] is None:
-                pairs.append((entry[0], j, entry[3]))
+            elif entry[ALLOWED] is None:
+                pairs.append((entry[MATCHER], j, entry[FAMILY]))
             else:
-                xpairs.append((entry[0], j, entry[4]))
+                xpairs.append((entry[MATCHER], j, entry[ALLOWED]))
         if xpairs:
             self._fill_xgrammar(xpairs, bits)
         # The library's own calls, not its `llguidance.torch` helpers (importing those compiles a
@@ -165,7 +169,7 @@ class Matchers:
         for j in eos_only:
             bits[j] = 0
             entry = self.entries.get(seq_ids[j])   # (a drop may take it meanwhile on the worker's thread)
-            for t in entry[2] if entry is not None else ():
+            for t in entry[EOS] if entry is not None else ():
                 bits[j, t >> 5] |= np.uint32(1 << (t & 31))
 
 
