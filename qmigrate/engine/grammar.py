@@ -71,6 +71,7 @@ class GrammarTable:
         self.turn = 0
         self.width = 0                # int32 words of a row's mask
         self.device_masks: DeviceMasks | None = None   # masks the device waits for (`use_process`)
+        self.last_shared = None       # the processes' handle of the last such job (its seconds, once answered)
 
     def __bool__(self) -> bool:
         return bool(self.counts)
@@ -213,9 +214,11 @@ class GrammarTable:
         if shared is None:
             return Job(at, bits, self.matchers.start(taken, ids, index, host, answer))
         number = shared.next()
-        handle = self.matchers.start(taken, ids, index, host, None, self.turn, number)
+        handle = self.matchers.start(taken, ids, index, host, None, self.turn, number)   # (answers read first)
+        before, self.last_shared = self.last_shared, handle
+        took = self.matchers.result(before) if before is not None else 0.0
         runs = self.matchers.runs(ids) if len(shared.regions) > 1 else [(0, len(ids))]
-        return Job(at, bits, handle, shared.plan(runs, self.turn, number))
+        return Job(at, bits, handle, shared.plan(runs, self.turn, number), took)
 
     def done(self, job: "Job") -> bool:
         """Whether a job's masks are filled (`finish` would not wait): always, for masks the
@@ -225,9 +228,10 @@ class GrammarTable:
     def finish(self, job: "Job") -> tuple[tuple[torch.Tensor, torch.Tensor] | None, float]:
         """The masks of a job `start` began, on the device (waits for it), and the seconds the
         job took where it ran; masks the device waits for are queued at once (behind a wait for
-        each process's word), and their seconds are not known here (0)."""
+        each process's word), and the seconds given are those of the shared job before it (its
+        answer read by then)."""
         if job.plan is not None:
-            return self._queued(job), 0.0
+            return self._queued(job), job.took
         took = self.matchers.result(job.handle)
         if not len(job.rows):
             return None, took
@@ -271,12 +275,13 @@ class Job(NamedTuple):
     """A step's masks being filled (`GrammarTable.start`): its constrained rows and the rows
     of bits they go to (pinned), the thread's Future or the processes' jobs, and for masks the
     device waits for, per process with rows: (its word's device address, the fill's number,
-    its region's turn, the first and end row of its run); an empty plan, no rows, for a job the
-    matchers were not asked for."""
+    its region's turn, the first and end row of its run), and the seconds the shared job before
+    it took where it ran; an empty plan, no rows, for a job the matchers were not asked for."""
     rows: torch.Tensor
     bits: torch.Tensor
     handle: object
     plan: list | None = None
+    took: float = 0.0
 
 
 _SHIFTS: dict = {}   # device -> int32 [0..31], the bit of each token in its word
