@@ -216,9 +216,8 @@ class WorkerConfig(EngineConfig):
     # where structured output's matchers fill a step's masks: a process of their own beside the
     # worker ("process"), or a thread of the worker's ("thread"); "auto": a process on a GPU
     grammar_masks: str = rules.setting("auto", rules.one_of("auto", "process", "thread"))
-    # processes the matchers are spread over where they are in processes (hub/mask_process.py's
-    # MaskShards); 0: one per 4 cores the worker may use, at most 4
-    grammar_mask_processes: int = rules.setting(0, rules.non_negative)
+    # processes the matchers are spread over (by sequence id) where they are in processes
+    grammar_mask_processes: int = rules.setting(1, rules.count)
 
     def engine_config(self) -> EngineConfig:
         """The engine's settings exactly as this section holds them."""

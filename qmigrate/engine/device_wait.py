@@ -152,18 +152,9 @@ class DeviceMasks:
 
     def plan(self, runs: list[tuple[int, int]], turn: int, number: int) -> list:
         """Per process with rows (its (first, end) run of the step's rows, in `runs`): its word's
-        device address, the fill's number, its region's turn, its run. The word of a process
-        with no rows is set to the number here (no job of its is in flight: every answer was
-        read before this fill was asked), so that every word follows the fills: the watch
-        finds none behind, and no word lags 2**31 fills behind a later wait on it (which the
-        cyclic comparison would take as reached)."""
-        out = []
-        for k, ((region, word), (first, end)) in enumerate(zip(self.regions, runs)):
-            if end > first:
-                out.append((word, number, self.sources[k][turn], first, end))
-            else:
-                region.word[0] = number
-        return out
+        device address, the fill's number, its region's turn, its run."""
+        return [(word, number, self.sources[k][turn], first, end)
+                for k, ((_, word), (first, end)) in enumerate(zip(self.regions, runs)) if end > first]
 
     def queue(self, plan: list, num_rows: int, width: int):
         """The plan's masks on the device [num_rows, width] (int32), copied from each region

@@ -44,19 +44,8 @@ from qmigrate.wire import protocol as P
 
 log = logging.getLogger(__name__)
 
-CORES_PER_PROCESS = 4           # `grammar_mask_processes: 0` (default_processes)
-MAX_DEFAULT_PROCESSES = 4
-PACK_ROWS = 64                  # matchers a process takes before the next is given any (MaskShards)
 SOCKET_BUFFER_BYTES = 8 << 20   # a step's masks (6 KB a row with a 49k vocabulary) sent whole
 ANSWER_TIMEOUT_S = 60.0         # the longest the worker waits for an answer (beyond a grammar's compile)
-
-
-def default_processes() -> int:
-    """`grammar_mask_processes: 0`: one per CORES_PER_PROCESS cores this process may use, at
-    most MAX_DEFAULT_PROCESSES (a step's rows spread over more than four processes waits on
-    more wake-ups than the masks save)."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return max(1, min(MAX_DEFAULT_PROCESSES, cores // CORES_PER_PROCESS))
 
 
 class MaskProcess:
@@ -189,15 +178,12 @@ class MaskProcess:
 
 
 class MaskShards:
-    """The matchers spread over several processes of their own, behind `MaskProcess`'s calls: a
-    step's masks asked of each process that holds a row of it at once, so that each takes its
-    rows' tokens and fills their masks beside the others (a process's Python between the
-    libraries' calls runs on one core). A sequence's matcher goes to the first process holding
-    fewer than `pack_rows` (PACK_ROWS), else to the one holding fewest: a step of few
-    constrained rows asks one process and waits for one answer, a step of many is spread over
-    all. A step's rows are asked for process by process (`arrange`), so each process's masks
-    are a run of the step's rows of bits; its answer's trailer lands on the next run's first
-    bytes, so answers are read in process order, each before the next overwrites it."""
+    """The matchers spread over several processes of their own, by sequence id, behind
+    `MaskProcess`'s calls: a step's masks asked of each at once, so that each takes its rows'
+    tokens and fills their masks beside the others (a process's Python between the libraries'
+    calls runs on one core). A step's rows are asked for process by process (`arrange`), so each
+    process's masks are a run of the step's rows of bits; its answer's trailer lands on the next
+    run's first bytes, so answers are read in process order, each before the next overwrites it."""
 
     def __init__(self, processes: int, tokenizer_path: str, trust_remote_code: bool, vocab_size: int,
                  timeout_s: float) -> None:
@@ -205,21 +191,13 @@ class MaskShards:
         threads = max(1, mask_threads() // processes)
         self.shards = [MaskProcess(tokenizer_path, trust_remote_code, vocab_size, timeout_s, threads)
                        for _ in range(processes)]
-        self.pack_rows = PACK_ROWS
-        self.home: dict[int, int] = {}          # seq_id -> the process that keeps its matcher
-        self.held = [0] * processes             # matchers each process keeps
 
     def _index(self, seq_id: int) -> int:
-        """The process that keeps a sequence's matcher (the first, for one it does not: its
-        rows there are unconstrained, its tokens not taken)."""
-        return self.home.get(seq_id, 0)
+        """The process that keeps a sequence's matcher."""
+        return seq_id % len(self.shards)
 
-    def _place(self) -> int:
-        """The process a new matcher goes to."""
-        for k, held in enumerate(self.held):
-            if held < self.pack_rows:
-                return k
-        return min(range(len(self.held)), key=self.held.__getitem__)
+    def _of(self, seq_id: int) -> MaskProcess:
+        return self.shards[self._index(seq_id)]
 
     def arrange(self, found: list) -> list:
         return sorted(found, key=lambda row_seq: (self._index(row_seq[1]), row_seq[0]))
@@ -240,19 +218,10 @@ class MaskShards:
 
     def set(self, seq_id: int, fresh, eos_ids, generated) -> bool:
         self.join()
-        self.forget(seq_id)
-        k = self._place()
-        ok = self.shards[k].set(seq_id, fresh, eos_ids, generated)
-        if ok:
-            self.home[seq_id] = k
-            self.held[k] += 1
-        return ok
+        return self._of(seq_id).set(seq_id, fresh, eos_ids, generated)
 
     def forget(self, seq_id: int) -> None:
-        k = self.home.pop(seq_id, None)
-        if k is not None:
-            self.held[k] -= 1
-            self.shards[k].forget(seq_id)
+        self._of(seq_id).forget(seq_id)
 
     def note(self, noted) -> None:
         self.join()
@@ -273,14 +242,13 @@ class MaskShards:
 
     def start(self, noted, seq_ids, index, bits: np.ndarray, answer: np.ndarray | None,
               turn: int = -1, job: int = 0) -> list:
-        """Each process's run of rows (seq_ids in `arrange`'s order) and the tokens it notes,
-        asked of the processes with either; with a `turn`, each writes its run to the first
-        rows of that turn of its own region."""
+        """Each process's run of rows (seq_ids in `arrange`'s order) and the tokens it notes;
+        with a `turn`, each writes its run to the first rows of that turn of its own region."""
         self.join()
         parts = self._split(noted) if noted else [None] * len(self.shards)
         row_bytes, jobs = bits.shape[1] * 4, []
         for k, (shard, (at, end)) in enumerate(zip(self.shards, self.runs(seq_ids))):
-            if end > at or parts[k] is not None:
+            if end > at or parts[k] is not None or turn >= 0:   # every word moves on, run or not
                 view = None if answer is None else answer[at * row_bytes:end * row_bytes + TRAILER_BYTES]
                 jobs.append((shard, shard.start(parts[k], seq_ids[at:end], index[at:end], bits[at:end], view,
                                                 turn, job)))

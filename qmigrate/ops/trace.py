@@ -11,7 +11,8 @@ Worker events: ask (request no.), lease (id, steps, rows, full forms), start_beg
 start_end (lease id), prompts (a launched step's prompt rows, their new tokens, the
 positions of those found cached), launch (rows), collect_begin (rows) / collect_end, finish_begin /
 finish_end (lease id), withdrawn (lease id: a chain revoked before it started, answered
-unrun), masks (a step's constrained rows, seconds their masks took where the matchers are,
+unrun), masks (a step's constrained rows, seconds their masks took where the matchers are (for masks
+the device waits for: those of the step before, whose answer has come by then),
 seconds the worker took to have them, 1 if it had them before building the next step:
 `Engine.settle`). Router events: submit (sequences offered,
 taken), request (worker, request no.), grant (worker, lease id, rows, steps, request no.),

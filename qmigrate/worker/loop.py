@@ -25,7 +25,6 @@ from qmigrate.wire import protocol as P
 from qmigrate.wire import codec
 from qmigrate.wire import transport
 from qmigrate.hub.loading import load_model, resolve_model
-from qmigrate.hub.mask_process import default_processes
 from qmigrate.engine.engine import Engine
 from qmigrate.wire.security import SecurityError
 from qmigrate.ops import logs
@@ -76,8 +75,7 @@ class Worker:
         if self.cfg.grammar_masks == "process" or (self.cfg.grammar_masks == "auto" and on_gpu):
             engine.grammars.use_process(resolve_model(topo.model.path), topo.model.trust_remote_code,
                                         topo.defaults.structured_output_compile_timeout_s,
-                                        self.cfg.grammar_mask_processes or default_processes(),
-                                        rows=self.cfg.max_num_seqs)
+                                        self.cfg.grammar_mask_processes, rows=self.cfg.max_num_seqs)
         self.trace = self.core.trace = engine.trace = tracer(f"worker-{name}", topo.trace_dir)
         flush_on_sigterm(self.trace)
         engine.warm_up()
