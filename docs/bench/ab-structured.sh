@@ -5,7 +5,10 @@
 # "thr" (this tree with `--worker-setting grammar_masks=thread`) and "mp2" (`grammar_mask_processes=2`).
 # Prints one line a variant and round.
 # Usage: docs/bench/ab-structured.sh OUT_DIR OLD_TREE [ROUNDS] (about 4 minutes with 2 rounds on one H200);
-# MODEL, BENCH_FLAGS (added to every run): a smaller try
+# MODEL, BENCH_FLAGS (added to every run): a smaller try; REPEAT=K: each measured run K times on its server
+# (one client, `--request-rate inf,inf,...`), the ratios of the medians (a run of the default workload lasts
+# 1.5-2.5 s on an H200, so one late step moves it by several percent); LIST: the variants to run (default
+# "new $VARIANTS old").
 set -u
 out=$(realpath -m "$1") old=$(realpath "$2") rounds=${3:-2}
 root=$(realpath "$(dirname "$0")/../..")
@@ -15,19 +18,20 @@ export PYTHONUNBUFFERED=1
 [ -f $model/config.json ] || python -m qmigrate model bench $model > "$out/model.log" 2>&1 || exit 1
 . "$root/docs/bench/serve-lib.sh"   # serve_up, serve_down
 url=http://127.0.0.1:${PORT:-8000}
-b() { timeout ${RUN_TIMEOUT:-120} python -m qmigrate bench serve --base-url $url --json "$out/$1.json" ${BENCH_FLAGS:-} "${@:2}" > "$out/$1.txt" 2>&1 \
-        || tail -3 "$out/$1.txt"; }
+rates=$(seq -s, ${REPEAT:-1} | sed 's/[0-9]\+/inf/g')
+b() { timeout ${RUN_TIMEOUT:-120} python -m qmigrate bench serve --base-url $url --json "$out/$1.json" --request-rate ${RATES:-$rates} \
+        ${BENCH_FLAGS:-} "${@:2}" > "$out/$1.txt" 2>&1 || tail -3 "$out/$1.txt"; }
 mix=(--response-format-json-schema builtin --structured-fraction 0.1)
 path=${PYTHONPATH:-}
 for r in $(seq 1 $rounds); do
-  for v in new ${VARIANTS:-} old; do
+  for v in ${LIST:-new ${VARIANTS:-} old}; do
     tree=$root flags=()
     [ $v = old ] && tree=$old
     [ $v = thr ] && flags=(--worker-setting grammar_masks=thread)
     [ $v = mp2 ] && flags=(--worker-setting grammar_mask_processes=2)
     cd $tree; export PYTHONPATH=$tree${path:+:$path}   # the server and the client of that tree
     serve_up "$out/serve-$v-$r.log" $model "${flags[@]}" || { echo "$v $r: no server"; continue; }
-    b $v-$r-plain; b $v-$r-mixwarm "${mix[@]}"; b $v-$r-mix "${mix[@]}"
+    b $v-$r-plain; RATES=inf b $v-$r-mixwarm "${mix[@]}"; b $v-$r-mix "${mix[@]}"
     b $v-$r-open --response-format-json-schema "$root/docs/bench/schema-open.json"
     b $v-$r-schema --response-format-json-schema builtin
     b $v-$r-lp5 --logprobs 5
@@ -35,14 +39,25 @@ for r in $(seq 1 $rounds); do
   done
 done
 cd $root
-python - "$out" "$rounds" "new ${VARIANTS:-} old" <<'PY'
-import json, sys
+python - "$out" "$rounds" "${LIST:-new ${VARIANTS:-} old}" <<'PY'
+import json, statistics, sys
 out, rounds, variants = sys.argv[1], int(sys.argv[2]), sys.argv[3].split()
 def run(name):
+    """A file's runs as one: the median run by output tok/s, with the medians of its TPOTs."""
     try:
-        return json.load(open(f"{out}/{name}.json"))["runs"][0]
-    except (OSError, ValueError, KeyError, IndexError):
+        runs = json.load(open(f"{out}/{name}.json"))["runs"]
+    except (OSError, ValueError, KeyError):
         return None
+    if not runs:
+        return None
+    med = lambda get: statistics.median(get(r) for r in runs)
+    one = dict(sorted(runs, key=lambda r: r["output_tok_per_s"])[len(runs) // 2])
+    one["output_tok_per_s"] = med(lambda r: r["output_tok_per_s"])
+    one["tpot_ms"] = {"p50": med(lambda r: r["tpot_ms"]["p50"])}
+    for part in ("plain", "structured"):
+        if all(part in r for r in runs):
+            one[part] = {"tpot_ms": {"p50": med(lambda r: r[part]["tpot_ms"]["p50"])}}
+    return one
 for r in range(1, rounds + 1):
     for v in variants:
         p, m, o, s, lp = (run(f"{v}-{r}-{k}") for k in ("plain", "mix", "open", "schema", "lp5"))
