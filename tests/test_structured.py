@@ -505,6 +505,41 @@ def test_a_device_waiting_for_a_stopped_or_dead_mask_process_is_released_and_the
         proc.wait(10)
 
 
+def test_a_step_sampled_after_a_released_wait_never_returns_its_tokens(tiny, masks_process):
+    """The watch releases the device's wait for a stopped mask process, so the step waiting for
+    its masks samples from what its turn of the region holds (stale masks). Collecting that step
+    is the worker's error, before any of its tokens is returned: no token sampled without its
+    grammar's mask reaches a client. (On the CPU the test double waits on the caller's thread,
+    in the collect of the step before, where a GPU's stream would wait.)"""
+    import signal
+    from qmigrate.engine.engine import Engine
+    from qmigrate.engine.rows import StepRow
+    _, model, tokenizer, eos_ids = tiny
+    grammar = _parse(tiny, structured_outputs={"regex": "[0-9]{30}"}).grammar
+    e = _fast_ops(Engine(model, max_model_len=256, max_kv_tokens=4096, runner="fast", enforce_eager=True))
+    e.grammars.compiler = grammars.Compiler(lambda: tokenizer, model.config.vocab_size, 60.0)
+    masks_process(e.grammars, shared=True)
+    assert e.set_grammar(2, e.grammars.matcher(grammar, eos_ids), eos_ids, [])
+    prompts = {1: [1, 40, 41, 42], 2: [1, 17, 99, 5]}
+    first = e.launch([StepRow(sid, p, 0, 0, 1.0, seed=sid) for sid, p in prompts.items()])
+    second = e.launch([StepRow(sid, [], len(p), 1, 1.0, seed=sid) for sid, p in prompts.items()], after=first)
+    assert e.collect(first)[1] is not None and _device_waits(e.grammars)   # second's sampling queued: it waited
+    third = e.launch([StepRow(sid, [], len(p) + 1, 2, 1.0, seed=sid) for sid, p in prompts.items()], after=second)
+    proc = e.grammars.matchers.proc
+    e.grammars.device_masks.timeout_s = 0.5
+    proc.send_signal(signal.SIGSTOP)
+    try:
+        began = time.monotonic()
+        assert e.collect(second)[1] is not None   # its own masks were there; it asks for third's, which never
+        assert time.monotonic() - began >= 0.5     # come: the watch released the wait (here the caller's)
+        with pytest.raises(RuntimeError, match="did not answer within 0.5 s"):
+            e.collect(third)   # sampled from stale masks
+        assert third.result is None
+    finally:
+        proc.kill()
+        proc.wait(10)
+
+
 # --- the official client -----------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
