@@ -1,8 +1,9 @@
 #!/bin/bash
 # Issue 39's cost bars, this tree against another (OLD_TREE, e.g. `git worktree add /tmp/old REV`), ROUNDS
-# rounds, each variant on a fresh `qmigrate serve` of the benchmark model with defaults: plain, the 10% mix once
-# to warm and once measured, the open schema, the builtin schema, logprobs with 5 alternatives. VARIANTS adds
-# "thr" (this tree with `--worker-setting grammar_masks=thread`) and "mp2" (`grammar_mask_processes=2`).
+# rounds, each variant on a fresh `qmigrate serve` of the benchmark model with defaults: plain once to warm
+# (not counted) and once measured, the 10% mix once to warm and once measured, the open schema, the builtin
+# schema, logprobs with 5 alternatives. VARIANTS adds "thr" (this tree with `--worker-setting
+# grammar_masks=thread`) and "mp2" (`grammar_mask_processes=2`).
 # Prints one line a variant and round.
 # Usage: docs/bench/ab-structured.sh OUT_DIR OLD_TREE [ROUNDS] (about 4 minutes with 2 rounds on one H200);
 # MODEL, BENCH_FLAGS (added to every run): a smaller try; REPEAT=K: each measured run K times on its server
@@ -31,6 +32,7 @@ for r in $(seq 1 $rounds); do
     [ $v = mp2 ] && flags=(--worker-setting grammar_mask_processes=2)
     cd $tree; export PYTHONPATH=$tree${path:+:$path}   # the server and the client of that tree
     serve_up "$out/serve-$v-$r.log" $model "${flags[@]}" || { echo "$v $r: no server"; continue; }
+    RATES=inf b $v-$r-plainwarm   # a fresh server's first runs are often its slowest
     b $v-$r-plain; RATES=inf b $v-$r-mixwarm "${mix[@]}"; b $v-$r-mix "${mix[@]}"
     b $v-$r-open --response-format-json-schema "$root/docs/bench/schema-open.json"
     b $v-$r-schema --response-format-json-schema builtin
