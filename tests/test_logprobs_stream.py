@@ -106,3 +106,17 @@ def test_a_stream_with_echo_or_prompt_logprobs_keeps_the_dicts():
                 ApiRequest("completion", "m", [_prompt()], stream=True, logprobs=2, prompt_logprobs=1)):
         extra = ChoiceExtras(req, 0, text)
         assert extra.fresh_json() is None
+
+
+def test_a_logprob_is_written_with_a_float32s_digits_and_minus_infinity_as_minus_9999():
+    """Every value is a float32 (computed so on the device): nine significant digits give it
+    back exactly; a JSON number each time (never a bare integer, nor inf)."""
+    from qmigrate.ingest.logprobs_api import _num, _text, _value
+    rng = np.random.default_rng(0)
+    values = np.concatenate([rng.normal(-4, 3, 2000), -rng.exponential(1e-6, 200), [0.0, -1.0, -9999.0]])
+    for v in values.astype(np.float32).tolist():
+        text = _text(v)
+        assert np.float32(float(text)) == np.float32(v) and len(text.lstrip("-")) <= 16
+        assert isinstance(json.loads(text), float) and _value(v) == float(text) and _num(v) == text
+    assert _text(float("-inf")) == "-9999.0" and _value(float("-inf")) == -9999.0
+    assert _num(float("nan")) == "null" and _value(float("nan")) is None
