@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ctypes
 import json
+import logging
 import re
 import time
 
@@ -342,7 +343,6 @@ def test_a_front_compiles_with_llguidance_and_a_schema_xgrammar_refuses_falls_ba
 def test_rows_past_a_sequences_eos_are_eos_only_quietly_and_a_step_run_again_goes_back(tiny, library, caplog):
     """The rows of steps built before a sequence's EOS was seen take no token and allow only
     EOS, without a warning; a step that runs its EOS again finds the document complete."""
-    import logging
     from qmigrate.hub.masks import Matchers
     _, model, tokenizer, eos_ids = tiny
     schema = {"SCHEMA": SCHEMA, "XSCHEMA": XSCHEMA}["XSCHEMA" if library == "xgrammar" else "SCHEMA"]
@@ -463,6 +463,33 @@ def test_a_mask_process_drops_foreign_messages_and_one_that_stops_or_dies_is_an_
         proc.wait(10)
     with pytest.raises(RuntimeError, match="mask process has ended"):
         t.masks([1], [0])
+
+
+def test_a_driver_that_does_not_map_the_shared_regions_leaves_the_masks_to_the_host(tiny, masks_process, caplog):
+    """cuMemHostRegister refusing the regions (more page-locked memory than the system allows):
+    the worker waits for the masks itself from then on, and they are the same."""
+    from qmigrate.engine.device_wait import DeviceWaitError
+    from qmigrate.engine.grammar import GrammarTable
+    _, model, tokenizer, eos_ids = tiny
+
+    class Refusing(HostWaits):
+        def register(self, address, size):
+            raise DeviceWaitError("cuMemHostRegister failed (CUresult 2)")
+
+    grammar = _parse(tiny, structured_outputs={"regex": "[0-9]{5}"}).grammar
+    t = GrammarTable(model.config.vocab_size, torch.device("cpu"))
+    t.compiler = grammars.Compiler(lambda: tokenizer, model.config.vocab_size, 60.0)
+    masks_process(t, shared=True)
+    t.device_masks.waits = Refusing()
+    assert t.set(1, t.matcher(grammar, eos_ids), eos_ids, [])
+    caplog.set_level(logging.WARNING, logger="qmigrate.engine.device_wait")
+    for i in range(2):
+        rows, bits = t.masks([5, 1], [0, i])
+        allowed = [k for k in range(model.config.vocab_size) if int(bits[0, k >> 5]) >> (k & 31) & 1]
+        assert rows.tolist() == [1] and allowed and all(re.fullmatch("[0-9]{1,5}", tokenizer.decode([k]))
+                                                        for k in allowed)
+        t.note([5, 1], [0, i], [7, allowed[0]])
+    assert t.device_masks is None and "does not map the shared regions" in caplog.text
 
 
 def test_a_word_reaches_its_value_cyclically_and_the_cpu_takes_no_device_waits():

@@ -131,13 +131,27 @@ class DeviceMasks:
         could not (the host waits for masks from then on)."""
         import numpy as np
         import torch
-        regions = [p.share(self.rows, width) for p in processes]
+        try:
+            regions = [p.share(self.rows, width) for p in processes]
+        except OSError as exc:   # no anonymous memory file here
+            log.warning("structured output's masks are waited for on the host: no shared region (%s)", exc)
+            return False
         if any(r is None for r in regions):
             log.warning("structured output's masks are waited for on the host: a process could not map "
                         "the shared region")
             return False
+        registered = []
+        try:
+            for r in regions:
+                registered.append((r, self.waits.register(r.address, r.size)))
+        except DeviceWaitError as exc:   # e.g. more page-locked memory than the system allows
+            for r, _ in registered:
+                self.waits.unregister(r.address)
+            log.warning("structured output's masks are waited for on the host: the driver does not map "
+                        "the shared regions (%s)", exc)
+            return False
         self.processes = processes
-        self.regions = [(r, self.waits.register(r.address, r.size)) for r in regions]
+        self.regions = registered
         self.sources = [[torch.from_numpy(t.view(np.int32)) for t in r.turns] for r in regions]
         log.info("structured output's masks: written by %d process(es) to shared memory, waited for by the "
                  "device (steps of up to %d constrained rows)", len(regions), self.rows)
