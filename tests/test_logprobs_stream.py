@@ -120,3 +120,20 @@ def test_a_logprob_is_written_with_a_float32s_digits_and_minus_infinity_as_minus
         assert isinstance(json.loads(text), float) and _value(v) == float(text) and _num(v) == text
     assert _text(float("-inf")) == "-9999.0" and _value(float("-inf")) == -9999.0
     assert _num(float("nan")) == "null" and _value(float("nan")) is None
+
+
+def test_stdin_jsonl_writes_logprobs_as_the_http_api_does_never_infinity():
+    """A forbidden alternative (minus infinity: the grammar's mask, logit_bias) in a JSONL final
+    record is -9999.0, not JSON's invalid -Infinity; every value as the HTTP API writes it."""
+    from qmigrate.detokenizer.formats import _logprob_record
+    from qmigrate.ingest.logprobs_api import _value
+
+    def strict(text):
+        return json.loads(text, parse_constant=lambda name: pytest.fail(f"{name} in {text}"))
+
+    values = np.array([-0.1, -0.5, -np.inf], dtype=np.float32)
+    record = strict(json.dumps(_logprob_record(5, values, np.array([3, 4]))))
+    assert record == {"token_id": 5, "logprob": _value(values[0]), "top_logprobs": [[3, -0.5], [4, -9999.0]]}
+    prompt = strict(json.dumps(_logprob_record(None, np.array([-np.inf, 7, -1.25, -np.inf], dtype=np.float32),
+                                               np.array([2, -1]))))
+    assert prompt == {"logprob": -9999.0, "rank": 7, "top_logprobs": [[2, -1.25]]}

@@ -30,6 +30,7 @@ import time
 from collections.abc import Callable
 
 from qmigrate.detokenizer.sinks import Reply, Sink, SinkSeq
+from qmigrate.wire import protocol as P
 
 
 class JsonlSink(Sink):
@@ -66,13 +67,15 @@ class JsonlSink(Sink):
 
 def _logprob_record(token_id, values, top_ids) -> dict:
     """A token's logprobs in a JSONL final record: {"token_id", "logprob", ["rank",] "top_logprobs":
-    [[id, logprob], ...]} (a prompt position's has its rank and no token id)."""
+    [[id, logprob], ...]} (a prompt position's has its rank and no token id), each value as
+    the HTTP API writes it (wire/packed.py's logprob_value: minus infinity as -9999.0)."""
     extra = 1 if token_id is not None else 2
     out = {"token_id": token_id} if token_id is not None else {}
-    out["logprob"] = float(values[0])
+    out["logprob"] = P.logprob_value(values[0])
     if extra == 2:
         out["rank"] = int(values[1])
-    out["top_logprobs"] = [[int(t), float(v)] for t, v in zip(top_ids.tolist(), values[extra:].tolist()) if t >= 0]
+    out["top_logprobs"] = [[int(t), P.logprob_value(v)] for t, v in zip(top_ids.tolist(), values[extra:].tolist())
+                           if t >= 0]
     return out
 
 

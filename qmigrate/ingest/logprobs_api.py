@@ -26,6 +26,8 @@ from __future__ import annotations
 import json
 import math
 
+from qmigrate.wire import protocol as P
+
 
 class TokenText:
     """Token id -> (text, UTF-8 bytes), decoded once per id."""
@@ -64,20 +66,8 @@ class TokenText:
         return out
 
 
-def _text(v: float) -> str:
-    """A logprob's JSON number (v not NaN): the 9 significant digits of a float32 (the values are
-    computed in float32; more digits would only spell out its widening to a double), and -inf
-    (or anything below) as -9999.0, as vLLM writes it. A third of the time `repr` takes."""
-    if v >= -9999.0:
-        s = "%.9g" % v
-        return s if "." in s or "e" in s else s + ".0"
-    return "-9999.0"
-
-
-def _value(v) -> float | None:
-    """A logprob as the dicts hold it: the number _text writes (None for NaN)."""
-    v = float(v)
-    return None if math.isnan(v) else float(_text(v))
+_text = P.logprob_text      # a logprob's JSON number (one rule for every output: wire/packed.py)
+_value = P.logprob_value    # and as the dicts hold it
 
 
 def _top(values, ids, num: int, skip: int) -> list[tuple[int, float]]:

@@ -89,6 +89,25 @@ def pack_logprob_refs(refs: list, extra: int) -> tuple[int, bytes, bytes]:
     return width, values.tobytes(), ids.tobytes()
 
 
+LOGPROB_FLOOR = -9999.0   # a logprob of minus infinity (a token the controls forbid) as output writes it, as vLLM's
+
+
+def logprob_text(v: float) -> str:
+    """A logprob's JSON number (v not NaN): the 9 significant digits of a float32 (the values
+    are float32; more digits would only spell out its widening to a double), and minus infinity
+    (or anything below the floor) as LOGPROB_FLOOR. A third of the time `repr` takes."""
+    if v >= LOGPROB_FLOOR:
+        s = "%.9g" % v
+        return s if "." in s or "e" in s else s + ".0"
+    return "-9999.0"
+
+
+def logprob_value(v) -> float | None:
+    """A logprob as output holds it: the number logprob_text writes (None for NaN: none)."""
+    v = float(v)
+    return None if v != v else float(logprob_text(v))
+
+
 def unpack_logprob_block(values: bytes, ids: bytes, num: int, width: int, extra: int) -> tuple[np.ndarray, np.ndarray]:
     """values [num, extra + width] and ids [num, width] (sizes were checked at decode)."""
     return (np.frombuffer(values, dtype="<f4").reshape(num, extra + width),

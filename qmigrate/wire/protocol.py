@@ -34,7 +34,7 @@ from qmigrate.wire.limits import (
     MAX_N, MAX_LOGPROBS, MAX_CHOICES,
 )
 from qmigrate.wire.packed import (
-    ProtocolError, logprob_rows, pack_f32, pack_i32, pack_i64, pack_logprob_refs, pack_u8,
+    LOGPROB_FLOOR, ProtocolError, logprob_rows, logprob_text, logprob_value, pack_f32, pack_i32, pack_i64, pack_logprob_refs, pack_u8,
     replies_rows, replies_with_ids, replies_with_logprobs, unpack_f32, unpack_i32, unpack_i64, unpack_ids,
     unpack_array, unpack_logprob_block, unpack_u8,
 )
@@ -60,7 +60,7 @@ __all__ = [
     "MAX_SEED", "MAX_STOP_SEQS", "MAX_STOP_LEN", "MAX_REQ_ID", "MAX_CACHE_SALT", "MAX_PENALTY",
     "MIN_REPETITION_PENALTY", "MAX_REPETITION_PENALTY", "MAX_LOGIT_BIAS", "MAX_BIAS", "TIER_STATS",
     "MAX_NOTE", "MAX_N", "MAX_LOGPROBS", "MAX_CHOICES", "ProtocolError", "logprob_rows", "pack_f32",
-    "pack_i32", "pack_i64", "pack_logprob_refs", "pack_u8", "replies_rows", "replies_with_ids",
+    "LOGPROB_FLOOR", "logprob_text", "logprob_value", "pack_i32", "pack_i64", "pack_logprob_refs", "pack_u8", "replies_rows", "replies_with_ids",
     "replies_with_logprobs",
     "unpack_f32", "unpack_i32", "unpack_i64", "unpack_ids", "unpack_array", "unpack_logprob_block", "unpack_u8",
     "MESSAGE_TYPES", "MsgType", "message", "SeqSpec", "submit_count", "WorkRequest", "Lease",
