@@ -149,3 +149,31 @@ def test_bench_trace_writes_a_timeline_per_role_and_prints_its_summary(early_run
     files = sorted(p.name.rsplit("-", 1)[0] for p in (tmp_path / "pipeline-1").glob("*.jsonl"))
     assert files == ["router", "worker-w1"]
     assert "worker-w1-" in out.stderr and " steps in " in out.stderr and "a request waited for its lease" in out.stderr
+
+
+def test_a_bench_serve_report_cuts_the_trace_into_its_runs(tmp_path):
+    """`python -m qmigrate.ops.trace DIR REPORT`: each run of the report summarized from the
+    events within its window alone (steps of 2 ms in the first run, 5 ms in the second)."""
+    def lease(t0, step_ms, steps):
+        items, t = [(t0, "start_end", 1)], t0
+        for _ in range(steps):
+            items += [(t + 0.0001, "collect_begin", 8), (t + step_ms / 1000, "collect_end")]
+            t += step_ms / 1000
+        return items + [(t, "finish_end", 1)]
+
+    events = _events(*lease(10.0, 2, 50), *lease(20.0, 5, 20))
+    (tmp_path / "worker-w1-7.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
+    report = tmp_path / "bench.json"
+    report.write_text(json.dumps({"runs": [
+        {"rate": "inf", "t0_monotonic": 9.99, "duration_s": 0.2, "output_tok_per_s": 4000.0},
+        {"rate": "inf", "t0_monotonic": 19.99, "duration_s": 0.2, "output_tok_per_s": 1600.0}]}))
+    lines = trace.summarize_runs(tmp_path, report)
+    assert lines[0] == "run 1 (rate inf): 0.20 s, 4,000 tok/s" and lines[1].startswith("  worker-w1-7: 50 steps in")
+    second = lines.index("run 2 (rate inf): 0.20 s, 1,600 tok/s")
+    assert lines[second + 1].startswith("  worker-w1-7: 20 steps in 0.100 s (5.00 ms a step)")
+    out = subprocess.run([sys.executable, "-m", "qmigrate.ops.trace", str(tmp_path), str(report)],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and out.stdout.splitlines() == lines
+    report.write_text(json.dumps({"runs": [{"rate": "inf", "duration_s": 1.0, "output_tok_per_s": 1.0}]}))
+    with pytest.raises(ValueError, match="no t0_monotonic"):
+        trace.summarize_runs(tmp_path, report)

@@ -9,7 +9,8 @@
 # MODEL, BENCH_FLAGS (added to every run): a smaller try; REPEAT=K: each measured run K times on its server
 # (one client, `--request-rate inf,inf,...`), the ratios of the medians (a run of the default workload lasts
 # 1.5-2.5 s on an H200, so one late step moves it by several percent); LIST: the variants to run (default
-# "new $VARIANTS old").
+# "new $VARIANTS old"); TRACE=1: each server traced (`serve --trace`), and each run's steps summarized from
+# its own window into OUT_DIR/VARIANT-ROUND-KIND.trace.txt (`python -m qmigrate.ops.trace DIR REPORT`).
 set -u
 out=$(realpath -m "$1") old=$(realpath "$2") rounds=${3:-2}
 root=$(realpath "$(dirname "$0")/../..")
@@ -31,6 +32,7 @@ for r in $(seq 1 $rounds); do
     [ $v = thr ] && flags=(--worker-setting grammar_masks=thread)
     [ $v = mp2 ] && flags=(--worker-setting grammar_mask_processes=2)
     cd $tree; export PYTHONPATH=$tree${path:+:$path}   # the server and the client of that tree
+    [ -n "${TRACE:-}" ] && flags+=(--trace "$out/trace-$v-$r")
     serve_up "$out/serve-$v-$r.log" $model "${flags[@]}" || { echo "$v $r: no server"; continue; }
     RATES=inf b $v-$r-plainwarm   # a fresh server's first runs are often its slowest
     b $v-$r-plain; RATES=inf b $v-$r-mixwarm "${mix[@]}"; b $v-$r-mix "${mix[@]}"
@@ -38,6 +40,12 @@ for r in $(seq 1 $rounds); do
     b $v-$r-schema --response-format-json-schema builtin
     b $v-$r-lp5 --logprobs 5
     serve_down
+    if [ -n "${TRACE:-}" ]; then
+      for kind in plain mix open schema lp5; do
+        PYTHONPATH=$root${path:+:$path} python -m qmigrate.ops.trace "$out/trace-$v-$r" "$out/$v-$r-$kind.json" \
+          > "$out/$v-$r-$kind.trace.txt" 2>&1
+      done
+    fi
   done
 done
 cd $root

@@ -23,10 +23,12 @@ ingest's in (replies received) and each HTTP process's in (replies it takes from
 Gaps between a hop's arrivals that grow from one hop to the next are latency that hop adds
 to a stream's inter-token times.
 
-`summarize(DIR)` turns the files into the figures that located this project's gaps: per
-worker, the time with no step on the device, the time the host waited for the device, host
-time per step, step-to-step times, and what an admission (a lease with prompts) costs the
-running streams, part by part; for the router, how long a request waited for its lease.
+`summarize(DIR)` (`python -m qmigrate.ops.trace DIR`; with a `qmigrate bench serve --json`
+report after it, run by run: `summarize_runs`) turns the files into the figures that located
+this project's gaps: per worker, the time with no step on the device, the time the host waited
+for the device, host time per step, step-to-step times, and what an admission (a lease with
+prompts) costs the running streams, part by part; for the router, how long a request waited
+for its lease.
 """
 
 from __future__ import annotations
@@ -87,11 +89,14 @@ def flush_on_sigterm(trace: Tracer | _Off) -> None:
 
 # --- reading a trace back ---------------------------------------------------------------
 
-def summarize(directory: str | Path) -> list[str]:
-    """One block of lines per traced process of the directory."""
+def summarize(directory: str | Path, window: tuple[float, float] | None = None) -> list[str]:
+    """One block of lines per traced process of the directory; `window` (monotonic seconds,
+    first and last): only the events within it."""
     lines = []
     for path in sorted(Path(directory).glob("*.jsonl")):
         events = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        if window is not None:
+            events = [e for e in events if window[0] <= e[0] <= window[1]]
         if not events:
             continue
         kinds = {e[1] for e in events}
@@ -257,6 +262,20 @@ def router_summary(label: str, events: list) -> list[str]:
     return lines
 
 
-if __name__ == "__main__":   # python -m qmigrate.ops.trace DIR
+def summarize_runs(directory: str | Path, report: str | Path) -> list[str]:
+    """summarize() for each run of a `qmigrate bench serve --json` report, in its own window
+    (the runs' `t0_monotonic` and `duration_s`: one host's clock, as the trace's)."""
+    lines = []
+    for k, run in enumerate(json.loads(Path(report).read_text())["runs"], 1):
+        t0 = run.get("t0_monotonic")
+        if t0 is None:
+            raise ValueError(f"{report}: run {k} has no t0_monotonic (a report of an older bench serve)")
+        lines.append(f"run {k} (rate {run.get('rate', '?')}): {run['duration_s']:.2f} s, "
+                     f"{run['output_tok_per_s']:,.0f} tok/s")
+        lines += ["  " + line for line in summarize(directory, (t0, t0 + run["duration_s"]))]
+    return lines
+
+
+if __name__ == "__main__":   # python -m qmigrate.ops.trace DIR [BENCH_SERVE_JSON]
     import sys
-    print("\n".join(summarize(sys.argv[1])))
+    print("\n".join(summarize_runs(*sys.argv[1:3]) if len(sys.argv) > 2 else summarize(sys.argv[1])))
