@@ -47,7 +47,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import NamedTuple
 
-from qmigrate.hub.xgrammar_json import XTemplate, XTokenizer, xgrammar_schema
+from qmigrate.hub import xgrammar_json
+from qmigrate.hub.xgrammar_json import XTemplate, XTokenizer
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +57,9 @@ MAX_CHOICES = 1024              # strings of a `choice`
 CACHED_TEMPLATES = 64           # compiled grammars a process keeps
 FORMATS = ("json", "regex", "choice", "grammar")   # vLLM's structured_outputs keys we take
 FAMILY_BUILD_S = 0.02           # compile time a grammar's first build may add for its family
+
+# which schema xgrammar compiles for a grammar text (hub/xgrammar_json.py), each text parsed once while cached
+xgrammar_schema = functools.lru_cache(maxsize=CACHED_TEMPLATES)(xgrammar_json.xgrammar_schema)
 
 
 def mask_threads() -> int:

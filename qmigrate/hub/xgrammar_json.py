@@ -8,7 +8,6 @@ special tokens, neither of which a JSON text holds.
 
 from __future__ import annotations
 
-import functools
 import json
 from typing import NamedTuple
 
@@ -51,7 +50,6 @@ def _xgrammar_enforces(schema, bounds: list) -> bool:
     return True
 
 
-@functools.lru_cache(maxsize=64)
 def xgrammar_schema(grammar: str) -> str | None:
     """The JSON schema (as JSON) that xgrammar compiles for a grammar text, or None where
     llguidance compiles it: not a JSON schema, options of the client's own (`x-guidance`), a
